@@ -1,0 +1,372 @@
+//! Hugging Face checkpoint conventions: config.json → [`Architecture`], canonical tensor names →
+//! checkpoint tensor names, and the tokenizer / generation files.
+
+use crate::ConvertError;
+use serde_json::Value;
+use smoe_vault::{
+    names, Architecture, Family, GenerationDefaults, LayerKind, Mla, Moe, QkNorm, Rope, RopeScaling, Router,
+    SharedExperts, TextAssets,
+};
+use std::path::Path;
+
+/// Reads a JSON file.
+pub fn read_json(path: &Path) -> Result<Value, ConvertError> {
+    let text = std::fs::read_to_string(path).map_err(|e| ConvertError::io(path, e))?;
+    serde_json::from_str(&text).map_err(|e| ConvertError::BadInput(format!("{}: {e}", path.display())))
+}
+
+struct Cfg<'a>(&'a Value);
+
+impl Cfg<'_> {
+    fn get(&self, k: &str) -> Option<&Value> {
+        self.0.get(k).filter(|v| !v.is_null())
+    }
+    fn usize(&self, k: &str) -> Result<usize, ConvertError> {
+        self.opt_usize(k)?.ok_or_else(|| ConvertError::BadInput(format!("config.json: missing {k}")))
+    }
+    fn opt_usize(&self, k: &str) -> Result<Option<usize>, ConvertError> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(v) => v.as_u64().map(|x| Some(x as usize)).ok_or_else(|| ConvertError::BadInput(format!("config.json: {k} is not a non-negative integer"))),
+        }
+    }
+    fn f64_or(&self, k: &str, d: f64) -> Result<f64, ConvertError> {
+        match self.get(k) {
+            None => Ok(d),
+            Some(v) => v.as_f64().ok_or_else(|| ConvertError::BadInput(format!("config.json: {k} is not a number"))),
+        }
+    }
+    fn bool_or(&self, k: &str, d: bool) -> Result<bool, ConvertError> {
+        match self.get(k) {
+            None => Ok(d),
+            Some(v) => v.as_bool().ok_or_else(|| ConvertError::BadInput(format!("config.json: {k} is not a boolean"))),
+        }
+    }
+}
+
+/// Maps a config.json onto the architecture description.
+pub fn architecture_from_config(cfg: &Value) -> Result<Architecture, ConvertError> {
+    let c = Cfg(cfg);
+    let model_type = c.get("model_type").and_then(|v| v.as_str()).unwrap_or("<missing>");
+    let family = Family::from_model_type(model_type).ok_or_else(|| {
+        let known: Vec<_> = Family::ALL.iter().map(|f| f.model_type()).collect();
+        ConvertError::Unsupported(format!("model_type '{model_type}' is not supported; supported: {}", known.join(", ")))
+    })?;
+    let act = c.get("hidden_act").and_then(|v| v.as_str()).unwrap_or("silu");
+    if act != "silu" {
+        return Err(ConvertError::Unsupported(format!("hidden_act '{act}' (only silu)")));
+    }
+    let hidden = c.usize("hidden_size")?;
+    let num_layers = c.usize("num_hidden_layers")?;
+    let num_heads = c.usize("num_attention_heads")?;
+    let num_kv_heads = c.opt_usize("num_key_value_heads")?.unwrap_or(num_heads);
+    let head_dim = c.opt_usize("head_dim")?.unwrap_or(hidden / num_heads.max(1));
+    // transformers 5 moves rope settings into `rope_parameters`; hub checkpoints keep them top-level.
+    let rope_params = c.get("rope_parameters").cloned().unwrap_or(Value::Null);
+    let rp = Cfg(&rope_params);
+    let theta = match rp.get("rope_theta") {
+        Some(v) => v.as_f64().ok_or_else(|| ConvertError::BadInput("rope_parameters.rope_theta is not a number".into()))?,
+        None => c.f64_or("rope_theta", 10000.0)?,
+    };
+    let partial = match rp.get("partial_rotary_factor") {
+        Some(v) => v.as_f64().unwrap_or(1.0),
+        None => c.f64_or("partial_rotary_factor", 1.0)?,
+    };
+    let scaling_src = if rope_params.is_object() { Some(&rope_params) } else { c.get("rope_scaling") };
+    let scaling = rope_scaling(scaling_src, c.opt_usize("max_position_embeddings")?)?;
+
+    let num_experts_key = match family {
+        Family::Mixtral => "num_local_experts",
+        Family::Glm4Moe | Family::DeepseekV3 => "n_routed_experts",
+        _ => "num_experts",
+    };
+    let num_experts = c.usize(num_experts_key)?;
+    let top_k = c.usize("num_experts_per_tok")?;
+    let mut moe = Moe {
+        num_experts,
+        top_k,
+        intermediate_size: 0,
+        router: Router::Softmax,
+        norm_topk_prob: false,
+        routed_scaling_factor: 1.0,
+        shared_experts: None,
+    };
+    let mut arch = Architecture {
+        family,
+        vocab_size: c.usize("vocab_size")?,
+        hidden_size: hidden,
+        num_layers,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        max_position_embeddings: c.opt_usize("max_position_embeddings")?.unwrap_or(4096),
+        norm_eps: c.f64_or("rms_norm_eps", 1e-6)?,
+        rope: Rope { theta, rotary_dim: (head_dim as f64 * partial) as usize, partial_rotary_factor: partial, interleaved: false, scaling },
+        qk_norm: QkNorm::None,
+        qkv_bias: false,
+        mla: None,
+        dense_intermediate_size: c.opt_usize("intermediate_size")?.unwrap_or(0),
+        moe: moe.clone(),
+        layers: vec![LayerKind::Moe; num_layers],
+        tie_word_embeddings: c.bool_or("tie_word_embeddings", false)?,
+    };
+    match family {
+        Family::Qwen3Moe | Family::Qwen2Moe => {
+            moe.intermediate_size = c.usize("moe_intermediate_size")?;
+            moe.norm_topk_prob = c.bool_or("norm_topk_prob", false)?;
+            let step = c.opt_usize("decoder_sparse_step")?.unwrap_or(1).max(1);
+            let mlp_only: Vec<usize> = c
+                .get("mlp_only_layers")
+                .and_then(|v| v.as_array())
+                .map(|a| a.iter().filter_map(|x| x.as_u64().map(|x| x as usize)).collect())
+                .unwrap_or_default();
+            for (l, kind) in arch.layers.iter_mut().enumerate() {
+                let sparse = !mlp_only.contains(&l) && num_experts > 0 && (l + 1) % step == 0;
+                *kind = if sparse { LayerKind::Moe } else { LayerKind::Dense };
+            }
+            if family == Family::Qwen3Moe {
+                arch.qk_norm = QkNorm::PerHead;
+                arch.qkv_bias = c.bool_or("attention_bias", false)?;
+            } else {
+                arch.qkv_bias = c.bool_or("qkv_bias", true)?;
+                let shared = c.opt_usize("shared_expert_intermediate_size")?.unwrap_or(0);
+                if shared > 0 {
+                    moe.shared_experts = Some(SharedExperts { intermediate_size: shared, sigmoid_gate: true });
+                }
+            }
+        }
+        Family::Mixtral => {
+            moe.intermediate_size = c.usize("intermediate_size")?;
+            moe.norm_topk_prob = true;
+            arch.dense_intermediate_size = 0;
+            if let Some(w) = c.opt_usize("sliding_window")? {
+                if w < arch.max_position_embeddings {
+                    return Err(ConvertError::Unsupported(format!("mixtral sliding_window {w} (only full attention)")));
+                }
+            }
+        }
+        Family::Olmoe => {
+            moe.intermediate_size = c.usize("intermediate_size")?;
+            moe.norm_topk_prob = c.bool_or("norm_topk_prob", false)?;
+            arch.dense_intermediate_size = 0;
+            arch.qk_norm = QkNorm::WholeProjection;
+            arch.qkv_bias = c.bool_or("attention_bias", false)?;
+            if c.get("clip_qkv").is_some() {
+                return Err(ConvertError::Unsupported("olmoe clip_qkv".into()));
+            }
+        }
+        Family::Glm4Moe | Family::DeepseekV3 => {
+            moe.intermediate_size = c.usize("moe_intermediate_size")?;
+            moe.norm_topk_prob = c.bool_or("norm_topk_prob", true)?;
+            moe.routed_scaling_factor = c.f64_or("routed_scaling_factor", 1.0)?;
+            moe.router = Router::SigmoidGrouped {
+                n_group: c.opt_usize("n_group")?.unwrap_or(1),
+                topk_group: c.opt_usize("topk_group")?.unwrap_or(1),
+                correction_bias: true,
+            };
+            let n_shared = c.opt_usize("n_shared_experts")?.unwrap_or(0);
+            if n_shared > 0 {
+                moe.shared_experts = Some(SharedExperts { intermediate_size: moe.intermediate_size * n_shared, sigmoid_gate: false });
+            }
+            let first_dense = c.opt_usize("first_k_dense_replace")?.unwrap_or(0);
+            let freq = c.opt_usize("moe_layer_freq")?.unwrap_or(1).max(1);
+            for (l, kind) in arch.layers.iter_mut().enumerate() {
+                *kind = if l >= first_dense && l % freq == 0 { LayerKind::Moe } else { LayerKind::Dense };
+            }
+            if family == Family::Glm4Moe {
+                arch.qkv_bias = c.bool_or("attention_bias", false)?;
+                arch.qk_norm = if c.bool_or("use_qk_norm", false)? { QkNorm::PerHead } else { QkNorm::None };
+            } else {
+                for (k, want) in [("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")] {
+                    if let Some(v) = c.get(k).and_then(|v| v.as_str()) {
+                        if v != want {
+                            return Err(ConvertError::Unsupported(format!("deepseek {k} '{v}' (only '{want}', as DeepSeek-V3)")));
+                        }
+                    }
+                }
+                if c.bool_or("attention_bias", false)? {
+                    return Err(ConvertError::Unsupported("deepseek_v3 attention_bias".into()));
+                }
+                let mla = Mla {
+                    q_lora_rank: c.opt_usize("q_lora_rank")?,
+                    kv_lora_rank: c.usize("kv_lora_rank")?,
+                    qk_nope_head_dim: c.usize("qk_nope_head_dim")?,
+                    qk_rope_head_dim: c.usize("qk_rope_head_dim")?,
+                    v_head_dim: c.usize("v_head_dim")?,
+                };
+                arch.head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim;
+                arch.num_kv_heads = num_heads;
+                arch.rope.rotary_dim = mla.qk_rope_head_dim;
+                arch.rope.partial_rotary_factor = 1.0;
+                arch.rope.interleaved = c.bool_or("rope_interleave", true)?;
+                arch.mla = Some(mla);
+            }
+        }
+    }
+    arch.moe = moe;
+    arch.validate().map_err(|e| ConvertError::BadInput(format!("config.json: {e}")))?;
+    Ok(arch)
+}
+
+fn rope_scaling(v: Option<&Value>, max_pos: Option<usize>) -> Result<RopeScaling, ConvertError> {
+    let Some(v) = v.filter(|v| v.is_object()) else { return Ok(RopeScaling::None) };
+    let c = Cfg(v);
+    let kind = c.get("rope_type").or_else(|| c.get("type")).and_then(|t| t.as_str()).unwrap_or("default");
+    match kind {
+        "default" => Ok(RopeScaling::None),
+        "linear" => Ok(RopeScaling::Linear { factor: c.f64_or("factor", 1.0)? }),
+        "yarn" => {
+            let orig = c.opt_usize("original_max_position_embeddings")?.or(max_pos).ok_or_else(|| {
+                ConvertError::BadInput("yarn rope scaling without original_max_position_embeddings".into())
+            })?;
+            Ok(RopeScaling::Yarn {
+                factor: c.f64_or("factor", 1.0)?,
+                original_max_position_embeddings: orig,
+                beta_fast: c.f64_or("beta_fast", 32.0)?,
+                beta_slow: c.f64_or("beta_slow", 1.0)?,
+                mscale: c.get("mscale").and_then(|x| x.as_f64()),
+                mscale_all_dim: c.get("mscale_all_dim").and_then(|x| x.as_f64()),
+                attention_factor: c.get("attention_factor").and_then(|x| x.as_f64()),
+                truncate: c.bool_or("truncate", true)?,
+            })
+        }
+        other => Err(ConvertError::Unsupported(format!(
+            "rope scaling type '{other}' is not implemented (supported: default, linear, yarn); refusing rather than running with wrong positions"
+        ))),
+    }
+}
+
+/// The checkpoint name of a canonical dense tensor.
+pub fn hf_name(family: Family, canonical: &str) -> String {
+    let simple = match canonical {
+        "embed" => return "model.embed_tokens.weight".into(),
+        "final_norm" => return "model.norm.weight".into(),
+        "lm_head" => return "lm_head.weight".into(),
+        s => s,
+    };
+    let rest = simple.strip_prefix("layers.").expect("canonical layer tensor");
+    let (layer, what) = rest.split_once('.').expect("layer index");
+    let moe_block = if family == Family::Mixtral { "block_sparse_moe" } else { "mlp" };
+    let shared = if family == Family::Qwen2Moe { "shared_expert" } else { "shared_experts" };
+    let mapped = match what {
+        "attn_norm" => "input_layernorm.weight".to_string(),
+        "ffn_norm" => "post_attention_layernorm.weight".to_string(),
+        "attn.q_a" => "self_attn.q_a_proj.weight".into(),
+        "attn.q_a_norm" => "self_attn.q_a_layernorm.weight".into(),
+        "attn.q_b" => "self_attn.q_b_proj.weight".into(),
+        "attn.kv_a" => "self_attn.kv_a_proj_with_mqa.weight".into(),
+        "attn.kv_a_norm" => "self_attn.kv_a_layernorm.weight".into(),
+        "attn.kv_b" => "self_attn.kv_b_proj.weight".into(),
+        "attn.q_norm" => "self_attn.q_norm.weight".into(),
+        "attn.k_norm" => "self_attn.k_norm.weight".into(),
+        "moe.router" => format!("{moe_block}.gate.weight"),
+        "moe.router_bias" => format!("{moe_block}.gate.e_score_correction_bias"),
+        "moe.shared_gate" => "mlp.shared_expert_gate.weight".into(),
+        w => {
+            if let Some(p) = w.strip_prefix("attn.") {
+                match p.split_once('_') {
+                    Some((x, "bias")) => format!("self_attn.{x}_proj.bias"),
+                    _ => format!("self_attn.{p}_proj.weight"),
+                }
+            } else if let Some(p) = w.strip_prefix("mlp.") {
+                format!("mlp.{p}_proj.weight")
+            } else if let Some(p) = w.strip_prefix("moe.shared.") {
+                format!("mlp.{shared}.{p}_proj.weight")
+            } else {
+                panic!("unmapped canonical tensor {canonical}")
+            }
+        }
+    };
+    format!("model.layers.{layer}.{mapped}")
+}
+
+/// The checkpoint names of expert `e`'s `[gate, up, down]` in decoder layer `layer`.
+pub fn hf_expert_names(family: Family, layer: usize, e: usize) -> [String; 3] {
+    if family == Family::Mixtral {
+        let p = format!("model.layers.{layer}.block_sparse_moe.experts.{e}");
+        return [format!("{p}.w1.weight"), format!("{p}.w3.weight"), format!("{p}.w2.weight")];
+    }
+    let p = format!("model.layers.{layer}.mlp.experts.{e}");
+    names::EXPERT_PARTS.map(|part| format!("{p}.{part}_proj.weight"))
+}
+
+/// Tensors a checkpoint may carry that smoe deliberately does not convert: rotary caches and
+/// multi-token-prediction layers (decoder layers past `num_layers`).
+pub fn is_ignored(name: &str, arch: &Architecture) -> bool {
+    if name.ends_with("rotary_emb.inv_freq") || name.ends_with("_scale_inv") {
+        return true;
+    }
+    if let Some(rest) = name.strip_prefix("model.layers.") {
+        if let Some(Ok(l)) = rest.split('.').next().map(str::parse::<usize>) {
+            return l >= arch.num_layers;
+        }
+    }
+    false
+}
+
+/// Tokenizer, chat template and special tokens from the checkpoint directory.
+pub fn text_assets(dir: &Path) -> Result<TextAssets, ConvertError> {
+    let tok_path = dir.join("tokenizer.json");
+    let tokenizer_json = std::fs::read_to_string(&tok_path)
+        .map_err(|e| ConvertError::BadInput(format!("{}: {e} (a tokenizer.json is required)", tok_path.display())))?;
+    serde_json::from_str::<Value>(&tokenizer_json).map_err(|e| ConvertError::BadInput(format!("{}: {e}", tok_path.display())))?;
+    let cfg_path = dir.join("tokenizer_config.json");
+    let cfg = if cfg_path.exists() { read_json(&cfg_path)? } else { Value::Null };
+    let token = |k: &str| match cfg.get(k) {
+        Some(Value::String(s)) => Some(s.clone()),
+        Some(Value::Object(o)) => o.get("content").and_then(|c| c.as_str()).map(str::to_string),
+        _ => None,
+    };
+    let jinja = dir.join("chat_template.jinja");
+    let chat_template = if jinja.exists() {
+        Some(std::fs::read_to_string(&jinja).map_err(|e| ConvertError::io(&jinja, e))?)
+    } else {
+        match cfg.get("chat_template") {
+            Some(Value::String(s)) => Some(s.clone()),
+            // Older format: a list of named templates; "default" is the chat one.
+            Some(Value::Array(list)) => list
+                .iter()
+                .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+                .or(list.first())
+                .and_then(|t| t.get("template").and_then(|s| s.as_str()).map(str::to_string)),
+            _ => None,
+        }
+    };
+    Ok(TextAssets {
+        tokenizer_json,
+        chat_template,
+        bos_token: token("bos_token"),
+        eos_token: token("eos_token"),
+        pad_token: token("pad_token"),
+        add_bos_token: cfg.get("add_bos_token").and_then(|b| b.as_bool()).unwrap_or(false),
+    })
+}
+
+fn ids(v: Option<&Value>) -> Vec<u32> {
+    match v {
+        Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+        Some(Value::Array(a)) => a.iter().filter_map(|x| x.as_u64().map(|x| x as u32)).collect(),
+        _ => vec![],
+    }
+}
+
+/// Generation defaults from generation_config.json, falling back on config.json for ids.
+pub fn generation_defaults(dir: &Path, config: &Value) -> Result<GenerationDefaults, ConvertError> {
+    let p = dir.join("generation_config.json");
+    let g = if p.exists() { read_json(&p)? } else { Value::Null };
+    let mut eos = ids(g.get("eos_token_id"));
+    if eos.is_empty() {
+        eos = ids(config.get("eos_token_id"));
+    }
+    let f = |k: &str| g.get(k).and_then(|v| v.as_f64());
+    Ok(GenerationDefaults {
+        bos_token_id: ids(g.get("bos_token_id")).first().or(ids(config.get("bos_token_id")).first()).copied(),
+        eos_token_ids: eos,
+        do_sample: g.get("do_sample").and_then(|v| v.as_bool()),
+        temperature: f("temperature"),
+        top_p: f("top_p"),
+        top_k: g.get("top_k").and_then(|v| v.as_u64()).map(|x| x as u32),
+        min_p: f("min_p"),
+        repetition_penalty: f("repetition_penalty"),
+    })
+}

@@ -1,0 +1,298 @@
+//! `smoe shatter`: a Hugging Face checkpoint directory into one vault.
+//!
+//! Streaming: dense tensors are converted a bounded run of rows at a time, experts a bounded
+//! batch at a time, so peak memory is a small multiple of one expert (or of one row chunk)
+//! whatever the checkpoint size. Quantization runs in parallel on a rayon pool; writes are
+//! sequential into a temporary file that is renamed into place only when complete.
+
+use crate::hf::{self, hf_expert_names, hf_name};
+use crate::safetensors::{Checkpoint, DType, TensorInfo};
+use crate::{ConvertError, Progress};
+use rayon::prelude::*;
+use smoe_quant::Format;
+use smoe_vault::{layout_blob, names, Architecture, Manifest, VaultWriter};
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// Options of a conversion.
+#[derive(Clone, Debug)]
+pub struct ShatterOptions {
+    /// Format requested for routed experts.
+    pub experts: Format,
+    /// Format requested for dense matrices (norms, biases and routers always stay F32).
+    pub dense: Format,
+    /// Quantization threads (default: all cores).
+    pub threads: Option<usize>,
+    /// Test hook: fail after this many expert blobs, as a crash mid-conversion would.
+    #[doc(hidden)]
+    pub fail_after_blobs: Option<usize>,
+}
+
+impl Default for ShatterOptions {
+    fn default() -> Self {
+        ShatterOptions { experts: Format::Q4_K, dense: Format::Q8_0, threads: None, fail_after_blobs: None }
+    }
+}
+
+/// What a conversion produced.
+#[derive(Clone, Debug)]
+pub struct ShatterReport {
+    /// The vault written.
+    pub path: PathBuf,
+    /// Its size.
+    pub file_len: u64,
+    /// Bytes of dense tensors.
+    pub dense_bytes: u64,
+    /// Bytes of the expert region.
+    pub expert_bytes: u64,
+    /// Bytes per expert blob.
+    pub blob_size: u64,
+    /// Bytes of checkpoint data read.
+    pub source_bytes: u64,
+    /// Format fallbacks and other notes (also stored in the manifest).
+    pub notes: Vec<String>,
+    /// Wall time.
+    pub seconds: f64,
+}
+
+/// Source rows per dense chunk: bounds memory on huge embeddings and LM heads.
+const CHUNK_ELEMS: usize = 8 << 20;
+
+/// A checkpoint tensor, with the FP8 block scales it needs if it is float8.
+struct Source<'a> {
+    info: &'a TensorInfo,
+    scale_inv: Option<(Vec<f32>, usize)>,
+}
+
+impl<'a> Source<'a> {
+    fn new(ckpt: &'a Checkpoint, name: &str) -> Result<Source<'a>, ConvertError> {
+        let info = ckpt.tensors.get(name).ok_or_else(|| ConvertError::Missing(vec![name.to_string()]))?;
+        let scale_inv = if info.dtype == DType::F8E4M3 {
+            let sname = format!("{name}_scale_inv");
+            let s = ckpt.tensors.get(&sname).ok_or_else(|| ConvertError::BadInput(format!("{name} is float8 but {sname} is missing")))?;
+            let blocks_per_row = info.cols().div_ceil(128);
+            if s.rows() != info.rows().div_ceil(128) || s.cols() != blocks_per_row {
+                return Err(ConvertError::BadInput(format!("{sname} has shape {:?}, not 128x128 blocks of {:?}", s.shape, info.shape)));
+            }
+            Some((s.read_f32()?, blocks_per_row))
+        } else {
+            None
+        };
+        Ok(Source { info, scale_inv })
+    }
+
+    fn read_rows(&self, start: usize, n: usize, raw: &mut Vec<u8>, out: &mut [f32]) -> Result<(), ConvertError> {
+        self.info.read_rows_f32(start, n, raw, out)?;
+        if let Some((scales, bpr)) = &self.scale_inv {
+            let cols = self.info.cols();
+            for (r, row) in out.chunks_exact_mut(cols).enumerate() {
+                let srow = &scales[((start + r) / 128) * bpr..];
+                for (c, v) in row.iter_mut().enumerate() {
+                    *v *= srow[c / 128];
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn read_all(&self) -> Result<Vec<f32>, ConvertError> {
+        let mut out = vec![0f32; self.info.rows() * self.info.cols()];
+        self.read_rows(0, self.info.rows(), &mut Vec::new(), &mut out)?;
+        Ok(out)
+    }
+}
+
+/// Quantizes whole rows in parallel.
+pub fn quantize_rows(format: Format, src: &[f32], cols: usize, dst: &mut [u8]) -> Result<(), ConvertError> {
+    let row_bytes = format.row_bytes(cols).map_err(|e| ConvertError::Internal(e.to_string()))?;
+    dst.par_chunks_mut(row_bytes)
+        .zip(src.par_chunks(cols))
+        .try_for_each(|(d, s)| smoe_quant::quantize(format, s, d))
+        .map_err(|e| ConvertError::Internal(e.to_string()))
+}
+
+/// The format a matrix gets, recording a note when the requested one does not fit its rows.
+fn choose_format(requested: Format, cols: usize, what: &str, notes: &mut BTreeMap<String, BTreeSet<String>>) -> Format {
+    let f = requested.resolve(cols);
+    if f != requested {
+        let key = format!("{requested} does not fit rows of {cols} elements: {f} used");
+        notes.entry(key).or_default().insert(what.to_string());
+    }
+    f
+}
+
+/// Checks that the checkpoint holds exactly the tensors the architecture needs, with the right
+/// shapes; lists everything missing, unexpected or misshapen.
+fn check_tensors(ckpt: &Checkpoint, arch: &Architecture) -> Result<(), ConvertError> {
+    let mut expected: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+    for spec in names::dense_tensors(arch) {
+        expected.insert(hf_name(arch.family, &spec.name), spec.shape.clone());
+    }
+    let shapes = names::expert_part_shapes(arch);
+    for l in arch.moe_layers() {
+        for e in 0..arch.moe.num_experts {
+            for (n, s) in hf_expert_names(arch.family, l, e).into_iter().zip(shapes) {
+                expected.insert(n, s.to_vec());
+            }
+        }
+    }
+    let missing: Vec<String> = expected.keys().filter(|n| !ckpt.tensors.contains_key(*n)).cloned().collect();
+    if !missing.is_empty() {
+        return Err(ConvertError::Missing(missing));
+    }
+    let unexpected: Vec<String> = ckpt
+        .tensors
+        .keys()
+        .filter(|n| !expected.contains_key(*n) && !hf::is_ignored(n, arch))
+        .cloned()
+        .collect();
+    if !unexpected.is_empty() {
+        return Err(ConvertError::Unexpected(unexpected));
+    }
+    for (n, shape) in &expected {
+        let t = &ckpt.tensors[n];
+        // Qwen2-MoE's shared_expert_gate is [1, H]; a [H] vector is the same thing.
+        let same = &t.shape == shape || (shape.len() == 2 && shape[0] == 1 && t.shape == [shape[1]]);
+        if !same {
+            return Err(ConvertError::Shape { tensor: n.clone(), found: t.shape.clone(), expected: shape.clone() });
+        }
+    }
+    Ok(())
+}
+
+/// Converts the checkpoint in `hf_dir` into the vault `out`.
+pub fn shatter(hf_dir: &Path, out: &Path, opts: &ShatterOptions, progress: &dyn Progress) -> Result<ShatterReport, ConvertError> {
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(opts.threads.unwrap_or(0))
+        .build()
+        .map_err(|e| ConvertError::Internal(e.to_string()))?;
+    pool.install(|| shatter_in_pool(hf_dir, out, opts, progress))
+}
+
+fn shatter_in_pool(hf_dir: &Path, out: &Path, opts: &ShatterOptions, progress: &dyn Progress) -> Result<ShatterReport, ConvertError> {
+    let t0 = Instant::now();
+    let config = hf::read_json(&hf_dir.join("config.json"))?;
+    let arch = hf::architecture_from_config(&config)?;
+    let text = hf::text_assets(hf_dir)?;
+    let generation = hf::generation_defaults(hf_dir, &config)?;
+    let ckpt = Checkpoint::open(hf_dir)?;
+    check_tensors(&ckpt, &arch)?;
+    let total: u64 = ckpt.tensors.iter().filter(|(n, _)| !hf::is_ignored(n, &arch)).map(|(_, t)| t.len).sum();
+    progress.start(total);
+    let mut notes: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    let mut w = VaultWriter::create(out)?;
+
+    // Dense tensors, a chunk of rows at a time.
+    let mut raw = Vec::new();
+    let mut f32buf = Vec::new();
+    let mut qbuf = Vec::new();
+    let mut dense_bytes = 0u64;
+    for spec in names::dense_tensors(&arch) {
+        let src_name = hf_name(arch.family, &spec.name);
+        let src = Source::new(&ckpt, &src_name)?;
+        let cols = *spec.shape.last().unwrap();
+        let rows: usize = spec.shape[..spec.shape.len() - 1].iter().product::<usize>().max(1);
+        let format = if spec.keep_f32 { Format::F32 } else { choose_format(opts.dense, cols, &spec.name, &mut notes) };
+        w.begin_tensor(&spec.name, format, &spec.shape, &src_name)?;
+        let chunk_rows = (CHUNK_ELEMS / cols).max(1);
+        let row_bytes = format.row_bytes(cols).map_err(|e| ConvertError::Internal(e.to_string()))?;
+        let mut r = 0;
+        while r < rows {
+            let n = chunk_rows.min(rows - r);
+            f32buf.resize(n * cols, 0.0);
+            qbuf.resize(n * row_bytes, 0);
+            src.read_rows(r, n, &mut raw, &mut f32buf)?;
+            quantize_rows(format, &f32buf, cols, &mut qbuf)?;
+            w.write_tensor_bytes(&qbuf)?;
+            progress.advance((n * cols * src.info.dtype.size()) as u64);
+            r += n;
+        }
+        w.end_tensor()?;
+        dense_bytes += (rows * row_bytes) as u64;
+    }
+    drop((raw, f32buf, qbuf));
+
+    // Experts: one blob per (layer, expert), a bounded parallel batch at a time.
+    let shapes = names::expert_part_shapes(&arch);
+    let part_specs: Vec<(String, Format, [usize; 2])> = names::EXPERT_PARTS
+        .iter()
+        .zip(shapes)
+        .map(|(n, s)| (n.to_string(), choose_format(opts.experts, s[1], &format!("expert {n}"), &mut notes), s))
+        .collect();
+    let (parts, blob_size) = layout_blob(&part_specs, smoe_vault::header::DEFAULT_ALIGNMENT)?;
+    let moe_layers = arch.moe_layers();
+    w.begin_experts(parts, blob_size, &moe_layers, arch.moe.num_experts)?;
+    let batch = rayon::current_num_threads().max(1) * 2;
+    let mut blobs_done = 0usize;
+    for &l in &moe_layers {
+        for first in (0..arch.moe.num_experts).step_by(batch) {
+            let last = (first + batch).min(arch.moe.num_experts);
+            let quantized: Vec<Result<Vec<Vec<u8>>, ConvertError>> = (first..last)
+                .into_par_iter()
+                .map(|e| {
+                    let names = hf_expert_names(arch.family, l, e);
+                    names
+                        .iter()
+                        .zip(&part_specs)
+                        .map(|(n, (_, format, shape))| {
+                            let data = Source::new(&ckpt, n)?.read_all()?;
+                            let row_bytes = format.row_bytes(shape[1]).map_err(|e| ConvertError::Internal(e.to_string()))?;
+                            let mut q = vec![0u8; row_bytes * shape[0]];
+                            for (d, s) in q.chunks_exact_mut(row_bytes).zip(data.chunks_exact(shape[1])) {
+                                smoe_quant::quantize(*format, s, d).map_err(|e| ConvertError::Internal(e.to_string()))?;
+                            }
+                            Ok(q)
+                        })
+                        .collect()
+                })
+                .collect();
+            for (e, q) in (first..last).zip(quantized) {
+                let q = q?;
+                let refs: Vec<&[u8]> = q.iter().map(|p| p.as_slice()).collect();
+                w.add_blob(l, e, &refs)?;
+                let src_bytes: u64 = hf_expert_names(arch.family, l, e).iter().map(|n| ckpt.tensors[n].len).sum();
+                progress.advance(src_bytes);
+                blobs_done += 1;
+                if opts.fail_after_blobs == Some(blobs_done) {
+                    return Err(ConvertError::Injected);
+                }
+            }
+        }
+    }
+
+    let notes: Vec<String> = notes
+        .into_iter()
+        .map(|(k, v)| {
+            let list: Vec<_> = v.into_iter().collect();
+            let shown = if list.len() > 4 { format!("{} and {} more", list[..4].join(", "), list.len() - 4) } else { list.join(", ") };
+            format!("{k} ({shown})")
+        })
+        .collect();
+    for n in &notes {
+        progress.note(n);
+    }
+    let manifest = Manifest {
+        created_by: format!("smoe {}", env!("CARGO_PKG_VERSION")),
+        required_features: vec![],
+        architecture: arch.clone(),
+        source_config: config,
+        text,
+        generation,
+        dense: vec![],
+        experts: smoe_vault::ExpertIndex { blob_size: 0, parts: vec![], layers: vec![] },
+        notes: notes.clone(),
+    };
+    let file_len = w.finish(manifest)?;
+    progress.finish();
+    Ok(ShatterReport {
+        path: out.to_path_buf(),
+        file_len,
+        dense_bytes,
+        expert_bytes: moe_layers.len() as u64 * arch.moe.num_experts as u64 * blob_size,
+        blob_size,
+        source_bytes: total,
+        notes,
+        seconds: t0.elapsed().as_secs_f64(),
+    })
+}

@@ -1,0 +1,167 @@
+//! ggml's block structs, byte for byte.
+//!
+//! Each struct is `#[repr(C)]` with only byte-aligned fields, so `bytemuck::cast_slice` works on
+//! any `&[u8]` whose length is a multiple of the block size. The size assertions pin the layout
+//! to `ggml-common.h`; a GGUF file written by llama.cpp can be read through these without
+//! conversion.
+
+use crate::half::F16Bytes;
+use bytemuck::{Pod, Zeroable};
+
+/// Elements per block of the simple formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0).
+pub const QK: usize = 32;
+/// Elements per super-block of the K-quants.
+pub const QK_K: usize = 256;
+
+/// 4.5 bits per weight: `x = (q - 8) * d`.
+#[repr(C)]
+#[derive(Clone, Copy, Pod, Zeroable)]
+pub struct BlockQ4_0 {
+    /// Scale.
+    pub d: F16Bytes,
+    /// Element `j` in the low nibble of byte `j`, element `j + 16` in its high nibble.
+    pub qs: [u8; QK / 2],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ4_0>() == 18);
+
+/// 5 bits per weight: `x = q * d + m`.
+#[repr(C)]
+#[derive(Clone, Copy, Pod, Zeroable)]
+pub struct BlockQ4_1 {
+    /// Scale.
+    pub d: F16Bytes,
+    /// Minimum.
+    pub m: F16Bytes,
+    /// Nibbles, laid out as in [`BlockQ4_0`].
+    pub qs: [u8; QK / 2],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ4_1>() == 20);
+
+/// 5.5 bits per weight: `x = (q - 16) * d`, fifth bits in `qh`.
+#[repr(C)]
+#[derive(Clone, Copy, Pod, Zeroable)]
+pub struct BlockQ5_0 {
+    /// Scale.
+    pub d: F16Bytes,
+    /// Fifth bit of element `j` at bit `j` (little-endian u32).
+    pub qh: [u8; 4],
+    /// Low nibbles, laid out as in [`BlockQ4_0`].
+    pub qs: [u8; QK / 2],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ5_0>() == 22);
+
+/// 6 bits per weight: `x = q * d + m`, fifth bits in `qh`.
+#[repr(C)]
+#[derive(Clone, Copy, Pod, Zeroable)]
+pub struct BlockQ5_1 {
+    /// Scale.
+    pub d: F16Bytes,
+    /// Minimum.
+    pub m: F16Bytes,
+    /// Fifth bit of element `j` at bit `j` (little-endian u32).
+    pub qh: [u8; 4],
+    /// Low nibbles.
+    pub qs: [u8; QK / 2],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ5_1>() == 24);
+
+/// 8.5 bits per weight: `x = q * d`.
+#[repr(C)]
+#[derive(Clone, Copy, Pod, Zeroable)]
+pub struct BlockQ8_0 {
+    /// Scale.
+    pub d: F16Bytes,
+    /// Signed quants.
+    pub qs: [i8; QK],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ8_0>() == 34);
+
+/// 2.625 bits per weight: 16 groups of 16 with 4-bit scales and mins.
+#[repr(C)]
+#[derive(Clone, Copy, Pod, Zeroable)]
+pub struct BlockQ2K {
+    /// Low nibble: scale of group `j`; high nibble: its min.
+    pub scales: [u8; QK_K / 16],
+    /// 2-bit quants, four per byte.
+    pub qs: [u8; QK_K / 4],
+    /// Super-block scale of the scales.
+    pub d: F16Bytes,
+    /// Super-block scale of the mins.
+    pub dmin: F16Bytes,
+}
+const _: () = assert!(std::mem::size_of::<BlockQ2K>() == 84);
+
+/// 3.4375 bits per weight: 16 groups of 16 with 6-bit signed scales.
+#[repr(C)]
+#[derive(Clone, Copy, Pod, Zeroable)]
+pub struct BlockQ3K {
+    /// High bit of each quant.
+    pub hmask: [u8; QK_K / 8],
+    /// Low two bits of each quant.
+    pub qs: [u8; QK_K / 4],
+    /// Sixteen 6-bit scales, packed.
+    pub scales: [u8; 12],
+    /// Super-block scale.
+    pub d: F16Bytes,
+}
+const _: () = assert!(std::mem::size_of::<BlockQ3K>() == 110);
+
+/// 4.5 bits per weight: 8 groups of 32 with 6-bit scales and mins.
+#[repr(C)]
+#[derive(Clone, Copy, Pod, Zeroable)]
+pub struct BlockQ4K {
+    /// Super-block scale of the scales.
+    pub d: F16Bytes,
+    /// Super-block scale of the mins.
+    pub dmin: F16Bytes,
+    /// Eight 6-bit scales and eight 6-bit mins, packed (see `scale_min_k4`).
+    pub scales: [u8; 12],
+    /// 4-bit quants: 32 bytes per pair of groups, low nibbles first group.
+    pub qs: [u8; QK_K / 2],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ4K>() == 144);
+
+/// 5.5 bits per weight: as [`BlockQ4K`] plus a fifth bit per quant.
+#[repr(C)]
+#[derive(Clone, Copy, Pod, Zeroable)]
+pub struct BlockQ5K {
+    /// Super-block scale of the scales.
+    pub d: F16Bytes,
+    /// Super-block scale of the mins.
+    pub dmin: F16Bytes,
+    /// Packed 6-bit scales and mins.
+    pub scales: [u8; 12],
+    /// Fifth bits.
+    pub qh: [u8; QK_K / 8],
+    /// Low nibbles.
+    pub qs: [u8; QK_K / 2],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ5K>() == 176);
+
+/// 6.5625 bits per weight: 16 groups of 16 with 8-bit signed scales.
+#[repr(C)]
+#[derive(Clone, Copy, Pod, Zeroable)]
+pub struct BlockQ6K {
+    /// Low four bits of each quant.
+    pub ql: [u8; QK_K / 2],
+    /// High two bits of each quant.
+    pub qh: [u8; QK_K / 4],
+    /// Group scales.
+    pub scales: [i8; QK_K / 16],
+    /// Super-block scale.
+    pub d: F16Bytes,
+}
+const _: () = assert!(std::mem::size_of::<BlockQ6K>() == 210);
+
+/// Activation block for K-quant dot products: `x = q * d`, with sums of each 16 quants.
+#[repr(C)]
+#[derive(Clone, Copy, Pod, Zeroable)]
+pub struct BlockQ8K {
+    /// Scale (f32, little-endian bytes).
+    pub d: [u8; 4],
+    /// Quants.
+    pub qs: [i8; QK_K],
+    /// Sum of each run of 16 quants (i16, little-endian bytes).
+    pub bsums: [[u8; 2]; QK_K / 16],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ8K>() == 292);

@@ -1,0 +1,155 @@
+//! The 32-element block formats: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0.
+//!
+//! Encoders mirror ggml's `quantize_row_*_ref` (including its truncating casts), decoders
+//! mirror `dequantize_row_*`.
+
+use crate::blocks::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0, QK};
+use crate::half::F16Bytes;
+
+/// The value of largest magnitude, with its sign.
+fn signed_absmax(x: &[f32]) -> f32 {
+    let (mut amax, mut max) = (0.0f32, 0.0f32);
+    for &v in x {
+        if amax < v.abs() {
+            amax = v.abs();
+            max = v;
+        }
+    }
+    max
+}
+
+fn min_max(x: &[f32]) -> (f32, f32) {
+    x.iter().fold((f32::MAX, -f32::MAX), |(lo, hi), &v| (lo.min(v), hi.max(v)))
+}
+
+pub(crate) fn quantize_q8_0(x: &[f32], y: &mut [BlockQ8_0]) {
+    for (b, x) in y.iter_mut().zip(x.chunks_exact(QK)) {
+        let amax = x.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        b.d = F16Bytes::from_f32(d);
+        for (q, &v) in b.qs.iter_mut().zip(x) {
+            *q = (v * id).round() as i8;
+        }
+    }
+}
+
+pub(crate) fn dequantize_q8_0(x: &[BlockQ8_0], y: &mut [f32]) {
+    for (b, y) in x.iter().zip(y.chunks_exact_mut(QK)) {
+        let d = b.d.to_f32();
+        for (o, &q) in y.iter_mut().zip(&b.qs) {
+            *o = q as f32 * d;
+        }
+    }
+}
+
+pub(crate) fn quantize_q4_0(x: &[f32], y: &mut [BlockQ4_0]) {
+    for (b, x) in y.iter_mut().zip(x.chunks_exact(QK)) {
+        let d = signed_absmax(x) / -8.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        b.d = F16Bytes::from_f32(d);
+        for j in 0..QK / 2 {
+            // ggml truncates toward zero after adding 8.5, i.e. rounds half up.
+            let q0 = ((x[j] * id + 8.5) as i8).min(15) as u8;
+            let q1 = ((x[j + QK / 2] * id + 8.5) as i8).min(15) as u8;
+            b.qs[j] = q0 | (q1 << 4);
+        }
+    }
+}
+
+pub(crate) fn dequantize_q4_0(x: &[BlockQ4_0], y: &mut [f32]) {
+    for (b, y) in x.iter().zip(y.chunks_exact_mut(QK)) {
+        let d = b.d.to_f32();
+        for j in 0..QK / 2 {
+            y[j] = ((b.qs[j] & 0x0f) as i32 - 8) as f32 * d;
+            y[j + QK / 2] = ((b.qs[j] >> 4) as i32 - 8) as f32 * d;
+        }
+    }
+}
+
+pub(crate) fn quantize_q4_1(x: &[f32], y: &mut [BlockQ4_1]) {
+    for (b, x) in y.iter_mut().zip(x.chunks_exact(QK)) {
+        let (min, max) = min_max(x);
+        let d = (max - min) / 15.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        b.d = F16Bytes::from_f32(d);
+        b.m = F16Bytes::from_f32(min);
+        for j in 0..QK / 2 {
+            let q0 = (((x[j] - min) * id + 0.5) as i8).min(15) as u8;
+            let q1 = (((x[j + QK / 2] - min) * id + 0.5) as i8).min(15) as u8;
+            b.qs[j] = q0 | (q1 << 4);
+        }
+    }
+}
+
+pub(crate) fn dequantize_q4_1(x: &[BlockQ4_1], y: &mut [f32]) {
+    for (b, y) in x.iter().zip(y.chunks_exact_mut(QK)) {
+        let (d, m) = (b.d.to_f32(), b.m.to_f32());
+        for j in 0..QK / 2 {
+            y[j] = (b.qs[j] & 0x0f) as f32 * d + m;
+            y[j + QK / 2] = (b.qs[j] >> 4) as f32 * d + m;
+        }
+    }
+}
+
+pub(crate) fn quantize_q5_0(x: &[f32], y: &mut [BlockQ5_0]) {
+    for (b, x) in y.iter_mut().zip(x.chunks_exact(QK)) {
+        let d = signed_absmax(x) / -16.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        b.d = F16Bytes::from_f32(d);
+        let mut qh = 0u32;
+        for j in 0..QK / 2 {
+            let q0 = ((x[j] * id + 16.5) as i8).min(31) as u8;
+            let q1 = ((x[j + QK / 2] * id + 16.5) as i8).min(31) as u8;
+            b.qs[j] = (q0 & 0x0f) | ((q1 & 0x0f) << 4);
+            qh |= (((q0 & 0x10) >> 4) as u32) << j;
+            qh |= (((q1 & 0x10) >> 4) as u32) << (j + QK / 2);
+        }
+        b.qh = qh.to_le_bytes();
+    }
+}
+
+pub(crate) fn dequantize_q5_0(x: &[BlockQ5_0], y: &mut [f32]) {
+    for (b, y) in x.iter().zip(y.chunks_exact_mut(QK)) {
+        let d = b.d.to_f32();
+        let qh = u32::from_le_bytes(b.qh);
+        for j in 0..QK / 2 {
+            let h0 = (((qh >> j) << 4) & 0x10) as u8;
+            let h1 = ((qh >> (j + 12)) & 0x10) as u8;
+            y[j] = (((b.qs[j] & 0x0f) | h0) as i32 - 16) as f32 * d;
+            y[j + QK / 2] = (((b.qs[j] >> 4) | h1) as i32 - 16) as f32 * d;
+        }
+    }
+}
+
+pub(crate) fn quantize_q5_1(x: &[f32], y: &mut [BlockQ5_1]) {
+    for (b, x) in y.iter_mut().zip(x.chunks_exact(QK)) {
+        let (min, max) = min_max(x);
+        let d = (max - min) / 31.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        b.d = F16Bytes::from_f32(d);
+        b.m = F16Bytes::from_f32(min);
+        let mut qh = 0u32;
+        for j in 0..QK / 2 {
+            let q0 = ((x[j] - min) * id + 0.5) as u8;
+            let q1 = ((x[j + QK / 2] - min) * id + 0.5) as u8;
+            b.qs[j] = (q0 & 0x0f) | ((q1 & 0x0f) << 4);
+            qh |= (((q0 & 0x10) >> 4) as u32) << j;
+            qh |= (((q1 & 0x10) >> 4) as u32) << (j + QK / 2);
+        }
+        b.qh = qh.to_le_bytes();
+    }
+}
+
+pub(crate) fn dequantize_q5_1(x: &[BlockQ5_1], y: &mut [f32]) {
+    for (b, y) in x.iter().zip(y.chunks_exact_mut(QK)) {
+        let (d, m) = (b.d.to_f32(), b.m.to_f32());
+        let qh = u32::from_le_bytes(b.qh);
+        for j in 0..QK / 2 {
+            let h0 = (((qh >> j) << 4) & 0x10) as u8;
+            let h1 = ((qh >> (j + 12)) & 0x10) as u8;
+            y[j] = ((b.qs[j] & 0x0f) | h0) as f32 * d + m;
+            y[j + QK / 2] = ((b.qs[j] >> 4) | h1) as f32 * d + m;
+        }
+    }
+}

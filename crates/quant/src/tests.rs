@@ -1,0 +1,138 @@
+use super::*;
+use rand::{Rng, SeedableRng};
+
+fn gaussian(n: usize, seed: u64) -> Vec<f32> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    (0..n)
+        .map(|_| {
+            // Box-Muller: enough for test data, no extra dependency.
+            let u1: f32 = rng.random::<f32>().max(1e-12);
+            let u2: f32 = rng.random();
+            (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos()
+        })
+        .collect()
+}
+
+fn rms_rel_error(format: Format, x: &[f32]) -> f64 {
+    let mut q = vec![0u8; format.row_bytes(x.len()).unwrap()];
+    quantize(format, x, &mut q).unwrap();
+    let mut y = vec![0f32; x.len()];
+    dequantize(format, &q, &mut y).unwrap();
+    let err: f64 = x.iter().zip(&y).map(|(a, b)| ((a - b) as f64).powi(2)).sum();
+    let norm: f64 = x.iter().map(|a| (*a as f64).powi(2)).sum();
+    (err / norm).sqrt()
+}
+
+#[test]
+fn names_parse_case_insensitively() {
+    for f in ALL_FORMATS {
+        assert_eq!(f.name().to_lowercase().parse::<Format>().unwrap(), f);
+        assert_eq!(f.name().parse::<Format>().unwrap(), f);
+        assert_eq!(Format::from_ggml_id(f.ggml_id()).unwrap(), f);
+    }
+    assert_eq!("q4_K".parse::<Format>().unwrap(), Format::Q4_K);
+    assert!(matches!("IQ4_XS".parse::<Format>(), Err(QuantError::UnknownName(_))));
+}
+
+#[test]
+fn block_sizes_match_ggml() {
+    let expect = [
+        (Format::Q4_0, 18),
+        (Format::Q4_1, 20),
+        (Format::Q5_0, 22),
+        (Format::Q5_1, 24),
+        (Format::Q8_0, 34),
+        (Format::Q2_K, 84),
+        (Format::Q3_K, 110),
+        (Format::Q4_K, 144),
+        (Format::Q5_K, 176),
+        (Format::Q6_K, 210),
+    ];
+    for (f, b) in expect {
+        assert_eq!(f.block_bytes(), b, "{f}");
+    }
+    assert_eq!(Format::Q4_K.row_bytes(2048).unwrap(), 8 * 144);
+    assert!(Format::Q4_K.row_bytes(64).is_err());
+}
+
+#[test]
+fn fallback_follows_llama_cpp() {
+    assert_eq!(Format::Q4_K.resolve(64), Format::Q5_0);
+    assert_eq!(Format::Q6_K.resolve(96), Format::Q8_0);
+    assert_eq!(Format::Q4_K.resolve(48), Format::BF16);
+    assert_eq!(Format::Q4_K.resolve(512), Format::Q4_K);
+    assert_eq!(Format::Q2_K.resolve(32), Format::Q4_0);
+    assert_eq!(Format::Q8_0.resolve(33), Format::BF16);
+}
+
+#[test]
+fn round_trip_error_within_documented_bounds() {
+    // Bounds are the documented RMS error relative to the signal, with head room (docs/quantization.md).
+    let bounds = [
+        (Format::F32, 0.0),
+        (Format::F16, 5e-4),
+        (Format::BF16, 4e-3),
+        (Format::Q8_0, 0.01),
+        (Format::Q6_K, 0.03),
+        (Format::Q5_K, 0.05),
+        (Format::Q5_1, 0.06),
+        (Format::Q5_0, 0.07),
+        (Format::Q4_K, 0.10),
+        (Format::Q4_1, 0.12),
+        (Format::Q4_0, 0.14),
+        (Format::Q3_K, 0.22),
+        (Format::Q2_K, 0.45),
+    ];
+    let x = gaussian(256 * 64, 7);
+    for (f, bound) in bounds {
+        let e = rms_rel_error(f, &x);
+        assert!(e <= bound, "{f}: relative RMS error {e} above {bound}");
+    }
+}
+
+#[test]
+fn exact_values_decode_exactly() {
+    // Q8_0 with amax 127 has d = 1: every integer in [-127, 127] survives.
+    let x: Vec<f32> = (0..32).map(|i| (i as f32 - 16.0) * 7.0 + if i == 0 { 15.0 } else { 0.0 }).collect();
+    let mut x = x;
+    x[31] = 127.0;
+    let mut q = vec![0u8; 34];
+    quantize(Format::Q8_0, &x, &mut q).unwrap();
+    let mut y = vec![0f32; 32];
+    dequantize(Format::Q8_0, &q, &mut y).unwrap();
+    assert_eq!(x, y);
+    // BF16 of a bf16-representable value is exact.
+    let x = [1.5f32, -0.0078125, 2.0f32.powi(120), 0.0];
+    let mut q = [0u8; 8];
+    quantize(Format::BF16, &x, &mut q).unwrap();
+    let mut y = [0f32; 4];
+    dequantize(Format::BF16, &q, &mut y).unwrap();
+    assert_eq!(x, y);
+}
+
+#[test]
+fn zero_and_constant_blocks_do_not_break() {
+    for f in ALL_FORMATS {
+        let n = f.block_elems().max(32) * 2;
+        for fill in [0.0f32, 1.0, -3.5] {
+            let x = vec![fill; n];
+            let mut q = vec![0u8; f.row_bytes(n).unwrap()];
+            quantize(f, &x, &mut q).unwrap();
+            let mut y = vec![0f32; n];
+            dequantize(f, &q, &mut y).unwrap();
+            for v in &y {
+                assert!(v.is_finite(), "{f}");
+                assert!((v - fill).abs() <= 0.15 * fill.abs() + 1e-6, "{f}: {fill} -> {v}");
+            }
+        }
+    }
+}
+
+#[test]
+fn size_mismatch_is_an_error_not_a_panic() {
+    let x = vec![0f32; 256];
+    let mut q = vec![0u8; 10];
+    assert!(matches!(quantize(Format::Q4_K, &x, &mut q), Err(QuantError::BufferSize { .. })));
+    let mut y = vec![0f32; 100];
+    assert!(matches!(dequantize(Format::Q4_K, &q, &mut y), Err(QuantError::RowLength { .. })));
+}

@@ -1,0 +1,274 @@
+//! The architecture description: everything the forward pass needs, read from config.json at
+//! conversion time and stored in the vault's manifest, so the engine never sees a config.json.
+//!
+//! One generic decoder is driven by this struct. Each difference between model families is a
+//! named field (`qk_norm`, `qkv_bias`, `router`, `shared_experts`, `mla`, ...) rather than a
+//! family check in the forward pass; `family` is kept for reporting and for tokenizer/template
+//! conventions only.
+
+use serde::{Deserialize, Serialize};
+
+/// The model families smoe can convert and run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Family {
+    /// Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B).
+    Qwen3Moe,
+    /// Qwen2-MoE / Qwen1.5-MoE.
+    Qwen2Moe,
+    /// Mixtral.
+    Mixtral,
+    /// OLMoE.
+    Olmoe,
+    /// GLM-4.5 / GLM-4.6 MoE.
+    Glm4Moe,
+    /// DeepSeek-V3 / R1.
+    DeepseekV3,
+}
+
+impl Family {
+    /// The Hugging Face `model_type` string.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Family::Qwen3Moe => "qwen3_moe",
+            Family::Qwen2Moe => "qwen2_moe",
+            Family::Mixtral => "mixtral",
+            Family::Olmoe => "olmoe",
+            Family::Glm4Moe => "glm4_moe",
+            Family::DeepseekV3 => "deepseek_v3",
+        }
+    }
+
+    /// All supported families.
+    pub const ALL: [Family; 6] = [
+        Family::Qwen3Moe,
+        Family::Qwen2Moe,
+        Family::Mixtral,
+        Family::Olmoe,
+        Family::Glm4Moe,
+        Family::DeepseekV3,
+    ];
+
+    /// The family with this `model_type`.
+    pub fn from_model_type(s: &str) -> Option<Family> {
+        Family::ALL.into_iter().find(|f| f.model_type() == s)
+    }
+}
+
+/// How queries and keys are normalised before RoPE.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum QkNorm {
+    /// No normalisation.
+    None,
+    /// RMSNorm over each head's `head_dim` values (Qwen3, GLM-4.5 with `use_qk_norm`).
+    PerHead,
+    /// RMSNorm over the whole projection, all heads at once (OLMoE).
+    WholeProjection,
+}
+
+/// RoPE frequency scaling.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum RopeScaling {
+    /// Plain RoPE.
+    None,
+    /// Positions divided by `factor`.
+    Linear {
+        /// Divisor of the positions.
+        factor: f64,
+    },
+    /// YaRN (Peng et al. 2023), as transformers' `_compute_yarn_parameters`.
+    Yarn {
+        /// Context extension factor.
+        factor: f64,
+        /// Context length the model was pretrained with.
+        original_max_position_embeddings: usize,
+        /// High-frequency boundary, in rotations.
+        beta_fast: f64,
+        /// Low-frequency boundary, in rotations.
+        beta_slow: f64,
+        /// DeepSeek's `mscale`, if given.
+        mscale: Option<f64>,
+        /// DeepSeek's `mscale_all_dim`, if given; also scales the softmax (MLA).
+        mscale_all_dim: Option<f64>,
+        /// Explicit cos/sin scaling, if given.
+        attention_factor: Option<f64>,
+        /// Whether the correction range is rounded outwards to integers.
+        truncate: bool,
+    },
+}
+
+/// Rotary position embedding parameters.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Rope {
+    /// Base of the frequencies.
+    pub theta: f64,
+    /// Number of leading dimensions of each head that rotate (`head_dim * partial_rotary_factor`,
+    /// or `qk_rope_head_dim` for MLA).
+    pub rotary_dim: usize,
+    /// The fraction of the head that rotates, as given in config.json.
+    pub partial_rotary_factor: f64,
+    /// Rotate adjacent pairs (2i, 2i+1) instead of halves (i, i + d/2). DeepSeek's
+    /// `rope_interleave`.
+    pub interleaved: bool,
+    /// Frequency scaling.
+    pub scaling: RopeScaling,
+}
+
+/// Multi-head latent attention (DeepSeek-V2/V3).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Mla {
+    /// Rank of the query compression (`None`: a plain `q_proj`).
+    pub q_lora_rank: Option<usize>,
+    /// Rank of the compressed key/value latent.
+    pub kv_lora_rank: usize,
+    /// Per-head query/key dimensions without position.
+    pub qk_nope_head_dim: usize,
+    /// Per-head query/key dimensions with RoPE (the key part is shared by all heads).
+    pub qk_rope_head_dim: usize,
+    /// Per-head value dimensions.
+    pub v_head_dim: usize,
+}
+
+/// How the router turns logits into expert choices and mixing weights.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Router {
+    /// Softmax over all experts, top-k (Qwen, Mixtral, OLMoE).
+    Softmax,
+    /// Sigmoid scores; experts chosen on scores plus a learned correction bias, within the
+    /// `topk_group` best of `n_group` groups (a group's score is the sum of its two best);
+    /// mixing weights from the uncorrected scores (DeepSeek-V3, GLM-4.5).
+    SigmoidGrouped {
+        /// Number of expert groups.
+        n_group: usize,
+        /// Groups each token may choose from.
+        topk_group: usize,
+        /// Whether `e_score_correction_bias` exists.
+        correction_bias: bool,
+    },
+}
+
+/// Always-on experts that run beside the routed ones.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SharedExperts {
+    /// Intermediate size of the (merged) shared expert.
+    pub intermediate_size: usize,
+    /// Qwen2-MoE scales the shared expert by `sigmoid(shared_expert_gate · x)`.
+    pub sigmoid_gate: bool,
+}
+
+/// The mixture-of-experts block.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Moe {
+    /// Routed experts per MoE layer.
+    pub num_experts: usize,
+    /// Experts per token.
+    pub top_k: usize,
+    /// Intermediate size of each routed expert.
+    pub intermediate_size: usize,
+    /// Router kind.
+    pub router: Router,
+    /// Renormalise the top-k weights to sum to one.
+    pub norm_topk_prob: bool,
+    /// Multiplier on the final mixing weights.
+    pub routed_scaling_factor: f64,
+    /// Shared experts, if any.
+    pub shared_experts: Option<SharedExperts>,
+}
+
+/// What a decoder layer's feed-forward part is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LayerKind {
+    /// A dense SwiGLU MLP of `dense_intermediate_size`.
+    Dense,
+    /// A mixture-of-experts block.
+    Moe,
+}
+
+/// Everything the forward pass needs to know about a model.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Architecture {
+    /// Model family (reporting and conventions only; the math is driven by the fields below).
+    pub family: Family,
+    /// Rows of the embedding and LM head.
+    pub vocab_size: usize,
+    /// Residual stream width.
+    pub hidden_size: usize,
+    /// Decoder layers (excluding multi-token-prediction layers, which are not converted).
+    pub num_layers: usize,
+    /// Query heads.
+    pub num_heads: usize,
+    /// Key/value heads.
+    pub num_kv_heads: usize,
+    /// Per-head dimension of queries, keys and values (standard attention).
+    pub head_dim: usize,
+    /// Longest context the model supports.
+    pub max_position_embeddings: usize,
+    /// RMSNorm epsilon.
+    pub norm_eps: f64,
+    /// Rotary embedding.
+    pub rope: Rope,
+    /// Query/key normalisation.
+    pub qk_norm: QkNorm,
+    /// Biases on the q, k and v projections.
+    pub qkv_bias: bool,
+    /// Multi-head latent attention, if the model uses it instead of standard attention.
+    pub mla: Option<Mla>,
+    /// Intermediate size of dense MLP layers.
+    pub dense_intermediate_size: usize,
+    /// The MoE block.
+    pub moe: Moe,
+    /// Per-layer feed-forward kind.
+    pub layers: Vec<LayerKind>,
+    /// LM head shares the embedding matrix.
+    pub tie_word_embeddings: bool,
+}
+
+impl Architecture {
+    /// Indices of the MoE layers, in order.
+    pub fn moe_layers(&self) -> Vec<usize> {
+        (0..self.num_layers).filter(|&l| self.layers[l] == LayerKind::Moe).collect()
+    }
+
+    /// Checks internal consistency; a vault whose architecture fails this is rejected.
+    pub fn validate(&self) -> Result<(), String> {
+        let pos = |v: usize, what: &str| if v == 0 { Err(format!("{what} is zero")) } else { Ok(()) };
+        pos(self.vocab_size, "vocab_size")?;
+        pos(self.hidden_size, "hidden_size")?;
+        pos(self.num_layers, "num_layers")?;
+        pos(self.num_heads, "num_heads")?;
+        pos(self.num_kv_heads, "num_kv_heads")?;
+        pos(self.head_dim, "head_dim")?;
+        pos(self.moe.num_experts, "num_experts")?;
+        pos(self.moe.top_k, "top_k")?;
+        pos(self.moe.intermediate_size, "moe intermediate_size")?;
+        if self.layers.len() != self.num_layers {
+            return Err(format!("{} layer kinds for {} layers", self.layers.len(), self.num_layers));
+        }
+        if self.num_heads % self.num_kv_heads != 0 {
+            return Err(format!("{} heads not divisible by {} kv heads", self.num_heads, self.num_kv_heads));
+        }
+        if self.moe.top_k > self.moe.num_experts {
+            return Err(format!("top_k {} > {} experts", self.moe.top_k, self.moe.num_experts));
+        }
+        if let Router::SigmoidGrouped { n_group, topk_group, .. } = self.moe.router {
+            if n_group == 0 || self.moe.num_experts % n_group != 0 || topk_group == 0 || topk_group > n_group {
+                return Err(format!("bad expert groups: n_group {n_group}, topk_group {topk_group}"));
+            }
+        }
+        if !self.norm_eps.is_finite() || self.norm_eps <= 0.0 {
+            return Err(format!("bad norm eps {}", self.norm_eps));
+        }
+        let head_for_rope = self.mla.as_ref().map_or(self.head_dim, |m| m.qk_rope_head_dim);
+        if self.rope.rotary_dim == 0 || self.rope.rotary_dim > head_for_rope || self.rope.rotary_dim % 2 != 0 {
+            return Err(format!("bad rotary dim {} for head dim {}", self.rope.rotary_dim, head_for_rope));
+        }
+        if self.layers.contains(&LayerKind::Dense) && self.dense_intermediate_size == 0 {
+            return Err("dense layers without dense_intermediate_size".into());
+        }
+        Ok(())
+    }
+}

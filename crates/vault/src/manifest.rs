@@ -1,0 +1,146 @@
+//! The manifest: architecture, text assets, generation defaults and the tensor directory,
+//! stored as UTF-8 JSON so that it is self-describing and inspectable with any JSON tool.
+
+use crate::arch::Architecture;
+use serde::{Deserialize, Serialize};
+use smoe_quant::Format;
+
+/// Features a reader must understand to use the vault. Empty in format 1.0; a future minor
+/// version that changes meaning (not just adds fields) lists its feature here, and readers that
+/// do not know it refuse the file.
+pub const KNOWN_FEATURES: &[&str] = &[];
+
+/// Everything in the vault besides the raw tensor bytes.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Manifest {
+    /// Tool and version that wrote the vault.
+    pub created_by: String,
+    /// Features required to read this vault (see [`KNOWN_FEATURES`]).
+    #[serde(default)]
+    pub required_features: Vec<String>,
+    /// The model's architecture.
+    pub architecture: Architecture,
+    /// The source config.json, verbatim, for reference.
+    pub source_config: serde_json::Value,
+    /// Tokenizer and chat template.
+    pub text: TextAssets,
+    /// Generation defaults from generation_config.json.
+    pub generation: GenerationDefaults,
+    /// Dense tensors, in file order.
+    pub dense: Vec<DenseEntry>,
+    /// Routed experts.
+    pub experts: ExpertIndex,
+    /// Conversion notes, such as formats that fell back because rows did not fit.
+    #[serde(default)]
+    pub notes: Vec<String>,
+}
+
+/// Tokenizer files and chat template.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct TextAssets {
+    /// The tokenizer.json file, verbatim.
+    pub tokenizer_json: String,
+    /// The Jinja chat template, if the checkpoint has one.
+    pub chat_template: Option<String>,
+    /// `bos_token` from tokenizer_config.json.
+    pub bos_token: Option<String>,
+    /// `eos_token` from tokenizer_config.json.
+    pub eos_token: Option<String>,
+    /// `pad_token` from tokenizer_config.json.
+    pub pad_token: Option<String>,
+    /// Whether prompts start with the BOS token (`add_bos_token`).
+    #[serde(default)]
+    pub add_bos_token: bool,
+}
+
+/// Sampling and stopping defaults from generation_config.json.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct GenerationDefaults {
+    /// Beginning-of-sequence id.
+    pub bos_token_id: Option<u32>,
+    /// Ids that end generation.
+    pub eos_token_ids: Vec<u32>,
+    /// Whether the model card asks for sampling.
+    pub do_sample: Option<bool>,
+    /// Default temperature.
+    pub temperature: Option<f64>,
+    /// Default nucleus threshold.
+    pub top_p: Option<f64>,
+    /// Default top-k.
+    pub top_k: Option<u32>,
+    /// Default min-p.
+    pub min_p: Option<f64>,
+    /// Default repetition penalty.
+    pub repetition_penalty: Option<f64>,
+}
+
+/// One dense tensor.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct DenseEntry {
+    /// Canonical name (see [`crate::names`]).
+    pub name: String,
+    /// Storage format.
+    #[serde(with = "format_name")]
+    pub format: Format,
+    /// `[rows, cols]` or `[n]`.
+    pub shape: Vec<usize>,
+    /// Offset from the start of the dense region.
+    pub offset: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// xxh3-64 of the bytes.
+    pub checksum: u64,
+    /// Name in the source checkpoint.
+    #[serde(default)]
+    pub source: String,
+}
+
+/// One matrix inside every expert blob.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct PartEntry {
+    /// `gate`, `up` or `down`.
+    pub name: String,
+    /// Storage format.
+    #[serde(with = "format_name")]
+    pub format: Format,
+    /// `[rows, cols]`.
+    pub shape: [usize; 2],
+    /// Offset within the blob.
+    pub offset: u64,
+    /// Length in bytes.
+    pub len: u64,
+}
+
+/// Checksums of one MoE layer's blobs.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct ExpertLayer {
+    /// Decoder layer index.
+    pub layer: usize,
+    /// xxh3-64 of each expert's whole blob (padding included), by expert index.
+    pub checksums: Vec<u64>,
+}
+
+/// The expert region's directory. Blob `e` of the `i`-th listed layer starts at
+/// `experts_offset + (i * num_experts + e) * blob_size`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct ExpertIndex {
+    /// Bytes per blob, a multiple of the alignment.
+    pub blob_size: u64,
+    /// The matrices inside each blob (the same for every expert).
+    pub parts: Vec<PartEntry>,
+    /// MoE layers in order.
+    pub layers: Vec<ExpertLayer>,
+}
+
+mod format_name {
+    use serde::{Deserialize, Deserializer, Serializer};
+    use smoe_quant::Format;
+
+    pub fn serialize<S: Serializer>(f: &Format, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(f.name())
+    }
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Format, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}

@@ -1,0 +1,130 @@
+//! Canonical tensor names and the tensor set an architecture implies.
+//!
+//! A vault names its tensors independently of the checkpoint they came from; converters map
+//! source names onto these, and the engine loads by these. The expected set is derived from the
+//! [`Architecture`] alone, so a converter can report missing and unexpected tensors and a reader
+//! can reject a manifest that does not match its own architecture.
+
+use crate::arch::{Architecture, LayerKind, QkNorm, Router};
+
+/// Shape and role of one dense tensor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorSpec {
+    /// Canonical name.
+    pub name: String,
+    /// `[rows, cols]` for matrices (rows = outputs), `[n]` for vectors.
+    pub shape: Vec<usize>,
+    /// Whether the tensor must stay exact (F32): norms, biases and routers. Routing must be
+    /// computed from the true scores, so router weights are never quantized.
+    pub keep_f32: bool,
+}
+
+impl TensorSpec {
+    fn matrix(name: String, rows: usize, cols: usize) -> Self {
+        TensorSpec { name, shape: vec![rows, cols], keep_f32: false }
+    }
+    fn exact_matrix(name: String, rows: usize, cols: usize) -> Self {
+        TensorSpec { name, shape: vec![rows, cols], keep_f32: true }
+    }
+    fn vector(name: String, n: usize) -> Self {
+        TensorSpec { name, shape: vec![n], keep_f32: true }
+    }
+}
+
+/// Name of a tensor of layer `layer`.
+pub fn layer(layer: usize, what: &str) -> String {
+    format!("layers.{layer}.{what}")
+}
+
+/// The three matrices of a routed expert, in blob order.
+pub const EXPERT_PARTS: [&str; 3] = ["gate", "up", "down"];
+
+/// Shapes of the expert parts `[gate, up, down]`.
+pub fn expert_part_shapes(arch: &Architecture) -> [[usize; 2]; 3] {
+    let (h, i) = (arch.hidden_size, arch.moe.intermediate_size);
+    [[i, h], [i, h], [h, i]]
+}
+
+/// Every dense tensor an architecture needs, in a stable order.
+pub fn dense_tensors(arch: &Architecture) -> Vec<TensorSpec> {
+    let h = arch.hidden_size;
+    let mut v = vec![TensorSpec::matrix("embed".into(), arch.vocab_size, h)];
+    for l in 0..arch.num_layers {
+        v.push(TensorSpec::vector(layer(l, "attn_norm"), h));
+        attention_tensors(arch, l, &mut v);
+        v.push(TensorSpec::vector(layer(l, "ffn_norm"), h));
+        match arch.layers[l] {
+            LayerKind::Dense => mlp_tensors(&mut v, l, "mlp", h, arch.dense_intermediate_size),
+            LayerKind::Moe => {
+                let e = arch.moe.num_experts;
+                v.push(TensorSpec::exact_matrix(layer(l, "moe.router"), e, h));
+                if let Router::SigmoidGrouped { correction_bias: true, .. } = arch.moe.router {
+                    v.push(TensorSpec::vector(layer(l, "moe.router_bias"), e));
+                }
+                if let Some(s) = &arch.moe.shared_experts {
+                    mlp_tensors(&mut v, l, "moe.shared", h, s.intermediate_size);
+                    if s.sigmoid_gate {
+                        v.push(TensorSpec::exact_matrix(layer(l, "moe.shared_gate"), 1, h));
+                    }
+                }
+            }
+        }
+    }
+    v.push(TensorSpec::vector("final_norm".into(), h));
+    if !arch.tie_word_embeddings {
+        v.push(TensorSpec::matrix("lm_head".into(), arch.vocab_size, h));
+    }
+    v
+}
+
+fn mlp_tensors(v: &mut Vec<TensorSpec>, l: usize, prefix: &str, h: usize, i: usize) {
+    v.push(TensorSpec::matrix(layer(l, &format!("{prefix}.gate")), i, h));
+    v.push(TensorSpec::matrix(layer(l, &format!("{prefix}.up")), i, h));
+    v.push(TensorSpec::matrix(layer(l, &format!("{prefix}.down")), h, i));
+}
+
+fn attention_tensors(arch: &Architecture, l: usize, v: &mut Vec<TensorSpec>) {
+    let h = arch.hidden_size;
+    let nh = arch.num_heads;
+    if let Some(m) = &arch.mla {
+        let qk = m.qk_nope_head_dim + m.qk_rope_head_dim;
+        match m.q_lora_rank {
+            Some(r) => {
+                v.push(TensorSpec::matrix(layer(l, "attn.q_a"), r, h));
+                v.push(TensorSpec::vector(layer(l, "attn.q_a_norm"), r));
+                v.push(TensorSpec::matrix(layer(l, "attn.q_b"), nh * qk, r));
+            }
+            None => v.push(TensorSpec::matrix(layer(l, "attn.q"), nh * qk, h)),
+        }
+        v.push(TensorSpec::matrix(layer(l, "attn.kv_a"), m.kv_lora_rank + m.qk_rope_head_dim, h));
+        v.push(TensorSpec::vector(layer(l, "attn.kv_a_norm"), m.kv_lora_rank));
+        v.push(TensorSpec::matrix(
+            layer(l, "attn.kv_b"),
+            nh * (m.qk_nope_head_dim + m.v_head_dim),
+            m.kv_lora_rank,
+        ));
+        v.push(TensorSpec::matrix(layer(l, "attn.o"), h, nh * m.v_head_dim));
+        return;
+    }
+    let (q, kv) = (nh * arch.head_dim, arch.num_kv_heads * arch.head_dim);
+    v.push(TensorSpec::matrix(layer(l, "attn.q"), q, h));
+    v.push(TensorSpec::matrix(layer(l, "attn.k"), kv, h));
+    v.push(TensorSpec::matrix(layer(l, "attn.v"), kv, h));
+    v.push(TensorSpec::matrix(layer(l, "attn.o"), h, q));
+    if arch.qkv_bias {
+        v.push(TensorSpec::vector(layer(l, "attn.q_bias"), q));
+        v.push(TensorSpec::vector(layer(l, "attn.k_bias"), kv));
+        v.push(TensorSpec::vector(layer(l, "attn.v_bias"), kv));
+    }
+    match arch.qk_norm {
+        QkNorm::None => {}
+        QkNorm::PerHead => {
+            v.push(TensorSpec::vector(layer(l, "attn.q_norm"), arch.head_dim));
+            v.push(TensorSpec::vector(layer(l, "attn.k_norm"), arch.head_dim));
+        }
+        QkNorm::WholeProjection => {
+            v.push(TensorSpec::vector(layer(l, "attn.q_norm"), q));
+            v.push(TensorSpec::vector(layer(l, "attn.k_norm"), kv));
+        }
+    }
+}

@@ -1,0 +1,203 @@
+//! Format tests on small synthetic vaults: round trip, corruption, truncation, versions,
+//! atomicity. Converter tests on real checkpoints live in smoe-convert.
+
+use crate::*;
+use std::io::{Seek, SeekFrom, Write};
+
+pub(crate) fn tiny_arch() -> Architecture {
+    Architecture {
+        family: Family::Qwen3Moe,
+        vocab_size: 16,
+        hidden_size: 32,
+        num_layers: 2,
+        num_heads: 2,
+        num_kv_heads: 1,
+        head_dim: 16,
+        max_position_embeddings: 128,
+        norm_eps: 1e-6,
+        rope: Rope { theta: 10000.0, rotary_dim: 16, partial_rotary_factor: 1.0, interleaved: false, scaling: RopeScaling::None },
+        qk_norm: QkNorm::PerHead,
+        qkv_bias: false,
+        mla: None,
+        dense_intermediate_size: 0,
+        moe: Moe {
+            num_experts: 4,
+            top_k: 2,
+            intermediate_size: 32,
+            router: Router::Softmax,
+            norm_topk_prob: true,
+            routed_scaling_factor: 1.0,
+            shared_experts: None,
+        },
+        layers: vec![LayerKind::Moe; 2],
+        tie_word_embeddings: false,
+    }
+}
+
+fn manifest(arch: &Architecture) -> Manifest {
+    Manifest {
+        created_by: "test".into(),
+        required_features: vec![],
+        architecture: arch.clone(),
+        source_config: serde_json::json!({}),
+        text: TextAssets { tokenizer_json: "{}".into(), ..Default::default() },
+        generation: GenerationDefaults::default(),
+        dense: vec![],
+        experts: ExpertIndex { blob_size: 0, parts: vec![], layers: vec![] },
+        notes: vec![],
+    }
+}
+
+/// Writes a vault whose every byte is a function of its position, so reads can be checked.
+fn write_tiny(path: &std::path::Path) -> Architecture {
+    let arch = tiny_arch();
+    let mut w = VaultWriter::create(path).unwrap();
+    for spec in names::dense_tensors(&arch) {
+        let format = if spec.keep_f32 { Format::F32 } else { Format::BF16 };
+        let n: usize = spec.shape.iter().product();
+        let bytes: Vec<u8> = (0..n * format.block_bytes()).map(|i| (i * 7 + spec.name.len()) as u8).collect();
+        w.add_tensor(&spec.name, format, &spec.shape, &bytes, "src").unwrap();
+    }
+    let shapes = names::expert_part_shapes(&arch);
+    let parts: Vec<_> = names::EXPERT_PARTS.iter().zip(shapes).map(|(n, s)| (n.to_string(), Format::Q8_0, s)).collect();
+    let (parts, blob_size) = layout_blob(&parts, 4096).unwrap();
+    w.begin_experts(parts.clone(), blob_size, &arch.moe_layers(), arch.moe.num_experts).unwrap();
+    for l in arch.moe_layers() {
+        for e in 0..arch.moe.num_experts {
+            let data: Vec<Vec<u8>> = parts.iter().map(|p| vec![(l * 16 + e) as u8; p.len as usize]).collect();
+            let refs: Vec<&[u8]> = data.iter().map(|d| d.as_slice()).collect();
+            w.add_blob(l, e, &refs).unwrap();
+        }
+    }
+    w.finish(manifest(&arch)).unwrap();
+    arch
+}
+
+#[test]
+fn round_trip() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("m.smoe");
+    let arch = write_tiny(&path);
+    let v = Vault::open(&path).unwrap();
+    assert_eq!(v.architecture(), &arch);
+    assert_eq!(v.header().alignment, 4096);
+    let e = v.dense("layers.1.attn.q").unwrap();
+    assert_eq!(e.format, Format::BF16);
+    let b = v.read_dense("layers.1.attn.q").unwrap();
+    assert_eq!(b[3], (3 * 7 + "layers.1.attn.q".len()) as u8);
+    let mut blob = vec![0u8; v.manifest().experts.blob_size as usize];
+    v.read_blob(1, 3, &mut blob).unwrap();
+    assert_eq!(blob[0], 16 + 3);
+    assert_eq!(v.blob(1, 3).unwrap().offset % 4096, 0);
+    v.verify(&mut |_| {}).unwrap();
+    assert!(matches!(v.blob(0, 9), Err(VaultError::NoSuchExpert { .. })));
+}
+
+fn flip(path: &std::path::Path, offset: u64) {
+    let mut f = std::fs::OpenOptions::new().read(true).write(true).open(path).unwrap();
+    let mut b = [0u8];
+    use std::os::unix::fs::FileExt;
+    f.read_exact_at(&mut b, offset).unwrap();
+    f.seek(SeekFrom::Start(offset)).unwrap();
+    f.write_all(&[b[0] ^ 0x40]).unwrap();
+}
+
+#[test]
+fn flipped_blob_byte_fails_verify_naming_the_blob() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("m.smoe");
+    write_tiny(&path);
+    let loc = Vault::open(&path).unwrap().blob(1, 2).unwrap();
+    flip(&path, loc.offset + 100);
+    let v = Vault::open(&path).unwrap();
+    let err = v.verify(&mut |_| {}).unwrap_err().to_string();
+    assert!(err.contains("layer 1 expert 2"), "{err}");
+}
+
+#[test]
+fn flipped_dense_byte_fails_verify_naming_the_tensor() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("m.smoe");
+    write_tiny(&path);
+    let v = Vault::open(&path).unwrap();
+    let off = v.header().dense_offset + v.dense("layers.0.attn.k").unwrap().offset;
+    drop(v);
+    flip(&path, off + 1);
+    let err = Vault::open(&path).unwrap().verify(&mut |_| {}).unwrap_err().to_string();
+    assert!(err.contains("layers.0.attn.k"), "{err}");
+}
+
+#[test]
+fn bad_headers_are_refused_clearly() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("m.smoe");
+    write_tiny(&path);
+    let good = std::fs::read(&path).unwrap();
+
+    let mut b = good.clone();
+    b[0] = b'X';
+    std::fs::write(&path, &b).unwrap();
+    assert!(matches!(Vault::open(&path), Err(VaultError::BadMagic { .. })));
+
+    let mut b = good.clone();
+    b[8] = 2; // major version 2
+    std::fs::write(&path, &b).unwrap();
+    let e = Vault::open(&path).err().unwrap();
+    assert!(matches!(e, VaultError::UnsupportedVersion { major: 2, .. }), "{e}");
+
+    let mut b = good.clone();
+    b[30] ^= 1; // a header field without fixing the checksum
+    std::fs::write(&path, &b).unwrap();
+    assert!(matches!(Vault::open(&path), Err(VaultError::Checksum { .. })));
+
+    std::fs::write(&path, &good[..good.len() - 5000]).unwrap();
+    let e = Vault::open(&path).err().unwrap();
+    assert!(matches!(e, VaultError::Truncated { .. }), "{e}");
+    assert!(e.to_string().contains("truncated"));
+
+    std::fs::write(&path, &good[..50]).unwrap();
+    assert!(matches!(Vault::open(&path), Err(VaultError::Truncated { .. })));
+
+    std::fs::write(&path, b"").unwrap();
+    assert!(matches!(Vault::open(&path), Err(VaultError::Truncated { .. })));
+
+    // A corrupted manifest byte is caught by the manifest checksum.
+    std::fs::write(&path, &good).unwrap();
+    let h = Vault::open(&path).unwrap().header().clone();
+    flip(&path, h.manifest_offset + 10);
+    assert!(matches!(Vault::open(&path), Err(VaultError::Checksum { .. })));
+}
+
+#[test]
+fn unfinished_writer_leaves_nothing_behind() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("m.smoe");
+    {
+        let mut w = VaultWriter::create(&path).unwrap();
+        w.add_tensor("embed", Format::F32, &[2, 2], &[0u8; 16], "x").unwrap();
+        assert!(w.tmp_path().exists());
+    }
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+}
+
+#[test]
+fn manifest_inconsistent_with_architecture_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("m.smoe");
+    let arch = tiny_arch();
+    let mut w = VaultWriter::create(&path).unwrap();
+    // Only the embedding: everything else is missing.
+    w.add_tensor("embed", Format::F32, &[16, 32], &vec![0u8; 16 * 32 * 4], "x").unwrap();
+    let parts: Vec<_> = names::EXPERT_PARTS.iter().zip(names::expert_part_shapes(&arch)).map(|(n, s)| (n.to_string(), Format::F32, s)).collect();
+    let (parts, bs) = layout_blob(&parts, 4096).unwrap();
+    w.begin_experts(parts.clone(), bs, &arch.moe_layers(), 4).unwrap();
+    for l in 0..2 {
+        for e in 0..4 {
+            let d: Vec<Vec<u8>> = parts.iter().map(|p| vec![0; p.len as usize]).collect();
+            w.add_blob(l, e, &d.iter().map(|x| x.as_slice()).collect::<Vec<_>>()).unwrap();
+        }
+    }
+    w.finish(manifest(&arch)).unwrap();
+    let e = Vault::open(&path).err().unwrap().to_string();
+    assert!(e.contains("is missing"), "{e}");
+}

@@ -1,0 +1,267 @@
+//! Writing a vault: sequential, streaming, atomic.
+//!
+//! The writer fills a temporary file next to the destination (`OUT.smoe.tmp-PID`): a zeroed
+//! header page, the dense tensors, the expert blobs, then the manifest. Only `finish` writes the
+//! real header, fsyncs and renames the file into place, so an interrupted conversion (an error,
+//! a panic, a kill) never leaves a file under the destination name. Dropping an unfinished
+//! writer deletes the temporary file.
+
+use crate::header::{Header, DEFAULT_ALIGNMENT, FORMAT_MAJOR, FORMAT_MINOR};
+use crate::manifest::{DenseEntry, ExpertIndex, ExpertLayer, Manifest, PartEntry};
+use crate::VaultError;
+use smoe_quant::Format;
+use std::fs::File;
+use std::io::{BufWriter, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+use xxhash_rust::xxh3::Xxh3;
+
+/// Alignment of each dense tensor inside the dense region (enough for any SIMD load).
+pub const DENSE_TENSOR_ALIGN: u64 = 64;
+/// Alignment of each part inside an expert blob.
+pub const PART_ALIGN: u64 = 64;
+
+fn round_up(v: u64, a: u64) -> u64 {
+    v.div_ceil(a) * a
+}
+
+/// Lays out the parts of an expert blob; returns the parts with offsets and the blob size.
+pub fn layout_blob(parts: &[(String, Format, [usize; 2])], alignment: u32) -> Result<(Vec<PartEntry>, u64), VaultError> {
+    let mut off = 0u64;
+    let mut out = Vec::with_capacity(parts.len());
+    for (name, format, shape) in parts {
+        let row = format.row_bytes(shape[1]).map_err(|e| VaultError::Corrupt(format!("expert {name}: {e}")))?;
+        let len = (row * shape[0]) as u64;
+        out.push(PartEntry { name: name.clone(), format: *format, shape: *shape, offset: off, len });
+        off = round_up(off + len, PART_ALIGN);
+    }
+    Ok((out, round_up(off.max(1), alignment as u64)))
+}
+
+/// A vault being written. See the module documentation.
+pub struct VaultWriter {
+    final_path: PathBuf,
+    tmp_path: PathBuf,
+    out: Option<BufWriter<File>>,
+    pos: u64,
+    alignment: u32,
+    dense_offset: u64,
+    dense: Vec<DenseEntry>,
+    open_tensor: Option<(DenseEntry, Xxh3, u64)>,
+    experts_offset: u64,
+    experts: Option<ExpertIndex>,
+    next_blob: (usize, usize),
+    num_experts: usize,
+    blob_buf: Vec<u8>,
+}
+
+impl VaultWriter {
+    /// Starts writing to a temporary file beside `path`.
+    pub fn create(path: &Path) -> Result<VaultWriter, VaultError> {
+        let file_name = path.file_name().ok_or_else(|| VaultError::Corrupt(format!("bad output path {}", path.display())))?;
+        let tmp_path = path.with_file_name(format!("{}.tmp-{}", file_name.to_string_lossy(), std::process::id()));
+        let file = File::create(&tmp_path).map_err(|e| VaultError::io(&tmp_path, e))?;
+        let mut w = VaultWriter {
+            final_path: path.to_path_buf(),
+            tmp_path,
+            out: Some(BufWriter::with_capacity(8 << 20, file)),
+            pos: 0,
+            alignment: DEFAULT_ALIGNMENT,
+            dense_offset: 0,
+            dense: Vec::new(),
+            open_tensor: None,
+            experts_offset: 0,
+            experts: None,
+            next_blob: (0, 0),
+            num_experts: 0,
+            blob_buf: Vec::new(),
+        };
+        // The first page is the header, written last.
+        w.write_all(&vec![0u8; w.alignment as usize])?;
+        w.dense_offset = w.pos;
+        Ok(w)
+    }
+
+    /// The temporary file being written.
+    pub fn tmp_path(&self) -> &Path {
+        &self.tmp_path
+    }
+
+    fn write_all(&mut self, b: &[u8]) -> Result<(), VaultError> {
+        let out = self.out.as_mut().expect("writer used after finish");
+        out.write_all(b).map_err(|e| VaultError::io(&self.tmp_path, e))?;
+        self.pos += b.len() as u64;
+        Ok(())
+    }
+
+    fn pad_to(&mut self, align: u64) -> Result<(), VaultError> {
+        let target = round_up(self.pos, align);
+        const ZEROS: [u8; 4096] = [0; 4096];
+        while self.pos < target {
+            let n = ((target - self.pos) as usize).min(ZEROS.len());
+            self.write_all(&ZEROS[..n])?;
+        }
+        Ok(())
+    }
+
+    /// Begins a dense tensor whose bytes follow through [`write_tensor_bytes`](Self::write_tensor_bytes).
+    pub fn begin_tensor(&mut self, name: &str, format: Format, shape: &[usize], source: &str) -> Result<(), VaultError> {
+        if self.open_tensor.is_some() || self.experts.is_some() {
+            return Err(VaultError::Usage("begin_tensor while another tensor is open or after experts began"));
+        }
+        self.pad_to(DENSE_TENSOR_ALIGN)?;
+        let cols = *shape.last().unwrap_or(&0);
+        let rows: usize = shape[..shape.len().saturating_sub(1)].iter().product();
+        let len = (format.row_bytes(cols).map_err(|e| VaultError::Corrupt(format!("{name}: {e}")))? * rows.max(1)) as u64;
+        let entry = DenseEntry {
+            name: name.to_string(),
+            format,
+            shape: shape.to_vec(),
+            offset: self.pos - self.dense_offset,
+            len,
+            checksum: 0,
+            source: source.to_string(),
+        };
+        self.open_tensor = Some((entry, Xxh3::new(), 0));
+        Ok(())
+    }
+
+    /// Appends bytes of the open tensor.
+    pub fn write_tensor_bytes(&mut self, b: &[u8]) -> Result<(), VaultError> {
+        let Some((entry, hasher, written)) = self.open_tensor.as_mut() else {
+            return Err(VaultError::Usage("write_tensor_bytes without begin_tensor"));
+        };
+        if *written + b.len() as u64 > entry.len {
+            return Err(VaultError::Corrupt(format!("{}: more bytes than its shape holds", entry.name)));
+        }
+        hasher.update(b);
+        *written += b.len() as u64;
+        self.write_all(b)
+    }
+
+    /// Closes the open tensor, checking its length.
+    pub fn end_tensor(&mut self) -> Result<(), VaultError> {
+        let Some((mut entry, hasher, written)) = self.open_tensor.take() else {
+            return Err(VaultError::Usage("end_tensor without begin_tensor"));
+        };
+        if written != entry.len {
+            return Err(VaultError::Corrupt(format!("{}: wrote {written} bytes, shape needs {}", entry.name, entry.len)));
+        }
+        entry.checksum = hasher.digest();
+        self.dense.push(entry);
+        Ok(())
+    }
+
+    /// Writes a whole dense tensor at once.
+    pub fn add_tensor(&mut self, name: &str, format: Format, shape: &[usize], data: &[u8], source: &str) -> Result<(), VaultError> {
+        self.begin_tensor(name, format, shape, source)?;
+        self.write_tensor_bytes(data)?;
+        self.end_tensor()
+    }
+
+    /// Ends the dense region and starts the expert region. Blobs must then be added layer by
+    /// layer (in `moe_layers` order), expert by expert.
+    pub fn begin_experts(&mut self, parts: Vec<PartEntry>, blob_size: u64, moe_layers: &[usize], num_experts: usize) -> Result<(), VaultError> {
+        if self.open_tensor.is_some() {
+            return Err(VaultError::Usage("begin_experts with a tensor open"));
+        }
+        if blob_size % self.alignment as u64 != 0 {
+            return Err(VaultError::Corrupt(format!("blob size {blob_size} is not aligned")));
+        }
+        self.pad_to(self.alignment as u64)?;
+        self.experts_offset = self.pos;
+        self.num_experts = num_experts;
+        self.blob_buf = vec![0u8; blob_size as usize];
+        let layers = moe_layers.iter().map(|&layer| ExpertLayer { layer, checksums: Vec::with_capacity(num_experts) }).collect();
+        self.experts = Some(ExpertIndex { blob_size, parts, layers });
+        Ok(())
+    }
+
+    /// Writes the next blob from its parts' bytes (in part order); padding is zero-filled.
+    pub fn add_blob(&mut self, layer: usize, expert: usize, parts: &[&[u8]]) -> Result<(), VaultError> {
+        let idx = self.experts.as_ref().ok_or(VaultError::Usage("add_blob before begin_experts"))?;
+        let (li, e) = self.next_blob;
+        if li >= idx.layers.len() || idx.layers[li].layer != layer || e != expert {
+            return Err(VaultError::Usage("blobs must be added in layer and expert order"));
+        }
+        if parts.len() != idx.parts.len() {
+            return Err(VaultError::Usage("wrong number of blob parts"));
+        }
+        let mut buf = std::mem::take(&mut self.blob_buf);
+        buf.fill(0);
+        for (p, data) in idx.parts.iter().zip(parts) {
+            if data.len() as u64 != p.len {
+                return Err(VaultError::Corrupt(format!("layer {layer} expert {expert} {}: {} bytes, expected {}", p.name, data.len(), p.len)));
+            }
+            buf[p.offset as usize..(p.offset + p.len) as usize].copy_from_slice(data);
+        }
+        let sum = xxhash_rust::xxh3::xxh3_64(&buf);
+        let res = self.write_all(&buf);
+        self.blob_buf = buf;
+        res?;
+        let idx = self.experts.as_mut().unwrap();
+        idx.layers[li].checksums.push(sum);
+        self.next_blob = if e + 1 == self.num_experts { (li + 1, 0) } else { (li, e + 1) };
+        Ok(())
+    }
+
+    /// Writes the manifest and header, fsyncs and renames into place. `manifest.dense` and
+    /// `manifest.experts` are filled in by the writer.
+    pub fn finish(mut self, mut manifest: Manifest) -> Result<u64, VaultError> {
+        let idx = self.experts.take().ok_or(VaultError::Usage("finish before begin_experts"))?;
+        if idx.layers.iter().any(|l| l.checksums.len() != self.num_experts) {
+            return Err(VaultError::Usage("finish with blobs missing"));
+        }
+        let experts_len = self.pos - self.experts_offset;
+        let dense_len = self.experts_offset - self.dense_offset;
+        manifest.dense = std::mem::take(&mut self.dense);
+        manifest.experts = idx;
+        let json = serde_json::to_vec(&manifest).map_err(|e| VaultError::Corrupt(format!("manifest: {e}")))?;
+        self.pad_to(self.alignment as u64)?;
+        let manifest_offset = self.pos;
+        self.write_all(&json)?;
+        self.pad_to(self.alignment as u64)?;
+        let header = Header {
+            major: FORMAT_MAJOR,
+            minor: FORMAT_MINOR,
+            alignment: self.alignment,
+            file_len: self.pos,
+            manifest_offset,
+            manifest_len: json.len() as u64,
+            manifest_checksum: xxhash_rust::xxh3::xxh3_64(&json),
+            dense_offset: self.dense_offset,
+            dense_len,
+            experts_offset: self.experts_offset,
+            experts_len,
+        };
+        let out = self.out.take().unwrap();
+        let commit = || -> Result<(), VaultError> {
+            let mut file = out.into_inner().map_err(|e| VaultError::io(&self.tmp_path, e.into_error()))?;
+            let io = |e| VaultError::io(&self.tmp_path, e);
+            file.seek(SeekFrom::Start(0)).map_err(io)?;
+            file.write_all(&header.encode()).map_err(io)?;
+            file.sync_all().map_err(io)?;
+            drop(file);
+            std::fs::rename(&self.tmp_path, &self.final_path).map_err(|e| VaultError::io(&self.final_path, e))
+        };
+        if let Err(e) = commit() {
+            let _ = std::fs::remove_file(&self.tmp_path);
+            return Err(e);
+        }
+        if let Some(dir) = self.final_path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            // Make the rename itself durable; failure here is not worth failing the conversion.
+            if let Ok(d) = File::open(dir) {
+                let _ = d.sync_all();
+            }
+        }
+        Ok(header.file_len)
+    }
+}
+
+impl Drop for VaultWriter {
+    fn drop(&mut self) {
+        if self.out.is_some() {
+            self.out = None;
+            let _ = std::fs::remove_file(&self.tmp_path);
+        }
+    }
+}
