@@ -16,12 +16,15 @@ uses without an importance matrix), including their scale searches.
 pub mod blocks;
 pub mod half;
 mod kquants;
+mod matrix;
 mod simple;
 
 use std::fmt;
 use std::str::FromStr;
 
 pub use blocks::{QK, QK_K};
+pub use kquants::{scale_min_k4, unpack_q3_scales};
+pub use matrix::QMatrix;
 
 /// A tensor storage format. Discriminants are ggml's `ggml_type` ids.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

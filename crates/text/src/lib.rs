@@ -1,0 +1,25 @@
+/*!
+Text in and out of the model.
+
+- [`Tokenizer`]: a Hugging Face tokenizer.json through the `tokenizers` crate (pure-Rust regex,
+  no C dependencies).
+- [`ChatTemplate`]: the model's Jinja chat template rendered with minijinja, with the Python
+  behaviours Hugging Face templates rely on (string methods, `raise_exception`, a `tojson` that
+  prints like Python's `json.dumps`, `strftime_now`).
+- [`Detokenizer`]: turns a stream of ids into a stream of text that never splits a UTF-8
+  character and skips ids that have no token.
+- [`StopStrings`]: finds stop strings in streamed text without emitting a partial match.
+
+This crate knows nothing about models or sampling.
+*/
+#![deny(missing_docs)]
+
+mod detok;
+mod stop;
+mod template;
+mod tokenizer;
+
+pub use detok::Detokenizer;
+pub use stop::StopStrings;
+pub use template::{ChatTemplate, TemplateError};
+pub use tokenizer::{Tokenizer, TokenizerError};
