@@ -9,7 +9,11 @@ use smoe_quant::Format;
 use std::path::PathBuf;
 
 #[derive(Parser)]
-#[command(name = "smoe", version, about = "Run Mixture-of-Experts models larger than memory, streaming experts from SSD")]
+#[command(
+    name = "smoe",
+    version,
+    about = "Run Mixture-of-Experts models larger than memory, streaming experts from SSD"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -53,7 +57,10 @@ enum Command {
 
 fn main() {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("SMOE_LOG").unwrap_or_else(|_| "warn".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("SMOE_LOG")
+                .unwrap_or_else(|_| "warn".into()),
+        )
         .with_writer(std::io::stderr)
         .init();
     if let Err(e) = run(Cli::parse()) {
@@ -64,7 +71,13 @@ fn main() {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Shatter { input, out, experts, dense, threads } => cmd_vault::run_shatter(&input, &out, experts, dense, threads).map(|_| ()),
+        Command::Shatter {
+            input,
+            out,
+            experts,
+            dense,
+            threads,
+        } => cmd_vault::run_shatter(&input, &out, experts, dense, threads).map(|_| ()),
         Command::Inspect { vault, json } => cmd_vault::run_inspect(&vault, json),
         Command::Verify { vault } => cmd_vault::run_verify(&vault),
         Command::Demo { model } => demo(model),
@@ -73,12 +86,18 @@ fn run(cli: Cli) -> Result<()> {
 
 /// The bundled demo checkpoint, found relative to the source tree the binary was built from.
 fn bundled_model() -> PathBuf {
-    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../models/stdlib-moe"))
+    PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../models/stdlib-moe"
+    ))
 }
 
 fn demo(model: Option<PathBuf>) -> Result<()> {
     let model = model.unwrap_or_else(bundled_model);
-    let dir = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../target/smoe-demo"));
+    let dir = PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../target/smoe-demo"
+    ));
     std::fs::create_dir_all(&dir)?;
     let vault = dir.join("stdlib-moe.smoe");
     cmd_vault::run_shatter(&model, &vault, Format::Q4_K, Format::Q8_0, None)?;

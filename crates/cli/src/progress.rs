@@ -26,7 +26,13 @@ impl CliProgress {
             );
             b
         });
-        CliProgress { bar, total: AtomicU64::new(0), done: AtomicU64::new(0), last_logged: Mutex::new((Instant::now(), 0)), started: Instant::now() }
+        CliProgress {
+            bar,
+            total: AtomicU64::new(0),
+            done: AtomicU64::new(0),
+            last_logged: Mutex::new((Instant::now(), 0)),
+            started: Instant::now(),
+        }
     }
 }
 

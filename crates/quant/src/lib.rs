@@ -185,7 +185,11 @@ impl Format {
     /// Bytes of one row of `cols` elements.
     pub fn row_bytes(self, cols: usize) -> Result<usize, QuantError> {
         if !self.fits(cols) {
-            return Err(QuantError::RowLength { format: self, block: self.block_elems(), cols });
+            return Err(QuantError::RowLength {
+                format: self,
+                block: self.block_elems(),
+                cols,
+            });
         }
         Ok(cols / self.block_elems() * self.block_bytes())
     }
@@ -199,7 +203,9 @@ impl Format {
             Format::Q4_K => Format::Q5_0,
             Format::Q5_K => Format::Q5_1,
             Format::Q6_K => Format::Q8_0,
-            Format::Q8_0 | Format::Q4_0 | Format::Q4_1 | Format::Q5_0 | Format::Q5_1 => Format::BF16,
+            Format::Q8_0 | Format::Q4_0 | Format::Q4_1 | Format::Q5_0 | Format::Q5_1 => {
+                Format::BF16
+            }
             f => f,
         }
     }
@@ -235,7 +241,10 @@ impl FromStr for Format {
 fn check_sizes(format: Format, n: usize, bytes: usize) -> Result<(), QuantError> {
     let expected = format.row_bytes(n)?;
     if bytes != expected {
-        return Err(QuantError::BufferSize { expected, got: bytes });
+        return Err(QuantError::BufferSize {
+            expected,
+            got: bytes,
+        });
     }
     Ok(())
 }

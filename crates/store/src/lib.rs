@@ -76,7 +76,10 @@ impl BlobLayout {
     pub fn of(vault: &Vault) -> BlobLayout {
         let x = &vault.manifest().experts;
         // The reader validated three parts named gate, up, down.
-        BlobLayout { parts: [x.parts[0].clone(), x.parts[1].clone(), x.parts[2].clone()], blob_size: x.blob_size as usize }
+        BlobLayout {
+            parts: [x.parts[0].clone(), x.parts[1].clone(), x.parts[2].clone()],
+            blob_size: x.blob_size as usize,
+        }
     }
 
     /// Views a blob's bytes as an expert.
@@ -87,7 +90,11 @@ impl BlobLayout {
             cols: p.shape[1],
             data: &blob[p.offset as usize..(p.offset + p.len) as usize],
         };
-        ExpertView { gate: m(&self.parts[0]), up: m(&self.parts[1]), down: m(&self.parts[2]) }
+        ExpertView {
+            gate: m(&self.parts[0]),
+            up: m(&self.parts[1]),
+            down: m(&self.parts[2]),
+        }
     }
 }
 
@@ -112,7 +119,12 @@ pub trait ExpertSource: Send + Sync {
     /// Calls `f(i, view)` once for each `experts[i]` of decoder layer `layer`, as soon as its
     /// weights are in memory (resident ones first, then in completion order). The view is only
     /// valid during the call: the slot is pinned for exactly that long.
-    fn with_experts(&self, layer: usize, experts: &[u32], f: &mut dyn FnMut(usize, ExpertView<'_>)) -> Result<(), StoreError>;
+    fn with_experts(
+        &self,
+        layer: usize,
+        experts: &[u32],
+        f: &mut dyn FnMut(usize, ExpertView<'_>),
+    ) -> Result<(), StoreError>;
 
     /// Counters since creation.
     fn stats(&self) -> StoreStats;

@@ -1,0 +1,205 @@
+//! The backend boundary: every numeric operation of the forward pass, on buffers the backend
+//! owns.
+//!
+//! The decoder is generic over [`Backend`] and never touches activation memory directly: it
+//! allocates buffers, uploads token embeddings' inputs and small host tables, calls ops, and
+//! downloads only what the host must see (router logits, final logits). A GPU backend can hold
+//! the dense weights, activations and the KV cache in device memory behind the same calls.
+//! Routed experts arrive as host [`QMatrix`] views from the expert store
+//! ([`Backend::matmul_host`]).
+
+use smoe_quant::{Format, QMatrix};
+use std::sync::Arc;
+
+/// Shape of one layer's KV cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvShape {
+    /// Key/value heads.
+    pub heads: usize,
+    /// Key dimensions per head.
+    pub k_dim: usize,
+    /// Value dimensions per head.
+    pub v_dim: usize,
+    /// Values are the first `v_dim` dimensions of each key row (multi-head latent attention
+    /// caches one latent per position for both).
+    pub values_in_keys: bool,
+}
+
+/// Parameters of one attention call.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnParams {
+    /// Query heads.
+    pub q_heads: usize,
+    /// Softmax scale applied to q·k.
+    pub scale: f32,
+}
+
+/// A numeric backend. See the module documentation.
+pub trait Backend: Send + Sync {
+    /// An f32 activation buffer.
+    type Buf: Send;
+    /// A weight matrix resident on the backend.
+    type Matrix: Send + Sync;
+    /// A resident f32 vector (norm weights, biases).
+    type Vector: Send + Sync;
+    /// The KV cache of all layers of one sequence.
+    type KvCache: Send;
+
+    /// Human-readable description (ISA, threads).
+    fn describe(&self) -> String;
+
+    /// Makes a matrix from `rows x cols` elements in `format` at `offset` in `region` (the
+    /// vault's dense region, shared so the CPU backend needs no copy).
+    fn matrix(
+        &self,
+        region: &Arc<Vec<u8>>,
+        offset: usize,
+        format: Format,
+        rows: usize,
+        cols: usize,
+    ) -> Self::Matrix;
+    /// Makes a vector.
+    fn vector(&self, v: &[f32]) -> Self::Vector;
+    /// Allocates a zeroed buffer of `len` floats.
+    fn buf(&self, len: usize) -> Self::Buf;
+    /// Allocates an empty KV cache for layers of the given shapes.
+    fn kv_cache(&self, layers: &[KvShape]) -> Self::KvCache;
+    /// Positions the cache has room for without growing.
+    fn kv_capacity(&self, cache: &Self::KvCache) -> usize;
+    /// Bytes the cache holds now.
+    fn kv_bytes(&self, cache: &Self::KvCache) -> usize;
+
+    /// Copies host data into the start of a buffer.
+    fn upload(&self, dst: &mut Self::Buf, src: &[f32]);
+    /// Copies `dst.len()` floats from `offset` in a buffer to the host.
+    fn download(&self, src: &Self::Buf, offset: usize, dst: &mut [f32]);
+
+    /// Rows `ids` of an embedding table into `out[n, cols]`.
+    fn embed(&self, table: &Self::Matrix, ids: &[u32], out: &mut Self::Buf);
+    /// `out[t, r] = Σ_c w[r0 + r, c] · x[t, c]` for `t < n`, over rows `r0..r0 + m` of `w`
+    /// (`rows = None`: all rows). `x` rows are `cols` long, `out` rows `m` long.
+    fn matmul(
+        &self,
+        w: &Self::Matrix,
+        rows: Option<(usize, usize)>,
+        x: &Self::Buf,
+        n: usize,
+        out: &mut Self::Buf,
+    );
+    /// As [`matmul`](Self::matmul) for a matrix in host memory (a routed expert in the cache).
+    fn matmul_host(&self, w: &QMatrix<'_>, x: &Self::Buf, n: usize, out: &mut Self::Buf);
+    /// Transposed product over a row range: `out[t, c] = Σ_r w[r0 + r, c] · x[t, x_off + r]`,
+    /// `x` rows `x_stride` long, `out` rows `cols` long (MLA's absorbed key projection).
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_t(
+        &self,
+        w: &Self::Matrix,
+        r0: usize,
+        m: usize,
+        x: &Self::Buf,
+        x_stride: usize,
+        x_off: usize,
+        n: usize,
+        out: &mut Self::Buf,
+    );
+
+    /// `out[i] = x[i] / rms(x[i]) * w` for each of `n` rows of `dim` (`out` may be `x`'s copy).
+    fn rms_norm(
+        &self,
+        x: &Self::Buf,
+        n: usize,
+        dim: usize,
+        w: &Self::Vector,
+        eps: f32,
+        out: &mut Self::Buf,
+    );
+    /// In place over `n` segments of `dim` that start every `stride` floats, at offset `off`.
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm_strided(
+        &self,
+        x: &mut Self::Buf,
+        n: usize,
+        stride: usize,
+        off: usize,
+        dim: usize,
+        w: &Self::Vector,
+        eps: f32,
+    );
+    /// `x[t, :] += b` for `n` rows.
+    fn add_bias(&self, x: &mut Self::Buf, n: usize, b: &Self::Vector);
+    /// `x[i] += y[i]` for the first `len` floats.
+    fn add(&self, x: &mut Self::Buf, y: &Self::Buf, len: usize);
+    /// `g[i] = silu(g[i]) * u[i]` for the first `len` floats.
+    fn silu_mul(&self, g: &mut Self::Buf, u: &Self::Buf, len: usize);
+    /// Rotates `heads` heads per token: head `h` of token `t` starts at
+    /// `t * stride + off + h * head_stride`; `cos`/`sin` hold `rotary_dim / 2` values per token.
+    #[allow(clippy::too_many_arguments)]
+    fn rope(
+        &self,
+        x: &mut Self::Buf,
+        n: usize,
+        stride: usize,
+        off: usize,
+        heads: usize,
+        head_stride: usize,
+        cos: &[f32],
+        sin: &[f32],
+        interleaved: bool,
+    );
+    /// Copies `width` floats of each of `n` rows from `src` (row stride `src_stride`, offset
+    /// `src_off`) to `dst` (row stride `dst_stride`, offset `dst_off`).
+    #[allow(clippy::too_many_arguments)]
+    fn copy_strided(
+        &self,
+        src: &Self::Buf,
+        src_stride: usize,
+        src_off: usize,
+        dst: &mut Self::Buf,
+        dst_stride: usize,
+        dst_off: usize,
+        width: usize,
+        n: usize,
+    );
+    /// `dst[i, :] = src[rows[i], :]` for rows of `dim`.
+    fn gather_rows(&self, src: &Self::Buf, dim: usize, rows: &[usize], dst: &mut Self::Buf);
+    /// `dst[rows[i], :] = src[i, :]` for rows of `dim`.
+    fn scatter_rows(&self, src: &Self::Buf, dim: usize, rows: &[usize], dst: &mut Self::Buf);
+    /// `out[t, :] += Σ_s weights[t * k + s] · src[t * k + s, :]` for `n` tokens, in slot order.
+    fn add_weighted_slots(
+        &self,
+        src: &Self::Buf,
+        dim: usize,
+        n: usize,
+        k: usize,
+        weights: &[f32],
+        out: &mut Self::Buf,
+    );
+    /// `x[t, :] *= s[t]`.
+    fn scale_rows(&self, x: &mut Self::Buf, dim: usize, s: &[f32]);
+
+    /// Stores `n` key (and value) rows for positions `pos0..pos0 + n` of `layer`.
+    #[allow(clippy::too_many_arguments)]
+    fn kv_store(
+        &self,
+        cache: &mut Self::KvCache,
+        layer: usize,
+        pos0: usize,
+        n: usize,
+        k: &Self::Buf,
+        k_stride: usize,
+        v: Option<(&Self::Buf, usize)>,
+    );
+    /// Causal attention of `n` queries at positions `pos0..` over cached positions
+    /// `0..pos0 + n`: `q` rows hold `q_heads * k_dim` values, `out` rows `q_heads * v_dim`.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        cache: &Self::KvCache,
+        layer: usize,
+        q: &Self::Buf,
+        n: usize,
+        pos0: usize,
+        p: AttnParams,
+        out: &mut Self::Buf,
+    );
+}

@@ -1,0 +1,364 @@
+//! The CPU backend.
+//!
+//! `Precision::Reference` computes in f32 on dequantized weights: the correctness path that
+//! `smoe score` uses and that tests compare with transformers. Work is spread over rayon's pool
+//! when an op is big enough to be worth it.
+
+mod attention;
+mod matmul;
+
+use crate::backend::{AttnParams, Backend, KvShape};
+use smoe_quant::{Format, QMatrix};
+use std::sync::Arc;
+
+/// How matrix products are computed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Precision {
+    /// f32 arithmetic on dequantized weights.
+    Reference,
+}
+
+/// The CPU backend.
+#[derive(Clone, Debug)]
+pub struct CpuBackend {
+    precision: Precision,
+}
+
+impl CpuBackend {
+    /// A backend computing at `precision`.
+    pub fn new(precision: Precision) -> CpuBackend {
+        CpuBackend { precision }
+    }
+}
+
+/// A matrix held by the CPU backend: a window of the shared dense region.
+pub struct CpuMatrix {
+    region: Arc<Vec<u8>>,
+    offset: usize,
+    len: usize,
+    format: Format,
+    rows: usize,
+    cols: usize,
+}
+
+impl CpuMatrix {
+    fn view(&self) -> QMatrix<'_> {
+        QMatrix {
+            format: self.format,
+            rows: self.rows,
+            cols: self.cols,
+            data: &self.region[self.offset..self.offset + self.len],
+        }
+    }
+}
+
+/// One layer's cache: keys `[pos, heads, k_dim]`, values `[pos, heads, v_dim]`.
+struct KvLayer {
+    shape: KvShape,
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+/// The KV cache of one sequence.
+pub struct CpuKvCache {
+    layers: Vec<KvLayer>,
+}
+
+impl Backend for CpuBackend {
+    type Buf = Vec<f32>;
+    type Matrix = CpuMatrix;
+    type Vector = Vec<f32>;
+    type KvCache = CpuKvCache;
+
+    fn describe(&self) -> String {
+        format!(
+            "cpu ({:?}, {} threads)",
+            self.precision,
+            rayon::current_num_threads()
+        )
+    }
+
+    fn matrix(
+        &self,
+        region: &Arc<Vec<u8>>,
+        offset: usize,
+        format: Format,
+        rows: usize,
+        cols: usize,
+    ) -> CpuMatrix {
+        let len = format
+            .row_bytes(cols)
+            .expect("validated by the vault reader")
+            * rows;
+        CpuMatrix {
+            region: region.clone(),
+            offset,
+            len,
+            format,
+            rows,
+            cols,
+        }
+    }
+    fn vector(&self, v: &[f32]) -> Vec<f32> {
+        v.to_vec()
+    }
+    fn buf(&self, len: usize) -> Vec<f32> {
+        vec![0.0; len]
+    }
+    fn kv_cache(&self, layers: &[KvShape]) -> CpuKvCache {
+        CpuKvCache {
+            layers: layers
+                .iter()
+                .map(|&shape| KvLayer {
+                    shape,
+                    k: Vec::new(),
+                    v: Vec::new(),
+                })
+                .collect(),
+        }
+    }
+    fn kv_capacity(&self, cache: &CpuKvCache) -> usize {
+        cache
+            .layers
+            .iter()
+            .map(|l| l.k.capacity() / (l.shape.heads * l.shape.k_dim).max(1))
+            .min()
+            .unwrap_or(0)
+    }
+    fn kv_bytes(&self, cache: &CpuKvCache) -> usize {
+        cache
+            .layers
+            .iter()
+            .map(|l| (l.k.len() + l.v.len()) * 4)
+            .sum()
+    }
+
+    fn upload(&self, dst: &mut Vec<f32>, src: &[f32]) {
+        dst[..src.len()].copy_from_slice(src);
+    }
+    fn download(&self, src: &Vec<f32>, offset: usize, dst: &mut [f32]) {
+        dst.copy_from_slice(&src[offset..offset + dst.len()]);
+    }
+
+    fn embed(&self, table: &CpuMatrix, ids: &[u32], out: &mut Vec<f32>) {
+        let v = table.view();
+        for (t, &id) in ids.iter().enumerate() {
+            v.dequantize_row(id as usize, &mut out[t * v.cols..(t + 1) * v.cols]);
+        }
+    }
+    fn matmul(
+        &self,
+        w: &CpuMatrix,
+        rows: Option<(usize, usize)>,
+        x: &Vec<f32>,
+        n: usize,
+        out: &mut Vec<f32>,
+    ) {
+        let v = w.view();
+        let v = match rows {
+            Some((r0, m)) => v.slice_rows(r0, m),
+            None => v,
+        };
+        matmul::matmul_ref(&v, x, n, out);
+    }
+    fn matmul_host(&self, w: &QMatrix<'_>, x: &Vec<f32>, n: usize, out: &mut Vec<f32>) {
+        matmul::matmul_ref(w, x, n, out);
+    }
+    fn matmul_t(
+        &self,
+        w: &CpuMatrix,
+        r0: usize,
+        m: usize,
+        x: &Vec<f32>,
+        x_stride: usize,
+        x_off: usize,
+        n: usize,
+        out: &mut Vec<f32>,
+    ) {
+        matmul::matmul_t_ref(&w.view().slice_rows(r0, m), x, x_stride, x_off, n, out);
+    }
+
+    fn rms_norm(
+        &self,
+        x: &Vec<f32>,
+        n: usize,
+        dim: usize,
+        w: &Vec<f32>,
+        eps: f32,
+        out: &mut Vec<f32>,
+    ) {
+        for t in 0..n {
+            let src = &x[t * dim..(t + 1) * dim];
+            let scale = rms_scale(src, eps);
+            for ((o, &v), &g) in out[t * dim..(t + 1) * dim].iter_mut().zip(src).zip(w) {
+                *o = g * (v * scale);
+            }
+        }
+    }
+    fn rms_norm_strided(
+        &self,
+        x: &mut Vec<f32>,
+        n: usize,
+        stride: usize,
+        off: usize,
+        dim: usize,
+        w: &Vec<f32>,
+        eps: f32,
+    ) {
+        for t in 0..n {
+            let seg = &mut x[t * stride + off..t * stride + off + dim];
+            let scale = rms_scale(seg, eps);
+            for (v, &g) in seg.iter_mut().zip(w) {
+                *v = g * (*v * scale);
+            }
+        }
+    }
+    fn add_bias(&self, x: &mut Vec<f32>, n: usize, b: &Vec<f32>) {
+        for row in x[..n * b.len()].chunks_exact_mut(b.len()) {
+            for (v, &bb) in row.iter_mut().zip(b) {
+                *v += bb;
+            }
+        }
+    }
+    fn add(&self, x: &mut Vec<f32>, y: &Vec<f32>, len: usize) {
+        for (a, &b) in x[..len].iter_mut().zip(&y[..len]) {
+            *a += b;
+        }
+    }
+    fn silu_mul(&self, g: &mut Vec<f32>, u: &Vec<f32>, len: usize) {
+        for (a, &b) in g[..len].iter_mut().zip(&u[..len]) {
+            *a = *a / (1.0 + (-*a).exp()) * b;
+        }
+    }
+    fn rope(
+        &self,
+        x: &mut Vec<f32>,
+        n: usize,
+        stride: usize,
+        off: usize,
+        heads: usize,
+        head_stride: usize,
+        cos: &[f32],
+        sin: &[f32],
+        interleaved: bool,
+    ) {
+        let half = cos.len() / n.max(1);
+        for t in 0..n {
+            let (c, s) = (
+                &cos[t * half..(t + 1) * half],
+                &sin[t * half..(t + 1) * half],
+            );
+            for h in 0..heads {
+                let base = t * stride + off + h * head_stride;
+                for i in 0..half {
+                    let (ia, ib) = if interleaved {
+                        (base + 2 * i, base + 2 * i + 1)
+                    } else {
+                        (base + i, base + i + half)
+                    };
+                    let (a, b) = (x[ia], x[ib]);
+                    x[ia] = a * c[i] - b * s[i];
+                    x[ib] = b * c[i] + a * s[i];
+                }
+            }
+        }
+    }
+    fn copy_strided(
+        &self,
+        src: &Vec<f32>,
+        src_stride: usize,
+        src_off: usize,
+        dst: &mut Vec<f32>,
+        dst_stride: usize,
+        dst_off: usize,
+        width: usize,
+        n: usize,
+    ) {
+        for t in 0..n {
+            dst[t * dst_stride + dst_off..t * dst_stride + dst_off + width]
+                .copy_from_slice(&src[t * src_stride + src_off..t * src_stride + src_off + width]);
+        }
+    }
+    fn gather_rows(&self, src: &Vec<f32>, dim: usize, rows: &[usize], dst: &mut Vec<f32>) {
+        for (i, &r) in rows.iter().enumerate() {
+            dst[i * dim..(i + 1) * dim].copy_from_slice(&src[r * dim..(r + 1) * dim]);
+        }
+    }
+    fn scatter_rows(&self, src: &Vec<f32>, dim: usize, rows: &[usize], dst: &mut Vec<f32>) {
+        for (i, &r) in rows.iter().enumerate() {
+            dst[r * dim..(r + 1) * dim].copy_from_slice(&src[i * dim..(i + 1) * dim]);
+        }
+    }
+    fn add_weighted_slots(
+        &self,
+        src: &Vec<f32>,
+        dim: usize,
+        n: usize,
+        k: usize,
+        weights: &[f32],
+        out: &mut Vec<f32>,
+    ) {
+        for t in 0..n {
+            let o = &mut out[t * dim..(t + 1) * dim];
+            for s in 0..k {
+                let w = weights[t * k + s];
+                let row = &src[(t * k + s) * dim..(t * k + s + 1) * dim];
+                for (a, &b) in o.iter_mut().zip(row) {
+                    *a += w * b;
+                }
+            }
+        }
+    }
+    fn scale_rows(&self, x: &mut Vec<f32>, dim: usize, s: &[f32]) {
+        for (row, &f) in x.chunks_exact_mut(dim).zip(s) {
+            for v in row {
+                *v *= f;
+            }
+        }
+    }
+
+    fn kv_store(
+        &self,
+        cache: &mut CpuKvCache,
+        layer: usize,
+        pos0: usize,
+        n: usize,
+        k: &Vec<f32>,
+        k_stride: usize,
+        v: Option<(&Vec<f32>, usize)>,
+    ) {
+        let l = &mut cache.layers[layer];
+        let kw = l.shape.heads * l.shape.k_dim;
+        l.k.resize((pos0 + n) * kw, 0.0);
+        for t in 0..n {
+            l.k[(pos0 + t) * kw..(pos0 + t + 1) * kw]
+                .copy_from_slice(&k[t * k_stride..t * k_stride + kw]);
+        }
+        if let Some((v, v_stride)) = v {
+            let vw = l.shape.heads * l.shape.v_dim;
+            l.v.resize((pos0 + n) * vw, 0.0);
+            for t in 0..n {
+                l.v[(pos0 + t) * vw..(pos0 + t + 1) * vw]
+                    .copy_from_slice(&v[t * v_stride..t * v_stride + vw]);
+            }
+        }
+    }
+    fn attention(
+        &self,
+        cache: &CpuKvCache,
+        layer: usize,
+        q: &Vec<f32>,
+        n: usize,
+        pos0: usize,
+        p: AttnParams,
+        out: &mut Vec<f32>,
+    ) {
+        attention::attention_ref(&cache.layers[layer], q, n, pos0, p, out);
+    }
+}
+
+/// `1 / sqrt(mean(x²) + eps)`, accumulated in f64.
+fn rms_scale(x: &[f32], eps: f32) -> f32 {
+    let ss: f64 = x.iter().map(|&v| (v as f64) * (v as f64)).sum();
+    (1.0 / ((ss / x.len() as f64) as f32 + eps).sqrt()) as f32
+}

@@ -1,0 +1,506 @@
+//! The forward pass: one loop over layers for any family, any number of tokens.
+//!
+//! Prefill and decode are the same code: `n` new tokens at positions `pos..pos + n` (decode is
+//! `n = 1`). Long inputs run in chunks so buffers stay bounded. Every buffer lives in [`State`]
+//! and is reused: no allocation per token once a sequence has warmed up.
+
+use crate::backend::{AttnParams, Backend};
+use crate::model::{
+    Attention, FeedForward, LatentAttention, Layer, Mlp, Model, MoeBlock, StandardAttention,
+};
+use crate::routing::RouteScratch;
+use crate::EngineError;
+use smoe_store::ExpertView;
+
+/// Which logits a forward call returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logits {
+    /// Only the last position's (generation).
+    Last,
+    /// Every position's (scoring).
+    All,
+}
+
+/// Sees what the forward pass does. All methods default to nothing.
+pub trait Observer {
+    /// Routing of one token at one MoE layer: chosen experts, their mixing weights, and the
+    /// scores the choice was made on (for every expert).
+    fn route(
+        &mut self,
+        _layer: usize,
+        _pos: usize,
+        _experts: &[u32],
+        _weights: &[f32],
+        _choice: &[f32],
+    ) {
+    }
+}
+
+/// An observer that watches nothing.
+pub struct NoObserver;
+impl Observer for NoObserver {}
+
+/// Activation buffers for up to `chunk` tokens.
+struct Buffers<B: Backend> {
+    x: B::Buf,
+    h: B::Buf,
+    q: B::Buf,
+    k: B::Buf,
+    v: B::Buf,
+    att: B::Buf,
+    tmp: B::Buf,
+    tmp2: B::Buf,
+    g: B::Buf,
+    u: B::Buf,
+    d: B::Buf,
+    xe: B::Buf,
+    slots: B::Buf,
+    router: B::Buf,
+    logits: B::Buf,
+}
+
+/// Host-side scratch.
+#[derive(Default)]
+struct HostScratch {
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+    router: Vec<f32>,
+    ids: Vec<u32>,
+    weights: Vec<f32>,
+    route: RouteScratch,
+    needed: Vec<u32>,
+    starts: Vec<usize>,
+    order: Vec<usize>,
+    tokens: Vec<usize>,
+    slot_rows: Vec<usize>,
+    gate: Vec<f32>,
+}
+
+/// One sequence: its KV cache, position and scratch. Reset by dropping back to position 0.
+pub struct State<B: Backend> {
+    kv: B::KvCache,
+    pos: usize,
+    chunk: usize,
+    buf: Buffers<B>,
+    host: HostScratch,
+    /// Logits of the last forward call.
+    logits: Vec<f32>,
+}
+
+impl<B: Backend> State<B> {
+    /// Tokens in the cache.
+    pub fn pos(&self) -> usize {
+        self.pos
+    }
+    /// Forgets everything after the first `pos` tokens (prefix reuse keeps the rest).
+    pub fn truncate(&mut self, pos: usize) {
+        self.pos = self.pos.min(pos);
+    }
+    /// The KV cache.
+    pub fn kv(&self) -> &B::KvCache {
+        &self.kv
+    }
+}
+
+impl<B: Backend> Model<B> {
+    /// A fresh sequence that runs prefill in chunks of up to `chunk` tokens.
+    pub fn new_state(&self, chunk: usize) -> State<B> {
+        let a = &self.arch;
+        let c = chunk.max(1);
+        let be = &self.backend;
+        let (h, k) = (a.hidden_size, self.router.top_k());
+        let (q_w, kv_w, att_w) = match &a.mla {
+            Some(m) => {
+                let qk = m.qk_nope_head_dim + m.qk_rope_head_dim;
+                let lat = m.kv_lora_rank + m.qk_rope_head_dim;
+                (
+                    a.num_heads * qk.max(lat),
+                    lat.max(m.q_lora_rank.unwrap_or(0)),
+                    a.num_heads * m.kv_lora_rank.max(m.v_head_dim),
+                )
+            }
+            None => (
+                a.num_heads * a.head_dim,
+                a.num_kv_heads * a.head_dim,
+                a.num_heads * a.head_dim,
+            ),
+        };
+        let ffn_w = [
+            a.dense_intermediate_size,
+            a.moe.intermediate_size,
+            a.moe
+                .shared_experts
+                .as_ref()
+                .map_or(0, |s| s.intermediate_size),
+        ]
+        .into_iter()
+        .max()
+        .unwrap();
+        let tmp_w = q_w.max(h).max(att_w);
+        State {
+            kv: be.kv_cache(&self.kv_shapes()),
+            pos: 0,
+            chunk: c,
+            buf: Buffers {
+                x: be.buf(c * h),
+                h: be.buf(c * h),
+                q: be.buf(c * q_w),
+                k: be.buf(c * kv_w.max(h)),
+                v: be.buf(c * kv_w),
+                att: be.buf(c * att_w),
+                tmp: be.buf(c * tmp_w),
+                tmp2: be.buf(c * tmp_w),
+                g: be.buf(c * ffn_w),
+                u: be.buf(c * ffn_w),
+                d: be.buf(c * h),
+                xe: be.buf(c * h),
+                slots: be.buf(c * k * h),
+                router: be.buf(c * a.moe.num_experts),
+                logits: be.buf(c * a.vocab_size),
+            },
+            host: HostScratch::default(),
+            logits: Vec::new(),
+        }
+    }
+
+    /// Runs `tokens` through the model after the state's current position and returns the
+    /// requested logits (`[vocab]` for [`Logits::Last`], `[n, vocab]` for [`Logits::All`]).
+    pub fn forward<'s>(
+        &self,
+        st: &'s mut State<B>,
+        tokens: &[u32],
+        want: Logits,
+        obs: &mut dyn Observer,
+    ) -> Result<&'s [f32], EngineError> {
+        let vocab = self.arch.vocab_size;
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(EngineError::Input(format!(
+                "token id {bad} is outside the vocabulary of {vocab}"
+            )));
+        }
+        if tokens.is_empty() {
+            return Err(EngineError::Input("no tokens to run".into()));
+        }
+        st.logits.clear();
+        if want == Logits::All {
+            st.logits.reserve(tokens.len() * vocab);
+        }
+        for chunk in tokens.chunks(st.chunk) {
+            self.forward_chunk(st, chunk, want, obs)?;
+        }
+        Ok(&st.logits)
+    }
+
+    fn forward_chunk(
+        &self,
+        st: &mut State<B>,
+        tokens: &[u32],
+        want: Logits,
+        obs: &mut dyn Observer,
+    ) -> Result<(), EngineError> {
+        let be = &self.backend;
+        let (n, hd) = (tokens.len(), self.arch.hidden_size);
+        let pos = st.pos;
+        be.embed(&self.embed, tokens, &mut st.buf.x);
+        self.rope.fill(pos, n, &mut st.host.cos, &mut st.host.sin);
+        for (li, layer) in self.layers.iter().enumerate() {
+            self.layer(li, layer, st, n, pos, obs)?;
+        }
+        let b = &mut st.buf;
+        be.rms_norm(&b.x, n, hd, &self.final_norm, self.eps, &mut b.h);
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        let vocab = self.arch.vocab_size;
+        match want {
+            Logits::All => {
+                be.matmul(head, None, &b.h, n, &mut b.logits);
+                let start = st.logits.len();
+                st.logits.resize(start + n * vocab, 0.0);
+                be.download(&b.logits, 0, &mut st.logits[start..]);
+            }
+            Logits::Last => {
+                be.copy_strided(&b.h, hd, (n - 1) * hd, &mut b.tmp, hd, 0, hd, 1);
+                be.matmul(head, None, &b.tmp, 1, &mut b.logits);
+                st.logits.resize(vocab, 0.0);
+                be.download(&b.logits, 0, &mut st.logits);
+            }
+        }
+        st.pos += n;
+        Ok(())
+    }
+
+    fn layer(
+        &self,
+        li: usize,
+        layer: &Layer<B>,
+        st: &mut State<B>,
+        n: usize,
+        pos: usize,
+        obs: &mut dyn Observer,
+    ) -> Result<(), EngineError> {
+        let be = &self.backend;
+        let hd = self.arch.hidden_size;
+        be.rms_norm(&st.buf.x, n, hd, &layer.attn_norm, self.eps, &mut st.buf.h);
+        match &layer.attn {
+            Attention::Standard(a) => self.standard_attention(li, a, st, n, pos),
+            Attention::Latent(a) => self.latent_attention(li, a, st, n, pos),
+        }
+        let b = &mut st.buf;
+        be.add(&mut b.x, &b.d, n * hd);
+        be.rms_norm(&b.x, n, hd, &layer.ffn_norm, self.eps, &mut b.h);
+        match &layer.ffn {
+            FeedForward::Dense(m) => {
+                self.mlp(m, st, n);
+                be.add(&mut st.buf.x, &st.buf.d, n * hd);
+            }
+            FeedForward::Moe(m) => self.moe(li, m, st, n, pos, obs)?,
+        }
+        Ok(())
+    }
+
+    /// GQA attention; leaves the projected output in `d`.
+    fn standard_attention(
+        &self,
+        li: usize,
+        a: &StandardAttention<B>,
+        st: &mut State<B>,
+        n: usize,
+        pos: usize,
+    ) {
+        let (be, ar) = (&self.backend, &self.arch);
+        let b = &mut st.buf;
+        let (nh, nkv, hdim) = (ar.num_heads, ar.num_kv_heads, ar.head_dim);
+        be.matmul(&a.q, None, &b.h, n, &mut b.q);
+        be.matmul(&a.k, None, &b.h, n, &mut b.k);
+        be.matmul(&a.v, None, &b.h, n, &mut b.v);
+        if let Some([qb, kb, vb]) = &a.bias {
+            be.add_bias(&mut b.q, n, qb);
+            be.add_bias(&mut b.k, n, kb);
+            be.add_bias(&mut b.v, n, vb);
+        }
+        match &a.qk_norm {
+            Some((smoe_vault::QkNorm::PerHead, qn, kn)) => {
+                be.rms_norm_strided(&mut b.q, n * nh, hdim, 0, hdim, qn, self.eps);
+                be.rms_norm_strided(&mut b.k, n * nkv, hdim, 0, hdim, kn, self.eps);
+            }
+            Some((_, qn, kn)) => {
+                be.rms_norm_strided(&mut b.q, n, nh * hdim, 0, nh * hdim, qn, self.eps);
+                be.rms_norm_strided(&mut b.k, n, nkv * hdim, 0, nkv * hdim, kn, self.eps);
+            }
+            None => {}
+        }
+        let (cos, sin, il) = (&st.host.cos, &st.host.sin, self.rope.interleaved);
+        be.rope(&mut b.q, n, nh * hdim, 0, nh, hdim, cos, sin, il);
+        be.rope(&mut b.k, n, nkv * hdim, 0, nkv, hdim, cos, sin, il);
+        be.kv_store(
+            &mut st.kv,
+            li,
+            pos,
+            n,
+            &b.k,
+            nkv * hdim,
+            Some((&b.v, nkv * hdim)),
+        );
+        be.attention(
+            &st.kv,
+            li,
+            &b.q,
+            n,
+            pos,
+            AttnParams {
+                q_heads: nh,
+                scale: self.attn_scale,
+            },
+            &mut b.att,
+        );
+        be.matmul(&a.o, None, &b.att, n, &mut b.d);
+    }
+
+    /// Absorbed multi-head latent attention; leaves the projected output in `d`.
+    fn latent_attention(
+        &self,
+        li: usize,
+        a: &LatentAttention<B>,
+        st: &mut State<B>,
+        n: usize,
+        pos: usize,
+    ) {
+        let (be, ar) = (&self.backend, &self.arch);
+        let m = ar.mla.as_ref().expect("latent attention without MLA dims");
+        let b = &mut st.buf;
+        let nh = ar.num_heads;
+        let (nope, rope, rank, vdim) = (
+            m.qk_nope_head_dim,
+            m.qk_rope_head_dim,
+            m.kv_lora_rank,
+            m.v_head_dim,
+        );
+        let (qk, lat) = (nope + rope, rank + rope);
+        // Queries: [n, heads, nope + rope].
+        match &a.q_a {
+            Some((q_a, q_norm)) => {
+                let r = m.q_lora_rank.unwrap();
+                be.matmul(q_a, None, &b.h, n, &mut b.k);
+                be.rms_norm_strided(&mut b.k, n, r, 0, r, q_norm, self.eps);
+                be.matmul(&a.q_b, None, &b.k, n, &mut b.tmp);
+            }
+            None => be.matmul(&a.q_b, None, &b.h, n, &mut b.tmp),
+        }
+        // The cached row per position: normalised latent, then the rotated shared key.
+        be.matmul(&a.kv_a, None, &b.h, n, &mut b.v);
+        be.rms_norm_strided(&mut b.v, n, lat, 0, rank, &a.kv_a_norm, self.eps);
+        let (cos, sin, il) = (&st.host.cos, &st.host.sin, self.rope.interleaved);
+        be.rope(&mut b.v, n, lat, rank, 1, 0, cos, sin, il);
+        be.kv_store(&mut st.kv, li, pos, n, &b.v, lat, None);
+        be.rope(&mut b.tmp, n, nh * qk, nope, nh, qk, cos, sin, il);
+        // Absorb W_uk into the queries: q_eff[h] = [W_uk[h]ᵀ q_nope[h] | q_rope[h]].
+        for h in 0..nh {
+            be.matmul_t(
+                &a.kv_b,
+                h * (nope + vdim),
+                nope,
+                &b.tmp,
+                nh * qk,
+                h * qk,
+                n,
+                &mut b.tmp2,
+            );
+            be.copy_strided(&b.tmp2, rank, 0, &mut b.q, nh * lat, h * lat, rank, n);
+            be.copy_strided(
+                &b.tmp,
+                nh * qk,
+                h * qk + nope,
+                &mut b.q,
+                nh * lat,
+                h * lat + rank,
+                rope,
+                n,
+            );
+        }
+        be.attention(
+            &st.kv,
+            li,
+            &b.q,
+            n,
+            pos,
+            AttnParams {
+                q_heads: nh,
+                scale: self.attn_scale,
+            },
+            &mut b.att,
+        );
+        // Expand each head's attended latent through W_uv[h].
+        for h in 0..nh {
+            be.copy_strided(&b.att, nh * rank, h * rank, &mut b.tmp2, rank, 0, rank, n);
+            be.matmul(
+                &a.kv_b,
+                Some((h * (nope + vdim) + nope, vdim)),
+                &b.tmp2,
+                n,
+                &mut b.tmp,
+            );
+            be.copy_strided(&b.tmp, vdim, 0, &mut b.k, nh * vdim, h * vdim, vdim, n);
+        }
+        be.matmul(&a.o, None, &b.k, n, &mut b.d);
+    }
+
+    /// SwiGLU MLP of `h` into `d`.
+    fn mlp(&self, m: &Mlp<B>, st: &mut State<B>, n: usize) {
+        let be = &self.backend;
+        let b = &mut st.buf;
+        be.matmul(&m.gate, None, &b.h, n, &mut b.g);
+        be.matmul(&m.up, None, &b.h, n, &mut b.u);
+        be.silu_mul(&mut b.g, &b.u, n * m.width);
+        be.matmul(&m.down, None, &b.g, n, &mut b.d);
+    }
+
+    /// Routed experts (plus shared experts) of `h`, added into `x`.
+    fn moe(
+        &self,
+        li: usize,
+        m: &MoeBlock<B>,
+        st: &mut State<B>,
+        n: usize,
+        pos: usize,
+        obs: &mut dyn Observer,
+    ) -> Result<(), EngineError> {
+        let (be, ar) = (&self.backend, &self.arch);
+        let (hd, e_count, k) = (ar.hidden_size, ar.moe.num_experts, self.router.top_k());
+        let width = ar.moe.intermediate_size;
+        let (b, hs) = (&mut st.buf, &mut st.host);
+        be.matmul(&m.router, None, &b.h, n, &mut b.router);
+        hs.router.resize(n * e_count, 0.0);
+        be.download(&b.router, 0, &mut hs.router);
+        hs.ids.resize(n * k, 0);
+        hs.weights.resize(n * k, 0.0);
+        for t in 0..n {
+            let (ids, w) = (
+                &mut hs.ids[t * k..(t + 1) * k],
+                &mut hs.weights[t * k..(t + 1) * k],
+            );
+            self.router.route(
+                &hs.router[t * e_count..(t + 1) * e_count],
+                m.router_bias.as_deref(),
+                ids,
+                w,
+                &mut hs.route,
+            );
+            obs.route(li, pos + t, ids, w, &hs.route.choice);
+        }
+        // Group (token, slot) pairs by expert: `order[starts[j]..starts[j + 1]]` are the slots of
+        // `needed[j]`, in token order.
+        hs.starts.clear();
+        hs.starts.resize(e_count + 1, 0);
+        for &e in &hs.ids {
+            hs.starts[e as usize + 1] += 1;
+        }
+        for e in 0..e_count {
+            hs.starts[e + 1] += hs.starts[e];
+        }
+        hs.order.resize(n * k, 0);
+        let mut fill = hs.starts.clone();
+        for (slot, &e) in hs.ids.iter().enumerate() {
+            hs.order[fill[e as usize]] = slot;
+            fill[e as usize] += 1;
+        }
+        hs.needed.clear();
+        hs.needed.extend(
+            (0..e_count as u32).filter(|&e| hs.starts[e as usize + 1] > hs.starts[e as usize]),
+        );
+        let (starts, order, needed) = (&hs.starts, &hs.order, &hs.needed);
+        let (tokens, slot_rows) = (&mut hs.tokens, &mut hs.slot_rows);
+        let mut compute = |j: usize, ex: ExpertView<'_>| {
+            let e = needed[j] as usize;
+            let slots = &order[starts[e]..starts[e + 1]];
+            tokens.clear();
+            tokens.extend(slots.iter().map(|s| s / k));
+            slot_rows.clear();
+            slot_rows.extend_from_slice(slots);
+            let rows = tokens.len();
+            be.gather_rows(&b.h, hd, tokens, &mut b.xe);
+            be.matmul_host(&ex.gate, &b.xe, rows, &mut b.g);
+            be.matmul_host(&ex.up, &b.xe, rows, &mut b.u);
+            be.silu_mul(&mut b.g, &b.u, rows * width);
+            be.matmul_host(&ex.down, &b.g, rows, &mut b.d);
+            be.scatter_rows(&b.d, hd, slot_rows, &mut b.slots);
+        };
+        self.experts.with_experts(li, needed, &mut compute)?;
+        // Sum in slot order, whatever order the experts arrived in: bit-identical results
+        // whether experts were resident or streamed.
+        be.add_weighted_slots(&b.slots, hd, n, k, &hs.weights, &mut b.x);
+        if let Some(shared) = &m.shared {
+            self.mlp(shared, st, n);
+            let (b, hs) = (&mut st.buf, &mut st.host);
+            if let Some(g) = &m.shared_gate {
+                be.matmul(g, None, &b.h, n, &mut b.tmp);
+                hs.gate.resize(n, 0.0);
+                be.download(&b.tmp, 0, &mut hs.gate);
+                for v in hs.gate.iter_mut() {
+                    *v = 1.0 / (1.0 + (-*v).exp());
+                }
+                be.scale_rows(&mut b.d, hd, &hs.gate);
+            }
+            be.add(&mut b.x, &b.d, n * hd);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,45 @@
+/*!
+The smoe engine: one generic Mixture-of-Experts decoder.
+
+[`Model`] holds a model's dense weights on a [`Backend`] and reaches routed experts through an
+[`ExpertSource`](smoe_store::ExpertSource); [`Model::forward`] runs any supported family, any
+number of tokens, through one layer loop whose family differences are enums chosen at load.
+[`Sampler`] turns logits into tokens; [`Generator`] drives tokenizer, template, model and
+sampler for text generation.
+
+This crate owns the math and the generation loop. It does not read files (`smoe-vault`), fetch
+experts (`smoe-store`) or tokenize (`smoe-text`).
+*/
+#![deny(missing_docs)]
+
+pub mod backend;
+pub mod cpu;
+mod forward;
+mod model;
+pub mod rope;
+pub mod routing;
+
+pub use backend::Backend;
+pub use cpu::{CpuBackend, Precision};
+pub use forward::{Logits, NoObserver, Observer, State};
+pub use model::Model;
+
+/// Engine errors.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// The vault could not be read.
+    #[error(transparent)]
+    Vault(#[from] smoe_vault::VaultError),
+    /// An expert could not be fetched.
+    #[error(transparent)]
+    Store(#[from] smoe_store::StoreError),
+    /// The model is inconsistent.
+    #[error("model: {0}")]
+    Model(String),
+    /// Bad input (token ids, lengths).
+    #[error("{0}")]
+    Input(String),
+    /// Tokenizer or template failure.
+    #[error("{0}")]
+    Text(String),
+}

@@ -1,0 +1,308 @@
+//! The model: weights loaded from a vault onto a backend, laid out as the architecture
+//! description says. Families differ only through the enums below, chosen once at load.
+
+use crate::backend::{Backend, KvShape};
+use crate::rope::{yarn_mscale, RopeTable};
+use crate::routing::RouterRule;
+use crate::EngineError;
+use smoe_store::ExpertSource;
+use smoe_vault::{names, Architecture, LayerKind, QkNorm, RopeScaling, Vault};
+use std::sync::Arc;
+
+/// Standard multi-head attention with grouped key/value heads.
+pub(crate) struct StandardAttention<B: Backend> {
+    pub q: B::Matrix,
+    pub k: B::Matrix,
+    pub v: B::Matrix,
+    pub o: B::Matrix,
+    /// q, k, v biases (Qwen2-MoE, GLM-4.5).
+    pub bias: Option<[B::Vector; 3]>,
+    /// q and k norms (Qwen3: per head; OLMoE: whole projection).
+    pub qk_norm: Option<(QkNorm, B::Vector, B::Vector)>,
+}
+
+/// Multi-head latent attention (DeepSeek-V3), decoded in absorbed form.
+pub(crate) struct LatentAttention<B: Backend> {
+    /// Query path: `q_a`, its norm and `q_b`, or a plain `q`.
+    pub q_a: Option<(B::Matrix, B::Vector)>,
+    pub q_b: B::Matrix,
+    pub kv_a: B::Matrix,
+    pub kv_a_norm: B::Vector,
+    /// Per head: `qk_nope` rows of W_uk then `v_head` rows of W_uv.
+    pub kv_b: B::Matrix,
+    pub o: B::Matrix,
+}
+
+pub(crate) enum Attention<B: Backend> {
+    Standard(StandardAttention<B>),
+    Latent(LatentAttention<B>),
+}
+
+/// A SwiGLU MLP.
+pub(crate) struct Mlp<B: Backend> {
+    pub gate: B::Matrix,
+    pub up: B::Matrix,
+    pub down: B::Matrix,
+    pub width: usize,
+}
+
+pub(crate) struct MoeBlock<B: Backend> {
+    pub router: B::Matrix,
+    /// `e_score_correction_bias`, on the host: routing happens there.
+    pub router_bias: Option<Vec<f32>>,
+    pub shared: Option<Mlp<B>>,
+    /// Qwen2-MoE's `shared_expert_gate`, `[1, hidden]`.
+    pub shared_gate: Option<B::Matrix>,
+}
+
+pub(crate) enum FeedForward<B: Backend> {
+    Dense(Mlp<B>),
+    Moe(MoeBlock<B>),
+}
+
+pub(crate) struct Layer<B: Backend> {
+    pub attn_norm: B::Vector,
+    pub attn: Attention<B>,
+    pub ffn_norm: B::Vector,
+    pub ffn: FeedForward<B>,
+}
+
+/// A model ready to run: dense weights on the backend, experts behind an [`ExpertSource`].
+pub struct Model<B: Backend> {
+    pub(crate) arch: Architecture,
+    pub(crate) backend: B,
+    pub(crate) embed: B::Matrix,
+    pub(crate) layers: Vec<Layer<B>>,
+    pub(crate) final_norm: B::Vector,
+    pub(crate) lm_head: Option<B::Matrix>,
+    pub(crate) experts: Arc<dyn ExpertSource>,
+    pub(crate) rope: RopeTable,
+    pub(crate) router: RouterRule,
+    pub(crate) eps: f32,
+    pub(crate) attn_scale: f32,
+    pub(crate) dense_bytes: u64,
+}
+
+struct Loader<'a, B: Backend> {
+    vault: &'a Vault,
+    region: Arc<Vec<u8>>,
+    backend: &'a B,
+}
+
+impl<B: Backend> Loader<'_, B> {
+    fn entry(&self, name: &str) -> Result<&smoe_vault::DenseEntry, EngineError> {
+        self.vault
+            .dense(name)
+            .ok_or_else(|| EngineError::Model(format!("vault has no tensor {name}")))
+    }
+    fn matrix(&self, name: &str) -> Result<B::Matrix, EngineError> {
+        let e = self.entry(name)?;
+        let (rows, cols) = match e.shape[..] {
+            [r, c] => (r, c),
+            [c] => (1, c),
+            _ => return Err(EngineError::Model(format!("{name} is not a matrix"))),
+        };
+        Ok(self
+            .backend
+            .matrix(&self.region, e.offset as usize, e.format, rows, cols))
+    }
+    fn f32s(&self, name: &str) -> Result<Vec<f32>, EngineError> {
+        let e = self.entry(name)?;
+        let n: usize = e.shape.iter().product();
+        let mut out = vec![0f32; n];
+        smoe_quant::dequantize(
+            e.format,
+            &self.region[e.offset as usize..(e.offset + e.len) as usize],
+            &mut out,
+        )
+        .map_err(|err| EngineError::Model(format!("{name}: {err}")))?;
+        Ok(out)
+    }
+    fn vector(&self, name: &str) -> Result<B::Vector, EngineError> {
+        Ok(self.backend.vector(&self.f32s(name)?))
+    }
+    fn mlp(&self, l: usize, prefix: &str, width: usize) -> Result<Mlp<B>, EngineError> {
+        let n = |p: &str| names::layer(l, &format!("{prefix}.{p}"));
+        Ok(Mlp {
+            gate: self.matrix(&n("gate"))?,
+            up: self.matrix(&n("up"))?,
+            down: self.matrix(&n("down"))?,
+            width,
+        })
+    }
+}
+
+impl<B: Backend> Model<B> {
+    /// Loads the dense region of `vault` onto `backend` (verifying every tensor's checksum);
+    /// routed experts come from `experts`.
+    pub fn load(
+        vault: &Vault,
+        backend: B,
+        experts: Arc<dyn ExpertSource>,
+    ) -> Result<Model<B>, EngineError> {
+        let arch = vault.architecture().clone();
+        let region = Arc::new(vault.read_dense_region()?);
+        let ld = Loader {
+            vault,
+            region: region.clone(),
+            backend: &backend,
+        };
+        let mut layers = Vec::with_capacity(arch.num_layers);
+        for l in 0..arch.num_layers {
+            let t = |w: &str| names::layer(l, w);
+            let attn = match &arch.mla {
+                Some(m) => Attention::Latent(LatentAttention {
+                    q_a: match m.q_lora_rank {
+                        Some(_) => {
+                            Some((ld.matrix(&t("attn.q_a"))?, ld.vector(&t("attn.q_a_norm"))?))
+                        }
+                        None => None,
+                    },
+                    q_b: ld.matrix(&t(if m.q_lora_rank.is_some() {
+                        "attn.q_b"
+                    } else {
+                        "attn.q"
+                    }))?,
+                    kv_a: ld.matrix(&t("attn.kv_a"))?,
+                    kv_a_norm: ld.vector(&t("attn.kv_a_norm"))?,
+                    kv_b: ld.matrix(&t("attn.kv_b"))?,
+                    o: ld.matrix(&t("attn.o"))?,
+                }),
+                None => Attention::Standard(StandardAttention {
+                    q: ld.matrix(&t("attn.q"))?,
+                    k: ld.matrix(&t("attn.k"))?,
+                    v: ld.matrix(&t("attn.v"))?,
+                    o: ld.matrix(&t("attn.o"))?,
+                    bias: if arch.qkv_bias {
+                        Some([
+                            ld.vector(&t("attn.q_bias"))?,
+                            ld.vector(&t("attn.k_bias"))?,
+                            ld.vector(&t("attn.v_bias"))?,
+                        ])
+                    } else {
+                        None
+                    },
+                    qk_norm: match arch.qk_norm {
+                        QkNorm::None => None,
+                        kind => Some((
+                            kind,
+                            ld.vector(&t("attn.q_norm"))?,
+                            ld.vector(&t("attn.k_norm"))?,
+                        )),
+                    },
+                }),
+            };
+            let ffn = match arch.layers[l] {
+                LayerKind::Dense => {
+                    FeedForward::Dense(ld.mlp(l, "mlp", arch.dense_intermediate_size)?)
+                }
+                LayerKind::Moe => FeedForward::Moe(MoeBlock {
+                    router: ld.matrix(&t("moe.router"))?,
+                    router_bias: if vault.dense(&t("moe.router_bias")).is_some() {
+                        Some(ld.f32s(&t("moe.router_bias"))?)
+                    } else {
+                        None
+                    },
+                    shared: match &arch.moe.shared_experts {
+                        Some(s) => Some(ld.mlp(l, "moe.shared", s.intermediate_size)?),
+                        None => None,
+                    },
+                    shared_gate: match &arch.moe.shared_experts {
+                        Some(s) if s.sigmoid_gate => Some(ld.matrix(&t("moe.shared_gate"))?),
+                        _ => None,
+                    },
+                }),
+            };
+            layers.push(Layer {
+                attn_norm: ld.vector(&t("attn_norm"))?,
+                attn,
+                ffn_norm: ld.vector(&t("ffn_norm"))?,
+                ffn,
+            });
+        }
+        let attn_scale = match &arch.mla {
+            Some(m) => {
+                let mut s = 1.0 / ((m.qk_nope_head_dim + m.qk_rope_head_dim) as f64).sqrt();
+                // DeepSeek's YaRN also sharpens the softmax by mscale(factor, mscale_all_dim)².
+                if let RopeScaling::Yarn {
+                    factor,
+                    mscale_all_dim: Some(ma),
+                    ..
+                } = arch.rope.scaling
+                {
+                    if ma != 0.0 {
+                        let m = yarn_mscale(factor, ma);
+                        s *= m * m;
+                    }
+                }
+                s as f32
+            }
+            None => 1.0 / (arch.head_dim as f32).sqrt(),
+        };
+        Ok(Model {
+            embed: ld.matrix("embed")?,
+            final_norm: ld.vector("final_norm")?,
+            lm_head: if arch.tie_word_embeddings {
+                None
+            } else {
+                Some(ld.matrix("lm_head")?)
+            },
+            rope: RopeTable::new(&arch),
+            router: RouterRule::new(&arch.moe),
+            eps: arch.norm_eps as f32,
+            attn_scale,
+            dense_bytes: region.len() as u64,
+            layers,
+            experts,
+            backend,
+            arch,
+        })
+    }
+
+    /// The architecture.
+    pub fn arch(&self) -> &Architecture {
+        &self.arch
+    }
+    /// The backend.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+    /// The expert source.
+    pub fn experts(&self) -> &Arc<dyn ExpertSource> {
+        &self.experts
+    }
+    /// Bytes of dense weights held.
+    pub fn dense_bytes(&self) -> u64 {
+        self.dense_bytes
+    }
+
+    /// The shape of each layer's KV cache.
+    pub fn kv_shapes(&self) -> Vec<KvShape> {
+        let a = &self.arch;
+        (0..a.num_layers)
+            .map(|_| match &a.mla {
+                // One latent plus one shared rope key per position, values read from the latent.
+                Some(m) => KvShape {
+                    heads: 1,
+                    k_dim: m.kv_lora_rank + m.qk_rope_head_dim,
+                    v_dim: m.kv_lora_rank,
+                    values_in_keys: true,
+                },
+                None => KvShape {
+                    heads: a.num_kv_heads,
+                    k_dim: a.head_dim,
+                    v_dim: a.head_dim,
+                    values_in_keys: false,
+                },
+            })
+            .collect()
+    }
+
+    /// KV-cache bytes per token in f32, as this engine stores it.
+    pub fn kv_bytes_per_token(&self) -> usize {
+        self.kv_shapes()
+            .iter()
+            .map(|s| s.heads * (s.k_dim + if s.values_in_keys { 0 } else { s.v_dim }) * 4)
+            .sum()
+    }
+}
