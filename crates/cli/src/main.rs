@@ -1,5 +1,6 @@
 //! The `smoe` command: parses arguments and hands each subcommand to the library crates.
 
+mod cmd_run;
 mod cmd_vault;
 mod progress;
 
@@ -38,6 +39,27 @@ enum Command {
         #[arg(long)]
         threads: Option<usize>,
     },
+    /// Write a random-weight checkpoint with the exact shapes of a published model.
+    Synth {
+        /// qwen3-30b-a3b, qwen3-235b-a22b, glm-4.5-air, mixtral-8x7b or deepseek-v3.
+        #[arg(long)]
+        shape: String,
+        /// Output directory.
+        #[arg(short, long)]
+        out: PathBuf,
+        /// Keep only the first N decoder layers.
+        #[arg(long)]
+        layers: Option<usize>,
+        /// Seed of every value.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Largest shard in GiB.
+        #[arg(long, default_value_t = 2.0)]
+        shard_gib: f64,
+        /// tokenizer.json to ship with the checkpoint (default: a small byte-level BPE).
+        #[arg(long)]
+        tokenizer: Option<PathBuf>,
+    },
     /// Describe a vault: architecture, formats, sizes.
     Inspect {
         vault: PathBuf,
@@ -47,11 +69,57 @@ enum Command {
     },
     /// Check every checksum in a vault; exits non-zero naming the first bad tensor or blob.
     Verify { vault: PathBuf },
-    /// Shatter the bundled demo model and show what is inside.
+    /// Logits and routing of a token sequence, written as safetensors (the correctness tool).
+    Score {
+        vault: PathBuf,
+        /// Token ids, comma-separated.
+        #[arg(long)]
+        ids: Option<String>,
+        /// File of token ids (comma/whitespace separated, or a JSON array).
+        #[arg(long)]
+        ids_file: Option<PathBuf>,
+        /// Output safetensors file.
+        #[arg(long)]
+        out: PathBuf,
+        /// Feed the ids one at a time through the KV cache instead of one prefill.
+        #[arg(long)]
+        decode: bool,
+        /// Use the production kernels (int8 activations) instead of f32 reference math.
+        #[arg(long)]
+        fast: bool,
+        /// Expert cache size in MiB (default: automatic).
+        #[arg(long)]
+        cache_mb: Option<u64>,
+    },
+    /// Generate text from a prompt, streamed to stdout.
+    Run {
+        vault: PathBuf,
+        /// The prompt (the user message, unless --raw).
+        #[arg(short, long)]
+        prompt: String,
+        /// Feed the prompt as is, without the chat template.
+        #[arg(long)]
+        raw: bool,
+        /// System message.
+        #[arg(long)]
+        system: Option<String>,
+        /// Disable thinking (enable_thinking=false in the template).
+        #[arg(long)]
+        no_think: bool,
+        /// Print one JSON object with the text and statistics instead of streaming.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        gen: cmd_run::GenArgs,
+    },
+    /// Shatter the bundled demo model and generate Python from it.
     Demo {
         /// Checkpoint to use instead of the bundled one.
         #[arg(long)]
         model: Option<PathBuf>,
+        /// Prompt (raw text; the demo model was trained on Python source).
+        #[arg(short, long, default_value = "def parse_header(line):\n")]
+        prompt: String,
     },
 }
 
@@ -78,9 +146,77 @@ fn run(cli: Cli) -> Result<()> {
             dense,
             threads,
         } => cmd_vault::run_shatter(&input, &out, experts, dense, threads).map(|_| ()),
+        Command::Synth {
+            shape,
+            out,
+            layers,
+            seed,
+            shard_gib,
+            tokenizer,
+        } => {
+            let tokenizer_json = match tokenizer {
+                Some(p) => Some(
+                    std::fs::read_to_string(&p)
+                        .map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?,
+                ),
+                None => None,
+            };
+            let opts = smoe_convert::synth::SynthOptions {
+                layers,
+                seed,
+                shard_bytes: (shard_gib * (1u64 << 30) as f64) as u64,
+                tokenizer_json,
+            };
+            let r = smoe_convert::synth::synth(&shape, &out, &opts, &progress::CliProgress::new())?;
+            eprintln!(
+                "wrote {} ({} tensors, {} shards, {})",
+                out.display(),
+                r.tensors,
+                r.shards,
+                cmd_vault::fmt_bytes(r.bytes)
+            );
+            Ok(())
+        }
         Command::Inspect { vault, json } => cmd_vault::run_inspect(&vault, json),
         Command::Verify { vault } => cmd_vault::run_verify(&vault),
-        Command::Demo { model } => demo(model),
+        Command::Score {
+            vault,
+            ids,
+            ids_file,
+            out,
+            decode,
+            fast,
+            cache_mb,
+        } => cmd_run::run_score(cmd_run::ScoreArgs {
+            vault,
+            ids,
+            ids_file,
+            out,
+            decode,
+            fast,
+            cache_mb,
+        }),
+        Command::Run {
+            vault,
+            prompt,
+            raw,
+            system,
+            no_think,
+            json,
+            gen,
+        } => {
+            cmd_run::exists(&vault)?;
+            cmd_run::run_run(cmd_run::RunArgs {
+                vault,
+                prompt,
+                raw,
+                system,
+                think: no_think.then_some(false),
+                json,
+                gen,
+            })
+        }
+        Command::Demo { model, prompt } => demo(model, &prompt),
     }
 }
 
@@ -92,7 +228,7 @@ fn bundled_model() -> PathBuf {
     ))
 }
 
-fn demo(model: Option<PathBuf>) -> Result<()> {
+fn demo(model: Option<PathBuf>, prompt: &str) -> Result<()> {
     let model = model.unwrap_or_else(bundled_model);
     let dir = PathBuf::from(concat!(
         env!("CARGO_MANIFEST_DIR"),
@@ -103,5 +239,23 @@ fn demo(model: Option<PathBuf>) -> Result<()> {
     cmd_vault::run_shatter(&model, &vault, Format::Q4_K, Format::Q8_0, None)?;
     println!();
     cmd_vault::run_inspect(&vault, false)?;
-    cmd_vault::run_verify(&vault)
+    println!();
+    // The default prompt is written with a literal "\n" so it survives shells; make it a newline.
+    let prompt = prompt.replace("\\n", "\n");
+    let engine = smoe_engine::open_cpu(&vault, &Default::default())?;
+    let gen = cmd_run::GenArgs {
+        max_tokens: 160,
+        temperature: Some(0.7),
+        top_p: Some(0.95),
+        top_k: None,
+        min_p: None,
+        repetition_penalty: None,
+        presence_penalty: 0.0,
+        frequency_penalty: 0.0,
+        seed: None,
+        stop: vec![],
+        ctx: None,
+    };
+    print!("{prompt}");
+    cmd_run::generate_and_report(&engine, &prompt, true, None, None, false, &gen)
 }

@@ -14,6 +14,7 @@ This crate owns conversion only: the vault format is `smoe-vault`'s and the bloc
 pub mod hf;
 pub mod safetensors;
 mod shatter;
+pub mod synth;
 
 pub use shatter::{quantize_rows, shatter, ShatterOptions, ShatterReport};
 

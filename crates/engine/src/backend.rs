@@ -90,7 +90,6 @@ pub trait Backend: Send + Sync {
     fn matmul_host(&self, w: &QMatrix<'_>, x: &Self::Buf, n: usize, out: &mut Self::Buf);
     /// Transposed product over a row range: `out[t, c] = Σ_r w[r0 + r, c] · x[t, x_off + r]`,
     /// `x` rows `x_stride` long, `out` rows `cols` long (MLA's absorbed key projection).
-    #[allow(clippy::too_many_arguments)]
     fn matmul_t(
         &self,
         w: &Self::Matrix,
@@ -114,7 +113,6 @@ pub trait Backend: Send + Sync {
         out: &mut Self::Buf,
     );
     /// In place over `n` segments of `dim` that start every `stride` floats, at offset `off`.
-    #[allow(clippy::too_many_arguments)]
     fn rms_norm_strided(
         &self,
         x: &mut Self::Buf,
@@ -133,7 +131,6 @@ pub trait Backend: Send + Sync {
     fn silu_mul(&self, g: &mut Self::Buf, u: &Self::Buf, len: usize);
     /// Rotates `heads` heads per token: head `h` of token `t` starts at
     /// `t * stride + off + h * head_stride`; `cos`/`sin` hold `rotary_dim / 2` values per token.
-    #[allow(clippy::too_many_arguments)]
     fn rope(
         &self,
         x: &mut Self::Buf,
@@ -148,7 +145,6 @@ pub trait Backend: Send + Sync {
     );
     /// Copies `width` floats of each of `n` rows from `src` (row stride `src_stride`, offset
     /// `src_off`) to `dst` (row stride `dst_stride`, offset `dst_off`).
-    #[allow(clippy::too_many_arguments)]
     fn copy_strided(
         &self,
         src: &Self::Buf,
@@ -178,7 +174,6 @@ pub trait Backend: Send + Sync {
     fn scale_rows(&self, x: &mut Self::Buf, dim: usize, s: &[f32]);
 
     /// Stores `n` key (and value) rows for positions `pos0..pos0 + n` of `layer`.
-    #[allow(clippy::too_many_arguments)]
     fn kv_store(
         &self,
         cache: &mut Self::KvCache,
@@ -191,7 +186,6 @@ pub trait Backend: Send + Sync {
     );
     /// Causal attention of `n` queries at positions `pos0..` over cached positions
     /// `0..pos0 + n`: `q` rows hold `q_heads * k_dim` values, `out` rows `q_heads * v_dim`.
-    #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
         cache: &Self::KvCache,

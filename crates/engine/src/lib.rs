@@ -15,14 +15,22 @@ experts (`smoe-store`) or tokenize (`smoe-text`).
 pub mod backend;
 pub mod cpu;
 mod forward;
+mod generate;
 mod model;
+mod open;
 pub mod rope;
 pub mod routing;
+pub mod sampler;
+pub mod score;
 
 pub use backend::Backend;
 pub use cpu::{CpuBackend, Precision};
 pub use forward::{Logits, NoObserver, Observer, State};
-pub use model::Model;
+pub use generate::{Engine, FinishReason, GenOptions, GenStats, Generation};
+pub use model::{kv_shapes, kv_values_per_token, naive_kv_values_per_token, Model};
+pub use open::{open_cpu, OpenOptions};
+pub use sampler::{Sampler, SamplingParams};
+pub use score::{score, ScoreMode, ScoreOutput};
 
 /// Engine errors.
 #[derive(Debug, thiserror::Error)]

@@ -278,31 +278,45 @@ impl<B: Backend> Model<B> {
 
     /// The shape of each layer's KV cache.
     pub fn kv_shapes(&self) -> Vec<KvShape> {
-        let a = &self.arch;
-        (0..a.num_layers)
-            .map(|_| match &a.mla {
-                // One latent plus one shared rope key per position, values read from the latent.
-                Some(m) => KvShape {
-                    heads: 1,
-                    k_dim: m.kv_lora_rank + m.qk_rope_head_dim,
-                    v_dim: m.kv_lora_rank,
-                    values_in_keys: true,
-                },
-                None => KvShape {
-                    heads: a.num_kv_heads,
-                    k_dim: a.head_dim,
-                    v_dim: a.head_dim,
-                    values_in_keys: false,
-                },
-            })
-            .collect()
+        kv_shapes(&self.arch)
     }
+}
 
-    /// KV-cache bytes per token in f32, as this engine stores it.
-    pub fn kv_bytes_per_token(&self) -> usize {
-        self.kv_shapes()
-            .iter()
-            .map(|s| s.heads * (s.k_dim + if s.values_in_keys { 0 } else { s.v_dim }) * 4)
-            .sum()
-    }
+/// The shape of each layer's KV cache for `arch`: GQA caches `num_kv_heads` keys and values;
+/// MLA caches one normalised latent plus one shared rope key per position, and reads values
+/// from the latent (the absorbed form).
+pub fn kv_shapes(arch: &Architecture) -> Vec<KvShape> {
+    (0..arch.num_layers)
+        .map(|_| match &arch.mla {
+            Some(m) => KvShape {
+                heads: 1,
+                k_dim: m.kv_lora_rank + m.qk_rope_head_dim,
+                v_dim: m.kv_lora_rank,
+                values_in_keys: true,
+            },
+            None => KvShape {
+                heads: arch.num_kv_heads,
+                k_dim: arch.head_dim,
+                v_dim: arch.head_dim,
+                values_in_keys: false,
+            },
+        })
+        .collect()
+}
+
+/// Values cached per token, summed over layers, as this engine stores them.
+pub fn kv_values_per_token(arch: &Architecture) -> usize {
+    kv_shapes(arch)
+        .iter()
+        .map(|s| s.heads * (s.k_dim + if s.values_in_keys { 0 } else { s.v_dim }))
+        .sum()
+}
+
+/// Values per token of a naive cache: full keys and values for every query head.
+pub fn naive_kv_values_per_token(arch: &Architecture) -> usize {
+    let per_layer = match &arch.mla {
+        Some(m) => arch.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim),
+        None => arch.num_heads * 2 * arch.head_dim,
+    };
+    per_layer * arch.num_layers
 }

@@ -179,7 +179,7 @@ impl Format {
 
     /// Whether rows of `cols` elements can be stored in this format.
     pub fn fits(self, cols: usize) -> bool {
-        cols > 0 && cols % self.block_elems() == 0
+        cols > 0 && cols.is_multiple_of(self.block_elems())
     }
 
     /// Bytes of one row of `cols` elements.

@@ -260,7 +260,7 @@ impl Architecture {
                 self.num_layers
             ));
         }
-        if self.num_heads % self.num_kv_heads != 0 {
+        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return Err(format!(
                 "{} heads not divisible by {} kv heads",
                 self.num_heads, self.num_kv_heads
@@ -279,7 +279,7 @@ impl Architecture {
         } = self.moe.router
         {
             if n_group == 0
-                || self.moe.num_experts % n_group != 0
+                || !self.moe.num_experts.is_multiple_of(n_group)
                 || topk_group == 0
                 || topk_group > n_group
             {
@@ -297,7 +297,7 @@ impl Architecture {
             .map_or(self.head_dim, |m| m.qk_rope_head_dim);
         if self.rope.rotary_dim == 0
             || self.rope.rotary_dim > head_for_rope
-            || self.rope.rotary_dim % 2 != 0
+            || !self.rope.rotary_dim.is_multiple_of(2)
         {
             return Err(format!(
                 "bad rotary dim {} for head dim {}",

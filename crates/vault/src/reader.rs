@@ -188,7 +188,7 @@ impl Vault {
             }
             end = p.offset + p.len;
         }
-        if x.blob_size == 0 || x.blob_size % self.header.alignment as u64 != 0 {
+        if x.blob_size == 0 || !x.blob_size.is_multiple_of(self.header.alignment as u64) {
             return bad(format!(
                 "blob size {} is not a multiple of the alignment",
                 x.blob_size

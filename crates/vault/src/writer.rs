@@ -212,7 +212,7 @@ impl VaultWriter {
         if self.open_tensor.is_some() {
             return Err(VaultError::Usage("begin_experts with a tensor open"));
         }
-        if blob_size % self.alignment as u64 != 0 {
+        if !blob_size.is_multiple_of(self.alignment as u64) {
             return Err(VaultError::Corrupt(format!(
                 "blob size {blob_size} is not aligned"
             )));

@@ -360,5 +360,5 @@ impl Backend for CpuBackend {
 /// `1 / sqrt(mean(x²) + eps)`, accumulated in f64.
 fn rms_scale(x: &[f32], eps: f32) -> f32 {
     let ss: f64 = x.iter().map(|&v| (v as f64) * (v as f64)).sum();
-    (1.0 / ((ss / x.len() as f64) as f32 + eps).sqrt()) as f32
+    1.0 / ((ss / x.len() as f64) as f32 + eps).sqrt()
 }

@@ -1,0 +1,399 @@
+//! `smoe synth`: random-weight checkpoints with the exact shapes of published MoE models.
+//!
+//! Real weights cannot be downloaded here, so speed is measured on checkpoints that have a real
+//! model's config.json (all but `num_hidden_layers`, which `--layers` may cut), its tensor names
+//! and shapes, sharded bf16 safetensors and a tokenizer. Values are drawn so that quantization
+//! error and routing behave like a trained model's rather than degenerately:
+//!
+//! - matrices: N(0, 1/cols) (activations stay O(1) through every projection), with one value in
+//!   256 multiplied by 8 — the outlier weights trained models have, which make block scales work;
+//! - router matrices: N(0, 1/hidden), so router logits are O(1) and softmax/sigmoid scores
+//!   spread over many experts instead of collapsing onto one;
+//! - norm weights 1 + N(0, 0.05²), biases and correction biases N(0, 0.02²), embeddings N(0, 0.05²).
+//!
+//! Generation is deterministic in `--seed` and streams tensor by tensor with bounded memory.
+
+use crate::hf::{self, hf_expert_names, hf_name};
+use crate::{ConvertError, Progress};
+use rayon::prelude::*;
+use serde_json::{json, Value};
+use smoe_vault::names;
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::Path;
+
+/// Shapes `smoe synth` knows, with their published config.json.
+pub fn shape_names() -> Vec<&'static str> {
+    vec![
+        "qwen3-30b-a3b",
+        "qwen3-235b-a22b",
+        "glm-4.5-air",
+        "glm-4.5",
+        "mixtral-8x7b",
+        "deepseek-v3",
+    ]
+}
+
+/// The published config.json of a shape.
+pub fn shape_config(name: &str) -> Result<Value, ConvertError> {
+    let qwen3 = |hidden: usize, layers: usize, heads: usize, inter: usize, moe_inter: usize| {
+        json!({
+            "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": false,
+            "bos_token_id": 151643, "eos_token_id": 151645, "decoder_sparse_step": 1, "head_dim": 128,
+            "hidden_act": "silu", "hidden_size": hidden, "initializer_range": 0.02, "intermediate_size": inter,
+            "max_position_embeddings": 40960, "max_window_layers": layers, "mlp_only_layers": [],
+            "moe_intermediate_size": moe_inter, "norm_topk_prob": true, "num_attention_heads": heads,
+            "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": layers, "num_key_value_heads": 4,
+            "output_router_logits": false, "rms_norm_eps": 1e-6, "rope_scaling": null, "rope_theta": 1000000.0,
+            "router_aux_loss_coef": 0.001, "sliding_window": null, "tie_word_embeddings": false,
+            "torch_dtype": "bfloat16", "use_cache": true, "use_sliding_window": false, "vocab_size": 151936
+        })
+    };
+    Ok(match name {
+        "qwen3-30b-a3b" => qwen3(2048, 48, 32, 6144, 768),
+        "qwen3-235b-a22b" => qwen3(4096, 94, 64, 12288, 1536),
+        "glm-4.5-air" => json!({
+            "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "attention_bias": true,
+            "attention_dropout": 0.0, "pad_token_id": 151329, "eos_token_id": [151329, 151336, 151338],
+            "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096, "partial_rotary_factor": 0.5,
+            "initializer_range": 0.02, "intermediate_size": 10944, "max_position_embeddings": 131072,
+            "num_attention_heads": 96, "num_hidden_layers": 46, "moe_intermediate_size": 1408,
+            "n_routed_experts": 128, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
+            "norm_topk_prob": true, "num_experts_per_tok": 8, "first_k_dense_replace": 1,
+            "num_key_value_heads": 8, "num_nextn_predict_layers": 1, "rms_norm_eps": 1e-5,
+            "rope_scaling": null, "rope_theta": 1000000, "routed_scaling_factor": 1.0,
+            "tie_word_embeddings": false, "torch_dtype": "bfloat16", "use_cache": true, "use_qk_norm": false,
+            "vocab_size": 151552
+        }),
+        "glm-4.5" => {
+            let mut c = shape_config("glm-4.5-air")?;
+            for (k, v) in [
+                ("hidden_size", 5120),
+                ("num_hidden_layers", 92),
+                ("intermediate_size", 12288),
+                ("moe_intermediate_size", 1536),
+                ("n_routed_experts", 160),
+                ("first_k_dense_replace", 3),
+            ] {
+                c[k] = v.into();
+            }
+            c["use_qk_norm"] = true.into();
+            c["routed_scaling_factor"] = 2.5.into();
+            c
+        }
+        "mixtral-8x7b" => json!({
+            "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "attention_dropout": 0.0,
+            "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096,
+            "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 32768,
+            "num_attention_heads": 32, "num_experts_per_tok": 2, "num_hidden_layers": 32,
+            "num_key_value_heads": 8, "num_local_experts": 8, "output_router_logits": false,
+            "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02,
+            "sliding_window": null, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+            "use_cache": true, "vocab_size": 32000
+        }),
+        "deepseek-v3" => json!({
+            "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "attention_bias": false,
+            "bos_token_id": 0, "eos_token_id": 1, "first_k_dense_replace": 3, "hidden_act": "silu",
+            "hidden_size": 7168, "initializer_range": 0.02, "intermediate_size": 18432, "kv_lora_rank": 512,
+            "max_position_embeddings": 163840, "moe_intermediate_size": 2048, "moe_layer_freq": 1,
+            "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": true,
+            "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61,
+            "num_key_value_heads": 128, "num_nextn_predict_layers": 1, "q_lora_rank": 1536,
+            "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-6,
+            "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                             "original_max_position_embeddings": 4096, "type": "yarn"},
+            "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "tie_word_embeddings": false,
+            "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "v_head_dim": 128, "vocab_size": 129280
+        }),
+        other => {
+            return Err(ConvertError::BadInput(format!(
+                "unknown shape '{other}'; known: {}",
+                shape_names().join(", ")
+            )))
+        }
+    })
+}
+
+/// A deterministic, fast generator (SplitMix64) for one chunk of one tensor.
+struct Rng(u64);
+impl Rng {
+    fn new(seed: u64, tensor: u64, chunk: u64) -> Rng {
+        Rng(seed
+            ^ tensor.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            ^ chunk.wrapping_mul(0xC2B2_AE3D_27D4_EB4F))
+    }
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn unit(&mut self) -> f32 {
+        ((self.next() >> 40) as f32 + 0.5) / (1u64 << 24) as f32
+    }
+    /// Two standard normals (Box-Muller).
+    fn normal2(&mut self) -> (f32, f32) {
+        let (u, v) = (self.unit(), self.unit());
+        let r = (-2.0 * u.ln()).sqrt();
+        let a = std::f32::consts::TAU * v;
+        (r * a.cos(), r * a.sin())
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Init {
+    Matrix { cols: usize },
+    Router { hidden: usize },
+    Norm,
+    Small(f32),
+}
+
+struct Planned {
+    name: String,
+    shape: Vec<usize>,
+    init: Init,
+}
+
+fn plan(cfg: &Value) -> Result<Vec<Planned>, ConvertError> {
+    let arch = hf::architecture_from_config(cfg)?;
+    let mut v = Vec::new();
+    for spec in names::dense_tensors(&arch) {
+        let init = if spec.name.ends_with("moe.router") {
+            Init::Router {
+                hidden: arch.hidden_size,
+            }
+        } else if spec.name.ends_with("norm") {
+            Init::Norm
+        } else if spec.shape.len() == 1 {
+            Init::Small(0.02)
+        } else if spec.name == "embed" {
+            Init::Small(0.05)
+        } else {
+            Init::Matrix {
+                cols: spec.shape[1],
+            }
+        };
+        // Qwen2-MoE's shared_expert_gate is stored as [1, hidden].
+        v.push(Planned {
+            name: hf_name(arch.family, &spec.name),
+            shape: spec.shape.clone(),
+            init,
+        });
+    }
+    let shapes = names::expert_part_shapes(&arch);
+    for l in arch.moe_layers() {
+        for e in 0..arch.moe.num_experts {
+            for (n, s) in hf_expert_names(arch.family, l, e).into_iter().zip(shapes) {
+                v.push(Planned {
+                    name: n,
+                    shape: s.to_vec(),
+                    init: Init::Matrix { cols: s[1] },
+                });
+            }
+        }
+    }
+    Ok(v)
+}
+
+fn fill(t: &Planned, idx: u64, seed: u64, out: &mut [u8]) {
+    const CHUNK: usize = 1 << 16;
+    out.par_chunks_mut(CHUNK * 2)
+        .enumerate()
+        .for_each(|(c, bytes)| {
+            let mut rng = Rng::new(seed, idx, c as u64);
+            let mut pending: Option<f32> = None;
+            for b in bytes.chunks_exact_mut(2) {
+                let g = pending.take().unwrap_or_else(|| {
+                    let (a, b) = rng.normal2();
+                    pending = Some(b);
+                    a
+                });
+                let v = match t.init {
+                    Init::Matrix { cols } => {
+                        let outlier = if rng.next() & 255 == 0 { 8.0 } else { 1.0 };
+                        g * outlier / (cols as f32).sqrt()
+                    }
+                    Init::Router { hidden } => g / (hidden as f32).sqrt(),
+                    Init::Norm => 1.0 + 0.05 * g,
+                    Init::Small(s) => s * g,
+                };
+                b.copy_from_slice(&smoe_quant::half::f32_to_bf16_bits(v).to_le_bytes());
+            }
+        });
+}
+
+/// What [`synth`] wrote.
+#[derive(Clone, Debug)]
+pub struct SynthReport {
+    /// Bytes of weights.
+    pub bytes: u64,
+    /// Shards written.
+    pub shards: usize,
+    /// Tensors written.
+    pub tensors: usize,
+}
+
+/// Options of [`synth`].
+#[derive(Clone, Debug)]
+pub struct SynthOptions {
+    /// Keep only the first N decoder layers.
+    pub layers: Option<usize>,
+    /// Seed of every value.
+    pub seed: u64,
+    /// Largest shard, in bytes.
+    pub shard_bytes: u64,
+    /// A tokenizer.json to ship (default: the small byte-level BPE of the test fixtures).
+    pub tokenizer_json: Option<String>,
+}
+
+const FALLBACK_TOKENIZER: &str = include_str!("../../../testdata/hf/qwen3_moe/tokenizer.json");
+const QWEN3_TEMPLATE: &str = include_str!("../../../testdata/qwen3_chat_template.jinja");
+
+/// Writes a checkpoint of shape `shape` into `out` (created if missing).
+pub fn synth(
+    shape: &str,
+    out: &Path,
+    opts: &SynthOptions,
+    progress: &dyn Progress,
+) -> Result<SynthReport, ConvertError> {
+    let mut cfg = shape_config(shape)?;
+    if let Some(n) = opts.layers {
+        let full = cfg["num_hidden_layers"].as_u64().unwrap() as usize;
+        if n == 0 || n > full {
+            return Err(ConvertError::BadInput(format!(
+                "--layers must be between 1 and {full}"
+            )));
+        }
+        cfg["num_hidden_layers"] = n.into();
+        if cfg.get("max_window_layers").is_some() {
+            cfg["max_window_layers"] = n.into();
+        }
+    }
+    let tensors = plan(&cfg)?;
+    std::fs::create_dir_all(out).map_err(|e| ConvertError::io(out, e))?;
+    // Shard plan: consecutive tensors up to `shard_bytes` each.
+    let mut shards: Vec<Vec<usize>> = vec![vec![]];
+    let mut size = 0u64;
+    for (i, t) in tensors.iter().enumerate() {
+        let b = t.shape.iter().product::<usize>() as u64 * 2;
+        if size > 0 && size + b > opts.shard_bytes {
+            shards.push(vec![]);
+            size = 0;
+        }
+        shards.last_mut().unwrap().push(i);
+        size += b;
+    }
+    let total: u64 = tensors
+        .iter()
+        .map(|t| t.shape.iter().product::<usize>() as u64 * 2)
+        .sum();
+    progress.start(total);
+    let n_shards = shards.len();
+    let mut weight_map = serde_json::Map::new();
+    let mut buf = Vec::new();
+    for (si, shard) in shards.iter().enumerate() {
+        let fname = format!("model-{:05}-of-{:05}.safetensors", si + 1, n_shards);
+        let mut header = serde_json::Map::new();
+        header.insert(
+            "__metadata__".into(),
+            json!({"format": "pt", "generator": "smoe synth"}),
+        );
+        let mut off = 0u64;
+        for &i in shard {
+            let t = &tensors[i];
+            let b = t.shape.iter().product::<usize>() as u64 * 2;
+            header.insert(
+                t.name.clone(),
+                json!({"dtype": "BF16", "shape": t.shape, "data_offsets": [off, off + b]}),
+            );
+            weight_map.insert(t.name.clone(), fname.clone().into());
+            off += b;
+        }
+        let mut h = serde_json::to_vec(&header).unwrap();
+        while !h.len().is_multiple_of(8) {
+            h.push(b' ');
+        }
+        let path = out.join(&fname);
+        let mut w = BufWriter::with_capacity(
+            8 << 20,
+            File::create(&path).map_err(|e| ConvertError::io(&path, e))?,
+        );
+        let io = |e| ConvertError::io(&path, e);
+        w.write_all(&(h.len() as u64).to_le_bytes()).map_err(io)?;
+        w.write_all(&h).map_err(io)?;
+        for &i in shard {
+            let t = &tensors[i];
+            buf.resize(t.shape.iter().product::<usize>() * 2, 0);
+            fill(t, i as u64, opts.seed, &mut buf);
+            w.write_all(&buf).map_err(io)?;
+            progress.advance(buf.len() as u64);
+        }
+        w.flush().map_err(io)?;
+    }
+    let write = |name: &str, v: &Value| -> Result<(), ConvertError> {
+        let p = out.join(name);
+        std::fs::write(&p, serde_json::to_string_pretty(v).unwrap())
+            .map_err(|e| ConvertError::io(&p, e))
+    };
+    write(
+        "model.safetensors.index.json",
+        &json!({"metadata": {"total_size": total}, "weight_map": weight_map}),
+    )?;
+    write("config.json", &cfg)?;
+    let eos = cfg["eos_token_id"].clone();
+    write(
+        "generation_config.json",
+        &json!({"bos_token_id": cfg.get("bos_token_id"), "eos_token_id": eos, "do_sample": true, "temperature": 0.7, "top_p": 0.8, "top_k": 20}),
+    )?;
+    let tok = opts.tokenizer_json.as_deref().unwrap_or(FALLBACK_TOKENIZER);
+    let p = out.join("tokenizer.json");
+    std::fs::write(&p, tok).map_err(|e| ConvertError::io(&p, e))?;
+    write(
+        "tokenizer_config.json",
+        &json!({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": QWEN3_TEMPLATE}),
+    )?;
+    progress.finish();
+    Ok(SynthReport {
+        bytes: total,
+        shards: n_shards,
+        tensors: tensors.len(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_shape_plans() {
+        for s in shape_names() {
+            let cfg = shape_config(s).unwrap();
+            assert!(!plan(&cfg).unwrap().is_empty(), "{s}");
+        }
+        let mut cfg = shape_config("qwen3-30b-a3b").unwrap();
+        cfg["num_hidden_layers"] = 1.into();
+        // embed, final norm, lm_head; 9 dense tensors per layer; 128 experts x 3.
+        assert_eq!(plan(&cfg).unwrap().len(), 3 + 9 + 128 * 3);
+    }
+
+    #[test]
+    fn values_are_deterministic_and_scaled() {
+        let t = Planned {
+            name: "w".into(),
+            shape: vec![64, 1024],
+            init: Init::Matrix { cols: 1024 },
+        };
+        let (mut a, mut b) = (vec![0u8; 64 * 1024 * 2], vec![0u8; 64 * 1024 * 2]);
+        fill(&t, 3, 9, &mut a);
+        fill(&t, 3, 9, &mut b);
+        assert_eq!(a, b);
+        let v: Vec<f32> = a
+            .chunks_exact(2)
+            .map(|c| smoe_quant::half::bf16_bits_to_f32(u16::from_le_bytes([c[0], c[1]])))
+            .collect();
+        let var = v.iter().map(|x| (x * x) as f64).sum::<f64>() / v.len() as f64;
+        // 1/cols, inflated by the 1-in-256 outliers at 8x: (1 + 63/256) / 1024.
+        assert!((var * 1024.0 - 1.246).abs() < 0.08, "{var}");
+    }
+}

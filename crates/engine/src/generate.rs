@@ -1,0 +1,274 @@
+//! Text generation: a model with its tokenizer, chat template and generation defaults, and the
+//! loop that prefills a prompt and samples until a stop condition.
+
+use crate::backend::Backend;
+use crate::forward::{Logits, NoObserver, Observer, State};
+use crate::sampler::{Sampler, SamplingParams};
+use crate::{EngineError, Model};
+use serde_json::Value as Json;
+use smoe_text::{ChatTemplate, Detokenizer, StopStrings, Tokenizer};
+use smoe_vault::{GenerationDefaults, Vault};
+use std::time::Instant;
+
+/// Why generation ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// A stop token or stop string.
+    Stop,
+    /// `max_tokens` or the context limit.
+    Length,
+    /// The caller asked to stop (client gone, Ctrl-C).
+    Cancelled,
+}
+
+/// What to generate.
+#[derive(Clone, Debug)]
+pub struct GenOptions {
+    /// Most tokens to generate.
+    pub max_tokens: usize,
+    /// Sampling.
+    pub sampling: SamplingParams,
+    /// Extra stop strings.
+    pub stop: Vec<String>,
+    /// Token ids that end generation (defaults to the model's eos ids).
+    pub stop_ids: Option<Vec<u32>>,
+    /// Context limit in tokens (prompt + generated).
+    pub ctx: usize,
+}
+
+/// Timings and counts of one generation.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct GenStats {
+    /// Prompt tokens in total.
+    pub prompt_tokens: usize,
+    /// Prompt tokens actually computed (the rest came from the cache).
+    pub prefilled_tokens: usize,
+    /// Tokens generated.
+    pub generated_tokens: usize,
+    /// Seconds from start to the first generated token.
+    pub ttft_seconds: f64,
+    /// Seconds spent in prefill.
+    pub prefill_seconds: f64,
+    /// Seconds spent generating after the first token.
+    pub decode_seconds: f64,
+    /// The sampler seed (reproduces the run).
+    pub seed: u64,
+}
+
+impl GenStats {
+    /// Prefill throughput.
+    pub fn prefill_tok_s(&self) -> f64 {
+        self.prefilled_tokens as f64 / self.prefill_seconds.max(1e-9)
+    }
+    /// Decode throughput (tokens after the first).
+    pub fn decode_tok_s(&self) -> f64 {
+        self.generated_tokens.saturating_sub(1) as f64 / self.decode_seconds.max(1e-9)
+    }
+}
+
+/// The result of a generation.
+#[derive(Clone, Debug)]
+pub struct Generation {
+    /// Generated ids (the stop token excluded).
+    pub tokens: Vec<u32>,
+    /// Generated text (stop string excluded).
+    pub text: String,
+    /// Why it ended.
+    pub finish: FinishReason,
+    /// Timings.
+    pub stats: GenStats,
+}
+
+/// A model ready to generate text.
+pub struct Engine<B: Backend> {
+    /// The model.
+    pub model: Model<B>,
+    /// Its tokenizer.
+    pub tokenizer: Tokenizer,
+    /// Its chat template, if it has one.
+    pub template: Option<ChatTemplate>,
+    /// generation_config.json defaults.
+    pub defaults: GenerationDefaults,
+}
+
+impl<B: Backend> Engine<B> {
+    /// Wraps `model` with the text assets of `vault`.
+    pub fn new(vault: &Vault, model: Model<B>) -> Result<Engine<B>, EngineError> {
+        let t = &vault.manifest().text;
+        let tokenizer = Tokenizer::from_json(&t.tokenizer_json)
+            .map_err(|e| EngineError::Text(e.to_string()))?;
+        let template = match &t.chat_template {
+            Some(src) => Some(
+                ChatTemplate::new(src, t.bos_token.as_deref(), t.eos_token.as_deref())
+                    .map_err(|e| EngineError::Text(e.to_string()))?,
+            ),
+            None => None,
+        };
+        Ok(Engine {
+            model,
+            tokenizer,
+            template,
+            defaults: vault.manifest().generation.clone(),
+        })
+    }
+
+    /// Renders a conversation with the chat template (generation prompt added).
+    pub fn render_chat(
+        &self,
+        messages: &[Json],
+        tools: Option<&[Json]>,
+        kwargs: &serde_json::Map<String, Json>,
+    ) -> Result<String, EngineError> {
+        let t = self.template.as_ref().ok_or_else(|| {
+            EngineError::Text("this model has no chat template; use a raw prompt".into())
+        })?;
+        t.render(messages, tools, true, kwargs)
+            .map_err(|e| EngineError::Text(e.to_string()))
+    }
+
+    /// Token ids of `text`.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, EngineError> {
+        self.tokenizer
+            .encode(text)
+            .map_err(|e| EngineError::Text(e.to_string()))
+    }
+
+    /// Ids that end generation by default: generation_config's eos ids, else the eos token.
+    pub fn default_stop_ids(&self) -> Vec<u32> {
+        let mut ids = self.defaults.eos_token_ids.clone();
+        if ids.is_empty() {
+            if let Some(id) = self
+                .tokenizer
+                .token_id("<|im_end|>")
+                .or_else(|| self.tokenizer.token_id("<|endoftext|>"))
+            {
+                ids.push(id);
+            }
+        }
+        ids
+    }
+
+    /// Sampling defaults from generation_config.json (greedy if it does not ask for sampling).
+    pub fn default_sampling(&self) -> SamplingParams {
+        let d = &self.defaults;
+        let mut p = SamplingParams::default();
+        if d.do_sample.unwrap_or(d.temperature.is_some()) {
+            p.temperature = d.temperature.unwrap_or(1.0) as f32;
+            p.top_p = d.top_p.unwrap_or(1.0) as f32;
+            p.top_k = d.top_k.unwrap_or(0) as usize;
+            p.min_p = d.min_p.unwrap_or(0.0) as f32;
+        }
+        p.repetition_penalty = d.repetition_penalty.unwrap_or(1.0) as f32;
+        p
+    }
+
+    /// Generates after `prompt`. The state may already hold a prefix of `prompt` in its cache
+    /// (prefix reuse): only the rest is computed. `on_token(id, text)` sees each token and the
+    /// text it completes; returning `false` cancels.
+    pub fn generate(
+        &self,
+        st: &mut State<B>,
+        prompt: &[u32],
+        opts: &GenOptions,
+        obs: &mut dyn Observer,
+        on_token: &mut dyn FnMut(u32, &str) -> bool,
+    ) -> Result<Generation, EngineError> {
+        opts.sampling.validate().map_err(EngineError::Input)?;
+        if prompt.is_empty() {
+            return Err(EngineError::Input("the prompt is empty".into()));
+        }
+        if prompt.len() >= opts.ctx {
+            return Err(EngineError::Input(format!(
+                "prompt is {} tokens; the context limit is {}",
+                prompt.len(),
+                opts.ctx
+            )));
+        }
+        let t0 = Instant::now();
+        // Reuse what is cached, but always recompute at least the last prompt token: its logits
+        // start the generation.
+        let cached = st.pos().min(prompt.len() - 1);
+        st.truncate(cached);
+        let mut sampler = Sampler::new(opts.sampling.clone());
+        let mut logits = self
+            .model
+            .forward(st, &prompt[cached..], Logits::Last, obs)?
+            .to_vec();
+        let prefill_seconds = t0.elapsed().as_secs_f64();
+        let stop_ids = opts
+            .stop_ids
+            .clone()
+            .unwrap_or_else(|| self.default_stop_ids());
+        let mut detok = Detokenizer::new(self.tokenizer.clone(), true);
+        let mut stops = StopStrings::new(&opts.stop);
+        let mut context = prompt.to_vec();
+        let (mut tokens, mut text) = (Vec::new(), String::new());
+        let mut finish = FinishReason::Length;
+        let mut ttft = None;
+        let t_decode = Instant::now();
+        loop {
+            if tokens.len() >= opts.max_tokens || context.len() >= opts.ctx {
+                break;
+            }
+            let id = sampler.sample(&mut logits, &context, tokens.len());
+            ttft.get_or_insert_with(|| t0.elapsed().as_secs_f64());
+            if stop_ids.contains(&id) {
+                finish = FinishReason::Stop;
+                break;
+            }
+            tokens.push(id);
+            context.push(id);
+            let piece = detok.push(id);
+            let (out, stopped) = stops.push(&piece);
+            text.push_str(&out);
+            if !on_token(id, &out) {
+                finish = FinishReason::Cancelled;
+                break;
+            }
+            if stopped {
+                finish = FinishReason::Stop;
+                break;
+            }
+            if tokens.len() >= opts.max_tokens || context.len() >= opts.ctx {
+                break;
+            }
+            logits.copy_from_slice(self.model.forward(st, &[id], Logits::Last, obs)?);
+        }
+        if finish != FinishReason::Stop {
+            let (tail, _) = stops.push(&detok.flush());
+            let tail = tail + &stops.flush();
+            if !tail.is_empty() {
+                text.push_str(&tail);
+                on_token(u32::MAX, &tail);
+            }
+        }
+        let stats = GenStats {
+            prompt_tokens: prompt.len(),
+            prefilled_tokens: prompt.len() - cached,
+            generated_tokens: tokens.len(),
+            ttft_seconds: ttft.unwrap_or(prefill_seconds),
+            prefill_seconds,
+            decode_seconds: t_decode.elapsed().as_secs_f64()
+                - (ttft.unwrap_or(prefill_seconds) - prefill_seconds),
+            seed: sampler.seed(),
+        };
+        Ok(Generation {
+            tokens,
+            text,
+            finish,
+            stats,
+        })
+    }
+
+    /// [`generate`](Self::generate) from an empty state, observing nothing.
+    pub fn generate_fresh(
+        &self,
+        prompt: &[u32],
+        opts: &GenOptions,
+        on_token: &mut dyn FnMut(u32, &str) -> bool,
+    ) -> Result<Generation, EngineError> {
+        let mut st = self.model.new_state(256);
+        self.generate(&mut st, prompt, opts, &mut NoObserver, on_token)
+    }
+}

@@ -1,0 +1,29 @@
+//! KV-cache values per token for full-size published shapes, as stored (latent for MLA, kv
+//! heads for GQA) vs. a naive full K/V cache; the numbers in docs/kv-cache.md.
+
+use smoe_convert::{hf, synth};
+use smoe_engine::{kv_values_per_token, naive_kv_values_per_token};
+
+fn arch(shape: &str) -> smoe_vault::Architecture {
+    hf::architecture_from_config(&synth::shape_config(shape).unwrap()).unwrap()
+}
+
+#[test]
+fn kv_cache_values_per_token_for_published_shapes() {
+    for shape in synth::shape_names() {
+        let a = arch(shape);
+        let (ours, naive) = (kv_values_per_token(&a), naive_kv_values_per_token(&a));
+        println!(
+            "KV|{shape}|{ours}|{naive}|{:.1}",
+            naive as f64 / ours as f64
+        );
+    }
+    // DeepSeek-V3: 61 layers x (512 latent + 64 rope key) against 128 heads x (192 + 128).
+    let ds = arch("deepseek-v3");
+    assert_eq!(kv_values_per_token(&ds), 61 * 576);
+    assert_eq!(naive_kv_values_per_token(&ds), 61 * 128 * 320);
+    // GLM-4.5: 92 layers x 8 kv heads x 128 x (k + v) against 96 query heads.
+    let glm = arch("glm-4.5");
+    assert_eq!(kv_values_per_token(&glm), 92 * 8 * 128 * 2);
+    assert_eq!(naive_kv_values_per_token(&glm), 92 * 96 * 128 * 2);
+}
