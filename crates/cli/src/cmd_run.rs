@@ -1,9 +1,9 @@
-//! `smoe score` and `smoe run`.
+//! `smoe score` and `smoe run`, and the flags they share.
 
 use anyhow::{bail, Context, Result};
+use smoe_engine::instrument::Instrument;
 use smoe_engine::{
-    open_cpu, score, CpuBackend, Engine, FinishReason, GenOptions, NoObserver, OpenOptions,
-    Precision, SamplingParams, ScoreMode,
+    open_cpu, score, CacheSize, CpuBackend, Engine, FinishReason, GenOptions, NoObserver, OpenOptions, Precision, ScoreMode,
 };
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -12,16 +12,82 @@ use std::path::{Path, PathBuf};
 pub fn parse_ids(text: &str) -> Result<Vec<u32>> {
     let t = text.trim();
     if t.starts_with('[') {
-        return serde_json::from_str(t)
-            .context("ids: expected a JSON array of non-negative integers");
+        return serde_json::from_str(t).context("ids: expected a JSON array of non-negative integers");
     }
     t.split(|c: char| c == ',' || c.is_whitespace())
         .filter(|s| !s.is_empty())
-        .map(|s| {
-            s.parse::<u32>()
-                .with_context(|| format!("ids: '{s}' is not a token id"))
-        })
+        .map(|s| s.parse::<u32>().with_context(|| format!("ids: '{s}' is not a token id")))
         .collect()
+}
+
+pub fn exists(p: &Path) -> Result<()> {
+    if !p.exists() {
+        bail!("{} does not exist", p.display());
+    }
+    Ok(())
+}
+
+/// How to open a model: shared by every command that runs one.
+#[derive(clap::Args, Clone, Debug)]
+pub struct ModelArgs {
+    /// Expert cache: `auto` (from free memory and cgroup limits), `resident` (all experts read at
+    /// start), a size (`8GiB`, `500MiB`) or a number of experts.
+    #[arg(long, default_value = "auto")]
+    pub cache: CacheSize,
+    /// Expert cache size as a number of experts (overrides --cache).
+    #[arg(long)]
+    pub cache_experts: Option<usize>,
+    /// Eviction policy: reuse-distance (default) or lru.
+    #[arg(long, default_value = "reuse-distance")]
+    pub policy: smoe_store::policy::PolicyKind,
+    /// Read ahead the experts the next layer's router predicts from the current hidden state.
+    #[arg(long, default_value = "off", value_parser = ["off", "lookahead"])]
+    pub prefetch: String,
+    /// Skip checksum verification of expert blobs as they are read.
+    #[arg(long)]
+    pub no_verify: bool,
+    /// Expert reads in flight at most.
+    #[arg(long, default_value_t = 32)]
+    pub queue_depth: usize,
+    /// Print per-token timing, bytes read, hit rate and expert reuse.
+    #[arg(long)]
+    pub instrument: bool,
+}
+
+impl ModelArgs {
+    /// Defaults, with the cache set to `cache`.
+    pub fn with_cache(cache: CacheSize) -> ModelArgs {
+        ModelArgs {
+            cache,
+            cache_experts: None,
+            policy: smoe_store::policy::PolicyKind::ReuseDistance,
+            prefetch: "off".into(),
+            no_verify: false,
+            queue_depth: 32,
+            instrument: false,
+        }
+    }
+
+    pub fn options(&self, precision: Precision, ctx: usize) -> OpenOptions {
+        OpenOptions {
+            precision,
+            cache: self.cache_experts.map(CacheSize::Experts).unwrap_or(self.cache),
+            policy: self.policy,
+            verify: !self.no_verify,
+            queue_depth: self.queue_depth,
+            ctx,
+        }
+    }
+
+    /// Opens the model and reports the cache size chosen (on stderr).
+    pub fn open(&self, vault: &Path, precision: Precision, ctx: Option<usize>) -> Result<Engine<CpuBackend>> {
+        exists(vault)?;
+        let (mut engine, report) =
+            open_cpu(vault, &self.options(precision, ctx.unwrap_or(4096))).with_context(|| format!("open {}", vault.display()))?;
+        engine.model.set_lookahead(self.prefetch == "lookahead");
+        eprintln!("{report}");
+        Ok(engine)
+    }
 }
 
 pub struct ScoreArgs {
@@ -32,14 +98,13 @@ pub struct ScoreArgs {
     pub decode: bool,
     pub fast: bool,
     pub cache_mb: Option<u64>,
+    pub model: ModelArgs,
 }
 
 pub fn run_score(a: ScoreArgs) -> Result<()> {
     let ids = match (&a.ids, &a.ids_file) {
         (Some(s), None) => parse_ids(s)?,
-        (None, Some(f)) => parse_ids(
-            &std::fs::read_to_string(f).with_context(|| format!("read {}", f.display()))?,
-        )?,
+        (None, Some(f)) => parse_ids(&std::fs::read_to_string(f).with_context(|| format!("read {}", f.display()))?)?,
         _ => bail!("give exactly one of --ids and --ids-file"),
     };
     if ids.is_empty() {
@@ -48,29 +113,19 @@ pub fn run_score(a: ScoreArgs) -> Result<()> {
     if a.fast {
         bail!("--fast needs the production kernels, which this build does not have yet");
     }
-    let _ = a.cache_mb;
-    let engine = open_cpu(
-        &a.vault,
-        &OpenOptions {
-            precision: Precision::Reference,
-        },
-    )
-    .with_context(|| format!("open {}", a.vault.display()))?;
-    let mode = if a.decode {
-        ScoreMode::Decode
-    } else {
-        ScoreMode::Prefill
-    };
+    let mut model = a.model.clone();
+    if let Some(mb) = a.cache_mb {
+        model.cache = CacheSize::Bytes(mb << 20);
+    }
+    let engine = model.open(&a.vault, Precision::Reference, Some(ids.len()))?;
+    let mode = if a.decode { ScoreMode::Decode } else { ScoreMode::Prefill };
     let t0 = std::time::Instant::now();
-    let out = score(&engine.model, &ids, mode, 256)?;
-    out.write_safetensors(&a.out)
-        .with_context(|| format!("write {}", a.out.display()))?;
-    eprintln!(
-        "scored {} tokens ({mode:?}) in {:.2} s -> {}",
-        ids.len(),
-        t0.elapsed().as_secs_f64(),
-        a.out.display()
-    );
+    let out = score(&engine.model, &ids, mode, 256, a.model.instrument)?;
+    out.write_safetensors(&a.out).with_context(|| format!("write {}", a.out.display()))?;
+    eprintln!("scored {} tokens ({mode:?}) in {:.2} s -> {}", ids.len(), t0.elapsed().as_secs_f64(), a.out.display());
+    if let Some(s) = &out.instrument {
+        eprintln!("{s}");
+    }
     Ok(())
 }
 
@@ -113,8 +168,25 @@ pub struct GenArgs {
 }
 
 impl GenArgs {
+    /// Defaults: 512 tokens, the model's sampling defaults.
+    pub fn new(max_tokens: usize) -> GenArgs {
+        GenArgs {
+            max_tokens,
+            temperature: None,
+            top_p: None,
+            top_k: None,
+            min_p: None,
+            repetition_penalty: None,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            seed: None,
+            stop: vec![],
+            ctx: None,
+        }
+    }
+
     pub fn options(&self, engine: &Engine<CpuBackend>) -> GenOptions {
-        let mut s: SamplingParams = engine.default_sampling();
+        let mut s = engine.default_sampling();
         if let Some(t) = self.temperature {
             s.temperature = t;
         }
@@ -138,15 +210,22 @@ impl GenArgs {
             sampling: s,
             stop: self.stop.clone(),
             stop_ids: None,
-            ctx: self
-                .ctx
-                .unwrap_or(engine.model.arch().max_position_embeddings),
+            ctx: self.ctx.unwrap_or(engine.model.arch().max_position_embeddings),
         }
     }
 }
 
+/// What `run` (and `demo`) generate.
+pub struct Prompt<'a> {
+    pub text: &'a str,
+    pub raw: bool,
+    pub system: Option<&'a str>,
+    pub think: Option<bool>,
+}
+
 pub struct RunArgs {
     pub vault: PathBuf,
+    pub model: ModelArgs,
     pub prompt: String,
     pub raw: bool,
     pub system: Option<String>,
@@ -155,72 +234,78 @@ pub struct RunArgs {
     pub gen: GenArgs,
 }
 
-/// Builds the prompt ids: the chat template around `prompt` unless `raw`.
-pub fn prompt_ids(
-    engine: &Engine<CpuBackend>,
-    prompt: &str,
-    raw: bool,
-    system: Option<&str>,
-    think: Option<bool>,
-) -> Result<Vec<u32>> {
-    if raw || engine.template.is_none() {
-        return Ok(engine.encode(prompt)?);
+/// Builds the prompt ids: the chat template around the text unless `raw`.
+pub fn prompt_ids(engine: &Engine<CpuBackend>, p: &Prompt) -> Result<Vec<u32>> {
+    if p.raw || engine.template.is_none() {
+        return Ok(engine.encode(p.text)?);
     }
     let mut messages = Vec::new();
-    if let Some(s) = system {
+    if let Some(s) = p.system {
         messages.push(serde_json::json!({"role": "system", "content": s}));
     }
-    messages.push(serde_json::json!({"role": "user", "content": prompt}));
+    messages.push(serde_json::json!({"role": "user", "content": p.text}));
     let mut kwargs = serde_json::Map::new();
-    if let Some(t) = think {
+    if let Some(t) = p.think {
         kwargs.insert("enable_thinking".into(), t.into());
     }
     Ok(engine.encode(&engine.render_chat(&messages, None, &kwargs)?)?)
 }
 
 pub fn run_run(a: RunArgs) -> Result<()> {
-    let engine = open_cpu(&a.vault, &OpenOptions::default())
-        .with_context(|| format!("open {}", a.vault.display()))?;
-    generate_and_report(
-        &engine,
-        &a.prompt,
-        a.raw,
-        a.system.as_deref(),
-        a.think,
-        a.json,
-        &a.gen,
-    )
+    let engine = a.model.open(&a.vault, Precision::Reference, a.gen.ctx)?;
+    let p = Prompt { text: &a.prompt, raw: a.raw, system: a.system.as_deref(), think: a.think };
+    generate_and_report(&engine, &p, a.json, &a.gen, a.model.instrument)
 }
 
-pub fn generate_and_report(
-    engine: &Engine<CpuBackend>,
-    prompt: &str,
-    raw: bool,
-    system: Option<&str>,
-    think: Option<bool>,
-    json: bool,
-    gen: &GenArgs,
-) -> Result<()> {
-    let ids = prompt_ids(engine, prompt, raw, system, think)?;
+/// Prints every step of an instrument and its summaries.
+pub fn print_instrument(i: &Instrument, prefill_steps: usize) {
+    for (n, r) in i.records.iter().enumerate() {
+        eprintln!(
+            "step {n:4} ({} tok): {:.2} ms = attn {:.2} + route {:.2} + experts {:.2} + io {:.2} + sample {:.2} + other {:.2}; read {:.1} KiB, hits {}/{}, reuse {}",
+            r.tokens,
+            r.total_ms,
+            r.attention_ms,
+            r.routing_ms,
+            r.expert_ms,
+            r.io_wait_ms,
+            r.sampling_ms,
+            r.other_ms,
+            r.bytes_read as f64 / 1024.0,
+            r.hits,
+            r.hits + r.misses,
+            r.adjacent_reuse.map_or("-".into(), |a| format!("{a:.2}"))
+        );
+    }
+    eprintln!("prefill: {}", i.summary_range(0, prefill_steps));
+    eprintln!("decode:  {}", i.summary(prefill_steps));
+}
+
+pub fn generate_and_report(engine: &Engine<CpuBackend>, p: &Prompt, json: bool, gen: &GenArgs, instrument: bool) -> Result<()> {
+    let ids = prompt_ids(engine, p)?;
     let opts = gen.options(engine);
     let mut stdout = std::io::stdout().lock();
     let mut on_token = |_id: u32, text: &str| {
         if !json {
             // A closed pipe (`smoe run ... | head`) ends generation quietly.
-            if stdout
-                .write_all(text.as_bytes())
-                .and_then(|_| stdout.flush())
-                .is_err()
-            {
+            if stdout.write_all(text.as_bytes()).and_then(|_| stdout.flush()).is_err() {
                 return false;
             }
         }
         true
     };
     let mut st = engine.model.new_state(256);
+    if instrument {
+        st.enable_instrument();
+    }
+    let store_before = engine.model.experts().stats();
     let g = engine.generate(&mut st, &ids, &opts, &mut NoObserver, &mut on_token)?;
     let s = &g.stats;
+    let store = engine.model.experts().stats().since(&store_before);
+    let prefill_steps = s.prefilled_tokens.div_ceil(256);
     if json {
+        let ins = st.instrument.as_ref().map(
+            |i| serde_json::json!({"prefill": i.summary_range(0, prefill_steps), "decode": i.summary(prefill_steps), "steps": i.records}),
+        );
         let v = serde_json::json!({
             "text": g.text,
             "tokens": g.tokens,
@@ -231,31 +316,31 @@ pub fn generate_and_report(
             "prefill_tok_s": s.prefill_tok_s(),
             "decode_tok_s": s.decode_tok_s(),
             "seed": s.seed,
+            "hit_rate": store.hit_rate(),
+            "bytes_read": store.bytes_read,
+            "instrument": ins,
         });
         println!("{}", serde_json::to_string_pretty(&v)?);
-    } else {
-        println!();
-        let why = match g.finish {
-            FinishReason::Stop => "stop",
-            FinishReason::Length => "length",
-            FinishReason::Cancelled => "cancelled",
-        };
-        eprintln!(
-            "[prompt {} tok, generated {} tok ({why}), ttft {:.0} ms, prefill {:.1} tok/s, decode {:.1} tok/s, seed {}]",
-            s.prompt_tokens,
-            s.generated_tokens,
-            s.ttft_seconds * 1e3,
-            s.prefill_tok_s(),
-            s.decode_tok_s(),
-            s.seed
-        );
+        return Ok(());
     }
-    Ok(())
-}
-
-pub fn exists(p: &Path) -> Result<()> {
-    if !p.exists() {
-        bail!("{} does not exist", p.display());
+    println!();
+    let why = match g.finish {
+        FinishReason::Stop => "stop",
+        FinishReason::Length => "length",
+        FinishReason::Cancelled => "cancelled",
+    };
+    eprintln!(
+        "[prompt {} tok, generated {} tok ({why}), ttft {:.0} ms, prefill {:.1} tok/s, decode {:.1} tok/s, expert hit rate {:.2}, seed {}]",
+        s.prompt_tokens,
+        s.generated_tokens,
+        s.ttft_seconds * 1e3,
+        s.prefill_tok_s(),
+        s.decode_tok_s(),
+        store.hit_rate(),
+        s.seed
+    );
+    if let Some(i) = &st.instrument {
+        print_instrument(i, prefill_steps);
     }
     Ok(())
 }

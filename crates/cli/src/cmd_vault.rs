@@ -23,28 +23,15 @@ pub fn fmt_bytes(b: u64) -> String {
     }
 }
 
-pub fn run_shatter(
-    input: &Path,
-    out: &Path,
-    experts: Format,
-    dense: Format,
-    threads: Option<usize>,
-) -> Result<ShatterReport> {
+pub fn run_shatter(input: &Path, out: &Path, experts: Format, dense: Format, threads: Option<usize>) -> Result<ShatterReport> {
     let opts = ShatterOptions {
         experts,
         dense,
         threads,
-        fail_after_blobs: std::env::var("SMOE_TEST_FAIL_AFTER_BLOBS")
-            .ok()
-            .and_then(|v| v.parse().ok()),
+        fail_after_blobs: std::env::var("SMOE_TEST_FAIL_AFTER_BLOBS").ok().and_then(|v| v.parse().ok()),
     };
-    eprintln!(
-        "shattering {} -> {} (experts {experts}, dense {dense})",
-        input.display(),
-        out.display()
-    );
-    let report = shatter(input, out, &opts, &CliProgress::new())
-        .with_context(|| format!("shatter {}", input.display()))?;
+    eprintln!("shattering {} -> {} (experts {experts}, dense {dense})", input.display(), out.display());
+    let report = shatter(input, out, &opts, &CliProgress::new()).with_context(|| format!("shatter {}", input.display()))?;
     eprintln!(
         "wrote {} in {:.1} s: dense {}, experts {} ({} per blob)",
         out.display(),
@@ -62,9 +49,7 @@ pub fn inspect_json(v: &Vault) -> serde_json::Value {
     let h = v.header();
     let mut dense_formats: BTreeMap<String, (usize, u64)> = BTreeMap::new();
     for d in &m.dense {
-        let e = dense_formats
-            .entry(d.format.name().to_string())
-            .or_default();
+        let e = dense_formats.entry(d.format.name().to_string()).or_default();
         e.0 += 1;
         e.1 += d.len;
     }
@@ -96,30 +81,14 @@ pub fn run_inspect(path: &Path, json: bool) -> Result<()> {
     let m = v.manifest();
     let a = &m.architecture;
     let h = v.header();
-    println!(
-        "{}  (vault format {}.{}, {})",
-        path.display(),
-        h.major,
-        h.minor,
-        m.created_by
-    );
+    println!("{}  (vault format {}.{}, {})", path.display(), h.major, h.minor, m.created_by);
     println!("family        {}", a.family.model_type());
-    println!(
-        "layers        {} ({} MoE, {} dense)",
-        a.num_layers,
-        a.moe_layers().len(),
-        a.num_layers - a.moe_layers().len()
-    );
+    println!("layers        {} ({} MoE, {} dense)", a.num_layers, a.moe_layers().len(), a.num_layers - a.moe_layers().len());
     println!("hidden        {}   vocab {}", a.hidden_size, a.vocab_size);
     match &a.mla {
         Some(mla) => println!(
             "attention     MLA: {} heads, q rank {:?}, kv rank {}, nope {} + rope {}, v {}",
-            a.num_heads,
-            mla.q_lora_rank,
-            mla.kv_lora_rank,
-            mla.qk_nope_head_dim,
-            mla.qk_rope_head_dim,
-            mla.v_head_dim
+            a.num_heads, mla.q_lora_rank, mla.kv_lora_rank, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
         ),
         None => println!(
             "attention     {} heads / {} kv heads x {}, qk-norm {:?}, qkv bias {}",
@@ -130,61 +99,28 @@ pub fn run_inspect(path: &Path, json: bool) -> Result<()> {
         "rope          theta {}, rotary dim {}{}, scaling {:?}",
         a.rope.theta,
         a.rope.rotary_dim,
-        if a.rope.interleaved {
-            " (interleaved)"
-        } else {
-            ""
-        },
+        if a.rope.interleaved { " (interleaved)" } else { "" },
         a.rope.scaling
     );
     let router = match &a.moe.router {
         Router::Softmax => "softmax".to_string(),
-        Router::SigmoidGrouped {
-            n_group,
-            topk_group,
-            ..
-        } => format!("sigmoid + correction bias, {topk_group} of {n_group} groups"),
+        Router::SigmoidGrouped { n_group, topk_group, .. } => format!("sigmoid + correction bias, {topk_group} of {n_group} groups"),
     };
     println!(
         "experts       {} x {} wide, top-{}, router {router}, renormalise {}, scale {}",
-        a.moe.num_experts,
-        a.moe.intermediate_size,
-        a.moe.top_k,
-        a.moe.norm_topk_prob,
-        a.moe.routed_scaling_factor
+        a.moe.num_experts, a.moe.intermediate_size, a.moe.top_k, a.moe.norm_topk_prob, a.moe.routed_scaling_factor
     );
     if let Some(s) = &a.moe.shared_experts {
-        println!(
-            "shared expert {} wide{}",
-            s.intermediate_size,
-            if s.sigmoid_gate { ", sigmoid gate" } else { "" }
-        );
+        println!("shared expert {} wide{}", s.intermediate_size, if s.sigmoid_gate { ", sigmoid gate" } else { "" });
     }
-    let parts: Vec<String> = m
-        .experts
-        .parts
-        .iter()
-        .map(|p| format!("{} {}", p.name, p.format))
-        .collect();
-    println!(
-        "expert blobs  {} x {} ({})",
-        m.experts.layers.len() * a.moe.num_experts,
-        fmt_bytes(m.experts.blob_size),
-        parts.join(", ")
-    );
+    let parts: Vec<String> = m.experts.parts.iter().map(|p| format!("{} {}", p.name, p.format)).collect();
+    println!("expert blobs  {} x {} ({})", m.experts.layers.len() * a.moe.num_experts, fmt_bytes(m.experts.blob_size), parts.join(", "));
     let mut dense_formats: BTreeMap<Format, u64> = BTreeMap::new();
     for d in &m.dense {
         *dense_formats.entry(d.format).or_default() += d.len;
     }
-    let df: Vec<String> = dense_formats
-        .iter()
-        .map(|(f, b)| format!("{f} {}", fmt_bytes(*b)))
-        .collect();
-    println!(
-        "dense         {} ({})",
-        fmt_bytes(h.dense_len),
-        df.join(", ")
-    );
+    let df: Vec<String> = dense_formats.iter().map(|(f, b)| format!("{f} {}", fmt_bytes(*b))).collect();
+    println!("dense         {} ({})", fmt_bytes(h.dense_len), df.join(", "));
     println!("expert region {}", fmt_bytes(h.experts_len));
     println!("total         {}", fmt_bytes(h.file_len));
     for n in &m.notes {
@@ -197,8 +133,7 @@ pub fn run_verify(path: &Path) -> Result<()> {
     let v = Vault::open(path).with_context(|| format!("open {}", path.display()))?;
     let total = v.header().dense_len + v.header().experts_len;
     let t0 = std::time::Instant::now();
-    v.verify(&mut |_| {})
-        .with_context(|| format!("verify {}", path.display()))?;
+    v.verify(&mut |_| {}).with_context(|| format!("verify {}", path.display()))?;
     let secs = t0.elapsed().as_secs_f64();
     println!(
         "ok: {} dense tensors and {} expert blobs verified ({} in {secs:.1} s)",

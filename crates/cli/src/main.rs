@@ -10,11 +10,7 @@ use smoe_quant::Format;
 use std::path::PathBuf;
 
 #[derive(Parser)]
-#[command(
-    name = "smoe",
-    version,
-    about = "Run Mixture-of-Experts models larger than memory, streaming experts from SSD"
-)]
+#[command(name = "smoe", version, about = "Run Mixture-of-Experts models larger than memory, streaming experts from SSD")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -90,6 +86,8 @@ enum Command {
         /// Expert cache size in MiB (default: automatic).
         #[arg(long)]
         cache_mb: Option<u64>,
+        #[command(flatten)]
+        model: cmd_run::ModelArgs,
     },
     /// Generate text from a prompt, streamed to stdout.
     Run {
@@ -111,6 +109,8 @@ enum Command {
         json: bool,
         #[command(flatten)]
         gen: cmd_run::GenArgs,
+        #[command(flatten)]
+        model: cmd_run::ModelArgs,
     },
     /// Shatter the bundled demo model and generate Python from it.
     Demo {
@@ -125,10 +125,7 @@ enum Command {
 
 fn main() {
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("SMOE_LOG")
-                .unwrap_or_else(|_| "warn".into()),
-        )
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("SMOE_LOG").unwrap_or_else(|_| "warn".into()))
         .with_writer(std::io::stderr)
         .init();
     if let Err(e) = run(Cli::parse()) {
@@ -139,82 +136,27 @@ fn main() {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Shatter {
-            input,
-            out,
-            experts,
-            dense,
-            threads,
-        } => cmd_vault::run_shatter(&input, &out, experts, dense, threads).map(|_| ()),
-        Command::Synth {
-            shape,
-            out,
-            layers,
-            seed,
-            shard_gib,
-            tokenizer,
-        } => {
+        Command::Shatter { input, out, experts, dense, threads } => {
+            cmd_vault::run_shatter(&input, &out, experts, dense, threads).map(|_| ())
+        }
+        Command::Synth { shape, out, layers, seed, shard_gib, tokenizer } => {
             let tokenizer_json = match tokenizer {
-                Some(p) => Some(
-                    std::fs::read_to_string(&p)
-                        .map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?,
-                ),
+                Some(p) => Some(std::fs::read_to_string(&p).map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?),
                 None => None,
             };
-            let opts = smoe_convert::synth::SynthOptions {
-                layers,
-                seed,
-                shard_bytes: (shard_gib * (1u64 << 30) as f64) as u64,
-                tokenizer_json,
-            };
+            let opts =
+                smoe_convert::synth::SynthOptions { layers, seed, shard_bytes: (shard_gib * (1u64 << 30) as f64) as u64, tokenizer_json };
             let r = smoe_convert::synth::synth(&shape, &out, &opts, &progress::CliProgress::new())?;
-            eprintln!(
-                "wrote {} ({} tensors, {} shards, {})",
-                out.display(),
-                r.tensors,
-                r.shards,
-                cmd_vault::fmt_bytes(r.bytes)
-            );
+            eprintln!("wrote {} ({} tensors, {} shards, {})", out.display(), r.tensors, r.shards, cmd_vault::fmt_bytes(r.bytes));
             Ok(())
         }
         Command::Inspect { vault, json } => cmd_vault::run_inspect(&vault, json),
         Command::Verify { vault } => cmd_vault::run_verify(&vault),
-        Command::Score {
-            vault,
-            ids,
-            ids_file,
-            out,
-            decode,
-            fast,
-            cache_mb,
-        } => cmd_run::run_score(cmd_run::ScoreArgs {
-            vault,
-            ids,
-            ids_file,
-            out,
-            decode,
-            fast,
-            cache_mb,
-        }),
-        Command::Run {
-            vault,
-            prompt,
-            raw,
-            system,
-            no_think,
-            json,
-            gen,
-        } => {
-            cmd_run::exists(&vault)?;
-            cmd_run::run_run(cmd_run::RunArgs {
-                vault,
-                prompt,
-                raw,
-                system,
-                think: no_think.then_some(false),
-                json,
-                gen,
-            })
+        Command::Score { vault, ids, ids_file, out, decode, fast, cache_mb, model } => {
+            cmd_run::run_score(cmd_run::ScoreArgs { vault, ids, ids_file, out, decode, fast, cache_mb, model })
+        }
+        Command::Run { vault, prompt, raw, system, no_think, json, gen, model } => {
+            cmd_run::run_run(cmd_run::RunArgs { vault, model, prompt, raw, system, think: no_think.then_some(false), json, gen })
         }
         Command::Demo { model, prompt } => demo(model, &prompt),
     }
@@ -222,18 +164,12 @@ fn run(cli: Cli) -> Result<()> {
 
 /// The bundled demo checkpoint, found relative to the source tree the binary was built from.
 fn bundled_model() -> PathBuf {
-    PathBuf::from(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../models/stdlib-moe"
-    ))
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../models/stdlib-moe"))
 }
 
 fn demo(model: Option<PathBuf>, prompt: &str) -> Result<()> {
     let model = model.unwrap_or_else(bundled_model);
-    let dir = PathBuf::from(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../target/smoe-demo"
-    ));
+    let dir = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../target/smoe-demo"));
     std::fs::create_dir_all(&dir)?;
     let vault = dir.join("stdlib-moe.smoe");
     cmd_vault::run_shatter(&model, &vault, Format::Q4_K, Format::Q8_0, None)?;
@@ -242,20 +178,23 @@ fn demo(model: Option<PathBuf>, prompt: &str) -> Result<()> {
     println!();
     // The default prompt is written with a literal "\n" so it survives shells; make it a newline.
     let prompt = prompt.replace("\\n", "\n");
-    let engine = smoe_engine::open_cpu(&vault, &Default::default())?;
-    let gen = cmd_run::GenArgs {
-        max_tokens: 160,
-        temperature: Some(0.7),
-        top_p: Some(0.95),
-        top_k: None,
-        min_p: None,
-        repetition_penalty: None,
-        presence_penalty: 0.0,
-        frequency_penalty: 0.0,
-        seed: None,
-        stop: vec![],
-        ctx: None,
-    };
+    // A deliberately small cache (a quarter of the experts) so the demo streams from disk.
+    let experts = smoe_vault::Vault::open(&vault)?.manifest().experts.layers.len() * 32;
+    let engine = cmd_run::ModelArgs::with_cache(smoe_engine::CacheSize::Experts(experts / 4)).open(
+        &vault,
+        smoe_engine::Precision::Reference,
+        None,
+    )?;
+    let gen = cmd_run::GenArgs { temperature: Some(0.7), top_p: Some(0.95), ..cmd_run::GenArgs::new(160) };
     print!("{prompt}");
-    cmd_run::generate_and_report(&engine, &prompt, true, None, None, false, &gen)
+    let p = cmd_run::Prompt { text: &prompt, raw: true, system: None, think: None };
+    cmd_run::generate_and_report(&engine, &p, false, &gen, false)?;
+    let st = engine.model.experts().stats();
+    println!(
+        "streamed experts: {} uses, hit rate {:.2}, {} read from the vault",
+        st.hits + st.misses,
+        st.hit_rate(),
+        cmd_vault::fmt_bytes(st.bytes_read)
+    );
+    Ok(())
 }

@@ -4,10 +4,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 fn smoe(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_smoe"))
-        .args(args)
-        .output()
-        .unwrap()
+    Command::new(env!("CARGO_BIN_EXE_smoe")).args(args).output().unwrap()
 }
 
 fn root() -> PathBuf {
@@ -41,29 +38,15 @@ fn shatter(dir: &Path, name: &str, extra: &[&str]) -> String {
 #[test]
 fn shatter_inspect_verify_and_a_flipped_byte() {
     let dir = tempfile::tempdir().unwrap();
-    let v = shatter(
-        dir.path(),
-        "qwen3_moe_k",
-        &["--experts", "q4_k", "--dense", "BF16"],
-    );
-    let j: serde_json::Value =
-        serde_json::from_str(&ok(&smoe(&["inspect", &v, "--json"]))).unwrap();
+    let v = shatter(dir.path(), "qwen3_moe_k", &["--experts", "q4_k", "--dense", "BF16"]);
+    let j: serde_json::Value = serde_json::from_str(&ok(&smoe(&["inspect", &v, "--json"]))).unwrap();
     assert_eq!(j["architecture"]["family"], "qwen3_moe");
     assert_eq!(j["expert_parts"][0]["format"], "Q4_K");
     assert_eq!(j["expert_count"], 16);
-    assert!(j["expert_blob_bytes"]
-        .as_u64()
-        .unwrap()
-        .is_multiple_of(4096));
-    assert_eq!(
-        j["total_bytes"].as_u64().unwrap(),
-        std::fs::metadata(&v).unwrap().len()
-    );
+    assert!(j["expert_blob_bytes"].as_u64().unwrap().is_multiple_of(4096));
+    assert_eq!(j["total_bytes"].as_u64().unwrap(), std::fs::metadata(&v).unwrap().len());
     let text = ok(&smoe(&["inspect", &v]));
-    assert!(
-        text.contains("Q4_K") && text.contains("expert blobs"),
-        "{text}"
-    );
+    assert!(text.contains("Q4_K") && text.contains("expert blobs"), "{text}");
     assert!(ok(&smoe(&["verify", &v])).starts_with("ok:"));
     // Flip a byte inside the last expert blob.
     let len = std::fs::metadata(&v).unwrap().len();
@@ -78,10 +61,7 @@ fn shatter_inspect_verify_and_a_flipped_byte() {
     let o = smoe(&["verify", &v]);
     assert!(!o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);
-    assert!(
-        err.contains("checksum mismatch") && err.contains("layer 1 expert 7"),
-        "{err}"
-    );
+    assert!(err.contains("checksum mismatch") && err.contains("layer 1 expert 7"), "{err}");
 }
 
 #[test]
@@ -89,12 +69,7 @@ fn injected_failure_leaves_no_output() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("x.smoe");
     let o = Command::new(env!("CARGO_BIN_EXE_smoe"))
-        .args([
-            "shatter",
-            &fixture("qwen3_moe"),
-            "-o",
-            out.to_str().unwrap(),
-        ])
+        .args(["shatter", &fixture("qwen3_moe"), "-o", out.to_str().unwrap()])
         .env("SMOE_TEST_FAIL_AFTER_BLOBS", "3")
         .output()
         .unwrap();
@@ -108,60 +83,27 @@ fn read_f32(path: &Path, name: &str) -> (Vec<usize>, Vec<u8>) {
     let n = u64::from_le_bytes(raw[..8].try_into().unwrap()) as usize;
     let h: serde_json::Value = serde_json::from_slice(&raw[8..8 + n]).unwrap();
     let t = &h[name];
-    let (s, e) = (
-        t["data_offsets"][0].as_u64().unwrap() as usize,
-        t["data_offsets"][1].as_u64().unwrap() as usize,
-    );
-    let shape = t["shape"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as usize)
-        .collect();
+    let (s, e) = (t["data_offsets"][0].as_u64().unwrap() as usize, t["data_offsets"][1].as_u64().unwrap() as usize);
+    let shape = t["shape"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as usize).collect();
     (shape, raw[8 + n + s..8 + n + e].to_vec())
 }
 
 #[test]
 fn score_writes_logits_and_routes_in_both_modes() {
     let dir = tempfile::tempdir().unwrap();
-    let v = shatter(
-        dir.path(),
-        "qwen2_moe",
-        &["--experts", "BF16", "--dense", "BF16"],
-    );
+    let v = shatter(dir.path(), "qwen2_moe", &["--experts", "BF16", "--dense", "BF16"]);
     let ids = "1001,882,198,970,11,879,0,1002";
     let pre = dir.path().join("pre.safetensors");
     let dec = dir.path().join("dec.safetensors");
-    ok(&smoe(&[
-        "score",
-        &v,
-        "--ids",
-        ids,
-        "--out",
-        pre.to_str().unwrap(),
-    ]));
+    ok(&smoe(&["score", &v, "--ids", ids, "--out", pre.to_str().unwrap()]));
     let idfile = dir.path().join("ids.txt");
     std::fs::write(&idfile, "1001 882 198\n970 11 879 0 1002\n").unwrap();
-    ok(&smoe(&[
-        "score",
-        &v,
-        "--ids-file",
-        idfile.to_str().unwrap(),
-        "--decode",
-        "--out",
-        dec.to_str().unwrap(),
-    ]));
+    ok(&smoe(&["score", &v, "--ids-file", idfile.to_str().unwrap(), "--decode", "--out", dec.to_str().unwrap()]));
     let (shape, a) = read_f32(&pre, "logits");
     assert_eq!(shape, vec![8, 1024]);
     let (_, b) = read_f32(&dec, "logits");
-    let fa: Vec<f32> = a
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-        .collect();
-    let fb: Vec<f32> = b
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-        .collect();
+    let fa: Vec<f32> = a.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+    let fb: Vec<f32> = b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
     let max = fa.iter().fold(0f32, |m, v| m.max(v.abs()));
     assert!(fa.iter().zip(&fb).all(|(x, y)| (x - y).abs() <= 1e-4 * max));
     for l in 0..3 {
@@ -171,26 +113,12 @@ fn score_writes_logits_and_routes_in_both_modes() {
         assert_eq!(s, vec![8, 2]);
     }
     // Bad input is an error with a message, not a panic.
-    let o = smoe(&[
-        "score",
-        &v,
-        "--ids",
-        "1,2,99999",
-        "--out",
-        pre.to_str().unwrap(),
-    ]);
+    let o = smoe(&["score", &v, "--ids", "1,2,99999", "--out", pre.to_str().unwrap()]);
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("outside the vocabulary"));
     let o = smoe(&["score", &v, "--ids", "1,x", "--out", pre.to_str().unwrap()]);
     assert!(String::from_utf8_lossy(&o.stderr).contains("'x' is not a token id"));
-    let o = smoe(&[
-        "score",
-        "/nonexistent.smoe",
-        "--ids",
-        "1",
-        "--out",
-        pre.to_str().unwrap(),
-    ]);
+    let o = smoe(&["score", "/nonexistent.smoe", "--ids", "1", "--out", pre.to_str().unwrap()]);
     assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("nonexistent"));
 }
 
@@ -199,19 +127,8 @@ fn run_is_reproducible_with_a_seed() {
     let dir = tempfile::tempdir().unwrap();
     let v = shatter(dir.path(), "qwen3_moe", &[]);
     let run = |seed: &str| {
-        let out = ok(&smoe(&[
-            "run",
-            &v,
-            "-p",
-            "Tell me about the sea.",
-            "--seed",
-            seed,
-            "--temperature",
-            "0.9",
-            "--max-tokens",
-            "60",
-            "--json",
-        ]));
+        let out =
+            ok(&smoe(&["run", &v, "-p", "Tell me about the sea.", "--seed", seed, "--temperature", "0.9", "--max-tokens", "60", "--json"]));
         serde_json::from_str::<serde_json::Value>(&out).unwrap()
     };
     let (a, b, c) = (run("42"), run("42"), run("43"));
@@ -222,11 +139,5 @@ fn run_is_reproducible_with_a_seed() {
     // Streaming mode prints the text and a summary line on stderr.
     let o = smoe(&["run", &v, "-p", "hi", "--seed", "42", "--max-tokens", "5"]);
     let err = String::from_utf8_lossy(&o.stderr);
-    assert!(
-        o.status.success()
-            && err.contains("prefill")
-            && err.contains("decode")
-            && err.contains("tok/s"),
-        "{err}"
-    );
+    assert!(o.status.success() && err.contains("prefill") && err.contains("decode") && err.contains("tok/s"), "{err}");
 }

@@ -4,16 +4,14 @@
 use crate::ConvertError;
 use serde_json::Value;
 use smoe_vault::{
-    names, Architecture, Family, GenerationDefaults, LayerKind, Mla, Moe, QkNorm, Rope,
-    RopeScaling, Router, SharedExperts, TextAssets,
+    names, Architecture, Family, GenerationDefaults, LayerKind, Mla, Moe, QkNorm, Rope, RopeScaling, Router, SharedExperts, TextAssets,
 };
 use std::path::Path;
 
 /// Reads a JSON file.
 pub fn read_json(path: &Path) -> Result<Value, ConvertError> {
     let text = std::fs::read_to_string(path).map_err(|e| ConvertError::io(path, e))?;
-    serde_json::from_str(&text)
-        .map_err(|e| ConvertError::BadInput(format!("{}: {e}", path.display())))
+    serde_json::from_str(&text).map_err(|e| ConvertError::BadInput(format!("{}: {e}", path.display())))
 }
 
 struct Cfg<'a>(&'a Value);
@@ -23,31 +21,27 @@ impl Cfg<'_> {
         self.0.get(k).filter(|v| !v.is_null())
     }
     fn usize(&self, k: &str) -> Result<usize, ConvertError> {
-        self.opt_usize(k)?
-            .ok_or_else(|| ConvertError::BadInput(format!("config.json: missing {k}")))
+        self.opt_usize(k)?.ok_or_else(|| ConvertError::BadInput(format!("config.json: missing {k}")))
     }
     fn opt_usize(&self, k: &str) -> Result<Option<usize>, ConvertError> {
         match self.get(k) {
             None => Ok(None),
-            Some(v) => v.as_u64().map(|x| Some(x as usize)).ok_or_else(|| {
-                ConvertError::BadInput(format!("config.json: {k} is not a non-negative integer"))
-            }),
+            Some(v) => v
+                .as_u64()
+                .map(|x| Some(x as usize))
+                .ok_or_else(|| ConvertError::BadInput(format!("config.json: {k} is not a non-negative integer"))),
         }
     }
     fn f64_or(&self, k: &str, d: f64) -> Result<f64, ConvertError> {
         match self.get(k) {
             None => Ok(d),
-            Some(v) => v
-                .as_f64()
-                .ok_or_else(|| ConvertError::BadInput(format!("config.json: {k} is not a number"))),
+            Some(v) => v.as_f64().ok_or_else(|| ConvertError::BadInput(format!("config.json: {k} is not a number"))),
         }
     }
     fn bool_or(&self, k: &str, d: bool) -> Result<bool, ConvertError> {
         match self.get(k) {
             None => Ok(d),
-            Some(v) => v.as_bool().ok_or_else(|| {
-                ConvertError::BadInput(format!("config.json: {k} is not a boolean"))
-            }),
+            Some(v) => v.as_bool().ok_or_else(|| ConvertError::BadInput(format!("config.json: {k} is not a boolean"))),
         }
     }
 }
@@ -55,51 +49,32 @@ impl Cfg<'_> {
 /// Maps a config.json onto the architecture description.
 pub fn architecture_from_config(cfg: &Value) -> Result<Architecture, ConvertError> {
     let c = Cfg(cfg);
-    let model_type = c
-        .get("model_type")
-        .and_then(|v| v.as_str())
-        .unwrap_or("<missing>");
+    let model_type = c.get("model_type").and_then(|v| v.as_str()).unwrap_or("<missing>");
     let family = Family::from_model_type(model_type).ok_or_else(|| {
         let known: Vec<_> = Family::ALL.iter().map(|f| f.model_type()).collect();
-        ConvertError::Unsupported(format!(
-            "model_type '{model_type}' is not supported; supported: {}",
-            known.join(", ")
-        ))
+        ConvertError::Unsupported(format!("model_type '{model_type}' is not supported; supported: {}", known.join(", ")))
     })?;
-    let act = c
-        .get("hidden_act")
-        .and_then(|v| v.as_str())
-        .unwrap_or("silu");
+    let act = c.get("hidden_act").and_then(|v| v.as_str()).unwrap_or("silu");
     if act != "silu" {
-        return Err(ConvertError::Unsupported(format!(
-            "hidden_act '{act}' (only silu)"
-        )));
+        return Err(ConvertError::Unsupported(format!("hidden_act '{act}' (only silu)")));
     }
     let hidden = c.usize("hidden_size")?;
     let num_layers = c.usize("num_hidden_layers")?;
     let num_heads = c.usize("num_attention_heads")?;
     let num_kv_heads = c.opt_usize("num_key_value_heads")?.unwrap_or(num_heads);
-    let head_dim = c
-        .opt_usize("head_dim")?
-        .unwrap_or(hidden / num_heads.max(1));
+    let head_dim = c.opt_usize("head_dim")?.unwrap_or(hidden / num_heads.max(1));
     // transformers 5 moves rope settings into `rope_parameters`; hub checkpoints keep them top-level.
     let rope_params = c.get("rope_parameters").cloned().unwrap_or(Value::Null);
     let rp = Cfg(&rope_params);
     let theta = match rp.get("rope_theta") {
-        Some(v) => v.as_f64().ok_or_else(|| {
-            ConvertError::BadInput("rope_parameters.rope_theta is not a number".into())
-        })?,
+        Some(v) => v.as_f64().ok_or_else(|| ConvertError::BadInput("rope_parameters.rope_theta is not a number".into()))?,
         None => c.f64_or("rope_theta", 10000.0)?,
     };
     let partial = match rp.get("partial_rotary_factor") {
         Some(v) => v.as_f64().unwrap_or(1.0),
         None => c.f64_or("partial_rotary_factor", 1.0)?,
     };
-    let scaling_src = if rope_params.is_object() {
-        Some(&rope_params)
-    } else {
-        c.get("rope_scaling")
-    };
+    let scaling_src = if rope_params.is_object() { Some(&rope_params) } else { c.get("rope_scaling") };
     let scaling = rope_scaling(scaling_src, c.opt_usize("max_position_embeddings")?)?;
 
     let num_experts_key = match family {
@@ -128,13 +103,7 @@ pub fn architecture_from_config(cfg: &Value) -> Result<Architecture, ConvertErro
         head_dim,
         max_position_embeddings: c.opt_usize("max_position_embeddings")?.unwrap_or(4096),
         norm_eps: c.f64_or("rms_norm_eps", 1e-6)?,
-        rope: Rope {
-            theta,
-            rotary_dim: (head_dim as f64 * partial) as usize,
-            partial_rotary_factor: partial,
-            interleaved: false,
-            scaling,
-        },
+        rope: Rope { theta, rotary_dim: (head_dim as f64 * partial) as usize, partial_rotary_factor: partial, interleaved: false, scaling },
         qk_norm: QkNorm::None,
         qkv_bias: false,
         mla: None,
@@ -151,19 +120,11 @@ pub fn architecture_from_config(cfg: &Value) -> Result<Architecture, ConvertErro
             let mlp_only: Vec<usize> = c
                 .get("mlp_only_layers")
                 .and_then(|v| v.as_array())
-                .map(|a| {
-                    a.iter()
-                        .filter_map(|x| x.as_u64().map(|x| x as usize))
-                        .collect()
-                })
+                .map(|a| a.iter().filter_map(|x| x.as_u64().map(|x| x as usize)).collect())
                 .unwrap_or_default();
             for (l, kind) in arch.layers.iter_mut().enumerate() {
                 let sparse = !mlp_only.contains(&l) && num_experts > 0 && (l + 1) % step == 0;
-                *kind = if sparse {
-                    LayerKind::Moe
-                } else {
-                    LayerKind::Dense
-                };
+                *kind = if sparse { LayerKind::Moe } else { LayerKind::Dense };
             }
             if family == Family::Qwen3Moe {
                 arch.qk_norm = QkNorm::PerHead;
@@ -172,10 +133,7 @@ pub fn architecture_from_config(cfg: &Value) -> Result<Architecture, ConvertErro
                 arch.qkv_bias = c.bool_or("qkv_bias", true)?;
                 let shared = c.opt_usize("shared_expert_intermediate_size")?.unwrap_or(0);
                 if shared > 0 {
-                    moe.shared_experts = Some(SharedExperts {
-                        intermediate_size: shared,
-                        sigmoid_gate: true,
-                    });
+                    moe.shared_experts = Some(SharedExperts { intermediate_size: shared, sigmoid_gate: true });
                 }
             }
         }
@@ -185,9 +143,7 @@ pub fn architecture_from_config(cfg: &Value) -> Result<Architecture, ConvertErro
             arch.dense_intermediate_size = 0;
             if let Some(w) = c.opt_usize("sliding_window")? {
                 if w < arch.max_position_embeddings {
-                    return Err(ConvertError::Unsupported(format!(
-                        "mixtral sliding_window {w} (only full attention)"
-                    )));
+                    return Err(ConvertError::Unsupported(format!("mixtral sliding_window {w} (only full attention)")));
                 }
             }
         }
@@ -212,41 +168,26 @@ pub fn architecture_from_config(cfg: &Value) -> Result<Architecture, ConvertErro
             };
             let n_shared = c.opt_usize("n_shared_experts")?.unwrap_or(0);
             if n_shared > 0 {
-                moe.shared_experts = Some(SharedExperts {
-                    intermediate_size: moe.intermediate_size * n_shared,
-                    sigmoid_gate: false,
-                });
+                moe.shared_experts = Some(SharedExperts { intermediate_size: moe.intermediate_size * n_shared, sigmoid_gate: false });
             }
             let first_dense = c.opt_usize("first_k_dense_replace")?.unwrap_or(0);
             let freq = c.opt_usize("moe_layer_freq")?.unwrap_or(1).max(1);
             for (l, kind) in arch.layers.iter_mut().enumerate() {
-                *kind = if l >= first_dense && l % freq == 0 {
-                    LayerKind::Moe
-                } else {
-                    LayerKind::Dense
-                };
+                *kind = if l >= first_dense && l % freq == 0 { LayerKind::Moe } else { LayerKind::Dense };
             }
             if family == Family::Glm4Moe {
                 arch.qkv_bias = c.bool_or("attention_bias", false)?;
-                arch.qk_norm = if c.bool_or("use_qk_norm", false)? {
-                    QkNorm::PerHead
-                } else {
-                    QkNorm::None
-                };
+                arch.qk_norm = if c.bool_or("use_qk_norm", false)? { QkNorm::PerHead } else { QkNorm::None };
             } else {
                 for (k, want) in [("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")] {
                     if let Some(v) = c.get(k).and_then(|v| v.as_str()) {
                         if v != want {
-                            return Err(ConvertError::Unsupported(format!(
-                                "deepseek {k} '{v}' (only '{want}', as DeepSeek-V3)"
-                            )));
+                            return Err(ConvertError::Unsupported(format!("deepseek {k} '{v}' (only '{want}', as DeepSeek-V3)")));
                         }
                     }
                 }
                 if c.bool_or("attention_bias", false)? {
-                    return Err(ConvertError::Unsupported(
-                        "deepseek_v3 attention_bias".into(),
-                    ));
+                    return Err(ConvertError::Unsupported("deepseek_v3 attention_bias".into()));
                 }
                 let mla = Mla {
                     q_lora_rank: c.opt_usize("q_lora_rank")?,
@@ -265,8 +206,7 @@ pub fn architecture_from_config(cfg: &Value) -> Result<Architecture, ConvertErro
         }
     }
     arch.moe = moe;
-    arch.validate()
-        .map_err(|e| ConvertError::BadInput(format!("config.json: {e}")))?;
+    arch.validate().map_err(|e| ConvertError::BadInput(format!("config.json: {e}")))?;
     Ok(arch)
 }
 
@@ -275,11 +215,7 @@ fn rope_scaling(v: Option<&Value>, max_pos: Option<usize>) -> Result<RopeScaling
         return Ok(RopeScaling::None);
     };
     let c = Cfg(v);
-    let kind = c
-        .get("rope_type")
-        .or_else(|| c.get("type"))
-        .and_then(|t| t.as_str())
-        .unwrap_or("default");
+    let kind = c.get("rope_type").or_else(|| c.get("type")).and_then(|t| t.as_str()).unwrap_or("default");
     match kind {
         "default" => Ok(RopeScaling::None),
         "linear" => Ok(RopeScaling::Linear { factor: c.f64_or("factor", 1.0)? }),
@@ -312,20 +248,10 @@ pub fn hf_name(family: Family, canonical: &str) -> String {
         "lm_head" => return "lm_head.weight".into(),
         s => s,
     };
-    let rest = simple
-        .strip_prefix("layers.")
-        .expect("canonical layer tensor");
+    let rest = simple.strip_prefix("layers.").expect("canonical layer tensor");
     let (layer, what) = rest.split_once('.').expect("layer index");
-    let moe_block = if family == Family::Mixtral {
-        "block_sparse_moe"
-    } else {
-        "mlp"
-    };
-    let shared = if family == Family::Qwen2Moe {
-        "shared_expert"
-    } else {
-        "shared_experts"
-    };
+    let moe_block = if family == Family::Mixtral { "block_sparse_moe" } else { "mlp" };
+    let shared = if family == Family::Qwen2Moe { "shared_expert" } else { "shared_experts" };
     let mapped = match what {
         "attn_norm" => "input_layernorm.weight".to_string(),
         "ffn_norm" => "post_attention_layernorm.weight".to_string(),
@@ -362,11 +288,7 @@ pub fn hf_name(family: Family, canonical: &str) -> String {
 pub fn hf_expert_names(family: Family, layer: usize, e: usize) -> [String; 3] {
     if family == Family::Mixtral {
         let p = format!("model.layers.{layer}.block_sparse_moe.experts.{e}");
-        return [
-            format!("{p}.w1.weight"),
-            format!("{p}.w3.weight"),
-            format!("{p}.w2.weight"),
-        ];
+        return [format!("{p}.w1.weight"), format!("{p}.w3.weight"), format!("{p}.w2.weight")];
     }
     let p = format!("model.layers.{layer}.mlp.experts.{e}");
     names::EXPERT_PARTS.map(|part| format!("{p}.{part}_proj.weight"))
@@ -389,26 +311,14 @@ pub fn is_ignored(name: &str, arch: &Architecture) -> bool {
 /// Tokenizer, chat template and special tokens from the checkpoint directory.
 pub fn text_assets(dir: &Path) -> Result<TextAssets, ConvertError> {
     let tok_path = dir.join("tokenizer.json");
-    let tokenizer_json = std::fs::read_to_string(&tok_path).map_err(|e| {
-        ConvertError::BadInput(format!(
-            "{}: {e} (a tokenizer.json is required)",
-            tok_path.display()
-        ))
-    })?;
-    serde_json::from_str::<Value>(&tokenizer_json)
-        .map_err(|e| ConvertError::BadInput(format!("{}: {e}", tok_path.display())))?;
+    let tokenizer_json = std::fs::read_to_string(&tok_path)
+        .map_err(|e| ConvertError::BadInput(format!("{}: {e} (a tokenizer.json is required)", tok_path.display())))?;
+    serde_json::from_str::<Value>(&tokenizer_json).map_err(|e| ConvertError::BadInput(format!("{}: {e}", tok_path.display())))?;
     let cfg_path = dir.join("tokenizer_config.json");
-    let cfg = if cfg_path.exists() {
-        read_json(&cfg_path)?
-    } else {
-        Value::Null
-    };
+    let cfg = if cfg_path.exists() { read_json(&cfg_path)? } else { Value::Null };
     let token = |k: &str| match cfg.get(k) {
         Some(Value::String(s)) => Some(s.clone()),
-        Some(Value::Object(o)) => o
-            .get("content")
-            .and_then(|c| c.as_str())
-            .map(str::to_string),
+        Some(Value::Object(o)) => o.get("content").and_then(|c| c.as_str()).map(str::to_string),
         _ => None,
     };
     let jinja = dir.join("chat_template.jinja");
@@ -422,11 +332,7 @@ pub fn text_assets(dir: &Path) -> Result<TextAssets, ConvertError> {
                 .iter()
                 .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
                 .or(list.first())
-                .and_then(|t| {
-                    t.get("template")
-                        .and_then(|s| s.as_str())
-                        .map(str::to_string)
-                }),
+                .and_then(|t| t.get("template").and_then(|s| s.as_str()).map(str::to_string)),
             _ => None,
         }
     };
@@ -436,20 +342,14 @@ pub fn text_assets(dir: &Path) -> Result<TextAssets, ConvertError> {
         bos_token: token("bos_token"),
         eos_token: token("eos_token"),
         pad_token: token("pad_token"),
-        add_bos_token: cfg
-            .get("add_bos_token")
-            .and_then(|b| b.as_bool())
-            .unwrap_or(false),
+        add_bos_token: cfg.get("add_bos_token").and_then(|b| b.as_bool()).unwrap_or(false),
     })
 }
 
 fn ids(v: Option<&Value>) -> Vec<u32> {
     match v {
         Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-        Some(Value::Array(a)) => a
-            .iter()
-            .filter_map(|x| x.as_u64().map(|x| x as u32))
-            .collect(),
+        Some(Value::Array(a)) => a.iter().filter_map(|x| x.as_u64().map(|x| x as u32)).collect(),
         _ => vec![],
     }
 }
@@ -457,21 +357,14 @@ fn ids(v: Option<&Value>) -> Vec<u32> {
 /// Generation defaults from generation_config.json, falling back on config.json for ids.
 pub fn generation_defaults(dir: &Path, config: &Value) -> Result<GenerationDefaults, ConvertError> {
     let p = dir.join("generation_config.json");
-    let g = if p.exists() {
-        read_json(&p)?
-    } else {
-        Value::Null
-    };
+    let g = if p.exists() { read_json(&p)? } else { Value::Null };
     let mut eos = ids(g.get("eos_token_id"));
     if eos.is_empty() {
         eos = ids(config.get("eos_token_id"));
     }
     let f = |k: &str| g.get(k).and_then(|v| v.as_f64());
     Ok(GenerationDefaults {
-        bos_token_id: ids(g.get("bos_token_id"))
-            .first()
-            .or(ids(config.get("bos_token_id")).first())
-            .copied(),
+        bos_token_id: ids(g.get("bos_token_id")).first().or(ids(config.get("bos_token_id")).first()).copied(),
         eos_token_ids: eos,
         do_sample: g.get("do_sample").and_then(|v| v.as_bool()),
         temperature: f("temperature"),

@@ -97,10 +97,7 @@ pub enum ConvertError {
 impl ConvertError {
     /// Wraps an I/O error with its file.
     pub fn io(path: &Path, source: std::io::Error) -> ConvertError {
-        ConvertError::Io {
-            path: path.display().to_string(),
-            source,
-        }
+        ConvertError::Io { path: path.display().to_string(), source }
     }
 }
 

@@ -64,10 +64,7 @@ pub struct TensorInfo {
 impl TensorInfo {
     /// Number of rows (all dimensions but the last).
     pub fn rows(&self) -> usize {
-        self.shape[..self.shape.len().saturating_sub(1)]
-            .iter()
-            .product::<usize>()
-            .max(1)
+        self.shape[..self.shape.len().saturating_sub(1)].iter().product::<usize>().max(1)
     }
     /// Row length (the last dimension).
     pub fn cols(&self) -> usize {
@@ -75,28 +72,16 @@ impl TensorInfo {
     }
 
     /// Reads rows `[start, start + n)` as f32 into `out` (`n * cols` long).
-    pub fn read_rows_f32(
-        &self,
-        start: usize,
-        n: usize,
-        raw: &mut Vec<u8>,
-        out: &mut [f32],
-    ) -> Result<(), ConvertError> {
+    pub fn read_rows_f32(&self, start: usize, n: usize, raw: &mut Vec<u8>, out: &mut [f32]) -> Result<(), ConvertError> {
         let cols = self.cols();
         let es = self.dtype.size();
         if start + n > self.rows() || out.len() != n * cols {
-            return Err(ConvertError::Internal(format!(
-                "{}: row range out of bounds",
-                self.name
-            )));
+            return Err(ConvertError::Internal(format!("{}: row range out of bounds", self.name)));
         }
         raw.resize(n * cols * es, 0);
         self.file
             .read_exact_at(raw, self.offset + (start * cols * es) as u64)
-            .map_err(|e| ConvertError::Io {
-                path: self.path.display().to_string(),
-                source: e,
-            })?;
+            .map_err(|e| ConvertError::Io { path: self.path.display().to_string(), source: e })?;
         match self.dtype {
             DType::F32 => {
                 for (o, c) in out.iter_mut().zip(raw.chunks_exact(4)) {
@@ -120,10 +105,7 @@ impl TensorInfo {
             }
         }
         if let Some(bad) = out.iter().position(|v| !v.is_finite()) {
-            return Err(ConvertError::NonFinite {
-                tensor: self.name.clone(),
-                index: (start * cols + bad) as u64,
-            });
+            return Err(ConvertError::NonFinite { tensor: self.name.clone(), index: (start * cols + bad) as u64 });
         }
         Ok(())
     }
@@ -165,18 +147,13 @@ impl Checkpoint {
         let index = dir.join("model.safetensors.index.json");
         let files: Vec<PathBuf> = if index.exists() {
             let text = std::fs::read_to_string(&index).map_err(|e| ConvertError::io(&index, e))?;
-            let v: serde_json::Value = serde_json::from_str(&text)
-                .map_err(|e| ConvertError::BadInput(format!("{}: {e}", index.display())))?;
+            let v: serde_json::Value =
+                serde_json::from_str(&text).map_err(|e| ConvertError::BadInput(format!("{}: {e}", index.display())))?;
             let map = v
                 .get("weight_map")
                 .and_then(|m| m.as_object())
-                .ok_or_else(|| {
-                    ConvertError::BadInput(format!("{}: no weight_map", index.display()))
-                })?;
-            let mut files: Vec<String> = map
-                .values()
-                .filter_map(|f| f.as_str().map(str::to_string))
-                .collect();
+                .ok_or_else(|| ConvertError::BadInput(format!("{}: no weight_map", index.display())))?;
+            let mut files: Vec<String> = map.values().filter_map(|f| f.as_str().map(str::to_string)).collect();
             files.sort();
             files.dedup();
             files.into_iter().map(|f| dir.join(f)).collect()
@@ -190,26 +167,17 @@ impl Checkpoint {
             files
         };
         if files.is_empty() {
-            return Err(ConvertError::BadInput(format!(
-                "no *.safetensors files in {}",
-                dir.display()
-            )));
+            return Err(ConvertError::BadInput(format!("no *.safetensors files in {}", dir.display())));
         }
         let mut tensors = BTreeMap::new();
         for f in files {
             for t in read_header(&f)? {
                 if let Some(prev) = tensors.insert(t.name.clone(), t) {
-                    return Err(ConvertError::BadInput(format!(
-                        "tensor {} appears in more than one shard",
-                        prev.name
-                    )));
+                    return Err(ConvertError::BadInput(format!("tensor {} appears in more than one shard", prev.name)));
                 }
             }
         }
-        Ok(Checkpoint {
-            dir: dir.to_path_buf(),
-            tensors,
-        })
+        Ok(Checkpoint { dir: dir.to_path_buf(), tensors })
     }
 
     /// Total bytes of tensor data.
@@ -221,23 +189,17 @@ impl Checkpoint {
 /// Parses one safetensors file's header.
 pub fn read_header(path: &Path) -> Result<Vec<TensorInfo>, ConvertError> {
     let file = File::open(path).map_err(|e| ConvertError::io(path, e))?;
-    let file_len = file
-        .metadata()
-        .map_err(|e| ConvertError::io(path, e))?
-        .len();
+    let file_len = file.metadata().map_err(|e| ConvertError::io(path, e))?.len();
     let bad = |m: String| ConvertError::BadInput(format!("{}: {m}", path.display()));
     let mut n = [0u8; 8];
-    file.read_exact_at(&mut n, 0)
-        .map_err(|_| bad("too short for a safetensors header".into()))?;
+    file.read_exact_at(&mut n, 0).map_err(|_| bad("too short for a safetensors header".into()))?;
     let n = u64::from_le_bytes(n);
     if n > 100 << 20 || 8 + n > file_len {
         return Err(bad(format!("header length {n} is impossible")));
     }
     let mut header = vec![0u8; n as usize];
-    file.read_exact_at(&mut header, 8)
-        .map_err(|e| ConvertError::io(path, e))?;
-    let v: serde_json::Map<String, serde_json::Value> =
-        serde_json::from_slice(&header).map_err(|e| bad(format!("header JSON: {e}")))?;
+    file.read_exact_at(&mut header, 8).map_err(|e| ConvertError::io(path, e))?;
+    let v: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&header).map_err(|e| bad(format!("header JSON: {e}")))?;
     let file = Arc::new(file);
     let pathbuf = Arc::new(path.to_path_buf());
     let mut out = Vec::new();
@@ -246,24 +208,14 @@ pub fn read_header(path: &Path) -> Result<Vec<TensorInfo>, ConvertError> {
             continue;
         }
         let dt = info.get("dtype").and_then(|d| d.as_str()).unwrap_or("?");
-        let dtype = DType::parse(dt).ok_or_else(|| {
-            bad(format!(
-                "tensor {name} has unsupported dtype {dt} (supported: F32, F16, BF16, F8_E4M3)"
-            ))
-        })?;
+        let dtype = DType::parse(dt)
+            .ok_or_else(|| bad(format!("tensor {name} has unsupported dtype {dt} (supported: F32, F16, BF16, F8_E4M3)")))?;
         let shape: Vec<usize> = info
             .get("shape")
             .and_then(|s| s.as_array())
-            .map(|a| {
-                a.iter()
-                    .filter_map(|x| x.as_u64().map(|x| x as usize))
-                    .collect()
-            })
+            .map(|a| a.iter().filter_map(|x| x.as_u64().map(|x| x as usize)).collect())
             .ok_or_else(|| bad(format!("tensor {name} has no shape")))?;
-        let off = info
-            .get("data_offsets")
-            .and_then(|o| o.as_array())
-            .filter(|o| o.len() == 2);
+        let off = info.get("data_offsets").and_then(|o| o.as_array()).filter(|o| o.len() == 2);
         let (start, end) = match off.map(|o| (o[0].as_u64(), o[1].as_u64())) {
             Some((Some(s), Some(e))) if s <= e => (s, e),
             _ => return Err(bad(format!("tensor {name} has bad data_offsets"))),
@@ -272,15 +224,7 @@ pub fn read_header(path: &Path) -> Result<Vec<TensorInfo>, ConvertError> {
         if (end - start) as usize != elems * dtype.size() || 8 + n + end > file_len {
             return Err(bad(format!("tensor {name}: data does not match shape {shape:?} or lies past the end of the file")));
         }
-        out.push(TensorInfo {
-            name,
-            dtype,
-            shape,
-            offset: 8 + n + start,
-            len: end - start,
-            file: file.clone(),
-            path: pathbuf.clone(),
-        });
+        out.push(TensorInfo { name, dtype, shape, offset: 8 + n + start, len: end - start, file: file.clone(), path: pathbuf.clone() });
     }
     Ok(out)
 }

@@ -31,12 +31,7 @@ pub struct ShatterOptions {
 
 impl Default for ShatterOptions {
     fn default() -> Self {
-        ShatterOptions {
-            experts: Format::Q4_K,
-            dense: Format::Q8_0,
-            threads: None,
-            fail_after_blobs: None,
-        }
+        ShatterOptions { experts: Format::Q4_K, dense: Format::Q8_0, threads: None, fail_after_blobs: None }
     }
 }
 
@@ -72,21 +67,13 @@ struct Source<'a> {
 
 impl<'a> Source<'a> {
     fn new(ckpt: &'a Checkpoint, name: &str) -> Result<Source<'a>, ConvertError> {
-        let info = ckpt
-            .tensors
-            .get(name)
-            .ok_or_else(|| ConvertError::Missing(vec![name.to_string()]))?;
+        let info = ckpt.tensors.get(name).ok_or_else(|| ConvertError::Missing(vec![name.to_string()]))?;
         let scale_inv = if info.dtype == DType::F8E4M3 {
             let sname = format!("{name}_scale_inv");
-            let s = ckpt.tensors.get(&sname).ok_or_else(|| {
-                ConvertError::BadInput(format!("{name} is float8 but {sname} is missing"))
-            })?;
+            let s = ckpt.tensors.get(&sname).ok_or_else(|| ConvertError::BadInput(format!("{name} is float8 but {sname} is missing")))?;
             let blocks_per_row = info.cols().div_ceil(128);
             if s.rows() != info.rows().div_ceil(128) || s.cols() != blocks_per_row {
-                return Err(ConvertError::BadInput(format!(
-                    "{sname} has shape {:?}, not 128x128 blocks of {:?}",
-                    s.shape, info.shape
-                )));
+                return Err(ConvertError::BadInput(format!("{sname} has shape {:?}, not 128x128 blocks of {:?}", s.shape, info.shape)));
             }
             Some((s.read_f32()?, blocks_per_row))
         } else {
@@ -95,13 +82,7 @@ impl<'a> Source<'a> {
         Ok(Source { info, scale_inv })
     }
 
-    fn read_rows(
-        &self,
-        start: usize,
-        n: usize,
-        raw: &mut Vec<u8>,
-        out: &mut [f32],
-    ) -> Result<(), ConvertError> {
+    fn read_rows(&self, start: usize, n: usize, raw: &mut Vec<u8>, out: &mut [f32]) -> Result<(), ConvertError> {
         self.info.read_rows_f32(start, n, raw, out)?;
         if let Some((scales, bpr)) = &self.scale_inv {
             let cols = self.info.cols();
@@ -123,15 +104,8 @@ impl<'a> Source<'a> {
 }
 
 /// Quantizes whole rows in parallel.
-pub fn quantize_rows(
-    format: Format,
-    src: &[f32],
-    cols: usize,
-    dst: &mut [u8],
-) -> Result<(), ConvertError> {
-    let row_bytes = format
-        .row_bytes(cols)
-        .map_err(|e| ConvertError::Internal(e.to_string()))?;
+pub fn quantize_rows(format: Format, src: &[f32], cols: usize, dst: &mut [u8]) -> Result<(), ConvertError> {
+    let row_bytes = format.row_bytes(cols).map_err(|e| ConvertError::Internal(e.to_string()))?;
     dst.par_chunks_mut(row_bytes)
         .zip(src.par_chunks(cols))
         .try_for_each(|(d, s)| smoe_quant::quantize(format, s, d))
@@ -139,12 +113,7 @@ pub fn quantize_rows(
 }
 
 /// The format a matrix gets, recording a note when the requested one does not fit its rows.
-fn choose_format(
-    requested: Format,
-    cols: usize,
-    what: &str,
-    notes: &mut BTreeMap<String, BTreeSet<String>>,
-) -> Format {
+fn choose_format(requested: Format, cols: usize, what: &str, notes: &mut BTreeMap<String, BTreeSet<String>>) -> Format {
     let f = requested.resolve(cols);
     if f != requested {
         let key = format!("{requested} does not fit rows of {cols} elements: {f} used");
@@ -168,46 +137,27 @@ fn check_tensors(ckpt: &Checkpoint, arch: &Architecture) -> Result<(), ConvertEr
             }
         }
     }
-    let missing: Vec<String> = expected
-        .keys()
-        .filter(|n| !ckpt.tensors.contains_key(*n))
-        .cloned()
-        .collect();
+    let missing: Vec<String> = expected.keys().filter(|n| !ckpt.tensors.contains_key(*n)).cloned().collect();
     if !missing.is_empty() {
         return Err(ConvertError::Missing(missing));
     }
-    let unexpected: Vec<String> = ckpt
-        .tensors
-        .keys()
-        .filter(|n| !expected.contains_key(*n) && !hf::is_ignored(n, arch))
-        .cloned()
-        .collect();
+    let unexpected: Vec<String> = ckpt.tensors.keys().filter(|n| !expected.contains_key(*n) && !hf::is_ignored(n, arch)).cloned().collect();
     if !unexpected.is_empty() {
         return Err(ConvertError::Unexpected(unexpected));
     }
     for (n, shape) in &expected {
         let t = &ckpt.tensors[n];
         // Qwen2-MoE's shared_expert_gate is [1, H]; a [H] vector is the same thing.
-        let same =
-            &t.shape == shape || (shape.len() == 2 && shape[0] == 1 && t.shape == [shape[1]]);
+        let same = &t.shape == shape || (shape.len() == 2 && shape[0] == 1 && t.shape == [shape[1]]);
         if !same {
-            return Err(ConvertError::Shape {
-                tensor: n.clone(),
-                found: t.shape.clone(),
-                expected: shape.clone(),
-            });
+            return Err(ConvertError::Shape { tensor: n.clone(), found: t.shape.clone(), expected: shape.clone() });
         }
     }
     Ok(())
 }
 
 /// Converts the checkpoint in `hf_dir` into the vault `out`.
-pub fn shatter(
-    hf_dir: &Path,
-    out: &Path,
-    opts: &ShatterOptions,
-    progress: &dyn Progress,
-) -> Result<ShatterReport, ConvertError> {
+pub fn shatter(hf_dir: &Path, out: &Path, opts: &ShatterOptions, progress: &dyn Progress) -> Result<ShatterReport, ConvertError> {
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(opts.threads.unwrap_or(0))
         .build()
@@ -215,12 +165,7 @@ pub fn shatter(
     pool.install(|| shatter_in_pool(hf_dir, out, opts, progress))
 }
 
-fn shatter_in_pool(
-    hf_dir: &Path,
-    out: &Path,
-    opts: &ShatterOptions,
-    progress: &dyn Progress,
-) -> Result<ShatterReport, ConvertError> {
+fn shatter_in_pool(hf_dir: &Path, out: &Path, opts: &ShatterOptions, progress: &dyn Progress) -> Result<ShatterReport, ConvertError> {
     let t0 = Instant::now();
     let config = hf::read_json(&hf_dir.join("config.json"))?;
     let arch = hf::architecture_from_config(&config)?;
@@ -228,12 +173,7 @@ fn shatter_in_pool(
     let generation = hf::generation_defaults(hf_dir, &config)?;
     let ckpt = Checkpoint::open(hf_dir)?;
     check_tensors(&ckpt, &arch)?;
-    let total: u64 = ckpt
-        .tensors
-        .iter()
-        .filter(|(n, _)| !hf::is_ignored(n, &arch))
-        .map(|(_, t)| t.len)
-        .sum();
+    let total: u64 = ckpt.tensors.iter().filter(|(n, _)| !hf::is_ignored(n, &arch)).map(|(_, t)| t.len).sum();
     progress.start(total);
     let mut notes: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
     let mut w = VaultWriter::create(out)?;
@@ -247,20 +187,11 @@ fn shatter_in_pool(
         let src_name = hf_name(arch.family, &spec.name);
         let src = Source::new(&ckpt, &src_name)?;
         let cols = *spec.shape.last().unwrap();
-        let rows: usize = spec.shape[..spec.shape.len() - 1]
-            .iter()
-            .product::<usize>()
-            .max(1);
-        let format = if spec.keep_f32 {
-            Format::F32
-        } else {
-            choose_format(opts.dense, cols, &spec.name, &mut notes)
-        };
+        let rows: usize = spec.shape[..spec.shape.len() - 1].iter().product::<usize>().max(1);
+        let format = if spec.keep_f32 { Format::F32 } else { choose_format(opts.dense, cols, &spec.name, &mut notes) };
         w.begin_tensor(&spec.name, format, &spec.shape, &src_name)?;
         let chunk_rows = (CHUNK_ELEMS / cols).max(1);
-        let row_bytes = format
-            .row_bytes(cols)
-            .map_err(|e| ConvertError::Internal(e.to_string()))?;
+        let row_bytes = format.row_bytes(cols).map_err(|e| ConvertError::Internal(e.to_string()))?;
         let mut r = 0;
         while r < rows {
             let n = chunk_rows.min(rows - r);
@@ -282,13 +213,7 @@ fn shatter_in_pool(
     let part_specs: Vec<(String, Format, [usize; 2])> = names::EXPERT_PARTS
         .iter()
         .zip(shapes)
-        .map(|(n, s)| {
-            (
-                n.to_string(),
-                choose_format(opts.experts, s[1], &format!("expert {n}"), &mut notes),
-                s,
-            )
-        })
+        .map(|(n, s)| (n.to_string(), choose_format(opts.experts, s[1], &format!("expert {n}"), &mut notes), s))
         .collect();
     let (parts, blob_size) = layout_blob(&part_specs, smoe_vault::header::DEFAULT_ALIGNMENT)?;
     let moe_layers = arch.moe_layers();
@@ -307,16 +232,10 @@ fn shatter_in_pool(
                         .zip(&part_specs)
                         .map(|(n, (_, format, shape))| {
                             let data = Source::new(&ckpt, n)?.read_all()?;
-                            let row_bytes = format
-                                .row_bytes(shape[1])
-                                .map_err(|e| ConvertError::Internal(e.to_string()))?;
+                            let row_bytes = format.row_bytes(shape[1]).map_err(|e| ConvertError::Internal(e.to_string()))?;
                             let mut q = vec![0u8; row_bytes * shape[0]];
-                            for (d, s) in q
-                                .chunks_exact_mut(row_bytes)
-                                .zip(data.chunks_exact(shape[1]))
-                            {
-                                smoe_quant::quantize(*format, s, d)
-                                    .map_err(|e| ConvertError::Internal(e.to_string()))?;
+                            for (d, s) in q.chunks_exact_mut(row_bytes).zip(data.chunks_exact(shape[1])) {
+                                smoe_quant::quantize(*format, s, d).map_err(|e| ConvertError::Internal(e.to_string()))?;
                             }
                             Ok(q)
                         })
@@ -327,10 +246,7 @@ fn shatter_in_pool(
                 let q = q?;
                 let refs: Vec<&[u8]> = q.iter().map(|p| p.as_slice()).collect();
                 w.add_blob(l, e, &refs)?;
-                let src_bytes: u64 = hf_expert_names(arch.family, l, e)
-                    .iter()
-                    .map(|n| ckpt.tensors[n].len)
-                    .sum();
+                let src_bytes: u64 = hf_expert_names(arch.family, l, e).iter().map(|n| ckpt.tensors[n].len).sum();
                 progress.advance(src_bytes);
                 blobs_done += 1;
                 if opts.fail_after_blobs == Some(blobs_done) {
@@ -344,11 +260,7 @@ fn shatter_in_pool(
         .into_iter()
         .map(|(k, v)| {
             let list: Vec<_> = v.into_iter().collect();
-            let shown = if list.len() > 4 {
-                format!("{} and {} more", list[..4].join(", "), list.len() - 4)
-            } else {
-                list.join(", ")
-            };
+            let shown = if list.len() > 4 { format!("{} and {} more", list[..4].join(", "), list.len() - 4) } else { list.join(", ") };
             format!("{k} ({shown})")
         })
         .collect();
@@ -363,11 +275,7 @@ fn shatter_in_pool(
         text,
         generation,
         dense: vec![],
-        experts: smoe_vault::ExpertIndex {
-            blob_size: 0,
-            parts: vec![],
-            layers: vec![],
-        },
+        experts: smoe_vault::ExpertIndex { blob_size: 0, parts: vec![], layers: vec![] },
         notes: notes.clone(),
     };
     let file_len = w.finish(manifest)?;

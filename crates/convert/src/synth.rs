@@ -24,14 +24,7 @@ use std::path::Path;
 
 /// Shapes `smoe synth` knows, with their published config.json.
 pub fn shape_names() -> Vec<&'static str> {
-    vec![
-        "qwen3-30b-a3b",
-        "qwen3-235b-a22b",
-        "glm-4.5-air",
-        "glm-4.5",
-        "mixtral-8x7b",
-        "deepseek-v3",
-    ]
+    vec!["qwen3-30b-a3b", "qwen3-235b-a22b", "glm-4.5-air", "glm-4.5", "mixtral-8x7b", "deepseek-v3"]
 }
 
 /// The published config.json of a shape.
@@ -105,12 +98,7 @@ pub fn shape_config(name: &str) -> Result<Value, ConvertError> {
             "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "tie_word_embeddings": false,
             "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "v_head_dim": 128, "vocab_size": 129280
         }),
-        other => {
-            return Err(ConvertError::BadInput(format!(
-                "unknown shape '{other}'; known: {}",
-                shape_names().join(", ")
-            )))
-        }
+        other => return Err(ConvertError::BadInput(format!("unknown shape '{other}'; known: {}", shape_names().join(", ")))),
     })
 }
 
@@ -118,9 +106,7 @@ pub fn shape_config(name: &str) -> Result<Value, ConvertError> {
 struct Rng(u64);
 impl Rng {
     fn new(seed: u64, tensor: u64, chunk: u64) -> Rng {
-        Rng(seed
-            ^ tensor.wrapping_mul(0x9E37_79B9_7F4A_7C15)
-            ^ chunk.wrapping_mul(0xC2B2_AE3D_27D4_EB4F))
+        Rng(seed ^ tensor.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ chunk.wrapping_mul(0xC2B2_AE3D_27D4_EB4F))
     }
     fn next(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
@@ -160,9 +146,7 @@ fn plan(cfg: &Value) -> Result<Vec<Planned>, ConvertError> {
     let mut v = Vec::new();
     for spec in names::dense_tensors(&arch) {
         let init = if spec.name.ends_with("moe.router") {
-            Init::Router {
-                hidden: arch.hidden_size,
-            }
+            Init::Router { hidden: arch.hidden_size }
         } else if spec.name.ends_with("norm") {
             Init::Norm
         } else if spec.shape.len() == 1 {
@@ -170,26 +154,16 @@ fn plan(cfg: &Value) -> Result<Vec<Planned>, ConvertError> {
         } else if spec.name == "embed" {
             Init::Small(0.05)
         } else {
-            Init::Matrix {
-                cols: spec.shape[1],
-            }
+            Init::Matrix { cols: spec.shape[1] }
         };
         // Qwen2-MoE's shared_expert_gate is stored as [1, hidden].
-        v.push(Planned {
-            name: hf_name(arch.family, &spec.name),
-            shape: spec.shape.clone(),
-            init,
-        });
+        v.push(Planned { name: hf_name(arch.family, &spec.name), shape: spec.shape.clone(), init });
     }
     let shapes = names::expert_part_shapes(&arch);
     for l in arch.moe_layers() {
         for e in 0..arch.moe.num_experts {
             for (n, s) in hf_expert_names(arch.family, l, e).into_iter().zip(shapes) {
-                v.push(Planned {
-                    name: n,
-                    shape: s.to_vec(),
-                    init: Init::Matrix { cols: s[1] },
-                });
+                v.push(Planned { name: n, shape: s.to_vec(), init: Init::Matrix { cols: s[1] } });
             }
         }
     }
@@ -198,29 +172,27 @@ fn plan(cfg: &Value) -> Result<Vec<Planned>, ConvertError> {
 
 fn fill(t: &Planned, idx: u64, seed: u64, out: &mut [u8]) {
     const CHUNK: usize = 1 << 16;
-    out.par_chunks_mut(CHUNK * 2)
-        .enumerate()
-        .for_each(|(c, bytes)| {
-            let mut rng = Rng::new(seed, idx, c as u64);
-            let mut pending: Option<f32> = None;
-            for b in bytes.chunks_exact_mut(2) {
-                let g = pending.take().unwrap_or_else(|| {
-                    let (a, b) = rng.normal2();
-                    pending = Some(b);
-                    a
-                });
-                let v = match t.init {
-                    Init::Matrix { cols } => {
-                        let outlier = if rng.next() & 255 == 0 { 8.0 } else { 1.0 };
-                        g * outlier / (cols as f32).sqrt()
-                    }
-                    Init::Router { hidden } => g / (hidden as f32).sqrt(),
-                    Init::Norm => 1.0 + 0.05 * g,
-                    Init::Small(s) => s * g,
-                };
-                b.copy_from_slice(&smoe_quant::half::f32_to_bf16_bits(v).to_le_bytes());
-            }
-        });
+    out.par_chunks_mut(CHUNK * 2).enumerate().for_each(|(c, bytes)| {
+        let mut rng = Rng::new(seed, idx, c as u64);
+        let mut pending: Option<f32> = None;
+        for b in bytes.chunks_exact_mut(2) {
+            let g = pending.take().unwrap_or_else(|| {
+                let (a, b) = rng.normal2();
+                pending = Some(b);
+                a
+            });
+            let v = match t.init {
+                Init::Matrix { cols } => {
+                    let outlier = if rng.next() & 255 == 0 { 8.0 } else { 1.0 };
+                    g * outlier / (cols as f32).sqrt()
+                }
+                Init::Router { hidden } => g / (hidden as f32).sqrt(),
+                Init::Norm => 1.0 + 0.05 * g,
+                Init::Small(s) => s * g,
+            };
+            b.copy_from_slice(&smoe_quant::half::f32_to_bf16_bits(v).to_le_bytes());
+        }
+    });
 }
 
 /// What [`synth`] wrote.
@@ -251,19 +223,12 @@ const FALLBACK_TOKENIZER: &str = include_str!("../../../testdata/hf/qwen3_moe/to
 const QWEN3_TEMPLATE: &str = include_str!("../../../testdata/qwen3_chat_template.jinja");
 
 /// Writes a checkpoint of shape `shape` into `out` (created if missing).
-pub fn synth(
-    shape: &str,
-    out: &Path,
-    opts: &SynthOptions,
-    progress: &dyn Progress,
-) -> Result<SynthReport, ConvertError> {
+pub fn synth(shape: &str, out: &Path, opts: &SynthOptions, progress: &dyn Progress) -> Result<SynthReport, ConvertError> {
     let mut cfg = shape_config(shape)?;
     if let Some(n) = opts.layers {
         let full = cfg["num_hidden_layers"].as_u64().unwrap() as usize;
         if n == 0 || n > full {
-            return Err(ConvertError::BadInput(format!(
-                "--layers must be between 1 and {full}"
-            )));
+            return Err(ConvertError::BadInput(format!("--layers must be between 1 and {full}")));
         }
         cfg["num_hidden_layers"] = n.into();
         if cfg.get("max_window_layers").is_some() {
@@ -284,10 +249,7 @@ pub fn synth(
         shards.last_mut().unwrap().push(i);
         size += b;
     }
-    let total: u64 = tensors
-        .iter()
-        .map(|t| t.shape.iter().product::<usize>() as u64 * 2)
-        .sum();
+    let total: u64 = tensors.iter().map(|t| t.shape.iter().product::<usize>() as u64 * 2).sum();
     progress.start(total);
     let n_shards = shards.len();
     let mut weight_map = serde_json::Map::new();
@@ -295,18 +257,12 @@ pub fn synth(
     for (si, shard) in shards.iter().enumerate() {
         let fname = format!("model-{:05}-of-{:05}.safetensors", si + 1, n_shards);
         let mut header = serde_json::Map::new();
-        header.insert(
-            "__metadata__".into(),
-            json!({"format": "pt", "generator": "smoe synth"}),
-        );
+        header.insert("__metadata__".into(), json!({"format": "pt", "generator": "smoe synth"}));
         let mut off = 0u64;
         for &i in shard {
             let t = &tensors[i];
             let b = t.shape.iter().product::<usize>() as u64 * 2;
-            header.insert(
-                t.name.clone(),
-                json!({"dtype": "BF16", "shape": t.shape, "data_offsets": [off, off + b]}),
-            );
+            header.insert(t.name.clone(), json!({"dtype": "BF16", "shape": t.shape, "data_offsets": [off, off + b]}));
             weight_map.insert(t.name.clone(), fname.clone().into());
             off += b;
         }
@@ -315,10 +271,7 @@ pub fn synth(
             h.push(b' ');
         }
         let path = out.join(&fname);
-        let mut w = BufWriter::with_capacity(
-            8 << 20,
-            File::create(&path).map_err(|e| ConvertError::io(&path, e))?,
-        );
+        let mut w = BufWriter::with_capacity(8 << 20, File::create(&path).map_err(|e| ConvertError::io(&path, e))?);
         let io = |e| ConvertError::io(&path, e);
         w.write_all(&(h.len() as u64).to_le_bytes()).map_err(io)?;
         w.write_all(&h).map_err(io)?;
@@ -333,13 +286,9 @@ pub fn synth(
     }
     let write = |name: &str, v: &Value| -> Result<(), ConvertError> {
         let p = out.join(name);
-        std::fs::write(&p, serde_json::to_string_pretty(v).unwrap())
-            .map_err(|e| ConvertError::io(&p, e))
+        std::fs::write(&p, serde_json::to_string_pretty(v).unwrap()).map_err(|e| ConvertError::io(&p, e))
     };
-    write(
-        "model.safetensors.index.json",
-        &json!({"metadata": {"total_size": total}, "weight_map": weight_map}),
-    )?;
+    write("model.safetensors.index.json", &json!({"metadata": {"total_size": total}, "weight_map": weight_map}))?;
     write("config.json", &cfg)?;
     let eos = cfg["eos_token_id"].clone();
     write(
@@ -349,16 +298,9 @@ pub fn synth(
     let tok = opts.tokenizer_json.as_deref().unwrap_or(FALLBACK_TOKENIZER);
     let p = out.join("tokenizer.json");
     std::fs::write(&p, tok).map_err(|e| ConvertError::io(&p, e))?;
-    write(
-        "tokenizer_config.json",
-        &json!({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": QWEN3_TEMPLATE}),
-    )?;
+    write("tokenizer_config.json", &json!({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": QWEN3_TEMPLATE}))?;
     progress.finish();
-    Ok(SynthReport {
-        bytes: total,
-        shards: n_shards,
-        tensors: tensors.len(),
-    })
+    Ok(SynthReport { bytes: total, shards: n_shards, tensors: tensors.len() })
 }
 
 #[cfg(test)]
@@ -379,19 +321,12 @@ mod tests {
 
     #[test]
     fn values_are_deterministic_and_scaled() {
-        let t = Planned {
-            name: "w".into(),
-            shape: vec![64, 1024],
-            init: Init::Matrix { cols: 1024 },
-        };
+        let t = Planned { name: "w".into(), shape: vec![64, 1024], init: Init::Matrix { cols: 1024 } };
         let (mut a, mut b) = (vec![0u8; 64 * 1024 * 2], vec![0u8; 64 * 1024 * 2]);
         fill(&t, 3, 9, &mut a);
         fill(&t, 3, 9, &mut b);
         assert_eq!(a, b);
-        let v: Vec<f32> = a
-            .chunks_exact(2)
-            .map(|c| smoe_quant::half::bf16_bits_to_f32(u16::from_le_bytes([c[0], c[1]])))
-            .collect();
+        let v: Vec<f32> = a.chunks_exact(2).map(|c| smoe_quant::half::bf16_bits_to_f32(u16::from_le_bytes([c[0], c[1]]))).collect();
         let var = v.iter().map(|x| (x * x) as f64).sum::<f64>() / v.len() as f64;
         // 1/cols, inflated by the 1-in-256 outliers at 8x: (1 + 63/256) / 1024.
         assert!((var * 1024.0 - 1.246).abs() < 0.08, "{var}");

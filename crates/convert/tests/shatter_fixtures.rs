@@ -8,31 +8,15 @@ use smoe_quant::Format;
 use smoe_vault::{names, LayerKind, QkNorm, RopeScaling, Router, Vault};
 use std::path::{Path, PathBuf};
 
-const FIXTURES: [&str; 9] = [
-    "qwen3_moe",
-    "qwen2_moe",
-    "mixtral",
-    "olmoe",
-    "glm4_moe",
-    "deepseek_v3",
-    "deepseek_v3_yarn",
-    "qwen3_moe_k",
-    "qwen3_moe_yarn",
-];
+const FIXTURES: [&str; 9] =
+    ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3", "deepseek_v3_yarn", "qwen3_moe_k", "qwen3_moe_yarn"];
 
 fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../testdata/hf")
-        .join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/hf").join(name)
 }
 
 fn bf16_opts() -> ShatterOptions {
-    ShatterOptions {
-        experts: Format::BF16,
-        dense: Format::BF16,
-        threads: Some(2),
-        fail_after_blobs: None,
-    }
+    ShatterOptions { experts: Format::BF16, dense: Format::BF16, threads: Some(2), fail_after_blobs: None }
 }
 
 fn shatter_to(name: &str, opts: &ShatterOptions, dir: &Path) -> Vault {
@@ -50,61 +34,27 @@ fn manifest_matches_config_field_by_field() {
     let dir = tempfile::tempdir().unwrap();
     for name in FIXTURES {
         let v = shatter_to(name, &bf16_opts(), dir.path());
-        let c: Value = serde_json::from_str(
-            &std::fs::read_to_string(fixture(name).join("config.json")).unwrap(),
-        )
-        .unwrap();
+        let c: Value = serde_json::from_str(&std::fs::read_to_string(fixture(name).join("config.json")).unwrap()).unwrap();
         let a = v.architecture();
-        assert_eq!(
-            a.family.model_type(),
-            c["model_type"].as_str().unwrap(),
-            "{name}"
-        );
+        assert_eq!(a.family.model_type(), c["model_type"].as_str().unwrap(), "{name}");
         assert_eq!(a.hidden_size, cfg_usize(&c, "hidden_size"), "{name}");
         assert_eq!(a.num_layers, cfg_usize(&c, "num_hidden_layers"), "{name}");
         assert_eq!(a.num_heads, cfg_usize(&c, "num_attention_heads"), "{name}");
-        assert_eq!(
-            a.num_kv_heads,
-            cfg_usize(&c, "num_key_value_heads"),
-            "{name}"
-        );
+        assert_eq!(a.num_kv_heads, cfg_usize(&c, "num_key_value_heads"), "{name}");
         assert_eq!(a.vocab_size, cfg_usize(&c, "vocab_size"), "{name}");
-        assert_eq!(
-            a.max_position_embeddings,
-            cfg_usize(&c, "max_position_embeddings"),
-            "{name}"
-        );
+        assert_eq!(a.max_position_embeddings, cfg_usize(&c, "max_position_embeddings"), "{name}");
         assert_eq!(a.norm_eps, c["rms_norm_eps"].as_f64().unwrap(), "{name}");
-        assert_eq!(
-            a.tie_word_embeddings,
-            c["tie_word_embeddings"].as_bool().unwrap(),
-            "{name}"
-        );
+        assert_eq!(a.tie_word_embeddings, c["tie_word_embeddings"].as_bool().unwrap(), "{name}");
         assert_eq!(a.moe.top_k, cfg_usize(&c, "num_experts_per_tok"), "{name}");
-        let theta = c
-            .get("rope_theta")
-            .and_then(|t| t.as_f64())
-            .or_else(|| c["rope_parameters"]["rope_theta"].as_f64())
-            .unwrap();
+        let theta = c.get("rope_theta").and_then(|t| t.as_f64()).or_else(|| c["rope_parameters"]["rope_theta"].as_f64()).unwrap();
         assert_eq!(a.rope.theta, theta, "{name}");
         match c.get("rope_scaling").filter(|s| !s.is_null()) {
             None => assert_eq!(a.rope.scaling, RopeScaling::None, "{name}"),
             Some(s) => match &a.rope.scaling {
-                RopeScaling::Yarn {
-                    factor,
-                    original_max_position_embeddings,
-                    mscale_all_dim,
-                    ..
-                } => {
+                RopeScaling::Yarn { factor, original_max_position_embeddings, mscale_all_dim, .. } => {
                     assert_eq!(*factor, s["factor"].as_f64().unwrap());
-                    assert_eq!(
-                        *original_max_position_embeddings,
-                        s["original_max_position_embeddings"].as_u64().unwrap() as usize
-                    );
-                    assert_eq!(
-                        *mscale_all_dim,
-                        s.get("mscale_all_dim").and_then(|x| x.as_f64())
-                    );
+                    assert_eq!(*original_max_position_embeddings, s["original_max_position_embeddings"].as_u64().unwrap() as usize);
+                    assert_eq!(*mscale_all_dim, s.get("mscale_all_dim").and_then(|x| x.as_f64()));
                 }
                 other => panic!("{name}: {other:?}"),
             },
@@ -134,19 +84,13 @@ fn manifest_matches_config_field_by_field() {
                 assert!(a.qkv_bias);
                 assert_eq!(a.qk_norm, QkNorm::None);
                 let s = a.moe.shared_experts.as_ref().unwrap();
-                assert_eq!(
-                    s.intermediate_size,
-                    cfg_usize(&c, "shared_expert_intermediate_size")
-                );
+                assert_eq!(s.intermediate_size, cfg_usize(&c, "shared_expert_intermediate_size"));
                 assert!(s.sigmoid_gate);
             }
             "mixtral" => assert!(a.moe.norm_topk_prob && a.qk_norm == QkNorm::None && !a.qkv_bias),
             "olmoe" => assert_eq!(a.qk_norm, QkNorm::WholeProjection),
             "glm4_moe" => {
-                assert_eq!(
-                    a.rope.partial_rotary_factor,
-                    c["partial_rotary_factor"].as_f64().unwrap()
-                );
+                assert_eq!(a.rope.partial_rotary_factor, c["partial_rotary_factor"].as_f64().unwrap());
                 assert_eq!(a.rope.rotary_dim, cfg_usize(&c, "head_dim") / 2);
                 assert!(a.qkv_bias);
                 assert_eq!(a.qk_norm, QkNorm::PerHead);
@@ -162,23 +106,14 @@ fn manifest_matches_config_field_by_field() {
                     correction_bias: true
                 }
             );
-            assert_eq!(
-                a.moe.routed_scaling_factor,
-                c["routed_scaling_factor"].as_f64().unwrap()
-            );
+            assert_eq!(a.moe.routed_scaling_factor, c["routed_scaling_factor"].as_f64().unwrap());
             let s = a.moe.shared_experts.as_ref().unwrap();
-            assert_eq!(
-                s.intermediate_size,
-                expert_size * cfg_usize(&c, "n_shared_experts")
-            );
+            assert_eq!(s.intermediate_size, expert_size * cfg_usize(&c, "n_shared_experts"));
             let k = cfg_usize(&c, "first_k_dense_replace");
             for (l, kind) in a.layers.iter().enumerate() {
                 assert_eq!(*kind == LayerKind::Dense, l < k, "{name} layer {l}");
             }
-            assert_eq!(
-                a.dense_intermediate_size,
-                cfg_usize(&c, "intermediate_size")
-            );
+            assert_eq!(a.dense_intermediate_size, cfg_usize(&c, "intermediate_size"));
         } else {
             assert!(a.layers.iter().all(|k| *k == LayerKind::Moe), "{name}");
         }
@@ -193,12 +128,7 @@ fn manifest_matches_config_field_by_field() {
         }
         // Text assets and generation defaults come along.
         let m = v.manifest();
-        assert!(m
-            .text
-            .chat_template
-            .as_deref()
-            .unwrap()
-            .contains("<|im_start|>"));
+        assert!(m.text.chat_template.as_deref().unwrap().contains("<|im_start|>"));
         assert_eq!(m.generation.eos_token_ids, vec![1002, 1000]);
         assert_eq!(m.generation.top_k, Some(20));
         assert_eq!(m.source_config, c);
@@ -225,13 +155,7 @@ fn bf16_round_trip_is_bit_exact() {
         for l in a.moe_layers() {
             for e in 0..a.moe.num_experts {
                 v.read_blob(l, e, &mut blob).unwrap();
-                for (part, src_name) in v
-                    .manifest()
-                    .experts
-                    .parts
-                    .iter()
-                    .zip(hf::hf_expert_names(a.family, l, e))
-                {
+                for (part, src_name) in v.manifest().experts.parts.iter().zip(hf::hf_expert_names(a.family, l, e)) {
                     assert_eq!(part.format, Format::BF16);
                     let src = &ckpt.tensors[&src_name];
                     // The blob holds the checkpoint's bf16 bytes unchanged.
@@ -240,10 +164,7 @@ fn bf16_round_trip_is_bit_exact() {
                     let f = std::fs::File::open(
                         fixture(name).join(
                             serde_json::from_str::<Value>(
-                                &std::fs::read_to_string(
-                                    fixture(name).join("model.safetensors.index.json"),
-                                )
-                                .unwrap(),
+                                &std::fs::read_to_string(fixture(name).join("model.safetensors.index.json")).unwrap(),
                             )
                             .unwrap()["weight_map"][&src_name]
                                 .as_str()
@@ -252,11 +173,7 @@ fn bf16_round_trip_is_bit_exact() {
                     )
                     .unwrap();
                     f.read_exact_at(&mut raw, src.offset).unwrap();
-                    assert_eq!(
-                        &blob[part.offset as usize..(part.offset + part.len) as usize],
-                        &raw[..],
-                        "{name} {src_name}"
-                    );
+                    assert_eq!(&blob[part.offset as usize..(part.offset + part.len) as usize], &raw[..], "{name} {src_name}");
                 }
             }
         }
@@ -266,12 +183,7 @@ fn bf16_round_trip_is_bit_exact() {
 
 /// Relative RMS error of every expert matrix after a round trip through `format`.
 fn expert_error(name: &str, format: Format, dir: &Path) -> (f64, Format) {
-    let opts = ShatterOptions {
-        experts: format,
-        dense: Format::Q8_0,
-        threads: Some(2),
-        fail_after_blobs: None,
-    };
+    let opts = ShatterOptions { experts: format, dense: Format::Q8_0, threads: Some(2), fail_after_blobs: None };
     let v = shatter_to(name, &opts, dir);
     let ckpt = Checkpoint::open(&fixture(name)).unwrap();
     let a = v.architecture().clone();
@@ -281,22 +193,11 @@ fn expert_error(name: &str, format: Format, dir: &Path) -> (f64, Format) {
     for l in a.moe_layers() {
         for e in 0..a.moe.num_experts {
             v.read_blob(l, e, &mut blob).unwrap();
-            for (part, src) in v
-                .manifest()
-                .experts
-                .parts
-                .iter()
-                .zip(hf::hf_expert_names(a.family, l, e))
-            {
+            for (part, src) in v.manifest().experts.parts.iter().zip(hf::hf_expert_names(a.family, l, e)) {
                 used = part.format;
                 let x = ckpt.tensors[&src].read_f32().unwrap();
                 let mut y = vec![0f32; x.len()];
-                smoe_quant::dequantize(
-                    part.format,
-                    &blob[part.offset as usize..(part.offset + part.len) as usize],
-                    &mut y,
-                )
-                .unwrap();
+                smoe_quant::dequantize(part.format, &blob[part.offset as usize..(part.offset + part.len) as usize], &mut y).unwrap();
                 for (a, b) in x.iter().zip(&y) {
                     err += ((a - b) as f64).powi(2);
                     norm += (*a as f64).powi(2);
@@ -311,11 +212,7 @@ fn expert_error(name: &str, format: Format, dir: &Path) -> (f64, Format) {
 fn quantized_experts_within_documented_bounds() {
     let dir = tempfile::tempdir().unwrap();
     // qwen3_moe_k has 256-wide rows, so K-quants are used as asked; bounds from docs/quantization.md.
-    for (format, bound) in [
-        (Format::Q8_0, 0.01),
-        (Format::Q6_K, 0.03),
-        (Format::Q4_K, 0.10),
-    ] {
+    for (format, bound) in [(Format::Q8_0, 0.01), (Format::Q6_K, 0.03), (Format::Q4_K, 0.10)] {
         let (e, used) = expert_error("qwen3_moe_k", format, dir.path());
         assert_eq!(used, format);
         assert!(e < bound, "{format}: {e}");
@@ -326,10 +223,7 @@ fn quantized_experts_within_documented_bounds() {
     assert!(e < 0.07, "{e}");
     let v = Vault::open(dir.path().join("qwen3_moe.smoe")).unwrap();
     assert!(
-        v.manifest()
-            .notes
-            .iter()
-            .any(|n| n.contains("Q4_K does not fit rows of 64") && n.contains("Q5_0")),
+        v.manifest().notes.iter().any(|n| n.contains("Q4_K does not fit rows of 64") && n.contains("Q5_0")),
         "{:?}",
         v.manifest().notes
     );
@@ -350,75 +244,42 @@ fn bad_checkpoints_fail_clearly() {
     // Unsupported architecture.
     let ck = dir.path().join("llama");
     copy_fixture("qwen3_moe", &ck);
-    let mut c: Value =
-        serde_json::from_str(&std::fs::read_to_string(ck.join("config.json")).unwrap()).unwrap();
+    let mut c: Value = serde_json::from_str(&std::fs::read_to_string(ck.join("config.json")).unwrap()).unwrap();
     c["model_type"] = "llama".into();
     std::fs::write(ck.join("config.json"), c.to_string()).unwrap();
-    let e = shatter(&ck, &out, &bf16_opts(), &Silent)
-        .unwrap_err()
-        .to_string();
-    assert!(
-        e.contains("'llama' is not supported")
-            && e.contains("qwen3_moe")
-            && e.contains("deepseek_v3"),
-        "{e}"
-    );
+    let e = shatter(&ck, &out, &bf16_opts(), &Silent).unwrap_err().to_string();
+    assert!(e.contains("'llama' is not supported") && e.contains("qwen3_moe") && e.contains("deepseek_v3"), "{e}");
     // Unsupported rope scaling is refused, not ignored.
     c["model_type"] = "qwen3_moe".into();
     c["rope_scaling"] = serde_json::json!({"rope_type": "longrope", "factor": 4.0});
     std::fs::write(ck.join("config.json"), c.to_string()).unwrap();
-    let e = shatter(&ck, &out, &bf16_opts(), &Silent)
-        .unwrap_err()
-        .to_string();
+    let e = shatter(&ck, &out, &bf16_opts(), &Silent).unwrap_err().to_string();
     assert!(e.contains("longrope"), "{e}");
     // Missing tensors are listed: drop a shard.
     let ck = dir.path().join("missing");
     copy_fixture("qwen3_moe", &ck);
     std::fs::remove_file(ck.join("model-00003-of-00008.safetensors")).unwrap();
-    let idx: Value = serde_json::from_str(
-        &std::fs::read_to_string(ck.join("model.safetensors.index.json")).unwrap(),
-    )
-    .unwrap();
+    let idx: Value = serde_json::from_str(&std::fs::read_to_string(ck.join("model.safetensors.index.json")).unwrap()).unwrap();
     let mut map = idx["weight_map"].as_object().unwrap().clone();
-    let lost: Vec<String> = map
-        .iter()
-        .filter(|(_, f)| f.as_str() == Some("model-00003-of-00008.safetensors"))
-        .map(|(k, _)| k.clone())
-        .collect();
+    let lost: Vec<String> =
+        map.iter().filter(|(_, f)| f.as_str() == Some("model-00003-of-00008.safetensors")).map(|(k, _)| k.clone()).collect();
     map.retain(|_, f| f.as_str() != Some("model-00003-of-00008.safetensors"));
-    std::fs::write(
-        ck.join("model.safetensors.index.json"),
-        serde_json::json!({"weight_map": map}).to_string(),
-    )
-    .unwrap();
-    let e = shatter(&ck, &out, &bf16_opts(), &Silent)
-        .unwrap_err()
-        .to_string();
+    std::fs::write(ck.join("model.safetensors.index.json"), serde_json::json!({"weight_map": map}).to_string()).unwrap();
+    let e = shatter(&ck, &out, &bf16_opts(), &Silent).unwrap_err().to_string();
     assert!(e.contains("missing") && e.contains(&lost[0]), "{e}");
     // Unexpected tensors are listed: claim fewer experts than the checkpoint has.
     let ck = dir.path().join("extra");
     copy_fixture("qwen3_moe", &ck);
-    let mut c: Value =
-        serde_json::from_str(&std::fs::read_to_string(ck.join("config.json")).unwrap()).unwrap();
+    let mut c: Value = serde_json::from_str(&std::fs::read_to_string(ck.join("config.json")).unwrap()).unwrap();
     c["num_experts"] = 4.into();
     std::fs::write(ck.join("config.json"), c.to_string()).unwrap();
-    let e = shatter(&ck, &out, &bf16_opts(), &Silent)
-        .unwrap_err()
-        .to_string();
-    assert!(
-        e.contains("unexpected") && e.contains("mlp.experts.7"),
-        "{e}"
-    );
+    let e = shatter(&ck, &out, &bf16_opts(), &Silent).unwrap_err().to_string();
+    assert!(e.contains("unexpected") && e.contains("mlp.experts.7"), "{e}");
     // Shape mismatch.
-    let mut c: Value = serde_json::from_str(
-        &std::fs::read_to_string(fixture("qwen3_moe").join("config.json")).unwrap(),
-    )
-    .unwrap();
+    let mut c: Value = serde_json::from_str(&std::fs::read_to_string(fixture("qwen3_moe").join("config.json")).unwrap()).unwrap();
     c["moe_intermediate_size"] = 48.into();
     std::fs::write(ck.join("config.json"), c.to_string()).unwrap();
-    let e = shatter(&ck, &out, &bf16_opts(), &Silent)
-        .unwrap_err()
-        .to_string();
+    let e = shatter(&ck, &out, &bf16_opts(), &Silent).unwrap_err().to_string();
     assert!(e.contains("has shape") && e.contains("48"), "{e}");
     // Truncated shard.
     let ck = dir.path().join("trunc");
@@ -426,9 +287,7 @@ fn bad_checkpoints_fail_clearly() {
     let p = ck.join("model-00002-of-00008.safetensors");
     let b = std::fs::read(&p).unwrap();
     std::fs::write(&p, &b[..b.len() / 2]).unwrap();
-    let e = shatter(&ck, &out, &bf16_opts(), &Silent)
-        .unwrap_err()
-        .to_string();
+    let e = shatter(&ck, &out, &bf16_opts(), &Silent).unwrap_err().to_string();
     assert!(e.contains("model-00002-of-00008.safetensors"), "{e}");
     assert!(!out.exists());
     let leftovers: Vec<_> = std::fs::read_dir(dir.path())
@@ -443,16 +302,9 @@ fn bad_checkpoints_fail_clearly() {
 fn interrupted_conversion_leaves_no_vault() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out.smoe");
-    let opts = ShatterOptions {
-        fail_after_blobs: Some(5),
-        ..bf16_opts()
-    };
+    let opts = ShatterOptions { fail_after_blobs: Some(5), ..bf16_opts() };
     let e = shatter(&fixture("qwen3_moe"), &out, &opts, &Silent).unwrap_err();
     assert!(e.to_string().contains("injected"));
     assert!(!out.exists());
-    assert_eq!(
-        std::fs::read_dir(dir.path()).unwrap().count(),
-        0,
-        "temporary file left behind"
-    );
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "temporary file left behind");
 }

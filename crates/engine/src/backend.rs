@@ -50,14 +50,7 @@ pub trait Backend: Send + Sync {
 
     /// Makes a matrix from `rows x cols` elements in `format` at `offset` in `region` (the
     /// vault's dense region, shared so the CPU backend needs no copy).
-    fn matrix(
-        &self,
-        region: &Arc<Vec<u8>>,
-        offset: usize,
-        format: Format,
-        rows: usize,
-        cols: usize,
-    ) -> Self::Matrix;
+    fn matrix(&self, region: &Arc<Vec<u8>>, offset: usize, format: Format, rows: usize, cols: usize) -> Self::Matrix;
     /// Makes a vector.
     fn vector(&self, v: &[f32]) -> Self::Vector;
     /// Allocates a zeroed buffer of `len` floats.
@@ -78,51 +71,17 @@ pub trait Backend: Send + Sync {
     fn embed(&self, table: &Self::Matrix, ids: &[u32], out: &mut Self::Buf);
     /// `out[t, r] = Σ_c w[r0 + r, c] · x[t, c]` for `t < n`, over rows `r0..r0 + m` of `w`
     /// (`rows = None`: all rows). `x` rows are `cols` long, `out` rows `m` long.
-    fn matmul(
-        &self,
-        w: &Self::Matrix,
-        rows: Option<(usize, usize)>,
-        x: &Self::Buf,
-        n: usize,
-        out: &mut Self::Buf,
-    );
+    fn matmul(&self, w: &Self::Matrix, rows: Option<(usize, usize)>, x: &Self::Buf, n: usize, out: &mut Self::Buf);
     /// As [`matmul`](Self::matmul) for a matrix in host memory (a routed expert in the cache).
     fn matmul_host(&self, w: &QMatrix<'_>, x: &Self::Buf, n: usize, out: &mut Self::Buf);
     /// Transposed product over a row range: `out[t, c] = Σ_r w[r0 + r, c] · x[t, x_off + r]`,
     /// `x` rows `x_stride` long, `out` rows `cols` long (MLA's absorbed key projection).
-    fn matmul_t(
-        &self,
-        w: &Self::Matrix,
-        r0: usize,
-        m: usize,
-        x: &Self::Buf,
-        x_stride: usize,
-        x_off: usize,
-        n: usize,
-        out: &mut Self::Buf,
-    );
+    fn matmul_t(&self, w: &Self::Matrix, r0: usize, m: usize, x: &Self::Buf, x_stride: usize, x_off: usize, n: usize, out: &mut Self::Buf);
 
     /// `out[i] = x[i] / rms(x[i]) * w` for each of `n` rows of `dim` (`out` may be `x`'s copy).
-    fn rms_norm(
-        &self,
-        x: &Self::Buf,
-        n: usize,
-        dim: usize,
-        w: &Self::Vector,
-        eps: f32,
-        out: &mut Self::Buf,
-    );
+    fn rms_norm(&self, x: &Self::Buf, n: usize, dim: usize, w: &Self::Vector, eps: f32, out: &mut Self::Buf);
     /// In place over `n` segments of `dim` that start every `stride` floats, at offset `off`.
-    fn rms_norm_strided(
-        &self,
-        x: &mut Self::Buf,
-        n: usize,
-        stride: usize,
-        off: usize,
-        dim: usize,
-        w: &Self::Vector,
-        eps: f32,
-    );
+    fn rms_norm_strided(&self, x: &mut Self::Buf, n: usize, stride: usize, off: usize, dim: usize, w: &Self::Vector, eps: f32);
     /// `x[t, :] += b` for `n` rows.
     fn add_bias(&self, x: &mut Self::Buf, n: usize, b: &Self::Vector);
     /// `x[i] += y[i]` for the first `len` floats.
@@ -161,15 +120,7 @@ pub trait Backend: Send + Sync {
     /// `dst[rows[i], :] = src[i, :]` for rows of `dim`.
     fn scatter_rows(&self, src: &Self::Buf, dim: usize, rows: &[usize], dst: &mut Self::Buf);
     /// `out[t, :] += Σ_s weights[t * k + s] · src[t * k + s, :]` for `n` tokens, in slot order.
-    fn add_weighted_slots(
-        &self,
-        src: &Self::Buf,
-        dim: usize,
-        n: usize,
-        k: usize,
-        weights: &[f32],
-        out: &mut Self::Buf,
-    );
+    fn add_weighted_slots(&self, src: &Self::Buf, dim: usize, n: usize, k: usize, weights: &[f32], out: &mut Self::Buf);
     /// `x[t, :] *= s[t]`.
     fn scale_rows(&self, x: &mut Self::Buf, dim: usize, s: &[f32]);
 
@@ -186,14 +137,5 @@ pub trait Backend: Send + Sync {
     );
     /// Causal attention of `n` queries at positions `pos0..` over cached positions
     /// `0..pos0 + n`: `q` rows hold `q_heads * k_dim` values, `out` rows `q_heads * v_dim`.
-    fn attention(
-        &self,
-        cache: &Self::KvCache,
-        layer: usize,
-        q: &Self::Buf,
-        n: usize,
-        pos0: usize,
-        p: AttnParams,
-        out: &mut Self::Buf,
-    );
+    fn attention(&self, cache: &Self::KvCache, layer: usize, q: &Self::Buf, n: usize, pos0: usize, p: AttnParams, out: &mut Self::Buf);
 }

@@ -5,12 +5,16 @@
 //! and is reused: no allocation per token once a sequence has warmed up.
 
 use crate::backend::{AttnParams, Backend};
-use crate::model::{
-    Attention, FeedForward, LatentAttention, Layer, Mlp, Model, MoeBlock, StandardAttention,
-};
+use crate::instrument::Instrument;
+use crate::model::{Attention, FeedForward, LatentAttention, Layer, Mlp, Model, MoeBlock, StandardAttention};
 use crate::routing::RouteScratch;
 use crate::EngineError;
 use smoe_store::ExpertView;
+use std::time::Instant;
+
+fn ms(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e3
+}
 
 /// Which logits a forward call returns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -25,15 +29,7 @@ pub enum Logits {
 pub trait Observer {
     /// Routing of one token at one MoE layer: chosen experts, their mixing weights, and the
     /// scores the choice was made on (for every expert).
-    fn route(
-        &mut self,
-        _layer: usize,
-        _pos: usize,
-        _experts: &[u32],
-        _weights: &[f32],
-        _choice: &[f32],
-    ) {
-    }
+    fn route(&mut self, _layer: usize, _pos: usize, _experts: &[u32], _weights: &[f32], _choice: &[f32]) {}
 }
 
 /// An observer that watches nothing.
@@ -70,6 +66,7 @@ struct HostScratch {
     route: RouteScratch,
     needed: Vec<u32>,
     starts: Vec<usize>,
+    fill: Vec<usize>,
     order: Vec<usize>,
     tokens: Vec<usize>,
     slot_rows: Vec<usize>,
@@ -85,6 +82,8 @@ pub struct State<B: Backend> {
     host: HostScratch,
     /// Logits of the last forward call.
     logits: Vec<f32>,
+    /// Per-step measurements, when enabled.
+    pub instrument: Option<Instrument>,
 }
 
 impl<B: Backend> State<B> {
@@ -100,6 +99,10 @@ impl<B: Backend> State<B> {
     pub fn kv(&self) -> &B::KvCache {
         &self.kv
     }
+    /// Starts recording per-step measurements (see [`Instrument`]).
+    pub fn enable_instrument(&mut self) {
+        self.instrument.get_or_insert_with(Instrument::default);
+    }
 }
 
 impl<B: Backend> Model<B> {
@@ -113,29 +116,14 @@ impl<B: Backend> Model<B> {
             Some(m) => {
                 let qk = m.qk_nope_head_dim + m.qk_rope_head_dim;
                 let lat = m.kv_lora_rank + m.qk_rope_head_dim;
-                (
-                    a.num_heads * qk.max(lat),
-                    lat.max(m.q_lora_rank.unwrap_or(0)),
-                    a.num_heads * m.kv_lora_rank.max(m.v_head_dim),
-                )
+                (a.num_heads * qk.max(lat), lat.max(m.q_lora_rank.unwrap_or(0)), a.num_heads * m.kv_lora_rank.max(m.v_head_dim))
             }
-            None => (
-                a.num_heads * a.head_dim,
-                a.num_kv_heads * a.head_dim,
-                a.num_heads * a.head_dim,
-            ),
+            None => (a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_heads * a.head_dim),
         };
-        let ffn_w = [
-            a.dense_intermediate_size,
-            a.moe.intermediate_size,
-            a.moe
-                .shared_experts
-                .as_ref()
-                .map_or(0, |s| s.intermediate_size),
-        ]
-        .into_iter()
-        .max()
-        .unwrap();
+        let ffn_w = [a.dense_intermediate_size, a.moe.intermediate_size, a.moe.shared_experts.as_ref().map_or(0, |s| s.intermediate_size)]
+            .into_iter()
+            .max()
+            .unwrap();
         let tmp_w = q_w.max(h).max(att_w);
         State {
             kv: be.kv_cache(&self.kv_shapes()),
@@ -160,6 +148,7 @@ impl<B: Backend> Model<B> {
             },
             host: HostScratch::default(),
             logits: Vec::new(),
+            instrument: None,
         }
     }
 
@@ -174,9 +163,7 @@ impl<B: Backend> Model<B> {
     ) -> Result<&'s [f32], EngineError> {
         let vocab = self.arch.vocab_size;
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
-            return Err(EngineError::Input(format!(
-                "token id {bad} is outside the vocabulary of {vocab}"
-            )));
+            return Err(EngineError::Input(format!("token id {bad} is outside the vocabulary of {vocab}")));
         }
         if tokens.is_empty() {
             return Err(EngineError::Input("no tokens to run".into()));
@@ -191,16 +178,14 @@ impl<B: Backend> Model<B> {
         Ok(&st.logits)
     }
 
-    fn forward_chunk(
-        &self,
-        st: &mut State<B>,
-        tokens: &[u32],
-        want: Logits,
-        obs: &mut dyn Observer,
-    ) -> Result<(), EngineError> {
+    fn forward_chunk(&self, st: &mut State<B>, tokens: &[u32], want: Logits, obs: &mut dyn Observer) -> Result<(), EngineError> {
         let be = &self.backend;
         let (n, hd) = (tokens.len(), self.arch.hidden_size);
         let pos = st.pos;
+        let t0 = Instant::now();
+        if let Some(ins) = st.instrument.as_mut() {
+            ins.begin(n, self.experts.stats());
+        }
         be.embed(&self.embed, tokens, &mut st.buf.x);
         self.rope.fill(pos, n, &mut st.host.cos, &mut st.host.sin);
         for (li, layer) in self.layers.iter().enumerate() {
@@ -225,6 +210,9 @@ impl<B: Backend> Model<B> {
             }
         }
         st.pos += n;
+        if let Some(ins) = st.instrument.as_mut() {
+            ins.end(ms(t0), self.experts.stats());
+        }
         Ok(())
     }
 
@@ -239,6 +227,7 @@ impl<B: Backend> Model<B> {
     ) -> Result<(), EngineError> {
         let be = &self.backend;
         let hd = self.arch.hidden_size;
+        let t = Instant::now();
         be.rms_norm(&st.buf.x, n, hd, &layer.attn_norm, self.eps, &mut st.buf.h);
         match &layer.attn {
             Attention::Standard(a) => self.standard_attention(li, a, st, n, pos),
@@ -246,26 +235,56 @@ impl<B: Backend> Model<B> {
         }
         let b = &mut st.buf;
         be.add(&mut b.x, &b.d, n * hd);
+        if let Some(ins) = st.instrument.as_mut() {
+            ins.current.attention_ms += ms(t);
+        }
+        if self.lookahead {
+            self.lookahead_prefetch(li, st, n);
+        }
+        let b = &mut st.buf;
         be.rms_norm(&b.x, n, hd, &layer.ffn_norm, self.eps, &mut b.h);
         match &layer.ffn {
             FeedForward::Dense(m) => {
+                let t = Instant::now();
                 self.mlp(m, st, n);
                 be.add(&mut st.buf.x, &st.buf.d, n * hd);
+                if let Some(ins) = st.instrument.as_mut() {
+                    ins.current.expert_ms += ms(t);
+                }
             }
             FeedForward::Moe(m) => self.moe(li, m, st, n, pos, obs)?,
         }
         Ok(())
     }
 
+    /// Predicts the next MoE layer's experts by applying its router to the current hidden state
+    /// (after this layer's attention) and asks the store to start reading them.
+    fn lookahead_prefetch(&self, li: usize, st: &mut State<B>, n: usize) {
+        let Some(next) = self.layers.get(li + 1) else { return };
+        let FeedForward::Moe(m) = &next.ffn else { return };
+        let (be, hd, e_count, k) = (&self.backend, self.arch.hidden_size, self.arch.moe.num_experts, self.router.top_k());
+        let (b, hs) = (&mut st.buf, &mut st.host);
+        be.rms_norm(&b.x, n, hd, &next.ffn_norm, self.eps, &mut b.xe);
+        be.matmul(&m.router, None, &b.xe, n, &mut b.router);
+        hs.router.resize(n * e_count, 0.0);
+        be.download(&b.router, 0, &mut hs.router);
+        hs.needed.clear();
+        hs.ids.resize(n * k, 0);
+        hs.weights.resize(n * k, 0.0);
+        for t in 0..n {
+            let (ids, w) = (&mut hs.ids[t * k..(t + 1) * k], &mut hs.weights[t * k..(t + 1) * k]);
+            self.router.route(&hs.router[t * e_count..(t + 1) * e_count], m.router_bias.as_deref(), ids, w, &mut hs.route);
+            for &e in ids.iter() {
+                if !hs.needed.contains(&e) {
+                    hs.needed.push(e);
+                }
+            }
+        }
+        self.experts.prefetch(li + 1, &hs.needed);
+    }
+
     /// GQA attention; leaves the projected output in `d`.
-    fn standard_attention(
-        &self,
-        li: usize,
-        a: &StandardAttention<B>,
-        st: &mut State<B>,
-        n: usize,
-        pos: usize,
-    ) {
+    fn standard_attention(&self, li: usize, a: &StandardAttention<B>, st: &mut State<B>, n: usize, pos: usize) {
         let (be, ar) = (&self.backend, &self.arch);
         let b = &mut st.buf;
         let (nh, nkv, hdim) = (ar.num_heads, ar.num_kv_heads, ar.head_dim);
@@ -291,49 +310,18 @@ impl<B: Backend> Model<B> {
         let (cos, sin, il) = (&st.host.cos, &st.host.sin, self.rope.interleaved);
         be.rope(&mut b.q, n, nh * hdim, 0, nh, hdim, cos, sin, il);
         be.rope(&mut b.k, n, nkv * hdim, 0, nkv, hdim, cos, sin, il);
-        be.kv_store(
-            &mut st.kv,
-            li,
-            pos,
-            n,
-            &b.k,
-            nkv * hdim,
-            Some((&b.v, nkv * hdim)),
-        );
-        be.attention(
-            &st.kv,
-            li,
-            &b.q,
-            n,
-            pos,
-            AttnParams {
-                q_heads: nh,
-                scale: self.attn_scale,
-            },
-            &mut b.att,
-        );
+        be.kv_store(&mut st.kv, li, pos, n, &b.k, nkv * hdim, Some((&b.v, nkv * hdim)));
+        be.attention(&st.kv, li, &b.q, n, pos, AttnParams { q_heads: nh, scale: self.attn_scale }, &mut b.att);
         be.matmul(&a.o, None, &b.att, n, &mut b.d);
     }
 
     /// Absorbed multi-head latent attention; leaves the projected output in `d`.
-    fn latent_attention(
-        &self,
-        li: usize,
-        a: &LatentAttention<B>,
-        st: &mut State<B>,
-        n: usize,
-        pos: usize,
-    ) {
+    fn latent_attention(&self, li: usize, a: &LatentAttention<B>, st: &mut State<B>, n: usize, pos: usize) {
         let (be, ar) = (&self.backend, &self.arch);
         let m = ar.mla.as_ref().expect("latent attention without MLA dims");
         let b = &mut st.buf;
         let nh = ar.num_heads;
-        let (nope, rope, rank, vdim) = (
-            m.qk_nope_head_dim,
-            m.qk_rope_head_dim,
-            m.kv_lora_rank,
-            m.v_head_dim,
-        );
+        let (nope, rope, rank, vdim) = (m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank, m.v_head_dim);
         let (qk, lat) = (nope + rope, rank + rope);
         // Queries: [n, heads, nope + rope].
         match &a.q_a {
@@ -354,50 +342,15 @@ impl<B: Backend> Model<B> {
         be.rope(&mut b.tmp, n, nh * qk, nope, nh, qk, cos, sin, il);
         // Absorb W_uk into the queries: q_eff[h] = [W_uk[h]ᵀ q_nope[h] | q_rope[h]].
         for h in 0..nh {
-            be.matmul_t(
-                &a.kv_b,
-                h * (nope + vdim),
-                nope,
-                &b.tmp,
-                nh * qk,
-                h * qk,
-                n,
-                &mut b.tmp2,
-            );
+            be.matmul_t(&a.kv_b, h * (nope + vdim), nope, &b.tmp, nh * qk, h * qk, n, &mut b.tmp2);
             be.copy_strided(&b.tmp2, rank, 0, &mut b.q, nh * lat, h * lat, rank, n);
-            be.copy_strided(
-                &b.tmp,
-                nh * qk,
-                h * qk + nope,
-                &mut b.q,
-                nh * lat,
-                h * lat + rank,
-                rope,
-                n,
-            );
+            be.copy_strided(&b.tmp, nh * qk, h * qk + nope, &mut b.q, nh * lat, h * lat + rank, rope, n);
         }
-        be.attention(
-            &st.kv,
-            li,
-            &b.q,
-            n,
-            pos,
-            AttnParams {
-                q_heads: nh,
-                scale: self.attn_scale,
-            },
-            &mut b.att,
-        );
+        be.attention(&st.kv, li, &b.q, n, pos, AttnParams { q_heads: nh, scale: self.attn_scale }, &mut b.att);
         // Expand each head's attended latent through W_uv[h].
         for h in 0..nh {
             be.copy_strided(&b.att, nh * rank, h * rank, &mut b.tmp2, rank, 0, rank, n);
-            be.matmul(
-                &a.kv_b,
-                Some((h * (nope + vdim) + nope, vdim)),
-                &b.tmp2,
-                n,
-                &mut b.tmp,
-            );
+            be.matmul(&a.kv_b, Some((h * (nope + vdim) + nope, vdim)), &b.tmp2, n, &mut b.tmp);
             be.copy_strided(&b.tmp, vdim, 0, &mut b.k, nh * vdim, h * vdim, vdim, n);
         }
         be.matmul(&a.o, None, &b.k, n, &mut b.d);
@@ -414,18 +367,11 @@ impl<B: Backend> Model<B> {
     }
 
     /// Routed experts (plus shared experts) of `h`, added into `x`.
-    fn moe(
-        &self,
-        li: usize,
-        m: &MoeBlock<B>,
-        st: &mut State<B>,
-        n: usize,
-        pos: usize,
-        obs: &mut dyn Observer,
-    ) -> Result<(), EngineError> {
+    fn moe(&self, li: usize, m: &MoeBlock<B>, st: &mut State<B>, n: usize, pos: usize, obs: &mut dyn Observer) -> Result<(), EngineError> {
         let (be, ar) = (&self.backend, &self.arch);
         let (hd, e_count, k) = (ar.hidden_size, ar.moe.num_experts, self.router.top_k());
         let width = ar.moe.intermediate_size;
+        let t_route = Instant::now();
         let (b, hs) = (&mut st.buf, &mut st.host);
         be.matmul(&m.router, None, &b.h, n, &mut b.router);
         hs.router.resize(n * e_count, 0.0);
@@ -433,19 +379,17 @@ impl<B: Backend> Model<B> {
         hs.ids.resize(n * k, 0);
         hs.weights.resize(n * k, 0.0);
         for t in 0..n {
-            let (ids, w) = (
-                &mut hs.ids[t * k..(t + 1) * k],
-                &mut hs.weights[t * k..(t + 1) * k],
-            );
-            self.router.route(
-                &hs.router[t * e_count..(t + 1) * e_count],
-                m.router_bias.as_deref(),
-                ids,
-                w,
-                &mut hs.route,
-            );
+            let (ids, w) = (&mut hs.ids[t * k..(t + 1) * k], &mut hs.weights[t * k..(t + 1) * k]);
+            self.router.route(&hs.router[t * e_count..(t + 1) * e_count], m.router_bias.as_deref(), ids, w, &mut hs.route);
             obs.route(li, pos + t, ids, w, &hs.route.choice);
+            if let Some(ins) = st.instrument.as_mut() {
+                ins.route(li, ids);
+            }
         }
+        if let Some(ins) = st.instrument.as_mut() {
+            ins.current.routing_ms += ms(t_route);
+        }
+        let t_experts = Instant::now();
         // Group (token, slot) pairs by expert: `order[starts[j]..starts[j + 1]]` are the slots of
         // `needed[j]`, in token order.
         hs.starts.clear();
@@ -457,15 +401,14 @@ impl<B: Backend> Model<B> {
             hs.starts[e + 1] += hs.starts[e];
         }
         hs.order.resize(n * k, 0);
-        let mut fill = hs.starts.clone();
+        hs.fill.clear();
+        hs.fill.extend_from_slice(&hs.starts);
         for (slot, &e) in hs.ids.iter().enumerate() {
-            hs.order[fill[e as usize]] = slot;
-            fill[e as usize] += 1;
+            hs.order[hs.fill[e as usize]] = slot;
+            hs.fill[e as usize] += 1;
         }
         hs.needed.clear();
-        hs.needed.extend(
-            (0..e_count as u32).filter(|&e| hs.starts[e as usize + 1] > hs.starts[e as usize]),
-        );
+        hs.needed.extend((0..e_count as u32).filter(|&e| hs.starts[e as usize + 1] > hs.starts[e as usize]));
         let (starts, order, needed) = (&hs.starts, &hs.order, &hs.needed);
         let (tokens, slot_rows) = (&mut hs.tokens, &mut hs.slot_rows);
         let mut compute = |j: usize, ex: ExpertView<'_>| {
@@ -500,6 +443,9 @@ impl<B: Backend> Model<B> {
                 be.scale_rows(&mut b.d, hd, &hs.gate);
             }
             be.add(&mut b.x, &b.d, n * hd);
+        }
+        if let Some(ins) = st.instrument.as_mut() {
+            ins.current.expert_ms += ms(t_experts);
         }
         Ok(())
     }

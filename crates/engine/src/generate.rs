@@ -96,21 +96,14 @@ impl<B: Backend> Engine<B> {
     /// Wraps `model` with the text assets of `vault`.
     pub fn new(vault: &Vault, model: Model<B>) -> Result<Engine<B>, EngineError> {
         let t = &vault.manifest().text;
-        let tokenizer = Tokenizer::from_json(&t.tokenizer_json)
-            .map_err(|e| EngineError::Text(e.to_string()))?;
+        let tokenizer = Tokenizer::from_json(&t.tokenizer_json).map_err(|e| EngineError::Text(e.to_string()))?;
         let template = match &t.chat_template {
-            Some(src) => Some(
-                ChatTemplate::new(src, t.bos_token.as_deref(), t.eos_token.as_deref())
-                    .map_err(|e| EngineError::Text(e.to_string()))?,
-            ),
+            Some(src) => {
+                Some(ChatTemplate::new(src, t.bos_token.as_deref(), t.eos_token.as_deref()).map_err(|e| EngineError::Text(e.to_string()))?)
+            }
             None => None,
         };
-        Ok(Engine {
-            model,
-            tokenizer,
-            template,
-            defaults: vault.manifest().generation.clone(),
-        })
+        Ok(Engine { model, tokenizer, template, defaults: vault.manifest().generation.clone() })
     }
 
     /// Renders a conversation with the chat template (generation prompt added).
@@ -120,29 +113,20 @@ impl<B: Backend> Engine<B> {
         tools: Option<&[Json]>,
         kwargs: &serde_json::Map<String, Json>,
     ) -> Result<String, EngineError> {
-        let t = self.template.as_ref().ok_or_else(|| {
-            EngineError::Text("this model has no chat template; use a raw prompt".into())
-        })?;
-        t.render(messages, tools, true, kwargs)
-            .map_err(|e| EngineError::Text(e.to_string()))
+        let t = self.template.as_ref().ok_or_else(|| EngineError::Text("this model has no chat template; use a raw prompt".into()))?;
+        t.render(messages, tools, true, kwargs).map_err(|e| EngineError::Text(e.to_string()))
     }
 
     /// Token ids of `text`.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, EngineError> {
-        self.tokenizer
-            .encode(text)
-            .map_err(|e| EngineError::Text(e.to_string()))
+        self.tokenizer.encode(text).map_err(|e| EngineError::Text(e.to_string()))
     }
 
     /// Ids that end generation by default: generation_config's eos ids, else the eos token.
     pub fn default_stop_ids(&self) -> Vec<u32> {
         let mut ids = self.defaults.eos_token_ids.clone();
         if ids.is_empty() {
-            if let Some(id) = self
-                .tokenizer
-                .token_id("<|im_end|>")
-                .or_else(|| self.tokenizer.token_id("<|endoftext|>"))
-            {
+            if let Some(id) = self.tokenizer.token_id("<|im_end|>").or_else(|| self.tokenizer.token_id("<|endoftext|>")) {
                 ids.push(id);
             }
         }
@@ -179,11 +163,7 @@ impl<B: Backend> Engine<B> {
             return Err(EngineError::Input("the prompt is empty".into()));
         }
         if prompt.len() >= opts.ctx {
-            return Err(EngineError::Input(format!(
-                "prompt is {} tokens; the context limit is {}",
-                prompt.len(),
-                opts.ctx
-            )));
+            return Err(EngineError::Input(format!("prompt is {} tokens; the context limit is {}", prompt.len(), opts.ctx)));
         }
         let t0 = Instant::now();
         // Reuse what is cached, but always recompute at least the last prompt token: its logits
@@ -191,15 +171,9 @@ impl<B: Backend> Engine<B> {
         let cached = st.pos().min(prompt.len() - 1);
         st.truncate(cached);
         let mut sampler = Sampler::new(opts.sampling.clone());
-        let mut logits = self
-            .model
-            .forward(st, &prompt[cached..], Logits::Last, obs)?
-            .to_vec();
+        let mut logits = self.model.forward(st, &prompt[cached..], Logits::Last, obs)?.to_vec();
         let prefill_seconds = t0.elapsed().as_secs_f64();
-        let stop_ids = opts
-            .stop_ids
-            .clone()
-            .unwrap_or_else(|| self.default_stop_ids());
+        let stop_ids = opts.stop_ids.clone().unwrap_or_else(|| self.default_stop_ids());
         let mut detok = Detokenizer::new(self.tokenizer.clone(), true);
         let mut stops = StopStrings::new(&opts.stop);
         let mut context = prompt.to_vec();
@@ -211,7 +185,11 @@ impl<B: Backend> Engine<B> {
             if tokens.len() >= opts.max_tokens || context.len() >= opts.ctx {
                 break;
             }
+            let ts = Instant::now();
             let id = sampler.sample(&mut logits, &context, tokens.len());
+            if let Some(ins) = st.instrument.as_mut() {
+                ins.add_sampling(ts.elapsed().as_secs_f64() * 1e3);
+            }
             ttft.get_or_insert_with(|| t0.elapsed().as_secs_f64());
             if stop_ids.contains(&id) {
                 finish = FinishReason::Stop;
@@ -249,16 +227,10 @@ impl<B: Backend> Engine<B> {
             generated_tokens: tokens.len(),
             ttft_seconds: ttft.unwrap_or(prefill_seconds),
             prefill_seconds,
-            decode_seconds: t_decode.elapsed().as_secs_f64()
-                - (ttft.unwrap_or(prefill_seconds) - prefill_seconds),
+            decode_seconds: t_decode.elapsed().as_secs_f64() - (ttft.unwrap_or(prefill_seconds) - prefill_seconds),
             seed: sampler.seed(),
         };
-        Ok(Generation {
-            tokens,
-            text,
-            finish,
-            stats,
-        })
+        Ok(Generation { tokens, text, finish, stats })
     }
 
     /// [`generate`](Self::generate) from an empty state, observing nothing.

@@ -16,6 +16,7 @@ pub mod backend;
 pub mod cpu;
 mod forward;
 mod generate;
+pub mod instrument;
 mod model;
 mod open;
 pub mod rope;
@@ -28,7 +29,7 @@ pub use cpu::{CpuBackend, Precision};
 pub use forward::{Logits, NoObserver, Observer, State};
 pub use generate::{Engine, FinishReason, GenOptions, GenStats, Generation};
 pub use model::{kv_shapes, kv_values_per_token, naive_kv_values_per_token, Model};
-pub use open::{open_cpu, OpenOptions};
+pub use open::{open_cpu, CacheSize, OpenOptions, OpenReport};
 pub use sampler::{Sampler, SamplingParams};
 pub use score::{score, ScoreMode, ScoreOutput};
 

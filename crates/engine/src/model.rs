@@ -81,6 +81,7 @@ pub struct Model<B: Backend> {
     pub(crate) eps: f32,
     pub(crate) attn_scale: f32,
     pub(crate) dense_bytes: u64,
+    pub(crate) lookahead: bool,
 }
 
 struct Loader<'a, B: Backend> {
@@ -91,9 +92,7 @@ struct Loader<'a, B: Backend> {
 
 impl<B: Backend> Loader<'_, B> {
     fn entry(&self, name: &str) -> Result<&smoe_vault::DenseEntry, EngineError> {
-        self.vault
-            .dense(name)
-            .ok_or_else(|| EngineError::Model(format!("vault has no tensor {name}")))
+        self.vault.dense(name).ok_or_else(|| EngineError::Model(format!("vault has no tensor {name}")))
     }
     fn matrix(&self, name: &str) -> Result<B::Matrix, EngineError> {
         let e = self.entry(name)?;
@@ -102,20 +101,14 @@ impl<B: Backend> Loader<'_, B> {
             [c] => (1, c),
             _ => return Err(EngineError::Model(format!("{name} is not a matrix"))),
         };
-        Ok(self
-            .backend
-            .matrix(&self.region, e.offset as usize, e.format, rows, cols))
+        Ok(self.backend.matrix(&self.region, e.offset as usize, e.format, rows, cols))
     }
     fn f32s(&self, name: &str) -> Result<Vec<f32>, EngineError> {
         let e = self.entry(name)?;
         let n: usize = e.shape.iter().product();
         let mut out = vec![0f32; n];
-        smoe_quant::dequantize(
-            e.format,
-            &self.region[e.offset as usize..(e.offset + e.len) as usize],
-            &mut out,
-        )
-        .map_err(|err| EngineError::Model(format!("{name}: {err}")))?;
+        smoe_quant::dequantize(e.format, &self.region[e.offset as usize..(e.offset + e.len) as usize], &mut out)
+            .map_err(|err| EngineError::Model(format!("{name}: {err}")))?;
         Ok(out)
     }
     fn vector(&self, name: &str) -> Result<B::Vector, EngineError> {
@@ -123,46 +116,27 @@ impl<B: Backend> Loader<'_, B> {
     }
     fn mlp(&self, l: usize, prefix: &str, width: usize) -> Result<Mlp<B>, EngineError> {
         let n = |p: &str| names::layer(l, &format!("{prefix}.{p}"));
-        Ok(Mlp {
-            gate: self.matrix(&n("gate"))?,
-            up: self.matrix(&n("up"))?,
-            down: self.matrix(&n("down"))?,
-            width,
-        })
+        Ok(Mlp { gate: self.matrix(&n("gate"))?, up: self.matrix(&n("up"))?, down: self.matrix(&n("down"))?, width })
     }
 }
 
 impl<B: Backend> Model<B> {
     /// Loads the dense region of `vault` onto `backend` (verifying every tensor's checksum);
     /// routed experts come from `experts`.
-    pub fn load(
-        vault: &Vault,
-        backend: B,
-        experts: Arc<dyn ExpertSource>,
-    ) -> Result<Model<B>, EngineError> {
+    pub fn load(vault: &Vault, backend: B, experts: Arc<dyn ExpertSource>) -> Result<Model<B>, EngineError> {
         let arch = vault.architecture().clone();
         let region = Arc::new(vault.read_dense_region()?);
-        let ld = Loader {
-            vault,
-            region: region.clone(),
-            backend: &backend,
-        };
+        let ld = Loader { vault, region: region.clone(), backend: &backend };
         let mut layers = Vec::with_capacity(arch.num_layers);
         for l in 0..arch.num_layers {
             let t = |w: &str| names::layer(l, w);
             let attn = match &arch.mla {
                 Some(m) => Attention::Latent(LatentAttention {
                     q_a: match m.q_lora_rank {
-                        Some(_) => {
-                            Some((ld.matrix(&t("attn.q_a"))?, ld.vector(&t("attn.q_a_norm"))?))
-                        }
+                        Some(_) => Some((ld.matrix(&t("attn.q_a"))?, ld.vector(&t("attn.q_a_norm"))?)),
                         None => None,
                     },
-                    q_b: ld.matrix(&t(if m.q_lora_rank.is_some() {
-                        "attn.q_b"
-                    } else {
-                        "attn.q"
-                    }))?,
+                    q_b: ld.matrix(&t(if m.q_lora_rank.is_some() { "attn.q_b" } else { "attn.q" }))?,
                     kv_a: ld.matrix(&t("attn.kv_a"))?,
                     kv_a_norm: ld.vector(&t("attn.kv_a_norm"))?,
                     kv_b: ld.matrix(&t("attn.kv_b"))?,
@@ -174,35 +148,21 @@ impl<B: Backend> Model<B> {
                     v: ld.matrix(&t("attn.v"))?,
                     o: ld.matrix(&t("attn.o"))?,
                     bias: if arch.qkv_bias {
-                        Some([
-                            ld.vector(&t("attn.q_bias"))?,
-                            ld.vector(&t("attn.k_bias"))?,
-                            ld.vector(&t("attn.v_bias"))?,
-                        ])
+                        Some([ld.vector(&t("attn.q_bias"))?, ld.vector(&t("attn.k_bias"))?, ld.vector(&t("attn.v_bias"))?])
                     } else {
                         None
                     },
                     qk_norm: match arch.qk_norm {
                         QkNorm::None => None,
-                        kind => Some((
-                            kind,
-                            ld.vector(&t("attn.q_norm"))?,
-                            ld.vector(&t("attn.k_norm"))?,
-                        )),
+                        kind => Some((kind, ld.vector(&t("attn.q_norm"))?, ld.vector(&t("attn.k_norm"))?)),
                     },
                 }),
             };
             let ffn = match arch.layers[l] {
-                LayerKind::Dense => {
-                    FeedForward::Dense(ld.mlp(l, "mlp", arch.dense_intermediate_size)?)
-                }
+                LayerKind::Dense => FeedForward::Dense(ld.mlp(l, "mlp", arch.dense_intermediate_size)?),
                 LayerKind::Moe => FeedForward::Moe(MoeBlock {
                     router: ld.matrix(&t("moe.router"))?,
-                    router_bias: if vault.dense(&t("moe.router_bias")).is_some() {
-                        Some(ld.f32s(&t("moe.router_bias"))?)
-                    } else {
-                        None
-                    },
+                    router_bias: if vault.dense(&t("moe.router_bias")).is_some() { Some(ld.f32s(&t("moe.router_bias"))?) } else { None },
                     shared: match &arch.moe.shared_experts {
                         Some(s) => Some(ld.mlp(l, "moe.shared", s.intermediate_size)?),
                         None => None,
@@ -213,23 +173,13 @@ impl<B: Backend> Model<B> {
                     },
                 }),
             };
-            layers.push(Layer {
-                attn_norm: ld.vector(&t("attn_norm"))?,
-                attn,
-                ffn_norm: ld.vector(&t("ffn_norm"))?,
-                ffn,
-            });
+            layers.push(Layer { attn_norm: ld.vector(&t("attn_norm"))?, attn, ffn_norm: ld.vector(&t("ffn_norm"))?, ffn });
         }
         let attn_scale = match &arch.mla {
             Some(m) => {
                 let mut s = 1.0 / ((m.qk_nope_head_dim + m.qk_rope_head_dim) as f64).sqrt();
                 // DeepSeek's YaRN also sharpens the softmax by mscale(factor, mscale_all_dim)².
-                if let RopeScaling::Yarn {
-                    factor,
-                    mscale_all_dim: Some(ma),
-                    ..
-                } = arch.rope.scaling
-                {
+                if let RopeScaling::Yarn { factor, mscale_all_dim: Some(ma), .. } = arch.rope.scaling {
                     if ma != 0.0 {
                         let m = yarn_mscale(factor, ma);
                         s *= m * m;
@@ -242,16 +192,13 @@ impl<B: Backend> Model<B> {
         Ok(Model {
             embed: ld.matrix("embed")?,
             final_norm: ld.vector("final_norm")?,
-            lm_head: if arch.tie_word_embeddings {
-                None
-            } else {
-                Some(ld.matrix("lm_head")?)
-            },
+            lm_head: if arch.tie_word_embeddings { None } else { Some(ld.matrix("lm_head")?) },
             rope: RopeTable::new(&arch),
             router: RouterRule::new(&arch.moe),
             eps: arch.norm_eps as f32,
             attn_scale,
             dense_bytes: region.len() as u64,
+            lookahead: false,
             layers,
             experts,
             backend,
@@ -271,6 +218,11 @@ impl<B: Backend> Model<B> {
     pub fn experts(&self) -> &Arc<dyn ExpertSource> {
         &self.experts
     }
+    /// Turns lookahead prefetch on: after each layer's attention, the next MoE layer's router is
+    /// applied to the current hidden state and its predicted experts are read ahead.
+    pub fn set_lookahead(&mut self, on: bool) {
+        self.lookahead = on;
+    }
     /// Bytes of dense weights held.
     pub fn dense_bytes(&self) -> u64 {
         self.dense_bytes
@@ -288,28 +240,15 @@ impl<B: Backend> Model<B> {
 pub fn kv_shapes(arch: &Architecture) -> Vec<KvShape> {
     (0..arch.num_layers)
         .map(|_| match &arch.mla {
-            Some(m) => KvShape {
-                heads: 1,
-                k_dim: m.kv_lora_rank + m.qk_rope_head_dim,
-                v_dim: m.kv_lora_rank,
-                values_in_keys: true,
-            },
-            None => KvShape {
-                heads: arch.num_kv_heads,
-                k_dim: arch.head_dim,
-                v_dim: arch.head_dim,
-                values_in_keys: false,
-            },
+            Some(m) => KvShape { heads: 1, k_dim: m.kv_lora_rank + m.qk_rope_head_dim, v_dim: m.kv_lora_rank, values_in_keys: true },
+            None => KvShape { heads: arch.num_kv_heads, k_dim: arch.head_dim, v_dim: arch.head_dim, values_in_keys: false },
         })
         .collect()
 }
 
 /// Values cached per token, summed over layers, as this engine stores them.
 pub fn kv_values_per_token(arch: &Architecture) -> usize {
-    kv_shapes(arch)
-        .iter()
-        .map(|s| s.heads * (s.k_dim + if s.values_in_keys { 0 } else { s.v_dim }))
-        .sum()
+    kv_shapes(arch).iter().map(|s| s.heads * (s.k_dim + if s.values_in_keys { 0 } else { s.v_dim })).sum()
 }
 
 /// Values per token of a naive cache: full keys and values for every query head.

@@ -1,31 +1,165 @@
-//! Opening a vault as a ready-to-run engine.
+//! Opening a vault as a ready-to-run engine: the dense weights on the backend, the routed
+//! experts behind a streaming store sized to the machine (or all resident).
 
 use crate::cpu::{CpuBackend, Precision};
 use crate::{Engine, EngineError, Model};
-use smoe_store::{ExpertSource, ResidentExperts};
+use smoe_store::policy::PolicyKind;
+use smoe_store::{auto_cache_bytes, ExpertSource, ExpertStore, ResidentExperts, StoreOptions};
 use smoe_vault::Vault;
 use std::path::Path;
 use std::sync::Arc;
+
+/// How big the expert cache is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CacheSize {
+    /// From available memory (MemAvailable, cgroup limits) minus dense weights, KV cache and a
+    /// reserve.
+    Auto,
+    /// This many bytes.
+    Bytes(u64),
+    /// This many experts.
+    Experts(usize),
+    /// Every expert read into memory at start (no streaming).
+    Resident,
+}
+
+impl std::str::FromStr for CacheSize {
+    type Err = String;
+    /// `auto`, `resident`, `N` experts (`512`), or a size (`8GiB`, `500MiB`, `2G`).
+    fn from_str(s: &str) -> Result<CacheSize, String> {
+        let t = s.trim();
+        match t.to_ascii_lowercase().as_str() {
+            "auto" => return Ok(CacheSize::Auto),
+            "resident" | "all" => return Ok(CacheSize::Resident),
+            _ => {}
+        }
+        let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+        let (num, unit) = t.split_at(split);
+        let v: f64 = num.parse().map_err(|_| format!("bad cache size '{s}'"))?;
+        let mult = match unit.trim().to_ascii_lowercase().as_str() {
+            "" => return Ok(CacheSize::Experts(v as usize)),
+            "b" => 1.0,
+            "k" | "kb" | "kib" => 1024.0,
+            "m" | "mb" | "mib" => 1024.0 * 1024.0,
+            "g" | "gb" | "gib" => 1024.0 * 1024.0 * 1024.0,
+            "t" | "tb" | "tib" => 1024.0f64.powi(4),
+            u => return Err(format!("bad cache size unit '{u}' in '{s}' (use MiB, GiB, or a number of experts)")),
+        };
+        Ok(CacheSize::Bytes((v * mult) as u64))
+    }
+}
 
 /// How to open a model.
 #[derive(Clone, Debug)]
 pub struct OpenOptions {
     /// Arithmetic of the CPU backend.
     pub precision: Precision,
+    /// Expert cache size.
+    pub cache: CacheSize,
+    /// Eviction policy.
+    pub policy: PolicyKind,
+    /// Verify blob checksums as they are read.
+    pub verify: bool,
+    /// Reads in flight at most.
+    pub queue_depth: usize,
+    /// Context the KV cache must hold (for automatic sizing).
+    pub ctx: usize,
 }
 
 impl Default for OpenOptions {
     fn default() -> Self {
         OpenOptions {
             precision: Precision::Reference,
+            cache: CacheSize::Auto,
+            policy: PolicyKind::ReuseDistance,
+            verify: true,
+            queue_depth: 32,
+            ctx: 4096,
         }
     }
 }
 
-/// Opens `path` on the CPU backend with all experts resident.
-pub fn open_cpu(path: &Path, opts: &OpenOptions) -> Result<Engine<CpuBackend>, EngineError> {
+/// What was chosen at open, for the start-up report.
+#[derive(Clone, Debug)]
+pub struct OpenReport {
+    /// Experts the cache holds.
+    pub cache_experts: usize,
+    /// Bytes of the cache.
+    pub cache_bytes: u64,
+    /// Experts in the vault.
+    pub total_experts: usize,
+    /// Bytes of one expert blob.
+    pub blob_bytes: u64,
+    /// Why this size.
+    pub reason: String,
+    /// I/O engine.
+    pub io: String,
+}
+
+impl std::fmt::Display for OpenReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "expert cache: {} of {} experts ({:.1}%), {:.2} GiB ({}); {}",
+            self.cache_experts,
+            self.total_experts,
+            100.0 * self.cache_experts as f64 / self.total_experts.max(1) as f64,
+            self.cache_bytes as f64 / (1u64 << 30) as f64,
+            self.reason,
+            self.io
+        )
+    }
+}
+
+/// Opens `path` on the CPU backend.
+pub fn open_cpu(path: &Path, opts: &OpenOptions) -> Result<(Engine<CpuBackend>, OpenReport), EngineError> {
     let vault = Vault::open(path)?;
-    let experts: Arc<dyn ExpertSource> = Arc::new(ResidentExperts::load(&vault)?);
+    let arch = vault.architecture();
+    let total = arch.moe_layers().len() * arch.moe.num_experts;
+    let blob = vault.manifest().experts.blob_size;
+    let (experts, report): (Arc<dyn ExpertSource>, OpenReport) = if opts.cache == CacheSize::Resident {
+        let r = ResidentExperts::load(&vault)?;
+        let rep = OpenReport {
+            cache_experts: total,
+            cache_bytes: total as u64 * blob,
+            total_experts: total,
+            blob_bytes: blob,
+            reason: "resident".into(),
+            io: "read at start".into(),
+        };
+        (Arc::new(r), rep)
+    } else {
+        let (slots, reason) = match opts.cache {
+            CacheSize::Experts(n) => (n, "--cache-experts".to_string()),
+            CacheSize::Bytes(b) => ((b / blob) as usize, format!("{} MiB requested", b >> 20)),
+            _ => {
+                let kv = (crate::kv_values_per_token(arch) * 4 * opts.ctx) as u64;
+                let (bytes, why) = auto_cache_bytes(vault.header().dense_len, kv);
+                ((bytes / blob) as usize, format!("auto: {why}"))
+            }
+        };
+        let min = arch.moe.top_k;
+        let slots = slots.clamp(min, total);
+        let store = ExpertStore::open(
+            &vault,
+            &StoreOptions {
+                slots,
+                policy: opts.policy,
+                queue_depth: opts.queue_depth,
+                io: smoe_store::io::IoKind::Auto,
+                verify: opts.verify,
+            },
+        )?;
+        let rep = OpenReport {
+            cache_experts: store.slots(),
+            cache_bytes: store.cache_bytes(),
+            total_experts: total,
+            blob_bytes: blob,
+            reason,
+            io: store.io_description().to_string(),
+        };
+        (Arc::new(store), rep)
+    };
     let model = Model::load(&vault, CpuBackend::new(opts.precision), experts)?;
-    Engine::new(&vault, model)
+    Ok((Engine::new(&vault, model)?, report))
 }

@@ -30,16 +30,10 @@ impl RopeTable {
         let r = &arch.rope;
         let dim = r.rotary_dim;
         let base = r.theta as f32;
-        let pos_freqs: Vec<f32> = (0..dim)
-            .step_by(2)
-            .map(|i| base.powf(i as f32 / dim as f32))
-            .collect();
+        let pos_freqs: Vec<f32> = (0..dim).step_by(2).map(|i| base.powf(i as f32 / dim as f32)).collect();
         let (inv_freq, attention_factor) = match &r.scaling {
             RopeScaling::None => (pos_freqs.iter().map(|p| 1.0 / p).collect(), 1.0),
-            RopeScaling::Linear { factor } => (
-                pos_freqs.iter().map(|p| 1.0 / p / *factor as f32).collect(),
-                1.0,
-            ),
+            RopeScaling::Linear { factor } => (pos_freqs.iter().map(|p| 1.0 / p / *factor as f32).collect(), 1.0),
             RopeScaling::Yarn {
                 factor,
                 original_max_position_embeddings,
@@ -51,16 +45,11 @@ impl RopeTable {
                 truncate,
             } => {
                 let af = attention_factor.unwrap_or_else(|| match (mscale, mscale_all_dim) {
-                    (Some(m), Some(ma)) if *m != 0.0 && *ma != 0.0 => {
-                        yarn_mscale(*factor, *m) / yarn_mscale(*factor, *ma)
-                    }
+                    (Some(m), Some(ma)) if *m != 0.0 && *ma != 0.0 => yarn_mscale(*factor, *m) / yarn_mscale(*factor, *ma),
                     _ => yarn_mscale(*factor, 1.0),
                 });
                 let orig = *original_max_position_embeddings as f64;
-                let correction_dim = |rot: f64| {
-                    dim as f64 * (orig / (rot * 2.0 * std::f64::consts::PI)).ln()
-                        / (2.0 * (r.theta).ln())
-                };
+                let correction_dim = |rot: f64| dim as f64 * (orig / (rot * 2.0 * std::f64::consts::PI)).ln() / (2.0 * (r.theta).ln());
                 let (mut low, mut high) = (correction_dim(*beta_fast), correction_dim(*beta_slow));
                 if *truncate {
                     low = low.floor();
@@ -85,12 +74,7 @@ impl RopeTable {
                 (inv, af as f32)
             }
         };
-        RopeTable {
-            inv_freq,
-            attention_factor,
-            rotary_dim: dim,
-            interleaved: r.interleaved,
-        }
+        RopeTable { inv_freq, attention_factor, rotary_dim: dim, interleaved: r.interleaved }
     }
 
     /// Fills `cos`/`sin` with `rotary_dim / 2` values for each position `pos0..pos0 + n`.

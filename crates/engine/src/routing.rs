@@ -68,14 +68,7 @@ impl RouterRule {
     }
 
     /// Routes one token: `ids` and `weights` (each `top_k` long) from its router `logits`.
-    pub fn route(
-        &self,
-        logits: &[f32],
-        bias: Option<&[f32]>,
-        ids: &mut [u32],
-        weights: &mut [f32],
-        s: &mut RouteScratch,
-    ) {
+    pub fn route(&self, logits: &[f32], bias: Option<&[f32]>, ids: &mut [u32], weights: &mut [f32], s: &mut RouteScratch) {
         let e = self.num_experts;
         s.choice.resize(e, 0.0);
         s.weights_src.resize(e, 0.0);
@@ -92,11 +85,7 @@ impl RouterRule {
                 }
                 s.weights_src.copy_from_slice(&s.choice);
             }
-            Router::SigmoidGrouped {
-                n_group,
-                topk_group,
-                ..
-            } => {
+            Router::SigmoidGrouped { n_group, topk_group, .. } => {
                 for i in 0..e {
                     let score = 1.0 / (1.0 + (-logits[i]).exp());
                     s.weights_src[i] = score;
@@ -130,11 +119,7 @@ impl RouterRule {
             *w = s.weights_src[i as usize];
         }
         if self.norm_topk_prob {
-            let eps = if matches!(self.kind, Router::SigmoidGrouped { .. }) {
-                1e-20
-            } else {
-                0.0
-            };
+            let eps = if matches!(self.kind, Router::SigmoidGrouped { .. }) { 1e-20 } else { 0.0 };
             let sum: f32 = weights.iter().sum::<f32>() + eps;
             for w in weights.iter_mut() {
                 *w /= sum;
@@ -168,11 +153,7 @@ mod tests {
             num_experts: 4,
             top_k: 2,
             intermediate_size: 1,
-            router: Router::SigmoidGrouped {
-                n_group: 2,
-                topk_group: 1,
-                correction_bias: true,
-            },
+            router: Router::SigmoidGrouped { n_group: 2, topk_group: 1, correction_bias: true },
             norm_topk_prob: true,
             routed_scaling_factor: 2.0,
             shared_experts: None,
@@ -183,13 +164,7 @@ mod tests {
         let logits = [3.0, 3.0, 0.0, -5.0];
         let bias = [0.0, 0.0, 10.0, -1.0];
         let (mut ids, mut w) = ([0u32; 2], [0f32; 2]);
-        r.route(
-            &logits,
-            Some(&bias),
-            &mut ids,
-            &mut w,
-            &mut RouteScratch::default(),
-        );
+        r.route(&logits, Some(&bias), &mut ids, &mut w, &mut RouteScratch::default());
         assert_eq!(ids, [2, 0]);
         let s = |x: f32| 1.0 / (1.0 + (-x).exp());
         let total = s(0.0) + s(3.0);

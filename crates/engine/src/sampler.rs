@@ -48,10 +48,7 @@ impl SamplingParams {
     /// Rejects values with no meaning (negative temperature, top-p outside (0, 1], ...).
     pub fn validate(&self) -> Result<(), String> {
         if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
-            return Err(format!(
-                "temperature must be >= 0, got {}",
-                self.temperature
-            ));
+            return Err(format!("temperature must be >= 0, got {}", self.temperature));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
@@ -60,15 +57,9 @@ impl SamplingParams {
             return Err(format!("min_p must be in [0, 1], got {}", self.min_p));
         }
         if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
-            return Err(format!(
-                "repetition_penalty must be > 0, got {}",
-                self.repetition_penalty
-            ));
+            return Err(format!("repetition_penalty must be > 0, got {}", self.repetition_penalty));
         }
-        for (n, v) in [
-            ("presence_penalty", self.presence_penalty),
-            ("frequency_penalty", self.frequency_penalty),
-        ] {
+        for (n, v) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
             if !(-2.0..=2.0).contains(&v) {
                 return Err(format!("{n} must be in [-2, 2], got {v}"));
             }
@@ -122,16 +113,10 @@ impl Sampler {
             self.seen.resize(logits.len(), 0);
             self.stamp = self.stamp.wrapping_add(1).max(1);
             for &t in context {
-                if let (Some(l), Some(s)) =
-                    (logits.get_mut(t as usize), self.seen.get_mut(t as usize))
-                {
+                if let (Some(l), Some(s)) = (logits.get_mut(t as usize), self.seen.get_mut(t as usize)) {
                     if *s != self.stamp {
                         *s = self.stamp;
-                        *l = if *l > 0.0 {
-                            *l / p.repetition_penalty
-                        } else {
-                            *l * p.repetition_penalty
-                        };
+                        *l = if *l > 0.0 { *l / p.repetition_penalty } else { *l * p.repetition_penalty };
                     }
                 }
             }
@@ -152,13 +137,7 @@ impl Sampler {
         }
         let c = &mut self.candidates;
         c.clear();
-        c.extend(
-            logits
-                .iter()
-                .enumerate()
-                .filter(|(_, l)| l.is_finite())
-                .map(|(i, &l)| (l / p.temperature, i as u32)),
-        );
+        c.extend(logits.iter().enumerate().filter(|(_, l)| l.is_finite()).map(|(i, &l)| (l / p.temperature, i as u32)));
         if c.is_empty() {
             return argmax(logits);
         }
@@ -217,11 +196,7 @@ mod tests {
     use super::*;
 
     fn params(f: impl FnOnce(&mut SamplingParams)) -> SamplingParams {
-        let mut p = SamplingParams {
-            temperature: 1.0,
-            seed: Some(7),
-            ..Default::default()
-        };
+        let mut p = SamplingParams { temperature: 1.0, seed: Some(7), ..Default::default() };
         f(&mut p);
         p
     }
@@ -231,16 +206,10 @@ mod tests {
         let mut s = Sampler::new(SamplingParams::default());
         assert_eq!(s.sample(&mut [0.1, 3.0, 2.0], &[], 0), 1);
         // Repetition penalty 4 turns 3.0 into 0.75 for a token already in the context.
-        let mut s = Sampler::new(SamplingParams {
-            repetition_penalty: 4.0,
-            ..Default::default()
-        });
+        let mut s = Sampler::new(SamplingParams { repetition_penalty: 4.0, ..Default::default() });
         assert_eq!(s.sample(&mut [0.1, 3.0, 2.0], &[1], 0), 2);
         // Frequency penalty counts generated occurrences only.
-        let mut s = Sampler::new(SamplingParams {
-            frequency_penalty: 0.6,
-            ..Default::default()
-        });
+        let mut s = Sampler::new(SamplingParams { frequency_penalty: 0.6, ..Default::default() });
         assert_eq!(s.sample(&mut [0.0, 3.0, 2.0], &[1, 1, 5], 1), 1);
         assert_eq!(s.sample(&mut [0.0, 3.0, 2.0], &[5, 1, 1], 2), 2);
     }
@@ -268,43 +237,22 @@ mod tests {
         let logits = [0.0f32, (2.0f32).ln(), (3.0f32).ln()];
         let draw = |seed| {
             let mut s = Sampler::new(params(|p| p.seed = Some(seed)));
-            (0..3000)
-                .map(|_| s.sample(&mut logits.clone(), &[], 0))
-                .collect::<Vec<_>>()
+            (0..3000).map(|_| s.sample(&mut logits.clone(), &[], 0)).collect::<Vec<_>>()
         };
         assert_eq!(draw(11), draw(11));
         assert_ne!(draw(11), draw(12));
         let d = draw(3);
         let share = |t| d.iter().filter(|&&x| x == t).count() as f64 / d.len() as f64;
         for (t, want) in [(0, 1.0 / 6.0), (1, 2.0 / 6.0), (2, 3.0 / 6.0)] {
-            assert!(
-                (share(t) - want).abs() < 0.03,
-                "token {t}: {} vs {want}",
-                share(t)
-            );
+            assert!((share(t) - want).abs() < 0.03, "token {t}: {} vs {want}", share(t));
         }
     }
 
     #[test]
     fn invalid_settings_are_rejected() {
-        assert!(SamplingParams {
-            temperature: -1.0,
-            ..Default::default()
-        }
-        .validate()
-        .is_err());
-        assert!(SamplingParams {
-            top_p: 0.0,
-            ..Default::default()
-        }
-        .validate()
-        .is_err());
-        assert!(SamplingParams {
-            presence_penalty: 3.0,
-            ..Default::default()
-        }
-        .validate()
-        .is_err());
+        assert!(SamplingParams { temperature: -1.0, ..Default::default() }.validate().is_err());
+        assert!(SamplingParams { top_p: 0.0, ..Default::default() }.validate().is_err());
+        assert!(SamplingParams { presence_penalty: 3.0, ..Default::default() }.validate().is_err());
         assert!(SamplingParams::default().validate().is_ok());
     }
 }

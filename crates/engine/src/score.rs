@@ -40,19 +40,14 @@ pub struct ScoreOutput {
     pub logits: Vec<f32>,
     /// By decoder layer.
     pub routes: BTreeMap<usize, LayerRoutes>,
+    /// The instrument summary, if asked for.
+    pub instrument: Option<crate::instrument::Summary>,
 }
 
 struct Recorder<'a>(&'a mut BTreeMap<usize, LayerRoutes>);
 
 impl Observer for Recorder<'_> {
-    fn route(
-        &mut self,
-        layer: usize,
-        _pos: usize,
-        experts: &[u32],
-        weights: &[f32],
-        choice: &[f32],
-    ) {
+    fn route(&mut self, layer: usize, _pos: usize, experts: &[u32], weights: &[f32], choice: &[f32]) {
         let r = self.0.entry(layer).or_default();
         r.experts.extend(experts.iter().map(|&e| e as i32));
         r.weights.extend_from_slice(weights);
@@ -66,30 +61,26 @@ pub fn score<B: Backend>(
     ids: &[u32],
     mode: ScoreMode,
     chunk: usize,
+    instrument: bool,
 ) -> Result<ScoreOutput, EngineError> {
     let mut routes = BTreeMap::new();
     let mut rec = Recorder(&mut routes);
     let vocab = model.arch().vocab_size;
     let mut logits = Vec::with_capacity(ids.len() * vocab);
+    let mut st = model.new_state(if mode == ScoreMode::Prefill { chunk } else { 1 });
+    if instrument {
+        st.enable_instrument();
+    }
     match mode {
-        ScoreMode::Prefill => {
-            let mut st = model.new_state(chunk);
-            logits.extend_from_slice(model.forward(&mut st, ids, Logits::All, &mut rec)?);
-        }
+        ScoreMode::Prefill => logits.extend_from_slice(model.forward(&mut st, ids, Logits::All, &mut rec)?),
         ScoreMode::Decode => {
-            let mut st = model.new_state(1);
             for &t in ids {
                 logits.extend_from_slice(model.forward(&mut st, &[t], Logits::Last, &mut rec)?);
             }
         }
     }
-    Ok(ScoreOutput {
-        tokens: ids.len(),
-        vocab,
-        top_k: model.arch().moe.top_k,
-        logits,
-        routes,
-    })
+    let instrument = st.instrument.as_ref().map(|i| i.summary(0));
+    Ok(ScoreOutput { tokens: ids.len(), vocab, top_k: model.arch().moe.top_k, logits, routes, instrument })
 }
 
 impl ScoreOutput {
@@ -98,36 +89,18 @@ impl ScoreOutput {
     pub fn write_safetensors(&self, path: &Path) -> std::io::Result<()> {
         let mut tensors: Vec<(String, &str, Vec<usize>, Vec<u8>)> = Vec::new();
         let f32_bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
-        tensors.push((
-            "logits".into(),
-            "F32",
-            vec![self.tokens, self.vocab],
-            f32_bytes(&self.logits),
-        ));
+        tensors.push(("logits".into(), "F32", vec![self.tokens, self.vocab], f32_bytes(&self.logits)));
         for (l, r) in &self.routes {
             let shape = vec![self.tokens, self.top_k];
-            tensors.push((
-                format!("route.{l}.experts"),
-                "I32",
-                shape.clone(),
-                r.experts.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            ));
-            tensors.push((
-                format!("route.{l}.weights"),
-                "F32",
-                shape,
-                f32_bytes(&r.weights),
-            ));
+            tensors.push((format!("route.{l}.experts"), "I32", shape.clone(), r.experts.iter().flat_map(|x| x.to_le_bytes()).collect()));
+            tensors.push((format!("route.{l}.weights"), "F32", shape, f32_bytes(&r.weights)));
         }
         write_safetensors(path, &tensors)
     }
 }
 
 /// Writes named tensors `(name, dtype, shape, little-endian bytes)` as a safetensors file.
-pub fn write_safetensors(
-    path: &Path,
-    tensors: &[(String, &str, Vec<usize>, Vec<u8>)],
-) -> std::io::Result<()> {
+pub fn write_safetensors(path: &Path, tensors: &[(String, &str, Vec<usize>, Vec<u8>)]) -> std::io::Result<()> {
     let mut header = serde_json::Map::new();
     let mut off = 0usize;
     for (name, dtype, shape, bytes) in tensors {

@@ -9,17 +9,12 @@ fn thousand_token_sampled_generation_repeats_with_the_same_seed() {
     let out = dir.path().join("demo.smoe");
     let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/stdlib-moe");
     smoe_convert::shatter(&model, &out, &Default::default(), &smoe_convert::Silent).unwrap();
-    let engine = open_cpu(&out, &OpenOptions::default()).unwrap();
+    let engine = open_cpu(&out, &OpenOptions::default()).unwrap().0;
     let prompt = engine.encode("import os\n\ndef main(argv):\n").unwrap();
     let gen = |seed| {
         let opts = GenOptions {
             max_tokens: 1000,
-            sampling: SamplingParams {
-                temperature: 1.0,
-                top_p: 0.95,
-                seed: Some(seed),
-                ..Default::default()
-            },
+            sampling: SamplingParams { temperature: 1.0, top_p: 0.95, seed: Some(seed), ..Default::default() },
             stop: vec![],
             stop_ids: Some(vec![]),
             ctx: 4096,

@@ -13,10 +13,7 @@ fn kv_cache_values_per_token_for_published_shapes() {
     for shape in synth::shape_names() {
         let a = arch(shape);
         let (ours, naive) = (kv_values_per_token(&a), naive_kv_values_per_token(&a));
-        println!(
-            "KV|{shape}|{ours}|{naive}|{:.1}",
-            naive as f64 / ours as f64
-        );
+        println!("KV|{shape}|{ours}|{naive}|{:.1}", naive as f64 / ours as f64);
     }
     // DeepSeek-V3: 61 layers x (512 latent + 64 rope key) against 128 heads x (192 + 128).
     let ds = arch("deepseek-v3");

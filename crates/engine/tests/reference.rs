@@ -7,13 +7,7 @@ use common::*;
 use smoe_engine::{score, Logits, NoObserver, ScoreMode};
 use smoe_quant::Format;
 
-const ENGINE_FIXTURES: [&str; 5] = [
-    "qwen3_moe",
-    "qwen2_moe",
-    "mixtral",
-    "olmoe",
-    "qwen3_moe_yarn",
-];
+const ENGINE_FIXTURES: [&str; 5] = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen3_moe_yarn"];
 const GLM_DEEPSEEK_FIXTURES: [&str; 3] = ["glm4_moe", "deepseek_v3", "deepseek_v3_yarn"];
 
 fn ids(t: &Tensor) -> Vec<u32> {
@@ -35,72 +29,46 @@ fn check_fixture(name: &str) {
             let mut near_ties = 0;
             for (layer, routes) in &out.routes {
                 let key = format!("{tag}.route.model.layers.{layer}.mlp");
-                let (re, rw) = (
-                    r[&format!("{key}.experts")].i32(),
-                    r[&format!("{key}.weights")].f32(),
-                );
+                let (re, rw) = (r[&format!("{key}.experts")].i32(), r[&format!("{key}.weights")].f32());
                 let e_count = routes.choice.len() / input.len();
                 for t in 0..input.len() {
-                    let mut mine: Vec<(i32, f32)> = (0..k)
-                        .map(|s| (routes.experts[t * k + s], routes.weights[t * k + s]))
-                        .collect();
-                    let mut theirs: Vec<(i32, f32)> =
-                        (0..k).map(|s| (re[t * k + s], rw[t * k + s])).collect();
+                    let mut mine: Vec<(i32, f32)> = (0..k).map(|s| (routes.experts[t * k + s], routes.weights[t * k + s])).collect();
+                    let mut theirs: Vec<(i32, f32)> = (0..k).map(|s| (re[t * k + s], rw[t * k + s])).collect();
                     mine.sort_by_key(|x| x.0);
                     theirs.sort_by_key(|x| x.0);
                     if mine.iter().map(|x| x.0).ne(theirs.iter().map(|x| x.0)) {
                         let mut c = routes.choice[t * e_count..(t + 1) * e_count].to_vec();
                         c.sort_by(|a, b| b.partial_cmp(a).unwrap());
-                        assert!((c[k - 1] - c[k]).abs() < 1e-5, "{name} {tag} {mode:?} layer {layer} pos {t}: experts {mine:?} vs {theirs:?}");
+                        assert!(
+                            (c[k - 1] - c[k]).abs() < 1e-5,
+                            "{name} {tag} {mode:?} layer {layer} pos {t}: experts {mine:?} vs {theirs:?}"
+                        );
                         near_ties += 1;
                         continue;
                     }
                     for (a, b) in mine.iter().zip(&theirs) {
-                        assert!(
-                            (a.1 - b.1).abs() < 1e-4,
-                            "{name} {tag} layer {layer} pos {t}: weights {mine:?} vs {theirs:?}"
-                        );
+                        assert!((a.1 - b.1).abs() < 1e-4, "{name} {tag} layer {layer} pos {t}: weights {mine:?} vs {theirs:?}");
                     }
                 }
             }
-            assert!(
-                near_ties <= 2,
-                "{name}: {near_ties} near-tie routing differences"
-            );
+            assert!(near_ties <= 2, "{name}: {near_ties} near-tie routing differences");
         }
     }
     // Greedy continuation, teacher-forced on the reference tokens so one near-tie cannot cascade:
     // every step whose reference margin exceeds 1e-3 picks the reference token.
     let chat = ids(&r["chat.input_ids"]);
-    let (tokens, margins, full) = (
-        ids(&r["greedy.tokens"]),
-        r["greedy.margins"].f32(),
-        r["greedy.full_logits"].f32(),
-    );
+    let (tokens, margins, full) = (ids(&r["greedy.tokens"]), r["greedy.margins"].f32(), r["greedy.full_logits"].f32());
     let mut st = model.new_state(16);
-    let mut logits = model
-        .forward(&mut st, &chat, Logits::Last, &mut NoObserver)
-        .unwrap()
-        .to_vec();
+    let mut logits = model.forward(&mut st, &chat, Logits::Last, &mut NoObserver).unwrap().to_vec();
     for (i, &tok) in tokens.iter().enumerate() {
         let pos = chat.len() - 1 + i;
         let e = rel_err(&logits, &full[pos * vocab..(pos + 1) * vocab]);
         assert!(e < 1e-4, "{name} greedy step {i}: rel err {e:.2e}");
-        let argmax = logits
-            .iter()
-            .enumerate()
-            .fold(0, |b, (j, &x)| if x > logits[b] { j } else { b }) as u32;
+        let argmax = logits.iter().enumerate().fold(0, |b, (j, &x)| if x > logits[b] { j } else { b }) as u32;
         if margins[i] > 1e-3 {
-            assert_eq!(
-                argmax, tok,
-                "{name} greedy step {i} (margin {})",
-                margins[i]
-            );
+            assert_eq!(argmax, tok, "{name} greedy step {i} (margin {})", margins[i]);
         }
-        logits = model
-            .forward(&mut st, &[tok], Logits::Last, &mut NoObserver)
-            .unwrap()
-            .to_vec();
+        logits = model.forward(&mut st, &[tok], Logits::Last, &mut NoObserver).unwrap().to_vec();
     }
 }
 
@@ -134,29 +102,16 @@ fn check_quantized(name: &str, configs: &[(Format, Format)]) {
         let q = vault(name, experts, dense);
         let model = load(&q);
         let reference = load(&dequantized_copy(&q));
-        let used = smoe_vault::Vault::open(&q)
-            .unwrap()
-            .manifest()
-            .experts
-            .parts[0]
-            .format;
+        let used = smoe_vault::Vault::open(&q).unwrap().manifest().experts.parts[0].format;
         for (tag, input) in [("chat", &chat), ("long", &long)] {
-            let want = score(&reference, input, ScoreMode::Prefill, 64)
-                .unwrap()
-                .logits;
+            let want = score(&reference, input, ScoreMode::Prefill, 64, false).unwrap().logits;
             for mode in [ScoreMode::Prefill, ScoreMode::Decode] {
-                let got = score(&model, input, mode, 64).unwrap().logits;
+                let got = score(&model, input, mode, 64, false).unwrap().logits;
                 let e = rel_err(&got, &want);
                 assert!(e < 1e-4, "{name} {experts}/{dense} {tag} {mode:?}: rel err {e:.2e} vs dequantized reference");
             }
-            let (top1, kl, max_err) = distance(
-                &want,
-                r[&format!("{tag}.logits")].f32(),
-                model.arch().vocab_size,
-            );
-            println!(
-                "QUALITY|{name}|{experts}|{used}|{dense}|{tag}|{top1:.3}|{kl:.4}|{max_err:.3}"
-            );
+            let (top1, kl, max_err) = distance(&want, r[&format!("{tag}.logits")].f32(), model.arch().vocab_size);
+            println!("QUALITY|{name}|{experts}|{used}|{dense}|{tag}|{top1:.3}|{kl:.4}|{max_err:.3}");
         }
     }
 }

@@ -132,11 +132,7 @@ impl Format {
 
     /// The format with this ggml type id.
     pub fn from_ggml_id(id: u32) -> Result<Format, QuantError> {
-        ALL_FORMATS
-            .iter()
-            .copied()
-            .find(|f| f.ggml_id() == id)
-            .ok_or(QuantError::UnknownId(id))
+        ALL_FORMATS.iter().copied().find(|f| f.ggml_id() == id).ok_or(QuantError::UnknownId(id))
     }
 
     /// Elements per block.
@@ -185,11 +181,7 @@ impl Format {
     /// Bytes of one row of `cols` elements.
     pub fn row_bytes(self, cols: usize) -> Result<usize, QuantError> {
         if !self.fits(cols) {
-            return Err(QuantError::RowLength {
-                format: self,
-                block: self.block_elems(),
-                cols,
-            });
+            return Err(QuantError::RowLength { format: self, block: self.block_elems(), cols });
         }
         Ok(cols / self.block_elems() * self.block_bytes())
     }
@@ -203,9 +195,7 @@ impl Format {
             Format::Q4_K => Format::Q5_0,
             Format::Q5_K => Format::Q5_1,
             Format::Q6_K => Format::Q8_0,
-            Format::Q8_0 | Format::Q4_0 | Format::Q4_1 | Format::Q5_0 | Format::Q5_1 => {
-                Format::BF16
-            }
+            Format::Q8_0 | Format::Q4_0 | Format::Q4_1 | Format::Q5_0 | Format::Q5_1 => Format::BF16,
             f => f,
         }
     }
@@ -230,21 +220,14 @@ impl FromStr for Format {
     type Err = QuantError;
     /// Case-insensitive: `q4_k`, `Q4_K` and `q4_K` all name [`Format::Q4_K`].
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        ALL_FORMATS
-            .iter()
-            .copied()
-            .find(|f| f.name().eq_ignore_ascii_case(s.trim()))
-            .ok_or_else(|| QuantError::UnknownName(s.to_string()))
+        ALL_FORMATS.iter().copied().find(|f| f.name().eq_ignore_ascii_case(s.trim())).ok_or_else(|| QuantError::UnknownName(s.to_string()))
     }
 }
 
 fn check_sizes(format: Format, n: usize, bytes: usize) -> Result<(), QuantError> {
     let expected = format.row_bytes(n)?;
     if bytes != expected {
-        return Err(QuantError::BufferSize {
-            expected,
-            got: bytes,
-        });
+        return Err(QuantError::BufferSize { expected, got: bytes });
     }
     Ok(())
 }

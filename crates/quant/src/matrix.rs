@@ -17,25 +17,12 @@ pub struct QMatrix<'a> {
 
 impl<'a> QMatrix<'a> {
     /// Checks that `data` holds exactly `rows` rows.
-    pub fn new(
-        format: Format,
-        rows: usize,
-        cols: usize,
-        data: &'a [u8],
-    ) -> Result<QMatrix<'a>, QuantError> {
+    pub fn new(format: Format, rows: usize, cols: usize, data: &'a [u8]) -> Result<QMatrix<'a>, QuantError> {
         let expected = format.row_bytes(cols)? * rows;
         if data.len() != expected {
-            return Err(QuantError::BufferSize {
-                expected,
-                got: data.len(),
-            });
+            return Err(QuantError::BufferSize { expected, got: data.len() });
         }
-        Ok(QMatrix {
-            format,
-            rows,
-            cols,
-            data,
-        })
+        Ok(QMatrix { format, rows, cols, data })
     }
 
     /// Bytes per row.
@@ -52,12 +39,7 @@ impl<'a> QMatrix<'a> {
     /// Rows `[start, start + n)` as a matrix of their own.
     pub fn slice_rows(&self, start: usize, n: usize) -> QMatrix<'a> {
         let rb = self.row_bytes();
-        QMatrix {
-            format: self.format,
-            rows: n,
-            cols: self.cols,
-            data: &self.data[start * rb..(start + n) * rb],
-        }
+        QMatrix { format: self.format, rows: n, cols: self.cols, data: &self.data[start * rb..(start + n) * rb] }
     }
 
     /// Decodes row `r` into `out` (`cols` long).

@@ -19,8 +19,7 @@ fn signed_absmax(x: &[f32]) -> f32 {
 }
 
 fn min_max(x: &[f32]) -> (f32, f32) {
-    x.iter()
-        .fold((f32::MAX, -f32::MAX), |(lo, hi), &v| (lo.min(v), hi.max(v)))
+    x.iter().fold((f32::MAX, -f32::MAX), |(lo, hi), &v| (lo.min(v), hi.max(v)))
 }
 
 pub(crate) fn quantize_q8_0(x: &[f32], y: &mut [BlockQ8_0]) {

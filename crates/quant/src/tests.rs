@@ -18,11 +18,7 @@ fn rms_rel_error(format: Format, x: &[f32]) -> f64 {
     quantize(format, x, &mut q).unwrap();
     let mut y = vec![0f32; x.len()];
     dequantize(format, &q, &mut y).unwrap();
-    let err: f64 = x
-        .iter()
-        .zip(&y)
-        .map(|(a, b)| ((a - b) as f64).powi(2))
-        .sum();
+    let err: f64 = x.iter().zip(&y).map(|(a, b)| ((a - b) as f64).powi(2)).sum();
     let norm: f64 = x.iter().map(|a| (*a as f64).powi(2)).sum();
     (err / norm).sqrt()
 }
@@ -35,10 +31,7 @@ fn names_parse_case_insensitively() {
         assert_eq!(Format::from_ggml_id(f.ggml_id()).unwrap(), f);
     }
     assert_eq!("q4_K".parse::<Format>().unwrap(), Format::Q4_K);
-    assert!(matches!(
-        "IQ4_XS".parse::<Format>(),
-        Err(QuantError::UnknownName(_))
-    ));
+    assert!(matches!("IQ4_XS".parse::<Format>(), Err(QuantError::UnknownName(_))));
 }
 
 #[test]
@@ -100,9 +93,7 @@ fn round_trip_error_within_documented_bounds() {
 #[test]
 fn exact_values_decode_exactly() {
     // Q8_0 with amax 127 has d = 1: every integer in [-127, 127] survives.
-    let x: Vec<f32> = (0..32)
-        .map(|i| (i as f32 - 16.0) * 7.0 + if i == 0 { 15.0 } else { 0.0 })
-        .collect();
+    let x: Vec<f32> = (0..32).map(|i| (i as f32 - 16.0) * 7.0 + if i == 0 { 15.0 } else { 0.0 }).collect();
     let mut x = x;
     x[31] = 127.0;
     let mut q = vec![0u8; 34];
@@ -131,10 +122,7 @@ fn zero_and_constant_blocks_do_not_break() {
             dequantize(f, &q, &mut y).unwrap();
             for v in &y {
                 assert!(v.is_finite(), "{f}");
-                assert!(
-                    (v - fill).abs() <= 0.15 * fill.abs() + 1e-6,
-                    "{f}: {fill} -> {v}"
-                );
+                assert!((v - fill).abs() <= 0.15 * fill.abs() + 1e-6, "{f}: {fill} -> {v}");
             }
         }
     }
@@ -144,13 +132,7 @@ fn zero_and_constant_blocks_do_not_break() {
 fn size_mismatch_is_an_error_not_a_panic() {
     let x = vec![0f32; 256];
     let mut q = vec![0u8; 10];
-    assert!(matches!(
-        quantize(Format::Q4_K, &x, &mut q),
-        Err(QuantError::BufferSize { .. })
-    ));
+    assert!(matches!(quantize(Format::Q4_K, &x, &mut q), Err(QuantError::BufferSize { .. })));
     let mut y = vec![0f32; 100];
-    assert!(matches!(
-        dequantize(Format::Q4_K, &q, &mut y),
-        Err(QuantError::RowLength { .. })
-    ));
+    assert!(matches!(dequantize(Format::Q4_K, &q, &mut y), Err(QuantError::RowLength { .. })));
 }

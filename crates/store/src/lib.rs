@@ -10,9 +10,17 @@ This crate owns fetching, caching and the I/O; it does not dequantize or compute
 */
 #![deny(missing_docs)]
 
+pub mod arena;
+pub mod io;
+pub mod policy;
+pub mod replay;
 mod resident;
+mod sizing;
+mod streaming;
 
 pub use resident::ResidentExperts;
+pub use sizing::{auto_cache_bytes, available_memory, MemoryInfo};
+pub use streaming::{ExpertStore, StoreOptions};
 
 use smoe_quant::QMatrix;
 use smoe_vault::{PartEntry, Vault};
@@ -76,10 +84,7 @@ impl BlobLayout {
     pub fn of(vault: &Vault) -> BlobLayout {
         let x = &vault.manifest().experts;
         // The reader validated three parts named gate, up, down.
-        BlobLayout {
-            parts: [x.parts[0].clone(), x.parts[1].clone(), x.parts[2].clone()],
-            blob_size: x.blob_size as usize,
-        }
+        BlobLayout { parts: [x.parts[0].clone(), x.parts[1].clone(), x.parts[2].clone()], blob_size: x.blob_size as usize }
     }
 
     /// Views a blob's bytes as an expert.
@@ -90,15 +95,12 @@ impl BlobLayout {
             cols: p.shape[1],
             data: &blob[p.offset as usize..(p.offset + p.len) as usize],
         };
-        ExpertView {
-            gate: m(&self.parts[0]),
-            up: m(&self.parts[1]),
-            down: m(&self.parts[2]),
-        }
+        ExpertView { gate: m(&self.parts[0]), up: m(&self.parts[1]), down: m(&self.parts[2]) }
     }
 }
 
-/// Counters every store keeps. `hits + misses` is the number of expert uses.
+/// Counters every store keeps. `hits + misses` is the number of expert uses; with prefetch off,
+/// `bytes_read = misses * blob_size`.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct StoreStats {
     /// Uses served from memory.
@@ -107,8 +109,62 @@ pub struct StoreStats {
     pub misses: u64,
     /// Bytes read from the vault.
     pub bytes_read: u64,
+    /// Reads issued (demand and prefetch).
+    pub reads: u64,
     /// Seconds the caller waited for reads.
     pub wait_seconds: f64,
+    /// Seconds from issuing a layer's reads until the last of them landed, summed: the time the
+    /// device was busy for this store (achieved bandwidth = bytes_read / busy_seconds).
+    pub busy_seconds: f64,
+    /// Sum of the reads in flight, sampled at each wait (mean depth = sum / samples).
+    pub inflight_sum: u64,
+    /// Number of samples in `inflight_sum`.
+    pub inflight_samples: u64,
+    /// Prefetch reads issued.
+    pub prefetch_issued: u64,
+    /// Prefetched experts that a request then used.
+    pub prefetch_used: u64,
+    /// Prefetched experts evicted unused.
+    pub prefetch_wasted: u64,
+    /// Prefetched experts demanded while their read was still in flight (counted as misses).
+    pub prefetch_late: u64,
+}
+
+impl StoreStats {
+    /// Counter differences `self - before` (for one token or one request).
+    pub fn since(&self, before: &StoreStats) -> StoreStats {
+        StoreStats {
+            hits: self.hits - before.hits,
+            misses: self.misses - before.misses,
+            bytes_read: self.bytes_read - before.bytes_read,
+            reads: self.reads - before.reads,
+            wait_seconds: self.wait_seconds - before.wait_seconds,
+            busy_seconds: self.busy_seconds - before.busy_seconds,
+            inflight_sum: self.inflight_sum - before.inflight_sum,
+            inflight_samples: self.inflight_samples - before.inflight_samples,
+            prefetch_issued: self.prefetch_issued - before.prefetch_issued,
+            prefetch_used: self.prefetch_used - before.prefetch_used,
+            prefetch_wasted: self.prefetch_wasted - before.prefetch_wasted,
+            prefetch_late: self.prefetch_late - before.prefetch_late,
+        }
+    }
+    /// hits / uses.
+    pub fn hit_rate(&self) -> f64 {
+        self.hits as f64 / (self.hits + self.misses).max(1) as f64
+    }
+    /// Share of the uses that would have missed without prefetch that a prefetch served.
+    pub fn prefetch_coverage(&self) -> f64 {
+        let would_miss = self.misses - self.prefetch_late + self.prefetch_used;
+        self.prefetch_used as f64 / would_miss.max(1) as f64
+    }
+    /// Achieved read bandwidth while reads were outstanding, in bytes per second.
+    pub fn read_bandwidth(&self) -> f64 {
+        self.bytes_read as f64 / self.busy_seconds.max(1e-9)
+    }
+    /// Mean reads in flight while waiting.
+    pub fn mean_inflight(&self) -> f64 {
+        self.inflight_sum as f64 / self.inflight_samples.max(1) as f64
+    }
 }
 
 /// A source of expert weights.
@@ -119,13 +175,12 @@ pub trait ExpertSource: Send + Sync {
     /// Calls `f(i, view)` once for each `experts[i]` of decoder layer `layer`, as soon as its
     /// weights are in memory (resident ones first, then in completion order). The view is only
     /// valid during the call: the slot is pinned for exactly that long.
-    fn with_experts(
-        &self,
-        layer: usize,
-        experts: &[u32],
-        f: &mut dyn FnMut(usize, ExpertView<'_>),
-    ) -> Result<(), StoreError>;
+    fn with_experts(&self, layer: usize, experts: &[u32], f: &mut dyn FnMut(usize, ExpertView<'_>)) -> Result<(), StoreError>;
 
     /// Counters since creation.
     fn stats(&self) -> StoreStats;
+
+    /// Hint: these experts of decoder layer `layer` will probably be needed soon. Stores that
+    /// read from disk may start reading them; the default ignores the hint.
+    fn prefetch(&self, _layer: usize, _experts: &[u32]) {}
 }

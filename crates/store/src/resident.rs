@@ -28,32 +28,14 @@ impl ResidentExperts {
             moe_index[l] = Some(i);
             for e in 0..n {
                 let off = (i * n + e) * layout.blob_size;
-                vault
-                    .read_blob(l, e, &mut data[off..off + layout.blob_size])
-                    .map_err(|source| match source {
-                        smoe_vault::VaultError::Checksum { .. } => StoreError::Checksum {
-                            layer: l,
-                            expert: e,
-                        },
-                        source => StoreError::Read {
-                            layer: l,
-                            expert: e,
-                            source,
-                        },
-                    })?;
+                vault.read_blob(l, e, &mut data[off..off + layout.blob_size]).map_err(|source| match source {
+                    smoe_vault::VaultError::Checksum { .. } => StoreError::Checksum { layer: l, expert: e },
+                    source => StoreError::Read { layer: l, expert: e, source },
+                })?;
             }
         }
         let bytes_read = data.len() as u64;
-        Ok(ResidentExperts {
-            layout,
-            data,
-            moe_index,
-            num_experts: n,
-            stats: Mutex::new(StoreStats {
-                bytes_read,
-                ..Default::default()
-            }),
-        })
+        Ok(ResidentExperts { layout, data, moe_index, num_experts: n, stats: Mutex::new(StoreStats { bytes_read, ..Default::default() }) })
     }
 }
 
@@ -62,24 +44,13 @@ impl ExpertSource for ResidentExperts {
         &self.layout
     }
 
-    fn with_experts(
-        &self,
-        layer: usize,
-        experts: &[u32],
-        f: &mut dyn FnMut(usize, ExpertView<'_>),
-    ) -> Result<(), StoreError> {
+    fn with_experts(&self, layer: usize, experts: &[u32], f: &mut dyn FnMut(usize, ExpertView<'_>)) -> Result<(), StoreError> {
         let li = self.moe_index.get(layer).copied().flatten();
         for (i, &e) in experts.iter().enumerate() {
             let e = e as usize;
-            let li = li
-                .filter(|_| e < self.num_experts)
-                .ok_or(StoreError::NoSuchExpert { layer, expert: e })?;
+            let li = li.filter(|_| e < self.num_experts).ok_or(StoreError::NoSuchExpert { layer, expert: e })?;
             let off = (li * self.num_experts + e) * self.layout.blob_size;
-            f(
-                i,
-                self.layout
-                    .view(&self.data[off..off + self.layout.blob_size]),
-            );
+            f(i, self.layout.view(&self.data[off..off + self.layout.blob_size]));
         }
         self.stats.lock().unwrap().hits += experts.len() as u64;
         Ok(())

@@ -20,29 +20,15 @@ pub struct Detokenizer {
 impl Detokenizer {
     /// A detokenizer for a new stream. `skip_special` drops special tokens from the text.
     pub fn new(tokenizer: Tokenizer, skip_special: bool) -> Detokenizer {
-        Detokenizer {
-            tokenizer,
-            ids: Vec::new(),
-            prefix_offset: 0,
-            read_offset: 0,
-            skip_special,
-        }
+        Detokenizer { tokenizer, ids: Vec::new(), prefix_offset: 0, read_offset: 0, skip_special }
     }
 
     /// Adds one id; returns the new text it completes (possibly empty).
     pub fn push(&mut self, id: u32) -> String {
         self.ids.push(id);
-        let prefix = self.tokenizer.decode(
-            &self.ids[self.prefix_offset..self.read_offset],
-            self.skip_special,
-        );
-        let full = self
-            .tokenizer
-            .decode(&self.ids[self.prefix_offset..], self.skip_special);
-        if full.len() > prefix.len()
-            && !full.ends_with('\u{FFFD}')
-            && full.is_char_boundary(prefix.len())
-        {
+        let prefix = self.tokenizer.decode(&self.ids[self.prefix_offset..self.read_offset], self.skip_special);
+        let full = self.tokenizer.decode(&self.ids[self.prefix_offset..], self.skip_special);
+        if full.len() > prefix.len() && !full.ends_with('\u{FFFD}') && full.is_char_boundary(prefix.len()) {
             let out = full[prefix.len()..].to_string();
             self.prefix_offset = self.read_offset;
             self.read_offset = self.ids.len();
@@ -55,13 +41,8 @@ impl Detokenizer {
     /// Text still held back (an incomplete character at the end of the stream), as the
     /// tokenizer renders it.
     pub fn flush(&mut self) -> String {
-        let prefix = self.tokenizer.decode(
-            &self.ids[self.prefix_offset..self.read_offset],
-            self.skip_special,
-        );
-        let full = self
-            .tokenizer
-            .decode(&self.ids[self.prefix_offset..], self.skip_special);
+        let prefix = self.tokenizer.decode(&self.ids[self.prefix_offset..self.read_offset], self.skip_special);
+        let full = self.tokenizer.decode(&self.ids[self.prefix_offset..], self.skip_special);
         self.prefix_offset = self.ids.len();
         self.read_offset = self.ids.len();
         if full.len() > prefix.len() && full.is_char_boundary(prefix.len()) {

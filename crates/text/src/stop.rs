@@ -12,10 +12,7 @@ pub struct StopStrings {
 impl StopStrings {
     /// Watches for `stops` (empty strings are ignored).
     pub fn new(stops: &[String]) -> StopStrings {
-        StopStrings {
-            stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(),
-            pending: String::new(),
-        }
+        StopStrings { stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(), pending: String::new() }
     }
 
     /// Feeds text; returns `(text safe to emit, stopped)`. After a stop, the text before the stop
@@ -25,12 +22,7 @@ impl StopStrings {
             return (text.to_string(), false);
         }
         self.pending.push_str(text);
-        if let Some(pos) = self
-            .stops
-            .iter()
-            .filter_map(|s| self.pending.find(s.as_str()))
-            .min()
-        {
+        if let Some(pos) = self.stops.iter().filter_map(|s| self.pending.find(s.as_str())).min() {
             let out = self.pending[..pos].to_string();
             self.pending.clear();
             return (out, true);

@@ -24,27 +24,16 @@ pub struct ChatTemplate {
 
 impl ChatTemplate {
     /// Compiles `source`. `bos_token`/`eos_token` are exposed to the template as in transformers.
-    pub fn new(
-        source: &str,
-        bos_token: Option<&str>,
-        eos_token: Option<&str>,
-    ) -> Result<ChatTemplate, TemplateError> {
+    pub fn new(source: &str, bos_token: Option<&str>, eos_token: Option<&str>) -> Result<ChatTemplate, TemplateError> {
         let mut env = Environment::new();
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_filter("tojson", tojson);
-        env.add_function("raise_exception", |msg: String| -> Result<Value, Error> {
-            Err(Error::new(ErrorKind::InvalidOperation, msg))
-        });
+        env.add_function("raise_exception", |msg: String| -> Result<Value, Error> { Err(Error::new(ErrorKind::InvalidOperation, msg)) });
         env.add_function("strftime_now", |fmt: String| strftime(&fmt, now_unix()));
-        env.add_template_owned("chat", source.to_string())
-            .map_err(|e| TemplateError(format!("{e:#}")))?;
-        Ok(ChatTemplate {
-            env: Arc::new(env),
-            bos_token: bos_token.unwrap_or("").into(),
-            eos_token: eos_token.unwrap_or("").into(),
-        })
+        env.add_template_owned("chat", source.to_string()).map_err(|e| TemplateError(format!("{e:#}")))?;
+        Ok(ChatTemplate { env: Arc::new(env), bos_token: bos_token.unwrap_or("").into(), eos_token: eos_token.unwrap_or("").into() })
     }
 
     /// Renders `messages` (OpenAI-style objects). `tools` is passed when present; `extra` holds
@@ -64,22 +53,14 @@ impl ChatTemplate {
         if let Some(t) = tools {
             ctx.insert("tools".into(), Json::Array(t.to_vec()));
         }
-        ctx.insert(
-            "add_generation_prompt".into(),
-            Json::Bool(add_generation_prompt),
-        );
+        ctx.insert("add_generation_prompt".into(), Json::Bool(add_generation_prompt));
         ctx.insert("bos_token".into(), Json::String(self.bos_token.clone()));
         ctx.insert("eos_token".into(), Json::String(self.eos_token.clone()));
-        let t = self
-            .env
-            .get_template("chat")
-            .map_err(|e| TemplateError(e.to_string()))?;
+        let t = self.env.get_template("chat").map_err(|e| TemplateError(e.to_string()))?;
         t.render(Value::from_serialize(&ctx)).map_err(|e| {
             // `raise_exception` messages are the template author's words: pass them through.
             match e.kind() {
-                ErrorKind::InvalidOperation => {
-                    TemplateError(e.detail().unwrap_or("raise_exception").to_string())
-                }
+                ErrorKind::InvalidOperation => TemplateError(e.detail().unwrap_or("raise_exception").to_string()),
                 _ => TemplateError(format!("{e:#}")),
             }
         })
@@ -92,8 +73,7 @@ fn tojson(value: Value, kwargs: minijinja::value::Kwargs) -> Result<Value, Error
     let _: Option<bool> = kwargs.get("ensure_ascii")?;
     let _: Option<bool> = kwargs.get("sort_keys")?;
     kwargs.assert_all_used()?;
-    let json = serde_json::to_value(&value)
-        .map_err(|e| Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
+    let json = serde_json::to_value(&value).map_err(|e| Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
     let mut out = String::new();
     python_json(&json, indent, 0, &mut out);
     Ok(Value::from_safe_string(out))
@@ -139,37 +119,14 @@ fn python_json(v: &Json, indent: Option<usize>, depth: usize, out: &mut String) 
 }
 
 fn now_unix() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs() as i64)
-        .unwrap_or(0)
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0)
 }
 
 /// A small `strftime` (UTC) covering what chat templates use for "today's date".
 fn strftime(fmt: &str, unix: i64) -> String {
-    const MONTHS: [&str; 12] = [
-        "January",
-        "February",
-        "March",
-        "April",
-        "May",
-        "June",
-        "July",
-        "August",
-        "September",
-        "October",
-        "November",
-        "December",
-    ];
-    const DAYS: [&str; 7] = [
-        "Thursday",
-        "Friday",
-        "Saturday",
-        "Sunday",
-        "Monday",
-        "Tuesday",
-        "Wednesday",
-    ];
+    const MONTHS: [&str; 12] =
+        ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November", "December"];
+    const DAYS: [&str; 7] = ["Thursday", "Friday", "Saturday", "Sunday", "Monday", "Tuesday", "Wednesday"];
     let days = unix.div_euclid(86400);
     let secs = unix.rem_euclid(86400);
     // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
@@ -227,16 +184,10 @@ mod tests {
 
     #[test]
     fn tojson_prints_like_python() {
-        let v: Json = serde_json::from_str(
-            r#"{"b": [1, 2.5, "é<&>"], "a": {"x": null, "y": true}, "e": []}"#,
-        )
-        .unwrap();
+        let v: Json = serde_json::from_str(r#"{"b": [1, 2.5, "é<&>"], "a": {"x": null, "y": true}, "e": []}"#).unwrap();
         let mut s = String::new();
         python_json(&v, None, 0, &mut s);
-        assert_eq!(
-            s,
-            r#"{"b": [1, 2.5, "é<&>"], "a": {"x": null, "y": true}, "e": []}"#
-        );
+        assert_eq!(s, r#"{"b": [1, 2.5, "é<&>"], "a": {"x": null, "y": true}, "e": []}"#);
         let mut s = String::new();
         python_json(&serde_json::json!({"k": [1]}), Some(2), 0, &mut s);
         assert_eq!(s, "{\n  \"k\": [\n    1\n  ]\n}");
@@ -246,25 +197,14 @@ mod tests {
     fn strftime_known_dates() {
         assert_eq!(strftime("%d %B %Y", 0), "01 January 1970");
         // 2026-11-30 12:34:56 UTC, a Monday.
-        assert_eq!(
-            strftime("%Y-%m-%d %H:%M:%S %A %b %j", 1_796_042_096),
-            "2026-11-30 12:34:56 Monday Nov 334"
-        );
+        assert_eq!(strftime("%Y-%m-%d %H:%M:%S %A %b %j", 1_796_042_096), "2026-11-30 12:34:56 Monday Nov 334");
     }
 
     #[test]
     fn raise_exception_reaches_the_caller() {
-        let t = ChatTemplate::new(
-            "{{ raise_exception('only user and assistant roles') }}",
-            None,
-            None,
-        )
-        .unwrap();
+        let t = ChatTemplate::new("{{ raise_exception('only user and assistant roles') }}", None, None).unwrap();
         let e = t.render(&[], None, true, &Default::default()).unwrap_err();
-        assert!(
-            e.to_string().contains("only user and assistant roles"),
-            "{e}"
-        );
+        assert!(e.to_string().contains("only user and assistant roles"), "{e}");
     }
 
     #[test]
@@ -272,9 +212,6 @@ mod tests {
         let src = "{% set ns = namespace(n=0) %}{% for m in messages %}{% if m.role == 'skip' %}{% continue %}{% endif %}{% set ns.n = ns.n + 1 %}{{ m.content.strip().split(',')[0] | upper }}{% if loop.index > 2 %}{% break %}{% endif %}{% endfor %}={{ ns.n }}";
         let t = ChatTemplate::new(src, None, None).unwrap();
         let msgs: Vec<Json> = serde_json::from_str(r#"[{"role":"a","content":" x,y "},{"role":"skip","content":"z"},{"role":"b","content":"q"},{"role":"c","content":"r"},{"role":"d","content":"s"}]"#).unwrap();
-        assert_eq!(
-            t.render(&msgs, None, false, &Default::default()).unwrap(),
-            "XQ=2"
-        );
+        assert_eq!(t.render(&msgs, None, false, &Default::default()).unwrap(), "XQ=2");
     }
 }

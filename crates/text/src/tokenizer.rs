@@ -16,30 +16,20 @@ pub struct Tokenizer {
 impl Tokenizer {
     /// Parses a tokenizer.json.
     pub fn from_json(json: &str) -> Result<Tokenizer, TokenizerError> {
-        let inner = tokenizers::Tokenizer::from_bytes(json.as_bytes())
-            .map_err(|e| TokenizerError(e.to_string()))?;
-        Ok(Tokenizer {
-            inner: Arc::new(inner),
-        })
+        let inner = tokenizers::Tokenizer::from_bytes(json.as_bytes()).map_err(|e| TokenizerError(e.to_string()))?;
+        Ok(Tokenizer { inner: Arc::new(inner) })
     }
 
     /// Token ids of `text`. Added and special tokens written in the text (such as
     /// `<|im_start|>`) become their ids; no BOS/EOS is added (chat templates write their own).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
-        let enc = self
-            .inner
-            .encode(text, false)
-            .map_err(|e| TokenizerError(e.to_string()))?;
+        let enc = self.inner.encode(text, false).map_err(|e| TokenizerError(e.to_string()))?;
         Ok(enc.get_ids().to_vec())
     }
 
     /// Text of `ids`. Ids without a token are skipped, as Hugging Face's `decode` does.
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> String {
-        let known: Vec<u32> = ids
-            .iter()
-            .copied()
-            .filter(|&i| self.inner.id_to_token(i).is_some())
-            .collect();
+        let known: Vec<u32> = ids.iter().copied().filter(|&i| self.inner.id_to_token(i).is_some()).collect();
         self.inner.decode(&known, skip_special).unwrap_or_default()
     }
 
@@ -60,9 +50,6 @@ impl Tokenizer {
 
     /// Whether `id` is a special added token (such as `<|im_end|>`).
     pub fn is_special(&self, id: u32) -> bool {
-        self.inner
-            .get_added_tokens_decoder()
-            .get(&id)
-            .is_some_and(|t| t.special)
+        self.inner.get_added_tokens_decoder().get(&id).is_some_and(|t| t.special)
     }
 }

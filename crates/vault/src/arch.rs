@@ -40,14 +40,7 @@ impl Family {
     }
 
     /// All supported families.
-    pub const ALL: [Family; 6] = [
-        Family::Qwen3Moe,
-        Family::Qwen2Moe,
-        Family::Mixtral,
-        Family::Olmoe,
-        Family::Glm4Moe,
-        Family::DeepseekV3,
-    ];
+    pub const ALL: [Family; 6] = [Family::Qwen3Moe, Family::Qwen2Moe, Family::Mixtral, Family::Olmoe, Family::Glm4Moe, Family::DeepseekV3];
 
     /// The family with this `model_type`.
     pub fn from_model_type(s: &str) -> Option<Family> {
@@ -230,9 +223,7 @@ pub struct Architecture {
 impl Architecture {
     /// Indices of the MoE layers, in order.
     pub fn moe_layers(&self) -> Vec<usize> {
-        (0..self.num_layers)
-            .filter(|&l| self.layers[l] == LayerKind::Moe)
-            .collect()
+        (0..self.num_layers).filter(|&l| self.layers[l] == LayerKind::Moe).collect()
     }
 
     /// Checks internal consistency; a vault whose architecture fails this is rejected.
@@ -254,55 +245,25 @@ impl Architecture {
         pos(self.moe.top_k, "top_k")?;
         pos(self.moe.intermediate_size, "moe intermediate_size")?;
         if self.layers.len() != self.num_layers {
-            return Err(format!(
-                "{} layer kinds for {} layers",
-                self.layers.len(),
-                self.num_layers
-            ));
+            return Err(format!("{} layer kinds for {} layers", self.layers.len(), self.num_layers));
         }
         if !self.num_heads.is_multiple_of(self.num_kv_heads) {
-            return Err(format!(
-                "{} heads not divisible by {} kv heads",
-                self.num_heads, self.num_kv_heads
-            ));
+            return Err(format!("{} heads not divisible by {} kv heads", self.num_heads, self.num_kv_heads));
         }
         if self.moe.top_k > self.moe.num_experts {
-            return Err(format!(
-                "top_k {} > {} experts",
-                self.moe.top_k, self.moe.num_experts
-            ));
+            return Err(format!("top_k {} > {} experts", self.moe.top_k, self.moe.num_experts));
         }
-        if let Router::SigmoidGrouped {
-            n_group,
-            topk_group,
-            ..
-        } = self.moe.router
-        {
-            if n_group == 0
-                || !self.moe.num_experts.is_multiple_of(n_group)
-                || topk_group == 0
-                || topk_group > n_group
-            {
-                return Err(format!(
-                    "bad expert groups: n_group {n_group}, topk_group {topk_group}"
-                ));
+        if let Router::SigmoidGrouped { n_group, topk_group, .. } = self.moe.router {
+            if n_group == 0 || !self.moe.num_experts.is_multiple_of(n_group) || topk_group == 0 || topk_group > n_group {
+                return Err(format!("bad expert groups: n_group {n_group}, topk_group {topk_group}"));
             }
         }
         if !self.norm_eps.is_finite() || self.norm_eps <= 0.0 {
             return Err(format!("bad norm eps {}", self.norm_eps));
         }
-        let head_for_rope = self
-            .mla
-            .as_ref()
-            .map_or(self.head_dim, |m| m.qk_rope_head_dim);
-        if self.rope.rotary_dim == 0
-            || self.rope.rotary_dim > head_for_rope
-            || !self.rope.rotary_dim.is_multiple_of(2)
-        {
-            return Err(format!(
-                "bad rotary dim {} for head dim {}",
-                self.rope.rotary_dim, head_for_rope
-            ));
+        let head_for_rope = self.mla.as_ref().map_or(self.head_dim, |m| m.qk_rope_head_dim);
+        if self.rope.rotary_dim == 0 || self.rope.rotary_dim > head_for_rope || !self.rope.rotary_dim.is_multiple_of(2) {
+            return Err(format!("bad rotary dim {} for head dim {}", self.rope.rotary_dim, head_for_rope));
         }
         if self.layers.contains(&LayerKind::Dense) && self.dense_intermediate_size == 0 {
             return Err("dense layers without dense_intermediate_size".into());

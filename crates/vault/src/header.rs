@@ -70,16 +70,10 @@ impl Header {
     /// Parses and validates a header: magic, checksum, version, alignment and region bounds.
     pub fn decode(b: &[u8]) -> Result<Header, VaultError> {
         if b.len() < HEADER_LEN {
-            return Err(VaultError::Truncated {
-                what: "header".into(),
-                need: HEADER_LEN as u64,
-                have: b.len() as u64,
-            });
+            return Err(VaultError::Truncated { what: "header".into(), need: HEADER_LEN as u64, have: b.len() as u64 });
         }
         if b[0..8] != MAGIC {
-            return Err(VaultError::BadMagic {
-                found: b[0..8].try_into().unwrap(),
-            });
+            return Err(VaultError::BadMagic { found: b[0..8].try_into().unwrap() });
         }
         let u16_at = |o: usize| u16::from_le_bytes([b[o], b[o + 1]]);
         let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap());
@@ -89,9 +83,7 @@ impl Header {
         }
         let stored = u64_at(HEADER_LEN - 8);
         if xxhash_rust::xxh3::xxh3_64(&b[..HEADER_LEN - 8]) != stored {
-            return Err(VaultError::Checksum {
-                what: "header".into(),
-            });
+            return Err(VaultError::Checksum { what: "header".into() });
         }
         let h = Header {
             major,
@@ -113,10 +105,7 @@ impl Header {
     fn check_layout(&self) -> Result<(), VaultError> {
         let bad = |m: String| Err(VaultError::Corrupt(m));
         if !self.alignment.is_power_of_two() || self.alignment < 512 {
-            return bad(format!(
-                "alignment {} is not a power of two >= 512",
-                self.alignment
-            ));
+            return bad(format!("alignment {} is not a power of two >= 512", self.alignment));
         }
         let a = self.alignment as u64;
         let regions = [
@@ -130,12 +119,7 @@ impl Header {
             }
             match off.checked_add(len) {
                 Some(end) if end <= self.file_len => {}
-                _ => {
-                    return bad(format!(
-                        "{name} ({off}+{len}) runs past the file length {}",
-                        self.file_len
-                    ))
-                }
+                _ => return bad(format!("{name} ({off}+{len}) runs past the file length {}", self.file_len)),
             }
         }
         if self.dense_offset < a || self.experts_offset < self.dense_offset + self.dense_len {

@@ -20,13 +20,9 @@ pub mod names;
 mod reader;
 mod writer;
 
-pub use arch::{
-    Architecture, Family, LayerKind, Mla, Moe, QkNorm, Rope, RopeScaling, Router, SharedExperts,
-};
+pub use arch::{Architecture, Family, LayerKind, Mla, Moe, QkNorm, Rope, RopeScaling, Router, SharedExperts};
 pub use header::Header;
-pub use manifest::{
-    DenseEntry, ExpertIndex, ExpertLayer, GenerationDefaults, Manifest, PartEntry, TextAssets,
-};
+pub use manifest::{DenseEntry, ExpertIndex, ExpertLayer, GenerationDefaults, Manifest, PartEntry, TextAssets};
 pub use reader::{BlobLocation, Vault};
 pub use smoe_quant::Format;
 pub use writer::{layout_blob, VaultWriter};
@@ -103,14 +99,9 @@ impl VaultError {
     /// Wraps an I/O error with the file it happened on; a short read becomes [`VaultError::ShortRead`].
     pub fn io(path: &Path, source: std::io::Error) -> VaultError {
         if source.kind() == std::io::ErrorKind::UnexpectedEof {
-            return VaultError::ShortRead {
-                path: path.display().to_string(),
-            };
+            return VaultError::ShortRead { path: path.display().to_string() };
         }
-        VaultError::Io {
-            path: path.display().to_string(),
-            source,
-        }
+        VaultError::Io { path: path.display().to_string(), source }
     }
 }
 

@@ -21,25 +21,13 @@ pub struct TensorSpec {
 
 impl TensorSpec {
     fn matrix(name: String, rows: usize, cols: usize) -> Self {
-        TensorSpec {
-            name,
-            shape: vec![rows, cols],
-            keep_f32: false,
-        }
+        TensorSpec { name, shape: vec![rows, cols], keep_f32: false }
     }
     fn exact_matrix(name: String, rows: usize, cols: usize) -> Self {
-        TensorSpec {
-            name,
-            shape: vec![rows, cols],
-            keep_f32: true,
-        }
+        TensorSpec { name, shape: vec![rows, cols], keep_f32: true }
     }
     fn vector(name: String, n: usize) -> Self {
-        TensorSpec {
-            name,
-            shape: vec![n],
-            keep_f32: true,
-        }
+        TensorSpec { name, shape: vec![n], keep_f32: true }
     }
 }
 
@@ -70,11 +58,7 @@ pub fn dense_tensors(arch: &Architecture) -> Vec<TensorSpec> {
             LayerKind::Moe => {
                 let e = arch.moe.num_experts;
                 v.push(TensorSpec::exact_matrix(layer(l, "moe.router"), e, h));
-                if let Router::SigmoidGrouped {
-                    correction_bias: true,
-                    ..
-                } = arch.moe.router
-                {
+                if let Router::SigmoidGrouped { correction_bias: true, .. } = arch.moe.router {
                     v.push(TensorSpec::vector(layer(l, "moe.router_bias"), e));
                 }
                 if let Some(s) = &arch.moe.shared_experts {
@@ -94,17 +78,9 @@ pub fn dense_tensors(arch: &Architecture) -> Vec<TensorSpec> {
 }
 
 fn mlp_tensors(v: &mut Vec<TensorSpec>, l: usize, prefix: &str, h: usize, i: usize) {
-    v.push(TensorSpec::matrix(
-        layer(l, &format!("{prefix}.gate")),
-        i,
-        h,
-    ));
+    v.push(TensorSpec::matrix(layer(l, &format!("{prefix}.gate")), i, h));
     v.push(TensorSpec::matrix(layer(l, &format!("{prefix}.up")), i, h));
-    v.push(TensorSpec::matrix(
-        layer(l, &format!("{prefix}.down")),
-        h,
-        i,
-    ));
+    v.push(TensorSpec::matrix(layer(l, &format!("{prefix}.down")), h, i));
 }
 
 fn attention_tensors(arch: &Architecture, l: usize, v: &mut Vec<TensorSpec>) {
@@ -120,20 +96,9 @@ fn attention_tensors(arch: &Architecture, l: usize, v: &mut Vec<TensorSpec>) {
             }
             None => v.push(TensorSpec::matrix(layer(l, "attn.q"), nh * qk, h)),
         }
-        v.push(TensorSpec::matrix(
-            layer(l, "attn.kv_a"),
-            m.kv_lora_rank + m.qk_rope_head_dim,
-            h,
-        ));
-        v.push(TensorSpec::vector(
-            layer(l, "attn.kv_a_norm"),
-            m.kv_lora_rank,
-        ));
-        v.push(TensorSpec::matrix(
-            layer(l, "attn.kv_b"),
-            nh * (m.qk_nope_head_dim + m.v_head_dim),
-            m.kv_lora_rank,
-        ));
+        v.push(TensorSpec::matrix(layer(l, "attn.kv_a"), m.kv_lora_rank + m.qk_rope_head_dim, h));
+        v.push(TensorSpec::vector(layer(l, "attn.kv_a_norm"), m.kv_lora_rank));
+        v.push(TensorSpec::matrix(layer(l, "attn.kv_b"), nh * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank));
         v.push(TensorSpec::matrix(layer(l, "attn.o"), h, nh * m.v_head_dim));
         return;
     }

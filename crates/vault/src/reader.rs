@@ -43,50 +43,27 @@ impl Vault {
         let mut hb = [0u8; HEADER_LEN];
         let got = read_up_to(&file, &mut hb, 0).map_err(|e| VaultError::io(&path, e))?;
         if got >= 8 && hb[..8] != crate::header::MAGIC {
-            return Err(VaultError::BadMagic {
-                found: hb[..8].try_into().unwrap(),
-            });
+            return Err(VaultError::BadMagic { found: hb[..8].try_into().unwrap() });
         }
         let header = Header::decode(&hb[..got])?;
         if actual_len < header.file_len {
-            return Err(VaultError::Truncated {
-                what: "vault file".into(),
-                need: header.file_len,
-                have: actual_len,
-            });
+            return Err(VaultError::Truncated { what: "vault file".into(), need: header.file_len, have: actual_len });
         }
-        let len = usize::try_from(header.manifest_len)
-            .map_err(|_| VaultError::Corrupt("manifest too large".into()))?;
+        let len = usize::try_from(header.manifest_len).map_err(|_| VaultError::Corrupt("manifest too large".into()))?;
         let mut json = vec![0u8; len];
-        file.read_exact_at(&mut json, header.manifest_offset)
-            .map_err(|e| VaultError::io(&path, e))?;
+        file.read_exact_at(&mut json, header.manifest_offset).map_err(|e| VaultError::io(&path, e))?;
         if xxhash_rust::xxh3::xxh3_64(&json) != header.manifest_checksum {
-            return Err(VaultError::Checksum {
-                what: "manifest".into(),
-            });
+            return Err(VaultError::Checksum { what: "manifest".into() });
         }
-        let manifest: Manifest = serde_json::from_slice(&json)
-            .map_err(|e| VaultError::Corrupt(format!("manifest does not parse: {e}")))?;
-        let by_name = manifest
-            .dense
-            .iter()
-            .enumerate()
-            .map(|(i, d)| (d.name.clone(), i))
-            .collect();
+        let manifest: Manifest = serde_json::from_slice(&json).map_err(|e| VaultError::Corrupt(format!("manifest does not parse: {e}")))?;
+        let by_name = manifest.dense.iter().enumerate().map(|(i, d)| (d.name.clone(), i)).collect();
         let mut moe_index = vec![None; manifest.architecture.num_layers];
         for (i, l) in manifest.experts.layers.iter().enumerate() {
             if let Some(slot) = moe_index.get_mut(l.layer) {
                 *slot = Some(i);
             }
         }
-        let v = Vault {
-            path,
-            file,
-            header,
-            manifest,
-            by_name,
-            moe_index,
-        };
+        let v = Vault { path, file, header, manifest, by_name, moe_index };
         v.validate()?;
         Ok(v)
     }
@@ -94,16 +71,11 @@ impl Vault {
     fn validate(&self) -> Result<(), VaultError> {
         let bad = |m: String| Err(VaultError::Corrupt(m));
         let m = &self.manifest;
-        if let Some(f) = m
-            .required_features
-            .iter()
-            .find(|f| !KNOWN_FEATURES.contains(&f.as_str()))
-        {
+        if let Some(f) = m.required_features.iter().find(|f| !KNOWN_FEATURES.contains(&f.as_str())) {
             return Err(VaultError::UnsupportedFeature(f.clone()));
         }
         let arch = &m.architecture;
-        arch.validate()
-            .map_err(|e| VaultError::Corrupt(format!("architecture: {e}")))?;
+        arch.validate().map_err(|e| VaultError::Corrupt(format!("architecture: {e}")))?;
         // Dense tensors: exactly the expected set, shapes and sizes consistent, inside the region.
         let expected = names::dense_tensors(arch);
         if self.by_name.len() != m.dense.len() {
@@ -114,53 +86,26 @@ impl Vault {
                 return bad(format!("dense tensor {} is missing", spec.name));
             };
             if d.shape != spec.shape {
-                return bad(format!(
-                    "dense tensor {} has shape {:?}, architecture needs {:?}",
-                    d.name, d.shape, spec.shape
-                ));
+                return bad(format!("dense tensor {} has shape {:?}, architecture needs {:?}", d.name, d.shape, spec.shape));
             }
             if spec.keep_f32 && d.format != Format::F32 {
-                return bad(format!(
-                    "dense tensor {} must be F32, is {}",
-                    d.name, d.format
-                ));
+                return bad(format!("dense tensor {} must be F32, is {}", d.name, d.format));
             }
         }
         if expected.len() != m.dense.len() {
-            let known: std::collections::HashSet<_> =
-                expected.iter().map(|s| s.name.as_str()).collect();
-            let extra: Vec<_> = m
-                .dense
-                .iter()
-                .filter(|d| !known.contains(d.name.as_str()))
-                .map(|d| d.name.as_str())
-                .collect();
+            let known: std::collections::HashSet<_> = expected.iter().map(|s| s.name.as_str()).collect();
+            let extra: Vec<_> = m.dense.iter().filter(|d| !known.contains(d.name.as_str())).map(|d| d.name.as_str()).collect();
             return bad(format!("unexpected dense tensors: {}", extra.join(", ")));
         }
         for d in &m.dense {
             let cols = *d.shape.last().unwrap_or(&0);
-            let rows: usize = d.shape[..d.shape.len() - 1]
-                .iter()
-                .product::<usize>()
-                .max(1);
-            let row = d
-                .format
-                .row_bytes(cols)
-                .map_err(|e| VaultError::Corrupt(format!("{}: {e}", d.name)))?;
+            let rows: usize = d.shape[..d.shape.len() - 1].iter().product::<usize>().max(1);
+            let row = d.format.row_bytes(cols).map_err(|e| VaultError::Corrupt(format!("{}: {e}", d.name)))?;
             if (row * rows) as u64 != d.len {
-                return bad(format!(
-                    "dense tensor {} length {} does not match its shape",
-                    d.name, d.len
-                ));
+                return bad(format!("dense tensor {} length {} does not match its shape", d.name, d.len));
             }
-            if d.offset
-                .checked_add(d.len)
-                .is_none_or(|end| end > self.header.dense_len)
-            {
-                return bad(format!(
-                    "dense tensor {} lies outside the dense region",
-                    d.name
-                ));
+            if d.offset.checked_add(d.len).is_none_or(|end| end > self.header.dense_len) {
+                return bad(format!("dense tensor {} lies outside the dense region", d.name));
             }
         }
         // Experts: three parts of the expected shapes inside each blob; one row of checksums
@@ -173,49 +118,27 @@ impl Vault {
         let mut end = 0;
         for ((p, name), shape) in x.parts.iter().zip(EXPERT_PARTS).zip(shapes) {
             if p.name != name || p.shape != shape {
-                return bad(format!(
-                    "expert part {} {:?}, expected {name} {:?}",
-                    p.name, p.shape, shape
-                ));
+                return bad(format!("expert part {} {:?}, expected {name} {:?}", p.name, p.shape, shape));
             }
-            let row = p
-                .format
-                .row_bytes(shape[1])
-                .map_err(|e| VaultError::Corrupt(format!("expert {name}: {e}")))?;
-            if (row * shape[0]) as u64 != p.len || p.offset < end || p.offset + p.len > x.blob_size
-            {
+            let row = p.format.row_bytes(shape[1]).map_err(|e| VaultError::Corrupt(format!("expert {name}: {e}")))?;
+            if (row * shape[0]) as u64 != p.len || p.offset < end || p.offset + p.len > x.blob_size {
                 return bad(format!("expert part {name} is misplaced in the blob"));
             }
             end = p.offset + p.len;
         }
         if x.blob_size == 0 || !x.blob_size.is_multiple_of(self.header.alignment as u64) {
-            return bad(format!(
-                "blob size {} is not a multiple of the alignment",
-                x.blob_size
-            ));
+            return bad(format!("blob size {} is not a multiple of the alignment", x.blob_size));
         }
         let moe_layers = arch.moe_layers();
         if x.layers.iter().map(|l| l.layer).collect::<Vec<_>>() != moe_layers {
             return bad("expert layers do not match the architecture's MoE layers".into());
         }
-        if let Some(l) = x
-            .layers
-            .iter()
-            .find(|l| l.checksums.len() != arch.moe.num_experts)
-        {
-            return bad(format!(
-                "layer {} lists {} expert checksums, expected {}",
-                l.layer,
-                l.checksums.len(),
-                arch.moe.num_experts
-            ));
+        if let Some(l) = x.layers.iter().find(|l| l.checksums.len() != arch.moe.num_experts) {
+            return bad(format!("layer {} lists {} expert checksums, expected {}", l.layer, l.checksums.len(), arch.moe.num_experts));
         }
         let need = moe_layers.len() as u64 * arch.moe.num_experts as u64 * x.blob_size;
         if need != self.header.experts_len {
-            return bad(format!(
-                "expert region is {} bytes, blobs need {need}",
-                self.header.experts_len
-            ));
+            return bad(format!("expert region is {} bytes, blobs need {need}", self.header.experts_len));
         }
         if m.text.tokenizer_json.is_empty() {
             return bad("the vault has no tokenizer".into());
@@ -251,17 +174,11 @@ impl Vault {
 
     /// Reads one dense tensor, verifying its checksum.
     pub fn read_dense(&self, name: &str) -> Result<Vec<u8>, VaultError> {
-        let d = self
-            .dense(name)
-            .ok_or_else(|| VaultError::Corrupt(format!("no dense tensor {name}")))?;
+        let d = self.dense(name).ok_or_else(|| VaultError::Corrupt(format!("no dense tensor {name}")))?;
         let mut buf = vec![0u8; d.len as usize];
-        self.file
-            .read_exact_at(&mut buf, self.header.dense_offset + d.offset)
-            .map_err(|e| VaultError::io(&self.path, e))?;
+        self.file.read_exact_at(&mut buf, self.header.dense_offset + d.offset).map_err(|e| VaultError::io(&self.path, e))?;
         if xxhash_rust::xxh3::xxh3_64(&buf) != d.checksum {
-            return Err(VaultError::Checksum {
-                what: format!("dense tensor {name}"),
-            });
+            return Err(VaultError::Checksum { what: format!("dense tensor {name}") });
         }
         Ok(buf)
     }
@@ -270,15 +187,11 @@ impl Vault {
     /// Tensors are then slices at their `offset`.
     pub fn read_dense_region(&self) -> Result<Vec<u8>, VaultError> {
         let mut buf = vec![0u8; self.header.dense_len as usize];
-        self.file
-            .read_exact_at(&mut buf, self.header.dense_offset)
-            .map_err(|e| VaultError::io(&self.path, e))?;
+        self.file.read_exact_at(&mut buf, self.header.dense_offset).map_err(|e| VaultError::io(&self.path, e))?;
         for d in &self.manifest.dense {
             let bytes = &buf[d.offset as usize..(d.offset + d.len) as usize];
             if xxhash_rust::xxh3::xxh3_64(bytes) != d.checksum {
-                return Err(VaultError::Checksum {
-                    what: format!("dense tensor {}", d.name),
-                });
+                return Err(VaultError::Checksum { what: format!("dense tensor {}", d.name) });
             }
         }
         Ok(buf)
@@ -287,22 +200,10 @@ impl Vault {
     /// Where the blob of `expert` in decoder layer `layer` lives.
     pub fn blob(&self, layer: usize, expert: usize) -> Result<BlobLocation, VaultError> {
         let x = &self.manifest.experts;
-        let li = self
-            .moe_index
-            .get(layer)
-            .copied()
-            .flatten()
-            .ok_or(VaultError::NoSuchExpert { layer, expert })?;
-        let checksum = *x.layers[li]
-            .checksums
-            .get(expert)
-            .ok_or(VaultError::NoSuchExpert { layer, expert })?;
+        let li = self.moe_index.get(layer).copied().flatten().ok_or(VaultError::NoSuchExpert { layer, expert })?;
+        let checksum = *x.layers[li].checksums.get(expert).ok_or(VaultError::NoSuchExpert { layer, expert })?;
         let n = self.manifest.architecture.moe.num_experts as u64;
-        Ok(BlobLocation {
-            offset: self.header.experts_offset + (li as u64 * n + expert as u64) * x.blob_size,
-            len: x.blob_size,
-            checksum,
-        })
+        Ok(BlobLocation { offset: self.header.experts_offset + (li as u64 * n + expert as u64) * x.blob_size, len: x.blob_size, checksum })
     }
 
     /// Reads one blob into `buf` (which must be `blob_size` long) and verifies its checksum.
@@ -311,13 +212,9 @@ impl Vault {
         if buf.len() as u64 != loc.len {
             return Err(VaultError::Usage("read_blob buffer is not blob_size long"));
         }
-        self.file
-            .read_exact_at(buf, loc.offset)
-            .map_err(|e| VaultError::io(&self.path, e))?;
+        self.file.read_exact_at(buf, loc.offset).map_err(|e| VaultError::io(&self.path, e))?;
         if xxhash_rust::xxh3::xxh3_64(buf) != loc.checksum {
-            return Err(VaultError::Checksum {
-                what: format!("expert blob layer {layer} expert {expert}"),
-            });
+            return Err(VaultError::Checksum { what: format!("expert blob layer {layer} expert {expert}") });
         }
         Ok(())
     }

@@ -15,13 +15,7 @@ pub(crate) fn tiny_arch() -> Architecture {
         head_dim: 16,
         max_position_embeddings: 128,
         norm_eps: 1e-6,
-        rope: Rope {
-            theta: 10000.0,
-            rotary_dim: 16,
-            partial_rotary_factor: 1.0,
-            interleaved: false,
-            scaling: RopeScaling::None,
-        },
+        rope: Rope { theta: 10000.0, rotary_dim: 16, partial_rotary_factor: 1.0, interleaved: false, scaling: RopeScaling::None },
         qk_norm: QkNorm::PerHead,
         qkv_bias: false,
         mla: None,
@@ -46,17 +40,10 @@ fn manifest(arch: &Architecture) -> Manifest {
         required_features: vec![],
         architecture: arch.clone(),
         source_config: serde_json::json!({}),
-        text: TextAssets {
-            tokenizer_json: "{}".into(),
-            ..Default::default()
-        },
+        text: TextAssets { tokenizer_json: "{}".into(), ..Default::default() },
         generation: GenerationDefaults::default(),
         dense: vec![],
-        experts: ExpertIndex {
-            blob_size: 0,
-            parts: vec![],
-            layers: vec![],
-        },
+        experts: ExpertIndex { blob_size: 0, parts: vec![], layers: vec![] },
         notes: vec![],
     }
 }
@@ -66,38 +53,18 @@ fn write_tiny(path: &std::path::Path) -> Architecture {
     let arch = tiny_arch();
     let mut w = VaultWriter::create(path).unwrap();
     for spec in names::dense_tensors(&arch) {
-        let format = if spec.keep_f32 {
-            Format::F32
-        } else {
-            Format::BF16
-        };
+        let format = if spec.keep_f32 { Format::F32 } else { Format::BF16 };
         let n: usize = spec.shape.iter().product();
-        let bytes: Vec<u8> = (0..n * format.block_bytes())
-            .map(|i| (i * 7 + spec.name.len()) as u8)
-            .collect();
-        w.add_tensor(&spec.name, format, &spec.shape, &bytes, "src")
-            .unwrap();
+        let bytes: Vec<u8> = (0..n * format.block_bytes()).map(|i| (i * 7 + spec.name.len()) as u8).collect();
+        w.add_tensor(&spec.name, format, &spec.shape, &bytes, "src").unwrap();
     }
     let shapes = names::expert_part_shapes(&arch);
-    let parts: Vec<_> = names::EXPERT_PARTS
-        .iter()
-        .zip(shapes)
-        .map(|(n, s)| (n.to_string(), Format::Q8_0, s))
-        .collect();
+    let parts: Vec<_> = names::EXPERT_PARTS.iter().zip(shapes).map(|(n, s)| (n.to_string(), Format::Q8_0, s)).collect();
     let (parts, blob_size) = layout_blob(&parts, 4096).unwrap();
-    w.begin_experts(
-        parts.clone(),
-        blob_size,
-        &arch.moe_layers(),
-        arch.moe.num_experts,
-    )
-    .unwrap();
+    w.begin_experts(parts.clone(), blob_size, &arch.moe_layers(), arch.moe.num_experts).unwrap();
     for l in arch.moe_layers() {
         for e in 0..arch.moe.num_experts {
-            let data: Vec<Vec<u8>> = parts
-                .iter()
-                .map(|p| vec![(l * 16 + e) as u8; p.len as usize])
-                .collect();
+            let data: Vec<Vec<u8>> = parts.iter().map(|p| vec![(l * 16 + e) as u8; p.len as usize]).collect();
             let refs: Vec<&[u8]> = data.iter().map(|d| d.as_slice()).collect();
             w.add_blob(l, e, &refs).unwrap();
         }
@@ -127,11 +94,7 @@ fn round_trip() {
 }
 
 fn flip(path: &std::path::Path, offset: u64) {
-    let mut f = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(path)
-        .unwrap();
+    let mut f = std::fs::OpenOptions::new().read(true).write(true).open(path).unwrap();
     let mut b = [0u8];
     use std::os::unix::fs::FileExt;
     f.read_exact_at(&mut b, offset).unwrap();
@@ -160,11 +123,7 @@ fn flipped_dense_byte_fails_verify_naming_the_tensor() {
     let off = v.header().dense_offset + v.dense("layers.0.attn.k").unwrap().offset;
     drop(v);
     flip(&path, off + 1);
-    let err = Vault::open(&path)
-        .unwrap()
-        .verify(&mut |_| {})
-        .unwrap_err()
-        .to_string();
+    let err = Vault::open(&path).unwrap().verify(&mut |_| {}).unwrap_err().to_string();
     assert!(err.contains("layers.0.attn.k"), "{err}");
 }
 
@@ -178,27 +137,18 @@ fn bad_headers_are_refused_clearly() {
     let mut b = good.clone();
     b[0] = b'X';
     std::fs::write(&path, &b).unwrap();
-    assert!(matches!(
-        Vault::open(&path),
-        Err(VaultError::BadMagic { .. })
-    ));
+    assert!(matches!(Vault::open(&path), Err(VaultError::BadMagic { .. })));
 
     let mut b = good.clone();
     b[8] = 2; // major version 2
     std::fs::write(&path, &b).unwrap();
     let e = Vault::open(&path).err().unwrap();
-    assert!(
-        matches!(e, VaultError::UnsupportedVersion { major: 2, .. }),
-        "{e}"
-    );
+    assert!(matches!(e, VaultError::UnsupportedVersion { major: 2, .. }), "{e}");
 
     let mut b = good.clone();
     b[30] ^= 1; // a header field without fixing the checksum
     std::fs::write(&path, &b).unwrap();
-    assert!(matches!(
-        Vault::open(&path),
-        Err(VaultError::Checksum { .. })
-    ));
+    assert!(matches!(Vault::open(&path), Err(VaultError::Checksum { .. })));
 
     std::fs::write(&path, &good[..good.len() - 5000]).unwrap();
     let e = Vault::open(&path).err().unwrap();
@@ -206,25 +156,16 @@ fn bad_headers_are_refused_clearly() {
     assert!(e.to_string().contains("truncated"));
 
     std::fs::write(&path, &good[..50]).unwrap();
-    assert!(matches!(
-        Vault::open(&path),
-        Err(VaultError::Truncated { .. })
-    ));
+    assert!(matches!(Vault::open(&path), Err(VaultError::Truncated { .. })));
 
     std::fs::write(&path, b"").unwrap();
-    assert!(matches!(
-        Vault::open(&path),
-        Err(VaultError::Truncated { .. })
-    ));
+    assert!(matches!(Vault::open(&path), Err(VaultError::Truncated { .. })));
 
     // A corrupted manifest byte is caught by the manifest checksum.
     std::fs::write(&path, &good).unwrap();
     let h = Vault::open(&path).unwrap().header().clone();
     flip(&path, h.manifest_offset + 10);
-    assert!(matches!(
-        Vault::open(&path),
-        Err(VaultError::Checksum { .. })
-    ));
+    assert!(matches!(Vault::open(&path), Err(VaultError::Checksum { .. })));
 }
 
 #[test]
@@ -233,8 +174,7 @@ fn unfinished_writer_leaves_nothing_behind() {
     let path = dir.path().join("m.smoe");
     {
         let mut w = VaultWriter::create(&path).unwrap();
-        w.add_tensor("embed", Format::F32, &[2, 2], &[0u8; 16], "x")
-            .unwrap();
+        w.add_tensor("embed", Format::F32, &[2, 2], &[0u8; 16], "x").unwrap();
         assert!(w.tmp_path().exists());
     }
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
@@ -247,27 +187,15 @@ fn manifest_inconsistent_with_architecture_is_refused() {
     let arch = tiny_arch();
     let mut w = VaultWriter::create(&path).unwrap();
     // Only the embedding: everything else is missing.
-    w.add_tensor(
-        "embed",
-        Format::F32,
-        &[16, 32],
-        &vec![0u8; 16 * 32 * 4],
-        "x",
-    )
-    .unwrap();
-    let parts: Vec<_> = names::EXPERT_PARTS
-        .iter()
-        .zip(names::expert_part_shapes(&arch))
-        .map(|(n, s)| (n.to_string(), Format::F32, s))
-        .collect();
+    w.add_tensor("embed", Format::F32, &[16, 32], &vec![0u8; 16 * 32 * 4], "x").unwrap();
+    let parts: Vec<_> =
+        names::EXPERT_PARTS.iter().zip(names::expert_part_shapes(&arch)).map(|(n, s)| (n.to_string(), Format::F32, s)).collect();
     let (parts, bs) = layout_blob(&parts, 4096).unwrap();
-    w.begin_experts(parts.clone(), bs, &arch.moe_layers(), 4)
-        .unwrap();
+    w.begin_experts(parts.clone(), bs, &arch.moe_layers(), 4).unwrap();
     for l in 0..2 {
         for e in 0..4 {
             let d: Vec<Vec<u8>> = parts.iter().map(|p| vec![0; p.len as usize]).collect();
-            w.add_blob(l, e, &d.iter().map(|x| x.as_slice()).collect::<Vec<_>>())
-                .unwrap();
+            w.add_blob(l, e, &d.iter().map(|x| x.as_slice()).collect::<Vec<_>>()).unwrap();
         }
     }
     w.finish(manifest(&arch)).unwrap();

@@ -25,24 +25,13 @@ fn round_up(v: u64, a: u64) -> u64 {
 }
 
 /// Lays out the parts of an expert blob; returns the parts with offsets and the blob size.
-pub fn layout_blob(
-    parts: &[(String, Format, [usize; 2])],
-    alignment: u32,
-) -> Result<(Vec<PartEntry>, u64), VaultError> {
+pub fn layout_blob(parts: &[(String, Format, [usize; 2])], alignment: u32) -> Result<(Vec<PartEntry>, u64), VaultError> {
     let mut off = 0u64;
     let mut out = Vec::with_capacity(parts.len());
     for (name, format, shape) in parts {
-        let row = format
-            .row_bytes(shape[1])
-            .map_err(|e| VaultError::Corrupt(format!("expert {name}: {e}")))?;
+        let row = format.row_bytes(shape[1]).map_err(|e| VaultError::Corrupt(format!("expert {name}: {e}")))?;
         let len = (row * shape[0]) as u64;
-        out.push(PartEntry {
-            name: name.clone(),
-            format: *format,
-            shape: *shape,
-            offset: off,
-            len,
-        });
+        out.push(PartEntry { name: name.clone(), format: *format, shape: *shape, offset: off, len });
         off = round_up(off + len, PART_ALIGN);
     }
     Ok((out, round_up(off.max(1), alignment as u64)))
@@ -68,14 +57,8 @@ pub struct VaultWriter {
 impl VaultWriter {
     /// Starts writing to a temporary file beside `path`.
     pub fn create(path: &Path) -> Result<VaultWriter, VaultError> {
-        let file_name = path
-            .file_name()
-            .ok_or_else(|| VaultError::Corrupt(format!("bad output path {}", path.display())))?;
-        let tmp_path = path.with_file_name(format!(
-            "{}.tmp-{}",
-            file_name.to_string_lossy(),
-            std::process::id()
-        ));
+        let file_name = path.file_name().ok_or_else(|| VaultError::Corrupt(format!("bad output path {}", path.display())))?;
+        let tmp_path = path.with_file_name(format!("{}.tmp-{}", file_name.to_string_lossy(), std::process::id()));
         let file = File::create(&tmp_path).map_err(|e| VaultError::io(&tmp_path, e))?;
         let mut w = VaultWriter {
             final_path: path.to_path_buf(),
@@ -105,8 +88,7 @@ impl VaultWriter {
 
     fn write_all(&mut self, b: &[u8]) -> Result<(), VaultError> {
         let out = self.out.as_mut().expect("writer used after finish");
-        out.write_all(b)
-            .map_err(|e| VaultError::io(&self.tmp_path, e))?;
+        out.write_all(b).map_err(|e| VaultError::io(&self.tmp_path, e))?;
         self.pos += b.len() as u64;
         Ok(())
     }
@@ -122,25 +104,14 @@ impl VaultWriter {
     }
 
     /// Begins a dense tensor whose bytes follow through [`write_tensor_bytes`](Self::write_tensor_bytes).
-    pub fn begin_tensor(
-        &mut self,
-        name: &str,
-        format: Format,
-        shape: &[usize],
-        source: &str,
-    ) -> Result<(), VaultError> {
+    pub fn begin_tensor(&mut self, name: &str, format: Format, shape: &[usize], source: &str) -> Result<(), VaultError> {
         if self.open_tensor.is_some() || self.experts.is_some() {
-            return Err(VaultError::Usage(
-                "begin_tensor while another tensor is open or after experts began",
-            ));
+            return Err(VaultError::Usage("begin_tensor while another tensor is open or after experts began"));
         }
         self.pad_to(DENSE_TENSOR_ALIGN)?;
         let cols = *shape.last().unwrap_or(&0);
         let rows: usize = shape[..shape.len().saturating_sub(1)].iter().product();
-        let len = (format
-            .row_bytes(cols)
-            .map_err(|e| VaultError::Corrupt(format!("{name}: {e}")))?
-            * rows.max(1)) as u64;
+        let len = (format.row_bytes(cols).map_err(|e| VaultError::Corrupt(format!("{name}: {e}")))? * rows.max(1)) as u64;
         let entry = DenseEntry {
             name: name.to_string(),
             format,
@@ -160,10 +131,7 @@ impl VaultWriter {
             return Err(VaultError::Usage("write_tensor_bytes without begin_tensor"));
         };
         if *written + b.len() as u64 > entry.len {
-            return Err(VaultError::Corrupt(format!(
-                "{}: more bytes than its shape holds",
-                entry.name
-            )));
+            return Err(VaultError::Corrupt(format!("{}: more bytes than its shape holds", entry.name)));
         }
         hasher.update(b);
         *written += b.len() as u64;
@@ -176,10 +144,7 @@ impl VaultWriter {
             return Err(VaultError::Usage("end_tensor without begin_tensor"));
         };
         if written != entry.len {
-            return Err(VaultError::Corrupt(format!(
-                "{}: wrote {written} bytes, shape needs {}",
-                entry.name, entry.len
-            )));
+            return Err(VaultError::Corrupt(format!("{}: wrote {written} bytes, shape needs {}", entry.name, entry.len)));
         }
         entry.checksum = hasher.digest();
         self.dense.push(entry);
@@ -187,14 +152,7 @@ impl VaultWriter {
     }
 
     /// Writes a whole dense tensor at once.
-    pub fn add_tensor(
-        &mut self,
-        name: &str,
-        format: Format,
-        shape: &[usize],
-        data: &[u8],
-        source: &str,
-    ) -> Result<(), VaultError> {
+    pub fn add_tensor(&mut self, name: &str, format: Format, shape: &[usize], data: &[u8], source: &str) -> Result<(), VaultError> {
         self.begin_tensor(name, format, shape, source)?;
         self.write_tensor_bytes(data)?;
         self.end_tensor()
@@ -213,45 +171,23 @@ impl VaultWriter {
             return Err(VaultError::Usage("begin_experts with a tensor open"));
         }
         if !blob_size.is_multiple_of(self.alignment as u64) {
-            return Err(VaultError::Corrupt(format!(
-                "blob size {blob_size} is not aligned"
-            )));
+            return Err(VaultError::Corrupt(format!("blob size {blob_size} is not aligned")));
         }
         self.pad_to(self.alignment as u64)?;
         self.experts_offset = self.pos;
         self.num_experts = num_experts;
         self.blob_buf = vec![0u8; blob_size as usize];
-        let layers = moe_layers
-            .iter()
-            .map(|&layer| ExpertLayer {
-                layer,
-                checksums: Vec::with_capacity(num_experts),
-            })
-            .collect();
-        self.experts = Some(ExpertIndex {
-            blob_size,
-            parts,
-            layers,
-        });
+        let layers = moe_layers.iter().map(|&layer| ExpertLayer { layer, checksums: Vec::with_capacity(num_experts) }).collect();
+        self.experts = Some(ExpertIndex { blob_size, parts, layers });
         Ok(())
     }
 
     /// Writes the next blob from its parts' bytes (in part order); padding is zero-filled.
-    pub fn add_blob(
-        &mut self,
-        layer: usize,
-        expert: usize,
-        parts: &[&[u8]],
-    ) -> Result<(), VaultError> {
-        let idx = self
-            .experts
-            .as_ref()
-            .ok_or(VaultError::Usage("add_blob before begin_experts"))?;
+    pub fn add_blob(&mut self, layer: usize, expert: usize, parts: &[&[u8]]) -> Result<(), VaultError> {
+        let idx = self.experts.as_ref().ok_or(VaultError::Usage("add_blob before begin_experts"))?;
         let (li, e) = self.next_blob;
         if li >= idx.layers.len() || idx.layers[li].layer != layer || e != expert {
-            return Err(VaultError::Usage(
-                "blobs must be added in layer and expert order",
-            ));
+            return Err(VaultError::Usage("blobs must be added in layer and expert order"));
         }
         if parts.len() != idx.parts.len() {
             return Err(VaultError::Usage("wrong number of blob parts"));
@@ -275,34 +211,22 @@ impl VaultWriter {
         res?;
         let idx = self.experts.as_mut().unwrap();
         idx.layers[li].checksums.push(sum);
-        self.next_blob = if e + 1 == self.num_experts {
-            (li + 1, 0)
-        } else {
-            (li, e + 1)
-        };
+        self.next_blob = if e + 1 == self.num_experts { (li + 1, 0) } else { (li, e + 1) };
         Ok(())
     }
 
     /// Writes the manifest and header, fsyncs and renames into place. `manifest.dense` and
     /// `manifest.experts` are filled in by the writer.
     pub fn finish(mut self, mut manifest: Manifest) -> Result<u64, VaultError> {
-        let idx = self
-            .experts
-            .take()
-            .ok_or(VaultError::Usage("finish before begin_experts"))?;
-        if idx
-            .layers
-            .iter()
-            .any(|l| l.checksums.len() != self.num_experts)
-        {
+        let idx = self.experts.take().ok_or(VaultError::Usage("finish before begin_experts"))?;
+        if idx.layers.iter().any(|l| l.checksums.len() != self.num_experts) {
             return Err(VaultError::Usage("finish with blobs missing"));
         }
         let experts_len = self.pos - self.experts_offset;
         let dense_len = self.experts_offset - self.dense_offset;
         manifest.dense = std::mem::take(&mut self.dense);
         manifest.experts = idx;
-        let json = serde_json::to_vec(&manifest)
-            .map_err(|e| VaultError::Corrupt(format!("manifest: {e}")))?;
+        let json = serde_json::to_vec(&manifest).map_err(|e| VaultError::Corrupt(format!("manifest: {e}")))?;
         self.pad_to(self.alignment as u64)?;
         let manifest_offset = self.pos;
         self.write_all(&json)?;
@@ -322,26 +246,19 @@ impl VaultWriter {
         };
         let out = self.out.take().unwrap();
         let commit = || -> Result<(), VaultError> {
-            let mut file = out
-                .into_inner()
-                .map_err(|e| VaultError::io(&self.tmp_path, e.into_error()))?;
+            let mut file = out.into_inner().map_err(|e| VaultError::io(&self.tmp_path, e.into_error()))?;
             let io = |e| VaultError::io(&self.tmp_path, e);
             file.seek(SeekFrom::Start(0)).map_err(io)?;
             file.write_all(&header.encode()).map_err(io)?;
             file.sync_all().map_err(io)?;
             drop(file);
-            std::fs::rename(&self.tmp_path, &self.final_path)
-                .map_err(|e| VaultError::io(&self.final_path, e))
+            std::fs::rename(&self.tmp_path, &self.final_path).map_err(|e| VaultError::io(&self.final_path, e))
         };
         if let Err(e) = commit() {
             let _ = std::fs::remove_file(&self.tmp_path);
             return Err(e);
         }
-        if let Some(dir) = self
-            .final_path
-            .parent()
-            .filter(|d| !d.as_os_str().is_empty())
-        {
+        if let Some(dir) = self.final_path.parent().filter(|d| !d.as_os_str().is_empty()) {
             // Make the rename itself durable; failure here is not worth failing the conversion.
             if let Ok(d) = File::open(dir) {
                 let _ = d.sync_all();

@@ -10,23 +10,12 @@ thread_local! {
     static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
-pub(super) fn attention_ref(
-    l: &KvLayer,
-    q: &[f32],
-    n: usize,
-    pos0: usize,
-    p: AttnParams,
-    out: &mut [f32],
-) {
+pub(super) fn attention_ref(l: &KvLayer, q: &[f32], n: usize, pos0: usize, p: AttnParams, out: &mut [f32]) {
     let s = l.shape;
     let (kd, vd) = (s.k_dim, s.v_dim);
     let group = p.q_heads / s.heads;
     let k_row = s.heads * kd;
-    let (values, v_row, v_off) = if s.values_in_keys {
-        (&l.k, k_row, 0)
-    } else {
-        (&l.v, s.heads * vd, 0)
-    };
+    let (values, v_row, v_off) = if s.values_in_keys { (&l.k, k_row, 0) } else { (&l.v, s.heads * vd, 0) };
     let job = |(i, o): (usize, &mut [f32])| {
         let (t, h) = (i / p.q_heads, i % p.q_heads);
         let g = h / group;
@@ -47,8 +36,7 @@ pub(super) fn attention_ref(
             }
             o.fill(0.0);
             for (j, &w) in sc.iter().enumerate() {
-                let v =
-                    &values[j * v_row + v_off + g * if s.values_in_keys { kd } else { vd }..][..vd];
+                let v = &values[j * v_row + v_off + g * if s.values_in_keys { kd } else { vd }..][..vd];
                 for (a, &b) in o.iter_mut().zip(v) {
                     *a += w * b;
                 }

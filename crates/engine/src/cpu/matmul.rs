@@ -48,19 +48,9 @@ impl StridedOut {
 /// `out[t, r] = w[r, :] · x[t, :]` for `t < n`.
 pub(crate) fn matmul_ref(w: &QMatrix<'_>, x: &[f32], n: usize, out: &mut [f32]) {
     let (m, k) = (w.rows, w.cols);
-    assert!(
-        x.len() >= n * k && out.len() >= n * m,
-        "matmul buffers too small"
-    );
-    let rows_per_task = if m * k * n < PAR_THRESHOLD {
-        m
-    } else {
-        (m / (4 * rayon::current_num_threads())).max(1)
-    };
-    let sink = StridedOut {
-        ptr: out.as_mut_ptr(),
-        len: n * m,
-    };
+    assert!(x.len() >= n * k && out.len() >= n * m, "matmul buffers too small");
+    let rows_per_task = if m * k * n < PAR_THRESHOLD { m } else { (m / (4 * rayon::current_num_threads())).max(1) };
+    let sink = StridedOut { ptr: out.as_mut_ptr(), len: n * m };
     let task = |r0: usize| {
         ROW.with(|row| {
             let mut row = row.borrow_mut();
@@ -81,14 +71,7 @@ pub(crate) fn matmul_ref(w: &QMatrix<'_>, x: &[f32], n: usize, out: &mut [f32]) 
 }
 
 /// `out[t, c] = Σ_r w[r, c] · x[t * x_stride + x_off + r]`.
-pub(crate) fn matmul_t_ref(
-    w: &QMatrix<'_>,
-    x: &[f32],
-    x_stride: usize,
-    x_off: usize,
-    n: usize,
-    out: &mut [f32],
-) {
+pub(crate) fn matmul_t_ref(w: &QMatrix<'_>, x: &[f32], x_stride: usize, x_off: usize, n: usize, out: &mut [f32]) {
     let (m, k) = (w.rows, w.cols);
     out[..n * k].fill(0.0);
     ROW.with(|row| {
@@ -114,22 +97,16 @@ mod tests {
     #[test]
     fn parallel_and_serial_products_agree() {
         let (m, k, n) = (300, 64, 5);
-        let w: Vec<f32> = (0..m * k)
-            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0)
-            .collect();
+        let w: Vec<f32> = (0..m * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0).collect();
         let mut bytes = vec![0u8; m * k * 4];
         smoe_quant::quantize(Format::F32, &w, &mut bytes).unwrap();
         let q = QMatrix::new(Format::F32, m, k, &bytes).unwrap();
-        let x: Vec<f32> = (0..n * k)
-            .map(|i| ((i * 13 % 29) as f32 - 14.0) / 7.0)
-            .collect();
+        let x: Vec<f32> = (0..n * k).map(|i| ((i * 13 % 29) as f32 - 14.0) / 7.0).collect();
         let mut out = vec![0f32; n * m];
         matmul_ref(&q, &x, n, &mut out);
         for t in 0..n {
             for r in 0..m {
-                let e: f64 = (0..k)
-                    .map(|c| w[r * k + c] as f64 * x[t * k + c] as f64)
-                    .sum();
+                let e: f64 = (0..k).map(|c| w[r * k + c] as f64 * x[t * k + c] as f64).sum();
                 assert!((out[t * m + r] as f64 - e).abs() < 1e-4, "{t} {r}");
             }
         }
@@ -137,13 +114,8 @@ mod tests {
         matmul_t_ref(&q, &out, m, 0, n, &mut out_t);
         for t in 0..n {
             for c in 0..k {
-                let e: f64 = (0..m)
-                    .map(|r| w[r * k + c] as f64 * out[t * m + r] as f64)
-                    .sum();
-                assert!(
-                    (out_t[t * k + c] as f64 - e).abs() < 1e-2 * e.abs().max(1.0),
-                    "{t} {c}"
-                );
+                let e: f64 = (0..m).map(|r| w[r * k + c] as f64 * out[t * m + r] as f64).sum();
+                assert!((out_t[t * k + c] as f64 - e).abs() < 1e-2 * e.abs().max(1.0), "{t} {c}");
             }
         }
     }

@@ -43,12 +43,7 @@ pub struct CpuMatrix {
 
 impl CpuMatrix {
     fn view(&self) -> QMatrix<'_> {
-        QMatrix {
-            format: self.format,
-            rows: self.rows,
-            cols: self.cols,
-            data: &self.region[self.offset..self.offset + self.len],
-        }
+        QMatrix { format: self.format, rows: self.rows, cols: self.cols, data: &self.region[self.offset..self.offset + self.len] }
     }
 }
 
@@ -71,33 +66,12 @@ impl Backend for CpuBackend {
     type KvCache = CpuKvCache;
 
     fn describe(&self) -> String {
-        format!(
-            "cpu ({:?}, {} threads)",
-            self.precision,
-            rayon::current_num_threads()
-        )
+        format!("cpu ({:?}, {} threads)", self.precision, rayon::current_num_threads())
     }
 
-    fn matrix(
-        &self,
-        region: &Arc<Vec<u8>>,
-        offset: usize,
-        format: Format,
-        rows: usize,
-        cols: usize,
-    ) -> CpuMatrix {
-        let len = format
-            .row_bytes(cols)
-            .expect("validated by the vault reader")
-            * rows;
-        CpuMatrix {
-            region: region.clone(),
-            offset,
-            len,
-            format,
-            rows,
-            cols,
-        }
+    fn matrix(&self, region: &Arc<Vec<u8>>, offset: usize, format: Format, rows: usize, cols: usize) -> CpuMatrix {
+        let len = format.row_bytes(cols).expect("validated by the vault reader") * rows;
+        CpuMatrix { region: region.clone(), offset, len, format, rows, cols }
     }
     fn vector(&self, v: &[f32]) -> Vec<f32> {
         v.to_vec()
@@ -106,31 +80,13 @@ impl Backend for CpuBackend {
         vec![0.0; len]
     }
     fn kv_cache(&self, layers: &[KvShape]) -> CpuKvCache {
-        CpuKvCache {
-            layers: layers
-                .iter()
-                .map(|&shape| KvLayer {
-                    shape,
-                    k: Vec::new(),
-                    v: Vec::new(),
-                })
-                .collect(),
-        }
+        CpuKvCache { layers: layers.iter().map(|&shape| KvLayer { shape, k: Vec::new(), v: Vec::new() }).collect() }
     }
     fn kv_capacity(&self, cache: &CpuKvCache) -> usize {
-        cache
-            .layers
-            .iter()
-            .map(|l| l.k.capacity() / (l.shape.heads * l.shape.k_dim).max(1))
-            .min()
-            .unwrap_or(0)
+        cache.layers.iter().map(|l| l.k.capacity() / (l.shape.heads * l.shape.k_dim).max(1)).min().unwrap_or(0)
     }
     fn kv_bytes(&self, cache: &CpuKvCache) -> usize {
-        cache
-            .layers
-            .iter()
-            .map(|l| (l.k.len() + l.v.len()) * 4)
-            .sum()
+        cache.layers.iter().map(|l| (l.k.len() + l.v.len()) * 4).sum()
     }
 
     fn upload(&self, dst: &mut Vec<f32>, src: &[f32]) {
@@ -146,14 +102,7 @@ impl Backend for CpuBackend {
             v.dequantize_row(id as usize, &mut out[t * v.cols..(t + 1) * v.cols]);
         }
     }
-    fn matmul(
-        &self,
-        w: &CpuMatrix,
-        rows: Option<(usize, usize)>,
-        x: &Vec<f32>,
-        n: usize,
-        out: &mut Vec<f32>,
-    ) {
+    fn matmul(&self, w: &CpuMatrix, rows: Option<(usize, usize)>, x: &Vec<f32>, n: usize, out: &mut Vec<f32>) {
         let v = w.view();
         let v = match rows {
             Some((r0, m)) => v.slice_rows(r0, m),
@@ -164,29 +113,11 @@ impl Backend for CpuBackend {
     fn matmul_host(&self, w: &QMatrix<'_>, x: &Vec<f32>, n: usize, out: &mut Vec<f32>) {
         matmul::matmul_ref(w, x, n, out);
     }
-    fn matmul_t(
-        &self,
-        w: &CpuMatrix,
-        r0: usize,
-        m: usize,
-        x: &Vec<f32>,
-        x_stride: usize,
-        x_off: usize,
-        n: usize,
-        out: &mut Vec<f32>,
-    ) {
+    fn matmul_t(&self, w: &CpuMatrix, r0: usize, m: usize, x: &Vec<f32>, x_stride: usize, x_off: usize, n: usize, out: &mut Vec<f32>) {
         matmul::matmul_t_ref(&w.view().slice_rows(r0, m), x, x_stride, x_off, n, out);
     }
 
-    fn rms_norm(
-        &self,
-        x: &Vec<f32>,
-        n: usize,
-        dim: usize,
-        w: &Vec<f32>,
-        eps: f32,
-        out: &mut Vec<f32>,
-    ) {
+    fn rms_norm(&self, x: &Vec<f32>, n: usize, dim: usize, w: &Vec<f32>, eps: f32, out: &mut Vec<f32>) {
         for t in 0..n {
             let src = &x[t * dim..(t + 1) * dim];
             let scale = rms_scale(src, eps);
@@ -195,16 +126,7 @@ impl Backend for CpuBackend {
             }
         }
     }
-    fn rms_norm_strided(
-        &self,
-        x: &mut Vec<f32>,
-        n: usize,
-        stride: usize,
-        off: usize,
-        dim: usize,
-        w: &Vec<f32>,
-        eps: f32,
-    ) {
+    fn rms_norm_strided(&self, x: &mut Vec<f32>, n: usize, stride: usize, off: usize, dim: usize, w: &Vec<f32>, eps: f32) {
         for t in 0..n {
             let seg = &mut x[t * stride + off..t * stride + off + dim];
             let scale = rms_scale(seg, eps);
@@ -244,18 +166,11 @@ impl Backend for CpuBackend {
     ) {
         let half = cos.len() / n.max(1);
         for t in 0..n {
-            let (c, s) = (
-                &cos[t * half..(t + 1) * half],
-                &sin[t * half..(t + 1) * half],
-            );
+            let (c, s) = (&cos[t * half..(t + 1) * half], &sin[t * half..(t + 1) * half]);
             for h in 0..heads {
                 let base = t * stride + off + h * head_stride;
                 for i in 0..half {
-                    let (ia, ib) = if interleaved {
-                        (base + 2 * i, base + 2 * i + 1)
-                    } else {
-                        (base + i, base + i + half)
-                    };
+                    let (ia, ib) = if interleaved { (base + 2 * i, base + 2 * i + 1) } else { (base + i, base + i + half) };
                     let (a, b) = (x[ia], x[ib]);
                     x[ia] = a * c[i] - b * s[i];
                     x[ib] = b * c[i] + a * s[i];
@@ -289,15 +204,7 @@ impl Backend for CpuBackend {
             dst[r * dim..(r + 1) * dim].copy_from_slice(&src[i * dim..(i + 1) * dim]);
         }
     }
-    fn add_weighted_slots(
-        &self,
-        src: &Vec<f32>,
-        dim: usize,
-        n: usize,
-        k: usize,
-        weights: &[f32],
-        out: &mut Vec<f32>,
-    ) {
+    fn add_weighted_slots(&self, src: &Vec<f32>, dim: usize, n: usize, k: usize, weights: &[f32], out: &mut Vec<f32>) {
         for t in 0..n {
             let o = &mut out[t * dim..(t + 1) * dim];
             for s in 0..k {
@@ -331,28 +238,17 @@ impl Backend for CpuBackend {
         let kw = l.shape.heads * l.shape.k_dim;
         l.k.resize((pos0 + n) * kw, 0.0);
         for t in 0..n {
-            l.k[(pos0 + t) * kw..(pos0 + t + 1) * kw]
-                .copy_from_slice(&k[t * k_stride..t * k_stride + kw]);
+            l.k[(pos0 + t) * kw..(pos0 + t + 1) * kw].copy_from_slice(&k[t * k_stride..t * k_stride + kw]);
         }
         if let Some((v, v_stride)) = v {
             let vw = l.shape.heads * l.shape.v_dim;
             l.v.resize((pos0 + n) * vw, 0.0);
             for t in 0..n {
-                l.v[(pos0 + t) * vw..(pos0 + t + 1) * vw]
-                    .copy_from_slice(&v[t * v_stride..t * v_stride + vw]);
+                l.v[(pos0 + t) * vw..(pos0 + t + 1) * vw].copy_from_slice(&v[t * v_stride..t * v_stride + vw]);
             }
         }
     }
-    fn attention(
-        &self,
-        cache: &CpuKvCache,
-        layer: usize,
-        q: &Vec<f32>,
-        n: usize,
-        pos0: usize,
-        p: AttnParams,
-        out: &mut Vec<f32>,
-    ) {
+    fn attention(&self, cache: &CpuKvCache, layer: usize, q: &Vec<f32>, n: usize, pos0: usize, p: AttnParams, out: &mut Vec<f32>) {
         attention::attention_ref(&cache.layers[layer], q, n, pos0, p, out);
     }
 }

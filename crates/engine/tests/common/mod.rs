@@ -9,9 +9,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 pub fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../testdata/hf")
-        .join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/hf").join(name)
 }
 
 /// Shatters a fixture once per test process into a shared temporary directory.
@@ -22,12 +20,7 @@ pub fn vault(name: &str, experts: Format, dense: Format) -> PathBuf {
     let out = dir.path().join(format!("{name}-{experts}-{dense}.smoe"));
     let _g = LOCK.lock().unwrap();
     if !out.exists() {
-        let opts = ShatterOptions {
-            experts,
-            dense,
-            threads: Some(2),
-            fail_after_blobs: None,
-        };
+        let opts = ShatterOptions { experts, dense, threads: Some(2), fail_after_blobs: None };
         shatter(&fixture(name), &out, &opts, &Silent).unwrap();
     }
     out
@@ -62,47 +55,20 @@ impl Tensor {
 pub fn read_safetensors(path: &Path) -> HashMap<String, Tensor> {
     let raw = std::fs::read(path).unwrap();
     let n = u64::from_le_bytes(raw[..8].try_into().unwrap()) as usize;
-    let header: serde_json::Map<String, serde_json::Value> =
-        serde_json::from_slice(&raw[8..8 + n]).unwrap();
+    let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&raw[8..8 + n]).unwrap();
     let data = &raw[8 + n..];
     let mut out = HashMap::new();
     for (name, info) in header {
         if name == "__metadata__" {
             continue;
         }
-        let shape: Vec<usize> = info["shape"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap() as usize)
-            .collect();
-        let (s, e) = (
-            info["data_offsets"][0].as_u64().unwrap() as usize,
-            info["data_offsets"][1].as_u64().unwrap() as usize,
-        );
+        let shape: Vec<usize> = info["shape"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as usize).collect();
+        let (s, e) = (info["data_offsets"][0].as_u64().unwrap() as usize, info["data_offsets"][1].as_u64().unwrap() as usize);
         let bytes = &data[s..e];
         let t = match info["dtype"].as_str().unwrap() {
-            "F32" => Tensor::F32(
-                shape,
-                bytes
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-                    .collect(),
-            ),
-            "I32" => Tensor::I32(
-                shape,
-                bytes
-                    .chunks_exact(4)
-                    .map(|c| i32::from_le_bytes(c.try_into().unwrap()))
-                    .collect(),
-            ),
-            "I64" => Tensor::I32(
-                shape,
-                bytes
-                    .chunks_exact(8)
-                    .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as i32)
-                    .collect(),
-            ),
+            "F32" => Tensor::F32(shape, bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()),
+            "I32" => Tensor::I32(shape, bytes.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap())).collect()),
+            "I64" => Tensor::I32(shape, bytes.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap()) as i32).collect()),
             d => panic!("dtype {d}"),
         };
         out.insert(name, t);
@@ -114,10 +80,7 @@ pub fn read_safetensors(path: &Path) -> HashMap<String, Tensor> {
 pub fn rel_err(a: &[f32], b: &[f32]) -> f64 {
     assert_eq!(a.len(), b.len());
     let max_abs = b.iter().fold(0f64, |m, &v| m.max(v.abs() as f64));
-    let max_err = a
-        .iter()
-        .zip(b)
-        .fold(0f64, |m, (&x, &y)| m.max((x as f64 - y as f64).abs()));
+    let max_err = a.iter().zip(b).fold(0f64, |m, (&x, &y)| m.max((x as f64 - y as f64).abs()));
     max_err / max_abs
 }
 
@@ -137,19 +100,12 @@ pub fn dequantized_copy(src: &Path) -> PathBuf {
         let mut f = vec![0f32; n];
         smoe_quant::dequantize(d.format, &v.read_dense(&d.name).unwrap(), &mut f).unwrap();
         let bytes: Vec<u8> = f.iter().flat_map(|x| x.to_le_bytes()).collect();
-        w.add_tensor(&d.name, Format::F32, &d.shape, &bytes, &d.source)
-            .unwrap();
+        w.add_tensor(&d.name, Format::F32, &d.shape, &bytes, &d.source).unwrap();
     }
-    let parts: Vec<_> = m
-        .experts
-        .parts
-        .iter()
-        .map(|p| (p.name.clone(), Format::F32, p.shape))
-        .collect();
+    let parts: Vec<_> = m.experts.parts.iter().map(|p| (p.name.clone(), Format::F32, p.shape)).collect();
     let (new_parts, blob) = layout_blob(&parts, 4096).unwrap();
     let arch = v.architecture().clone();
-    w.begin_experts(new_parts, blob, &arch.moe_layers(), arch.moe.num_experts)
-        .unwrap();
+    w.begin_experts(new_parts, blob, &arch.moe_layers(), arch.moe.num_experts).unwrap();
     let mut buf = vec![0u8; m.experts.blob_size as usize];
     for l in arch.moe_layers() {
         for e in 0..arch.moe.num_experts {
@@ -160,21 +116,11 @@ pub fn dequantized_copy(src: &Path) -> PathBuf {
                 .iter()
                 .map(|p| {
                     let mut f = vec![0f32; p.shape[0] * p.shape[1]];
-                    smoe_quant::dequantize(
-                        p.format,
-                        &buf[p.offset as usize..(p.offset + p.len) as usize],
-                        &mut f,
-                    )
-                    .unwrap();
+                    smoe_quant::dequantize(p.format, &buf[p.offset as usize..(p.offset + p.len) as usize], &mut f).unwrap();
                     f.iter().flat_map(|x| x.to_le_bytes()).collect()
                 })
                 .collect();
-            w.add_blob(
-                l,
-                e,
-                &decoded.iter().map(|d| d.as_slice()).collect::<Vec<_>>(),
-            )
-            .unwrap();
+            w.add_blob(l, e, &decoded.iter().map(|d| d.as_slice()).collect::<Vec<_>>()).unwrap();
         }
     }
     let _ = names::EXPERT_PARTS;
@@ -186,12 +132,7 @@ pub fn dequantized_copy(src: &Path) -> PathBuf {
 pub fn load(path: &Path) -> smoe_engine::Model<smoe_engine::CpuBackend> {
     let v = smoe_vault::Vault::open(path).unwrap();
     let ex = std::sync::Arc::new(smoe_store::ResidentExperts::load(&v).unwrap());
-    smoe_engine::Model::load(
-        &v,
-        smoe_engine::CpuBackend::new(smoe_engine::Precision::Reference),
-        ex,
-    )
-    .unwrap()
+    smoe_engine::Model::load(&v, smoe_engine::CpuBackend::new(smoe_engine::Precision::Reference), ex).unwrap()
 }
 
 /// Top-1 agreement, mean KL(reference ‖ ours) and max relative logit error over rows.
@@ -199,15 +140,8 @@ pub fn distance(ours: &[f32], reference: &[f32], vocab: usize) -> (f64, f64, f64
     let rows = reference.len() / vocab;
     let (mut agree, mut kl) = (0usize, 0f64);
     for r in 0..rows {
-        let (a, b) = (
-            &ours[r * vocab..(r + 1) * vocab],
-            &reference[r * vocab..(r + 1) * vocab],
-        );
-        let argmax = |v: &[f32]| {
-            v.iter()
-                .enumerate()
-                .fold(0, |best, (i, &x)| if x > v[best] { i } else { best })
-        };
+        let (a, b) = (&ours[r * vocab..(r + 1) * vocab], &reference[r * vocab..(r + 1) * vocab]);
+        let argmax = |v: &[f32]| v.iter().enumerate().fold(0, |best, (i, &x)| if x > v[best] { i } else { best });
         agree += (argmax(a) == argmax(b)) as usize;
         let lse = |v: &[f32]| {
             let m = v.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)) as f64;
@@ -223,9 +157,5 @@ pub fn distance(ours: &[f32], reference: &[f32], vocab: usize) -> (f64, f64, f64
             })
             .sum::<f64>();
     }
-    (
-        agree as f64 / rows as f64,
-        kl / rows as f64,
-        rel_err(ours, reference),
-    )
+    (agree as f64 / rows as f64, kl / rows as f64, rel_err(ours, reference))
 }

@@ -15,10 +15,7 @@ pub fn scale_min_k4(j: usize, q: &[u8; 12]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {
-        (
-            (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4),
-            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
-        )
+        ((q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
     }
 }
 
@@ -39,12 +36,7 @@ fn pack_scale_min_k4(ls: &[u8; 8], lm: &[u8; 8]) -> [u8; 12] {
 }
 
 /// Shared by Q4_K and Q5_K: per 32-group asymmetric search, 6-bit scales/mins, final quants.
-fn quantize_k4_groups(
-    x: &[f32],
-    nmax: i32,
-    search: &Qkx2,
-    l: &mut [u8; QK_K],
-) -> (f32, f32, [u8; 12]) {
+fn quantize_k4_groups(x: &[f32], nmax: i32, search: &Qkx2, l: &mut [u8; QK_K]) -> (f32, f32, [u8; 12]) {
     let mut scales = [0f32; 8];
     let mut mins = [0f32; 8];
     let mut weights = [0f32; 32];
@@ -66,11 +58,7 @@ fn quantize_k4_groups(
         max_scale = max_scale.max(s);
         max_min = max_min.max(m);
     }
-    let inv_scale = if max_scale > 0.0 {
-        63.0 / max_scale
-    } else {
-        0.0
-    };
+    let inv_scale = if max_scale > 0.0 { 63.0 / max_scale } else { 0.0 };
     let inv_min = if max_min > 0.0 { 63.0 / max_min } else { 0.0 };
     let mut ls = [0u8; 8];
     let mut lm = [0u8; 8];
@@ -96,13 +84,7 @@ fn quantize_k4_groups(
 }
 
 pub(crate) fn quantize_q4_k(x: &[f32], y: &mut [BlockQ4K]) {
-    let search = Qkx2 {
-        nmax: 15,
-        rmin: -1.0,
-        rdelta: 0.1,
-        nstep: 20,
-        use_mad: false,
-    };
+    let search = Qkx2 { nmax: 15, rmin: -1.0, rdelta: 0.1, nstep: 20, use_mad: false };
     let mut l = [0u8; QK_K];
     for (b, x) in y.iter_mut().zip(x.chunks_exact(QK_K)) {
         let (d, dmin, scales) = quantize_k4_groups(x, 15, &search, &mut l);
@@ -122,11 +104,7 @@ pub(crate) fn dequantize_q4_k(x: &[BlockQ4K], y: &mut [f32]) {
     for (b, y) in x.iter().zip(y.chunks_exact_mut(QK_K)) {
         let d = b.d.to_f32();
         let min = b.dmin.to_f32();
-        for (chunk, (q, y)) in
-            b.qs.chunks_exact(32)
-                .zip(y.chunks_exact_mut(64))
-                .enumerate()
-        {
+        for (chunk, (q, y)) in b.qs.chunks_exact(32).zip(y.chunks_exact_mut(64)).enumerate() {
             let (sc1, m1) = scale_min_k4(2 * chunk, &b.scales);
             let (sc2, m2) = scale_min_k4(2 * chunk + 1, &b.scales);
             let (d1, m1) = (d * sc1 as f32, min * m1 as f32);
@@ -140,13 +118,7 @@ pub(crate) fn dequantize_q4_k(x: &[BlockQ4K], y: &mut [f32]) {
 }
 
 pub(crate) fn quantize_q5_k(x: &[f32], y: &mut [BlockQ5K]) {
-    let search = Qkx2 {
-        nmax: 31,
-        rmin: -0.5,
-        rdelta: 0.1,
-        nstep: 15,
-        use_mad: false,
-    };
+    let search = Qkx2 { nmax: 31, rmin: -0.5, rdelta: 0.1, nstep: 15, use_mad: false };
     let mut l = [0u8; QK_K];
     for (b, x) in y.iter_mut().zip(x.chunks_exact(QK_K)) {
         let (d, dmin, scales) = quantize_k4_groups(x, 31, &search, &mut l);
@@ -181,11 +153,7 @@ pub(crate) fn dequantize_q5_k(x: &[BlockQ5K], y: &mut [f32]) {
         let d = b.d.to_f32();
         let min = b.dmin.to_f32();
         let (mut u1, mut u2) = (1u8, 2u8);
-        for (chunk, (ql, y)) in
-            b.qs.chunks_exact(32)
-                .zip(y.chunks_exact_mut(64))
-                .enumerate()
-        {
+        for (chunk, (ql, y)) in b.qs.chunks_exact(32).zip(y.chunks_exact_mut(64)).enumerate() {
             let (sc1, m1) = scale_min_k4(2 * chunk, &b.scales);
             let (sc2, m2) = scale_min_k4(2 * chunk + 1, &b.scales);
             let (d1, m1) = (d * sc1 as f32, min * m1 as f32);
@@ -269,13 +237,7 @@ pub(crate) fn dequantize_q6_k(x: &[BlockQ6K], y: &mut [f32]) {
 }
 
 pub(crate) fn quantize_q2_k(x: &[f32], y: &mut [BlockQ2K]) {
-    let search = Qkx2 {
-        nmax: 3,
-        rmin: -0.5,
-        rdelta: 0.1,
-        nstep: 15,
-        use_mad: true,
-    };
+    let search = Qkx2 { nmax: 3, rmin: -0.5, rdelta: 0.1, nstep: 15, use_mad: true };
     let mut l = [0u8; QK_K];
     let mut laux = [0u8; 16];
     let mut weights = [0f32; 16];
@@ -288,8 +250,7 @@ pub(crate) fn quantize_q2_k(x: &[f32], y: &mut [BlockQ2K]) {
             for (w, &v) in weights.iter_mut().zip(g) {
                 *w = v.abs();
             }
-            let (s, m) =
-                make_qkx2_quants(g, &weights, &search, &mut l[16 * j..16 * j + 16], &mut laux);
+            let (s, m) = make_qkx2_quants(g, &weights, &search, &mut l[16 * j..16 * j + 16], &mut laux);
             scales[j] = s;
             mins[j] = m;
             max_scale = max_scale.max(s);
@@ -332,8 +293,7 @@ pub(crate) fn quantize_q2_k(x: &[f32], y: &mut [BlockQ2K]) {
 fn pack_2bit(l: &[u8; QK_K], qs: &mut [u8; QK_K / 4]) {
     for j in (0..QK_K).step_by(128) {
         for i in 0..32 {
-            qs[j / 4 + i] =
-                l[j + i] | (l[j + i + 32] << 2) | (l[j + i + 64] << 4) | (l[j + i + 96] << 6);
+            qs[j / 4 + i] = l[j + i] | (l[j + i + 32] << 2) | (l[j + i + 64] << 4) | (l[j + i + 96] << 6);
         }
     }
 }

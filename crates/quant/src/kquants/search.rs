@@ -129,13 +129,7 @@ pub(super) struct Qkx2 {
 /// Asymmetric quantization to `[0, nmax]` minimising the weighted error over a sweep of
 /// candidate scales (ggml's `make_qkx2_quants`). Returns `(scale, min)` where values decode as
 /// `scale * l - min`.
-pub(super) fn make_qkx2_quants(
-    x: &[f32],
-    weights: &[f32],
-    p: &Qkx2,
-    l: &mut [u8],
-    laux: &mut [u8],
-) -> (f32, f32) {
+pub(super) fn make_qkx2_quants(x: &[f32], weights: &[f32], p: &Qkx2, l: &mut [u8], laux: &mut [u8]) -> (f32, f32) {
     let n = x.len();
     let mut min = x[0];
     let mut max = x[0];

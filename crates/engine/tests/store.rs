@@ -1,0 +1,158 @@
+//! The streaming expert store under the engine: output bit-identical to a fully resident run at
+//! any cache size, counters that agree, and read errors that fail one request cleanly.
+
+mod common;
+use common::*;
+use smoe_engine::{score, CpuBackend, Model, Precision, ScoreMode};
+use smoe_quant::Format;
+use smoe_store::{ExpertSource, ExpertStore, ResidentExperts, StoreOptions};
+use smoe_vault::Vault;
+use std::path::Path;
+use std::sync::Arc;
+
+const ALL: [&str; 9] =
+    ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen3_moe_yarn", "qwen3_moe_k", "glm4_moe", "deepseek_v3", "deepseek_v3_yarn"];
+
+fn streaming(path: &Path, slots: usize) -> (Model<CpuBackend>, Arc<ExpertStore>) {
+    let v = Vault::open(path).unwrap();
+    let store = Arc::new(ExpertStore::open(&v, &StoreOptions::with_slots(slots)).unwrap());
+    let model = Model::load(&v, CpuBackend::new(Precision::Reference), store.clone()).unwrap();
+    (model, store)
+}
+
+fn ids(name: &str, tag: &str) -> Vec<u32> {
+    read_safetensors(&fixture(name).join("reference.safetensors"))[&format!("{tag}.input_ids")].i32().iter().map(|&x| x as u32).collect()
+}
+
+#[test]
+fn any_cache_size_is_bit_identical_to_resident() {
+    for name in ALL {
+        let path = vault(name, Format::Q8_0, Format::Q8_0);
+        let v = Vault::open(&path).unwrap();
+        let a = v.architecture().clone();
+        let total = a.moe_layers().len() * a.moe.num_experts;
+        let resident = Model::load(&v, CpuBackend::new(Precision::Reference), Arc::new(ResidentExperts::load(&v).unwrap())).unwrap();
+        let blob = v.manifest().experts.blob_size;
+        for tag in ["chat", "long"] {
+            let input = ids(name, tag);
+            for mode in [ScoreMode::Prefill, ScoreMode::Decode] {
+                let want = score(&resident, &input, mode, 64, false).unwrap();
+                for slots in [a.moe.top_k, total.div_ceil(10)] {
+                    let (model, store) = streaming(&path, slots);
+                    let got = score(&model, &input, mode, 64, false).unwrap();
+                    assert!(got.logits == want.logits, "{name} {tag} {mode:?} with {slots} slots: logits differ");
+                    for (l, r) in &want.routes {
+                        assert_eq!(got.routes[l].experts, r.experts);
+                        assert!(got.routes[l].weights == r.weights);
+                    }
+                    // Counters agree: every expert use is a hit or a miss; every miss is one blob read.
+                    let s = store.stats();
+                    let uses: u64 = match mode {
+                        // Decode: each token uses k distinct experts per MoE layer.
+                        ScoreMode::Decode => (input.len() * a.moe.top_k * a.moe_layers().len()) as u64,
+                        // Prefill: each layer of each chunk fetches the union of its tokens' experts once.
+                        ScoreMode::Prefill => {
+                            let mut n = 0u64;
+                            for r in want.routes.values() {
+                                for chunk in r.experts.chunks(64 * a.moe.top_k) {
+                                    let mut u: Vec<i32> = chunk.to_vec();
+                                    u.sort();
+                                    u.dedup();
+                                    n += u.len() as u64;
+                                }
+                            }
+                            n
+                        }
+                    };
+                    assert_eq!(s.hits + s.misses, uses, "{name} {tag} {mode:?} {slots}");
+                    assert_eq!(s.bytes_read, s.misses * blob, "{name} {tag} {mode:?} {slots}");
+                    assert!(s.misses > 0);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_big_enough_cache_stops_reading() {
+    let path = vault("qwen3_moe", Format::Q8_0, Format::Q8_0);
+    let (model, store) = streaming(&path, 10_000);
+    let input = ids("qwen3_moe", "long");
+    let r = score(&model, &input, ScoreMode::Decode, 64, false).unwrap();
+    let first = store.stats();
+    let distinct: usize = r
+        .routes
+        .values()
+        .map(|l| {
+            let mut e = l.experts.clone();
+            e.sort();
+            e.dedup();
+            e.len()
+        })
+        .sum();
+    assert_eq!(first.misses as usize, distinct, "each expert used is read exactly once");
+    score(&model, &input, ScoreMode::Decode, 64, false).unwrap();
+    let second = store.stats().since(&first);
+    assert_eq!(second.misses, 0, "the cache persists across requests");
+}
+
+#[test]
+fn injected_read_error_fails_one_request_and_the_engine_recovers() {
+    let path = vault("mixtral", Format::Q8_0, Format::Q8_0);
+    let input = ids("mixtral", "chat");
+    let (reference, _) = streaming(&path, 4);
+    let want = score(&reference, &input, ScoreMode::Decode, 64, false).unwrap();
+    // A cold store must read the first token's layer-1 experts: make one of them fail.
+    let (model, store) = streaming(&path, 4);
+    let victim = want.routes[&1].experts[0] as usize;
+    store.inject_read_error(1, victim);
+    let want = want.logits;
+    let e = score(&model, &input, ScoreMode::Decode, 64, false).unwrap_err().to_string();
+    assert!(e.contains(&format!("expert {victim} of layer 1")) && e.contains("Input/output error"), "{e}");
+    let again = score(&model, &input, ScoreMode::Decode, 64, false).unwrap().logits;
+    assert!(again == want, "the next request is unaffected");
+}
+
+#[test]
+fn truncated_and_corrupted_vaults_are_reported_not_computed_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("m.smoe");
+    std::fs::copy(vault("qwen3_moe", Format::Q8_0, Format::Q8_0), &path).unwrap();
+    let original = std::fs::read(&path).unwrap();
+    let (model, _store) = streaming(&path, 2);
+    let input = ids("qwen3_moe", "chat");
+    let want = score(&model, &input, ScoreMode::Prefill, 64, false).unwrap().logits;
+    // Truncate after opening: the experts of the last layer are gone.
+    let v = Vault::open(&path).unwrap();
+    let cut = v.blob(3, 0).unwrap().offset;
+    std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(cut).unwrap();
+    let e = score(&model, &input, ScoreMode::Prefill, 64, false).unwrap_err().to_string();
+    assert!(e.contains("of layer 3"), "{e}");
+    std::fs::write(&path, &original).unwrap();
+    assert!(score(&model, &input, ScoreMode::Prefill, 64, false).unwrap().logits == want);
+    // Corrupt one blob: its checksum fails and it is never used.
+    let loc = v.blob(2, 5).unwrap();
+    let mut bad = original.clone();
+    bad[loc.offset as usize + 100] ^= 0x55;
+    std::fs::write(&path, &bad).unwrap();
+    let (model2, _s2) = streaming(&path, 2);
+    let e = score(&model2, &input, ScoreMode::Prefill, 64, false).unwrap_err().to_string();
+    assert!(e.contains("expert 5 of layer 2 failed its checksum"), "{e}");
+    std::fs::write(&path, &original).unwrap();
+    assert!(score(&model2, &input, ScoreMode::Prefill, 64, false).unwrap().logits == want);
+}
+
+#[test]
+fn lookahead_prefetch_changes_no_numbers() {
+    let path = vault("deepseek_v3", Format::Q8_0, Format::Q8_0);
+    let input = ids("deepseek_v3", "long");
+    let (plain, _) = streaming(&path, 4);
+    let want = score(&plain, &input, ScoreMode::Decode, 64, false).unwrap().logits;
+    let (mut model, store) = streaming(&path, 4);
+    model.set_lookahead(true);
+    let got = score(&model, &input, ScoreMode::Decode, 64, false).unwrap().logits;
+    assert!(got == want);
+    let s = store.stats();
+    assert!(s.prefetch_issued > 0 && s.prefetch_used > 0, "{s:?}");
+    assert!(s.hits + s.misses == (input.len() * 2 * 2) as u64);
+}

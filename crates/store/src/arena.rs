@@ -1,0 +1,91 @@
+//! The cache's memory: one allocation of equal, aligned slots that the kernel reads into
+//! directly (O_DIRECT needs aligned buffers, offsets and lengths).
+
+use crate::StoreError;
+use std::alloc::{alloc, dealloc, Layout};
+use std::ptr::NonNull;
+
+/// `slots` slots of `slot_size` bytes, each aligned to `align`.
+pub struct Arena {
+    ptr: NonNull<u8>,
+    layout: Layout,
+    slot_size: usize,
+    slots: usize,
+}
+
+// SAFETY: the arena is plain memory; the store hands out disjoint slots and synchronises access
+// to each slot through its pin counts and read completions.
+unsafe impl Send for Arena {}
+unsafe impl Sync for Arena {}
+
+impl Arena {
+    /// Allocates the arena. Pages are touched only when read into, so an unused arena costs
+    /// address space, not memory.
+    pub fn new(slots: usize, slot_size: usize, align: usize) -> Result<Arena, StoreError> {
+        if slots == 0 || slot_size == 0 || !slot_size.is_multiple_of(align) {
+            return Err(StoreError::Config(format!("bad arena: {slots} slots of {slot_size} bytes, alignment {align}")));
+        }
+        let size = slots.checked_mul(slot_size).ok_or_else(|| StoreError::Config("arena size overflows".into()))?;
+        let layout = Layout::from_size_align(size, align).map_err(|e| StoreError::Config(format!("arena layout: {e}")))?;
+        // SAFETY: `layout` has a non-zero size (checked above).
+        let ptr = unsafe { alloc(layout) };
+        let ptr = NonNull::new(ptr).ok_or_else(|| StoreError::Config(format!("cannot allocate a {size}-byte expert cache")))?;
+        Ok(Arena { ptr, layout, slot_size, slots })
+    }
+
+    /// Number of slots.
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
+
+    /// Bytes per slot.
+    pub fn slot_size(&self) -> usize {
+        self.slot_size
+    }
+
+    /// Where slot `i` starts, for the kernel to read into.
+    pub fn slot_ptr(&self, i: usize) -> *mut u8 {
+        assert!(i < self.slots, "slot {i} out of range");
+        // SAFETY: `i < slots`, so the offset stays inside the allocation.
+        unsafe { self.ptr.as_ptr().add(i * self.slot_size) }
+    }
+
+    /// The bytes of slot `i`.
+    ///
+    /// # Safety
+    /// No read may be in flight into slot `i`, and nobody may write it while the slice lives
+    /// (the store guarantees both by pinning).
+    pub unsafe fn slot(&self, i: usize) -> &[u8] {
+        // SAFETY: in bounds (slot_ptr checks); the caller guarantees no concurrent writes.
+        unsafe { std::slice::from_raw_parts(self.slot_ptr(i), self.slot_size) }
+    }
+}
+
+impl Drop for Arena {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout.
+        unsafe { dealloc(self.ptr.as_ptr(), self.layout) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_are_aligned_and_disjoint() {
+        let a = Arena::new(5, 8192, 4096).unwrap();
+        for i in 0..5 {
+            assert_eq!(a.slot_ptr(i) as usize % 4096, 0);
+            // SAFETY: nothing else touches the arena in this test.
+            unsafe { std::ptr::write_bytes(a.slot_ptr(i), i as u8, 8192) };
+        }
+        for i in 0..5 {
+            // SAFETY: no reads in flight.
+            let s = unsafe { a.slot(i) };
+            assert!(s.iter().all(|&b| b == i as u8));
+        }
+        assert!(Arena::new(0, 4096, 4096).is_err());
+        assert!(Arena::new(2, 100, 4096).is_err());
+    }
+}

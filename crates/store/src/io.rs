@@ -1,0 +1,352 @@
+//! Reading blobs into slots: io_uring with a deep queue where the kernel allows it, otherwise a
+//! pool of threads doing `pread`. Files are opened with O_DIRECT (Linux) or F_NOCACHE (macOS)
+//! so expert reads neither pollute nor depend on the page cache; where the filesystem refuses
+//! O_DIRECT, reads fall back to buffered I/O (logged once).
+
+use std::fs::File;
+use std::io;
+use std::path::Path;
+
+/// One read: `len` bytes at `offset` into `buf`, identified by `tag`.
+#[derive(Clone, Copy, Debug)]
+pub struct ReadReq {
+    /// Caller's identifier, returned with the completion.
+    pub tag: usize,
+    /// File offset (aligned for O_DIRECT).
+    pub offset: u64,
+    /// Bytes to read (aligned for O_DIRECT).
+    pub len: usize,
+    /// Destination (aligned for O_DIRECT); must stay valid until the completion is reaped.
+    pub buf: *mut u8,
+}
+
+// SAFETY: a ReadReq is a description of a read; the buffer it points to is owned by the store,
+// which keeps it alive and untouched until the read's completion has been reaped.
+unsafe impl Send for ReadReq {}
+
+/// A completed read.
+pub type Completion = (usize, io::Result<()>);
+
+/// An asynchronous reader of one file.
+pub trait ReadEngine: Send {
+    /// `io_uring` or `pread pool`, and whether O_DIRECT is on.
+    fn describe(&self) -> String;
+    /// Reads the engine keeps in flight at most.
+    fn depth(&self) -> usize;
+    /// Queues reads (beyond `depth`, they wait their turn).
+    fn submit(&mut self, reqs: &[ReadReq]) -> io::Result<()>;
+    /// Blocks until at least one queued read completes (returns at once if none is queued),
+    /// appending completions to `out`.
+    fn reap(&mut self, out: &mut Vec<Completion>) -> io::Result<()>;
+    /// Reads queued or in flight.
+    fn pending(&self) -> usize;
+}
+
+/// How the file ended up being opened.
+pub struct OpenedFile {
+    /// The file.
+    pub file: File,
+    /// Whether the page cache is bypassed.
+    pub direct: bool,
+}
+
+/// Opens `path` for direct reads when the platform and filesystem allow, buffered otherwise.
+pub fn open_direct(path: &Path, align: usize) -> io::Result<OpenedFile> {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        if let Ok(file) = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path) {
+            // Some filesystems accept the flag at open and refuse the first read: probe one.
+            if probe_read(&file, align) {
+                return Ok(OpenedFile { file, direct: true });
+            }
+        }
+        tracing::warn!("{}: the filesystem refuses O_DIRECT; expert reads go through the page cache", path.display());
+        Ok(OpenedFile { file: File::open(path)?, direct: false })
+    }
+    #[cfg(target_os = "macos")]
+    {
+        use std::os::unix::io::AsRawFd;
+        let file = File::open(path)?;
+        let _ = align;
+        // SAFETY: fcntl on a valid, owned descriptor; F_NOCACHE takes an int argument.
+        let rc = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_NOCACHE, 1) };
+        Ok(OpenedFile { file, direct: rc == 0 })
+    }
+    #[cfg(not(any(target_os = "linux", target_os = "macos")))]
+    {
+        let _ = align;
+        Ok(OpenedFile { file: File::open(path)?, direct: false })
+    }
+}
+
+#[cfg(target_os = "linux")]
+fn probe_read(file: &File, align: usize) -> bool {
+    use std::os::unix::fs::FileExt;
+    let Ok(arena) = crate::arena::Arena::new(1, align, align) else { return false };
+    // SAFETY: the arena slot is ours alone for the duration of this probe.
+    let buf = unsafe { std::slice::from_raw_parts_mut(arena.slot_ptr(0), align) };
+    file.read_at(buf, 0).is_ok()
+}
+
+/// Reads `len` bytes at `offset` into `buf`, retrying short reads; a read past the end of the
+/// file is an `UnexpectedEof` error.
+fn pread_exact(file: &File, req: &ReadReq) -> io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    // SAFETY: the store guarantees `buf` is valid for `len` bytes and untouched until this
+    // read's completion is reaped.
+    let buf = unsafe { std::slice::from_raw_parts_mut(req.buf, req.len) };
+    file.read_exact_at(buf, req.offset)
+}
+
+/// A pool of threads doing blocking `pread`s.
+pub struct PreadPool {
+    tx: Option<std::sync::mpsc::Sender<ReadReq>>,
+    rx: std::sync::mpsc::Receiver<Completion>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+    pending: usize,
+    direct: bool,
+}
+
+impl PreadPool {
+    /// `threads` readers of `file`.
+    pub fn new(file: File, direct: bool, threads: usize) -> io::Result<PreadPool> {
+        let file = std::sync::Arc::new(file);
+        let (tx, req_rx) = std::sync::mpsc::channel::<ReadReq>();
+        let req_rx = std::sync::Arc::new(std::sync::Mutex::new(req_rx));
+        let (done_tx, rx) = std::sync::mpsc::channel();
+        let mut handles = Vec::new();
+        for i in 0..threads.max(1) {
+            let (file, req_rx, done_tx) = (file.clone(), req_rx.clone(), done_tx.clone());
+            handles.push(std::thread::Builder::new().name(format!("smoe-read-{i}")).spawn(move || loop {
+                let next = req_rx.lock().unwrap().recv();
+                let Ok(req) = next else { break };
+                if done_tx.send((req.tag, pread_exact(&file, &req))).is_err() {
+                    break;
+                }
+            })?);
+        }
+        Ok(PreadPool { tx: Some(tx), rx, threads: handles, pending: 0, direct })
+    }
+}
+
+impl ReadEngine for PreadPool {
+    fn describe(&self) -> String {
+        format!("pread pool ({} threads{})", self.threads.len(), if self.direct { ", direct" } else { ", buffered" })
+    }
+    fn depth(&self) -> usize {
+        self.threads.len()
+    }
+    fn submit(&mut self, reqs: &[ReadReq]) -> io::Result<()> {
+        for r in reqs {
+            self.tx.as_ref().unwrap().send(*r).map_err(|_| io::Error::other("reader threads are gone"))?;
+            self.pending += 1;
+        }
+        Ok(())
+    }
+    fn reap(&mut self, out: &mut Vec<Completion>) -> io::Result<()> {
+        if self.pending == 0 {
+            return Ok(());
+        }
+        let first = self.rx.recv().map_err(|_| io::Error::other("reader threads are gone"))?;
+        out.push(first);
+        self.pending -= 1;
+        while let Ok(c) = self.rx.try_recv() {
+            out.push(c);
+            self.pending -= 1;
+        }
+        Ok(())
+    }
+    fn pending(&self) -> usize {
+        self.pending
+    }
+}
+
+impl Drop for PreadPool {
+    fn drop(&mut self) {
+        // Let in-flight reads finish before their buffers can go away.
+        while self.pending > 0 {
+            if self.rx.recv().is_err() {
+                break;
+            }
+            self.pending -= 1;
+        }
+        self.tx = None;
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+#[cfg(target_os = "linux")]
+pub use uring::Uring;
+
+#[cfg(target_os = "linux")]
+mod uring {
+    use super::{Completion, ReadEngine, ReadReq};
+    use io_uring::{opcode, types, IoUring};
+    use std::collections::{HashMap, VecDeque};
+    use std::fs::File;
+    use std::io;
+    use std::os::unix::io::AsRawFd;
+
+    /// io_uring reads with up to `depth` in flight.
+    pub struct Uring {
+        ring: IoUring,
+        file: File,
+        depth: usize,
+        queued: VecDeque<ReadReq>,
+        /// In flight, by slot tag: the request and bytes already read (short reads resume).
+        inflight: HashMap<usize, (ReadReq, usize)>,
+        direct: bool,
+    }
+
+    impl Uring {
+        /// A ring of `depth` entries over `file`; fails where io_uring is unavailable.
+        pub fn new(file: File, direct: bool, depth: usize) -> io::Result<Uring> {
+            let ring = IoUring::new(depth.next_power_of_two() as u32)?;
+            Ok(Uring { ring, file, depth, queued: VecDeque::new(), inflight: HashMap::new(), direct })
+        }
+
+        fn push(&mut self, r: ReadReq, done: usize) -> io::Result<()> {
+            let e = opcode::Read::new(types::Fd(self.file.as_raw_fd()), r.buf.wrapping_add(done), (r.len - done) as u32)
+                .offset(r.offset + done as u64)
+                .build()
+                .user_data(r.tag as u64);
+            // SAFETY: the buffer stays valid and untouched until the completion is reaped (the
+            // store's contract for ReadReq), and the fd lives as long as the ring.
+            unsafe { self.ring.submission().push(&e).map_err(|_| io::Error::other("submission queue full"))? };
+            self.inflight.insert(r.tag, (r, done));
+            Ok(())
+        }
+
+        fn fill(&mut self) -> io::Result<()> {
+            while self.inflight.len() < self.depth {
+                let Some(r) = self.queued.pop_front() else { break };
+                self.push(r, 0)?;
+            }
+            self.ring.submit()?;
+            Ok(())
+        }
+    }
+
+    impl ReadEngine for Uring {
+        fn describe(&self) -> String {
+            format!("io_uring (depth {}{})", self.depth, if self.direct { ", direct" } else { ", buffered" })
+        }
+        fn depth(&self) -> usize {
+            self.depth
+        }
+        fn submit(&mut self, reqs: &[ReadReq]) -> io::Result<()> {
+            self.queued.extend(reqs.iter().copied());
+            self.fill()
+        }
+        fn reap(&mut self, out: &mut Vec<Completion>) -> io::Result<()> {
+            if self.inflight.is_empty() && self.queued.is_empty() {
+                return Ok(());
+            }
+            let before = out.len();
+            while out.len() == before {
+                if self.inflight.is_empty() {
+                    self.fill()?;
+                }
+                self.ring.submit_and_wait(1)?;
+                let done: Vec<(usize, i32)> = self.ring.completion().map(|c| (c.user_data() as usize, c.result())).collect();
+                for (tag, res) in done {
+                    let Some((req, already)) = self.inflight.remove(&tag) else { continue };
+                    if res < 0 {
+                        out.push((tag, Err(io::Error::from_raw_os_error(-res))));
+                    } else if res == 0 {
+                        out.push((tag, Err(io::Error::new(io::ErrorKind::UnexpectedEof, "read past the end of the vault"))));
+                    } else if already + res as usize >= req.len {
+                        out.push((tag, Ok(())));
+                    } else {
+                        self.push(req, already + res as usize)?;
+                    }
+                }
+                self.fill()?;
+            }
+            Ok(())
+        }
+        fn pending(&self) -> usize {
+            self.inflight.len() + self.queued.len()
+        }
+    }
+
+    impl Drop for Uring {
+        fn drop(&mut self) {
+            // In-flight reads target slots that may be freed after us: wait them out.
+            while !self.inflight.is_empty() {
+                if self.ring.submit_and_wait(1).is_err() {
+                    break;
+                }
+                let done: Vec<usize> = self.ring.completion().map(|c| c.user_data() as usize).collect();
+                for t in done {
+                    self.inflight.remove(&t);
+                }
+            }
+        }
+    }
+}
+
+/// Which engine to use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IoKind {
+    /// io_uring where available, else the pread pool.
+    Auto,
+    /// Always the pread pool.
+    Pool,
+}
+
+/// Opens the best available engine over `path` with `depth` reads in flight.
+pub fn engine(path: &Path, align: usize, depth: usize, kind: IoKind) -> io::Result<Box<dyn ReadEngine>> {
+    let opened = open_direct(path, align)?;
+    #[cfg(target_os = "linux")]
+    if kind == IoKind::Auto {
+        match Uring::new(opened.file.try_clone()?, opened.direct, depth) {
+            Ok(u) => return Ok(Box::new(u)),
+            Err(e) => tracing::warn!("io_uring unavailable ({e}); using a pread thread pool"),
+        }
+    }
+    let _ = kind;
+    Ok(Box::new(PreadPool::new(opened.file, opened.direct, depth.min(16))?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::arena::Arena;
+
+    fn check_engine(mut e: Box<dyn ReadEngine>, path: &Path) {
+        let data = std::fs::read(path).unwrap();
+        let a = Arena::new(8, 8192, 4096).unwrap();
+        let reqs: Vec<ReadReq> =
+            (0..8).map(|i| ReadReq { tag: i, offset: ((7 - i) * 8192) as u64, len: 8192, buf: a.slot_ptr(i) }).collect();
+        e.submit(&reqs).unwrap();
+        let mut done = Vec::new();
+        while done.len() < 8 {
+            e.reap(&mut done).unwrap();
+        }
+        for (tag, r) in &done {
+            r.as_ref().unwrap();
+            // SAFETY: the read into this slot has completed.
+            let s = unsafe { a.slot(*tag) };
+            assert_eq!(s, &data[(7 - tag) * 8192..(8 - tag) * 8192], "{}", e.describe());
+        }
+        // A read past the end is an error, not a hang or a panic.
+        e.submit(&[ReadReq { tag: 99, offset: data.len() as u64, len: 4096, buf: a.slot_ptr(0) }]).unwrap();
+        let mut done = Vec::new();
+        e.reap(&mut done).unwrap();
+        assert!(done[0].1.is_err(), "{}", e.describe());
+    }
+
+    #[test]
+    fn engines_read_what_the_file_holds() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        let data: Vec<u8> = (0..8 * 8192u32).map(|i| (i * 31 % 251) as u8).collect();
+        std::fs::write(&path, &data).unwrap();
+        check_engine(engine(&path, 4096, 16, IoKind::Auto).unwrap(), &path);
+        check_engine(engine(&path, 4096, 4, IoKind::Pool).unwrap(), &path);
+    }
+}

@@ -1,0 +1,404 @@
+//! The streaming expert store: a fixed arena of slots holding the most useful experts, filled
+//! from the vault on demand. See [`ExpertStore::with_experts`] for the order of work.
+
+use crate::arena::Arena;
+use crate::io::{self, Completion, IoKind, ReadEngine, ReadReq};
+use crate::policy::{EvictionPolicy, Key, PolicyKind};
+use crate::{BlobLayout, ExpertSource, ExpertView, StoreError, StoreStats};
+use smoe_vault::Vault;
+use std::sync::Mutex;
+use std::time::Instant;
+
+/// How to build a store.
+#[derive(Clone, Debug)]
+pub struct StoreOptions {
+    /// Slots in the cache (clamped to `[top_k, all experts]`).
+    pub slots: usize,
+    /// Eviction policy.
+    pub policy: PolicyKind,
+    /// Reads in flight at most.
+    pub queue_depth: usize,
+    /// io_uring or the pread pool.
+    pub io: IoKind,
+    /// Verify each blob's checksum when it is read.
+    pub verify: bool,
+}
+
+impl StoreOptions {
+    /// Defaults for a cache of `slots` experts.
+    pub fn with_slots(slots: usize) -> StoreOptions {
+        StoreOptions { slots, policy: PolicyKind::ReuseDistance, queue_depth: 32, io: IoKind::Auto, verify: true }
+    }
+}
+
+const NONE: u32 = u32::MAX;
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum SlotState {
+    Empty,
+    /// A read is in flight; `demand` if a request waits for it, else a prefetch.
+    Loading {
+        demand: bool,
+    },
+    Ready,
+}
+
+struct Slot {
+    key: Option<Key>,
+    state: SlotState,
+    pins: u32,
+    /// Loaded by a prefetch and not used since.
+    prefetched: bool,
+}
+
+struct Inner {
+    engine: Box<dyn ReadEngine>,
+    slots: Vec<Slot>,
+    /// Key index (`layer * experts + expert`) to slot.
+    map: Vec<u32>,
+    free: Vec<usize>,
+    policy: Box<dyn EvictionPolicy>,
+    stats: StoreStats,
+    /// Test hook: keys whose next read fails with EIO.
+    fail_next: Vec<Key>,
+    // Scratch, reused across calls.
+    candidates: Vec<(usize, Key)>,
+    victims: Vec<usize>,
+    completions: Vec<Completion>,
+    reqs: Vec<ReadReq>,
+}
+
+/// The streaming store.
+pub struct ExpertStore {
+    inner: Mutex<Inner>,
+    arena: Arena,
+    layout: BlobLayout,
+    /// Per MoE layer ordinal and expert: (file offset, checksum).
+    blobs: Vec<(u64, u64)>,
+    /// Decoder layer to MoE ordinal.
+    ordinal: Vec<u32>,
+    experts: usize,
+    verify: bool,
+    io_desc: String,
+}
+
+impl ExpertStore {
+    /// Opens a store over `vault` without reading any expert.
+    pub fn open(vault: &Vault, opts: &StoreOptions) -> Result<ExpertStore, StoreError> {
+        let layout = BlobLayout::of(vault);
+        let arch = vault.architecture();
+        let moe = arch.moe_layers();
+        let experts = arch.moe.num_experts;
+        let total = moe.len() * experts;
+        let slots = opts.slots.clamp(arch.moe.top_k.min(total).max(1), total.max(1));
+        let mut ordinal = vec![NONE; arch.num_layers];
+        let mut blobs = Vec::with_capacity(total);
+        for (i, &l) in moe.iter().enumerate() {
+            ordinal[l] = i as u32;
+            for e in 0..experts {
+                let b = vault.blob(l, e).map_err(|source| StoreError::Read { layer: l, expert: e, source })?;
+                blobs.push((b.offset, b.checksum));
+            }
+        }
+        let align = vault.header().alignment as usize;
+        let arena = Arena::new(slots, layout.blob_size, align)?;
+        let engine = io::engine(vault.path(), align, opts.queue_depth.max(1), opts.io)
+            .map_err(|e| StoreError::Config(format!("{}: {e}", vault.path().display())))?;
+        let io_desc = engine.describe();
+        let inner = Inner {
+            engine,
+            slots: (0..slots).map(|_| Slot { key: None, state: SlotState::Empty, pins: 0, prefetched: false }).collect(),
+            map: vec![NONE; total],
+            free: (0..slots).rev().collect(),
+            policy: opts.policy.build(moe.len(), experts),
+            stats: StoreStats::default(),
+            fail_next: Vec::new(),
+            candidates: Vec::new(),
+            victims: Vec::new(),
+            completions: Vec::new(),
+            reqs: Vec::new(),
+        };
+        Ok(ExpertStore { inner: Mutex::new(inner), arena, layout, blobs, ordinal, experts, verify: opts.verify, io_desc })
+    }
+
+    /// Slots in the cache.
+    pub fn slots(&self) -> usize {
+        self.arena.slots()
+    }
+
+    /// Bytes of the cache.
+    pub fn cache_bytes(&self) -> u64 {
+        (self.arena.slots() * self.arena.slot_size()) as u64
+    }
+
+    /// The I/O engine in use.
+    pub fn io_description(&self) -> &str {
+        &self.io_desc
+    }
+
+    /// Test hook: the next read of this (decoder layer, expert) fails with EIO.
+    #[doc(hidden)]
+    pub fn inject_read_error(&self, layer: usize, expert: usize) {
+        let key = Key { layer: self.ordinal[layer], expert: expert as u32 };
+        self.inner.lock().unwrap().fail_next.push(key);
+    }
+
+    fn key_index(&self, k: Key) -> usize {
+        k.layer as usize * self.experts + k.expert as usize
+    }
+
+    fn decoder_layer(&self, ordinal: u32) -> usize {
+        self.ordinal.iter().position(|&o| o == ordinal).unwrap_or(0)
+    }
+
+    /// Frees up to `n` slots for layer ordinal `now`, never touching pinned or loading slots.
+    fn make_room(&self, inner: &mut Inner, now: u32, n: usize) {
+        if inner.free.len() >= n {
+            return;
+        }
+        let need = n - inner.free.len();
+        let Inner { slots, candidates, victims, policy, .. } = inner;
+        candidates.clear();
+        candidates
+            .extend(slots.iter().enumerate().filter(|(_, s)| s.pins == 0 && s.state == SlotState::Ready).map(|(i, s)| (i, s.key.unwrap())));
+        policy.victims(now, candidates, need, victims);
+        let victims = std::mem::take(&mut inner.victims);
+        for &s in &victims {
+            let key = inner.slots[s].key.take().unwrap();
+            if inner.slots[s].prefetched {
+                inner.stats.prefetch_wasted += 1;
+            }
+            let ki = self.key_index(key);
+            inner.map[ki] = NONE;
+            inner.slots[s] = Slot { key: None, state: SlotState::Empty, pins: 0, prefetched: false };
+            inner.free.push(s);
+        }
+        inner.victims = victims;
+    }
+
+    /// Starts reading `key` into a free slot (the caller made room). Returns the slot.
+    fn start_read(&self, inner: &mut Inner, key: Key, demand: bool) -> usize {
+        let s = inner.free.pop().expect("make_room left a free slot");
+        let ki = self.key_index(key);
+        inner.map[ki] = s as u32;
+        inner.slots[s] = Slot { key: Some(key), state: SlotState::Loading { demand }, pins: 0, prefetched: !demand };
+        let (offset, _) = self.blobs[ki];
+        inner.reqs.push(ReadReq { tag: s, offset, len: self.layout.blob_size, buf: self.arena.slot_ptr(s) });
+        s
+    }
+
+    fn flush_reads(&self, inner: &mut Inner) -> Result<(), StoreError> {
+        if inner.reqs.is_empty() {
+            return Ok(());
+        }
+        let reqs = std::mem::take(&mut inner.reqs);
+        inner.stats.reads += reqs.len() as u64;
+        let r = inner.engine.submit(&reqs);
+        inner.reqs = reqs;
+        inner.reqs.clear();
+        r.map_err(|e| StoreError::Config(format!("submitting reads: {e}")))
+    }
+
+    /// Waits for at least one completion; marks slots ready, or forgets them on error (nothing
+    /// is ever computed on a failed or corrupt blob). Appends `(slot, ok)` to `done`.
+    fn reap(&self, inner: &mut Inner, done: &mut Vec<(usize, bool)>) -> Result<(), StoreError> {
+        let t0 = Instant::now();
+        inner.stats.inflight_samples += 1;
+        inner.stats.inflight_sum += inner.engine.pending() as u64;
+        let mut comps = std::mem::take(&mut inner.completions);
+        comps.clear();
+        let r = inner.engine.reap(&mut comps);
+        inner.stats.wait_seconds += t0.elapsed().as_secs_f64();
+        r.map_err(|e| StoreError::Config(format!("waiting for reads: {e}")))?;
+        let mut first_err = None;
+        for (s, res) in comps.drain(..) {
+            let Some(key) = inner.slots[s].key else { continue };
+            let (layer, expert) = (self.decoder_layer(key.layer), key.expert as usize);
+            let injected = match inner.fail_next.iter().position(|k| *k == key) {
+                Some(i) => {
+                    inner.fail_next.swap_remove(i);
+                    true
+                }
+                None => false,
+            };
+            let io_err = |e: std::io::Error| StoreError::Read {
+                layer,
+                expert,
+                source: smoe_vault::VaultError::Io { path: "expert blob".into(), source: e },
+            };
+            let outcome = match res {
+                Err(e) => Err(io_err(e)),
+                Ok(()) if injected => Err(io_err(std::io::Error::from_raw_os_error(libc::EIO))),
+                Ok(()) => {
+                    inner.stats.bytes_read += self.layout.blob_size as u64;
+                    // SAFETY: the read into slot `s` has completed and nothing writes it now.
+                    let blob = unsafe { self.arena.slot(s) };
+                    if self.verify && xxhash_rust::xxh3::xxh3_64(blob) != self.blobs[self.key_index(key)].1 {
+                        Err(StoreError::Checksum { layer, expert })
+                    } else {
+                        Ok(())
+                    }
+                }
+            };
+            match outcome {
+                Ok(()) => {
+                    inner.slots[s].state = SlotState::Ready;
+                    done.push((s, true));
+                }
+                Err(e) => {
+                    let ki = self.key_index(key);
+                    inner.map[ki] = NONE;
+                    inner.slots[s] = Slot { key: None, state: SlotState::Empty, pins: 0, prefetched: false };
+                    inner.free.push(s);
+                    done.push((s, false));
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        inner.completions = comps;
+        first_err.map_or(Ok(()), Err)
+    }
+
+    /// Starts low-priority reads of experts predicted for decoder layer `layer`: only into free
+    /// or evictable slots, and only while the queue has spare depth, so demand reads are never
+    /// delayed by more than the prefetches already in flight.
+    fn prefetch_reads(&self, layer: usize, experts: &[u32]) {
+        let Some(&ord) = self.ordinal.get(layer).filter(|&&o| o != NONE) else { return };
+        let mut guard = self.inner.lock().unwrap();
+        let inner = &mut *guard;
+        let budget = inner.engine.depth().saturating_sub(inner.engine.pending()) / 2;
+        let mut issued = 0;
+        for &e in experts {
+            if issued >= budget || e as usize >= self.experts {
+                break;
+            }
+            let key = Key { layer: ord, expert: e };
+            if inner.map[self.key_index(key)] != NONE {
+                continue;
+            }
+            self.make_room(inner, ord, 1);
+            if inner.free.is_empty() {
+                break;
+            }
+            self.start_read(inner, key, false);
+            inner.stats.prefetch_issued += 1;
+            issued += 1;
+        }
+        let _ = self.flush_reads(inner);
+    }
+}
+
+impl ExpertSource for ExpertStore {
+    fn layout(&self) -> &BlobLayout {
+        &self.layout
+    }
+
+    /// For one layer: pins the resident experts, issues reads for every missing one at once
+    /// (as many as fit; a request larger than the cache runs in waves), computes the resident
+    /// ones while the reads are in flight, then computes each missing expert as it lands.
+    fn with_experts(&self, layer: usize, experts: &[u32], f: &mut dyn FnMut(usize, ExpertView<'_>)) -> Result<(), StoreError> {
+        let ord = *self.ordinal.get(layer).filter(|&&o| o != NONE).ok_or(StoreError::NoSuchExpert { layer, expert: 0 })?;
+        if let Some(&e) = experts.iter().find(|&&e| e as usize >= self.experts) {
+            return Err(StoreError::NoSuchExpert { layer, expert: e as usize });
+        }
+        let mut guard = self.inner.lock().unwrap();
+        let inner = &mut *guard;
+        inner.policy.touch(ord, experts);
+        let mut todo: Vec<usize> = (0..experts.len()).collect();
+        let mut first_err: Option<StoreError> = None;
+        let (mut ready, mut wait, mut landed) = (Vec::new(), Vec::new(), Vec::new());
+        // Waves: a request larger than the cache (a long prefill chunk on a small cache) is
+        // served as many at a time as there are slots.
+        while !todo.is_empty() && first_err.is_none() {
+            ready.clear();
+            wait.clear();
+            let issued = Instant::now();
+            // 1. Pin what is resident (or already being prefetched).
+            todo.retain(|&i| {
+                let key = Key { layer: ord, expert: experts[i] };
+                let s = inner.map[self.key_index(key)];
+                if s == NONE {
+                    return true;
+                }
+                let slot = &mut inner.slots[s as usize];
+                slot.pins += 1;
+                if std::mem::take(&mut slot.prefetched) {
+                    inner.stats.prefetch_used += 1;
+                }
+                if slot.state == SlotState::Ready {
+                    inner.stats.hits += 1;
+                    ready.push((i, s as usize));
+                } else {
+                    // A prefetch still in flight: a miss whose read started early.
+                    inner.stats.misses += 1;
+                    inner.stats.prefetch_late += 1;
+                    slot.state = SlotState::Loading { demand: true };
+                    wait.push((s as usize, i));
+                }
+                false
+            });
+            // 2. Issue every missing read at once, as many as slots allow.
+            if !todo.is_empty() {
+                self.make_room(inner, ord, todo.len());
+                let n = todo.len().min(inner.free.len());
+                for i in todo.drain(..n) {
+                    let s = self.start_read(inner, Key { layer: ord, expert: experts[i] }, true);
+                    inner.slots[s].pins += 1;
+                    inner.stats.misses += 1;
+                    wait.push((s, i));
+                }
+                if let Err(e) = self.flush_reads(inner) {
+                    first_err.get_or_insert(e);
+                }
+                if ready.is_empty() && wait.is_empty() {
+                    // Every slot is busy with prefetches: let one finish.
+                    if let Err(e) = self.reap(inner, &mut landed) {
+                        first_err.get_or_insert(e);
+                    }
+                    landed.clear();
+                    continue;
+                }
+            }
+            // 3. Compute the resident experts while the reads are in flight.
+            for &(i, s) in &ready {
+                if first_err.is_none() {
+                    // SAFETY: slot `s` is ready and pinned; no read targets it until unpinned.
+                    f(i, self.layout.view(unsafe { self.arena.slot(s) }));
+                }
+                inner.slots[s].pins -= 1;
+            }
+            // 4. Compute each missing expert as it lands, in completion order. Every read this
+            // wave waits on is drained, even after an error, before the slots are let go.
+            let waited_for = !wait.is_empty();
+            while !wait.is_empty() {
+                landed.clear();
+                if let Err(e) = self.reap(inner, &mut landed) {
+                    first_err.get_or_insert(e);
+                }
+                for &(s, ok) in &landed {
+                    let Some(pos) = wait.iter().position(|&(ws, _)| ws == s) else { continue };
+                    let (_, i) = wait.swap_remove(pos);
+                    if ok {
+                        if first_err.is_none() {
+                            // SAFETY: the read into slot `s` completed and the slot is pinned.
+                            f(i, self.layout.view(unsafe { self.arena.slot(s) }));
+                        }
+                        inner.slots[s].pins -= 1;
+                    }
+                }
+            }
+            if waited_for {
+                inner.stats.busy_seconds += issued.elapsed().as_secs_f64();
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+
+    fn stats(&self) -> StoreStats {
+        self.inner.lock().unwrap().stats
+    }
+
+    fn prefetch(&self, layer: usize, experts: &[u32]) {
+        self.prefetch_reads(layer, experts)
+    }
+}
