@@ -22,7 +22,7 @@ fn check_fixture(name: &str) {
         let input = ids(&r[&format!("{tag}.input_ids")]);
         let expect = r[&format!("{tag}.logits")].f32();
         for mode in [ScoreMode::Prefill, ScoreMode::Decode] {
-            let out = score(&model, &input, mode, 64).unwrap();
+            let out = score(&model, &input, mode, 64, false).unwrap();
             let e = rel_err(&out.logits, expect);
             assert!(e < 1e-4, "{name} {tag} {mode:?}: logits rel err {e:.2e}");
             // Routing, layer by layer: same expert sets except at near-ties, same weights.
