@@ -1,5 +1,6 @@
 //! The `smoe` command: parses arguments and hands each subcommand to the library crates.
 
+mod cmd_bench;
 mod cmd_run;
 mod cmd_vault;
 mod progress;
@@ -37,12 +38,21 @@ enum Command {
     },
     /// Write a random-weight checkpoint with the exact shapes of a published model.
     Synth {
-        /// qwen3-30b-a3b, qwen3-235b-a22b, glm-4.5-air, mixtral-8x7b or deepseek-v3.
+        /// qwen3-30b-a3b, qwen3-235b-a22b, glm-4.5-air, glm-4.5, mixtral-8x7b or deepseek-v3.
         #[arg(long)]
         shape: String,
-        /// Output directory.
-        #[arg(short, long)]
-        out: PathBuf,
+        /// Output directory (a Hugging Face checkpoint).
+        #[arg(short, long, required_unless_present = "vault")]
+        out: Option<PathBuf>,
+        /// Convert straight into this vault instead, without writing bf16 safetensors.
+        #[arg(long)]
+        vault: Option<PathBuf>,
+        /// Expert format of the vault (with --vault).
+        #[arg(long, default_value = "Q4_K")]
+        experts: Format,
+        /// Dense format of the vault (with --vault).
+        #[arg(long, default_value = "Q8_0")]
+        dense: Format,
         /// Keep only the first N decoder layers.
         #[arg(long)]
         layers: Option<usize>,
@@ -55,6 +65,17 @@ enum Command {
         /// tokenizer.json to ship with the checkpoint (default: a small byte-level BPE).
         #[arg(long)]
         tokenizer: Option<PathBuf>,
+        /// Build the tokenizer from a GGUF vocabulary file instead (e.g. llama.cpp's
+        /// models/ggml-vocab-qwen2.gguf: the real Qwen2/Qwen3 vocabulary).
+        #[arg(long, conflicts_with = "tokenizer")]
+        vocab_gguf: Option<PathBuf>,
+    },
+    /// Write a vault as a GGUF file for llama.cpp, with the same quantized blocks.
+    ExportGguf {
+        vault: PathBuf,
+        /// Output GGUF file.
+        #[arg(short, long)]
+        out: PathBuf,
     },
     /// Describe a vault: architecture, formats, sizes.
     Inspect {
@@ -112,6 +133,40 @@ enum Command {
         #[command(flatten)]
         model: cmd_run::ModelArgs,
     },
+    /// Measure prefill and decode throughput, time to first token, bytes read and hit rate.
+    Bench {
+        vault: PathBuf,
+        /// Prompt length (random tokens).
+        #[arg(long, default_value_t = 512)]
+        prompt_tokens: usize,
+        /// Tokens to generate.
+        #[arg(long, default_value_t = 128)]
+        gen_tokens: usize,
+        /// Compute threads (default: all cores).
+        #[arg(long)]
+        threads: Option<usize>,
+        /// Prefill chunk size.
+        #[arg(long, default_value_t = 256)]
+        chunk: usize,
+        /// Runs; the best is reported (after a short warm-up run when > 1).
+        #[arg(long, default_value_t = 1)]
+        reps: usize,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        model: cmd_run::ModelArgs,
+    },
+    /// Measure this machine's memory read bandwidth (for the benchmark's physical limits).
+    #[command(hide = true)]
+    MemBandwidth {
+        /// Threads (default: all cores).
+        #[arg(long)]
+        threads: Option<usize>,
+        /// Buffer size in MiB.
+        #[arg(long, default_value_t = 2048)]
+        mib: usize,
+    },
     /// Shatter the bundled demo model and generate Python from it.
     Demo {
         /// Checkpoint to use instead of the bundled one.
@@ -139,15 +194,43 @@ fn run(cli: Cli) -> Result<()> {
         Command::Shatter { input, out, experts, dense, threads } => {
             cmd_vault::run_shatter(&input, &out, experts, dense, threads).map(|_| ())
         }
-        Command::Synth { shape, out, layers, seed, shard_gib, tokenizer } => {
-            let tokenizer_json = match tokenizer {
-                Some(p) => Some(std::fs::read_to_string(&p).map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?),
-                None => None,
+        Command::Synth { shape, out, vault, experts, dense, layers, seed, shard_gib, tokenizer, vocab_gguf } => {
+            let tokenizer_json = match (tokenizer, vocab_gguf) {
+                (Some(p), _) => Some(std::fs::read_to_string(&p).map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?),
+                (None, Some(g)) => Some(smoe_convert::gguf::vocab::tokenizer_json(&smoe_convert::gguf::Gguf::open(&g)?.meta)?),
+                (None, None) => None,
             };
             let opts =
                 smoe_convert::synth::SynthOptions { layers, seed, shard_bytes: (shard_gib * (1u64 << 30) as f64) as u64, tokenizer_json };
+            if let Some(v) = vault {
+                let sh = smoe_convert::ShatterOptions { experts, dense, threads: None, fail_after_blobs: None };
+                let r = smoe_convert::synth::synth_vault(&shape, &v, &opts, &sh, &progress::CliProgress::new())?;
+                eprintln!(
+                    "wrote {} in {:.1} s: dense {}, experts {} ({} per blob)",
+                    v.display(),
+                    r.seconds,
+                    cmd_vault::fmt_bytes(r.dense_bytes),
+                    cmd_vault::fmt_bytes(r.expert_bytes),
+                    cmd_vault::fmt_bytes(r.blob_size)
+                );
+                return Ok(());
+            }
+            let out = out.expect("clap requires --out without --vault");
             let r = smoe_convert::synth::synth(&shape, &out, &opts, &progress::CliProgress::new())?;
             eprintln!("wrote {} ({} tensors, {} shards, {})", out.display(), r.tensors, r.shards, cmd_vault::fmt_bytes(r.bytes));
+            Ok(())
+        }
+        Command::ExportGguf { vault, out } => {
+            cmd_run::exists(&vault)?;
+            let t0 = std::time::Instant::now();
+            let r = smoe_convert::gguf::export::export(&vault, &out, &progress::CliProgress::new())?;
+            eprintln!(
+                "wrote {} ({} tensors, {}) in {:.1} s",
+                out.display(),
+                r.tensors,
+                cmd_vault::fmt_bytes(r.bytes),
+                t0.elapsed().as_secs_f64()
+            );
             Ok(())
         }
         Command::Inspect { vault, json } => cmd_vault::run_inspect(&vault, json),
@@ -158,6 +241,10 @@ fn run(cli: Cli) -> Result<()> {
         Command::Run { vault, prompt, raw, system, no_think, json, gen, model } => {
             cmd_run::run_run(cmd_run::RunArgs { vault, model, prompt, raw, system, think: no_think.then_some(false), json, gen })
         }
+        Command::Bench { vault, prompt_tokens, gen_tokens, threads, chunk, reps, json, model } => {
+            cmd_bench::run_bench(&vault, prompt_tokens, gen_tokens, threads, chunk, reps, json, &model)
+        }
+        Command::MemBandwidth { threads, mib } => cmd_bench::mem_bandwidth(threads, mib),
         Command::Demo { model, prompt } => demo(model, &prompt),
     }
 }

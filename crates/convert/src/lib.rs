@@ -11,12 +11,13 @@ This crate owns conversion only: the vault format is `smoe-vault`'s and the bloc
 */
 #![deny(missing_docs)]
 
+pub mod gguf;
 pub mod hf;
 pub mod safetensors;
 mod shatter;
 pub mod synth;
 
-pub use shatter::{quantize_rows, shatter, ShatterOptions, ShatterReport};
+pub use shatter::{quantize_rows, shatter, shatter_from, ShatterOptions, ShatterReport, SourceAssets, TensorProvider};
 
 use std::path::Path;
 

@@ -6,7 +6,7 @@
 //! sequential into a temporary file that is renamed into place only when complete.
 
 use crate::hf::{self, hf_expert_names, hf_name};
-use crate::safetensors::{Checkpoint, DType, TensorInfo};
+use crate::safetensors::{Checkpoint, DType};
 use crate::{ConvertError, Progress};
 use rayon::prelude::*;
 use smoe_quant::Format;
@@ -59,33 +59,46 @@ pub struct ShatterReport {
 /// Source rows per dense chunk: bounds memory on huge embeddings and LM heads.
 const CHUNK_ELEMS: usize = 8 << 20;
 
-/// A checkpoint tensor, with the FP8 block scales it needs if it is float8.
-struct Source<'a> {
-    info: &'a TensorInfo,
-    scale_inv: Option<(Vec<f32>, usize)>,
+/// Where the values of a conversion come from: a checkpoint on disk, or a generator.
+pub trait TensorProvider: Sync {
+    /// Shape of a tensor, if the source has it.
+    fn shape(&self, name: &str) -> Option<Vec<usize>>;
+    /// Every tensor name.
+    fn names(&self) -> Vec<String>;
+    /// Rows `[start, start + n)` as f32 into `out` (`n * cols` long).
+    fn read_rows(&self, name: &str, start: usize, n: usize, out: &mut [f32]) -> Result<(), ConvertError>;
+    /// Bytes of source data (for progress).
+    fn source_bytes(&self, name: &str) -> u64;
 }
 
-impl<'a> Source<'a> {
-    fn new(ckpt: &'a Checkpoint, name: &str) -> Result<Source<'a>, ConvertError> {
-        let info = ckpt.tensors.get(name).ok_or_else(|| ConvertError::Missing(vec![name.to_string()]))?;
-        let scale_inv = if info.dtype == DType::F8E4M3 {
+thread_local! {
+    static RAW: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+impl TensorProvider for Checkpoint {
+    fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        self.tensors.get(name).map(|t| t.shape.clone())
+    }
+    fn names(&self) -> Vec<String> {
+        self.tensors.keys().cloned().collect()
+    }
+    fn source_bytes(&self, name: &str) -> u64 {
+        self.tensors.get(name).map_or(0, |t| t.len)
+    }
+    /// float8 tensors (DeepSeek-V3's published weights) are scaled by their 128x128 block
+    /// `_scale_inv` companion.
+    fn read_rows(&self, name: &str, start: usize, n: usize, out: &mut [f32]) -> Result<(), ConvertError> {
+        let info = self.tensors.get(name).ok_or_else(|| ConvertError::Missing(vec![name.to_string()]))?;
+        RAW.with(|raw| info.read_rows_f32(start, n, &mut raw.borrow_mut(), out))?;
+        if info.dtype == DType::F8E4M3 {
             let sname = format!("{name}_scale_inv");
-            let s = ckpt.tensors.get(&sname).ok_or_else(|| ConvertError::BadInput(format!("{name} is float8 but {sname} is missing")))?;
-            let blocks_per_row = info.cols().div_ceil(128);
-            if s.rows() != info.rows().div_ceil(128) || s.cols() != blocks_per_row {
+            let s = self.tensors.get(&sname).ok_or_else(|| ConvertError::BadInput(format!("{name} is float8 but {sname} is missing")))?;
+            let bpr = info.cols().div_ceil(128);
+            if s.rows() != info.rows().div_ceil(128) || s.cols() != bpr {
                 return Err(ConvertError::BadInput(format!("{sname} has shape {:?}, not 128x128 blocks of {:?}", s.shape, info.shape)));
             }
-            Some((s.read_f32()?, blocks_per_row))
-        } else {
-            None
-        };
-        Ok(Source { info, scale_inv })
-    }
-
-    fn read_rows(&self, start: usize, n: usize, raw: &mut Vec<u8>, out: &mut [f32]) -> Result<(), ConvertError> {
-        self.info.read_rows_f32(start, n, raw, out)?;
-        if let Some((scales, bpr)) = &self.scale_inv {
-            let cols = self.info.cols();
+            let scales = s.read_f32()?;
+            let cols = info.cols();
             for (r, row) in out.chunks_exact_mut(cols).enumerate() {
                 let srow = &scales[((start + r) / 128) * bpr..];
                 for (c, v) in row.iter_mut().enumerate() {
@@ -95,12 +108,15 @@ impl<'a> Source<'a> {
         }
         Ok(())
     }
+}
 
-    fn read_all(&self) -> Result<Vec<f32>, ConvertError> {
-        let mut out = vec![0f32; self.info.rows() * self.info.cols()];
-        self.read_rows(0, self.info.rows(), &mut Vec::new(), &mut out)?;
-        Ok(out)
-    }
+fn read_all(src: &dyn TensorProvider, name: &str) -> Result<Vec<f32>, ConvertError> {
+    let shape = src.shape(name).ok_or_else(|| ConvertError::Missing(vec![name.to_string()]))?;
+    let cols = *shape.last().unwrap_or(&1);
+    let rows = shape[..shape.len().saturating_sub(1)].iter().product::<usize>().max(1);
+    let mut out = vec![0f32; rows * cols];
+    src.read_rows(name, 0, rows, &mut out)?;
+    Ok(out)
 }
 
 /// Quantizes whole rows in parallel.
@@ -124,7 +140,7 @@ fn choose_format(requested: Format, cols: usize, what: &str, notes: &mut BTreeMa
 
 /// Checks that the checkpoint holds exactly the tensors the architecture needs, with the right
 /// shapes; lists everything missing, unexpected or misshapen.
-fn check_tensors(ckpt: &Checkpoint, arch: &Architecture) -> Result<(), ConvertError> {
+fn check_tensors(src: &dyn TensorProvider, arch: &Architecture) -> Result<(), ConvertError> {
     let mut expected: BTreeMap<String, Vec<usize>> = BTreeMap::new();
     for spec in names::dense_tensors(arch) {
         expected.insert(hf_name(arch.family, &spec.name), spec.shape.clone());
@@ -137,20 +153,20 @@ fn check_tensors(ckpt: &Checkpoint, arch: &Architecture) -> Result<(), ConvertEr
             }
         }
     }
-    let missing: Vec<String> = expected.keys().filter(|n| !ckpt.tensors.contains_key(*n)).cloned().collect();
+    let missing: Vec<String> = expected.keys().filter(|n| src.shape(n).is_none()).cloned().collect();
     if !missing.is_empty() {
         return Err(ConvertError::Missing(missing));
     }
-    let unexpected: Vec<String> = ckpt.tensors.keys().filter(|n| !expected.contains_key(*n) && !hf::is_ignored(n, arch)).cloned().collect();
+    let unexpected: Vec<String> = src.names().into_iter().filter(|n| !expected.contains_key(n) && !hf::is_ignored(n, arch)).collect();
     if !unexpected.is_empty() {
         return Err(ConvertError::Unexpected(unexpected));
     }
     for (n, shape) in &expected {
-        let t = &ckpt.tensors[n];
+        let found = src.shape(n).unwrap();
         // Qwen2-MoE's shared_expert_gate is [1, H]; a [H] vector is the same thing.
-        let same = &t.shape == shape || (shape.len() == 2 && shape[0] == 1 && t.shape == [shape[1]]);
+        let same = &found == shape || (shape.len() == 2 && shape[0] == 1 && found == [shape[1]]);
         if !same {
-            return Err(ConvertError::Shape { tensor: n.clone(), found: t.shape.clone(), expected: shape.clone() });
+            return Err(ConvertError::Shape { tensor: n.clone(), found, expected: shape.clone() });
         }
     }
     Ok(())
@@ -166,26 +182,59 @@ pub fn shatter(hf_dir: &Path, out: &Path, opts: &ShatterOptions, progress: &dyn 
 }
 
 fn shatter_in_pool(hf_dir: &Path, out: &Path, opts: &ShatterOptions, progress: &dyn Progress) -> Result<ShatterReport, ConvertError> {
-    let t0 = Instant::now();
     let config = hf::read_json(&hf_dir.join("config.json"))?;
-    let arch = hf::architecture_from_config(&config)?;
-    let text = hf::text_assets(hf_dir)?;
-    let generation = hf::generation_defaults(hf_dir, &config)?;
+    let assets = SourceAssets { text: hf::text_assets(hf_dir)?, generation: hf::generation_defaults(hf_dir, &config)?, config };
     let ckpt = Checkpoint::open(hf_dir)?;
-    check_tensors(&ckpt, &arch)?;
-    let total: u64 = ckpt.tensors.iter().filter(|(n, _)| !hf::is_ignored(n, &arch)).map(|(_, t)| t.len).sum();
+    convert(&ckpt, assets, out, opts, progress)
+}
+
+/// Everything but the tensors: config.json, tokenizer and template, generation defaults.
+pub struct SourceAssets {
+    /// config.json.
+    pub config: serde_json::Value,
+    /// Tokenizer files.
+    pub text: smoe_vault::TextAssets,
+    /// generation_config.json.
+    pub generation: smoe_vault::GenerationDefaults,
+}
+
+/// Converts tensors from any provider into the vault `out` (the shatter pipeline).
+pub fn shatter_from(
+    src: &dyn TensorProvider,
+    assets: SourceAssets,
+    out: &Path,
+    opts: &ShatterOptions,
+    progress: &dyn Progress,
+) -> Result<ShatterReport, ConvertError> {
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(opts.threads.unwrap_or(0))
+        .build()
+        .map_err(|e| ConvertError::Internal(e.to_string()))?;
+    pool.install(|| convert(src, assets, out, opts, progress))
+}
+
+fn convert(
+    ckpt: &dyn TensorProvider,
+    assets: SourceAssets,
+    out: &Path,
+    opts: &ShatterOptions,
+    progress: &dyn Progress,
+) -> Result<ShatterReport, ConvertError> {
+    let t0 = Instant::now();
+    let SourceAssets { config, text, generation } = assets;
+    let arch = hf::architecture_from_config(&config)?;
+    check_tensors(ckpt, &arch)?;
+    let total: u64 = ckpt.names().iter().filter(|n| !hf::is_ignored(n, &arch)).map(|n| ckpt.source_bytes(n)).sum();
     progress.start(total);
     let mut notes: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
     let mut w = VaultWriter::create(out)?;
 
     // Dense tensors, a chunk of rows at a time.
-    let mut raw = Vec::new();
     let mut f32buf = Vec::new();
     let mut qbuf = Vec::new();
     let mut dense_bytes = 0u64;
     for spec in names::dense_tensors(&arch) {
         let src_name = hf_name(arch.family, &spec.name);
-        let src = Source::new(&ckpt, &src_name)?;
         let cols = *spec.shape.last().unwrap();
         let rows: usize = spec.shape[..spec.shape.len() - 1].iter().product::<usize>().max(1);
         let format = if spec.keep_f32 { Format::F32 } else { choose_format(opts.dense, cols, &spec.name, &mut notes) };
@@ -197,16 +246,16 @@ fn shatter_in_pool(hf_dir: &Path, out: &Path, opts: &ShatterOptions, progress: &
             let n = chunk_rows.min(rows - r);
             f32buf.resize(n * cols, 0.0);
             qbuf.resize(n * row_bytes, 0);
-            src.read_rows(r, n, &mut raw, &mut f32buf)?;
+            ckpt.read_rows(&src_name, r, n, &mut f32buf)?;
             quantize_rows(format, &f32buf, cols, &mut qbuf)?;
             w.write_tensor_bytes(&qbuf)?;
-            progress.advance((n * cols * src.info.dtype.size()) as u64);
+            progress.advance(ckpt.source_bytes(&src_name) * n as u64 / rows as u64);
             r += n;
         }
         w.end_tensor()?;
         dense_bytes += (rows * row_bytes) as u64;
     }
-    drop((raw, f32buf, qbuf));
+    drop((f32buf, qbuf));
 
     // Experts: one blob per (layer, expert), a bounded parallel batch at a time.
     let shapes = names::expert_part_shapes(&arch);
@@ -231,7 +280,7 @@ fn shatter_in_pool(hf_dir: &Path, out: &Path, opts: &ShatterOptions, progress: &
                         .iter()
                         .zip(&part_specs)
                         .map(|(n, (_, format, shape))| {
-                            let data = Source::new(&ckpt, n)?.read_all()?;
+                            let data = read_all(ckpt, n)?;
                             let row_bytes = format.row_bytes(shape[1]).map_err(|e| ConvertError::Internal(e.to_string()))?;
                             let mut q = vec![0u8; row_bytes * shape[0]];
                             for (d, s) in q.chunks_exact_mut(row_bytes).zip(data.chunks_exact(shape[1])) {
@@ -246,7 +295,7 @@ fn shatter_in_pool(hf_dir: &Path, out: &Path, opts: &ShatterOptions, progress: &
                 let q = q?;
                 let refs: Vec<&[u8]> = q.iter().map(|p| p.as_slice()).collect();
                 w.add_blob(l, e, &refs)?;
-                let src_bytes: u64 = hf_expert_names(arch.family, l, e).iter().map(|n| ckpt.tensors[n].len).sum();
+                let src_bytes: u64 = hf_expert_names(arch.family, l, e).iter().map(|n| ckpt.source_bytes(n)).sum();
                 progress.advance(src_bytes);
                 blobs_done += 1;
                 if opts.fail_after_blobs == Some(blobs_done) {

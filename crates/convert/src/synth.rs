@@ -170,29 +170,156 @@ fn plan(cfg: &Value) -> Result<Vec<Planned>, ConvertError> {
     Ok(v)
 }
 
+/// Values are generated in chunks of this many, each from its own seed, so any range of a
+/// tensor can be produced independently (and in parallel).
+const CHUNK: usize = 1 << 16;
+
+/// Chunk `c` of tensor `idx`, as bf16-rounded f32 values (`out` is at most `CHUNK` long).
+fn gen_chunk(t: &Planned, idx: u64, seed: u64, c: usize, out: &mut [f32]) {
+    let mut rng = Rng::new(seed, idx, c as u64);
+    let mut pending: Option<f32> = None;
+    for o in out.iter_mut() {
+        let g = pending.take().unwrap_or_else(|| {
+            let (a, b) = rng.normal2();
+            pending = Some(b);
+            a
+        });
+        let v = match t.init {
+            Init::Matrix { cols } => {
+                let outlier = if rng.next() & 255 == 0 { 8.0 } else { 1.0 };
+                g * outlier / (cols as f32).sqrt()
+            }
+            Init::Router { hidden } => g / (hidden as f32).sqrt(),
+            Init::Norm => 1.0 + 0.05 * g,
+            Init::Small(s) => s * g,
+        };
+        *o = smoe_quant::half::bf16_bits_to_f32(smoe_quant::half::f32_to_bf16_bits(v));
+    }
+}
+
+/// Elements `[start, start + out.len())` of tensor `idx`.
+fn gen_range(t: &Planned, idx: u64, seed: u64, start: usize, out: &mut [f32]) {
+    let first = start / CHUNK;
+    let last = (start + out.len()).div_ceil(CHUNK);
+    let total: usize = t.shape.iter().product();
+    let pieces: Vec<(usize, Vec<f32>)> = (first..last)
+        .into_par_iter()
+        .map(|c| {
+            let len = CHUNK.min(total - c * CHUNK);
+            let mut v = vec![0f32; len];
+            gen_chunk(t, idx, seed, c, &mut v);
+            (c, v)
+        })
+        .collect();
+    for (c, v) in pieces {
+        let (c0, c1) = (c * CHUNK, c * CHUNK + v.len());
+        let (a, b) = (c0.max(start), c1.min(start + out.len()));
+        out[a - start..b - start].copy_from_slice(&v[a - c0..b - c0]);
+    }
+}
+
 fn fill(t: &Planned, idx: u64, seed: u64, out: &mut [u8]) {
-    const CHUNK: usize = 1 << 16;
     out.par_chunks_mut(CHUNK * 2).enumerate().for_each(|(c, bytes)| {
-        let mut rng = Rng::new(seed, idx, c as u64);
-        let mut pending: Option<f32> = None;
-        for b in bytes.chunks_exact_mut(2) {
-            let g = pending.take().unwrap_or_else(|| {
-                let (a, b) = rng.normal2();
-                pending = Some(b);
-                a
-            });
-            let v = match t.init {
-                Init::Matrix { cols } => {
-                    let outlier = if rng.next() & 255 == 0 { 8.0 } else { 1.0 };
-                    g * outlier / (cols as f32).sqrt()
-                }
-                Init::Router { hidden } => g / (hidden as f32).sqrt(),
-                Init::Norm => 1.0 + 0.05 * g,
-                Init::Small(s) => s * g,
-            };
-            b.copy_from_slice(&smoe_quant::half::f32_to_bf16_bits(v).to_le_bytes());
+        let mut v = vec![0f32; bytes.len() / 2];
+        gen_chunk(t, idx, seed, c, &mut v);
+        for (b, x) in bytes.chunks_exact_mut(2).zip(&v) {
+            b.copy_from_slice(&smoe_quant::half::f32_to_bf16_bits(*x).to_le_bytes());
         }
     });
+}
+
+/// A synthetic checkpoint as a tensor source, for converting straight into a vault without
+/// writing safetensors first.
+pub struct SynthProvider {
+    tensors: Vec<Planned>,
+    index: std::collections::HashMap<String, usize>,
+    seed: u64,
+}
+
+impl crate::TensorProvider for SynthProvider {
+    fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        self.index.get(name).map(|&i| self.tensors[i].shape.clone())
+    }
+    fn names(&self) -> Vec<String> {
+        self.tensors.iter().map(|t| t.name.clone()).collect()
+    }
+    fn read_rows(&self, name: &str, start: usize, n: usize, out: &mut [f32]) -> Result<(), ConvertError> {
+        let &i = self.index.get(name).ok_or_else(|| ConvertError::Missing(vec![name.to_string()]))?;
+        let cols = *self.tensors[i].shape.last().unwrap();
+        gen_range(&self.tensors[i], i as u64, self.seed, start * cols, &mut out[..n * cols]);
+        Ok(())
+    }
+    fn source_bytes(&self, name: &str) -> u64 {
+        self.shape(name).map_or(0, |s| s.iter().product::<usize>() as u64 * 2)
+    }
+}
+
+/// The config of `shape` with `layers` decoder layers kept.
+fn config_with_layers(shape: &str, layers: Option<usize>) -> Result<Value, ConvertError> {
+    let mut cfg = shape_config(shape)?;
+    if let Some(n) = layers {
+        let full = cfg["num_hidden_layers"].as_u64().unwrap() as usize;
+        if n == 0 || n > full {
+            return Err(ConvertError::BadInput(format!("--layers must be between 1 and {full}")));
+        }
+        cfg["num_hidden_layers"] = n.into();
+        if cfg.get("max_window_layers").is_some() {
+            cfg["max_window_layers"] = n.into();
+        }
+    }
+    Ok(cfg)
+}
+
+/// Converts a synthetic checkpoint of `shape` straight into the vault `out`, with the same
+/// values `synth` would write as safetensors (no bf16 copy on disk).
+pub fn synth_vault(
+    shape: &str,
+    out: &Path,
+    opts: &SynthOptions,
+    shatter: &crate::ShatterOptions,
+    progress: &dyn Progress,
+) -> Result<crate::ShatterReport, ConvertError> {
+    vault_from_config(config_with_layers(shape, opts.layers)?, out, opts, shatter, progress)
+}
+
+fn vault_from_config(
+    cfg: Value,
+    out: &Path,
+    opts: &SynthOptions,
+    shatter: &crate::ShatterOptions,
+    progress: &dyn Progress,
+) -> Result<crate::ShatterReport, ConvertError> {
+    let tensors = plan(&cfg)?;
+    let index = tensors.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
+    let provider = SynthProvider { tensors, index, seed: opts.seed };
+    let tok = opts.tokenizer_json.clone().unwrap_or_else(|| FALLBACK_TOKENIZER.to_string());
+    let text = smoe_vault::TextAssets {
+        tokenizer_json: tok,
+        chat_template: Some(QWEN3_TEMPLATE.to_string()),
+        bos_token: None,
+        eos_token: Some("<|im_end|>".into()),
+        pad_token: Some("<|endoftext|>".into()),
+        add_bos_token: false,
+    };
+    let generation = hf_generation(&cfg);
+    crate::shatter_from(&provider, crate::SourceAssets { config: cfg, text, generation }, out, shatter, progress)
+}
+
+fn hf_generation(cfg: &Value) -> smoe_vault::GenerationDefaults {
+    let eos = match &cfg["eos_token_id"] {
+        Value::Array(a) => a.iter().filter_map(|x| x.as_u64().map(|x| x as u32)).collect(),
+        v => v.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+    };
+    smoe_vault::GenerationDefaults {
+        bos_token_id: cfg["bos_token_id"].as_u64().map(|x| x as u32),
+        eos_token_ids: eos,
+        do_sample: Some(true),
+        temperature: Some(0.7),
+        top_p: Some(0.8),
+        top_k: Some(20),
+        min_p: None,
+        repetition_penalty: None,
+    }
 }
 
 /// What [`synth`] wrote.
@@ -224,17 +351,10 @@ const QWEN3_TEMPLATE: &str = include_str!("../../../testdata/qwen3_chat_template
 
 /// Writes a checkpoint of shape `shape` into `out` (created if missing).
 pub fn synth(shape: &str, out: &Path, opts: &SynthOptions, progress: &dyn Progress) -> Result<SynthReport, ConvertError> {
-    let mut cfg = shape_config(shape)?;
-    if let Some(n) = opts.layers {
-        let full = cfg["num_hidden_layers"].as_u64().unwrap() as usize;
-        if n == 0 || n > full {
-            return Err(ConvertError::BadInput(format!("--layers must be between 1 and {full}")));
-        }
-        cfg["num_hidden_layers"] = n.into();
-        if cfg.get("max_window_layers").is_some() {
-            cfg["max_window_layers"] = n.into();
-        }
-    }
+    checkpoint_from_config(config_with_layers(shape, opts.layers)?, out, opts, progress)
+}
+
+fn checkpoint_from_config(cfg: Value, out: &Path, opts: &SynthOptions, progress: &dyn Progress) -> Result<SynthReport, ConvertError> {
     let tensors = plan(&cfg)?;
     std::fs::create_dir_all(out).map_err(|e| ConvertError::io(out, e))?;
     // Shard plan: consecutive tensors up to `shard_bytes` each.
@@ -317,6 +437,33 @@ mod tests {
         cfg["num_hidden_layers"] = 1.into();
         // embed, final norm, lm_head; 9 dense tensors per layer; 128 experts x 3.
         assert_eq!(plan(&cfg).unwrap().len(), 3 + 9 + 128 * 3);
+    }
+
+    #[test]
+    fn direct_vault_equals_safetensors_then_shatter() {
+        let dir = tempfile::tempdir().unwrap();
+        let opts = SynthOptions { layers: None, seed: 5, shard_bytes: 1 << 16, tokenizer_json: None };
+        let sh = crate::ShatterOptions {
+            experts: smoe_quant::Format::Q4_K,
+            dense: smoe_quant::Format::Q8_0,
+            threads: Some(2),
+            fail_after_blobs: None,
+        };
+        // The fixtures' tiny GLM config keeps this quick and covers dense, MoE and shared experts.
+        let cfg: Value = serde_json::from_str(
+            &std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/hf/glm4_moe/config.json")).unwrap(),
+        )
+        .unwrap();
+        checkpoint_from_config(cfg.clone(), &dir.path().join("ck"), &opts, &crate::Silent).unwrap();
+        let a = dir.path().join("a.smoe");
+        crate::shatter(&dir.path().join("ck"), &a, &sh, &crate::Silent).unwrap();
+        let b = dir.path().join("b.smoe");
+        vault_from_config(cfg, &b, &opts, &sh, &crate::Silent).unwrap();
+        let (va, vb) = (smoe_vault::Vault::open(&a).unwrap(), smoe_vault::Vault::open(&b).unwrap());
+        for d in &va.manifest().dense {
+            assert_eq!(vb.dense(&d.name).unwrap().checksum, d.checksum, "{}", d.name);
+        }
+        assert_eq!(va.manifest().experts, vb.manifest().experts);
     }
 
     #[test]

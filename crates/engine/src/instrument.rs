@@ -40,6 +40,8 @@ pub struct StepRecord {
     pub prefetch_issued: u64,
     /// Prefetched experts used.
     pub prefetch_used: u64,
+    /// Seconds reads were outstanding (see `StoreStats::busy_seconds`).
+    pub busy_seconds: f64,
 }
 
 /// Accumulates [`StepRecord`]s.
@@ -91,6 +93,7 @@ impl Instrument {
         c.inflight = d.mean_inflight();
         c.prefetch_issued = d.prefetch_issued;
         c.prefetch_used = d.prefetch_used;
+        c.busy_seconds = d.busy_seconds;
         c.adjacent_reuse = (self.reuse_n > 0).then(|| self.reuse_sum / self.reuse_n as f64);
         self.records.push(std::mem::take(&mut self.current));
     }
@@ -131,6 +134,7 @@ impl Instrument {
             s.misses += r.misses;
             s.prefetch_issued += r.prefetch_issued;
             s.prefetch_used += r.prefetch_used;
+            s.busy_seconds += r.busy_seconds;
             if let Some(a) = r.adjacent_reuse {
                 reuse.0 += a;
                 reuse.1 += 1;
@@ -178,12 +182,18 @@ pub struct Summary {
     pub prefetch_issued: u64,
     /// Prefetched experts used.
     pub prefetch_used: u64,
+    /// Seconds reads were outstanding.
+    pub busy_seconds: f64,
 }
 
 impl Summary {
     /// Cache hit rate.
     pub fn hit_rate(&self) -> f64 {
         self.hits as f64 / (self.hits + self.misses).max(1) as f64
+    }
+    /// Bytes read per second while reads were outstanding.
+    pub fn read_bytes_per_s(&self) -> f64 {
+        self.bytes_read as f64 / self.busy_seconds.max(1e-9)
     }
 }
 
@@ -210,7 +220,7 @@ impl std::fmt::Display for Summary {
             per(self.bytes_read as f64) / (1 << 20) as f64,
             self.adjacent_reuse
         )?;
-        write!(f, "  reads: {:.2} GB/s while waiting", self.read_gb_s)?;
+        write!(f, "  reads: {:.2} GB/s while outstanding, {:.2} GB/s per ms waited", self.read_bytes_per_s() / 1e9, self.read_gb_s)?;
         if self.prefetch_issued > 0 {
             write!(
                 f,

@@ -13,6 +13,7 @@ experts (`smoe-store`) or tokenize (`smoe-text`).
 #![deny(missing_docs)]
 
 pub mod backend;
+pub mod bench;
 pub mod cpu;
 mod forward;
 mod generate;

@@ -1,0 +1,287 @@
+//! `smoe export-gguf`: a vault as a GGUF file llama.cpp loads, with the vault's quantized blocks
+//! copied bit for bit, so both engines compute on identical numbers.
+
+use super::names::{arch_name, expert_tensor, llama_qk_permutation, tensor_name};
+use super::vocab::gguf_tokenizer;
+use super::{TensorDecl, Value, Writer};
+use crate::{ConvertError, Progress};
+use smoe_quant::Format;
+use smoe_vault::{names, Architecture, Family, LayerKind, QkNorm, RopeScaling, Router, Vault};
+use std::path::Path;
+
+/// llama.cpp's `general.file_type` for a vault whose experts are `f`.
+fn file_type(f: Format) -> u32 {
+    match f {
+        Format::F32 => 0,
+        Format::F16 => 1,
+        Format::Q4_0 => 2,
+        Format::Q4_1 => 3,
+        Format::Q8_0 => 7,
+        Format::Q5_0 => 8,
+        Format::Q5_1 => 9,
+        Format::Q2_K => 10,
+        Format::Q3_K => 12,
+        Format::Q4_K => 15,
+        Format::Q5_K => 17,
+        Format::Q6_K => 18,
+        Format::BF16 => 32,
+    }
+}
+
+fn metadata(v: &Vault) -> Result<Vec<(String, Value)>, ConvertError> {
+    let a = v.architecture();
+    let m = v.manifest();
+    let arch = arch_name(a.family);
+    let mut kv: Vec<(String, Value)> = Vec::new();
+    let mut put = |k: &str, val: Value| {
+        kv.push((if k.starts_with("general.") || k.starts_with("tokenizer.") { k.to_string() } else { format!("{arch}.{k}") }, val))
+    };
+    let u = |x: usize| Value::U32(x as u32);
+    put("general.architecture", Value::Str(arch.into()));
+    put("general.type", Value::Str("model".into()));
+    put("general.name", Value::Str(v.path().file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default()));
+    put("general.file_type", Value::U32(file_type(m.experts.parts[0].format)));
+    put("general.quantization_version", Value::U32(2));
+    put("block_count", u(a.num_layers));
+    put("context_length", u(a.max_position_embeddings));
+    put("embedding_length", u(a.hidden_size));
+    let ff = if a.dense_intermediate_size > 0 { a.dense_intermediate_size } else { a.moe.intermediate_size };
+    put("feed_forward_length", u(ff));
+    put("attention.head_count", u(a.num_heads));
+    put("attention.layer_norm_rms_epsilon", Value::F32(a.norm_eps as f32));
+    put("rope.freq_base", Value::F32(a.rope.theta as f32));
+    put("rope.dimension_count", u(a.rope.rotary_dim));
+    put("expert_count", u(a.moe.num_experts));
+    put("expert_used_count", u(a.moe.top_k));
+    put("expert_feed_forward_length", u(a.moe.intermediate_size));
+    put("vocab_size", u(a.vocab_size));
+    match &a.mla {
+        Some(mla) => {
+            put("attention.head_count_kv", u(1));
+            put("attention.key_length", u(mla.kv_lora_rank + mla.qk_rope_head_dim));
+            put("attention.value_length", u(mla.kv_lora_rank));
+            put("attention.key_length_mla", u(mla.qk_nope_head_dim + mla.qk_rope_head_dim));
+            put("attention.value_length_mla", u(mla.v_head_dim));
+            if let Some(r) = mla.q_lora_rank {
+                put("attention.q_lora_rank", u(r));
+            }
+            put("attention.kv_lora_rank", u(mla.kv_lora_rank));
+        }
+        None => {
+            put("attention.head_count_kv", u(a.num_kv_heads));
+            put("attention.key_length", u(a.head_dim));
+            put("attention.value_length", u(a.head_dim));
+        }
+    }
+    if let Some(s) = &a.moe.shared_experts {
+        if s.sigmoid_gate {
+            put("expert_shared_feed_forward_length", u(s.intermediate_size));
+        } else {
+            put("expert_shared_count", u(s.intermediate_size / a.moe.intermediate_size));
+        }
+    }
+    if let Router::SigmoidGrouped { n_group, topk_group, .. } = a.moe.router {
+        put("leading_dense_block_count", u(a.layers.iter().take_while(|k| **k == LayerKind::Dense).count()));
+        put("expert_group_count", u(n_group));
+        put("expert_group_used_count", u(topk_group));
+        put("expert_weights_scale", Value::F32(a.moe.routed_scaling_factor as f32));
+        put("expert_weights_norm", Value::Bool(a.moe.norm_topk_prob));
+        put("expert_gating_func", Value::U32(2));
+        if a.family == Family::Glm4Moe {
+            put("nextn_predict_layers", u(0));
+        }
+    }
+    match &a.rope.scaling {
+        RopeScaling::None => {}
+        RopeScaling::Linear { factor } => {
+            put("rope.scaling.type", Value::Str("linear".into()));
+            put("rope.scaling.factor", Value::F32(*factor as f32));
+        }
+        RopeScaling::Yarn { factor, original_max_position_embeddings, beta_fast, beta_slow, mscale_all_dim, .. } => {
+            put("rope.scaling.type", Value::Str("yarn".into()));
+            put("rope.scaling.factor", Value::F32(*factor as f32));
+            put("rope.scaling.original_context_length", u(*original_max_position_embeddings));
+            put("rope.scaling.yarn_beta_fast", Value::F32(*beta_fast as f32));
+            put("rope.scaling.yarn_beta_slow", Value::F32(*beta_slow as f32));
+            if let Some(ma) = mscale_all_dim {
+                put("rope.scaling.yarn_log_multiplier", Value::F32((0.1 * ma) as f32));
+            }
+        }
+    }
+    let g = &m.generation;
+    if let Some(t) = g.temperature {
+        put("general.sampling.temp", Value::F32(t as f32));
+    }
+    if let Some(t) = g.top_p {
+        put("general.sampling.top_p", Value::F32(t as f32));
+    }
+    if let Some(t) = g.top_k {
+        put("general.sampling.top_k", Value::I32(t as i32));
+    }
+    for (k, v) in gguf_tokenizer(&m.text.tokenizer_json, a.vocab_size)? {
+        put(&k, v);
+    }
+    let tok: serde_json::Value = serde_json::from_str(&m.text.tokenizer_json).unwrap_or_default();
+    let id_of = |s: &Option<String>| {
+        s.as_ref().and_then(|s| tok["added_tokens"].as_array()?.iter().find(|t| t["content"] == s.as_str())?["id"].as_u64())
+    };
+    if let Some(e) = g.eos_token_ids.first().map(|&e| e as u64).or_else(|| id_of(&m.text.eos_token)) {
+        put("tokenizer.ggml.eos_token_id", Value::U32(e as u32));
+    }
+    if let Some(b) = g.bos_token_id.map(|b| b as u64).or_else(|| id_of(&m.text.bos_token)) {
+        put("tokenizer.ggml.bos_token_id", Value::U32(b as u32));
+    }
+    if let Some(p) = id_of(&m.text.pad_token) {
+        put("tokenizer.ggml.padding_token_id", Value::U32(p as u32));
+    }
+    if let Some(t) = &m.text.chat_template {
+        put("tokenizer.chat_template", Value::Str(t.clone()));
+    }
+    Ok(kv)
+}
+
+/// How a dense tensor becomes GGUF tensors.
+enum Plan {
+    /// Bytes as they are.
+    Copy { canonical: String },
+    /// Rows reordered (q/k of the `llama` architecture).
+    Permute { canonical: String, src_rows: Vec<usize> },
+    /// DeepSeek's kv_b: per head, W_uk transposed into `attn_k_b`, or W_uv into `attn_v_b`.
+    KvB { canonical: String, key: bool },
+}
+
+/// What [`export`] wrote.
+#[derive(Clone, Debug)]
+pub struct ExportReport {
+    /// Tensors written.
+    pub tensors: usize,
+    /// Bytes of the file.
+    pub bytes: u64,
+}
+
+fn check_supported(a: &Architecture) -> Result<(), ConvertError> {
+    let bad = |m: &str| Err(ConvertError::Unsupported(format!("{} cannot be exported for llama.cpp: {m}", a.family.model_type())));
+    match a.family {
+        Family::Qwen3Moe if !a.moe.norm_topk_prob => bad("llama.cpp's qwen3moe always renormalises top-k weights"),
+        Family::Qwen2Moe | Family::Olmoe if a.moe.norm_topk_prob => {
+            bad("llama.cpp does not renormalise top-k weights for this architecture")
+        }
+        Family::Olmoe if a.qk_norm != QkNorm::WholeProjection => bad("unexpected qk-norm"),
+        _ => Ok(()),
+    }
+}
+
+/// Writes `vault` as a GGUF file at `out`.
+pub fn export(vault: &Path, out: &Path, progress: &dyn Progress) -> Result<ExportReport, ConvertError> {
+    let v = Vault::open(vault)?;
+    let a = v.architecture().clone();
+    check_supported(&a)?;
+    let meta = metadata(&v)?;
+    let mut decls: Vec<TensorDecl> = Vec::new();
+    let mut plans: Vec<Plan> = Vec::new();
+    for spec in names::dense_tensors(&a) {
+        let e = v.dense(&spec.name).unwrap();
+        let dims: Vec<u64> = e.shape.iter().rev().map(|&d| d as u64).collect();
+        if spec.name.ends_with("attn.kv_b") {
+            let mla = a.mla.as_ref().unwrap();
+            let layer = spec.name.split('.').nth(1).unwrap();
+            // Keep 16-bit formats as they are (exact); anything else becomes F32 (exact too).
+            let f = if matches!(e.format, Format::F16 | Format::BF16 | Format::F32) { e.format } else { Format::F32 };
+            let (r, nope, vd, h) = (mla.kv_lora_rank, mla.qk_nope_head_dim, mla.v_head_dim, a.num_heads);
+            decls.push((
+                format!("blk.{layer}.attn_k_b.weight"),
+                vec![nope as u64, r as u64, h as u64],
+                f.ggml_id(),
+                (f.row_bytes(nope).unwrap() * r * h) as u64,
+            ));
+            plans.push(Plan::KvB { canonical: spec.name.clone(), key: true });
+            decls.push((
+                format!("blk.{layer}.attn_v_b.weight"),
+                vec![r as u64, vd as u64, h as u64],
+                f.ggml_id(),
+                (f.row_bytes(r).unwrap() * vd * h) as u64,
+            ));
+            plans.push(Plan::KvB { canonical: spec.name.clone(), key: false });
+            continue;
+        }
+        let name = tensor_name(&spec.name).ok_or_else(|| ConvertError::Internal(format!("no GGUF name for {}", spec.name)))?;
+        // GGUF stores Qwen2-MoE's shared gate as [hidden] x 1; our [1, hidden] is the same bytes.
+        decls.push((name, dims, e.format.ggml_id(), e.len));
+        let permute = a.family == Family::Mixtral && (spec.name.ends_with("attn.q") || spec.name.ends_with("attn.k"));
+        if permute {
+            let heads = if spec.name.ends_with("attn.q") { a.num_heads } else { a.num_kv_heads };
+            plans.push(Plan::Permute { canonical: spec.name.clone(), src_rows: llama_qk_permutation(heads, a.head_dim) });
+        } else {
+            plans.push(Plan::Copy { canonical: spec.name.clone() });
+        }
+    }
+    let x = &v.manifest().experts;
+    let n = a.moe.num_experts;
+    let first_expert = decls.len();
+    for &l in &a.moe_layers() {
+        for p in &x.parts {
+            let dims = vec![p.shape[1] as u64, p.shape[0] as u64, n as u64];
+            decls.push((expert_tensor(l, &p.name), dims, p.format.ggml_id(), p.len * n as u64));
+        }
+    }
+    let total: u64 = decls.iter().map(|d| d.3).sum();
+    progress.start(total);
+    let w = Writer::create(out, &meta, &decls)?;
+    for (i, plan) in plans.iter().enumerate() {
+        match plan {
+            Plan::Copy { canonical } => w.write_at(i, 0, &v.read_dense(canonical)?)?,
+            Plan::Permute { canonical, src_rows } => {
+                let bytes = v.read_dense(canonical)?;
+                let rb = bytes.len() / src_rows.len();
+                let mut outb = vec![0u8; bytes.len()];
+                for (dst, &src) in src_rows.iter().enumerate() {
+                    outb[dst * rb..(dst + 1) * rb].copy_from_slice(&bytes[src * rb..(src + 1) * rb]);
+                }
+                w.write_at(i, 0, &outb)?
+            }
+            Plan::KvB { canonical, key } => {
+                let e = v.dense(canonical).unwrap();
+                let mla = a.mla.as_ref().unwrap();
+                let (r, nope, vd, h) = (mla.kv_lora_rank, mla.qk_nope_head_dim, mla.v_head_dim, a.num_heads);
+                let mut f = vec![0f32; e.shape[0] * e.shape[1]];
+                smoe_quant::dequantize(e.format, &v.read_dense(canonical)?, &mut f)
+                    .map_err(|err| ConvertError::Internal(err.to_string()))?;
+                let out_fmt = Format::from_ggml_id(decls[i].2).unwrap();
+                // kv_b rows: per head, `nope` rows of W_uk then `vd` rows of W_uv, each `r` long.
+                let mut vals = Vec::with_capacity(if *key { h * r * nope } else { h * vd * r });
+                for head in 0..h {
+                    let base = head * (nope + vd);
+                    if *key {
+                        // attn_k_b[head] is W_uk[head] transposed: r rows of nope.
+                        for c in 0..r {
+                            for row in 0..nope {
+                                vals.push(f[(base + row) * r + c]);
+                            }
+                        }
+                    } else {
+                        vals.extend_from_slice(&f[(base + nope) * r..(base + nope + vd) * r]);
+                    }
+                }
+                let mut bytes = vec![0u8; decls[i].3 as usize];
+                smoe_quant::quantize(out_fmt, &vals, &mut bytes).map_err(|err| ConvertError::Internal(err.to_string()))?;
+                w.write_at(i, 0, &bytes)?
+            }
+        }
+        progress.advance(decls[i].3);
+    }
+    // Experts: each blob read once, its parts written into the three stacked tensors.
+    let mut blob = vec![0u8; x.blob_size as usize];
+    for (li, &l) in a.moe_layers().iter().enumerate() {
+        for e in 0..n {
+            v.read_blob(l, e, &mut blob)?;
+            for (pi, p) in x.parts.iter().enumerate() {
+                let t = first_expert + li * x.parts.len() + pi;
+                w.write_at(t, e as u64 * p.len, &blob[p.offset as usize..(p.offset + p.len) as usize])?;
+                progress.advance(p.len);
+            }
+        }
+    }
+    w.finish()?;
+    progress.finish();
+    Ok(ExportReport { tensors: decls.len(), bytes: std::fs::metadata(out).map(|m| m.len()).unwrap_or(0) })
+}

@@ -1,0 +1,498 @@
+//! GGUF (v3), llama.cpp's file format: reading metadata and tensor directories, writing files.
+//!
+//! Layout: magic `GGUF`, version, tensor count, metadata count, metadata key/value pairs, tensor
+//! infos (name, dimensions innermost first, ggml type, offset), padding to `general.alignment`
+//! (32 by default), then tensor data at those offsets.
+
+pub mod export;
+pub mod names;
+pub mod vocab;
+
+use crate::ConvertError;
+use smoe_quant::Format;
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{BufWriter, Read, Seek, Write};
+use std::path::{Path, PathBuf};
+
+const MAGIC: &[u8; 4] = b"GGUF";
+/// Alignment llama.cpp uses unless `general.alignment` says otherwise.
+pub const DEFAULT_ALIGNMENT: u64 = 32;
+
+/// A metadata value.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Value {
+    /// u8.
+    U8(u8),
+    /// i8.
+    I8(i8),
+    /// u16.
+    U16(u16),
+    /// i16.
+    I16(i16),
+    /// u32.
+    U32(u32),
+    /// i32.
+    I32(i32),
+    /// f32.
+    F32(f32),
+    /// bool.
+    Bool(bool),
+    /// UTF-8 string.
+    Str(String),
+    /// Array of one element type.
+    Array(Vec<Value>),
+    /// u64.
+    U64(u64),
+    /// i64.
+    I64(i64),
+    /// f64.
+    F64(f64),
+}
+
+impl Value {
+    fn type_id(&self) -> u32 {
+        match self {
+            Value::U8(_) => 0,
+            Value::I8(_) => 1,
+            Value::U16(_) => 2,
+            Value::I16(_) => 3,
+            Value::U32(_) => 4,
+            Value::I32(_) => 5,
+            Value::F32(_) => 6,
+            Value::Bool(_) => 7,
+            Value::Str(_) => 8,
+            Value::Array(_) => 9,
+            Value::U64(_) => 10,
+            Value::I64(_) => 11,
+            Value::F64(_) => 12,
+        }
+    }
+    /// As an unsigned integer, if it is any integer type that fits.
+    pub fn as_u64(&self) -> Option<u64> {
+        Some(match *self {
+            Value::U8(v) => v as u64,
+            Value::U16(v) => v as u64,
+            Value::U32(v) => v as u64,
+            Value::U64(v) => v,
+            Value::I8(v) if v >= 0 => v as u64,
+            Value::I16(v) if v >= 0 => v as u64,
+            Value::I32(v) if v >= 0 => v as u64,
+            Value::I64(v) if v >= 0 => v as u64,
+            _ => return None,
+        })
+    }
+    /// As a float, if it is any number.
+    pub fn as_f64(&self) -> Option<f64> {
+        match *self {
+            Value::F32(v) => Some(v as f64),
+            Value::F64(v) => Some(v),
+            _ => self.as_u64().map(|v| v as f64).or(match *self {
+                Value::I32(v) => Some(v as f64),
+                Value::I64(v) => Some(v as f64),
+                _ => None,
+            }),
+        }
+    }
+    /// As a string.
+    pub fn as_str(&self) -> Option<&str> {
+        match self {
+            Value::Str(s) => Some(s),
+            _ => None,
+        }
+    }
+    /// As a bool.
+    pub fn as_bool(&self) -> Option<bool> {
+        match *self {
+            Value::Bool(b) => Some(b),
+            _ => None,
+        }
+    }
+    /// As an array.
+    pub fn as_array(&self) -> Option<&[Value]> {
+        match self {
+            Value::Array(a) => Some(a),
+            _ => None,
+        }
+    }
+}
+
+/// One tensor's directory entry.
+#[derive(Clone, Debug)]
+pub struct TensorInfo {
+    /// Name (`blk.3.ffn_gate_exps.weight`).
+    pub name: String,
+    /// Dimensions, innermost (row length) first.
+    pub dims: Vec<u64>,
+    /// ggml type id.
+    pub ggml_type: u32,
+    /// Absolute offset of the data in its file.
+    pub offset: u64,
+    /// Which file of a split set holds it.
+    pub file: usize,
+}
+
+impl TensorInfo {
+    /// The storage format, or an error naming the tensor and its type.
+    pub fn format(&self) -> Result<Format, ConvertError> {
+        Format::from_ggml_id(self.ggml_type).map_err(|_| {
+            ConvertError::Unsupported(format!(
+                "tensor {} has ggml type {} ({}), which smoe does not support",
+                self.name,
+                self.ggml_type,
+                ggml_type_name(self.ggml_type)
+            ))
+        })
+    }
+    /// Elements per row.
+    pub fn cols(&self) -> usize {
+        self.dims.first().copied().unwrap_or(1) as usize
+    }
+    /// Rows (product of the outer dimensions).
+    pub fn rows(&self) -> usize {
+        self.dims.iter().skip(1).product::<u64>() as usize
+    }
+    /// Bytes of data.
+    pub fn len(&self) -> Result<u64, ConvertError> {
+        let f = self.format()?;
+        let row = f.row_bytes(self.cols()).map_err(|e| ConvertError::BadInput(format!("{}: {e}", self.name)))?;
+        Ok((row * self.rows()) as u64)
+    }
+    /// Whether the tensor holds no data.
+    pub fn is_empty(&self) -> bool {
+        self.rows() == 0 || self.cols() == 0
+    }
+}
+
+/// Names of ggml types smoe does not support, for error messages.
+pub fn ggml_type_name(id: u32) -> &'static str {
+    match id {
+        16 => "IQ2_XXS",
+        17 => "IQ2_XS",
+        18 => "IQ3_XXS",
+        19 => "IQ1_S",
+        20 => "IQ4_NL",
+        21 => "IQ3_S",
+        22 => "IQ2_S",
+        23 => "IQ4_XS",
+        29 => "IQ1_M",
+        34 => "TQ1_0",
+        35 => "TQ2_0",
+        39 => "MXFP4",
+        9 => "Q8_1",
+        15 => "Q8_K",
+        id => Format::from_ggml_id(id).map(|f| f.name()).unwrap_or("unknown"),
+    }
+}
+
+/// A parsed GGUF file (or set of split files).
+pub struct Gguf {
+    /// The files (one, or the parts of a split set in order).
+    pub paths: Vec<PathBuf>,
+    /// Metadata of the first file.
+    pub meta: BTreeMap<String, Value>,
+    /// Tensors of all files, in file order.
+    pub tensors: Vec<TensorInfo>,
+}
+
+struct Reader<R: Read> {
+    r: R,
+    path: PathBuf,
+}
+
+impl<R: Read> Reader<R> {
+    fn bad(&self, m: &str) -> ConvertError {
+        ConvertError::BadInput(format!("{}: {m}", self.path.display()))
+    }
+    fn bytes<const N: usize>(&mut self) -> Result<[u8; N], ConvertError> {
+        let mut b = [0u8; N];
+        self.r.read_exact(&mut b).map_err(|_| self.bad("truncated GGUF header"))?;
+        Ok(b)
+    }
+    fn u32(&mut self) -> Result<u32, ConvertError> {
+        Ok(u32::from_le_bytes(self.bytes()?))
+    }
+    fn u64(&mut self) -> Result<u64, ConvertError> {
+        Ok(u64::from_le_bytes(self.bytes()?))
+    }
+    fn string(&mut self) -> Result<String, ConvertError> {
+        let n = self.u64()?;
+        if n > 1 << 30 {
+            return Err(self.bad("string length is impossible"));
+        }
+        let mut b = vec![0u8; n as usize];
+        self.r.read_exact(&mut b).map_err(|_| self.bad("truncated string"))?;
+        String::from_utf8(b).map_err(|_| self.bad("string is not UTF-8"))
+    }
+    fn value(&mut self, t: u32, depth: usize) -> Result<Value, ConvertError> {
+        Ok(match t {
+            0 => Value::U8(self.bytes::<1>()?[0]),
+            1 => Value::I8(self.bytes::<1>()?[0] as i8),
+            2 => Value::U16(u16::from_le_bytes(self.bytes()?)),
+            3 => Value::I16(i16::from_le_bytes(self.bytes()?)),
+            4 => Value::U32(self.u32()?),
+            5 => Value::I32(i32::from_le_bytes(self.bytes()?)),
+            6 => Value::F32(f32::from_le_bytes(self.bytes()?)),
+            7 => Value::Bool(self.bytes::<1>()?[0] != 0),
+            8 => Value::Str(self.string()?),
+            9 if depth == 0 => {
+                let et = self.u32()?;
+                let n = self.u64()?;
+                if n > 1 << 28 {
+                    return Err(self.bad("array length is impossible"));
+                }
+                let mut v = Vec::with_capacity(n as usize);
+                for _ in 0..n {
+                    v.push(self.value(et, depth + 1)?);
+                }
+                Value::Array(v)
+            }
+            10 => Value::U64(self.u64()?),
+            11 => Value::I64(i64::from_le_bytes(self.bytes()?)),
+            12 => Value::F64(f64::from_le_bytes(self.bytes()?)),
+            _ => return Err(self.bad(&format!("unknown metadata value type {t}"))),
+        })
+    }
+}
+
+/// Parses the header of one GGUF file: metadata, tensor infos with absolute offsets.
+fn read_one(path: &Path, file_index: usize) -> Result<(BTreeMap<String, Value>, Vec<TensorInfo>), ConvertError> {
+    let f = File::open(path).map_err(|e| ConvertError::io(path, e))?;
+    let len = f.metadata().map_err(|e| ConvertError::io(path, e))?.len();
+    let mut r = Reader { r: std::io::BufReader::with_capacity(1 << 20, f), path: path.to_path_buf() };
+    if &r.bytes::<4>()? != MAGIC {
+        return Err(r.bad("not a GGUF file (bad magic)"));
+    }
+    let version = r.u32()?;
+    if version != 3 && version != 2 {
+        return Err(r.bad(&format!("GGUF version {version} is not supported (2 and 3 are)")));
+    }
+    let n_tensors = r.u64()?;
+    let n_kv = r.u64()?;
+    if n_tensors > 1 << 24 || n_kv > 1 << 24 {
+        return Err(r.bad("impossible counts in the header"));
+    }
+    let mut meta = BTreeMap::new();
+    for _ in 0..n_kv {
+        let k = r.string()?;
+        let t = r.u32()?;
+        let v = r.value(t, 0)?;
+        meta.insert(k, v);
+    }
+    let mut tensors = Vec::with_capacity(n_tensors as usize);
+    for _ in 0..n_tensors {
+        let name = r.string()?;
+        let nd = r.u32()?;
+        if nd == 0 || nd > 4 {
+            return Err(r.bad(&format!("tensor {name} has {nd} dimensions")));
+        }
+        let dims = (0..nd).map(|_| r.u64()).collect::<Result<Vec<_>, _>>()?;
+        let ggml_type = r.u32()?;
+        let offset = r.u64()?;
+        tensors.push(TensorInfo { name, dims, ggml_type, offset, file: file_index });
+    }
+    let align = meta.get("general.alignment").and_then(|v| v.as_u64()).unwrap_or(DEFAULT_ALIGNMENT);
+    if align == 0 || !align.is_power_of_two() {
+        return Err(r.bad(&format!("general.alignment {align} is not a power of two")));
+    }
+    let pos = r.r.stream_position().map_err(|e| ConvertError::io(path, e))?;
+    let data = pos.div_ceil(align) * align;
+    for t in &mut tensors {
+        t.offset += data;
+        if let Ok(l) = t.len() {
+            if t.offset + l > len {
+                return Err(r.bad(&format!("tensor {} lies past the end of the file (truncated download?)", t.name)));
+            }
+        }
+    }
+    Ok((meta, tensors))
+}
+
+impl Gguf {
+    /// Opens a GGUF file; a `NAME-00001-of-0000N.gguf` path opens the whole split set.
+    pub fn open(path: &Path) -> Result<Gguf, ConvertError> {
+        let paths = split_paths(path)?;
+        let (meta, mut tensors) = read_one(&paths[0], 0)?;
+        for (i, p) in paths.iter().enumerate().skip(1) {
+            let (_, t) = read_one(p, i)?;
+            tensors.extend(t);
+        }
+        Ok(Gguf { paths, meta, tensors })
+    }
+
+    /// A metadata value.
+    pub fn get(&self, key: &str) -> Option<&Value> {
+        self.meta.get(key)
+    }
+
+    /// A tensor by name.
+    pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
+        self.tensors.iter().find(|t| t.name == name)
+    }
+}
+
+/// The files of a split set (`-00001-of-00003.gguf`), or just `path`.
+pub fn split_paths(path: &Path) -> Result<Vec<PathBuf>, ConvertError> {
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    if let Some(stem) = name.strip_suffix(".gguf") {
+        if let Some((base, rest)) = stem.rsplit_once("-of-") {
+            if let (Some((prefix, idx)), Ok(total)) = (base.rsplit_once('-'), rest.parse::<usize>()) {
+                if idx.parse::<usize>().is_ok() && total > 0 {
+                    let width = rest.len();
+                    let paths: Vec<PathBuf> =
+                        (1..=total).map(|i| path.with_file_name(format!("{prefix}-{i:0width$}-of-{rest}.gguf"))).collect();
+                    if let Some(missing) = paths.iter().find(|p| !p.exists()) {
+                        return Err(ConvertError::BadInput(format!("split GGUF part {} is missing", missing.display())));
+                    }
+                    return Ok(paths);
+                }
+            }
+        }
+    }
+    Ok(vec![path.to_path_buf()])
+}
+
+/// Writes a GGUF file: the header (metadata and tensor directory) at creation, then tensor data
+/// at positioned offsets, in any order (so stacked expert tensors can be filled one expert at a
+/// time).
+pub struct Writer {
+    file: File,
+    path: PathBuf,
+    /// Absolute offset and length of each tensor's data.
+    spans: Vec<(u64, u64)>,
+    end: u64,
+}
+
+fn put_str(w: &mut impl Write, s: &str) -> std::io::Result<()> {
+    w.write_all(&(s.len() as u64).to_le_bytes())?;
+    w.write_all(s.as_bytes())
+}
+
+fn put_value(w: &mut impl Write, v: &Value) -> std::io::Result<()> {
+    match v {
+        Value::U8(x) => w.write_all(&[*x]),
+        Value::I8(x) => w.write_all(&[*x as u8]),
+        Value::U16(x) => w.write_all(&x.to_le_bytes()),
+        Value::I16(x) => w.write_all(&x.to_le_bytes()),
+        Value::U32(x) => w.write_all(&x.to_le_bytes()),
+        Value::I32(x) => w.write_all(&x.to_le_bytes()),
+        Value::F32(x) => w.write_all(&x.to_le_bytes()),
+        Value::Bool(x) => w.write_all(&[*x as u8]),
+        Value::Str(s) => put_str(w, s),
+        Value::Array(a) => {
+            let et = a.first().map_or(4, |e| e.type_id());
+            w.write_all(&et.to_le_bytes())?;
+            w.write_all(&(a.len() as u64).to_le_bytes())?;
+            a.iter().try_for_each(|e| put_value(w, e))
+        }
+        Value::U64(x) => w.write_all(&x.to_le_bytes()),
+        Value::I64(x) => w.write_all(&x.to_le_bytes()),
+        Value::F64(x) => w.write_all(&x.to_le_bytes()),
+    }
+}
+
+/// One tensor of a file being written: name, dimensions (innermost first), ggml type, bytes.
+pub type TensorDecl = (String, Vec<u64>, u32, u64);
+
+impl Writer {
+    /// Writes the header of `path`: `meta` and the tensor directory.
+    pub fn create(path: &Path, meta: &[(String, Value)], tensors: &[TensorDecl]) -> Result<Writer, ConvertError> {
+        let io = |e| ConvertError::io(path, e);
+        let mut out = BufWriter::with_capacity(8 << 20, File::create(path).map_err(io)?);
+        out.write_all(MAGIC).map_err(io)?;
+        out.write_all(&3u32.to_le_bytes()).map_err(io)?;
+        out.write_all(&(tensors.len() as u64).to_le_bytes()).map_err(io)?;
+        out.write_all(&(meta.len() as u64).to_le_bytes()).map_err(io)?;
+        for (k, v) in meta {
+            put_str(&mut out, k).map_err(io)?;
+            out.write_all(&v.type_id().to_le_bytes()).map_err(io)?;
+            put_value(&mut out, v).map_err(io)?;
+        }
+        let mut rel = Vec::with_capacity(tensors.len());
+        let mut off = 0u64;
+        for (name, dims, ty, len) in tensors {
+            put_str(&mut out, name).map_err(io)?;
+            out.write_all(&(dims.len() as u32).to_le_bytes()).map_err(io)?;
+            for d in dims {
+                out.write_all(&d.to_le_bytes()).map_err(io)?;
+            }
+            out.write_all(&ty.to_le_bytes()).map_err(io)?;
+            out.write_all(&off.to_le_bytes()).map_err(io)?;
+            rel.push((off, *len));
+            off = (off + len).div_ceil(DEFAULT_ALIGNMENT) * DEFAULT_ALIGNMENT;
+        }
+        let pos = out.stream_position().map_err(io)?;
+        let data_start = pos.div_ceil(DEFAULT_ALIGNMENT) * DEFAULT_ALIGNMENT;
+        out.write_all(&vec![0u8; (data_start - pos) as usize]).map_err(io)?;
+        let file = out.into_inner().map_err(|e| ConvertError::io(path, e.into_error()))?;
+        Ok(Writer { file, path: path.to_path_buf(), spans: rel.iter().map(|&(o, l)| (data_start + o, l)).collect(), end: data_start + off })
+    }
+
+    /// Writes `bytes` at `within` bytes into tensor `i`.
+    pub fn write_at(&self, i: usize, within: u64, bytes: &[u8]) -> Result<(), ConvertError> {
+        use std::os::unix::fs::FileExt;
+        let (off, len) = self.spans[i];
+        if within + bytes.len() as u64 > len {
+            return Err(ConvertError::Internal(format!("write past the end of GGUF tensor {i}")));
+        }
+        self.file.write_all_at(bytes, off + within).map_err(|e| ConvertError::io(&self.path, e))
+    }
+
+    /// Sets the final length and syncs.
+    pub fn finish(self) -> Result<(), ConvertError> {
+        let io = |e| ConvertError::io(&self.path, e);
+        self.file.set_len(self.end).map_err(io)?;
+        self.file.sync_all().map_err(io)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_llama_cpp_fixture_and_round_trips_metadata() {
+        let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/gguf/qwen3_moe.bf16.gguf");
+        let g = Gguf::open(&p).unwrap();
+        assert_eq!(g.get("general.architecture").unwrap().as_str(), Some("qwen3moe"));
+        assert_eq!(g.get("qwen3moe.expert_count").unwrap().as_u64(), Some(8));
+        assert_eq!(g.get("tokenizer.ggml.tokens").unwrap().as_array().unwrap().len(), 1024);
+        let t = g.tensor("blk.0.ffn_gate_exps.weight").unwrap();
+        assert_eq!(t.dims, vec![64, 32, 8]);
+        assert_eq!(t.format().unwrap(), Format::BF16);
+        assert_eq!(t.offset % 32, 0);
+        // Write the metadata back with no tensors and read it again.
+        let dir = tempfile::tempdir().unwrap();
+        let q = dir.path().join("m.gguf");
+        let meta: Vec<(String, Value)> = g.meta.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        Writer::create(&q, &meta, &[]).unwrap().finish().unwrap();
+        let g2 = Gguf::open(&q).unwrap();
+        assert_eq!(g2.meta, g.meta);
+    }
+
+    #[test]
+    fn split_names_expand_and_missing_parts_are_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = dir.path().join("M-00001-of-00002.gguf");
+        std::fs::write(&a, b"x").unwrap();
+        let e = split_paths(&a).unwrap_err().to_string();
+        assert!(e.contains("M-00002-of-00002.gguf"), "{e}");
+        std::fs::write(dir.path().join("M-00002-of-00002.gguf"), b"x").unwrap();
+        assert_eq!(split_paths(&a).unwrap().len(), 2);
+        assert_eq!(split_paths(&dir.path().join("plain.gguf")).unwrap().len(), 1);
+    }
+
+    #[test]
+    fn bad_files_are_errors_not_panics() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("bad.gguf");
+        for content in [&b""[..], b"GGUF", b"XXXX\x03\0\0\0", b"GGUF\x09\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0"] {
+            std::fs::write(&p, content).unwrap();
+            assert!(Gguf::open(&p).is_err());
+        }
+        let good = std::fs::read(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/gguf/qwen3_moe.bf16.gguf")).unwrap();
+        std::fs::write(&p, &good[..good.len() / 2]).unwrap();
+        let e = Gguf::open(&p).err().unwrap().to_string();
+        assert!(e.contains("past the end"), "{e}");
+    }
+}

@@ -1,0 +1,92 @@
+//! llama.cpp's names for architectures and tensors, and the transformations its converter
+//! applies (Q/K row permutation for the `llama` architecture, DeepSeek's split of `kv_b_proj`).
+
+use smoe_vault::Family;
+
+/// The GGUF `general.architecture` of a family.
+pub fn arch_name(f: Family) -> &'static str {
+    match f {
+        Family::Qwen3Moe => "qwen3moe",
+        Family::Qwen2Moe => "qwen2moe",
+        Family::Mixtral => "llama",
+        Family::Olmoe => "olmoe",
+        Family::Glm4Moe => "glm4moe",
+        Family::DeepseekV3 => "deepseek2",
+    }
+}
+
+/// The GGUF tensor name of a canonical dense tensor (`None` for `attn.kv_b`, which GGUF stores
+/// split into `attn_k_b` and `attn_v_b`).
+pub fn tensor_name(canonical: &str) -> Option<String> {
+    let fixed = match canonical {
+        "embed" => "token_embd.weight",
+        "final_norm" => "output_norm.weight",
+        "lm_head" => "output.weight",
+        _ => "",
+    };
+    if !fixed.is_empty() {
+        return Some(fixed.into());
+    }
+    let rest = canonical.strip_prefix("layers.")?;
+    let (layer, what) = rest.split_once('.')?;
+    let g = match what {
+        "attn_norm" => "attn_norm.weight",
+        "ffn_norm" => "ffn_norm.weight",
+        "attn.q" => "attn_q.weight",
+        "attn.k" => "attn_k.weight",
+        "attn.v" => "attn_v.weight",
+        "attn.o" => "attn_output.weight",
+        "attn.q_bias" => "attn_q.bias",
+        "attn.k_bias" => "attn_k.bias",
+        "attn.v_bias" => "attn_v.bias",
+        "attn.q_norm" => "attn_q_norm.weight",
+        "attn.k_norm" => "attn_k_norm.weight",
+        "attn.q_a" => "attn_q_a.weight",
+        "attn.q_a_norm" => "attn_q_a_norm.weight",
+        "attn.q_b" => "attn_q_b.weight",
+        "attn.kv_a" => "attn_kv_a_mqa.weight",
+        "attn.kv_a_norm" => "attn_kv_a_norm.weight",
+        "attn.kv_b" => return None,
+        "mlp.gate" => "ffn_gate.weight",
+        "mlp.up" => "ffn_up.weight",
+        "mlp.down" => "ffn_down.weight",
+        "moe.router" => "ffn_gate_inp.weight",
+        "moe.router_bias" => "exp_probs_b.bias",
+        "moe.shared.gate" => "ffn_gate_shexp.weight",
+        "moe.shared.up" => "ffn_up_shexp.weight",
+        "moe.shared.down" => "ffn_down_shexp.weight",
+        "moe.shared_gate" => "ffn_gate_inp_shexp.weight",
+        _ => return None,
+    };
+    Some(format!("blk.{layer}.{g}"))
+}
+
+/// The stacked expert tensor of part `gate`/`up`/`down` in layer `layer`.
+pub fn expert_tensor(layer: usize, part: &str) -> String {
+    format!("blk.{layer}.ffn_{part}_exps.weight")
+}
+
+/// llama.cpp's converter reorders the rows of q and k for the `llama` architecture so that its
+/// adjacent-pair RoPE matches Hugging Face's half-split RoPE. For `heads` heads of `head_dim`
+/// rows, returns the source row of each destination row.
+pub fn llama_qk_permutation(heads: usize, head_dim: usize) -> Vec<usize> {
+    let half = head_dim / 2;
+    let mut src = vec![0; heads * head_dim];
+    for h in 0..heads {
+        for i in 0..half {
+            for side in 0..2 {
+                src[h * head_dim + 2 * i + side] = h * head_dim + side * half + i;
+            }
+        }
+    }
+    src
+}
+
+/// Inverse of a permutation.
+pub fn invert(p: &[usize]) -> Vec<usize> {
+    let mut inv = vec![0; p.len()];
+    for (dst, &src) in p.iter().enumerate() {
+        inv[src] = dst;
+    }
+    inv
+}

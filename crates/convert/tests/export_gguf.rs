@@ -1,0 +1,46 @@
+//! `smoe export-gguf` against llama.cpp's own converter: exporting a BF16 vault of each fixture
+//! gives the tensors, shapes, types and bytes of `testdata/gguf/<family>.bf16.gguf` (written by
+//! convert_hf_to_gguf.py), and the architecture metadata llama.cpp reads.
+
+use smoe_convert::gguf::{export::export, Gguf};
+use smoe_convert::{shatter, ShatterOptions, Silent};
+use smoe_quant::Format;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+
+fn root() -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata")
+}
+
+fn bytes(g: &Gguf, name: &str) -> Vec<u8> {
+    let t = g.tensor(name).unwrap();
+    let mut b = vec![0u8; t.len().unwrap() as usize];
+    std::fs::File::open(&g.paths[t.file]).unwrap().read_exact_at(&mut b, t.offset).unwrap();
+    b
+}
+
+#[test]
+fn bf16_export_matches_llama_cpp_converter() {
+    let dir = tempfile::tempdir().unwrap();
+    for name in ["qwen3_moe", "qwen3_moe_yarn", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v3_yarn"] {
+        let vault = dir.path().join(format!("{name}.smoe"));
+        let opts = ShatterOptions { experts: Format::BF16, dense: Format::BF16, threads: Some(2), fail_after_blobs: None };
+        shatter(&root().join("hf").join(name), &vault, &opts, &Silent).unwrap();
+        let out = dir.path().join(format!("{name}.gguf"));
+        export(&vault, &out, &Silent).unwrap();
+        let ours = Gguf::open(&out).unwrap();
+        let theirs = Gguf::open(&root().join("gguf").join(format!("{name}.bf16.gguf"))).unwrap();
+        assert_eq!(ours.tensors.len(), theirs.tensors.len(), "{name}");
+        for t in &theirs.tensors {
+            let o = ours.tensor(&t.name).unwrap_or_else(|| panic!("{name}: {} missing", t.name));
+            assert_eq!((&o.dims, o.ggml_type), (&t.dims, t.ggml_type), "{name} {}", t.name);
+            assert!(bytes(&ours, &t.name) == bytes(&theirs, &t.name), "{name}: {} differs", t.name);
+        }
+        for (k, v) in &theirs.meta {
+            let skip = k.starts_with("general.name") || k.starts_with("general.size_label") || k.ends_with("layer_norm_rms_epsilon");
+            if !skip {
+                assert_eq!(ours.get(k), Some(v), "{name}: metadata {k}");
+            }
+        }
+    }
+}

@@ -1,0 +1,124 @@
+//! NEON kernels (every aarch64 CPU has NEON). Integer products widen with `vmull_s8` and
+//! accumulate pairwise into i32 with `vpadalq_s16`; each i16 holds at most two products, which
+//! never overflows for the ranges involved (|q| ≤ 63 × |a| ≤ 127, twice, < 2¹⁵).
+
+use crate::act::{Block256, Block32};
+use smoe_quant::blocks::{BlockQ4K, BlockQ6K, BlockQ8_0};
+use std::arch::aarch64::*;
+
+/// Σ x·y over 16 signed bytes, added into an i32x4 accumulator.
+#[inline(always)]
+fn mla16(acc: int32x4_t, x: int8x16_t, y: int8x16_t) -> int32x4_t {
+    // SAFETY: NEON is part of the aarch64 baseline; these are register-only operations.
+    unsafe {
+        let p = vmull_s8(vget_low_s8(x), vget_low_s8(y));
+        let p = vmlal_s8(p, vget_high_s8(x), vget_high_s8(y));
+        vpadalq_s16(acc, p)
+    }
+}
+
+/// f32 · f32.
+pub fn dot_f32_f32(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let mut i = 0;
+    // SAFETY: every load reads 4 floats at i with i + 4 <= n; NEON is baseline on aarch64.
+    let mut s = unsafe {
+        let (mut s0, mut s1) = (vdupq_n_f32(0.0), vdupq_n_f32(0.0));
+        while i + 8 <= n {
+            s0 = vfmaq_f32(s0, vld1q_f32(a.as_ptr().add(i)), vld1q_f32(b.as_ptr().add(i)));
+            s1 = vfmaq_f32(s1, vld1q_f32(a.as_ptr().add(i + 4)), vld1q_f32(b.as_ptr().add(i + 4)));
+            i += 8;
+        }
+        vaddvq_f32(vaddq_f32(s0, s1))
+    };
+    while i < n {
+        s += a[i] * b[i];
+        i += 1;
+    }
+    s
+}
+
+/// Q8_0 weights.
+pub fn dot_q8_0(w: &[u8], a: &[Block32]) -> f32 {
+    let wb: &[BlockQ8_0] = bytemuck::cast_slice(w);
+    let mut s = 0f32;
+    for (b, a) in wb.iter().zip(a) {
+        // SAFETY: each block holds 32 quants (two 16-byte loads each side).
+        let v = unsafe {
+            let acc = mla16(vdupq_n_s32(0), vld1q_s8(b.qs.as_ptr()), vld1q_s8(a.qs.as_ptr()));
+            let acc = mla16(acc, vld1q_s8(b.qs.as_ptr().add(16)), vld1q_s8(a.qs.as_ptr().add(16)));
+            vaddvq_s32(acc)
+        };
+        s += b.d.to_f32() * a.d * v as f32;
+    }
+    s
+}
+
+/// Q4_K weights.
+pub fn dot_q4_k(w: &[u8], a: &[Block256]) -> f32 {
+    let wb: &[BlockQ4K] = bytemuck::cast_slice(w);
+    let mut total = 0f32;
+    for (b, a) in wb.iter().zip(a) {
+        let mut sumi = 0i32;
+        let mut mins = 0i32;
+        for c in 0..4 {
+            let (s_lo, m_lo) = smoe_quant::scale_min_k4(2 * c, &b.scales);
+            let (s_hi, m_hi) = smoe_quant::scale_min_k4(2 * c + 1, &b.scales);
+            mins += m_lo as i32 * (a.bsums[4 * c] as i32 + a.bsums[4 * c + 1] as i32);
+            mins += m_hi as i32 * (a.bsums[4 * c + 2] as i32 + a.bsums[4 * c + 3] as i32);
+            // SAFETY: 32 bytes of nibbles at 32c (< 128) and 64 activations at 64c (< 256).
+            let (lo, hi) = unsafe {
+                let m = vdupq_n_u8(0x0f);
+                let (q0, q1) = (vld1q_u8(b.qs.as_ptr().add(32 * c)), vld1q_u8(b.qs.as_ptr().add(32 * c + 16)));
+                let y = a.qs.as_ptr().add(64 * c);
+                let lo = mla16(vdupq_n_s32(0), vreinterpretq_s8_u8(vandq_u8(q0, m)), vld1q_s8(y));
+                let lo = mla16(lo, vreinterpretq_s8_u8(vandq_u8(q1, m)), vld1q_s8(y.add(16)));
+                let hi = mla16(vdupq_n_s32(0), vreinterpretq_s8_u8(vshrq_n_u8::<4>(q0)), vld1q_s8(y.add(32)));
+                let hi = mla16(hi, vreinterpretq_s8_u8(vshrq_n_u8::<4>(q1)), vld1q_s8(y.add(48)));
+                (vaddvq_s32(lo), vaddvq_s32(hi))
+            };
+            sumi += s_lo as i32 * lo + s_hi as i32 * hi;
+        }
+        total += a.d * (b.d.to_f32() * sumi as f32 - b.dmin.to_f32() * mins as f32);
+    }
+    total
+}
+
+/// Q6_K weights.
+pub fn dot_q6_k(w: &[u8], a: &[Block256]) -> f32 {
+    let wb: &[BlockQ6K] = bytemuck::cast_slice(w);
+    let mut total = 0f32;
+    for (b, a) in wb.iter().zip(a) {
+        let mut sumi = 0i32;
+        let mut offset = 0i32;
+        for g in 0..16 {
+            offset += b.scales[g] as i32 * a.bsums[g] as i32;
+        }
+        for h in 0..2 {
+            for half16 in 0..2 {
+                // SAFETY: offsets stay within ql (128), qh (64) and the activations (256).
+                unsafe {
+                    let o = 16 * half16;
+                    let m4 = vdupq_n_u8(0x0f);
+                    let m2 = vdupq_n_u8(0x03);
+                    let ql0 = vld1q_u8(b.ql.as_ptr().add(64 * h + o));
+                    let ql1 = vld1q_u8(b.ql.as_ptr().add(64 * h + 32 + o));
+                    let qh = vld1q_u8(b.qh.as_ptr().add(32 * h + o));
+                    let q = [
+                        vorrq_u8(vandq_u8(ql0, m4), vshlq_n_u8::<4>(vandq_u8(qh, m2))),
+                        vorrq_u8(vandq_u8(ql1, m4), vshlq_n_u8::<4>(vandq_u8(vshrq_n_u8::<2>(qh), m2))),
+                        vorrq_u8(vshrq_n_u8::<4>(ql0), vshlq_n_u8::<4>(vandq_u8(vshrq_n_u8::<4>(qh), m2))),
+                        vorrq_u8(vshrq_n_u8::<4>(ql1), vshlq_n_u8::<4>(vshrq_n_u8::<6>(qh))),
+                    ];
+                    for (j, q) in q.into_iter().enumerate() {
+                        let e = 128 * h + 32 * j + o;
+                        let v = mla16(vdupq_n_s32(0), vreinterpretq_s8_u8(q), vld1q_s8(a.qs.as_ptr().add(e)));
+                        sumi += b.scales[e / 16] as i32 * vaddvq_s32(v);
+                    }
+                }
+            }
+        }
+        total += a.d * b.d.to_f32() * (sumi - 32 * offset) as f32;
+    }
+    total
+}

@@ -1,0 +1,212 @@
+/*!
+Quantized dot products for smoe's CPU backend.
+
+Decode is a matrix-vector product per weight matrix, bound by memory bandwidth; prefill is a
+matrix-matrix product, bound by arithmetic. Both reduce to dot products of one stored weight row
+with one activation row. Activations are quantized to int8 blocks once per row ([`act`]) so the
+inner loops are integer; each weight format has a scalar reference ([`scalar`]) and, where it
+matters, SIMD versions for AVX-512 VNNI, AVX2 and NEON, chosen once at run time ([`best`]).
+
+This crate owns the arithmetic only: formats and their decoders are `smoe-quant`'s, threading
+and buffers the engine's.
+*/
+#![deny(missing_docs)]
+
+pub mod act;
+#[cfg(target_arch = "aarch64")]
+pub mod arm;
+pub mod scalar;
+#[cfg(target_arch = "x86_64")]
+pub mod x86;
+
+use act::{ActKind, Block256, Block32};
+use smoe_quant::Format;
+use std::sync::OnceLock;
+
+/// A dot product of one weight row (raw bytes of its format) with one activation row.
+///
+/// The functions are `unsafe` because SIMD versions need CPU features; a [`Kernels`] table only
+/// ever holds functions its CPU supports.
+#[derive(Clone, Copy)]
+pub enum DotFn {
+    /// Against f32 activations.
+    F32(unsafe fn(&[u8], &[f32]) -> f32),
+    /// Against 32-element int8 blocks.
+    Q32(unsafe fn(&[u8], &[Block32]) -> f32),
+    /// Against 256-element int8 super-blocks.
+    Q256(unsafe fn(&[u8], &[Block256]) -> f32),
+}
+
+/// An activation row in whichever form a weight format needs.
+#[derive(Clone, Copy)]
+pub enum ActRow<'a> {
+    /// Plain f32.
+    F32(&'a [f32]),
+    /// 32-element blocks.
+    Q32(&'a [Block32]),
+    /// 256-element super-blocks.
+    Q256(&'a [Block256]),
+}
+
+/// Which activation form `f` needs.
+pub fn act_kind(f: Format) -> ActKind {
+    match f {
+        Format::F32 | Format::F16 | Format::BF16 => ActKind::F32,
+        Format::Q8_0 | Format::Q4_0 | Format::Q4_1 | Format::Q5_0 | Format::Q5_1 => ActKind::Q8x32,
+        Format::Q2_K | Format::Q3_K | Format::Q4_K | Format::Q5_K | Format::Q6_K => ActKind::Q8x256,
+    }
+}
+
+/// A table of kernels for one instruction set.
+#[derive(Clone)]
+pub struct Kernels {
+    /// Instruction set name (`scalar`, `avx2`, `avx512-vnni`, `neon`).
+    pub isa: &'static str,
+    pub(crate) f32_dot: unsafe fn(&[f32], &[f32]) -> f32,
+    dots: [DotFn; 13],
+}
+
+fn slot(f: Format) -> usize {
+    smoe_quant::ALL_FORMATS.iter().position(|&x| x == f).expect("every format is listed")
+}
+
+impl Kernels {
+    /// The scalar reference table.
+    pub fn scalar_table() -> Kernels {
+        let mut dots = [DotFn::F32(scalar::dot_f32); 13];
+        for f in smoe_quant::ALL_FORMATS {
+            dots[slot(f)] = match f {
+                Format::F32 => DotFn::F32(scalar::dot_f32),
+                Format::F16 => DotFn::F32(scalar::dot_f16),
+                Format::BF16 => DotFn::F32(scalar::dot_bf16),
+                Format::Q8_0 => DotFn::Q32(scalar::dot_q8_0),
+                Format::Q4_0 => DotFn::Q32(scalar::dot_q4_0),
+                Format::Q4_1 => DotFn::Q32(scalar::dot_q4_1),
+                Format::Q5_0 => DotFn::Q32(scalar::dot_q5_0),
+                Format::Q5_1 => DotFn::Q32(scalar::dot_q5_1),
+                Format::Q2_K => DotFn::Q256(scalar::dot_q2_k),
+                Format::Q3_K => DotFn::Q256(scalar::dot_q3_k),
+                Format::Q4_K => DotFn::Q256(scalar::dot_q4_k),
+                Format::Q5_K => DotFn::Q256(scalar::dot_q5_k),
+                Format::Q6_K => DotFn::Q256(scalar::dot_q6_k),
+            };
+        }
+        Kernels { isa: "scalar", f32_dot: scalar_f32_dot, dots }
+    }
+
+    pub(crate) fn set(&mut self, f: Format, d: DotFn) {
+        self.dots[slot(f)] = d;
+    }
+
+    /// The dot product for weights in `f`.
+    pub fn dot_fn(&self, f: Format) -> DotFn {
+        self.dots[slot(f)]
+    }
+
+    /// `w · a` for one weight row in format `f` (whole blocks) and a matching activation row.
+    pub fn dot(&self, f: Format, w: &[u8], a: ActRow<'_>) -> f32 {
+        // SAFETY: the table holds only functions whose CPU features were detected at
+        // construction (`best`, `available`), or scalar ones.
+        unsafe {
+            match (self.dots[slot(f)], a) {
+                (DotFn::F32(k), ActRow::F32(x)) => k(w, x),
+                (DotFn::Q32(k), ActRow::Q32(x)) => k(w, x),
+                (DotFn::Q256(k), ActRow::Q256(x)) => k(w, x),
+                _ => panic!("activation form does not match {f}"),
+            }
+        }
+    }
+
+    /// `a · b` in f32 (attention, f32 weights).
+    pub fn dot_f32(&self, a: &[f32], b: &[f32]) -> f32 {
+        // SAFETY: as for `dot`.
+        unsafe { (self.f32_dot)(a, b) }
+    }
+}
+
+fn scalar_f32_dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let n = a.len().min(b.len());
+    for i in 0..n / 8 {
+        for j in 0..8 {
+            acc[j] += a[8 * i + j] * b[8 * i + j];
+        }
+    }
+    let mut s: f32 = acc.iter().sum();
+    for i in n / 8 * 8..n {
+        s += a[i] * b[i];
+    }
+    s
+}
+
+/// Every table this CPU can run, best first (the scalar one last).
+pub fn available() -> Vec<Kernels> {
+    let mut v = Vec::new();
+    #[cfg(target_arch = "x86_64")]
+    {
+        v.extend(x86::avx512_table());
+        v.extend(x86::avx2_table());
+    }
+    #[cfg(target_arch = "aarch64")]
+    v.extend(arm::neon_table());
+    v.push(Kernels::scalar_table());
+    v
+}
+
+/// The best table for this CPU, chosen once (override with `SMOE_ISA=scalar|avx2|...`).
+pub fn best() -> &'static Kernels {
+    static BEST: OnceLock<Kernels> = OnceLock::new();
+    BEST.get_or_init(|| {
+        let all = available();
+        let want = std::env::var("SMOE_ISA").ok();
+        let k = want.as_deref().and_then(|w| all.iter().find(|k| k.isa == w).cloned()).unwrap_or_else(|| all[0].clone());
+        tracing::info!("kernels: chose {} (available: {})", k.isa, all.iter().map(|k| k.isa).collect::<Vec<_>>().join(", "));
+        k
+    })
+}
+
+/// Quantized activations of several rows, reusing their buffers across calls.
+#[derive(Default)]
+pub struct QuantAct {
+    kind: Option<ActKind>,
+    cols: usize,
+    f32: Vec<f32>,
+    b32: Vec<Block32>,
+    b256: Vec<Block256>,
+}
+
+impl QuantAct {
+    /// Quantizes `rows` rows of `cols` from `x` for weights of format `f`.
+    pub fn quantize(&mut self, f: Format, x: &[f32], rows: usize, cols: usize) {
+        let kind = act_kind(f);
+        self.kind = Some(kind);
+        self.cols = cols;
+        match kind {
+            ActKind::F32 => {
+                self.f32.clear();
+                self.f32.extend_from_slice(&x[..rows * cols]);
+            }
+            ActKind::Q8x32 => {
+                self.b32.resize(rows * cols / 32, Block32::ZERO);
+                act::quantize_32(&x[..rows * cols], &mut self.b32);
+            }
+            ActKind::Q8x256 => {
+                self.b256.resize(rows * cols / 256, Block256::ZERO);
+                act::quantize_256(&x[..rows * cols], &mut self.b256);
+            }
+        }
+    }
+
+    /// Row `r`.
+    pub fn row(&self, r: usize) -> ActRow<'_> {
+        let c = self.cols;
+        match self.kind.expect("quantize first") {
+            ActKind::F32 => ActRow::F32(&self.f32[r * c..(r + 1) * c]),
+            ActKind::Q8x32 => ActRow::Q32(&self.b32[r * c / 32..(r + 1) * c / 32]),
+            ActKind::Q8x256 => ActRow::Q256(&self.b256[r * c / 256..(r + 1) * c / 256]),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,232 @@
+//! Scalar reference dot products of one weight row with one activation row. Every SIMD path is
+//! tested against these; they in turn follow the block definitions of `smoe-quant` (whose
+//! decoders are ggml's).
+
+use crate::act::{Block256, Block32};
+use smoe_quant::blocks::*;
+use smoe_quant::half::{bf16_bits_to_f32, f16_bits_to_f32};
+use smoe_quant::{scale_min_k4, unpack_q3_scales};
+
+fn blocks<T: bytemuck::Pod>(w: &[u8]) -> &[T] {
+    bytemuck::cast_slice(w)
+}
+
+/// f32 weights.
+pub fn dot_f32(w: &[u8], x: &[f32]) -> f32 {
+    w.chunks_exact(4).zip(x).map(|(c, &v)| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) * v).sum()
+}
+
+/// f16 weights.
+pub fn dot_f16(w: &[u8], x: &[f32]) -> f32 {
+    w.chunks_exact(2).zip(x).map(|(c, &v)| f16_bits_to_f32(u16::from_le_bytes([c[0], c[1]])) * v).sum()
+}
+
+/// bf16 weights.
+pub fn dot_bf16(w: &[u8], x: &[f32]) -> f32 {
+    w.chunks_exact(2).zip(x).map(|(c, &v)| bf16_bits_to_f32(u16::from_le_bytes([c[0], c[1]])) * v).sum()
+}
+
+fn isum(a: impl Iterator<Item = i32>) -> i32 {
+    a.sum()
+}
+
+/// Q8_0 weights.
+pub fn dot_q8_0(w: &[u8], a: &[Block32]) -> f32 {
+    blocks::<BlockQ8_0>(w)
+        .iter()
+        .zip(a)
+        .map(|(b, a)| b.d.to_f32() * a.d * isum(b.qs.iter().zip(&a.qs).map(|(&q, &p)| q as i32 * p as i32)) as f32)
+        .sum()
+}
+
+/// Q4_0 weights.
+pub fn dot_q4_0(w: &[u8], a: &[Block32]) -> f32 {
+    blocks::<BlockQ4_0>(w)
+        .iter()
+        .zip(a)
+        .map(|(b, a)| {
+            let s = isum((0..16).map(|j| ((b.qs[j] & 15) as i32 - 8) * a.qs[j] as i32 + ((b.qs[j] >> 4) as i32 - 8) * a.qs[j + 16] as i32));
+            b.d.to_f32() * a.d * s as f32
+        })
+        .sum()
+}
+
+/// Q4_1 weights (value = q·d + m).
+pub fn dot_q4_1(w: &[u8], a: &[Block32]) -> f32 {
+    blocks::<BlockQ4_1>(w)
+        .iter()
+        .zip(a)
+        .map(|(b, a)| {
+            let s = isum((0..16).map(|j| (b.qs[j] & 15) as i32 * a.qs[j] as i32 + (b.qs[j] >> 4) as i32 * a.qs[j + 16] as i32));
+            b.d.to_f32() * a.d * s as f32 + b.m.to_f32() * a.s
+        })
+        .sum()
+}
+
+fn q5(qs: &[u8; 16], qh: [u8; 4], j: usize) -> (i32, i32) {
+    let h = u32::from_le_bytes(qh);
+    let lo = (qs[j] & 15) as i32 | (((h >> j) & 1) << 4) as i32;
+    let hi = (qs[j] >> 4) as i32 | (((h >> (j + 16)) & 1) << 4) as i32;
+    (lo, hi)
+}
+
+/// Q5_0 weights.
+pub fn dot_q5_0(w: &[u8], a: &[Block32]) -> f32 {
+    blocks::<BlockQ5_0>(w)
+        .iter()
+        .zip(a)
+        .map(|(b, a)| {
+            let s = isum((0..16).map(|j| {
+                let (lo, hi) = q5(&b.qs, b.qh, j);
+                (lo - 16) * a.qs[j] as i32 + (hi - 16) * a.qs[j + 16] as i32
+            }));
+            b.d.to_f32() * a.d * s as f32
+        })
+        .sum()
+}
+
+/// Q5_1 weights.
+pub fn dot_q5_1(w: &[u8], a: &[Block32]) -> f32 {
+    blocks::<BlockQ5_1>(w)
+        .iter()
+        .zip(a)
+        .map(|(b, a)| {
+            let s = isum((0..16).map(|j| {
+                let (lo, hi) = q5(&b.qs, b.qh, j);
+                lo * a.qs[j] as i32 + hi * a.qs[j + 16] as i32
+            }));
+            b.d.to_f32() * a.d * s as f32 + b.m.to_f32() * a.s
+        })
+        .sum()
+}
+
+/// Q4_K quants of one super-block in element order.
+pub fn q4k_quants(b: &BlockQ4K) -> [u8; 256] {
+    let mut q = [0u8; 256];
+    for c in 0..4 {
+        for l in 0..32 {
+            q[64 * c + l] = b.qs[32 * c + l] & 15;
+            q[64 * c + 32 + l] = b.qs[32 * c + l] >> 4;
+        }
+    }
+    q
+}
+
+/// Q4_K weights: `d·sc·q - dmin·m` per group of 32.
+pub fn dot_q4_k(w: &[u8], a: &[Block256]) -> f32 {
+    blocks::<BlockQ4K>(w)
+        .iter()
+        .zip(a)
+        .map(|(b, a)| {
+            let q = q4k_quants(b);
+            let (mut sumi, mut summ) = (0i32, 0i32);
+            for g in 0..8 {
+                let (sc, m) = scale_min_k4(g, &b.scales);
+                sumi += sc as i32 * isum((32 * g..32 * g + 32).map(|i| q[i] as i32 * a.qs[i] as i32));
+                summ += m as i32 * (a.bsums[2 * g] as i32 + a.bsums[2 * g + 1] as i32);
+            }
+            a.d * (b.d.to_f32() * sumi as f32 - b.dmin.to_f32() * summ as f32)
+        })
+        .sum()
+}
+
+/// Q5_K weights.
+pub fn dot_q5_k(w: &[u8], a: &[Block256]) -> f32 {
+    blocks::<BlockQ5K>(w)
+        .iter()
+        .zip(a)
+        .map(|(b, a)| {
+            let mut q = [0i32; 256];
+            for c in 0..4 {
+                for l in 0..32 {
+                    q[64 * c + l] = (b.qs[32 * c + l] & 15) as i32 + if b.qh[l] & (1 << (2 * c)) != 0 { 16 } else { 0 };
+                    q[64 * c + 32 + l] = (b.qs[32 * c + l] >> 4) as i32 + if b.qh[l] & (2 << (2 * c)) != 0 { 16 } else { 0 };
+                }
+            }
+            let (mut sumi, mut summ) = (0i32, 0i32);
+            for g in 0..8 {
+                let (sc, m) = scale_min_k4(g, &b.scales);
+                sumi += sc as i32 * isum((32 * g..32 * g + 32).map(|i| q[i] * a.qs[i] as i32));
+                summ += m as i32 * (a.bsums[2 * g] as i32 + a.bsums[2 * g + 1] as i32);
+            }
+            a.d * (b.d.to_f32() * sumi as f32 - b.dmin.to_f32() * summ as f32)
+        })
+        .sum()
+}
+
+/// Q6_K quants of one super-block in element order, offset removed (−32..31).
+pub fn q6k_quants(b: &BlockQ6K) -> [i8; 256] {
+    let mut q = [0i8; 256];
+    for h in 0..2 {
+        let (ql, qh) = (&b.ql[64 * h..], &b.qh[32 * h..]);
+        for l in 0..32 {
+            q[128 * h + l] = ((ql[l] & 15) | ((qh[l] & 3) << 4)) as i8 - 32;
+            q[128 * h + 32 + l] = ((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) as i8 - 32;
+            q[128 * h + 64 + l] = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i8 - 32;
+            q[128 * h + 96 + l] = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i8 - 32;
+        }
+    }
+    q
+}
+
+/// Q6_K weights.
+pub fn dot_q6_k(w: &[u8], a: &[Block256]) -> f32 {
+    blocks::<BlockQ6K>(w)
+        .iter()
+        .zip(a)
+        .map(|(b, a)| {
+            let q = q6k_quants(b);
+            let s = isum((0..16).map(|g| b.scales[g] as i32 * isum((16 * g..16 * g + 16).map(|i| q[i] as i32 * a.qs[i] as i32))));
+            a.d * b.d.to_f32() * s as f32
+        })
+        .sum()
+}
+
+/// Q3_K weights.
+pub fn dot_q3_k(w: &[u8], a: &[Block256]) -> f32 {
+    blocks::<BlockQ3K>(w)
+        .iter()
+        .zip(a)
+        .map(|(b, a)| {
+            let sc = unpack_q3_scales(&b.scales);
+            let mut q = [0i32; 256];
+            let mut m = 1u8;
+            for half in 0..2 {
+                for (j, shift) in [0u32, 2, 4, 6].into_iter().enumerate() {
+                    for l in 0..32 {
+                        let low = ((b.qs[32 * half + l] >> shift) & 3) as i32;
+                        q[128 * half + 32 * j + l] = low - if b.hmask[l] & m != 0 { 0 } else { 4 };
+                    }
+                    m <<= 1;
+                }
+            }
+            let s = isum((0..16).map(|g| sc[g] as i32 * isum((16 * g..16 * g + 16).map(|i| q[i] * a.qs[i] as i32))));
+            a.d * b.d.to_f32() * s as f32
+        })
+        .sum()
+}
+
+/// Q2_K weights.
+pub fn dot_q2_k(w: &[u8], a: &[Block256]) -> f32 {
+    blocks::<BlockQ2K>(w)
+        .iter()
+        .zip(a)
+        .map(|(b, a)| {
+            let mut q = [0i32; 256];
+            for half in 0..2 {
+                for (j, shift) in [0u32, 2, 4, 6].into_iter().enumerate() {
+                    for l in 0..32 {
+                        q[128 * half + 32 * j + l] = ((b.qs[32 * half + l] >> shift) & 3) as i32;
+                    }
+                }
+            }
+            let (mut sumi, mut summ) = (0i32, 0i32);
+            for g in 0..16 {
+                let sc = b.scales[g];
+                sumi += (sc & 15) as i32 * isum((16 * g..16 * g + 16).map(|i| q[i] * a.qs[i] as i32));
+                summ += (sc >> 4) as i32 * a.bsums[g] as i32;
+            }
+            a.d * (b.d.to_f32() * sumi as f32 - b.dmin.to_f32() * summ as f32)
+        })
+        .sum()
+}

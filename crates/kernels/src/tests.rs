@@ -1,0 +1,91 @@
+//! Every SIMD table against the scalar reference, and every kernel against exact (f64) math on
+//! the dequantized weights and the unquantized activations, within the bound that activation
+//! quantization allows.
+
+use super::*;
+use rand::{Rng, SeedableRng};
+
+fn data(n: usize, rng: &mut rand::rngs::StdRng) -> Vec<f32> {
+    (0..n)
+        .map(|_| {
+            let g: f32 = (0..4).map(|_| rng.random::<f32>() - 0.5).sum::<f32>() * 1.7;
+            // A few outliers, as real activations have.
+            if rng.random::<f32>() < 0.01 {
+                g * 12.0
+            } else {
+                g
+            }
+        })
+        .collect()
+}
+
+/// The bound on |quantized dot − exact dot|: each activation is off by at most half its block's
+/// step (`d / 2`), so the error is at most Σ_blocks d/2 · Σ|w| in the block, plus f32 rounding
+/// of the accumulation (relative 1e-5 of Σ|w·x|, generous for rows up to 8k).
+fn bound(w: &[f32], x: &[f32], block: usize) -> f64 {
+    let mut b = 0f64;
+    for (wb, xb) in w.chunks(block).zip(x.chunks(block)) {
+        let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs())) as f64;
+        b += amax / 127.0 / 2.0 * wb.iter().map(|v| v.abs() as f64).sum::<f64>();
+    }
+    let mag: f64 = w.iter().zip(x).map(|(a, b)| (a * b).abs() as f64).sum();
+    b + 1e-5 * mag + 1e-6
+}
+
+#[test]
+fn every_table_matches_scalar_and_the_exact_bound() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(42);
+    let tables = available();
+    eprintln!("tables on this CPU: {:?}", tables.iter().map(|k| k.isa).collect::<Vec<_>>());
+    let scalar = Kernels::scalar_table();
+    for f in smoe_quant::ALL_FORMATS {
+        for cols in [256usize, 512, 768, 2304, 4096 + 256] {
+            if !f.fits(cols) {
+                continue;
+            }
+            let rows = 3;
+            let wf = data(rows * cols, &mut rng);
+            let mut wq = vec![0u8; f.row_bytes(cols).unwrap() * rows];
+            for (d, s) in wq.chunks_mut(f.row_bytes(cols).unwrap()).zip(wf.chunks(cols)) {
+                smoe_quant::quantize(f, s, d).unwrap();
+            }
+            let mut wd = vec![0f32; rows * cols];
+            smoe_quant::dequantize(f, &wq, &mut wd).unwrap();
+            let x = data(2 * cols, &mut rng);
+            let mut qa = QuantAct::default();
+            qa.quantize(f, &x, 2, cols);
+            let rb = f.row_bytes(cols).unwrap();
+            for r in 0..rows {
+                for t in 0..2 {
+                    let (w, xr) = (&wd[r * cols..(r + 1) * cols], &x[t * cols..(t + 1) * cols]);
+                    let exact: f64 = w.iter().zip(xr).map(|(a, b)| *a as f64 * *b as f64).sum();
+                    let want = scalar.dot(f, &wq[r * rb..(r + 1) * rb], qa.row(t));
+                    let block = match act_kind(f) {
+                        ActKind::F32 => 1,
+                        ActKind::Q8x32 => 32,
+                        ActKind::Q8x256 => 256,
+                    };
+                    let b = if block == 1 {
+                        1e-5 * w.iter().zip(xr).map(|(a, b)| (a * b).abs() as f64).sum::<f64>() + 1e-6
+                    } else {
+                        bound(w, xr, block)
+                    };
+                    assert!((want as f64 - exact).abs() <= b, "{f} cols {cols}: scalar {want} vs exact {exact} (bound {b})");
+                    for k in &tables {
+                        let got = k.dot(f, &wq[r * rb..(r + 1) * rb], qa.row(t));
+                        // Same integer sums; only the float accumulation order differs.
+                        let tol = 1e-5 * (want.abs() as f64 + w.iter().zip(xr).map(|(a, b)| (a * b).abs() as f64).sum::<f64>()) + 1e-6;
+                        assert!((got as f64 - want as f64).abs() <= tol, "{} {f} cols {cols}: {got} vs scalar {want}", k.isa);
+                    }
+                }
+            }
+        }
+    }
+    for k in &tables {
+        for n in [1usize, 7, 16, 33, 100, 1000] {
+            let (a, b) = (data(n, &mut rng), data(n, &mut rng));
+            let want: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
+            assert!((k.dot_f32(&a, &b) as f64 - want).abs() < 1e-4 * (1.0 + want.abs()), "{} f32 dot n={n}", k.isa);
+        }
+    }
+}
