@@ -26,7 +26,7 @@ pub fn run_bench(
 ) -> Result<()> {
     threads(n_threads);
     let t0 = std::time::Instant::now();
-    let engine = model.open(vault, Precision::Reference, Some(prompt_tokens + gen_tokens + 1))?;
+    let engine = model.open(vault, Precision::Fast, Some(prompt_tokens + gen_tokens + 1))?;
     let load_s = t0.elapsed().as_secs_f64();
     let opts = BenchOptions { prompt_tokens, gen_tokens, seed: 1, chunk };
     if reps > 1 {

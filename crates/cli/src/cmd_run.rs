@@ -110,14 +110,12 @@ pub fn run_score(a: ScoreArgs) -> Result<()> {
     if ids.is_empty() {
         bail!("no token ids to score");
     }
-    if a.fast {
-        bail!("--fast needs the production kernels, which this build does not have yet");
-    }
     let mut model = a.model.clone();
     if let Some(mb) = a.cache_mb {
         model.cache = CacheSize::Bytes(mb << 20);
     }
-    let engine = model.open(&a.vault, Precision::Reference, Some(ids.len()))?;
+    let precision = if a.fast { Precision::Fast } else { Precision::Reference };
+    let engine = model.open(&a.vault, precision, Some(ids.len()))?;
     let mode = if a.decode { ScoreMode::Decode } else { ScoreMode::Prefill };
     let t0 = std::time::Instant::now();
     let out = score(&engine.model, &ids, mode, 256, a.model.instrument)?;
@@ -252,7 +250,7 @@ pub fn prompt_ids(engine: &Engine<CpuBackend>, p: &Prompt) -> Result<Vec<u32>> {
 }
 
 pub fn run_run(a: RunArgs) -> Result<()> {
-    let engine = a.model.open(&a.vault, Precision::Reference, a.gen.ctx)?;
+    let engine = a.model.open(&a.vault, Precision::Fast, a.gen.ctx)?;
     let p = Prompt { text: &a.prompt, raw: a.raw, system: a.system.as_deref(), think: a.think };
     generate_and_report(&engine, &p, a.json, &a.gen, a.model.instrument)
 }

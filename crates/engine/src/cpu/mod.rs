@@ -5,7 +5,9 @@
 //! when an op is big enough to be worth it.
 
 mod attention;
+mod fast;
 mod matmul;
+pub mod pool;
 
 use crate::backend::{AttnParams, Backend, KvShape};
 use smoe_quant::{Format, QMatrix};
@@ -14,20 +16,36 @@ use std::sync::Arc;
 /// How matrix products are computed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Precision {
-    /// f32 arithmetic on dequantized weights.
+    /// f32 arithmetic on dequantized weights (`smoe score`'s correctness path).
     Reference,
+    /// int8 activations and SIMD dot products on a persistent thread pool (production).
+    Fast,
 }
 
 /// The CPU backend.
-#[derive(Clone, Debug)]
 pub struct CpuBackend {
     precision: Precision,
+    kernels: &'static smoe_kernels::Kernels,
+    pool: std::sync::Arc<pool::Pool>,
 }
 
 impl CpuBackend {
-    /// A backend computing at `precision`.
+    /// A backend computing at `precision` on all cores.
     pub fn new(precision: Precision) -> CpuBackend {
-        CpuBackend { precision }
+        let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+        CpuBackend::with_threads(precision, threads)
+    }
+
+    /// A backend computing at `precision` with `threads` compute threads.
+    pub fn with_threads(precision: Precision, threads: usize) -> CpuBackend {
+        CpuBackend { precision, kernels: smoe_kernels::best(), pool: std::sync::Arc::new(pool::Pool::new(threads)) }
+    }
+
+    fn product(&self, w: &QMatrix<'_>, x: &[f32], n: usize, out: &mut [f32]) {
+        match self.precision {
+            Precision::Reference => matmul::matmul_ref(w, x, n, out),
+            Precision::Fast => fast::matmul(self.kernels, &self.pool, w, x, n, out),
+        }
     }
 }
 
@@ -66,7 +84,10 @@ impl Backend for CpuBackend {
     type KvCache = CpuKvCache;
 
     fn describe(&self) -> String {
-        format!("cpu ({:?}, {} threads)", self.precision, rayon::current_num_threads())
+        match self.precision {
+            Precision::Reference => format!("cpu reference f32 ({} rayon threads)", rayon::current_num_threads()),
+            Precision::Fast => format!("cpu {} int8 ({} threads)", self.kernels.isa, self.pool.threads()),
+        }
     }
 
     fn matrix(&self, region: &Arc<Vec<u8>>, offset: usize, format: Format, rows: usize, cols: usize) -> CpuMatrix {
@@ -108,10 +129,10 @@ impl Backend for CpuBackend {
             Some((r0, m)) => v.slice_rows(r0, m),
             None => v,
         };
-        matmul::matmul_ref(&v, x, n, out);
+        self.product(&v, x, n, out);
     }
     fn matmul_host(&self, w: &QMatrix<'_>, x: &Vec<f32>, n: usize, out: &mut Vec<f32>) {
-        matmul::matmul_ref(w, x, n, out);
+        self.product(w, x, n, out);
     }
     fn matmul_t(&self, w: &CpuMatrix, r0: usize, m: usize, x: &Vec<f32>, x_stride: usize, x_off: usize, n: usize, out: &mut Vec<f32>) {
         matmul::matmul_t_ref(&w.view().slice_rows(r0, m), x, x_stride, x_off, n, out);
@@ -249,7 +270,10 @@ impl Backend for CpuBackend {
         }
     }
     fn attention(&self, cache: &CpuKvCache, layer: usize, q: &Vec<f32>, n: usize, pos0: usize, p: AttnParams, out: &mut Vec<f32>) {
-        attention::attention_ref(&cache.layers[layer], q, n, pos0, p, out);
+        match self.precision {
+            Precision::Reference => attention::attention_ref(&cache.layers[layer], q, n, pos0, p, out),
+            Precision::Fast => attention::attention_fast(&cache.layers[layer], q, n, pos0, p, out, self.kernels, &self.pool),
+        }
     }
 }
 

@@ -3,6 +3,7 @@
 //! Integer products use `maddubs` (unsigned × signed bytes to i16 pairs), with the sign trick
 //! for signed × signed (|w| times a·sign(w)), as ggml does; i16 pairs are widened with `madd`.
 
+use super::{f16x8, k4_scales};
 use crate::act::{Block256, Block32};
 use smoe_quant::blocks::{BlockQ4K, BlockQ6K, BlockQ8_0};
 use std::arch::x86_64::*;
@@ -133,42 +134,64 @@ pub unsafe fn dot_f16(w: &[u8], x: &[f32]) -> f32 {
     t
 }
 
-/// Q8_0 weights.
+/// Q8_0 weights; scales converted eight blocks at a time, off the accumulation chains.
 ///
 /// # Safety
-/// The CPU must support AVX2 and FMA.
-#[target_feature(enable = "avx2,fma")]
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_q8_0(w: &[u8], a: &[Block32]) -> f32 {
     let wb: &[BlockQ8_0] = bytemuck::cast_slice(w);
-    let mut acc = _mm256_setzero_ps();
-    for (b, a) in wb.iter().zip(a) {
-        // SAFETY: each block holds exactly 32 quants; loadu has no alignment need.
-        let (x, y) = unsafe { (_mm256_loadu_si256(b.qs.as_ptr() as *const __m256i), _mm256_loadu_si256(a.qs.as_ptr() as *const __m256i)) };
-        let p = _mm256_cvtepi32_ps(mul_sum_i8(x, y));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(b.d.to_f32() * a.d), p, acc);
+    let n = wb.len().min(a.len());
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut i = 0;
+    while i < n {
+        let m = (n - i).min(8);
+        let (mut hd, mut ad) = ([0u16; 8], [0f32; 8]);
+        for j in 0..m {
+            hd[j] = u16::from_le_bytes(wb[i + j].d.0);
+            ad[j] = a[i + j].d;
+        }
+        let mut d = [0f32; 8];
+        // SAFETY: 8-element arrays.
+        unsafe { _mm256_storeu_ps(d.as_mut_ptr(), _mm256_mul_ps(f16x8(&hd), _mm256_loadu_ps(ad.as_ptr()))) };
+        for j in 0..m {
+            let (b, a) = (&wb[i + j], &a[i + j]);
+            // SAFETY: each block holds exactly 32 quants; loadu has no alignment need.
+            let (x, y) =
+                unsafe { (_mm256_loadu_si256(b.qs.as_ptr() as *const __m256i), _mm256_loadu_si256(a.qs.as_ptr() as *const __m256i)) };
+            let p = _mm256_cvtepi32_ps(mul_sum_i8(x, y));
+            acc[j % 4] = _mm256_fmadd_ps(_mm256_set1_ps(d[j]), p, acc[j % 4]);
+        }
+        i += m;
     }
-    hsum(acc)
+    hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])))
 }
 
 /// Q4_K weights: per pair of groups, 32 bytes of nibbles against 64 activations, each group's
 /// i16 products weighted by its 6-bit scale; minimums through the activation block sums.
 ///
 /// # Safety
-/// The CPU must support AVX2 and FMA.
-#[target_feature(enable = "avx2,fma")]
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_q4_k(w: &[u8], a: &[Block256]) -> f32 {
     let wb: &[BlockQ4K] = bytemuck::cast_slice(w);
     let mask = _mm256_set1_epi8(0x0f);
     let mut acc = _mm256_setzero_ps();
-    let mut acc_m = 0f32;
+    let mut acc_m = _mm_setzero_ps();
     for (b, a) in wb.iter().zip(a) {
-        let mut sc = [0i16; 8];
-        let mut mins = 0i32;
-        for g in 0..8 {
-            let (s, m) = smoe_quant::scale_min_k4(g, &b.scales);
-            sc[g] = s as i16;
-            mins += m as i32 * (a.bsums[2 * g] as i32 + a.bsums[2 * g + 1] as i32);
-        }
+        let sm = k4_scales(&b.scales);
+        // SAFETY: `sm` has 16 bytes (scales then mins); bsums has 16 i16.
+        let (scales16, mins) = unsafe {
+            let v = _mm_loadu_si128(sm.as_ptr() as *const __m128i);
+            let bs = _mm256_loadu_si256(a.bsums.as_ptr() as *const __m256i);
+            // Sum bsums in pairs: one sum per group of 32.
+            let pairs = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256::<1>(bs));
+            let mins16 = _mm_cvtepu8_epi16(_mm_srli_si128::<8>(v));
+            (_mm256_cvtepu8_epi16(v), _mm_madd_epi16(mins16, pairs))
+        };
+        let mut sc = [0i16; 16];
+        // SAFETY: 16 i16 into a 16-element array.
+        unsafe { _mm256_storeu_si256(sc.as_mut_ptr() as *mut __m256i, scales16) };
         let mut sumi = _mm256_setzero_si256();
         for c in 0..4 {
             // SAFETY: qs holds 128 bytes (32 per chunk c < 4) and the activations 256 (64 per c).
@@ -185,17 +208,21 @@ pub unsafe fn dot_q4_k(w: &[u8], a: &[Block256]) -> f32 {
             let p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, y1), _mm256_set1_epi16(sc[2 * c + 1]));
             sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p0, p1));
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(b.d.to_f32() * a.d), _mm256_cvtepi32_ps(sumi), acc);
-        acc_m += b.dmin.to_f32() * a.d * mins as f32;
+        let dd = f16x8(&[u16::from_le_bytes(b.d.0), u16::from_le_bytes(b.dmin.0), 0, 0, 0, 0, 0, 0]);
+        let dd = _mm_mul_ps(_mm256_castps256_ps128(dd), _mm_set1_ps(a.d));
+        acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(dd), _mm256_cvtepi32_ps(sumi), acc);
+        acc_m = _mm_fmadd_ps(_mm_permute_ps::<0b01_01_01_01>(dd), _mm_cvtepi32_ps(mins), acc_m);
     }
-    hsum(acc) - acc_m
+    let m = _mm_add_ps(acc_m, _mm_movehl_ps(acc_m, acc_m));
+    let m = _mm_add_ss(m, _mm_movehdup_ps(m));
+    hsum(acc) - _mm_cvtss_f32(m)
 }
 
 /// Q6_K weights: quants rebuilt from 4 + 2 bits, offset 32 removed through the activation sums.
 ///
 /// # Safety
 /// The CPU must support AVX2 and FMA.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_q6_k(w: &[u8], a: &[Block256]) -> f32 {
     let wb: &[BlockQ6K] = bytemuck::cast_slice(w);
     let m4 = _mm256_set1_epi8(0x0f);
@@ -237,7 +264,8 @@ pub unsafe fn dot_q6_k(w: &[u8], a: &[Block256]) -> f32 {
         }
         // Quants are stored +32: subtract 32 · Σ scale · Σ activations per group.
         let total = hsum_i32(sumi) - 32 * offset;
-        acc = _mm256_add_ps(acc, _mm256_setr_ps(b.d.to_f32() * a.d * total as f32, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0));
+        let d = _mm256_cvtss_f32(f16x8(&[u16::from_le_bytes(b.d.0), 0, 0, 0, 0, 0, 0, 0]));
+        acc = _mm256_add_ps(acc, _mm256_setr_ps(d * a.d * total as f32, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0));
     }
     hsum(acc)
 }

@@ -4,8 +4,9 @@
 //! into the unsigned operand; signed Q8_0 weights are biased by +128 and the bias is removed
 //! through the activation sums.
 
+use super::f16x8;
 use crate::act::{Block256, Block32};
-use smoe_quant::blocks::{BlockQ4K, BlockQ6K, BlockQ8_0};
+use smoe_quant::blocks::{BlockQ6K, BlockQ8_0};
 use std::arch::x86_64::*;
 
 /// Two 256-bit halves as one 512-bit register.
@@ -44,89 +45,58 @@ pub unsafe fn dot_f32_f32(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
-/// Q8_0 weights, two blocks per 512-bit step.
+/// Q8_0 weights, one block per 256-bit `vpdpbusd` (AVX-512VL). Scales are converted eight
+/// blocks at a time, off the accumulation chains.
 ///
 /// # Safety
-/// The CPU must support AVX-512F, AVX-512BW and AVX-512 VNNI.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+/// The CPU must support AVX-512F/BW/VL, AVX-512 VNNI, AVX2, FMA and F16C.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c,fma")]
 pub unsafe fn dot_q8_0(w: &[u8], a: &[Block32]) -> f32 {
     let wb: &[BlockQ8_0] = bytemuck::cast_slice(w);
     let n = wb.len().min(a.len());
-    let bias = _mm512_set1_epi8(-128);
-    let mut acc = _mm512_setzero_ps();
-    let mut corr = 0f32;
+    let bias = _mm256_set1_epi8(-128);
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut corr = _mm256_setzero_ps();
     let mut i = 0;
-    while i + 2 <= n {
-        let (b0, b1, a0, a1) = (&wb[i], &wb[i + 1], &a[i], &a[i + 1]);
-        // SAFETY: each block holds 32 quants; unaligned loads.
-        let (x, y) = unsafe {
-            (
-                cat(_mm256_loadu_si256(b0.qs.as_ptr() as *const __m256i), _mm256_loadu_si256(b1.qs.as_ptr() as *const __m256i)),
-                cat(_mm256_loadu_si256(a0.qs.as_ptr() as *const __m256i), _mm256_loadu_si256(a1.qs.as_ptr() as *const __m256i)),
-            )
-        };
-        // (w + 128) · a, as u8 × i8.
-        let p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(x, bias), y);
-        let (d0, d1) = (b0.d.to_f32() * a0.d, b1.d.to_f32() * a1.d);
-        let d = _mm512_insertf32x8::<1>(_mm512_castps256_ps512(_mm256_set1_ps(d0)), _mm256_set1_ps(d1));
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), d, acc);
-        corr += 128.0 * (d0 * a0.isum as f32 + d1 * a1.isum as f32);
-        i += 2;
-    }
-    let mut s = _mm512_reduce_add_ps(acc) - corr;
-    if i < n {
-        s += crate::scalar::dot_q8_0(bytemuck::cast_slice(&wb[i..]), &a[i..]);
-    }
-    s
-}
-
-/// Q4_K weights, two 32-element groups per `vpdpbusd`.
-///
-/// # Safety
-/// The CPU must support AVX-512F, AVX-512BW and AVX-512 VNNI.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-pub unsafe fn dot_q4_k(w: &[u8], a: &[Block256]) -> f32 {
-    let wb: &[BlockQ4K] = bytemuck::cast_slice(w);
-    let mask = _mm512_set1_epi8(0x0f);
-    let mut acc = _mm512_setzero_ps();
-    let mut acc_m = 0f32;
-    for (b, a) in wb.iter().zip(a) {
-        let mut sc = [0i32; 8];
-        let mut mins = 0i32;
-        for g in 0..8 {
-            let (s, m) = smoe_quant::scale_min_k4(g, &b.scales);
-            sc[g] = s as i32;
-            mins += m as i32 * (a.bsums[2 * g] as i32 + a.bsums[2 * g + 1] as i32);
+    while i < n {
+        let m = (n - i).min(8);
+        let (mut hd, mut ad, mut sums) = ([0u16; 8], [0f32; 8], [0f32; 8]);
+        for j in 0..m {
+            hd[j] = u16::from_le_bytes(wb[i + j].d.0);
+            ad[j] = a[i + j].d;
+            sums[j] = a[i + j].isum as f32;
         }
-        let mut sumi = _mm512_setzero_si512();
-        for k in 0..2 {
-            // 64 bytes of nibbles: low nibbles are groups 4k and 4k+2, high nibbles 4k+1 and 4k+3.
-            // SAFETY: qs has 128 bytes (64 per k < 2); activations 256 (128 per k).
-            unsafe {
-                let q = _mm512_loadu_si512(b.qs.as_ptr().add(64 * k) as *const __m512i);
-                let ap = a.qs.as_ptr().add(128 * k);
-                let y_lo = cat(_mm256_loadu_si256(ap as *const __m256i), _mm256_loadu_si256(ap.add(64) as *const __m256i));
-                let y_hi = cat(_mm256_loadu_si256(ap.add(32) as *const __m256i), _mm256_loadu_si256(ap.add(96) as *const __m256i));
-                let lo = _mm512_and_si512(q, mask);
-                let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(q), mask);
-                let p_lo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, y_lo);
-                let p_hi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, y_hi);
-                let s_lo = cat(_mm256_set1_epi32(sc[4 * k]), _mm256_set1_epi32(sc[4 * k + 2]));
-                let s_hi = cat(_mm256_set1_epi32(sc[4 * k + 1]), _mm256_set1_epi32(sc[4 * k + 3]));
-                sumi = _mm512_add_epi32(sumi, _mm512_add_epi32(_mm512_mullo_epi32(p_lo, s_lo), _mm512_mullo_epi32(p_hi, s_hi)));
-            }
+        // SAFETY: 8-element arrays.
+        let d8 = unsafe { _mm256_mul_ps(f16x8(&hd), _mm256_loadu_ps(ad.as_ptr())) };
+        // SAFETY: as above.
+        corr = _mm256_fmadd_ps(d8, unsafe { _mm256_loadu_ps(sums.as_ptr()) }, corr);
+        let mut d = [0f32; 8];
+        // SAFETY: 8-element array.
+        unsafe { _mm256_storeu_ps(d.as_mut_ptr(), d8) };
+        for j in 0..m {
+            let (b, a) = (&wb[i + j], &a[i + j]);
+            // SAFETY: each block holds 32 quants; unaligned loads.
+            let (x, y) =
+                unsafe { (_mm256_loadu_si256(b.qs.as_ptr() as *const __m256i), _mm256_loadu_si256(a.qs.as_ptr() as *const __m256i)) };
+            // (w + 128) · a as u8 × i8; the bias is removed through Σa (`corr`).
+            let p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_xor_si256(x, bias), y);
+            acc[j % 4] = _mm256_fmadd_ps(_mm256_set1_ps(d[j]), _mm256_cvtepi32_ps(p), acc[j % 4]);
         }
-        acc = _mm512_fmadd_ps(_mm512_set1_ps(b.d.to_f32() * a.d), _mm512_cvtepi32_ps(sumi), acc);
-        acc_m += b.dmin.to_f32() * a.d * mins as f32;
+        i += m;
     }
-    _mm512_reduce_add_ps(acc) - acc_m
+    let v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+    let v = _mm256_fnmadd_ps(_mm256_set1_ps(128.0), corr, v);
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    _mm_cvtss_f32(s)
 }
 
 /// Q6_K weights, four 16-element groups per `vpdpbusd`.
 ///
 /// # Safety
 /// The CPU must support AVX-512F, AVX-512BW and AVX-512 VNNI.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 pub unsafe fn dot_q6_k(w: &[u8], a: &[Block256]) -> f32 {
     let wb: &[BlockQ6K] = bytemuck::cast_slice(w);
     let m4 = _mm512_set1_epi8(0x0f);
@@ -176,7 +146,8 @@ pub unsafe fn dot_q6_k(w: &[u8], a: &[Block256]) -> f32 {
             }
         }
         let total = _mm512_reduce_add_epi32(sumi) - 32 * offset;
-        acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(1, _mm512_set1_ps(b.d.to_f32() * a.d * total as f32)));
+        let d = _mm256_cvtss_f32(f16x8(&[u16::from_le_bytes(b.d.0), 0, 0, 0, 0, 0, 0, 0]));
+        acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(1, _mm512_set1_ps(d * a.d * total as f32)));
     }
     _mm512_reduce_add_ps(acc)
 }

@@ -1,0 +1,210 @@
+//! A persistent, low-latency thread pool for per-token work.
+//!
+//! Decode calls hundreds of small matrix-vector products per token; rayon's per-call overhead
+//! (tens of microseconds when its workers sleep) would be a large share of each one. Here the
+//! workers spin for a while after each job, so back-to-back jobs start within microseconds, and
+//! park on a condition variable when idle. A job is a borrowed closure over task indices; the
+//! caller works too and returns only when every worker has finished the job, so nothing is
+//! allocated per call and the closure may borrow the caller's stack.
+
+use crossbeam_utils::CachePadded;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// How long an idle worker spins before parking.
+const SPIN: Duration = Duration::from_micros(200);
+
+/// The job of the current epoch: a type-erased `&(dyn Fn(usize) + Sync)`.
+type JobRef = *const (dyn Fn(usize) + Sync);
+
+struct Shared {
+    /// Incremented for each job; workers run the job of each new epoch once.
+    epoch: CachePadded<AtomicUsize>,
+    /// Next task index to take.
+    next: CachePadded<AtomicUsize>,
+    /// Workers that finished the current epoch's job.
+    done: CachePadded<AtomicUsize>,
+    tasks: AtomicUsize,
+    job: Mutex<Option<SendJob>>,
+    sleepers: AtomicUsize,
+    wake: Condvar,
+    lock: Mutex<()>,
+    shutdown: AtomicBool,
+}
+
+#[derive(Clone, Copy)]
+struct SendJob(JobRef);
+// SAFETY: the pointer is only dereferenced while `Pool::run` keeps the closure alive, and the
+// closure is `Sync`, so calling it from other threads is allowed.
+unsafe impl Send for SendJob {}
+
+/// The pool. One per process is typical; the caller of [`Pool::run`] is one of its threads.
+pub struct Pool {
+    shared: Arc<Shared>,
+    workers: Vec<std::thread::JoinHandle<()>>,
+    /// Serialises callers: one job at a time.
+    run_lock: Mutex<()>,
+}
+
+impl Pool {
+    /// A pool of `threads` threads in total (the caller plus `threads - 1` workers).
+    pub fn new(threads: usize) -> Pool {
+        let shared = Arc::new(Shared {
+            epoch: CachePadded::new(AtomicUsize::new(0)),
+            next: CachePadded::new(AtomicUsize::new(0)),
+            done: CachePadded::new(AtomicUsize::new(0)),
+            tasks: AtomicUsize::new(0),
+            job: Mutex::new(None),
+            sleepers: AtomicUsize::new(0),
+            wake: Condvar::new(),
+            lock: Mutex::new(()),
+            shutdown: AtomicBool::new(false),
+        });
+        let workers = (1..threads.max(1))
+            .map(|i| {
+                let s = shared.clone();
+                std::thread::Builder::new().name(format!("smoe-compute-{i}")).spawn(move || worker(&s)).expect("spawn compute thread")
+            })
+            .collect();
+        Pool { shared, workers, run_lock: Mutex::new(()) }
+    }
+
+    /// Threads in the pool, the caller included.
+    pub fn threads(&self) -> usize {
+        self.workers.len() + 1
+    }
+
+    /// Runs `f(i)` for every `i < tasks`, spread over the pool; returns when all are done.
+    pub fn run(&self, tasks: usize, f: &(dyn Fn(usize) + Sync)) {
+        if tasks == 0 {
+            return;
+        }
+        if self.workers.is_empty() || tasks == 1 {
+            (0..tasks).for_each(f);
+            return;
+        }
+        let _one_job = self.run_lock.lock().unwrap();
+        let s = &*self.shared;
+        // SAFETY: the erased lifetime is restored by waiting below for every worker to finish
+        // this epoch before returning, so the closure outlives every call through the pointer.
+        let erased: JobRef = unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync), JobRef>(f) };
+        *s.job.lock().unwrap() = Some(SendJob(erased));
+        s.tasks.store(tasks, Ordering::Relaxed);
+        s.next.store(0, Ordering::Relaxed);
+        s.done.store(0, Ordering::Relaxed);
+        s.epoch.fetch_add(1, Ordering::SeqCst);
+        {
+            // Under the lock: a worker is either already waiting (and counted in `sleepers`), or
+            // will re-check the epoch under this lock before waiting, so no wake-up is lost.
+            let _g = s.lock.lock().unwrap();
+            if s.sleepers.load(Ordering::SeqCst) > 0 {
+                s.wake.notify_all();
+            }
+        }
+        take_tasks(s, f);
+        let workers = self.workers.len();
+        let mut spins = 0u32;
+        while s.done.load(Ordering::Acquire) < workers {
+            spins += 1;
+            // With more runnable threads than cores, let a descheduled worker run.
+            if spins % 256 == 0 {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+        *s.job.lock().unwrap() = None;
+    }
+}
+
+fn take_tasks(s: &Shared, f: &(dyn Fn(usize) + Sync)) {
+    let n = s.tasks.load(Ordering::Relaxed);
+    loop {
+        let i = s.next.fetch_add(1, Ordering::Relaxed);
+        if i >= n {
+            break;
+        }
+        f(i);
+    }
+}
+
+fn worker(s: &Shared) {
+    // Epochs start at 0 and only `run` advances them: a worker that starts late must still run
+    // the first job, so it does not read the current epoch here.
+    let mut seen = 0;
+    loop {
+        // Spin for a while, then park until the epoch moves.
+        let t0 = Instant::now();
+        while s.epoch.load(Ordering::Acquire) == seen && !s.shutdown.load(Ordering::Relaxed) {
+            if t0.elapsed() < SPIN {
+                std::hint::spin_loop();
+                continue;
+            }
+            let mut g = s.lock.lock().unwrap();
+            s.sleepers.fetch_add(1, Ordering::SeqCst);
+            while s.epoch.load(Ordering::SeqCst) == seen && !s.shutdown.load(Ordering::Relaxed) {
+                g = s.wake.wait(g).unwrap();
+            }
+            s.sleepers.fetch_sub(1, Ordering::SeqCst);
+        }
+        if s.shutdown.load(Ordering::Relaxed) {
+            return;
+        }
+        seen = s.epoch.load(Ordering::Acquire);
+        let job = *s.job.lock().unwrap();
+        if let Some(SendJob(j)) = job {
+            // SAFETY: `run` keeps the closure alive until this worker increments `done`.
+            take_tasks(s, unsafe { &*j });
+        }
+        s.done.fetch_add(1, Ordering::Release);
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        self.shared.shutdown.store(true, Ordering::Relaxed);
+        {
+            let _g = self.shared.lock.lock().unwrap();
+            self.shared.wake.notify_all();
+        }
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicU64;
+
+    #[test]
+    fn every_task_runs_once_across_many_jobs() {
+        let pool = Pool::new(3);
+        for round in 0..2000usize {
+            let n = 1 + round % 37;
+            let hits: Vec<AtomicU64> = (0..n).map(|_| AtomicU64::new(0)).collect();
+            pool.run(n, &|i| {
+                hits[i].fetch_add(1, Ordering::Relaxed);
+            });
+            assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1), "round {round}");
+            if round % 500 == 0 {
+                // Let the workers park, then wake them with the next job.
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        }
+    }
+
+    #[test]
+    fn borrowed_data_and_disjoint_writes() {
+        let pool = Pool::new(2);
+        let input: Vec<u64> = (0..1000).collect();
+        let out: Vec<AtomicU64> = (0..10).map(|_| AtomicU64::new(0)).collect();
+        pool.run(10, &|i| {
+            out[i].store(input[i * 100..(i + 1) * 100].iter().sum(), Ordering::Relaxed);
+        });
+        let total: u64 = out.iter().map(|o| o.load(Ordering::Relaxed)).sum();
+        assert_eq!(total, 999 * 1000 / 2);
+    }
+}

@@ -1,0 +1,28 @@
+//! Kernel throughput on one core over a matrix larger than the caches:
+//! `cargo run --release -p smoe-kernels --example kspeed`.
+use smoe_kernels::{available, QuantAct};
+use smoe_quant::Format;
+
+fn main() {
+    let cols = 2048;
+    for f in [Format::Q8_0, Format::Q4_K, Format::Q6_K, Format::BF16] {
+        let rows = (256 << 20) / f.row_bytes(cols).unwrap();
+        let rb = f.row_bytes(cols).unwrap();
+        let x: Vec<f32> = (0..cols).map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 300.0).collect();
+        let row: Vec<f32> = (0..cols).map(|i| ((i * 104729 % 997) as f32 - 498.0) / 400.0).collect();
+        let mut one = vec![0u8; rb];
+        smoe_quant::quantize(f, &row, &mut one).unwrap();
+        let w: Vec<u8> = one.iter().copied().cycle().take(rb * rows).collect();
+        let mut act = QuantAct::default();
+        act.quantize(f, &x, 1, cols);
+        for k in available() {
+            let t = std::time::Instant::now();
+            let mut s = 0f32;
+            for r in 0..rows {
+                s += k.dot(f, &w[r * rb..(r + 1) * rb], act.row(0));
+            }
+            let secs = t.elapsed().as_secs_f64();
+            println!("{f} {:12}: {:6.1} GB/s  ({:.1} Mrows/s) [{s:.1}]", k.isa, (rows * rb) as f64 / secs / 1e9, rows as f64 / secs / 1e6);
+        }
+    }
+}
