@@ -108,7 +108,7 @@ impl Pool {
         while s.done.load(Ordering::Acquire) < workers {
             spins += 1;
             // With more runnable threads than cores, let a descheduled worker run.
-            if spins % 256 == 0 {
+            if spins.is_multiple_of(256) {
                 std::thread::yield_now();
             } else {
                 std::hint::spin_loop();
