@@ -34,6 +34,29 @@ pub struct AttnParams {
     pub scale: f32,
 }
 
+/// The weight of one product in [`Backend::matmul_many`].
+pub enum WeightRef<'a, M> {
+    /// A resident matrix, optionally a row range `(first, count)` of it.
+    Resident(&'a M, Option<(usize, usize)>),
+    /// A matrix in host memory (a routed expert in the cache).
+    Host(QMatrix<'a>),
+}
+
+/// One product of a batch: input rows `x_row..x_row + n` (their first `cols` values) times the
+/// weight, into output rows `out_row..out_row + n` starting at column `out_col`.
+pub struct MatJob<'a, M> {
+    /// The weight.
+    pub w: WeightRef<'a, M>,
+    /// First input row.
+    pub x_row: usize,
+    /// Rows (tokens).
+    pub n: usize,
+    /// First output row.
+    pub out_row: usize,
+    /// First output column.
+    pub out_col: usize,
+}
+
 /// A numeric backend. See the module documentation.
 pub trait Backend: Send + Sync {
     /// An f32 activation buffer.
@@ -74,6 +97,10 @@ pub trait Backend: Send + Sync {
     fn matmul(&self, w: &Self::Matrix, rows: Option<(usize, usize)>, x: &Self::Buf, n: usize, out: &mut Self::Buf);
     /// As [`matmul`](Self::matmul) for a matrix in host memory (a routed expert in the cache).
     fn matmul_host(&self, w: &QMatrix<'_>, x: &Self::Buf, n: usize, out: &mut Self::Buf);
+    /// Several products in one dispatch (the experts of a layer, say): rows of `x` are
+    /// `x_stride` long, rows of `out` `out_stride` long. Inputs shared by several jobs are
+    /// prepared once.
+    fn matmul_many(&self, jobs: &[MatJob<'_, Self::Matrix>], x: &Self::Buf, x_stride: usize, out: &mut Self::Buf, out_stride: usize);
     /// Transposed product over a row range: `out[t, c] = Σ_r w[r0 + r, c] · x[t, x_off + r]`,
     /// `x` rows `x_stride` long, `out` rows `cols` long (MLA's absorbed key projection).
     fn matmul_t(&self, w: &Self::Matrix, r0: usize, m: usize, x: &Self::Buf, x_stride: usize, x_off: usize, n: usize, out: &mut Self::Buf);
@@ -82,12 +109,14 @@ pub trait Backend: Send + Sync {
     fn rms_norm(&self, x: &Self::Buf, n: usize, dim: usize, w: &Self::Vector, eps: f32, out: &mut Self::Buf);
     /// In place over `n` segments of `dim` that start every `stride` floats, at offset `off`.
     fn rms_norm_strided(&self, x: &mut Self::Buf, n: usize, stride: usize, off: usize, dim: usize, w: &Self::Vector, eps: f32);
-    /// `x[t, :] += b` for `n` rows.
-    fn add_bias(&self, x: &mut Self::Buf, n: usize, b: &Self::Vector);
+    /// `x[t * stride + off..][..b.len()] += b` for `n` rows.
+    fn add_bias(&self, x: &mut Self::Buf, n: usize, stride: usize, off: usize, b: &Self::Vector);
     /// `x[i] += y[i]` for the first `len` floats.
     fn add(&self, x: &mut Self::Buf, y: &Self::Buf, len: usize);
     /// `g[i] = silu(g[i]) * u[i]` for the first `len` floats.
     fn silu_mul(&self, g: &mut Self::Buf, u: &Self::Buf, len: usize);
+    /// Within rows `row0..row0 + n` of `stride`: `x[0..w] = silu(x[0..w]) * x[w..2w]`.
+    fn silu_mul_halves(&self, x: &mut Self::Buf, row0: usize, n: usize, stride: usize, w: usize);
     /// Rotates `heads` heads per token: head `h` of token `t` starts at
     /// `t * stride + off + h * head_stride`; `cos`/`sin` hold `rotary_dim / 2` values per token.
     fn rope(
@@ -133,9 +162,21 @@ pub trait Backend: Send + Sync {
         n: usize,
         k: &Self::Buf,
         k_stride: usize,
-        v: Option<(&Self::Buf, usize)>,
+        k_off: usize,
+        v: Option<(&Self::Buf, usize, usize)>,
     );
     /// Causal attention of `n` queries at positions `pos0..` over cached positions
-    /// `0..pos0 + n`: `q` rows hold `q_heads * k_dim` values, `out` rows `q_heads * v_dim`.
-    fn attention(&self, cache: &Self::KvCache, layer: usize, q: &Self::Buf, n: usize, pos0: usize, p: AttnParams, out: &mut Self::Buf);
+    /// `0..pos0 + n`: `q` rows (every `q_stride` floats) start with `q_heads * k_dim` values,
+    /// `out` rows hold `q_heads * v_dim`.
+    fn attention(
+        &self,
+        cache: &Self::KvCache,
+        layer: usize,
+        q: &Self::Buf,
+        q_stride: usize,
+        n: usize,
+        pos0: usize,
+        p: AttnParams,
+        out: &mut Self::Buf,
+    );
 }

@@ -4,7 +4,7 @@
 //! `n = 1`). Long inputs run in chunks so buffers stay bounded. Every buffer lives in [`State`]
 //! and is reused: no allocation per token once a sequence has warmed up.
 
-use crate::backend::{AttnParams, Backend};
+use crate::backend::{AttnParams, Backend, MatJob, WeightRef};
 use crate::instrument::Instrument;
 use crate::model::{Attention, FeedForward, LatentAttention, Layer, Mlp, Model, MoeBlock, StandardAttention};
 use crate::routing::RouteScratch;
@@ -50,6 +50,8 @@ struct Buffers<B: Backend> {
     u: B::Buf,
     d: B::Buf,
     xe: B::Buf,
+    gu: B::Buf,
+    dd: B::Buf,
     slots: B::Buf,
     router: B::Buf,
     logits: B::Buf,
@@ -69,7 +71,6 @@ struct HostScratch {
     fill: Vec<usize>,
     order: Vec<usize>,
     tokens: Vec<usize>,
-    slot_rows: Vec<usize>,
     gate: Vec<f32>,
 }
 
@@ -118,7 +119,7 @@ impl<B: Backend> Model<B> {
                 let lat = m.kv_lora_rank + m.qk_rope_head_dim;
                 (a.num_heads * qk.max(lat), lat.max(m.q_lora_rank.unwrap_or(0)), a.num_heads * m.kv_lora_rank.max(m.v_head_dim))
             }
-            None => (a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_heads * a.head_dim),
+            None => (a.num_heads * a.head_dim + 2 * a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_heads * a.head_dim),
         };
         let ffn_w = [a.dense_intermediate_size, a.moe.intermediate_size, a.moe.shared_experts.as_ref().map_or(0, |s| s.intermediate_size)]
             .into_iter()
@@ -141,7 +142,9 @@ impl<B: Backend> Model<B> {
                 g: be.buf(c * ffn_w),
                 u: be.buf(c * ffn_w),
                 d: be.buf(c * h),
-                xe: be.buf(c * h),
+                xe: be.buf(c * k * h),
+                gu: be.buf(c * k * 2 * a.moe.intermediate_size),
+                dd: be.buf(c * k * h),
                 slots: be.buf(c * k * h),
                 router: be.buf(c * a.moe.num_experts),
                 logits: be.buf(c * a.vocab_size),
@@ -283,35 +286,45 @@ impl<B: Backend> Model<B> {
         self.experts.prefetch(li + 1, &hs.needed);
     }
 
-    /// GQA attention; leaves the projected output in `d`.
+    /// GQA attention; leaves the projected output in `d`. q, k and v come from one dispatch into
+    /// one row per token, `[q | k | v]`.
     fn standard_attention(&self, li: usize, a: &StandardAttention<B>, st: &mut State<B>, n: usize, pos: usize) {
         let (be, ar) = (&self.backend, &self.arch);
         let b = &mut st.buf;
         let (nh, nkv, hdim) = (ar.num_heads, ar.num_kv_heads, ar.head_dim);
-        be.matmul(&a.q, None, &b.h, n, &mut b.q);
-        be.matmul(&a.k, None, &b.h, n, &mut b.k);
-        be.matmul(&a.v, None, &b.h, n, &mut b.v);
+        let (qw, kvw) = (nh * hdim, nkv * hdim);
+        let w = qw + 2 * kvw;
+        let jobs = [
+            MatJob { w: WeightRef::Resident(&a.q, None), x_row: 0, n, out_row: 0, out_col: 0 },
+            MatJob { w: WeightRef::Resident(&a.k, None), x_row: 0, n, out_row: 0, out_col: qw },
+            MatJob { w: WeightRef::Resident(&a.v, None), x_row: 0, n, out_row: 0, out_col: qw + kvw },
+        ];
+        be.matmul_many(&jobs, &b.h, ar.hidden_size, &mut b.q, w);
         if let Some([qb, kb, vb]) = &a.bias {
-            be.add_bias(&mut b.q, n, qb);
-            be.add_bias(&mut b.k, n, kb);
-            be.add_bias(&mut b.v, n, vb);
+            be.add_bias(&mut b.q, n, w, 0, qb);
+            be.add_bias(&mut b.q, n, w, qw, kb);
+            be.add_bias(&mut b.q, n, w, qw + kvw, vb);
         }
         match &a.qk_norm {
             Some((smoe_vault::QkNorm::PerHead, qn, kn)) => {
-                be.rms_norm_strided(&mut b.q, n * nh, hdim, 0, hdim, qn, self.eps);
-                be.rms_norm_strided(&mut b.k, n * nkv, hdim, 0, hdim, kn, self.eps);
+                for h in 0..nh {
+                    be.rms_norm_strided(&mut b.q, n, w, h * hdim, hdim, qn, self.eps);
+                }
+                for h in 0..nkv {
+                    be.rms_norm_strided(&mut b.q, n, w, qw + h * hdim, hdim, kn, self.eps);
+                }
             }
             Some((_, qn, kn)) => {
-                be.rms_norm_strided(&mut b.q, n, nh * hdim, 0, nh * hdim, qn, self.eps);
-                be.rms_norm_strided(&mut b.k, n, nkv * hdim, 0, nkv * hdim, kn, self.eps);
+                be.rms_norm_strided(&mut b.q, n, w, 0, qw, qn, self.eps);
+                be.rms_norm_strided(&mut b.q, n, w, qw, kvw, kn, self.eps);
             }
             None => {}
         }
         let (cos, sin, il) = (&st.host.cos, &st.host.sin, self.rope.interleaved);
-        be.rope(&mut b.q, n, nh * hdim, 0, nh, hdim, cos, sin, il);
-        be.rope(&mut b.k, n, nkv * hdim, 0, nkv, hdim, cos, sin, il);
-        be.kv_store(&mut st.kv, li, pos, n, &b.k, nkv * hdim, Some((&b.v, nkv * hdim)));
-        be.attention(&st.kv, li, &b.q, n, pos, AttnParams { q_heads: nh, scale: self.attn_scale }, &mut b.att);
+        be.rope(&mut b.q, n, w, 0, nh, hdim, cos, sin, il);
+        be.rope(&mut b.q, n, w, qw, nkv, hdim, cos, sin, il);
+        be.kv_store(&mut st.kv, li, pos, n, &b.q, w, qw, Some((&b.q, w, qw + kvw)));
+        be.attention(&st.kv, li, &b.q, w, n, pos, AttnParams { q_heads: nh, scale: self.attn_scale }, &mut b.att);
         be.matmul(&a.o, None, &b.att, n, &mut b.d);
     }
 
@@ -338,7 +351,7 @@ impl<B: Backend> Model<B> {
         be.rms_norm_strided(&mut b.v, n, lat, 0, rank, &a.kv_a_norm, self.eps);
         let (cos, sin, il) = (&st.host.cos, &st.host.sin, self.rope.interleaved);
         be.rope(&mut b.v, n, lat, rank, 1, 0, cos, sin, il);
-        be.kv_store(&mut st.kv, li, pos, n, &b.v, lat, None);
+        be.kv_store(&mut st.kv, li, pos, n, &b.v, lat, 0, None);
         be.rope(&mut b.tmp, n, nh * qk, nope, nh, qk, cos, sin, il);
         // Absorb W_uk into the queries: q_eff[h] = [W_uk[h]ᵀ q_nope[h] | q_rope[h]].
         for h in 0..nh {
@@ -346,7 +359,7 @@ impl<B: Backend> Model<B> {
             be.copy_strided(&b.tmp2, rank, 0, &mut b.q, nh * lat, h * lat, rank, n);
             be.copy_strided(&b.tmp, nh * qk, h * qk + nope, &mut b.q, nh * lat, h * lat + rank, rope, n);
         }
-        be.attention(&st.kv, li, &b.q, n, pos, AttnParams { q_heads: nh, scale: self.attn_scale }, &mut b.att);
+        be.attention(&st.kv, li, &b.q, nh * lat, n, pos, AttnParams { q_heads: nh, scale: self.attn_scale }, &mut b.att);
         // Expand each head's attended latent through W_uv[h].
         for h in 0..nh {
             be.copy_strided(&b.att, nh * rank, h * rank, &mut b.tmp2, rank, 0, rank, n);
@@ -409,24 +422,34 @@ impl<B: Backend> Model<B> {
         }
         hs.needed.clear();
         hs.needed.extend((0..e_count as u32).filter(|&e| hs.starts[e as usize + 1] > hs.starts[e as usize]));
-        let (starts, order, needed) = (&hs.starts, &hs.order, &hs.needed);
-        let (tokens, slot_rows) = (&mut hs.tokens, &mut hs.slot_rows);
-        let mut compute = |j: usize, ex: ExpertView<'_>| {
-            let e = needed[j] as usize;
-            let slots = &order[starts[e]..starts[e + 1]];
-            tokens.clear();
-            tokens.extend(slots.iter().map(|s| s / k));
-            slot_rows.clear();
-            slot_rows.extend_from_slice(slots);
-            let rows = tokens.len();
-            be.gather_rows(&b.h, hd, tokens, &mut b.xe);
-            be.matmul_host(&ex.gate, &b.xe, rows, &mut b.g);
-            be.matmul_host(&ex.up, &b.xe, rows, &mut b.u);
-            be.silu_mul(&mut b.g, &b.u, rows * width);
-            be.matmul_host(&ex.down, &b.g, rows, &mut b.d);
-            be.scatter_rows(&b.d, hd, slot_rows, &mut b.slots);
+        // Every (token, slot) pair's input row, in expert order: expert e's rows are
+        // `starts[e]..starts[e + 1]` of `xe`, and of `gu` and `dd` after it.
+        hs.tokens.clear();
+        hs.tokens.extend(hs.order.iter().map(|s| s / k));
+        be.gather_rows(&b.h, hd, &hs.tokens, &mut b.xe);
+        let (starts, needed) = (&hs.starts, &hs.needed);
+        let mut compute = |batch: &[(usize, ExpertView<'_>)]| {
+            // One dispatch for every gate and up product of the batch ([gate | up] per row of
+            // `gu`), one for every down product.
+            let mut jobs = Vec::with_capacity(2 * batch.len());
+            for (j, ex) in batch {
+                let e = needed[*j] as usize;
+                let (r0, rows) = (starts[e], starts[e + 1] - starts[e]);
+                jobs.push(MatJob { w: WeightRef::Host(ex.gate), x_row: r0, n: rows, out_row: r0, out_col: 0 });
+                jobs.push(MatJob { w: WeightRef::Host(ex.up), x_row: r0, n: rows, out_row: r0, out_col: width });
+            }
+            be.matmul_many(&jobs, &b.xe, hd, &mut b.gu, 2 * width);
+            jobs.clear();
+            for (j, ex) in batch {
+                let e = needed[*j] as usize;
+                let (r0, rows) = (starts[e], starts[e + 1] - starts[e]);
+                be.silu_mul_halves(&mut b.gu, r0, rows, 2 * width, width);
+                jobs.push(MatJob { w: WeightRef::Host(ex.down), x_row: r0, n: rows, out_row: r0, out_col: 0 });
+            }
+            be.matmul_many(&jobs, &b.gu, 2 * width, &mut b.dd, hd);
         };
         self.experts.with_experts(li, needed, &mut compute)?;
+        be.scatter_rows(&b.dd, hd, &hs.order, &mut b.slots);
         // Sum in slot order, whatever order the experts arrived in: bit-identical results
         // whether experts were resident or streamed.
         be.add_weighted_slots(&b.slots, hd, n, k, &hs.weights, &mut b.x);

@@ -26,3 +26,8 @@ fn main() {
         }
     }
 }
+
+/// Two threads running the Q8_0 kernel on separate matrices, no coordination: the hardware's
+/// own scaling for this kernel.
+#[allow(dead_code)]
+pub fn two_free_threads() {}

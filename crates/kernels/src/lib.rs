@@ -15,6 +15,8 @@ and buffers the engine's.
 pub mod act;
 #[cfg(target_arch = "aarch64")]
 pub mod arm;
+pub mod attn;
+pub mod gemm;
 pub mod scalar;
 #[cfg(target_arch = "x86_64")]
 pub mod x86;
@@ -63,7 +65,10 @@ pub struct Kernels {
     /// Instruction set name (`scalar`, `avx2`, `avx512-vnni`, `neon`).
     pub isa: &'static str,
     pub(crate) f32_dot: unsafe fn(&[f32], &[f32]) -> f32,
+    pub(crate) multi_dot: attn::MultiDot,
+    pub(crate) multi_axpy: attn::MultiAxpy,
     dots: [DotFn; 13],
+    gemms: [Option<gemm::GemmRow>; 13],
 }
 
 fn slot(f: Format) -> usize {
@@ -91,11 +96,38 @@ impl Kernels {
                 Format::Q6_K => DotFn::Q256(scalar::dot_q6_k),
             };
         }
-        Kernels { isa: "scalar", f32_dot: scalar_f32_dot, dots }
+        Kernels {
+            isa: "scalar",
+            f32_dot: scalar_f32_dot,
+            multi_dot: attn::multi_dot,
+            multi_axpy: attn::multi_axpy,
+            dots,
+            gemms: [None; 13],
+        }
     }
 
     pub(crate) fn set(&mut self, f: Format, d: DotFn) {
         self.dots[slot(f)] = d;
+    }
+
+    #[allow(dead_code)]
+    pub(crate) fn set_gemm(&mut self, f: Format, g: gemm::GemmRow) {
+        self.gemms[slot(f)] = Some(g);
+    }
+
+    /// Whether `f` has a many-token kernel (see [`gemm`]).
+    pub fn has_gemm(&self, f: Format) -> bool {
+        self.gemms[slot(f)].is_some()
+    }
+
+    /// `out[t] = w · a[t]` for every token of `tile`; `false` if `f` has no such kernel.
+    pub fn gemm_row(&self, f: Format, w: &[u8], tile: &gemm::ActTile, out: &mut [f32]) -> bool {
+        match self.gemms[slot(f)] {
+            // SAFETY: as for `dot`.
+            Some(g) => unsafe { g(w, tile, out) },
+            None => return false,
+        }
+        true
     }
 
     /// The dot product for weights in `f`.
@@ -115,6 +147,20 @@ impl Kernels {
                 _ => panic!("activation form does not match {f}"),
             }
         }
+    }
+
+    /// `out[h] = q[h, :] · k` for the rows of `q` (see [`attn`]).
+    pub fn multi_dot(&self, q: &[f32], k: &[f32], out: &mut [f32]) {
+        assert!(q.len() >= out.len() * k.len());
+        // SAFETY: as for `dot`.
+        unsafe { (self.multi_dot)(q, k, out) }
+    }
+
+    /// `acc[h, :] += w[h] · v` (see [`attn`]).
+    pub fn multi_axpy(&self, acc: &mut [f32], w: &[f32], v: &[f32]) {
+        assert!(acc.len() >= w.len() * v.len());
+        // SAFETY: as for `dot`.
+        unsafe { (self.multi_axpy)(acc, w, v) }
     }
 
     /// `a · b` in f32 (attention, f32 weights).
@@ -195,6 +241,11 @@ impl QuantAct {
                 act::quantize_256(&x[..rows * cols], &mut self.b256);
             }
         }
+    }
+
+    /// Interleaves the quantized rows into `tile` (for the many-token kernels).
+    pub fn build_tile(&self, tile: &mut gemm::ActTile, rows: usize) {
+        tile.build(self.kind.expect("quantize first"), &self.b32, &self.b256, rows, self.cols);
     }
 
     /// Row `r`.

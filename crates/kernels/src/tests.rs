@@ -89,3 +89,57 @@ fn every_table_matches_scalar_and_the_exact_bound() {
         }
     }
 }
+
+#[test]
+fn attention_helpers_match_scalar() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+    for k in available() {
+        for (heads, d) in [(1usize, 5usize), (8, 128), (3, 77), (16, 576)] {
+            let q = data(heads * d, &mut rng);
+            let key = data(d, &mut rng);
+            let (mut a, mut b) = (vec![0f32; heads], vec![0f32; heads]);
+            k.multi_dot(&q, &key, &mut a);
+            attn::multi_dot(&q, &key, &mut b);
+            for (x, y) in a.iter().zip(&b) {
+                assert!((x - y).abs() < 1e-4 * (1.0 + y.abs()), "{} multi_dot {heads}x{d}", k.isa);
+            }
+            let w = data(heads, &mut rng);
+            let (mut acc1, mut acc2) = (q.clone(), q.clone());
+            k.multi_axpy(&mut acc1, &w, &key);
+            attn::multi_axpy(&mut acc2, &w, &key);
+            for (x, y) in acc1.iter().zip(&acc2) {
+                assert!((x - y).abs() < 1e-5 * (1.0 + y.abs()), "{} multi_axpy", k.isa);
+            }
+        }
+    }
+}
+
+#[test]
+fn many_token_kernels_match_single_dots() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(17);
+    let scalar = Kernels::scalar_table();
+    for k in available() {
+        for f in smoe_quant::ALL_FORMATS {
+            if !k.has_gemm(f) {
+                continue;
+            }
+            for (cols, n) in [(768usize, 19usize), (256, 8), (2048, 3)] {
+                let rb = f.row_bytes(cols).unwrap();
+                let x = data(cols, &mut rng);
+                let mut w = vec![0u8; rb];
+                smoe_quant::quantize(f, &x, &mut w).unwrap();
+                let acts = data(n * cols, &mut rng);
+                let mut qa = QuantAct::default();
+                qa.quantize(f, &acts, n, cols);
+                let mut tile = gemm::ActTile::default();
+                qa.build_tile(&mut tile, n);
+                let mut out = vec![0f32; n];
+                assert!(k.gemm_row(f, &w, &tile, &mut out));
+                for t in 0..n {
+                    let want = scalar.dot(f, &w, qa.row(t));
+                    assert!((out[t] - want).abs() < 1e-4 * (1.0 + want.abs()), "{} {f} cols {cols} token {t}: {} vs {want}", k.isa, out[t]);
+                }
+            }
+        }
+    }
+}

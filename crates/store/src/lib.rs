@@ -167,15 +167,20 @@ impl StoreStats {
     }
 }
 
+/// A batch of landed experts: `(index into the requested list, weights)`.
+pub type ExpertBatch<'a> = [(usize, ExpertView<'a>)];
+
 /// A source of expert weights.
 pub trait ExpertSource: Send + Sync {
     /// The layout of every blob.
     fn layout(&self) -> &BlobLayout;
 
-    /// Calls `f(i, view)` once for each `experts[i]` of decoder layer `layer`, as soon as its
-    /// weights are in memory (resident ones first, then in completion order). The view is only
-    /// valid during the call: the slot is pinned for exactly that long.
-    fn with_experts(&self, layer: usize, experts: &[u32], f: &mut dyn FnMut(usize, ExpertView<'_>)) -> Result<(), StoreError>;
+    /// Calls `f` with batches `[(i, view)]` covering each `experts[i]` of decoder layer `layer`
+    /// exactly once, as soon as their weights are in memory: every resident expert in the
+    /// first batch, then the missing ones as they land (in completion order, several at once
+    /// when several landed together). Views are valid during the call only: their slots are
+    /// pinned for exactly that long.
+    fn with_experts(&self, layer: usize, experts: &[u32], f: &mut dyn FnMut(&ExpertBatch<'_>)) -> Result<(), StoreError>;
 
     /// Counters since creation.
     fn stats(&self) -> StoreStats;

@@ -1,7 +1,7 @@
 //! Every expert in memory: the simplest [`ExpertSource`], and the reference the streaming store
 //! is checked against.
 
-use crate::{BlobLayout, ExpertSource, ExpertView, StoreError, StoreStats};
+use crate::{BlobLayout, ExpertBatch, ExpertSource, StoreError, StoreStats};
 use smoe_vault::Vault;
 use std::sync::Mutex;
 
@@ -44,14 +44,16 @@ impl ExpertSource for ResidentExperts {
         &self.layout
     }
 
-    fn with_experts(&self, layer: usize, experts: &[u32], f: &mut dyn FnMut(usize, ExpertView<'_>)) -> Result<(), StoreError> {
+    fn with_experts(&self, layer: usize, experts: &[u32], f: &mut dyn FnMut(&ExpertBatch<'_>)) -> Result<(), StoreError> {
         let li = self.moe_index.get(layer).copied().flatten();
+        let mut batch = Vec::with_capacity(experts.len());
         for (i, &e) in experts.iter().enumerate() {
             let e = e as usize;
             let li = li.filter(|_| e < self.num_experts).ok_or(StoreError::NoSuchExpert { layer, expert: e })?;
             let off = (li * self.num_experts + e) * self.layout.blob_size;
-            f(i, self.layout.view(&self.data[off..off + self.layout.blob_size]));
+            batch.push((i, self.layout.view(&self.data[off..off + self.layout.blob_size])));
         }
+        f(&batch);
         self.stats.lock().unwrap().hits += experts.len() as u64;
         Ok(())
     }

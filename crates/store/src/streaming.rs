@@ -4,7 +4,7 @@
 use crate::arena::Arena;
 use crate::io::{self, Completion, IoKind, ReadEngine, ReadReq};
 use crate::policy::{EvictionPolicy, Key, PolicyKind};
-use crate::{BlobLayout, ExpertSource, ExpertView, StoreError, StoreStats};
+use crate::{BlobLayout, ExpertBatch, ExpertSource, ExpertView, StoreError, StoreStats};
 use smoe_vault::Vault;
 use std::sync::Mutex;
 use std::time::Instant;
@@ -296,7 +296,7 @@ impl ExpertSource for ExpertStore {
     /// For one layer: pins the resident experts, issues reads for every missing one at once
     /// (as many as fit; a request larger than the cache runs in waves), computes the resident
     /// ones while the reads are in flight, then computes each missing expert as it lands.
-    fn with_experts(&self, layer: usize, experts: &[u32], f: &mut dyn FnMut(usize, ExpertView<'_>)) -> Result<(), StoreError> {
+    fn with_experts(&self, layer: usize, experts: &[u32], f: &mut dyn FnMut(&ExpertBatch<'_>)) -> Result<(), StoreError> {
         let ord = *self.ordinal.get(layer).filter(|&&o| o != NONE).ok_or(StoreError::NoSuchExpert { layer, expert: 0 })?;
         if let Some(&e) = experts.iter().find(|&&e| e as usize >= self.experts) {
             return Err(StoreError::NoSuchExpert { layer, expert: e as usize });
@@ -359,12 +359,14 @@ impl ExpertSource for ExpertStore {
                     continue;
                 }
             }
-            // 3. Compute the resident experts while the reads are in flight.
-            for &(i, s) in &ready {
-                if first_err.is_none() {
-                    // SAFETY: slot `s` is ready and pinned; no read targets it until unpinned.
-                    f(i, self.layout.view(unsafe { self.arena.slot(s) }));
-                }
+            // 3. Compute the resident experts, as one batch, while the reads are in flight.
+            if first_err.is_none() && !ready.is_empty() {
+                // SAFETY: these slots are ready and pinned; no read targets them until unpinned.
+                let batch: Vec<(usize, ExpertView<'_>)> =
+                    ready.iter().map(|&(i, s)| (i, self.layout.view(unsafe { self.arena.slot(s) }))).collect();
+                f(&batch);
+            }
+            for &(_, s) in &ready {
                 inner.slots[s].pins -= 1;
             }
             // 4. Compute each missing expert as it lands, in completion order. Every read this
@@ -375,16 +377,22 @@ impl ExpertSource for ExpertStore {
                 if let Err(e) = self.reap(inner, &mut landed) {
                     first_err.get_or_insert(e);
                 }
+                let mut arrived: Vec<(usize, usize)> = Vec::new();
                 for &(s, ok) in &landed {
                     let Some(pos) = wait.iter().position(|&(ws, _)| ws == s) else { continue };
                     let (_, i) = wait.swap_remove(pos);
                     if ok {
-                        if first_err.is_none() {
-                            // SAFETY: the read into slot `s` completed and the slot is pinned.
-                            f(i, self.layout.view(unsafe { self.arena.slot(s) }));
-                        }
-                        inner.slots[s].pins -= 1;
+                        arrived.push((i, s));
                     }
+                }
+                if first_err.is_none() && !arrived.is_empty() {
+                    // SAFETY: the reads into these slots completed and the slots are pinned.
+                    let batch: Vec<(usize, ExpertView<'_>)> =
+                        arrived.iter().map(|&(i, s)| (i, self.layout.view(unsafe { self.arena.slot(s) }))).collect();
+                    f(&batch);
+                }
+                for &(_, s) in &arrived {
+                    inner.slots[s].pins -= 1;
                 }
             }
             if waited_for {

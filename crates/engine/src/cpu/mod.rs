@@ -9,7 +9,7 @@ mod fast;
 mod matmul;
 pub mod pool;
 
-use crate::backend::{AttnParams, Backend, KvShape};
+use crate::backend::{AttnParams, Backend, KvShape, MatJob, WeightRef};
 use smoe_quant::{Format, QMatrix};
 use std::sync::Arc;
 
@@ -134,6 +134,37 @@ impl Backend for CpuBackend {
     fn matmul_host(&self, w: &QMatrix<'_>, x: &Vec<f32>, n: usize, out: &mut Vec<f32>) {
         self.product(w, x, n, out);
     }
+    fn matmul_many(&self, jobs: &[MatJob<'_, CpuMatrix>], x: &Vec<f32>, x_stride: usize, out: &mut Vec<f32>, out_stride: usize) {
+        let views: Vec<(QMatrix<'_>, &MatJob<'_, CpuMatrix>)> = jobs
+            .iter()
+            .map(|j| {
+                let v = match &j.w {
+                    WeightRef::Resident(m, None) => m.view(),
+                    WeightRef::Resident(m, Some((r0, n))) => m.view().slice_rows(*r0, *n),
+                    WeightRef::Host(q) => *q,
+                };
+                (v, j)
+            })
+            .collect();
+        match self.precision {
+            Precision::Fast => fast::matmul_many(self.kernels, &self.pool, &views, x, x_stride, out, out_stride),
+            Precision::Reference => {
+                let mut xin = Vec::new();
+                let mut tmp = Vec::new();
+                for (w, j) in &views {
+                    xin.clear();
+                    for t in 0..j.n {
+                        xin.extend_from_slice(&x[(j.x_row + t) * x_stride..][..w.cols]);
+                    }
+                    tmp.resize(j.n * w.rows, 0.0);
+                    matmul::matmul_ref(w, &xin, j.n, &mut tmp);
+                    for t in 0..j.n {
+                        out[(j.out_row + t) * out_stride + j.out_col..][..w.rows].copy_from_slice(&tmp[t * w.rows..(t + 1) * w.rows]);
+                    }
+                }
+            }
+        }
+    }
     fn matmul_t(&self, w: &CpuMatrix, r0: usize, m: usize, x: &Vec<f32>, x_stride: usize, x_off: usize, n: usize, out: &mut Vec<f32>) {
         matmul::matmul_t_ref(&w.view().slice_rows(r0, m), x, x_stride, x_off, n, out);
     }
@@ -156,9 +187,9 @@ impl Backend for CpuBackend {
             }
         }
     }
-    fn add_bias(&self, x: &mut Vec<f32>, n: usize, b: &Vec<f32>) {
-        for row in x[..n * b.len()].chunks_exact_mut(b.len()) {
-            for (v, &bb) in row.iter_mut().zip(b) {
+    fn add_bias(&self, x: &mut Vec<f32>, n: usize, stride: usize, off: usize, b: &Vec<f32>) {
+        for t in 0..n {
+            for (v, &bb) in x[t * stride + off..][..b.len()].iter_mut().zip(b) {
                 *v += bb;
             }
         }
@@ -171,6 +202,14 @@ impl Backend for CpuBackend {
     fn silu_mul(&self, g: &mut Vec<f32>, u: &Vec<f32>, len: usize) {
         for (a, &b) in g[..len].iter_mut().zip(&u[..len]) {
             *a = *a / (1.0 + (-*a).exp()) * b;
+        }
+    }
+    fn silu_mul_halves(&self, x: &mut Vec<f32>, row0: usize, n: usize, stride: usize, w: usize) {
+        for row in x[row0 * stride..(row0 + n) * stride].chunks_exact_mut(stride) {
+            let (g, u) = row[..2 * w].split_at_mut(w);
+            for (a, &b) in g.iter_mut().zip(u.iter()) {
+                *a = *a / (1.0 + (-*a).exp()) * b;
+            }
         }
     }
     fn rope(
@@ -253,26 +292,37 @@ impl Backend for CpuBackend {
         n: usize,
         k: &Vec<f32>,
         k_stride: usize,
-        v: Option<(&Vec<f32>, usize)>,
+        k_off: usize,
+        v: Option<(&Vec<f32>, usize, usize)>,
     ) {
         let l = &mut cache.layers[layer];
         let kw = l.shape.heads * l.shape.k_dim;
         l.k.resize((pos0 + n) * kw, 0.0);
         for t in 0..n {
-            l.k[(pos0 + t) * kw..(pos0 + t + 1) * kw].copy_from_slice(&k[t * k_stride..t * k_stride + kw]);
+            l.k[(pos0 + t) * kw..(pos0 + t + 1) * kw].copy_from_slice(&k[t * k_stride + k_off..][..kw]);
         }
-        if let Some((v, v_stride)) = v {
+        if let Some((v, v_stride, v_off)) = v {
             let vw = l.shape.heads * l.shape.v_dim;
             l.v.resize((pos0 + n) * vw, 0.0);
             for t in 0..n {
-                l.v[(pos0 + t) * vw..(pos0 + t + 1) * vw].copy_from_slice(&v[t * v_stride..t * v_stride + vw]);
+                l.v[(pos0 + t) * vw..(pos0 + t + 1) * vw].copy_from_slice(&v[t * v_stride + v_off..][..vw]);
             }
         }
     }
-    fn attention(&self, cache: &CpuKvCache, layer: usize, q: &Vec<f32>, n: usize, pos0: usize, p: AttnParams, out: &mut Vec<f32>) {
+    fn attention(
+        &self,
+        cache: &CpuKvCache,
+        layer: usize,
+        q: &Vec<f32>,
+        q_stride: usize,
+        n: usize,
+        pos0: usize,
+        p: AttnParams,
+        out: &mut Vec<f32>,
+    ) {
         match self.precision {
-            Precision::Reference => attention::attention_ref(&cache.layers[layer], q, n, pos0, p, out),
-            Precision::Fast => attention::attention_fast(&cache.layers[layer], q, n, pos0, p, out, self.kernels, &self.pool),
+            Precision::Reference => attention::attention_ref(&cache.layers[layer], q, q_stride, n, pos0, p, out),
+            Precision::Fast => attention::attention_fast(&cache.layers[layer], q, q_stride, n, pos0, p, out, self.kernels, &self.pool),
         }
     }
 }

@@ -147,6 +147,9 @@ pub unsafe fn dot_q8_0(w: &[u8], a: &[Block32]) -> f32 {
     while i < n {
         let m = (n - i).min(8);
         let (mut hd, mut ad) = ([0u16; 8], [0f32; 8]);
+        for ahead in [1024usize, 1088, 1152, 1216, 1280] {
+            _mm_prefetch::<_MM_HINT_T0>((wb.as_ptr() as *const i8).wrapping_add(34 * i + ahead));
+        }
         for j in 0..m {
             hd[j] = u16::from_le_bytes(wb[i + j].d.0);
             ad[j] = a[i + j].d;
@@ -179,6 +182,8 @@ pub unsafe fn dot_q4_k(w: &[u8], a: &[Block256]) -> f32 {
     let mut acc = _mm256_setzero_ps();
     let mut acc_m = _mm_setzero_ps();
     for (b, a) in wb.iter().zip(a) {
+        // Keep the memory system busy ahead of the loads (2 KiB ahead).
+        _mm_prefetch::<_MM_HINT_T0>((b as *const BlockQ4K as *const i8).wrapping_add(2048));
         let sm = k4_scales(&b.scales);
         // SAFETY: `sm` has 16 bytes (scales then mins); bsums has 16 i16.
         let (scales16, mins) = unsafe {

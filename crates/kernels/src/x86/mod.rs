@@ -2,6 +2,7 @@
 
 pub mod avx2;
 pub mod avx512;
+pub mod gemm;
 
 use std::arch::x86_64::*;
 
@@ -45,12 +46,16 @@ pub fn avx2_table() -> Option<Kernels> {
     let mut k = Kernels::scalar_table();
     k.isa = "avx2";
     k.f32_dot = avx2::dot_f32_f32;
+    k.multi_dot = crate::attn::avx2::multi_dot;
+    k.multi_axpy = crate::attn::avx2::multi_axpy;
     k.set(Format::F32, DotFn::F32(avx2::dot_f32));
     k.set(Format::BF16, DotFn::F32(avx2::dot_bf16));
     k.set(Format::F16, DotFn::F32(avx2::dot_f16));
     k.set(Format::Q8_0, DotFn::Q32(avx2::dot_q8_0));
     k.set(Format::Q4_K, DotFn::Q256(avx2::dot_q4_k));
     k.set(Format::Q6_K, DotFn::Q256(avx2::dot_q6_k));
+    k.set_gemm(Format::Q8_0, gemm::q8_0_avx2);
+    k.set_gemm(Format::Q4_K, gemm::q4_k_avx2);
     Some(k)
 }
 
@@ -70,5 +75,7 @@ pub fn avx512_table() -> Option<Kernels> {
     // Q4_K stays on the 256-bit kernel: measured faster than 512-bit variants on Zen 4
     // (18-19 vs 16 GB/s per core), where 512-bit shuffles and 32-bit multiplies are costly.
     k.set(Format::Q6_K, DotFn::Q256(avx512::dot_q6_k));
+    k.set_gemm(Format::Q8_0, gemm::q8_0_vnni);
+    k.set_gemm(Format::Q4_K, gemm::q4_k_vnni);
     Some(k)
 }

@@ -1,0 +1,37 @@
+//! Parallel matrix-vector throughput of the fast CPU path on matrices larger than the caches:
+//! `cargo run --release -p smoe-engine --example mvspeed`.
+use smoe_engine::backend::Backend;
+use smoe_engine::{CpuBackend, Precision};
+use smoe_quant::Format;
+use std::sync::Arc;
+
+fn main() {
+    for threads in [1, 2] {
+        let be = CpuBackend::with_threads(Precision::Fast, threads);
+        for (f, rows, cols) in
+            [(Format::Q8_0, 4096, 2048), (Format::Q8_0, 2048, 4096), (Format::Q4_K, 768, 2048), (Format::Q8_0, 151936, 2048)]
+        {
+            // Enough distinct matrices to defeat the caches.
+            let rb = f.row_bytes(cols).unwrap();
+            let copies = (512usize << 20) / (rb * rows) + 1;
+            let row: Vec<f32> = (0..cols).map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 300.0).collect();
+            let mut one = vec![0u8; rb];
+            smoe_quant::quantize(f, &row, &mut one).unwrap();
+            let region = Arc::new(one.iter().copied().cycle().take(rb * rows * copies).collect::<Vec<u8>>());
+            let ms: Vec<_> = (0..copies).map(|c| be.matrix(&region, c * rb * rows, f, rows, cols)).collect();
+            let x = be.buf(cols);
+            let mut out = be.buf(rows);
+            let reps = (copies * 3).max(3);
+            let t = std::time::Instant::now();
+            for r in 0..reps {
+                be.matmul(&ms[r % copies], None, &x, 1, &mut out);
+            }
+            let s = t.elapsed().as_secs_f64();
+            println!(
+                "{threads} threads {f} {rows}x{cols}: {:.1} GB/s, {:.0} us/call",
+                (rb * rows * reps) as f64 / s / 1e9,
+                s / reps as f64 * 1e6
+            );
+        }
+    }
+}

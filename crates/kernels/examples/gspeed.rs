@@ -1,0 +1,50 @@
+//! Many-token kernel throughput (one core): `cargo run --release -p smoe-kernels --example gspeed`.
+use smoe_kernels::{available, gemm::ActTile, QuantAct};
+use smoe_quant::Format;
+
+fn main() {
+    let (rows, cols, n) = (768, 2048, 32);
+    for f in [Format::Q4_K, Format::Q8_0] {
+        let rb = f.row_bytes(cols).unwrap();
+        let x: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 300.0).collect();
+        let mut w = vec![0u8; rows * rb];
+        for (d, s) in w.chunks_mut(rb).zip(x.chunks(cols)) {
+            smoe_quant::quantize(f, s, d).unwrap();
+        }
+        let a: Vec<f32> = (0..n * cols).map(|i| ((i * 104729 % 997) as f32 - 498.0) / 400.0).collect();
+        let mut qa = QuantAct::default();
+        qa.quantize(f, &a, n, cols);
+        let mut tile = ActTile::default();
+        qa.build_tile(&mut tile, n);
+        for k in available() {
+            let mut out = vec![0f32; n];
+            let reps = 20;
+            let t = std::time::Instant::now();
+            let mut s = 0f32;
+            for _ in 0..reps {
+                for r in 0..rows {
+                    if k.gemm_row(f, &w[r * rb..(r + 1) * rb], &tile, &mut out) {
+                        s += out[0];
+                    } else {
+                        for tk in 0..n {
+                            s += k.dot(f, &w[r * rb..(r + 1) * rb], qa.row(tk));
+                        }
+                    }
+                }
+            }
+            let secs = t.elapsed().as_secs_f64();
+            let macs = (reps * rows * cols * n) as f64;
+            println!("{f} {:12} gemm={}: {:6.1} GMAC/s [{s:.0}]", k.isa, k.has_gemm(f), macs / secs / 1e9);
+            let t = std::time::Instant::now();
+            for _ in 0..reps {
+                for r in 0..rows {
+                    for tk in 0..n {
+                        s += k.dot(f, &w[r * rb..(r + 1) * rb], qa.row(tk));
+                    }
+                }
+            }
+            let secs = t.elapsed().as_secs_f64();
+            println!("{f} {:12} dots:    {:6.1} GMAC/s [{s:.0}]", k.isa, macs / secs / 1e9);
+        }
+    }
+}

@@ -1,0 +1,130 @@
+//! f32 helpers for attention: several query heads against one key row, and several outputs
+//! accumulating one value row. Grouped-query attention reads each cached key and value once
+//! for all the query heads that share it.
+
+/// `out[h] = q[h, :] · k` for `heads` rows of `q` (each `k.len()` long).
+pub type MultiDot = unsafe fn(q: &[f32], k: &[f32], out: &mut [f32]);
+/// `acc[h, :] += w[h] · v` for `w.len()` rows of `acc` (each `v.len()` long).
+pub type MultiAxpy = unsafe fn(acc: &mut [f32], w: &[f32], v: &[f32]);
+
+/// Scalar [`MultiDot`].
+pub fn multi_dot(q: &[f32], k: &[f32], out: &mut [f32]) {
+    let d = k.len();
+    for (o, qr) in out.iter_mut().zip(q.chunks_exact(d)) {
+        *o = qr.iter().zip(k).map(|(a, b)| a * b).sum();
+    }
+}
+
+/// Scalar [`MultiAxpy`].
+pub fn multi_axpy(acc: &mut [f32], w: &[f32], v: &[f32]) {
+    let d = v.len();
+    for (row, &wh) in acc.chunks_exact_mut(d).zip(w) {
+        for (a, &b) in row.iter_mut().zip(v) {
+            *a += wh * b;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx2 {
+    use std::arch::x86_64::*;
+
+    /// AVX2 [`super::MultiDot`].
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn multi_dot(q: &[f32], k: &[f32], out: &mut [f32]) {
+        let d = k.len();
+        let full = d / 8 * 8;
+        for (o, qr) in out.iter_mut().zip(q.chunks_exact(d)) {
+            let mut acc = _mm256_setzero_ps();
+            let mut i = 0;
+            while i < full {
+                // SAFETY: i + 8 <= full <= d for both rows.
+                unsafe { acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr.as_ptr().add(i)), _mm256_loadu_ps(k.as_ptr().add(i)), acc) };
+                i += 8;
+            }
+            let s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps::<1>(acc));
+            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            let mut t = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+            for j in full..d {
+                t += qr[j] * k[j];
+            }
+            *o = t;
+        }
+    }
+
+    /// AVX2 [`super::MultiAxpy`].
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn multi_axpy(acc: &mut [f32], w: &[f32], v: &[f32]) {
+        let d = v.len();
+        let full = d / 8 * 8;
+        for (row, &wh) in acc.chunks_exact_mut(d).zip(w) {
+            let wv = _mm256_set1_ps(wh);
+            let mut i = 0;
+            while i < full {
+                // SAFETY: i + 8 <= full <= d for both rows.
+                unsafe {
+                    let p = row.as_mut_ptr().add(i);
+                    _mm256_storeu_ps(p, _mm256_fmadd_ps(wv, _mm256_loadu_ps(v.as_ptr().add(i)), _mm256_loadu_ps(p)));
+                }
+                i += 8;
+            }
+            for j in full..d {
+                row[j] += wh * v[j];
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "aarch64")]
+pub(crate) mod neon {
+    use std::arch::aarch64::*;
+
+    /// NEON [`super::MultiDot`].
+    pub fn multi_dot(q: &[f32], k: &[f32], out: &mut [f32]) {
+        let d = k.len();
+        let full = d / 4 * 4;
+        for (o, qr) in out.iter_mut().zip(q.chunks_exact(d)) {
+            let mut i = 0;
+            // SAFETY: i + 4 <= full <= d for both rows; NEON is baseline on aarch64.
+            let mut t = unsafe {
+                let mut acc = vdupq_n_f32(0.0);
+                while i < full {
+                    acc = vfmaq_f32(acc, vld1q_f32(qr.as_ptr().add(i)), vld1q_f32(k.as_ptr().add(i)));
+                    i += 4;
+                }
+                vaddvq_f32(acc)
+            };
+            for j in full..d {
+                t += qr[j] * k[j];
+            }
+            *o = t;
+        }
+    }
+
+    /// NEON [`super::MultiAxpy`].
+    pub fn multi_axpy(acc: &mut [f32], w: &[f32], v: &[f32]) {
+        let d = v.len();
+        let full = d / 4 * 4;
+        for (row, &wh) in acc.chunks_exact_mut(d).zip(w) {
+            let mut i = 0;
+            // SAFETY: i + 4 <= full <= d for both rows.
+            unsafe {
+                let wv = vdupq_n_f32(wh);
+                while i < full {
+                    let p = row.as_mut_ptr().add(i);
+                    vst1q_f32(p, vfmaq_f32(vld1q_f32(p), wv, vld1q_f32(v.as_ptr().add(i))));
+                    i += 4;
+                }
+            }
+            for j in full..d {
+                row[j] += wh * v[j];
+            }
+        }
+    }
+}

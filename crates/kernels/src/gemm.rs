@@ -1,0 +1,114 @@
+//! Many-token products for prefill: one weight row against a tile of 8 tokens at a time.
+//!
+//! Activations of 8 tokens are interleaved four bytes at a time — `[dword k][token t][4 bytes]`
+//! — so that one weight dword, broadcast to every lane, multiplies all 8 tokens in a single
+//! `vpdpbusd` (or `maddubs`). Weights stay in their stored layout (experts come straight from
+//! disk into the cache); each row is unpacked once into a small buffer and reused for every
+//! tile of tokens. Per-token block scales and sums are laid out as 8-lane vectors.
+
+use crate::act::{ActKind, Block256, Block32};
+
+/// Tokens per tile (one 256-bit lane each).
+pub const TILE: usize = 8;
+
+/// A weight row against every token of an [`ActTile`]: `out[t] = w · a[t]`.
+pub type GemmRow = unsafe fn(w: &[u8], tile: &ActTile, out: &mut [f32]);
+
+/// Interleaved activations of `n` tokens (zero-padded to whole tiles).
+#[derive(Default)]
+pub struct ActTile {
+    /// Tokens.
+    pub n: usize,
+    /// Row length.
+    pub cols: usize,
+    /// Quants, `[tile][dword][token][4]`.
+    pub qs: Vec<i8>,
+    /// Scale per tile, block (of 32 or 256) and token.
+    pub d: Vec<f32>,
+    /// Sum of quants per tile, block of 32 and token (the whole row's blocks of 32).
+    pub sums: Vec<i32>,
+    /// Block size of `d`.
+    pub block: usize,
+}
+
+impl ActTile {
+    /// Tiles.
+    pub fn tiles(&self) -> usize {
+        self.n.div_ceil(TILE)
+    }
+
+    /// Interleaves `n` tokens of 32-element blocks.
+    pub fn build_32(&mut self, rows: &[Block32], n: usize, cols: usize) {
+        self.fill(
+            n,
+            cols,
+            32,
+            |t, e| rows[t * cols / 32 + e / 32].qs[e % 32],
+            |t, b| rows[t * cols / 32 + b].d,
+            |t, b| rows[t * cols / 32 + b].isum,
+        );
+    }
+
+    /// Interleaves `n` tokens of 256-element super-blocks.
+    pub fn build_256(&mut self, rows: &[Block256], n: usize, cols: usize) {
+        let per = cols / 256;
+        self.fill(
+            n,
+            cols,
+            256,
+            |t, e| rows[t * per + e / 256].qs[e % 256],
+            |t, b| rows[t * per + b].d,
+            |t, g| {
+                let b = &rows[t * per + g / 8];
+                let j = g % 8;
+                b.bsums[2 * j] as i32 + b.bsums[2 * j + 1] as i32
+            },
+        );
+    }
+
+    fn fill(
+        &mut self,
+        n: usize,
+        cols: usize,
+        block: usize,
+        q: impl Fn(usize, usize) -> i8,
+        d: impl Fn(usize, usize) -> f32,
+        sum32: impl Fn(usize, usize) -> i32,
+    ) {
+        self.n = n;
+        self.cols = cols;
+        self.block = block;
+        let tiles = n.div_ceil(TILE);
+        let dwords = cols / 4;
+        self.qs.clear();
+        self.qs.resize(tiles * dwords * TILE * 4, 0);
+        self.d.clear();
+        self.d.resize(tiles * (cols / block) * TILE, 0.0);
+        self.sums.clear();
+        self.sums.resize(tiles * (cols / 32) * TILE, 0);
+        for t in 0..n {
+            let (g, lane) = (t / TILE, t % TILE);
+            let base = g * dwords * TILE * 4;
+            for k in 0..dwords {
+                for b in 0..4 {
+                    self.qs[base + (k * TILE + lane) * 4 + b] = q(t, 4 * k + b);
+                }
+            }
+            for b in 0..cols / block {
+                self.d[(g * (cols / block) + b) * TILE + lane] = d(t, b);
+            }
+            for b in 0..cols / 32 {
+                self.sums[(g * (cols / 32) + b) * TILE + lane] = sum32(t, b);
+            }
+        }
+    }
+
+    /// Builds the tile for weights whose activations are of `kind`.
+    pub fn build(&mut self, kind: ActKind, b32: &[Block32], b256: &[Block256], n: usize, cols: usize) {
+        match kind {
+            ActKind::Q8x32 => self.build_32(b32, n, cols),
+            ActKind::Q8x256 => self.build_256(b256, n, cols),
+            ActKind::F32 => self.n = 0,
+        }
+    }
+}
