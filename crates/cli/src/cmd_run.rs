@@ -68,7 +68,7 @@ impl ModelArgs {
         }
     }
 
-    pub fn options(&self, precision: Precision, ctx: usize) -> OpenOptions {
+    pub fn options(&self, precision: Precision, ctx: Option<usize>) -> OpenOptions {
         OpenOptions {
             precision,
             cache: self.cache_experts.map(CacheSize::Experts).unwrap_or(self.cache),
@@ -82,8 +82,7 @@ impl ModelArgs {
     /// Opens the model and reports the cache size chosen (on stderr).
     pub fn open(&self, vault: &Path, precision: Precision, ctx: Option<usize>) -> Result<Engine<CpuBackend>> {
         exists(vault)?;
-        let (mut engine, report) =
-            open_cpu(vault, &self.options(precision, ctx.unwrap_or(4096))).with_context(|| format!("open {}", vault.display()))?;
+        let (mut engine, report) = open_cpu(vault, &self.options(precision, ctx)).with_context(|| format!("open {}", vault.display()))?;
         engine.model.set_lookahead(self.prefetch == "lookahead");
         eprintln!("{report}");
         Ok(engine)
@@ -160,7 +159,8 @@ pub struct GenArgs {
     /// Stop at this string (repeatable).
     #[arg(long)]
     pub stop: Vec<String>,
-    /// Context limit in tokens (default: the model's max_position_embeddings).
+    /// Context limit in tokens (default: the model's max_position_embeddings, capped so a full KV
+    /// cache takes at most an eighth of available memory).
     #[arg(long)]
     pub ctx: Option<usize>,
 }
@@ -208,7 +208,8 @@ impl GenArgs {
             sampling: s,
             stop: self.stop.clone(),
             stop_ids: None,
-            ctx: self.ctx.unwrap_or(engine.model.arch().max_position_embeddings),
+            ctx: self.ctx.unwrap_or(engine.ctx),
+            keep_prompt_logits: false,
         }
     }
 }
@@ -274,6 +275,11 @@ pub fn print_instrument(i: &Instrument, prefill_steps: usize) {
             r.adjacent_reuse.map_or("-".into(), |a| format!("{a:.2}"))
         );
     }
+    print_summaries(i, prefill_steps);
+}
+
+/// Prints an instrument's prefill and decode summaries.
+pub fn print_summaries(i: &Instrument, prefill_steps: usize) {
     eprintln!("prefill: {}", i.summary_range(0, prefill_steps));
     eprintln!("decode:  {}", i.summary(prefill_steps));
 }

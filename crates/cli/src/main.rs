@@ -1,6 +1,7 @@
 //! The `smoe` command: parses arguments and hands each subcommand to the library crates.
 
 mod cmd_bench;
+mod cmd_chat;
 mod cmd_run;
 mod cmd_vault;
 mod progress;
@@ -133,6 +134,31 @@ enum Command {
         #[command(flatten)]
         model: cmd_run::ModelArgs,
     },
+    /// Talk to a model: an interactive chat that keeps the conversation's KV cache between turns.
+    /// Reads one user turn per line when stdin is not a terminal.
+    Chat {
+        vault: PathBuf,
+        /// System prompt.
+        #[arg(long)]
+        system: Option<String>,
+        /// Start with thinking off (enable_thinking=false; /think on turns it back on).
+        #[arg(long)]
+        no_think: bool,
+        /// When the conversation outgrows the context: drop the oldest turns (keeping the system
+        /// prompt) or refuse the turn.
+        #[arg(long, default_value = "drop-oldest", value_parser = ["drop-oldest", "refuse"])]
+        overflow: String,
+        /// f32 reference arithmetic instead of the fast kernels (for tests).
+        #[arg(long, hide = true)]
+        reference: bool,
+        /// Append each turn's prompt ids, output and first logits to this JSONL file (for tests).
+        #[arg(long, hide = true)]
+        trace: Option<PathBuf>,
+        #[command(flatten)]
+        gen: cmd_run::GenArgs,
+        #[command(flatten)]
+        model: cmd_run::ModelArgs,
+    },
     /// Measure prefill and decode throughput, time to first token, bytes read and hit rate.
     Bench {
         vault: PathBuf,
@@ -240,6 +266,10 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Run { vault, prompt, raw, system, no_think, json, gen, model } => {
             cmd_run::run_run(cmd_run::RunArgs { vault, model, prompt, raw, system, think: no_think.then_some(false), json, gen })
+        }
+        Command::Chat { vault, system, no_think, overflow, reference, trace, gen, model } => {
+            let overflow = if overflow == "refuse" { smoe_engine::Overflow::Refuse } else { smoe_engine::Overflow::DropOldest };
+            cmd_chat::run_chat(cmd_chat::ChatArgs { vault, system, no_think, overflow, reference, trace, gen, model })
         }
         Command::Bench { vault, prompt_tokens, gen_tokens, threads, chunk, reps, json, model } => {
             cmd_bench::run_bench(&vault, prompt_tokens, gen_tokens, threads, chunk, reps, json, &model)

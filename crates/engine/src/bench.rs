@@ -69,6 +69,7 @@ pub fn bench<B: Backend>(engine: &Engine<B>, opts: &BenchOptions) -> Result<Benc
         stop: vec![],
         stop_ids: Some(vec![]),
         ctx: opts.prompt_tokens + opts.gen_tokens + 1,
+        keep_prompt_logits: false,
     };
     let mut st = engine.model.new_state(opts.chunk);
     st.enable_instrument();

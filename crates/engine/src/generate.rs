@@ -35,6 +35,8 @@ pub struct GenOptions {
     pub stop_ids: Option<Vec<u32>>,
     /// Context limit in tokens (prompt + generated).
     pub ctx: usize,
+    /// Return the logits after the prompt (those the first token is sampled from).
+    pub keep_prompt_logits: bool,
 }
 
 /// Timings and counts of one generation.
@@ -78,6 +80,8 @@ pub struct Generation {
     pub finish: FinishReason,
     /// Timings.
     pub stats: GenStats,
+    /// The logits after the prompt, when [`GenOptions::keep_prompt_logits`] asked for them.
+    pub prompt_logits: Option<Vec<f32>>,
 }
 
 /// A model ready to generate text.
@@ -90,6 +94,8 @@ pub struct Engine<B: Backend> {
     pub template: Option<ChatTemplate>,
     /// generation_config.json defaults.
     pub defaults: GenerationDefaults,
+    /// The context limit it was opened for (tokens).
+    pub ctx: usize,
 }
 
 impl<B: Backend> Engine<B> {
@@ -103,7 +109,8 @@ impl<B: Backend> Engine<B> {
             }
             None => None,
         };
-        Ok(Engine { model, tokenizer, template, defaults: vault.manifest().generation.clone() })
+        let ctx = vault.architecture().max_position_embeddings;
+        Ok(Engine { model, tokenizer, template, defaults: vault.manifest().generation.clone(), ctx })
     }
 
     /// Renders a conversation with the chat template (generation prompt added).
@@ -173,6 +180,7 @@ impl<B: Backend> Engine<B> {
         let mut sampler = Sampler::new(opts.sampling.clone());
         let mut logits = self.model.forward(st, &prompt[cached..], Logits::Last, obs)?.to_vec();
         let prefill_seconds = t0.elapsed().as_secs_f64();
+        let prompt_logits = opts.keep_prompt_logits.then(|| logits.clone());
         let stop_ids = opts.stop_ids.clone().unwrap_or_else(|| self.default_stop_ids());
         let mut detok = Detokenizer::new(self.tokenizer.clone(), true);
         let mut stops = StopStrings::new(&opts.stop);
@@ -230,7 +238,7 @@ impl<B: Backend> Engine<B> {
             decode_seconds: t_decode.elapsed().as_secs_f64() - (ttft.unwrap_or(prefill_seconds) - prefill_seconds),
             seed: sampler.seed(),
         };
-        Ok(Generation { tokens, text, finish, stats })
+        Ok(Generation { tokens, text, finish, stats, prompt_logits })
     }
 
     /// [`generate`](Self::generate) from an empty state, observing nothing.

@@ -62,8 +62,9 @@ pub struct OpenOptions {
     pub verify: bool,
     /// Reads in flight at most.
     pub queue_depth: usize,
-    /// Context the KV cache must hold (for automatic sizing).
-    pub ctx: usize,
+    /// Context limit in tokens; `None` picks [`default_context`]. The KV cache for this many
+    /// tokens is reserved when the expert cache is sized automatically.
+    pub ctx: Option<usize>,
 }
 
 impl Default for OpenOptions {
@@ -74,7 +75,7 @@ impl Default for OpenOptions {
             policy: PolicyKind::ReuseDistance,
             verify: true,
             queue_depth: 32,
-            ctx: 4096,
+            ctx: None,
         }
     }
 }
@@ -94,27 +95,39 @@ pub struct OpenReport {
     pub reason: String,
     /// I/O engine.
     pub io: String,
+    /// The context limit chosen.
+    pub ctx: usize,
 }
 
 impl std::fmt::Display for OpenReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "expert cache: {} of {} experts ({:.1}%), {:.2} GiB ({}); {}",
+            "expert cache: {} of {} experts ({:.1}%), {:.2} GiB ({}); {}; context {} tokens",
             self.cache_experts,
             self.total_experts,
             100.0 * self.cache_experts as f64 / self.total_experts.max(1) as f64,
             self.cache_bytes as f64 / (1u64 << 30) as f64,
             self.reason,
-            self.io
+            self.io,
+            self.ctx
         )
     }
+}
+
+/// The default context limit: the model's `max_position_embeddings`, capped so that a full
+/// f32 KV cache takes at most an eighth of the memory available now (at least 2048 tokens).
+pub fn default_context(arch: &smoe_vault::Architecture) -> usize {
+    let per_token = (crate::kv_values_per_token(arch) * 4).max(1) as u64;
+    let cap = (smoe_store::available_memory().available / 8 / per_token).max(2048);
+    arch.max_position_embeddings.min(cap as usize)
 }
 
 /// Opens `path` on the CPU backend.
 pub fn open_cpu(path: &Path, opts: &OpenOptions) -> Result<(Engine<CpuBackend>, OpenReport), EngineError> {
     let vault = Vault::open(path)?;
     let arch = vault.architecture();
+    let ctx = opts.ctx.unwrap_or_else(|| default_context(arch));
     let total = arch.moe_layers().len() * arch.moe.num_experts;
     let blob = vault.manifest().experts.blob_size;
     let (experts, report): (Arc<dyn ExpertSource>, OpenReport) = if opts.cache == CacheSize::Resident {
@@ -126,6 +139,7 @@ pub fn open_cpu(path: &Path, opts: &OpenOptions) -> Result<(Engine<CpuBackend>, 
             blob_bytes: blob,
             reason: "resident".into(),
             io: "read at start".into(),
+            ctx,
         };
         (Arc::new(r), rep)
     } else {
@@ -133,7 +147,7 @@ pub fn open_cpu(path: &Path, opts: &OpenOptions) -> Result<(Engine<CpuBackend>, 
             CacheSize::Experts(n) => (n, "--cache-experts".to_string()),
             CacheSize::Bytes(b) => ((b / blob) as usize, format!("{} MiB requested", b >> 20)),
             _ => {
-                let kv = (crate::kv_values_per_token(arch) * 4 * opts.ctx) as u64;
+                let kv = (crate::kv_values_per_token(arch) * 4 * ctx) as u64;
                 let (bytes, why) = auto_cache_bytes(vault.header().dense_len, kv);
                 ((bytes / blob) as usize, format!("auto: {why}"))
             }
@@ -157,9 +171,12 @@ pub fn open_cpu(path: &Path, opts: &OpenOptions) -> Result<(Engine<CpuBackend>, 
             blob_bytes: blob,
             reason,
             io: store.io_description().to_string(),
+            ctx,
         };
         (Arc::new(store), rep)
     };
     let model = Model::load(&vault, CpuBackend::new(opts.precision), experts)?;
-    Ok((Engine::new(&vault, model)?, report))
+    let mut engine = Engine::new(&vault, model)?;
+    engine.ctx = ctx;
+    Ok((engine, report))
 }

@@ -18,6 +18,7 @@ fn thousand_token_sampled_generation_repeats_with_the_same_seed() {
             stop: vec![],
             stop_ids: Some(vec![]),
             ctx: 4096,
+            keep_prompt_logits: false,
         };
         let mut pieces = String::new();
         let g = engine

@@ -9,17 +9,21 @@ Text in and out of the model.
 - [`Detokenizer`]: turns a stream of ids into a stream of text that never splits a UTF-8
   character and skips ids that have no token.
 - [`StopStrings`]: finds stop strings in streamed text without emitting a partial match.
+- [`SectionSplitter`]: separates `<think>` reasoning (or `<tool_call>` bodies) from content in
+  streamed text.
 
 This crate knows nothing about models or sampling.
 */
 #![deny(missing_docs)]
 
 mod detok;
+mod sections;
 mod stop;
 mod template;
 mod tokenizer;
 
 pub use detok::Detokenizer;
+pub use sections::{Section, SectionSplitter};
 pub use stop::StopStrings;
 pub use template::{ChatTemplate, TemplateError};
 pub use tokenizer::{Tokenizer, TokenizerError};

@@ -1,0 +1,220 @@
+//! Conversations that keep their KV cache: a new turn computes only the tokens that differ from
+//! what is cached.
+
+use crate::backend::Backend;
+use crate::forward::{Observer, State};
+use crate::generate::{Engine, GenOptions, Generation};
+use crate::{EngineError, Model};
+use serde_json::{json, Map, Value as Json};
+
+/// One sequence's tokens and the KV cache that holds them. [`Session::generate`] finds the
+/// longest common prefix of a new prompt with the cached tokens and prefills only the rest.
+pub struct Session<B: Backend> {
+    state: State<B>,
+    /// Tokens whose keys and values are in `state`: always `state.pos()` long.
+    cached: Vec<u32>,
+}
+
+impl<B: Backend> Session<B> {
+    /// An empty session for `model`.
+    pub fn new(model: &Model<B>) -> Session<B> {
+        Session { state: model.new_state(256), cached: Vec::new() }
+    }
+
+    /// The tokens in the cache.
+    pub fn cached_tokens(&self) -> &[u32] {
+        &self.cached
+    }
+
+    /// Bytes of KV cache this session holds.
+    pub fn kv_bytes(&self, model: &Model<B>) -> usize {
+        model.backend().kv_bytes(self.state.kv())
+    }
+
+    /// How many leading tokens of `prompt` are already cached.
+    pub fn common_prefix(&self, prompt: &[u32]) -> usize {
+        self.cached.iter().zip(prompt).take_while(|(a, b)| a == b).count()
+    }
+
+    /// Forgets everything.
+    pub fn reset(&mut self) {
+        self.state.truncate(0);
+        self.cached.clear();
+    }
+
+    /// The state (for instrumentation).
+    pub fn state_mut(&mut self) -> &mut State<B> {
+        &mut self.state
+    }
+
+    /// Generates after `prompt`, reusing the cached prefix it shares with earlier turns.
+    pub fn generate(
+        &mut self,
+        engine: &Engine<B>,
+        prompt: &[u32],
+        opts: &GenOptions,
+        obs: &mut dyn Observer,
+        on_token: &mut dyn FnMut(u32, &str) -> bool,
+    ) -> Result<Generation, EngineError> {
+        let keep = self.common_prefix(prompt);
+        self.state.truncate(keep);
+        self.cached.truncate(keep);
+        let result = engine.generate(&mut self.state, prompt, opts, obs, on_token);
+        // Whatever happened, the cache holds the first `pos` tokens of prompt + generated.
+        let pos = self.state.pos();
+        match &result {
+            Ok(g) => {
+                self.cached = prompt.iter().chain(&g.tokens).copied().take(pos).collect();
+            }
+            Err(_) => {
+                // A failed forward leaves the cache in an unknown state past the reused prefix.
+                self.state.truncate(keep);
+                self.cached.truncate(keep);
+            }
+        }
+        result
+    }
+}
+
+/// The field of an assistant message that holds the token ids the model generated for it.
+/// Chat templates ignore it; `/save` keeps it, so a loaded conversation continues on the same
+/// tokens.
+pub const TOKEN_IDS_KEY: &str = "smoe_token_ids";
+
+/// What a conversation does when its next prompt would not fit the context.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Overflow {
+    /// Drop the oldest user/assistant messages (never the system prompt) until it fits.
+    DropOldest,
+    /// Refuse the turn.
+    Refuse,
+}
+
+/// A chat: system prompt, messages, template options, and a [`Session`] with their KV cache.
+pub struct Conversation<B: Backend> {
+    /// The system prompt, if any.
+    pub system: Option<String>,
+    /// User and assistant messages, oldest first (OpenAI-style objects).
+    pub messages: Vec<Json>,
+    /// Chat template kwargs (such as `enable_thinking`).
+    pub kwargs: Map<String, Json>,
+    /// What to do when a prompt would not fit the context.
+    pub overflow: Overflow,
+    session: Session<B>,
+}
+
+/// One turn's outcome.
+pub struct Turn {
+    /// The generation.
+    pub generation: Generation,
+    /// The prompt's token ids.
+    pub prompt: Vec<u32>,
+    /// The rendered prompt text.
+    pub prompt_text: String,
+    /// Messages dropped from the front to fit the context.
+    pub dropped_messages: usize,
+}
+
+impl<B: Backend> Conversation<B> {
+    /// An empty conversation.
+    pub fn new(model: &Model<B>, system: Option<String>) -> Conversation<B> {
+        Conversation { system, messages: vec![], kwargs: Map::new(), overflow: Overflow::DropOldest, session: Session::new(model) }
+    }
+
+    /// The session under the conversation.
+    pub fn session(&mut self) -> &mut Session<B> {
+        &mut self.session
+    }
+
+    /// Forgets the messages (the system prompt stays).
+    pub fn reset(&mut self) {
+        self.messages.clear();
+    }
+
+    /// All messages the template sees, the system prompt first.
+    pub fn transcript(&self) -> Vec<Json> {
+        let sys = self.system.iter().map(|s| json!({"role": "system", "content": s}));
+        sys.chain(self.messages.iter().cloned()).collect()
+    }
+
+    /// Renders and tokenizes the transcript with a generation prompt. Assistant messages this
+    /// conversation generated keep the exact token ids the model produced
+    /// ([`TOKEN_IDS_KEY`]) rather than a re-tokenization of their text, which can differ (BPE
+    /// splits, bytes of broken UTF-8): the prompt then extends the cached tokens exactly, and
+    /// only the new turn is prefilled.
+    pub fn render(&self, engine: &Engine<B>) -> Result<(String, Vec<u32>), EngineError> {
+        let messages = self.transcript();
+        let text = engine.render_chat(&messages, None, &self.kwargs)?;
+        let (mut ids, mut pos) = (Vec::new(), 0);
+        for m in &messages {
+            let Some(content) = m["content"].as_str().filter(|c| !c.is_empty()) else { continue };
+            // Messages appear in order; a template that rewrites one (stripping reasoning, say)
+            // just leaves it to ordinary tokenization.
+            let Some(at) = text[pos..].find(content).map(|a| a + pos) else { continue };
+            let generated: Option<Vec<u32>> = m.get(TOKEN_IDS_KEY).and_then(|v| serde_json::from_value(v.clone()).ok());
+            match generated {
+                Some(g) if engine.tokenizer.decode(&g, true) == content => {
+                    ids.extend(engine.encode(&text[pos..at])?);
+                    ids.extend(g);
+                    pos = at + content.len();
+                }
+                _ => {}
+            }
+        }
+        ids.extend(engine.encode(&text[pos..])?);
+        Ok((text, ids))
+    }
+
+    /// Adds the user message `text`, fits the transcript to the context (see [`Overflow`]),
+    /// generates the reply and records it. The context must leave room for
+    /// `min(max_tokens, ctx / 4)` generated tokens. On error the conversation is unchanged.
+    pub fn turn(
+        &mut self,
+        engine: &Engine<B>,
+        text: &str,
+        opts: &GenOptions,
+        obs: &mut dyn Observer,
+        on_token: &mut dyn FnMut(u32, &str) -> bool,
+    ) -> Result<Turn, EngineError> {
+        let saved = self.messages.clone();
+        self.messages.push(json!({"role": "user", "content": text}));
+        let room = opts.max_tokens.min(opts.ctx / 4).max(1);
+        let mut dropped = 0;
+        let (prompt_text, prompt) = loop {
+            let (t, ids) = match self.render(engine) {
+                Ok(r) => r,
+                Err(e) => {
+                    self.messages = saved;
+                    return Err(e);
+                }
+            };
+            if ids.len() + room <= opts.ctx {
+                break (t, ids);
+            }
+            // Drop whole exchanges from the front, keeping the new user message.
+            if self.overflow == Overflow::Refuse || self.messages.len() <= 1 {
+                let n = ids.len();
+                self.messages = saved;
+                return Err(EngineError::Input(format!(
+                    "the conversation is {n} tokens and the context is {} (with room for {room} new tokens){}",
+                    opts.ctx,
+                    if self.overflow == Overflow::Refuse { "" } else { ": even the new message alone does not fit" }
+                )));
+            }
+            let cut = self.messages.iter().skip(1).position(|m| m["role"] == "user").map_or(1, |i| i + 1);
+            let cut = cut.min(self.messages.len() - 1);
+            self.messages.drain(..cut);
+            dropped += cut;
+        };
+        match self.session.generate(engine, &prompt, opts, obs, on_token) {
+            Ok(g) => {
+                self.messages.push(json!({"role": "assistant", "content": g.text, TOKEN_IDS_KEY: g.tokens}));
+                Ok(Turn { generation: g, prompt, prompt_text, dropped_messages: dropped })
+            }
+            Err(e) => {
+                self.messages = saved;
+                Err(e)
+            }
+        }
+    }
+}
