@@ -290,6 +290,7 @@ impl Printer<'_> {
         for (sec, s) in pieces {
             match sec {
                 Section::Inside if !self.show_thinking => {}
+                Section::Closed => {}
                 Section::Inside => {
                     if !self.in_thinking {
                         let _ = write!(self.out, "{}<think>", self.dim);

@@ -159,6 +159,42 @@ enum Command {
         #[command(flatten)]
         model: cmd_run::ModelArgs,
     },
+    /// Serve every vault in a directory over an OpenAI- and Anthropic-compatible HTTP API.
+    Serve {
+        /// Directory of vaults; each is a model named by its file stem.
+        #[arg(long)]
+        models: PathBuf,
+        /// Address to bind.
+        #[arg(long, default_value = "127.0.0.1")]
+        host: String,
+        /// Port (0 picks a free one; the bound address is printed).
+        #[arg(long, default_value_t = 8080)]
+        port: u16,
+        /// Require this key as `Authorization: Bearer KEY` or `x-api-key` (default: $SMOE_API_KEY).
+        #[arg(long, env = "SMOE_API_KEY", hide_env_values = true)]
+        api_key: Option<String>,
+        /// Allow browser front ends from this origin (repeatable; `*` for any).
+        #[arg(long)]
+        cors_origin: Vec<String>,
+        /// Requests waiting or running per model before 429.
+        #[arg(long, default_value_t = 16)]
+        max_queue: usize,
+        /// Conversations kept per model for prefix reuse.
+        #[arg(long, default_value_t = 8)]
+        sessions: usize,
+        /// Context limit per model (default: each model's, capped by memory).
+        #[arg(long)]
+        ctx: Option<usize>,
+        /// Largest request body in MiB.
+        #[arg(long, default_value_t = 16)]
+        body_limit_mib: usize,
+        /// Memory all loaded models may use together (`12GiB`); least recently used models are
+        /// unloaded to stay within it. Default: available memory less a reserve.
+        #[arg(long)]
+        memory: Option<smoe_engine::CacheSize>,
+        #[command(flatten)]
+        model: cmd_run::ModelArgs,
+    },
     /// Measure prefill and decode throughput, time to first token, bytes read and hit rate.
     Bench {
         vault: PathBuf,
@@ -206,7 +242,7 @@ enum Command {
 
 fn main() {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("SMOE_LOG").unwrap_or_else(|_| "warn".into()))
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("SMOE_LOG").unwrap_or_else(|_| "warn,smoe_server=info".into()))
         .with_writer(std::io::stderr)
         .init();
     if let Err(e) = run(Cli::parse()) {
@@ -270,6 +306,28 @@ fn run(cli: Cli) -> Result<()> {
         Command::Chat { vault, system, no_think, overflow, reference, trace, gen, model } => {
             let overflow = if overflow == "refuse" { smoe_engine::Overflow::Refuse } else { smoe_engine::Overflow::DropOldest };
             cmd_chat::run_chat(cmd_chat::ChatArgs { vault, system, no_think, overflow, reference, trace, gen, model })
+        }
+        Command::Serve { models, host, port, api_key, cors_origin, max_queue, sessions, ctx, body_limit_mib, memory, model } => {
+            let ip: std::net::IpAddr = host.parse().map_err(|_| anyhow::anyhow!("--host: '{host}' is not an IP address"))?;
+            let mut fleet = smoe_server::FleetConfig::new(models);
+            fleet.cache = model.cache_experts.map(smoe_engine::CacheSize::Experts).unwrap_or(model.cache);
+            fleet.ctx = ctx;
+            fleet.max_queue = max_queue;
+            fleet.max_sessions = sessions;
+            fleet.open = model.options(smoe_engine::Precision::Fast, ctx);
+            fleet.memory = match memory {
+                None => None,
+                Some(smoe_engine::CacheSize::Bytes(b)) => Some(b),
+                Some(_) => anyhow::bail!("--memory takes a size such as 12GiB"),
+            };
+            let cfg = smoe_server::ServerConfig {
+                addr: std::net::SocketAddr::new(ip, port),
+                api_key,
+                cors_origins: cors_origin,
+                body_limit: body_limit_mib << 20,
+                fleet,
+            };
+            smoe_server::serve(cfg).map_err(anyhow::Error::msg)
         }
         Command::Bench { vault, prompt_tokens, gen_tokens, threads, chunk, reps, json, model } => {
             cmd_bench::run_bench(&vault, prompt_tokens, gen_tokens, threads, chunk, reps, json, &model)

@@ -82,6 +82,8 @@ pub struct Generation {
     pub stats: GenStats,
     /// The logits after the prompt, when [`GenOptions::keep_prompt_logits`] asked for them.
     pub prompt_logits: Option<Vec<f32>>,
+    /// The stop string that ended generation, if one did.
+    pub stop_string: Option<String>,
 }
 
 /// A model ready to generate text.
@@ -238,7 +240,8 @@ impl<B: Backend> Engine<B> {
             decode_seconds: t_decode.elapsed().as_secs_f64() - (ttft.unwrap_or(prefill_seconds) - prefill_seconds),
             seed: sampler.seed(),
         };
-        Ok(Generation { tokens, text, finish, stats, prompt_logits })
+        let stop_string = stops.matched().map(str::to_string);
+        Ok(Generation { tokens, text, finish, stats, prompt_logits, stop_string })
     }
 
     /// [`generate`](Self::generate) from an empty state, observing nothing.

@@ -34,7 +34,7 @@ pub use model::{kv_shapes, kv_values_per_token, naive_kv_values_per_token, Model
 pub use open::{default_context, open_cpu, CacheSize, OpenOptions, OpenReport};
 pub use sampler::{Sampler, SamplingParams};
 pub use score::{score, ScoreMode, ScoreOutput};
-pub use session::{Conversation, Overflow, Session, Turn, TOKEN_IDS_KEY};
+pub use session::{tokenize_chat, Conversation, Overflow, Session, Turn, TOKEN_IDS_KEY};
 
 /// Engine errors.
 #[derive(Debug, thiserror::Error)]
@@ -54,4 +54,14 @@ pub enum EngineError {
     /// Tokenizer or template failure.
     #[error("{0}")]
     Text(String),
+}
+
+#[cfg(test)]
+mod send_sync {
+    #[test]
+    fn engine_is_send_and_sync() {
+        fn check<T: Send + Sync>() {}
+        check::<crate::Engine<crate::CpuBackend>>();
+        check::<crate::Session<crate::CpuBackend>>();
+    }
 }

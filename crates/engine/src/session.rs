@@ -81,6 +81,47 @@ impl<B: Backend> Session<B> {
 /// tokens.
 pub const TOKEN_IDS_KEY: &str = "smoe_token_ids";
 
+/// Renders `messages` with the chat template (generation prompt added) and tokenizes the text.
+///
+/// Assistant messages whose exact generated ids are known — in their [`TOKEN_IDS_KEY`] field, or
+/// from `known(content)` (a server's memory of its recent replies) — keep those ids rather
+/// than a re-tokenization of their text, which can differ (BPE splits, bytes of broken UTF-8):
+/// the prompt then extends a cached conversation token for token, and only the new turn is
+/// prefilled. Ids are used only where they decode to the content and the template printed the
+/// content verbatim; anything else is tokenized as text.
+pub fn tokenize_chat<B: Backend>(
+    engine: &Engine<B>,
+    messages: &[Json],
+    tools: Option<&[Json]>,
+    kwargs: &Map<String, Json>,
+    known: &dyn Fn(&str) -> Option<Vec<u32>>,
+) -> Result<(String, Vec<u32>), EngineError> {
+    let text = engine.render_chat(messages, tools, kwargs)?;
+    // `pos`: text tokenized so far; `seen`: where the previous message's content ended.
+    let (mut ids, mut pos, mut seen) = (Vec::new(), 0, 0);
+    for m in messages {
+        let Some(content) = m["content"].as_str().filter(|c| !c.is_empty()) else { continue };
+        // Messages appear in order; a template that rewrites one (stripping reasoning, say) just
+        // leaves it to ordinary tokenization.
+        let Some(at) = text[seen..].find(content).map(|a| a + seen) else { continue };
+        seen = at + content.len();
+        if m["role"] != "assistant" {
+            continue;
+        }
+        let generated = m.get(TOKEN_IDS_KEY).and_then(|v| serde_json::from_value::<Vec<u32>>(v.clone()).ok()).or_else(|| known(content));
+        match generated {
+            Some(g) if engine.tokenizer.decode(&g, true) == content => {
+                ids.extend(engine.encode(&text[pos..at])?);
+                ids.extend(g);
+                pos = at + content.len();
+            }
+            _ => {}
+        }
+    }
+    ids.extend(engine.encode(&text[pos..])?);
+    Ok((text, ids))
+}
+
 /// What a conversation does when its next prompt would not fit the context.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Overflow {
@@ -137,32 +178,9 @@ impl<B: Backend> Conversation<B> {
         sys.chain(self.messages.iter().cloned()).collect()
     }
 
-    /// Renders and tokenizes the transcript with a generation prompt. Assistant messages this
-    /// conversation generated keep the exact token ids the model produced
-    /// ([`TOKEN_IDS_KEY`]) rather than a re-tokenization of their text, which can differ (BPE
-    /// splits, bytes of broken UTF-8): the prompt then extends the cached tokens exactly, and
-    /// only the new turn is prefilled.
+    /// Renders and tokenizes the transcript with a generation prompt (see [`tokenize_chat`]).
     pub fn render(&self, engine: &Engine<B>) -> Result<(String, Vec<u32>), EngineError> {
-        let messages = self.transcript();
-        let text = engine.render_chat(&messages, None, &self.kwargs)?;
-        let (mut ids, mut pos) = (Vec::new(), 0);
-        for m in &messages {
-            let Some(content) = m["content"].as_str().filter(|c| !c.is_empty()) else { continue };
-            // Messages appear in order; a template that rewrites one (stripping reasoning, say)
-            // just leaves it to ordinary tokenization.
-            let Some(at) = text[pos..].find(content).map(|a| a + pos) else { continue };
-            let generated: Option<Vec<u32>> = m.get(TOKEN_IDS_KEY).and_then(|v| serde_json::from_value(v.clone()).ok());
-            match generated {
-                Some(g) if engine.tokenizer.decode(&g, true) == content => {
-                    ids.extend(engine.encode(&text[pos..at])?);
-                    ids.extend(g);
-                    pos = at + content.len();
-                }
-                _ => {}
-            }
-        }
-        ids.extend(engine.encode(&text[pos..])?);
-        Ok((text, ids))
+        tokenize_chat(engine, &self.transcript(), None, &self.kwargs, &|_| None)
     }
 
     /// Adds the user message `text`, fits the transcript to the context (see [`Overflow`]),

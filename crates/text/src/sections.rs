@@ -7,6 +7,8 @@ pub enum Section {
     Outside,
     /// Between the open and the close tag (the tags themselves are dropped).
     Inside,
+    /// A section just closed (empty text): separates consecutive sections.
+    Closed,
 }
 
 /// Splits streamed text into [`Section`]s at an open and a close tag. A tag may arrive split
@@ -50,6 +52,9 @@ impl SectionSplitter {
                 if !before.is_empty() {
                     out.push((self.section(), before));
                 }
+                if self.inside {
+                    out.push((Section::Closed, String::new()));
+                }
                 self.inside = !self.inside;
                 continue;
             }
@@ -89,6 +94,7 @@ impl SectionSplitter {
             match sec {
                 Section::Inside => inside.push_str(&s),
                 Section::Outside => outside.push_str(&s),
+                Section::Closed => {}
             }
         }
         (inside, outside)
@@ -104,7 +110,7 @@ mod tests {
         let mut out: Vec<(Section, String)> = Vec::new();
         let mut pieces: Vec<(Section, String)> = parts.iter().flat_map(|p| s.push(p)).collect();
         pieces.extend(s.flush());
-        for (sec, t) in pieces {
+        for (sec, t) in pieces.into_iter().filter(|(s, _)| *s != Section::Closed) {
             match out.last_mut() {
                 Some((last, acc)) if *last == sec => acc.push_str(&t),
                 _ => out.push((sec, t)),

@@ -7,12 +7,13 @@
 pub struct StopStrings {
     stops: Vec<String>,
     pending: String,
+    matched: Option<String>,
 }
 
 impl StopStrings {
     /// Watches for `stops` (empty strings are ignored).
     pub fn new(stops: &[String]) -> StopStrings {
-        StopStrings { stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(), pending: String::new() }
+        StopStrings { stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(), pending: String::new(), matched: None }
     }
 
     /// Feeds text; returns `(text safe to emit, stopped)`. After a stop, the text before the stop
@@ -22,9 +23,10 @@ impl StopStrings {
             return (text.to_string(), false);
         }
         self.pending.push_str(text);
-        if let Some(pos) = self.stops.iter().filter_map(|s| self.pending.find(s.as_str())).min() {
+        if let Some((pos, i)) = self.stops.iter().enumerate().filter_map(|(i, s)| self.pending.find(s.as_str()).map(|p| (p, i))).min() {
             let out = self.pending[..pos].to_string();
             self.pending.clear();
+            self.matched = Some(self.stops[i].clone());
             return (out, true);
         }
         // Hold back the longest suffix that is a prefix of some stop string.
@@ -40,6 +42,11 @@ impl StopStrings {
         let out = self.pending[..cut].to_string();
         self.pending.drain(..cut);
         (out, false)
+    }
+
+    /// The stop string that ended the stream, once one has.
+    pub fn matched(&self) -> Option<&str> {
+        self.matched.as_deref()
     }
 
     /// Text held back at the end of a stream that did not stop.
@@ -59,6 +66,7 @@ mod tests {
         assert_eq!(s.push("e"), (String::new(), false));
         assert_eq!(s.push("x> more S"), ("</ex> more ".to_string(), false));
         assert_eq!(s.push("TOP tail"), (String::new(), true));
+        assert_eq!(s.matched(), Some("STOP"));
         let mut s = StopStrings::new(&["ab".to_string()]);
         assert_eq!(s.push("xa"), ("x".to_string(), false));
         assert_eq!(s.flush(), "a");

@@ -1,0 +1,310 @@
+//! `smoe serve` on a loopback port over fixture vaults: the official `openai` and `anthropic`
+//! Python packages against it, raw HTTP for every error status, cancellation on hang-up, and a
+//! short load test.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// Fixture vaults `qwen3.smoe` and `mixtral.smoe` in a new directory.
+fn vault_dir() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for (fixture, name, fmt) in [("qwen3_moe", "qwen3", "BF16"), ("mixtral", "mixtral", "Q8_0")] {
+        let out = dir.path().join(format!("{name}.smoe"));
+        let src = root().join("testdata/hf").join(fixture);
+        let o = Command::new(env!("CARGO_BIN_EXE_smoe"))
+            .args(["shatter", src.to_str().unwrap(), "-o", out.to_str().unwrap(), "--experts", fmt])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+    dir
+}
+
+/// A running server, killed on drop.
+struct Server {
+    child: Child,
+    addr: SocketAddr,
+}
+
+impl Server {
+    fn start(dir: &Path, extra: &[&str]) -> Server {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_smoe"))
+            .args(["serve", "--models", dir.to_str().unwrap(), "--port", "0"])
+            .args(extra)
+            .env("SMOE_LOG", "warn")
+            .stderr(Stdio::piped())
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+        let addr = loop {
+            let line = lines.next().expect("server exited before listening").unwrap();
+            if let Some(a) = line.strip_prefix("listening on ") {
+                break a.trim().parse().unwrap();
+            }
+        };
+        // Keep draining stderr so the server never blocks on a full pipe.
+        std::thread::spawn(move || for _ in lines {});
+        Server { child, addr }
+    }
+
+    fn base(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One HTTP/1.1 exchange: `(status, head, body)`.
+fn http(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> (u16, String, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n", body.len());
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    s.write_all(req.as_bytes()).unwrap();
+    // The server may answer (413) before reading a large body; a write error then is fine.
+    let _ = s.write_all(body);
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    let text = String::from_utf8_lossy(&out).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    (status, head.to_string(), body.to_string())
+}
+
+const KEY: &str = "test-key";
+
+fn post(addr: SocketAddr, path: &str, body: &str) -> (u16, String, String) {
+    let auth = format!("Bearer {KEY}");
+    http(addr, "POST", path, &[("Authorization", &auth), ("Content-Type", "application/json")], body.as_bytes())
+}
+
+fn error_json(body: &str) -> serde_json::Value {
+    let v: serde_json::Value = serde_json::from_str(body).unwrap_or_else(|e| panic!("not JSON ({e}): {body}"));
+    assert!(v["error"]["message"].is_string(), "OpenAI error shape: {v}");
+    v
+}
+
+/// A Python with the official client packages, in a virtual environment under target/ (created
+/// and filled from PyPI on first use).
+fn python() -> PathBuf {
+    let env = root().join("target/pyenv");
+    let py = env.join("bin/python");
+    let ok = |py: &Path| Command::new(py).args(["-c", "import openai, anthropic"]).output().is_ok_and(|o| o.status.success());
+    if !ok(&py) {
+        let st =
+            Command::new("python3").args(["-m", "venv", env.to_str().unwrap()]).status().expect("python3 is needed for the client tests");
+        assert!(st.success(), "python3 -m venv failed");
+        let st =
+            Command::new(env.join("bin/pip")).args(["install", "--quiet", "openai==3.57.0", "anthropic==2.14.0"]).status().expect("pip");
+        assert!(st.success(), "pip install openai anthropic failed");
+    }
+    py
+}
+
+fn run_python(script: &str, args: &[&str]) -> String {
+    let o = Command::new(python()).arg(root().join("crates/cli/tests").join(script)).args(args).output().unwrap();
+    let (out, err) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(o.status.success(), "{script} failed:\n{out}\n{err}");
+    out.into_owned()
+}
+
+#[test]
+fn official_clients() {
+    let dir = vault_dir();
+    let server = Server::start(dir.path(), &["--api-key", KEY]);
+    let out = run_python("openai_client.py", &[&server.base(), KEY]);
+    assert!(out.starts_with("ok:"), "{out}");
+    let out = run_python("anthropic_client.py", &[&server.base(), KEY]);
+    assert!(out.starts_with("ok:"), "{out}");
+}
+
+#[test]
+fn error_statuses_and_recovery() {
+    let dir = vault_dir();
+    let server = Server::start(
+        dir.path(),
+        &[
+            "--api-key",
+            KEY,
+            "--max-queue",
+            "1",
+            "--body-limit-mib",
+            "1",
+            "--cache-experts",
+            "8",
+            "--ctx",
+            "65536",
+            "--cors-origin",
+            "http://app.example",
+        ],
+    );
+    let a = server.addr;
+    let chat = |model: &str, extra: &str| {
+        format!(r#"{{"model": "{model}", "messages": [{{"role": "user", "content": "hello"}}], "max_tokens": 4, "temperature": 0{extra}}}"#)
+    };
+    assert_eq!(post(a, "/v1/chat/completions", &chat("qwen3", "")).0, 200);
+    // CORS preflight from an allowed origin (no key needed for the preflight).
+    let (st, head, _) = http(
+        a,
+        "OPTIONS",
+        "/v1/chat/completions",
+        &[("Origin", "http://app.example"), ("Access-Control-Request-Method", "POST"), ("Access-Control-Request-Headers", "authorization")],
+        b"",
+    );
+    assert!(st == 200 && head.to_ascii_lowercase().contains("access-control-allow-origin: http://app.example"), "{head}");
+
+    // 400: bad JSON, bad parameters, a missing field, an over-long prompt.
+    let (st, _, body) = post(a, "/v1/chat/completions", "{not json");
+    assert_eq!(st, 400, "{body}");
+    error_json(&body);
+    let (st, _, body) = post(a, "/v1/chat/completions", &chat("qwen3", r#", "temperature": "hot""#));
+    assert_eq!(st, 400, "{body}");
+    assert_eq!(error_json(&body)["error"]["param"], "temperature");
+    let (st, _, body) = post(a, "/v1/chat/completions", r#"{"model": "qwen3"}"#);
+    assert_eq!((st, error_json(&body)["error"]["param"].as_str()), (400, Some("messages")), "{body}");
+    let long = "word ".repeat(70_000);
+    let (st, _, body) = post(a, "/v1/completions", &format!(r#"{{"model": "qwen3", "prompt": "{long}"}}"#));
+    assert_eq!(st, 400, "{body}");
+    assert_eq!(error_json(&body)["error"]["code"], "context_length_exceeded");
+    // 401 without the key (but /health stays open).
+    let (st, _, body) = http(a, "POST", "/v1/chat/completions", &[], chat("qwen3", "").as_bytes());
+    assert_eq!(st, 401, "{body}");
+    assert_eq!(http(a, "GET", "/health", &[], b"").0, 200);
+    // 404: unknown model, unknown route.
+    let (st, _, body) = post(a, "/v1/chat/completions", &chat("nope", ""));
+    assert_eq!((st, error_json(&body)["error"]["code"].as_str()), (404, Some("model_not_found")), "{body}");
+    assert_eq!(post(a, "/v1/nothing", "{}").0, 404);
+    // 413: a body over the limit.
+    let big = format!(r#"{{"model": "qwen3", "prompt": "{}"}}"#, "x".repeat(2 << 20));
+    let (st, _, body) = post(a, "/v1/completions", &big);
+    assert_eq!(st, 413, "{body}");
+    // Anthropic's error shape on its endpoint.
+    let (st, _, body) = post(a, "/v1/messages", r#"{"model": "qwen3", "messages": []}"#);
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!((st, v["type"].as_str()), (400, Some("error")), "{body}");
+
+    // 429: a long streaming generation fills the queue of one...
+    let long_req = chat("qwen3", r#", "max_tokens": 60000, "stream": true"#).replace(r#""max_tokens": 4, "#, "");
+    let mut hog = TcpStream::connect(a).unwrap();
+    let auth = format!("Bearer {KEY}");
+    write!(
+        hog,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: {auth}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{long_req}",
+        long_req.len()
+    )
+    .unwrap();
+    let mut first = [0u8; 64];
+    hog.read_exact(&mut first).unwrap();
+    assert!(String::from_utf8_lossy(&first).starts_with("HTTP/1.1 200"));
+    let (st, head, body) = post(a, "/v1/chat/completions", &chat("qwen3", ""));
+    assert_eq!(st, 429, "{body}");
+    assert!(head.to_ascii_lowercase().contains("retry-after: 1"), "{head}");
+    // ...and hanging up cancels it promptly: the next request does not wait for 60000 tokens.
+    drop(hog);
+    let t0 = Instant::now();
+    let mut st = 429;
+    while st == 429 && t0.elapsed() < Duration::from_secs(30) {
+        st = post(a, "/v1/chat/completions", &chat("qwen3", "")).0;
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(st, 200);
+    assert!(t0.elapsed() < Duration::from_secs(5), "cancellation took {:?}", t0.elapsed());
+
+    // 500: the vault is truncated under the server; the request fails, the server goes on.
+    let path = dir.path().join("qwen3.smoe");
+    let len = std::fs::metadata(&path).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(len / 2).unwrap();
+    let mut saw_500 = false;
+    for i in 0..20 {
+        let (st, _, body) =
+            post(a, "/v1/completions", &format!(r#"{{"model": "qwen3", "prompt": "{i} different prompt {i}", "max_tokens": 8}}"#));
+        assert!(st == 200 || st == 500, "{st} {body}");
+        if st == 500 {
+            let v = error_json(&body);
+            assert!(v["error"]["message"].as_str().unwrap().contains("expert"), "{v}");
+            saw_500 = true;
+            break;
+        }
+    }
+    assert!(saw_500, "a truncated vault must fail a request");
+    assert_eq!(http(a, "GET", "/health", &[], b"").0, 200);
+    assert_eq!(post(a, "/v1/chat/completions", &chat("mixtral", "")).0, 200, "other models keep serving");
+    let (st, _, metrics) = http(a, "GET", "/metrics", &[("Authorization", &auth)], b"");
+    assert_eq!(st, 200);
+    for name in [
+        "smoe_requests_total{endpoint=\"/v1/chat/completions\",status=\"429\"}",
+        "smoe_cache_hit_rate",
+        "smoe_queue_depth",
+        "smoe_read_bytes_total",
+        "smoe_engine_errors_total 1",
+    ] {
+        assert!(metrics.contains(name), "{name} missing from\n{metrics}");
+    }
+}
+
+#[test]
+fn models_are_swapped_within_the_memory_budget() {
+    let dir = vault_dir();
+    // Room for one fixture model at a time.
+    let server = Server::start(dir.path(), &["--memory", "1MiB"]);
+    let a = server.addr;
+    let loaded = || -> Vec<String> {
+        let (_, _, body) = http(a, "GET", "/v1/models", &[], b"");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        v["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|m| m["smoe"]["loaded"] == true)
+            .map(|m| m["id"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let ask = |m: &str| {
+        let body = format!(r#"{{"model": "{m}", "messages": [{{"role": "user", "content": "hi"}}], "max_tokens": 3}}"#);
+        http(a, "POST", "/v1/chat/completions", &[], body.as_bytes()).0
+    };
+    assert_eq!(ask("qwen3"), 200);
+    assert_eq!(loaded(), ["qwen3"]);
+    assert_eq!(ask("mixtral"), 200);
+    assert_eq!(loaded(), ["mixtral"], "qwen3 was unloaded to make room");
+    assert_eq!(ask("qwen3"), 200);
+    assert!(loaded().contains(&"qwen3".to_string()), "{:?}", loaded());
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    s.lines().find_map(|l| l.strip_prefix("VmRSS:")).and_then(|v| v.split_whitespace().next()?.parse().ok()).unwrap_or(0)
+}
+
+#[test]
+fn short_load_test() {
+    let dir = vault_dir();
+    let server = Server::start(dir.path(), &["--api-key", KEY, "--max-queue", "8"]);
+    let out = run_python("load_test.py", &[&server.base(), KEY, "--clients", "16", "--seconds", "8", "--warmup", "2"]);
+    let v: serde_json::Value = serde_json::from_str(out.lines().last().unwrap()).unwrap();
+    assert_eq!(v["failures"], 0, "{v}");
+    assert!(v["ok"].as_u64().unwrap() > 0, "{v}");
+    let rss = rss_kib(server.pid());
+    assert!(rss > 0 && rss < 1 << 20, "server RSS {rss} KiB");
+    assert_eq!(http(server.addr, "GET", "/health", &[], b"").0, 200);
+}

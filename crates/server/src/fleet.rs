@@ -1,0 +1,214 @@
+//! The models of a directory: every vault is a model named by its file stem, loaded on first
+//! use and unloaded (least recently used first) when the memory budget needs its room.
+
+use crate::error::ApiError;
+use crate::metrics::Metrics;
+use crate::worker::{Worker, WorkerLimits};
+use smoe_engine::{open_cpu, CacheSize, OpenOptions, Precision};
+use smoe_vault::Vault;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+/// How the fleet loads models.
+#[derive(Clone, Debug)]
+pub struct FleetConfig {
+    /// Directory of vaults.
+    pub dir: PathBuf,
+    /// Expert cache per model (`Auto` shares the memory budget, see [`Fleet`]).
+    pub cache: CacheSize,
+    /// Context limit (default: each model's, capped by memory).
+    pub ctx: Option<usize>,
+    /// Requests waiting or running per model.
+    pub max_queue: usize,
+    /// Cached sessions per model.
+    pub max_sessions: usize,
+    /// Open options (precision, policy, I/O).
+    pub open: OpenOptions,
+    /// Memory the models may use together (default: available at start, less a reserve).
+    pub memory: Option<u64>,
+}
+
+/// A loaded model.
+struct Loaded {
+    worker: Arc<Worker>,
+    /// Dense + expert cache + session KV budget.
+    bytes: u64,
+    cache_bytes: u64,
+    used: Instant,
+}
+
+/// What `/v1/models` reports of a model.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct ModelInfo {
+    /// Name (the vault's file stem).
+    pub id: String,
+    /// The vault's modification time (Unix seconds).
+    pub created: u64,
+    /// Loaded now.
+    pub loaded: bool,
+    /// Its expert cache when loaded.
+    pub cache_bytes: u64,
+    /// Requests waiting or running.
+    pub queue_depth: usize,
+}
+
+/// The models of a directory and the memory they share.
+///
+/// Memory budget: `--memory`, or what was available at start (MemAvailable or the cgroup
+/// limit) minus a reserve of 1 GiB + 5%. A model needs its dense weights, a KV budget for its cached sessions
+/// (an eighth of the budget at most) and an expert cache. With `--cache auto` a model's cache is
+/// what the budget has left after the models already loaded, up to all its experts; when that
+/// would be less than half of what it would get alone, least recently used models are unloaded
+/// first. With an explicit size, models are unloaded until that size fits.
+pub struct Fleet {
+    cfg: FleetConfig,
+    budget: u64,
+    loaded: Mutex<BTreeMap<String, Loaded>>,
+    metrics: Arc<Metrics>,
+}
+
+impl Fleet {
+    /// A fleet over `cfg.dir`; nothing is loaded yet.
+    pub fn new(cfg: FleetConfig, metrics: Arc<Metrics>) -> Result<Fleet, String> {
+        if !cfg.dir.is_dir() {
+            return Err(format!("{} is not a directory", cfg.dir.display()));
+        }
+        let m = smoe_store::available_memory();
+        let budget = match cfg.memory {
+            Some(b) => b,
+            None => m.available.saturating_sub((1u64 << 30) + m.available / 20),
+        };
+        tracing::info!("memory budget for models: {} MiB ({} MiB available, {})", budget >> 20, m.available >> 20, m.source);
+        Ok(Fleet { cfg, budget, loaded: Mutex::new(BTreeMap::new()), metrics })
+    }
+
+    /// The memory budget in bytes.
+    pub fn budget(&self) -> u64 {
+        self.budget
+    }
+
+    /// Model names and vault paths, read from the directory now (new files appear without a
+    /// restart).
+    pub fn models(&self) -> BTreeMap<String, PathBuf> {
+        scan(&self.cfg.dir)
+    }
+
+    /// Every model with its state.
+    pub fn list(&self) -> Vec<ModelInfo> {
+        let loaded = self.loaded.lock().unwrap();
+        self.models()
+            .into_iter()
+            .map(|(id, path)| {
+                let created = std::fs::metadata(&path)
+                    .and_then(|m| m.modified())
+                    .ok()
+                    .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                    .map_or(0, |d| d.as_secs());
+                let l = loaded.get(&id);
+                ModelInfo {
+                    created,
+                    loaded: l.is_some(),
+                    cache_bytes: l.map_or(0, |l| l.cache_bytes),
+                    queue_depth: l.map_or(0, |l| l.worker.queue_depth()),
+                    id,
+                }
+            })
+            .collect()
+    }
+
+    /// The worker of `name`, loading the model if needed (blocking: call off the async runtime).
+    pub fn get(&self, name: &str) -> Result<Arc<Worker>, ApiError> {
+        let mut loaded = self.loaded.lock().unwrap();
+        if let Some(l) = loaded.get_mut(name) {
+            l.used = Instant::now();
+            return Ok(l.worker.clone());
+        }
+        let models = self.models();
+        let Some(path) = models.get(name) else {
+            return Err(ApiError::unknown_model(name, &models.keys().cloned().collect::<Vec<_>>()));
+        };
+        let (worker, bytes, cache_bytes) = self.load(name, path, &mut loaded)?;
+        loaded.insert(name.to_string(), Loaded { worker: worker.clone(), bytes, cache_bytes, used: Instant::now() });
+        Ok(worker)
+    }
+
+    fn load(&self, name: &str, path: &Path, loaded: &mut BTreeMap<String, Loaded>) -> Result<(Arc<Worker>, u64, u64), ApiError> {
+        let unavailable = |e: String| ApiError::unavailable(format!("cannot load '{name}': {e}"));
+        let vault = Vault::open(path).map_err(|e| unavailable(e.to_string()))?;
+        let arch = vault.architecture().clone();
+        let dense = vault.header().dense_len;
+        let blob = vault.manifest().experts.blob_size;
+        let experts_total = blob * (arch.moe_layers().len() * arch.moe.num_experts) as u64;
+        drop(vault);
+        let ctx = self.cfg.ctx.unwrap_or_else(|| smoe_engine::default_context(&arch));
+        let kv = ((smoe_engine::kv_values_per_token(&arch) * 4 * ctx) as u64).min(self.budget / 8);
+        let base = dense + kv;
+        let used = |l: &BTreeMap<String, Loaded>| l.values().map(|m| m.bytes).sum::<u64>();
+        // The cache this model should get, and the least it accepts before others are unloaded.
+        let (want, accept) = match self.cfg.cache {
+            CacheSize::Auto => {
+                let alone = experts_total.min(self.budget.saturating_sub(base));
+                (alone, alone / 2)
+            }
+            CacheSize::Bytes(b) => (b.min(experts_total), b.min(experts_total)),
+            CacheSize::Experts(n) => ((n as u64 * blob).min(experts_total), (n as u64 * blob).min(experts_total)),
+            CacheSize::Resident => (experts_total, experts_total),
+        };
+        let mut unloaded = Vec::new();
+        while !loaded.is_empty() && self.budget.saturating_sub(used(loaded)) < base + accept {
+            let victim = loaded.iter().min_by_key(|(_, l)| l.used).map(|(k, _)| k.clone()).expect("not empty");
+            loaded.remove(&victim);
+            unloaded.push(victim);
+        }
+        let cache = match self.cfg.cache {
+            CacheSize::Auto => want.min(self.budget.saturating_sub(used(loaded) + base)),
+            _ => want,
+        };
+        let mut opts = self.cfg.open.clone();
+        opts.cache = if self.cfg.cache == CacheSize::Resident { CacheSize::Resident } else { CacheSize::Bytes(cache) };
+        opts.ctx = Some(ctx);
+        let (engine, report) = open_cpu(path, &opts).map_err(|e| unavailable(e.to_string()))?;
+        tracing::info!(
+            "loaded '{name}': {report}; dense {} MiB, session KV budget {} MiB{}",
+            dense >> 20,
+            kv >> 20,
+            if unloaded.is_empty() { String::new() } else { format!("; unloaded {} to make room", unloaded.join(", ")) }
+        );
+        let limits = WorkerLimits { max_queue: self.cfg.max_queue, max_sessions: self.cfg.max_sessions, session_bytes: kv as usize };
+        let worker = Arc::new(Worker::spawn(name.to_string(), engine, limits, self.metrics.clone()));
+        Ok((worker, base + report.cache_bytes, report.cache_bytes))
+    }
+}
+
+/// Vaults in `dir` by file stem.
+fn scan(dir: &Path) -> BTreeMap<String, PathBuf> {
+    let mut out = BTreeMap::new();
+    if let Ok(rd) = std::fs::read_dir(dir) {
+        for e in rd.flatten() {
+            let p = e.path();
+            if p.extension().is_some_and(|x| x == "smoe") && p.is_file() {
+                if let Some(stem) = p.file_stem().and_then(|s| s.to_str()) {
+                    out.insert(stem.to_string(), p);
+                }
+            }
+        }
+    }
+    out
+}
+
+impl FleetConfig {
+    /// Defaults for `dir`: automatic cache, queue of 16, 8 sessions, fast kernels.
+    pub fn new(dir: PathBuf) -> FleetConfig {
+        FleetConfig {
+            dir,
+            cache: CacheSize::Auto,
+            ctx: None,
+            max_queue: 16,
+            max_sessions: 8,
+            open: OpenOptions { precision: Precision::Fast, ..Default::default() },
+            memory: None,
+        }
+    }
+}

@@ -1,0 +1,166 @@
+//! Running one request's generation on its model's worker: prepare (load the model, render and
+//! tokenize off the async runtime), submit, then collect or stream the events.
+
+use crate::error::ApiError;
+use crate::fleet::Fleet;
+use crate::params::check_length;
+use crate::reply::{Piece, ReplyParser};
+use crate::worker::{Event, Finished, Job, Worker};
+use serde_json::{Map, Value as Json};
+use smoe_engine::{tokenize_chat, CpuBackend, Engine, GenOptions};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+/// What the prompt is.
+pub enum PromptSpec {
+    /// A conversation for the chat template.
+    Chat {
+        /// Messages (OpenAI-style objects).
+        messages: Vec<Json>,
+        /// Tools offered to the model, if any.
+        tools: Option<Vec<Json>>,
+        /// Template kwargs.
+        kwargs: Map<String, Json>,
+    },
+    /// Raw text, no template.
+    Text(String),
+    /// Token ids.
+    Ids(Vec<u32>),
+}
+
+/// A request ready to run.
+pub struct Prepared {
+    /// The model's worker.
+    pub worker: Arc<Worker>,
+    /// Prompt ids.
+    pub prompt: Vec<u32>,
+    /// Rendered prompt text (decides whether the reply starts in reasoning).
+    pub prompt_text: String,
+    /// Options.
+    pub opts: GenOptions,
+    /// Whether tools were offered (tool calls are parsed only then).
+    pub tools: bool,
+    /// Whether the reply is a chat reply (reasoning and tool calls are split out) or raw text.
+    pub chat: bool,
+}
+
+/// Loads the model, builds the options with `options(engine)` and tokenizes the prompt.
+pub async fn prepare(
+    fleet: Arc<Fleet>,
+    model: String,
+    spec: PromptSpec,
+    options: impl FnOnce(&Engine<CpuBackend>) -> Result<GenOptions, ApiError> + Send + 'static,
+) -> Result<Prepared, ApiError> {
+    tokio::task::spawn_blocking(move || {
+        let worker = fleet.get(&model)?;
+        let engine = &worker.engine;
+        let opts = options(engine)?;
+        let bad = |e: smoe_engine::EngineError| ApiError::bad_request(e.to_string());
+        let chat = matches!(spec, PromptSpec::Chat { .. });
+        let (prompt_text, prompt, tools) = match spec {
+            PromptSpec::Chat { messages, tools, kwargs } => {
+                let (t, ids) = tokenize_chat(engine, &messages, tools.as_deref(), &kwargs, &|c| worker.recent.get(c)).map_err(bad)?;
+                (t, ids, tools.is_some())
+            }
+            PromptSpec::Text(t) => {
+                let ids = engine.encode(&t).map_err(bad)?;
+                (t, ids, false)
+            }
+            PromptSpec::Ids(ids) => {
+                let vocab = engine.model.arch().vocab_size;
+                if let Some(b) = ids.iter().find(|&&i| i as usize >= vocab) {
+                    return Err(ApiError::bad_param("prompt", format!("token id {b} is outside the vocabulary of {vocab}")));
+                }
+                (String::new(), ids, false)
+            }
+        };
+        if prompt.is_empty() {
+            return Err(ApiError::bad_param("prompt", "the prompt is empty"));
+        }
+        check_length(prompt.len(), opts.ctx)?;
+        Ok(Prepared { worker: worker.clone(), prompt, prompt_text, opts, tools, chat })
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("request task failed: {e}")))?
+}
+
+/// Sets a flag when dropped: the generation of a client that hung up stops at its next token.
+pub struct CancelOnDrop(pub Arc<AtomicBool>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+/// A submitted generation.
+pub struct Running {
+    /// Its events.
+    pub rx: UnboundedReceiver<Event>,
+    /// Cancels it when dropped.
+    pub guard: CancelOnDrop,
+    /// Splits its text.
+    pub parser: ReplyParser,
+}
+
+/// Queues the generation (429 when the model's queue is full).
+pub fn submit(p: &Prepared) -> Result<Running, ApiError> {
+    let (tx, rx) = unbounded_channel();
+    let cancel = Arc::new(AtomicBool::new(false));
+    p.worker.submit(Job { prompt: p.prompt.clone(), opts: p.opts.clone(), events: tx, cancel: cancel.clone() })?;
+    let parser = if p.chat { ReplyParser::new(&p.prompt_text, p.tools) } else { ReplyParser::raw() };
+    Ok(Running { rx, guard: CancelOnDrop(cancel), parser })
+}
+
+/// The next step of a running generation, parsed.
+pub enum Step {
+    /// Pieces of the reply.
+    Pieces(Vec<Piece>),
+    /// The end: the last pieces and the result.
+    Done(Vec<Piece>, Box<Finished>),
+}
+
+impl Running {
+    /// Waits for the next event.
+    pub async fn next(&mut self) -> Result<Step, ApiError> {
+        match self.rx.recv().await {
+            Some(Event::Text(t)) => Ok(Step::Pieces(self.parser.push(&t))),
+            Some(Event::Done(f)) => Ok(Step::Done(self.parser.finish(), f)),
+            Some(Event::Failed(e)) => Err(e),
+            None => Err(ApiError::internal("the generation ended without a result")),
+        }
+    }
+
+    /// Runs to the end: every piece and the result.
+    pub async fn collect(mut self) -> Result<(Vec<Piece>, Box<Finished>), ApiError> {
+        let mut all = Vec::new();
+        loop {
+            match self.next().await? {
+                Step::Pieces(p) => all.extend(p),
+                Step::Done(p, f) => {
+                    all.extend(p);
+                    return Ok((all, f));
+                }
+            }
+        }
+    }
+}
+
+/// Reasoning, content and tool calls of a whole reply.
+pub fn gather(pieces: Vec<Piece>) -> (String, String, Vec<crate::reply::ToolCall>) {
+    let (mut r, mut c, mut calls) = (String::new(), String::new(), Vec::new());
+    for p in pieces {
+        match p {
+            Piece::Reasoning(s) => r.push_str(&s),
+            Piece::Content(s) => c.push_str(&s),
+            Piece::ToolCall(t) => calls.push(t),
+        }
+    }
+    (r, c, calls)
+}
+
+/// Seconds since the Unix epoch.
+pub fn now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}

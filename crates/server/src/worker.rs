@@ -1,0 +1,232 @@
+//! One loaded model: a thread that runs its generations one at a time from a bounded queue,
+//! with a pool of cached sessions for prefix reuse.
+//!
+//! Requests reach the thread as [`Job`]s and answer through a channel of [`Event`]s. A job whose
+//! client has gone (its channel closed, or its cancel flag set) stops at the next token. The
+//! loop is the place where continuous batching would go: it owns the model and the sessions.
+
+use crate::error::ApiError;
+use crate::metrics::Metrics;
+use smoe_engine::{CpuBackend, Engine, EngineError, GenOptions, Generation, NoObserver, Session};
+use smoe_store::StoreStats;
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::Instant;
+use tokio::sync::mpsc::UnboundedSender;
+
+/// What a generation streams back.
+#[derive(Debug)]
+pub enum Event {
+    /// Text of the next token(s).
+    Text(String),
+    /// The generation ended.
+    Done(Box<Finished>),
+    /// The engine failed.
+    Failed(ApiError),
+}
+
+/// A finished generation with the store's counters over it.
+#[derive(Debug)]
+pub struct Finished {
+    /// The generation.
+    pub generation: Generation,
+    /// Expert store activity during it.
+    pub store: StoreStats,
+}
+
+/// A generation to run.
+pub struct Job {
+    /// Prompt ids.
+    pub prompt: Vec<u32>,
+    /// Generation options.
+    pub opts: GenOptions,
+    /// Where events go.
+    pub events: UnboundedSender<Event>,
+    /// Set when the client no longer wants the result.
+    pub cancel: Arc<AtomicBool>,
+}
+
+/// Limits of a worker.
+#[derive(Clone, Debug)]
+pub struct WorkerLimits {
+    /// Jobs waiting or running at most; beyond, requests get 429.
+    pub max_queue: usize,
+    /// Sessions kept for prefix reuse.
+    pub max_sessions: usize,
+    /// KV-cache bytes all sessions may hold together.
+    pub session_bytes: usize,
+}
+
+/// Replies generated recently, by text: lets a client's next request, which sends the reply
+/// back as text, reuse the exact generated ids (see `smoe_engine::tokenize_chat`).
+#[derive(Default)]
+pub struct RecentReplies(Mutex<VecDeque<(String, Vec<u32>)>>);
+
+impl RecentReplies {
+    const KEEP: usize = 64;
+
+    /// The ids that produced `text`, if generated recently.
+    pub fn get(&self, text: &str) -> Option<Vec<u32>> {
+        self.0.lock().unwrap().iter().rev().find(|(t, _)| t == text).map(|(_, ids)| ids.clone())
+    }
+
+    fn add(&self, text: String, ids: Vec<u32>) {
+        let mut q = self.0.lock().unwrap();
+        if q.len() == Self::KEEP {
+            q.pop_front();
+        }
+        q.push_back((text, ids));
+    }
+}
+
+/// A model with its generation thread.
+pub struct Worker {
+    /// The model name.
+    pub name: String,
+    /// The engine (tokenizer and template are used by request threads; the model only here).
+    pub engine: Arc<Engine<CpuBackend>>,
+    /// Recent replies, for prefix reuse.
+    pub recent: Arc<RecentReplies>,
+    tx: Option<mpsc::Sender<Job>>,
+    pending: Arc<AtomicUsize>,
+    limits: WorkerLimits,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Worker {
+    /// Starts the generation thread.
+    pub fn spawn(name: String, engine: Engine<CpuBackend>, limits: WorkerLimits, metrics: Arc<Metrics>) -> Worker {
+        let engine = Arc::new(engine);
+        let recent = Arc::new(RecentReplies::default());
+        let pending = Arc::new(AtomicUsize::new(0));
+        let (tx, rx) = mpsc::channel::<Job>();
+        let ctx = Loop { engine: engine.clone(), recent: recent.clone(), pending: pending.clone(), limits: limits.clone(), metrics };
+        let thread = std::thread::Builder::new().name(format!("gen-{name}")).spawn(move || ctx.run(rx)).expect("spawn a thread");
+        Worker { name, engine, recent, tx: Some(tx), pending, limits, thread: Some(thread) }
+    }
+
+    /// Queues a job, or refuses with 429 when the queue is full.
+    pub fn submit(&self, job: Job) -> Result<(), ApiError> {
+        let n = self.pending.fetch_add(1, Ordering::SeqCst);
+        if n >= self.limits.max_queue {
+            self.pending.fetch_sub(1, Ordering::SeqCst);
+            return Err(ApiError::busy(&self.name, self.limits.max_queue));
+        }
+        if self.tx.as_ref().expect("set until drop").send(job).is_err() {
+            self.pending.fetch_sub(1, Ordering::SeqCst);
+            return Err(ApiError::internal(format!("the worker of '{}' has stopped", self.name)));
+        }
+        Ok(())
+    }
+
+    /// Jobs waiting or running.
+    pub fn queue_depth(&self) -> usize {
+        self.pending.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        // Closing the channel ends the loop once queued jobs are done.
+        self.tx.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+struct Loop {
+    engine: Arc<Engine<CpuBackend>>,
+    recent: Arc<RecentReplies>,
+    pending: Arc<AtomicUsize>,
+    limits: WorkerLimits,
+    metrics: Arc<Metrics>,
+}
+
+struct Cached {
+    session: Session<CpuBackend>,
+    used: Instant,
+}
+
+impl Loop {
+    fn run(self, rx: mpsc::Receiver<Job>) {
+        let mut sessions: Vec<Cached> = Vec::new();
+        while let Ok(job) = rx.recv() {
+            if !job.cancel.load(Ordering::SeqCst) && !job.events.is_closed() {
+                self.one(&mut sessions, job);
+            }
+            self.pending.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    /// The session to continue: the one sharing the longest prefix with the prompt, if that is
+    /// at least half of what it holds (or the pool is full); otherwise a fresh one, so that a
+    /// different conversation does not wipe a cached one.
+    fn pick(&self, sessions: &mut Vec<Cached>, prompt: &[u32]) -> usize {
+        let best = (0..sessions.len()).max_by_key(|&i| (sessions[i].session.common_prefix(prompt), sessions[i].used));
+        if let Some(i) = best {
+            // Continue when the prompt extends the session, or shares most of it (a regenerated
+            // reply): truncating a little is cheaper than recomputing everything.
+            let s = &sessions[i].session;
+            let common = s.common_prefix(prompt);
+            if common > 0 && 2 * common >= s.cached_tokens().len() {
+                return i;
+            }
+        }
+        if sessions.len() < self.limits.max_sessions.max(1) {
+            sessions.push(Cached { session: Session::new(&self.engine.model), used: Instant::now() });
+            return sessions.len() - 1;
+        }
+        match best {
+            Some(i) if sessions[i].session.common_prefix(prompt) > 0 => i,
+            _ => (0..sessions.len()).min_by_key(|&i| sessions[i].used).expect("the pool is not empty"),
+        }
+    }
+
+    /// Drops least recently used sessions (never `keep`) while their KV caches exceed the budget.
+    fn trim(&self, sessions: &mut Vec<Cached>, mut keep: usize) {
+        let model = &self.engine.model;
+        while sessions.len() > 1 && sessions.iter().map(|c| c.session.kv_bytes(model)).sum::<usize>() > self.limits.session_bytes {
+            let victim = (0..sessions.len()).filter(|&i| i != keep).min_by_key(|&i| sessions[i].used).expect("more than one session");
+            sessions.remove(victim);
+            if victim < keep {
+                keep -= 1;
+            }
+        }
+    }
+
+    fn one(&self, sessions: &mut Vec<Cached>, job: Job) {
+        let i = self.pick(sessions, &job.prompt);
+        sessions[i].used = Instant::now();
+        let store0 = self.engine.model.experts().stats();
+        let (events, cancel) = (job.events.clone(), job.cancel.clone());
+        let result = sessions[i].session.generate(&self.engine, &job.prompt, &job.opts, &mut NoObserver, &mut |_, text| {
+            if !text.is_empty() && events.send(Event::Text(text.to_string())).is_err() {
+                return false;
+            }
+            !cancel.load(Ordering::SeqCst)
+        });
+        let store = self.engine.model.experts().stats().since(&store0);
+        self.metrics.record_store(&store);
+        match result {
+            Ok(g) => {
+                self.metrics.record_generation(&g.stats);
+                if !g.tokens.is_empty() {
+                    self.recent.add(g.text.clone(), g.tokens.clone());
+                }
+                let _ = job.events.send(Event::Done(Box::new(Finished { generation: g, store })));
+            }
+            Err(e) => {
+                self.metrics.engine_errors.fetch_add(1, Ordering::Relaxed);
+                tracing::error!("generation failed: {e}");
+                let err = match e {
+                    EngineError::Input(m) => ApiError::bad_request(m),
+                    other => ApiError::internal(format!("engine error: {other}")),
+                };
+                let _ = job.events.send(Event::Failed(err));
+            }
+        }
+        self.trim(sessions, i);
+    }
+}
