@@ -18,13 +18,12 @@ pub fn run_bench(
     vault: &Path,
     prompt_tokens: usize,
     gen_tokens: usize,
-    n_threads: Option<usize>,
     chunk: usize,
     reps: usize,
     json: bool,
     model: &ModelArgs,
 ) -> Result<()> {
-    threads(n_threads);
+    threads(model.threads);
     let t0 = std::time::Instant::now();
     let engine = model.open(vault, Precision::Fast, Some(prompt_tokens + gen_tokens + 1))?;
     let load_s = t0.elapsed().as_secs_f64();
@@ -43,12 +42,15 @@ pub fn run_bench(
     if json {
         let mut v = serde_json::to_value(&r)?;
         v["load_seconds"] = load_s.into();
-        v["threads"] = rayon::current_num_threads().into();
+        v["threads"] = model.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())).into();
         v["dense_bytes"] = engine.model.dense_bytes().into();
         println!("{}", serde_json::to_string(&v)?);
         return Ok(());
     }
-    println!("loaded in {load_s:.1} s, {} threads", rayon::current_num_threads());
+    println!(
+        "loaded in {load_s:.1} s, {} threads",
+        model.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+    );
     println!(
         "prefill {} tok: {:.2} tok/s   ttft {:.0} ms   expert hit rate {:.3}",
         r.prompt_tokens, r.prefill_tok_s, r.ttft_ms, r.prefill_hit_rate

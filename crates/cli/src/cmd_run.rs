@@ -52,6 +52,9 @@ pub struct ModelArgs {
     /// Print per-token timing, bytes read, hit rate and expert reuse.
     #[arg(long)]
     pub instrument: bool,
+    /// Compute threads (default: every core).
+    #[arg(long)]
+    pub threads: Option<usize>,
 }
 
 impl ModelArgs {
@@ -65,6 +68,7 @@ impl ModelArgs {
             no_verify: false,
             queue_depth: 32,
             instrument: false,
+            threads: None,
         }
     }
 
@@ -75,6 +79,7 @@ impl ModelArgs {
             policy: self.policy,
             verify: !self.no_verify,
             queue_depth: self.queue_depth,
+            threads: self.threads,
             ctx,
         }
     }

@@ -30,8 +30,14 @@ pub fn run_shatter(input: &Path, out: &Path, experts: Format, dense: Format, thr
         threads,
         fail_after_blobs: std::env::var("SMOE_TEST_FAIL_AFTER_BLOBS").ok().and_then(|v| v.parse().ok()),
     };
-    eprintln!("shattering {} -> {} (experts {experts}, dense {dense})", input.display(), out.display());
-    let report = shatter(input, out, &opts, &CliProgress::new()).with_context(|| format!("shatter {}", input.display()))?;
+    let report = if input.is_file() && smoe_engine::is_gguf(input) {
+        // A GGUF's blocks are copied as they are: its own formats, never re-quantized.
+        eprintln!("shattering GGUF {} -> {} (quantized blocks copied as they are)", input.display(), out.display());
+        smoe_convert::gguf::import::shatter_gguf(input, out, &CliProgress::new()).with_context(|| format!("shatter {}", input.display()))?
+    } else {
+        eprintln!("shattering {} -> {} (experts {experts}, dense {dense})", input.display(), out.display());
+        shatter(input, out, &opts, &CliProgress::new()).with_context(|| format!("shatter {}", input.display()))?
+    };
     eprintln!(
         "wrote {} in {:.1} s: dense {}, experts {} ({} per blob)",
         out.display(),

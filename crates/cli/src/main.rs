@@ -20,9 +20,10 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Convert a Hugging Face checkpoint directory into a vault.
+    /// Convert a Hugging Face checkpoint directory, or a GGUF file (split sets too), into a vault.
     Shatter {
-        /// Checkpoint directory (config.json, *.safetensors, tokenizer.json).
+        /// Checkpoint directory (config.json, *.safetensors, tokenizer.json), or a .gguf file
+        /// (its quantized blocks are copied as they are; --experts/--dense do not apply).
         input: PathBuf,
         /// Output vault.
         #[arg(short, long)]
@@ -204,9 +205,6 @@ enum Command {
         /// Tokens to generate.
         #[arg(long, default_value_t = 128)]
         gen_tokens: usize,
-        /// Compute threads (default: all cores).
-        #[arg(long)]
-        threads: Option<usize>,
         /// Prefill chunk size.
         #[arg(long, default_value_t = 256)]
         chunk: usize,
@@ -329,8 +327,8 @@ fn run(cli: Cli) -> Result<()> {
             };
             smoe_server::serve(cfg).map_err(anyhow::Error::msg)
         }
-        Command::Bench { vault, prompt_tokens, gen_tokens, threads, chunk, reps, json, model } => {
-            cmd_bench::run_bench(&vault, prompt_tokens, gen_tokens, threads, chunk, reps, json, &model)
+        Command::Bench { vault, prompt_tokens, gen_tokens, chunk, reps, json, model } => {
+            cmd_bench::run_bench(&vault, prompt_tokens, gen_tokens, chunk, reps, json, &model)
         }
         Command::MemBandwidth { threads, mib } => cmd_bench::mem_bandwidth(threads, mib),
         Command::Demo { model, prompt } => demo(model, &prompt),

@@ -7,7 +7,7 @@ use crate::sampler::{Sampler, SamplingParams};
 use crate::{EngineError, Model};
 use serde_json::Value as Json;
 use smoe_text::{ChatTemplate, Detokenizer, StopStrings, Tokenizer};
-use smoe_vault::{GenerationDefaults, Vault};
+use smoe_vault::{GenerationDefaults, Manifest, Vault};
 use std::time::Instant;
 
 /// Why generation ended.
@@ -103,7 +103,12 @@ pub struct Engine<B: Backend> {
 impl<B: Backend> Engine<B> {
     /// Wraps `model` with the text assets of `vault`.
     pub fn new(vault: &Vault, model: Model<B>) -> Result<Engine<B>, EngineError> {
-        let t = &vault.manifest().text;
+        Engine::from_manifest(vault.manifest(), model)
+    }
+
+    /// Wraps `model` with the text assets and generation defaults of `manifest`.
+    pub fn from_manifest(manifest: &Manifest, model: Model<B>) -> Result<Engine<B>, EngineError> {
+        let t = &manifest.text;
         let tokenizer = Tokenizer::from_json(&t.tokenizer_json).map_err(|e| EngineError::Text(e.to_string()))?;
         let template = match &t.chat_template {
             Some(src) => {
@@ -111,8 +116,8 @@ impl<B: Backend> Engine<B> {
             }
             None => None,
         };
-        let ctx = vault.architecture().max_position_embeddings;
-        Ok(Engine { model, tokenizer, template, defaults: vault.manifest().generation.clone(), ctx })
+        let ctx = manifest.architecture.max_position_embeddings;
+        Ok(Engine { model, tokenizer, template, defaults: manifest.generation.clone(), ctx })
     }
 
     /// Renders a conversation with the chat template (generation prompt added).

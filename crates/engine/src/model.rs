@@ -6,7 +6,8 @@ use crate::rope::{yarn_mscale, RopeTable};
 use crate::routing::RouterRule;
 use crate::EngineError;
 use smoe_store::ExpertSource;
-use smoe_vault::{names, Architecture, LayerKind, QkNorm, RopeScaling, Vault};
+use smoe_vault::{names, Architecture, DenseEntry, LayerKind, QkNorm, RopeScaling, Vault};
+use std::collections::HashMap;
 use std::sync::Arc;
 
 /// Standard multi-head attention with grouped key/value heads.
@@ -85,14 +86,14 @@ pub struct Model<B: Backend> {
 }
 
 struct Loader<'a, B: Backend> {
-    vault: &'a Vault,
+    entries: HashMap<&'a str, &'a DenseEntry>,
     region: Arc<Vec<u8>>,
     backend: &'a B,
 }
 
 impl<B: Backend> Loader<'_, B> {
-    fn entry(&self, name: &str) -> Result<&smoe_vault::DenseEntry, EngineError> {
-        self.vault.dense(name).ok_or_else(|| EngineError::Model(format!("vault has no tensor {name}")))
+    fn entry(&self, name: &str) -> Result<&DenseEntry, EngineError> {
+        self.entries.get(name).copied().ok_or_else(|| EngineError::Model(format!("the model has no tensor {name}")))
     }
     fn matrix(&self, name: &str) -> Result<B::Matrix, EngineError> {
         let e = self.entry(name)?;
@@ -124,9 +125,25 @@ impl<B: Backend> Model<B> {
     /// Loads the dense region of `vault` onto `backend` (verifying every tensor's checksum);
     /// routed experts come from `experts`.
     pub fn load(vault: &Vault, backend: B, experts: Arc<dyn ExpertSource>) -> Result<Model<B>, EngineError> {
-        let arch = vault.architecture().clone();
-        let region = Arc::new(vault.read_dense_region()?);
-        let ld = Loader { vault, region: region.clone(), backend: &backend };
+        let region = vault.read_dense_region()?;
+        Model::load_parts(vault.architecture(), &vault.manifest().dense, region, backend, experts)
+    }
+
+    /// Loads dense tensors described by `dense` from `region` (a vault's dense region, or one
+    /// assembled from a GGUF) onto `backend`.
+    pub fn load_parts(
+        arch: &Architecture,
+        dense: &[DenseEntry],
+        region: Vec<u8>,
+        backend: B,
+        experts: Arc<dyn ExpertSource>,
+    ) -> Result<Model<B>, EngineError> {
+        let arch = arch.clone();
+        if let Some(d) = dense.iter().find(|d| d.offset.checked_add(d.len).is_none_or(|end| end > region.len() as u64)) {
+            return Err(EngineError::Model(format!("tensor {} lies outside the dense data", d.name)));
+        }
+        let region = Arc::new(region);
+        let ld = Loader { entries: dense.iter().map(|d| (d.name.as_str(), d)).collect(), region: region.clone(), backend: &backend };
         let mut layers = Vec::with_capacity(arch.num_layers);
         for l in 0..arch.num_layers {
             let t = |w: &str| names::layer(l, w);
@@ -162,7 +179,11 @@ impl<B: Backend> Model<B> {
                 LayerKind::Dense => FeedForward::Dense(ld.mlp(l, "mlp", arch.dense_intermediate_size)?),
                 LayerKind::Moe => FeedForward::Moe(MoeBlock {
                     router: ld.matrix(&t("moe.router"))?,
-                    router_bias: if vault.dense(&t("moe.router_bias")).is_some() { Some(ld.f32s(&t("moe.router_bias"))?) } else { None },
+                    router_bias: if ld.entries.contains_key(t("moe.router_bias").as_str()) {
+                        Some(ld.f32s(&t("moe.router_bias"))?)
+                    } else {
+                        None
+                    },
                     shared: match &arch.moe.shared_experts {
                         Some(s) => Some(ld.mlp(l, "moe.shared", s.intermediate_size)?),
                         None => None,

@@ -4,8 +4,8 @@
 use crate::cpu::{CpuBackend, Precision};
 use crate::{Engine, EngineError, Model};
 use smoe_store::policy::PolicyKind;
-use smoe_store::{auto_cache_bytes, ExpertSource, ExpertStore, ResidentExperts, StoreOptions};
-use smoe_vault::Vault;
+use smoe_store::{auto_cache_bytes, ExpertMap, ExpertSource, ExpertStore, ResidentExperts, StoreOptions};
+use smoe_vault::{Manifest, Vault};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -62,6 +62,8 @@ pub struct OpenOptions {
     pub verify: bool,
     /// Reads in flight at most.
     pub queue_depth: usize,
+    /// Compute threads (default: every core).
+    pub threads: Option<usize>,
     /// Context limit in tokens; `None` picks [`default_context`]. The KV cache for this many
     /// tokens is reserved when the expert cache is sized automatically.
     pub ctx: Option<usize>,
@@ -75,6 +77,7 @@ impl Default for OpenOptions {
             policy: PolicyKind::ReuseDistance,
             verify: true,
             queue_depth: 32,
+            threads: None,
             ctx: None,
         }
     }
@@ -123,22 +126,82 @@ pub fn default_context(arch: &smoe_vault::Architecture) -> usize {
     arch.max_position_embeddings.min(cap as usize)
 }
 
-/// Opens `path` on the CPU backend.
+/// A model file: a vault, or a GGUF read in place.
+enum ModelFile {
+    Vault(Box<Vault>),
+    Gguf(Box<smoe_convert::gguf::import::GgufModel>),
+}
+
+/// Whether `path` starts with GGUF's magic.
+pub fn is_gguf(path: &Path) -> bool {
+    use std::io::Read;
+    let mut magic = [0u8; 4];
+    std::fs::File::open(path).and_then(|mut f| f.read_exact(&mut magic)).is_ok() && &magic == b"GGUF"
+}
+
+impl ModelFile {
+    fn open(path: &Path) -> Result<ModelFile, EngineError> {
+        if is_gguf(path) {
+            let g =
+                smoe_convert::gguf::import::GgufModel::open(path).map_err(|e| EngineError::Model(format!("{}: {e}", path.display())))?;
+            return Ok(ModelFile::Gguf(Box::new(g)));
+        }
+        Ok(ModelFile::Vault(Box::new(Vault::open(path)?)))
+    }
+
+    fn architecture(&self) -> &smoe_vault::Architecture {
+        match self {
+            ModelFile::Vault(v) => v.architecture(),
+            ModelFile::Gguf(g) => &g.arch,
+        }
+    }
+
+    fn expert_map(&self) -> Result<ExpertMap, EngineError> {
+        match self {
+            ModelFile::Vault(v) => Ok(ExpertMap::of_vault(v)?),
+            ModelFile::Gguf(g) => g.expert_map().map_err(|e| EngineError::Model(e.to_string())),
+        }
+    }
+
+    fn dense_len(&self) -> u64 {
+        match self {
+            ModelFile::Vault(v) => v.header().dense_len,
+            ModelFile::Gguf(g) => g.dense.iter().map(|d| d.bytes()).sum(),
+        }
+    }
+
+    /// The manifest and the dense tensors in memory.
+    fn load_dense(&self) -> Result<(Manifest, Vec<u8>), EngineError> {
+        match self {
+            ModelFile::Vault(v) => Ok((v.manifest().clone(), v.read_dense_region()?)),
+            ModelFile::Gguf(g) => {
+                let (dense, region) = g.dense_region(&smoe_convert::Silent).map_err(|e| EngineError::Model(e.to_string()))?;
+                let mut m = g.manifest();
+                m.dense = dense;
+                Ok((m, region))
+            }
+        }
+    }
+}
+
+/// Opens `path` (a vault, or a GGUF run in place) on the CPU backend.
 pub fn open_cpu(path: &Path, opts: &OpenOptions) -> Result<(Engine<CpuBackend>, OpenReport), EngineError> {
-    let vault = Vault::open(path)?;
-    let arch = vault.architecture();
-    let ctx = opts.ctx.unwrap_or_else(|| default_context(arch));
-    let total = arch.moe_layers().len() * arch.moe.num_experts;
-    let blob = vault.manifest().experts.blob_size;
+    let file = ModelFile::open(path)?;
+    let arch = file.architecture().clone();
+    let ctx = opts.ctx.unwrap_or_else(|| default_context(&arch));
+    let map = file.expert_map()?;
+    let total = map.total_experts();
+    let blob = map.slot_size() as u64;
+    let where_from = if matches!(file, ModelFile::Gguf(_)) { "; experts read in place from the GGUF" } else { "" };
     let (experts, report): (Arc<dyn ExpertSource>, OpenReport) = if opts.cache == CacheSize::Resident {
-        let r = ResidentExperts::load(&vault)?;
+        let r = ResidentExperts::load_map(map)?;
         let rep = OpenReport {
             cache_experts: total,
             cache_bytes: total as u64 * blob,
             total_experts: total,
             blob_bytes: blob,
             reason: "resident".into(),
-            io: "read at start".into(),
+            io: format!("read at start{where_from}"),
             ctx,
         };
         (Arc::new(r), rep)
@@ -147,21 +210,20 @@ pub fn open_cpu(path: &Path, opts: &OpenOptions) -> Result<(Engine<CpuBackend>, 
             CacheSize::Experts(n) => (n, "--cache-experts".to_string()),
             CacheSize::Bytes(b) => ((b / blob) as usize, format!("{} MiB requested", b >> 20)),
             _ => {
-                let kv = (crate::kv_values_per_token(arch) * 4 * ctx) as u64;
-                let (bytes, why) = auto_cache_bytes(vault.header().dense_len, kv);
+                let kv = (crate::kv_values_per_token(&arch) * 4 * ctx) as u64;
+                let (bytes, why) = auto_cache_bytes(file.dense_len(), kv);
                 ((bytes / blob) as usize, format!("auto: {why}"))
             }
         };
-        let min = arch.moe.top_k;
-        let slots = slots.clamp(min, total);
-        let store = ExpertStore::open(
-            &vault,
+        let store = ExpertStore::open_map(
+            map,
             &StoreOptions {
                 slots,
                 policy: opts.policy,
                 queue_depth: opts.queue_depth,
                 io: smoe_store::io::IoKind::Auto,
                 verify: opts.verify,
+                min_slots: arch.moe.top_k,
             },
         )?;
         let rep = OpenReport {
@@ -170,13 +232,18 @@ pub fn open_cpu(path: &Path, opts: &OpenOptions) -> Result<(Engine<CpuBackend>, 
             total_experts: total,
             blob_bytes: blob,
             reason,
-            io: store.io_description().to_string(),
+            io: format!("{}{where_from}", store.io_description()),
             ctx,
         };
         (Arc::new(store), rep)
     };
-    let model = Model::load(&vault, CpuBackend::new(opts.precision), experts)?;
-    let mut engine = Engine::new(&vault, model)?;
+    let (manifest, region) = file.load_dense()?;
+    let backend = match opts.threads {
+        Some(n) => CpuBackend::with_threads(opts.precision, n.max(1)),
+        None => CpuBackend::new(opts.precision),
+    };
+    let model = Model::load_parts(&arch, &manifest.dense, region, backend, experts)?;
+    let mut engine = Engine::from_manifest(&manifest, model)?;
     engine.ctx = ctx;
     Ok((engine, report))
 }

@@ -5,13 +5,15 @@
 
 use std::fs::File;
 use std::io;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
-/// One read: `len` bytes at `offset` into `buf`, identified by `tag`.
+/// One read: `len` bytes at `offset` of file `file` into `buf`, identified by `tag`.
 #[derive(Clone, Copy, Debug)]
 pub struct ReadReq {
-    /// Caller's identifier, returned with the completion.
+    /// Caller's identifier, returned with the completion (unique among reads in flight).
     pub tag: usize,
+    /// Index of the file among the engine's files.
+    pub file: usize,
     /// File offset (aligned for O_DIRECT).
     pub offset: u64,
     /// Bytes to read (aligned for O_DIRECT).
@@ -27,7 +29,7 @@ unsafe impl Send for ReadReq {}
 /// A completed read.
 pub type Completion = (usize, io::Result<()>);
 
-/// An asynchronous reader of one file.
+/// An asynchronous reader of a set of files.
 pub trait ReadEngine: Send {
     /// `io_uring` or `pread pool`, and whether O_DIRECT is on.
     fn describe(&self) -> String;
@@ -91,8 +93,9 @@ fn probe_read(file: &File, align: usize) -> bool {
 
 /// Reads `len` bytes at `offset` into `buf`, retrying short reads; a read past the end of the
 /// file is an `UnexpectedEof` error.
-fn pread_exact(file: &File, req: &ReadReq) -> io::Result<()> {
+fn pread_exact(files: &[File], req: &ReadReq) -> io::Result<()> {
     use std::os::unix::fs::FileExt;
+    let file = files.get(req.file).ok_or_else(|| io::Error::other("read of an unknown file"))?;
     // SAFETY: the store guarantees `buf` is valid for `len` bytes and untouched until this
     // read's completion is reaped.
     let buf = unsafe { std::slice::from_raw_parts_mut(req.buf, req.len) };
@@ -109,9 +112,9 @@ pub struct PreadPool {
 }
 
 impl PreadPool {
-    /// `threads` readers of `file`.
-    pub fn new(file: File, direct: bool, threads: usize) -> io::Result<PreadPool> {
-        let file = std::sync::Arc::new(file);
+    /// `threads` readers of `files`.
+    pub fn new(files: Vec<File>, direct: bool, threads: usize) -> io::Result<PreadPool> {
+        let file = std::sync::Arc::new(files);
         let (tx, req_rx) = std::sync::mpsc::channel::<ReadReq>();
         let req_rx = std::sync::Arc::new(std::sync::Mutex::new(req_rx));
         let (done_tx, rx) = std::sync::mpsc::channel();
@@ -193,23 +196,24 @@ mod uring {
     /// io_uring reads with up to `depth` in flight.
     pub struct Uring {
         ring: IoUring,
-        file: File,
+        files: Vec<File>,
         depth: usize,
         queued: VecDeque<ReadReq>,
-        /// In flight, by slot tag: the request and bytes already read (short reads resume).
+        /// In flight, by tag: the request and bytes already read (short reads resume).
         inflight: HashMap<usize, (ReadReq, usize)>,
         direct: bool,
     }
 
     impl Uring {
-        /// A ring of `depth` entries over `file`; fails where io_uring is unavailable.
-        pub fn new(file: File, direct: bool, depth: usize) -> io::Result<Uring> {
+        /// A ring of `depth` entries over `files`; fails where io_uring is unavailable.
+        pub fn new(files: Vec<File>, direct: bool, depth: usize) -> io::Result<Uring> {
             let ring = IoUring::new(depth.next_power_of_two() as u32)?;
-            Ok(Uring { ring, file, depth, queued: VecDeque::new(), inflight: HashMap::new(), direct })
+            Ok(Uring { ring, files, depth, queued: VecDeque::new(), inflight: HashMap::new(), direct })
         }
 
         fn push(&mut self, r: ReadReq, done: usize) -> io::Result<()> {
-            let e = opcode::Read::new(types::Fd(self.file.as_raw_fd()), r.buf.wrapping_add(done), (r.len - done) as u32)
+            let fd = self.files.get(r.file).ok_or_else(|| io::Error::other("read of an unknown file"))?.as_raw_fd();
+            let e = opcode::Read::new(types::Fd(fd), r.buf.wrapping_add(done), (r.len - done) as u32)
                 .offset(r.offset + done as u64)
                 .build()
                 .user_data(r.tag as u64);
@@ -298,18 +302,26 @@ pub enum IoKind {
     Pool,
 }
 
-/// Opens the best available engine over `path` with `depth` reads in flight.
-pub fn engine(path: &Path, align: usize, depth: usize, kind: IoKind) -> io::Result<Box<dyn ReadEngine>> {
-    let opened = open_direct(path, align)?;
+/// Opens the best available engine over `paths` with `depth` reads in flight. Direct I/O is
+/// reported only if every file got it.
+pub fn engine(paths: &[PathBuf], align: usize, depth: usize, kind: IoKind) -> io::Result<Box<dyn ReadEngine>> {
+    let mut files = Vec::with_capacity(paths.len());
+    let mut direct = true;
+    for p in paths {
+        let o = open_direct(p, align).map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", p.display())))?;
+        direct &= o.direct;
+        files.push(o.file);
+    }
     #[cfg(target_os = "linux")]
     if kind == IoKind::Auto {
-        match Uring::new(opened.file.try_clone()?, opened.direct, depth) {
+        let clones = files.iter().map(File::try_clone).collect::<io::Result<Vec<_>>>()?;
+        match Uring::new(clones, direct, depth) {
             Ok(u) => return Ok(Box::new(u)),
             Err(e) => tracing::warn!("io_uring unavailable ({e}); using a pread thread pool"),
         }
     }
     let _ = kind;
-    Ok(Box::new(PreadPool::new(opened.file, opened.direct, depth.min(16))?))
+    Ok(Box::new(PreadPool::new(files, direct, depth.min(16))?))
 }
 
 #[cfg(test)]
@@ -321,7 +333,7 @@ mod tests {
         let data = std::fs::read(path).unwrap();
         let a = Arena::new(8, 8192, 4096).unwrap();
         let reqs: Vec<ReadReq> =
-            (0..8).map(|i| ReadReq { tag: i, offset: ((7 - i) * 8192) as u64, len: 8192, buf: a.slot_ptr(i) }).collect();
+            (0..8).map(|i| ReadReq { tag: i, file: 0, offset: ((7 - i) * 8192) as u64, len: 8192, buf: a.slot_ptr(i) }).collect();
         e.submit(&reqs).unwrap();
         let mut done = Vec::new();
         while done.len() < 8 {
@@ -334,7 +346,7 @@ mod tests {
             assert_eq!(s, &data[(7 - tag) * 8192..(8 - tag) * 8192], "{}", e.describe());
         }
         // A read past the end is an error, not a hang or a panic.
-        e.submit(&[ReadReq { tag: 99, offset: data.len() as u64, len: 4096, buf: a.slot_ptr(0) }]).unwrap();
+        e.submit(&[ReadReq { tag: 99, file: 0, offset: data.len() as u64, len: 4096, buf: a.slot_ptr(0) }]).unwrap();
         let mut done = Vec::new();
         e.reap(&mut done).unwrap();
         assert!(done[0].1.is_err(), "{}", e.describe());
@@ -346,7 +358,8 @@ mod tests {
         let path = dir.path().join("f");
         let data: Vec<u8> = (0..8 * 8192u32).map(|i| (i * 31 % 251) as u8).collect();
         std::fs::write(&path, &data).unwrap();
-        check_engine(engine(&path, 4096, 16, IoKind::Auto).unwrap(), &path);
-        check_engine(engine(&path, 4096, 4, IoKind::Pool).unwrap(), &path);
+        let paths = [path.clone()];
+        check_engine(engine(&paths, 4096, 16, IoKind::Auto).unwrap(), &path);
+        check_engine(engine(&paths, 4096, 4, IoKind::Pool).unwrap(), &path);
     }
 }

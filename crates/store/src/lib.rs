@@ -12,18 +12,19 @@ This crate owns fetching, caching and the I/O; it does not dequantize or compute
 
 pub mod arena;
 pub mod io;
+pub mod map;
 pub mod policy;
 pub mod replay;
 mod resident;
 mod sizing;
 mod streaming;
 
+pub use map::ExpertMap;
 pub use resident::ResidentExperts;
 pub use sizing::{auto_cache_bytes, available_memory, MemoryInfo};
 pub use streaming::{ExpertStore, StoreOptions};
 
 use smoe_quant::QMatrix;
-use smoe_vault::{PartEntry, Vault};
 
 /// Errors while fetching experts. Messages name the layer and expert.
 #[derive(Debug, thiserror::Error)]
@@ -68,35 +69,6 @@ pub struct ExpertView<'a> {
     pub up: QMatrix<'a>,
     /// `[hidden, intermediate]`.
     pub down: QMatrix<'a>,
-}
-
-/// Where each part sits inside a blob (the same for every expert of a vault).
-#[derive(Clone, Debug)]
-pub struct BlobLayout {
-    /// Gate, up and down.
-    pub parts: [PartEntry; 3],
-    /// Bytes per blob.
-    pub blob_size: usize,
-}
-
-impl BlobLayout {
-    /// The layout of a vault's blobs.
-    pub fn of(vault: &Vault) -> BlobLayout {
-        let x = &vault.manifest().experts;
-        // The reader validated three parts named gate, up, down.
-        BlobLayout { parts: [x.parts[0].clone(), x.parts[1].clone(), x.parts[2].clone()], blob_size: x.blob_size as usize }
-    }
-
-    /// Views a blob's bytes as an expert.
-    pub fn view<'a>(&self, blob: &'a [u8]) -> ExpertView<'a> {
-        let m = |p: &PartEntry| QMatrix {
-            format: p.format,
-            rows: p.shape[0],
-            cols: p.shape[1],
-            data: &blob[p.offset as usize..(p.offset + p.len) as usize],
-        };
-        ExpertView { gate: m(&self.parts[0]), up: m(&self.parts[1]), down: m(&self.parts[2]) }
-    }
 }
 
 /// Counters every store keeps. `hits + misses` is the number of expert uses; with prefetch off,
@@ -172,9 +144,6 @@ pub type ExpertBatch<'a> = [(usize, ExpertView<'a>)];
 
 /// A source of expert weights.
 pub trait ExpertSource: Send + Sync {
-    /// The layout of every blob.
-    fn layout(&self) -> &BlobLayout;
-
     /// Calls `f` with batches `[(i, view)]` covering each `experts[i]` of decoder layer `layer`
     /// exactly once, as soon as their weights are in memory: every resident expert in the
     /// first batch, then the missing ones as they land (in completion order, several at once

@@ -1,57 +1,96 @@
 //! Every expert in memory: the simplest [`ExpertSource`], and the reference the streaming store
 //! is checked against.
 
-use crate::{BlobLayout, ExpertBatch, ExpertSource, StoreError, StoreStats};
+use crate::map::{ExpertMap, SlotRead};
+use crate::{ExpertBatch, ExpertSource, StoreError, StoreStats};
 use smoe_vault::Vault;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
 use std::sync::Mutex;
 
-/// All blobs of a vault, read once and verified.
+/// Every expert, read once (and verified where the file has checksums).
 pub struct ResidentExperts {
-    layout: BlobLayout,
+    map: ExpertMap,
     data: Vec<u8>,
-    /// Index of each decoder layer among the MoE layers.
+    /// MoE ordinal of each decoder layer.
     moe_index: Vec<Option<usize>>,
-    num_experts: usize,
     stats: Mutex<StoreStats>,
 }
 
 impl ResidentExperts {
     /// Reads and verifies every blob of `vault`.
     pub fn load(vault: &Vault) -> Result<ResidentExperts, StoreError> {
-        let layout = BlobLayout::of(vault);
-        let arch = vault.architecture();
-        let moe = arch.moe_layers();
-        let n = arch.moe.num_experts;
-        let mut data = vec![0u8; moe.len() * n * layout.blob_size];
-        let mut moe_index = vec![None; arch.num_layers];
-        for (i, &l) in moe.iter().enumerate() {
-            moe_index[l] = Some(i);
+        ResidentExperts::load_map(ExpertMap::of_vault(vault)?)
+    }
+
+    /// Reads every expert `map` describes.
+    pub fn load_map(map: ExpertMap) -> Result<ResidentExperts, StoreError> {
+        let files = map
+            .files
+            .iter()
+            .map(|p| File::open(p).map_err(|e| StoreError::Config(format!("{}: {e}", p.display()))))
+            .collect::<Result<Vec<_>, _>>()?;
+        let (n, size) = (map.num_experts, map.slot_size());
+        let mut data = vec![0u8; map.total_experts() * size];
+        let mut moe_index = vec![None; map.moe_layers.iter().max().map_or(0, |m| m + 1)];
+        let mut reads: Vec<SlotRead> = Vec::new();
+        let mut bytes_read = 0;
+        for (ord, &layer) in map.moe_layers.iter().enumerate() {
+            moe_index[layer] = Some(ord);
             for e in 0..n {
-                let off = (i * n + e) * layout.blob_size;
-                vault.read_blob(l, e, &mut data[off..off + layout.blob_size]).map_err(|source| match source {
-                    smoe_vault::VaultError::Checksum { .. } => StoreError::Checksum { layer: l, expert: e },
-                    source => StoreError::Read { layer: l, expert: e, source },
-                })?;
+                let slot = &mut data[(ord * n + e) * size..(ord * n + e + 1) * size];
+                reads.clear();
+                map.reads(ord, e, &mut reads);
+                for r in &reads {
+                    let dst = &mut slot[r.slot_offset..r.slot_offset + r.len];
+                    // The last read of a file may be rounded past its end: read what is there.
+                    let got = read_up_to(&files[r.file], dst, r.offset).map_err(|source| StoreError::Read {
+                        layer,
+                        expert: e,
+                        source: smoe_vault::VaultError::Io { path: map.files[r.file].display().to_string(), source },
+                    })?;
+                    bytes_read += got as u64;
+                }
+                if let Some((bytes, sum)) = map.checksum(ord, e, slot) {
+                    if xxhash_rust::xxh3::xxh3_64(bytes) != sum {
+                        return Err(StoreError::Checksum { layer, expert: e });
+                    }
+                }
             }
         }
-        let bytes_read = data.len() as u64;
-        Ok(ResidentExperts { layout, data, moe_index, num_experts: n, stats: Mutex::new(StoreStats { bytes_read, ..Default::default() }) })
+        Ok(ResidentExperts { map, data, moe_index, stats: Mutex::new(StoreStats { bytes_read, ..Default::default() }) })
     }
 }
 
-impl ExpertSource for ResidentExperts {
-    fn layout(&self) -> &BlobLayout {
-        &self.layout
+/// Reads into `buf` at `offset` until it is full or the file ends; an expert's own bytes must
+/// all be there, so a short read that cuts into them is an error.
+fn read_up_to(f: &File, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
+    let mut got = 0;
+    while got < buf.len() {
+        match f.read_at(&mut buf[got..], offset + got as u64) {
+            Ok(0) => break,
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
     }
+    let len = f.metadata()?.len();
+    if offset + (got as u64) < len.min(offset + buf.len() as u64) {
+        return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "short read"));
+    }
+    Ok(got)
+}
 
+impl ExpertSource for ResidentExperts {
     fn with_experts(&self, layer: usize, experts: &[u32], f: &mut dyn FnMut(&ExpertBatch<'_>)) -> Result<(), StoreError> {
         let li = self.moe_index.get(layer).copied().flatten();
+        let (n, size) = (self.map.num_experts, self.map.slot_size());
         let mut batch = Vec::with_capacity(experts.len());
         for (i, &e) in experts.iter().enumerate() {
             let e = e as usize;
-            let li = li.filter(|_| e < self.num_experts).ok_or(StoreError::NoSuchExpert { layer, expert: e })?;
-            let off = (li * self.num_experts + e) * self.layout.blob_size;
-            batch.push((i, self.layout.view(&self.data[off..off + self.layout.blob_size])));
+            let li = li.filter(|_| e < n).ok_or(StoreError::NoSuchExpert { layer, expert: e })?;
+            let off = (li * n + e) * size;
+            batch.push((i, self.map.view(li, e, &self.data[off..off + size])));
         }
         f(&batch);
         self.stats.lock().unwrap().hits += experts.len() as u64;

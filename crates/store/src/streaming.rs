@@ -3,8 +3,9 @@
 
 use crate::arena::Arena;
 use crate::io::{self, Completion, IoKind, ReadEngine, ReadReq};
+use crate::map::{ExpertMap, SlotRead};
 use crate::policy::{EvictionPolicy, Key, PolicyKind};
-use crate::{BlobLayout, ExpertBatch, ExpertSource, ExpertView, StoreError, StoreStats};
+use crate::{ExpertBatch, ExpertSource, ExpertView, StoreError, StoreStats};
 use smoe_vault::Vault;
 use std::sync::Mutex;
 use std::time::Instant;
@@ -20,14 +21,16 @@ pub struct StoreOptions {
     pub queue_depth: usize,
     /// io_uring or the pread pool.
     pub io: IoKind,
-    /// Verify each blob's checksum when it is read.
+    /// Verify each blob's checksum when it is read (where the file has checksums).
     pub verify: bool,
+    /// Fewest slots (the experts one token needs in one layer: top-k).
+    pub min_slots: usize,
 }
 
 impl StoreOptions {
     /// Defaults for a cache of `slots` experts.
     pub fn with_slots(slots: usize) -> StoreOptions {
-        StoreOptions { slots, policy: PolicyKind::ReuseDistance, queue_depth: 32, io: IoKind::Auto, verify: true }
+        StoreOptions { slots, policy: PolicyKind::ReuseDistance, queue_depth: 32, io: IoKind::Auto, verify: true, min_slots: 1 }
     }
 }
 
@@ -49,7 +52,20 @@ struct Slot {
     pins: u32,
     /// Loaded by a prefetch and not used since.
     prefetched: bool,
+    /// Reads of this slot still in flight (one per extent of the expert).
+    reads: u8,
+    /// The first error among this slot's reads.
+    error: Option<std::io::Error>,
 }
+
+impl Slot {
+    fn empty() -> Slot {
+        Slot { key: None, state: SlotState::Empty, pins: 0, prefetched: false, reads: 0, error: None }
+    }
+}
+
+/// Reads of one slot are tagged `slot * TAGS + extent`.
+const TAGS: usize = 4;
 
 struct Inner {
     engine: Box<dyn ReadEngine>,
@@ -66,15 +82,14 @@ struct Inner {
     victims: Vec<usize>,
     completions: Vec<Completion>,
     reqs: Vec<ReadReq>,
+    slot_reads: Vec<SlotRead>,
 }
 
 /// The streaming store.
 pub struct ExpertStore {
     inner: Mutex<Inner>,
     arena: Arena,
-    layout: BlobLayout,
-    /// Per MoE layer ordinal and expert: (file offset, checksum).
-    blobs: Vec<(u64, u64)>,
+    map: ExpertMap,
     /// Decoder layer to MoE ordinal.
     ordinal: Vec<u32>,
     experts: usize,
@@ -85,40 +100,44 @@ pub struct ExpertStore {
 impl ExpertStore {
     /// Opens a store over `vault` without reading any expert.
     pub fn open(vault: &Vault, opts: &StoreOptions) -> Result<ExpertStore, StoreError> {
-        let layout = BlobLayout::of(vault);
-        let arch = vault.architecture();
-        let moe = arch.moe_layers();
-        let experts = arch.moe.num_experts;
-        let total = moe.len() * experts;
-        let slots = opts.slots.clamp(arch.moe.top_k.min(total).max(1), total.max(1));
-        let mut ordinal = vec![NONE; arch.num_layers];
-        let mut blobs = Vec::with_capacity(total);
-        for (i, &l) in moe.iter().enumerate() {
+        let opts = StoreOptions { min_slots: opts.min_slots.max(vault.architecture().moe.top_k), ..opts.clone() };
+        ExpertStore::open_map(ExpertMap::of_vault(vault)?, &opts)
+    }
+
+    /// Opens a store over the experts `map` describes (a vault's blobs, or a GGUF's stacked
+    /// tensors read in place).
+    pub fn open_map(map: ExpertMap, opts: &StoreOptions) -> Result<ExpertStore, StoreError> {
+        let experts = map.num_experts;
+        let total = map.total_experts();
+        let top_k = opts.min_slots.max(1);
+        let slots = opts.slots.clamp(top_k.min(total).max(1), total.max(1));
+        let max_layer = map.moe_layers.iter().copied().max().unwrap_or(0);
+        let mut ordinal = vec![NONE; max_layer + 1];
+        for (i, &l) in map.moe_layers.iter().enumerate() {
             ordinal[l] = i as u32;
-            for e in 0..experts {
-                let b = vault.blob(l, e).map_err(|source| StoreError::Read { layer: l, expert: e, source })?;
-                blobs.push((b.offset, b.checksum));
-            }
         }
-        let align = vault.header().alignment as usize;
-        let arena = Arena::new(slots, layout.blob_size, align)?;
-        let engine = io::engine(vault.path(), align, opts.queue_depth.max(1), opts.io)
-            .map_err(|e| StoreError::Config(format!("{}: {e}", vault.path().display())))?;
+        if map.layers.iter().any(|l| l.extents.len() > TAGS) {
+            return Err(StoreError::Config(format!("an expert may be read in at most {TAGS} pieces")));
+        }
+        let arena = Arena::new(slots, map.slot_size(), map.align)?;
+        let engine = io::engine(&map.files, map.align, opts.queue_depth.max(1), opts.io)
+            .map_err(|e| StoreError::Config(format!("opening the expert files: {e}")))?;
         let io_desc = engine.describe();
         let inner = Inner {
             engine,
-            slots: (0..slots).map(|_| Slot { key: None, state: SlotState::Empty, pins: 0, prefetched: false }).collect(),
+            slots: (0..slots).map(|_| Slot::empty()).collect(),
             map: vec![NONE; total],
             free: (0..slots).rev().collect(),
-            policy: opts.policy.build(moe.len(), experts),
+            policy: opts.policy.build(map.moe_layers.len(), experts),
             stats: StoreStats::default(),
             fail_next: Vec::new(),
             candidates: Vec::new(),
             victims: Vec::new(),
             completions: Vec::new(),
             reqs: Vec::new(),
+            slot_reads: Vec::new(),
         };
-        Ok(ExpertStore { inner: Mutex::new(inner), arena, layout, blobs, ordinal, experts, verify: opts.verify, io_desc })
+        Ok(ExpertStore { inner: Mutex::new(inner), arena, map, ordinal, experts, verify: opts.verify, io_desc })
     }
 
     /// Slots in the cache.
@@ -148,7 +167,7 @@ impl ExpertStore {
     }
 
     fn decoder_layer(&self, ordinal: u32) -> usize {
-        self.ordinal.iter().position(|&o| o == ordinal).unwrap_or(0)
+        self.map.moe_layers[ordinal as usize]
     }
 
     /// Frees up to `n` slots for layer ordinal `now`, never touching pinned or loading slots.
@@ -170,7 +189,7 @@ impl ExpertStore {
             }
             let ki = self.key_index(key);
             inner.map[ki] = NONE;
-            inner.slots[s] = Slot { key: None, state: SlotState::Empty, pins: 0, prefetched: false };
+            inner.slots[s] = Slot::empty();
             inner.free.push(s);
         }
         inner.victims = victims;
@@ -181,9 +200,22 @@ impl ExpertStore {
         let s = inner.free.pop().expect("make_room left a free slot");
         let ki = self.key_index(key);
         inner.map[ki] = s as u32;
-        inner.slots[s] = Slot { key: Some(key), state: SlotState::Loading { demand }, pins: 0, prefetched: !demand };
-        let (offset, _) = self.blobs[ki];
-        inner.reqs.push(ReadReq { tag: s, offset, len: self.layout.blob_size, buf: self.arena.slot_ptr(s) });
+        let mut reads = std::mem::take(&mut inner.slot_reads);
+        reads.clear();
+        self.map.reads(key.layer as usize, key.expert as usize, &mut reads);
+        for (k, r) in reads.iter().enumerate() {
+            let buf = self.arena.slot_ptr(s).wrapping_add(r.slot_offset);
+            inner.reqs.push(ReadReq { tag: s * TAGS + k, file: r.file, offset: r.offset, len: r.len, buf });
+        }
+        inner.slots[s] = Slot {
+            key: Some(key),
+            state: SlotState::Loading { demand },
+            pins: 0,
+            prefetched: !demand,
+            reads: reads.len() as u8,
+            error: None,
+        };
+        inner.slot_reads = reads;
         s
     }
 
@@ -211,9 +243,21 @@ impl ExpertStore {
         inner.stats.wait_seconds += t0.elapsed().as_secs_f64();
         r.map_err(|e| StoreError::Config(format!("waiting for reads: {e}")))?;
         let mut first_err = None;
-        for (s, res) in comps.drain(..) {
+        for (tag, res) in comps.drain(..) {
+            let s = tag / TAGS;
             let Some(key) = inner.slots[s].key else { continue };
-            let (layer, expert) = (self.decoder_layer(key.layer), key.expert as usize);
+            // An expert read in several pieces is done when its last piece lands.
+            let slot = &mut inner.slots[s];
+            slot.reads = slot.reads.saturating_sub(1);
+            if let Err(e) = res {
+                slot.error.get_or_insert(e);
+            }
+            if slot.reads > 0 {
+                continue;
+            }
+            let res = slot.error.take().map_or(Ok(()), Err);
+            let (ord, expert) = (key.layer as usize, key.expert as usize);
+            let layer = self.decoder_layer(key.layer);
             let injected = match inner.fail_next.iter().position(|k| *k == key) {
                 Some(i) => {
                     inner.fail_next.swap_remove(i);
@@ -224,19 +268,20 @@ impl ExpertStore {
             let io_err = |e: std::io::Error| StoreError::Read {
                 layer,
                 expert,
-                source: smoe_vault::VaultError::Io { path: "expert blob".into(), source: e },
+                source: smoe_vault::VaultError::Io { path: "expert data".into(), source: e },
             };
             let outcome = match res {
                 Err(e) => Err(io_err(e)),
                 Ok(()) if injected => Err(io_err(std::io::Error::from_raw_os_error(libc::EIO))),
                 Ok(()) => {
-                    inner.stats.bytes_read += self.layout.blob_size as u64;
-                    // SAFETY: the read into slot `s` has completed and nothing writes it now.
-                    let blob = unsafe { self.arena.slot(s) };
-                    if self.verify && xxhash_rust::xxh3::xxh3_64(blob) != self.blobs[self.key_index(key)].1 {
-                        Err(StoreError::Checksum { layer, expert })
-                    } else {
-                        Ok(())
+                    inner.stats.bytes_read += self.map.read_bytes(ord, expert);
+                    // SAFETY: every read into slot `s` has completed and nothing writes it now.
+                    let data = unsafe { self.arena.slot(s) };
+                    match self.map.checksum(ord, expert, data) {
+                        Some((bytes, sum)) if self.verify && xxhash_rust::xxh3::xxh3_64(bytes) != sum => {
+                            Err(StoreError::Checksum { layer, expert })
+                        }
+                        _ => Ok(()),
                     }
                 }
             };
@@ -248,7 +293,7 @@ impl ExpertStore {
                 Err(e) => {
                     let ki = self.key_index(key);
                     inner.map[ki] = NONE;
-                    inner.slots[s] = Slot { key: None, state: SlotState::Empty, pins: 0, prefetched: false };
+                    inner.slots[s] = Slot::empty();
                     inner.free.push(s);
                     done.push((s, false));
                     first_err.get_or_insert(e);
@@ -289,10 +334,6 @@ impl ExpertStore {
 }
 
 impl ExpertSource for ExpertStore {
-    fn layout(&self) -> &BlobLayout {
-        &self.layout
-    }
-
     /// For one layer: pins the resident experts, issues reads for every missing one at once
     /// (as many as fit; a request larger than the cache runs in waves), computes the resident
     /// ones while the reads are in flight, then computes each missing expert as it lands.
@@ -362,8 +403,10 @@ impl ExpertSource for ExpertStore {
             // 3. Compute the resident experts, as one batch, while the reads are in flight.
             if first_err.is_none() && !ready.is_empty() {
                 // SAFETY: these slots are ready and pinned; no read targets them until unpinned.
-                let batch: Vec<(usize, ExpertView<'_>)> =
-                    ready.iter().map(|&(i, s)| (i, self.layout.view(unsafe { self.arena.slot(s) }))).collect();
+                let batch: Vec<(usize, ExpertView<'_>)> = ready
+                    .iter()
+                    .map(|&(i, s)| (i, self.map.view(ord as usize, experts[i] as usize, unsafe { self.arena.slot(s) })))
+                    .collect();
                 f(&batch);
             }
             for &(_, s) in &ready {
@@ -387,8 +430,10 @@ impl ExpertSource for ExpertStore {
                 }
                 if first_err.is_none() && !arrived.is_empty() {
                     // SAFETY: the reads into these slots completed and the slots are pinned.
-                    let batch: Vec<(usize, ExpertView<'_>)> =
-                        arrived.iter().map(|&(i, s)| (i, self.layout.view(unsafe { self.arena.slot(s) }))).collect();
+                    let batch: Vec<(usize, ExpertView<'_>)> = arrived
+                        .iter()
+                        .map(|&(i, s)| (i, self.map.view(ord as usize, experts[i] as usize, unsafe { self.arena.slot(s) })))
+                        .collect();
                     f(&batch);
                 }
                 for &(_, s) in &arrived {

@@ -8,7 +8,11 @@ use smoe_quant::Format;
 /// Features a reader must understand to use the vault. Empty in format 1.0; a future minor
 /// version that changes meaning (not just adds fields) lists its feature here, and readers that
 /// do not know it refuse the file.
-pub const KNOWN_FEATURES: &[&str] = &[];
+pub const KNOWN_FEATURES: &[&str] = &[LAYER_EXPERT_PARTS];
+
+/// Feature: some MoE layers list their own expert parts ([`ExpertLayer::parts`]), as a GGUF
+/// imported from a mixed quantization (Q4_K_M keeps some layers' `down` in Q6_K) needs.
+pub const LAYER_EXPERT_PARTS: &str = "layer-expert-parts";
 
 /// Everything in the vault besides the raw tensor bytes.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -118,6 +122,10 @@ pub struct ExpertLayer {
     pub layer: usize,
     /// xxh3-64 of each expert's whole blob (padding included), by expert index.
     pub checksums: Vec<u64>,
+    /// This layer's parts, where they differ from [`ExpertIndex::parts`] (feature
+    /// [`LAYER_EXPERT_PARTS`]); the blob size is the same for every layer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parts: Option<Vec<PartEntry>>,
 }
 
 /// The expert region's directory. Blob `e` of the `i`-th listed layer starts at
@@ -126,7 +134,8 @@ pub struct ExpertLayer {
 pub struct ExpertIndex {
     /// Bytes per blob, a multiple of the alignment.
     pub blob_size: u64,
-    /// The matrices inside each blob (the same for every expert).
+    /// The matrices inside each blob (the same for every expert of a layer; a layer may
+    /// override them, see [`ExpertLayer::parts`]).
     pub parts: Vec<PartEntry>,
     /// MoE layers in order.
     pub layers: Vec<ExpertLayer>,

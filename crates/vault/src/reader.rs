@@ -112,19 +112,31 @@ impl Vault {
         // per MoE layer; the region exactly as large as the blobs.
         let x = &m.experts;
         let shapes = names::expert_part_shapes(arch);
-        if x.parts.len() != 3 {
-            return bad(format!("{} expert parts, expected 3", x.parts.len()));
-        }
-        let mut end = 0;
-        for ((p, name), shape) in x.parts.iter().zip(EXPERT_PARTS).zip(shapes) {
-            if p.name != name || p.shape != shape {
-                return bad(format!("expert part {} {:?}, expected {name} {:?}", p.name, p.shape, shape));
+        let check_parts = |parts: &[crate::manifest::PartEntry], what: &str| -> Result<(), VaultError> {
+            if parts.len() != 3 {
+                return bad(format!("{what}: {} expert parts, expected 3", parts.len()));
             }
-            let row = p.format.row_bytes(shape[1]).map_err(|e| VaultError::Corrupt(format!("expert {name}: {e}")))?;
-            if (row * shape[0]) as u64 != p.len || p.offset < end || p.offset + p.len > x.blob_size {
-                return bad(format!("expert part {name} is misplaced in the blob"));
+            let mut end = 0;
+            for ((p, name), shape) in parts.iter().zip(EXPERT_PARTS).zip(shapes) {
+                if p.name != name || p.shape != shape {
+                    return bad(format!("{what}: expert part {} {:?}, expected {name} {:?}", p.name, p.shape, shape));
+                }
+                let row = p.format.row_bytes(shape[1]).map_err(|e| VaultError::Corrupt(format!("expert {name}: {e}")))?;
+                if (row * shape[0]) as u64 != p.len || p.offset < end || p.offset + p.len > x.blob_size {
+                    return bad(format!("{what}: expert part {name} is misplaced in the blob"));
+                }
+                end = p.offset + p.len;
             }
-            end = p.offset + p.len;
+            Ok(())
+        };
+        check_parts(&x.parts, "experts")?;
+        for l in &x.layers {
+            if let Some(p) = &l.parts {
+                if !m.required_features.iter().any(|f| f == crate::manifest::LAYER_EXPERT_PARTS) {
+                    return bad(format!("layer {} lists its own expert parts without declaring the feature", l.layer));
+                }
+                check_parts(p, &format!("layer {}", l.layer))?;
+            }
         }
         if x.blob_size == 0 || !x.blob_size.is_multiple_of(self.header.alignment as u64) {
             return bad(format!("blob size {} is not a multiple of the alignment", x.blob_size));

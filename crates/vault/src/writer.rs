@@ -177,8 +177,23 @@ impl VaultWriter {
         self.experts_offset = self.pos;
         self.num_experts = num_experts;
         self.blob_buf = vec![0u8; blob_size as usize];
-        let layers = moe_layers.iter().map(|&layer| ExpertLayer { layer, checksums: Vec::with_capacity(num_experts) }).collect();
+        let layers =
+            moe_layers.iter().map(|&layer| ExpertLayer { layer, checksums: Vec::with_capacity(num_experts), parts: None }).collect();
         self.experts = Some(ExpertIndex { blob_size, parts, layers });
+        Ok(())
+    }
+
+    /// Gives decoder layer `layer` its own parts (a mixed quantization); they must fit the blob
+    /// size. Call after [`begin_experts`](Self::begin_experts), before the layer's first blob.
+    /// The caller declares [`LAYER_EXPERT_PARTS`](crate::manifest::LAYER_EXPERT_PARTS) in the
+    /// manifest's required features.
+    pub fn set_layer_parts(&mut self, layer: usize, parts: Vec<PartEntry>) -> Result<(), VaultError> {
+        let idx = self.experts.as_mut().ok_or(VaultError::Usage("set_layer_parts before begin_experts"))?;
+        if parts.iter().any(|p| p.offset + p.len > idx.blob_size) || parts.len() != idx.parts.len() {
+            return Err(VaultError::Usage("layer parts do not fit the blob"));
+        }
+        let l = idx.layers.iter_mut().find(|l| l.layer == layer).ok_or(VaultError::Usage("set_layer_parts: not a MoE layer"))?;
+        l.parts = Some(parts);
         Ok(())
     }
 
@@ -189,12 +204,13 @@ impl VaultWriter {
         if li >= idx.layers.len() || idx.layers[li].layer != layer || e != expert {
             return Err(VaultError::Usage("blobs must be added in layer and expert order"));
         }
-        if parts.len() != idx.parts.len() {
+        let layer_parts = idx.layers[li].parts.as_ref().unwrap_or(&idx.parts);
+        if parts.len() != layer_parts.len() {
             return Err(VaultError::Usage("wrong number of blob parts"));
         }
         let mut buf = std::mem::take(&mut self.blob_buf);
         buf.fill(0);
-        for (p, data) in idx.parts.iter().zip(parts) {
+        for (p, data) in layer_parts.iter().zip(parts) {
             if data.len() as u64 != p.len {
                 return Err(VaultError::Corrupt(format!(
                     "layer {layer} expert {expert} {}: {} bytes, expected {}",

@@ -5,6 +5,7 @@
 //! (32 by default), then tensor data at those offsets.
 
 pub mod export;
+pub mod import;
 pub mod names;
 pub mod vocab;
 

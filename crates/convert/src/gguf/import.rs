@@ -1,0 +1,597 @@
+//! GGUF files as smoe models: the metadata mapped to the architecture description, the
+//! tensors mapped to canonical names with llama.cpp's converter changes undone, and quantized
+//! blocks kept bit for bit — either copied into a vault (`smoe shatter FILE.gguf`) or read in
+//! place (`smoe run FILE.gguf`).
+
+use super::names::{expert_tensor, invert, llama_qk_permutation, tensor_name};
+use super::{vocab, Gguf, TensorInfo, Value};
+use crate::{ConvertError, Progress, ShatterReport};
+use serde_json::{json, Map, Value as Json};
+use smoe_quant::Format;
+use smoe_vault::{names, Architecture, DenseEntry, Family, GenerationDefaults, Manifest, TextAssets};
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+
+/// How a canonical dense tensor is made from GGUF tensors.
+#[derive(Clone, Debug)]
+enum Source {
+    /// The bytes of one tensor.
+    Copy(usize),
+    /// One tensor's rows in another order: destination row `r` is source row `rows[r]` (q and
+    /// k of the `llama` architecture, which llama.cpp's converter permuted for its RoPE).
+    Rows { tensor: usize, rows: Vec<usize> },
+    /// DeepSeek's `kv_b_proj`, rebuilt from llama.cpp's split `attn_k_b` (per head, W_uk
+    /// transposed) and `attn_v_b` (W_uv).
+    KvB { k: usize, v: usize },
+}
+
+/// One dense tensor of the model.
+#[derive(Clone, Debug)]
+pub struct DenseSpec {
+    /// Canonical name.
+    pub name: String,
+    /// Storage format (the GGUF's own, except a rebuilt `kv_b` of a quantized file: F32).
+    pub format: Format,
+    /// Shape `[rows, cols]` or `[n]`.
+    pub shape: Vec<usize>,
+    source: Source,
+}
+
+impl DenseSpec {
+    /// Bytes in its vault layout.
+    pub fn bytes(&self) -> u64 {
+        let cols = *self.shape.last().unwrap_or(&1);
+        let rows: usize = self.shape[..self.shape.len().saturating_sub(1)].iter().product::<usize>().max(1);
+        self.format.row_bytes(cols).map_or(0, |r| (r * rows) as u64)
+    }
+}
+
+/// One stacked expert tensor: every expert's `[rows, cols]` matrix, one after the other.
+#[derive(Clone, Debug)]
+pub struct StackedPart {
+    /// File of the split set.
+    pub file: usize,
+    /// Offset of expert 0.
+    pub offset: u64,
+    /// Bytes per expert.
+    pub bytes: u64,
+    /// Format.
+    pub format: Format,
+    /// Rows per expert.
+    pub rows: usize,
+    /// Columns.
+    pub cols: usize,
+}
+
+/// A GGUF opened as a model.
+pub struct GgufModel {
+    /// The parsed file(s).
+    pub gguf: Gguf,
+    /// The architecture read from the metadata.
+    pub arch: Architecture,
+    /// A config.json equivalent of the metadata (kept as the vault's source config).
+    pub config: Json,
+    /// Tokenizer (rebuilt from `tokenizer.ggml.*`) and chat template.
+    pub text: TextAssets,
+    /// eos/bos ids and sampling defaults.
+    pub generation: GenerationDefaults,
+    /// Dense tensors in canonical order.
+    pub dense: Vec<DenseSpec>,
+    /// Per MoE layer: gate, up, down.
+    pub experts: Vec<[StackedPart; 3]>,
+    /// What the import changed or ignored.
+    pub notes: Vec<String>,
+}
+
+fn meta_u(g: &Gguf, k: &str) -> Option<usize> {
+    g.get(k).and_then(Value::as_u64).map(|v| v as usize)
+}
+
+/// A number from the metadata. GGUF stores config values such as `1e-6` as f32; the shortest
+/// decimal that rounds to that f32 gives back the config's value exactly.
+fn meta_f(g: &Gguf, k: &str) -> Option<f64> {
+    match g.get(k)? {
+        Value::F32(x) => format!("{x}").parse().ok(),
+        v => v.as_f64(),
+    }
+}
+
+/// The config.json that transformers would have for this GGUF, built from its metadata; the
+/// architecture then comes from the same code that reads real config.json files.
+fn config_from_metadata(g: &Gguf) -> Result<Json, ConvertError> {
+    let arch = g.get("general.architecture").and_then(Value::as_str).unwrap_or("<missing>").to_string();
+    let key = |k: &str| format!("{arch}.{k}");
+    let u = |k: &str| meta_u(g, &key(k));
+    let f = |k: &str| meta_f(g, &key(k));
+    let req = |k: &str| u(k).ok_or_else(|| ConvertError::BadInput(format!("GGUF metadata has no {}", key(k))));
+    let has = |name: &str| g.tensor(name).is_some();
+    let experts = u("expert_count").unwrap_or(0);
+    let model_type = match arch.as_str() {
+        "qwen3moe" => "qwen3_moe",
+        "qwen2moe" => "qwen2_moe",
+        "llama" if experts > 0 => "mixtral",
+        "olmoe" => "olmoe",
+        "glm4moe" => "glm4_moe",
+        "deepseek2" => "deepseek_v3",
+        "llama" => return Err(ConvertError::Unsupported("a llama GGUF without experts is a dense model; smoe runs MoE models".into())),
+        other => {
+            return Err(ConvertError::Unsupported(format!(
+                "GGUF architecture '{other}' is not supported; supported: qwen3moe, qwen2moe, llama (Mixtral), olmoe, glm4moe, deepseek2"
+            )))
+        }
+    };
+    let nextn = u("nextn_predict_layers").unwrap_or(0);
+    let layers =
+        req("block_count")?.checked_sub(nextn).ok_or_else(|| ConvertError::BadInput("block_count < nextn_predict_layers".into()))?;
+    let hidden = req("embedding_length")?;
+    let heads = req("attention.head_count")?;
+    let embd = g.tensor("token_embd.weight").ok_or_else(|| ConvertError::BadInput("no token_embd.weight".into()))?;
+    let mut c = Map::new();
+    c.insert("model_type".into(), model_type.into());
+    c.insert("hidden_size".into(), hidden.into());
+    c.insert("num_hidden_layers".into(), layers.into());
+    c.insert("num_attention_heads".into(), heads.into());
+    c.insert("num_key_value_heads".into(), u("attention.head_count_kv").unwrap_or(heads).into());
+    c.insert("vocab_size".into(), u("vocab_size").unwrap_or(embd.rows()).into());
+    c.insert("max_position_embeddings".into(), u("context_length").unwrap_or(4096).into());
+    c.insert("rms_norm_eps".into(), f("attention.layer_norm_rms_epsilon").unwrap_or(1e-6).into());
+    c.insert("rope_theta".into(), f("rope.freq_base").unwrap_or(10000.0).into());
+    c.insert("tie_word_embeddings".into(), (!has("output.weight")).into());
+    c.insert("num_experts_per_tok".into(), req("expert_used_count")?.into());
+    let head_dim = u("attention.key_length").unwrap_or(hidden / heads.max(1));
+    if model_type != "deepseek_v3" {
+        c.insert("head_dim".into(), head_dim.into());
+        if let Some(rot) = u("rope.dimension_count").filter(|&r| r != head_dim && r > 0) {
+            c.insert("partial_rotary_factor".into(), (rot as f64 / head_dim as f64).into());
+        }
+    }
+    match g.get(&key("rope.scaling.type")).and_then(Value::as_str) {
+        None | Some("none") => {}
+        Some(kind) => {
+            let mut s = Map::new();
+            s.insert("rope_type".into(), kind.into());
+            s.insert("factor".into(), f("rope.scaling.factor").unwrap_or(1.0).into());
+            if let Some(o) = u("rope.scaling.original_context_length") {
+                s.insert("original_max_position_embeddings".into(), o.into());
+            }
+            if let Some(b) = f("rope.scaling.yarn_beta_fast") {
+                s.insert("beta_fast".into(), b.into());
+            }
+            if let Some(b) = f("rope.scaling.yarn_beta_slow") {
+                s.insert("beta_slow".into(), b.into());
+            }
+            // llama.cpp keeps only 0.1 * mscale_all_dim; published DeepSeek configs set mscale to
+            // the same value, which makes the rotary rescale exactly 1.
+            if let Some(lm) = f("rope.scaling.yarn_log_multiplier") {
+                let m = (lm / 0.1 * 1e6).round() / 1e6;
+                s.insert("mscale".into(), m.into());
+                s.insert("mscale_all_dim".into(), m.into());
+            }
+            c.insert("rope_scaling".into(), Json::Object(s));
+        }
+    }
+    let expert_ff = u("expert_feed_forward_length").or(u("feed_forward_length"));
+    // Which layers have routed experts, read from the tensors themselves.
+    let moe_layer = |l: usize| has(&expert_tensor(l, "gate"));
+    match model_type {
+        "qwen3_moe" | "qwen2_moe" => {
+            c.insert("num_experts".into(), experts.into());
+            c.insert("moe_intermediate_size".into(), expert_ff.into());
+            c.insert("intermediate_size".into(), u("feed_forward_length").unwrap_or(0).into());
+            let mlp_only: Vec<usize> = (0..layers).filter(|&l| !moe_layer(l)).collect();
+            c.insert("mlp_only_layers".into(), mlp_only.into());
+            if model_type == "qwen3_moe" {
+                // llama.cpp always renormalises Qwen3's top-k weights.
+                c.insert("norm_topk_prob".into(), true.into());
+                c.insert("attention_bias".into(), has("blk.0.attn_q.bias").into());
+            } else {
+                c.insert("norm_topk_prob".into(), false.into());
+                c.insert("qkv_bias".into(), has("blk.0.attn_q.bias").into());
+                c.insert("shared_expert_intermediate_size".into(), u("expert_shared_feed_forward_length").unwrap_or(0).into());
+            }
+        }
+        "mixtral" => {
+            c.insert("num_local_experts".into(), experts.into());
+            c.insert("intermediate_size".into(), expert_ff.into());
+        }
+        "olmoe" => {
+            c.insert("num_experts".into(), experts.into());
+            c.insert("intermediate_size".into(), expert_ff.into());
+            c.insert("norm_topk_prob".into(), false.into());
+            c.insert("attention_bias".into(), has("blk.0.attn_q.bias").into());
+        }
+        _ => {
+            // glm4_moe and deepseek_v3: grouped sigmoid routing.
+            let gating = u("expert_gating_func");
+            let sigmoid = match gating {
+                Some(2) => true,
+                Some(_) => false,
+                // DeepSeek-V2 files predate the key and use softmax; V3 files carry a correction
+                // bias, which only the sigmoid router has.
+                None => (0..layers).any(|l| has(&format!("blk.{l}.exp_probs_b.bias"))),
+            };
+            if !sigmoid {
+                return Err(ConvertError::Unsupported(format!(
+                    "{arch} with softmax expert gating (DeepSeek-V2 style) is not supported; smoe runs the sigmoid router of DeepSeek-V3 and GLM-4.5"
+                )));
+            }
+            c.insert("n_routed_experts".into(), experts.into());
+            c.insert("moe_intermediate_size".into(), expert_ff.into());
+            c.insert("intermediate_size".into(), u("feed_forward_length").unwrap_or(0).into());
+            c.insert("n_group".into(), u("expert_group_count").unwrap_or(1).into());
+            c.insert("topk_group".into(), u("expert_group_used_count").unwrap_or(1).into());
+            c.insert("routed_scaling_factor".into(), f("expert_weights_scale").unwrap_or(1.0).into());
+            c.insert("norm_topk_prob".into(), g.get(&key("expert_weights_norm")).and_then(Value::as_bool).unwrap_or(true).into());
+            c.insert("n_shared_experts".into(), u("expert_shared_count").unwrap_or(0).into());
+            c.insert("first_k_dense_replace".into(), u("leading_dense_block_count").unwrap_or(0).into());
+            if model_type == "glm4_moe" {
+                c.insert("attention_bias".into(), has("blk.0.attn_q.bias").into());
+                c.insert("use_qk_norm".into(), has("blk.0.attn_q_norm.weight").into());
+            } else {
+                let rope = req("rope.dimension_count")?;
+                let (k, v) = match (u("attention.key_length_mla"), u("attention.value_length_mla")) {
+                    (Some(k), Some(v)) => (k, v),
+                    _ => (req("attention.key_length")?, req("attention.value_length")?),
+                };
+                let q_lora = u("attention.q_lora_rank").filter(|&r| r > 0);
+                c.insert("q_lora_rank".into(), q_lora.map_or(Json::Null, Json::from));
+                c.insert("kv_lora_rank".into(), req("attention.kv_lora_rank")?.into());
+                c.insert("qk_nope_head_dim".into(), (k - rope).into());
+                c.insert("qk_rope_head_dim".into(), rope.into());
+                c.insert("v_head_dim".into(), v.into());
+                c.insert("rope_interleave".into(), true.into());
+            }
+        }
+    }
+    Ok(Json::Object(c))
+}
+
+/// eos/bos ids, the tokenizer's special strings and sampling defaults from the metadata.
+fn text_and_generation(g: &Gguf) -> Result<(TextAssets, GenerationDefaults), ConvertError> {
+    let tokenizer_json = vocab::tokenizer_json(&g.meta)?;
+    let tokens = g.get("tokenizer.ggml.tokens").and_then(Value::as_array).unwrap_or(&[]);
+    let token = |id: Option<usize>| id.and_then(|i| tokens.get(i)).and_then(Value::as_str).map(str::to_string);
+    let id = |k: &str| meta_u(g, k);
+    let (bos, eos, pad) = (id("tokenizer.ggml.bos_token_id"), id("tokenizer.ggml.eos_token_id"), id("tokenizer.ggml.padding_token_id"));
+    let mut eos_ids: Vec<u32> = eos.into_iter().map(|e| e as u32).collect();
+    // End-of-turn and end-of-message tokens also end a reply.
+    for k in ["tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"] {
+        if let Some(e) = id(k).map(|e| e as u32).filter(|e| !eos_ids.contains(e)) {
+            eos_ids.push(e);
+        }
+    }
+    let text = TextAssets {
+        tokenizer_json,
+        chat_template: g.get("tokenizer.chat_template").and_then(Value::as_str).map(str::to_string),
+        bos_token: token(bos),
+        eos_token: token(eos),
+        pad_token: token(pad),
+        add_bos_token: g.get("tokenizer.ggml.add_bos_token").and_then(Value::as_bool).unwrap_or(false),
+    };
+    let gen = GenerationDefaults {
+        bos_token_id: bos.map(|b| b as u32),
+        eos_token_ids: eos_ids,
+        do_sample: None,
+        temperature: meta_f(g, "general.sampling.temp"),
+        top_p: meta_f(g, "general.sampling.top_p"),
+        top_k: meta_u(g, "general.sampling.top_k").map(|k| k as u32),
+        min_p: meta_f(g, "general.sampling.min_p"),
+        repetition_penalty: None,
+    };
+    Ok((text, gen))
+}
+
+impl GgufModel {
+    /// Opens `path` (the first file of a split set opens all of them) and maps everything,
+    /// reading only metadata.
+    pub fn open(path: &Path) -> Result<GgufModel, ConvertError> {
+        let gguf = Gguf::open(path)?;
+        let config = config_from_metadata(&gguf)?;
+        let arch = crate::hf::architecture_from_config(&config)?;
+        let (text, generation) = text_and_generation(&gguf)?;
+        let index: BTreeMap<&str, usize> = gguf.tensors.iter().enumerate().map(|(i, t)| (t.name.as_str(), i)).collect();
+        let find = |name: &str| index.get(name).copied().ok_or_else(|| ConvertError::BadInput(format!("GGUF has no tensor {name}")));
+        let mut used = vec![false; gguf.tensors.len()];
+        let mut dense = Vec::new();
+        for spec in names::dense_tensors(&arch) {
+            if spec.name.ends_with("attn.kv_b") {
+                let layer = spec.name.split('.').nth(1).unwrap_or_default();
+                if let Some(&old) = index.get(format!("blk.{layer}.attn_kv_b.weight").as_str()) {
+                    used[old] = true;
+                    dense.push(dense_spec(&gguf, &spec, Source::Copy(old))?);
+                    continue;
+                }
+                let (k, v) = (find(&format!("blk.{layer}.attn_k_b.weight"))?, find(&format!("blk.{layer}.attn_v_b.weight"))?);
+                used[k] = true;
+                used[v] = true;
+                let kf = gguf.tensors[k].format()?;
+                let format = if matches!(kf, Format::F16 | Format::BF16 | Format::F32) && gguf.tensors[v].format()? == kf {
+                    kf
+                } else {
+                    Format::F32
+                };
+                dense.push(DenseSpec { name: spec.name.clone(), format, shape: spec.shape.clone(), source: Source::KvB { k, v } });
+                continue;
+            }
+            let name = tensor_name(&spec.name).ok_or_else(|| ConvertError::Internal(format!("no GGUF name for {}", spec.name)))?;
+            let t = match index.get(name.as_str()) {
+                Some(&t) => t,
+                // A tied model has no output.weight; the engine then uses the embedding.
+                None if spec.name == "lm_head" && arch.tie_word_embeddings => continue,
+                None => return Err(ConvertError::BadInput(format!("GGUF has no tensor {name} (for {})", spec.name))),
+            };
+            used[t] = true;
+            let qk = arch.family == Family::Mixtral && (spec.name.ends_with("attn.q") || spec.name.ends_with("attn.k"));
+            let source = if qk {
+                let heads = if spec.name.ends_with("attn.q") { arch.num_heads } else { arch.num_kv_heads };
+                Source::Rows { tensor: t, rows: invert(&llama_qk_permutation(heads, arch.head_dim)) }
+            } else {
+                Source::Copy(t)
+            };
+            dense.push(dense_spec(&gguf, &spec, source)?);
+        }
+        let shapes = names::expert_part_shapes(&arch);
+        let mut experts = Vec::new();
+        for l in arch.moe_layers() {
+            let mut parts = Vec::new();
+            for (p, shape) in names::EXPERT_PARTS.iter().zip(shapes) {
+                let name = expert_tensor(l, p);
+                let i = find(&name)?;
+                used[i] = true;
+                let t = &gguf.tensors[i];
+                let want = [shape[1] as u64, shape[0] as u64, arch.moe.num_experts as u64];
+                if t.dims != want {
+                    return Err(ConvertError::BadInput(format!("{name} has dims {:?}, expected {want:?}", t.dims)));
+                }
+                let format = t.format()?;
+                let bytes = t.len()? / arch.moe.num_experts as u64;
+                parts.push(StackedPart { file: t.file, offset: t.offset, bytes, format, rows: shape[0], cols: shape[1] });
+            }
+            experts.push([parts[0].clone(), parts[1].clone(), parts[2].clone()]);
+        }
+        let mut notes = Vec::new();
+        let unused: Vec<&str> = gguf.tensors.iter().zip(&used).filter(|(_, u)| !**u).map(|(t, _)| t.name.as_str()).collect();
+        if !unused.is_empty() {
+            let shown =
+                if unused.len() > 4 { format!("{} and {} more", unused[..4].join(", "), unused.len() - 4) } else { unused.join(", ") };
+            notes.push(format!("GGUF tensors not used: {shown}"));
+        }
+        if let Some(t) = gguf.tensors.iter().zip(&used).find(|(t, u)| **u && t.format().is_err()) {
+            t.0.format()?;
+        }
+        Ok(GgufModel { gguf, arch, config, text, generation, dense, experts, notes })
+    }
+
+    /// Bytes of one dense tensor in its vault layout.
+    pub fn read_dense(&self, d: &DenseSpec) -> Result<Vec<u8>, ConvertError> {
+        match &d.source {
+            Source::Copy(t) => self.read_tensor(&self.gguf.tensors[*t]),
+            Source::Rows { tensor, rows } => {
+                let t = &self.gguf.tensors[*tensor];
+                let data = self.read_tensor(t)?;
+                let rb = t.format()?.row_bytes(t.cols()).map_err(|e| ConvertError::BadInput(format!("{}: {e}", t.name)))?;
+                let mut out = vec![0u8; data.len()];
+                for (dst, &src) in rows.iter().enumerate() {
+                    out[dst * rb..(dst + 1) * rb].copy_from_slice(&data[src * rb..(src + 1) * rb]);
+                }
+                Ok(out)
+            }
+            Source::KvB { k, v } => self.rebuild_kv_b(d, *k, *v),
+        }
+    }
+
+    fn read_tensor(&self, t: &TensorInfo) -> Result<Vec<u8>, ConvertError> {
+        let path = &self.gguf.paths[t.file];
+        let f = File::open(path).map_err(|e| ConvertError::io(path, e))?;
+        let mut buf = vec![0u8; t.len()? as usize];
+        f.read_exact_at(&mut buf, t.offset).map_err(|e| ConvertError::io(path, e))?;
+        Ok(buf)
+    }
+
+    /// `kv_b_proj` rows per head: `qk_nope` rows of W_uk, then `v_head_dim` rows of W_uv, each
+    /// `kv_lora_rank` wide. `attn_k_b` holds W_uk transposed per head (`[kv_lora_rank, qk_nope]`)
+    /// and `attn_v_b` W_uv as it is. 16- and 32-bit elements move exactly; a quantized pair is
+    /// dequantized to F32 (exact, larger).
+    fn rebuild_kv_b(&self, d: &DenseSpec, k: usize, v: usize) -> Result<Vec<u8>, ConvertError> {
+        let mla = self.arch.mla.as_ref().ok_or_else(|| ConvertError::Internal("kv_b without MLA".into()))?;
+        let (h, r, nope, vd) = (self.arch.num_heads, mla.kv_lora_rank, mla.qk_nope_head_dim, mla.v_head_dim);
+        let (kt, vt) = (&self.gguf.tensors[k], &self.gguf.tensors[v]);
+        if kt.dims != [nope as u64, r as u64, h as u64] || vt.dims != [r as u64, vd as u64, h as u64] {
+            return Err(ConvertError::BadInput(format!("attn_k_b {:?} / attn_v_b {:?} do not match the MLA ranks", kt.dims, vt.dims)));
+        }
+        let to_f32 = |t: &TensorInfo| -> Result<Vec<f32>, ConvertError> {
+            let raw = self.read_tensor(t)?;
+            let mut out = vec![0f32; t.rows() * t.cols()];
+            smoe_quant::dequantize(t.format()?, &raw, &mut out).map_err(|e| ConvertError::BadInput(format!("{}: {e}", t.name)))?;
+            Ok(out)
+        };
+        let width = d.format.row_bytes(1).unwrap_or(4);
+        let (kb, vb) = if d.format == Format::F32 { (None, None) } else { (Some(self.read_tensor(kt)?), Some(self.read_tensor(vt)?)) };
+        let (kf, vf) = if d.format == Format::F32 { (Some(to_f32(kt)?), Some(to_f32(vt)?)) } else { (None, None) };
+        let mut out = vec![0u8; h * (nope + vd) * r * width];
+        // Element (row, col) of the destination from element index `src` of a source.
+        let mut put = |row: usize, col: usize, bytes: Option<&Vec<u8>>, floats: Option<&Vec<f32>>, src: usize| {
+            let at = (row * r + col) * width;
+            match (bytes, floats) {
+                (Some(b), _) => out[at..at + width].copy_from_slice(&b[src * width..(src + 1) * width]),
+                (_, Some(f)) => out[at..at + 4].copy_from_slice(&f[src].to_le_bytes()),
+                _ => {}
+            }
+        };
+        for head in 0..h {
+            let base = head * (nope + vd);
+            for i in 0..nope {
+                for j in 0..r {
+                    // attn_k_b[head][j][i]
+                    put(base + i, j, kb.as_ref(), kf.as_ref(), (head * r + j) * nope + i);
+                }
+            }
+            for i in 0..vd {
+                for j in 0..r {
+                    // attn_v_b[head][i][j]
+                    put(base + nope + i, j, vb.as_ref(), vf.as_ref(), (head * vd + i) * r + j);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// The architecture's manifest for a vault or an in-place run (dense entries and experts
+    /// filled in by the caller).
+    pub fn manifest(&self) -> Manifest {
+        let mut config = self.config.clone();
+        config["_converted_from"] = json!("GGUF metadata (smoe)");
+        Manifest {
+            created_by: format!("smoe {}", env!("CARGO_PKG_VERSION")),
+            required_features: vec![],
+            architecture: self.arch.clone(),
+            source_config: config,
+            text: self.text.clone(),
+            generation: self.generation.clone(),
+            dense: vec![],
+            experts: smoe_vault::ExpertIndex { blob_size: 0, parts: vec![], layers: vec![] },
+            notes: self.notes.clone(),
+        }
+    }
+
+    /// Every dense tensor read into one region, with its directory (for running in place).
+    pub fn dense_region(&self, progress: &dyn Progress) -> Result<(Vec<DenseEntry>, Vec<u8>), ConvertError> {
+        let mut region = Vec::new();
+        let mut entries = Vec::new();
+        for d in &self.dense {
+            let bytes = self.read_dense(d)?;
+            // Keep every tensor 64-byte aligned, as in a vault.
+            region.resize(region.len().div_ceil(64) * 64, 0);
+            entries.push(DenseEntry {
+                name: d.name.clone(),
+                format: d.format,
+                shape: d.shape.clone(),
+                offset: region.len() as u64,
+                len: bytes.len() as u64,
+                // GGUF has no checksums; nothing verifies in-place tensors.
+                checksum: 0,
+                source: "gguf".into(),
+            });
+            progress.advance(bytes.len() as u64);
+            region.extend_from_slice(&bytes);
+        }
+        Ok((entries, region))
+    }
+}
+
+fn dense_spec(g: &Gguf, spec: &names::TensorSpec, source: Source) -> Result<DenseSpec, ConvertError> {
+    let t = match &source {
+        Source::Copy(t) | Source::Rows { tensor: t, .. } => &g.tensors[*t],
+        Source::KvB { .. } => unreachable!("kv_b is built separately"),
+    };
+    let format = t.format()?;
+    let elems: usize = spec.shape.iter().product();
+    if t.rows() * t.cols() != elems || t.cols() != *spec.shape.last().unwrap_or(&0) {
+        return Err(ConvertError::BadInput(format!("{} has dims {:?}, expected {:?} for {}", t.name, t.dims, spec.shape, spec.name)));
+    }
+    if spec.keep_f32 && format != Format::F32 && spec.shape.len() == 1 {
+        // Norms and biases are F32 in every llama.cpp file; anything else still runs (the loader
+        // dequantizes), but say so.
+        tracing::debug!("{} is {}", t.name, format.name());
+    }
+    Ok(DenseSpec { name: spec.name.clone(), format, shape: spec.shape.clone(), source })
+}
+
+/// `smoe shatter FILE.gguf`: the GGUF's tensors into a vault, quantized blocks copied bit for
+/// bit (never re-quantized), experts split out of the stacked tensors one blob at a time, so
+/// memory stays bounded by one expert.
+pub fn shatter_gguf(path: &Path, out: &Path, progress: &dyn Progress) -> Result<ShatterReport, ConvertError> {
+    let t0 = std::time::Instant::now();
+    let m = GgufModel::open(path)?;
+    let arch = &m.arch;
+    let n = arch.moe.num_experts;
+    let dense_total: u64 = m.dense.iter().map(DenseSpec::bytes).sum();
+    let expert_total: u64 = m.experts.iter().map(|l| l.iter().map(|p| p.bytes).sum::<u64>()).sum::<u64>() * n as u64;
+    progress.start(dense_total + expert_total);
+    let mut w = smoe_vault::VaultWriter::create(out)?;
+    let mut dense_bytes = 0;
+    for d in &m.dense {
+        let b = m.read_dense(d)?;
+        w.add_tensor(&d.name, d.format, &d.shape, &b, "gguf")?;
+        progress.advance(b.len() as u64);
+        dense_bytes += b.len() as u64;
+    }
+    // Per layer parts; layers whose formats differ (Q4_K_M keeps some `down` in Q6_K) list
+    // their own, and every blob is as large as the largest layer needs.
+    let align = smoe_vault::header::DEFAULT_ALIGNMENT;
+    let layouts = m
+        .experts
+        .iter()
+        .map(|l| {
+            let specs: Vec<(String, Format, [usize; 2])> =
+                names::EXPERT_PARTS.iter().zip(l).map(|(name, p)| (name.to_string(), p.format, [p.rows, p.cols])).collect();
+            smoe_vault::layout_blob(&specs, align)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let blob_size = layouts.iter().map(|(_, s)| *s).max().unwrap_or(align as u64);
+    let moe_layers = arch.moe_layers();
+    w.begin_experts(layouts[0].0.clone(), blob_size, &moe_layers, n)?;
+    let mut mixed = false;
+    for (l, (parts, _)) in moe_layers.iter().zip(&layouts) {
+        if *parts != layouts[0].0 {
+            w.set_layer_parts(*l, parts.clone())?;
+            mixed = true;
+        }
+    }
+    let files = m.gguf.paths.iter().map(|p| File::open(p).map_err(|e| ConvertError::io(p, e))).collect::<Result<Vec<_>, _>>()?;
+    let mut bufs: [Vec<u8>; 3] = Default::default();
+    for (li, &l) in moe_layers.iter().enumerate() {
+        for e in 0..n {
+            for (buf, p) in bufs.iter_mut().zip(&m.experts[li]) {
+                buf.resize(p.bytes as usize, 0);
+                files[p.file]
+                    .read_exact_at(buf, p.offset + e as u64 * p.bytes)
+                    .map_err(|err| ConvertError::io(&m.gguf.paths[p.file], err))?;
+            }
+            w.add_blob(l, e, &[&bufs[0], &bufs[1], &bufs[2]])?;
+            progress.advance(bufs.iter().map(|b| b.len() as u64).sum());
+        }
+    }
+    let mut manifest = m.manifest();
+    if mixed {
+        manifest.required_features.push(smoe_vault::manifest::LAYER_EXPERT_PARTS.to_string());
+        manifest.notes.push("expert formats differ between layers (a mixed quantization)".into());
+    }
+    for n in &manifest.notes {
+        progress.note(n);
+    }
+    let notes = manifest.notes.clone();
+    let file_len = w.finish(manifest)?;
+    progress.finish();
+    Ok(ShatterReport {
+        path: out.to_path_buf(),
+        file_len,
+        dense_bytes,
+        expert_bytes: moe_layers.len() as u64 * n as u64 * blob_size,
+        blob_size,
+        source_bytes: dense_total + expert_total,
+        notes,
+        seconds: t0.elapsed().as_secs_f64(),
+    })
+}
+
+impl GgufModel {
+    /// The routed experts read in place: three reads per expert, straight from the stacked
+    /// tensors, each rounded out to the 4096-byte O_DIRECT alignment.
+    pub fn expert_map(&self) -> Result<smoe_store::ExpertMap, ConvertError> {
+        use smoe_store::map::{Extent, LayerMap, Part};
+        let layers = self
+            .experts
+            .iter()
+            .map(|l| {
+                let extents = l.iter().map(|p| Extent { file: p.file, base: p.offset, stride: p.bytes, len: p.bytes }).collect();
+                let part = |i: usize| Part { format: l[i].format, rows: l[i].rows, cols: l[i].cols, extent: i, offset: 0, len: l[i].bytes };
+                LayerMap { extents, parts: [part(0), part(1), part(2)], checksums: None }
+            })
+            .collect();
+        smoe_store::ExpertMap::new(self.gguf.paths.clone(), 4096, self.arch.moe_layers(), self.arch.moe.num_experts, layers)
+            .map_err(|e| ConvertError::BadInput(e.to_string()))
+    }
+}
