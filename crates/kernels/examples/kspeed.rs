@@ -1,11 +1,10 @@
 //! Kernel throughput on one core over a matrix larger than the caches:
 //! `cargo run --release -p smoe-kernels --example kspeed`.
 use smoe_kernels::{available, QuantAct};
-use smoe_quant::Format;
 
 fn main() {
     let cols = 2048;
-    for f in [Format::Q8_0, Format::Q4_K, Format::Q6_K, Format::BF16] {
+    for f in smoe_quant::ALL_FORMATS {
         let rows = (256 << 20) / f.row_bytes(cols).unwrap();
         let rb = f.row_bytes(cols).unwrap();
         let x: Vec<f32> = (0..cols).map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 300.0).collect();

@@ -19,6 +19,8 @@ const UNUSED: i32 = 5;
 const QWEN2_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const LLAMA3_REGEX: &str =
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// GLM-4's: Llama 3's with the contractions spelled case by case.
+const GLM4_REGEX: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const DEEPSEEK3_REGEXES: [&str; 3] = [
     r"\p{N}{1,3}",
     "[一-龥\u{3040}-ゟ゠-ヿ]+",
@@ -26,10 +28,10 @@ const DEEPSEEK3_REGEXES: [&str; 3] = [
 ];
 const DEEPSEEK_LLM_REGEXES: [&str; 6] = [
     "[\r\n]",
-    "\\s?[A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-ώᾀ-ᾴᾶ-ᾼιῂ-ῄῆ-ῌῐ-ΐῖ-Ίῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤΩℨK-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲𑢠-𑣟𞤀-𞥃]+",
-    "\\s?[!-/:-~！-／：-～‘-‟　-。]+",
+    "\\s?[A-Za-z\u{b5}\u{c0}-\u{d6}\u{d8}-\u{f6}\u{f8}-\u{1ba}\u{1bc}-\u{1bf}\u{1c4}-\u{293}\u{295}-\u{2af}\u{370}-\u{373}\u{376}\u{377}\u{37b}-\u{37d}\u{37f}\u{386}\u{388}-\u{38a}\u{38c}\u{38e}-\u{3a1}\u{3a3}-\u{3f5}\u{3f7}-\u{481}\u{48a}-\u{52f}\u{531}-\u{556}\u{10a0}-\u{10c5}\u{13a0}-\u{13f5}\u{13f8}-\u{13fd}\u{1c90}-\u{1cba}\u{1cbd}-\u{1cbf}\u{1d00}-\u{1d2b}\u{1d6b}-\u{1d77}\u{1d79}-\u{1d9a}\u{1e00}-\u{1f15}\u{1f18}-\u{1f1d}\u{1f20}-\u{1f45}\u{1f48}-\u{1f4d}\u{1f50}-\u{1f57}\u{1f59}\u{1f5b}\u{1f5d}\u{1f5f}-\u{1f7d}\u{1f80}-\u{1fb4}\u{1fb6}-\u{1fbc}\u{1fbe}\u{1fc2}-\u{1fc4}\u{1fc6}-\u{1fcc}\u{1fd0}-\u{1fd3}\u{1fd6}-\u{1fdb}\u{1fe0}-\u{1fec}\u{1ff2}-\u{1ff4}\u{1ff6}-\u{1ffc}\u{2102}\u{2107}\u{210a}-\u{2113}\u{2115}\u{2119}-\u{211d}\u{2124}\u{2126}\u{2128}\u{212a}-\u{212d}\u{212f}-\u{2134}\u{2139}\u{213c}-\u{213f}\u{2145}-\u{2149}\u{214e}\u{2183}\u{2184}\u{2c00}-\u{2c7b}\u{2c7e}-\u{2ce4}\u{2ceb}-\u{2cee}\u{2cf2}\u{2cf3}\u{a640}-\u{a66d}\u{a680}-\u{a69b}\u{a722}-\u{a76f}\u{a771}-\u{a787}\u{a78b}-\u{a78e}\u{ab70}-\u{abbf}\u{fb00}-\u{fb06}\u{fb13}-\u{fb17}\u{ff21}-\u{ff3a}\u{ff41}-\u{ff5a}\u{10400}-\u{1044f}\u{104b0}-\u{104d3}\u{104d8}-\u{104fb}\u{10c80}-\u{10cb2}\u{10cc0}-\u{10cf2}\u{118a0}-\u{118df}\u{1e900}-\u{1e943}]+",
+    "\\s?[!-/:-~\u{ff01}-\u{ff0f}\u{ff1a}-\u{ff5e}\u{2018}-\u{201f}\u{3000}-\u{3002}]+",
     "\\s+$",
-    "[一-龥ࠀ-一가-퟿]+",
+    "[\u{4e00}-\u{9fa5}\u{800}-\u{4e00}\u{ac00}-\u{d7ff}]+",
     "\\p{N}+",
 ];
 
@@ -50,12 +52,14 @@ pub fn pre_tokenizer(pre: &str) -> Result<(Json, Json), ConvertError> {
     Ok(match pre {
         "qwen2" | "qwen" | "stablelm2" => (json!({"type": "NFC"}), seq(vec![split(QWEN2_REGEX)])),
         "llama-bpe" | "llama3" | "llama-v3" => (Json::Null, seq(vec![split(LLAMA3_REGEX)])),
+        // GLM-4.5's tokenizer (llama.cpp's CHATGLM4 pre-tokenizer).
+        "glm4" | "chatglm-bpe" => (Json::Null, seq(vec![split(GLM4_REGEX)])),
         "gpt-2" | "gpt2" | "default" | "olmo" | "mpt" => (Json::Null, byte_level(true)),
         "deepseek-v3" | "deepseek3-llm" => (Json::Null, seq(DEEPSEEK3_REGEXES.iter().map(|r| split(r)).collect())),
         "deepseek-llm" => (Json::Null, seq(DEEPSEEK_LLM_REGEXES.iter().map(|r| split(r)).collect())),
         other => {
             return Err(ConvertError::Unsupported(format!(
-                "tokenizer pre-tokenizer '{other}' (supported: qwen2, llama-bpe, gpt-2, deepseek-v3, deepseek-llm)"
+                "tokenizer pre-tokenizer '{other}' (supported: qwen2, llama-bpe, glm4, gpt-2, deepseek-v3, deepseek-llm)"
             )))
         }
     })
@@ -67,6 +71,12 @@ fn strings(v: Option<&Value>, what: &str) -> Result<Vec<String>, ConvertError> {
         .iter()
         .map(|s| s.as_str().map(str::to_string).ok_or_else(|| ConvertError::BadInput(format!("{what}: not a string"))))
         .collect()
+}
+
+/// Whether a word found whole in the vocabulary is taken as one token before any merge, as
+/// Llama 3's and GLM-4's tokenizer.json say (`ignore_merges`) and llama.cpp does for them.
+fn ignore_merges(pre: &str) -> bool {
+    matches!(pre, "llama-bpe" | "llama3" | "llama-v3" | "glm4" | "chatglm-bpe")
 }
 
 /// Rebuilds a tokenizer.json from GGUF metadata.
@@ -108,7 +118,7 @@ pub fn tokenizer_json(meta: &BTreeMap<String, Value>) -> Result<String, ConvertE
         "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
         "model": {
             "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
-            "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+            "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": ignore_merges(pre),
             "vocab": vocab, "merges": merges,
         },
     });

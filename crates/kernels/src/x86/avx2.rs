@@ -10,7 +10,7 @@ use std::arch::x86_64::*;
 
 /// Horizontal sum of 8 f32.
 #[target_feature(enable = "avx2,fma")]
-fn hsum(v: __m256) -> f32 {
+pub(crate) fn hsum(v: __m256) -> f32 {
     let lo = _mm256_castps256_ps128(v);
     let hi = _mm256_extractf128_ps::<1>(v);
     let s = _mm_add_ps(lo, hi);
@@ -30,7 +30,7 @@ fn hsum_i32(v: __m256i) -> i32 {
 
 /// 32 signed × 32 signed bytes → 8 i32 partial sums.
 #[target_feature(enable = "avx2")]
-fn mul_sum_i8(x: __m256i, y: __m256i) -> __m256i {
+pub(crate) fn mul_sum_i8(x: __m256i, y: __m256i) -> __m256i {
     let ax = _mm256_sign_epi8(x, x);
     let sy = _mm256_sign_epi8(y, x);
     _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), _mm256_set1_epi16(1))

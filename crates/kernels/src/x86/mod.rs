@@ -1,6 +1,7 @@
 //! x86-64 kernel tables, chosen by CPU feature detection.
 
 pub mod avx2;
+pub mod avx2_more;
 pub mod avx512;
 pub mod gemm;
 
@@ -54,6 +55,13 @@ pub fn avx2_table() -> Option<Kernels> {
     k.set(Format::Q8_0, DotFn::Q32(avx2::dot_q8_0));
     k.set(Format::Q4_K, DotFn::Q256(avx2::dot_q4_k));
     k.set(Format::Q6_K, DotFn::Q256(avx2::dot_q6_k));
+    k.set(Format::Q4_0, DotFn::Q32(avx2_more::dot_q4_0));
+    k.set(Format::Q4_1, DotFn::Q32(avx2_more::dot_q4_1));
+    k.set(Format::Q5_0, DotFn::Q32(avx2_more::dot_q5_0));
+    k.set(Format::Q5_1, DotFn::Q32(avx2_more::dot_q5_1));
+    k.set(Format::Q2_K, DotFn::Q256(avx2_more::dot_q2_k));
+    k.set(Format::Q3_K, DotFn::Q256(avx2_more::dot_q3_k));
+    k.set(Format::Q5_K, DotFn::Q256(avx2_more::dot_q5_k));
     k.set_gemm(Format::Q8_0, gemm::q8_0_avx2);
     k.set_gemm(Format::Q4_K, gemm::q4_k_avx2);
     Some(k)

@@ -1,0 +1,244 @@
+//! AVX2 + FMA kernels for the formats that come from imported GGUF files: Q4_0, Q4_1, Q5_0,
+//! Q5_1 (32-element blocks) and Q2_K, Q3_K, Q5_K (256-element super-blocks). The same integer
+//! tricks as the main kernels (`avx2.rs`): unsigned × signed `maddubs`, the sign trick for
+//! signed × signed, group minimums through the activation sums.
+
+use super::avx2::{hsum, mul_sum_i8};
+use super::{f16x8, k4_scales};
+use crate::act::{Block256, Block32};
+use smoe_quant::blocks::{BlockQ2K, BlockQ3K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1};
+use std::arch::x86_64::*;
+
+fn f16(b: [u8; 2]) -> f32 {
+    smoe_quant::half::f16_bits_to_f32(u16::from_le_bytes(b))
+}
+
+/// 16 bytes of nibbles as 32 bytes: low nibbles (elements 0..15) then high (16..31).
+#[target_feature(enable = "avx2")]
+fn nibbles(qs: &[u8; 16]) -> __m256i {
+    // SAFETY: 16 bytes from a 16-byte array.
+    let x = unsafe { _mm_loadu_si128(qs.as_ptr() as *const __m128i) };
+    _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(x), x), _mm256_set1_epi8(0x0f))
+}
+
+/// 32 bits as 32 bytes, 0xff where the bit is set (ggml's expansion).
+#[target_feature(enable = "avx2")]
+fn bits(qh: [u8; 4]) -> __m256i {
+    let x = i32::from_le_bytes(qh);
+    let shuf = _mm256_set_epi64x(0x0303_0303_0303_0303, 0x0202_0202_0202_0202, 0x0101_0101_0101_0101, 0);
+    let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(x), shuf);
+    let bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe));
+    _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1))
+}
+
+/// Unsigned quants × signed activations → 8 i32.
+#[target_feature(enable = "avx2")]
+fn mul_sum_u8_i8(x: __m256i, y: __m256i) -> __m256i {
+    _mm256_madd_epi16(_mm256_maddubs_epi16(x, y), _mm256_set1_epi16(1))
+}
+
+#[target_feature(enable = "avx2")]
+fn load(a: &Block32) -> __m256i {
+    // SAFETY: 32 bytes from a 32-byte array.
+    unsafe { _mm256_loadu_si256(a.qs.as_ptr() as *const __m256i) }
+}
+
+/// Runs `$prod` (a block's integer products as 8 i32) over the blocks eight at a time, with
+/// the eight weight scales (and minimums, for Q4_1/Q5_1) converted from f16 in one instruction
+/// off the accumulation chain; returns Σ d_w · d_a · Σ products (+ Σ m_w · s_a).
+macro_rules! blocks8 {
+    ($wb:expr, $a:expr, |$b:ident, $y:ident| $prod:expr $(, min: $m:ident)?) => {{
+        let (wb, a) = ($wb, $a);
+        let n = wb.len().min(a.len());
+        let mut acc = [_mm256_setzero_ps(); 2];
+        #[allow(unused_mut)]
+        let mut mins = _mm256_setzero_ps();
+        let mut i = 0;
+        while i < n {
+            let k = (n - i).min(8);
+            let (mut hd, mut ad) = ([0u16; 8], [0f32; 8]);
+            #[allow(unused_mut, unused_variables)]
+            let (mut hm, mut asum) = ([0u16; 8], [0f32; 8]);
+            for j in 0..k {
+                hd[j] = u16::from_le_bytes(wb[i + j].d.0);
+                ad[j] = a[i + j].d;
+                $( hm[j] = u16::from_le_bytes(wb[i + j].$m.0); asum[j] = a[i + j].s; )?
+            }
+            let mut d = [0f32; 8];
+            // SAFETY: 8-element arrays.
+            unsafe {
+                _mm256_storeu_ps(d.as_mut_ptr(), _mm256_mul_ps(f16x8(&hd), _mm256_loadu_ps(ad.as_ptr())));
+                $( let _ = stringify!($m); mins = _mm256_fmadd_ps(f16x8(&hm), _mm256_loadu_ps(asum.as_ptr()), mins); )?
+            }
+            for j in 0..k {
+                let ($b, $y) = (&wb[i + j], load(&a[i + j]));
+                let p = _mm256_cvtepi32_ps($prod);
+                acc[j % 2] = _mm256_fmadd_ps(_mm256_set1_ps(d[j]), p, acc[j % 2]);
+            }
+            i += k;
+        }
+        hsum(_mm256_add_ps(acc[0], acc[1])) + hsum(mins)
+    }};
+}
+
+/// Q4_0 weights: `d · (q − 8)`.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_q4_0(w: &[u8], a: &[Block32]) -> f32 {
+    let wb: &[BlockQ4_0] = bytemuck::cast_slice(w);
+    blocks8!(wb, a, |b, y| mul_sum_i8(_mm256_sub_epi8(nibbles(&b.qs), _mm256_set1_epi8(8)), y))
+}
+
+/// Q4_1 weights: `d · q + m`; the minimum meets the activation block sum.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_q4_1(w: &[u8], a: &[Block32]) -> f32 {
+    let wb: &[BlockQ4_1] = bytemuck::cast_slice(w);
+    blocks8!(wb, a, |b, y| mul_sum_u8_i8(nibbles(&b.qs), y), min: m)
+}
+
+/// Q5_0 weights: `d · (q − 16)` with the fifth bits in `qh`.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_q5_0(w: &[u8], a: &[Block32]) -> f32 {
+    let wb: &[BlockQ5_0] = bytemuck::cast_slice(w);
+    // q − 16 in two's complement: q itself where the fifth bit is set, q | 0xf0 where not.
+    blocks8!(wb, a, |b, y| mul_sum_i8(_mm256_or_si256(nibbles(&b.qs), _mm256_andnot_si256(bits(b.qh), _mm256_set1_epi8(0xf0u8 as i8))), y))
+}
+
+/// Q5_1 weights: `d · q + m` with the fifth bits in `qh`.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_q5_1(w: &[u8], a: &[Block32]) -> f32 {
+    let wb: &[BlockQ5_1] = bytemuck::cast_slice(w);
+    blocks8!(wb, a, |b, y| mul_sum_u8_i8(_mm256_or_si256(nibbles(&b.qs), _mm256_and_si256(bits(b.qh), _mm256_set1_epi8(0x10))), y), min: m)
+}
+
+/// Two groups of 16 products (i16) in one register, weighted by their scales, to 8 i32.
+#[target_feature(enable = "avx2")]
+fn scaled(p: __m256i, s0: i16, s1: i16) -> __m256i {
+    _mm256_madd_epi16(p, _mm256_setr_m128i(_mm_set1_epi16(s0), _mm_set1_epi16(s1)))
+}
+
+#[target_feature(enable = "avx2")]
+fn load256(a: &Block256, at: usize) -> __m256i {
+    // SAFETY: callers pass at <= 224, so 32 bytes fit in the 256 quants.
+    unsafe { _mm256_loadu_si256(a.qs.as_ptr().add(at) as *const __m256i) }
+}
+
+/// Shifts each 16-bit lane right by a run-time count.
+#[target_feature(enable = "avx2")]
+fn srl(x: __m256i, n: i32) -> __m256i {
+    _mm256_srl_epi16(x, _mm_cvtsi32_si128(n))
+}
+
+/// Q2_K weights: 2-bit quants in 16 groups, each with a 4-bit scale and a 4-bit minimum.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_q2_k(w: &[u8], a: &[Block256]) -> f32 {
+    let wb: &[BlockQ2K] = bytemuck::cast_slice(w);
+    let m3 = _mm256_set1_epi8(3);
+    let mut total = 0f32;
+    for (b, a) in wb.iter().zip(a) {
+        let mut sumi = _mm256_setzero_si256();
+        let mut summ = 0i32;
+        for g in 0..16 {
+            summ += (b.scales[g] >> 4) as i32 * a.bsums[g] as i32;
+        }
+        for h in 0..2 {
+            // SAFETY: qs holds 64 bytes, 32 per half.
+            let q = unsafe { _mm256_loadu_si256(b.qs.as_ptr().add(32 * h) as *const __m256i) };
+            for j in 0..4 {
+                let x = _mm256_and_si256(srl(q, 2 * j as i32), m3);
+                let p = _mm256_maddubs_epi16(x, load256(a, 128 * h + 32 * j));
+                let g = 8 * h + 2 * j;
+                sumi = _mm256_add_epi32(sumi, scaled(p, (b.scales[g] & 15) as i16, (b.scales[g + 1] & 15) as i16));
+            }
+        }
+        let dd = f16x8(&[u16::from_le_bytes(b.d.0), u16::from_le_bytes(b.dmin.0), 0, 0, 0, 0, 0, 0]);
+        let mut d = [0f32; 8];
+        // SAFETY: 8 f32 into an 8-element array.
+        unsafe { _mm256_storeu_ps(d.as_mut_ptr(), dd) };
+        total += a.d * (d[0] * hsum(_mm256_cvtepi32_ps(sumi)) - d[1] * summ as f32);
+    }
+    total
+}
+
+/// Q3_K weights: 2 low bits plus a high bit (clear means −4), sixteen signed 6-bit scales.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_q3_k(w: &[u8], a: &[Block256]) -> f32 {
+    let wb: &[BlockQ3K] = bytemuck::cast_slice(w);
+    let m3 = _mm256_set1_epi8(3);
+    let mut total = 0f32;
+    for (b, a) in wb.iter().zip(a) {
+        let sc = smoe_quant::unpack_q3_scales(&b.scales);
+        // SAFETY: hmask holds 32 bytes.
+        let hm = unsafe { _mm256_loadu_si256(b.hmask.as_ptr() as *const __m256i) };
+        let mut sumi = _mm256_setzero_si256();
+        for h in 0..2 {
+            // SAFETY: qs holds 64 bytes, 32 per half.
+            let q = unsafe { _mm256_loadu_si256(b.qs.as_ptr().add(32 * h) as *const __m256i) };
+            for j in 0..4 {
+                let x = _mm256_and_si256(srl(q, 2 * j as i32), m3);
+                // 4 where the high bit is clear: subtracted through a second product.
+                let bit = _mm256_set1_epi8((1u8 << (4 * h + j)) as i8);
+                let clear = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), _mm256_setzero_si256());
+                let four = _mm256_and_si256(clear, _mm256_set1_epi8(4));
+                let y = load256(a, 128 * h + 32 * j);
+                let p = _mm256_sub_epi16(_mm256_maddubs_epi16(x, y), _mm256_maddubs_epi16(four, y));
+                let g = 8 * h + 2 * j;
+                sumi = _mm256_add_epi32(sumi, scaled(p, sc[g] as i16, sc[g + 1] as i16));
+            }
+        }
+        total += a.d * f16(b.d.0) * hsum(_mm256_cvtepi32_ps(sumi));
+    }
+    total
+}
+
+/// Q5_K weights: Q4_K's layout plus a fifth bit per quant in `qh`.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_q5_k(w: &[u8], a: &[Block256]) -> f32 {
+    let wb: &[BlockQ5K] = bytemuck::cast_slice(w);
+    let m4 = _mm256_set1_epi8(0x0f);
+    let m1 = _mm256_set1_epi8(1);
+    let mut total = 0f32;
+    for (b, a) in wb.iter().zip(a) {
+        let sm = k4_scales(&b.scales);
+        let mut summ = 0i32;
+        for g in 0..8 {
+            summ += sm[8 + g] as i32 * (a.bsums[2 * g] as i32 + a.bsums[2 * g + 1] as i32);
+        }
+        // SAFETY: qh holds 32 bytes.
+        let hb = unsafe { _mm256_loadu_si256(b.qh.as_ptr() as *const __m256i) };
+        let mut sumi = _mm256_setzero_si256();
+        for c in 0..4 {
+            // SAFETY: qs holds 128 bytes, 32 per chunk.
+            let q = unsafe { _mm256_loadu_si256(b.qs.as_ptr().add(32 * c) as *const __m256i) };
+            let h0 = _mm256_slli_epi16::<4>(_mm256_and_si256(srl(hb, 2 * c as i32), m1));
+            let h1 = _mm256_slli_epi16::<4>(_mm256_and_si256(srl(hb, 2 * c as i32 + 1), m1));
+            let lo = _mm256_or_si256(_mm256_and_si256(q, m4), h0);
+            let hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(q), m4), h1);
+            let p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load256(a, 64 * c)), _mm256_set1_epi16(sm[2 * c] as i16));
+            let p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load256(a, 64 * c + 32)), _mm256_set1_epi16(sm[2 * c + 1] as i16));
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p0, p1));
+        }
+        total += a.d * (f16(b.d.0) * hsum(_mm256_cvtepi32_ps(sumi)) - f16(b.dmin.0) * summ as f32);
+    }
+    total
+}
