@@ -165,7 +165,8 @@ def main():
     ap.add_argument("--reps", default="3")
     ap.add_argument("--cap-fraction", type=float, default=1 / 3)
     ap.add_argument("--work", default=os.path.join(ROOT, "target/bench"))
-    ap.add_argument("--capped-tokens", default="16")
+    ap.add_argument("--capped-tokens", default="16", help="llama.cpp's decode tokens under the cap (it is slow there)")
+    ap.add_argument("--capped-tokens-smoe", default="64")
     args = ap.parse_args()
     os.makedirs(args.work, exist_ok=True)
     t_start = time.time()
@@ -208,7 +209,7 @@ def main():
     cg = Cgroup(cap)
     res["cap_bytes"] = cap
     drop_caches()
-    s = smoe_bench(smoe, vault, args.threads, ["--prompt-tokens", "32", "--gen-tokens", args.capped_tokens], cache="auto",
+    s = smoe_bench(smoe, vault, args.threads, ["--prompt-tokens", "32", "--gen-tokens", args.capped_tokens_smoe], cache="auto",
                    prefix=cg.prefix())
     drop_caches()
     t0 = time.time()
@@ -232,10 +233,9 @@ def cpu_name():
 def report(r, work):
     c, cap = r["cached"], r["capped"]
     ram, fio_bw = r["ram_read_bytes_per_s"], r["fio"][32]
-    dense = c["smoe"]["dense_bytes"]
-    # Active bytes per decoded token: every dense byte (attention, norms, router, the LM head
-    # and one embedding row, dominated by the matrices) plus top-k expert blobs per MoE layer.
-    active = dense + 8 * r["layers"] * r["blob_bytes"]
+    # Active bytes per decoded token (smoe bench computes it): every dense tensor but the
+    # embedding table (one row of it) plus top-k expert blobs per MoE layer.
+    active = c["smoe"]["active_bytes_per_token"]
     limit_cached = ram / active
     missed = cap["smoe"]["bytes_read_per_token"]
     limit_capped = fio_bw / max(missed, 1) if missed > 0 else float("inf")
@@ -265,7 +265,8 @@ def report(r, work):
         lines.append(f"| {name} | {s:.2f} | {l:.2f} | {ratio} | {lim_s} | {of_lim} |" if l else f"| {name} | {s:.2f} | — | — | {lim_s} | {of_lim} |")
     lines += [
         "",
-        f"Under the cap smoe's cache hit rate was {cap['smoe']['hit_rate']:.3f}, reads ran at "
+        f"Under the cap smoe chose a cache of {cap['smoe']['cache_experts']} of {cap['smoe']['total_experts']} experts "
+        f"({cap['smoe']['cache_bytes'] / 2**30:.2f} GiB); its hit rate was {cap['smoe']['hit_rate']:.3f}, reads ran at "
         f"{cap['smoe']['read_bytes_per_s'] / 1e9:.2f} GB/s while outstanding; llama.cpp's capped run took {cap['llama_wall_s']:.0f} s.",
         "",
         f"Greedy, raw prompt {r['greedy']['prompt']!r}, 12 tokens: llama.cpp wrote {r['greedy']['llama_text']!r}; "

@@ -25,7 +25,7 @@ pub fn run_bench(
 ) -> Result<()> {
     threads(model.threads);
     let t0 = std::time::Instant::now();
-    let engine = model.open(vault, Precision::Fast, Some(prompt_tokens + gen_tokens + 1))?;
+    let (engine, report) = model.open_with_report(vault, Precision::Fast, Some(prompt_tokens + gen_tokens + 1))?;
     let load_s = t0.elapsed().as_secs_f64();
     let opts = BenchOptions { prompt_tokens, gen_tokens, seed: 1, chunk };
     if reps > 1 {
@@ -44,6 +44,12 @@ pub fn run_bench(
         v["load_seconds"] = load_s.into();
         v["threads"] = model.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())).into();
         v["dense_bytes"] = engine.model.dense_bytes().into();
+        let arch = engine.model.arch();
+        let experts_per_token = (arch.moe.top_k * arch.moe_layers().len()) as u64 * report.blob_bytes;
+        v["active_bytes_per_token"] = (engine.model.dense_bytes_per_token() + experts_per_token).into();
+        v["cache_bytes"] = report.cache_bytes.into();
+        v["cache_experts"] = report.cache_experts.into();
+        v["total_experts"] = report.total_experts.into();
         println!("{}", serde_json::to_string(&v)?);
         return Ok(());
     }

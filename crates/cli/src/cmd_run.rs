@@ -3,7 +3,7 @@
 use anyhow::{bail, Context, Result};
 use smoe_engine::instrument::Instrument;
 use smoe_engine::{
-    open_cpu, score, CacheSize, CpuBackend, Engine, FinishReason, GenOptions, NoObserver, OpenOptions, Precision, ScoreMode,
+    open_cpu, score, CacheSize, CpuBackend, Engine, FinishReason, GenOptions, NoObserver, OpenOptions, OpenReport, Precision, ScoreMode,
 };
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -86,11 +86,16 @@ impl ModelArgs {
 
     /// Opens the model and reports the cache size chosen (on stderr).
     pub fn open(&self, vault: &Path, precision: Precision, ctx: Option<usize>) -> Result<Engine<CpuBackend>> {
+        Ok(self.open_with_report(vault, precision, ctx)?.0)
+    }
+
+    /// Opens the model; also returns what was chosen at open.
+    pub fn open_with_report(&self, vault: &Path, precision: Precision, ctx: Option<usize>) -> Result<(Engine<CpuBackend>, OpenReport)> {
         exists(vault)?;
         let (mut engine, report) = open_cpu(vault, &self.options(precision, ctx)).with_context(|| format!("open {}", vault.display()))?;
         engine.model.set_lookahead(self.prefetch == "lookahead");
         eprintln!("{report}");
-        Ok(engine)
+        Ok((engine, report))
     }
 }
 

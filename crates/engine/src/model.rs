@@ -82,6 +82,8 @@ pub struct Model<B: Backend> {
     pub(crate) eps: f32,
     pub(crate) attn_scale: f32,
     pub(crate) dense_bytes: u64,
+    /// Bytes of the embedding table (read one row per token, unless it doubles as the LM head).
+    pub(crate) embed_bytes: u64,
     pub(crate) lookahead: bool,
 }
 
@@ -219,6 +221,7 @@ impl<B: Backend> Model<B> {
             eps: arch.norm_eps as f32,
             attn_scale,
             dense_bytes: region.len() as u64,
+            embed_bytes: ld.entry("embed")?.len,
             lookahead: false,
             layers,
             experts,
@@ -247,6 +250,16 @@ impl<B: Backend> Model<B> {
     /// Bytes of dense weights held.
     pub fn dense_bytes(&self) -> u64 {
         self.dense_bytes
+    }
+
+    /// Dense bytes one decoded token reads: every dense tensor but the embedding table (one
+    /// row of it), unless the embedding doubles as the LM head.
+    pub fn dense_bytes_per_token(&self) -> u64 {
+        if self.arch.tie_word_embeddings {
+            self.dense_bytes
+        } else {
+            self.dense_bytes - self.embed_bytes + self.embed_bytes / self.arch.vocab_size.max(1) as u64
+        }
     }
 
     /// The shape of each layer's KV cache.

@@ -128,3 +128,58 @@ fn bad_ggufs_are_refused_clearly() {
     };
     assert!(err.contains("blk.0.ffn_gate_exps.weight") && err.contains("IQ4_XS"), "{err}");
 }
+
+/// Mean over rows of KL(p ‖ q) of the softmaxes of two `[rows, vocab]` logit sets.
+fn mean_kl(p: &[f32], q: &[f32], vocab: usize) -> f64 {
+    let logp = |x: &[f32]| {
+        let m = x.iter().fold(f32::MIN, |a, &b| a.max(b)) as f64;
+        let z = x.iter().map(|&v| (v as f64 - m).exp()).sum::<f64>().ln();
+        x.iter().map(|&v| v as f64 - m - z).collect::<Vec<f64>>()
+    };
+    let rows = p.len() / vocab;
+    (0..rows)
+        .map(|r| {
+            let (a, b) = (logp(&p[r * vocab..(r + 1) * vocab]), logp(&q[r * vocab..(r + 1) * vocab]));
+            a.iter().zip(&b).map(|(x, y)| x.exp() * (x - y)).sum::<f64>()
+        })
+        .sum::<f64>()
+        / rows as f64
+}
+
+/// Q4_K_M and Q2_K files made by llama.cpp's own quantizer (from the bf16 weights of the
+/// qwen3_moe_k fixture, exported by smoe) import and run; their distance from smoe's bf16 run
+/// is the distance llama.cpp itself shows on the same file, and smoe and llama.cpp agree with
+/// each other far more closely than either with bf16 (docs/gguf.md derives the bounds).
+#[test]
+fn llama_cpp_k_quants_import_and_match_llama_cpp() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/gguf-kquant");
+    let ids: Vec<u32> =
+        std::fs::read_to_string(dir.join("qwen3_moe_k.long-ids.txt")).unwrap().split_whitespace().map(|s| s.parse().unwrap()).collect();
+    let bf16 = load(&vault("qwen3_moe_k", Format::BF16, Format::BF16));
+    let vocab = bf16.arch().vocab_size;
+    let reference = score(&bf16, &ids, ScoreMode::Prefill, 64, false).unwrap().logits;
+    for f in ["Q4_K_M", "Q2_K"] {
+        let llama: Vec<f32> = std::fs::read(dir.join(format!("qwen3_moe_k.{f}.llama-logits.f32")))
+            .unwrap()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        let file = dir.join(format!("qwen3_moe_k.{f}.gguf"));
+        for precision in [Precision::Reference, Precision::Fast] {
+            let opts = OpenOptions { precision, cache: CacheSize::Resident, ..Default::default() };
+            let e = open_cpu(&file, &opts).unwrap().0;
+            let ours = score(&e.model, &ids, ScoreMode::Prefill, 64, false).unwrap().logits;
+            let (ours_bf16, llama_bf16, ours_llama) =
+                (mean_kl(&reference, &ours, vocab), mean_kl(&reference, &llama, vocab), mean_kl(&llama, &ours, vocab));
+            eprintln!("{f} {precision:?}: KL(bf16‖smoe) {ours_bf16:.5}, KL(bf16‖llama.cpp) {llama_bf16:.5}, KL(llama.cpp‖smoe) {ours_llama:.6}, rel err vs llama.cpp {:.4}", rel_err(&ours, &llama));
+            assert!(
+                (ours_bf16 - llama_bf16).abs() <= 0.1 * llama_bf16,
+                "{f} {precision:?}: distance from bf16 {ours_bf16} vs llama.cpp's {llama_bf16}"
+            );
+            assert!(
+                ours_llama <= 0.1 * llama_bf16,
+                "{f} {precision:?}: smoe vs llama.cpp {ours_llama} is not far tighter than {llama_bf16}"
+            );
+        }
+    }
+}

@@ -101,12 +101,16 @@ pub(crate) fn matmul_many<M: Sync>(
         // Which prepared input each job uses.
         let mut input_of = Vec::with_capacity(jobs.len());
         let mut keys: Vec<(usize, usize, usize, smoe_kernels::act::ActKind)> = Vec::new();
+        // Whether each prepared input's tile is built: a job that shares an input with a
+        // format that has no many-token kernel may still need it for its own.
+        let mut tiled: Vec<bool> = Vec::new();
         for (w, j) in jobs {
             let key = (j.x_row, j.n, w.cols, smoe_kernels::act_kind(w.format));
             let idx = match keys.iter().position(|k| *k == key) {
                 Some(i) => i,
                 None => {
                     keys.push(key);
+                    tiled.push(false);
                     let i = keys.len() - 1;
                     if acts.len() <= i {
                         acts.push(QuantAct::default());
@@ -117,12 +121,13 @@ pub(crate) fn matmul_many<M: Sync>(
                         gather.extend_from_slice(&x[(j.x_row + t) * x_stride..][..w.cols]);
                     }
                     acts[i].quantize(w.format, gather, j.n, w.cols);
-                    if j.n >= 4 && k.has_gemm(w.format) {
-                        acts[i].build_tile(&mut tiles[i], j.n);
-                    }
                     i
                 }
             };
+            if j.n >= 4 && k.has_gemm(w.format) && !tiled[idx] {
+                acts[idx].build_tile(&mut tiles[idx], j.n);
+                tiled[idx] = true;
+            }
             input_of.push(idx);
         }
         // Tasks: row chunks of every job.
@@ -167,4 +172,43 @@ pub(crate) fn matmul_many<M: Sync>(
             }
         });
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{MatJob, WeightRef};
+    use smoe_quant::Format;
+
+    /// Two products on one input, the first in a format without a many-token kernel and the
+    /// second with one: each must compute exactly what it computes alone.
+    #[test]
+    fn jobs_sharing_an_input_each_take_their_own_kernel_path() {
+        let (k, pool) = (smoe_kernels::best(), Pool::new(2));
+        let (rows, cols, n) = (16, 512, 8);
+        let x: Vec<f32> = (0..n * cols).map(|i| ((i * 31 % 97) as f32 - 48.0) / 17.0).collect();
+        let w: Vec<f32> = (0..rows * cols).map(|i| ((i * 7 % 53) as f32 - 26.0) / 9.0).collect();
+        let quant = |f: Format| {
+            let rb = f.row_bytes(cols).unwrap();
+            let mut b = vec![0u8; rb * rows];
+            for (d, s) in b.chunks_mut(rb).zip(w.chunks(cols)) {
+                smoe_quant::quantize(f, s, d).unwrap();
+            }
+            b
+        };
+        let (qa, qb) = (quant(Format::Q2_K), quant(Format::Q4_K));
+        let a = QMatrix::new(Format::Q2_K, rows, cols, &qa).unwrap();
+        let b = QMatrix::new(Format::Q4_K, rows, cols, &qb).unwrap();
+        let (mut alone_a, mut alone_b) = (vec![0f32; n * rows], vec![0f32; n * rows]);
+        matmul(k, &pool, &a, &x, n, &mut alone_a);
+        matmul(k, &pool, &b, &x, n, &mut alone_b);
+        let ja: MatJob<'_, ()> = MatJob { w: WeightRef::Host(a), x_row: 0, n, out_row: 0, out_col: 0 };
+        let jb: MatJob<'_, ()> = MatJob { w: WeightRef::Host(b), x_row: 0, n, out_row: 0, out_col: rows };
+        let mut out = vec![0f32; n * 2 * rows];
+        matmul_many(k, &pool, &[(a, &ja), (b, &jb)], &x, cols, &mut out, 2 * rows);
+        for t in 0..n {
+            assert_eq!(&out[t * 2 * rows..t * 2 * rows + rows], &alone_a[t * rows..(t + 1) * rows], "Q2_K token {t}");
+            assert_eq!(&out[t * 2 * rows + rows..(t + 1) * 2 * rows], &alone_b[t * rows..(t + 1) * rows], "Q4_K token {t}");
+        }
+    }
 }
