@@ -291,6 +291,19 @@ fn models_are_swapped_within_the_memory_budget() {
     assert!(loaded().contains(&"qwen3".to_string()), "{:?}", loaded());
 }
 
+#[test]
+fn ggufs_in_the_directory_are_served_in_place() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = root().join("testdata/gguf/qwen2_moe.q8_0.gguf");
+    std::fs::copy(&src, dir.path().join("qwen2-q8.gguf")).unwrap();
+    let server = Server::start(dir.path(), &[]);
+    let (_, _, body) = http(server.addr, "GET", "/v1/models", &[], b"");
+    assert!(body.contains("\"qwen2-q8\""), "{body}");
+    let req = r#"{"model": "qwen2-q8", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}"#;
+    let (st, _, body) = http(server.addr, "POST", "/v1/chat/completions", &[], req.as_bytes());
+    assert_eq!(st, 200, "{body}");
+}
+
 fn rss_kib(pid: u32) -> u64 {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
     s.lines().find_map(|l| l.strip_prefix("VmRSS:")).and_then(|v| v.split_whitespace().next()?.parse().ok()).unwrap_or(0)

@@ -184,6 +184,31 @@ impl ModelFile {
     }
 }
 
+/// What a model file needs, read from its metadata alone.
+#[derive(Clone, Debug)]
+pub struct ModelSizes {
+    /// The architecture.
+    pub arch: smoe_vault::Architecture,
+    /// Bytes of dense weights.
+    pub dense_bytes: u64,
+    /// Bytes of one cache slot (one expert).
+    pub slot_bytes: u64,
+    /// Experts in all MoE layers.
+    pub total_experts: usize,
+}
+
+/// Sizes of a vault or GGUF, without loading it.
+pub fn model_sizes(path: &Path) -> Result<ModelSizes, EngineError> {
+    let file = ModelFile::open(path)?;
+    let map = file.expert_map()?;
+    Ok(ModelSizes {
+        arch: file.architecture().clone(),
+        dense_bytes: file.dense_len(),
+        slot_bytes: map.slot_size() as u64,
+        total_experts: map.total_experts(),
+    })
+}
+
 /// Opens `path` (a vault, or a GGUF run in place) on the CPU backend.
 pub fn open_cpu(path: &Path, opts: &OpenOptions) -> Result<(Engine<CpuBackend>, OpenReport), EngineError> {
     let file = ModelFile::open(path)?;

@@ -1,11 +1,11 @@
-//! The models of a directory: every vault is a model named by its file stem, loaded on first
-//! use and unloaded (least recently used first) when the memory budget needs its room.
+//! The models of a directory: every vault (and every GGUF, run in place) is a model named by
+//! its file stem, loaded on first use and unloaded (least recently used first) when the memory
+//! budget needs its room.
 
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::worker::{Worker, WorkerLimits};
 use smoe_engine::{open_cpu, CacheSize, OpenOptions, Precision};
-use smoe_vault::Vault;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -136,12 +136,9 @@ impl Fleet {
 
     fn load(&self, name: &str, path: &Path, loaded: &mut BTreeMap<String, Loaded>) -> Result<(Arc<Worker>, u64, u64), ApiError> {
         let unavailable = |e: String| ApiError::unavailable(format!("cannot load '{name}': {e}"));
-        let vault = Vault::open(path).map_err(|e| unavailable(e.to_string()))?;
-        let arch = vault.architecture().clone();
-        let dense = vault.header().dense_len;
-        let blob = vault.manifest().experts.blob_size;
-        let experts_total = blob * (arch.moe_layers().len() * arch.moe.num_experts) as u64;
-        drop(vault);
+        let sizes = smoe_engine::model_sizes(path).map_err(|e| unavailable(e.to_string()))?;
+        let (arch, dense, blob) = (sizes.arch, sizes.dense_bytes, sizes.slot_bytes);
+        let experts_total = blob * sizes.total_experts as u64;
         let ctx = self.cfg.ctx.unwrap_or_else(|| smoe_engine::default_context(&arch));
         let kv = ((smoe_engine::kv_values_per_token(&arch) * 4 * ctx) as u64).min(self.budget / 8);
         let base = dense + kv;
@@ -182,20 +179,39 @@ impl Fleet {
     }
 }
 
-/// Vaults in `dir` by file stem.
+/// Models in `dir` by name: vaults (`NAME.smoe`) and GGUFs run in place (`NAME.gguf`, or the
+/// first file of a split set, `NAME-00001-of-00003.gguf`, as `NAME`). A vault wins over a GGUF
+/// of the same name.
 fn scan(dir: &Path) -> BTreeMap<String, PathBuf> {
     let mut out = BTreeMap::new();
-    if let Ok(rd) = std::fs::read_dir(dir) {
-        for e in rd.flatten() {
-            let p = e.path();
-            if p.extension().is_some_and(|x| x == "smoe") && p.is_file() {
-                if let Some(stem) = p.file_stem().and_then(|s| s.to_str()) {
-                    out.insert(stem.to_string(), p);
-                }
-            }
-        }
+    let Ok(rd) = std::fs::read_dir(dir) else { return out };
+    let mut files: Vec<PathBuf> = rd.flatten().map(|e| e.path()).filter(|p| p.is_file()).collect();
+    // Vaults last, so they replace a GGUF of the same name.
+    files.sort_by_key(|p| p.extension().is_some_and(|x| x == "smoe"));
+    for p in files {
+        let Some(stem) = p.file_stem().and_then(|s| s.to_str()) else { continue };
+        let name = match p.extension().and_then(|x| x.to_str()) {
+            Some("smoe") => stem.to_string(),
+            Some("gguf") => match split_part(stem) {
+                Some((base, 1)) => base.to_string(),
+                Some(_) => continue,
+                None => stem.to_string(),
+            },
+            _ => continue,
+        };
+        out.insert(name, p);
     }
     out
+}
+
+/// `NAME-00002-of-00003` → `(NAME, 2)`.
+fn split_part(stem: &str) -> Option<(&str, usize)> {
+    let (rest, total) = stem.rsplit_once("-of-")?;
+    let (base, part) = rest.rsplit_once('-')?;
+    if part.len() == 5 && total.len() == 5 && total.chars().all(|c| c.is_ascii_digit()) {
+        return Some((base, part.parse().ok()?));
+    }
+    None
 }
 
 impl FleetConfig {

@@ -183,7 +183,7 @@ pub fn serve(cfg: ServerConfig) -> Result<(), String> {
     let fleet = Arc::new(Fleet::new(cfg.fleet.clone(), metrics.clone())?);
     let models = fleet.models();
     if models.is_empty() {
-        return Err(format!("no vaults (*.smoe) in {}", cfg.fleet.dir.display()));
+        return Err(format!("no models (*.smoe vaults or *.gguf files) in {}", cfg.fleet.dir.display()));
     }
     let state = AppState { fleet, metrics, api_key: cfg.api_key.as_deref().map(Arc::from), body_limit: cfg.body_limit };
     let app = router(state, &cfg.cors_origins);
