@@ -8,7 +8,7 @@ use std::arch::aarch64::*;
 
 /// Σ x·y over 16 signed bytes, added into an i32x4 accumulator.
 #[inline(always)]
-fn mla16(acc: int32x4_t, x: int8x16_t, y: int8x16_t) -> int32x4_t {
+pub(crate) fn mla16(acc: int32x4_t, x: int8x16_t, y: int8x16_t) -> int32x4_t {
     // SAFETY: NEON is part of the aarch64 baseline; these are register-only operations.
     unsafe {
         let p = vmull_s8(vget_low_s8(x), vget_low_s8(y));
@@ -121,4 +121,46 @@ pub fn dot_q6_k(w: &[u8], a: &[Block256]) -> f32 {
         total += a.d * b.d.to_f32() * (sumi - 32 * offset) as f32;
     }
     total
+}
+
+/// f32 weights (as little-endian bytes).
+pub fn dot_f32(w: &[u8], x: &[f32]) -> f32 {
+    let n = (w.len() / 4).min(x.len());
+    let mut i = 0;
+    // SAFETY: each load reads 4 floats (16 bytes) at i with i + 4 <= n; unaligned loads are fine.
+    let mut s = unsafe {
+        let mut acc = vdupq_n_f32(0.0);
+        while i + 4 <= n {
+            acc = vfmaq_f32(acc, vld1q_f32(w.as_ptr().add(4 * i) as *const f32), vld1q_f32(x.as_ptr().add(i)));
+            i += 4;
+        }
+        vaddvq_f32(acc)
+    };
+    for j in i..n {
+        s += f32::from_le_bytes([w[4 * j], w[4 * j + 1], w[4 * j + 2], w[4 * j + 3]]) * x[j];
+    }
+    s
+}
+
+/// bf16 weights: widening a bf16 is a 16-bit left shift of its bits.
+pub fn dot_bf16(w: &[u8], x: &[f32]) -> f32 {
+    let n = (w.len() / 2).min(x.len());
+    let mut i = 0;
+    // SAFETY: each load reads 8 bf16 (16 bytes) and 8 floats at i with i + 8 <= n.
+    let mut s = unsafe {
+        let (mut s0, mut s1) = (vdupq_n_f32(0.0), vdupq_n_f32(0.0));
+        while i + 8 <= n {
+            let h = vld1q_u16(w.as_ptr().add(2 * i) as *const u16);
+            let lo = vreinterpretq_f32_u32(vshll_n_u16::<16>(vget_low_u16(h)));
+            let hi = vreinterpretq_f32_u32(vshll_n_u16::<16>(vget_high_u16(h)));
+            s0 = vfmaq_f32(s0, lo, vld1q_f32(x.as_ptr().add(i)));
+            s1 = vfmaq_f32(s1, hi, vld1q_f32(x.as_ptr().add(i + 4)));
+            i += 8;
+        }
+        vaddvq_f32(vaddq_f32(s0, s1))
+    };
+    for j in i..n {
+        s += smoe_quant::half::bf16_bits_to_f32(u16::from_le_bytes([w[2 * j], w[2 * j + 1]])) * x[j];
+    }
+    s
 }
