@@ -144,3 +144,34 @@ fn quantized_glm_deepseek_match_their_dequantized_reference() {
 fn k_quants_on_256_wide_rows_match_their_dequantized_reference() {
     check_quantized("qwen3_moe_k", &QUANT_CONFIGS);
 }
+
+/// The production path (`smoe score --fast`: int8 activations, SIMD kernels, the thread pool)
+/// against the f32 reference path on the same vault, per fixture: top-1 agreement and mean KL,
+/// printed for docs/quality.md. Near-tie routing on these random models means the two can
+/// pick different experts, so agreement is reported; the assert only guards against a broken
+/// kernel (a wrong kernel gives KL of order 1, these are of order 1e-3 and below).
+#[test]
+fn fast_path_against_reference_per_fixture() {
+    let fast = |path: &std::path::Path| {
+        let v = smoe_vault::Vault::open(path).unwrap();
+        let ex = std::sync::Arc::new(smoe_store::ResidentExperts::load(&v).unwrap());
+        smoe_engine::Model::load(&v, smoe_engine::CpuBackend::new(smoe_engine::Precision::Fast), ex).unwrap()
+    };
+    let all = ENGINE_FIXTURES.iter().chain(&GLM_DEEPSEEK_FIXTURES).chain(&["qwen3_moe_k"]);
+    for &name in all {
+        let r = read_safetensors(&fixture(name).join("reference.safetensors"));
+        let input = ids(&r["long.input_ids"]);
+        for (experts, dense) in [(Format::BF16, Format::BF16), (Format::Q4_K, Format::Q8_0)] {
+            let path = vault(name, experts, dense);
+            let (reference, production) = (load(&path), fast(&path));
+            let vocab = reference.arch().vocab_size;
+            for mode in [ScoreMode::Prefill, ScoreMode::Decode] {
+                let want = score(&reference, &input, mode, 64, false).unwrap().logits;
+                let got = score(&production, &input, mode, 64, false).unwrap().logits;
+                let (top1, kl, max_err) = distance(&got, &want, vocab);
+                println!("FAST|{name}|{experts}/{dense}|{mode:?}|{top1:.3}|{kl:.5}|{max_err:.1e}");
+                assert!(kl < 0.05, "{name} {experts}/{dense} {mode:?}: fast path KL {kl} from the reference path");
+            }
+        }
+    }
+}
