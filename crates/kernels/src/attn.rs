@@ -128,3 +128,110 @@ pub(crate) mod neon {
         }
     }
 }
+
+/// Attention over an f16 KV cache (keys and values stored as IEEE half bits): half the bytes of
+/// f32 per cached token, converted to f32 in registers. Used to measure f16 against f32 KV
+/// (`examples/kv_precision.rs`, docs/benchmarks.md); the engine's cache is f32.
+pub mod f16 {
+    use smoe_quant::half::f16_bits_to_f32;
+
+    /// [`super::MultiDot`] with f16 keys (scalar).
+    pub fn multi_dot_scalar(q: &[f32], k: &[u16], out: &mut [f32]) {
+        let d = k.len();
+        for (o, qr) in out.iter_mut().zip(q.chunks_exact(d)) {
+            *o = qr.iter().zip(k).map(|(a, &b)| a * f16_bits_to_f32(b)).sum();
+        }
+    }
+
+    /// [`super::MultiAxpy`] with f16 values (scalar).
+    pub fn multi_axpy_scalar(acc: &mut [f32], w: &[f32], v: &[u16]) {
+        let d = v.len();
+        for (row, &wh) in acc.chunks_exact_mut(d).zip(w) {
+            for (a, &b) in row.iter_mut().zip(v) {
+                *a += wh * f16_bits_to_f32(b);
+            }
+        }
+    }
+
+    /// `out[h] = q[h, :] · k`, the fastest path this CPU has.
+    pub fn multi_dot(q: &[f32], k: &[u16], out: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if has_f16c() {
+            // SAFETY: the CPU has AVX2, FMA and F16C (checked above).
+            return unsafe { avx2::multi_dot(q, k, out) };
+        }
+        multi_dot_scalar(q, k, out)
+    }
+
+    /// `acc[h, :] += w[h] · v`, the fastest path this CPU has.
+    pub fn multi_axpy(acc: &mut [f32], w: &[f32], v: &[u16]) {
+        #[cfg(target_arch = "x86_64")]
+        if has_f16c() {
+            // SAFETY: as above.
+            return unsafe { avx2::multi_axpy(acc, w, v) };
+        }
+        multi_axpy_scalar(acc, w, v)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    fn has_f16c() -> bool {
+        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    mod avx2 {
+        use smoe_quant::half::f16_bits_to_f32;
+        use std::arch::x86_64::*;
+
+        /// # Safety
+        /// The CPU must support AVX2, FMA and F16C.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub unsafe fn multi_dot(q: &[f32], k: &[u16], out: &mut [f32]) {
+            let d = k.len();
+            let full = d / 8 * 8;
+            for (o, qr) in out.iter_mut().zip(q.chunks_exact(d)) {
+                let mut acc = _mm256_setzero_ps();
+                let mut i = 0;
+                while i < full {
+                    // SAFETY: i + 8 <= full <= d for the key (8 halves = 16 bytes) and the query row.
+                    unsafe {
+                        let kv = _mm256_cvtph_ps(_mm_loadu_si128(k.as_ptr().add(i) as *const __m128i));
+                        acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr.as_ptr().add(i)), kv, acc);
+                    }
+                    i += 8;
+                }
+                let s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps::<1>(acc));
+                let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+                let mut t = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+                for j in full..d {
+                    t += qr[j] * f16_bits_to_f32(k[j]);
+                }
+                *o = t;
+            }
+        }
+
+        /// # Safety
+        /// The CPU must support AVX2, FMA and F16C.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub unsafe fn multi_axpy(acc: &mut [f32], w: &[f32], v: &[u16]) {
+            let d = v.len();
+            let full = d / 8 * 8;
+            for (row, &wh) in acc.chunks_exact_mut(d).zip(w) {
+                let wv = _mm256_set1_ps(wh);
+                let mut i = 0;
+                while i < full {
+                    // SAFETY: i + 8 <= full <= d for the value row and the accumulator row.
+                    unsafe {
+                        let p = row.as_mut_ptr().add(i);
+                        let vv = _mm256_cvtph_ps(_mm_loadu_si128(v.as_ptr().add(i) as *const __m128i));
+                        _mm256_storeu_ps(p, _mm256_fmadd_ps(wv, vv, _mm256_loadu_ps(p)));
+                    }
+                    i += 8;
+                }
+                for j in full..d {
+                    row[j] += wh * f16_bits_to_f32(v[j]);
+                }
+            }
+        }
+    }
+}
