@@ -1,5 +1,5 @@
 //! Many-token kernel throughput (one core): `cargo run --release -p smoe-kernels --example gspeed`.
-use smoe_kernels::{available, gemm::ActTile, QuantAct};
+use smoe_kernels::{available, gemm::ActTile, gemm::ROWS, QuantAct};
 use smoe_quant::Format;
 
 fn main() {
@@ -45,6 +45,18 @@ fn main() {
             }
             let secs = t.elapsed().as_secs_f64();
             println!("{f} {:12} dots:    {:6.1} GMAC/s [{s:.0}]", k.isa, macs / secs / 1e9);
+            let mut many = vec![0f32; ROWS * n];
+            let t = std::time::Instant::now();
+            for _ in 0..reps {
+                for r in (0..rows).step_by(ROWS) {
+                    if !k.gemm_rows(f, std::array::from_fn(|i| &w[(r + i) * rb..(r + i + 1) * rb]), &tile, &mut many) {
+                        break;
+                    }
+                    s += many[0];
+                }
+            }
+            let secs = t.elapsed().as_secs_f64();
+            println!("{f} {:12} {ROWS} rows: {:6.1} GMAC/s [{s:.0}]", k.isa, macs / secs / 1e9);
         }
     }
 }

@@ -9,18 +9,30 @@ pub type MultiAxpy = unsafe fn(acc: &mut [f32], w: &[f32], v: &[f32]);
 
 /// Scalar [`MultiDot`].
 pub fn multi_dot(q: &[f32], k: &[f32], out: &mut [f32]) {
-    let d = k.len();
-    for (o, qr) in out.iter_mut().zip(q.chunks_exact(d)) {
-        *o = qr.iter().zip(k).map(|(a, b)| a * b).sum();
-    }
+    multi_dot_as(q, k, out, |x| x)
 }
 
 /// Scalar [`MultiAxpy`].
 pub fn multi_axpy(acc: &mut [f32], w: &[f32], v: &[f32]) {
+    multi_axpy_as(acc, w, v, |x| x)
+}
+
+/// [`multi_dot`] over keys stored as `T`, widened by `f`.
+#[inline(always)]
+fn multi_dot_as<T: Copy>(q: &[f32], k: &[T], out: &mut [f32], f: impl Fn(T) -> f32) {
+    let d = k.len();
+    for (o, qr) in out.iter_mut().zip(q.chunks_exact(d)) {
+        *o = qr.iter().zip(k).map(|(a, &b)| a * f(b)).sum();
+    }
+}
+
+/// [`multi_axpy`] over values stored as `T`, widened by `f`.
+#[inline(always)]
+fn multi_axpy_as<T: Copy>(acc: &mut [f32], w: &[f32], v: &[T], f: impl Fn(T) -> f32) {
     let d = v.len();
     for (row, &wh) in acc.chunks_exact_mut(d).zip(w) {
         for (a, &b) in row.iter_mut().zip(v) {
-            *a += wh * b;
+            *a += wh * f(b);
         }
     }
 }
@@ -137,20 +149,12 @@ pub mod f16 {
 
     /// [`super::MultiDot`] with f16 keys (scalar).
     pub fn multi_dot_scalar(q: &[f32], k: &[u16], out: &mut [f32]) {
-        let d = k.len();
-        for (o, qr) in out.iter_mut().zip(q.chunks_exact(d)) {
-            *o = qr.iter().zip(k).map(|(a, &b)| a * f16_bits_to_f32(b)).sum();
-        }
+        super::multi_dot_as(q, k, out, f16_bits_to_f32)
     }
 
     /// [`super::MultiAxpy`] with f16 values (scalar).
     pub fn multi_axpy_scalar(acc: &mut [f32], w: &[f32], v: &[u16]) {
-        let d = v.len();
-        for (row, &wh) in acc.chunks_exact_mut(d).zip(w) {
-            for (a, &b) in row.iter_mut().zip(v) {
-                *a += wh * f16_bits_to_f32(b);
-            }
-        }
+        super::multi_axpy_as(acc, w, v, f16_bits_to_f32)
     }
 
     /// `out[h] = q[h, :] · k`, the fastest path this CPU has.

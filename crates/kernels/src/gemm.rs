@@ -14,6 +14,13 @@ pub const TILE: usize = 8;
 /// A weight row against every token of an [`ActTile`]: `out[t] = w · a[t]`.
 pub type GemmRow = unsafe fn(w: &[u8], tile: &ActTile, out: &mut [f32]);
 
+/// Rows handled together by a [`GemmRows`] kernel.
+pub const ROWS: usize = 4;
+
+/// [`ROWS`] weight rows against every token: `out[r * n + t] = w[r] · a[t]`. Each activation
+/// load then feeds [`ROWS`] products instead of one, which is what bounds the one-row kernel.
+pub type GemmRows = unsafe fn(w: [&[u8]; ROWS], tile: &ActTile, out: &mut [f32]);
+
 /// Interleaved activations of `n` tokens (zero-padded to whole tiles).
 #[derive(Default)]
 pub struct ActTile {

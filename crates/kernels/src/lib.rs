@@ -69,6 +69,7 @@ pub struct Kernels {
     pub(crate) multi_axpy: attn::MultiAxpy,
     dots: [DotFn; 13],
     gemms: [Option<gemm::GemmRow>; 13],
+    gemms4: [Option<gemm::GemmRows>; 13],
 }
 
 fn slot(f: Format) -> usize {
@@ -103,6 +104,7 @@ impl Kernels {
             multi_axpy: attn::multi_axpy,
             dots,
             gemms: [None; 13],
+            gemms4: [None; 13],
         }
     }
 
@@ -113,6 +115,21 @@ impl Kernels {
     #[allow(dead_code)]
     pub(crate) fn set_gemm(&mut self, f: Format, g: gemm::GemmRow) {
         self.gemms[slot(f)] = Some(g);
+    }
+
+    #[allow(dead_code)]
+    pub(crate) fn set_gemm4(&mut self, f: Format, g: gemm::GemmRows) {
+        self.gemms4[slot(f)] = Some(g);
+    }
+
+    /// `out[r * n + t] = w[r] · a[t]` for [`gemm::ROWS`] rows; `false` if `f` has no such kernel.
+    pub fn gemm_rows(&self, f: Format, w: [&[u8]; gemm::ROWS], tile: &gemm::ActTile, out: &mut [f32]) -> bool {
+        match self.gemms4[slot(f)] {
+            // SAFETY: as for `dot`: the table only holds kernels this CPU supports.
+            Some(g) => unsafe { g(w, tile, out) },
+            None => return false,
+        }
+        true
     }
 
     /// Whether `f` has a many-token kernel (see [`gemm`]).

@@ -139,6 +139,28 @@ fn many_token_kernels_match_single_dots() {
                     let want = scalar.dot(f, &w, qa.row(t));
                     assert!((out[t] - want).abs() < 1e-4 * (1.0 + want.abs()), "{} {f} cols {cols} token {t}: {} vs {want}", k.isa, out[t]);
                 }
+                // Several rows at once, where the table has such a kernel: each row as alone.
+                let rows: Vec<Vec<u8>> = (0..gemm::ROWS)
+                    .map(|_| {
+                        let mut w = vec![0u8; rb];
+                        smoe_quant::quantize(f, &data(cols, &mut rng), &mut w).unwrap();
+                        w
+                    })
+                    .collect();
+                let mut many = vec![0f32; gemm::ROWS * n];
+                if k.gemm_rows(f, std::array::from_fn(|r| rows[r].as_slice()), &tile, &mut many) {
+                    for (r, w) in rows.iter().enumerate() {
+                        for t in 0..n {
+                            let want = scalar.dot(f, w, qa.row(t));
+                            let got = many[r * n + t];
+                            assert!(
+                                (got - want).abs() < 1e-4 * (1.0 + want.abs()),
+                                "{} {f} rows: row {r} token {t}: {got} vs {want}",
+                                k.isa
+                            );
+                        }
+                    }
+                }
             }
         }
     }

@@ -79,9 +79,20 @@ thread_local! {
     static PROBS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Grouped-query attention on the persistent pool: each task takes one token, one KV head and
-/// up to [`HEADS_PER_TASK`] of its query heads, and streams that head's cached keys and values
-/// once for all of them.
+/// Tokens per task in prefill: the cached keys and values a task streams serve this many
+/// queries of each head, instead of one.
+const TOKENS_PER_TASK: usize = 8;
+
+thread_local! {
+    static QBUF: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    static OBUF: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Grouped-query attention on the persistent pool: each task takes up to [`TOKENS_PER_TASK`]
+/// tokens, one KV head and up to [`HEADS_PER_TASK`] of its query heads, and streams that
+/// head's cached keys and values once for all of them. Every (token, head) row gets exactly
+/// the arithmetic it would get alone (later positions are masked out of its softmax and
+/// enter its weighted sum with weight zero), so prefill and decode agree bit for bit.
 pub(super) fn attention_fast(
     l: &KvLayer,
     q: &[f32],
@@ -98,53 +109,72 @@ pub(super) fn attention_fast(
     let group = p.q_heads / kvh;
     let chunk = group.min(HEADS_PER_TASK);
     let chunks_per_group = group.div_ceil(chunk);
+    let blocks = n.div_ceil(TOKENS_PER_TASK);
     let k_row = kvh * kd;
     let (values, v_row, v_stride) = if s.values_in_keys { (&l.k, k_row, kd) } else { (&l.v, kvh * vd, vd) };
     let out = &mut out[..n * p.q_heads * vd];
     let sink = SendPtr(out.as_mut_ptr());
-    pool.run(n * kvh * chunks_per_group, &|task| {
-        let (t, rest) = (task / (kvh * chunks_per_group), task % (kvh * chunks_per_group));
+    pool.run(blocks * kvh * chunks_per_group, &|task| {
+        let (b, rest) = (task / (kvh * chunks_per_group), task % (kvh * chunks_per_group));
         let (g, c) = (rest / chunks_per_group, rest % chunks_per_group);
         let h0 = g * group + c * chunk;
         let heads = chunk.min(g * group + group - h0);
-        let len = pos0 + t + 1;
-        let qs = &q[t * q_stride + h0 * kd..][..heads * kd];
-        // SAFETY: this task owns the output rows of query heads h0..h0 + heads of token t;
-        // tasks cover disjoint (t, head) ranges and `out` outlives `pool.run`.
-        let o = unsafe { std::slice::from_raw_parts_mut(sink.get().add((t * p.q_heads + h0) * vd), heads * vd) };
-        PROBS.with(|pr| {
-            let mut pr = pr.borrow_mut();
-            pr.resize(len * heads, 0.0);
-            // Scores, position-major: pr[j * heads + h].
-            for j in 0..len {
-                k.multi_dot(qs, &l.k[j * k_row + g * kd..][..kd], &mut pr[j * heads..(j + 1) * heads]);
-            }
-            let mut max = [f32::NEG_INFINITY; HEADS_PER_TASK];
-            for j in 0..len {
-                for h in 0..heads {
-                    let v = pr[j * heads + h] * p.scale;
-                    pr[j * heads + h] = v;
-                    max[h] = max[h].max(v);
-                }
-            }
-            let mut sum = [0f32; HEADS_PER_TASK];
-            for j in 0..len {
-                for h in 0..heads {
-                    let e = (pr[j * heads + h] - max[h]).exp();
-                    pr[j * heads + h] = e;
-                    sum[h] += e;
-                }
-            }
-            o.fill(0.0);
-            for j in 0..len {
-                k.multi_axpy(o, &pr[j * heads..(j + 1) * heads], &values[j * v_row + g * v_stride..][..vd]);
-            }
-            for h in 0..heads {
-                let inv = 1.0 / sum[h];
-                for v in &mut o[h * vd..(h + 1) * vd] {
-                    *v *= inv;
-                }
-            }
+        let (t0, t1) = (b * TOKENS_PER_TASK, ((b + 1) * TOKENS_PER_TASK).min(n));
+        let rows = (t1 - t0) * heads;
+        let len = pos0 + t1;
+        QBUF.with(|qb| {
+            PROBS.with(|pr| {
+                OBUF.with(|ob| {
+                    let (qb, pr, ob) = (&mut *qb.borrow_mut(), &mut *pr.borrow_mut(), &mut *ob.borrow_mut());
+                    // The block's query rows, contiguous: row (t - t0) * heads + h.
+                    qb.clear();
+                    for t in t0..t1 {
+                        qb.extend_from_slice(&q[t * q_stride + h0 * kd..][..heads * kd]);
+                    }
+                    // Scores, position-major: pr[j * rows + r].
+                    pr.resize(len * rows, 0.0);
+                    for j in 0..len {
+                        k.multi_dot(qb, &l.k[j * k_row + g * kd..][..kd], &mut pr[j * rows..(j + 1) * rows]);
+                    }
+                    ob.clear();
+                    ob.resize(rows * vd, 0.0);
+                    let mut inv = [0f32; TOKENS_PER_TASK * HEADS_PER_TASK];
+                    for r in 0..rows {
+                        let visible = pos0 + t0 + r / heads + 1;
+                        let mut max = f32::NEG_INFINITY;
+                        for j in 0..visible {
+                            let v = pr[j * rows + r] * p.scale;
+                            pr[j * rows + r] = v;
+                            max = max.max(v);
+                        }
+                        let mut sum = 0f32;
+                        for j in 0..visible {
+                            let e = (pr[j * rows + r] - max).exp();
+                            pr[j * rows + r] = e;
+                            sum += e;
+                        }
+                        for j in visible..len {
+                            pr[j * rows + r] = 0.0;
+                        }
+                        inv[r] = 1.0 / sum;
+                    }
+                    for j in 0..len {
+                        k.multi_axpy(ob, &pr[j * rows..(j + 1) * rows], &values[j * v_row + g * v_stride..][..vd]);
+                    }
+                    for t in t0..t1 {
+                        let r0 = (t - t0) * heads;
+                        // SAFETY: this task owns the output rows of query heads h0..h0 + heads of
+                        // tokens t0..t1; tasks cover disjoint (token, head) ranges and `out`
+                        // outlives `pool.run`.
+                        let o = unsafe { std::slice::from_raw_parts_mut(sink.get().add((t * p.q_heads + h0) * vd), heads * vd) };
+                        for (h, o) in o.chunks_exact_mut(vd).enumerate() {
+                            for (d, &v) in o.iter_mut().zip(&ob[(r0 + h) * vd..(r0 + h + 1) * vd]) {
+                                *d = v * inv[r0 + h];
+                            }
+                        }
+                    }
+                })
+            })
         })
     });
 }

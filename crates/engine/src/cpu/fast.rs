@@ -2,20 +2,30 @@
 //! dot products (smoe-kernels), output rows split across the persistent pool.
 
 use super::pool::Pool;
-use smoe_kernels::gemm::ActTile;
+use smoe_kernels::gemm::{self, ActTile};
 use smoe_kernels::{Kernels, QuantAct};
 use smoe_quant::QMatrix;
 use std::cell::RefCell;
+use std::sync::Mutex;
 
 thread_local! {
-    /// Per-job quantized activations and tiles for `matmul_many`, reused across calls.
-    static MANY: RefCell<(Vec<QuantAct>, Vec<ActTile>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
+    /// Per-input quantized activations and tiles for `matmul_many`, reused across calls.
+    static MANY: RefCell<Vec<Mutex<Prepared>>> = const { RefCell::new(Vec::new()) };
     /// The calling thread's quantized activations, reused across calls.
     static ACT: RefCell<QuantAct> = RefCell::new(QuantAct::default());
     /// The same activations interleaved for the many-token kernels.
     static TILE: RefCell<ActTile> = RefCell::new(ActTile::default());
     /// A task's outputs for one row over all tokens.
     static ROWOUT: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// One input of `matmul_many`: its rows gathered, quantized and (for the many-token kernels)
+/// interleaved. Prepared by one pool task each, behind an uncontended lock.
+#[derive(Default)]
+struct Prepared {
+    gather: Vec<f32>,
+    act: QuantAct,
+    tile: ActTile,
 }
 
 /// Output rows owned by one task: tasks own disjoint row ranges, so writes never overlap.
@@ -35,10 +45,51 @@ impl Out {
 }
 
 /// Rows per task: enough work per task to amortise scheduling, enough tasks to balance.
+/// Rows `r0..r1` of a weight matrix against a tile of tokens: [`gemm::ROWS`] rows at a time
+/// where the kernels have a many-row kernel for `f`, one at a time otherwise; each product is
+/// handed to `put(token, row, value)`.
+#[inline]
+fn gemm_rows<'w>(
+    k: &Kernels,
+    f: smoe_quant::Format,
+    r0: usize,
+    r1: usize,
+    row: impl Fn(usize) -> &'w [u8],
+    tile: &ActTile,
+    put: impl Fn(usize, usize, f32),
+) {
+    ROWOUT.with(|buf| {
+        let mut buf = buf.borrow_mut();
+        let n = tile.n;
+        buf.resize(gemm::ROWS * n, 0.0);
+        let mut r = r0;
+        while r + gemm::ROWS <= r1 && k.gemm_rows(f, std::array::from_fn(|i| row(r + i)), tile, &mut buf) {
+            for i in 0..gemm::ROWS {
+                for (t, &v) in buf[i * n..(i + 1) * n].iter().enumerate() {
+                    put(t, r + i, v);
+                }
+            }
+            r += gemm::ROWS;
+        }
+        for r in r..r1 {
+            k.gemm_row(f, row(r), tile, &mut buf[..n]);
+            for (t, &v) in buf[..n].iter().enumerate() {
+                put(t, r, v);
+            }
+        }
+    })
+}
+
 fn rows_per_task(m: usize, work_per_row: usize, threads: usize) -> usize {
     let min_rows = (16384 / work_per_row.max(1)).max(1);
     let balanced = m.div_ceil(4 * threads);
-    balanced.max(min_rows).min(m.max(1))
+    whole_row_groups(balanced.max(min_rows)).min(m.max(1))
+}
+
+/// `rows` rounded up to whole groups of [`gemm::ROWS`], so that tasks end on group boundaries
+/// and only a matrix's last rows take the one-row kernel.
+fn whole_row_groups(rows: usize) -> usize {
+    rows.div_ceil(gemm::ROWS) * gemm::ROWS
 }
 
 /// `out[t, r] = w[r, :] · x[t, :]` for `t < n`.
@@ -61,16 +112,7 @@ pub(crate) fn matmul(k: &Kernels, pool: &Pool, w: &QMatrix<'_>, x: &[f32], n: us
                 act.build_tile(&mut tile, n);
                 let tile = &*tile;
                 pool.run(m.div_ceil(rpt), &|i| {
-                    ROWOUT.with(|buf| {
-                        let mut buf = buf.borrow_mut();
-                        buf.resize(n, 0.0);
-                        for r in i * rpt..((i + 1) * rpt).min(m) {
-                            k.gemm_row(f, row(r), tile, &mut buf);
-                            for (t, &v) in buf.iter().enumerate() {
-                                sink.write(t * m + r, v);
-                            }
-                        }
-                    })
+                    gemm_rows(k, f, i * rpt, ((i + 1) * rpt).min(m), row, tile, |t, r, v| sink.write(t * m + r, v));
                 });
             });
             return;
@@ -97,46 +139,57 @@ pub(crate) fn matmul_many<M: Sync>(
     out_stride: usize,
 ) {
     MANY.with(|many| {
-        let (acts, tiles, gather) = &mut *many.borrow_mut();
-        // Which prepared input each job uses.
+        let inputs = &mut *many.borrow_mut();
+        // Which prepared input each job uses, the first job of each input, and whether the
+        // input needs its tile: a job that shares an input with a format that has no
+        // many-token kernel may still need it for its own.
         let mut input_of = Vec::with_capacity(jobs.len());
         let mut keys: Vec<(usize, usize, usize, smoe_kernels::act::ActKind)> = Vec::new();
-        // Whether each prepared input's tile is built: a job that shares an input with a
-        // format that has no many-token kernel may still need it for its own.
+        let mut first: Vec<usize> = Vec::new();
         let mut tiled: Vec<bool> = Vec::new();
-        for (w, j) in jobs {
+        for (ji, (w, j)) in jobs.iter().enumerate() {
             let key = (j.x_row, j.n, w.cols, smoe_kernels::act_kind(w.format));
-            let idx = match keys.iter().position(|k| *k == key) {
-                Some(i) => i,
-                None => {
-                    keys.push(key);
-                    tiled.push(false);
-                    let i = keys.len() - 1;
-                    if acts.len() <= i {
-                        acts.push(QuantAct::default());
-                        tiles.push(ActTile::default());
-                    }
-                    gather.clear();
-                    for t in 0..j.n {
-                        gather.extend_from_slice(&x[(j.x_row + t) * x_stride..][..w.cols]);
-                    }
-                    acts[i].quantize(w.format, gather, j.n, w.cols);
-                    i
-                }
-            };
-            if j.n >= 4 && k.has_gemm(w.format) && !tiled[idx] {
-                acts[idx].build_tile(&mut tiles[idx], j.n);
-                tiled[idx] = true;
-            }
+            let idx = keys.iter().position(|k| *k == key).unwrap_or_else(|| {
+                keys.push(key);
+                first.push(ji);
+                tiled.push(false);
+                keys.len() - 1
+            });
+            tiled[idx] |= j.n >= 4 && k.has_gemm(w.format);
             input_of.push(idx);
         }
+        while inputs.len() < keys.len() {
+            inputs.push(Mutex::new(Prepared::default()));
+        }
+        // Gathering, quantizing and interleaving the inputs is a pass over every activation:
+        // on the pool when there is enough of it (prefill's per-expert inputs).
+        let prepare = |i: usize| {
+            let (w, j) = &jobs[first[i]];
+            let p = &mut *inputs[i].lock().unwrap_or_else(|e| e.into_inner());
+            p.gather.clear();
+            for t in 0..j.n {
+                p.gather.extend_from_slice(&x[(j.x_row + t) * x_stride..][..w.cols]);
+            }
+            p.act.quantize(w.format, &p.gather, j.n, w.cols);
+            if tiled[i] {
+                p.act.build_tile(&mut p.tile, j.n);
+            }
+        };
+        let prep_work: usize = first.iter().map(|&ji| jobs[ji].1.n * jobs[ji].0.cols).sum();
+        if prep_work >= 1 << 16 {
+            pool.run(keys.len(), &prepare);
+        } else {
+            (0..keys.len()).for_each(prepare);
+        }
+        let prepared: Vec<&Prepared> =
+            inputs.iter_mut().take(keys.len()).map(|m| &*m.get_mut().unwrap_or_else(|e| e.into_inner())).collect();
         // Tasks: row chunks of every job.
         let threads = pool.threads();
         let total_work: usize = jobs.iter().map(|(w, j)| w.rows * w.cols * j.n).sum();
         let target = (total_work / (4 * threads)).max(16384);
         let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
         for (ji, (w, j)) in jobs.iter().enumerate() {
-            let rpt = (target / (w.cols * j.n).max(1)).clamp(1, w.rows.max(1));
+            let rpt = whole_row_groups(target / (w.cols * j.n).max(1)).clamp(1, w.rows.max(1));
             let mut r = 0;
             while r < w.rows {
                 tasks.push((ji, r, (r + rpt).min(w.rows)));
@@ -144,24 +197,14 @@ pub(crate) fn matmul_many<M: Sync>(
             }
         }
         let sink = Out { ptr: out.as_mut_ptr(), len: out.len() };
-        let (acts, tiles) = (&*acts, &*tiles);
         pool.run(tasks.len(), &|ti| {
             let (ji, r0, r1) = tasks[ti];
             let (w, j) = &jobs[ji];
-            let (act, tile) = (&acts[input_of[ji]], &tiles[input_of[ji]]);
+            let (act, tile) = (&prepared[input_of[ji]].act, &prepared[input_of[ji]].tile);
             let rb = w.row_bytes();
             let at = |t: usize, r: usize| (j.out_row + t) * out_stride + j.out_col + r;
             if j.n >= 4 && k.has_gemm(w.format) {
-                ROWOUT.with(|buf| {
-                    let mut buf = buf.borrow_mut();
-                    buf.resize(j.n, 0.0);
-                    for r in r0..r1 {
-                        k.gemm_row(w.format, &w.data[r * rb..(r + 1) * rb], tile, &mut buf);
-                        for (t, &v) in buf.iter().enumerate() {
-                            sink.write(at(t, r), v);
-                        }
-                    }
-                })
+                gemm_rows(k, w.format, r0, r1, |r| &w.data[r * rb..(r + 1) * rb], tile, |t, r, v| sink.write(at(t, r), v));
             } else {
                 for r in r0..r1 {
                     let row = &w.data[r * rb..(r + 1) * rb];

@@ -2,7 +2,7 @@
 //! 8 interleaved tokens.
 
 use super::{f16x8, k4_scales};
-use crate::gemm::{ActTile, TILE};
+use crate::gemm::{ActTile, ROWS, TILE};
 use smoe_quant::blocks::{BlockQ4K, BlockQ8_0};
 use std::arch::x86_64::*;
 use std::cell::RefCell;
@@ -248,5 +248,109 @@ pub unsafe fn q4_k_vnni(w: &[u8], tile: &ActTile, out: &mut [f32]) {
             }
             _mm256_mullo_epi32(p, _mm256_set1_epi32(sc))
         });
+    })
+}
+
+thread_local! {
+    /// The unpacked rows of a [`ROWS`]-row kernel.
+    static ROWS4: RefCell<[Unpacked; ROWS]> = RefCell::new(Default::default());
+}
+
+/// [`ROWS`] Q8_0 rows × tokens with VNNI: each tile dword is loaded once for all the rows.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA, F16C, AVX-512VL and AVX-512 VNNI; rows of equal length.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+pub unsafe fn q8_0_vnni_rows(w: [&[u8]; ROWS], tile: &ActTile, out: &mut [f32]) {
+    ROWS4.with(|u| {
+        let u = &mut *u.borrow_mut();
+        for (r, w) in w.iter().enumerate() {
+            unpack_q8_0(w, true, &mut u[r]);
+        }
+        let (blocks, dwords, n) = (tile.cols / 32, tile.cols / 4, tile.n);
+        assert!(u.iter().all(|u| u.q.len() >= tile.cols) && tile.qs.len() >= tile.tiles() * dwords * TILE * 4 && out.len() >= ROWS * n);
+        for g in 0..tile.tiles() {
+            let qs = tile.qs[g * dwords * TILE * 4..].as_ptr();
+            let mut acc = [_mm256_setzero_ps(); ROWS];
+            for b in 0..blocks {
+                let mut p = [_mm256_setzero_si256(); ROWS];
+                for k in 0..8 {
+                    // SAFETY: tile offset (8b + k) * 32 + 32 <= dwords * 32 (asserted above).
+                    let y = unsafe { load(qs.add((8 * b + k) * TILE * 4)) };
+                    for r in 0..ROWS {
+                        // SAFETY: weights 32b + 4k + 4 <= cols <= q.len().
+                        p[r] = _mm256_dpbusd_epi32(p[r], unsafe { bcast(u[r].q.as_ptr().add(32 * b + 4 * k)) }, y);
+                    }
+                }
+                let row = (g * blocks + b) * TILE;
+                // SAFETY: `sums` and `d` hold TILE values per (tile, block).
+                let (sums, da) = unsafe {
+                    (_mm256_loadu_si256(tile.sums.as_ptr().add(row) as *const __m256i), _mm256_loadu_ps(tile.d.as_ptr().add(row)))
+                };
+                let bias = _mm256_slli_epi32::<7>(sums);
+                for r in 0..ROWS {
+                    let v = _mm256_cvtepi32_ps(_mm256_sub_epi32(p[r], bias));
+                    acc[r] = _mm256_fmadd_ps(v, _mm256_mul_ps(_mm256_set1_ps(u[r].d[b]), da), acc[r]);
+                }
+            }
+            for (r, a) in acc.into_iter().enumerate() {
+                store(&mut out[r * n..(r + 1) * n], g, n, a);
+            }
+        }
+    })
+}
+
+/// [`ROWS`] Q4_K rows × tokens with VNNI: each tile dword is loaded once for all the rows.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA, F16C, AVX-512VL and AVX-512 VNNI; rows of equal length.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+pub unsafe fn q4_k_vnni_rows(w: [&[u8]; ROWS], tile: &ActTile, out: &mut [f32]) {
+    ROWS4.with(|u| {
+        let u = &mut *u.borrow_mut();
+        let mut sbs = 0;
+        for (r, w) in w.iter().enumerate() {
+            sbs = unpack_q4_k(w, &mut u[r]);
+        }
+        let (dwords, groups, n) = (tile.cols / 4, tile.cols / 32, tile.n);
+        assert!(
+            u.iter().all(|u| u.q.len() >= 256 * sbs && u.sc.len() >= 8 * sbs)
+                && tile.qs.len() >= tile.tiles() * dwords * TILE * 4
+                && out.len() >= ROWS * n
+        );
+        for g in 0..tile.tiles() {
+            let qs = tile.qs[g * dwords * TILE * 4..].as_ptr();
+            let (mut acc, mut accm) = ([_mm256_setzero_ps(); ROWS], [_mm256_setzero_ps(); ROWS]);
+            for s in 0..sbs {
+                let (mut sumi, mut mins) = ([_mm256_setzero_si256(); ROWS], [_mm256_setzero_si256(); ROWS]);
+                for j in 0..8 {
+                    let e = 256 * s + 32 * j;
+                    let mut p = [_mm256_setzero_si256(); ROWS];
+                    for k in 0..8 {
+                        // SAFETY: tile offset (e / 4 + k) * 32 + 32 <= dwords * 32 (asserted above).
+                        let y = unsafe { load(qs.add((e / 4 + k) * TILE * 4)) };
+                        for r in 0..ROWS {
+                            // SAFETY: weights e + 4k + 4 <= 256 * sbs <= q.len().
+                            p[r] = _mm256_dpbusd_epi32(p[r], unsafe { bcast(u[r].q.as_ptr().add(e + 4 * k)) }, y);
+                        }
+                    }
+                    // SAFETY: `sums` holds TILE values per (tile, group).
+                    let gs = unsafe { _mm256_loadu_si256(tile.sums.as_ptr().add((g * groups + 8 * s + j) * TILE) as *const __m256i) };
+                    for r in 0..ROWS {
+                        sumi[r] = _mm256_add_epi32(sumi[r], _mm256_mullo_epi32(p[r], _mm256_set1_epi32(u[r].sc[8 * s + j])));
+                        mins[r] = _mm256_add_epi32(mins[r], _mm256_mullo_epi32(gs, _mm256_set1_epi32(u[r].mins[8 * s + j])));
+                    }
+                }
+                // SAFETY: `d` holds TILE values per (tile, super-block).
+                let da = unsafe { _mm256_loadu_ps(tile.d.as_ptr().add((g * sbs + s) * TILE)) };
+                for r in 0..ROWS {
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]), _mm256_mul_ps(_mm256_set1_ps(u[r].d[s]), da), acc[r]);
+                    accm[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins[r]), _mm256_mul_ps(_mm256_set1_ps(u[r].dmin[s]), da), accm[r]);
+                }
+            }
+            for r in 0..ROWS {
+                store(&mut out[r * n..(r + 1) * n], g, n, _mm256_sub_ps(acc[r], accm[r]));
+            }
+        }
     })
 }

@@ -85,5 +85,7 @@ pub fn avx512_table() -> Option<Kernels> {
     k.set(Format::Q6_K, DotFn::Q256(avx512::dot_q6_k));
     k.set_gemm(Format::Q8_0, gemm::q8_0_vnni);
     k.set_gemm(Format::Q4_K, gemm::q4_k_vnni);
+    k.set_gemm4(Format::Q8_0, gemm::q8_0_vnni_rows);
+    k.set_gemm4(Format::Q4_K, gemm::q4_k_vnni_rows);
     Some(k)
 }
