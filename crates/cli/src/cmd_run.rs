@@ -323,6 +323,7 @@ pub fn generate_and_report(engine: &Engine<CpuBackend>, p: &Prompt, json: bool, 
         let v = serde_json::json!({
             "text": g.text,
             "tokens": g.tokens,
+            "prompt_ids": ids,
             "finish_reason": g.finish,
             "prompt_tokens": s.prompt_tokens,
             "generated_tokens": s.generated_tokens,
