@@ -141,3 +141,25 @@ fn run_is_reproducible_with_a_seed() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success() && err.contains("prefill") && err.contains("decode") && err.contains("tok/s"), "{err}");
 }
+
+/// `smoe bench --json`: the fields the harness reads, consistent with each other, and a cache
+/// of top-k experts that streams (bytes read = misses × blob size, as the store counts them).
+#[test]
+fn bench_json_reports_throughput_and_streaming() {
+    let dir = tempfile::tempdir().unwrap();
+    let vault = shatter(dir.path(), "qwen3_moe", &[]);
+    let out = ok(&smoe(&["bench", &vault, "--prompt-tokens", "40", "--gen-tokens", "12", "--cache-experts", "8", "--json"]));
+    let j: serde_json::Value = serde_json::from_str(out.trim().lines().last().unwrap()).unwrap();
+    for key in ["prefill_tok_s", "decode_tok_s", "ttft_ms", "bytes_read_per_token", "hit_rate"] {
+        assert!(j[key].as_f64().is_some_and(|v| v.is_finite() && v >= 0.0), "{key}: {}", j[key]);
+    }
+    assert!(j["prefill_tok_s"].as_f64().unwrap() > 0.0 && j["decode_tok_s"].as_f64().unwrap() > 0.0);
+    assert_eq!(j["cache_experts"], 8);
+    let d = &j["decode"];
+    assert_eq!(d["tokens"], 11, "gen 12 = the prefill's token and 11 decode steps");
+    let (hits, misses) = (d["hits"].as_u64().unwrap(), d["misses"].as_u64().unwrap());
+    assert!(misses > 0, "8 slots cannot hold the experts of 11 random tokens");
+    let blob = j["cache_bytes"].as_u64().unwrap() / 8;
+    assert_eq!(d["bytes_read"].as_u64().unwrap(), misses * blob);
+    assert!((j["hit_rate"].as_f64().unwrap() - hits as f64 / (hits + misses) as f64).abs() < 1e-9);
+}
