@@ -120,7 +120,12 @@ impl Instrument {
     fn sum(rs: &[StepRecord]) -> Summary {
         let mut s = Summary { steps: rs.len(), ..Default::default() };
         let mut reuse = (0.0, 0);
+        let mut inflight = (0.0, 0);
         for r in rs {
+            if r.misses > 0 {
+                inflight.0 += r.inflight;
+                inflight.1 += 1;
+            }
             s.tokens += r.tokens;
             s.attention_ms += r.attention_ms;
             s.routing_ms += r.routing_ms;
@@ -141,6 +146,7 @@ impl Instrument {
             }
         }
         s.adjacent_reuse = if reuse.1 > 0 { reuse.0 / reuse.1 as f64 } else { 0.0 };
+        s.inflight = if inflight.1 > 0 { inflight.0 / inflight.1 as f64 } else { 0.0 };
         s.read_gb_s = s.bytes_read as f64 / (s.io_wait_ms.max(1e-9) * 1e6);
         s
     }
@@ -184,6 +190,8 @@ pub struct Summary {
     pub prefetch_used: u64,
     /// Seconds reads were outstanding.
     pub busy_seconds: f64,
+    /// Mean reads in flight, over the steps that read.
+    pub inflight: f64,
 }
 
 impl Summary {
@@ -220,7 +228,13 @@ impl std::fmt::Display for Summary {
             per(self.bytes_read as f64) / (1 << 20) as f64,
             self.adjacent_reuse
         )?;
-        write!(f, "  reads: {:.2} GB/s while outstanding, {:.2} GB/s per ms waited", self.read_bytes_per_s() / 1e9, self.read_gb_s)?;
+        write!(
+            f,
+            "  reads: {:.2} GB/s while outstanding, {:.1} in flight on average, {:.2} GB/s per ms waited",
+            self.read_bytes_per_s() / 1e9,
+            self.inflight,
+            self.read_gb_s
+        )?;
         if self.prefetch_issued > 0 {
             write!(
                 f,

@@ -15,6 +15,7 @@ pub fn neon_table() -> Option<Kernels> {
     k.multi_axpy = crate::attn::neon::multi_axpy;
     k.set(Format::F32, DotFn::F32(neon::dot_f32));
     k.set(Format::BF16, DotFn::F32(neon::dot_bf16));
+    k.set(Format::F16, DotFn::F32(neon::dot_f16));
     k.set(Format::Q8_0, DotFn::Q32(neon::dot_q8_0));
     k.set(Format::Q4_K, DotFn::Q256(neon::dot_q4_k));
     k.set(Format::Q6_K, DotFn::Q256(neon::dot_q6_k));
