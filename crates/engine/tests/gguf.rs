@@ -73,6 +73,37 @@ fn llama_cpp_ggufs_import_and_run_in_place() {
     }
 }
 
+/// A split set written by llama.cpp's own `llama-gguf-split` (testdata/gguf-split: the
+/// qwen3_moe Q8_0 fixture in parts of at most 16 tensors, so experts, attention and the
+/// embedding land in different files): opened by its first part, in place and shattered, it
+/// matches transformers as the single file does, and gives the single file's logits exactly.
+#[test]
+fn llama_cpp_split_sets_import_and_run_in_place() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/gguf-split");
+    let first = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.to_string_lossy().ends_with("-00001-of-00004.gguf"))
+        .expect("the first part");
+    let r = reference("qwen3_moe", "q8_0");
+    let whole = engine(&gguf("qwen3_moe.q8_0.gguf"), CacheSize::Resident);
+    let split = engine(&first, CacheSize::Experts(4));
+    check(&split.model, &r, "split set in place");
+    let ids: Vec<u32> = r["long.input_ids"].i32().iter().map(|&x| x as u32).collect();
+    let a = score(&whole.model, &ids, ScoreMode::Prefill, 64, false).unwrap().logits;
+    let b = score(&split.model, &ids, ScoreMode::Prefill, 64, false).unwrap().logits;
+    assert_eq!(a, b, "a split set computes exactly what the single file does");
+    let out = tempfile::tempdir().unwrap();
+    let vault = out.path().join("split.smoe");
+    smoe_convert::gguf::import::shatter_gguf(&first, &vault, &smoe_convert::Silent).unwrap();
+    check(&engine(&vault, CacheSize::Resident).model, &r, "split set shattered");
+    // A missing part is named.
+    let lonely = out.path().join("m-00001-of-00004.gguf");
+    std::fs::copy(&first, &lonely).unwrap();
+    let e = open_cpu(&lonely, &OpenOptions::default()).err().expect("refused").to_string();
+    assert!(e.contains("m-00002-of-00004.gguf"), "{e}");
+}
+
 #[test]
 fn export_then_import_gives_identical_tensors() {
     let dir = tempfile::tempdir().unwrap();

@@ -18,6 +18,8 @@ pub struct ReadReq {
     pub offset: u64,
     /// Bytes to read (aligned for O_DIRECT).
     pub len: usize,
+    /// Bytes that must be read; the file may end between `need` and `len`.
+    pub need: usize,
     /// Destination (aligned for O_DIRECT); must stay valid until the completion is reaped.
     pub buf: *mut u8,
 }
@@ -91,15 +93,24 @@ fn probe_read(file: &File, align: usize) -> bool {
     file.read_at(buf, 0).is_ok()
 }
 
-/// Reads `len` bytes at `offset` into `buf`, retrying short reads; a read past the end of the
-/// file is an `UnexpectedEof` error.
+/// Reads `len` bytes at `offset` into `buf`, retrying short reads; the end of the file may
+/// come after `need` bytes, before that it is an `UnexpectedEof` error.
 fn pread_exact(files: &[File], req: &ReadReq) -> io::Result<()> {
     use std::os::unix::fs::FileExt;
     let file = files.get(req.file).ok_or_else(|| io::Error::other("read of an unknown file"))?;
     // SAFETY: the store guarantees `buf` is valid for `len` bytes and untouched until this
     // read's completion is reaped.
     let buf = unsafe { std::slice::from_raw_parts_mut(req.buf, req.len) };
-    file.read_exact_at(buf, req.offset)
+    let mut got = 0;
+    while got < req.need {
+        match file.read_at(&mut buf[got..], req.offset + got as u64) {
+            Ok(0) => return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "read past the end of the file")),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// A pool of threads doing blocking `pread`s.
@@ -261,8 +272,9 @@ mod uring {
                     if res < 0 {
                         out.push((tag, Err(io::Error::from_raw_os_error(-res))));
                     } else if res == 0 {
-                        out.push((tag, Err(io::Error::new(io::ErrorKind::UnexpectedEof, "read past the end of the vault"))));
-                    } else if already + res as usize >= req.len {
+                        out.push((tag, Err(io::Error::new(io::ErrorKind::UnexpectedEof, "read past the end of the file"))));
+                    } else if already + res as usize >= req.need {
+                        // Everything needed is in (the file may end inside the aligned tail).
                         out.push((tag, Ok(())));
                     } else {
                         self.push(req, already + res as usize)?;
@@ -332,8 +344,9 @@ mod tests {
     fn check_engine(mut e: Box<dyn ReadEngine>, path: &Path) {
         let data = std::fs::read(path).unwrap();
         let a = Arena::new(8, 8192, 4096).unwrap();
-        let reqs: Vec<ReadReq> =
-            (0..8).map(|i| ReadReq { tag: i, file: 0, offset: ((7 - i) * 8192) as u64, len: 8192, buf: a.slot_ptr(i) }).collect();
+        let reqs: Vec<ReadReq> = (0..8)
+            .map(|i| ReadReq { tag: i, file: 0, offset: ((7 - i) * 8192) as u64, len: 8192, need: 8192, buf: a.slot_ptr(i) })
+            .collect();
         e.submit(&reqs).unwrap();
         let mut done = Vec::new();
         while done.len() < 8 {
@@ -345,8 +358,21 @@ mod tests {
             let s = unsafe { a.slot(*tag) };
             assert_eq!(s, &data[(7 - tag) * 8192..(8 - tag) * 8192], "{}", e.describe());
         }
-        // A read past the end is an error, not a hang or a panic.
-        e.submit(&[ReadReq { tag: 99, file: 0, offset: data.len() as u64, len: 4096, buf: a.slot_ptr(0) }]).unwrap();
+        // The file ends 1000 bytes into its last aligned block: a read that needs only those
+        // bytes completes; one that needs more, or starts past the end, is an error, not a
+        // hang or a panic.
+        let tail = 8 * 8192;
+        for (need, ok) in [(1000, true), (1001, false)] {
+            e.submit(&[ReadReq { tag: 98, file: 0, offset: tail as u64, len: 4096, need, buf: a.slot_ptr(0) }]).unwrap();
+            let mut done = Vec::new();
+            e.reap(&mut done).unwrap();
+            assert_eq!(done[0].1.is_ok(), ok, "need {need}: {}", e.describe());
+            if ok {
+                // SAFETY: the read into slot 0 has completed.
+                assert_eq!(&unsafe { a.slot(0) }[..1000], &data[tail..], "{}", e.describe());
+            }
+        }
+        e.submit(&[ReadReq { tag: 99, file: 0, offset: tail as u64 + 4096, len: 4096, need: 4096, buf: a.slot_ptr(0) }]).unwrap();
         let mut done = Vec::new();
         e.reap(&mut done).unwrap();
         assert!(done[0].1.is_err(), "{}", e.describe());
@@ -356,7 +382,7 @@ mod tests {
     fn engines_read_what_the_file_holds() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("f");
-        let data: Vec<u8> = (0..8 * 8192u32).map(|i| (i * 31 % 251) as u8).collect();
+        let data: Vec<u8> = (0..8 * 8192u32 + 1000).map(|i| (i * 31 % 251) as u8).collect();
         std::fs::write(&path, &data).unwrap();
         let paths = [path.clone()];
         check_engine(engine(&paths, 4096, 16, IoKind::Auto).unwrap(), &path);

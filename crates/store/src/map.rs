@@ -66,6 +66,9 @@ pub struct SlotRead {
     pub offset: u64,
     /// Aligned length.
     pub len: usize,
+    /// Bytes from `offset` that must be read (to the end of the expert's own data): the
+    /// aligned length may run past the end of a file whose last tensor ends unaligned.
+    pub need: usize,
     /// Aligned offset in the slot.
     pub slot_offset: usize,
 }
@@ -176,7 +179,13 @@ impl ExpertMap {
             let off = x.base + expert as u64 * x.stride;
             let start = off / a * a;
             let end = align_up(off + x.len, a);
-            out.push(SlotRead { file: x.file, offset: start, len: (end - start) as usize, slot_offset });
+            out.push(SlotRead {
+                file: x.file,
+                offset: start,
+                len: (end - start) as usize,
+                need: (off + x.len - start) as usize,
+                slot_offset,
+            });
         }
     }
 
@@ -240,9 +249,9 @@ mod tests {
         assert_eq!(m.slot_size(), 8192 + 4096 + 8192);
         let mut reads = Vec::new();
         m.reads(0, 2, &mut reads);
-        assert_eq!(reads[0], SlotRead { file: 0, offset: 0, len: 4096, slot_offset: 0 });
-        assert_eq!(reads[1], SlotRead { file: 1, offset: 3 * 4096, len: 4096, slot_offset: 8192 });
-        assert_eq!(reads[2], SlotRead { file: 0, offset: 4096, len: 4096, slot_offset: 12288 });
+        assert_eq!(reads[0], SlotRead { file: 0, offset: 0, len: 4096, need: 292, slot_offset: 0 });
+        assert_eq!(reads[1], SlotRead { file: 1, offset: 3 * 4096, len: 4096, need: 4096, slot_offset: 8192 });
+        assert_eq!(reads[2], SlotRead { file: 0, offset: 4096, len: 4096, need: 1000, slot_offset: 12288 });
         let mut slot = vec![0u8; m.slot_size()];
         slot[228..232].copy_from_slice(&1.5f32.to_le_bytes());
         slot[12288 + 5064 - 4096..][..4].copy_from_slice(&2.5f32.to_le_bytes());

@@ -205,7 +205,7 @@ impl ExpertStore {
         self.map.reads(key.layer as usize, key.expert as usize, &mut reads);
         for (k, r) in reads.iter().enumerate() {
             let buf = self.arena.slot_ptr(s).wrapping_add(r.slot_offset);
-            inner.reqs.push(ReadReq { tag: s * TAGS + k, file: r.file, offset: r.offset, len: r.len, buf });
+            inner.reqs.push(ReadReq { tag: s * TAGS + k, file: r.file, offset: r.offset, len: r.len, need: r.need, buf });
         }
         inner.slots[s] = Slot {
             key: Some(key),
