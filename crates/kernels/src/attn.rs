@@ -47,21 +47,29 @@ pub(crate) mod avx2 {
     /// The CPU must support AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn multi_dot(q: &[f32], k: &[f32], out: &mut [f32]) {
-        let d = k.len();
+        // SAFETY (closure): `multi_dot_with` asks for i + 8 <= k.len().
+        multi_dot_with(q, k.len(), |i| unsafe { _mm256_loadu_ps(k.as_ptr().add(i)) }, |j| k[j], out)
+    }
+
+    /// [`super::MultiDot`] over a key of `d` elements that `load8(i)` widens eight at a time
+    /// (called only with `i + 8 <= d`) and `at(j)` one at a time.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    pub(crate) fn multi_dot_with(q: &[f32], d: usize, load8: impl Fn(usize) -> __m256, at: impl Fn(usize) -> f32, out: &mut [f32]) {
         let full = d / 8 * 8;
         for (o, qr) in out.iter_mut().zip(q.chunks_exact(d)) {
             let mut acc = _mm256_setzero_ps();
             let mut i = 0;
             while i < full {
-                // SAFETY: i + 8 <= full <= d for both rows.
-                unsafe { acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr.as_ptr().add(i)), _mm256_loadu_ps(k.as_ptr().add(i)), acc) };
+                // SAFETY: i + 8 <= full <= d = the query row's length.
+                acc = _mm256_fmadd_ps(unsafe { _mm256_loadu_ps(qr.as_ptr().add(i)) }, load8(i), acc);
                 i += 8;
             }
             let s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps::<1>(acc));
             let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
             let mut t = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
             for j in full..d {
-                t += qr[j] * k[j];
+                t += qr[j] * at(j);
             }
             *o = t;
         }
@@ -73,21 +81,28 @@ pub(crate) mod avx2 {
     /// The CPU must support AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn multi_axpy(acc: &mut [f32], w: &[f32], v: &[f32]) {
-        let d = v.len();
+        // SAFETY (closure): `multi_axpy_with` asks for i + 8 <= v.len().
+        multi_axpy_with(acc, w, v.len(), |i| unsafe { _mm256_loadu_ps(v.as_ptr().add(i)) }, |j| v[j])
+    }
+
+    /// [`super::MultiAxpy`] over a value of `d` elements read as in [`multi_dot_with`].
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    pub(crate) fn multi_axpy_with(acc: &mut [f32], w: &[f32], d: usize, load8: impl Fn(usize) -> __m256, at: impl Fn(usize) -> f32) {
         let full = d / 8 * 8;
         for (row, &wh) in acc.chunks_exact_mut(d).zip(w) {
             let wv = _mm256_set1_ps(wh);
             let mut i = 0;
             while i < full {
-                // SAFETY: i + 8 <= full <= d for both rows.
+                // SAFETY: i + 8 <= full <= d = the accumulator row's length.
                 unsafe {
                     let p = row.as_mut_ptr().add(i);
-                    _mm256_storeu_ps(p, _mm256_fmadd_ps(wv, _mm256_loadu_ps(v.as_ptr().add(i)), _mm256_loadu_ps(p)));
+                    _mm256_storeu_ps(p, _mm256_fmadd_ps(wv, load8(i), _mm256_loadu_ps(p)));
                 }
                 i += 8;
             }
             for j in full..d {
-                row[j] += wh * v[j];
+                row[j] += wh * at(j);
             }
         }
     }
@@ -184,6 +199,7 @@ pub mod f16 {
 
     #[cfg(target_arch = "x86_64")]
     mod avx2 {
+        use crate::attn::avx2::{multi_axpy_with, multi_dot_with};
         use smoe_quant::half::f16_bits_to_f32;
         use std::arch::x86_64::*;
 
@@ -191,51 +207,18 @@ pub mod f16 {
         /// The CPU must support AVX2, FMA and F16C.
         #[target_feature(enable = "avx2,fma,f16c")]
         pub unsafe fn multi_dot(q: &[f32], k: &[u16], out: &mut [f32]) {
-            let d = k.len();
-            let full = d / 8 * 8;
-            for (o, qr) in out.iter_mut().zip(q.chunks_exact(d)) {
-                let mut acc = _mm256_setzero_ps();
-                let mut i = 0;
-                while i < full {
-                    // SAFETY: i + 8 <= full <= d for the key (8 halves = 16 bytes) and the query row.
-                    unsafe {
-                        let kv = _mm256_cvtph_ps(_mm_loadu_si128(k.as_ptr().add(i) as *const __m128i));
-                        acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr.as_ptr().add(i)), kv, acc);
-                    }
-                    i += 8;
-                }
-                let s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps::<1>(acc));
-                let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-                let mut t = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-                for j in full..d {
-                    t += qr[j] * f16_bits_to_f32(k[j]);
-                }
-                *o = t;
-            }
+            // SAFETY (closure): i + 8 <= k.len(): eight halves, 16 bytes.
+            let load8 = |i: usize| unsafe { _mm256_cvtph_ps(_mm_loadu_si128(k.as_ptr().add(i) as *const __m128i)) };
+            multi_dot_with(q, k.len(), load8, |j| f16_bits_to_f32(k[j]), out)
         }
 
         /// # Safety
         /// The CPU must support AVX2, FMA and F16C.
         #[target_feature(enable = "avx2,fma,f16c")]
         pub unsafe fn multi_axpy(acc: &mut [f32], w: &[f32], v: &[u16]) {
-            let d = v.len();
-            let full = d / 8 * 8;
-            for (row, &wh) in acc.chunks_exact_mut(d).zip(w) {
-                let wv = _mm256_set1_ps(wh);
-                let mut i = 0;
-                while i < full {
-                    // SAFETY: i + 8 <= full <= d for the value row and the accumulator row.
-                    unsafe {
-                        let p = row.as_mut_ptr().add(i);
-                        let vv = _mm256_cvtph_ps(_mm_loadu_si128(v.as_ptr().add(i) as *const __m128i));
-                        _mm256_storeu_ps(p, _mm256_fmadd_ps(wv, vv, _mm256_loadu_ps(p)));
-                    }
-                    i += 8;
-                }
-                for j in full..d {
-                    row[j] += wh * f16_bits_to_f32(v[j]);
-                }
-            }
+            // SAFETY (closure): i + 8 <= v.len(): eight halves, 16 bytes.
+            let load8 = |i: usize| unsafe { _mm256_cvtph_ps(_mm_loadu_si128(v.as_ptr().add(i) as *const __m128i)) };
+            multi_axpy_with(acc, w, v.len(), load8, |j| f16_bits_to_f32(v[j]))
         }
     }
 }

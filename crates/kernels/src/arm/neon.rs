@@ -142,27 +142,33 @@ pub fn dot_f32(w: &[u8], x: &[f32]) -> f32 {
     s
 }
 
-/// bf16 weights: widening a bf16 is a 16-bit left shift of its bits.
-pub fn dot_bf16(w: &[u8], x: &[f32]) -> f32 {
+/// Weights stored as 16-bit values (bf16, f16): eight at a time, each half of a 16-byte load
+/// widened by `widen`, the tail by `scalar`.
+#[inline(always)]
+fn dot_16bit(w: &[u8], x: &[f32], widen: impl Fn(uint16x4_t) -> float32x4_t, scalar: impl Fn(u16) -> f32) -> f32 {
     let n = (w.len() / 2).min(x.len());
     let mut i = 0;
-    // SAFETY: each load reads 8 bf16 (16 bytes) and 8 floats at i with i + 8 <= n.
+    // SAFETY: each load reads 8 values (16 bytes) and 8 floats at i with i + 8 <= n.
     let mut s = unsafe {
         let (mut s0, mut s1) = (vdupq_n_f32(0.0), vdupq_n_f32(0.0));
         while i + 8 <= n {
             let h = vld1q_u16(w.as_ptr().add(2 * i) as *const u16);
-            let lo = vreinterpretq_f32_u32(vshll_n_u16::<16>(vget_low_u16(h)));
-            let hi = vreinterpretq_f32_u32(vshll_n_u16::<16>(vget_high_u16(h)));
-            s0 = vfmaq_f32(s0, lo, vld1q_f32(x.as_ptr().add(i)));
-            s1 = vfmaq_f32(s1, hi, vld1q_f32(x.as_ptr().add(i + 4)));
+            s0 = vfmaq_f32(s0, widen(vget_low_u16(h)), vld1q_f32(x.as_ptr().add(i)));
+            s1 = vfmaq_f32(s1, widen(vget_high_u16(h)), vld1q_f32(x.as_ptr().add(i + 4)));
             i += 8;
         }
         vaddvq_f32(vaddq_f32(s0, s1))
     };
     for j in i..n {
-        s += smoe_quant::half::bf16_bits_to_f32(u16::from_le_bytes([w[2 * j], w[2 * j + 1]])) * x[j];
+        s += scalar(u16::from_le_bytes([w[2 * j], w[2 * j + 1]])) * x[j];
     }
     s
+}
+
+/// bf16 weights: widening a bf16 is a 16-bit left shift of its bits.
+pub fn dot_bf16(w: &[u8], x: &[f32]) -> f32 {
+    // SAFETY (closure): register-only operations.
+    dot_16bit(w, x, |h| unsafe { vreinterpretq_f32_u32(vshll_n_u16::<16>(h)) }, smoe_quant::half::bf16_bits_to_f32)
 }
 
 /// Four f16 (as bits) widened to f32 with integer operations: the exponent is rebased by
@@ -185,23 +191,7 @@ fn f16x4_to_f32(h: uint16x4_t) -> float32x4_t {
 
 /// f16 weights.
 pub fn dot_f16(w: &[u8], x: &[f32]) -> f32 {
-    let n = (w.len() / 2).min(x.len());
-    let mut i = 0;
-    // SAFETY: each load reads 8 halves (16 bytes) and 8 floats at i with i + 8 <= n.
-    let mut s = unsafe {
-        let (mut s0, mut s1) = (vdupq_n_f32(0.0), vdupq_n_f32(0.0));
-        while i + 8 <= n {
-            let h = vld1q_u16(w.as_ptr().add(2 * i) as *const u16);
-            s0 = vfmaq_f32(s0, f16x4_to_f32(vget_low_u16(h)), vld1q_f32(x.as_ptr().add(i)));
-            s1 = vfmaq_f32(s1, f16x4_to_f32(vget_high_u16(h)), vld1q_f32(x.as_ptr().add(i + 4)));
-            i += 8;
-        }
-        vaddvq_f32(vaddq_f32(s0, s1))
-    };
-    for j in i..n {
-        s += smoe_quant::half::f16_bits_to_f32(u16::from_le_bytes([w[2 * j], w[2 * j + 1]])) * x[j];
-    }
-    s
+    dot_16bit(w, x, f16x4_to_f32, smoe_quant::half::f16_bits_to_f32)
 }
 
 #[cfg(test)]
