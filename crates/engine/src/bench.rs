@@ -61,9 +61,9 @@ pub fn random_prompt<B: Backend>(engine: &Engine<B>, n: usize, seed: u64) -> Vec
 }
 
 /// Runs one prefill of `prompt_tokens`, then `gen_tokens - 1` decode steps. As llama-bench
-/// does, each decode step feeds a random token rather than the model's own choice: on
-/// random-weight models greedy output repeats a few tokens, whose identical routing would make
-/// the expert cache look far better than it is on real text.
+/// does, each decode step feeds a random token rather than the model's own choice, so both
+/// engines decode the same kind of input (and a random-weight model's habit of repeating a
+/// few tokens does not decide which experts are used).
 pub fn bench<B: Backend>(engine: &Engine<B>, opts: &BenchOptions) -> Result<BenchResult, EngineError> {
     let prompt = random_prompt(engine, opts.prompt_tokens, opts.seed);
     if prompt.is_empty() {
