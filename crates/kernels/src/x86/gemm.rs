@@ -1,5 +1,7 @@
-//! x86 many-token kernels (see [`crate::gemm`]): a weight row, unpacked once, against tiles of
-//! 8 interleaved tokens.
+//! x86 many-token kernels (see [`crate::gemm`]): weight rows, unpacked once, against tiles of
+//! 8 interleaved tokens. Each format has one body generic in the number of rows `R` (1 for
+//! [`crate::gemm::GemmRow`], [`ROWS`] for [`crate::gemm::GemmRows`]): every tile dword is loaded
+//! once and feeds all `R` rows.
 
 use super::{f16x8, k4_scales};
 use crate::gemm::{ActTile, ROWS, TILE};
@@ -8,8 +10,9 @@ use std::arch::x86_64::*;
 use std::cell::RefCell;
 
 thread_local! {
-    /// The unpacked weight row, its per-block f32 scales and (Q4_K) integer scales and mins.
-    static ROW: RefCell<Unpacked> = RefCell::new(Unpacked::default());
+    /// The unpacked weight rows (one, or [`ROWS`]): quants, per-block f32 scales and (Q4_K)
+    /// integer scales and mins.
+    static UNPACKED: RefCell<[Unpacked; ROWS]> = RefCell::new(Default::default());
 }
 
 #[derive(Default)]
@@ -73,35 +76,83 @@ fn unpack_q8_0(w: &[u8], bias: bool, u: &mut Unpacked) {
     }
 }
 
-/// Q8_0 row × tokens. `vnni`: `vpdpbusd` on the +128-biased weights, the bias removed through
-/// the tokens' quant sums; otherwise |w| × (a · sign w) through `maddubs`.
+/// `R` Q8_0 rows × tokens: `out[r * n + t]`. `dot4(p, w, a)` adds one weight dword's products
+/// with the 8 tokens' dwords at `a` to `p`; with `vnni` the weights were biased by +128 and the
+/// bias is removed through the tokens' quant sums.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn q8_0_body(u: &Unpacked, tile: &ActTile, out: &mut [f32], dot4: impl Fn(__m256i, *const u8, *const i8) -> __m256i, vnni: bool) {
-    let blocks = tile.cols / 32;
-    let dwords = tile.cols / 4;
-    assert!(u.q.len() >= tile.cols && tile.qs.len() >= tile.tiles() * dwords * TILE * 4);
+fn q8_0_body<const R: usize>(
+    u: &[Unpacked],
+    tile: &ActTile,
+    out: &mut [f32],
+    dot4: impl Fn(__m256i, *const u8, *const i8) -> __m256i,
+    vnni: bool,
+) {
+    let (blocks, dwords, n) = (tile.cols / 32, tile.cols / 4, tile.n);
+    assert!(u.len() >= R && u[..R].iter().all(|u| u.q.len() >= tile.cols) && out.len() >= R * n);
+    assert!(tile.qs.len() >= tile.tiles() * dwords * TILE * 4);
     for g in 0..tile.tiles() {
         let qs = tile.qs[g * dwords * TILE * 4..].as_ptr();
-        let mut acc = _mm256_setzero_ps();
+        let mut acc = [_mm256_setzero_ps(); R];
         for b in 0..blocks {
-            let mut p = _mm256_setzero_si256();
+            let mut p = [_mm256_setzero_si256(); R];
             for k in 0..8 {
-                // SAFETY: weights 32b + 4k + 4 <= cols <= q.len(); tile offset (8b + k) * 32 + 32
-                // <= dwords * 32 (asserted above).
-                p = dot4(p, unsafe { u.q.as_ptr().add(32 * b + 4 * k) }, unsafe { qs.add((8 * b + k) * TILE * 4) });
+                // SAFETY (pointers): tile offset (8b + k) * 32 + 32 <= dwords * 32 (asserted
+                // above); weights 32b + 4k + 4 <= cols <= q.len().
+                let y = unsafe { qs.add((8 * b + k) * TILE * 4) };
+                for r in 0..R {
+                    p[r] = dot4(p[r], unsafe { u[r].q.as_ptr().add(32 * b + 4 * k) }, y);
+                }
             }
             let row = (g * blocks + b) * TILE;
             // SAFETY: `sums` and `d` hold TILE values per (tile, block).
             let (sums, da) =
                 unsafe { (_mm256_loadu_si256(tile.sums.as_ptr().add(row) as *const __m256i), _mm256_loadu_ps(tile.d.as_ptr().add(row))) };
-            if vnni {
-                p = _mm256_sub_epi32(p, _mm256_slli_epi32::<7>(sums));
+            let bias = if vnni { _mm256_slli_epi32::<7>(sums) } else { _mm256_setzero_si256() };
+            for r in 0..R {
+                let v = _mm256_cvtepi32_ps(_mm256_sub_epi32(p[r], bias));
+                acc[r] = _mm256_fmadd_ps(v, _mm256_mul_ps(_mm256_set1_ps(u[r].d[b]), da), acc[r]);
             }
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(_mm256_set1_ps(u.d[b]), da), acc);
         }
-        store(out, g, tile.n, acc);
+        for (r, a) in acc.into_iter().enumerate() {
+            store(&mut out[r * n..(r + 1) * n], g, n, a);
+        }
     }
+}
+
+/// `vpdpbusd` of a broadcast weight dword (biased to unsigned) with 8 tokens' dwords.
+///
+/// # Safety
+/// `x` valid for 4 bytes, `y` for 32; the CPU must support AVX-512VL and AVX-512 VNNI.
+#[target_feature(enable = "avx2,avx512f,avx512vl,avx512vnni")]
+#[inline]
+unsafe fn dot4_vnni(p: __m256i, x: *const u8, y: *const i8) -> __m256i {
+    // SAFETY: as the caller guarantees.
+    unsafe { _mm256_dpbusd_epi32(p, bcast(x), load(y)) }
+}
+
+/// |w| × (a · sign w) through `maddubs`, summed into i32 lanes.
+///
+/// # Safety
+/// `x` valid for 4 bytes, `y` for 32; the CPU must support AVX2.
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn dot4_avx2(p: __m256i, x: *const u8, y: *const i8) -> __m256i {
+    // SAFETY: as the caller guarantees.
+    let (x, y) = unsafe { (bcast(x), load(y)) };
+    _mm256_add_epi32(p, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x)), _mm256_set1_epi16(1)))
+}
+
+/// Unpacks `w`'s rows into the thread's buffers with `unpack` and runs `body` on them.
+fn with_unpacked<const R: usize, T>(w: [&[u8]; R], unpack: impl Fn(&[u8], &mut Unpacked) -> T, body: impl FnOnce(&[Unpacked], T)) {
+    UNPACKED.with(|u| {
+        let u = &mut *u.borrow_mut();
+        let mut last = None;
+        for (r, w) in w.iter().enumerate() {
+            last = Some(unpack(w, &mut u[r]));
+        }
+        body(&u[..R], last.expect("at least one row"));
+    })
 }
 
 /// Q8_0 row × tokens with VNNI.
@@ -110,12 +161,18 @@ fn q8_0_body(u: &Unpacked, tile: &ActTile, out: &mut [f32], dot4: impl Fn(__m256
 /// The CPU must support AVX2, FMA, F16C, AVX-512VL and AVX-512 VNNI.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
 pub unsafe fn q8_0_vnni(w: &[u8], tile: &ActTile, out: &mut [f32]) {
-    ROW.with(|u| {
-        let u = &mut *u.borrow_mut();
-        unpack_q8_0(w, true, u);
-        // SAFETY (closure): q8_0_body passes pointers valid for 4 and 32 bytes.
-        q8_0_body(u, tile, out, |p, x, y| unsafe { _mm256_dpbusd_epi32(p, bcast(x), load(y)) }, true);
-    })
+    // SAFETY (closure): the CPU features are this function's; q8_0_body passes valid pointers.
+    with_unpacked([w], |w, u| unpack_q8_0(w, true, u), |u, ()| unsafe { q8_0_body::<1>(u, tile, out, |p, x, y| dot4_vnni(p, x, y), true) })
+}
+
+/// [`ROWS`] Q8_0 rows × tokens with VNNI.
+///
+/// # Safety
+/// As [`q8_0_vnni`]; rows of equal length.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+pub unsafe fn q8_0_vnni_rows(w: [&[u8]; ROWS], tile: &ActTile, out: &mut [f32]) {
+    // SAFETY (closure): as in `q8_0_vnni`.
+    with_unpacked(w, |w, u| unpack_q8_0(w, true, u), |u, ()| unsafe { q8_0_body::<ROWS>(u, tile, out, |p, x, y| dot4_vnni(p, x, y), true) })
 }
 
 /// Q8_0 row × tokens with AVX2.
@@ -124,22 +181,12 @@ pub unsafe fn q8_0_vnni(w: &[u8], tile: &ActTile, out: &mut [f32]) {
 /// The CPU must support AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn q8_0_avx2(w: &[u8], tile: &ActTile, out: &mut [f32]) {
-    ROW.with(|u| {
-        let u = &mut *u.borrow_mut();
-        unpack_q8_0(w, false, u);
-        let ones = _mm256_set1_epi16(1);
-        q8_0_body(
-            u,
-            tile,
-            out,
-            // SAFETY (closure): q8_0_body passes pointers valid for 4 and 32 bytes.
-            |p, x, y| unsafe {
-                let (x, y) = (bcast(x), load(y));
-                _mm256_add_epi32(p, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x)), ones))
-            },
-            false,
-        );
-    })
+    // SAFETY (closure): the CPU features are this function's; q8_0_body passes valid pointers.
+    with_unpacked(
+        [w],
+        |w, u| unpack_q8_0(w, false, u),
+        |u, ()| unsafe { q8_0_body::<1>(u, tile, out, |p, x, y| dot4_avx2(p, x, y), false) },
+    )
 }
 
 /// Unpacks a Q4_K row: nibbles to bytes in element order; per super-block d and dmin, and the
@@ -176,181 +223,131 @@ fn unpack_q4_k(w: &[u8], u: &mut Unpacked) -> usize {
     wb.len()
 }
 
-/// Q4_K row × tokens. Per group of 32: `group_dot` sums the 8 dwords' products for the 8 tokens
-/// and applies the group scale; the minimums use the tokens' sums per group.
+/// `R` Q4_K rows × tokens: `out[r * n + t]`. Per group of 32, `acc(p, w, a)` adds one weight
+/// dword's products with the 8 tokens' dwords at `a` to `p`, and `scale(p, sc)` turns the
+/// group's eight accumulations into i32 lanes times the group scale; the minimums use the
+/// tokens' sums per group.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn q4_k_body(u: &Unpacked, sbs: usize, tile: &ActTile, out: &mut [f32], group_dot: impl Fn(*const u8, *const i8, i32) -> __m256i) {
-    let dwords = tile.cols / 4;
-    let groups = tile.cols / 32;
-    assert!(u.q.len() >= 256 * sbs && tile.qs.len() >= tile.tiles() * dwords * TILE * 4 && u.sc.len() >= 8 * sbs);
+fn q4_k_body<const R: usize>(
+    u: &[Unpacked],
+    sbs: usize,
+    tile: &ActTile,
+    out: &mut [f32],
+    acc: impl Fn(__m256i, *const u8, *const i8) -> __m256i,
+    scale: impl Fn(__m256i, i32) -> __m256i,
+) {
+    let (dwords, groups, n) = (tile.cols / 4, tile.cols / 32, tile.n);
+    assert!(u.len() >= R && u[..R].iter().all(|u| u.q.len() >= 256 * sbs && u.sc.len() >= 8 * sbs) && out.len() >= R * n);
+    assert!(tile.qs.len() >= tile.tiles() * dwords * TILE * 4);
     for g in 0..tile.tiles() {
         let qs = tile.qs[g * dwords * TILE * 4..].as_ptr();
-        let (mut acc, mut accm) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let (mut total, mut totalm) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
         for s in 0..sbs {
-            let mut sumi = _mm256_setzero_si256();
-            let mut mins = _mm256_setzero_si256();
+            let (mut sumi, mut mins) = ([_mm256_setzero_si256(); R], [_mm256_setzero_si256(); R]);
             for j in 0..8 {
                 let e = 256 * s + 32 * j;
-                // SAFETY: weights e + 32 <= q.len(); tile offset (e / 4 + 8) * 32 <= dwords * 32.
-                sumi = _mm256_add_epi32(
-                    sumi,
-                    group_dot(unsafe { u.q.as_ptr().add(e) }, unsafe { qs.add((e / 4) * TILE * 4) }, u.sc[8 * s + j]),
-                );
+                let mut p = [_mm256_setzero_si256(); R];
+                for k in 0..8 {
+                    // SAFETY (pointers): tile offset (e / 4 + k) * 32 + 32 <= dwords * 32
+                    // (asserted above); weights e + 4k + 4 <= 256 * sbs <= q.len().
+                    let y = unsafe { qs.add((e / 4 + k) * TILE * 4) };
+                    for r in 0..R {
+                        p[r] = acc(p[r], unsafe { u[r].q.as_ptr().add(e + 4 * k) }, y);
+                    }
+                }
                 // SAFETY: `sums` holds TILE values per (tile, group).
                 let gs = unsafe { _mm256_loadu_si256(tile.sums.as_ptr().add((g * groups + 8 * s + j) * TILE) as *const __m256i) };
-                mins = _mm256_add_epi32(mins, _mm256_mullo_epi32(gs, _mm256_set1_epi32(u.mins[8 * s + j])));
+                for r in 0..R {
+                    sumi[r] = _mm256_add_epi32(sumi[r], scale(p[r], u[r].sc[8 * s + j]));
+                    mins[r] = _mm256_add_epi32(mins[r], _mm256_mullo_epi32(gs, _mm256_set1_epi32(u[r].mins[8 * s + j])));
+                }
             }
             // SAFETY: `d` holds TILE values per (tile, super-block).
             let da = unsafe { _mm256_loadu_ps(tile.d.as_ptr().add((g * sbs + s) * TILE)) };
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_mul_ps(_mm256_set1_ps(u.d[s]), da), acc);
-            accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(_mm256_set1_ps(u.dmin[s]), da), accm);
+            for r in 0..R {
+                total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]), _mm256_mul_ps(_mm256_set1_ps(u[r].d[s]), da), total[r]);
+                totalm[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins[r]), _mm256_mul_ps(_mm256_set1_ps(u[r].dmin[s]), da), totalm[r]);
+            }
         }
-        store(out, g, tile.n, _mm256_sub_ps(acc, accm));
+        for r in 0..R {
+            store(&mut out[r * n..(r + 1) * n], g, n, _mm256_sub_ps(total[r], totalm[r]));
+        }
     }
 }
 
-/// Q4_K row × tokens with AVX2: eight `maddubs` summed in i16 (at most 8·2·15·127 < 2¹⁵), then
-/// one `madd` that applies the group's scale.
+/// AVX2 Q4_K accumulation: `maddubs` products summed in i16 (eight of them: at most
+/// 8·2·15·127 < 2¹⁵), then one `madd` that applies the group's scale.
+///
+/// # Safety
+/// `x` valid for 4 bytes, `y` for 32; the CPU must support AVX2.
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn acc_avx2(p: __m256i, x: *const u8, y: *const i8) -> __m256i {
+    // SAFETY: as the caller guarantees.
+    _mm256_add_epi16(p, _mm256_maddubs_epi16(unsafe { bcast(x) }, unsafe { load(y) }))
+}
+
+/// Q4_K row × tokens with AVX2.
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn q4_k_avx2(w: &[u8], tile: &ActTile, out: &mut [f32]) {
-    ROW.with(|u| {
-        let u = &mut *u.borrow_mut();
-        let sbs = unpack_q4_k(w, u);
-        // SAFETY (closure): q4_k_body passes pointers valid for 32 weight bytes and 8 tile dwords.
-        q4_k_body(u, sbs, tile, out, |x, y, sc| unsafe {
-            let mut p16 = _mm256_setzero_si256();
-            for k in 0..8 {
-                p16 = _mm256_add_epi16(p16, _mm256_maddubs_epi16(bcast(x.add(4 * k)), load(y.add(k * TILE * 4))));
-            }
-            _mm256_madd_epi16(p16, _mm256_set1_epi16(sc as i16))
-        });
-    })
+    // SAFETY (closure): the CPU features are this function's; q4_k_body passes valid pointers.
+    with_unpacked(
+        [w],
+        |w, u| unpack_q4_k(w, u),
+        |u, sbs| unsafe {
+            q4_k_body::<1>(u, sbs, tile, out, |p, x, y| acc_avx2(p, x, y), |p, sc| _mm256_madd_epi16(p, _mm256_set1_epi16(sc as i16)))
+        },
+    )
 }
 
-/// Q4_K row × tokens with VNNI: `vpdpbusd` per group, then the group scale.
+/// [`ROWS`] Q4_K rows × tokens with AVX2.
+///
+/// # Safety
+/// As [`q4_k_avx2`]; rows of equal length.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn q4_k_avx2_rows(w: [&[u8]; ROWS], tile: &ActTile, out: &mut [f32]) {
+    // SAFETY (closure): as in `q4_k_avx2`.
+    with_unpacked(
+        w,
+        |w, u| unpack_q4_k(w, u),
+        |u, sbs| unsafe {
+            q4_k_body::<ROWS>(u, sbs, tile, out, |p, x, y| acc_avx2(p, x, y), |p, sc| _mm256_madd_epi16(p, _mm256_set1_epi16(sc as i16)))
+        },
+    )
+}
+
+/// Q4_K row × tokens with VNNI: `vpdpbusd` per dword, then the group scale.
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA, F16C, AVX-512VL and AVX-512 VNNI.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
 pub unsafe fn q4_k_vnni(w: &[u8], tile: &ActTile, out: &mut [f32]) {
-    ROW.with(|u| {
-        let u = &mut *u.borrow_mut();
-        let sbs = unpack_q4_k(w, u);
-        // SAFETY (closure): q4_k_body passes pointers valid for 32 weight bytes and 8 tile dwords.
-        q4_k_body(u, sbs, tile, out, |x, y, sc| unsafe {
-            let mut p = _mm256_setzero_si256();
-            for k in 0..8 {
-                p = _mm256_dpbusd_epi32(p, bcast(x.add(4 * k)), load(y.add(k * TILE * 4)));
-            }
-            _mm256_mullo_epi32(p, _mm256_set1_epi32(sc))
-        });
-    })
+    // SAFETY (closure): the CPU features are this function's; q4_k_body passes valid pointers.
+    with_unpacked(
+        [w],
+        |w, u| unpack_q4_k(w, u),
+        |u, sbs| unsafe {
+            q4_k_body::<1>(u, sbs, tile, out, |p, x, y| dot4_vnni(p, x, y), |p, sc| _mm256_mullo_epi32(p, _mm256_set1_epi32(sc)))
+        },
+    )
 }
 
-thread_local! {
-    /// The unpacked rows of a [`ROWS`]-row kernel.
-    static ROWS4: RefCell<[Unpacked; ROWS]> = RefCell::new(Default::default());
-}
-
-/// [`ROWS`] Q8_0 rows × tokens with VNNI: each tile dword is loaded once for all the rows.
+/// [`ROWS`] Q4_K rows × tokens with VNNI.
 ///
 /// # Safety
-/// The CPU must support AVX2, FMA, F16C, AVX-512VL and AVX-512 VNNI; rows of equal length.
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-pub unsafe fn q8_0_vnni_rows(w: [&[u8]; ROWS], tile: &ActTile, out: &mut [f32]) {
-    ROWS4.with(|u| {
-        let u = &mut *u.borrow_mut();
-        for (r, w) in w.iter().enumerate() {
-            unpack_q8_0(w, true, &mut u[r]);
-        }
-        let (blocks, dwords, n) = (tile.cols / 32, tile.cols / 4, tile.n);
-        assert!(u.iter().all(|u| u.q.len() >= tile.cols) && tile.qs.len() >= tile.tiles() * dwords * TILE * 4 && out.len() >= ROWS * n);
-        for g in 0..tile.tiles() {
-            let qs = tile.qs[g * dwords * TILE * 4..].as_ptr();
-            let mut acc = [_mm256_setzero_ps(); ROWS];
-            for b in 0..blocks {
-                let mut p = [_mm256_setzero_si256(); ROWS];
-                for k in 0..8 {
-                    // SAFETY: tile offset (8b + k) * 32 + 32 <= dwords * 32 (asserted above).
-                    let y = unsafe { load(qs.add((8 * b + k) * TILE * 4)) };
-                    for r in 0..ROWS {
-                        // SAFETY: weights 32b + 4k + 4 <= cols <= q.len().
-                        p[r] = _mm256_dpbusd_epi32(p[r], unsafe { bcast(u[r].q.as_ptr().add(32 * b + 4 * k)) }, y);
-                    }
-                }
-                let row = (g * blocks + b) * TILE;
-                // SAFETY: `sums` and `d` hold TILE values per (tile, block).
-                let (sums, da) = unsafe {
-                    (_mm256_loadu_si256(tile.sums.as_ptr().add(row) as *const __m256i), _mm256_loadu_ps(tile.d.as_ptr().add(row)))
-                };
-                let bias = _mm256_slli_epi32::<7>(sums);
-                for r in 0..ROWS {
-                    let v = _mm256_cvtepi32_ps(_mm256_sub_epi32(p[r], bias));
-                    acc[r] = _mm256_fmadd_ps(v, _mm256_mul_ps(_mm256_set1_ps(u[r].d[b]), da), acc[r]);
-                }
-            }
-            for (r, a) in acc.into_iter().enumerate() {
-                store(&mut out[r * n..(r + 1) * n], g, n, a);
-            }
-        }
-    })
-}
-
-/// [`ROWS`] Q4_K rows × tokens with VNNI: each tile dword is loaded once for all the rows.
-///
-/// # Safety
-/// The CPU must support AVX2, FMA, F16C, AVX-512VL and AVX-512 VNNI; rows of equal length.
+/// As [`q4_k_vnni`]; rows of equal length.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
 pub unsafe fn q4_k_vnni_rows(w: [&[u8]; ROWS], tile: &ActTile, out: &mut [f32]) {
-    ROWS4.with(|u| {
-        let u = &mut *u.borrow_mut();
-        let mut sbs = 0;
-        for (r, w) in w.iter().enumerate() {
-            sbs = unpack_q4_k(w, &mut u[r]);
-        }
-        let (dwords, groups, n) = (tile.cols / 4, tile.cols / 32, tile.n);
-        assert!(
-            u.iter().all(|u| u.q.len() >= 256 * sbs && u.sc.len() >= 8 * sbs)
-                && tile.qs.len() >= tile.tiles() * dwords * TILE * 4
-                && out.len() >= ROWS * n
-        );
-        for g in 0..tile.tiles() {
-            let qs = tile.qs[g * dwords * TILE * 4..].as_ptr();
-            let (mut acc, mut accm) = ([_mm256_setzero_ps(); ROWS], [_mm256_setzero_ps(); ROWS]);
-            for s in 0..sbs {
-                let (mut sumi, mut mins) = ([_mm256_setzero_si256(); ROWS], [_mm256_setzero_si256(); ROWS]);
-                for j in 0..8 {
-                    let e = 256 * s + 32 * j;
-                    let mut p = [_mm256_setzero_si256(); ROWS];
-                    for k in 0..8 {
-                        // SAFETY: tile offset (e / 4 + k) * 32 + 32 <= dwords * 32 (asserted above).
-                        let y = unsafe { load(qs.add((e / 4 + k) * TILE * 4)) };
-                        for r in 0..ROWS {
-                            // SAFETY: weights e + 4k + 4 <= 256 * sbs <= q.len().
-                            p[r] = _mm256_dpbusd_epi32(p[r], unsafe { bcast(u[r].q.as_ptr().add(e + 4 * k)) }, y);
-                        }
-                    }
-                    // SAFETY: `sums` holds TILE values per (tile, group).
-                    let gs = unsafe { _mm256_loadu_si256(tile.sums.as_ptr().add((g * groups + 8 * s + j) * TILE) as *const __m256i) };
-                    for r in 0..ROWS {
-                        sumi[r] = _mm256_add_epi32(sumi[r], _mm256_mullo_epi32(p[r], _mm256_set1_epi32(u[r].sc[8 * s + j])));
-                        mins[r] = _mm256_add_epi32(mins[r], _mm256_mullo_epi32(gs, _mm256_set1_epi32(u[r].mins[8 * s + j])));
-                    }
-                }
-                // SAFETY: `d` holds TILE values per (tile, super-block).
-                let da = unsafe { _mm256_loadu_ps(tile.d.as_ptr().add((g * sbs + s) * TILE)) };
-                for r in 0..ROWS {
-                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]), _mm256_mul_ps(_mm256_set1_ps(u[r].d[s]), da), acc[r]);
-                    accm[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins[r]), _mm256_mul_ps(_mm256_set1_ps(u[r].dmin[s]), da), accm[r]);
-                }
-            }
-            for r in 0..ROWS {
-                store(&mut out[r * n..(r + 1) * n], g, n, _mm256_sub_ps(acc[r], accm[r]));
-            }
-        }
-    })
+    // SAFETY (closure): as in `q4_k_vnni`.
+    with_unpacked(
+        w,
+        |w, u| unpack_q4_k(w, u),
+        |u, sbs| unsafe {
+            q4_k_body::<ROWS>(u, sbs, tile, out, |p, x, y| dot4_vnni(p, x, y), |p, sc| _mm256_mullo_epi32(p, _mm256_set1_epi32(sc)))
+        },
+    )
 }
