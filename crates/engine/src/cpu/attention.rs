@@ -75,17 +75,21 @@ pub(super) fn attention_ref(l: &KvLayer, q: &[f32], q_stride: usize, n: usize, p
 /// 128 query heads) still spreads over the pool.
 const HEADS_PER_TASK: usize = 16;
 
-thread_local! {
-    static PROBS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
-}
-
 /// Tokens per task in prefill: the cached keys and values a task streams serve this many
 /// queries of each head, instead of one.
 const TOKENS_PER_TASK: usize = 8;
 
+/// A task's buffers, reused across calls: its query rows, its scores (then probabilities)
+/// position-major, and its unnormalised outputs.
+#[derive(Default)]
+struct Scratch {
+    q: Vec<f32>,
+    probs: Vec<f32>,
+    out: Vec<f32>,
+}
+
 thread_local! {
-    static QBUF: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
-    static OBUF: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
 
 /// Grouped-query attention on the persistent pool: each task takes up to [`TOKENS_PER_TASK`]
@@ -113,7 +117,7 @@ pub(super) fn attention_fast(
     let k_row = kvh * kd;
     let (values, v_row, v_stride) = if s.values_in_keys { (&l.k, k_row, kd) } else { (&l.v, kvh * vd, vd) };
     let out = &mut out[..n * p.q_heads * vd];
-    let sink = SendPtr(out.as_mut_ptr());
+    let sink = super::DisjointOut::new(out);
     pool.run(blocks * kvh * chunks_per_group, &|task| {
         let (b, rest) = (task / (kvh * chunks_per_group), task % (kvh * chunks_per_group));
         let (g, c) = (rest / chunks_per_group, rest % chunks_per_group);
@@ -122,69 +126,55 @@ pub(super) fn attention_fast(
         let (t0, t1) = (b * TOKENS_PER_TASK, ((b + 1) * TOKENS_PER_TASK).min(n));
         let rows = (t1 - t0) * heads;
         let len = pos0 + t1;
-        QBUF.with(|qb| {
-            PROBS.with(|pr| {
-                OBUF.with(|ob| {
-                    let (qb, pr, ob) = (&mut *qb.borrow_mut(), &mut *pr.borrow_mut(), &mut *ob.borrow_mut());
-                    // The block's query rows, contiguous: row (t - t0) * heads + h.
-                    qb.clear();
-                    for t in t0..t1 {
-                        qb.extend_from_slice(&q[t * q_stride + h0 * kd..][..heads * kd]);
+        SCRATCH.with(|sc| {
+            let Scratch { q: qb, probs: pr, out: ob } = &mut *sc.borrow_mut();
+            // The block's query rows, contiguous: row (t - t0) * heads + h.
+            qb.clear();
+            for t in t0..t1 {
+                qb.extend_from_slice(&q[t * q_stride + h0 * kd..][..heads * kd]);
+            }
+            // Scores, position-major: pr[j * rows + r].
+            pr.resize(len * rows, 0.0);
+            for j in 0..len {
+                k.multi_dot(qb, &l.k[j * k_row + g * kd..][..kd], &mut pr[j * rows..(j + 1) * rows]);
+            }
+            ob.clear();
+            ob.resize(rows * vd, 0.0);
+            let mut inv = [0f32; TOKENS_PER_TASK * HEADS_PER_TASK];
+            for r in 0..rows {
+                let visible = pos0 + t0 + r / heads + 1;
+                let mut max = f32::NEG_INFINITY;
+                for j in 0..visible {
+                    let v = pr[j * rows + r] * p.scale;
+                    pr[j * rows + r] = v;
+                    max = max.max(v);
+                }
+                let mut sum = 0f32;
+                for j in 0..visible {
+                    let e = (pr[j * rows + r] - max).exp();
+                    pr[j * rows + r] = e;
+                    sum += e;
+                }
+                for j in visible..len {
+                    pr[j * rows + r] = 0.0;
+                }
+                inv[r] = 1.0 / sum;
+            }
+            for j in 0..len {
+                k.multi_axpy(ob, &pr[j * rows..(j + 1) * rows], &values[j * v_row + g * v_stride..][..vd]);
+            }
+            for t in t0..t1 {
+                let r0 = (t - t0) * heads;
+                // SAFETY: this task owns the output rows of query heads h0..h0 + heads of
+                // tokens t0..t1; tasks cover disjoint (token, head) ranges and `out`
+                // outlives `pool.run`.
+                let o = unsafe { sink.range((t * p.q_heads + h0) * vd, heads * vd) };
+                for (h, o) in o.chunks_exact_mut(vd).enumerate() {
+                    for (d, &v) in o.iter_mut().zip(&ob[(r0 + h) * vd..(r0 + h + 1) * vd]) {
+                        *d = v * inv[r0 + h];
                     }
-                    // Scores, position-major: pr[j * rows + r].
-                    pr.resize(len * rows, 0.0);
-                    for j in 0..len {
-                        k.multi_dot(qb, &l.k[j * k_row + g * kd..][..kd], &mut pr[j * rows..(j + 1) * rows]);
-                    }
-                    ob.clear();
-                    ob.resize(rows * vd, 0.0);
-                    let mut inv = [0f32; TOKENS_PER_TASK * HEADS_PER_TASK];
-                    for r in 0..rows {
-                        let visible = pos0 + t0 + r / heads + 1;
-                        let mut max = f32::NEG_INFINITY;
-                        for j in 0..visible {
-                            let v = pr[j * rows + r] * p.scale;
-                            pr[j * rows + r] = v;
-                            max = max.max(v);
-                        }
-                        let mut sum = 0f32;
-                        for j in 0..visible {
-                            let e = (pr[j * rows + r] - max).exp();
-                            pr[j * rows + r] = e;
-                            sum += e;
-                        }
-                        for j in visible..len {
-                            pr[j * rows + r] = 0.0;
-                        }
-                        inv[r] = 1.0 / sum;
-                    }
-                    for j in 0..len {
-                        k.multi_axpy(ob, &pr[j * rows..(j + 1) * rows], &values[j * v_row + g * v_stride..][..vd]);
-                    }
-                    for t in t0..t1 {
-                        let r0 = (t - t0) * heads;
-                        // SAFETY: this task owns the output rows of query heads h0..h0 + heads of
-                        // tokens t0..t1; tasks cover disjoint (token, head) ranges and `out`
-                        // outlives `pool.run`.
-                        let o = unsafe { std::slice::from_raw_parts_mut(sink.get().add((t * p.q_heads + h0) * vd), heads * vd) };
-                        for (h, o) in o.chunks_exact_mut(vd).enumerate() {
-                            for (d, &v) in o.iter_mut().zip(&ob[(r0 + h) * vd..(r0 + h + 1) * vd]) {
-                                *d = v * inv[r0 + h];
-                            }
-                        }
-                    }
-                })
-            })
+                }
+            }
         })
     });
-}
-
-/// A raw output pointer shared by pool tasks that write disjoint ranges.
-struct SendPtr(*mut f32);
-// SAFETY: used only for disjoint writes while the owning slice is borrowed by the caller.
-unsafe impl Sync for SendPtr {}
-impl SendPtr {
-    fn get(&self) -> *mut f32 {
-        self.0
-    }
 }

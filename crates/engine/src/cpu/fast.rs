@@ -19,6 +19,14 @@ thread_local! {
     static ROWOUT: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
+/// An input `matmul_many` needs: rows `x_row..x_row + n` of `cols` quantized as `ActKind`,
+/// the first job that reads it, and whether any of its jobs needs the interleaved tile.
+struct Input {
+    key: (usize, usize, usize, smoe_kernels::act::ActKind),
+    first_job: usize,
+    tiled: bool,
+}
+
 /// One input of `matmul_many`: its rows gathered, quantized and (for the many-token kernels)
 /// interleaved. Prepared by one pool task each, behind an uncontended lock.
 #[derive(Default)]
@@ -28,23 +36,6 @@ struct Prepared {
     tile: ActTile,
 }
 
-/// Output rows owned by one task: tasks own disjoint row ranges, so writes never overlap.
-struct Out {
-    ptr: *mut f32,
-    len: usize,
-}
-// SAFETY: shared between pool tasks that write disjoint index sets (see `write`).
-unsafe impl Sync for Out {}
-impl Out {
-    fn write(&self, i: usize, v: f32) {
-        assert!(i < self.len);
-        // SAFETY: in bounds (checked); each index is written by exactly one task because tasks
-        // partition the output rows.
-        unsafe { *self.ptr.add(i) = v }
-    }
-}
-
-/// Rows per task: enough work per task to amortise scheduling, enough tasks to balance.
 /// Rows `r0..r1` of a weight matrix against a tile of tokens: [`gemm::ROWS`] rows at a time
 /// where the kernels have a many-row kernel for `f`, one at a time otherwise; each product is
 /// handed to `put(token, row, value)`.
@@ -80,6 +71,7 @@ fn gemm_rows<'w>(
     })
 }
 
+/// Rows per task: enough work per task to amortise scheduling, enough tasks to balance.
 fn rows_per_task(m: usize, work_per_row: usize, threads: usize) -> usize {
     let min_rows = (16384 / work_per_row.max(1)).max(1);
     let balanced = m.div_ceil(4 * threads);
@@ -100,7 +92,7 @@ pub(crate) fn matmul(k: &Kernels, pool: &Pool, w: &QMatrix<'_>, x: &[f32], n: us
         let mut act = act.borrow_mut();
         act.quantize(w.format, x, n, cols);
         let act = &*act;
-        let sink = Out { ptr: out.as_mut_ptr(), len: n * m };
+        let sink = super::DisjointOut::new(&mut out[..n * m]);
         let rpt = rows_per_task(m, cols * n, pool.threads());
         let rb = w.row_bytes();
         let f = w.format;
@@ -140,49 +132,44 @@ pub(crate) fn matmul_many<M: Sync>(
 ) {
     MANY.with(|many| {
         let inputs = &mut *many.borrow_mut();
-        // Which prepared input each job uses, the first job of each input, and whether the
-        // input needs its tile: a job that shares an input with a format that has no
-        // many-token kernel may still need it for its own.
+        // The distinct inputs, and which one each job reads. A job that shares an input with
+        // a format that has no many-token kernel may still need the tile for its own.
         let mut input_of = Vec::with_capacity(jobs.len());
-        let mut keys: Vec<(usize, usize, usize, smoe_kernels::act::ActKind)> = Vec::new();
-        let mut first: Vec<usize> = Vec::new();
-        let mut tiled: Vec<bool> = Vec::new();
+        let mut needs: Vec<Input> = Vec::new();
         for (ji, (w, j)) in jobs.iter().enumerate() {
             let key = (j.x_row, j.n, w.cols, smoe_kernels::act_kind(w.format));
-            let idx = keys.iter().position(|k| *k == key).unwrap_or_else(|| {
-                keys.push(key);
-                first.push(ji);
-                tiled.push(false);
-                keys.len() - 1
+            let idx = needs.iter().position(|n| n.key == key).unwrap_or_else(|| {
+                needs.push(Input { key, first_job: ji, tiled: false });
+                needs.len() - 1
             });
-            tiled[idx] |= j.n >= 4 && k.has_gemm(w.format);
+            needs[idx].tiled |= j.n >= 4 && k.has_gemm(w.format);
             input_of.push(idx);
         }
-        while inputs.len() < keys.len() {
+        while inputs.len() < needs.len() {
             inputs.push(Mutex::new(Prepared::default()));
         }
         // Gathering, quantizing and interleaving the inputs is a pass over every activation:
         // on the pool when there is enough of it (prefill's per-expert inputs).
         let prepare = |i: usize| {
-            let (w, j) = &jobs[first[i]];
+            let (w, j) = &jobs[needs[i].first_job];
             let p = &mut *inputs[i].lock().unwrap_or_else(|e| e.into_inner());
             p.gather.clear();
             for t in 0..j.n {
                 p.gather.extend_from_slice(&x[(j.x_row + t) * x_stride..][..w.cols]);
             }
             p.act.quantize(w.format, &p.gather, j.n, w.cols);
-            if tiled[i] {
+            if needs[i].tiled {
                 p.act.build_tile(&mut p.tile, j.n);
             }
         };
-        let prep_work: usize = first.iter().map(|&ji| jobs[ji].1.n * jobs[ji].0.cols).sum();
+        let prep_work: usize = needs.iter().map(|n| n.key.1 * n.key.2).sum();
         if prep_work >= 1 << 16 {
-            pool.run(keys.len(), &prepare);
+            pool.run(needs.len(), &prepare);
         } else {
-            (0..keys.len()).for_each(prepare);
+            (0..needs.len()).for_each(prepare);
         }
         let prepared: Vec<&Prepared> =
-            inputs.iter_mut().take(keys.len()).map(|m| &*m.get_mut().unwrap_or_else(|e| e.into_inner())).collect();
+            inputs.iter_mut().take(needs.len()).map(|m| &*m.get_mut().unwrap_or_else(|e| e.into_inner())).collect();
         // Tasks: row chunks of every job.
         let threads = pool.threads();
         let total_work: usize = jobs.iter().map(|(w, j)| w.rows * w.cols * j.n).sum();
@@ -196,7 +183,7 @@ pub(crate) fn matmul_many<M: Sync>(
                 r += rpt;
             }
         }
-        let sink = Out { ptr: out.as_mut_ptr(), len: out.len() };
+        let sink = super::DisjointOut::new(out);
         pool.run(tasks.len(), &|ti| {
             let (ji, r0, r1) = tasks[ti];
             let (w, j) = &jobs[ji];

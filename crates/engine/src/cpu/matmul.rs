@@ -28,29 +28,12 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
-/// Output rows owned by one task: `out[t * m + r]` for `r` in the task's row range. Tasks own
-/// disjoint row ranges, so their writes never overlap.
-struct StridedOut {
-    ptr: *mut f32,
-    len: usize,
-}
-// SAFETY: shared between rayon tasks that write disjoint index sets (see `write`).
-unsafe impl Sync for StridedOut {}
-impl StridedOut {
-    fn write(&self, i: usize, v: f32) {
-        assert!(i < self.len);
-        // SAFETY: `i` is in bounds (checked above) and each index is written by exactly one task,
-        // because tasks partition the output rows.
-        unsafe { *self.ptr.add(i) = v }
-    }
-}
-
 /// `out[t, r] = w[r, :] · x[t, :]` for `t < n`.
 pub(crate) fn matmul_ref(w: &QMatrix<'_>, x: &[f32], n: usize, out: &mut [f32]) {
     let (m, k) = (w.rows, w.cols);
     assert!(x.len() >= n * k && out.len() >= n * m, "matmul buffers too small");
     let rows_per_task = if m * k * n < PAR_THRESHOLD { m } else { (m / (4 * rayon::current_num_threads())).max(1) };
-    let sink = StridedOut { ptr: out.as_mut_ptr(), len: n * m };
+    let sink = super::DisjointOut::new(&mut out[..n * m]);
     let task = |r0: usize| {
         ROW.with(|row| {
             let mut row = row.borrow_mut();

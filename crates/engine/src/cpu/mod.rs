@@ -13,6 +13,39 @@ use crate::backend::{AttnParams, Backend, KvShape, MatJob, WeightRef};
 use smoe_quant::{Format, QMatrix};
 use std::sync::Arc;
 
+/// An output buffer shared by pool tasks that write disjoint parts of it (output rows of a
+/// product, (token, head) rows of attention), so that no task needs a lock or a copy.
+pub(crate) struct DisjointOut {
+    ptr: *mut f32,
+    len: usize,
+}
+// SAFETY: tasks write disjoint index sets (each caller partitions the output), and the buffer
+// stays mutably borrowed by the caller for as long as the tasks run.
+unsafe impl Sync for DisjointOut {}
+impl DisjointOut {
+    fn new(out: &mut [f32]) -> DisjointOut {
+        DisjointOut { ptr: out.as_mut_ptr(), len: out.len() }
+    }
+
+    /// Writes element `i`, which no other task writes.
+    fn write(&self, i: usize, v: f32) {
+        assert!(i < self.len);
+        // SAFETY: in bounds (checked); each index is written by exactly one task.
+        unsafe { *self.ptr.add(i) = v }
+    }
+
+    /// `len` elements from `start`, for a task that alone writes them.
+    ///
+    /// # Safety
+    /// No other task may touch `start..start + len` while the slice lives.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn range(&self, start: usize, len: usize) -> &mut [f32] {
+        assert!(start + len <= self.len);
+        // SAFETY: in bounds (checked); exclusive by the caller's guarantee.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), len) }
+    }
+}
+
 /// How matrix products are computed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Precision {
