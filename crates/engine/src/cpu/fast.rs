@@ -15,8 +15,8 @@ thread_local! {
     static ACT: RefCell<QuantAct> = RefCell::new(QuantAct::default());
     /// The same activations interleaved for the many-token kernels.
     static TILE: RefCell<ActTile> = RefCell::new(ActTile::default());
-    /// A task's outputs for one row over all tokens.
-    static ROWOUT: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// A task's outputs, row-major, and one token's values of them.
+    static ROWOUT: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
 /// An input `matmul_many` needs: rows `x_row..x_row + n` of `cols` quantized as `ActKind`,
@@ -37,8 +37,10 @@ struct Prepared {
 }
 
 /// Rows `r0..r1` of a weight matrix against a tile of tokens: [`gemm::ROWS`] rows at a time
-/// where the kernels have a many-row kernel for `f`, one at a time otherwise; each product is
-/// handed to `put(token, row, value)`.
+/// where the kernels have a many-row kernel for `f`, one at a time otherwise. The products
+/// collect row-major in a task buffer and leave token by token, `put(token, r0, values)` with
+/// the `r1 - r0` values of that token: outputs are token-major, and scattering each product
+/// to its own token row cost more than the kernel on prefill's short expert jobs.
 #[inline]
 fn gemm_rows<'w>(
     k: &Kernels,
@@ -47,26 +49,25 @@ fn gemm_rows<'w>(
     r1: usize,
     row: impl Fn(usize) -> &'w [u8],
     tile: &ActTile,
-    put: impl Fn(usize, usize, f32),
+    put: impl Fn(usize, usize, &[f32]),
 ) {
     ROWOUT.with(|buf| {
-        let mut buf = buf.borrow_mut();
-        let n = tile.n;
-        buf.resize(gemm::ROWS * n, 0.0);
+        let (buf, line) = &mut *buf.borrow_mut();
+        let (n, m) = (tile.n, r1 - r0);
+        buf.resize(m * n, 0.0);
         let mut r = r0;
-        while r + gemm::ROWS <= r1 && k.gemm_rows(f, std::array::from_fn(|i| row(r + i)), tile, &mut buf) {
-            for i in 0..gemm::ROWS {
-                for (t, &v) in buf[i * n..(i + 1) * n].iter().enumerate() {
-                    put(t, r + i, v);
-                }
-            }
+        while r + gemm::ROWS <= r1 && k.gemm_rows(f, std::array::from_fn(|i| row(r + i)), tile, &mut buf[(r - r0) * n..]) {
             r += gemm::ROWS;
         }
         for r in r..r1 {
-            k.gemm_row(f, row(r), tile, &mut buf[..n]);
-            for (t, &v) in buf[..n].iter().enumerate() {
-                put(t, r, v);
+            k.gemm_row(f, row(r), tile, &mut buf[(r - r0) * n..(r - r0 + 1) * n]);
+        }
+        line.resize(m, 0.0);
+        for t in 0..n {
+            for (i, v) in line.iter_mut().enumerate() {
+                *v = buf[i * n + t];
             }
+            put(t, r0, line);
         }
     })
 }
@@ -104,7 +105,10 @@ pub(crate) fn matmul(k: &Kernels, pool: &Pool, w: &QMatrix<'_>, x: &[f32], n: us
                 act.build_tile(&mut tile, n);
                 let tile = &*tile;
                 pool.run(m.div_ceil(rpt), &|i| {
-                    gemm_rows(k, f, i * rpt, ((i + 1) * rpt).min(m), row, tile, |t, r, v| sink.write(t * m + r, v));
+                    gemm_rows(k, f, i * rpt, ((i + 1) * rpt).min(m), row, tile, |t, r, v| {
+                        // SAFETY: this task alone computes rows i * rpt.. of every token.
+                        unsafe { sink.range(t * m + r, v.len()) }.copy_from_slice(v)
+                    });
                 });
             });
             return;
@@ -191,7 +195,18 @@ pub(crate) fn matmul_many<M: Sync>(
             let rb = w.row_bytes();
             let at = |t: usize, r: usize| (j.out_row + t) * out_stride + j.out_col + r;
             if j.n >= 4 && k.has_gemm(w.format) {
-                gemm_rows(k, w.format, r0, r1, |r| &w.data[r * rb..(r + 1) * rb], tile, |t, r, v| sink.write(at(t, r), v));
+                gemm_rows(
+                    k,
+                    w.format,
+                    r0,
+                    r1,
+                    |r| &w.data[r * rb..(r + 1) * rb],
+                    tile,
+                    |t, r, v| {
+                        // SAFETY: this task alone computes rows r0..r1 of this job's outputs.
+                        unsafe { sink.range(at(t, r), v.len()) }.copy_from_slice(v)
+                    },
+                );
             } else {
                 for r in r0..r1 {
                     let row = &w.data[r * rb..(r + 1) * rb];
