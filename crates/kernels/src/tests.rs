@@ -123,7 +123,8 @@ fn many_token_kernels_match_single_dots() {
             if !k.has_gemm(f) {
                 continue;
             }
-            for (cols, n) in [(768usize, 19usize), (256, 8), (2048, 3)] {
+            // Token counts with and without whole pairs of tiles (the 512-bit bodies) and odd tails.
+            for (cols, n) in [(768usize, 19usize), (256, 8), (2048, 3), (512, 16), (768, 35)] {
                 let rb = f.row_bytes(cols).unwrap();
                 let x = data(cols, &mut rng);
                 let mut w = vec![0u8; rb];

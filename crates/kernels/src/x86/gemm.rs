@@ -16,12 +16,12 @@ thread_local! {
 }
 
 #[derive(Default)]
-struct Unpacked {
-    q: Vec<u8>,
-    d: Vec<f32>,
-    dmin: Vec<f32>,
-    sc: Vec<i32>,
-    mins: Vec<i32>,
+pub(super) struct Unpacked {
+    pub(super) q: Vec<u8>,
+    pub(super) d: Vec<f32>,
+    pub(super) dmin: Vec<f32>,
+    pub(super) sc: Vec<i32>,
+    pub(super) mins: Vec<i32>,
 }
 
 /// Four bytes at `p` as one i32, broadcast to all 8 lanes.
@@ -46,7 +46,7 @@ unsafe fn load(p: *const i8) -> __m256i {
     unsafe { _mm256_loadu_si256(p as *const __m256i) }
 }
 
-fn store(out: &mut [f32], g: usize, n: usize, v: __m256) {
+pub(super) fn store(out: &mut [f32], g: usize, n: usize, v: __m256) {
     let mut a = [0f32; 8];
     // SAFETY: 8-element array; `store` is only called from functions that enabled AVX.
     unsafe { _mm256_storeu_ps(a.as_mut_ptr(), v) };
@@ -83,6 +83,7 @@ fn unpack_q8_0(w: &[u8], bias: bool, u: &mut Unpacked) {
 #[inline]
 fn q8_0_body<const R: usize>(
     u: &[Unpacked],
+    first: usize,
     tile: &ActTile,
     out: &mut [f32],
     dot4: impl Fn(__m256i, *const u8, *const i8) -> __m256i,
@@ -91,7 +92,7 @@ fn q8_0_body<const R: usize>(
     let (blocks, dwords, n) = (tile.cols / 32, tile.cols / 4, tile.n);
     assert!(u.len() >= R && u[..R].iter().all(|u| u.q.len() >= tile.cols) && out.len() >= R * n);
     assert!(tile.qs.len() >= tile.tiles() * dwords * TILE * 4);
-    for g in 0..tile.tiles() {
+    for g in first..tile.tiles() {
         let qs = tile.qs[g * dwords * TILE * 4..].as_ptr();
         let mut acc = [_mm256_setzero_ps(); R];
         for b in 0..blocks {
@@ -162,7 +163,11 @@ fn with_unpacked<const R: usize, T>(w: [&[u8]; R], unpack: impl Fn(&[u8], &mut U
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
 pub unsafe fn q8_0_vnni(w: &[u8], tile: &ActTile, out: &mut [f32]) {
     // SAFETY (closure): the CPU features are this function's; q8_0_body passes valid pointers.
-    with_unpacked([w], |w, u| unpack_q8_0(w, true, u), |u, ()| unsafe { q8_0_body::<1>(u, tile, out, |p, x, y| dot4_vnni(p, x, y), true) })
+    with_unpacked(
+        [w],
+        |w, u| unpack_q8_0(w, true, u),
+        |u, ()| unsafe { q8_0_body::<1>(u, 0, tile, out, |p, x, y| dot4_vnni(p, x, y), true) },
+    )
 }
 
 /// [`ROWS`] Q8_0 rows × tokens with VNNI.
@@ -172,7 +177,14 @@ pub unsafe fn q8_0_vnni(w: &[u8], tile: &ActTile, out: &mut [f32]) {
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
 pub unsafe fn q8_0_vnni_rows(w: [&[u8]; ROWS], tile: &ActTile, out: &mut [f32]) {
     // SAFETY (closure): as in `q8_0_vnni`.
-    with_unpacked(w, |w, u| unpack_q8_0(w, true, u), |u, ()| unsafe { q8_0_body::<ROWS>(u, tile, out, |p, x, y| dot4_vnni(p, x, y), true) })
+    with_unpacked(
+        w,
+        |w, u| unpack_q8_0(w, true, u),
+        |u, ()| unsafe {
+            let done = super::gemm512::q8_0_pairs::<ROWS>(u, tile, out);
+            q8_0_body::<ROWS>(u, done, tile, out, |p, x, y| dot4_vnni(p, x, y), true)
+        },
+    )
 }
 
 /// Q8_0 row × tokens with AVX2.
@@ -185,7 +197,7 @@ pub unsafe fn q8_0_avx2(w: &[u8], tile: &ActTile, out: &mut [f32]) {
     with_unpacked(
         [w],
         |w, u| unpack_q8_0(w, false, u),
-        |u, ()| unsafe { q8_0_body::<1>(u, tile, out, |p, x, y| dot4_avx2(p, x, y), false) },
+        |u, ()| unsafe { q8_0_body::<1>(u, 0, tile, out, |p, x, y| dot4_avx2(p, x, y), false) },
     )
 }
 
@@ -232,6 +244,7 @@ fn unpack_q4_k(w: &[u8], u: &mut Unpacked) -> usize {
 fn q4_k_body<const R: usize>(
     u: &[Unpacked],
     sbs: usize,
+    first: usize,
     tile: &ActTile,
     out: &mut [f32],
     acc: impl Fn(__m256i, *const u8, *const i8) -> __m256i,
@@ -240,7 +253,7 @@ fn q4_k_body<const R: usize>(
     let (dwords, groups, n) = (tile.cols / 4, tile.cols / 32, tile.n);
     assert!(u.len() >= R && u[..R].iter().all(|u| u.q.len() >= 256 * sbs && u.sc.len() >= 8 * sbs) && out.len() >= R * n);
     assert!(tile.qs.len() >= tile.tiles() * dwords * TILE * 4);
-    for g in 0..tile.tiles() {
+    for g in first..tile.tiles() {
         let qs = tile.qs[g * dwords * TILE * 4..].as_ptr();
         let (mut total, mut totalm) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
         for s in 0..sbs {
@@ -299,7 +312,7 @@ pub unsafe fn q4_k_avx2(w: &[u8], tile: &ActTile, out: &mut [f32]) {
         [w],
         |w, u| unpack_q4_k(w, u),
         |u, sbs| unsafe {
-            q4_k_body::<1>(u, sbs, tile, out, |p, x, y| acc_avx2(p, x, y), |p, sc| _mm256_madd_epi16(p, _mm256_set1_epi16(sc as i16)))
+            q4_k_body::<1>(u, sbs, 0, tile, out, |p, x, y| acc_avx2(p, x, y), |p, sc| _mm256_madd_epi16(p, _mm256_set1_epi16(sc as i16)))
         },
     )
 }
@@ -315,7 +328,7 @@ pub unsafe fn q4_k_avx2_rows(w: [&[u8]; ROWS], tile: &ActTile, out: &mut [f32]) 
         w,
         |w, u| unpack_q4_k(w, u),
         |u, sbs| unsafe {
-            q4_k_body::<ROWS>(u, sbs, tile, out, |p, x, y| acc_avx2(p, x, y), |p, sc| _mm256_madd_epi16(p, _mm256_set1_epi16(sc as i16)))
+            q4_k_body::<ROWS>(u, sbs, 0, tile, out, |p, x, y| acc_avx2(p, x, y), |p, sc| _mm256_madd_epi16(p, _mm256_set1_epi16(sc as i16)))
         },
     )
 }
@@ -331,7 +344,7 @@ pub unsafe fn q4_k_vnni(w: &[u8], tile: &ActTile, out: &mut [f32]) {
         [w],
         |w, u| unpack_q4_k(w, u),
         |u, sbs| unsafe {
-            q4_k_body::<1>(u, sbs, tile, out, |p, x, y| dot4_vnni(p, x, y), |p, sc| _mm256_mullo_epi32(p, _mm256_set1_epi32(sc)))
+            q4_k_body::<1>(u, sbs, 0, tile, out, |p, x, y| dot4_vnni(p, x, y), |p, sc| _mm256_mullo_epi32(p, _mm256_set1_epi32(sc)))
         },
     )
 }
@@ -347,7 +360,8 @@ pub unsafe fn q4_k_vnni_rows(w: [&[u8]; ROWS], tile: &ActTile, out: &mut [f32]) 
         w,
         |w, u| unpack_q4_k(w, u),
         |u, sbs| unsafe {
-            q4_k_body::<ROWS>(u, sbs, tile, out, |p, x, y| dot4_vnni(p, x, y), |p, sc| _mm256_mullo_epi32(p, _mm256_set1_epi32(sc)))
+            let done = super::gemm512::q4_k_pairs::<ROWS>(u, sbs, tile, out);
+            q4_k_body::<ROWS>(u, sbs, done, tile, out, |p, x, y| dot4_vnni(p, x, y), |p, sc| _mm256_mullo_epi32(p, _mm256_set1_epi32(sc)))
         },
     )
 }

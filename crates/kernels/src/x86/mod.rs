@@ -4,6 +4,7 @@ pub mod avx2;
 pub mod avx2_more;
 pub mod avx512;
 pub mod gemm;
+mod gemm512;
 
 use std::arch::x86_64::*;
 
