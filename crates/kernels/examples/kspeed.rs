@@ -4,7 +4,9 @@ use smoe_kernels::{available, QuantAct};
 
 fn main() {
     let cols = 2048;
-    for f in smoe_quant::ALL_FORMATS {
+    // Optional arguments: the formats to measure (all by default).
+    let only: Vec<String> = std::env::args().skip(1).collect();
+    for f in smoe_quant::ALL_FORMATS.into_iter().filter(|f| only.is_empty() || only.contains(&f.to_string())) {
         let rows = (256 << 20) / f.row_bytes(cols).unwrap();
         let rb = f.row_bytes(cols).unwrap();
         let x: Vec<f32> = (0..cols).map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 300.0).collect();
