@@ -166,6 +166,22 @@ impl Kernels {
         }
     }
 
+    /// `out[i] = w[i] · a` for consecutive weight rows of `rb` bytes each (`out.len()` rows):
+    /// the kernel is chosen once, not per row, which matters for decode's many short rows.
+    pub fn dot_rows(&self, f: Format, w: &[u8], rb: usize, a: ActRow<'_>, out: &mut [f32]) {
+        assert!(w.len() >= rb * out.len(), "dot_rows: weights too short");
+        let row = |i: usize| &w[i * rb..(i + 1) * rb];
+        // SAFETY: as for `dot`.
+        unsafe {
+            match (self.dots[slot(f)], a) {
+                (DotFn::F32(k), ActRow::F32(x)) => out.iter_mut().enumerate().for_each(|(i, o)| *o = k(row(i), x)),
+                (DotFn::Q32(k), ActRow::Q32(x)) => out.iter_mut().enumerate().for_each(|(i, o)| *o = k(row(i), x)),
+                (DotFn::Q256(k), ActRow::Q256(x)) => out.iter_mut().enumerate().for_each(|(i, o)| *o = k(row(i), x)),
+                _ => panic!("activation form does not match {f}"),
+            }
+        }
+    }
+
     /// `out[h] = q[h, :] · k` for the rows of `q` (see [`attn`]).
     pub fn multi_dot(&self, q: &[f32], k: &[f32], out: &mut [f32]) {
         assert!(q.len() >= out.len() * k.len());

@@ -114,10 +114,10 @@ pub(crate) fn matmul(k: &Kernels, pool: &Pool, w: &QMatrix<'_>, x: &[f32], n: us
             return;
         }
         pool.run(m.div_ceil(rpt), &|i| {
-            for r in i * rpt..((i + 1) * rpt).min(m) {
-                for t in 0..n {
-                    sink.write(t * m + r, k.dot(f, row(r), act.row(t)));
-                }
+            let (r0, r1) = (i * rpt, ((i + 1) * rpt).min(m));
+            for t in 0..n {
+                // SAFETY: this task alone computes rows r0..r1 of every token.
+                k.dot_rows(f, &w.data[r0 * rb..r1 * rb], rb, act.row(t), unsafe { sink.range(t * m + r0, r1 - r0) });
             }
         });
     })
@@ -208,11 +208,9 @@ pub(crate) fn matmul_many<M: Sync>(
                     },
                 );
             } else {
-                for r in r0..r1 {
-                    let row = &w.data[r * rb..(r + 1) * rb];
-                    for t in 0..j.n {
-                        sink.write(at(t, r), k.dot(w.format, row, act.row(t)));
-                    }
+                for t in 0..j.n {
+                    // SAFETY: this task alone computes rows r0..r1 of this job's outputs.
+                    k.dot_rows(w.format, &w.data[r0 * rb..r1 * rb], rb, act.row(t), unsafe { sink.range(at(t, r0), r1 - r0) });
                 }
             }
         });
