@@ -30,6 +30,8 @@ impl Arena {
         // SAFETY: `layout` has a non-zero size (checked above).
         let ptr = unsafe { alloc(layout) };
         let ptr = NonNull::new(ptr).ok_or_else(|| StoreError::Config(format!("cannot allocate a {size}-byte expert cache")))?;
+        // Before any read touches the pages, so that they are huge from the start.
+        smoe_vault::hugepages::advise_raw(ptr.as_ptr(), size);
         Ok(Arena { ptr, layout, slot_size, slots })
     }
 

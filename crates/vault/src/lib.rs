@@ -15,6 +15,7 @@ compute anything (`smoe-engine`).
 
 pub mod arch;
 pub mod header;
+pub mod hugepages;
 pub mod manifest;
 pub mod names;
 mod reader;

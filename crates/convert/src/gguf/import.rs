@@ -458,7 +458,9 @@ impl GgufModel {
 
     /// Every dense tensor read into one region, with its directory (for running in place).
     pub fn dense_region(&self, progress: &dyn Progress) -> Result<(Vec<DenseEntry>, Vec<u8>), ConvertError> {
-        let mut region = Vec::new();
+        let total: u64 = self.dense.iter().map(|d| d.bytes().div_ceil(64) * 64).sum();
+        let mut region = Vec::with_capacity(total as usize);
+        smoe_vault::hugepages::advise_capacity(&mut region);
         let mut entries = Vec::new();
         for d in &self.dense {
             let bytes = self.read_dense(d)?;
