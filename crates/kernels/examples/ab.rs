@@ -14,7 +14,6 @@ fn main() {
     enum V {
         K(F256),
         Q(F32b),
-        X8,
     }
     let sets: Vec<(Format, Vec<(&str, V)>)> = vec![
         (
@@ -23,7 +22,7 @@ fn main() {
                 ("q8_0 pf1024", V::Q(avx512::dot_q8_0_ahead::<1024>)),
                 ("q8_0 pf2048", V::Q(avx512::dot_q8_0_ahead::<2048>)),
                 ("q8_0 pf4096", V::Q(avx512::dot_q8_0_ahead::<4096>)),
-                ("q8_0 x8 vnni", V::X8),
+                ("q8_0 pf8192", V::Q(avx512::dot_q8_0_ahead::<8192>)),
             ],
         ),
         (
@@ -31,7 +30,7 @@ fn main() {
             vec![
                 ("q4_k pf2048", V::K(avx2::dot_q4_k_ahead::<2048>)),
                 ("q4_k pf4096", V::K(avx2::dot_q4_k_ahead::<4096>)),
-                ("q4_k x8 vnni", V::X8),
+                ("q4_k pf1024", V::K(avx2::dot_q4_k_ahead::<1024>)),
             ],
         ),
     ];
@@ -47,33 +46,6 @@ fn main() {
         let w: Vec<u8> = one.iter().copied().cycle().take(rb * rows).collect();
         let mut act = QuantAct::default();
         act.quantize(f, &x, 1, cols);
-        // The same matrix with rows interleaved by eight, for the X8 variant.
-        let mut x8 = vec![0u8; w.len()];
-        for g in 0..rows / 8 {
-            let rs: [&[u8]; 8] = std::array::from_fn(|i| &w[(8 * g + i) * rb..(8 * g + i + 1) * rb]);
-            if f == Format::Q4_K {
-                smoe_kernels::x86::q4kx8::repack(rs, rb / 144, &mut x8[8 * g * rb..8 * (g + 1) * rb]);
-            } else {
-                smoe_kernels::x86::q4kx8::repack_q8_0(rs, rb / 34, &mut x8[8 * g * rb..8 * (g + 1) * rb]);
-            }
-        }
-        if let smoe_kernels::ActRow::Q32(a) = act.row(0) {
-            let mut o = [0f32; 8];
-            // SAFETY: the example runs where the CPU has AVX-512 VNNI.
-            unsafe { smoe_kernels::x86::q4kx8::dot8_q8_0_vnni(&x8[..8 * rb], a, &mut o) };
-            let want = unsafe { avx512::dot_q8_0(&w[..rb], a) };
-            assert!(o.iter().all(|v| (v - want).abs() < 1e-3 * (1.0 + want.abs())), "{o:?} vs {want}");
-        }
-        if f == Format::Q4_K {
-            if let smoe_kernels::ActRow::Q256(a) = act.row(0) {
-                let mut o = [0f32; 8];
-                // SAFETY: the example runs where the CPU has AVX-512 VNNI.
-                unsafe { smoe_kernels::x86::q4kx8::dot8_vnni(&x8[..8 * rb], a, &mut o) };
-                let want = unsafe { avx2::dot_q4_k(&w[..rb], a) };
-                assert!(o.iter().all(|v| (v - want).abs() < 1e-3 * (1.0 + want.abs())), "{o:?} vs {want}");
-            }
-        }
-        let x8 = &x8;
         let mut times = vec![Vec::new(); vars.len()];
         for _ in 0..rounds {
             for (vi, (_, v)) in vars.iter().enumerate() {
@@ -84,26 +56,6 @@ fn main() {
                         s.spawn(move || {
                             for _ in 0..reps {
                                 let mut acc = 0f32;
-                                if let (V::X8, smoe_kernels::ActRow::Q32(a)) = (v, act.row(0)) {
-                                    let mut o = [0f32; 8];
-                                    for g in half * rows / 16..(half + 1) * rows / 16 {
-                                        // SAFETY: as below.
-                                        unsafe { smoe_kernels::x86::q4kx8::dot8_q8_0_vnni(&x8[8 * g * rb..8 * (g + 1) * rb], a, &mut o) };
-                                        acc += o[0];
-                                    }
-                                    std::hint::black_box(acc);
-                                    continue;
-                                }
-                                if let (V::X8, smoe_kernels::ActRow::Q256(a)) = (v, act.row(0)) {
-                                    let mut o = [0f32; 8];
-                                    for g in half * rows / 16..(half + 1) * rows / 16 {
-                                        // SAFETY: as below.
-                                        unsafe { smoe_kernels::x86::q4kx8::dot8_vnni(&x8[8 * g * rb..8 * (g + 1) * rb], a, &mut o) };
-                                        acc += o[0];
-                                    }
-                                    std::hint::black_box(acc);
-                                    continue;
-                                }
                                 for r in half * rows / 2..(half + 1) * rows / 2 {
                                     let wr = &w[r * rb..(r + 1) * rb];
                                     // SAFETY: the example runs only where the table says the CPU has AVX-512 VNNI.

@@ -5,7 +5,6 @@ pub mod avx2_more;
 pub mod avx512;
 pub mod gemm;
 mod gemm512;
-pub mod q4kx8;
 
 use std::arch::x86_64::*;
 
