@@ -46,9 +46,10 @@ pub struct ModelArgs {
     /// Skip checksum verification of expert blobs as they are read.
     #[arg(long)]
     pub no_verify: bool,
-    /// Expert reads in flight at most.
-    #[arg(long, default_value_t = 32)]
-    pub queue_depth: usize,
+    /// Expert reads in flight at most: a number, or `auto` to measure which depth reads
+    /// fastest on this disk (tried among 1, 2, 4, ... 32 while running).
+    #[arg(long, default_value = "auto")]
+    pub queue_depth: smoe_store::depth::QueueDepth,
     /// Print per-token timing, bytes read, hit rate and expert reuse.
     #[arg(long)]
     pub instrument: bool,
@@ -66,7 +67,7 @@ impl ModelArgs {
             policy: smoe_store::policy::PolicyKind::ReuseDistance,
             prefetch: "off".into(),
             no_verify: false,
-            queue_depth: 32,
+            queue_depth: smoe_store::depth::QueueDepth::AUTO,
             instrument: false,
             threads: None,
         }

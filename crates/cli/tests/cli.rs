@@ -112,6 +112,28 @@ fn score_writes_logits_and_routes_in_both_modes() {
         let (s, _) = read_f32(&pre, &format!("route.{l}.weights"));
         assert_eq!(s, vec![8, 2]);
     }
+    // Streaming through the smallest cache at a fixed and a measured queue depth: the same
+    // logits, bit for bit.
+    for qd in ["1", "auto"] {
+        let small = dir.path().join(format!("small-{qd}.safetensors"));
+        let idf = idfile.to_str().unwrap();
+        ok(&smoe(&[
+            "score",
+            &v,
+            "--ids-file",
+            idf,
+            "--decode",
+            "--cache-experts",
+            "2",
+            "--queue-depth",
+            qd,
+            "--out",
+            small.to_str().unwrap(),
+        ]));
+        assert_eq!(read_f32(&small, "logits").1, b, "queue depth {qd}");
+    }
+    let o = smoe(&["score", &v, "--ids", ids, "--queue-depth", "0", "--out", pre.to_str().unwrap()]);
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("queue depth must be `auto` or a whole number"));
     // Bad input is an error with a message, not a panic.
     let o = smoe(&["score", &v, "--ids", "1,2,99999", "--out", pre.to_str().unwrap()]);
     assert!(!o.status.success());

@@ -42,6 +42,8 @@ pub struct StepRecord {
     pub prefetch_used: u64,
     /// Seconds reads were outstanding (see `StoreStats::busy_seconds`).
     pub busy_seconds: f64,
+    /// Reads allowed in flight at the end of the step.
+    pub queue_depth: u32,
 }
 
 /// Accumulates [`StepRecord`]s.
@@ -94,6 +96,7 @@ impl Instrument {
         c.prefetch_issued = d.prefetch_issued;
         c.prefetch_used = d.prefetch_used;
         c.busy_seconds = d.busy_seconds;
+        c.queue_depth = d.queue_depth;
         c.adjacent_reuse = (self.reuse_n > 0).then(|| self.reuse_sum / self.reuse_n as f64);
         self.records.push(std::mem::take(&mut self.current));
     }
@@ -140,6 +143,7 @@ impl Instrument {
             s.prefetch_issued += r.prefetch_issued;
             s.prefetch_used += r.prefetch_used;
             s.busy_seconds += r.busy_seconds;
+            s.queue_depth = r.queue_depth;
             if let Some(a) = r.adjacent_reuse {
                 reuse.0 += a;
                 reuse.1 += 1;
@@ -192,6 +196,8 @@ pub struct Summary {
     pub busy_seconds: f64,
     /// Mean reads in flight, over the steps that read.
     pub inflight: f64,
+    /// Reads allowed in flight at the end (the measured choice under `auto`).
+    pub queue_depth: u32,
 }
 
 impl Summary {
@@ -230,9 +236,10 @@ impl std::fmt::Display for Summary {
         )?;
         write!(
             f,
-            "  reads: {:.2} GB/s while outstanding, {:.1} in flight on average, {:.2} GB/s per ms waited",
+            "  reads: {:.2} GB/s while outstanding, {:.1} in flight on average (limit {}), {:.2} GB/s per ms waited",
             self.read_bytes_per_s() / 1e9,
             self.inflight,
+            self.queue_depth,
             self.read_gb_s
         )?;
         if self.prefetch_issued > 0 {

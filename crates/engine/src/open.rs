@@ -60,8 +60,8 @@ pub struct OpenOptions {
     pub policy: PolicyKind,
     /// Verify blob checksums as they are read.
     pub verify: bool,
-    /// Reads in flight at most.
-    pub queue_depth: usize,
+    /// Reads in flight at most: fixed, or measured (`auto`, the default).
+    pub queue_depth: smoe_store::depth::QueueDepth,
     /// Compute threads (default: every core).
     pub threads: Option<usize>,
     /// Context limit in tokens; `None` picks [`default_context`]. The KV cache for this many
@@ -76,7 +76,7 @@ impl Default for OpenOptions {
             cache: CacheSize::Auto,
             policy: PolicyKind::ReuseDistance,
             verify: true,
-            queue_depth: 32,
+            queue_depth: smoe_store::depth::QueueDepth::AUTO,
             threads: None,
             ctx: None,
         }

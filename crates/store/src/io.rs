@@ -44,6 +44,9 @@ pub trait ReadEngine: Send {
     fn reap(&mut self, out: &mut Vec<Completion>) -> io::Result<()>;
     /// Reads queued or in flight.
     fn pending(&self) -> usize;
+    /// Keeps at most `n` reads in flight (clamped to `1..=depth`); the rest wait queued, in
+    /// the order they were submitted.
+    fn set_limit(&mut self, n: usize);
 }
 
 /// How the file ended up being opened.
@@ -118,7 +121,11 @@ pub struct PreadPool {
     tx: Option<std::sync::mpsc::Sender<ReadReq>>,
     rx: std::sync::mpsc::Receiver<Completion>,
     threads: Vec<std::thread::JoinHandle<()>>,
+    /// Reads handed to the threads and not yet reaped.
     pending: usize,
+    /// Reads waiting for the limit.
+    queued: std::collections::VecDeque<ReadReq>,
+    limit: usize,
     direct: bool,
 }
 
@@ -140,7 +147,18 @@ impl PreadPool {
                 }
             })?);
         }
-        Ok(PreadPool { tx: Some(tx), rx, threads: handles, pending: 0, direct })
+        let limit = handles.len();
+        Ok(PreadPool { tx: Some(tx), rx, threads: handles, pending: 0, queued: Default::default(), limit, direct })
+    }
+
+    /// Hands queued reads to the threads while fewer than `limit` are with them.
+    fn dispatch(&mut self) -> io::Result<()> {
+        while self.pending < self.limit {
+            let Some(r) = self.queued.pop_front() else { break };
+            self.tx.as_ref().unwrap().send(r).map_err(|_| io::Error::other("reader threads are gone"))?;
+            self.pending += 1;
+        }
+        Ok(())
     }
 }
 
@@ -152,13 +170,11 @@ impl ReadEngine for PreadPool {
         self.threads.len()
     }
     fn submit(&mut self, reqs: &[ReadReq]) -> io::Result<()> {
-        for r in reqs {
-            self.tx.as_ref().unwrap().send(*r).map_err(|_| io::Error::other("reader threads are gone"))?;
-            self.pending += 1;
-        }
-        Ok(())
+        self.queued.extend(reqs.iter().copied());
+        self.dispatch()
     }
     fn reap(&mut self, out: &mut Vec<Completion>) -> io::Result<()> {
+        self.dispatch()?;
         if self.pending == 0 {
             return Ok(());
         }
@@ -169,10 +185,13 @@ impl ReadEngine for PreadPool {
             out.push(c);
             self.pending -= 1;
         }
-        Ok(())
+        self.dispatch()
     }
     fn pending(&self) -> usize {
-        self.pending
+        self.pending + self.queued.len()
+    }
+    fn set_limit(&mut self, n: usize) {
+        self.limit = n.clamp(1, self.threads.len());
     }
 }
 
@@ -212,6 +231,8 @@ mod uring {
         queued: VecDeque<ReadReq>,
         /// In flight, by tag: the request and bytes already read (short reads resume).
         inflight: HashMap<usize, (ReadReq, usize)>,
+        /// In flight at most (`set_limit`), up to `depth`.
+        limit: usize,
         direct: bool,
     }
 
@@ -219,7 +240,7 @@ mod uring {
         /// A ring of `depth` entries over `files`; fails where io_uring is unavailable.
         pub fn new(files: Vec<File>, direct: bool, depth: usize) -> io::Result<Uring> {
             let ring = IoUring::new(depth.next_power_of_two() as u32)?;
-            Ok(Uring { ring, files, depth, queued: VecDeque::new(), inflight: HashMap::new(), direct })
+            Ok(Uring { ring, files, depth, queued: VecDeque::new(), inflight: HashMap::new(), limit: depth, direct })
         }
 
         fn push(&mut self, r: ReadReq, done: usize) -> io::Result<()> {
@@ -236,7 +257,7 @@ mod uring {
         }
 
         fn fill(&mut self) -> io::Result<()> {
-            while self.inflight.len() < self.depth {
+            while self.inflight.len() < self.limit.min(self.depth) {
                 let Some(r) = self.queued.pop_front() else { break };
                 self.push(r, 0)?;
             }
@@ -286,6 +307,9 @@ mod uring {
         }
         fn pending(&self) -> usize {
             self.inflight.len() + self.queued.len()
+        }
+        fn set_limit(&mut self, n: usize) {
+            self.limit = n.clamp(1, self.depth);
         }
     }
 
@@ -347,16 +371,24 @@ mod tests {
         let reqs: Vec<ReadReq> = (0..8)
             .map(|i| ReadReq { tag: i, file: 0, offset: ((7 - i) * 8192) as u64, len: 8192, need: 8192, buf: a.slot_ptr(i) })
             .collect();
-        e.submit(&reqs).unwrap();
-        let mut done = Vec::new();
-        while done.len() < 8 {
-            e.reap(&mut done).unwrap();
-        }
-        for (tag, r) in &done {
-            r.as_ref().unwrap();
-            // SAFETY: the read into this slot has completed.
-            let s = unsafe { a.slot(*tag) };
-            assert_eq!(s, &data[(7 - tag) * 8192..(8 - tag) * 8192], "{}", e.describe());
+        // With at most `limit` in flight, no reap can return more than `limit` completions,
+        // and every read still lands.
+        for limit in [32, 1, 3] {
+            e.set_limit(limit);
+            e.submit(&reqs).unwrap();
+            let mut done = Vec::new();
+            while done.len() < 8 {
+                let before = done.len();
+                e.reap(&mut done).unwrap();
+                assert!(done.len() - before <= limit, "{}: {} completions at limit {limit}", e.describe(), done.len() - before);
+            }
+            assert_eq!(e.pending(), 0);
+            for (tag, r) in &done {
+                r.as_ref().unwrap();
+                // SAFETY: the read into this slot has completed.
+                let s = unsafe { a.slot(*tag) };
+                assert_eq!(s, &data[(7 - tag) * 8192..(8 - tag) * 8192], "{}", e.describe());
+            }
         }
         // The file ends 1000 bytes into its last aligned block: a read that needs only those
         // bytes completes; one that needs more, or starts past the end, is an error, not a

@@ -11,6 +11,7 @@ This crate owns fetching, caching and the I/O; it does not dequantize or compute
 #![deny(missing_docs)]
 
 pub mod arena;
+pub mod depth;
 pub mod io;
 pub mod map;
 pub mod policy;
@@ -100,6 +101,9 @@ pub struct StoreStats {
     pub prefetch_wasted: u64,
     /// Prefetched experts demanded while their read was still in flight (counted as misses).
     pub prefetch_late: u64,
+    /// Reads allowed in flight when the counters were taken (a gauge, not a counter: the
+    /// measured choice under `--queue-depth auto`).
+    pub queue_depth: u32,
 }
 
 impl StoreStats {
@@ -118,6 +122,7 @@ impl StoreStats {
             prefetch_used: self.prefetch_used - before.prefetch_used,
             prefetch_wasted: self.prefetch_wasted - before.prefetch_wasted,
             prefetch_late: self.prefetch_late - before.prefetch_late,
+            queue_depth: self.queue_depth,
         }
     }
     /// hits / uses.

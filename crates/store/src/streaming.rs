@@ -2,6 +2,7 @@
 //! from the vault on demand. See [`ExpertStore::with_experts`] for the order of work.
 
 use crate::arena::Arena;
+use crate::depth::{DepthTuner, QueueDepth};
 use crate::io::{self, Completion, IoKind, ReadEngine, ReadReq};
 use crate::map::{ExpertMap, SlotRead};
 use crate::policy::{EvictionPolicy, Key, PolicyKind};
@@ -17,8 +18,8 @@ pub struct StoreOptions {
     pub slots: usize,
     /// Eviction policy.
     pub policy: PolicyKind,
-    /// Reads in flight at most.
-    pub queue_depth: usize,
+    /// Reads in flight at most: fixed, or measured (see [`crate::depth`]).
+    pub queue_depth: QueueDepth,
     /// io_uring or the pread pool.
     pub io: IoKind,
     /// Verify each blob's checksum when it is read (where the file has checksums).
@@ -30,7 +31,14 @@ pub struct StoreOptions {
 impl StoreOptions {
     /// Defaults for a cache of `slots` experts.
     pub fn with_slots(slots: usize) -> StoreOptions {
-        StoreOptions { slots, policy: PolicyKind::ReuseDistance, queue_depth: 32, io: IoKind::Auto, verify: true, min_slots: 1 }
+        StoreOptions {
+            slots,
+            policy: PolicyKind::ReuseDistance,
+            queue_depth: QueueDepth::AUTO,
+            io: IoKind::Auto,
+            verify: true,
+            min_slots: 1,
+        }
     }
 }
 
@@ -68,6 +76,8 @@ impl Slot {
 const TAGS: usize = 4;
 
 struct Inner {
+    /// Chooses the reads in flight (fixed, or by measurement).
+    tuner: DepthTuner,
     engine: Box<dyn ReadEngine>,
     slots: Vec<Slot>,
     /// Key index (`layer * experts + expert`) to slot.
@@ -120,9 +130,11 @@ impl ExpertStore {
             return Err(StoreError::Config(format!("an expert may be read in at most {TAGS} pieces")));
         }
         let arena = Arena::new(slots, map.slot_size(), map.align)?;
-        let engine = io::engine(&map.files, map.align, opts.queue_depth.max(1), opts.io)
+        let mut engine = io::engine(&map.files, map.align, opts.queue_depth.max(), opts.io)
             .map_err(|e| StoreError::Config(format!("opening the expert files: {e}")))?;
-        let io_desc = engine.describe();
+        let tuner = DepthTuner::new(opts.queue_depth);
+        engine.set_limit(tuner.depth());
+        let io_desc = format!("{}, queue depth {}", engine.describe(), opts.queue_depth);
         let inner = Inner {
             engine,
             slots: (0..slots).map(|_| Slot::empty()).collect(),
@@ -136,6 +148,7 @@ impl ExpertStore {
             completions: Vec::new(),
             reqs: Vec::new(),
             slot_reads: Vec::new(),
+            tuner,
         };
         Ok(ExpertStore { inner: Mutex::new(inner), arena, map, ordinal, experts, verify: opts.verify, io_desc })
     }
@@ -236,7 +249,8 @@ impl ExpertStore {
     fn reap(&self, inner: &mut Inner, done: &mut Vec<(usize, bool)>) -> Result<(), StoreError> {
         let t0 = Instant::now();
         inner.stats.inflight_samples += 1;
-        inner.stats.inflight_sum += inner.engine.pending() as u64;
+        // Reads beyond the depth limit wait queued in the engine: in flight is the smaller.
+        inner.stats.inflight_sum += inner.engine.pending().min(inner.tuner.depth()) as u64;
         let mut comps = std::mem::take(&mut inner.completions);
         comps.clear();
         let r = inner.engine.reap(&mut comps);
@@ -311,7 +325,7 @@ impl ExpertStore {
         let Some(&ord) = self.ordinal.get(layer).filter(|&&o| o != NONE) else { return };
         let mut guard = self.inner.lock().unwrap();
         let inner = &mut *guard;
-        let budget = inner.engine.depth().saturating_sub(inner.engine.pending()) / 2;
+        let budget = inner.tuner.depth().saturating_sub(inner.engine.pending()) / 2;
         let mut issued = 0;
         for &e in experts {
             if issued >= budget || e as usize >= self.experts {
@@ -354,6 +368,7 @@ impl ExpertSource for ExpertStore {
             ready.clear();
             wait.clear();
             let issued = Instant::now();
+            let (reads0, bytes0) = (inner.stats.reads, inner.stats.bytes_read);
             // 1. Pin what is resident (or already being prefetched).
             todo.retain(|&i| {
                 let key = Key { layer: ord, expert: experts[i] };
@@ -441,14 +456,21 @@ impl ExpertSource for ExpertStore {
                 }
             }
             if waited_for {
-                inner.stats.busy_seconds += issued.elapsed().as_secs_f64();
+                let busy = issued.elapsed().as_secs_f64();
+                inner.stats.busy_seconds += busy;
+                let depth = inner.tuner.record(inner.stats.reads - reads0, inner.stats.bytes_read - bytes0, busy);
+                inner.engine.set_limit(depth);
+                if let Some(line) = inner.tuner.announcement() {
+                    tracing::info!("{line}");
+                }
             }
         }
         first_err.map_or(Ok(()), Err)
     }
 
     fn stats(&self) -> StoreStats {
-        self.inner.lock().unwrap().stats
+        let inner = self.inner.lock().unwrap();
+        StoreStats { queue_depth: inner.tuner.depth() as u32, ..inner.stats }
     }
 
     fn prefetch(&self, layer: usize, experts: &[u32]) {
