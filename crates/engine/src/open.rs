@@ -214,7 +214,10 @@ pub fn open_cpu(path: &Path, opts: &OpenOptions) -> Result<(Engine<CpuBackend>, 
     let file = ModelFile::open(path)?;
     let arch = file.architecture().clone();
     let ctx = opts.ctx.unwrap_or_else(|| default_context(&arch));
-    let map = file.expert_map()?;
+    // The fast path's kernels read Q4_K experts eight rows at a time where they can: the
+    // store interleaves them in memory as they load (the reference path reads plain rows).
+    let interleave = opts.precision == Precision::Fast && smoe_kernels::best().has_group8(smoe_quant::Format::Q4_K);
+    let map = file.expert_map()?.interleaved(interleave);
     let total = map.total_experts();
     let blob = map.slot_size() as u64;
     let where_from = if matches!(file, ModelFile::Gguf(_)) { "; experts read in place from the GGUF" } else { "" };

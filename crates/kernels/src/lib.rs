@@ -70,7 +70,12 @@ pub struct Kernels {
     dots: [DotFn; 13],
     gemms: [Option<gemm::GemmRow>; 13],
     gemms4: [Option<gemm::GemmRows>; 13],
+    /// Eight interleaved Q4_K rows against one token ([`Kernels::dot_group8`]).
+    q4k_group8: Option<Group8Fn>,
 }
+
+/// Eight interleaved rows against one token: `out[r]` (see [`smoe_quant::interleave`]).
+pub type Group8Fn = unsafe fn(&[u8], &[Block256], &mut [f32; 8]);
 
 fn slot(f: Format) -> usize {
     smoe_quant::ALL_FORMATS.iter().position(|&x| x == f).expect("every format is listed")
@@ -105,6 +110,7 @@ impl Kernels {
             dots,
             gemms: [None; 13],
             gemms4: [None; 13],
+            q4k_group8: None,
         }
     }
 
@@ -178,6 +184,36 @@ impl Kernels {
                 (DotFn::Q32(k), ActRow::Q32(x)) => out.iter_mut().enumerate().for_each(|(i, o)| *o = k(row(i), x)),
                 (DotFn::Q256(k), ActRow::Q256(x)) => out.iter_mut().enumerate().for_each(|(i, o)| *o = k(row(i), x)),
                 _ => panic!("activation form does not match {f}"),
+            }
+        }
+    }
+
+    /// Whether matrices of `f` interleaved by eight rows have a kernel here: the engine
+    /// interleaves only then.
+    pub fn has_group8(&self, f: Format) -> bool {
+        f == Format::Q4_K && self.q4k_group8.is_some()
+    }
+
+    #[allow(dead_code)]
+    pub(crate) fn set_group8(&mut self, g: Group8Fn) {
+        self.q4k_group8 = Some(g);
+    }
+
+    /// `out[r]` = row `r` of a group of eight interleaved `f` rows of `cols` (see
+    /// [`smoe_quant::interleave`]) · `a`. Without a group kernel the rows are taken apart and
+    /// go through the row kernel.
+    pub fn dot_group8(&self, f: Format, group: &[u8], cols: usize, a: ActRow<'_>, out: &mut [f32; 8]) {
+        let rb = f.row_bytes(cols).expect("a valid shape");
+        assert!(group.len() >= 8 * rb, "dot_group8: group too short");
+        match (self.q4k_group8, a) {
+            // SAFETY: as for `dot`.
+            (Some(k), ActRow::Q256(x)) if f == Format::Q4_K => unsafe { k(&group[..8 * rb], x, out) },
+            _ => {
+                let mut row = vec![0u8; rb];
+                for (r, o) in out.iter_mut().enumerate() {
+                    smoe_quant::interleave::row_q4_k(group, cols, r, &mut row);
+                    *o = self.dot(f, &row, a);
+                }
             }
         }
     }

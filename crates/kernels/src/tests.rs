@@ -192,3 +192,34 @@ fn f16_kv_helpers_match_scalar() {
         }
     }
 }
+
+/// Eight interleaved Q4_K rows at once give each row's own dot product, on every table (x86
+/// tables through their group kernels, the others through the de-interleaving fallback).
+#[test]
+fn interleaved_group_kernels_match_row_dots() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(23);
+    let scalar = Kernels::scalar_table();
+    let f = Format::Q4_K;
+    for k in available() {
+        assert!(k.has_group8(f) || k.isa == "scalar" || !cfg!(target_arch = "x86_64"), "{} has no group kernel", k.isa);
+        for cols in [256usize, 768, 2048] {
+            let rb = f.row_bytes(cols).unwrap();
+            let mut rows = vec![0u8; 16 * rb];
+            for r in rows.chunks_mut(rb) {
+                smoe_quant::quantize(f, &data(cols, &mut rng), r).unwrap();
+            }
+            let mut inter = vec![0u8; rows.len()];
+            smoe_quant::interleave::interleave_q4_k(&rows, 16, cols, &mut inter);
+            let mut qa = QuantAct::default();
+            qa.quantize(f, &data(cols, &mut rng), 1, cols);
+            for g in 0..2 {
+                let mut out = [0f32; 8];
+                k.dot_group8(f, &inter[g * 8 * rb..(g + 1) * 8 * rb], cols, qa.row(0), &mut out);
+                for (r, &got) in out.iter().enumerate() {
+                    let want = scalar.dot(f, &rows[(8 * g + r) * rb..(8 * g + r + 1) * rb], qa.row(0));
+                    assert!((got - want).abs() < 1e-4 * (1.0 + want.abs()), "{} cols {cols} row {}: {got} vs {want}", k.isa, 8 * g + r);
+                }
+            }
+        }
+    }
+}

@@ -15,6 +15,7 @@ uses without an importance matrix), including their scale searches.
 
 pub mod blocks;
 pub mod half;
+pub mod interleave;
 mod kquants;
 mod matrix;
 mod simple;
@@ -24,7 +25,7 @@ use std::str::FromStr;
 
 pub use blocks::{QK, QK_K};
 pub use kquants::{scale_min_k4, unpack_q3_scales};
-pub use matrix::QMatrix;
+pub use matrix::{Layout, QMatrix};
 
 /// A tensor storage format. Discriminants are ggml's `ggml_type` ids.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -13,6 +13,18 @@ pub struct QMatrix<'a> {
     pub cols: usize,
     /// `rows * row_bytes` bytes.
     pub data: &'a [u8],
+    /// How the rows are laid out in `data`.
+    pub layout: Layout,
+}
+
+/// How a matrix's rows are laid out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Layout {
+    /// One row after another (every file's layout).
+    #[default]
+    Rows,
+    /// Q4_K rows interleaved in groups of eight, in memory only ([`crate::interleave`]).
+    Interleaved8,
 }
 
 impl<'a> QMatrix<'a> {
@@ -22,7 +34,7 @@ impl<'a> QMatrix<'a> {
         if data.len() != expected {
             return Err(QuantError::BufferSize { expected, got: data.len() });
         }
-        Ok(QMatrix { format, rows, cols, data })
+        Ok(QMatrix { format, rows, cols, data, layout: Layout::Rows })
     }
 
     /// Bytes per row.
@@ -30,22 +42,34 @@ impl<'a> QMatrix<'a> {
         self.data.len() / self.rows.max(1)
     }
 
-    /// The encoded bytes of row `r`.
+    /// The encoded bytes of row `r` (row layout only: an interleaved row is not contiguous).
     pub fn row(&self, r: usize) -> &'a [u8] {
+        assert_eq!(self.layout, Layout::Rows, "row bytes of an interleaved matrix");
         let rb = self.row_bytes();
         &self.data[r * rb..(r + 1) * rb]
     }
 
-    /// Rows `[start, start + n)` as a matrix of their own.
+    /// Rows `[start, start + n)` as a matrix of their own (whole groups when interleaved).
     pub fn slice_rows(&self, start: usize, n: usize) -> QMatrix<'a> {
         let rb = self.row_bytes();
-        QMatrix { format: self.format, rows: n, cols: self.cols, data: &self.data[start * rb..(start + n) * rb] }
+        if self.layout == Layout::Interleaved8 {
+            assert!(start.is_multiple_of(crate::interleave::ROWS) && n.is_multiple_of(crate::interleave::ROWS), "slice of part of a group");
+        }
+        QMatrix { data: &self.data[start * rb..(start + n) * rb], rows: n, ..*self }
     }
 
-    /// Decodes row `r` into `out` (`cols` long).
+    /// Decodes row `r` into `out` (`cols` long), in either layout.
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
         // Sizes were checked in `new`; a mismatch here is a caller bug.
-        dequantize(self.format, self.row(r), out).expect("row size checked at construction");
+        match self.layout {
+            Layout::Rows => dequantize(self.format, self.row(r), out),
+            Layout::Interleaved8 => {
+                let mut row = vec![0u8; self.row_bytes()];
+                crate::interleave::row_q4_k(self.data, self.cols, r, &mut row);
+                dequantize(self.format, &row, out)
+            }
+        }
+        .expect("row size checked at construction");
     }
 
     /// Decodes the whole matrix.

@@ -61,6 +61,17 @@ impl Arena {
         // SAFETY: in bounds (slot_ptr checks); the caller guarantees no concurrent writes.
         unsafe { std::slice::from_raw_parts(self.slot_ptr(i), self.slot_size) }
     }
+
+    /// Slot `i` for rewriting in place (interleaving a landed expert).
+    ///
+    /// # Safety
+    /// No read may be in flight into slot `i` and no other reference to it may exist while the
+    /// returned slice lives.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn slot_mut(&self, i: usize) -> &mut [u8] {
+        // SAFETY: in bounds (slot_ptr checks); exclusive by the caller's guarantee.
+        unsafe { std::slice::from_raw_parts_mut(self.slot_ptr(i), self.slot_size) }
+    }
 }
 
 impl Drop for Arena {

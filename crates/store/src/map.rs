@@ -6,7 +6,7 @@
 //! both, so one store serves either.
 
 use crate::{ExpertView, StoreError};
-use smoe_quant::{Format, QMatrix};
+use smoe_quant::{Format, Layout, QMatrix};
 use smoe_vault::{PartEntry, Vault};
 use std::path::PathBuf;
 
@@ -89,6 +89,8 @@ pub struct ExpertMap {
     /// Per MoE ordinal and extent: where in the slot its read lands.
     slot_offsets: Vec<Vec<usize>>,
     slot_size: usize,
+    /// Q4_K matrices are interleaved by eight rows once loaded ([`ExpertMap::interleaved`]).
+    interleave: bool,
 }
 
 fn align_up(x: u64, a: u64) -> u64 {
@@ -139,7 +141,7 @@ impl ExpertMap {
             slot_size = slot_size.max(at as usize);
             slot_offsets.push(offs);
         }
-        Ok(ExpertMap { files, align, moe_layers, num_experts, layers, slot_offsets, slot_size })
+        Ok(ExpertMap { files, align, moe_layers, num_experts, layers, slot_offsets, slot_size, interleave: false })
     }
 
     /// The map of a vault: one blob per expert, checksummed.
@@ -213,10 +215,32 @@ impl ExpertMap {
     pub fn view<'a>(&self, ord: usize, expert: usize, slot: &'a [u8]) -> ExpertView<'a> {
         let m = |p: &Part| {
             let at = self.data_offset(ord, expert, p.extent) + p.offset as usize;
-            QMatrix { format: p.format, rows: p.rows, cols: p.cols, data: &slot[at..at + p.len as usize] }
+            let layout = if self.interleaves(p) { Layout::Interleaved8 } else { Layout::Rows };
+            QMatrix { format: p.format, rows: p.rows, cols: p.cols, data: &slot[at..at + p.len as usize], layout }
         };
         let p = &self.layers[ord].parts;
         ExpertView { gate: m(&p[0]), up: m(&p[1]), down: m(&p[2]) }
+    }
+
+    /// This map with `on`: every Q4_K matrix whose rows come in whole groups of eight is
+    /// interleaved in memory once its bytes are loaded and checked ([`ExpertMap::interleave_slot`]),
+    /// for CPU kernels that read eight rows at a time; views say so in their layout.
+    pub fn interleaved(mut self, on: bool) -> ExpertMap {
+        self.interleave = on;
+        self
+    }
+
+    fn interleaves(&self, p: &Part) -> bool {
+        self.interleave && smoe_quant::interleave::supported(p.format, p.rows, p.cols)
+    }
+
+    /// Interleaves the matrices of an expert just loaded into `slot` (after its checksum was
+    /// verified: checksums are of the file's bytes). A no-op unless [`ExpertMap::interleaved`].
+    pub fn interleave_slot(&self, ord: usize, expert: usize, slot: &mut [u8], scratch: &mut Vec<u8>) {
+        for p in self.layers[ord].parts.iter().filter(|p| self.interleaves(p)) {
+            let at = self.data_offset(ord, expert, p.extent) + p.offset as usize;
+            smoe_quant::interleave::interleave_in_place(&mut slot[at..at + p.len as usize], p.rows, p.cols, scratch);
+        }
     }
 
     /// The checksummed bytes of an expert in a filled slot and their expected xxh3-64, if the

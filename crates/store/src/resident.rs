@@ -36,6 +36,7 @@ impl ResidentExperts {
         let mut moe_index = vec![None; map.moe_layers.iter().max().map_or(0, |m| m + 1)];
         let mut reads: Vec<SlotRead> = Vec::new();
         let mut bytes_read = 0;
+        let mut scratch = Vec::new();
         for (ord, &layer) in map.moe_layers.iter().enumerate() {
             moe_index[layer] = Some(ord);
             for e in 0..n {
@@ -57,6 +58,7 @@ impl ResidentExperts {
                         return Err(StoreError::Checksum { layer, expert: e });
                     }
                 }
+                map.interleave_slot(ord, e, slot, &mut scratch);
             }
         }
         Ok(ResidentExperts { map, data, moe_index, stats: Mutex::new(StoreStats { bytes_read, ..Default::default() }) })

@@ -78,6 +78,8 @@ const TAGS: usize = 4;
 struct Inner {
     /// Chooses the reads in flight (fixed, or by measurement).
     tuner: DepthTuner,
+    /// Room to interleave an expert's matrices in.
+    scratch: Vec<u8>,
     engine: Box<dyn ReadEngine>,
     slots: Vec<Slot>,
     /// Key index (`layer * experts + expert`) to slot.
@@ -149,6 +151,7 @@ impl ExpertStore {
             reqs: Vec::new(),
             slot_reads: Vec::new(),
             tuner,
+            scratch: Vec::new(),
         };
         Ok(ExpertStore { inner: Mutex::new(inner), arena, map, ordinal, experts, verify: opts.verify, io_desc })
     }
@@ -301,6 +304,9 @@ impl ExpertStore {
             };
             match outcome {
                 Ok(()) => {
+                    // SAFETY: as above: the reads into slot `s` are complete, and it is not yet
+                    // Ready, so no view of it exists.
+                    self.map.interleave_slot(ord, expert, unsafe { self.arena.slot_mut(s) }, &mut inner.scratch);
                     inner.slots[s].state = SlotState::Ready;
                     done.push((s, true));
                 }

@@ -4,7 +4,7 @@
 use super::pool::Pool;
 use smoe_kernels::gemm::{self, ActTile};
 use smoe_kernels::{Kernels, QuantAct};
-use smoe_quant::QMatrix;
+use smoe_quant::{Layout, QMatrix};
 use std::cell::RefCell;
 use std::sync::Mutex;
 
@@ -15,8 +15,9 @@ thread_local! {
     static ACT: RefCell<QuantAct> = RefCell::new(QuantAct::default());
     /// The same activations interleaved for the many-token kernels.
     static TILE: RefCell<ActTile> = RefCell::new(ActTile::default());
-    /// A task's outputs, row-major, and one token's values of them.
-    static ROWOUT: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+    /// A task's outputs, row-major; one token's values of them; an interleaved group taken
+    /// apart into rows.
+    static ROWOUT: RefCell<(Vec<f32>, Vec<f32>, Vec<u8>)> = const { RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
 }
 
 /// An input `matmul_many` needs: rows `x_row..x_row + n` of `cols` quantized as `ActKind`,
@@ -36,31 +37,38 @@ struct Prepared {
     tile: ActTile,
 }
 
-/// Rows `r0..r1` of a weight matrix against a tile of tokens: [`gemm::ROWS`] rows at a time
-/// where the kernels have a many-row kernel for `f`, one at a time otherwise. The products
-/// collect row-major in a task buffer and leave token by token, `put(token, r0, values)` with
-/// the `r1 - r0` values of that token: outputs are token-major, and scattering each product
-/// to its own token row cost more than the kernel on prefill's short expert jobs.
+/// Rows `r0..r1` of `w` against a tile of tokens, eight rows at a time (an interleaved
+/// matrix's group, taken apart first): [`gemm::ROWS`] rows per kernel call where the kernels
+/// have a many-row kernel for the format, one at a time otherwise. The products collect
+/// row-major in a task buffer and leave token by token, `put(token, r0, values)` with the
+/// `r1 - r0` values of that token: outputs are token-major, and scattering each product to its
+/// own token row cost more than the kernel on prefill's short expert jobs.
 #[inline]
-fn gemm_rows<'w>(
-    k: &Kernels,
-    f: smoe_quant::Format,
-    r0: usize,
-    r1: usize,
-    row: impl Fn(usize) -> &'w [u8],
-    tile: &ActTile,
-    put: impl Fn(usize, usize, &[f32]),
-) {
+fn gemm_rows(k: &Kernels, w: &QMatrix<'_>, r0: usize, r1: usize, tile: &ActTile, put: impl Fn(usize, usize, &[f32])) {
     ROWOUT.with(|buf| {
-        let (buf, line) = &mut *buf.borrow_mut();
-        let (n, m) = (tile.n, r1 - r0);
+        let (buf, line, group) = &mut *buf.borrow_mut();
+        let (n, m, rb, f) = (tile.n, r1 - r0, w.row_bytes(), w.format);
         buf.resize(m * n, 0.0);
-        let mut r = r0;
-        while r + gemm::ROWS <= r1 && k.gemm_rows(f, std::array::from_fn(|i| row(r + i)), tile, &mut buf[(r - r0) * n..]) {
-            r += gemm::ROWS;
-        }
-        for r in r..r1 {
-            k.gemm_row(f, row(r), tile, &mut buf[(r - r0) * n..(r - r0 + 1) * n]);
+        for c in (r0..r1).step_by(TASK_ROWS) {
+            let c1 = (c + TASK_ROWS).min(r1);
+            let rows: &[u8] = match w.layout {
+                Layout::Rows => &w.data[c * rb..c1 * rb],
+                Layout::Interleaved8 => {
+                    group.resize(TASK_ROWS * rb, 0);
+                    for (i, row) in group.chunks_exact_mut(rb).enumerate().take(c1 - c) {
+                        smoe_quant::interleave::row_q4_k(w.data, w.cols, c + i, row);
+                    }
+                    &group[..(c1 - c) * rb]
+                }
+            };
+            let row = |r: usize| &rows[(r - c) * rb..(r - c + 1) * rb];
+            let mut r = c;
+            while r + gemm::ROWS <= c1 && k.gemm_rows(f, std::array::from_fn(|i| row(r + i)), tile, &mut buf[(r - r0) * n..]) {
+                r += gemm::ROWS;
+            }
+            for r in r..c1 {
+                k.gemm_row(f, row(r), tile, &mut buf[(r - r0) * n..(r - r0 + 1) * n]);
+            }
         }
         line.resize(m, 0.0);
         for t in 0..n {
@@ -70,6 +78,22 @@ fn gemm_rows<'w>(
             put(t, r0, line);
         }
     })
+}
+
+/// Rows `r0..r1` of `w` against one token's activations, into `out` (`r1 - r0` values): the
+/// row kernel, or eight rows per call on an interleaved matrix.
+#[inline]
+fn dot_rows(k: &Kernels, w: &QMatrix<'_>, r0: usize, r1: usize, a: smoe_kernels::ActRow<'_>, out: &mut [f32]) {
+    let rb = w.row_bytes();
+    match w.layout {
+        Layout::Rows => k.dot_rows(w.format, &w.data[r0 * rb..r1 * rb], rb, a, out),
+        Layout::Interleaved8 => {
+            for (g, o) in (r0..r1).step_by(8).zip(out.chunks_exact_mut(8)) {
+                let o: &mut [f32; 8] = o.try_into().expect("eight rows");
+                k.dot_group8(w.format, &w.data[g * rb..(g + 8) * rb], w.cols, a, o);
+            }
+        }
+    }
 }
 
 /// Task row ranges `(job, first, end)` over jobs of `(rows, work per row)`, largest first:
@@ -92,10 +116,15 @@ fn guided_tasks(jobs: impl Iterator<Item = (usize, usize)> + Clone, threads: usi
     }
 }
 
-/// `rows` rounded up to whole groups of [`gemm::ROWS`], so that tasks end on group boundaries
-/// and only a matrix's last rows take the one-row kernel.
+/// Tasks start on multiples of this many rows: whole groups of an interleaved matrix, and of
+/// the many-row kernels' [`gemm::ROWS`].
+const TASK_ROWS: usize = 8;
+const _: () = assert!(TASK_ROWS.is_multiple_of(gemm::ROWS) && TASK_ROWS == smoe_quant::interleave::ROWS);
+
+/// `rows` rounded up to whole multiples of [`TASK_ROWS`], so that tasks end on group
+/// boundaries and only a matrix's last rows take the one-row kernel.
 fn whole_row_groups(rows: usize) -> usize {
-    rows.div_ceil(gemm::ROWS) * gemm::ROWS
+    rows.div_ceil(TASK_ROWS) * TASK_ROWS
 }
 
 /// `out[t, r] = w[r, :] · x[t, :]` for `t < n`.
@@ -109,9 +138,7 @@ pub(crate) fn matmul(k: &Kernels, pool: &Pool, w: &QMatrix<'_>, x: &[f32], n: us
         let sink = super::DisjointOut::new(&mut out[..n * m]);
         let mut tasks = Vec::new();
         guided_tasks(std::iter::once((m, cols * n)), pool.threads(), &mut tasks);
-        let rb = w.row_bytes();
         let f = w.format;
-        let row = |r: usize| &w.data[r * rb..(r + 1) * rb];
         if n >= 4 && k.has_gemm(f) {
             // Prefill: every row against tiles of 8 interleaved tokens.
             TILE.with(|tile| {
@@ -120,7 +147,7 @@ pub(crate) fn matmul(k: &Kernels, pool: &Pool, w: &QMatrix<'_>, x: &[f32], n: us
                 let tile = &*tile;
                 pool.run(tasks.len(), &|i| {
                     let (_, r0, r1) = tasks[i];
-                    gemm_rows(k, f, r0, r1, row, tile, |t, r, v| {
+                    gemm_rows(k, w, r0, r1, tile, |t, r, v| {
                         // SAFETY: this task alone computes rows r0..r1 of every token.
                         unsafe { sink.range(t * m + r, v.len()) }.copy_from_slice(v)
                     });
@@ -132,7 +159,7 @@ pub(crate) fn matmul(k: &Kernels, pool: &Pool, w: &QMatrix<'_>, x: &[f32], n: us
             let (_, r0, r1) = tasks[i];
             for t in 0..n {
                 // SAFETY: this task alone computes rows r0..r1 of every token.
-                k.dot_rows(f, &w.data[r0 * rb..r1 * rb], rb, act.row(t), unsafe { sink.range(t * m + r0, r1 - r0) });
+                dot_rows(k, w, r0, r1, act.row(t), unsafe { sink.range(t * m + r0, r1 - r0) });
             }
         });
     })
@@ -197,25 +224,16 @@ pub(crate) fn matmul_many<M: Sync>(
             let (ji, r0, r1) = tasks[ti];
             let (w, j) = &jobs[ji];
             let (act, tile) = (&prepared[input_of[ji]].act, &prepared[input_of[ji]].tile);
-            let rb = w.row_bytes();
             let at = |t: usize, r: usize| (j.out_row + t) * out_stride + j.out_col + r;
             if j.n >= 4 && k.has_gemm(w.format) {
-                gemm_rows(
-                    k,
-                    w.format,
-                    r0,
-                    r1,
-                    |r| &w.data[r * rb..(r + 1) * rb],
-                    tile,
-                    |t, r, v| {
-                        // SAFETY: this task alone computes rows r0..r1 of this job's outputs.
-                        unsafe { sink.range(at(t, r), v.len()) }.copy_from_slice(v)
-                    },
-                );
+                gemm_rows(k, w, r0, r1, tile, |t, r, v| {
+                    // SAFETY: this task alone computes rows r0..r1 of this job's outputs.
+                    unsafe { sink.range(at(t, r), v.len()) }.copy_from_slice(v)
+                });
             } else {
                 for t in 0..j.n {
                     // SAFETY: this task alone computes rows r0..r1 of this job's outputs.
-                    k.dot_rows(w.format, &w.data[r0 * rb..r1 * rb], rb, act.row(t), unsafe { sink.range(at(t, r0), r1 - r0) });
+                    dot_rows(k, w, r0, r1, act.row(t), unsafe { sink.range(at(t, r0), r1 - r0) });
                 }
             }
         });

@@ -94,7 +94,13 @@ pub struct CpuMatrix {
 
 impl CpuMatrix {
     fn view(&self) -> QMatrix<'_> {
-        QMatrix { format: self.format, rows: self.rows, cols: self.cols, data: &self.region[self.offset..self.offset + self.len] }
+        QMatrix {
+            format: self.format,
+            rows: self.rows,
+            cols: self.cols,
+            data: &self.region[self.offset..self.offset + self.len],
+            layout: smoe_quant::Layout::Rows,
+        }
     }
 }
 

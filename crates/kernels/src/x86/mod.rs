@@ -5,6 +5,7 @@ pub mod avx2_more;
 pub mod avx512;
 pub mod gemm;
 mod gemm512;
+pub mod q4kx8;
 
 use std::arch::x86_64::*;
 
@@ -68,6 +69,7 @@ pub fn avx2_table() -> Option<Kernels> {
     // Q8_0 with AVX2 measured slower four rows at a time (44 vs 52 GMAC/s: `sign`/`maddubs`
     // for four rows exhaust the registers), so it keeps the one-row kernel.
     k.set_gemm4(Format::Q4_K, gemm::q4_k_avx2_rows);
+    k.set_group8(q4kx8::dot8_avx2);
     Some(k)
 }
 
@@ -91,5 +93,6 @@ pub fn avx512_table() -> Option<Kernels> {
     k.set_gemm(Format::Q4_K, gemm::q4_k_vnni);
     k.set_gemm4(Format::Q8_0, gemm::q8_0_vnni_rows);
     k.set_gemm4(Format::Q4_K, gemm::q4_k_vnni_rows);
+    k.set_group8(q4kx8::dot8_vnni);
     Some(k)
 }

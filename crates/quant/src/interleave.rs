@@ -1,0 +1,101 @@
+//! Q4_K with eight rows interleaved: an in-memory layout (never written to a file) that lets
+//! a SIMD dot product keep one row per lane, so group scales apply as vectors and no per-row
+//! reduction is needed (ggml repacks Q4_K similarly for its CPU backend).
+//!
+//! A matrix of `rows` (a multiple of 8) Q4_K rows becomes `rows / 8` groups, each the same
+//! bytes as its eight rows. Group `g` holds, per super-block `b` in order, 1152 bytes:
+//! `d[8]` (f16, one per row), `dmin[8]` (f16), the packed scale bytes as `[byte j < 12][row]`,
+//! then the quants as `[pair c < 4][dword k < 8][row][4 bytes]` — in each byte the low nibble
+//! belongs to group `2c` and the high nibble to group `2c + 1`, as in Q4_K.
+
+use crate::blocks::BlockQ4K;
+use crate::Format;
+
+/// Rows per interleaved group.
+pub const ROWS: usize = 8;
+/// Bytes of one super-block of a group.
+pub const GROUP_BLOCK: usize = ROWS * 144;
+
+/// Whether a `format` matrix of `rows x cols` can be interleaved.
+pub fn supported(format: Format, rows: usize, cols: usize) -> bool {
+    format == Format::Q4_K && rows.is_multiple_of(ROWS) && cols.is_multiple_of(256) && cols > 0
+}
+
+/// Interleaves the Q4_K rows in `src` (`rows x cols`, row layout) into `dst` (same size).
+pub fn interleave_q4_k(src: &[u8], rows: usize, cols: usize, dst: &mut [u8]) {
+    let (blocks, rb) = (cols / 256, cols / 256 * 144);
+    assert!(supported(Format::Q4_K, rows, cols) && src.len() == rows * rb && dst.len() == src.len(), "interleave: bad shape");
+    for (g, out) in dst.chunks_exact_mut(ROWS * rb).enumerate() {
+        for b in 0..blocks {
+            let o = &mut out[b * GROUP_BLOCK..(b + 1) * GROUP_BLOCK];
+            for r in 0..ROWS {
+                let at = (g * ROWS + r) * rb + b * 144;
+                let blk: &BlockQ4K = bytemuck::from_bytes(&src[at..at + 144]);
+                o[2 * r..2 * r + 2].copy_from_slice(&blk.d.0);
+                o[16 + 2 * r..16 + 2 * r + 2].copy_from_slice(&blk.dmin.0);
+                for j in 0..12 {
+                    o[32 + ROWS * j + r] = blk.scales[j];
+                }
+                for ck in 0..32 {
+                    let q = 128 + (ck * ROWS + r) * 4;
+                    o[q..q + 4].copy_from_slice(&blk.qs[4 * ck..4 * ck + 4]);
+                }
+            }
+        }
+    }
+}
+
+/// Row `r` of an interleaved Q4_K matrix (`cols` long) in the ordinary row layout, into
+/// `out` (`cols / 256 * 144` bytes).
+pub fn row_q4_k(data: &[u8], cols: usize, r: usize, out: &mut [u8]) {
+    let (blocks, rb) = (cols / 256, cols / 256 * 144);
+    assert!(out.len() == rb && data.len() >= (r / ROWS + 1) * ROWS * rb, "row_q4_k: bad shape");
+    let (g, i) = (r / ROWS, r % ROWS);
+    for b in 0..blocks {
+        let o = &data[g * ROWS * rb + b * GROUP_BLOCK..][..GROUP_BLOCK];
+        let blk: &mut BlockQ4K = bytemuck::from_bytes_mut(&mut out[b * 144..(b + 1) * 144]);
+        blk.d.0.copy_from_slice(&o[2 * i..2 * i + 2]);
+        blk.dmin.0.copy_from_slice(&o[16 + 2 * i..16 + 2 * i + 2]);
+        for j in 0..12 {
+            blk.scales[j] = o[32 + ROWS * j + i];
+        }
+        for ck in 0..32 {
+            let q = 128 + (ck * ROWS + i) * 4;
+            blk.qs[4 * ck..4 * ck + 4].copy_from_slice(&o[q..q + 4]);
+        }
+    }
+}
+
+/// Interleaves a Q4_K matrix in place, through `scratch`.
+pub fn interleave_in_place(data: &mut [u8], rows: usize, cols: usize, scratch: &mut Vec<u8>) {
+    scratch.clear();
+    scratch.extend_from_slice(data);
+    interleave_q4_k(scratch, rows, cols, data);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_row_comes_back_and_the_bytes_are_a_permutation() {
+        let (rows, cols) = (16, 768);
+        let rb = cols / 256 * 144;
+        let src: Vec<u8> = (0..rows * rb).map(|i| (i * 131 % 251) as u8).collect();
+        let mut x = vec![0u8; src.len()];
+        interleave_q4_k(&src, rows, cols, &mut x);
+        let (mut a, mut b) = (src.clone(), x.clone());
+        a.sort_unstable();
+        b.sort_unstable();
+        assert_eq!(a, b);
+        let mut row = vec![0u8; rb];
+        for r in 0..rows {
+            row_q4_k(&x, cols, r, &mut row);
+            assert_eq!(row, src[r * rb..(r + 1) * rb], "row {r}");
+        }
+        let mut y = src.clone();
+        interleave_in_place(&mut y, rows, cols, &mut Vec::new());
+        assert_eq!(y, x);
+        assert!(!supported(Format::Q4_K, 12, 256) && !supported(Format::Q8_0, 8, 256) && supported(Format::Q4_K, 8, 512));
+    }
+}
