@@ -34,7 +34,7 @@ store() {
     $smoe score "$vault" --ids-file "$ids" --decode --fast --cache "$cache" --instrument --out /tmp/smoe-detail.safetensors "$@" 2>&1 |
         grep -E "expert cache|scored|per token|experts:|reads:|prefetch"
 }
-for qd in 32 8 1; do store --queue-depth $qd; done
+for qd in auto 32 8 1; do store --queue-depth $qd; done
 store --no-verify
 store
 store --prefetch lookahead
