@@ -2,10 +2,11 @@
 //! matrix larger than the caches, rounds interleaved, median GB/s per variant.
 //! `cargo run --release -p smoe-kernels --example ab`
 #[cfg(target_arch = "x86_64")]
+mod common;
+#[cfg(target_arch = "x86_64")]
 fn main() {
     use smoe_kernels::act::{Block256, Block32};
     use smoe_kernels::x86::{avx2, avx512};
-    use smoe_kernels::QuantAct;
     use smoe_quant::Format;
     let cols: usize = std::env::var("COLS").ok().and_then(|c| c.parse().ok()).unwrap_or(2048);
     let rounds = 15;
@@ -35,17 +36,9 @@ fn main() {
         ),
     ];
     for (f, vars) in sets {
-        let rb = f.row_bytes(cols).unwrap();
         let mb: usize = std::env::var("MB").ok().and_then(|c| c.parse().ok()).unwrap_or(512);
-        let rows = (mb << 20) / rb;
         let reps = (512 / mb).max(1);
-        let x: Vec<f32> = (0..cols).map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 300.0).collect();
-        let row: Vec<f32> = (0..cols).map(|i| ((i * 104729 % 997) as f32 - 498.0) / 400.0).collect();
-        let mut one = vec![0u8; rb];
-        smoe_quant::quantize(f, &row, &mut one).unwrap();
-        let w: Vec<u8> = one.iter().copied().cycle().take(rb * rows).collect();
-        let mut act = QuantAct::default();
-        act.quantize(f, &x, 1, cols);
+        let (w, rows, rb, act) = common::repeated_matrix(f, cols, mb << 20);
         let mut times = vec![Vec::new(); vars.len()];
         for _ in 0..rounds {
             for (vi, (_, v)) in vars.iter().enumerate() {
