@@ -154,7 +154,10 @@ fn k_quants_on_256_wide_rows_match_their_dequantized_reference() {
 fn fast_path_against_reference_per_fixture() {
     let fast = |path: &std::path::Path| {
         let v = smoe_vault::Vault::open(path).unwrap();
-        let ex = std::sync::Arc::new(smoe_store::ResidentExperts::load(&v).unwrap());
+        // As `smoe score --fast` opens it: Q4_K experts interleaved where the kernels read them so.
+        let interleave = smoe_kernels::best().has_group8(Format::Q4_K);
+        let map = smoe_store::ExpertMap::of_vault(&v).unwrap().interleaved(interleave);
+        let ex = std::sync::Arc::new(smoe_store::ResidentExperts::load_map(map).unwrap());
         smoe_engine::Model::load(&v, smoe_engine::CpuBackend::new(smoe_engine::Precision::Fast), ex).unwrap()
     };
     let all = ENGINE_FIXTURES.iter().chain(&GLM_DEEPSEEK_FIXTURES).chain(&["qwen3_moe_k"]);
