@@ -1,14 +1,22 @@
 //! Kernel throughput on one core over a matrix larger than the caches:
 //! `cargo run --release -p smoe-kernels --example kspeed`.
-use smoe_kernels::available;
-mod common;
+use smoe_kernels::{available, QuantAct};
 
 fn main() {
     let cols = 2048;
     // Optional arguments: the formats to measure (all by default).
     let only: Vec<String> = std::env::args().skip(1).collect();
     for f in smoe_quant::ALL_FORMATS.into_iter().filter(|f| only.is_empty() || only.contains(&f.to_string())) {
-        let (w, rows, rb, act) = common::repeated_matrix(f, cols, 256 << 20);
+        let rb = f.row_bytes(cols).unwrap();
+        let rows = (256 << 20) / rb;
+        let x: Vec<f32> = (0..cols).map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 300.0).collect();
+        let row: Vec<f32> = (0..cols).map(|i| ((i * 104729 % 997) as f32 - 498.0) / 400.0).collect();
+        let mut one = vec![0u8; rb];
+        smoe_quant::quantize(f, &row, &mut one).unwrap();
+        // One row repeated: content does not change a kernel's speed.
+        let w: Vec<u8> = one.iter().copied().cycle().take(rb * rows).collect();
+        let mut act = QuantAct::default();
+        act.quantize(f, &x, 1, cols);
         for k in available() {
             let t = std::time::Instant::now();
             let mut s = 0f32;
