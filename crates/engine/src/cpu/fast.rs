@@ -9,12 +9,9 @@ use std::cell::RefCell;
 use std::sync::Mutex;
 
 thread_local! {
-    /// Per-input quantized activations and tiles for `matmul_many`, reused across calls.
-    static MANY: RefCell<Vec<Mutex<Prepared>>> = const { RefCell::new(Vec::new()) };
-    /// The calling thread's quantized activations, reused across calls.
-    static ACT: RefCell<QuantAct> = RefCell::new(QuantAct::default());
-    /// The same activations interleaved for the many-token kernels.
-    static TILE: RefCell<ActTile> = RefCell::new(ActTile::default());
+    /// The calling thread's buffers for one product, reused across calls (no allocation per
+    /// call on decode's path).
+    static CALLER: RefCell<Caller> = RefCell::new(Caller::default());
     /// A task's outputs, row-major; one token's values of them; an interleaved group taken
     /// apart into rows.
     static ROWOUT: RefCell<(Vec<f32>, Vec<f32>, Vec<u8>)> = const { RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
@@ -26,6 +23,21 @@ struct Input {
     key: (usize, usize, usize, smoe_kernels::act::ActKind),
     first_job: usize,
     tiled: bool,
+}
+
+/// What the calling thread keeps between products.
+#[derive(Default)]
+struct Caller {
+    /// `matmul`'s quantized activations, and the same interleaved for the many-token kernels.
+    act: QuantAct,
+    tile: ActTile,
+    /// Task row ranges `(job, first, end)`.
+    tasks: Vec<(usize, usize, usize)>,
+    /// `matmul_many`: each distinct input prepared once, the inputs one call needs, and which
+    /// of them each job reads.
+    inputs: Vec<Mutex<Prepared>>,
+    needs: Vec<Input>,
+    input_of: Vec<usize>,
 }
 
 /// One input of `matmul_many`: its rows gathered, quantized and (for the many-token kernels)
@@ -88,6 +100,8 @@ fn dot_rows(k: &Kernels, w: &QMatrix<'_>, r0: usize, r1: usize, a: smoe_kernels:
     match w.layout {
         Layout::Rows => k.dot_rows(w.format, &w.data[r0 * rb..r1 * rb], rb, a, out),
         Layout::Interleaved8 => {
+            // Tasks start and end on whole groups (TASK_ROWS); zip must not drop a remainder.
+            assert!(r0.is_multiple_of(8) && out.len() == r1 - r0 && out.len().is_multiple_of(8), "rows {r0}..{r1} are not whole groups");
             for (g, o) in (r0..r1).step_by(8).zip(out.chunks_exact_mut(8)) {
                 let o: &mut [f32; 8] = o.try_into().expect("eight rows");
                 k.dot_group8(w.format, &w.data[g * rb..(g + 8) * rb], w.cols, a, o);
@@ -131,30 +145,26 @@ fn whole_row_groups(rows: usize) -> usize {
 pub(crate) fn matmul(k: &Kernels, pool: &Pool, w: &QMatrix<'_>, x: &[f32], n: usize, out: &mut [f32]) {
     let (m, cols) = (w.rows, w.cols);
     assert!(x.len() >= n * cols && out.len() >= n * m, "matmul buffers too small");
-    ACT.with(|act| {
-        let mut act = act.borrow_mut();
+    CALLER.with(|c| {
+        let Caller { act, tile, tasks, .. } = &mut *c.borrow_mut();
         act.quantize(w.format, x, n, cols);
-        let act = &*act;
         let sink = super::DisjointOut::new(&mut out[..n * m]);
-        let mut tasks = Vec::new();
-        guided_tasks(std::iter::once((m, cols * n)), pool.threads(), &mut tasks);
-        let f = w.format;
-        if n >= 4 && k.has_gemm(f) {
+        tasks.clear();
+        guided_tasks(std::iter::once((m, cols * n)), pool.threads(), tasks);
+        if n >= 4 && k.has_gemm(w.format) {
             // Prefill: every row against tiles of 8 interleaved tokens.
-            TILE.with(|tile| {
-                let mut tile = tile.borrow_mut();
-                act.build_tile(&mut tile, n);
-                let tile = &*tile;
-                pool.run(tasks.len(), &|i| {
-                    let (_, r0, r1) = tasks[i];
-                    gemm_rows(k, w, r0, r1, tile, |t, r, v| {
-                        // SAFETY: this task alone computes rows r0..r1 of every token.
-                        unsafe { sink.range(t * m + r, v.len()) }.copy_from_slice(v)
-                    });
+            act.build_tile(tile, n);
+            let tile = &*tile;
+            pool.run(tasks.len(), &|i| {
+                let (_, r0, r1) = tasks[i];
+                gemm_rows(k, w, r0, r1, tile, |t, r, v| {
+                    // SAFETY: this task alone computes rows r0..r1 of every token.
+                    unsafe { sink.range(t * m + r, v.len()) }.copy_from_slice(v)
                 });
             });
             return;
         }
+        let act = &*act;
         pool.run(tasks.len(), &|i| {
             let (_, r0, r1) = tasks[i];
             for t in 0..n {
@@ -176,12 +186,12 @@ pub(crate) fn matmul_many<M: Sync>(
     out: &mut [f32],
     out_stride: usize,
 ) {
-    MANY.with(|many| {
-        let inputs = &mut *many.borrow_mut();
+    CALLER.with(|c| {
+        let Caller { inputs, needs, input_of, tasks, .. } = &mut *c.borrow_mut();
         // The distinct inputs, and which one each job reads. A job that shares an input with
         // a format that has no many-token kernel may still need the tile for its own.
-        let mut input_of = Vec::with_capacity(jobs.len());
-        let mut needs: Vec<Input> = Vec::new();
+        input_of.clear();
+        needs.clear();
         for (ji, (w, j)) in jobs.iter().enumerate() {
             let key = (j.x_row, j.n, w.cols, smoe_kernels::act_kind(w.format));
             let idx = needs.iter().position(|n| n.key == key).unwrap_or_else(|| {
@@ -217,8 +227,8 @@ pub(crate) fn matmul_many<M: Sync>(
         let prepared: Vec<&Prepared> =
             inputs.iter_mut().take(needs.len()).map(|m| &*m.get_mut().unwrap_or_else(|e| e.into_inner())).collect();
         // Tasks: row chunks of every job.
-        let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
-        guided_tasks(jobs.iter().map(|(w, j)| (w.rows, w.cols * j.n)), pool.threads(), &mut tasks);
+        tasks.clear();
+        guided_tasks(jobs.iter().map(|(w, j)| (w.rows, w.cols * j.n)), pool.threads(), tasks);
         let sink = super::DisjointOut::new(out);
         pool.run(tasks.len(), &|ti| {
             let (ji, r0, r1) = tasks[ti];
@@ -256,7 +266,7 @@ mod tests {
         let mut next = vec![0usize; jobs.len()];
         for &(ji, r0, r1) in &tasks {
             assert_eq!(r0, next[ji], "job {ji} rows in order without gaps");
-            assert!(r1 > r0 && (r1 % gemm::ROWS == 0 || r1 == jobs[ji].0), "task {ji} {r0}..{r1}");
+            assert!(r1 > r0 && (r1 % TASK_ROWS == 0 || r1 == jobs[ji].0), "task {ji} {r0}..{r1}");
             next[ji] = r1;
         }
         assert!(next.iter().zip(&jobs).all(|(&n, &(rows, _))| n == rows));
