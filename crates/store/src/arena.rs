@@ -31,7 +31,7 @@ impl Arena {
         let ptr = unsafe { alloc(layout) };
         let ptr = NonNull::new(ptr).ok_or_else(|| StoreError::Config(format!("cannot allocate a {size}-byte expert cache")))?;
         // Before any read touches the pages, so that they are huge from the start.
-        smoe_vault::hugepages::advise_raw(ptr.as_ptr(), size);
+        smoe_vault::hugepages::advise(ptr.as_ptr(), size);
         Ok(Arena { ptr, layout, slot_size, slots })
     }
 

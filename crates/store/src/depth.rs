@@ -107,11 +107,6 @@ impl DepthTuner {
         self.choices[self.current]
     }
 
-    /// Whether the depth is measured rather than fixed.
-    pub fn is_auto(&self) -> bool {
-        !self.fixed
-    }
-
     /// Records `reads` reads of `bytes` that kept the device busy for `secs`; returns the
     /// depth to use from now on.
     pub fn record(&mut self, reads: u64, bytes: u64, secs: f64) -> usize {
@@ -158,39 +153,15 @@ impl DepthTuner {
     /// After the first sweep, and whenever the best depth changes: a line saying so (for the
     /// log); `None` otherwise.
     pub fn announcement(&mut self) -> Option<String> {
-        if self.fixed || self.rate.iter().any(Option::is_none) {
+        let rates: Option<Vec<f64>> = self.rate.iter().copied().collect();
+        let rates = rates.filter(|_| !self.fixed)?;
+        let best = self.best();
+        if self.announced == Some(best) {
             return None;
         }
-        let best = self.best();
-        (self.announced != Some(best)).then(|| {
-            self.announced = Some(best);
-            self.describe_best(best)
-        })
-    }
-
-    fn describe_best(&self, best: usize) -> String {
-        format!("expert reads: {} in flight reads fastest ({})", self.choices[best], self.rates())
-    }
-
-    fn rates(&self) -> String {
-        let rates: Vec<String> = self
-            .choices
-            .iter()
-            .zip(&self.rate)
-            .map(|(d, r)| match r {
-                Some(r) => format!("{d}: {:.2}", r / 1e9),
-                None => format!("{d}: -"),
-            })
-            .collect();
-        format!("GB/s while busy at depth {}", rates.join(", "))
-    }
-
-    /// `auto depth 1 (GB/s while busy at depth 1: 1.95, 2: 1.80, …)` or the fixed depth.
-    pub fn describe(&self) -> String {
-        if self.fixed {
-            return format!("depth {}", self.depth());
-        }
-        format!("auto depth {} ({})", self.depth(), self.rates())
+        self.announced = Some(best);
+        let each: Vec<String> = self.choices.iter().zip(&rates).map(|(d, r)| format!("{d}: {:.2}", r / 1e9)).collect();
+        Some(format!("expert reads: {} in flight reads fastest (GB/s while busy at depth {})", self.choices[best], each.join(", ")))
     }
 }
 
@@ -226,6 +197,14 @@ mod tests {
             assert!(at_peak * 10 >= late.len() * 7, "peak {peak}: {at_peak} of {} waves at the peak", late.len());
             assert!(late.iter().all(|&d| d == peak || d == peak * 2 || d * 2 == peak), "peak {peak}: only neighbours re-checked");
         }
+        // The choice is announced once the sweep is done, and not again while it holds.
+        let mut t = DepthTuner::new(QueueDepth::Auto { max: 2 });
+        assert_eq!(t.announcement(), None);
+        for _ in 0..2 * WINDOW_READS {
+            t.record(1, 1 << 20, if t.depth() == 2 { 1e-4 } else { 1e-3 });
+        }
+        assert!(t.announcement().is_some_and(|l| l.starts_with("expert reads: 2 in flight")));
+        assert_eq!(t.announcement(), None);
     }
 
     #[test]

@@ -44,6 +44,8 @@ pub trait ReadEngine: Send {
     fn reap(&mut self, out: &mut Vec<Completion>) -> io::Result<()>;
     /// Reads queued or in flight.
     fn pending(&self) -> usize;
+    /// Reads in flight (at most the limit; the rest of [`ReadEngine::pending`] is queued).
+    fn in_flight(&self) -> usize;
     /// Keeps at most `n` reads in flight (clamped to `1..=depth`); the rest wait queued, in
     /// the order they were submitted.
     fn set_limit(&mut self, n: usize);
@@ -122,7 +124,7 @@ pub struct PreadPool {
     rx: std::sync::mpsc::Receiver<Completion>,
     threads: Vec<std::thread::JoinHandle<()>>,
     /// Reads handed to the threads and not yet reaped.
-    pending: usize,
+    sent: usize,
     /// Reads waiting for the limit.
     queued: std::collections::VecDeque<ReadReq>,
     limit: usize,
@@ -148,15 +150,15 @@ impl PreadPool {
             })?);
         }
         let limit = handles.len();
-        Ok(PreadPool { tx: Some(tx), rx, threads: handles, pending: 0, queued: Default::default(), limit, direct })
+        Ok(PreadPool { tx: Some(tx), rx, threads: handles, sent: 0, queued: Default::default(), limit, direct })
     }
 
     /// Hands queued reads to the threads while fewer than `limit` are with them.
     fn dispatch(&mut self) -> io::Result<()> {
-        while self.pending < self.limit {
+        while self.sent < self.limit {
             let Some(r) = self.queued.pop_front() else { break };
             self.tx.as_ref().unwrap().send(r).map_err(|_| io::Error::other("reader threads are gone"))?;
-            self.pending += 1;
+            self.sent += 1;
         }
         Ok(())
     }
@@ -175,20 +177,23 @@ impl ReadEngine for PreadPool {
     }
     fn reap(&mut self, out: &mut Vec<Completion>) -> io::Result<()> {
         self.dispatch()?;
-        if self.pending == 0 {
+        if self.sent == 0 {
             return Ok(());
         }
         let first = self.rx.recv().map_err(|_| io::Error::other("reader threads are gone"))?;
         out.push(first);
-        self.pending -= 1;
+        self.sent -= 1;
         while let Ok(c) = self.rx.try_recv() {
             out.push(c);
-            self.pending -= 1;
+            self.sent -= 1;
         }
         self.dispatch()
     }
     fn pending(&self) -> usize {
-        self.pending + self.queued.len()
+        self.sent + self.queued.len()
+    }
+    fn in_flight(&self) -> usize {
+        self.sent
     }
     fn set_limit(&mut self, n: usize) {
         self.limit = n.clamp(1, self.threads.len());
@@ -198,11 +203,11 @@ impl ReadEngine for PreadPool {
 impl Drop for PreadPool {
     fn drop(&mut self) {
         // Let in-flight reads finish before their buffers can go away.
-        while self.pending > 0 {
+        while self.sent > 0 {
             if self.rx.recv().is_err() {
                 break;
             }
-            self.pending -= 1;
+            self.sent -= 1;
         }
         self.tx = None;
         for t in self.threads.drain(..) {
@@ -257,7 +262,7 @@ mod uring {
         }
 
         fn fill(&mut self) -> io::Result<()> {
-            while self.inflight.len() < self.limit.min(self.depth) {
+            while self.inflight.len() < self.limit {
                 let Some(r) = self.queued.pop_front() else { break };
                 self.push(r, 0)?;
             }
@@ -307,6 +312,9 @@ mod uring {
         }
         fn pending(&self) -> usize {
             self.inflight.len() + self.queued.len()
+        }
+        fn in_flight(&self) -> usize {
+            self.inflight.len()
         }
         fn set_limit(&mut self, n: usize) {
             self.limit = n.clamp(1, self.depth);
@@ -376,6 +384,7 @@ mod tests {
         for limit in [32, 1, 3] {
             e.set_limit(limit);
             e.submit(&reqs).unwrap();
+            assert!(e.in_flight() <= limit && e.pending() == 8, "{}: {} in flight at limit {limit}", e.describe(), e.in_flight());
             let mut done = Vec::new();
             while done.len() < 8 {
                 let before = done.len();

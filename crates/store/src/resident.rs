@@ -32,7 +32,7 @@ impl ResidentExperts {
             .collect::<Result<Vec<_>, _>>()?;
         let (n, size) = (map.num_experts, map.slot_size());
         let mut data = vec![0u8; map.total_experts() * size];
-        smoe_vault::hugepages::advise(&mut data);
+        smoe_vault::hugepages::advise(data.as_ptr(), data.len());
         let mut moe_index = vec![None; map.moe_layers.iter().max().map_or(0, |m| m + 1)];
         let mut reads: Vec<SlotRead> = Vec::new();
         let mut bytes_read = 0;

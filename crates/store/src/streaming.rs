@@ -252,8 +252,7 @@ impl ExpertStore {
     fn reap(&self, inner: &mut Inner, done: &mut Vec<(usize, bool)>) -> Result<(), StoreError> {
         let t0 = Instant::now();
         inner.stats.inflight_samples += 1;
-        // Reads beyond the depth limit wait queued in the engine: in flight is the smaller.
-        inner.stats.inflight_sum += inner.engine.pending().min(inner.tuner.depth()) as u64;
+        inner.stats.inflight_sum += inner.engine.in_flight() as u64;
         let mut comps = std::mem::take(&mut inner.completions);
         comps.clear();
         let r = inner.engine.reap(&mut comps);

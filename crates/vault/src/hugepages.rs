@@ -5,25 +5,11 @@
 //! pages when its THP mode is `madvise` (a common default) or `always`; the advice must come
 //! before the pages are first touched.
 
-/// Advises the kernel to back the whole 2 MiB pages inside `buf` with huge pages. A no-op
-/// where unsupported; failure only costs speed, so it is not reported.
-pub fn advise(buf: &mut [u8]) {
-    advise_range(buf.as_mut_ptr(), buf.len());
-}
-
-/// As [`advise`] for all of `v`'s allocation, including capacity not yet filled (so that a
-/// buffer built by appending gets huge pages from its first byte).
-pub fn advise_capacity(v: &mut Vec<u8>) {
-    advise_range(v.as_mut_ptr(), v.capacity());
-}
-
-/// As [`advise`] for the `len` bytes at `ptr`, for memory not yet initialised (no slice of it
-/// may exist yet). Only how the kernel backs the pages changes, never their contents.
-pub fn advise_raw(ptr: *mut u8, len: usize) {
-    advise_range(ptr, len)
-}
-
-fn advise_range(ptr: *mut u8, len: usize) {
+/// Advises the kernel to back the whole 2 MiB pages inside the `len` bytes at `ptr` with huge
+/// pages: a buffer, or all of a `Vec`'s capacity before it is filled. A no-op where
+/// unsupported; failure only costs speed, so it is not reported. Safe for any range: the
+/// advice changes how pages are backed, never their contents.
+pub fn advise(ptr: *const u8, len: usize) {
     #[cfg(target_os = "linux")]
     {
         const HUGE: usize = 2 << 20;
@@ -44,12 +30,12 @@ mod tests {
     /// Advising a buffer keeps its contents and leaves it usable, aligned or not.
     #[test]
     fn advice_keeps_contents() {
-        let mut v: Vec<u8> = (0..(5 << 20) + 123).map(|i| (i % 251) as u8).collect();
-        super::advise(&mut v[7..]);
+        let v: Vec<u8> = (0..(5 << 20) + 123).map(|i| (i % 251) as u8).collect();
+        super::advise(v[7..].as_ptr(), v.len() - 7);
         assert!(v.iter().enumerate().all(|(i, &b)| b == (i % 251) as u8));
-        super::advise(&mut []);
+        super::advise(v.as_ptr(), 0);
         let mut w: Vec<u8> = Vec::with_capacity(3 << 20);
-        super::advise_capacity(&mut w);
+        super::advise(w.as_ptr(), w.capacity());
         w.extend_from_slice(&v[..3 << 20]);
         assert_eq!(w[..], v[..3 << 20]);
     }

@@ -199,7 +199,7 @@ impl Vault {
     /// Tensors are then slices at their `offset`.
     pub fn read_dense_region(&self) -> Result<Vec<u8>, VaultError> {
         let mut buf = vec![0u8; self.header.dense_len as usize];
-        crate::hugepages::advise(&mut buf);
+        crate::hugepages::advise(buf.as_ptr(), buf.len());
         self.file.read_exact_at(&mut buf, self.header.dense_offset).map_err(|e| VaultError::io(&self.path, e))?;
         for d in &self.manifest.dense {
             let bytes = &buf[d.offset as usize..(d.offset + d.len) as usize];

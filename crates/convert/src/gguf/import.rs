@@ -460,7 +460,7 @@ impl GgufModel {
     pub fn dense_region(&self, progress: &dyn Progress) -> Result<(Vec<DenseEntry>, Vec<u8>), ConvertError> {
         let total: u64 = self.dense.iter().map(|d| d.bytes().div_ceil(64) * 64).sum();
         let mut region = Vec::with_capacity(total as usize);
-        smoe_vault::hugepages::advise_capacity(&mut region);
+        smoe_vault::hugepages::advise(region.as_ptr(), region.capacity());
         let mut entries = Vec::new();
         for d in &self.dense {
             let bytes = self.read_dense(d)?;
