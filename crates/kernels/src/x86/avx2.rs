@@ -147,9 +147,6 @@ pub unsafe fn dot_q8_0(w: &[u8], a: &[Block32]) -> f32 {
     while i < n {
         let m = (n - i).min(8);
         let (mut hd, mut ad) = ([0u16; 8], [0f32; 8]);
-        for ahead in [1024usize, 1088, 1152, 1216, 1280] {
-            _mm_prefetch::<_MM_HINT_T0>((wb.as_ptr() as *const i8).wrapping_add(34 * i + ahead));
-        }
         for j in 0..m {
             hd[j] = u16::from_le_bytes(wb[i + j].d.0);
             ad[j] = a[i + j].d;
@@ -180,8 +177,6 @@ pub unsafe fn dot_q4_k(w: &[u8], a: &[Block256]) -> f32 {
     let wb: &[BlockQ4K] = bytemuck::cast_slice(w);
     let mut acc = Q4kAcc::new();
     for (b, a) in wb.iter().zip(a) {
-        // Keep the memory system busy ahead of the loads (2 KiB ahead: 1-8 KiB measured alike).
-        _mm_prefetch::<_MM_HINT_T0>((b as *const BlockQ4K as *const i8).wrapping_add(2048));
         acc.block(b, a);
     }
     acc.total()

@@ -135,10 +135,6 @@ pub unsafe fn dot_q8_0(w: &[u8], a: &[Block32]) -> f32 {
     let (mut acc, mut corr) = (_mm256_setzero_ps(), _mm256_setzero_ps());
     let mut i = 0;
     while i + 8 <= n {
-        // 1 KiB ahead of the loads (1-8 KiB measured alike).
-        for ahead in [1024usize, 1088, 1152, 1216, 1280] {
-            _mm_prefetch::<_MM_HINT_T0>((wb.as_ptr() as *const i8).wrapping_add(34 * i + ahead));
-        }
         let b = &wb[i..i + 8];
         let blk = &a[i..i + 8];
         let mut p = [_mm256_setzero_si256(); 8];

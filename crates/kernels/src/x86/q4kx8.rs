@@ -22,9 +22,6 @@ fn body(w: &[u8], a: &[Block256], out: &mut [f32; 8], acc: impl Fn(__m256i, __m2
     for (b, ab) in a.iter().enumerate().take(blocks) {
         let g = &w[b * GROUP_BLOCK..(b + 1) * GROUP_BLOCK];
         let p = g.as_ptr();
-        // Two groups ahead: the hardware prefetcher alone falls behind on this stream.
-        _mm_prefetch::<_MM_HINT_T0>((p as *const i8).wrapping_add(2 * GROUP_BLOCK));
-        _mm_prefetch::<_MM_HINT_T0>((p as *const i8).wrapping_add(2 * GROUP_BLOCK + 576));
         let aq = ab.qs.as_ptr() as *const u8;
         // SAFETY: every offset below lies inside the 1152-byte group block `g` (asserted by
         // its slicing) and the activation block (256 quants).
