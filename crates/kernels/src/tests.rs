@@ -224,3 +224,33 @@ fn interleaved_group_kernels_match_row_dots() {
         }
     }
 }
+
+/// `dot_rows` gives each row's own dot product, whatever kernel it runs (the four-row Q8_0
+/// kernel where a table has one): row counts that are and are not multiples of four, and
+/// widths with a tail of fewer than eight blocks.
+#[test]
+fn dot_rows_match_row_dots() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(29);
+    let scalar = Kernels::scalar_table();
+    for f in [Format::Q8_0, Format::Q4_0, Format::Q4_K] {
+        for k in available() {
+            for cols in [256usize, 352, 2048] {
+                let Ok(rb) = f.row_bytes(cols) else { continue };
+                for n in [1usize, 4, 7, 8, 13] {
+                    let mut w = vec![0u8; n * rb];
+                    for r in w.chunks_mut(rb) {
+                        smoe_quant::quantize(f, &data(cols, &mut rng), r).unwrap();
+                    }
+                    let mut qa = QuantAct::default();
+                    qa.quantize(f, &data(cols, &mut rng), 1, cols);
+                    let mut out = vec![0f32; n];
+                    k.dot_rows(f, &w, rb, qa.row(0), &mut out);
+                    for (r, &got) in out.iter().enumerate() {
+                        let want = scalar.dot(f, &w[r * rb..(r + 1) * rb], qa.row(0));
+                        assert!((got - want).abs() < 1e-4 * (1.0 + want.abs()), "{} {f} cols {cols} rows {n} row {r}: {got} vs {want}", k.isa);
+                    }
+                }
+            }
+        }
+    }
+}
