@@ -208,7 +208,7 @@ enum Command {
         /// Prefill chunk size.
         #[arg(long, default_value_t = 256)]
         chunk: usize,
-        /// Runs; the best is reported (after a short warm-up run when > 1).
+        /// Runs; the best is reported (after a short warm-up run when > 1), every run's figures too.
         #[arg(long, default_value_t = 1)]
         reps: usize,
         /// Print one JSON object.
