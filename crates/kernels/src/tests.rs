@@ -247,7 +247,11 @@ fn dot_rows_match_row_dots() {
                     k.dot_rows(f, &w, rb, qa.row(0), &mut out);
                     for (r, &got) in out.iter().enumerate() {
                         let want = scalar.dot(f, &w[r * rb..(r + 1) * rb], qa.row(0));
-                        assert!((got - want).abs() < 1e-4 * (1.0 + want.abs()), "{} {f} cols {cols} rows {n} row {r}: {got} vs {want}", k.isa);
+                        assert!(
+                            (got - want).abs() < 1e-4 * (1.0 + want.abs()),
+                            "{} {f} cols {cols} rows {n} row {r}: {got} vs {want}",
+                            k.isa
+                        );
                     }
                 }
             }
