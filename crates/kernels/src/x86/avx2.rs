@@ -175,32 +175,10 @@ pub unsafe fn dot_q8_0(w: &[u8], a: &[Block32]) -> f32 {
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_q4_k(w: &[u8], a: &[Block256]) -> f32 {
     let wb: &[BlockQ4K] = bytemuck::cast_slice(w);
-    let mut acc = Q4kAcc::new();
+    let mask = _mm256_set1_epi8(0x0f);
+    let mut acc = _mm256_setzero_ps();
+    let mut acc_m = _mm_setzero_ps();
     for (b, a) in wb.iter().zip(a) {
-        acc.block(b, a);
-    }
-    acc.total()
-}
-
-/// One Q4_K row's running sums: per pair of groups, 32 bytes of nibbles against 64
-/// activations, each group's i16 products weighted by its 6-bit scale; minimums through the
-/// activation block sums.
-struct Q4kAcc {
-    acc: __m256,
-    acc_m: __m128,
-}
-
-impl Q4kAcc {
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    fn new() -> Q4kAcc {
-        Q4kAcc { acc: _mm256_setzero_ps(), acc_m: _mm_setzero_ps() }
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    fn block(&mut self, b: &BlockQ4K, a: &Block256) {
-        let mask = _mm256_set1_epi8(0x0f);
         let sm = k4_scales(&b.scales);
         // SAFETY: `sm` has 16 bytes (scales then mins); bsums has 16 i16.
         let (scales16, mins) = unsafe {
@@ -232,17 +210,12 @@ impl Q4kAcc {
         }
         let dd = f16x8(&[u16::from_le_bytes(b.d.0), u16::from_le_bytes(b.dmin.0), 0, 0, 0, 0, 0, 0]);
         let dd = _mm_mul_ps(_mm256_castps256_ps128(dd), _mm_set1_ps(a.d));
-        self.acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(dd), _mm256_cvtepi32_ps(sumi), self.acc);
-        self.acc_m = _mm_fmadd_ps(_mm_permute_ps::<0b01_01_01_01>(dd), _mm_cvtepi32_ps(mins), self.acc_m);
+        acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(dd), _mm256_cvtepi32_ps(sumi), acc);
+        acc_m = _mm_fmadd_ps(_mm_permute_ps::<0b01_01_01_01>(dd), _mm_cvtepi32_ps(mins), acc_m);
     }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    fn total(&self) -> f32 {
-        let m = _mm_add_ps(self.acc_m, _mm_movehl_ps(self.acc_m, self.acc_m));
-        let m = _mm_add_ss(m, _mm_movehdup_ps(m));
-        hsum(self.acc) - _mm_cvtss_f32(m)
-    }
+    let m = _mm_add_ps(acc_m, _mm_movehl_ps(acc_m, acc_m));
+    let m = _mm_add_ss(m, _mm_movehdup_ps(m));
+    hsum(acc) - _mm_cvtss_f32(m)
 }
 
 /// Q6_K weights: quants rebuilt from 4 + 2 bits, offset 32 removed through the activation sums.
