@@ -72,7 +72,8 @@ const WINDOW_READS: u64 = 96;
 /// Windows at the best depth between re-measurements of its neighbours.
 const EXPLOIT_WINDOWS: usize = 8;
 
-/// Picks the depth from measured bandwidth (see the module notes).
+/// Picks the depth from measured bandwidth (see the module notes); with one choice (a fixed
+/// depth) it never moves.
 #[derive(Clone, Debug)]
 pub struct DepthTuner {
     choices: Vec<usize>,
@@ -81,7 +82,6 @@ pub struct DepthTuner {
     current: usize,
     plan: VecDeque<usize>,
     window: (u64, u64, f64),
-    fixed: bool,
     /// The best choice last announced (see [`DepthTuner::announcement`]).
     announced: Option<usize>,
 }
@@ -89,17 +89,17 @@ pub struct DepthTuner {
 impl DepthTuner {
     /// A tuner for `depth`.
     pub fn new(depth: QueueDepth) -> DepthTuner {
-        let (choices, fixed) = match depth {
-            QueueDepth::Fixed(n) => (vec![n.max(1)], true),
+        let choices = match depth {
+            QueueDepth::Fixed(n) => vec![n.max(1)],
             QueueDepth::Auto { max } => {
                 let mut c: Vec<usize> = std::iter::successors(Some(1usize), |&d| Some(d * 2)).take_while(|&d| d < max.max(1)).collect();
                 c.push(max.max(1));
-                (c, false)
+                c
             }
         };
         let n = choices.len();
         // First sweep every depth once, shallowest first.
-        DepthTuner { choices, rate: vec![None; n], current: 0, plan: (1..n).collect(), window: (0, 0, 0.0), fixed, announced: None }
+        DepthTuner { choices, rate: vec![None; n], current: 0, plan: (1..n).collect(), window: (0, 0, 0.0), announced: None }
     }
 
     /// The depth to use now.
@@ -110,7 +110,7 @@ impl DepthTuner {
     /// Records `reads` reads of `bytes` that kept the device busy for `secs`; returns the
     /// depth to use from now on.
     pub fn record(&mut self, reads: u64, bytes: u64, secs: f64) -> usize {
-        if self.fixed || reads == 0 {
+        if self.choices.len() == 1 || reads == 0 {
             return self.depth();
         }
         self.window.0 += reads;
@@ -154,7 +154,7 @@ impl DepthTuner {
     /// log); `None` otherwise.
     pub fn announcement(&mut self) -> Option<String> {
         let rates: Option<Vec<f64>> = self.rate.iter().copied().collect();
-        let rates = rates.filter(|_| !self.fixed)?;
+        let rates = rates.filter(|_| self.choices.len() > 1)?;
         let best = self.best();
         if self.announced == Some(best) {
             return None;
