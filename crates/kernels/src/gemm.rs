@@ -21,6 +21,10 @@ pub const ROWS: usize = 4;
 /// load then feeds [`ROWS`] products instead of one, which is what bounds the one-row kernel.
 pub type GemmRows = unsafe fn(w: [&[u8]; ROWS], tile: &ActTile, out: &mut [f32]);
 
+/// An interleaved group of eight weight rows (see [`smoe_quant::interleave`]) against every
+/// token: `out[r * n + t] = w[r] · a[t]`, read from the group as it lies in memory.
+pub type GemmGroup = unsafe fn(group: &[u8], tile: &ActTile, out: &mut [f32]);
+
 /// Interleaved activations of `n` tokens (zero-padded to whole tiles).
 #[derive(Default)]
 pub struct ActTile {

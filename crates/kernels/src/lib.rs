@@ -72,6 +72,8 @@ pub struct Kernels {
     gemms4: [Option<gemm::GemmRows>; 13],
     /// Eight interleaved Q4_K rows against one token ([`Kernels::dot_group8`]).
     q4k_group8: Option<Group8Fn>,
+    /// Eight interleaved Q4_K rows against many tokens ([`Kernels::gemm_group8`]).
+    q4k_gemm_group8: Option<gemm::GemmGroup>,
 }
 
 /// Eight interleaved rows against one token: `out[r]` (see [`smoe_quant::interleave`]).
@@ -111,6 +113,7 @@ impl Kernels {
             gemms: [None; 13],
             gemms4: [None; 13],
             q4k_group8: None,
+            q4k_gemm_group8: None,
         }
     }
 
@@ -197,6 +200,23 @@ impl Kernels {
     #[allow(dead_code)]
     pub(crate) fn set_group8(&mut self, g: Group8Fn) {
         self.q4k_group8 = Some(g);
+    }
+
+    #[allow(dead_code)]
+    pub(crate) fn set_gemm_group8(&mut self, g: gemm::GemmGroup) {
+        self.q4k_gemm_group8 = Some(g);
+    }
+
+    /// `out[r * n + t]` = row `r` of a group of eight interleaved `f` rows (see
+    /// [`smoe_quant::interleave`]) · token `t` of `tile`; `false` if there is no such kernel
+    /// (take the rows apart and use [`Kernels::gemm_rows`]).
+    pub fn gemm_group8(&self, f: Format, group: &[u8], tile: &gemm::ActTile, out: &mut [f32]) -> bool {
+        match self.q4k_gemm_group8 {
+            // SAFETY: as for `dot`.
+            Some(g) if f == Format::Q4_K => unsafe { g(group, tile, out) },
+            _ => return false,
+        }
+        true
     }
 
     /// `out[r]` = row `r` of a group of eight interleaved `f` rows of `cols` (see
@@ -293,21 +313,31 @@ pub struct QuantAct {
 impl QuantAct {
     /// Quantizes `rows` rows of `cols` from `x` for weights of format `f`.
     pub fn quantize(&mut self, f: Format, x: &[f32], rows: usize, cols: usize) {
+        self.quantize_rows(f, rows, cols, |t| &x[t * cols..(t + 1) * cols]);
+    }
+
+    /// Quantizes `rows` rows of `cols`, row `t` being `row(t)`, for weights of format `f`:
+    /// rows scattered through a larger buffer are read where they lie, not gathered first.
+    pub fn quantize_rows<'x>(&mut self, f: Format, rows: usize, cols: usize, row: impl Fn(usize) -> &'x [f32]) {
         let kind = act_kind(f);
         self.kind = Some(kind);
         self.cols = cols;
         match kind {
             ActKind::F32 => {
                 self.f32.clear();
-                self.f32.extend_from_slice(&x[..rows * cols]);
+                (0..rows).for_each(|t| self.f32.extend_from_slice(&row(t)[..cols]));
             }
             ActKind::Q8x32 => {
                 self.b32.resize(rows * cols / 32, Block32::ZERO);
-                act::quantize_32(&x[..rows * cols], &mut self.b32);
+                for (t, out) in self.b32.chunks_exact_mut((cols / 32).max(1)).enumerate() {
+                    act::quantize_32(&row(t)[..cols], out);
+                }
             }
             ActKind::Q8x256 => {
                 self.b256.resize(rows * cols / 256, Block256::ZERO);
-                act::quantize_256(&x[..rows * cols], &mut self.b256);
+                for (t, out) in self.b256.chunks_exact_mut((cols / 256).max(1)).enumerate() {
+                    act::quantize_256(&row(t)[..cols], out);
+                }
             }
         }
     }

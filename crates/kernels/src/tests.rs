@@ -225,6 +225,50 @@ fn interleaved_group_kernels_match_row_dots() {
     }
 }
 
+/// An interleaved group against many tokens, read as it lies, gives what the four-row kernel
+/// gives on the same rows taken apart (the same arithmetic in the same order, so the same
+/// bits), and each row's own dot product; token counts with and without pairs of tiles.
+#[test]
+fn interleaved_group_gemm_matches_rows_taken_apart() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(29);
+    let scalar = Kernels::scalar_table();
+    let f = Format::Q4_K;
+    for k in available() {
+        for (cols, n) in [(256usize, 3usize), (768, 19), (2048, 16), (512, 35), (768, 8)] {
+            let rb = f.row_bytes(cols).unwrap();
+            let mut rows = vec![0u8; 16 * rb];
+            for r in rows.chunks_mut(rb) {
+                smoe_quant::quantize(f, &data(cols, &mut rng), r).unwrap();
+            }
+            let mut inter = vec![0u8; rows.len()];
+            smoe_quant::interleave::interleave_q4_k(&rows, 16, cols, &mut inter);
+            let mut qa = QuantAct::default();
+            qa.quantize(f, &data(n * cols, &mut rng), n, cols);
+            let mut tile = gemm::ActTile::default();
+            qa.build_tile(&mut tile, n);
+            for g in 0..2 {
+                let mut got = vec![0f32; 8 * n];
+                if !k.gemm_group8(f, &inter[g * 8 * rb..(g + 1) * 8 * rb], &tile, &mut got) {
+                    assert!(!cfg!(target_arch = "x86_64") || k.isa == "scalar", "{} has no many-token group kernel", k.isa);
+                    continue;
+                }
+                let row = |r: usize| &rows[(8 * g + r) * rb..(8 * g + r + 1) * rb];
+                let mut want = vec![0f32; 8 * n];
+                for h in 0..2 {
+                    assert!(k.gemm_rows(f, std::array::from_fn(|i| row(4 * h + i)), &tile, &mut want[4 * h * n..]));
+                }
+                assert_eq!(got, want, "{} cols {cols} n {n} group {g}", k.isa);
+                for r in 0..8 {
+                    for t in 0..n {
+                        let dot = scalar.dot(f, row(r), qa.row(t));
+                        assert!((got[r * n + t] - dot).abs() < 1e-4 * (1.0 + dot.abs()), "{} row {r} token {t}", k.isa);
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// `dot_rows` gives each row's own dot product, whatever kernel it runs (the four-row Q8_0
 /// kernel where a table has one): row counts that are and are not multiples of four, and
 /// widths with a tail of fewer than eight blocks.

@@ -12,9 +12,8 @@ thread_local! {
     /// The calling thread's buffers for one product, reused across calls (no allocation per
     /// call on decode's path).
     static CALLER: RefCell<Caller> = RefCell::new(Caller::default());
-    /// A task's outputs, row-major; one token's values of them; an interleaved group taken
-    /// apart into rows.
-    static ROWOUT: RefCell<(Vec<f32>, Vec<f32>, Vec<u8>)> = const { RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
+    /// A task's outputs, row-major; an interleaved group taken apart into rows.
+    static ROWOUT: RefCell<(Vec<f32>, Vec<u8>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
 /// An input `matmul_many` needs: rows `x_row..x_row + n` of `cols` quantized as `ActKind`,
@@ -40,29 +39,32 @@ struct Caller {
     input_of: Vec<usize>,
 }
 
-/// One input of `matmul_many`: its rows gathered, quantized and (for the many-token kernels)
+/// One input of `matmul_many`: its rows quantized and (for the many-token kernels)
 /// interleaved. Prepared by one pool task each, behind an uncontended lock.
 #[derive(Default)]
 struct Prepared {
-    gather: Vec<f32>,
     act: QuantAct,
     tile: ActTile,
 }
 
-/// Rows `r0..r1` of `w` against a tile of tokens, eight rows at a time (an interleaved
-/// matrix's group, taken apart first): [`gemm::ROWS`] rows per kernel call where the kernels
-/// have a many-row kernel for the format, one at a time otherwise. The products collect
-/// row-major in a task buffer and leave token by token, `put(token, r0, values)` with the
-/// `r1 - r0` values of that token: outputs are token-major, and scattering each product to its
-/// own token row cost more than the kernel on prefill's short expert jobs.
+/// Rows `r0..r1` of `w` against a tile of tokens, eight rows at a time: an interleaved
+/// matrix's group in one kernel call where the kernels read groups as they lie (taken apart
+/// first otherwise), else [`gemm::ROWS`] rows per call where the kernels have a many-row
+/// kernel for the format, one at a time otherwise. The products collect
+/// row-major in a task buffer and leave token by token into `dest(token)`, that token's
+/// `r1 - r0` outputs: outputs are token-major, and scattering each product to its own token
+/// row cost more than the kernel on prefill's short expert jobs.
 #[inline]
-fn gemm_rows(k: &Kernels, w: &QMatrix<'_>, r0: usize, r1: usize, tile: &ActTile, put: impl Fn(usize, usize, &[f32])) {
+fn gemm_rows<'o>(k: &Kernels, w: &QMatrix<'_>, r0: usize, r1: usize, tile: &ActTile, dest: impl Fn(usize) -> &'o mut [f32]) {
     ROWOUT.with(|buf| {
-        let (buf, line, group) = &mut *buf.borrow_mut();
+        let (buf, group) = &mut *buf.borrow_mut();
         let (n, m, rb, f) = (tile.n, r1 - r0, w.row_bytes(), w.format);
         buf.resize(m * n, 0.0);
         for c in (r0..r1).step_by(TASK_ROWS) {
             let c1 = (c + TASK_ROWS).min(r1);
+            if w.layout == Layout::Interleaved8 && k.gemm_group8(f, &w.data[c * rb..(c + TASK_ROWS) * rb], tile, &mut buf[(c - r0) * n..]) {
+                continue;
+            }
             let rows: &[u8] = match w.layout {
                 Layout::Rows => &w.data[c * rb..c1 * rb],
                 Layout::Interleaved8 => {
@@ -82,12 +84,12 @@ fn gemm_rows(k: &Kernels, w: &QMatrix<'_>, r0: usize, r1: usize, tile: &ActTile,
                 k.gemm_row(f, row(r), tile, &mut buf[(r - r0) * n..(r - r0 + 1) * n]);
             }
         }
-        line.resize(m, 0.0);
         for t in 0..n {
-            for (i, v) in line.iter_mut().enumerate() {
+            let d = dest(t);
+            assert_eq!(d.len(), m, "gemm_rows: a token's outputs are its r1 - r0 rows");
+            for (i, v) in d.iter_mut().enumerate() {
                 *v = buf[i * n + t];
             }
-            put(t, r0, line);
         }
     })
 }
@@ -157,10 +159,8 @@ pub(crate) fn matmul(k: &Kernels, pool: &Pool, w: &QMatrix<'_>, x: &[f32], n: us
             let tile = &*tile;
             pool.run(tasks.len(), &|i| {
                 let (_, r0, r1) = tasks[i];
-                gemm_rows(k, w, r0, r1, tile, |t, r, v| {
-                    // SAFETY: this task alone computes rows r0..r1 of every token.
-                    unsafe { sink.range(t * m + r, v.len()) }.copy_from_slice(v)
-                });
+                // SAFETY: this task alone computes rows r0..r1 of every token.
+                gemm_rows(k, w, r0, r1, tile, |t| unsafe { sink.range(t * m + r0, r1 - r0) });
             });
             return;
         }
@@ -204,16 +204,12 @@ pub(crate) fn matmul_many<M: Sync>(
         while inputs.len() < needs.len() {
             inputs.push(Mutex::new(Prepared::default()));
         }
-        // Gathering, quantizing and interleaving the inputs is a pass over every activation:
+        // Quantizing and interleaving the inputs is a pass over every activation:
         // on the pool when there is enough of it (prefill's per-expert inputs).
         let prepare = |i: usize| {
             let (w, j) = &jobs[needs[i].first_job];
             let p = &mut *inputs[i].lock().unwrap_or_else(|e| e.into_inner());
-            p.gather.clear();
-            for t in 0..j.n {
-                p.gather.extend_from_slice(&x[(j.x_row + t) * x_stride..][..w.cols]);
-            }
-            p.act.quantize(w.format, &p.gather, j.n, w.cols);
+            p.act.quantize_rows(w.format, j.n, w.cols, |t| &x[(j.x_row + t) * x_stride..][..w.cols]);
             if needs[i].tiled {
                 p.act.build_tile(&mut p.tile, j.n);
             }
@@ -236,10 +232,8 @@ pub(crate) fn matmul_many<M: Sync>(
             let (act, tile) = (&prepared[input_of[ji]].act, &prepared[input_of[ji]].tile);
             let at = |t: usize, r: usize| (j.out_row + t) * out_stride + j.out_col + r;
             if j.n >= 4 && k.has_gemm(w.format) {
-                gemm_rows(k, w, r0, r1, tile, |t, r, v| {
-                    // SAFETY: this task alone computes rows r0..r1 of this job's outputs.
-                    unsafe { sink.range(at(t, r), v.len()) }.copy_from_slice(v)
-                });
+                // SAFETY: this task alone computes rows r0..r1 of this job's outputs.
+                gemm_rows(k, w, r0, r1, tile, |t| unsafe { sink.range(at(t, r0), r1 - r0) });
             } else {
                 for t in 0..j.n {
                     // SAFETY: this task alone computes rows r0..r1 of this job's outputs.

@@ -6,13 +6,75 @@
 use super::{f16x8, k4_scales};
 use crate::gemm::{ActTile, ROWS, TILE};
 use smoe_quant::blocks::{BlockQ4K, BlockQ8_0};
+use smoe_quant::interleave::{GROUP_BLOCK, ROWS as GROUP};
 use std::arch::x86_64::*;
 use std::cell::RefCell;
 
 thread_local! {
     /// The unpacked weight rows (one, or [`ROWS`]): quants, per-block f32 scales and (Q4_K)
-    /// integer scales and mins.
-    static UNPACKED: RefCell<[Unpacked; ROWS]> = RefCell::new(Default::default());
+    /// integer scales and mins; or an interleaved group's.
+    static UNPACKED: RefCell<([Unpacked; ROWS], GroupUnpacked)> = RefCell::new(Default::default());
+}
+
+/// `R` Q4_K rows as the bodies read them, their values interleaved `K` ways: `K` = 1 for
+/// rows unpacked one by one ([`unpack_q4_k`]), [`GROUP`] for an interleaved group unpacked as
+/// it lies ([`unpack_q4_k_group`]), which spares taking the group apart. Row `r`'s quant
+/// dword `i` (weights `4i..4i + 4`) is at `q[r][4K·i]`, its group `j`'s scale and min at
+/// `sc[r][K·j]` and `mins[r][K·j]`, its super-block `s`'s `d` and `dmin` at `d[r][K·s]` and
+/// `dmin[r][K·s]`.
+pub(super) struct Q4kRows<'a, const R: usize, const K: usize> {
+    q: [&'a [u8]; R],
+    sc: [&'a [i32]; R],
+    mins: [&'a [i32]; R],
+    d: [&'a [f32]; R],
+    dmin: [&'a [f32]; R],
+}
+
+impl<const R: usize, const K: usize> Q4kRows<'_, R, K> {
+    /// Whether every row holds `sbs` super-blocks.
+    pub(super) fn holds(&self, sbs: usize) -> bool {
+        let has = |len: usize, n: usize| (n - 1) * K < len;
+        sbs == 0
+            || (0..R).all(|r| {
+                (64 * sbs - 1) * 4 * K + 4 <= self.q[r].len()
+                    && has(self.sc[r].len(), 8 * sbs)
+                    && has(self.mins[r].len(), 8 * sbs)
+                    && has(self.d[r].len(), sbs)
+                    && has(self.dmin[r].len(), sbs)
+            })
+    }
+
+    /// Row `r`'s quant dword `i`.
+    ///
+    /// # Safety
+    /// `i` must be below `64 * sbs` for an `sbs` that [`Q4kRows::holds`] accepted.
+    #[inline(always)]
+    pub(super) unsafe fn quant(&self, r: usize, i: usize) -> *const u8 {
+        // SAFETY: in bounds, as the caller guarantees.
+        unsafe { self.q[r].as_ptr().add(4 * K * i) }
+    }
+
+    /// Row `r`'s scale and min of group `j`.
+    #[inline(always)]
+    pub(super) fn scale_min(&self, r: usize, j: usize) -> (i32, i32) {
+        (self.sc[r][K * j], self.mins[r][K * j])
+    }
+
+    /// Row `r`'s `d` and `dmin` of super-block `s`.
+    #[inline(always)]
+    pub(super) fn d_dmin(&self, r: usize, s: usize) -> (f32, f32) {
+        (self.d[r][K * s], self.dmin[r][K * s])
+    }
+}
+
+/// An interleaved group's quants and scales, unpacked as it lies (see [`Q4kRows`]).
+#[derive(Default)]
+pub(super) struct GroupUnpacked {
+    q: Vec<u8>,
+    sc: Vec<i32>,
+    mins: Vec<i32>,
+    d: Vec<f32>,
+    dmin: Vec<f32>,
 }
 
 #[derive(Default)]
@@ -147,7 +209,7 @@ unsafe fn dot4_avx2(p: __m256i, x: *const u8, y: *const i8) -> __m256i {
 /// Unpacks `w`'s rows into the thread's buffers with `unpack` and runs `body` on them.
 fn with_unpacked<const R: usize, T>(w: [&[u8]; R], unpack: impl Fn(&[u8], &mut Unpacked) -> T, body: impl FnOnce(&[Unpacked], T)) {
     UNPACKED.with(|u| {
-        let u = &mut *u.borrow_mut();
+        let u = &mut u.borrow_mut().0;
         let mut last = None;
         for (r, w) in w.iter().enumerate() {
             last = Some(unpack(w, &mut u[r]));
@@ -235,14 +297,107 @@ fn unpack_q4_k(w: &[u8], u: &mut Unpacked) -> usize {
     wb.len()
 }
 
+/// `R` rows unpacked one by one.
+fn row_view<const R: usize>(u: &[Unpacked]) -> Q4kRows<'_, R, 1> {
+    Q4kRows {
+        q: std::array::from_fn(|r| u[r].q.as_slice()),
+        sc: std::array::from_fn(|r| u[r].sc.as_slice()),
+        mins: std::array::from_fn(|r| u[r].mins.as_slice()),
+        d: std::array::from_fn(|r| u[r].d.as_slice()),
+        dmin: std::array::from_fn(|r| u[r].dmin.as_slice()),
+    }
+}
+
+/// Unpacks an interleaved group of [`GROUP`] Q4_K rows (see [`smoe_quant::interleave`]) as it
+/// lies: every 32-byte run of the group's nibbles (one dword of each row) splits into two
+/// runs of bytes, and the scale bytes (`[byte][row]`) unpack for all eight rows at once, eight
+/// bytes to a `u64`. Returns the super-blocks per row.
+#[target_feature(enable = "avx2,f16c")]
+fn unpack_q4_k_group(w: &[u8], g: &mut GroupUnpacked) -> usize {
+    assert!(w.len().is_multiple_of(GROUP_BLOCK), "unpack_q4_k_group: not whole super-blocks");
+    let sbs = w.len() / GROUP_BLOCK;
+    g.q.resize(GROUP * 256 * sbs, 0);
+    g.sc.resize(GROUP * 8 * sbs, 0);
+    g.mins.resize(GROUP * 8 * sbs, 0);
+    g.d.resize(GROUP * sbs, 0.0);
+    g.dmin.resize(GROUP * sbs, 0.0);
+    let mask = _mm256_set1_epi8(0x0f);
+    // Eight bytes (one per row) widened into eight i32 at `out`.
+    let widen = |out: &mut [i32], v: u64| {
+        assert!(out.len() >= 8);
+        // SAFETY: 8 i32 out, asserted.
+        unsafe { _mm256_storeu_si256(out.as_mut_ptr() as *mut __m256i, _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v as i64))) }
+    };
+    for (b, src) in w.chunks_exact(GROUP_BLOCK).enumerate() {
+        let halves = |at: usize| -> [u16; 8] { std::array::from_fn(|r| u16::from_le_bytes([src[at + 2 * r], src[at + 2 * r + 1]])) };
+        // SAFETY: 8 floats out at 8b + 8 <= d.len() = dmin.len() (resized above).
+        unsafe {
+            _mm256_storeu_ps(g.d.as_mut_ptr().add(GROUP * b), f16x8(&halves(0)));
+            _mm256_storeu_ps(g.dmin.as_mut_ptr().add(GROUP * b), f16x8(&halves(16)));
+        }
+        // `k4_scales` with a row per byte: scales and mins 0..4 are the low six bits of bytes
+        // 0..4 and 4..8; scales and mins 4..8 take their low four bits from the low and high
+        // nibbles of byte 8 + i and their top two from the top of bytes i and 4 + i.
+        let by = |j: usize| u64::from_le_bytes(src[32 + 8 * j..40 + 8 * j].try_into().expect("eight bytes"));
+        const M6: u64 = 0x3f3f_3f3f_3f3f_3f3f;
+        const M4: u64 = 0x0f0f_0f0f_0f0f_0f0f;
+        const M2: u64 = 0x0303_0303_0303_0303;
+        let at = |j: usize| (8 * b + j) * GROUP;
+        for i in 0..4 {
+            let (s, m, hi) = (by(i), by(4 + i), by(8 + i));
+            widen(&mut g.sc[at(i)..], s & M6);
+            widen(&mut g.mins[at(i)..], m & M6);
+            widen(&mut g.sc[at(4 + i)..], (hi & M4) | (((s >> 6) & M2) << 4));
+            widen(&mut g.mins[at(4 + i)..], ((hi >> 4) & M4) | (((m >> 6) & M2) << 4));
+        }
+        // Pair c, dword k holds (for every row) weights 64c + 4k.. in its low nibbles and
+        // 64c + 32 + 4k.. in its high ones: dwords 16c + k and 16c + 8 + k of the super-block.
+        for ck in 0..32 {
+            let (c, k) = (ck / 8, ck % 8);
+            let (lo, hi) = (64 * b + 16 * c + k, 64 * b + 16 * c + 8 + k);
+            // SAFETY: 32 bytes in at 128 + 32ck + 32 <= GROUP_BLOCK; 32 bytes out at 32 * lo
+            // and 32 * hi, both below 32 * 64 * sbs = q.len().
+            unsafe {
+                let v = _mm256_loadu_si256(src.as_ptr().add(128 + 32 * ck) as *const __m256i);
+                _mm256_storeu_si256(g.q.as_mut_ptr().add(32 * lo) as *mut __m256i, _mm256_and_si256(v, mask));
+                _mm256_storeu_si256(g.q.as_mut_ptr().add(32 * hi) as *mut __m256i, _mm256_and_si256(_mm256_srli_epi16::<4>(v), mask));
+            }
+        }
+    }
+    sbs
+}
+
+/// Unpacks an interleaved group into the thread's buffers and runs `body` on each half of it
+/// ([`ROWS`] rows, and where their outputs go) with the super-blocks per row.
+fn with_group(w: &[u8], out: &mut [f32], n: usize, body: impl Fn(&Q4kRows<'_, ROWS, GROUP>, usize, &mut [f32])) {
+    const _: () = assert!(GROUP == 2 * ROWS);
+    assert!(out.len() >= GROUP * n, "group output too short");
+    UNPACKED.with(|cell| {
+        let g = &mut cell.borrow_mut().1;
+        // SAFETY: every x86 table that calls this has AVX2 and F16C.
+        let sbs = unsafe { unpack_q4_k_group(w, g) };
+        for (h, out) in out[..GROUP * n].chunks_exact_mut(ROWS * n).enumerate() {
+            let at = |r: usize| ROWS * h + r;
+            let view = Q4kRows {
+                q: std::array::from_fn(|r| &g.q[4 * at(r)..]),
+                sc: std::array::from_fn(|r| &g.sc[at(r)..]),
+                mins: std::array::from_fn(|r| &g.mins[at(r)..]),
+                d: std::array::from_fn(|r| &g.d[at(r)..]),
+                dmin: std::array::from_fn(|r| &g.dmin[at(r)..]),
+            };
+            body(&view, sbs, out);
+        }
+    })
+}
+
 /// `R` Q4_K rows × tokens: `out[r * n + t]`. Per group of 32, `acc(p, w, a)` adds one weight
 /// dword's products with the 8 tokens' dwords at `a` to `p`, and `scale(p, sc)` turns the
 /// group's eight accumulations into i32 lanes times the group scale; the minimums use the
 /// tokens' sums per group.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn q4_k_body<const R: usize>(
-    u: &[Unpacked],
+fn q4_k_body<const R: usize, const K: usize>(
+    v: &Q4kRows<'_, R, K>,
     sbs: usize,
     first: usize,
     tile: &ActTile,
@@ -251,7 +406,7 @@ fn q4_k_body<const R: usize>(
     scale: impl Fn(__m256i, i32) -> __m256i,
 ) {
     let (dwords, groups, n) = (tile.cols / 4, tile.cols / 32, tile.n);
-    assert!(u.len() >= R && u[..R].iter().all(|u| u.q.len() >= 256 * sbs && u.sc.len() >= 8 * sbs) && out.len() >= R * n);
+    assert!(v.holds(sbs) && out.len() >= R * n);
     assert!(tile.qs.len() >= tile.tiles() * dwords * TILE * 4);
     for g in first..tile.tiles() {
         let qs = tile.qs[g * dwords * TILE * 4..].as_ptr();
@@ -263,24 +418,26 @@ fn q4_k_body<const R: usize>(
                 let mut p = [_mm256_setzero_si256(); R];
                 for k in 0..8 {
                     // SAFETY (pointers): tile offset (e / 4 + k) * 32 + 32 <= dwords * 32
-                    // (asserted above); weights e + 4k + 4 <= 256 * sbs <= q.len().
+                    // (asserted above); weight dword e / 4 + k < 64 * sbs, which `v` holds.
                     let y = unsafe { qs.add((e / 4 + k) * TILE * 4) };
                     for r in 0..R {
-                        p[r] = acc(p[r], unsafe { u[r].q.as_ptr().add(e + 4 * k) }, y);
+                        p[r] = acc(p[r], unsafe { v.quant(r, e / 4 + k) }, y);
                     }
                 }
                 // SAFETY: `sums` holds TILE values per (tile, group).
                 let gs = unsafe { _mm256_loadu_si256(tile.sums.as_ptr().add((g * groups + 8 * s + j) * TILE) as *const __m256i) };
                 for r in 0..R {
-                    sumi[r] = _mm256_add_epi32(sumi[r], scale(p[r], u[r].sc[8 * s + j]));
-                    mins[r] = _mm256_add_epi32(mins[r], _mm256_mullo_epi32(gs, _mm256_set1_epi32(u[r].mins[8 * s + j])));
+                    let (sc, m) = v.scale_min(r, 8 * s + j);
+                    sumi[r] = _mm256_add_epi32(sumi[r], scale(p[r], sc));
+                    mins[r] = _mm256_add_epi32(mins[r], _mm256_mullo_epi32(gs, _mm256_set1_epi32(m)));
                 }
             }
             // SAFETY: `d` holds TILE values per (tile, super-block).
             let da = unsafe { _mm256_loadu_ps(tile.d.as_ptr().add((g * sbs + s) * TILE)) };
             for r in 0..R {
-                total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]), _mm256_mul_ps(_mm256_set1_ps(u[r].d[s]), da), total[r]);
-                totalm[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins[r]), _mm256_mul_ps(_mm256_set1_ps(u[r].dmin[s]), da), totalm[r]);
+                let (d, dmin) = v.d_dmin(r, s);
+                total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]), _mm256_mul_ps(_mm256_set1_ps(d), da), total[r]);
+                totalm[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins[r]), _mm256_mul_ps(_mm256_set1_ps(dmin), da), totalm[r]);
             }
         }
         for r in 0..R {
@@ -312,7 +469,15 @@ pub unsafe fn q4_k_avx2(w: &[u8], tile: &ActTile, out: &mut [f32]) {
         [w],
         |w, u| unpack_q4_k(w, u),
         |u, sbs| unsafe {
-            q4_k_body::<1>(u, sbs, 0, tile, out, |p, x, y| acc_avx2(p, x, y), |p, sc| _mm256_madd_epi16(p, _mm256_set1_epi16(sc as i16)))
+            q4_k_body::<1, 1>(
+                &row_view(u),
+                sbs,
+                0,
+                tile,
+                out,
+                |p, x, y| acc_avx2(p, x, y),
+                |p, sc| _mm256_madd_epi16(p, _mm256_set1_epi16(sc as i16)),
+            )
         },
     )
 }
@@ -328,7 +493,15 @@ pub unsafe fn q4_k_avx2_rows(w: [&[u8]; ROWS], tile: &ActTile, out: &mut [f32]) 
         w,
         |w, u| unpack_q4_k(w, u),
         |u, sbs| unsafe {
-            q4_k_body::<ROWS>(u, sbs, 0, tile, out, |p, x, y| acc_avx2(p, x, y), |p, sc| _mm256_madd_epi16(p, _mm256_set1_epi16(sc as i16)))
+            q4_k_body::<ROWS, 1>(
+                &row_view(u),
+                sbs,
+                0,
+                tile,
+                out,
+                |p, x, y| acc_avx2(p, x, y),
+                |p, sc| _mm256_madd_epi16(p, _mm256_set1_epi16(sc as i16)),
+            )
         },
     )
 }
@@ -344,7 +517,15 @@ pub unsafe fn q4_k_vnni(w: &[u8], tile: &ActTile, out: &mut [f32]) {
         [w],
         |w, u| unpack_q4_k(w, u),
         |u, sbs| unsafe {
-            q4_k_body::<1>(u, sbs, 0, tile, out, |p, x, y| dot4_vnni(p, x, y), |p, sc| _mm256_mullo_epi32(p, _mm256_set1_epi32(sc)))
+            q4_k_body::<1, 1>(
+                &row_view(u),
+                sbs,
+                0,
+                tile,
+                out,
+                |p, x, y| dot4_vnni(p, x, y),
+                |p, sc| _mm256_mullo_epi32(p, _mm256_set1_epi32(sc)),
+            )
         },
     )
 }
@@ -360,8 +541,60 @@ pub unsafe fn q4_k_vnni_rows(w: [&[u8]; ROWS], tile: &ActTile, out: &mut [f32]) 
         w,
         |w, u| unpack_q4_k(w, u),
         |u, sbs| unsafe {
-            let done = super::gemm512::q4_k_pairs::<ROWS>(u, sbs, tile, out);
-            q4_k_body::<ROWS>(u, sbs, done, tile, out, |p, x, y| dot4_vnni(p, x, y), |p, sc| _mm256_mullo_epi32(p, _mm256_set1_epi32(sc)))
+            let v = row_view(u);
+            let done = super::gemm512::q4_k_pairs::<ROWS, 1>(&v, sbs, tile, out);
+            q4_k_body::<ROWS, 1>(
+                &v,
+                sbs,
+                done,
+                tile,
+                out,
+                |p, x, y| dot4_vnni(p, x, y),
+                |p, sc| _mm256_mullo_epi32(p, _mm256_set1_epi32(sc)),
+            )
         },
     )
+}
+
+/// An interleaved group of [`GROUP`] Q4_K rows × tokens with AVX2: `out[r * n + t]`.
+///
+/// # Safety
+/// As [`q4_k_avx2`]; `w` is whole super-blocks of a group of `tile.cols`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn q4_k_avx2_group(w: &[u8], tile: &ActTile, out: &mut [f32]) {
+    assert_eq!(w.len(), GROUP_BLOCK * tile.cols / 256, "q4_k_avx2_group: group and tile differ");
+    // SAFETY (closure): as in `q4_k_avx2`.
+    with_group(w, out, tile.n, |v, sbs, out| unsafe {
+        q4_k_body::<ROWS, GROUP>(
+            v,
+            sbs,
+            0,
+            tile,
+            out,
+            |p, x, y| acc_avx2(p, x, y),
+            |p, sc| _mm256_madd_epi16(p, _mm256_set1_epi16(sc as i16)),
+        )
+    })
+}
+
+/// An interleaved group of [`GROUP`] Q4_K rows × tokens with VNNI: `out[r * n + t]`.
+///
+/// # Safety
+/// As [`q4_k_vnni`]; `w` is whole super-blocks of a group of `tile.cols`.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+pub unsafe fn q4_k_vnni_group(w: &[u8], tile: &ActTile, out: &mut [f32]) {
+    assert_eq!(w.len(), GROUP_BLOCK * tile.cols / 256, "q4_k_vnni_group: group and tile differ");
+    // SAFETY (closure): as in `q4_k_vnni`.
+    with_group(w, out, tile.n, |v, sbs, out| unsafe {
+        let done = super::gemm512::q4_k_pairs::<ROWS, GROUP>(v, sbs, tile, out);
+        q4_k_body::<ROWS, GROUP>(
+            v,
+            sbs,
+            done,
+            tile,
+            out,
+            |p, x, y| dot4_vnni(p, x, y),
+            |p, sc| _mm256_mullo_epi32(p, _mm256_set1_epi32(sc)),
+        )
+    })
 }

@@ -6,7 +6,7 @@
 //! function handles whole pairs of tiles and returns how many tiles it did; the 256-bit
 //! bodies finish an odd last tile.
 
-use super::gemm::{store, Unpacked};
+use super::gemm::{store, Q4kRows, Unpacked};
 use crate::gemm::{ActTile, TILE};
 use std::arch::x86_64::*;
 
@@ -88,11 +88,10 @@ pub(super) fn q8_0_pairs<const R: usize>(u: &[Unpacked], tile: &ActTile, out: &m
 /// `R` Q4_K rows (unpacked) × whole pairs of tiles; see the module notes.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
 #[inline]
-pub(super) fn q4_k_pairs<const R: usize>(u: &[Unpacked], sbs: usize, tile: &ActTile, out: &mut [f32]) -> usize {
+pub(super) fn q4_k_pairs<const R: usize, const K: usize>(v: &Q4kRows<'_, R, K>, sbs: usize, tile: &ActTile, out: &mut [f32]) -> usize {
     let (dwords, groups, n) = (tile.cols / 4, tile.cols / 32, tile.n);
     let pairs = tile.tiles() / 2;
-    assert!(u.len() >= R && u[..R].iter().all(|u| u.q.len() >= 256 * sbs && u.sc.len() >= 8 * sbs && u.mins.len() >= 8 * sbs));
-    assert!(u[..R].iter().all(|u| u.d.len() >= sbs && u.dmin.len() >= sbs) && out.len() >= R * n && groups >= 8 * sbs);
+    assert!(v.holds(sbs) && out.len() >= R * n && groups >= 8 * sbs);
     assert!(tile.qs.len() >= tile.tiles() * dwords * TILE * 4);
     assert!(tile.sums.len() >= tile.tiles() * groups * TILE && tile.d.len() >= tile.tiles() * sbs * TILE);
     let tile_ints = dwords * TILE;
@@ -107,24 +106,26 @@ pub(super) fn q4_k_pairs<const R: usize>(u: &[Unpacked], sbs: usize, tile: &ActT
                 let mut p = [_mm512_setzero_si512(); R];
                 for k in 0..8 {
                     // SAFETY (pointers): dword e / 4 + k of tiles g and g + 1 (asserted
-                    // above); weights e + 4k + 4 <= 256 * sbs <= q.len().
+                    // above); weight dword e / 4 + k < 64 * sbs, which `q` holds.
                     let y = unsafe { pair(qs.add((e / 4 + k) * TILE), tile_ints) };
                     for r in 0..R {
-                        p[r] = _mm512_dpbusd_epi32(p[r], unsafe { bcast(u[r].q.as_ptr().add(e + 4 * k)) }, y);
+                        p[r] = _mm512_dpbusd_epi32(p[r], unsafe { bcast(v.quant(r, e / 4 + k)) }, y);
                     }
                 }
                 // SAFETY: `sums` holds TILE values per (tile, group), asserted above.
                 let gs = unsafe { pair(tile.sums.as_ptr().add((g * groups + 8 * s + j) * TILE), groups * TILE) };
                 for r in 0..R {
-                    sumi[r] = _mm512_add_epi32(sumi[r], _mm512_mullo_epi32(p[r], _mm512_set1_epi32(u[r].sc[8 * s + j])));
-                    mins[r] = _mm512_add_epi32(mins[r], _mm512_mullo_epi32(gs, _mm512_set1_epi32(u[r].mins[8 * s + j])));
+                    let (sc, m) = v.scale_min(r, 8 * s + j);
+                    sumi[r] = _mm512_add_epi32(sumi[r], _mm512_mullo_epi32(p[r], _mm512_set1_epi32(sc)));
+                    mins[r] = _mm512_add_epi32(mins[r], _mm512_mullo_epi32(gs, _mm512_set1_epi32(m)));
                 }
             }
             // SAFETY: `d` holds TILE values per (tile, super-block), asserted above.
             let da = _mm512_castsi512_ps(unsafe { pair(tile.d.as_ptr().add((g * sbs + s) * TILE) as *const i32, sbs * TILE) });
             for r in 0..R {
-                total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[r]), _mm512_mul_ps(_mm512_set1_ps(u[r].d[s]), da), total[r]);
-                totalm[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mins[r]), _mm512_mul_ps(_mm512_set1_ps(u[r].dmin[s]), da), totalm[r]);
+                let (d, dmin) = v.d_dmin(r, s);
+                total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[r]), _mm512_mul_ps(_mm512_set1_ps(d), da), total[r]);
+                totalm[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mins[r]), _mm512_mul_ps(_mm512_set1_ps(dmin), da), totalm[r]);
             }
         }
         for r in 0..R {

@@ -70,6 +70,7 @@ pub fn avx2_table() -> Option<Kernels> {
     // for four rows exhaust the registers), so it keeps the one-row kernel.
     k.set_gemm4(Format::Q4_K, gemm::q4_k_avx2_rows);
     k.set_group8(q4kx8::dot8_avx2);
+    k.set_gemm_group8(gemm::q4_k_avx2_group);
     Some(k)
 }
 
@@ -94,5 +95,6 @@ pub fn avx512_table() -> Option<Kernels> {
     k.set_gemm4(Format::Q8_0, gemm::q8_0_vnni_rows);
     k.set_gemm4(Format::Q4_K, gemm::q4_k_vnni_rows);
     k.set_group8(q4kx8::dot8_vnni);
+    k.set_gemm_group8(gemm::q4_k_vnni_group);
     Some(k)
 }
