@@ -6,6 +6,12 @@
 pub type MultiDot = unsafe fn(q: &[f32], k: &[f32], out: &mut [f32]);
 /// `acc[h, :] += w[h] · v` for `w.len()` rows of `acc` (each `v.len()` long).
 pub type MultiAxpy = unsafe fn(acc: &mut [f32], w: &[f32], v: &[f32]);
+/// `out[j * rows + r] = q[r, :] · keys[j * stride..][..d]` for the `rows` rows of `q` and `n`
+/// keys ([`crate::Kernels::attn_scores`]).
+pub type Scores = unsafe fn(q: &[f32], d: usize, keys: &[f32], stride: usize, n: usize, out: &mut [f32]);
+/// `acc[r, :] += Σ_j p[j * rows + r] · values[j * stride..][..d]` over `n` values, for the
+/// `rows` rows of `acc` ([`crate::Kernels::attn_weighted_sum`]).
+pub type WeightedSum = unsafe fn(acc: &mut [f32], d: usize, p: &[f32], values: &[f32], stride: usize, n: usize);
 
 /// Scalar [`MultiDot`].
 pub fn multi_dot(q: &[f32], k: &[f32], out: &mut [f32]) {
@@ -65,14 +71,21 @@ pub(crate) mod avx2 {
                 acc = _mm256_fmadd_ps(unsafe { _mm256_loadu_ps(qr.as_ptr().add(i)) }, load8(i), acc);
                 i += 8;
             }
-            let s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps::<1>(acc));
-            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-            let mut t = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+            let mut t = hsum8(acc);
             for j in full..d {
                 t += qr[j] * at(j);
             }
             *o = t;
         }
+    }
+
+    /// The eight lanes summed, in the one order every attention score uses.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    pub(crate) fn hsum8(acc: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps::<1>(acc));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
     }
 
     /// AVX2 [`super::MultiAxpy`].

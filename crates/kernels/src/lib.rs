@@ -67,6 +67,9 @@ pub struct Kernels {
     pub(crate) f32_dot: unsafe fn(&[f32], &[f32]) -> f32,
     pub(crate) multi_dot: attn::MultiDot,
     pub(crate) multi_axpy: attn::MultiAxpy,
+    /// Many keys or values at once (prefill's attention); `None`: one at a time.
+    pub(crate) attn_scores: Option<attn::Scores>,
+    pub(crate) attn_sum: Option<attn::WeightedSum>,
     dots: [DotFn; 13],
     gemms: [Option<gemm::GemmRow>; 13],
     gemms4: [Option<gemm::GemmRows>; 13],
@@ -109,6 +112,8 @@ impl Kernels {
             f32_dot: scalar_f32_dot,
             multi_dot: attn::multi_dot,
             multi_axpy: attn::multi_axpy,
+            attn_scores: None,
+            attn_sum: None,
             dots,
             gemms: [None; 13],
             gemms4: [None; 13],
@@ -250,6 +255,33 @@ impl Kernels {
         assert!(acc.len() >= w.len() * v.len());
         // SAFETY: as for `dot`.
         unsafe { (self.multi_axpy)(acc, w, v) }
+    }
+
+    /// `out[j * rows + r] = q[r, :] · keys[j * stride..][..d]`: the `rows` rows of `q` (each
+    /// `d` long) against `n` keys. Each score is bit for bit what [`Kernels::multi_dot`] gives.
+    pub fn attn_scores(&self, q: &[f32], d: usize, keys: &[f32], stride: usize, n: usize, out: &mut [f32]) {
+        assert!(d > 0 && q.len().is_multiple_of(d), "attn_scores: query rows of {d}");
+        let rows = q.len() / d;
+        assert!(out.len() >= n * rows && (n == 0 || (n - 1) * stride + d <= keys.len()), "attn_scores: buffers too short");
+        match self.attn_scores {
+            // SAFETY: as for `dot`.
+            Some(f) => unsafe { f(q, d, keys, stride, n, out) },
+            None => (0..n).for_each(|j| self.multi_dot(q, &keys[j * stride..][..d], &mut out[j * rows..(j + 1) * rows])),
+        }
+    }
+
+    /// `acc[r, :] += Σ_j p[j * rows + r] · values[j * stride..][..d]` over `n` values, for the
+    /// `rows` rows of `acc` (each `d` long). Each output is bit for bit what
+    /// [`Kernels::multi_axpy`] gives, value by value.
+    pub fn attn_weighted_sum(&self, acc: &mut [f32], d: usize, p: &[f32], values: &[f32], stride: usize, n: usize) {
+        assert!(d > 0 && acc.len().is_multiple_of(d), "attn_weighted_sum: rows of {d}");
+        let rows = acc.len() / d;
+        assert!(p.len() >= n * rows && (n == 0 || (n - 1) * stride + d <= values.len()), "attn_weighted_sum: buffers too short");
+        match self.attn_sum {
+            // SAFETY: as for `dot`.
+            Some(f) => unsafe { f(acc, d, p, values, stride, n) },
+            None => (0..n).for_each(|j| self.multi_axpy(acc, &p[j * rows..(j + 1) * rows], &values[j * stride..][..d])),
+        }
     }
 
     /// `a · b` in f32 (attention, f32 weights).

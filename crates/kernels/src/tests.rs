@@ -171,6 +171,35 @@ fn many_token_kernels_match_single_dots() {
     }
 }
 
+/// Many keys and values at once give, bit for bit, what one key or value at a time gives on
+/// the same table (so prefill and decode attention agree exactly): row counts around the
+/// tiles' four, key counts around their three, widths with and without a tail.
+#[test]
+fn attention_tiles_match_one_key_at_a_time() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(31);
+    for k in available() {
+        for (rows, d, n) in [(1usize, 128usize, 1usize), (4, 64, 3), (8, 128, 17), (13, 100, 5), (64, 128, 40), (3, 7, 4), (6, 24, 2)] {
+            let stride = d + 5;
+            let q = data(rows * d, &mut rng);
+            let keys = data((n - 1) * stride + d, &mut rng);
+            let (mut got, mut want) = (vec![0f32; n * rows], vec![0f32; n * rows]);
+            k.attn_scores(&q, d, &keys, stride, n, &mut got);
+            for j in 0..n {
+                k.multi_dot(&q, &keys[j * stride..j * stride + d], &mut want[j * rows..(j + 1) * rows]);
+            }
+            assert_eq!(got, want, "{} scores {rows}x{d}, {n} keys", k.isa);
+            let p = data(n * rows, &mut rng);
+            let acc0 = data(rows * d, &mut rng);
+            let (mut got, mut want) = (acc0.clone(), acc0);
+            k.attn_weighted_sum(&mut got, d, &p, &keys, stride, n);
+            for j in 0..n {
+                k.multi_axpy(&mut want, &p[j * rows..(j + 1) * rows], &keys[j * stride..j * stride + d]);
+            }
+            assert_eq!(got, want, "{} weighted sum {rows}x{d}, {n} values", k.isa);
+        }
+    }
+}
+
 #[test]
 fn f16_kv_helpers_match_scalar() {
     use crate::attn::f16;

@@ -135,9 +135,7 @@ pub(super) fn attention_fast(
             }
             // Scores, position-major: pr[j * rows + r].
             pr.resize(len * rows, 0.0);
-            for j in 0..len {
-                k.multi_dot(qb, &l.k[j * k_row + g * kd..][..kd], &mut pr[j * rows..(j + 1) * rows]);
-            }
+            k.attn_scores(qb, kd, &l.k[g * kd..], k_row, len, pr);
             ob.clear();
             ob.resize(rows * vd, 0.0);
             let mut inv = [0f32; TOKENS_PER_TASK * HEADS_PER_TASK];
@@ -160,9 +158,7 @@ pub(super) fn attention_fast(
                 }
                 inv[r] = 1.0 / sum;
             }
-            for j in 0..len {
-                k.multi_axpy(ob, &pr[j * rows..(j + 1) * rows], &values[j * v_row + g * v_stride..][..vd]);
-            }
+            k.attn_weighted_sum(ob, vd, pr, &values[g * v_stride..], v_row, len);
             for t in t0..t1 {
                 let r0 = (t - t0) * heads;
                 // SAFETY: this task owns the output rows of query heads h0..h0 + heads of

@@ -1,5 +1,6 @@
 //! x86-64 kernel tables, chosen by CPU feature detection.
 
+mod attn_tiles;
 pub mod avx2;
 pub mod avx2_more;
 pub mod avx512;
@@ -51,6 +52,8 @@ pub fn avx2_table() -> Option<Kernels> {
     k.f32_dot = avx2::dot_f32_f32;
     k.multi_dot = crate::attn::avx2::multi_dot;
     k.multi_axpy = crate::attn::avx2::multi_axpy;
+    k.attn_scores = Some(attn_tiles::scores);
+    k.attn_sum = Some(attn_tiles::weighted_sum);
     k.set(Format::F32, DotFn::F32(avx2::dot_f32));
     k.set(Format::BF16, DotFn::F32(avx2::dot_bf16));
     k.set(Format::F16, DotFn::F32(avx2::dot_f16));
