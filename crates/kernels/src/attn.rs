@@ -71,21 +71,12 @@ pub(crate) mod avx2 {
                 acc = _mm256_fmadd_ps(unsafe { _mm256_loadu_ps(qr.as_ptr().add(i)) }, load8(i), acc);
                 i += 8;
             }
-            let mut t = hsum8(acc);
+            let mut t = crate::x86::avx2::hsum(acc);
             for j in full..d {
                 t += qr[j] * at(j);
             }
             *o = t;
         }
-    }
-
-    /// The eight lanes summed, in the one order every attention score uses.
-    #[target_feature(enable = "avx2")]
-    #[inline]
-    pub(crate) fn hsum8(acc: __m256) -> f32 {
-        let s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps::<1>(acc));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
     }
 
     /// AVX2 [`super::MultiAxpy`].

@@ -25,6 +25,10 @@ pub type GemmRows = unsafe fn(w: [&[u8]; ROWS], tile: &ActTile, out: &mut [f32])
 /// token: `out[r * n + t] = w[r] · a[t]`, read from the group as it lies in memory.
 pub type GemmGroup = unsafe fn(group: &[u8], tile: &ActTile, out: &mut [f32]);
 
+/// A task's products `src[i * n + t]` (`m` rows, `n` tokens) for the eight tokens
+/// `t0..t0 + 8` into their own rows: `out[t - t0][i]` (see [`crate::Kernels::scatter_tokens`]).
+pub type Transpose8 = unsafe fn(src: &[f32], m: usize, n: usize, t0: usize, out: &mut [&mut [f32]; 8]);
+
 /// Interleaved activations of `n` tokens (zero-padded to whole tiles).
 #[derive(Default)]
 pub struct ActTile {

@@ -77,6 +77,8 @@ pub struct Kernels {
     q4k_group8: Option<Group8Fn>,
     /// Eight interleaved Q4_K rows against many tokens ([`Kernels::gemm_group8`]).
     q4k_gemm_group8: Option<gemm::GemmGroup>,
+    /// Products to token rows eight tokens at a time ([`Kernels::scatter_tokens`]).
+    pub(crate) transpose8: Option<gemm::Transpose8>,
 }
 
 /// Eight interleaved rows against one token: `out[r]` (see [`smoe_quant::interleave`]).
@@ -119,6 +121,7 @@ impl Kernels {
             gemms4: [None; 13],
             q4k_group8: None,
             q4k_gemm_group8: None,
+            transpose8: None,
         }
     }
 
@@ -255,6 +258,28 @@ impl Kernels {
         assert!(acc.len() >= w.len() * v.len());
         // SAFETY: as for `dot`.
         unsafe { (self.multi_axpy)(acc, w, v) }
+    }
+
+    /// A task's products, `src[i * n + t]` for `m` rows and `n` tokens (the many-token kernels'
+    /// order), into each token's own row: `dest(t)[i]`. `dest` must give disjoint rows of at
+    /// least `m` for different tokens.
+    pub fn scatter_tokens<'o>(&self, src: &[f32], m: usize, n: usize, dest: impl Fn(usize) -> &'o mut [f32]) {
+        assert!(src.len() >= m * n, "scatter_tokens: products too short");
+        let mut t = 0;
+        if let Some(f) = self.transpose8 {
+            while t + 8 <= n {
+                let mut out: [&mut [f32]; 8] = std::array::from_fn(|i| dest(t + i));
+                assert!(out.iter().all(|o| o.len() >= m), "scatter_tokens: a token row is too short");
+                // SAFETY: as for `dot`.
+                unsafe { f(src, m, n, t, &mut out) };
+                t += 8;
+            }
+        }
+        for t in t..n {
+            for (i, v) in dest(t)[..m].iter_mut().enumerate() {
+                *v = src[i * n + t];
+            }
+        }
     }
 
     /// `out[j * rows + r] = q[r, :] · keys[j * stride..][..d]`: the `rows` rows of `q` (each

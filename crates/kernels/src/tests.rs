@@ -200,6 +200,25 @@ fn attention_tiles_match_one_key_at_a_time() {
     }
 }
 
+/// Products leave for their token rows unchanged, whatever the block sizes.
+#[test]
+fn scatter_tokens_transposes() {
+    for k in available() {
+        for (m, n) in [(3usize, 5usize), (8, 8), (13, 16), (24, 19), (64, 9), (1, 1)] {
+            let src: Vec<f32> = (0..m * n).map(|i| i as f32).collect();
+            let mut out = vec![-1f32; n * m];
+            let base = out.as_mut_ptr();
+            // SAFETY: token t's row is out[t * m..(t + 1) * m], in bounds and disjoint from
+            // every other token's; `out` is not otherwise touched while the call runs.
+            k.scatter_tokens(&src, m, n, |t| unsafe { std::slice::from_raw_parts_mut(base.add(t * m), m) });
+            for (t, row) in out.chunks_exact(m).enumerate() {
+                let want: Vec<f32> = (0..m).map(|i| (i * n + t) as f32).collect();
+                assert_eq!(row, want, "{} {m}x{n} token {t}", k.isa);
+            }
+        }
+    }
+}
+
 #[test]
 fn f16_kv_helpers_match_scalar() {
     use crate::attn::f16;

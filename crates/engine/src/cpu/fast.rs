@@ -84,13 +84,7 @@ fn gemm_rows<'o>(k: &Kernels, w: &QMatrix<'_>, r0: usize, r1: usize, tile: &ActT
                 k.gemm_row(f, row(r), tile, &mut buf[(r - r0) * n..(r - r0 + 1) * n]);
             }
         }
-        for t in 0..n {
-            let d = dest(t);
-            assert_eq!(d.len(), m, "gemm_rows: a token's outputs are its r1 - r0 rows");
-            for (i, v) in d.iter_mut().enumerate() {
-                *v = buf[i * n + t];
-            }
-        }
+        k.scatter_tokens(&buf[..m * n], m, n, dest);
     })
 }
 

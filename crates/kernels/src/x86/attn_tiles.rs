@@ -26,10 +26,10 @@ unsafe fn load(s: &[f32], i: usize) -> __m256 {
 
 /// A dot product's end, as [`crate::attn::avx2::multi_dot_with`] ends it: the lanes summed in
 /// its order, then the scalar tail from `full`.
-#[target_feature(enable = "avx2")]
+#[target_feature(enable = "avx2,fma")]
 #[inline]
 fn finish_dot(acc: __m256, q: &[f32], k: &[f32], full: usize) -> f32 {
-    let mut t = crate::attn::avx2::hsum8(acc);
+    let mut t = super::avx2::hsum(acc);
     for j in full..q.len() {
         t += q[j] * k[j];
     }

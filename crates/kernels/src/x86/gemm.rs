@@ -598,3 +598,46 @@ pub unsafe fn q4_k_vnni_group(w: &[u8], tile: &ActTile, out: &mut [f32]) {
         )
     })
 }
+
+/// AVX2 [`crate::gemm::Transpose8`]: 8 × 8 blocks transposed in registers.
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[target_feature(enable = "avx2")]
+pub unsafe fn transpose8(src: &[f32], m: usize, n: usize, t0: usize, out: &mut [&mut [f32]; 8]) {
+    assert!(t0 + 8 <= n && src.len() >= m * n && out.iter().all(|o| o.len() >= m), "transpose8: bad shape");
+    let full = m / 8 * 8;
+    for i0 in (0..full).step_by(8) {
+        // SAFETY: row i0 + k's tokens t0..t0 + 8 end at (i0 + k) * n + t0 + 8 <= m * n.
+        let r: [__m256; 8] = std::array::from_fn(|k| unsafe { _mm256_loadu_ps(src.as_ptr().add((i0 + k) * n + t0)) });
+        let t: [__m256; 8] = std::array::from_fn(|k| {
+            let (a, b) = (r[2 * (k / 2)], r[2 * (k / 2) + 1]);
+            if k % 2 == 0 {
+                _mm256_unpacklo_ps(a, b)
+            } else {
+                _mm256_unpackhi_ps(a, b)
+            }
+        });
+        // s[j] (j < 4): rows 0..4 of token j in its low half and of token j + 4 in its high
+        // half; s[4 + j]: the same for rows 4..8.
+        let s: [__m256; 8] = std::array::from_fn(|k| {
+            let (q, j) = (k / 4, k % 4);
+            let (a, b) = (t[4 * q + j / 2], t[4 * q + 2 + j / 2]);
+            if j % 2 == 0 {
+                _mm256_shuffle_ps::<0x44>(a, b)
+            } else {
+                _mm256_shuffle_ps::<0xEE>(a, b)
+            }
+        });
+        for (k, o) in out.iter_mut().enumerate() {
+            let v = if k < 4 { _mm256_permute2f128_ps::<0x20>(s[k], s[4 + k]) } else { _mm256_permute2f128_ps::<0x31>(s[k - 4], s[k]) };
+            // SAFETY: 8 floats at i0 < full <= m <= o.len().
+            unsafe { _mm256_storeu_ps(o.as_mut_ptr().add(i0), v) };
+        }
+    }
+    for i in full..m {
+        for (k, o) in out.iter_mut().enumerate() {
+            o[i] = src[i * n + t0 + k];
+        }
+    }
+}

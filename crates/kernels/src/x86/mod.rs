@@ -54,6 +54,7 @@ pub fn avx2_table() -> Option<Kernels> {
     k.multi_axpy = crate::attn::avx2::multi_axpy;
     k.attn_scores = Some(attn_tiles::scores);
     k.attn_sum = Some(attn_tiles::weighted_sum);
+    k.transpose8 = Some(gemm::transpose8);
     k.set(Format::F32, DotFn::F32(avx2::dot_f32));
     k.set(Format::BF16, DotFn::F32(avx2::dot_bf16));
     k.set(Format::F16, DotFn::F32(avx2::dot_f16));
