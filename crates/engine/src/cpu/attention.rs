@@ -138,25 +138,31 @@ pub(super) fn attention_fast(
             k.attn_scores(qb, kd, &l.k[g * kd..], k_row, len, pr);
             ob.clear();
             ob.resize(rows * vd, 0.0);
-            let mut inv = [0f32; TOKENS_PER_TASK * HEADS_PER_TASK];
-            for r in 0..rows {
-                let visible = pos0 + t0 + r / heads + 1;
-                let mut max = f32::NEG_INFINITY;
+            // Softmax of each row over the positions it sees, a token's heads side by side
+            // (scores are position-major: one row at a time would stride through them).
+            const ROWS: usize = TOKENS_PER_TASK * HEADS_PER_TASK;
+            let (mut max, mut sum, mut inv) = ([f32::NEG_INFINITY; ROWS], [0f32; ROWS], [0f32; ROWS]);
+            for tt in 0..t1 - t0 {
+                let visible = pos0 + t0 + tt + 1;
+                let rs = tt * heads..(tt + 1) * heads;
                 for j in 0..visible {
-                    let v = pr[j * rows + r] * p.scale;
-                    pr[j * rows + r] = v;
-                    max = max.max(v);
+                    for (v, m) in pr[j * rows..][rs.clone()].iter_mut().zip(&mut max[rs.clone()]) {
+                        *v *= p.scale;
+                        *m = m.max(*v);
+                    }
                 }
-                let mut sum = 0f32;
                 for j in 0..visible {
-                    let e = (pr[j * rows + r] - max).exp();
-                    pr[j * rows + r] = e;
-                    sum += e;
+                    for ((v, m), s) in pr[j * rows..][rs.clone()].iter_mut().zip(&max[rs.clone()]).zip(&mut sum[rs.clone()]) {
+                        *v = (*v - m).exp();
+                        *s += *v;
+                    }
                 }
                 for j in visible..len {
-                    pr[j * rows + r] = 0.0;
+                    pr[j * rows..][rs.clone()].fill(0.0);
                 }
-                inv[r] = 1.0 / sum;
+                for r in rs {
+                    inv[r] = 1.0 / sum[r];
+                }
             }
             k.attn_weighted_sum(ob, vd, pr, &values[g * v_stride..], v_row, len);
             for t in t0..t1 {
