@@ -50,10 +50,10 @@ struct Prepared {
 /// Rows `r0..r1` of `w` against a tile of tokens, eight rows at a time: an interleaved
 /// matrix's group in one kernel call where the kernels read groups as they lie (taken apart
 /// first otherwise), else [`gemm::ROWS`] rows per call where the kernels have a many-row
-/// kernel for the format, one at a time otherwise. The products collect
-/// row-major in a task buffer and leave token by token into `dest(token)`, that token's
-/// `r1 - r0` outputs: outputs are token-major, and scattering each product to its own token
-/// row cost more than the kernel on prefill's short expert jobs.
+/// kernel for the format, one at a time otherwise. The products collect row-major in a task
+/// buffer and leave for `dest(token)`, that token's `r1 - r0` outputs, eight tokens at a time
+/// ([`Kernels::scatter_tokens`]): outputs are token-major, and scattering each product to its
+/// own token row cost more than the kernel on prefill's short expert jobs.
 #[inline]
 fn gemm_rows<'o>(k: &Kernels, w: &QMatrix<'_>, r0: usize, r1: usize, tile: &ActTile, dest: impl Fn(usize) -> &'o mut [f32]) {
     ROWOUT.with(|buf| {
