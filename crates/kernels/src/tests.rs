@@ -242,6 +242,18 @@ fn f16_kv_helpers_match_scalar() {
     }
 }
 
+/// Sixteen random Q4_K rows of `cols`: as rows, interleaved (two groups), and bytes per row.
+fn interleaved_q4_k(cols: usize, rng: &mut rand::rngs::StdRng) -> (Vec<u8>, Vec<u8>, usize) {
+    let rb = Format::Q4_K.row_bytes(cols).unwrap();
+    let mut rows = vec![0u8; 16 * rb];
+    for r in rows.chunks_mut(rb) {
+        smoe_quant::quantize(Format::Q4_K, &data(cols, rng), r).unwrap();
+    }
+    let mut inter = vec![0u8; rows.len()];
+    smoe_quant::interleave::interleave_q4_k(&rows, 16, cols, &mut inter);
+    (rows, inter, rb)
+}
+
 /// Eight interleaved Q4_K rows at once give each row's own dot product, on every table (x86
 /// tables through their group kernels, the others through the de-interleaving fallback).
 #[test]
@@ -252,13 +264,7 @@ fn interleaved_group_kernels_match_row_dots() {
     for k in available() {
         assert!(k.has_group8(f) || k.isa == "scalar" || !cfg!(target_arch = "x86_64"), "{} has no group kernel", k.isa);
         for cols in [256usize, 768, 2048] {
-            let rb = f.row_bytes(cols).unwrap();
-            let mut rows = vec![0u8; 16 * rb];
-            for r in rows.chunks_mut(rb) {
-                smoe_quant::quantize(f, &data(cols, &mut rng), r).unwrap();
-            }
-            let mut inter = vec![0u8; rows.len()];
-            smoe_quant::interleave::interleave_q4_k(&rows, 16, cols, &mut inter);
+            let (rows, inter, rb) = interleaved_q4_k(cols, &mut rng);
             let mut qa = QuantAct::default();
             qa.quantize(f, &data(cols, &mut rng), 1, cols);
             for g in 0..2 {
@@ -283,13 +289,7 @@ fn interleaved_group_gemm_matches_rows_taken_apart() {
     let f = Format::Q4_K;
     for k in available() {
         for (cols, n) in [(256usize, 3usize), (768, 19), (2048, 16), (512, 35), (768, 8)] {
-            let rb = f.row_bytes(cols).unwrap();
-            let mut rows = vec![0u8; 16 * rb];
-            for r in rows.chunks_mut(rb) {
-                smoe_quant::quantize(f, &data(cols, &mut rng), r).unwrap();
-            }
-            let mut inter = vec![0u8; rows.len()];
-            smoe_quant::interleave::interleave_q4_k(&rows, 16, cols, &mut inter);
+            let (rows, inter, rb) = interleaved_q4_k(cols, &mut rng);
             let mut qa = QuantAct::default();
             qa.quantize(f, &data(n * cols, &mut rng), n, cols);
             let mut tile = gemm::ActTile::default();

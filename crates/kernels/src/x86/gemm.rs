@@ -446,6 +446,30 @@ fn q4_k_body<const R: usize, const K: usize>(
     }
 }
 
+/// [`q4_k_body`] with AVX2 products ([`acc_avx2`]; the scale through `madd`).
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn body_avx2<const R: usize, const K: usize>(v: &Q4kRows<'_, R, K>, sbs: usize, first: usize, tile: &ActTile, out: &mut [f32]) {
+    // SAFETY (closure): q4_k_body passes pointers valid for what `acc_avx2` reads.
+    let acc = |p, x, y| unsafe { acc_avx2(p, x, y) };
+    q4_k_body::<R, K>(v, sbs, first, tile, out, acc, |p, sc| _mm256_madd_epi16(p, _mm256_set1_epi16(sc as i16)))
+}
+
+/// [`q4_k_body`] with VNNI products ([`dot4_vnni`]; the scale as an i32 multiply).
+///
+/// # Safety
+/// The CPU must support AVX2, FMA, F16C, AVX-512VL and AVX-512 VNNI.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+#[inline]
+unsafe fn body_vnni<const R: usize, const K: usize>(v: &Q4kRows<'_, R, K>, sbs: usize, first: usize, tile: &ActTile, out: &mut [f32]) {
+    // SAFETY (closure): q4_k_body passes pointers valid for what `dot4_vnni` reads.
+    let acc = |p, x, y| unsafe { dot4_vnni(p, x, y) };
+    q4_k_body::<R, K>(v, sbs, first, tile, out, acc, |p, sc| _mm256_mullo_epi32(p, _mm256_set1_epi32(sc)))
+}
+
 /// AVX2 Q4_K accumulation: `maddubs` products summed in i16 (eight of them: at most
 /// 8·2·15·127 < 2¹⁵), then one `madd` that applies the group's scale.
 ///
@@ -465,21 +489,7 @@ unsafe fn acc_avx2(p: __m256i, x: *const u8, y: *const i8) -> __m256i {
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn q4_k_avx2(w: &[u8], tile: &ActTile, out: &mut [f32]) {
     // SAFETY (closure): the CPU features are this function's; q4_k_body passes valid pointers.
-    with_unpacked(
-        [w],
-        |w, u| unpack_q4_k(w, u),
-        |u, sbs| unsafe {
-            q4_k_body::<1, 1>(
-                &row_view(u),
-                sbs,
-                0,
-                tile,
-                out,
-                |p, x, y| acc_avx2(p, x, y),
-                |p, sc| _mm256_madd_epi16(p, _mm256_set1_epi16(sc as i16)),
-            )
-        },
-    )
+    with_unpacked([w], |w, u| unpack_q4_k(w, u), |u, sbs| unsafe { body_avx2::<1, 1>(&row_view(u), sbs, 0, tile, out) })
 }
 
 /// [`ROWS`] Q4_K rows × tokens with AVX2.
@@ -489,21 +499,7 @@ pub unsafe fn q4_k_avx2(w: &[u8], tile: &ActTile, out: &mut [f32]) {
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn q4_k_avx2_rows(w: [&[u8]; ROWS], tile: &ActTile, out: &mut [f32]) {
     // SAFETY (closure): as in `q4_k_avx2`.
-    with_unpacked(
-        w,
-        |w, u| unpack_q4_k(w, u),
-        |u, sbs| unsafe {
-            q4_k_body::<ROWS, 1>(
-                &row_view(u),
-                sbs,
-                0,
-                tile,
-                out,
-                |p, x, y| acc_avx2(p, x, y),
-                |p, sc| _mm256_madd_epi16(p, _mm256_set1_epi16(sc as i16)),
-            )
-        },
-    )
+    with_unpacked(w, |w, u| unpack_q4_k(w, u), |u, sbs| unsafe { body_avx2::<ROWS, 1>(&row_view(u), sbs, 0, tile, out) })
 }
 
 /// Q4_K row × tokens with VNNI: `vpdpbusd` per dword, then the group scale.
@@ -513,21 +509,7 @@ pub unsafe fn q4_k_avx2_rows(w: [&[u8]; ROWS], tile: &ActTile, out: &mut [f32]) 
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
 pub unsafe fn q4_k_vnni(w: &[u8], tile: &ActTile, out: &mut [f32]) {
     // SAFETY (closure): the CPU features are this function's; q4_k_body passes valid pointers.
-    with_unpacked(
-        [w],
-        |w, u| unpack_q4_k(w, u),
-        |u, sbs| unsafe {
-            q4_k_body::<1, 1>(
-                &row_view(u),
-                sbs,
-                0,
-                tile,
-                out,
-                |p, x, y| dot4_vnni(p, x, y),
-                |p, sc| _mm256_mullo_epi32(p, _mm256_set1_epi32(sc)),
-            )
-        },
-    )
+    with_unpacked([w], |w, u| unpack_q4_k(w, u), |u, sbs| unsafe { body_vnni::<1, 1>(&row_view(u), sbs, 0, tile, out) })
 }
 
 /// [`ROWS`] Q4_K rows × tokens with VNNI.
@@ -543,15 +525,7 @@ pub unsafe fn q4_k_vnni_rows(w: [&[u8]; ROWS], tile: &ActTile, out: &mut [f32]) 
         |u, sbs| unsafe {
             let v = row_view(u);
             let done = super::gemm512::q4_k_pairs::<ROWS, 1>(&v, sbs, tile, out);
-            q4_k_body::<ROWS, 1>(
-                &v,
-                sbs,
-                done,
-                tile,
-                out,
-                |p, x, y| dot4_vnni(p, x, y),
-                |p, sc| _mm256_mullo_epi32(p, _mm256_set1_epi32(sc)),
-            )
+            body_vnni::<ROWS, 1>(&v, sbs, done, tile, out)
         },
     )
 }
@@ -564,17 +538,7 @@ pub unsafe fn q4_k_vnni_rows(w: [&[u8]; ROWS], tile: &ActTile, out: &mut [f32]) 
 pub unsafe fn q4_k_avx2_group(w: &[u8], tile: &ActTile, out: &mut [f32]) {
     assert_eq!(w.len(), GROUP_BLOCK * tile.cols / 256, "q4_k_avx2_group: group and tile differ");
     // SAFETY (closure): as in `q4_k_avx2`.
-    with_group(w, out, tile.n, |v, sbs, out| unsafe {
-        q4_k_body::<ROWS, GROUP>(
-            v,
-            sbs,
-            0,
-            tile,
-            out,
-            |p, x, y| acc_avx2(p, x, y),
-            |p, sc| _mm256_madd_epi16(p, _mm256_set1_epi16(sc as i16)),
-        )
-    })
+    with_group(w, out, tile.n, |v, sbs, out| unsafe { body_avx2::<ROWS, GROUP>(v, sbs, 0, tile, out) })
 }
 
 /// An interleaved group of [`GROUP`] Q4_K rows × tokens with VNNI: `out[r * n + t]`.
@@ -587,15 +551,7 @@ pub unsafe fn q4_k_vnni_group(w: &[u8], tile: &ActTile, out: &mut [f32]) {
     // SAFETY (closure): as in `q4_k_vnni`.
     with_group(w, out, tile.n, |v, sbs, out| unsafe {
         let done = super::gemm512::q4_k_pairs::<ROWS, GROUP>(v, sbs, tile, out);
-        q4_k_body::<ROWS, GROUP>(
-            v,
-            sbs,
-            done,
-            tile,
-            out,
-            |p, x, y| dot4_vnni(p, x, y),
-            |p, sc| _mm256_mullo_epi32(p, _mm256_set1_epi32(sc)),
-        )
+        body_vnni::<ROWS, GROUP>(v, sbs, done, tile, out)
     })
 }
 
