@@ -165,10 +165,7 @@ pub unsafe fn dot_q8_0(w: &[u8], a: &[Block32]) -> f32 {
         i += 8;
     }
     let v = _mm256_fnmadd_ps(_mm256_set1_ps(128.0), corr, acc);
-    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    let total = _mm_cvtss_f32(s);
+    let total = super::avx2::hsum(v);
     // The last blocks, fewer than eight (none for the usual multiples of 256 columns: no call).
     if i < n {
         total + crate::scalar::dot_q8_0(&w[34 * i..34 * n], &a[i..n])

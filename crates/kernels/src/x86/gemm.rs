@@ -12,8 +12,9 @@ use std::cell::RefCell;
 
 thread_local! {
     /// The unpacked weight rows (one, or [`ROWS`]): quants, per-block f32 scales and (Q4_K)
-    /// integer scales and mins; or an interleaved group's.
-    static UNPACKED: RefCell<([Unpacked; ROWS], GroupUnpacked)> = RefCell::new(Default::default());
+    /// integer scales and mins. An interleaved group unpacks into the first, all its rows
+    /// interleaved as they lie ([`Q4kRows`]).
+    static UNPACKED: RefCell<[Unpacked; ROWS]> = RefCell::new(Default::default());
 }
 
 /// `R` Q4_K rows as the bodies read them, their values interleaved `K` ways: `K` = 1 for
@@ -65,16 +66,6 @@ impl<const R: usize, const K: usize> Q4kRows<'_, R, K> {
     pub(super) fn d_dmin(&self, r: usize, s: usize) -> (f32, f32) {
         (self.d[r][K * s], self.dmin[r][K * s])
     }
-}
-
-/// An interleaved group's quants and scales, unpacked as it lies (see [`Q4kRows`]).
-#[derive(Default)]
-pub(super) struct GroupUnpacked {
-    q: Vec<u8>,
-    sc: Vec<i32>,
-    mins: Vec<i32>,
-    d: Vec<f32>,
-    dmin: Vec<f32>,
 }
 
 #[derive(Default)]
@@ -209,7 +200,7 @@ unsafe fn dot4_avx2(p: __m256i, x: *const u8, y: *const i8) -> __m256i {
 /// Unpacks `w`'s rows into the thread's buffers with `unpack` and runs `body` on them.
 fn with_unpacked<const R: usize, T>(w: [&[u8]; R], unpack: impl Fn(&[u8], &mut Unpacked) -> T, body: impl FnOnce(&[Unpacked], T)) {
     UNPACKED.with(|u| {
-        let u = &mut u.borrow_mut().0;
+        let u = &mut *u.borrow_mut();
         let mut last = None;
         for (r, w) in w.iter().enumerate() {
             last = Some(unpack(w, &mut u[r]));
@@ -313,7 +304,7 @@ fn row_view<const R: usize>(u: &[Unpacked]) -> Q4kRows<'_, R, 1> {
 /// runs of bytes, and the scale bytes (`[byte][row]`) unpack for all eight rows at once, eight
 /// bytes to a `u64`. Returns the super-blocks per row.
 #[target_feature(enable = "avx2,f16c")]
-fn unpack_q4_k_group(w: &[u8], g: &mut GroupUnpacked) -> usize {
+fn unpack_q4_k_group(w: &[u8], g: &mut Unpacked) -> usize {
     assert!(w.len().is_multiple_of(GROUP_BLOCK), "unpack_q4_k_group: not whole super-blocks");
     let sbs = w.len() / GROUP_BLOCK;
     g.q.resize(GROUP * 256 * sbs, 0);
@@ -373,7 +364,7 @@ fn with_group(w: &[u8], out: &mut [f32], n: usize, body: impl Fn(&Q4kRows<'_, RO
     const _: () = assert!(GROUP == 2 * ROWS);
     assert!(out.len() >= GROUP * n, "group output too short");
     UNPACKED.with(|cell| {
-        let g = &mut cell.borrow_mut().1;
+        let g = &mut cell.borrow_mut()[0];
         // SAFETY: every x86 table that calls this has AVX2 and F16C.
         let sbs = unsafe { unpack_q4_k_group(w, g) };
         for (h, out) in out[..GROUP * n].chunks_exact_mut(ROWS * n).enumerate() {
