@@ -216,15 +216,36 @@ impl Kernels {
     }
 
     /// `out[r * n + t]` = row `r` of a group of eight interleaved `f` rows (see
-    /// [`smoe_quant::interleave`]) · token `t` of `tile`; `false` if there is no such kernel
-    /// (take the rows apart and use [`Kernels::gemm_rows`]).
+    /// [`smoe_quant::interleave`]) · token `t` of `tile`. Without a group kernel the rows are
+    /// taken apart and go through [`Kernels::gemm_block`]; `false` if `f` has no many-token
+    /// kernel at all.
     pub fn gemm_group8(&self, f: Format, group: &[u8], tile: &gemm::ActTile, out: &mut [f32]) -> bool {
         match self.q4k_gemm_group8 {
             // SAFETY: as for `dot`.
             Some(g) if f == Format::Q4_K => unsafe { g(group, tile, out) },
-            _ => return false,
+            _ => {
+                let rb = f.row_bytes(tile.cols).expect("a valid shape");
+                let mut rows = vec![0u8; 8 * rb];
+                for (r, row) in rows.chunks_exact_mut(rb).enumerate() {
+                    smoe_quant::interleave::row_q4_k(group, tile.cols, r, row);
+                }
+                return self.gemm_block(f, &rows, rb, tile, out);
+            }
         }
         true
+    }
+
+    /// `out[r * n + t] = w[r] · a[t]` for the consecutive rows of `rb` bytes in `w` and every
+    /// token of `tile`: [`gemm::ROWS`] rows per call where `f` has such a kernel, then one at
+    /// a time. `false` if `f` has no many-token kernel.
+    pub fn gemm_block(&self, f: Format, w: &[u8], rb: usize, tile: &gemm::ActTile, out: &mut [f32]) -> bool {
+        let (rows, n) = (w.len() / rb, tile.n);
+        let row = |r: usize| &w[r * rb..(r + 1) * rb];
+        let mut r = 0;
+        while r + gemm::ROWS <= rows && self.gemm_rows(f, std::array::from_fn(|i| row(r + i)), tile, &mut out[r * n..]) {
+            r += gemm::ROWS;
+        }
+        (r..rows).all(|r| self.gemm_row(f, row(r), tile, &mut out[r * n..(r + 1) * n]))
     }
 
     /// `out[r]` = row `r` of a group of eight interleaved `f` rows of `cols` (see

@@ -279,15 +279,28 @@ fn interleaved_group_kernels_match_row_dots() {
     }
 }
 
-/// An interleaved group against many tokens, read as it lies, gives what the four-row kernel
-/// gives on the same rows taken apart (the same arithmetic in the same order, so the same
-/// bits), and each row's own dot product; token counts with and without pairs of tiles.
+/// An interleaved group against many tokens, read as it lies (or taken apart, without a group
+/// kernel), gives what the four-row kernel gives on the same rows taken apart (the same
+/// arithmetic in the same order, so the same bits), and each row's own dot product; token
+/// counts with and without pairs of tiles.
 #[test]
 fn interleaved_group_gemm_matches_rows_taken_apart() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(29);
     let scalar = Kernels::scalar_table();
     let f = Format::Q4_K;
-    for k in available() {
+    // Every table as it is (each x86 table with its group kernel), and again without its group
+    // kernel: the rows are then taken apart and go through the plain many-token kernels.
+    let tables = available().into_iter().flat_map(|k| {
+        assert!(
+            k.q4k_gemm_group8.is_some() || k.isa == "scalar" || !cfg!(target_arch = "x86_64"),
+            "{} has no many-token group kernel",
+            k.isa
+        );
+        let mut plain = k.clone();
+        plain.q4k_gemm_group8 = None;
+        [k, plain]
+    });
+    for k in tables {
         for (cols, n) in [(256usize, 3usize), (768, 19), (2048, 16), (512, 35), (768, 8)] {
             let (rows, inter, rb) = interleaved_q4_k(cols, &mut rng);
             let mut qa = QuantAct::default();
@@ -297,7 +310,7 @@ fn interleaved_group_gemm_matches_rows_taken_apart() {
             for g in 0..2 {
                 let mut got = vec![0f32; 8 * n];
                 if !k.gemm_group8(f, &inter[g * 8 * rb..(g + 1) * 8 * rb], &tile, &mut got) {
-                    assert!(!cfg!(target_arch = "x86_64") || k.isa == "scalar", "{} has no many-token group kernel", k.isa);
+                    assert!(!k.has_gemm(f), "{} has a many-token Q4_K kernel but no group product", k.isa);
                     continue;
                 }
                 let row = |r: usize| &rows[(8 * g + r) * rb..(8 * g + r + 1) * rb];

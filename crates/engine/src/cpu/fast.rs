@@ -12,8 +12,8 @@ thread_local! {
     /// The calling thread's buffers for one product, reused across calls (no allocation per
     /// call on decode's path).
     static CALLER: RefCell<Caller> = RefCell::new(Caller::default());
-    /// A task's outputs, row-major; an interleaved group taken apart into rows.
-    static ROWOUT: RefCell<(Vec<f32>, Vec<u8>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+    /// A task's outputs, row-major.
+    static ROWOUT: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
 /// An input `matmul_many` needs: rows `x_row..x_row + n` of `cols` quantized as `ActKind`,
@@ -47,42 +47,25 @@ struct Prepared {
     tile: ActTile,
 }
 
-/// Rows `r0..r1` of `w` against a tile of tokens, eight rows at a time: an interleaved
-/// matrix's group in one kernel call where the kernels read groups as they lie (taken apart
-/// first otherwise), else [`gemm::ROWS`] rows per call where the kernels have a many-row
-/// kernel for the format, one at a time otherwise. The products collect row-major in a task
-/// buffer and leave for `dest(token)`, that token's `r1 - r0` outputs, eight tokens at a time
+/// Rows `r0..r1` of `w` against a tile of tokens (a format with a many-token kernel), eight
+/// rows at a time: an interleaved matrix's group per call ([`Kernels::gemm_group8`]), plain
+/// rows through [`Kernels::gemm_block`]. The products collect row-major in a task buffer and
+/// leave for `dest(token)`, that token's `r1 - r0` outputs, eight tokens at a time
 /// ([`Kernels::scatter_tokens`]): outputs are token-major, and scattering each product to its
 /// own token row cost more than the kernel on prefill's short expert jobs.
 #[inline]
 fn gemm_rows<'o>(k: &Kernels, w: &QMatrix<'_>, r0: usize, r1: usize, tile: &ActTile, dest: impl Fn(usize) -> &'o mut [f32]) {
     ROWOUT.with(|buf| {
-        let (buf, group) = &mut *buf.borrow_mut();
+        let buf = &mut *buf.borrow_mut();
         let (n, m, rb, f) = (tile.n, r1 - r0, w.row_bytes(), w.format);
         buf.resize(m * n, 0.0);
         for c in (r0..r1).step_by(TASK_ROWS) {
-            let c1 = (c + TASK_ROWS).min(r1);
-            if w.layout == Layout::Interleaved8 && k.gemm_group8(f, &w.data[c * rb..(c + TASK_ROWS) * rb], tile, &mut buf[(c - r0) * n..]) {
-                continue;
-            }
-            let rows: &[u8] = match w.layout {
-                Layout::Rows => &w.data[c * rb..c1 * rb],
-                Layout::Interleaved8 => {
-                    group.resize(TASK_ROWS * rb, 0);
-                    for (i, row) in group.chunks_exact_mut(rb).enumerate().take(c1 - c) {
-                        smoe_quant::interleave::row_q4_k(w.data, w.cols, c + i, row);
-                    }
-                    &group[..(c1 - c) * rb]
-                }
+            let (rows, out) = (&w.data[c * rb..(c + TASK_ROWS).min(r1) * rb], &mut buf[(c - r0) * n..]);
+            let done = match w.layout {
+                Layout::Rows => k.gemm_block(f, rows, rb, tile, out),
+                Layout::Interleaved8 => k.gemm_group8(f, rows, tile, out),
             };
-            let row = |r: usize| &rows[(r - c) * rb..(r - c + 1) * rb];
-            let mut r = c;
-            while r + gemm::ROWS <= c1 && k.gemm_rows(f, std::array::from_fn(|i| row(r + i)), tile, &mut buf[(r - r0) * n..]) {
-                r += gemm::ROWS;
-            }
-            for r in r..c1 {
-                k.gemm_row(f, row(r), tile, &mut buf[(r - r0) * n..(r - r0 + 1) * n]);
-            }
+            assert!(done, "no many-token kernel for {f}");
         }
         k.scatter_tokens(&buf[..m * n], m, n, dest);
     })
