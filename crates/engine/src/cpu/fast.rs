@@ -9,8 +9,8 @@ use std::cell::RefCell;
 use std::sync::Mutex;
 
 thread_local! {
-    /// The calling thread's buffers for one product, reused across calls (no allocation per
-    /// call on decode's path).
+    /// The calling thread's buffers for one product, reused across calls (on decode's path
+    /// the only allocation per call is `matmul_many`'s short list of its prepared inputs).
     static CALLER: RefCell<Caller> = RefCell::new(Caller::default());
     /// A task's outputs, row-major.
     static ROWOUT: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
