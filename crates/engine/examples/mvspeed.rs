@@ -19,8 +19,8 @@ fn main() {
             smoe_quant::quantize(f, &row, &mut one).unwrap();
             let region = Arc::new(one.iter().copied().cycle().take(rb * rows * copies).collect::<Vec<u8>>());
             let ms: Vec<_> = (0..copies).map(|c| be.matrix(&region, c * rb * rows, f, rows, cols)).collect();
-            let x = be.buf(cols);
-            let mut out = be.buf(rows);
+            let x = be.buf("x", cols);
+            let mut out = be.buf("out", rows);
             let reps = (copies * 3).max(3);
             let t = std::time::Instant::now();
             for r in 0..reps {

@@ -58,6 +58,11 @@ pub struct MatJob<'a, M> {
 }
 
 /// A numeric backend. See the module documentation.
+///
+/// Every op checks that the rows it reads and writes lie inside its buffers and, if not, fails
+/// with a message naming the op, the buffer and the extents (never a bare slice panic): a
+/// buffer too small for what the forward pass writes is a bug in the forward pass's
+/// buffer widths (`widths.rs`), and the message says where.
 pub trait Backend: Send + Sync {
     /// An f32 activation buffer.
     type Buf: Send;
@@ -76,8 +81,9 @@ pub trait Backend: Send + Sync {
     fn matrix(&self, region: &Arc<Vec<u8>>, offset: usize, format: Format, rows: usize, cols: usize) -> Self::Matrix;
     /// Makes a vector.
     fn vector(&self, v: &[f32]) -> Self::Vector;
-    /// Allocates a zeroed buffer of `len` floats.
-    fn buf(&self, len: usize) -> Self::Buf;
+    /// Allocates a zeroed buffer of `len` floats; `name` says what it holds in the message of
+    /// an op that would write or read past its end.
+    fn buf(&self, name: &'static str, len: usize) -> Self::Buf;
     /// Allocates an empty KV cache for layers of the given shapes.
     fn kv_cache(&self, layers: &[KvShape]) -> Self::KvCache;
     /// Positions the cache has room for without growing.

@@ -8,6 +8,7 @@ use crate::backend::{AttnParams, Backend, MatJob, WeightRef};
 use crate::instrument::Instrument;
 use crate::model::{Attention, FeedForward, LatentAttention, Layer, Mlp, Model, MoeBlock, StandardAttention};
 use crate::routing::RouteScratch;
+use crate::widths::Widths;
 use crate::EngineError;
 use smoe_store::ExpertView;
 use std::time::Instant;
@@ -36,7 +37,7 @@ pub trait Observer {
 pub struct NoObserver;
 impl Observer for NoObserver {}
 
-/// Activation buffers for up to `chunk` tokens.
+/// Activation buffers for up to `chunk` tokens, as wide as [`Widths`] says.
 struct Buffers<B: Backend> {
     x: B::Buf,
     h: B::Buf,
@@ -109,45 +110,32 @@ impl<B: Backend> State<B> {
 impl<B: Backend> Model<B> {
     /// A fresh sequence that runs prefill in chunks of up to `chunk` tokens.
     pub fn new_state(&self, chunk: usize) -> State<B> {
-        let a = &self.arch;
         let c = chunk.max(1);
         let be = &self.backend;
-        let (h, k) = (a.hidden_size, self.router.top_k());
-        let (q_w, kv_w, att_w) = match &a.mla {
-            Some(m) => {
-                let qk = m.qk_nope_head_dim + m.qk_rope_head_dim;
-                let lat = m.kv_lora_rank + m.qk_rope_head_dim;
-                (a.num_heads * qk.max(lat), lat.max(m.q_lora_rank.unwrap_or(0)), a.num_heads * m.kv_lora_rank.max(m.v_head_dim))
-            }
-            None => (a.num_heads * a.head_dim + 2 * a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_heads * a.head_dim),
-        };
-        let ffn_w = [a.dense_intermediate_size, a.moe.intermediate_size, a.moe.shared_experts.as_ref().map_or(0, |s| s.intermediate_size)]
-            .into_iter()
-            .max()
-            .unwrap();
-        let tmp_w = q_w.max(h).max(att_w);
+        let w = Widths::of(&self.arch, self.router.top_k());
+        let mk = |name: &'static str, width: usize| be.buf(name, c * width);
         State {
             kv: be.kv_cache(&self.kv_shapes()),
             pos: 0,
             chunk: c,
             buf: Buffers {
-                x: be.buf(c * h),
-                h: be.buf(c * h),
-                q: be.buf(c * q_w),
-                k: be.buf(c * kv_w.max(h)),
-                v: be.buf(c * kv_w),
-                att: be.buf(c * att_w),
-                tmp: be.buf(c * tmp_w),
-                tmp2: be.buf(c * tmp_w),
-                g: be.buf(c * ffn_w),
-                u: be.buf(c * ffn_w),
-                d: be.buf(c * h),
-                xe: be.buf(c * k * h),
-                gu: be.buf(c * k * 2 * a.moe.intermediate_size),
-                dd: be.buf(c * k * h),
-                slots: be.buf(c * k * h),
-                router: be.buf(c * a.moe.num_experts),
-                logits: be.buf(c * a.vocab_size),
+                x: mk("x", w.x),
+                h: mk("h", w.h),
+                q: mk("q", w.q),
+                k: mk("k", w.k),
+                v: mk("v", w.v),
+                att: mk("att", w.att),
+                tmp: mk("tmp", w.tmp),
+                tmp2: mk("tmp2", w.tmp2),
+                g: mk("g", w.g),
+                u: mk("u", w.u),
+                d: mk("d", w.d),
+                xe: mk("xe", w.xe),
+                gu: mk("gu", w.gu),
+                dd: mk("dd", w.dd),
+                slots: mk("slots", w.slots),
+                router: mk("router", w.router),
+                logits: mk("logits", w.logits),
             },
             host: HostScratch::default(),
             logits: Vec::new(),

@@ -25,6 +25,7 @@ pub mod routing;
 pub mod sampler;
 pub mod score;
 mod session;
+mod widths;
 
 pub use backend::Backend;
 pub use cpu::{CpuBackend, Precision};
@@ -33,7 +34,7 @@ pub use generate::{Engine, FinishReason, GenOptions, GenStats, Generation};
 pub use model::{kv_shapes, kv_values_per_token, naive_kv_values_per_token, Model};
 pub use open::{default_context, is_gguf, model_sizes, open_cpu, CacheSize, ModelSizes, OpenOptions, OpenReport};
 pub use sampler::{Sampler, SamplingParams};
-pub use score::{score, ScoreMode, ScoreOutput};
+pub use score::{score, score_and_continue, ScoreMode, ScoreOutput};
 pub use session::{tokenize_chat, Conversation, Overflow, Session, Turn, TOKEN_IDS_KEY};
 
 /// Engine errors.

@@ -46,6 +46,47 @@ impl DisjointOut {
     }
 }
 
+/// An activation buffer of the CPU backend: floats and the name of what they hold.
+pub struct CpuBuf {
+    name: &'static str,
+    data: Vec<f32>,
+}
+
+impl std::ops::Deref for CpuBuf {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        &self.data
+    }
+}
+impl std::ops::DerefMut for CpuBuf {
+    fn deref_mut(&mut self) -> &mut [f32] {
+        &mut self.data
+    }
+}
+
+/// Fails with the op, the buffer and the extents unless rows `row0..row0 + n` of `buf`, each
+/// `width` floats from offset `off` in rows of `stride`, lie inside it.
+#[track_caller]
+fn check_rows(op: &str, buf: &CpuBuf, row0: usize, n: usize, stride: usize, off: usize, width: usize) {
+    if n == 0 || width == 0 {
+        return;
+    }
+    let need = (row0 + n - 1) * stride + off + width;
+    assert!(
+        need <= buf.data.len(),
+        "{op}: buffer `{}` holds {} floats, but rows {row0}..{} of {width} floats (stride {stride}, offset {off}) reach {need}",
+        buf.name,
+        buf.data.len(),
+        row0 + n,
+    );
+}
+
+/// [`check_rows`] for `n` packed rows of `width` from the start.
+#[track_caller]
+fn check(op: &str, buf: &CpuBuf, n: usize, width: usize) {
+    check_rows(op, buf, 0, n, width, 0, width);
+}
+
 /// How matrix products are computed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Precision {
@@ -117,7 +158,7 @@ pub struct CpuKvCache {
 }
 
 impl Backend for CpuBackend {
-    type Buf = Vec<f32>;
+    type Buf = CpuBuf;
     type Matrix = CpuMatrix;
     type Vector = Vec<f32>;
     type KvCache = CpuKvCache;
@@ -136,8 +177,8 @@ impl Backend for CpuBackend {
     fn vector(&self, v: &[f32]) -> Vec<f32> {
         v.to_vec()
     }
-    fn buf(&self, len: usize) -> Vec<f32> {
-        vec![0.0; len]
+    fn buf(&self, name: &'static str, len: usize) -> CpuBuf {
+        CpuBuf { name, data: vec![0.0; len] }
     }
     fn kv_cache(&self, layers: &[KvShape]) -> CpuKvCache {
         CpuKvCache { layers: layers.iter().map(|&shape| KvLayer { shape, k: Vec::new(), v: Vec::new() }).collect() }
@@ -149,31 +190,38 @@ impl Backend for CpuBackend {
         cache.layers.iter().map(|l| (l.k.len() + l.v.len()) * 4).sum()
     }
 
-    fn upload(&self, dst: &mut Vec<f32>, src: &[f32]) {
+    fn upload(&self, dst: &mut CpuBuf, src: &[f32]) {
+        check("upload", dst, 1, src.len());
         dst[..src.len()].copy_from_slice(src);
     }
-    fn download(&self, src: &Vec<f32>, offset: usize, dst: &mut [f32]) {
+    fn download(&self, src: &CpuBuf, offset: usize, dst: &mut [f32]) {
+        check_rows("download", src, 0, 1, 0, offset, dst.len());
         dst.copy_from_slice(&src[offset..offset + dst.len()]);
     }
 
-    fn embed(&self, table: &CpuMatrix, ids: &[u32], out: &mut Vec<f32>) {
+    fn embed(&self, table: &CpuMatrix, ids: &[u32], out: &mut CpuBuf) {
         let v = table.view();
+        check("embed", out, ids.len(), v.cols);
         for (t, &id) in ids.iter().enumerate() {
             v.dequantize_row(id as usize, &mut out[t * v.cols..(t + 1) * v.cols]);
         }
     }
-    fn matmul(&self, w: &CpuMatrix, rows: Option<(usize, usize)>, x: &Vec<f32>, n: usize, out: &mut Vec<f32>) {
+    fn matmul(&self, w: &CpuMatrix, rows: Option<(usize, usize)>, x: &CpuBuf, n: usize, out: &mut CpuBuf) {
         let v = w.view();
         let v = match rows {
             Some((r0, m)) => v.slice_rows(r0, m),
             None => v,
         };
+        check("matmul input", x, n, v.cols);
+        check("matmul", out, n, v.rows);
         self.product(&v, x, n, out);
     }
-    fn matmul_host(&self, w: &QMatrix<'_>, x: &Vec<f32>, n: usize, out: &mut Vec<f32>) {
+    fn matmul_host(&self, w: &QMatrix<'_>, x: &CpuBuf, n: usize, out: &mut CpuBuf) {
+        check("matmul_host input", x, n, w.cols);
+        check("matmul_host", out, n, w.rows);
         self.product(w, x, n, out);
     }
-    fn matmul_many(&self, jobs: &[MatJob<'_, CpuMatrix>], x: &Vec<f32>, x_stride: usize, out: &mut Vec<f32>, out_stride: usize) {
+    fn matmul_many(&self, jobs: &[MatJob<'_, CpuMatrix>], x: &CpuBuf, x_stride: usize, out: &mut CpuBuf, out_stride: usize) {
         let views: Vec<(QMatrix<'_>, &MatJob<'_, CpuMatrix>)> = jobs
             .iter()
             .map(|j| {
@@ -182,6 +230,8 @@ impl Backend for CpuBackend {
                     WeightRef::Resident(m, Some((r0, n))) => m.view().slice_rows(*r0, *n),
                     WeightRef::Host(q) => *q,
                 };
+                check_rows("matmul_many input", x, j.x_row, j.n, x_stride, 0, v.cols);
+                check_rows("matmul_many", out, j.out_row, j.n, out_stride, j.out_col, v.rows);
                 (v, j)
             })
             .collect();
@@ -204,11 +254,16 @@ impl Backend for CpuBackend {
             }
         }
     }
-    fn matmul_t(&self, w: &CpuMatrix, r0: usize, m: usize, x: &Vec<f32>, x_stride: usize, x_off: usize, n: usize, out: &mut Vec<f32>) {
-        matmul::matmul_t_ref(&w.view().slice_rows(r0, m), x, x_stride, x_off, n, out);
+    fn matmul_t(&self, w: &CpuMatrix, r0: usize, m: usize, x: &CpuBuf, x_stride: usize, x_off: usize, n: usize, out: &mut CpuBuf) {
+        let v = w.view().slice_rows(r0, m);
+        check_rows("matmul_t input", x, 0, n, x_stride, x_off, m);
+        check("matmul_t", out, n, v.cols);
+        matmul::matmul_t_ref(&v, x, x_stride, x_off, n, out);
     }
 
-    fn rms_norm(&self, x: &Vec<f32>, n: usize, dim: usize, w: &Vec<f32>, eps: f32, out: &mut Vec<f32>) {
+    fn rms_norm(&self, x: &CpuBuf, n: usize, dim: usize, w: &Vec<f32>, eps: f32, out: &mut CpuBuf) {
+        check("rms_norm input", x, n, dim);
+        check("rms_norm", out, n, dim);
         for t in 0..n {
             let src = &x[t * dim..(t + 1) * dim];
             let scale = rms_scale(src, eps);
@@ -217,7 +272,8 @@ impl Backend for CpuBackend {
             }
         }
     }
-    fn rms_norm_strided(&self, x: &mut Vec<f32>, n: usize, stride: usize, off: usize, dim: usize, w: &Vec<f32>, eps: f32) {
+    fn rms_norm_strided(&self, x: &mut CpuBuf, n: usize, stride: usize, off: usize, dim: usize, w: &Vec<f32>, eps: f32) {
+        check_rows("rms_norm_strided", x, 0, n, stride, off, dim);
         for t in 0..n {
             let seg = &mut x[t * stride + off..t * stride + off + dim];
             let scale = rms_scale(seg, eps);
@@ -226,24 +282,30 @@ impl Backend for CpuBackend {
             }
         }
     }
-    fn add_bias(&self, x: &mut Vec<f32>, n: usize, stride: usize, off: usize, b: &Vec<f32>) {
+    fn add_bias(&self, x: &mut CpuBuf, n: usize, stride: usize, off: usize, b: &Vec<f32>) {
+        check_rows("add_bias", x, 0, n, stride, off, b.len());
         for t in 0..n {
             for (v, &bb) in x[t * stride + off..][..b.len()].iter_mut().zip(b) {
                 *v += bb;
             }
         }
     }
-    fn add(&self, x: &mut Vec<f32>, y: &Vec<f32>, len: usize) {
+    fn add(&self, x: &mut CpuBuf, y: &CpuBuf, len: usize) {
+        check("add", x, 1, len);
+        check("add input", y, 1, len);
         for (a, &b) in x[..len].iter_mut().zip(&y[..len]) {
             *a += b;
         }
     }
-    fn silu_mul(&self, g: &mut Vec<f32>, u: &Vec<f32>, len: usize) {
+    fn silu_mul(&self, g: &mut CpuBuf, u: &CpuBuf, len: usize) {
+        check("silu_mul", g, 1, len);
+        check("silu_mul input", u, 1, len);
         for (a, &b) in g[..len].iter_mut().zip(&u[..len]) {
             *a = *a / (1.0 + (-*a).exp()) * b;
         }
     }
-    fn silu_mul_halves(&self, x: &mut Vec<f32>, row0: usize, n: usize, stride: usize, w: usize) {
+    fn silu_mul_halves(&self, x: &mut CpuBuf, row0: usize, n: usize, stride: usize, w: usize) {
+        check_rows("silu_mul_halves", x, row0, n, stride, 0, 2 * w);
         for row in x[row0 * stride..(row0 + n) * stride].chunks_exact_mut(stride) {
             let (g, u) = row[..2 * w].split_at_mut(w);
             for (a, &b) in g.iter_mut().zip(u.iter()) {
@@ -253,7 +315,7 @@ impl Backend for CpuBackend {
     }
     fn rope(
         &self,
-        x: &mut Vec<f32>,
+        x: &mut CpuBuf,
         n: usize,
         stride: usize,
         off: usize,
@@ -264,6 +326,9 @@ impl Backend for CpuBackend {
         interleaved: bool,
     ) {
         let half = cos.len() / n.max(1);
+        if heads > 0 {
+            check_rows("rope", x, 0, n, stride, off, (heads - 1) * head_stride + 2 * half);
+        }
         for t in 0..n {
             let (c, s) = (&cos[t * half..(t + 1) * half], &sin[t * half..(t + 1) * half]);
             for h in 0..heads {
@@ -279,31 +344,43 @@ impl Backend for CpuBackend {
     }
     fn copy_strided(
         &self,
-        src: &Vec<f32>,
+        src: &CpuBuf,
         src_stride: usize,
         src_off: usize,
-        dst: &mut Vec<f32>,
+        dst: &mut CpuBuf,
         dst_stride: usize,
         dst_off: usize,
         width: usize,
         n: usize,
     ) {
+        check_rows("copy_strided input", src, 0, n, src_stride, src_off, width);
+        check_rows("copy_strided", dst, 0, n, dst_stride, dst_off, width);
         for t in 0..n {
             dst[t * dst_stride + dst_off..t * dst_stride + dst_off + width]
                 .copy_from_slice(&src[t * src_stride + src_off..t * src_stride + src_off + width]);
         }
     }
-    fn gather_rows(&self, src: &Vec<f32>, dim: usize, rows: &[usize], dst: &mut Vec<f32>) {
+    fn gather_rows(&self, src: &CpuBuf, dim: usize, rows: &[usize], dst: &mut CpuBuf) {
+        check("gather_rows", dst, rows.len(), dim);
+        if let Some(&last) = rows.iter().max() {
+            check("gather_rows input", src, last + 1, dim);
+        }
         for (i, &r) in rows.iter().enumerate() {
             dst[i * dim..(i + 1) * dim].copy_from_slice(&src[r * dim..(r + 1) * dim]);
         }
     }
-    fn scatter_rows(&self, src: &Vec<f32>, dim: usize, rows: &[usize], dst: &mut Vec<f32>) {
+    fn scatter_rows(&self, src: &CpuBuf, dim: usize, rows: &[usize], dst: &mut CpuBuf) {
+        check("scatter_rows input", src, rows.len(), dim);
+        if let Some(&last) = rows.iter().max() {
+            check("scatter_rows", dst, last + 1, dim);
+        }
         for (i, &r) in rows.iter().enumerate() {
             dst[r * dim..(r + 1) * dim].copy_from_slice(&src[i * dim..(i + 1) * dim]);
         }
     }
-    fn add_weighted_slots(&self, src: &Vec<f32>, dim: usize, n: usize, k: usize, weights: &[f32], out: &mut Vec<f32>) {
+    fn add_weighted_slots(&self, src: &CpuBuf, dim: usize, n: usize, k: usize, weights: &[f32], out: &mut CpuBuf) {
+        check("add_weighted_slots input", src, n * k, dim);
+        check("add_weighted_slots", out, n, dim);
         for t in 0..n {
             let o = &mut out[t * dim..(t + 1) * dim];
             for s in 0..k {
@@ -315,7 +392,8 @@ impl Backend for CpuBackend {
             }
         }
     }
-    fn scale_rows(&self, x: &mut Vec<f32>, dim: usize, s: &[f32]) {
+    fn scale_rows(&self, x: &mut CpuBuf, dim: usize, s: &[f32]) {
+        check("scale_rows", x, s.len(), dim);
         for (row, &f) in x.chunks_exact_mut(dim).zip(s) {
             for v in row {
                 *v *= f;
@@ -329,19 +407,21 @@ impl Backend for CpuBackend {
         layer: usize,
         pos0: usize,
         n: usize,
-        k: &Vec<f32>,
+        k: &CpuBuf,
         k_stride: usize,
         k_off: usize,
-        v: Option<(&Vec<f32>, usize, usize)>,
+        v: Option<(&CpuBuf, usize, usize)>,
     ) {
         let l = &mut cache.layers[layer];
         let kw = l.shape.heads * l.shape.k_dim;
+        check_rows("kv_store keys", k, 0, n, k_stride, k_off, kw);
         l.k.resize((pos0 + n) * kw, 0.0);
         for t in 0..n {
             l.k[(pos0 + t) * kw..(pos0 + t + 1) * kw].copy_from_slice(&k[t * k_stride + k_off..][..kw]);
         }
         if let Some((v, v_stride, v_off)) = v {
             let vw = l.shape.heads * l.shape.v_dim;
+            check_rows("kv_store values", v, 0, n, v_stride, v_off, vw);
             l.v.resize((pos0 + n) * vw, 0.0);
             for t in 0..n {
                 l.v[(pos0 + t) * vw..(pos0 + t + 1) * vw].copy_from_slice(&v[t * v_stride + v_off..][..vw]);
@@ -352,16 +432,19 @@ impl Backend for CpuBackend {
         &self,
         cache: &CpuKvCache,
         layer: usize,
-        q: &Vec<f32>,
+        q: &CpuBuf,
         q_stride: usize,
         n: usize,
         pos0: usize,
         p: AttnParams,
-        out: &mut Vec<f32>,
+        out: &mut CpuBuf,
     ) {
+        let l = &cache.layers[layer];
+        check_rows("attention queries", q, 0, n, q_stride, 0, p.q_heads * l.shape.k_dim);
+        check("attention", out, n, p.q_heads * l.shape.v_dim);
         match self.precision {
-            Precision::Reference => attention::attention_ref(&cache.layers[layer], q, q_stride, n, pos0, p, out),
-            Precision::Fast => attention::attention_fast(&cache.layers[layer], q, q_stride, n, pos0, p, out, self.kernels, &self.pool),
+            Precision::Reference => attention::attention_ref(l, q, q_stride, n, pos0, p, out),
+            Precision::Fast => attention::attention_fast(l, q, q_stride, n, pos0, p, out, self.kernels, &self.pool),
         }
     }
 }
