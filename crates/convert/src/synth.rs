@@ -24,10 +24,22 @@ use std::path::Path;
 
 /// Shapes `smoe synth` knows, with their published config.json.
 pub fn shape_names() -> Vec<&'static str> {
-    vec!["qwen3-30b-a3b", "qwen3-235b-a22b", "glm-4.5-air", "glm-4.5", "mixtral-8x7b", "deepseek-v3"]
+    vec![
+        "qwen3-30b-a3b",
+        "qwen3-235b-a22b",
+        "qwen2-57b-a14b",
+        "mixtral-8x7b",
+        "mixtral-8x22b",
+        "olmoe-1b-7b",
+        "glm-4.5-air",
+        "glm-4.5",
+        "deepseek-v3",
+        "kimi-k2",
+    ]
 }
 
-/// The published config.json of a shape.
+/// The published config.json of a shape (Kimi-K2 is DeepSeek-V3's architecture with 384
+/// experts, 64 heads, one dense layer and a 163840-token vocabulary).
 pub fn shape_config(name: &str) -> Result<Value, ConvertError> {
     let qwen3 = |hidden: usize, layers: usize, heads: usize, inter: usize, moe_inter: usize| {
         json!({
@@ -84,6 +96,61 @@ pub fn shape_config(name: &str) -> Result<Value, ConvertError> {
             "sliding_window": null, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
             "use_cache": true, "vocab_size": 32000
         }),
+        "qwen2-57b-a14b" => json!({
+            "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "attention_dropout": 0.0,
+            "bos_token_id": 151643, "eos_token_id": 151643, "decoder_sparse_step": 1, "hidden_act": "silu",
+            "hidden_size": 3584, "initializer_range": 0.02, "intermediate_size": 18944, "max_position_embeddings": 32768,
+            "max_window_layers": 28, "moe_intermediate_size": 2560, "norm_topk_prob": false, "num_attention_heads": 28,
+            "num_experts": 64, "num_experts_per_tok": 8, "num_hidden_layers": 28, "num_key_value_heads": 4,
+            "output_router_logits": false, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
+            "shared_expert_intermediate_size": 20480, "sliding_window": 65536, "tie_word_embeddings": false,
+            "torch_dtype": "bfloat16", "use_cache": true, "use_sliding_window": false, "vocab_size": 151936
+        }),
+        "mixtral-8x22b" => {
+            let mut c = shape_config("mixtral-8x7b")?;
+            for (k, v) in [
+                ("hidden_size", 6144),
+                ("intermediate_size", 16384),
+                ("max_position_embeddings", 65536),
+                ("num_attention_heads", 48),
+                ("num_hidden_layers", 56),
+                ("vocab_size", 32768),
+            ] {
+                c[k] = v.into();
+            }
+            c
+        }
+        "olmoe-1b-7b" => json!({
+            "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "attention_bias": false,
+            "attention_dropout": 0.0, "bos_token_id": null, "eos_token_id": 50279, "pad_token_id": 1,
+            "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 1024,
+            "max_position_embeddings": 4096, "norm_topk_prob": false, "num_attention_heads": 16,
+            "num_experts": 64, "num_experts_per_tok": 8, "num_hidden_layers": 16, "num_key_value_heads": 16,
+            "output_router_logits": false, "rms_norm_eps": 1e-5, "rope_scaling": null, "rope_theta": 10000.0,
+            "router_aux_loss_coef": 0.01, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+            "use_cache": true, "vocab_size": 50304
+        }),
+        "kimi-k2" => {
+            let mut c = shape_config("deepseek-v3")?;
+            for (k, v) in [
+                ("n_routed_experts", 384),
+                ("num_attention_heads", 64),
+                ("num_key_value_heads", 64),
+                ("first_k_dense_replace", 1),
+                ("n_group", 1),
+                ("topk_group", 1),
+                ("vocab_size", 163840),
+                ("bos_token_id", 163584),
+                ("eos_token_id", 163585),
+                ("max_position_embeddings", 131072),
+            ] {
+                c[k] = v.into();
+            }
+            c["routed_scaling_factor"] = 2.827.into();
+            c["rope_theta"] = 50000.0.into();
+            c["rope_scaling"]["factor"] = 32.0.into();
+            c
+        }
         "deepseek-v3" => json!({
             "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "attention_bias": false,
             "bos_token_id": 0, "eos_token_id": 1, "first_k_dense_replace": 3, "hidden_act": "silu",
@@ -263,6 +330,11 @@ fn config_with_layers(shape: &str, layers: Option<usize>) -> Result<Value, Conve
             return Err(ConvertError::BadInput(format!("--layers must be between 1 and {full}")));
         }
         cfg["num_hidden_layers"] = n.into();
+        // A cut that would keep only the leading dense layers keeps one MoE layer instead:
+        // `--layers 2` of DeepSeek-V3 (three dense layers first) is one dense and one MoE layer.
+        if let Some(d) = cfg.get("first_k_dense_replace").and_then(|d| d.as_u64()) {
+            cfg["first_k_dense_replace"] = d.min(n as u64 - 1).into();
+        }
         if cfg.get("max_window_layers").is_some() {
             cfg["max_window_layers"] = n.into();
         }
@@ -279,10 +351,12 @@ pub fn synth_vault(
     shatter: &crate::ShatterOptions,
     progress: &dyn Progress,
 ) -> Result<crate::ShatterReport, ConvertError> {
-    vault_from_config(config_with_layers(shape, opts.layers)?, out, opts, shatter, progress)
+    synth_vault_from_config(config_with_layers(shape, opts.layers)?, out, opts, shatter, progress)
 }
 
-fn vault_from_config(
+/// Converts a synthetic checkpoint of any config.json (hub layout) straight into the vault
+/// `out`: random weights of the shapes the config implies (`opts.layers` is not applied).
+pub fn synth_vault_from_config(
     cfg: Value,
     out: &Path,
     opts: &SynthOptions,
@@ -458,7 +532,7 @@ mod tests {
         let a = dir.path().join("a.smoe");
         crate::shatter(&dir.path().join("ck"), &a, &sh, &crate::Silent).unwrap();
         let b = dir.path().join("b.smoe");
-        vault_from_config(cfg, &b, &opts, &sh, &crate::Silent).unwrap();
+        synth_vault_from_config(cfg, &b, &opts, &sh, &crate::Silent).unwrap();
         let (va, vb) = (smoe_vault::Vault::open(&a).unwrap(), smoe_vault::Vault::open(&b).unwrap());
         for d in &va.manifest().dense {
             assert_eq!(vb.dense(&d.name).unwrap().checksum, d.checksum, "{}", d.name);
