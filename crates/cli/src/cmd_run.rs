@@ -3,7 +3,8 @@
 use anyhow::{bail, Context, Result};
 use smoe_engine::instrument::Instrument;
 use smoe_engine::{
-    open_cpu, score, CacheSize, CpuBackend, Engine, FinishReason, GenOptions, NoObserver, OpenOptions, OpenReport, Precision, ScoreMode,
+    open_cpu, score_and_continue, CacheSize, CpuBackend, Engine, FinishReason, GenOptions, NoObserver, OpenOptions, OpenReport, Precision,
+    ScoreMode,
 };
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -108,6 +109,7 @@ pub struct ScoreArgs {
     pub decode: bool,
     pub fast: bool,
     pub cache_mb: Option<u64>,
+    pub greedy: usize,
     pub model: ModelArgs,
 }
 
@@ -125,10 +127,10 @@ pub fn run_score(a: ScoreArgs) -> Result<()> {
         model.cache = CacheSize::Bytes(mb << 20);
     }
     let precision = if a.fast { Precision::Fast } else { Precision::Reference };
-    let engine = model.open(&a.vault, precision, Some(ids.len()))?;
+    let engine = model.open(&a.vault, precision, Some(ids.len() + a.greedy))?;
     let mode = if a.decode { ScoreMode::Decode } else { ScoreMode::Prefill };
     let t0 = std::time::Instant::now();
-    let out = score(&engine.model, &ids, mode, 256, a.model.instrument)?;
+    let out = score_and_continue(&engine.model, &ids, mode, 256, a.model.instrument, a.greedy)?;
     out.write_safetensors(&a.out).with_context(|| format!("write {}", a.out.display()))?;
     eprintln!("scored {} tokens ({mode:?}) in {:.2} s -> {}", ids.len(), t0.elapsed().as_secs_f64(), a.out.display());
     if let Some(s) = &out.instrument {

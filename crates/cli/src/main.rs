@@ -109,6 +109,10 @@ enum Command {
         /// Expert cache size in MiB (default: automatic).
         #[arg(long)]
         cache_mb: Option<u64>,
+        /// After the ids, continue greedily this many tokens and write them as `greedy` [N] i32
+        /// (compared with a peer engine's greedy decode).
+        #[arg(long, default_value_t = 0)]
+        greedy: usize,
         #[command(flatten)]
         model: cmd_run::ModelArgs,
     },
@@ -295,8 +299,8 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Inspect { vault, json } => cmd_vault::run_inspect(&vault, json),
         Command::Verify { vault } => cmd_vault::run_verify(&vault),
-        Command::Score { vault, ids, ids_file, out, decode, fast, cache_mb, model } => {
-            cmd_run::run_score(cmd_run::ScoreArgs { vault, ids, ids_file, out, decode, fast, cache_mb, model })
+        Command::Score { vault, ids, ids_file, out, decode, fast, cache_mb, greedy, model } => {
+            cmd_run::run_score(cmd_run::ScoreArgs { vault, ids, ids_file, out, decode, fast, cache_mb, greedy, model })
         }
         Command::Run { vault, prompt, raw, system, no_think, json, gen, model } => {
             cmd_run::run_run(cmd_run::RunArgs { vault, model, prompt, raw, system, think: no_think.then_some(false), json, gen })

@@ -42,6 +42,8 @@ pub struct ScoreOutput {
     pub routes: BTreeMap<usize, LayerRoutes>,
     /// The instrument summary, if asked for.
     pub instrument: Option<crate::instrument::Summary>,
+    /// Tokens of a greedy continuation after the ids (see [`score_and_continue`]).
+    pub greedy: Vec<u32>,
 }
 
 struct Recorder<'a>(&'a mut BTreeMap<usize, LayerRoutes>);
@@ -63,6 +65,20 @@ pub fn score<B: Backend>(
     chunk: usize,
     instrument: bool,
 ) -> Result<ScoreOutput, EngineError> {
+    score_and_continue(model, ids, mode, chunk, instrument, 0)
+}
+
+/// As [`score`], then `greedy` tokens of greedy continuation (the argmax, the lowest id on a
+/// tie), one step at a time through the cache: what a peer engine's greedy decode is compared
+/// with. Logits and routing cover the ids only.
+pub fn score_and_continue<B: Backend>(
+    model: &Model<B>,
+    ids: &[u32],
+    mode: ScoreMode,
+    chunk: usize,
+    instrument: bool,
+    greedy: usize,
+) -> Result<ScoreOutput, EngineError> {
     let mut routes = BTreeMap::new();
     let mut rec = Recorder(&mut routes);
     let vocab = model.arch().vocab_size;
@@ -80,12 +96,24 @@ pub fn score<B: Backend>(
         }
     }
     let instrument = st.instrument.as_ref().map(|i| i.summary(0));
-    Ok(ScoreOutput { tokens: ids.len(), vocab, top_k: model.arch().moe.top_k, logits, routes, instrument })
+    let mut continuation = Vec::with_capacity(greedy);
+    if greedy > 0 {
+        let argmax = |row: &[f32]| row.iter().enumerate().fold(0, |b, (i, &x)| if x > row[b] { i } else { b }) as u32;
+        let mut next = argmax(&logits[(ids.len() - 1) * vocab..]);
+        for step in 0..greedy {
+            continuation.push(next);
+            if step + 1 < greedy {
+                next = argmax(model.forward(&mut st, &[next], Logits::Last, &mut crate::NoObserver)?);
+            }
+        }
+    }
+    Ok(ScoreOutput { tokens: ids.len(), vocab, top_k: model.arch().moe.top_k, logits, routes, instrument, greedy: continuation })
 }
 
 impl ScoreOutput {
     /// Writes `logits` [T, vocab] f32 and `route.L.experts` [T, k] i32 / `route.L.weights`
-    /// [T, k] f32 for every MoE layer, as safetensors.
+    /// [T, k] f32 for every MoE layer, and `greedy` [N] i32 if there is a continuation, as
+    /// safetensors.
     pub fn write_safetensors(&self, path: &Path) -> std::io::Result<()> {
         let mut tensors: Vec<(String, &str, Vec<usize>, Vec<u8>)> = Vec::new();
         let f32_bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
@@ -94,6 +122,10 @@ impl ScoreOutput {
             let shape = vec![self.tokens, self.top_k];
             tensors.push((format!("route.{l}.experts"), "I32", shape.clone(), r.experts.iter().flat_map(|x| x.to_le_bytes()).collect()));
             tensors.push((format!("route.{l}.weights"), "F32", shape, f32_bytes(&r.weights)));
+        }
+        if !self.greedy.is_empty() {
+            let bytes = self.greedy.iter().flat_map(|&x| (x as i32).to_le_bytes()).collect();
+            tensors.push(("greedy".into(), "I32", vec![self.greedy.len()], bytes));
         }
         write_safetensors(path, &tensors)
     }
