@@ -14,7 +14,12 @@ Per shape, llama.cpp's [T, vocab] logits b against smoe's a: rel_t = max_v |a - 
 maximum and median over positions t), top-1 agreement, mean KL(llama.cpp || smoe) (float64 softmax),
 whether the greedy continuations are equal (and where they first differ), and the near-tie share:
 the fraction of top-1 disagreements at positions where llama.cpp's own top-1 minus top-2 logit is
-below 0.1 x its median over positions (disagreements there are ties, not errors). Times are each
+below 0.1 x its median over positions (disagreements there are ties, not errors). To tell
+activation-quantization noise from a real difference, smoe also scores the same ids in f32 on
+the dequantized weights (`smoe score` without --fast, checked against transformers on every
+fixture family), and each engine's distance from that reference is reported beside the other's:
+an engine whose int8 activations explain its disagreement is as far from the reference as its
+peer. --no-reference skips it. Times are each
 command's wall clock (model load included; the files were just written, so mostly page-cached);
 the engines' own prefill/greedy times, where they print them, are in the JSON.
 
@@ -230,8 +235,8 @@ def remove(*paths):
 def one_shape(shape, args, smoe, llama_bin):
     w = lambda suffix: os.path.join(args.work, f"{shape}-l{args.layers}{suffix}")
     vault, gguf, ids_file, ours_file, theirs_file = w(".smoe"), w(".gguf"), w(".ids.txt"), w(".smoe.safetensors"), w(".llama.f32")
-    greedy_file = theirs_file + ".greedy"
-    files = (vault, gguf, ids_file, ours_file, theirs_file, greedy_file)
+    greedy_file, ref_file = theirs_file + ".greedy", w(".ref.safetensors")
+    files = (vault, gguf, ids_file, ours_file, theirs_file, greedy_file, ref_file)
     res = {"shape": shape, "layers": args.layers, "tokens": args.prompt_tokens, "gen": args.gen}
     log(f"{shape}: {shutil.disk_usage(args.work).free / 2**30:.1f} GiB free in {args.work}")
     try:
@@ -253,6 +258,11 @@ def one_shape(shape, args, smoe, llama_bin):
         res["smoe_s"], err = timed([smoe, "score", vault, "--ids-file", ids_file, "--out", ours_file, "--fast", "--greedy", args.gen,
                                     "--threads", args.threads, "--cache", "resident"])
         res["smoe_scored_s"] = seconds(r"scored \d+ tokens.*? in ([0-9.]+) s", err)
+        if args.reference:
+            # The same blocks in f32 on the dequantized weights: both engines' distance from it is
+            # their activation quantization (and summation order), and nothing else.
+            res["ref_s"], _ = timed([smoe, "score", vault, "--ids-file", ids_file, "--out", ref_file, "--greedy", args.gen,
+                                     "--threads", args.threads, "--cache", "resident"])
         if not args.keep:
             remove(vault)  # before llama.cpp runs: less disk and page cache in use
         res["llama_s"], err = timed([os.path.join(llama_bin, "llama_logits"), gguf, ids_file, theirs_file, args.threads, args.gen])
@@ -269,7 +279,15 @@ def one_shape(shape, args, smoe, llama_bin):
                              f"({theirs.size / args.prompt_tokens:g} per position)")
         res.update(compare(ours, theirs.reshape(ours.shape)))
         with open(greedy_file) as f:
-            res.update(greedy_compare(st["greedy"] if "greedy" in st else [], f.read().split()))
+            theirs_greedy = f.read().split()
+        res.update(greedy_compare(st["greedy"] if "greedy" in st else [], theirs_greedy))
+        if args.reference:
+            ref = safetensors_arrays(ref_file)
+            for who, logits, greedy in (("smoe", ours, st.get("greedy", [])), ("llama", theirs.reshape(ours.shape), theirs_greedy)):
+                c = compare(logits, ref["logits"])
+                res[f"{who}_vs_ref"] = {"median_rel": c["median_rel"], "max_rel": c["max_rel"], "top1": c["top1"], "mean_kl": c["mean_kl"],
+                                        "greedy_first_divergence": greedy_compare(greedy, ref["greedy"])["greedy_first_divergence"]}
+            del ref
         del ours, theirs, st
     except (SystemExit, Exception) as e:  # one shape's failure (an unknown shape, say) does not end the run
         res["error"] = "\n".join(line for line in (str(e) or repr(e)).splitlines() if line.strip() not in ("", "None"))[-2000:]
@@ -286,17 +304,26 @@ def table(results):
     def f(x, fmt):
         return "—" if x is None else format(x, fmt)
 
-    lines = ["| shape | layers | tokens | max rel | median rel | top-1 | KL | greedy | near-tie share | smoe s | llama.cpp s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | layers | tokens | max rel | median rel | top-1 | KL | greedy | near-tie share | smoe s | llama.cpp s "
+             "| smoe vs f32: median rel / top-1 / greedy | llama.cpp vs f32: median rel / top-1 / greedy |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
             last = [line for line in r["error"].splitlines() if line.strip()][-1:] or ["?"]
             lines.append(f"| {r['shape']} | {r['layers']} | {r['tokens']} | failed: {last[0].strip()[:100].replace('|', '/')} "
-                         "| | | | | | | |")
+                         "| | | | | | | | | |")
             continue
+
+        def vs_ref(who):
+            v = r.get(f"{who}_vs_ref")
+            if not v:
+                return "—"
+            g = v["greedy_first_divergence"]
+            return f"{v['median_rel']:.4f} / {v['top1']:.3f} / {'equal' if g is None else f'differs at {g}'}"
         greedy = f"{r['gen']}/{r['gen']} equal" if r["greedy_equal"] else f"differs at {r['greedy_first_divergence']}"
         lines.append(f"| {r['shape']} | {r['layers']} | {r['tokens']} | {r['max_rel']:.4f} | {r['median_rel']:.4f} | {r['top1']:.4f} "
-                     f"| {r['mean_kl']:.2e} | {greedy} | {f(r['near_tie_share'], '.2f')} | {r['smoe_s']:.1f} | {r['llama_s']:.1f} |")
+                     f"| {r['mean_kl']:.2e} | {greedy} | {f(r['near_tie_share'], '.2f')} | {r['smoe_s']:.1f} | {r['llama_s']:.1f} "
+                     f"| {vs_ref('smoe')} | {vs_ref('llama')} |")
     return "\n".join(lines)
 
 
@@ -312,6 +339,8 @@ def main():
     ap.add_argument("--llama-bin", help="a folder with llama_logits and its llama.cpp libraries (default: build WORK/llama-bin)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2, help="parallel compile jobs of the llama.cpp build")
     ap.add_argument("--build-llama-only", action="store_true", help="build WORK/llama-bin and stop")
+    ap.add_argument("--no-reference", dest="reference", action="store_false",
+                    help="skip smoe's f32 reference run (each engine's distance from the dequantized weights' exact logits)")
     ap.add_argument("--keep", action="store_true", help="keep model files, ids and logits (and reuse kept models)")
     ap.add_argument("--out-json", help="default: WORK/peer.json")
     args = ap.parse_args()
