@@ -204,7 +204,7 @@ pub fn export(vault: &Path, out: &Path, progress: &dyn Progress) -> Result<Expor
             plans.push(Plan::KvB { canonical: spec.name.clone(), key: false });
             continue;
         }
-        let name = tensor_name(&spec.name).ok_or_else(|| ConvertError::Internal(format!("no GGUF name for {}", spec.name)))?;
+        let name = tensor_name(a.family, &spec.name).ok_or_else(|| ConvertError::Internal(format!("no GGUF name for {}", spec.name)))?;
         // GGUF stores Qwen2-MoE's shared gate as [hidden] x 1; our [1, hidden] is the same bytes.
         decls.push((name, dims, e.format.ggml_id(), e.len));
         let permute = a.family == Family::Mixtral && (spec.name.ends_with("attn.q") || spec.name.ends_with("attn.k"));

@@ -315,7 +315,8 @@ impl GgufModel {
                 dense.push(DenseSpec { name: spec.name.clone(), format, shape: spec.shape.clone(), source: Source::KvB { k, v } });
                 continue;
             }
-            let name = tensor_name(&spec.name).ok_or_else(|| ConvertError::Internal(format!("no GGUF name for {}", spec.name)))?;
+            let name =
+                tensor_name(arch.family, &spec.name).ok_or_else(|| ConvertError::Internal(format!("no GGUF name for {}", spec.name)))?;
             let t = match index.get(name.as_str()) {
                 Some(&t) => t,
                 // A tied model has no output.weight; the engine then uses the embedding.

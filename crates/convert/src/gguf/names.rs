@@ -15,9 +15,9 @@ pub fn arch_name(f: Family) -> &'static str {
     }
 }
 
-/// The GGUF tensor name of a canonical dense tensor (`None` for `attn.kv_b`, which GGUF stores
-/// split into `attn_k_b` and `attn_v_b`).
-pub fn tensor_name(canonical: &str) -> Option<String> {
+/// The GGUF tensor name of a canonical dense tensor of `family` (`None` for `attn.kv_b`, which
+/// GGUF stores split into `attn_k_b` and `attn_v_b`).
+pub fn tensor_name(family: Family, canonical: &str) -> Option<String> {
     let fixed = match canonical {
         "embed" => "token_embd.weight",
         "final_norm" => "output_norm.weight",
@@ -31,6 +31,8 @@ pub fn tensor_name(canonical: &str) -> Option<String> {
     let (layer, what) = rest.split_once('.')?;
     let g = match what {
         "attn_norm" => "attn_norm.weight",
+        // llama.cpp's glm4moe keeps Hugging Face's name for the norm before the FFN.
+        "ffn_norm" if family == Family::Glm4Moe => "post_attention_norm.weight",
         "ffn_norm" => "ffn_norm.weight",
         "attn.q" => "attn_q.weight",
         "attn.k" => "attn_k.weight",
@@ -89,4 +91,18 @@ pub fn invert(p: &[usize]) -> Vec<usize> {
         inv[src] = dst;
     }
     inv
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn glm4moe_names_the_pre_ffn_norm_as_llama_cpp_loads_it() {
+        // llama.cpp's glm4moe loader requires `post_attention_norm` and has no `ffn_norm`.
+        assert_eq!(tensor_name(Family::Glm4Moe, "layers.3.ffn_norm").unwrap(), "blk.3.post_attention_norm.weight");
+        for f in Family::ALL.into_iter().filter(|&f| f != Family::Glm4Moe) {
+            assert_eq!(tensor_name(f, "layers.3.ffn_norm").unwrap(), "blk.3.ffn_norm.weight", "{f:?}");
+        }
+    }
 }
