@@ -9,9 +9,9 @@ use smoe_engine::{open_cpu, score, CacheSize, OpenOptions, Precision, ScoreMode}
 use smoe_quant::Format;
 use std::path::{Path, PathBuf};
 
-/// llama.cpp converted these; olmoe and glm4_moe it could not (see the fixtures README), and
-/// for the rest both a bf16 and a q8_0 file exist.
-const FAMILIES: [&str; 7] = ["qwen3_moe", "qwen3_moe_yarn", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v3_yarn"];
+/// llama.cpp's converter made a bf16 and a q8_0 file of each (glm4_moe with the two
+/// workarounds of `testdata/make_gguf_fixtures.py`; see the fixtures README).
+const FAMILIES: [&str; 8] = ["qwen3_moe", "qwen3_moe_yarn", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3", "deepseek_v3_yarn"];
 
 fn gguf(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/gguf").join(name)

@@ -1,0 +1,172 @@
+#!/usr/bin/env python3
+"""GGUF fixtures written by llama.cpp's own converter (README.fixtures.md, "GGUF files written by
+llama.cpp's own converter"): gguf/<family>.{bf16,q8_0}.gguf and gguf/<family>.q8_0.reference.safetensors.
+
+For each family F (a folder hf/F):
+  1. llama.cpp's convert_hf_to_gguf.py, run unmodified from LLAMA_CPP_DIR, converts hf/F with
+     `--outtype bf16` and `--outtype q8_0` into gguf/F.{bf16,q8_0}.gguf. The fixtures' tokenizer is not
+     one the converter knows by its hash, so its pre-tokenizer is declared `qwen2` (the regex it was
+     trained with) by replacing TextModel.get_vocab_base_pre. Per-family workarounds (FAMILY_QUIRKS)
+     are applied the same way, in this process, never to the files.
+  2. transformers loads hf/F as make_fixtures.py does (bf16 weights, fp32 math), every weight that the
+     q8_0 GGUF stores as Q8_0 is replaced by its Q8_0 round trip (gguf-py's own quantize/dequantize,
+     rows along the input dimension) and checked equal, expert by expert, to the GGUF's own
+     dequantized data; the `chat` and `long` prompts of hf/F/reference.safetensors are run and their
+     ids and logits saved.
+
+Usage: make_gguf_fixtures.py [--out DIR] FAMILY...   (DIR defaults to testdata/gguf; LLAMA_CPP_DIR
+defaults to target/peer/llama_cpp_python-0.3.36/vendor/llama.cpp; transformers 5.17, torch 2.11)
+"""
+import os
+import runpy
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LLAMA_CPP_DIR = os.environ.get("LLAMA_CPP_DIR") or os.path.join(
+    HERE, "..", "target", "peer", "llama_cpp_python-0.3.36", "vendor", "llama.cpp")
+sys.path.insert(0, LLAMA_CPP_DIR)
+sys.path.insert(1, os.path.join(LLAMA_CPP_DIR, "gguf-py"))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import gguf  # noqa: E402
+from gguf import GGUFReader, GGMLQuantizationType  # noqa: E402
+from gguf.quants import quantize, dequantize  # noqa: E402
+
+torch.use_deterministic_algorithms(True)
+
+
+def glm4_moe_quirks(family):
+    """The converter's GLM-4.5 class writes GLM's own special tokens ([gMASK], <|user|>,
+    <|observation|>) through AutoTokenizer.get_added_vocab(); the fixture has the shared Qwen-style
+    tokenizer, without them (KeyError: '[gMASK]'). Its vocabulary is written the way every other
+    family's is (TextModel.set_vocab, the byte-level BPE path, special ids from the checkpoint's
+    config/tokenizer files). The checkpoint's config says num_nextn_predict_layers: 1 as GLM-4.5's does,
+    but, like transformers' own Glm4MoeForCausalLM, it has no MTP layer weights: `--no-mtp` is the
+    converter's own flag for that."""
+    from conversion.base import TextModel
+    from conversion.glm import Glm4MoeModel
+    Glm4MoeModel.set_vocab = TextModel.set_vocab
+    return ["--no-mtp"]
+
+
+FAMILY_QUIRKS = {"glm4_moe": glm4_moe_quirks}
+
+
+OUT = "gguf"
+
+
+def convert(family, outtype):
+    import conversion.base as base
+    base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
+    extra = FAMILY_QUIRKS[family](family) if family in FAMILY_QUIRKS else []
+    out = os.path.join(OUT, f"{family}.{outtype}.gguf")
+    argv = [os.path.join(LLAMA_CPP_DIR, "convert_hf_to_gguf.py"), os.path.join("hf", family),
+            "--outtype", outtype, "--outfile", out] + extra
+    print("$", " ".join(argv[1:]), flush=True)
+    saved = sys.argv
+    sys.argv = argv
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raise
+    finally:
+        sys.argv = saved
+    return out
+
+
+def q8_0_roundtrip(t):
+    a = t.detach().float().contiguous().numpy()
+    return torch.from_numpy(dequantize(quantize(a, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
+                            .reshape(a.shape).astype(np.float32))
+
+
+def hf_pieces(name, t):
+    """(gguf-side hf name, tensor, setter) for each piece of a transformers parameter; fused expert
+    tensors are split into the per-projection stacks the converter merges."""
+    if name.endswith("experts.gate_up_proj"):
+        p = name[: -len("gate_up_proj")]
+        i = t.shape[1] // 2
+        return [(p + "gate_proj.weight", t[:, :i]), (p + "up_proj.weight", t[:, i:])]
+    if name.endswith("experts.down_proj"):
+        return [(name + ".weight", t)]
+    return [(name, t)]
+
+
+def q8_0_reference(family, q8_path):
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+    d = os.path.join("hf", family)
+    ref = load_file(os.path.join(d, "reference.safetensors"))
+    model = AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.bfloat16).float().eval()
+    reader = GGUFReader(q8_path)
+    arch = reader.fields["general.architecture"].contents()
+    n_blocks = reader.fields[f"{arch}.block_count"].contents()
+    tmap = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), n_blocks)
+    gg = {t.name: t for t in reader.tensors}
+    done, kept = set(), []
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            for hf_name, piece in hf_pieces(name, p.data):
+                gname = tmap.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+                if hf_name.endswith("kv_b_proj.weight") and gname not in gg:
+                    kept.append(f"{gname}:split")  # DeepSeek: stored as attn_k_b / attn_v_b, F16
+                    continue
+                if gname is None or gname not in gg:
+                    raise KeyError(f"{name} ({hf_name}) has no tensor in {q8_path}")
+                t = gg[gname]
+                if t.tensor_type != GGMLQuantizationType.Q8_0:
+                    kept.append(f"{gname}:{t.tensor_type.name}")
+                    continue
+                rt = q8_0_roundtrip(piece)
+                mine = rt
+                if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+                    # the converter interleaves llama q/k rows for its rope; Q8_0 blocks lie within a
+                    # row, so the round trip commutes with that row permutation
+                    from conversion.llama import LlamaModel
+                    cfg = model.config
+                    kv = cfg.num_attention_heads if hf_name.endswith("q_proj.weight") else cfg.num_key_value_heads
+                    mine = LlamaModel.permute(rt, cfg.num_attention_heads, kv)
+                theirs = torch.from_numpy(dequantize(t.data, t.tensor_type).reshape(rt.shape).astype(np.float32))
+                for e in range(rt.shape[0] if rt.dim() == 3 else 1):
+                    a, b = (mine[e], theirs[e]) if rt.dim() == 3 else (mine, theirs)
+                    if not torch.equal(a, b):
+                        raise AssertionError(f"{gname}[{e}]: round trip differs from the GGUF's own data")
+                piece.copy_(rt)
+                done.add(gname)
+    missing = {n for n, t in gg.items() if t.tensor_type == GGMLQuantizationType.Q8_0} - done
+    if missing:
+        raise AssertionError(f"Q8_0 tensors not matched to a transformers parameter: {sorted(missing)}")
+    print(f"{family}: {len(done)} Q8_0 tensors round-tripped and checked; kept as stored: {sorted(set(k.split(':', 1)[1] for k in kept))}")
+    out = {}
+    with torch.no_grad():
+        for tag in ("chat", "long"):
+            ids = ref[f"{tag}.input_ids"]
+            out[f"{tag}.input_ids"] = ids.to(torch.int32).contiguous()
+            out[f"{tag}.logits"] = model(ids.long().unsqueeze(0), use_cache=False).logits[0].float().contiguous()
+            b = ref[f"{tag}.logits"]
+            err = float((out[f"{tag}.logits"] - b).abs().max() / b.abs().max())
+            top1 = float((out[f"{tag}.logits"].argmax(-1) == b.argmax(-1)).float().mean())
+            print(f"{family} {tag}: q8_0 vs bf16 reference: max rel err {err:.4f}, top-1 agreement {top1:.3f}")
+    path = os.path.join(OUT, f"{family}.q8_0.reference.safetensors")
+    save_file(out, path)
+    os.chmod(path, 0o644)  # safetensors writes 0600
+    return path
+
+
+def main():
+    global OUT
+    args = sys.argv[1:]
+    if args[:1] == ["--out"]:
+        OUT, args = os.path.abspath(args[1]), args[2:]
+    os.chdir(HERE)
+    os.makedirs(OUT, exist_ok=True)
+    for family in args:
+        convert(family, "bf16")
+        q8 = convert(family, "q8_0")
+        print("wrote", q8_0_reference(family, q8))
+
+
+if __name__ == "__main__":
+    main()
