@@ -178,3 +178,32 @@ fn fast_path_against_reference_per_fixture() {
         }
     }
 }
+
+/// Positions past `original_max_position_embeddings` on the YaRN fixtures (the references of
+/// `testdata/extend_yarn_references.py`), in one prefill and step by step after a prefill to the
+/// first compared position.
+#[test]
+fn yarn_past_the_original_context_matches_transformers() {
+    for name in ["qwen3_moe_yarn", "deepseek_v3_yarn"] {
+        let model = load(&vault(name, Format::BF16, Format::BF16));
+        let r = read_safetensors(&fixture(name).join("reference_past.safetensors"));
+        let (input, expect) = (ids(&r["past.input_ids"]), r["past.logits"].f32());
+        let first = r["past.first"].i32()[0] as usize;
+        let orig = match model.arch().rope.scaling {
+            smoe_vault::RopeScaling::Yarn { original_max_position_embeddings, .. } => original_max_position_embeddings,
+            _ => panic!("{name} is not a YaRN fixture"),
+        };
+        assert!(first >= orig && input.len() > first, "{name}: positions {first}..{} are not past {orig}", input.len());
+        let out = score(&model, &input, ScoreMode::Prefill, 256, false).unwrap();
+        let vocab = model.arch().vocab_size;
+        let e = rel_err(&out.logits[first * vocab..], expect);
+        assert!(e < 1e-4, "{name} prefill past position {orig}: logits rel err {e:.2e}");
+        let mut st = model.new_state(256);
+        model.forward(&mut st, &input[..first], Logits::Last, &mut NoObserver).unwrap();
+        for (i, &tok) in input[first..].iter().enumerate() {
+            let got = model.forward(&mut st, &[tok], Logits::Last, &mut NoObserver).unwrap();
+            let e = rel_err(got, &expect[i * vocab..(i + 1) * vocab]);
+            assert!(e < 1e-4, "{name} decode at position {}: logits rel err {e:.2e}", first + i);
+        }
+    }
+}
