@@ -54,7 +54,7 @@ fn random_config(family: &str, r: &mut Rng) -> Value {
     let layers = r.range(1, 3);
     let heads = r.range(1, 8);
     let kv_heads = {
-        let divisors: Vec<usize> = (1..=heads).filter(|d| heads % d == 0).collect();
+        let divisors: Vec<usize> = (1..=heads).filter(|&d| heads.is_multiple_of(d)).collect();
         r.pick(&divisors)
     };
     let head_dim = r.pick(&[4, 8, 12, 16, 24, 32]);
