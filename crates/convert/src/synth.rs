@@ -501,6 +501,30 @@ fn checkpoint_from_config(cfg: Value, out: &Path, opts: &SynthOptions, progress:
 mod tests {
     use super::*;
 
+    /// Every shape holds its published parameter count (MTP layers, which are not converted,
+    /// excluded): the configs are the published ones, not approximations.
+    #[test]
+    fn shapes_have_their_published_parameter_counts() {
+        let published = [
+            ("qwen3-30b-a3b", 30.5e9),
+            ("qwen3-235b-a22b", 235.1e9),
+            ("qwen2-57b-a14b", 57.4e9),
+            ("mixtral-8x7b", 46.7e9),
+            ("mixtral-8x22b", 140.6e9),
+            ("olmoe-1b-7b", 6.9e9),
+            ("glm-4.5-air", 106.9e9),
+            ("glm-4.5", 352.8e9),
+            ("deepseek-v3", 671.0e9),
+            ("kimi-k2", 1026.4e9),
+        ];
+        assert_eq!(published.len(), shape_names().len());
+        for (shape, want) in published {
+            let n: usize = plan(&shape_config(shape).unwrap()).unwrap().iter().map(|t| t.shape.iter().product::<usize>()).sum();
+            let off = (n as f64 - want).abs() / want;
+            assert!(off < 0.01, "{shape}: {n} parameters, published {want:e}");
+        }
+    }
+
     #[test]
     fn every_shape_plans() {
         for s in shape_names() {
