@@ -6,6 +6,8 @@ use smoe_engine::bench::{bench, BenchOptions, BenchResult};
 use smoe_engine::Precision;
 use std::path::Path;
 
+const MIB: f64 = (1u64 << 20) as f64;
+
 fn threads(n: Option<usize>) {
     if let Some(n) = n {
         // The global pool can only be set once; a second call is harmless.
@@ -78,6 +80,10 @@ pub fn run_bench(
         r.hit_rate,
         r.read_bytes_per_s / 1e9
     );
+    match r.rss_growth_bytes {
+        Some(g) => println!("kv cache {:.1} MiB   resident memory grew {:.1} MiB", r.kv_bytes as f64 / MIB, g as f64 / MIB),
+        None => println!("kv cache {:.1} MiB", r.kv_bytes as f64 / MIB),
+    }
     if model.instrument {
         println!("prefill: {}", r.prefill);
         println!("decode:  {}", r.decode);

@@ -44,6 +44,18 @@ pub struct BenchResult {
     pub prefill: Summary,
     /// Decode phase breakdown.
     pub decode: Summary,
+    /// Bytes of KV cache the sequence holds at the end.
+    pub kv_bytes: usize,
+    /// Growth of the process's resident memory over the prefill and decode (Linux; `None`
+    /// elsewhere): the KV cache and whatever else grows with the context.
+    pub rss_growth_bytes: Option<i64>,
+}
+
+/// The process's resident memory in bytes (`VmRSS` of Linux's `/proc/self/status`), if known.
+pub fn resident_bytes() -> Option<i64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kib: i64 = status.lines().find_map(|l| l.strip_prefix("VmRSS:"))?.trim().strip_suffix("kB")?.trim().parse().ok()?;
+    Some(kib * 1024)
 }
 
 /// A deterministic prompt of ordinary (non-special) token ids.
@@ -71,7 +83,9 @@ pub fn bench<B: Backend>(engine: &Engine<B>, opts: &BenchOptions) -> Result<Benc
     }
     let inputs = random_prompt(engine, opts.gen_tokens.saturating_sub(1), opts.seed ^ 0x5eed_dec0de);
     let mut st = engine.model.new_state(opts.chunk);
+    engine.model.reserve(&mut st, prompt.len() + inputs.len() + 1);
     st.enable_instrument();
+    let rss0 = resident_bytes();
     let t0 = std::time::Instant::now();
     let logits = engine.model.forward(&mut st, &prompt, Logits::Last, &mut NoObserver)?;
     // The first token (greedy) is part of the time to first token.
@@ -82,6 +96,7 @@ pub fn bench<B: Backend>(engine: &Engine<B>, opts: &BenchOptions) -> Result<Benc
         engine.model.forward(&mut st, &[id], Logits::Last, &mut NoObserver)?;
     }
     let decode_s = t1.elapsed().as_secs_f64();
+    let rss_growth_bytes = rss0.zip(resident_bytes()).map(|(a, b)| b - a);
     let ins = st.instrument.as_ref().expect("enabled above");
     let prefill_steps = opts.prompt_tokens.div_ceil(opts.chunk);
     let (prefill, decode) = (ins.summary_range(0, prefill_steps), ins.summary(prefill_steps));
@@ -98,5 +113,7 @@ pub fn bench<B: Backend>(engine: &Engine<B>, opts: &BenchOptions) -> Result<Benc
         read_bytes_per_s: decode.read_bytes_per_s(),
         prefill,
         decode,
+        kv_bytes: engine.model.backend().kv_bytes(st.kv()),
+        rss_growth_bytes,
     })
 }

@@ -143,6 +143,12 @@ impl<B: Backend> Model<B> {
         }
     }
 
+    /// Makes room in `st`'s KV cache for `positions` positions in all (see
+    /// [`Backend::kv_reserve`]): callers that know how long a sequence may get say so once.
+    pub fn reserve(&self, st: &mut State<B>, positions: usize) {
+        self.backend.kv_reserve(&mut st.kv, positions);
+    }
+
     /// Runs `tokens` through the model after the state's current position and returns the
     /// requested logits (`[vocab]` for [`Logits::Last`], `[n, vocab]` for [`Logits::All`]).
     pub fn forward<'s>(

@@ -184,6 +184,7 @@ impl<B: Backend> Engine<B> {
         // start the generation.
         let cached = st.pos().min(prompt.len() - 1);
         st.truncate(cached);
+        self.model.reserve(st, prompt.len().saturating_add(opts.max_tokens).min(opts.ctx));
         let mut sampler = Sampler::new(opts.sampling.clone());
         let mut logits = self.model.forward(st, &prompt[cached..], Logits::Last, obs)?.to_vec();
         let prefill_seconds = t0.elapsed().as_secs_f64();

@@ -84,6 +84,7 @@ pub fn score_and_continue<B: Backend>(
     let vocab = model.arch().vocab_size;
     let mut logits = Vec::with_capacity(ids.len() * vocab);
     let mut st = model.new_state(if mode == ScoreMode::Prefill { chunk } else { 1 });
+    model.reserve(&mut st, ids.len() + greedy);
     if instrument {
         st.enable_instrument();
     }
