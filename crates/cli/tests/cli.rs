@@ -132,6 +132,21 @@ fn score_writes_logits_and_routes_in_both_modes() {
         ]));
         assert_eq!(read_f32(&small, "logits").1, b, "queue depth {qd}");
     }
+    // A greedy continuation: its first token is the argmax of the last position's logits, and
+    // each next one is what scoring the ids plus the continuation so far picks.
+    let greedy = dir.path().join("greedy.safetensors");
+    ok(&smoe(&["score", &v, "--ids", ids, "--greedy", "3", "--out", greedy.to_str().unwrap()]));
+    let (shape, g) = read_f32(&greedy, "greedy");
+    assert_eq!(shape, vec![3]);
+    let g: Vec<u32> = g.chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().unwrap())).collect();
+    let argmax = |row: &[f32]| row.iter().enumerate().fold(0, |b, (i, &x)| if x > row[b] { i } else { b }) as u32;
+    assert_eq!(g[0], argmax(&fa[7 * 1024..]));
+    let longer = format!("{ids},{},{}", g[0], g[1]);
+    let more = dir.path().join("more.safetensors");
+    ok(&smoe(&["score", &v, "--ids", &longer, "--out", more.to_str().unwrap()]));
+    let fm: Vec<f32> = read_f32(&more, "logits").1.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+    assert_eq!((argmax(&fm[8 * 1024..9 * 1024]), argmax(&fm[9 * 1024..])), (g[1], g[2]));
+    assert_eq!(read_f32(&greedy, "logits").1, a, "the continuation leaves the ids' logits as they were");
     let o = smoe(&["score", &v, "--ids", ids, "--queue-depth", "0", "--out", pre.to_str().unwrap()]);
     assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("queue depth must be `auto` or a whole number"));
     // Bad input is an error with a message, not a panic.
