@@ -39,14 +39,12 @@ on a machine without Rust or a compiler pass a release smoe binary as --smoe and
 """
 
 import argparse
-import glob
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
-import tarfile
 import time
 
 try:
@@ -81,20 +79,8 @@ def sh(cmd, **kw):
 # --- llama.cpp --------------------------------------------------------------------------------
 
 def llama_source(work):
-    """The llama.cpp source bench/run's llama_cpp(work) builds: $LLAMA_CPP_DIR, else the one
-    vendored in llama-cpp-python's source distribution, fetched from PyPI once."""
-    src = os.environ.get("LLAMA_CPP_DIR") or os.path.join(work, f"llama_cpp_python-{harness.LLAMA_VERSION}/vendor/llama.cpp")
-    if not os.path.isdir(src):
-        dl = os.path.join(work, "sdist")
-        os.makedirs(dl, exist_ok=True)
-        py = sys.executable
-        sh([py, "-m", "pip", "install", "--quiet", "scikit-build-core", "cmake"], capture=False)
-        sh([py, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--no-build-isolation",
-            f"llama-cpp-python=={harness.LLAMA_VERSION}", "-d", dl], capture=False)
-        tgz = glob.glob(os.path.join(dl, "llama_cpp_python-*.tar.gz"))[0]
-        with tarfile.open(tgz) as t:
-            t.extractall(work)
-    return src
+    """The llama.cpp source bench/run builds (bench/run.py's llama_source)."""
+    return harness.llama_source(work)
 
 
 def needed_libs(path):

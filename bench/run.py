@@ -43,13 +43,10 @@ def build_smoe():
     return os.path.join(ROOT, "target/release/smoe")
 
 
-def llama_cpp(work):
-    """A llama.cpp build: $LLAMA_CPP_DIR if given, else fetched from PyPI and built once."""
+def llama_source(work):
+    """llama.cpp's source: $LLAMA_CPP_DIR if given, else the one vendored in llama-cpp-python's
+    source distribution, fetched from PyPI once into `work`."""
     src = os.environ.get("LLAMA_CPP_DIR") or os.path.join(work, f"llama_cpp_python-{LLAMA_VERSION}/vendor/llama.cpp")
-    bins = os.path.join(src, "build/bin")
-    need = ["llama-bench", "llama-completion"]
-    if all(os.path.exists(os.path.join(bins, b)) for b in need):
-        return src, bins
     if not os.path.isdir(src):
         dl = os.path.join(work, "sdist")
         os.makedirs(dl, exist_ok=True)
@@ -60,6 +57,16 @@ def llama_cpp(work):
         tgz = glob.glob(os.path.join(dl, "llama_cpp_python-*.tar.gz"))[0]
         with tarfile.open(tgz) as t:
             t.extractall(work)
+    return src
+
+
+def llama_cpp(work):
+    """A llama.cpp build (see llama_source), built once."""
+    src = llama_source(work)
+    bins = os.path.join(src, "build/bin")
+    need = ["llama-bench", "llama-completion"]
+    if all(os.path.exists(os.path.join(bins, b)) for b in need):
+        return src, bins
     cmake = shutil.which("cmake") or "cmake"
     run([cmake, "-S", src, "-B", os.path.join(src, "build"), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
          "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF"], capture=False)

@@ -11,6 +11,8 @@
 
 mod common;
 use common::rel_err;
+use rand::rngs::StdRng;
+use rand::{Rng as _, SeedableRng};
 use serde_json::{json, Value};
 use smoe_convert::synth::{synth_vault_from_config, SynthOptions};
 use smoe_convert::{ShatterOptions, Silent};
@@ -19,19 +21,18 @@ use smoe_quant::Format;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-/// SplitMix64: tiny, seedable, good enough to draw shapes.
-struct Rng(u64);
+/// Seeded draws of shapes.
+struct Rng(StdRng);
 impl Rng {
+    fn new(seed: u64) -> Rng {
+        Rng(StdRng::seed_from_u64(seed))
+    }
     fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        self.0.random()
     }
     /// Uniform in `lo..=hi`.
     fn range(&mut self, lo: usize, hi: usize) -> usize {
-        lo + (self.next() % (hi - lo + 1) as u64) as usize
+        self.0.random_range(lo..=hi)
     }
     fn pick<T: Copy>(&mut self, v: &[T]) -> T {
         v[self.range(0, v.len() - 1)]
@@ -221,7 +222,7 @@ fn check_model(m: &Model<CpuBackend>, ids: &[u32], chunk: usize, tol: Tolerance,
 }
 
 fn run_case(seed: u64) {
-    let mut r = Rng(seed);
+    let mut r = Rng::new(seed);
     let family = r.pick(&FAMILIES);
     let cfg = random_config(family, &mut r);
     let (experts, dense) = r.pick(&[(Format::BF16, Format::BF16), (Format::Q8_0, Format::Q8_0), (Format::Q4_K, Format::Q8_0)]);
@@ -269,7 +270,7 @@ fn random_shapes_of_every_family_agree_across_paths() {
     let seeds = seeds();
     let mut by_family = std::collections::BTreeMap::<&str, usize>::new();
     for &seed in &seeds {
-        by_family.entry(Rng(seed).pick(&FAMILIES)).and_modify(|n| *n += 1).or_insert(1);
+        by_family.entry(Rng::new(seed).pick(&FAMILIES)).and_modify(|n| *n += 1).or_insert(1);
         if let Err(e) = std::panic::catch_unwind(|| run_case(seed)) {
             let msg = e.downcast_ref::<String>().cloned().or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()));
             panic!("shape case failed; re-run with SMOE_SHAPE_SEED={seed}: {}", msg.unwrap_or_default());
