@@ -469,6 +469,25 @@ fn rms_scale(x: &[f32], eps: f32) -> f32 {
 mod tests {
     use super::*;
 
+    /// An op that would write past a buffer stops with the op, the buffer's name and the
+    /// extents, not a bare slice-index panic.
+    #[test]
+    fn writes_past_a_buffer_name_the_op_and_the_buffer() {
+        let be = CpuBackend::with_threads(Precision::Reference, 1);
+        let src = be.buf("src", 4 * 16);
+        let mut dst = be.buf("k", 4 * 12);
+        let err = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| be.copy_strided(&src, 16, 0, &mut dst, 16, 0, 16, 4)))
+            .expect_err("the write does not fit");
+        let msg = err.downcast_ref::<String>().unwrap();
+        assert!(msg.starts_with("copy_strided: buffer `k` holds 48 floats"), "{msg}");
+        assert!(msg.contains("rows 0..4 of 16 floats (stride 16, offset 0) reach 64"), "{msg}");
+        let mut out = be.buf("att", 10);
+        let w = be.vector(&[1.0; 8]);
+        let err = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| be.rms_norm(&src, 2, 8, &w, 1e-6, &mut out)))
+            .expect_err("the write does not fit");
+        assert!(err.downcast_ref::<String>().unwrap().starts_with("rms_norm: buffer `att` holds 10 floats"));
+    }
+
     /// A reserved cache fills without moving: the memory a moved cache leaves behind was 20%
     /// over the cache itself at 32k tokens.
     #[test]
