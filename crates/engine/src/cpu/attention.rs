@@ -92,11 +92,20 @@ thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
 
+/// Positions whose scores a task holds at once (see [`attention_fast`]).
+const POSITIONS_PER_BLOCK: usize = 512;
+
 /// Grouped-query attention on the persistent pool: each task takes up to [`TOKENS_PER_TASK`]
 /// tokens, one KV head and up to [`HEADS_PER_TASK`] of its query heads, and streams that
 /// head's cached keys and values once for all of them. Every (token, head) row gets exactly
 /// the arithmetic it would get alone (later positions are masked out of its softmax and
 /// enter its weighted sum with weight zero), so prefill and decode agree bit for bit.
+///
+/// Positions go by in blocks of [`POSITIONS_PER_BLOCK`]: a task holds one block's scores, and
+/// each row carries its running maximum and sum across blocks (its output is rescaled when
+/// the maximum grows), so a task's scratch does not grow with the context. Up to one block,
+/// the arithmetic is that of one softmax over all positions.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn attention_fast(
     l: &KvLayer,
     q: &[f32],
@@ -107,6 +116,22 @@ pub(super) fn attention_fast(
     out: &mut [f32],
     k: &smoe_kernels::Kernels,
     pool: &super::pool::Pool,
+) {
+    attention_blocked(l, q, q_stride, n, pos0, p, out, k, pool, POSITIONS_PER_BLOCK);
+}
+
+#[allow(clippy::too_many_arguments)]
+fn attention_blocked(
+    l: &KvLayer,
+    q: &[f32],
+    q_stride: usize,
+    n: usize,
+    pos0: usize,
+    p: AttnParams,
+    out: &mut [f32],
+    k: &smoe_kernels::Kernels,
+    pool: &super::pool::Pool,
+    block: usize,
 ) {
     let s = l.shape;
     let (kd, vd, kvh) = (s.k_dim, s.v_dim, s.heads);
@@ -133,38 +158,52 @@ pub(super) fn attention_fast(
             for t in t0..t1 {
                 qb.extend_from_slice(&q[t * q_stride + h0 * kd..][..heads * kd]);
             }
-            // Scores, position-major: pr[j * rows + r].
-            pr.resize(len * rows, 0.0);
-            k.attn_scores(qb, kd, &l.k[g * kd..], k_row, len, pr);
             ob.clear();
             ob.resize(rows * vd, 0.0);
-            // Softmax of each row over the positions it sees, a token's heads side by side
-            // (scores are position-major: one row at a time would stride through them).
             const ROWS: usize = TOKENS_PER_TASK * HEADS_PER_TASK;
             let (mut max, mut sum, mut inv) = ([f32::NEG_INFINITY; ROWS], [0f32; ROWS], [0f32; ROWS]);
-            for tt in 0..t1 - t0 {
-                let visible = pos0 + t0 + tt + 1;
-                let rs = tt * heads..(tt + 1) * heads;
-                for j in 0..visible {
-                    for (v, m) in pr[j * rows..][rs.clone()].iter_mut().zip(&mut max[rs.clone()]) {
-                        *v *= p.scale;
-                        *m = m.max(*v);
+            for j0 in (0..len).step_by(block) {
+                let nb = block.min(len - j0);
+                // Scores, position-major: pr[j * rows + r] for positions j0 + j.
+                pr.resize(nb * rows, 0.0);
+                k.attn_scores(qb, kd, &l.k[j0 * k_row + g * kd..], k_row, nb, pr);
+                // Softmax terms of each row over the positions it sees, a token's heads side
+                // by side (scores are position-major: one row at a time would stride through
+                // them).
+                for tt in 0..t1 - t0 {
+                    let seen = (pos0 + t0 + tt + 1).saturating_sub(j0).min(nb);
+                    let rs = tt * heads..(tt + 1) * heads;
+                    let mut block_max = [f32::NEG_INFINITY; ROWS];
+                    for j in 0..seen {
+                        for (v, m) in pr[j * rows..][rs.clone()].iter_mut().zip(&mut block_max[rs.clone()]) {
+                            *v *= p.scale;
+                            *m = m.max(*v);
+                        }
+                    }
+                    for r in rs.clone() {
+                        if block_max[r] > max[r] {
+                            // The row's terms so far were taken against a smaller maximum.
+                            let f = (max[r] - block_max[r]).exp();
+                            sum[r] *= f;
+                            ob[r * vd..(r + 1) * vd].iter_mut().for_each(|o| *o *= f);
+                            max[r] = block_max[r];
+                        }
+                    }
+                    for j in 0..seen {
+                        for ((v, m), s) in pr[j * rows..][rs.clone()].iter_mut().zip(&max[rs.clone()]).zip(&mut sum[rs.clone()]) {
+                            *v = (*v - m).exp();
+                            *s += *v;
+                        }
+                    }
+                    for j in seen..nb {
+                        pr[j * rows..][rs.clone()].fill(0.0);
                     }
                 }
-                for j in 0..visible {
-                    for ((v, m), s) in pr[j * rows..][rs.clone()].iter_mut().zip(&max[rs.clone()]).zip(&mut sum[rs.clone()]) {
-                        *v = (*v - m).exp();
-                        *s += *v;
-                    }
-                }
-                for j in visible..len {
-                    pr[j * rows..][rs.clone()].fill(0.0);
-                }
-                for r in rs {
-                    inv[r] = 1.0 / sum[r];
-                }
+                k.attn_weighted_sum(ob, vd, &pr[..nb * rows], &values[j0 * v_row + g * v_stride..], v_row, nb);
             }
-            k.attn_weighted_sum(ob, vd, pr, &values[g * v_stride..], v_row, len);
+            for r in 0..rows {
+                inv[r] = 1.0 / sum[r];
+            }
             for t in t0..t1 {
                 let r0 = (t - t0) * heads;
                 // SAFETY: this task owns the output rows of query heads h0..h0 + heads of
@@ -179,4 +218,50 @@ pub(super) fn attention_fast(
             }
         })
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::KvShape;
+
+    fn layer(shape: KvShape, positions: usize) -> KvLayer {
+        let v = |n: usize, seed: usize| (0..n).map(|i| (((i * 7919 + seed * 104729) % 1999) as f32 / 1999.0 - 0.5) * 3.0).collect();
+        let kw = shape.heads * shape.k_dim;
+        let vw = if shape.values_in_keys { 0 } else { shape.heads * shape.v_dim };
+        KvLayer { shape, k: v(positions * kw, 1), v: v(positions * vw, 2) }
+    }
+
+    /// Attention in blocks of positions equals one softmax over all of them (to rounding), and
+    /// prefill equals decode bit for bit at any block size.
+    #[test]
+    fn blocks_of_positions_match_one_softmax() {
+        let kernels = smoe_kernels::best();
+        let pool = crate::cpu::pool::Pool::new(2);
+        for (shape, q_heads) in [
+            (KvShape { heads: 2, k_dim: 16, v_dim: 16, values_in_keys: false }, 6),
+            (KvShape { heads: 1, k_dim: 24, v_dim: 16, values_in_keys: true }, 3),
+        ] {
+            let (n, pos0) = (19, 40);
+            let l = layer(shape, pos0 + n);
+            let q_stride = q_heads * shape.k_dim + 5;
+            let q: Vec<f32> = (0..n * q_stride).map(|i| ((i * 31 % 97) as f32 - 48.0) / 40.0).collect();
+            let p = AttnParams { q_heads, scale: 0.3 };
+            let width = n * q_heads * shape.v_dim;
+            let mut exact = vec![0f32; width];
+            attention_ref(&l, &q, q_stride, n, pos0, p, &mut exact);
+            for block in [1, 3, 17, 64, 4096] {
+                let mut got = vec![0f32; width];
+                attention_blocked(&l, &q, q_stride, n, pos0, p, &mut got, kernels, &pool, block);
+                let err = got.iter().zip(&exact).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                assert!(err < 1e-5, "block {block}: {err}");
+                // Token by token through the same cache: the same bits.
+                let mut one = vec![0f32; q_heads * shape.v_dim];
+                for t in 0..n {
+                    attention_blocked(&l, &q[t * q_stride..], q_stride, 1, pos0 + t, p, &mut one, kernels, &pool, block);
+                    assert_eq!(one, got[t * one.len()..(t + 1) * one.len()], "block {block}, token {t}");
+                }
+            }
+        }
+    }
 }
