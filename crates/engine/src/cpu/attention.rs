@@ -93,7 +93,7 @@ thread_local! {
 }
 
 /// Positions whose scores a task holds at once (see [`attention_fast`]).
-const POSITIONS_PER_BLOCK: usize = 512;
+pub(super) const POSITIONS_PER_BLOCK: usize = 512;
 
 /// Grouped-query attention on the persistent pool: each task takes up to [`TOKENS_PER_TASK`]
 /// tokens, one KV head and up to [`HEADS_PER_TASK`] of its query heads, and streams that
@@ -101,27 +101,12 @@ const POSITIONS_PER_BLOCK: usize = 512;
 /// the arithmetic it would get alone (later positions are masked out of its softmax and
 /// enter its weighted sum with weight zero), so prefill and decode agree bit for bit.
 ///
-/// Positions go by in blocks of [`POSITIONS_PER_BLOCK`]: a task holds one block's scores, and
+/// Positions go by in blocks of `block` ([`POSITIONS_PER_BLOCK`] in production): a task holds one block's scores, and
 /// each row carries its running maximum and sum across blocks (its output is rescaled when
 /// the maximum grows), so a task's scratch does not grow with the context. Up to one block,
 /// the arithmetic is that of one softmax over all positions.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn attention_fast(
-    l: &KvLayer,
-    q: &[f32],
-    q_stride: usize,
-    n: usize,
-    pos0: usize,
-    p: AttnParams,
-    out: &mut [f32],
-    k: &smoe_kernels::Kernels,
-    pool: &super::pool::Pool,
-) {
-    attention_blocked(l, q, q_stride, n, pos0, p, out, k, pool, POSITIONS_PER_BLOCK);
-}
-
-#[allow(clippy::too_many_arguments)]
-fn attention_blocked(
     l: &KvLayer,
     q: &[f32],
     q_stride: usize,
@@ -252,13 +237,13 @@ mod tests {
             attention_ref(&l, &q, q_stride, n, pos0, p, &mut exact);
             for block in [1, 3, 17, 64, 4096] {
                 let mut got = vec![0f32; width];
-                attention_blocked(&l, &q, q_stride, n, pos0, p, &mut got, kernels, &pool, block);
+                attention_fast(&l, &q, q_stride, n, pos0, p, &mut got, kernels, &pool, block);
                 let err = got.iter().zip(&exact).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
                 assert!(err < 1e-5, "block {block}: {err}");
                 // Token by token through the same cache: the same bits.
                 let mut one = vec![0f32; q_heads * shape.v_dim];
                 for t in 0..n {
-                    attention_blocked(&l, &q[t * q_stride..], q_stride, 1, pos0 + t, p, &mut one, kernels, &pool, block);
+                    attention_fast(&l, &q[t * q_stride..], q_stride, 1, pos0 + t, p, &mut one, kernels, &pool, block);
                     assert_eq!(one, got[t * one.len()..(t + 1) * one.len()], "block {block}, token {t}");
                 }
             }

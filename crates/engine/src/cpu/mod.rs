@@ -454,7 +454,9 @@ impl Backend for CpuBackend {
         check("attention", out, n, p.q_heads * l.shape.v_dim);
         match self.precision {
             Precision::Reference => attention::attention_ref(l, q, q_stride, n, pos0, p, out),
-            Precision::Fast => attention::attention_fast(l, q, q_stride, n, pos0, p, out, self.kernels, &self.pool),
+            Precision::Fast => {
+                attention::attention_fast(l, q, q_stride, n, pos0, p, out, self.kernels, &self.pool, attention::POSITIONS_PER_BLOCK)
+            }
         }
     }
 }
