@@ -139,7 +139,7 @@ fn score_writes_logits_and_routes_in_both_modes() {
     let (shape, g) = read_f32(&greedy, "greedy");
     assert_eq!(shape, vec![3]);
     let g: Vec<u32> = g.chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().unwrap())).collect();
-    let argmax = |row: &[f32]| row.iter().enumerate().fold(0, |b, (i, &x)| if x > row[b] { i } else { b }) as u32;
+    use smoe_engine::sampler::argmax;
     assert_eq!(g[0], argmax(&fa[7 * 1024..]));
     let longer = format!("{ids},{},{}", g[0], g[1]);
     let more = dir.path().join("more.safetensors");

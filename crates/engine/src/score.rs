@@ -99,12 +99,11 @@ pub fn score_and_continue<B: Backend>(
     let instrument = st.instrument.as_ref().map(|i| i.summary(0));
     let mut continuation = Vec::with_capacity(greedy);
     if greedy > 0 {
-        let argmax = |row: &[f32]| row.iter().enumerate().fold(0, |b, (i, &x)| if x > row[b] { i } else { b }) as u32;
-        let mut next = argmax(&logits[(ids.len() - 1) * vocab..]);
+        let mut next = crate::sampler::argmax(&logits[(ids.len() - 1) * vocab..]);
         for step in 0..greedy {
             continuation.push(next);
             if step + 1 < greedy {
-                next = argmax(model.forward(&mut st, &[next], Logits::Last, &mut crate::NoObserver)?);
+                next = crate::sampler::argmax(model.forward(&mut st, &[next], Logits::Last, &mut crate::NoObserver)?);
             }
         }
     }

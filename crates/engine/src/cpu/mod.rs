@@ -490,8 +490,7 @@ mod tests {
         assert!(err.downcast_ref::<String>().unwrap().starts_with("rms_norm: buffer `att` holds 10 floats"));
     }
 
-    /// A reserved cache fills without moving: the memory a moved cache leaves behind was 20%
-    /// over the cache itself at 32k tokens.
+    /// A reserved cache fills without moving.
     #[test]
     fn a_reserved_kv_cache_never_moves() {
         let be = CpuBackend::with_threads(Precision::Reference, 1);
