@@ -1,5 +1,5 @@
 //! Many-token kernel throughput (one core): `cargo run --release -p smoe-kernels --example gspeed`.
-use smoe_kernels::{available, gemm::ActTile, gemm::ROWS, QuantAct};
+use smoe_kernels::{available, gemm::ROWS, QuantAct};
 use smoe_quant::Format;
 
 fn main() {
@@ -14,8 +14,7 @@ fn main() {
         let a: Vec<f32> = (0..n * cols).map(|i| ((i * 104729 % 997) as f32 - 498.0) / 400.0).collect();
         let mut qa = QuantAct::default();
         qa.quantize(f, &a, n, cols);
-        let mut tile = ActTile::default();
-        qa.build_tile(&mut tile, n);
+        let tile = qa.tile();
         for k in available() {
             let mut out = vec![0f32; n];
             let reps = 20;

@@ -6,52 +6,69 @@
 //! disk into the cache); each row is unpacked once into a small buffer and reused for every
 //! tile of tokens. Per-token block scales and sums are laid out as 8-lane vectors.
 
-use crate::act::{ActKind, Block256, Block32};
+use crate::act::{Block256, Block32};
 
 /// Tokens per tile (one 256-bit lane each).
 pub const TILE: usize = 8;
 
 /// A weight row against every token of an [`ActTile`]: `out[t] = w · a[t]`.
-pub type GemmRow = unsafe fn(w: &[u8], tile: &ActTile, out: &mut [f32]);
+pub type GemmRow = unsafe fn(w: &[u8], tile: &ActTile<'_>, out: &mut [f32]);
 
 /// Rows handled together by a [`GemmRows`] kernel.
 pub const ROWS: usize = 4;
 
 /// [`ROWS`] weight rows against every token: `out[r * n + t] = w[r] · a[t]`. Each activation
 /// load then feeds [`ROWS`] products instead of one, which is what bounds the one-row kernel.
-pub type GemmRows = unsafe fn(w: [&[u8]; ROWS], tile: &ActTile, out: &mut [f32]);
+pub type GemmRows = unsafe fn(w: [&[u8]; ROWS], tile: &ActTile<'_>, out: &mut [f32]);
 
 /// An interleaved group of eight weight rows (see [`smoe_quant::interleave`]) against every
 /// token: `out[r * n + t] = w[r] · a[t]`, read from the group as it lies in memory.
-pub type GemmGroup = unsafe fn(group: &[u8], tile: &ActTile, out: &mut [f32]);
+pub type GemmGroup = unsafe fn(group: &[u8], tile: &ActTile<'_>, out: &mut [f32]);
 
 /// A task's products `src[i * n + t]` (`m` rows, `n` tokens) for the eight tokens
 /// `t0..t0 + 8` into their own rows: `out[t - t0][i]` (see [`crate::Kernels::scatter_tokens`]).
 pub type Transpose8 = unsafe fn(src: &[f32], m: usize, n: usize, t0: usize, out: &mut [&mut [f32]; 8]);
 
-/// Interleaved activations of `n` tokens (zero-padded to whole tiles).
-#[derive(Default)]
-pub struct ActTile {
+/// Interleaved activations of `n` tokens (zero-padded to whole tiles), as the many-token
+/// kernels read them. The buffers belong to whoever built the tile (an [`crate::ActArena`]).
+#[derive(Clone, Copy)]
+pub struct ActTile<'a> {
     /// Tokens.
     pub n: usize,
     /// Row length.
     pub cols: usize,
     /// Quants, `[tile][dword][token][4]`.
-    pub qs: Vec<i8>,
+    pub qs: &'a [i8],
     /// Scale per tile, block (of 32 or 256) and token.
-    pub d: Vec<f32>,
+    pub d: &'a [f32],
     /// Sum of quants per tile, block of 32 and token (the whole row's blocks of 32).
-    pub sums: Vec<i32>,
+    pub sums: &'a [i32],
     /// Block size of `d`.
     pub block: usize,
 }
 
-impl ActTile {
+impl ActTile<'_> {
     /// Tiles.
     pub fn tiles(&self) -> usize {
         self.n.div_ceil(TILE)
     }
+}
 
+/// How many quants, scales and sums the tile of `n` tokens of `cols` with scale blocks of
+/// `block` holds.
+pub fn tile_len(n: usize, cols: usize, block: usize) -> (usize, usize, usize) {
+    let tiles = n.div_ceil(TILE);
+    (tiles * cols * TILE, tiles * (cols / block) * TILE, tiles * (cols / 32) * TILE)
+}
+
+/// Where a tile is built: `qs`, `d` and `sums` are exactly [`tile_len`] long.
+pub(crate) struct TileMut<'a> {
+    pub qs: &'a mut [i8],
+    pub d: &'a mut [f32],
+    pub sums: &'a mut [i32],
+}
+
+impl TileMut<'_> {
     /// Interleaves `n` tokens of 32-element blocks.
     pub fn build_32(&mut self, rows: &[Block32], n: usize, cols: usize) {
         self.fill(
@@ -90,17 +107,12 @@ impl ActTile {
         d: impl Fn(usize, usize) -> f32,
         sum32: impl Fn(usize, usize) -> i32,
     ) {
-        self.n = n;
-        self.cols = cols;
-        self.block = block;
-        let tiles = n.div_ceil(TILE);
+        assert_eq!((self.qs.len(), self.d.len(), self.sums.len()), tile_len(n, cols, block), "tile buffers");
         let dwords = cols / 4;
-        self.qs.clear();
-        self.qs.resize(tiles * dwords * TILE * 4, 0);
-        self.d.clear();
-        self.d.resize(tiles * (cols / block) * TILE, 0.0);
-        self.sums.clear();
-        self.sums.resize(tiles * (cols / 32) * TILE, 0);
+        // The lanes past `n` in the last tile are read (and their products dropped): zeros.
+        self.qs.fill(0);
+        self.d.fill(0.0);
+        self.sums.fill(0);
         for t in 0..n {
             let (g, lane) = (t / TILE, t % TILE);
             let base = g * dwords * TILE * 4;
@@ -115,15 +127,6 @@ impl ActTile {
             for b in 0..cols / 32 {
                 self.sums[(g * (cols / 32) + b) * TILE + lane] = sum32(t, b);
             }
-        }
-    }
-
-    /// Builds the tile for weights whose activations are of `kind`.
-    pub fn build(&mut self, kind: ActKind, b32: &[Block32], b256: &[Block256], n: usize, cols: usize) {
-        match kind {
-            ActKind::Q8x32 => self.build_32(b32, n, cols),
-            ActKind::Q8x256 => self.build_256(b256, n, cols),
-            ActKind::F32 => self.n = 0,
         }
     }
 }

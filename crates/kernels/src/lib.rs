@@ -13,6 +13,7 @@ and buffers the engine's.
 #![deny(missing_docs)]
 
 pub mod act;
+pub mod arena;
 #[cfg(target_arch = "aarch64")]
 pub mod arm;
 pub mod attn;
@@ -20,6 +21,8 @@ pub mod gemm;
 pub mod scalar;
 #[cfg(target_arch = "x86_64")]
 pub mod x86;
+
+pub use arena::{ActArena, ArenaPart, QuantAct, QuantRows};
 
 use act::{ActKind, Block256, Block32};
 use smoe_quant::Format;
@@ -140,7 +143,7 @@ impl Kernels {
     }
 
     /// `out[r * n + t] = w[r] · a[t]` for [`gemm::ROWS`] rows; `false` if `f` has no such kernel.
-    pub fn gemm_rows(&self, f: Format, w: [&[u8]; gemm::ROWS], tile: &gemm::ActTile, out: &mut [f32]) -> bool {
+    pub fn gemm_rows(&self, f: Format, w: [&[u8]; gemm::ROWS], tile: &gemm::ActTile<'_>, out: &mut [f32]) -> bool {
         match self.gemms4[slot(f)] {
             // SAFETY: as for `dot`: the table only holds kernels this CPU supports.
             Some(g) => unsafe { g(w, tile, out) },
@@ -155,7 +158,7 @@ impl Kernels {
     }
 
     /// `out[t] = w · a[t]` for every token of `tile`; `false` if `f` has no such kernel.
-    pub fn gemm_row(&self, f: Format, w: &[u8], tile: &gemm::ActTile, out: &mut [f32]) -> bool {
+    pub fn gemm_row(&self, f: Format, w: &[u8], tile: &gemm::ActTile<'_>, out: &mut [f32]) -> bool {
         match self.gemms[slot(f)] {
             // SAFETY: as for `dot`.
             Some(g) => unsafe { g(w, tile, out) },
@@ -219,7 +222,7 @@ impl Kernels {
     /// [`smoe_quant::interleave`]) · token `t` of `tile`. Without a group kernel the rows are
     /// taken apart and go through [`Kernels::gemm_block`]; `false` if `f` has no many-token
     /// kernel at all.
-    pub fn gemm_group8(&self, f: Format, group: &[u8], tile: &gemm::ActTile, out: &mut [f32]) -> bool {
+    pub fn gemm_group8(&self, f: Format, group: &[u8], tile: &gemm::ActTile<'_>, out: &mut [f32]) -> bool {
         match self.q4k_gemm_group8 {
             // SAFETY: as for `dot`.
             Some(g) if f == Format::Q4_K => unsafe { g(group, tile, out) },
@@ -238,7 +241,7 @@ impl Kernels {
     /// `out[r * n + t] = w[r] · a[t]` for the consecutive rows of `rb` bytes in `w` and every
     /// token of `tile`: [`gemm::ROWS`] rows per call where `f` has such a kernel, then one at
     /// a time. `false` if `f` has no many-token kernel.
-    pub fn gemm_block(&self, f: Format, w: &[u8], rb: usize, tile: &gemm::ActTile, out: &mut [f32]) -> bool {
+    pub fn gemm_block(&self, f: Format, w: &[u8], rb: usize, tile: &gemm::ActTile<'_>, out: &mut [f32]) -> bool {
         let (rows, n) = (w.len() / rb, tile.n);
         let row = |r: usize| &w[r * rb..(r + 1) * rb];
         let mut r = 0;
@@ -376,64 +379,6 @@ pub fn best() -> &'static Kernels {
         tracing::info!("kernels: chose {} (available: {})", k.isa, all.iter().map(|k| k.isa).collect::<Vec<_>>().join(", "));
         k
     })
-}
-
-/// Quantized activations of several rows, reusing their buffers across calls.
-#[derive(Default)]
-pub struct QuantAct {
-    kind: Option<ActKind>,
-    cols: usize,
-    f32: Vec<f32>,
-    b32: Vec<Block32>,
-    b256: Vec<Block256>,
-}
-
-impl QuantAct {
-    /// Quantizes `rows` rows of `cols` from `x` for weights of format `f`.
-    pub fn quantize(&mut self, f: Format, x: &[f32], rows: usize, cols: usize) {
-        self.quantize_rows(f, rows, cols, |t| &x[t * cols..(t + 1) * cols]);
-    }
-
-    /// Quantizes `rows` rows of `cols`, row `t` being `row(t)`, for weights of format `f`:
-    /// rows scattered through a larger buffer are read where they lie, not gathered first.
-    pub fn quantize_rows<'x>(&mut self, f: Format, rows: usize, cols: usize, row: impl Fn(usize) -> &'x [f32]) {
-        let kind = act_kind(f);
-        self.kind = Some(kind);
-        self.cols = cols;
-        match kind {
-            ActKind::F32 => {
-                self.f32.clear();
-                (0..rows).for_each(|t| self.f32.extend_from_slice(&row(t)[..cols]));
-            }
-            ActKind::Q8x32 => {
-                self.b32.resize(rows * cols / 32, Block32::ZERO);
-                for (t, out) in self.b32.chunks_exact_mut((cols / 32).max(1)).enumerate() {
-                    act::quantize_32(&row(t)[..cols], out);
-                }
-            }
-            ActKind::Q8x256 => {
-                self.b256.resize(rows * cols / 256, Block256::ZERO);
-                for (t, out) in self.b256.chunks_exact_mut((cols / 256).max(1)).enumerate() {
-                    act::quantize_256(&row(t)[..cols], out);
-                }
-            }
-        }
-    }
-
-    /// Interleaves the quantized rows into `tile` (for the many-token kernels).
-    pub fn build_tile(&self, tile: &mut gemm::ActTile, rows: usize) {
-        tile.build(self.kind.expect("quantize first"), &self.b32, &self.b256, rows, self.cols);
-    }
-
-    /// Row `r`.
-    pub fn row(&self, r: usize) -> ActRow<'_> {
-        let c = self.cols;
-        match self.kind.expect("quantize first") {
-            ActKind::F32 => ActRow::F32(&self.f32[r * c..(r + 1) * c]),
-            ActKind::Q8x32 => ActRow::Q32(&self.b32[r * c / 32..(r + 1) * c / 32]),
-            ActKind::Q8x256 => ActRow::Q256(&self.b256[r * c / 256..(r + 1) * c / 256]),
-        }
-    }
 }
 
 #[cfg(test)]

@@ -133,8 +133,7 @@ fn many_token_kernels_match_single_dots() {
                 let acts = data(n * cols, &mut rng);
                 let mut qa = QuantAct::default();
                 qa.quantize(f, &acts, n, cols);
-                let mut tile = gemm::ActTile::default();
-                qa.build_tile(&mut tile, n);
+                let tile = qa.tile();
                 let mut out = vec![0f32; n];
                 assert!(k.gemm_row(f, &w, &tile, &mut out));
                 for t in 0..n {
@@ -305,8 +304,7 @@ fn interleaved_group_gemm_matches_rows_taken_apart() {
             let (rows, inter, rb) = interleaved_q4_k(cols, &mut rng);
             let mut qa = QuantAct::default();
             qa.quantize(f, &data(n * cols, &mut rng), n, cols);
-            let mut tile = gemm::ActTile::default();
-            qa.build_tile(&mut tile, n);
+            let tile = qa.tile();
             for g in 0..2 {
                 let mut got = vec![0f32; 8 * n];
                 if !k.gemm_group8(f, &inter[g * 8 * rb..(g + 1) * 8 * rb], &tile, &mut got) {

@@ -3,14 +3,14 @@
 
 use super::pool::Pool;
 use smoe_kernels::gemm::{self, ActTile};
-use smoe_kernels::{Kernels, QuantAct};
+use smoe_kernels::{ActArena, Kernels};
 use smoe_quant::{Layout, QMatrix};
 use std::cell::RefCell;
 use std::sync::Mutex;
 
 thread_local! {
     /// The calling thread's buffers for one product, reused across calls (on decode's path
-    /// the only allocation per call is `matmul_many`'s short list of its prepared inputs).
+    /// the only allocations per call are `matmul_many`'s short lists of its inputs).
     static CALLER: RefCell<Caller> = RefCell::new(Caller::default());
     /// A task's outputs, row-major.
     static ROWOUT: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
@@ -27,24 +27,14 @@ struct Input {
 /// What the calling thread keeps between products.
 #[derive(Default)]
 struct Caller {
-    /// `matmul`'s quantized activations, and the same interleaved for the many-token kernels.
-    act: QuantAct,
-    tile: ActTile,
+    /// Every input of one product (or batch of products) quantized, and interleaved for the
+    /// many-token kernels, in one arena sized by the largest batch.
+    arena: ActArena,
     /// Task row ranges `(job, first, end)`.
     tasks: Vec<(usize, usize, usize)>,
-    /// `matmul_many`: each distinct input prepared once, the inputs one call needs, and which
-    /// of them each job reads.
-    inputs: Vec<Mutex<Prepared>>,
+    /// `matmul_many`: the inputs one call needs, and which of them each job reads.
     needs: Vec<Input>,
     input_of: Vec<usize>,
-}
-
-/// One input of `matmul_many`: its rows quantized and (for the many-token kernels)
-/// interleaved. Prepared by one pool task each, behind an uncontended lock.
-#[derive(Default)]
-struct Prepared {
-    act: QuantAct,
-    tile: ActTile,
 }
 
 /// Rows `r0..r1` of `w` against a tile of tokens (a format with a many-token kernel), eight
@@ -54,7 +44,7 @@ struct Prepared {
 /// ([`Kernels::scatter_tokens`]): outputs are token-major, and scattering each product to its
 /// own token row cost more than the kernel on prefill's short expert jobs.
 #[inline]
-fn gemm_rows<'o>(k: &Kernels, w: &QMatrix<'_>, r0: usize, r1: usize, tile: &ActTile, dest: impl Fn(usize) -> &'o mut [f32]) {
+fn gemm_rows<'o>(k: &Kernels, w: &QMatrix<'_>, r0: usize, r1: usize, tile: &ActTile<'_>, dest: impl Fn(usize) -> &'o mut [f32]) {
     ROWOUT.with(|buf| {
         let buf = &mut *buf.borrow_mut();
         let (n, m, rb, f) = (tile.n, r1 - r0, w.row_bytes(), w.format);
@@ -125,23 +115,23 @@ pub(crate) fn matmul(k: &Kernels, pool: &Pool, w: &QMatrix<'_>, x: &[f32], n: us
     let (m, cols) = (w.rows, w.cols);
     assert!(x.len() >= n * cols && out.len() >= n * m, "matmul buffers too small");
     CALLER.with(|c| {
-        let Caller { act, tile, tasks, .. } = &mut *c.borrow_mut();
-        act.quantize(w.format, x, n, cols);
+        let Caller { arena, tasks, .. } = &mut *c.borrow_mut();
+        let tiled = n >= 4 && k.has_gemm(w.format);
+        arena.layout(std::iter::once((w.format, n, cols, tiled)));
+        arena.parts()[0].fill(|t| &x[t * cols..(t + 1) * cols]);
         let sink = super::DisjointOut::new(&mut out[..n * m]);
         tasks.clear();
         guided_tasks(std::iter::once((m, cols * n)), pool.threads(), tasks);
-        if n >= 4 && k.has_gemm(w.format) {
+        if let Some(tile) = arena.tile(0).filter(|_| tiled) {
             // Prefill: every row against tiles of 8 interleaved tokens.
-            act.build_tile(tile, n);
-            let tile = &*tile;
             pool.run(tasks.len(), &|i| {
                 let (_, r0, r1) = tasks[i];
                 // SAFETY: this task alone computes rows r0..r1 of every token.
-                gemm_rows(k, w, r0, r1, tile, |t| unsafe { sink.range(t * m + r0, r1 - r0) });
+                gemm_rows(k, w, r0, r1, &tile, |t| unsafe { sink.range(t * m + r0, r1 - r0) });
             });
             return;
         }
-        let act = &*act;
+        let act = arena.rows(0);
         pool.run(tasks.len(), &|i| {
             let (_, r0, r1) = tasks[i];
             for t in 0..n {
@@ -164,7 +154,7 @@ pub(crate) fn matmul_many<M: Sync>(
     out_stride: usize,
 ) {
     CALLER.with(|c| {
-        let Caller { inputs, needs, input_of, tasks, .. } = &mut *c.borrow_mut();
+        let Caller { arena, needs, input_of, tasks } = &mut *c.borrow_mut();
         // The distinct inputs, and which one each job reads. A job that shares an input with
         // a format that has no many-token kernel may still need the tile for its own.
         input_of.clear();
@@ -178,18 +168,14 @@ pub(crate) fn matmul_many<M: Sync>(
             needs[idx].tiled |= j.n >= 4 && k.has_gemm(w.format);
             input_of.push(idx);
         }
-        while inputs.len() < needs.len() {
-            inputs.push(Mutex::new(Prepared::default()));
-        }
+        arena.layout(needs.iter().map(|n| (jobs[n.first_job].0.format, n.key.1, n.key.2, n.tiled)));
         // Quantizing and interleaving the inputs is a pass over every activation:
         // on the pool when there is enough of it (prefill's per-expert inputs).
+        let parts: Vec<Mutex<_>> = arena.parts().into_iter().map(Mutex::new).collect();
         let prepare = |i: usize| {
-            let (w, j) = &jobs[needs[i].first_job];
-            let p = &mut *inputs[i].lock().unwrap_or_else(|e| e.into_inner());
-            p.act.quantize_rows(w.format, j.n, w.cols, |t| &x[(j.x_row + t) * x_stride..][..w.cols]);
-            if needs[i].tiled {
-                p.act.build_tile(&mut p.tile, j.n);
-            }
+            let j = jobs[needs[i].first_job].1;
+            let p = &mut *parts[i].lock().unwrap_or_else(|e| e.into_inner());
+            p.fill(|t| &x[(j.x_row + t) * x_stride..][..needs[i].key.2]);
         };
         let prep_work: usize = needs.iter().map(|n| n.key.1 * n.key.2).sum();
         if prep_work >= 1 << 16 {
@@ -197,8 +183,8 @@ pub(crate) fn matmul_many<M: Sync>(
         } else {
             (0..needs.len()).for_each(prepare);
         }
-        let prepared: Vec<&Prepared> =
-            inputs.iter_mut().take(needs.len()).map(|m| &*m.get_mut().unwrap_or_else(|e| e.into_inner())).collect();
+        drop(parts);
+        let arena = &*arena;
         // Tasks: row chunks of every job.
         tasks.clear();
         guided_tasks(jobs.iter().map(|(w, j)| (w.rows, w.cols * j.n)), pool.threads(), tasks);
@@ -206,12 +192,13 @@ pub(crate) fn matmul_many<M: Sync>(
         pool.run(tasks.len(), &|ti| {
             let (ji, r0, r1) = tasks[ti];
             let (w, j) = &jobs[ji];
-            let (act, tile) = (&prepared[input_of[ji]].act, &prepared[input_of[ji]].tile);
+            let input = input_of[ji];
             let at = |t: usize, r: usize| (j.out_row + t) * out_stride + j.out_col + r;
-            if j.n >= 4 && k.has_gemm(w.format) {
+            if let Some(tile) = arena.tile(input).filter(|_| j.n >= 4 && k.has_gemm(w.format)) {
                 // SAFETY: this task alone computes rows r0..r1 of this job's outputs.
-                gemm_rows(k, w, r0, r1, tile, |t| unsafe { sink.range(at(t, r0), r1 - r0) });
+                gemm_rows(k, w, r0, r1, &tile, |t| unsafe { sink.range(at(t, r0), r1 - r0) });
             } else {
+                let act = arena.rows(input);
                 for t in 0..j.n {
                     // SAFETY: this task alone computes rows r0..r1 of this job's outputs.
                     dot_rows(k, w, r0, r1, act.row(t), unsafe { sink.range(at(t, r0), r1 - r0) });

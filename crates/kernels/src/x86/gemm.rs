@@ -137,7 +137,7 @@ fn unpack_q8_0(w: &[u8], bias: bool, u: &mut Unpacked) {
 fn q8_0_body<const R: usize>(
     u: &[Unpacked],
     first: usize,
-    tile: &ActTile,
+    tile: &ActTile<'_>,
     out: &mut [f32],
     dot4: impl Fn(__m256i, *const u8, *const i8) -> __m256i,
     vnni: bool,
@@ -214,7 +214,7 @@ fn with_unpacked<const R: usize, T>(w: [&[u8]; R], unpack: impl Fn(&[u8], &mut U
 /// # Safety
 /// The CPU must support AVX2, FMA, F16C, AVX-512VL and AVX-512 VNNI.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-pub unsafe fn q8_0_vnni(w: &[u8], tile: &ActTile, out: &mut [f32]) {
+pub unsafe fn q8_0_vnni(w: &[u8], tile: &ActTile<'_>, out: &mut [f32]) {
     // SAFETY (closure): the CPU features are this function's; q8_0_body passes valid pointers.
     with_unpacked(
         [w],
@@ -228,7 +228,7 @@ pub unsafe fn q8_0_vnni(w: &[u8], tile: &ActTile, out: &mut [f32]) {
 /// # Safety
 /// As [`q8_0_vnni`]; rows of equal length.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-pub unsafe fn q8_0_vnni_rows(w: [&[u8]; ROWS], tile: &ActTile, out: &mut [f32]) {
+pub unsafe fn q8_0_vnni_rows(w: [&[u8]; ROWS], tile: &ActTile<'_>, out: &mut [f32]) {
     // SAFETY (closure): as in `q8_0_vnni`.
     with_unpacked(
         w,
@@ -245,7 +245,7 @@ pub unsafe fn q8_0_vnni_rows(w: [&[u8]; ROWS], tile: &ActTile, out: &mut [f32]) 
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn q8_0_avx2(w: &[u8], tile: &ActTile, out: &mut [f32]) {
+pub unsafe fn q8_0_avx2(w: &[u8], tile: &ActTile<'_>, out: &mut [f32]) {
     // SAFETY (closure): the CPU features are this function's; q8_0_body passes valid pointers.
     with_unpacked(
         [w],
@@ -391,7 +391,7 @@ fn q4_k_body<const R: usize, const K: usize>(
     v: &Q4kRows<'_, R, K>,
     sbs: usize,
     first: usize,
-    tile: &ActTile,
+    tile: &ActTile<'_>,
     out: &mut [f32],
     acc: impl Fn(__m256i, *const u8, *const i8) -> __m256i,
     scale: impl Fn(__m256i, i32) -> __m256i,
@@ -443,7 +443,7 @@ fn q4_k_body<const R: usize, const K: usize>(
 /// The CPU must support AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn body_avx2<const R: usize, const K: usize>(v: &Q4kRows<'_, R, K>, sbs: usize, first: usize, tile: &ActTile, out: &mut [f32]) {
+unsafe fn body_avx2<const R: usize, const K: usize>(v: &Q4kRows<'_, R, K>, sbs: usize, first: usize, tile: &ActTile<'_>, out: &mut [f32]) {
     // SAFETY (closure): q4_k_body passes pointers valid for what `acc_avx2` reads.
     let acc = |p, x, y| unsafe { acc_avx2(p, x, y) };
     q4_k_body::<R, K>(v, sbs, first, tile, out, acc, |p, sc| _mm256_madd_epi16(p, _mm256_set1_epi16(sc as i16)))
@@ -455,7 +455,7 @@ unsafe fn body_avx2<const R: usize, const K: usize>(v: &Q4kRows<'_, R, K>, sbs: 
 /// The CPU must support AVX2, FMA, F16C, AVX-512VL and AVX-512 VNNI.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
 #[inline]
-unsafe fn body_vnni<const R: usize, const K: usize>(v: &Q4kRows<'_, R, K>, sbs: usize, first: usize, tile: &ActTile, out: &mut [f32]) {
+unsafe fn body_vnni<const R: usize, const K: usize>(v: &Q4kRows<'_, R, K>, sbs: usize, first: usize, tile: &ActTile<'_>, out: &mut [f32]) {
     // SAFETY (closure): q4_k_body passes pointers valid for what `dot4_vnni` reads.
     let acc = |p, x, y| unsafe { dot4_vnni(p, x, y) };
     q4_k_body::<R, K>(v, sbs, first, tile, out, acc, |p, sc| _mm256_mullo_epi32(p, _mm256_set1_epi32(sc)))
@@ -478,7 +478,7 @@ unsafe fn acc_avx2(p: __m256i, x: *const u8, y: *const i8) -> __m256i {
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn q4_k_avx2(w: &[u8], tile: &ActTile, out: &mut [f32]) {
+pub unsafe fn q4_k_avx2(w: &[u8], tile: &ActTile<'_>, out: &mut [f32]) {
     // SAFETY (closure): the CPU features are this function's; q4_k_body passes valid pointers.
     with_unpacked([w], |w, u| unpack_q4_k(w, u), |u, sbs| unsafe { body_avx2::<1, 1>(&row_view(u), sbs, 0, tile, out) })
 }
@@ -488,7 +488,7 @@ pub unsafe fn q4_k_avx2(w: &[u8], tile: &ActTile, out: &mut [f32]) {
 /// # Safety
 /// As [`q4_k_avx2`]; rows of equal length.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn q4_k_avx2_rows(w: [&[u8]; ROWS], tile: &ActTile, out: &mut [f32]) {
+pub unsafe fn q4_k_avx2_rows(w: [&[u8]; ROWS], tile: &ActTile<'_>, out: &mut [f32]) {
     // SAFETY (closure): as in `q4_k_avx2`.
     with_unpacked(w, |w, u| unpack_q4_k(w, u), |u, sbs| unsafe { body_avx2::<ROWS, 1>(&row_view(u), sbs, 0, tile, out) })
 }
@@ -498,7 +498,7 @@ pub unsafe fn q4_k_avx2_rows(w: [&[u8]; ROWS], tile: &ActTile, out: &mut [f32]) 
 /// # Safety
 /// The CPU must support AVX2, FMA, F16C, AVX-512VL and AVX-512 VNNI.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-pub unsafe fn q4_k_vnni(w: &[u8], tile: &ActTile, out: &mut [f32]) {
+pub unsafe fn q4_k_vnni(w: &[u8], tile: &ActTile<'_>, out: &mut [f32]) {
     // SAFETY (closure): the CPU features are this function's; q4_k_body passes valid pointers.
     with_unpacked([w], |w, u| unpack_q4_k(w, u), |u, sbs| unsafe { body_vnni::<1, 1>(&row_view(u), sbs, 0, tile, out) })
 }
@@ -508,7 +508,7 @@ pub unsafe fn q4_k_vnni(w: &[u8], tile: &ActTile, out: &mut [f32]) {
 /// # Safety
 /// As [`q4_k_vnni`]; rows of equal length.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-pub unsafe fn q4_k_vnni_rows(w: [&[u8]; ROWS], tile: &ActTile, out: &mut [f32]) {
+pub unsafe fn q4_k_vnni_rows(w: [&[u8]; ROWS], tile: &ActTile<'_>, out: &mut [f32]) {
     // SAFETY (closure): as in `q4_k_vnni`.
     with_unpacked(
         w,
@@ -526,7 +526,7 @@ pub unsafe fn q4_k_vnni_rows(w: [&[u8]; ROWS], tile: &ActTile, out: &mut [f32]) 
 /// # Safety
 /// As [`q4_k_avx2`]; `w` is whole super-blocks of a group of `tile.cols`.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn q4_k_avx2_group(w: &[u8], tile: &ActTile, out: &mut [f32]) {
+pub unsafe fn q4_k_avx2_group(w: &[u8], tile: &ActTile<'_>, out: &mut [f32]) {
     assert_eq!(w.len(), GROUP_BLOCK * tile.cols / 256, "q4_k_avx2_group: group and tile differ");
     // SAFETY (closure): as in `q4_k_avx2`.
     with_group(w, out, tile.n, |v, sbs, out| unsafe { body_avx2::<ROWS, GROUP>(v, sbs, 0, tile, out) })
@@ -537,7 +537,7 @@ pub unsafe fn q4_k_avx2_group(w: &[u8], tile: &ActTile, out: &mut [f32]) {
 /// # Safety
 /// As [`q4_k_vnni`]; `w` is whole super-blocks of a group of `tile.cols`.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-pub unsafe fn q4_k_vnni_group(w: &[u8], tile: &ActTile, out: &mut [f32]) {
+pub unsafe fn q4_k_vnni_group(w: &[u8], tile: &ActTile<'_>, out: &mut [f32]) {
     assert_eq!(w.len(), GROUP_BLOCK * tile.cols / 256, "q4_k_vnni_group: group and tile differ");
     // SAFETY (closure): as in `q4_k_vnni`.
     with_group(w, out, tile.n, |v, sbs, out| unsafe {

@@ -47,7 +47,7 @@ fn store2(out: &mut [f32], g: usize, n: usize, v: __m512) {
 /// `R` Q8_0 rows (unpacked, biased by +128) × whole pairs of tiles; see the module notes.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
 #[inline]
-pub(super) fn q8_0_pairs<const R: usize>(u: &[Unpacked], tile: &ActTile, out: &mut [f32]) -> usize {
+pub(super) fn q8_0_pairs<const R: usize>(u: &[Unpacked], tile: &ActTile<'_>, out: &mut [f32]) -> usize {
     let (blocks, dwords, n) = (tile.cols / 32, tile.cols / 4, tile.n);
     let pairs = tile.tiles() / 2;
     assert!(u.len() >= R && u[..R].iter().all(|u| u.q.len() >= tile.cols && u.d.len() >= blocks) && out.len() >= R * n);
@@ -88,7 +88,7 @@ pub(super) fn q8_0_pairs<const R: usize>(u: &[Unpacked], tile: &ActTile, out: &m
 /// `R` Q4_K rows (unpacked) × whole pairs of tiles; see the module notes.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
 #[inline]
-pub(super) fn q4_k_pairs<const R: usize, const K: usize>(v: &Q4kRows<'_, R, K>, sbs: usize, tile: &ActTile, out: &mut [f32]) -> usize {
+pub(super) fn q4_k_pairs<const R: usize, const K: usize>(v: &Q4kRows<'_, R, K>, sbs: usize, tile: &ActTile<'_>, out: &mut [f32]) -> usize {
     let (dwords, groups, n) = (tile.cols / 4, tile.cols / 32, tile.n);
     let pairs = tile.tiles() / 2;
     assert!(v.holds(sbs) && out.len() >= R * n && groups >= 8 * sbs);
