@@ -261,7 +261,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Synth { shape, out, vault, experts, dense, layers, seed, shard_gib, tokenizer, vocab_gguf } => {
             let tokenizer_json = match (tokenizer, vocab_gguf) {
                 (Some(p), _) => Some(std::fs::read_to_string(&p).map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?),
-                (None, Some(g)) => Some(smoe_convert::gguf::vocab::tokenizer_json(&smoe_convert::gguf::Gguf::open(&g)?.meta)?),
+                (None, Some(g)) => Some(smoe_formats::gguf::vocab::tokenizer_json(&smoe_formats::gguf::Gguf::open(&g)?.meta)?),
                 (None, None) => None,
             };
             let opts =

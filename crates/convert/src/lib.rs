@@ -2,46 +2,23 @@
 Conversion into smoe vaults.
 
 [`shatter`] turns a Hugging Face checkpoint directory (config.json, sharded safetensors,
-tokenizer files) into one vault, streaming tensor by tensor with bounded memory. The
-[`hf`] module holds every Hugging Face convention (config keys, tensor names); the
-[`safetensors`] module reads checkpoint files.
+tokenizer files) into one vault, streaming tensor by tensor with bounded memory;
+[`gguf::import::shatter_gguf`] does the same for a GGUF file, and [`gguf::export`] writes a
+vault back out as a GGUF. [`synth`] makes random-weight checkpoints of published shapes.
 
-This crate owns conversion only: the vault format is `smoe-vault`'s and the block encoders are
-`smoe-quant`'s.
+This crate writes only: reading model files (GGUF, config.json, safetensors) is
+`smoe-formats`'s, the vault format `smoe-vault`'s and the block encoders `smoe-quant`'s.
 */
 #![deny(missing_docs)]
 
 pub mod gguf;
-pub mod hf;
-pub mod safetensors;
 mod shatter;
 pub mod synth;
 
+pub use smoe_formats::{Progress, Silent};
 pub use shatter::{quantize_rows, shatter, shatter_from, ShatterOptions, ShatterReport, SourceAssets, TensorProvider};
 
 use std::path::Path;
-
-/// Progress of a long conversion, in source bytes.
-pub trait Progress: Sync {
-    /// Total bytes to process.
-    fn start(&self, total: u64);
-    /// More bytes done.
-    fn advance(&self, bytes: u64);
-    /// Something the user should know (a format fallback, an ignored tensor).
-    fn note(&self, msg: &str);
-    /// Done.
-    fn finish(&self);
-}
-
-/// A [`Progress`] that reports nothing.
-pub struct Silent;
-
-impl Progress for Silent {
-    fn start(&self, _: u64) {}
-    fn advance(&self, _: u64) {}
-    fn note(&self, _: &str) {}
-    fn finish(&self) {}
-}
 
 /// Conversion errors. Messages name the tensor or file involved.
 #[derive(Debug, thiserror::Error)]
@@ -76,14 +53,9 @@ pub enum ConvertError {
         /// The shape the config implies.
         expected: Vec<usize>,
     },
-    /// NaN or infinity in a weight.
-    #[error("tensor {tensor} holds a non-finite value at element {index}")]
-    NonFinite {
-        /// The tensor.
-        tensor: String,
-        /// Flat element index.
-        index: u64,
-    },
+    /// Reading the source failed.
+    #[error(transparent)]
+    Format(#[from] smoe_formats::FormatError),
     /// Writing the vault failed.
     #[error(transparent)]
     Vault(#[from] smoe_vault::VaultError),

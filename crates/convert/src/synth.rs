@@ -13,7 +13,7 @@
 //!
 //! Generation is deterministic in `--seed` and streams tensor by tensor with bounded memory.
 
-use crate::hf::{self, hf_expert_names, hf_name};
+use smoe_formats::hf::{self, hf_expert_names, hf_name};
 use crate::{ConvertError, Progress};
 use rayon::prelude::*;
 use serde_json::{json, Value};

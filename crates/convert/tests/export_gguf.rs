@@ -2,7 +2,8 @@
 //! gives the tensors, shapes, types and bytes of `testdata/gguf/<family>.bf16.gguf` (written by
 //! convert_hf_to_gguf.py), and the architecture metadata llama.cpp reads.
 
-use smoe_convert::gguf::{export::export, Gguf};
+use smoe_convert::gguf::export::export;
+use smoe_formats::gguf::Gguf;
 use smoe_convert::{shatter, ShatterOptions, Silent};
 use smoe_quant::Format;
 use std::os::unix::fs::FileExt;

@@ -3,7 +3,8 @@
 //! bad checkpoints fail with clear messages and never leave a vault behind.
 
 use serde_json::Value;
-use smoe_convert::{hf, safetensors::Checkpoint, shatter, ShatterOptions, Silent};
+use smoe_convert::{shatter, ShatterOptions, Silent};
+use smoe_formats::{hf, safetensors::Checkpoint};
 use smoe_quant::Format;
 use smoe_vault::{names, LayerKind, QkNorm, RopeScaling, Router, Vault};
 use std::path::{Path, PathBuf};

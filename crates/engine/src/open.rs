@@ -129,7 +129,7 @@ pub fn default_context(arch: &smoe_vault::Architecture) -> usize {
 /// A model file: a vault, or a GGUF read in place.
 enum ModelFile {
     Vault(Box<Vault>),
-    Gguf(Box<smoe_convert::gguf::import::GgufModel>),
+    Gguf(Box<smoe_formats::gguf::GgufModel>),
 }
 
 /// Whether `path` starts with GGUF's magic.
@@ -143,7 +143,7 @@ impl ModelFile {
     fn open(path: &Path) -> Result<ModelFile, EngineError> {
         if is_gguf(path) {
             let g =
-                smoe_convert::gguf::import::GgufModel::open(path).map_err(|e| EngineError::Model(format!("{}: {e}", path.display())))?;
+                smoe_formats::gguf::GgufModel::open(path).map_err(|e| EngineError::Model(format!("{}: {e}", path.display())))?;
             return Ok(ModelFile::Gguf(Box::new(g)));
         }
         Ok(ModelFile::Vault(Box::new(Vault::open(path)?)))
@@ -159,7 +159,8 @@ impl ModelFile {
     fn expert_map(&self) -> Result<ExpertMap, EngineError> {
         match self {
             ModelFile::Vault(v) => Ok(ExpertMap::of_vault(v)?),
-            ModelFile::Gguf(g) => g.expert_map().map_err(|e| EngineError::Model(e.to_string())),
+            ModelFile::Gguf(g) => ExpertMap::stacked(g.gguf.paths.clone(), g.arch.moe_layers(), g.arch.moe.num_experts, &g.experts)
+                .map_err(|e| EngineError::Model(e.to_string())),
         }
     }
 
@@ -175,7 +176,7 @@ impl ModelFile {
         match self {
             ModelFile::Vault(v) => Ok((v.manifest().clone(), v.read_dense_region()?)),
             ModelFile::Gguf(g) => {
-                let (dense, region) = g.dense_region(&smoe_convert::Silent).map_err(|e| EngineError::Model(e.to_string()))?;
+                let (dense, region) = g.dense_region(&smoe_formats::Silent).map_err(|e| EngineError::Model(e.to_string()))?;
                 let mut m = g.manifest();
                 m.dense = dense;
                 Ok((m, region))

@@ -65,7 +65,7 @@ fn llama_cpp_ggufs_import_and_run_in_place() {
             check(&e.model, &r, &format!("{family}.{kind} in place"));
             // Shattered: a vault with the same blocks.
             let out = dir.path().join(format!("{family}.{kind}.smoe"));
-            smoe_convert::gguf::import::shatter_gguf(&file, &out, &smoe_convert::Silent).unwrap();
+            smoe_convert::gguf::import::shatter_gguf(&file, &out, &smoe_formats::Silent).unwrap();
             smoe_vault::Vault::open(&out).unwrap().verify(&mut |_| {}).unwrap();
             let e = engine(&out, CacheSize::Resident);
             check(&e.model, &r, &format!("{family}.{kind} shattered"));
@@ -95,7 +95,7 @@ fn llama_cpp_split_sets_import_and_run_in_place() {
     assert_eq!(a, b, "a split set computes exactly what the single file does");
     let out = tempfile::tempdir().unwrap();
     let vault = out.path().join("split.smoe");
-    smoe_convert::gguf::import::shatter_gguf(&first, &vault, &smoe_convert::Silent).unwrap();
+    smoe_convert::gguf::import::shatter_gguf(&first, &vault, &smoe_formats::Silent).unwrap();
     check(&engine(&vault, CacheSize::Resident).model, &r, "split set shattered");
     // A missing part is named.
     let lonely = out.path().join("m-00001-of-00004.gguf");
@@ -112,9 +112,9 @@ fn export_then_import_gives_identical_tensors() {
     {
         let src = vault(family, experts, Format::Q8_0);
         let g = dir.path().join(format!("{family}.gguf"));
-        smoe_convert::gguf::export::export(&src, &g, &smoe_convert::Silent).unwrap();
+        smoe_convert::gguf::export::export(&src, &g, &smoe_formats::Silent).unwrap();
         let back = dir.path().join(format!("{family}.back.smoe"));
-        smoe_convert::gguf::import::shatter_gguf(&g, &back, &smoe_convert::Silent).unwrap();
+        smoe_convert::gguf::import::shatter_gguf(&g, &back, &smoe_formats::Silent).unwrap();
         let (a, b) = (smoe_vault::Vault::open(&src).unwrap(), smoe_vault::Vault::open(&back).unwrap());
         assert_eq!(a.architecture(), b.architecture(), "{family}: architecture");
         for d in &a.manifest().dense {
@@ -142,7 +142,7 @@ fn bad_ggufs_are_refused_clearly() {
     let src = std::fs::read(gguf("qwen3_moe.q8_0.gguf")).unwrap();
     let cut = dir.path().join("cut.gguf");
     std::fs::write(&cut, &src[..src.len() / 2]).unwrap();
-    let err = smoe_convert::gguf::import::GgufModel::open(&cut).err().expect("a truncated GGUF must fail").to_string();
+    let err = smoe_formats::gguf::GgufModel::open(&cut).err().expect("a truncated GGUF must fail").to_string();
     assert!(err.contains("past the end"), "{err}");
     // An unsupported tensor type is named with its tensor.
     let mut bad = src.clone();
@@ -153,7 +153,7 @@ fn bad_ggufs_are_refused_clearly() {
     bad[ty..ty + 4].copy_from_slice(&23u32.to_le_bytes()); // IQ4_XS
     let p = dir.path().join("iq.gguf");
     std::fs::write(&p, &bad).unwrap();
-    let err = match smoe_convert::gguf::import::GgufModel::open(&p) {
+    let err = match smoe_formats::gguf::GgufModel::open(&p) {
         Ok(_) => panic!("IQ4_XS must be refused"),
         Err(e) => e.to_string(),
     };

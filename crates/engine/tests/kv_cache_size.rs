@@ -1,7 +1,8 @@
 //! KV-cache values per token for full-size published shapes, as stored (latent for MLA, kv
 //! heads for GQA) vs. a naive full K/V cache; the numbers in docs/kv-cache.md.
 
-use smoe_convert::{hf, synth};
+use smoe_convert::synth;
+use smoe_formats::hf;
 use smoe_engine::{kv_values_per_token, naive_kv_values_per_token};
 
 fn arch(shape: &str) -> smoe_vault::Architecture {

@@ -1,7 +1,7 @@
 //! Hugging Face checkpoint conventions: config.json → [`Architecture`], canonical tensor names →
 //! checkpoint tensor names, and the tokenizer / generation files.
 
-use crate::ConvertError;
+use crate::FormatError;
 use serde_json::Value;
 use smoe_vault::{
     names, Architecture, Family, GenerationDefaults, LayerKind, Mla, Moe, QkNorm, Rope, RopeScaling, Router, SharedExperts, TextAssets,
@@ -9,9 +9,9 @@ use smoe_vault::{
 use std::path::Path;
 
 /// Reads a JSON file.
-pub fn read_json(path: &Path) -> Result<Value, ConvertError> {
-    let text = std::fs::read_to_string(path).map_err(|e| ConvertError::io(path, e))?;
-    serde_json::from_str(&text).map_err(|e| ConvertError::BadInput(format!("{}: {e}", path.display())))
+pub fn read_json(path: &Path) -> Result<Value, FormatError> {
+    let text = std::fs::read_to_string(path).map_err(|e| FormatError::io(path, e))?;
+    serde_json::from_str(&text).map_err(|e| FormatError::BadInput(format!("{}: {e}", path.display())))
 }
 
 struct Cfg<'a>(&'a Value);
@@ -20,43 +20,43 @@ impl Cfg<'_> {
     fn get(&self, k: &str) -> Option<&Value> {
         self.0.get(k).filter(|v| !v.is_null())
     }
-    fn usize(&self, k: &str) -> Result<usize, ConvertError> {
-        self.opt_usize(k)?.ok_or_else(|| ConvertError::BadInput(format!("config.json: missing {k}")))
+    fn usize(&self, k: &str) -> Result<usize, FormatError> {
+        self.opt_usize(k)?.ok_or_else(|| FormatError::BadInput(format!("config.json: missing {k}")))
     }
-    fn opt_usize(&self, k: &str) -> Result<Option<usize>, ConvertError> {
+    fn opt_usize(&self, k: &str) -> Result<Option<usize>, FormatError> {
         match self.get(k) {
             None => Ok(None),
             Some(v) => v
                 .as_u64()
                 .map(|x| Some(x as usize))
-                .ok_or_else(|| ConvertError::BadInput(format!("config.json: {k} is not a non-negative integer"))),
+                .ok_or_else(|| FormatError::BadInput(format!("config.json: {k} is not a non-negative integer"))),
         }
     }
-    fn f64_or(&self, k: &str, d: f64) -> Result<f64, ConvertError> {
+    fn f64_or(&self, k: &str, d: f64) -> Result<f64, FormatError> {
         match self.get(k) {
             None => Ok(d),
-            Some(v) => v.as_f64().ok_or_else(|| ConvertError::BadInput(format!("config.json: {k} is not a number"))),
+            Some(v) => v.as_f64().ok_or_else(|| FormatError::BadInput(format!("config.json: {k} is not a number"))),
         }
     }
-    fn bool_or(&self, k: &str, d: bool) -> Result<bool, ConvertError> {
+    fn bool_or(&self, k: &str, d: bool) -> Result<bool, FormatError> {
         match self.get(k) {
             None => Ok(d),
-            Some(v) => v.as_bool().ok_or_else(|| ConvertError::BadInput(format!("config.json: {k} is not a boolean"))),
+            Some(v) => v.as_bool().ok_or_else(|| FormatError::BadInput(format!("config.json: {k} is not a boolean"))),
         }
     }
 }
 
 /// Maps a config.json onto the architecture description.
-pub fn architecture_from_config(cfg: &Value) -> Result<Architecture, ConvertError> {
+pub fn architecture_from_config(cfg: &Value) -> Result<Architecture, FormatError> {
     let c = Cfg(cfg);
     let model_type = c.get("model_type").and_then(|v| v.as_str()).unwrap_or("<missing>");
     let family = Family::from_model_type(model_type).ok_or_else(|| {
         let known: Vec<_> = Family::ALL.iter().map(|f| f.model_type()).collect();
-        ConvertError::Unsupported(format!("model_type '{model_type}' is not supported; supported: {}", known.join(", ")))
+        FormatError::Unsupported(format!("model_type '{model_type}' is not supported; supported: {}", known.join(", ")))
     })?;
     let act = c.get("hidden_act").and_then(|v| v.as_str()).unwrap_or("silu");
     if act != "silu" {
-        return Err(ConvertError::Unsupported(format!("hidden_act '{act}' (only silu)")));
+        return Err(FormatError::Unsupported(format!("hidden_act '{act}' (only silu)")));
     }
     let hidden = c.usize("hidden_size")?;
     let num_layers = c.usize("num_hidden_layers")?;
@@ -67,7 +67,7 @@ pub fn architecture_from_config(cfg: &Value) -> Result<Architecture, ConvertErro
     let rope_params = c.get("rope_parameters").cloned().unwrap_or(Value::Null);
     let rp = Cfg(&rope_params);
     let theta = match rp.get("rope_theta") {
-        Some(v) => v.as_f64().ok_or_else(|| ConvertError::BadInput("rope_parameters.rope_theta is not a number".into()))?,
+        Some(v) => v.as_f64().ok_or_else(|| FormatError::BadInput("rope_parameters.rope_theta is not a number".into()))?,
         None => c.f64_or("rope_theta", 10000.0)?,
     };
     let partial = match rp.get("partial_rotary_factor") {
@@ -143,7 +143,7 @@ pub fn architecture_from_config(cfg: &Value) -> Result<Architecture, ConvertErro
             arch.dense_intermediate_size = 0;
             if let Some(w) = c.opt_usize("sliding_window")? {
                 if w < arch.max_position_embeddings {
-                    return Err(ConvertError::Unsupported(format!("mixtral sliding_window {w} (only full attention)")));
+                    return Err(FormatError::Unsupported(format!("mixtral sliding_window {w} (only full attention)")));
                 }
             }
         }
@@ -154,7 +154,7 @@ pub fn architecture_from_config(cfg: &Value) -> Result<Architecture, ConvertErro
             arch.qk_norm = QkNorm::WholeProjection;
             arch.qkv_bias = c.bool_or("attention_bias", false)?;
             if c.get("clip_qkv").is_some() {
-                return Err(ConvertError::Unsupported("olmoe clip_qkv".into()));
+                return Err(FormatError::Unsupported("olmoe clip_qkv".into()));
             }
         }
         Family::Glm4Moe | Family::DeepseekV3 => {
@@ -182,12 +182,12 @@ pub fn architecture_from_config(cfg: &Value) -> Result<Architecture, ConvertErro
                 for (k, want) in [("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")] {
                     if let Some(v) = c.get(k).and_then(|v| v.as_str()) {
                         if v != want {
-                            return Err(ConvertError::Unsupported(format!("deepseek {k} '{v}' (only '{want}', as DeepSeek-V3)")));
+                            return Err(FormatError::Unsupported(format!("deepseek {k} '{v}' (only '{want}', as DeepSeek-V3)")));
                         }
                     }
                 }
                 if c.bool_or("attention_bias", false)? {
-                    return Err(ConvertError::Unsupported("deepseek_v3 attention_bias".into()));
+                    return Err(FormatError::Unsupported("deepseek_v3 attention_bias".into()));
                 }
                 let mla = Mla {
                     q_lora_rank: c.opt_usize("q_lora_rank")?,
@@ -206,11 +206,11 @@ pub fn architecture_from_config(cfg: &Value) -> Result<Architecture, ConvertErro
         }
     }
     arch.moe = moe;
-    arch.validate().map_err(|e| ConvertError::BadInput(format!("config.json: {e}")))?;
+    arch.validate().map_err(|e| FormatError::BadInput(format!("config.json: {e}")))?;
     Ok(arch)
 }
 
-fn rope_scaling(v: Option<&Value>, max_pos: Option<usize>) -> Result<RopeScaling, ConvertError> {
+fn rope_scaling(v: Option<&Value>, max_pos: Option<usize>) -> Result<RopeScaling, FormatError> {
     let Some(v) = v.filter(|v| v.is_object()) else {
         return Ok(RopeScaling::None);
     };
@@ -221,7 +221,7 @@ fn rope_scaling(v: Option<&Value>, max_pos: Option<usize>) -> Result<RopeScaling
         "linear" => Ok(RopeScaling::Linear { factor: c.f64_or("factor", 1.0)? }),
         "yarn" => {
             let orig = c.opt_usize("original_max_position_embeddings")?.or(max_pos).ok_or_else(|| {
-                ConvertError::BadInput("yarn rope scaling without original_max_position_embeddings".into())
+                FormatError::BadInput("yarn rope scaling without original_max_position_embeddings".into())
             })?;
             Ok(RopeScaling::Yarn {
                 factor: c.f64_or("factor", 1.0)?,
@@ -234,7 +234,7 @@ fn rope_scaling(v: Option<&Value>, max_pos: Option<usize>) -> Result<RopeScaling
                 truncate: c.bool_or("truncate", true)?,
             })
         }
-        other => Err(ConvertError::Unsupported(format!(
+        other => Err(FormatError::Unsupported(format!(
             "rope scaling type '{other}' is not implemented (supported: default, linear, yarn); refusing rather than running with wrong positions"
         ))),
     }
@@ -309,11 +309,11 @@ pub fn is_ignored(name: &str, arch: &Architecture) -> bool {
 }
 
 /// Tokenizer, chat template and special tokens from the checkpoint directory.
-pub fn text_assets(dir: &Path) -> Result<TextAssets, ConvertError> {
+pub fn text_assets(dir: &Path) -> Result<TextAssets, FormatError> {
     let tok_path = dir.join("tokenizer.json");
     let tokenizer_json = std::fs::read_to_string(&tok_path)
-        .map_err(|e| ConvertError::BadInput(format!("{}: {e} (a tokenizer.json is required)", tok_path.display())))?;
-    serde_json::from_str::<Value>(&tokenizer_json).map_err(|e| ConvertError::BadInput(format!("{}: {e}", tok_path.display())))?;
+        .map_err(|e| FormatError::BadInput(format!("{}: {e} (a tokenizer.json is required)", tok_path.display())))?;
+    serde_json::from_str::<Value>(&tokenizer_json).map_err(|e| FormatError::BadInput(format!("{}: {e}", tok_path.display())))?;
     let cfg_path = dir.join("tokenizer_config.json");
     let cfg = if cfg_path.exists() { read_json(&cfg_path)? } else { Value::Null };
     let token = |k: &str| match cfg.get(k) {
@@ -323,7 +323,7 @@ pub fn text_assets(dir: &Path) -> Result<TextAssets, ConvertError> {
     };
     let jinja = dir.join("chat_template.jinja");
     let chat_template = if jinja.exists() {
-        Some(std::fs::read_to_string(&jinja).map_err(|e| ConvertError::io(&jinja, e))?)
+        Some(std::fs::read_to_string(&jinja).map_err(|e| FormatError::io(&jinja, e))?)
     } else {
         match cfg.get("chat_template") {
             Some(Value::String(s)) => Some(s.clone()),
@@ -355,7 +355,7 @@ fn ids(v: Option<&Value>) -> Vec<u32> {
 }
 
 /// Generation defaults from generation_config.json, falling back on config.json for ids.
-pub fn generation_defaults(dir: &Path, config: &Value) -> Result<GenerationDefaults, ConvertError> {
+pub fn generation_defaults(dir: &Path, config: &Value) -> Result<GenerationDefaults, FormatError> {
     let p = dir.join("generation_config.json");
     let g = if p.exists() { read_json(&p)? } else { Value::Null };
     let mut eos = ids(g.get("eos_token_id"));

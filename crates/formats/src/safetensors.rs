@@ -4,7 +4,7 @@
 //! range of rows at a time, so converting a checkpoint never needs more memory than the rows
 //! being quantized.
 
-use crate::ConvertError;
+use crate::FormatError;
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -72,16 +72,16 @@ impl TensorInfo {
     }
 
     /// Reads rows `[start, start + n)` as f32 into `out` (`n * cols` long).
-    pub fn read_rows_f32(&self, start: usize, n: usize, raw: &mut Vec<u8>, out: &mut [f32]) -> Result<(), ConvertError> {
+    pub fn read_rows_f32(&self, start: usize, n: usize, raw: &mut Vec<u8>, out: &mut [f32]) -> Result<(), FormatError> {
         let cols = self.cols();
         let es = self.dtype.size();
         if start + n > self.rows() || out.len() != n * cols {
-            return Err(ConvertError::Internal(format!("{}: row range out of bounds", self.name)));
+            return Err(FormatError::Internal(format!("{}: row range out of bounds", self.name)));
         }
         raw.resize(n * cols * es, 0);
         self.file
             .read_exact_at(raw, self.offset + (start * cols * es) as u64)
-            .map_err(|e| ConvertError::Io { path: self.path.display().to_string(), source: e })?;
+            .map_err(|e| FormatError::Io { path: self.path.display().to_string(), source: e })?;
         match self.dtype {
             DType::F32 => {
                 for (o, c) in out.iter_mut().zip(raw.chunks_exact(4)) {
@@ -105,13 +105,13 @@ impl TensorInfo {
             }
         }
         if let Some(bad) = out.iter().position(|v| !v.is_finite()) {
-            return Err(ConvertError::NonFinite { tensor: self.name.clone(), index: (start * cols + bad) as u64 });
+            return Err(FormatError::NonFinite { tensor: self.name.clone(), index: (start * cols + bad) as u64 });
         }
         Ok(())
     }
 
     /// Reads the whole tensor as f32.
-    pub fn read_f32(&self) -> Result<Vec<f32>, ConvertError> {
+    pub fn read_f32(&self) -> Result<Vec<f32>, FormatError> {
         let mut out = vec![0f32; self.rows() * self.cols()];
         self.read_rows_f32(0, self.rows(), &mut Vec::new(), &mut out)?;
         Ok(out)
@@ -143,23 +143,23 @@ pub struct Checkpoint {
 
 impl Checkpoint {
     /// Opens `model.safetensors.index.json` (sharded) or the single `*.safetensors` file(s) in `dir`.
-    pub fn open(dir: &Path) -> Result<Checkpoint, ConvertError> {
+    pub fn open(dir: &Path) -> Result<Checkpoint, FormatError> {
         let index = dir.join("model.safetensors.index.json");
         let files: Vec<PathBuf> = if index.exists() {
-            let text = std::fs::read_to_string(&index).map_err(|e| ConvertError::io(&index, e))?;
+            let text = std::fs::read_to_string(&index).map_err(|e| FormatError::io(&index, e))?;
             let v: serde_json::Value =
-                serde_json::from_str(&text).map_err(|e| ConvertError::BadInput(format!("{}: {e}", index.display())))?;
+                serde_json::from_str(&text).map_err(|e| FormatError::BadInput(format!("{}: {e}", index.display())))?;
             let map = v
                 .get("weight_map")
                 .and_then(|m| m.as_object())
-                .ok_or_else(|| ConvertError::BadInput(format!("{}: no weight_map", index.display())))?;
+                .ok_or_else(|| FormatError::BadInput(format!("{}: no weight_map", index.display())))?;
             let mut files: Vec<String> = map.values().filter_map(|f| f.as_str().map(str::to_string)).collect();
             files.sort();
             files.dedup();
             files.into_iter().map(|f| dir.join(f)).collect()
         } else {
             let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-                .map_err(|e| ConvertError::io(dir, e))?
+                .map_err(|e| FormatError::io(dir, e))?
                 .filter_map(|e| e.ok().map(|e| e.path()))
                 .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
                 .collect();
@@ -167,13 +167,13 @@ impl Checkpoint {
             files
         };
         if files.is_empty() {
-            return Err(ConvertError::BadInput(format!("no *.safetensors files in {}", dir.display())));
+            return Err(FormatError::BadInput(format!("no *.safetensors files in {}", dir.display())));
         }
         let mut tensors = BTreeMap::new();
         for f in files {
             for t in read_header(&f)? {
                 if let Some(prev) = tensors.insert(t.name.clone(), t) {
-                    return Err(ConvertError::BadInput(format!("tensor {} appears in more than one shard", prev.name)));
+                    return Err(FormatError::BadInput(format!("tensor {} appears in more than one shard", prev.name)));
                 }
             }
         }
@@ -187,10 +187,10 @@ impl Checkpoint {
 }
 
 /// Parses one safetensors file's header.
-pub fn read_header(path: &Path) -> Result<Vec<TensorInfo>, ConvertError> {
-    let file = File::open(path).map_err(|e| ConvertError::io(path, e))?;
-    let file_len = file.metadata().map_err(|e| ConvertError::io(path, e))?.len();
-    let bad = |m: String| ConvertError::BadInput(format!("{}: {m}", path.display()));
+pub fn read_header(path: &Path) -> Result<Vec<TensorInfo>, FormatError> {
+    let file = File::open(path).map_err(|e| FormatError::io(path, e))?;
+    let file_len = file.metadata().map_err(|e| FormatError::io(path, e))?.len();
+    let bad = |m: String| FormatError::BadInput(format!("{}: {m}", path.display()));
     let mut n = [0u8; 8];
     file.read_exact_at(&mut n, 0).map_err(|_| bad("too short for a safetensors header".into()))?;
     let n = u64::from_le_bytes(n);
@@ -198,7 +198,7 @@ pub fn read_header(path: &Path) -> Result<Vec<TensorInfo>, ConvertError> {
         return Err(bad(format!("header length {n} is impossible")));
     }
     let mut header = vec![0u8; n as usize];
-    file.read_exact_at(&mut header, 8).map_err(|e| ConvertError::io(path, e))?;
+    file.read_exact_at(&mut header, 8).map_err(|e| FormatError::io(path, e))?;
     let v: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&header).map_err(|e| bad(format!("header JSON: {e}")))?;
     let file = Arc::new(file);
     let pathbuf = Arc::new(path.to_path_buf());

@@ -2,7 +2,7 @@
 //! `.inp` string of the real qwen2, llama-bpe, deepseek-llm and gpt-2 vocabularies must give
 //! exactly the `.out` ids.
 
-use smoe_convert::gguf::{vocab, Gguf};
+use smoe_formats::gguf::{vocab, Gguf};
 use std::path::Path;
 
 fn cases(name: &str) -> Vec<(String, Vec<u32>)> {

@@ -7,7 +7,7 @@
 
 use crate::{ExpertView, StoreError};
 use smoe_quant::{Format, Layout, QMatrix};
-use smoe_vault::{PartEntry, Vault};
+use smoe_vault::{PartEntry, StackedPart, Vault};
 use std::path::PathBuf;
 
 /// One read per expert: `len` bytes at `base + expert * stride` of file `file`.
@@ -142,6 +142,20 @@ impl ExpertMap {
             slot_offsets.push(offs);
         }
         Ok(ExpertMap { files, align, moe_layers, num_experts, layers, slot_offsets, slot_size, interleave: false })
+    }
+
+    /// The map of experts stored stacked (a GGUF read in place): three reads per expert,
+    /// straight from the stacked tensors, each rounded out to the 4096-byte O_DIRECT alignment.
+    pub fn stacked(files: Vec<PathBuf>, moe_layers: Vec<usize>, num_experts: usize, layers: &[[StackedPart; 3]]) -> Result<ExpertMap, StoreError> {
+        let layers = layers
+            .iter()
+            .map(|l| {
+                let extents = l.iter().map(|p| Extent { file: p.file, base: p.offset, stride: p.bytes, len: p.bytes }).collect();
+                let part = |i: usize| Part { format: l[i].format, rows: l[i].rows, cols: l[i].cols, extent: i, offset: 0, len: l[i].bytes };
+                LayerMap { extents, parts: [part(0), part(1), part(2)], checksums: None }
+            })
+            .collect();
+        ExpertMap::new(files, 4096, moe_layers, num_experts, layers)
     }
 
     /// The map of a vault: one blob per expert, checksummed.

@@ -19,6 +19,7 @@ pub mod hugepages;
 pub mod manifest;
 pub mod names;
 mod reader;
+mod stacked;
 mod writer;
 
 pub use arch::{Architecture, Family, LayerKind, Mla, Moe, QkNorm, Rope, RopeScaling, Router, SharedExperts};
@@ -26,6 +27,7 @@ pub use header::Header;
 pub use manifest::{DenseEntry, ExpertIndex, ExpertLayer, GenerationDefaults, Manifest, PartEntry, TextAssets};
 pub use reader::{BlobLocation, Vault};
 pub use smoe_quant::Format;
+pub use stacked::StackedPart;
 pub use writer::{layout_blob, VaultWriter};
 
 use std::path::Path;

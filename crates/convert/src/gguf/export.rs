@@ -1,9 +1,10 @@
 //! `smoe export-gguf`: a vault as a GGUF file llama.cpp loads, with the vault's quantized blocks
 //! copied bit for bit, so both engines compute on identical numbers.
 
-use super::names::{arch_name, expert_tensor, llama_qk_permutation, tensor_name};
-use super::vocab::gguf_tokenizer;
-use super::{TensorDecl, Value, Writer};
+use super::{TensorDecl, Writer};
+use smoe_formats::gguf::names::{arch_name, expert_tensor, llama_qk_permutation, tensor_name};
+use smoe_formats::gguf::vocab::gguf_tokenizer;
+use smoe_formats::gguf::Value;
 use crate::{ConvertError, Progress};
 use smoe_quant::Format;
 use smoe_vault::{names, Architecture, Family, LayerKind, QkNorm, RopeScaling, Router, Vault};

@@ -5,9 +5,10 @@
 
 use super::names::{expert_tensor, invert, llama_qk_permutation, tensor_name};
 use super::{vocab, Gguf, TensorInfo, Value};
-use crate::{ConvertError, Progress, ShatterReport};
+use crate::{FormatError, Progress};
 use serde_json::{json, Map, Value as Json};
 use smoe_quant::Format;
+pub use smoe_vault::StackedPart;
 use smoe_vault::{names, Architecture, DenseEntry, Family, GenerationDefaults, Manifest, TextAssets};
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -48,23 +49,6 @@ impl DenseSpec {
     }
 }
 
-/// One stacked expert tensor: every expert's `[rows, cols]` matrix, one after the other.
-#[derive(Clone, Debug)]
-pub struct StackedPart {
-    /// File of the split set.
-    pub file: usize,
-    /// Offset of expert 0.
-    pub offset: u64,
-    /// Bytes per expert.
-    pub bytes: u64,
-    /// Format.
-    pub format: Format,
-    /// Rows per expert.
-    pub rows: usize,
-    /// Columns.
-    pub cols: usize,
-}
-
 /// A GGUF opened as a model.
 pub struct GgufModel {
     /// The parsed file(s).
@@ -100,12 +84,12 @@ fn meta_f(g: &Gguf, k: &str) -> Option<f64> {
 
 /// The config.json that transformers would have for this GGUF, built from its metadata; the
 /// architecture then comes from the same code that reads real config.json files.
-fn config_from_metadata(g: &Gguf) -> Result<Json, ConvertError> {
+fn config_from_metadata(g: &Gguf) -> Result<Json, FormatError> {
     let arch = g.get("general.architecture").and_then(Value::as_str).unwrap_or("<missing>").to_string();
     let key = |k: &str| format!("{arch}.{k}");
     let u = |k: &str| meta_u(g, &key(k));
     let f = |k: &str| meta_f(g, &key(k));
-    let req = |k: &str| u(k).ok_or_else(|| ConvertError::BadInput(format!("GGUF metadata has no {}", key(k))));
+    let req = |k: &str| u(k).ok_or_else(|| FormatError::BadInput(format!("GGUF metadata has no {}", key(k))));
     let has = |name: &str| g.tensor(name).is_some();
     let experts = u("expert_count").unwrap_or(0);
     let model_type = match arch.as_str() {
@@ -115,19 +99,19 @@ fn config_from_metadata(g: &Gguf) -> Result<Json, ConvertError> {
         "olmoe" => "olmoe",
         "glm4moe" => "glm4_moe",
         "deepseek2" => "deepseek_v3",
-        "llama" => return Err(ConvertError::Unsupported("a llama GGUF without experts is a dense model; smoe runs MoE models".into())),
+        "llama" => return Err(FormatError::Unsupported("a llama GGUF without experts is a dense model; smoe runs MoE models".into())),
         other => {
-            return Err(ConvertError::Unsupported(format!(
+            return Err(FormatError::Unsupported(format!(
                 "GGUF architecture '{other}' is not supported; supported: qwen3moe, qwen2moe, llama (Mixtral), olmoe, glm4moe, deepseek2"
             )))
         }
     };
     let nextn = u("nextn_predict_layers").unwrap_or(0);
     let layers =
-        req("block_count")?.checked_sub(nextn).ok_or_else(|| ConvertError::BadInput("block_count < nextn_predict_layers".into()))?;
+        req("block_count")?.checked_sub(nextn).ok_or_else(|| FormatError::BadInput("block_count < nextn_predict_layers".into()))?;
     let hidden = req("embedding_length")?;
     let heads = req("attention.head_count")?;
-    let embd = g.tensor("token_embd.weight").ok_or_else(|| ConvertError::BadInput("no token_embd.weight".into()))?;
+    let embd = g.tensor("token_embd.weight").ok_or_else(|| FormatError::BadInput("no token_embd.weight".into()))?;
     let mut c = Map::new();
     c.insert("model_type".into(), model_type.into());
     c.insert("hidden_size".into(), hidden.into());
@@ -213,7 +197,7 @@ fn config_from_metadata(g: &Gguf) -> Result<Json, ConvertError> {
                 None => (0..layers).any(|l| has(&format!("blk.{l}.exp_probs_b.bias"))),
             };
             if !sigmoid {
-                return Err(ConvertError::Unsupported(format!(
+                return Err(FormatError::Unsupported(format!(
                     "{arch} with softmax expert gating (DeepSeek-V2 style) is not supported; smoe runs the sigmoid router of DeepSeek-V3 and GLM-4.5"
                 )));
             }
@@ -249,7 +233,7 @@ fn config_from_metadata(g: &Gguf) -> Result<Json, ConvertError> {
 }
 
 /// eos/bos ids, the tokenizer's special strings and sampling defaults from the metadata.
-fn text_and_generation(g: &Gguf) -> Result<(TextAssets, GenerationDefaults), ConvertError> {
+fn text_and_generation(g: &Gguf) -> Result<(TextAssets, GenerationDefaults), FormatError> {
     let tokenizer_json = vocab::tokenizer_json(&g.meta)?;
     let tokens = g.get("tokenizer.ggml.tokens").and_then(Value::as_array).unwrap_or(&[]);
     let token = |id: Option<usize>| id.and_then(|i| tokens.get(i)).and_then(Value::as_str).map(str::to_string);
@@ -286,13 +270,13 @@ fn text_and_generation(g: &Gguf) -> Result<(TextAssets, GenerationDefaults), Con
 impl GgufModel {
     /// Opens `path` (the first file of a split set opens all of them) and maps everything,
     /// reading only metadata.
-    pub fn open(path: &Path) -> Result<GgufModel, ConvertError> {
+    pub fn open(path: &Path) -> Result<GgufModel, FormatError> {
         let gguf = Gguf::open(path)?;
         let config = config_from_metadata(&gguf)?;
         let arch = crate::hf::architecture_from_config(&config)?;
         let (text, generation) = text_and_generation(&gguf)?;
         let index: BTreeMap<&str, usize> = gguf.tensors.iter().enumerate().map(|(i, t)| (t.name.as_str(), i)).collect();
-        let find = |name: &str| index.get(name).copied().ok_or_else(|| ConvertError::BadInput(format!("GGUF has no tensor {name}")));
+        let find = |name: &str| index.get(name).copied().ok_or_else(|| FormatError::BadInput(format!("GGUF has no tensor {name}")));
         let mut used = vec![false; gguf.tensors.len()];
         let mut dense = Vec::new();
         for spec in names::dense_tensors(&arch) {
@@ -316,12 +300,12 @@ impl GgufModel {
                 continue;
             }
             let name =
-                tensor_name(arch.family, &spec.name).ok_or_else(|| ConvertError::Internal(format!("no GGUF name for {}", spec.name)))?;
+                tensor_name(arch.family, &spec.name).ok_or_else(|| FormatError::Internal(format!("no GGUF name for {}", spec.name)))?;
             let t = match index.get(name.as_str()) {
                 Some(&t) => t,
                 // A tied model has no output.weight; the engine then uses the embedding.
                 None if spec.name == "lm_head" && arch.tie_word_embeddings => continue,
-                None => return Err(ConvertError::BadInput(format!("GGUF has no tensor {name} (for {})", spec.name))),
+                None => return Err(FormatError::BadInput(format!("GGUF has no tensor {name} (for {})", spec.name))),
             };
             used[t] = true;
             let qk = arch.family == Family::Mixtral && (spec.name.ends_with("attn.q") || spec.name.ends_with("attn.k"));
@@ -344,7 +328,7 @@ impl GgufModel {
                 let t = &gguf.tensors[i];
                 let want = [shape[1] as u64, shape[0] as u64, arch.moe.num_experts as u64];
                 if t.dims != want {
-                    return Err(ConvertError::BadInput(format!("{name} has dims {:?}, expected {want:?}", t.dims)));
+                    return Err(FormatError::BadInput(format!("{name} has dims {:?}, expected {want:?}", t.dims)));
                 }
                 let format = t.format()?;
                 let bytes = t.len()? / arch.moe.num_experts as u64;
@@ -366,13 +350,13 @@ impl GgufModel {
     }
 
     /// Bytes of one dense tensor in its vault layout.
-    pub fn read_dense(&self, d: &DenseSpec) -> Result<Vec<u8>, ConvertError> {
+    pub fn read_dense(&self, d: &DenseSpec) -> Result<Vec<u8>, FormatError> {
         match &d.source {
             Source::Copy(t) => self.read_tensor(&self.gguf.tensors[*t]),
             Source::Rows { tensor, rows } => {
                 let t = &self.gguf.tensors[*tensor];
                 let data = self.read_tensor(t)?;
-                let rb = t.format()?.row_bytes(t.cols()).map_err(|e| ConvertError::BadInput(format!("{}: {e}", t.name)))?;
+                let rb = t.format()?.row_bytes(t.cols()).map_err(|e| FormatError::BadInput(format!("{}: {e}", t.name)))?;
                 let mut out = vec![0u8; data.len()];
                 for (dst, &src) in rows.iter().enumerate() {
                     out[dst * rb..(dst + 1) * rb].copy_from_slice(&data[src * rb..(src + 1) * rb]);
@@ -383,11 +367,11 @@ impl GgufModel {
         }
     }
 
-    fn read_tensor(&self, t: &TensorInfo) -> Result<Vec<u8>, ConvertError> {
+    fn read_tensor(&self, t: &TensorInfo) -> Result<Vec<u8>, FormatError> {
         let path = &self.gguf.paths[t.file];
-        let f = File::open(path).map_err(|e| ConvertError::io(path, e))?;
+        let f = File::open(path).map_err(|e| FormatError::io(path, e))?;
         let mut buf = vec![0u8; t.len()? as usize];
-        f.read_exact_at(&mut buf, t.offset).map_err(|e| ConvertError::io(path, e))?;
+        f.read_exact_at(&mut buf, t.offset).map_err(|e| FormatError::io(path, e))?;
         Ok(buf)
     }
 
@@ -395,17 +379,17 @@ impl GgufModel {
     /// `kv_lora_rank` wide. `attn_k_b` holds W_uk transposed per head (`[kv_lora_rank, qk_nope]`)
     /// and `attn_v_b` W_uv as it is. 16- and 32-bit elements move exactly; a quantized pair is
     /// dequantized to F32 (exact, larger).
-    fn rebuild_kv_b(&self, d: &DenseSpec, k: usize, v: usize) -> Result<Vec<u8>, ConvertError> {
-        let mla = self.arch.mla.as_ref().ok_or_else(|| ConvertError::Internal("kv_b without MLA".into()))?;
+    fn rebuild_kv_b(&self, d: &DenseSpec, k: usize, v: usize) -> Result<Vec<u8>, FormatError> {
+        let mla = self.arch.mla.as_ref().ok_or_else(|| FormatError::Internal("kv_b without MLA".into()))?;
         let (h, r, nope, vd) = (self.arch.num_heads, mla.kv_lora_rank, mla.qk_nope_head_dim, mla.v_head_dim);
         let (kt, vt) = (&self.gguf.tensors[k], &self.gguf.tensors[v]);
         if kt.dims != [nope as u64, r as u64, h as u64] || vt.dims != [r as u64, vd as u64, h as u64] {
-            return Err(ConvertError::BadInput(format!("attn_k_b {:?} / attn_v_b {:?} do not match the MLA ranks", kt.dims, vt.dims)));
+            return Err(FormatError::BadInput(format!("attn_k_b {:?} / attn_v_b {:?} do not match the MLA ranks", kt.dims, vt.dims)));
         }
-        let to_f32 = |t: &TensorInfo| -> Result<Vec<f32>, ConvertError> {
+        let to_f32 = |t: &TensorInfo| -> Result<Vec<f32>, FormatError> {
             let raw = self.read_tensor(t)?;
             let mut out = vec![0f32; t.rows() * t.cols()];
-            smoe_quant::dequantize(t.format()?, &raw, &mut out).map_err(|e| ConvertError::BadInput(format!("{}: {e}", t.name)))?;
+            smoe_quant::dequantize(t.format()?, &raw, &mut out).map_err(|e| FormatError::BadInput(format!("{}: {e}", t.name)))?;
             Ok(out)
         };
         let width = d.format.row_bytes(1).unwrap_or(4);
@@ -458,7 +442,7 @@ impl GgufModel {
     }
 
     /// Every dense tensor read into one region, with its directory (for running in place).
-    pub fn dense_region(&self, progress: &dyn Progress) -> Result<(Vec<DenseEntry>, Vec<u8>), ConvertError> {
+    pub fn dense_region(&self, progress: &dyn Progress) -> Result<(Vec<DenseEntry>, Vec<u8>), FormatError> {
         let total: u64 = self.dense.iter().map(|d| d.bytes().div_ceil(64) * 64).sum();
         let mut region = Vec::with_capacity(total as usize);
         smoe_vault::hugepages::advise(region.as_ptr(), region.capacity());
@@ -484,7 +468,7 @@ impl GgufModel {
     }
 }
 
-fn dense_spec(g: &Gguf, spec: &names::TensorSpec, source: Source) -> Result<DenseSpec, ConvertError> {
+fn dense_spec(g: &Gguf, spec: &names::TensorSpec, source: Source) -> Result<DenseSpec, FormatError> {
     let t = match &source {
         Source::Copy(t) | Source::Rows { tensor: t, .. } => &g.tensors[*t],
         Source::KvB { .. } => unreachable!("kv_b is built separately"),
@@ -492,7 +476,7 @@ fn dense_spec(g: &Gguf, spec: &names::TensorSpec, source: Source) -> Result<Dens
     let format = t.format()?;
     let elems: usize = spec.shape.iter().product();
     if t.rows() * t.cols() != elems || t.cols() != *spec.shape.last().unwrap_or(&0) {
-        return Err(ConvertError::BadInput(format!("{} has dims {:?}, expected {:?} for {}", t.name, t.dims, spec.shape, spec.name)));
+        return Err(FormatError::BadInput(format!("{} has dims {:?}, expected {:?} for {}", t.name, t.dims, spec.shape, spec.name)));
     }
     if spec.keep_f32 && format != Format::F32 && spec.shape.len() == 1 {
         // Norms and biases are F32 in every llama.cpp file; anything else still runs (the loader
@@ -500,101 +484,4 @@ fn dense_spec(g: &Gguf, spec: &names::TensorSpec, source: Source) -> Result<Dens
         tracing::debug!("{} is {}", t.name, format.name());
     }
     Ok(DenseSpec { name: spec.name.clone(), format, shape: spec.shape.clone(), source })
-}
-
-/// `smoe shatter FILE.gguf`: the GGUF's tensors into a vault, quantized blocks copied bit for
-/// bit (never re-quantized), experts split out of the stacked tensors one blob at a time, so
-/// memory stays bounded by one expert.
-pub fn shatter_gguf(path: &Path, out: &Path, progress: &dyn Progress) -> Result<ShatterReport, ConvertError> {
-    let t0 = std::time::Instant::now();
-    let m = GgufModel::open(path)?;
-    let arch = &m.arch;
-    let n = arch.moe.num_experts;
-    let dense_total: u64 = m.dense.iter().map(DenseSpec::bytes).sum();
-    let expert_total: u64 = m.experts.iter().map(|l| l.iter().map(|p| p.bytes).sum::<u64>()).sum::<u64>() * n as u64;
-    progress.start(dense_total + expert_total);
-    let mut w = smoe_vault::VaultWriter::create(out)?;
-    let mut dense_bytes = 0;
-    for d in &m.dense {
-        let b = m.read_dense(d)?;
-        w.add_tensor(&d.name, d.format, &d.shape, &b, "gguf")?;
-        progress.advance(b.len() as u64);
-        dense_bytes += b.len() as u64;
-    }
-    // Per layer parts; layers whose formats differ (Q4_K_M keeps some `down` in Q6_K) list
-    // their own, and every blob is as large as the largest layer needs.
-    let align = smoe_vault::header::DEFAULT_ALIGNMENT;
-    let layouts = m
-        .experts
-        .iter()
-        .map(|l| {
-            let specs: Vec<(String, Format, [usize; 2])> =
-                names::EXPERT_PARTS.iter().zip(l).map(|(name, p)| (name.to_string(), p.format, [p.rows, p.cols])).collect();
-            smoe_vault::layout_blob(&specs, align)
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    let blob_size = layouts.iter().map(|(_, s)| *s).max().unwrap_or(align as u64);
-    let moe_layers = arch.moe_layers();
-    w.begin_experts(layouts[0].0.clone(), blob_size, &moe_layers, n)?;
-    let mut mixed = false;
-    for (l, (parts, _)) in moe_layers.iter().zip(&layouts) {
-        if *parts != layouts[0].0 {
-            w.set_layer_parts(*l, parts.clone())?;
-            mixed = true;
-        }
-    }
-    let files = m.gguf.paths.iter().map(|p| File::open(p).map_err(|e| ConvertError::io(p, e))).collect::<Result<Vec<_>, _>>()?;
-    let mut bufs: [Vec<u8>; 3] = Default::default();
-    for (li, &l) in moe_layers.iter().enumerate() {
-        for e in 0..n {
-            for (buf, p) in bufs.iter_mut().zip(&m.experts[li]) {
-                buf.resize(p.bytes as usize, 0);
-                files[p.file]
-                    .read_exact_at(buf, p.offset + e as u64 * p.bytes)
-                    .map_err(|err| ConvertError::io(&m.gguf.paths[p.file], err))?;
-            }
-            w.add_blob(l, e, &[&bufs[0], &bufs[1], &bufs[2]])?;
-            progress.advance(bufs.iter().map(|b| b.len() as u64).sum());
-        }
-    }
-    let mut manifest = m.manifest();
-    if mixed {
-        manifest.required_features.push(smoe_vault::manifest::LAYER_EXPERT_PARTS.to_string());
-        manifest.notes.push("expert formats differ between layers (a mixed quantization)".into());
-    }
-    for n in &manifest.notes {
-        progress.note(n);
-    }
-    let notes = manifest.notes.clone();
-    let file_len = w.finish(manifest)?;
-    progress.finish();
-    Ok(ShatterReport {
-        path: out.to_path_buf(),
-        file_len,
-        dense_bytes,
-        expert_bytes: moe_layers.len() as u64 * n as u64 * blob_size,
-        blob_size,
-        source_bytes: dense_total + expert_total,
-        notes,
-        seconds: t0.elapsed().as_secs_f64(),
-    })
-}
-
-impl GgufModel {
-    /// The routed experts read in place: three reads per expert, straight from the stacked
-    /// tensors, each rounded out to the 4096-byte O_DIRECT alignment.
-    pub fn expert_map(&self) -> Result<smoe_store::ExpertMap, ConvertError> {
-        use smoe_store::map::{Extent, LayerMap, Part};
-        let layers = self
-            .experts
-            .iter()
-            .map(|l| {
-                let extents = l.iter().map(|p| Extent { file: p.file, base: p.offset, stride: p.bytes, len: p.bytes }).collect();
-                let part = |i: usize| Part { format: l[i].format, rows: l[i].rows, cols: l[i].cols, extent: i, offset: 0, len: l[i].bytes };
-                LayerMap { extents, parts: [part(0), part(1), part(2)], checksums: None }
-            })
-            .collect();
-        smoe_store::ExpertMap::new(self.gguf.paths.clone(), 4096, self.arch.moe_layers(), self.arch.moe.num_experts, layers)
-            .map_err(|e| ConvertError::BadInput(e.to_string()))
-    }
 }

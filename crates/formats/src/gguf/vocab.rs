@@ -6,7 +6,7 @@
 //! and written back the other way for `smoe export-gguf`.
 
 use super::Value;
-use crate::ConvertError;
+use crate::FormatError;
 use serde_json::{json, Value as Json};
 use std::collections::BTreeMap;
 
@@ -44,7 +44,7 @@ fn byte_level(use_regex: bool) -> Json {
 }
 
 /// The normalizer and pre-tokenizer a `tokenizer.ggml.pre` name stands for.
-pub fn pre_tokenizer(pre: &str) -> Result<(Json, Json), ConvertError> {
+pub fn pre_tokenizer(pre: &str) -> Result<(Json, Json), FormatError> {
     let seq = |mut v: Vec<Json>| {
         v.push(byte_level(false));
         json!({"type": "Sequence", "pretokenizers": v})
@@ -58,18 +58,18 @@ pub fn pre_tokenizer(pre: &str) -> Result<(Json, Json), ConvertError> {
         "deepseek-v3" | "deepseek3-llm" => (Json::Null, seq(DEEPSEEK3_REGEXES.iter().map(|r| split(r)).collect())),
         "deepseek-llm" => (Json::Null, seq(DEEPSEEK_LLM_REGEXES.iter().map(|r| split(r)).collect())),
         other => {
-            return Err(ConvertError::Unsupported(format!(
+            return Err(FormatError::Unsupported(format!(
                 "tokenizer pre-tokenizer '{other}' (supported: qwen2, llama-bpe, glm4, gpt-2, deepseek-v3, deepseek-llm)"
             )))
         }
     })
 }
 
-fn strings(v: Option<&Value>, what: &str) -> Result<Vec<String>, ConvertError> {
+fn strings(v: Option<&Value>, what: &str) -> Result<Vec<String>, FormatError> {
     v.and_then(|v| v.as_array())
-        .ok_or_else(|| ConvertError::BadInput(format!("GGUF has no {what}")))?
+        .ok_or_else(|| FormatError::BadInput(format!("GGUF has no {what}")))?
         .iter()
-        .map(|s| s.as_str().map(str::to_string).ok_or_else(|| ConvertError::BadInput(format!("{what}: not a string"))))
+        .map(|s| s.as_str().map(str::to_string).ok_or_else(|| FormatError::BadInput(format!("{what}: not a string"))))
         .collect()
 }
 
@@ -80,10 +80,10 @@ fn ignore_merges(pre: &str) -> bool {
 }
 
 /// Rebuilds a tokenizer.json from GGUF metadata.
-pub fn tokenizer_json(meta: &BTreeMap<String, Value>) -> Result<String, ConvertError> {
+pub fn tokenizer_json(meta: &BTreeMap<String, Value>) -> Result<String, FormatError> {
     let model = meta.get("tokenizer.ggml.model").and_then(|v| v.as_str()).unwrap_or("?");
     if model != "gpt2" {
-        return Err(ConvertError::Unsupported(format!("tokenizer model '{model}' (only byte-level BPE, 'gpt2')")));
+        return Err(FormatError::Unsupported(format!("tokenizer model '{model}' (only byte-level BPE, 'gpt2')")));
     }
     let tokens = strings(meta.get("tokenizer.ggml.tokens"), "tokenizer.ggml.tokens")?;
     let merges = strings(meta.get("tokenizer.ggml.merges"), "tokenizer.ggml.merges")?;
@@ -142,10 +142,10 @@ fn pre_name(tok: &Json) -> &'static str {
 
 /// GGUF tokenizer metadata from a tokenizer.json, with `vocab_size` token slots (ids without a
 /// token become `[PADn]`, unused, as llama.cpp's converter writes them).
-pub fn gguf_tokenizer(tokenizer_json: &str, vocab_size: usize) -> Result<Vec<(String, Value)>, ConvertError> {
-    let tok: Json = serde_json::from_str(tokenizer_json).map_err(|e| ConvertError::BadInput(format!("tokenizer.json: {e}")))?;
+pub fn gguf_tokenizer(tokenizer_json: &str, vocab_size: usize) -> Result<Vec<(String, Value)>, FormatError> {
+    let tok: Json = serde_json::from_str(tokenizer_json).map_err(|e| FormatError::BadInput(format!("tokenizer.json: {e}")))?;
     if tok["model"]["type"] != "BPE" {
-        return Err(ConvertError::Unsupported("only BPE tokenizers can be exported to GGUF".into()));
+        return Err(FormatError::Unsupported("only BPE tokenizers can be exported to GGUF".into()));
     }
     let n = vocab_size.max(1);
     let mut tokens: Vec<Option<String>> = vec![None; n];
