@@ -5,8 +5,11 @@
 //! allocates buffers, uploads token embeddings' inputs and small host tables, calls ops, and
 //! downloads only what the host must see (router logits, final logits). A GPU backend can hold
 //! the dense weights, activations and the KV cache in device memory behind the same calls.
-//! Routed experts arrive as host [`QMatrix`] views from the expert store
-//! ([`Backend::matmul_host`]).
+//! Routed experts arrive as host [`QMatrix`] views of the expert store's cache slots, in the
+//! jobs of [`Backend::matmul_many`] ([`WeightRef::Host`]); a backend that wants experts in its
+//! own memory (a GPU's) copies or caches them from there.
+//!
+//! [`crate::conformance`] checks every op of a backend against a plain f32 implementation.
 
 use smoe_quant::{Format, QMatrix};
 use std::sync::Arc;
@@ -75,6 +78,12 @@ pub trait Backend: Send + Sync {
 
     /// Human-readable description (ISA, threads).
     fn describe(&self) -> String;
+    /// Whether this backend's expert products read Q4_K experts interleaved eight rows at a
+    /// time ([`smoe_quant::Layout::Interleaved8`]): the store then lays them out so as they
+    /// load.
+    fn interleaves_experts(&self) -> bool {
+        false
+    }
 
     /// Makes a matrix from `rows x cols` elements in `format` at `offset` in `region` (the
     /// vault's dense region, shared so the CPU backend needs no copy).
@@ -106,8 +115,6 @@ pub trait Backend: Send + Sync {
     /// `out[t, r] = Σ_c w[r0 + r, c] · x[t, c]` for `t < n`, over rows `r0..r0 + m` of `w`
     /// (`rows = None`: all rows). `x` rows are `cols` long, `out` rows `m` long.
     fn matmul(&self, w: &Self::Matrix, rows: Option<(usize, usize)>, x: &Self::Buf, n: usize, out: &mut Self::Buf);
-    /// As [`matmul`](Self::matmul) for a matrix in host memory (a routed expert in the cache).
-    fn matmul_host(&self, w: &QMatrix<'_>, x: &Self::Buf, n: usize, out: &mut Self::Buf);
     /// Several products in one dispatch (the experts of a layer, say): rows of `x` are
     /// `x_stride` long, rows of `out` `out_stride` long. Inputs shared by several jobs are
     /// prepared once.

@@ -14,6 +14,7 @@ experts (`smoe-store`) or tokenize (`smoe-text`).
 
 pub mod backend;
 pub mod bench;
+pub mod conformance;
 pub mod cpu;
 mod forward;
 mod generate;
@@ -32,7 +33,7 @@ pub use cpu::{CpuBackend, Precision};
 pub use forward::{Logits, NoObserver, Observer, State};
 pub use generate::{Engine, FinishReason, GenOptions, GenStats, Generation};
 pub use model::{kv_shapes, kv_values_per_token, naive_kv_values_per_token, Model};
-pub use open::{default_context, is_gguf, model_sizes, open_cpu, CacheSize, ModelSizes, OpenOptions, OpenReport};
+pub use open::{default_context, is_gguf, model_sizes, open, open_cpu, CacheSize, ModelSizes, OpenOptions, OpenReport};
 pub use sampler::{Sampler, SamplingParams};
 pub use score::{score, score_and_continue, ScoreMode, ScoreOutput};
 pub use session::{tokenize_chat, Conversation, Overflow, Session, Turn, TOKEN_IDS_KEY};

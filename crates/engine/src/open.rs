@@ -2,7 +2,7 @@
 //! experts behind a streaming store sized to the machine (or all resident).
 
 use crate::cpu::{CpuBackend, Precision};
-use crate::{Engine, EngineError, Model};
+use crate::{Backend, Engine, EngineError, Model};
 use smoe_store::policy::PolicyKind;
 use smoe_store::{auto_cache_bytes, ExpertMap, ExpertSource, ExpertStore, ResidentExperts, StoreOptions};
 use smoe_vault::{Manifest, Vault};
@@ -210,15 +210,23 @@ pub fn model_sizes(path: &Path) -> Result<ModelSizes, EngineError> {
     })
 }
 
-/// Opens `path` (a vault, or a GGUF run in place) on the CPU backend.
+/// Opens `path` (a vault, or a GGUF run in place) on the CPU backend: [`open`] with a
+/// [`CpuBackend`] of `opts.precision` and `opts.threads`.
 pub fn open_cpu(path: &Path, opts: &OpenOptions) -> Result<(Engine<CpuBackend>, OpenReport), EngineError> {
+    let backend = match opts.threads {
+        Some(n) => CpuBackend::with_threads(opts.precision, n.max(1)),
+        None => CpuBackend::new(opts.precision),
+    };
+    open(path, opts, backend)
+}
+
+/// Opens `path` (a vault, or a GGUF run in place) on `backend`: the dense weights on the
+/// backend, the routed experts behind a store sized by `opts.cache`.
+pub fn open<B: Backend>(path: &Path, opts: &OpenOptions, backend: B) -> Result<(Engine<B>, OpenReport), EngineError> {
     let file = ModelFile::open(path)?;
     let arch = file.architecture().clone();
     let ctx = opts.ctx.unwrap_or_else(|| default_context(&arch));
-    // The fast path's kernels read Q4_K experts eight rows at a time where they can: the
-    // store interleaves them in memory as they load (the reference path reads plain rows).
-    let interleave = opts.precision == Precision::Fast && smoe_kernels::best().has_group8(smoe_quant::Format::Q4_K);
-    let map = file.expert_map()?.interleaved(interleave);
+    let map = file.expert_map()?.interleaved(backend.interleaves_experts());
     let total = map.total_experts();
     let blob = map.slot_size() as u64;
     let where_from = if matches!(file, ModelFile::Gguf(_)) { "; experts read in place from the GGUF" } else { "" };
@@ -267,10 +275,6 @@ pub fn open_cpu(path: &Path, opts: &OpenOptions) -> Result<(Engine<CpuBackend>, 
         (Arc::new(store), rep)
     };
     let (manifest, region) = file.load_dense()?;
-    let backend = match opts.threads {
-        Some(n) => CpuBackend::with_threads(opts.precision, n.max(1)),
-        None => CpuBackend::new(opts.precision),
-    };
     let model = Model::load_parts(&arch, &manifest.dense, region, backend, experts)?;
     let mut engine = Engine::from_manifest(&manifest, model)?;
     engine.ctx = ctx;

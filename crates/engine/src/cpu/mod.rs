@@ -170,6 +170,10 @@ impl Backend for CpuBackend {
         }
     }
 
+    fn interleaves_experts(&self) -> bool {
+        self.precision == Precision::Fast && self.kernels.has_group8(Format::Q4_K)
+    }
+
     fn matrix(&self, region: &Arc<Vec<u8>>, offset: usize, format: Format, rows: usize, cols: usize) -> CpuMatrix {
         let len = format.row_bytes(cols).expect("validated by the vault reader") * rows;
         CpuMatrix { region: region.clone(), offset, len, format, rows, cols }
@@ -225,11 +229,6 @@ impl Backend for CpuBackend {
         check("matmul input", x, n, v.cols);
         check("matmul", out, n, v.rows);
         self.product(&v, x, n, out);
-    }
-    fn matmul_host(&self, w: &QMatrix<'_>, x: &CpuBuf, n: usize, out: &mut CpuBuf) {
-        check("matmul_host input", x, n, w.cols);
-        check("matmul_host", out, n, w.rows);
-        self.product(w, x, n, out);
     }
     fn matmul_many(&self, jobs: &[MatJob<'_, CpuMatrix>], x: &CpuBuf, x_stride: usize, out: &mut CpuBuf, out_stride: usize) {
         let views: Vec<(QMatrix<'_>, &MatJob<'_, CpuMatrix>)> = jobs

@@ -1,0 +1,508 @@
+//! Per-op conformance of a [`Backend`]: every op against a plain f32 implementation written
+//! here, on random inputs of awkward sizes (odd token counts, rows that are not whole groups,
+//! strides wider than rows, offsets, row ranges), as llama.cpp's `test-backend-ops` checks each
+//! of its backends against the CPU.
+//!
+//! A new backend passes this suite unchanged before it runs a model:
+//! `check_backend(&my_backend, &Tolerance::INT8_ACTIVATIONS)` returns every mismatch with the op,
+//! the case and the element. Weights are quantized here and compared against their dequantized
+//! values, so the suite measures the backend's arithmetic, not the format's rounding.
+
+use crate::backend::{AttnParams, Backend, KvShape, MatJob, WeightRef};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use smoe_quant::{Format, QMatrix};
+use std::sync::Arc;
+
+/// How far a backend may be from the f32 implementation, per kind of op.
+#[derive(Clone, Copy, Debug)]
+pub struct Tolerance {
+    /// Matrix products: |got − want| ≤ `products` × Σ|w| × max|x| over the output's row.
+    pub products: f32,
+    /// Attention: |got − want| ≤ `attention` × max |value| over the cache.
+    pub attention: f32,
+    /// Element-wise ops (norms, activations, rope, copies): |got − want| ≤ `elementwise` ×
+    /// max(1, |want|).
+    pub elementwise: f32,
+}
+
+impl Tolerance {
+    /// A backend computing in f32 throughout (only the order of sums may differ).
+    pub const F32: Tolerance = Tolerance { products: 1e-5, attention: 1e-5, elementwise: 1e-5 };
+    /// A backend that rounds activations to int8 blocks before its products (at most half a
+    /// step of max|x| / 127 per element), f32 elsewhere.
+    pub const INT8_ACTIVATIONS: Tolerance = Tolerance { products: 1e-2, attention: 1e-4, elementwise: 1e-5 };
+}
+
+/// Runs every op's cases on `b`; `Ok(cases)` or every mismatch found.
+pub fn check_backend<B: Backend>(b: &B, tol: &Tolerance) -> Result<usize, Vec<String>> {
+    let mut s = Suite { b, tol: *tol, rng: StdRng::seed_from_u64(0x5eed), failures: Vec::new(), cases: 0 };
+    s.buffers();
+    s.embed();
+    s.matmul();
+    s.matmul_many();
+    s.matmul_t();
+    s.norms();
+    s.elementwise();
+    s.rope();
+    s.rows();
+    s.attention();
+    if s.failures.is_empty() {
+        Ok(s.cases)
+    } else {
+        Err(s.failures)
+    }
+}
+
+/// Weight formats and a row length each accepts (K-quants need whole super-blocks of 256).
+const FORMATS: [(Format, usize); 7] =
+    [(Format::F32, 40), (Format::F16, 72), (Format::BF16, 104), (Format::Q8_0, 96), (Format::Q4_0, 160), (Format::Q4_K, 512), (Format::Q6_K, 256)];
+
+/// Token counts: one (decode), fewer than a tile, a tile and a remainder, two tiles and one.
+const TOKENS: [usize; 4] = [1, 3, 9, 17];
+
+struct Suite<'a, B: Backend> {
+    b: &'a B,
+    tol: Tolerance,
+    rng: StdRng,
+    failures: Vec<String>,
+    cases: usize,
+}
+
+/// A quantized matrix in a region at an offset, and its dequantized values.
+struct Weights {
+    region: Arc<Vec<u8>>,
+    offset: usize,
+    format: Format,
+    rows: usize,
+    cols: usize,
+    values: Vec<f32>,
+}
+
+impl Weights {
+    fn view(&self) -> QMatrix<'_> {
+        let len = self.format.row_bytes(self.cols).expect("a valid row length") * self.rows;
+        QMatrix::new(self.format, self.rows, self.cols, &self.region[self.offset..self.offset + len]).expect("a valid matrix")
+    }
+}
+
+impl<B: Backend> Suite<'_, B> {
+    fn values(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.rng.random_range(-1.0f32..1.0)).collect()
+    }
+
+    /// A buffer of `len` floats holding `data` from its start (the rest zero).
+    fn buf(&self, len: usize, data: &[f32]) -> B::Buf {
+        let mut buf = self.b.buf("conformance", len);
+        self.b.upload(&mut buf, data);
+        buf
+    }
+
+    fn read(&self, buf: &B::Buf, len: usize) -> Vec<f32> {
+        let mut out = vec![0.0; len];
+        self.b.download(buf, 0, &mut out);
+        out
+    }
+
+    /// `rows × cols` random weights in `format`, 64 bytes into a region (as dense tensors lie
+    /// in a vault).
+    fn weights(&mut self, format: Format, rows: usize, cols: usize) -> Weights {
+        let rb = format.row_bytes(cols).expect("a valid row length");
+        let src = self.values(rows * cols);
+        let offset = 64;
+        let mut region = vec![0u8; offset + rows * rb];
+        for (d, s) in region[offset..].chunks_mut(rb).zip(src.chunks(cols)) {
+            smoe_quant::quantize(format, s, d).expect("quantize");
+        }
+        let mut values = vec![0.0; rows * cols];
+        smoe_quant::dequantize(format, &region[offset..], &mut values).expect("dequantize");
+        Weights { region: Arc::new(region), offset, format, rows, cols, values }
+    }
+
+    fn matrix(&self, w: &Weights) -> B::Matrix {
+        self.b.matrix(&w.region, w.offset, w.format, w.rows, w.cols)
+    }
+
+    /// Compares `got` with `want` element by element; `bound(i)` is element `i`'s tolerance.
+    fn compare(&mut self, op: &str, case: &str, got: &[f32], want: &[f32], bound: impl Fn(usize) -> f32) {
+        self.cases += 1;
+        let bad: Vec<String> = (0..want.len())
+            .filter(|&i| !((got[i] - want[i]).abs() <= bound(i)))
+            .take(3)
+            .map(|i| format!("element {i}: got {} want {} (tolerance {})", got[i], want[i], bound(i)))
+            .collect();
+        if !bad.is_empty() {
+            self.failures.push(format!("{op} ({case}): {}", bad.join("; ")));
+        }
+    }
+
+    fn compare_elementwise(&mut self, op: &str, case: &str, got: &[f32], want: &[f32]) {
+        let tol = self.tol.elementwise;
+        self.compare(op, case, got, want, |i| tol * want[i].abs().max(1.0));
+    }
+
+    /// `x[t] · w[r]` for rows `r0..r0 + m` and `n` tokens of `x` (rows `x_stride` apart), with
+    /// each output's product tolerance.
+    fn products(&self, w: &Weights, r0: usize, m: usize, x: &[f32], x_stride: usize, n: usize) -> (Vec<f32>, Vec<f32>) {
+        let (mut want, mut bound) = (Vec::with_capacity(n * m), Vec::with_capacity(n * m));
+        for t in 0..n {
+            let xr = &x[t * x_stride..][..w.cols];
+            let xmax = xr.iter().fold(0f32, |a, v| a.max(v.abs()));
+            for r in r0..r0 + m {
+                let wr = &w.values[r * w.cols..(r + 1) * w.cols];
+                want.push(wr.iter().zip(xr).map(|(a, b)| (*a as f64) * (*b as f64)).sum::<f64>() as f32);
+                bound.push(self.tol.products * wr.iter().map(|v| v.abs()).sum::<f32>() * xmax + 1e-6);
+            }
+        }
+        (want, bound)
+    }
+
+    fn buffers(&mut self) {
+        let data = self.values(37);
+        let buf = self.buf(50, &data);
+        let mut part = vec![0.0; 20];
+        self.b.download(&buf, 11, &mut part);
+        self.compare("upload/download", "37 floats, read back from 11", &part, &data[11..31], |_| 0.0);
+    }
+
+    fn embed(&mut self) {
+        for (f, cols) in FORMATS {
+            let w = self.weights(f, 11, cols);
+            let table = self.matrix(&w);
+            let ids = [10u32, 0, 3, 3, 7];
+            let mut out = self.buf(ids.len() * cols, &[]);
+            self.b.embed(&table, &ids, &mut out);
+            let want: Vec<f32> = ids.iter().flat_map(|&i| w.values[i as usize * cols..(i as usize + 1) * cols].to_vec()).collect();
+            let got = self.read(&out, want.len());
+            self.compare("embed", &format!("{f}, rows 10 0 3 3 7"), &got, &want, |_| 0.0);
+        }
+    }
+
+    fn matmul(&mut self) {
+        for (f, cols) in FORMATS {
+            for rows in [1usize, 13, 40] {
+                let w = self.weights(f, rows, cols);
+                let m = self.matrix(&w);
+                for n in TOKENS {
+                    let x = self.values(n * cols);
+                    let xb = self.buf(n * cols, &x);
+                    // All rows, then a range starting off a group boundary.
+                    for range in [None, Some((rows / 3, rows - rows / 3))] {
+                        let (r0, count) = range.unwrap_or((0, rows));
+                        let mut out = self.buf(n * count, &[]);
+                        self.b.matmul(&m, range, &xb, n, &mut out);
+                        let (want, bound) = self.products(&w, r0, count, &x, cols, n);
+                        let got = self.read(&out, want.len());
+                        self.compare("matmul", &format!("{f}, {rows}x{cols}, rows {range:?}, {n} tokens"), &got, &want, |i| bound[i]);
+                    }
+                }
+            }
+        }
+    }
+
+    /// A batch as the forward pass makes one for a layer's experts: resident and host
+    /// matrices, row ranges, inputs shared by several jobs, outputs side by side in wide rows.
+    fn matmul_many(&mut self) {
+        for (f, cols) in FORMATS {
+            let (x_stride, out_stride) = (cols + 24, 3 * 40 + 8);
+            let resident = self.weights(f, 40, cols);
+            let host = self.weights(f, 21, cols);
+            let rm = self.matrix(&resident);
+            let tokens = 30;
+            let x = self.values(tokens * x_stride);
+            let xb = self.buf(tokens * x_stride, &x);
+            // (weights, row range, x_row, n, out_row, out_col)
+            let plan: [(bool, Option<(usize, usize)>, usize, usize, usize, usize); 5] = [
+                (true, None, 0, 9, 0, 0),
+                (false, None, 0, 9, 0, 40),   // the same input as the first job
+                (true, Some((8, 17)), 9, 1, 9, 0),
+                (false, None, 10, 17, 10, 61), // a group with a remainder tile
+                (true, Some((3, 29)), 27, 3, 27, 90),
+            ];
+            let jobs: Vec<MatJob<'_, B::Matrix>> = plan
+                .iter()
+                .map(|&(res, range, x_row, n, out_row, out_col)| MatJob {
+                    w: if res { WeightRef::Resident(&rm, range) } else { WeightRef::Host(host.view()) },
+                    x_row,
+                    n,
+                    out_row,
+                    out_col,
+                })
+                .collect();
+            let mut out = self.buf(tokens * out_stride, &[]);
+            self.b.matmul_many(&jobs, &xb, x_stride, &mut out, out_stride);
+            let got = self.read(&out, tokens * out_stride);
+            for (ji, &(res, range, x_row, n, out_row, out_col)) in plan.iter().enumerate() {
+                let w = if res { &resident } else { &host };
+                let (r0, m) = range.unwrap_or((0, w.rows));
+                let (want, bound) = self.products(w, r0, m, &x[x_row * x_stride..], x_stride, n);
+                let got: Vec<f32> = (0..n).flat_map(|t| got[(out_row + t) * out_stride + out_col..][..m].to_vec()).collect();
+                self.compare("matmul_many", &format!("{f}, job {ji}"), &got, &want, |i| bound[i]);
+            }
+        }
+    }
+
+    fn matmul_t(&mut self) {
+        for (f, cols) in [(Format::F32, 40usize), (Format::BF16, 64), (Format::Q8_0, 64)] {
+            let w = self.weights(f, 24, cols);
+            let m = self.matrix(&w);
+            let (r0, rows, x_stride, x_off, n) = (5, 13, 31, 7, 9);
+            let x = self.values(n * x_stride);
+            let xb = self.buf(n * x_stride, &x);
+            let mut out = self.buf(n * cols, &[]);
+            self.b.matmul_t(&m, r0, rows, &xb, x_stride, x_off, n, &mut out);
+            let mut want = vec![0.0; n * cols];
+            let mut bound = vec![0.0; n * cols];
+            for t in 0..n {
+                for c in 0..cols {
+                    let (mut s, mut l1) = (0f64, 0f32);
+                    for r in 0..rows {
+                        let (a, b) = (w.values[(r0 + r) * cols + c], x[t * x_stride + x_off + r]);
+                        s += a as f64 * b as f64;
+                        l1 += (a * b).abs();
+                    }
+                    want[t * cols + c] = s as f32;
+                    bound[t * cols + c] = self.tol.elementwise * l1.max(1.0);
+                }
+            }
+            let got = self.read(&out, n * cols);
+            self.compare("matmul_t", &format!("{f}, rows {r0}..{}", r0 + rows), &got, &want, |i| bound[i]);
+        }
+    }
+
+    fn norms(&mut self) {
+        let (n, dim, eps) = (5, 72, 1e-6);
+        let x = self.values(n * dim);
+        let g = self.values(dim);
+        let w = self.b.vector(&g);
+        let rms = |v: &[f32]| 1.0 / ((v.iter().map(|a| (*a as f64).powi(2)).sum::<f64>() / v.len() as f64) as f32 + eps).sqrt();
+        let xb = self.buf(n * dim, &x);
+        let mut out = self.buf(n * dim, &[]);
+        self.b.rms_norm(&xb, n, dim, &w, eps, &mut out);
+        let want: Vec<f32> = x.chunks(dim).flat_map(|r| r.iter().zip(&g).map(|(v, g)| g * v * rms(r)).collect::<Vec<_>>()).collect();
+        let got = self.read(&out, n * dim);
+        self.compare_elementwise("rms_norm", "5 rows of 72", &got, &want);
+        // Strided: segments of 24 at offset 10 of rows of 50 (per-head norms).
+        let (stride, off, seg) = (50, 10, 24);
+        let x = self.values(n * stride);
+        let g = self.values(seg);
+        let w = self.b.vector(&g);
+        let mut xb = self.buf(n * stride, &x);
+        self.b.rms_norm_strided(&mut xb, n, stride, off, seg, &w, eps);
+        let mut want = x.clone();
+        for t in 0..n {
+            let r = &x[t * stride + off..][..seg];
+            for i in 0..seg {
+                want[t * stride + off + i] = g[i] * r[i] * rms(r);
+            }
+        }
+        let got = self.read(&xb, n * stride);
+        self.compare_elementwise("rms_norm_strided", "segments of 24 at 10 in rows of 50", &got, &want);
+    }
+
+    fn elementwise(&mut self) {
+        let silu = |a: f32| a / (1.0 + (-a).exp());
+        let (n, stride, off) = (7, 45, 5);
+        let x = self.values(n * stride);
+        let bias = self.values(33);
+        let bv = self.b.vector(&bias);
+        let mut xb = self.buf(n * stride, &x);
+        self.b.add_bias(&mut xb, n, stride, off, &bv);
+        let mut want = x.clone();
+        for t in 0..n {
+            for (i, b) in bias.iter().enumerate() {
+                want[t * stride + off + i] += b;
+            }
+        }
+        let got = self.read(&xb, n * stride);
+        self.compare_elementwise("add_bias", "33 at 5 in rows of 45", &got, &want);
+
+        let len = 101;
+        let (a, c) = (self.values(len + 9), self.values(len + 9));
+        let (mut ab, cb) = (self.buf(len + 9, &a), self.buf(len + 9, &c));
+        self.b.add(&mut ab, &cb, len);
+        let want: Vec<f32> = (0..len + 9).map(|i| if i < len { a[i] + c[i] } else { a[i] }).collect();
+        let got = self.read(&ab, len + 9);
+        self.compare_elementwise("add", "first 101 of 110", &got, &want);
+
+        let mut ab = self.buf(len + 9, &a);
+        self.b.silu_mul(&mut ab, &cb, len);
+        let want: Vec<f32> = (0..len + 9).map(|i| if i < len { silu(a[i]) * c[i] } else { a[i] }).collect();
+        let got = self.read(&ab, len + 9);
+        self.compare_elementwise("silu_mul", "first 101 of 110", &got, &want);
+
+        let (rows, stride, w, row0, count) = (9, 70, 31, 2, 5);
+        let x = self.values(rows * stride);
+        let mut xb = self.buf(rows * stride, &x);
+        self.b.silu_mul_halves(&mut xb, row0, count, stride, w);
+        let mut want = x.clone();
+        for r in row0..row0 + count {
+            for i in 0..w {
+                want[r * stride + i] = silu(x[r * stride + i]) * x[r * stride + w + i];
+            }
+        }
+        let got = self.read(&xb, rows * stride);
+        self.compare_elementwise("silu_mul_halves", "rows 2..7, halves of 31 in rows of 70", &got, &want);
+
+        let (n, dim) = (6, 37);
+        let x = self.values(n * dim);
+        let s = self.values(n);
+        let mut xb = self.buf(n * dim, &x);
+        self.b.scale_rows(&mut xb, dim, &s);
+        let want: Vec<f32> = x.iter().enumerate().map(|(i, v)| v * s[i / dim]).collect();
+        let got = self.read(&xb, n * dim);
+        self.compare_elementwise("scale_rows", "6 rows of 37", &got, &want);
+    }
+
+    fn rope(&mut self) {
+        for interleaved in [false, true] {
+            let (n, stride, off, heads, head_stride, half) = (5, 200, 6, 3, 50, 12);
+            let x = self.values(n * stride);
+            let angles: Vec<f32> = self.values(n * half).iter().map(|a| a * 3.0).collect();
+            let (cos, sin): (Vec<f32>, Vec<f32>) = angles.iter().map(|a| (a.cos(), a.sin())).unzip();
+            let mut xb = self.buf(n * stride, &x);
+            self.b.rope(&mut xb, n, stride, off, heads, head_stride, &cos, &sin, interleaved);
+            let mut want = x.clone();
+            for t in 0..n {
+                for h in 0..heads {
+                    let base = t * stride + off + h * head_stride;
+                    for i in 0..half {
+                        let (ia, ib) = if interleaved { (base + 2 * i, base + 2 * i + 1) } else { (base + i, base + i + half) };
+                        let (c, s) = (cos[t * half + i], sin[t * half + i]);
+                        want[ia] = x[ia] * c - x[ib] * s;
+                        want[ib] = x[ib] * c + x[ia] * s;
+                    }
+                }
+            }
+            let got = self.read(&xb, n * stride);
+            self.compare_elementwise("rope", &format!("interleaved {interleaved}, 3 heads of 24 rotated dims"), &got, &want);
+        }
+    }
+
+    fn rows(&mut self) {
+        let (n, src_stride, src_off, dst_stride, dst_off, width) = (6, 40, 3, 57, 11, 29);
+        let src = self.values(n * src_stride);
+        let dst0 = self.values(n * dst_stride);
+        let sb = self.buf(n * src_stride, &src);
+        let mut db = self.buf(n * dst_stride, &dst0);
+        self.b.copy_strided(&sb, src_stride, src_off, &mut db, dst_stride, dst_off, width, n);
+        let mut want = dst0.clone();
+        for t in 0..n {
+            want[t * dst_stride + dst_off..][..width].copy_from_slice(&src[t * src_stride + src_off..][..width]);
+        }
+        let got = self.read(&db, n * dst_stride);
+        self.compare("copy_strided", "29 of rows 40 at 3 into rows 57 at 11", &got, &want, |_| 0.0);
+
+        let dim = 13;
+        let src = self.values(10 * dim);
+        let sb = self.buf(10 * dim, &src);
+        let rows = [9usize, 0, 4, 4, 7];
+        let mut db = self.buf(rows.len() * dim, &[]);
+        self.b.gather_rows(&sb, dim, &rows, &mut db);
+        let want: Vec<f32> = rows.iter().flat_map(|&r| src[r * dim..(r + 1) * dim].to_vec()).collect();
+        let got = self.read(&db, want.len());
+        self.compare("gather_rows", "rows 9 0 4 4 7", &got, &want, |_| 0.0);
+
+        let rows = [8usize, 1, 5];
+        let src = self.values(rows.len() * dim);
+        let dst0 = self.values(10 * dim);
+        let sb = self.buf(rows.len() * dim, &src);
+        let mut db = self.buf(10 * dim, &dst0);
+        self.b.scatter_rows(&sb, dim, &rows, &mut db);
+        let mut want = dst0.clone();
+        for (i, &r) in rows.iter().enumerate() {
+            want[r * dim..(r + 1) * dim].copy_from_slice(&src[i * dim..(i + 1) * dim]);
+        }
+        let got = self.read(&db, 10 * dim);
+        self.compare("scatter_rows", "rows 8 1 5", &got, &want, |_| 0.0);
+
+        let (n, k, dim) = (5, 3, 21);
+        let src = self.values(n * k * dim);
+        let weights = self.values(n * k);
+        let out0 = self.values(n * dim);
+        let sb = self.buf(n * k * dim, &src);
+        let mut ob = self.buf(n * dim, &out0);
+        self.b.add_weighted_slots(&sb, dim, n, k, &weights, &mut ob);
+        let mut want = out0.clone();
+        for t in 0..n {
+            for s in 0..k {
+                for i in 0..dim {
+                    want[t * dim + i] += weights[t * k + s] * src[(t * k + s) * dim + i];
+                }
+            }
+        }
+        let got = self.read(&ob, n * dim);
+        self.compare_elementwise("add_weighted_slots", "5 tokens, 3 slots of 21", &got, &want);
+    }
+
+    /// Grouped-query attention with separate values, and one latent head whose values are
+    /// the keys' first dims (MLA), filled in two stores; queries after a prefix, and a context
+    /// longer than the fast path's blocks of positions.
+    fn attention(&mut self) {
+        let cases = [
+            ("GQA 6 query heads on 2", KvShape { heads: 2, k_dim: 24, v_dim: 16, values_in_keys: false }, 6, 12, 5),
+            ("MLA 5 query heads on 1 latent", KvShape { heads: 1, k_dim: 40, v_dim: 32, values_in_keys: true }, 5, 12, 5),
+            ("GQA over 700 positions", KvShape { heads: 2, k_dim: 32, v_dim: 32, values_in_keys: false }, 4, 700, 3),
+        ];
+        for (what, shape, q_heads, positions, n) in cases {
+            let (kw, vw) = (shape.heads * shape.k_dim, shape.heads * shape.v_dim);
+            let keys = self.values(positions * kw);
+            let values = self.values(positions * vw);
+            let mut cache = self.b.kv_cache(&[KvShape { heads: 1, k_dim: 8, v_dim: 8, values_in_keys: false }, shape]);
+            self.b.kv_reserve(&mut cache, positions);
+            self.cases += 1;
+            if self.b.kv_capacity(&cache) < positions {
+                self.failures.push(format!("kv_reserve ({what}): capacity {} after reserving {positions}", self.b.kv_capacity(&cache)));
+            }
+            // Keys in rows of kw + 5 at offset 2, values in rows of vw + 3 at offset 1; stored
+            // as a prefix and then the rest, as prefill chunks do.
+            let (k_stride, v_stride) = (kw + 5, vw + 3);
+            let first = positions - n;
+            for (p0, count) in [(0, first), (first, n)] {
+                let mut kb = vec![0.0; count * k_stride];
+                let mut vb = vec![0.0; count * v_stride];
+                for t in 0..count {
+                    kb[t * k_stride + 2..][..kw].copy_from_slice(&keys[(p0 + t) * kw..][..kw]);
+                    vb[t * v_stride + 1..][..vw].copy_from_slice(&values[(p0 + t) * vw..][..vw]);
+                }
+                let (kbuf, vbuf) = (self.buf(kb.len(), &kb), self.buf(vb.len().max(1), &vb));
+                let v = (!shape.values_in_keys).then_some((&vbuf, v_stride, 1));
+                self.b.kv_store(&mut cache, 1, p0, count, &kbuf, k_stride, 2, v);
+            }
+            let q_stride = q_heads * shape.k_dim + 7;
+            let q = self.values(n * q_stride);
+            let qb = self.buf(n * q_stride, &q);
+            let scale = 1.0 / (shape.k_dim as f32).sqrt();
+            let mut out = self.buf(n * q_heads * shape.v_dim, &[]);
+            self.b.attention(&cache, 1, &qb, q_stride, n, first, AttnParams { q_heads, scale }, &mut out);
+            let group = q_heads / shape.heads;
+            let mut want = Vec::new();
+            for t in 0..n {
+                for h in 0..q_heads {
+                    let kv = h / group;
+                    let qr = &q[t * q_stride + h * shape.k_dim..][..shape.k_dim];
+                    let key = |p: usize| &keys[p * kw + kv * shape.k_dim..][..shape.k_dim];
+                    let value = |p: usize| -> &[f32] {
+                        if shape.values_in_keys {
+                            &key(p)[..shape.v_dim]
+                        } else {
+                            &values[p * vw + kv * shape.v_dim..][..shape.v_dim]
+                        }
+                    };
+                    let visible = first + t + 1;
+                    let scores: Vec<f64> = (0..visible).map(|p| qr.iter().zip(key(p)).map(|(a, b)| (*a as f64) * (*b as f64)).sum::<f64>() * scale as f64).collect();
+                    let max = scores.iter().cloned().fold(f64::MIN, f64::max);
+                    let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+                    let sum: f64 = e.iter().sum();
+                    for d in 0..shape.v_dim {
+                        want.push((0..visible).map(|p| e[p] / sum * value(p)[d] as f64).sum::<f64>() as f32);
+                    }
+                }
+            }
+            let vmax = if shape.values_in_keys { &keys } else { &values }.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let got = self.read(&out, want.len());
+            let tol = self.tol.attention * vmax;
+            self.compare("attention", what, &got, &want, |_| tol);
+        }
+    }
+}
