@@ -2,9 +2,11 @@
 //! owns.
 //!
 //! The decoder is generic over [`Backend`] and never touches activation memory directly: it
-//! allocates buffers, uploads token embeddings' inputs and small host tables, calls ops, and
-//! downloads only what the host must see (router logits, final logits). A GPU backend can hold
-//! the dense weights, activations and the KV cache in device memory behind the same calls.
+//! allocates buffers, calls ops (passing their small host inputs as arguments: token ids, RoPE
+//! cos/sin, mixing weights, row lists), and downloads only what the host must see: router
+//! logits (routing runs on the host), Qwen2-MoE's shared-expert gate (one value per token; its
+//! sigmoid is taken on the host) and the final logits. A GPU backend can hold the dense
+//! weights, activations and the KV cache in device memory behind the same calls.
 //! Routed experts arrive as host [`QMatrix`] views of the expert store's cache slots, in the
 //! jobs of [`Backend::matmul_many`] ([`WeightRef::Host`]); a backend that wants experts in its
 //! own memory (a GPU's) copies or caches them from there.
