@@ -210,7 +210,7 @@ enum Command {
         #[arg(long, default_value_t = 128)]
         gen_tokens: usize,
         /// Prefill chunk size.
-        #[arg(long, default_value_t = 256)]
+        #[arg(long, default_value_t = smoe_engine::PREFILL_CHUNK)]
         chunk: usize,
         /// Runs; the best is reported (after a short warm-up run when > 1), every run's figures too.
         #[arg(long, default_value_t = 1)]

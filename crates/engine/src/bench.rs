@@ -15,7 +15,7 @@ pub struct BenchOptions {
     pub gen_tokens: usize,
     /// Seed of the random prompt.
     pub seed: u64,
-    /// Prefill chunk size.
+    /// Prefill chunk size (the CLI's default is [`PREFILL_CHUNK`](crate::PREFILL_CHUNK)).
     pub chunk: usize,
 }
 

@@ -55,8 +55,15 @@ pub fn check_backend<B: Backend>(b: &B, tol: &Tolerance) -> Result<usize, Vec<St
 }
 
 /// Weight formats and a row length each accepts (K-quants need whole super-blocks of 256).
-const FORMATS: [(Format, usize); 7] =
-    [(Format::F32, 40), (Format::F16, 72), (Format::BF16, 104), (Format::Q8_0, 96), (Format::Q4_0, 160), (Format::Q4_K, 512), (Format::Q6_K, 256)];
+const FORMATS: [(Format, usize); 7] = [
+    (Format::F32, 40),
+    (Format::F16, 72),
+    (Format::BF16, 104),
+    (Format::Q8_0, 96),
+    (Format::Q4_0, 160),
+    (Format::Q4_K, 512),
+    (Format::Q6_K, 256),
+];
 
 /// Token counts: one (decode), fewer than a tile, a tile and a remainder, two tiles and one.
 const TOKENS: [usize; 4] = [1, 3, 9, 17];
@@ -68,6 +75,10 @@ struct Suite<'a, B: Backend> {
     failures: Vec<String>,
     cases: usize,
 }
+
+/// One product of a `matmul_many` case: resident weights (else host), row range, first input
+/// row, tokens, first output row, first output column.
+type Job = (bool, Option<(usize, usize)>, usize, usize, usize, usize);
 
 /// A quantized matrix in a region at an offset, and its dequantized values.
 struct Weights {
@@ -127,7 +138,11 @@ impl<B: Backend> Suite<'_, B> {
     fn compare(&mut self, op: &str, case: &str, got: &[f32], want: &[f32], bound: impl Fn(usize) -> f32) {
         self.cases += 1;
         let bad: Vec<String> = (0..want.len())
-            .filter(|&i| !((got[i] - want[i]).abs() <= bound(i)))
+            .filter(|&i| {
+                // Written so that a NaN fails.
+                let within = (got[i] - want[i]).abs() <= bound(i);
+                !within
+            })
             .take(3)
             .map(|i| format!("element {i}: got {} want {} (tolerance {})", got[i], want[i], bound(i)))
             .collect();
@@ -211,10 +226,9 @@ impl<B: Backend> Suite<'_, B> {
             let tokens = 30;
             let x = self.values(tokens * x_stride);
             let xb = self.buf(tokens * x_stride, &x);
-            // (weights, row range, x_row, n, out_row, out_col)
-            let plan: [(bool, Option<(usize, usize)>, usize, usize, usize, usize); 5] = [
+            let plan: [Job; 5] = [
                 (true, None, 0, 9, 0, 0),
-                (false, None, 0, 9, 0, 40),   // the same input as the first job
+                (false, None, 0, 9, 0, 40), // the same input as the first job
                 (true, Some((8, 17)), 9, 1, 9, 0),
                 (false, None, 10, 17, 10, 61), // a group with a remainder tile
                 (true, Some((3, 29)), 27, 3, 27, 90),
@@ -490,7 +504,9 @@ impl<B: Backend> Suite<'_, B> {
                         }
                     };
                     let visible = first + t + 1;
-                    let scores: Vec<f64> = (0..visible).map(|p| qr.iter().zip(key(p)).map(|(a, b)| (*a as f64) * (*b as f64)).sum::<f64>() * scale as f64).collect();
+                    let scores: Vec<f64> = (0..visible)
+                        .map(|p| qr.iter().zip(key(p)).map(|(a, b)| (*a as f64) * (*b as f64)).sum::<f64>() * scale as f64)
+                        .collect();
                     let max = scores.iter().cloned().fold(f64::MIN, f64::max);
                     let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
                     let sum: f64 = e.iter().sum();

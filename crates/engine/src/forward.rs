@@ -1,17 +1,43 @@
 //! The forward pass: one loop over layers for any family, any number of tokens.
 //!
 //! Prefill and decode are the same code: `n` new tokens at positions `pos..pos + n` (decode is
-//! `n = 1`). Long inputs run in chunks so buffers stay bounded. Every buffer lives in [`State`]
-//! and is reused: no allocation per token once a sequence has warmed up.
+//! `n = 1`). Long inputs run in chunks of at most the state's chunk size ([`PREFILL_CHUNK`] for
+//! the engine's own sequences), so the buffers stay bounded.
+//!
+//! A layer is attention then a feed-forward block; an MoE block is four steps, each a function
+//! below: [`route_tokens`](Model::route_tokens) (router logits and each token's experts, shared
+//! with the lookahead prefetch), [`ExpertGroups::group`] (the (token, slot) pairs grouped by
+//! expert), [`routed_experts`](Model::routed_experts) (the chosen experts' products, batch by
+//! batch as the store hands them over, mixed back in slot order) and
+//! [`shared_experts`](Model::shared_experts).
+//!
+//! Memory: the activation buffers ([`Buffers`], one chunk's worth, made with the state) and the
+//! host-side tables ([`HostScratch`], grown to the largest chunk seen) live in [`State`] and are
+//! reused, as are the returned logits. What still allocates on every forward call, decode
+//! included:
+//! - here, the job list of each batch of experts the store hands over (one small `Vec` per
+//!   batch): the jobs borrow the batch's expert views, which live only during the store's
+//!   callback, so the list cannot be kept in the state;
+//! - below the decoder, the expert store's lists for each layer's request and the backend's
+//!   lists per dispatch (the CPU backend collects the weight views of each `matmul_many`);
+//! - the KV cache, as positions are stored, unless [`Model::reserve`] made room first
+//!   (generation, scoring and the benchmark do);
+//! - with instrumentation on, one [`StepRecord`] per call.
 
 use crate::backend::{AttnParams, Backend, MatJob, WeightRef};
-use crate::instrument::Instrument;
+use crate::instrument::{Instrument, StepRecord};
 use crate::model::{Attention, FeedForward, LatentAttention, Layer, Mlp, Model, MoeBlock, StandardAttention};
 use crate::routing::RouteScratch;
 use crate::widths::Widths;
 use crate::EngineError;
-use smoe_store::ExpertView;
+use smoe_store::ExpertBatch;
 use std::time::Instant;
+
+/// Tokens per prefill chunk of the engine's own sequences ([`Session`](crate::Session),
+/// [`Engine::generate_fresh`](crate::Engine::generate_fresh)) and the default for callers that
+/// make their own ([`Model::new_state`]): a longer input runs through the layers this many
+/// tokens at a time, which bounds the activation buffers a [`State`] holds.
+pub const PREFILL_CHUNK: usize = 256;
 
 fn ms(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
@@ -37,52 +63,149 @@ pub trait Observer {
 pub struct NoObserver;
 impl Observer for NoObserver {}
 
-/// Activation buffers for up to `chunk` tokens, as wide as [`Widths`] says.
+/// Activation buffers on the backend, each `chunk` rows as wide as [`Widths`] says (`n ≤ chunk`
+/// rows in use in a call; `k` is the router's `top_k`). A buffer that a family does not use has
+/// width 0.
 struct Buffers<B: Backend> {
+    /// `[n, hidden]`: the residual stream. Token embeddings, then each layer adds its attention
+    /// and feed-forward outputs.
     x: B::Buf,
+    /// `[n, hidden]`: `x` normed, the input of attention, of the feed-forward block and (after the
+    /// final norm) of the LM head.
     h: B::Buf,
+    /// Queries. GQA: `[n, (heads + 2 × kv_heads) × head_dim]`, each row `[q | k | v]` from one
+    /// dispatch (biases, norms and RoPE applied in place). MLA: `[n, heads × (kv_lora_rank +
+    /// qk_rope)]`, the absorbed queries.
     q: B::Buf,
+    /// MLA only: `[n, q_lora_rank]`, the `q_a` projection; then `[n, heads × v_head_dim]`, the
+    /// expanded values, input of the output projection.
     k: B::Buf,
+    /// MLA only: `[n, kv_lora_rank + qk_rope]`, the row the KV cache stores per position (normed
+    /// latent, rotated shared key).
     v: B::Buf,
+    /// Attention output. GQA: `[n, heads × head_dim]`. MLA: `[n, heads × kv_lora_rank]`, the
+    /// attended latents.
     att: B::Buf,
+    /// Scratch. MLA: `[n, heads × (qk_nope + qk_rope)]`, the `q_b` projection, then
+    /// `[n, v_head_dim]`, one head's expanded values. Also `[1, hidden]`, the last token's row of
+    /// `h` before the LM head, and `[n, 1]`, the shared-expert gate's logits.
     tmp: B::Buf,
+    /// MLA only: `[n, kv_lora_rank]`, one head's absorbed query, then one head's attended latent.
     tmp2: B::Buf,
+    /// `[n, mlp width]`: the gate product of a dense MLP or shared expert, then SiLU(gate) · up.
     g: B::Buf,
+    /// `[n, mlp width]`: the up product of a dense MLP or shared expert.
     u: B::Buf,
+    /// `[n, hidden]`: what is added into `x`: attention's output projection, a dense MLP's or
+    /// the shared experts' down projection.
     d: B::Buf,
+    /// `[n × k, hidden]`: each (token, slot) pair's row of `h`, grouped by expert (see
+    /// [`ExpertGroups`]). The lookahead also puts its `[n, hidden]` normed rows here.
     xe: B::Buf,
+    /// `[n × k, 2 × moe width]`: `[gate | up]` per (token, slot) pair in expert order, then
+    /// SiLU(gate) · up in each row's gate half.
     gu: B::Buf,
+    /// `[n × k, hidden]`: the down products per (token, slot) pair, in expert order.
     dd: B::Buf,
+    /// `[n × k, hidden]`: the same rows back in slot order (row `token × k + slot`).
     slots: B::Buf,
+    /// `[n, experts]`: router logits (downloaded into [`Routes::logits`]).
     router: B::Buf,
+    /// `[n, vocab]` for [`Logits::All`], `[1, vocab]` for [`Logits::Last`]: the LM head's output.
     logits: B::Buf,
 }
 
-/// Host-side scratch.
+/// One chunk's routing, on the host (`n` tokens, `k` experts each).
+#[derive(Default)]
+struct Routes {
+    /// `[n, experts]`: router logits.
+    logits: Vec<f32>,
+    /// `[n, k]`: each token's experts, best first (slot `s` of token `t` is `t × k + s`).
+    ids: Vec<u32>,
+    /// `[n, k]`: their mixing weights.
+    weights: Vec<f32>,
+    /// The router rule's scratch; holds the latest token's choice scores.
+    scratch: RouteScratch,
+}
+
+/// A chunk's (token, slot) pairs grouped by expert (a counting sort on the expert id), so that
+/// each expert runs once over all its rows. Row `i` of `xe`, `gu` and `dd` is pair `order[i]`.
+#[derive(Default)]
+struct ExpertGroups {
+    /// `[experts + 1]`: expert `e`'s rows are `starts[e]..starts[e + 1]`.
+    starts: Vec<usize>,
+    /// `[experts + 1]`: the next free row of each expert while `order` fills.
+    fill: Vec<usize>,
+    /// `[n × k]`: the slot (`token × k + s`) of each row; token order within an expert.
+    order: Vec<usize>,
+    /// `[n × k]`: the token of each row, the row of `h` it gathers.
+    tokens: Vec<usize>,
+    /// The experts with at least one row, ascending: what the store is asked for.
+    needed: Vec<u32>,
+}
+
+impl ExpertGroups {
+    /// Groups the slots of `ids` (`[n, k]` expert ids, of `experts` experts).
+    fn group(&mut self, ids: &[u32], experts: usize, k: usize) {
+        self.starts.clear();
+        self.starts.resize(experts + 1, 0);
+        for &e in ids {
+            self.starts[e as usize + 1] += 1;
+        }
+        for e in 0..experts {
+            self.starts[e + 1] += self.starts[e];
+        }
+        self.order.resize(ids.len(), 0);
+        self.fill.clear();
+        self.fill.extend_from_slice(&self.starts);
+        for (slot, &e) in ids.iter().enumerate() {
+            self.order[self.fill[e as usize]] = slot;
+            self.fill[e as usize] += 1;
+        }
+        let starts = &self.starts;
+        self.needed.clear();
+        self.needed.extend((0..experts as u32).filter(|&e| starts[e as usize + 1] > starts[e as usize]));
+        self.tokens.clear();
+        self.tokens.extend(self.order.iter().map(|s| s / k));
+    }
+
+    /// The rows `(first, count)` of `needed[j]`.
+    fn rows(&self, j: usize) -> (usize, usize) {
+        let e = self.needed[j] as usize;
+        (self.starts[e], self.starts[e + 1] - self.starts[e])
+    }
+}
+
+/// Host-side scratch (`n` tokens of a chunk).
 #[derive(Default)]
 struct HostScratch {
+    /// `[n, rotary_dim / 2]`: RoPE cosines for the chunk's positions.
     cos: Vec<f32>,
+    /// `[n, rotary_dim / 2]`: RoPE sines.
     sin: Vec<f32>,
-    router: Vec<f32>,
-    ids: Vec<u32>,
-    weights: Vec<f32>,
-    route: RouteScratch,
-    needed: Vec<u32>,
-    starts: Vec<usize>,
-    fill: Vec<usize>,
-    order: Vec<usize>,
-    tokens: Vec<usize>,
+    /// The latest routing (an MoE block's, or the lookahead's).
+    routes: Routes,
+    /// The current MoE block's pairs grouped by expert.
+    groups: ExpertGroups,
+    /// The lookahead's predicted experts for the next MoE layer, in the order tokens first chose
+    /// them.
+    predicted: Vec<u32>,
+    /// `[n]`: the shared-expert gate, sigmoid(`shared_gate` · h).
     gate: Vec<f32>,
 }
 
 /// One sequence: its KV cache, position and scratch. Reset by dropping back to position 0.
 pub struct State<B: Backend> {
+    /// Keys and values of positions `0..pos`, every layer.
     kv: B::KvCache,
+    /// Tokens in the cache.
     pos: usize,
+    /// Most tokens per forward chunk: the rows of every activation buffer.
     chunk: usize,
     buf: Buffers<B>,
     host: HostScratch,
-    /// Logits of the last forward call.
+    /// Logits of the last forward call: `[vocab]` ([`Logits::Last`]) or `[tokens, vocab]`
+    /// ([`Logits::All`]).
     logits: Vec<f32>,
     /// Per-step measurements, when enabled.
     pub instrument: Option<Instrument>,
@@ -92,6 +215,11 @@ impl<B: Backend> State<B> {
     /// Tokens in the cache.
     pub fn pos(&self) -> usize {
         self.pos
+    }
+    /// Most tokens one forward chunk runs (a prefill of `t` tokens is `t.div_ceil(chunk)`
+    /// forward steps).
+    pub fn chunk(&self) -> usize {
+        self.chunk
     }
     /// Forgets everything after the first `pos` tokens (prefix reuse keeps the rest).
     pub fn truncate(&mut self, pos: usize) {
@@ -105,10 +233,17 @@ impl<B: Backend> State<B> {
     pub fn enable_instrument(&mut self) {
         self.instrument.get_or_insert_with(Instrument::default);
     }
+    /// Adds the milliseconds since `t` to one timer of the current step, when instrumenting.
+    fn charge(&mut self, t: Instant, timer: fn(&mut StepRecord) -> &mut f64) {
+        if let Some(ins) = self.instrument.as_mut() {
+            *timer(&mut ins.current) += ms(t);
+        }
+    }
 }
 
 impl<B: Backend> Model<B> {
-    /// A fresh sequence that runs prefill in chunks of up to `chunk` tokens.
+    /// A fresh sequence that runs prefill in chunks of up to `chunk` tokens ([`PREFILL_CHUNK`]
+    /// unless there is a reason to differ).
     pub fn new_state(&self, chunk: usize) -> State<B> {
         let c = chunk.max(1);
         let be = &self.backend;
@@ -213,6 +348,8 @@ impl<B: Backend> Model<B> {
         Ok(())
     }
 
+    /// One decoder layer: attention of `h = norm(x)` added into `x`, then (after the lookahead,
+    /// when on) the feed-forward block of `h = norm(x)` added into `x`.
     fn layer(
         &self,
         li: usize,
@@ -230,54 +367,43 @@ impl<B: Backend> Model<B> {
             Attention::Standard(a) => self.standard_attention(li, a, st, n, pos),
             Attention::Latent(a) => self.latent_attention(li, a, st, n, pos),
         }
-        let b = &mut st.buf;
-        be.add(&mut b.x, &b.d, n * hd);
-        if let Some(ins) = st.instrument.as_mut() {
-            ins.current.attention_ms += ms(t);
-        }
+        be.add(&mut st.buf.x, &st.buf.d, n * hd);
+        st.charge(t, |r| &mut r.attention_ms);
         if self.lookahead {
             self.lookahead_prefetch(li, st, n);
         }
-        let b = &mut st.buf;
-        be.rms_norm(&b.x, n, hd, &layer.ffn_norm, self.eps, &mut b.h);
+        be.rms_norm(&st.buf.x, n, hd, &layer.ffn_norm, self.eps, &mut st.buf.h);
         match &layer.ffn {
             FeedForward::Dense(m) => {
                 let t = Instant::now();
                 self.mlp(m, st, n);
                 be.add(&mut st.buf.x, &st.buf.d, n * hd);
-                if let Some(ins) = st.instrument.as_mut() {
-                    ins.current.expert_ms += ms(t);
-                }
+                st.charge(t, |r| &mut r.expert_ms);
             }
             FeedForward::Moe(m) => self.moe(li, m, st, n, pos, obs)?,
         }
         Ok(())
     }
 
-    /// Predicts the next MoE layer's experts by applying its router to the current hidden state
-    /// (after this layer's attention) and asks the store to start reading them.
+    /// Predicts the next MoE layer's experts by routing the current hidden state (after this
+    /// layer's attention, normed with the next layer's FFN norm into `xe`) through the next
+    /// layer's router, and asks the store to start reading them, in the order the tokens first
+    /// chose them.
     fn lookahead_prefetch(&self, li: usize, st: &mut State<B>, n: usize) {
         let Some(next) = self.layers.get(li + 1) else { return };
         let FeedForward::Moe(m) = &next.ffn else { return };
-        let (be, hd, e_count, k) = (&self.backend, self.arch.hidden_size, self.arch.moe.num_experts, self.router.top_k());
         let (b, hs) = (&mut st.buf, &mut st.host);
-        be.rms_norm(&b.x, n, hd, &next.ffn_norm, self.eps, &mut b.xe);
-        be.matmul(&m.router, None, &b.xe, n, &mut b.router);
-        hs.router.resize(n * e_count, 0.0);
-        be.download(&b.router, 0, &mut hs.router);
-        hs.needed.clear();
-        hs.ids.resize(n * k, 0);
-        hs.weights.resize(n * k, 0.0);
-        for t in 0..n {
-            let (ids, w) = (&mut hs.ids[t * k..(t + 1) * k], &mut hs.weights[t * k..(t + 1) * k]);
-            self.router.route(&hs.router[t * e_count..(t + 1) * e_count], m.router_bias.as_deref(), ids, w, &mut hs.route);
-            for &e in ids.iter() {
-                if !hs.needed.contains(&e) {
-                    hs.needed.push(e);
+        self.backend.rms_norm(&b.x, n, self.arch.hidden_size, &next.ffn_norm, self.eps, &mut b.xe);
+        let predicted = &mut hs.predicted;
+        predicted.clear();
+        self.route_tokens(m, &b.xe, &mut b.router, &mut hs.routes, n, |_, experts, _, _| {
+            for &e in experts {
+                if !predicted.contains(&e) {
+                    predicted.push(e);
                 }
             }
-        }
-        self.experts.prefetch(li + 1, &hs.needed);
+        });
+        self.experts.prefetch(li + 1, predicted);
     }
 
     /// GQA attention; leaves the projected output in `d`. q, k and v come from one dispatch into
@@ -373,97 +499,113 @@ impl<B: Backend> Model<B> {
         be.matmul(&m.down, None, &b.g, n, &mut b.d);
     }
 
-    /// Routed experts (plus shared experts) of `h`, added into `x`.
+    /// The MoE block of `h`, added into `x`: [`route_tokens`](Self::route_tokens), then the
+    /// (token, slot) pairs [grouped by expert](ExpertGroups::group), the
+    /// [routed experts](Self::routed_experts) and the [shared experts](Self::shared_experts).
+    /// Routing counts as routing time, the rest as expert time.
     fn moe(&self, li: usize, m: &MoeBlock<B>, st: &mut State<B>, n: usize, pos: usize, obs: &mut dyn Observer) -> Result<(), EngineError> {
-        let (be, ar) = (&self.backend, &self.arch);
-        let (hd, e_count, k) = (ar.hidden_size, ar.moe.num_experts, self.router.top_k());
-        let width = ar.moe.intermediate_size;
-        let t_route = Instant::now();
-        let (b, hs) = (&mut st.buf, &mut st.host);
-        be.matmul(&m.router, None, &b.h, n, &mut b.router);
-        hs.router.resize(n * e_count, 0.0);
-        be.download(&b.router, 0, &mut hs.router);
-        hs.ids.resize(n * k, 0);
-        hs.weights.resize(n * k, 0.0);
-        for t in 0..n {
-            let (ids, w) = (&mut hs.ids[t * k..(t + 1) * k], &mut hs.weights[t * k..(t + 1) * k]);
-            self.router.route(&hs.router[t * e_count..(t + 1) * e_count], m.router_bias.as_deref(), ids, w, &mut hs.route);
-            obs.route(li, pos + t, ids, w, &hs.route.choice);
-            if let Some(ins) = st.instrument.as_mut() {
-                ins.route(li, ids);
+        let t = Instant::now();
+        let ins = &mut st.instrument;
+        self.route_tokens(m, &st.buf.h, &mut st.buf.router, &mut st.host.routes, n, |token, experts, weights, choice| {
+            obs.route(li, pos + token, experts, weights, choice);
+            if let Some(ins) = ins.as_mut() {
+                ins.route(li, experts);
             }
-        }
-        if let Some(ins) = st.instrument.as_mut() {
-            ins.current.routing_ms += ms(t_route);
-        }
-        let t_experts = Instant::now();
-        // Group (token, slot) pairs by expert: `order[starts[j]..starts[j + 1]]` are the slots of
-        // `needed[j]`, in token order.
-        hs.starts.clear();
-        hs.starts.resize(e_count + 1, 0);
-        for &e in &hs.ids {
-            hs.starts[e as usize + 1] += 1;
-        }
-        for e in 0..e_count {
-            hs.starts[e + 1] += hs.starts[e];
-        }
-        hs.order.resize(n * k, 0);
-        hs.fill.clear();
-        hs.fill.extend_from_slice(&hs.starts);
-        for (slot, &e) in hs.ids.iter().enumerate() {
-            hs.order[hs.fill[e as usize]] = slot;
-            hs.fill[e as usize] += 1;
-        }
-        hs.needed.clear();
-        hs.needed.extend((0..e_count as u32).filter(|&e| hs.starts[e as usize + 1] > hs.starts[e as usize]));
-        // Every (token, slot) pair's input row, in expert order: expert e's rows are
-        // `starts[e]..starts[e + 1]` of `xe`, and of `gu` and `dd` after it.
-        hs.tokens.clear();
-        hs.tokens.extend(hs.order.iter().map(|s| s / k));
-        be.gather_rows(&b.h, hd, &hs.tokens, &mut b.xe);
-        let (starts, needed) = (&hs.starts, &hs.needed);
-        let mut compute = |batch: &[(usize, ExpertView<'_>)]| {
-            // One dispatch for every gate and up product of the batch ([gate | up] per row of
-            // `gu`), one for every down product.
-            let mut jobs = Vec::with_capacity(2 * batch.len());
-            for (j, ex) in batch {
-                let e = needed[*j] as usize;
-                let (r0, rows) = (starts[e], starts[e + 1] - starts[e]);
-                jobs.push(MatJob { w: WeightRef::Host(ex.gate), x_row: r0, n: rows, out_row: r0, out_col: 0 });
-                jobs.push(MatJob { w: WeightRef::Host(ex.up), x_row: r0, n: rows, out_row: r0, out_col: width });
-            }
-            be.matmul_many(&jobs, &b.xe, hd, &mut b.gu, 2 * width);
-            jobs.clear();
-            for (j, ex) in batch {
-                let e = needed[*j] as usize;
-                let (r0, rows) = (starts[e], starts[e + 1] - starts[e]);
-                be.silu_mul_halves(&mut b.gu, r0, rows, 2 * width, width);
-                jobs.push(MatJob { w: WeightRef::Host(ex.down), x_row: r0, n: rows, out_row: r0, out_col: 0 });
-            }
-            be.matmul_many(&jobs, &b.gu, 2 * width, &mut b.dd, hd);
-        };
-        self.experts.with_experts(li, needed, &mut compute)?;
-        be.scatter_rows(&b.dd, hd, &hs.order, &mut b.slots);
-        // Sum in slot order, whatever order the experts arrived in: bit-identical results
-        // whether experts were resident or streamed.
-        be.add_weighted_slots(&b.slots, hd, n, k, &hs.weights, &mut b.x);
+        });
+        st.charge(t, |r| &mut r.routing_ms);
+        let t = Instant::now();
+        st.host.groups.group(&st.host.routes.ids, self.arch.moe.num_experts, self.router.top_k());
+        self.routed_experts(li, st, n)?;
         if let Some(shared) = &m.shared {
-            self.mlp(shared, st, n);
-            let (b, hs) = (&mut st.buf, &mut st.host);
-            if let Some(g) = &m.shared_gate {
-                be.matmul(g, None, &b.h, n, &mut b.tmp);
-                hs.gate.resize(n, 0.0);
-                be.download(&b.tmp, 0, &mut hs.gate);
-                for v in hs.gate.iter_mut() {
-                    *v = 1.0 / (1.0 + (-*v).exp());
-                }
-                be.scale_rows(&mut b.d, hd, &hs.gate);
-            }
-            be.add(&mut b.x, &b.d, n * hd);
+            self.shared_experts(shared, m.shared_gate.as_ref(), st, n);
         }
-        if let Some(ins) = st.instrument.as_mut() {
-            ins.current.expert_ms += ms(t_experts);
-        }
+        st.charge(t, |r| &mut r.expert_ms);
         Ok(())
+    }
+
+    /// Routing, shared by the MoE block and the lookahead: `m`'s router over `n` rows of `input`
+    /// (`[n, hidden]`) into `logits` (`[n, experts]`), downloaded to the host, then each
+    /// token's experts and mixing weights, chosen by the router rule, into `r.ids` and
+    /// `r.weights`. `seen(token, experts, weights, choice)` sees each token as it is routed
+    /// (`choice`: the scores the experts were chosen on, one per expert).
+    fn route_tokens(
+        &self,
+        m: &MoeBlock<B>,
+        input: &B::Buf,
+        logits: &mut B::Buf,
+        r: &mut Routes,
+        n: usize,
+        mut seen: impl FnMut(usize, &[u32], &[f32], &[f32]),
+    ) {
+        let (be, e_count, k) = (&self.backend, self.arch.moe.num_experts, self.router.top_k());
+        be.matmul(&m.router, None, input, n, logits);
+        r.logits.resize(n * e_count, 0.0);
+        be.download(logits, 0, &mut r.logits);
+        r.ids.resize(n * k, 0);
+        r.weights.resize(n * k, 0.0);
+        for t in 0..n {
+            let (ids, w) = (&mut r.ids[t * k..(t + 1) * k], &mut r.weights[t * k..(t + 1) * k]);
+            self.router.route(&r.logits[t * e_count..(t + 1) * e_count], m.router_bias.as_deref(), ids, w, &mut r.scratch);
+            seen(t, ids, w, &r.scratch.choice);
+        }
+    }
+
+    /// The routed experts of `h`, mixed into `x`. Each (token, slot) pair's row of `h` is
+    /// gathered into `xe` in expert order; the store hands the needed experts over in batches as
+    /// their weights are in memory, each batch runs over its rows into `dd`
+    /// ([`expert_batch`](Self::expert_batch)); the rows go back to slot order in `slots`, and
+    /// each token's slots are added into `x` with their mixing weights in slot order, whatever
+    /// order the experts arrived in: bit-identical results whether experts were resident or
+    /// streamed.
+    fn routed_experts(&self, li: usize, st: &mut State<B>, n: usize) -> Result<(), EngineError> {
+        let (be, hd, k) = (&self.backend, self.arch.hidden_size, self.router.top_k());
+        let (b, hs) = (&mut st.buf, &st.host);
+        let groups = &hs.groups;
+        be.gather_rows(&b.h, hd, &groups.tokens, &mut b.xe);
+        self.experts.with_experts(li, &groups.needed, &mut |batch: &ExpertBatch<'_>| self.expert_batch(batch, groups, b))?;
+        be.scatter_rows(&b.dd, hd, &groups.order, &mut b.slots);
+        be.add_weighted_slots(&b.slots, hd, n, k, &hs.routes.weights, &mut b.x);
+        Ok(())
+    }
+
+    /// One batch of landed experts over their rows of `xe`: one dispatch for every gate and up
+    /// product (`[gate | up]` per row of `gu`), SiLU(gate) · up into each row's gate half, then
+    /// one dispatch for every down product into `dd`.
+    fn expert_batch(&self, batch: &ExpertBatch<'_>, groups: &ExpertGroups, b: &mut Buffers<B>) {
+        let (be, hd, width) = (&self.backend, self.arch.hidden_size, self.arch.moe.intermediate_size);
+        // The jobs borrow this batch's views, valid only during the store's callback: the list
+        // is made here, once per batch (see the module documentation).
+        let mut jobs = Vec::with_capacity(2 * batch.len());
+        for (j, ex) in batch {
+            let (r0, rows) = groups.rows(*j);
+            jobs.push(MatJob { w: WeightRef::Host(ex.gate), x_row: r0, n: rows, out_row: r0, out_col: 0 });
+            jobs.push(MatJob { w: WeightRef::Host(ex.up), x_row: r0, n: rows, out_row: r0, out_col: width });
+        }
+        be.matmul_many(&jobs, &b.xe, hd, &mut b.gu, 2 * width);
+        jobs.clear();
+        for (j, ex) in batch {
+            let (r0, rows) = groups.rows(*j);
+            be.silu_mul_halves(&mut b.gu, r0, rows, 2 * width, width);
+            jobs.push(MatJob { w: WeightRef::Host(ex.down), x_row: r0, n: rows, out_row: r0, out_col: 0 });
+        }
+        be.matmul_many(&jobs, &b.gu, 2 * width, &mut b.dd, hd);
+    }
+
+    /// The shared experts of `h`, added into `x`: one SwiGLU MLP into `d`, each token's row
+    /// scaled by sigmoid(`gate` · h) where the model has a gate (Qwen2-MoE).
+    fn shared_experts(&self, shared: &Mlp<B>, gate: Option<&B::Matrix>, st: &mut State<B>, n: usize) {
+        let (be, hd) = (&self.backend, self.arch.hidden_size);
+        self.mlp(shared, st, n);
+        let (b, hs) = (&mut st.buf, &mut st.host);
+        if let Some(g) = gate {
+            be.matmul(g, None, &b.h, n, &mut b.tmp);
+            hs.gate.resize(n, 0.0);
+            be.download(&b.tmp, 0, &mut hs.gate);
+            for v in hs.gate.iter_mut() {
+                *v = 1.0 / (1.0 + (-*v).exp());
+            }
+            be.scale_rows(&mut b.d, hd, &hs.gate);
+        }
+        be.add(&mut b.x, &b.d, n * hd);
     }
 }

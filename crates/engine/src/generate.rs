@@ -2,7 +2,7 @@
 //! loop that prefills a prompt and samples until a stop condition.
 
 use crate::backend::Backend;
-use crate::forward::{Logits, NoObserver, Observer, State};
+use crate::forward::{Logits, NoObserver, Observer, State, PREFILL_CHUNK};
 use crate::sampler::{Sampler, SamplingParams};
 use crate::{EngineError, Model};
 use serde_json::Value as Json;
@@ -250,14 +250,15 @@ impl<B: Backend> Engine<B> {
         Ok(Generation { tokens, text, finish, stats, prompt_logits, stop_string })
     }
 
-    /// [`generate`](Self::generate) from an empty state, observing nothing.
+    /// [`generate`](Self::generate) from an empty state (prefilling [`PREFILL_CHUNK`] tokens at a
+    /// time), observing nothing.
     pub fn generate_fresh(
         &self,
         prompt: &[u32],
         opts: &GenOptions,
         on_token: &mut dyn FnMut(u32, &str) -> bool,
     ) -> Result<Generation, EngineError> {
-        let mut st = self.model.new_state(256);
+        let mut st = self.model.new_state(PREFILL_CHUNK);
         self.generate(&mut st, prompt, opts, &mut NoObserver, on_token)
     }
 }

@@ -4,7 +4,7 @@ The smoe engine: one generic Mixture-of-Experts decoder.
 [`Model`] holds a model's dense weights on a [`Backend`] and reaches routed experts through an
 [`ExpertSource`](smoe_store::ExpertSource); [`Model::forward`] runs any supported family, any
 number of tokens, through one layer loop whose family differences are enums chosen at load.
-[`Sampler`] turns logits into tokens; [`Generator`] drives tokenizer, template, model and
+[`Sampler`] turns logits into tokens; [`Engine`] drives tokenizer, template, model and
 sampler for text generation.
 
 This crate owns the math and the generation loop. It does not read files (`smoe-vault`), fetch
@@ -30,7 +30,7 @@ mod widths;
 
 pub use backend::Backend;
 pub use cpu::{CpuBackend, Precision};
-pub use forward::{Logits, NoObserver, Observer, State};
+pub use forward::{Logits, NoObserver, Observer, State, PREFILL_CHUNK};
 pub use generate::{Engine, FinishReason, GenOptions, GenStats, Generation};
 pub use model::{kv_shapes, kv_values_per_token, naive_kv_values_per_token, Model};
 pub use open::{default_context, is_gguf, model_sizes, open, open_cpu, CacheSize, ModelSizes, OpenOptions, OpenReport};

@@ -142,8 +142,7 @@ pub fn is_gguf(path: &Path) -> bool {
 impl ModelFile {
     fn open(path: &Path) -> Result<ModelFile, EngineError> {
         if is_gguf(path) {
-            let g =
-                smoe_formats::gguf::GgufModel::open(path).map_err(|e| EngineError::Model(format!("{}: {e}", path.display())))?;
+            let g = smoe_formats::gguf::GgufModel::open(path).map_err(|e| EngineError::Model(format!("{}: {e}", path.display())))?;
             return Ok(ModelFile::Gguf(Box::new(g)));
         }
         Ok(ModelFile::Vault(Box::new(Vault::open(path)?)))

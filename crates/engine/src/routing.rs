@@ -21,8 +21,8 @@ pub struct RouterRule {
 /// Reusable buffers for [`RouterRule::route`].
 #[derive(Default)]
 pub struct RouteScratch {
-    /// The scores experts were chosen on (softmax probabilities, or corrected and group-masked
-    /// sigmoid scores), for inspecting near-ties.
+    /// `[experts]`: the scores the latest token's experts were chosen on (softmax
+    /// probabilities, or corrected and group-masked sigmoid scores), for inspecting near-ties.
     pub choice: Vec<f32>,
     weights_src: Vec<f32>,
     group_scores: Vec<f32>,

@@ -57,7 +57,8 @@ impl Observer for Recorder<'_> {
     }
 }
 
-/// Runs `ids` as one prompt and records logits and routing.
+/// Runs `ids` as one prompt and records logits and routing. [`ScoreMode::Prefill`] runs `chunk`
+/// tokens per forward step (the CLI passes [`PREFILL_CHUNK`](crate::PREFILL_CHUNK)).
 pub fn score<B: Backend>(
     model: &Model<B>,
     ids: &[u32],
@@ -111,8 +112,8 @@ pub fn score_and_continue<B: Backend>(
 }
 
 impl ScoreOutput {
-    /// Writes `logits` [T, vocab] f32 and `route.L.experts` [T, k] i32 / `route.L.weights`
-    /// [T, k] f32 for every MoE layer, and `greedy` [N] i32 if there is a continuation, as
+    /// Writes `logits` `[T, vocab]` f32 and `route.L.experts` `[T, k]` i32 / `route.L.weights`
+    /// `[T, k]` f32 for every MoE layer, and `greedy` `[N]` i32 if there is a continuation, as
     /// safetensors.
     pub fn write_safetensors(&self, path: &Path) -> std::io::Result<()> {
         let mut tensors: Vec<(String, &str, Vec<usize>, Vec<u8>)> = Vec::new();

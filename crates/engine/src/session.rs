@@ -2,7 +2,7 @@
 //! what is cached.
 
 use crate::backend::Backend;
-use crate::forward::{Observer, State};
+use crate::forward::{Observer, State, PREFILL_CHUNK};
 use crate::generate::{Engine, GenOptions, Generation};
 use crate::{EngineError, Model};
 use serde_json::{json, Map, Value as Json};
@@ -16,9 +16,9 @@ pub struct Session<B: Backend> {
 }
 
 impl<B: Backend> Session<B> {
-    /// An empty session for `model`.
+    /// An empty session for `model`, prefilling [`PREFILL_CHUNK`] tokens at a time.
     pub fn new(model: &Model<B>) -> Session<B> {
-        Session { state: model.new_state(256), cached: Vec::new() }
+        Session { state: model.new_state(PREFILL_CHUNK), cached: Vec::new() }
     }
 
     /// The tokens in the cache.

@@ -9,7 +9,9 @@
 
 use smoe_vault::{Architecture, LayerKind};
 
-/// Floats per token row of each activation buffer (see the module documentation).
+/// Floats per token row of each activation buffer (see the module documentation). Each field
+/// is named after its buffer in the forward pass's `Buffers`, whose documentation gives the
+/// buffer's shape and what it holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Widths {
     pub x: usize,

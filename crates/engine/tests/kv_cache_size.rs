@@ -2,8 +2,8 @@
 //! heads for GQA) vs. a naive full K/V cache; the numbers in docs/kv-cache.md.
 
 use smoe_convert::synth;
-use smoe_formats::hf;
 use smoe_engine::{kv_values_per_token, naive_kv_values_per_token};
+use smoe_formats::hf;
 
 fn arch(shape: &str) -> smoe_vault::Architecture {
     hf::architecture_from_config(&synth::shape_config(shape).unwrap()).unwrap()

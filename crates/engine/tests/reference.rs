@@ -194,11 +194,11 @@ fn yarn_past_the_original_context_matches_transformers() {
             _ => panic!("{name} is not a YaRN fixture"),
         };
         assert!(first >= orig && input.len() > first, "{name}: positions {first}..{} are not past {orig}", input.len());
-        let out = score(&model, &input, ScoreMode::Prefill, 256, false).unwrap();
+        let out = score(&model, &input, ScoreMode::Prefill, smoe_engine::PREFILL_CHUNK, false).unwrap();
         let vocab = model.arch().vocab_size;
         let e = rel_err(&out.logits[first * vocab..], expect);
         assert!(e < 1e-4, "{name} prefill past position {orig}: logits rel err {e:.2e}");
-        let mut st = model.new_state(256);
+        let mut st = model.new_state(smoe_engine::PREFILL_CHUNK);
         model.forward(&mut st, &input[..first], Logits::Last, &mut NoObserver).unwrap();
         for (i, &tok) in input[first..].iter().enumerate() {
             let got = model.forward(&mut st, &[tok], Logits::Last, &mut NoObserver).unwrap();

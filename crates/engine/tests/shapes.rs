@@ -313,13 +313,15 @@ fn deepseek_v3_ratios_score_300_tokens_from_vault_and_gguf() {
     let m = open(&vault, Precision::Reference);
     let a = m.model.arch();
     assert!(a.num_heads * a.mla.as_ref().unwrap().v_head_dim > a.hidden_size, "the case must be wider than hidden");
-    let prefill = smoe_engine::score(&m.model, &ids, ScoreMode::Prefill, 256, false).unwrap();
-    let decode = smoe_engine::score(&m.model, &ids, ScoreMode::Decode, 256, false).unwrap();
+    let prefill = smoe_engine::score(&m.model, &ids, ScoreMode::Prefill, smoe_engine::PREFILL_CHUNK, false).unwrap();
+    let decode = smoe_engine::score(&m.model, &ids, ScoreMode::Decode, smoe_engine::PREFILL_CHUNK, false).unwrap();
     assert!(rel_err(&decode.logits, &prefill.logits) < 1e-4);
-    let from_gguf = smoe_engine::score(&open(&gguf, Precision::Reference).model, &ids, ScoreMode::Prefill, 256, false).unwrap();
+    let from_gguf =
+        smoe_engine::score(&open(&gguf, Precision::Reference).model, &ids, ScoreMode::Prefill, smoe_engine::PREFILL_CHUNK, false).unwrap();
     assert!(rel_err(&from_gguf.logits, &prefill.logits) < 1e-5);
     for path in [&vault, &gguf] {
-        let fast = smoe_engine::score(&open(path, Precision::Fast).model, &ids, ScoreMode::Prefill, 256, false).unwrap();
+        let fast =
+            smoe_engine::score(&open(path, Precision::Fast).model, &ids, ScoreMode::Prefill, smoe_engine::PREFILL_CHUNK, false).unwrap();
         assert!(fast.logits.iter().all(|x| x.is_finite()));
     }
 }
