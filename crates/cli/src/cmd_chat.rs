@@ -4,8 +4,8 @@ use crate::cmd_run::{print_summaries, GenArgs, ModelArgs};
 use anyhow::{bail, Context, Result};
 use serde_json::json;
 use smoe_engine::instrument::Instrument;
-use smoe_engine::{Conversation, CpuBackend, Engine, FinishReason, NoObserver, Overflow, Precision, Turn};
-use smoe_text::{Section, SectionSplitter};
+use smoe_engine::{Backend, Conversation, Engine, FinishReason, NoObserver, Overflow, Precision, Turn};
+use smoe_text::{Piece, ReplyParser};
 use std::io::{BufRead, IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -67,10 +67,10 @@ impl Input {
     }
 }
 
-/// The state of the REPL besides the conversation.
-struct Chat<'e> {
-    engine: &'e Engine<CpuBackend>,
-    conv: Conversation<CpuBackend>,
+/// The state of the REPL besides the conversation, for an engine on any backend.
+struct Chat<'e, B: Backend> {
+    engine: &'e Engine<B>,
+    conv: Conversation<B>,
     gen: GenArgs,
     show_thinking: bool,
     color: bool,
@@ -135,7 +135,7 @@ fn history_path() -> Option<PathBuf> {
     std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".local/share/smoe/chat_history"))
 }
 
-impl Chat<'_> {
+impl<B: Backend> Chat<'_, B> {
     fn set_think(&mut self, on: bool) {
         self.show_thinking = on;
         if on {
@@ -209,7 +209,7 @@ impl Chat<'_> {
                         store.hit_rate(),
                         store.bytes_read as f64 / (1u64 << 20) as f64
                     );
-                    print_summaries(ins, s.prefilled_tokens.div_ceil(256));
+                    print_summaries(ins, s.prefilled_tokens.div_ceil(smoe_engine::PREFILL_CHUNK));
                 }
             },
             other => bail!("unknown command /{other}; /help lists them"),
@@ -225,7 +225,7 @@ impl Chat<'_> {
         // Whether the reply starts inside <think> depends on how the template ends the prompt.
         let mut transcript = self.conv.transcript();
         transcript.push(json!({"role": "user", "content": text}));
-        let mut sp = SectionSplitter::thinking(&self.engine.render_chat(&transcript, None, &self.conv.kwargs)?);
+        let mut parser = ReplyParser::new(&self.engine.render_chat(&transcript, None, &self.conv.kwargs)?, false);
         let (dim, plain) = if self.color { ("\x1b[2m", "\x1b[0m") } else { ("", "") };
         let mut printer = Printer { out: std::io::stdout().lock(), show_thinking: self.show_thinking, dim, plain, in_thinking: false };
         self.conv.session().state_mut().instrument = Some(Instrument::default());
@@ -233,10 +233,10 @@ impl Chat<'_> {
         let store0 = engine.model.experts().stats();
         let cancel = self.cancel.clone();
         let result = self.conv.turn(engine, text, &opts, &mut NoObserver, &mut |_, piece| {
-            printer.emit(sp.push(piece));
+            printer.emit(parser.push(piece));
             !cancel.load(Ordering::SeqCst)
         });
-        printer.emit(sp.flush());
+        printer.emit(parser.finish());
         printer.finish();
         let turn = result?;
         let store = engine.model.experts().stats().since(&store0);
@@ -286,24 +286,27 @@ struct Printer<'a> {
 }
 
 impl Printer<'_> {
-    fn emit(&mut self, pieces: Vec<(Section, String)>) {
-        for (sec, s) in pieces {
-            match sec {
-                Section::Inside if !self.show_thinking => {}
-                Section::Closed => {}
-                Section::Inside => {
+    fn emit(&mut self, pieces: Vec<Piece>) {
+        for p in pieces {
+            match p {
+                Piece::Reasoning(_) if !self.show_thinking => {}
+                Piece::Reasoning(s) => {
                     if !self.in_thinking {
                         let _ = write!(self.out, "{}<think>", self.dim);
                         self.in_thinking = true;
                     }
                     let _ = write!(self.out, "{s}");
                 }
-                Section::Outside => {
+                Piece::Content(s) => {
                     if self.in_thinking {
                         let _ = write!(self.out, "</think>{}", self.plain);
                         self.in_thinking = false;
                     }
                     let _ = write!(self.out, "{s}");
+                }
+                // The chat offers no tools: the parser returns none.
+                Piece::ToolCall(c) => {
+                    let _ = write!(self.out, "{}", c.text);
                 }
             }
         }

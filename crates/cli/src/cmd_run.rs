@@ -3,8 +3,8 @@
 use anyhow::{bail, Context, Result};
 use smoe_engine::instrument::Instrument;
 use smoe_engine::{
-    open_cpu, score_and_continue, CacheSize, CpuBackend, Engine, FinishReason, GenOptions, NoObserver, OpenOptions, OpenReport, Precision,
-    ScoreMode,
+    open_cpu, score_and_continue, Backend, CacheSize, CpuBackend, Engine, FinishReason, GenOptions, NoObserver, OpenOptions, OpenReport,
+    Precision, SamplingRequest, ScoreMode,
 };
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -130,7 +130,7 @@ pub fn run_score(a: ScoreArgs) -> Result<()> {
     let engine = model.open(&a.vault, precision, Some(ids.len() + a.greedy))?;
     let mode = if a.decode { ScoreMode::Decode } else { ScoreMode::Prefill };
     let t0 = std::time::Instant::now();
-    let out = score_and_continue(&engine.model, &ids, mode, 256, a.model.instrument, a.greedy)?;
+    let out = score_and_continue(&engine.model, &ids, mode, smoe_engine::PREFILL_CHUNK, a.model.instrument, a.greedy)?;
     out.write_safetensors(&a.out).with_context(|| format!("write {}", a.out.display()))?;
     eprintln!("scored {} tokens ({mode:?}) in {:.2} s -> {}", ids.len(), t0.elapsed().as_secs_f64(), a.out.display());
     if let Some(s) = &out.instrument {
@@ -196,29 +196,24 @@ impl GenArgs {
         }
     }
 
-    pub fn options(&self, engine: &Engine<CpuBackend>) -> GenOptions {
-        let mut s = engine.default_sampling();
-        if let Some(t) = self.temperature {
-            s.temperature = t;
+    /// The sampling flags; those not given take the model's defaults.
+    pub fn sampling(&self) -> SamplingRequest {
+        SamplingRequest {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            presence_penalty: Some(self.presence_penalty),
+            frequency_penalty: Some(self.frequency_penalty),
+            seed: self.seed,
         }
-        if let Some(v) = self.top_p {
-            s.top_p = v;
-        }
-        if let Some(v) = self.top_k {
-            s.top_k = v;
-        }
-        if let Some(v) = self.min_p {
-            s.min_p = v;
-        }
-        if let Some(v) = self.repetition_penalty {
-            s.repetition_penalty = v;
-        }
-        s.presence_penalty = self.presence_penalty;
-        s.frequency_penalty = self.frequency_penalty;
-        s.seed = self.seed;
+    }
+
+    pub fn options<B: Backend>(&self, engine: &Engine<B>) -> GenOptions {
         GenOptions {
             max_tokens: self.max_tokens,
-            sampling: s,
+            sampling: engine.sampling(&self.sampling()),
             stop: self.stop.clone(),
             stop_ids: None,
             ctx: self.ctx.unwrap_or(engine.ctx),
@@ -247,7 +242,7 @@ pub struct RunArgs {
 }
 
 /// Builds the prompt ids: the chat template around the text unless `raw`.
-pub fn prompt_ids(engine: &Engine<CpuBackend>, p: &Prompt) -> Result<Vec<u32>> {
+pub fn prompt_ids<B: Backend>(engine: &Engine<B>, p: &Prompt) -> Result<Vec<u32>> {
     if p.raw || engine.template.is_none() {
         return Ok(engine.encode(p.text)?);
     }
@@ -297,7 +292,7 @@ pub fn print_summaries(i: &Instrument, prefill_steps: usize) {
     eprintln!("decode:  {}", i.summary(prefill_steps));
 }
 
-pub fn generate_and_report(engine: &Engine<CpuBackend>, p: &Prompt, json: bool, gen: &GenArgs, instrument: bool) -> Result<()> {
+pub fn generate_and_report<B: Backend>(engine: &Engine<B>, p: &Prompt, json: bool, gen: &GenArgs, instrument: bool) -> Result<()> {
     let ids = prompt_ids(engine, p)?;
     let opts = gen.options(engine);
     let mut stdout = std::io::stdout().lock();
@@ -310,7 +305,7 @@ pub fn generate_and_report(engine: &Engine<CpuBackend>, p: &Prompt, json: bool, 
         }
         true
     };
-    let mut st = engine.model.new_state(256);
+    let mut st = engine.model.new_state(smoe_engine::PREFILL_CHUNK);
     if instrument {
         st.enable_instrument();
     }
@@ -318,7 +313,7 @@ pub fn generate_and_report(engine: &Engine<CpuBackend>, p: &Prompt, json: bool, 
     let g = engine.generate(&mut st, &ids, &opts, &mut NoObserver, &mut on_token)?;
     let s = &g.stats;
     let store = engine.model.experts().stats().since(&store_before);
-    let prefill_steps = s.prefilled_tokens.div_ceil(256);
+    let prefill_steps = s.prefilled_tokens.div_ceil(smoe_engine::PREFILL_CHUNK);
     if json {
         let ins = st.instrument.as_ref().map(
             |i| serde_json::json!({"prefill": i.summary_range(0, prefill_steps), "decode": i.summary(prefill_steps), "steps": i.records}),

@@ -3,7 +3,7 @@
 
 use crate::backend::Backend;
 use crate::forward::{Logits, NoObserver, Observer, State, PREFILL_CHUNK};
-use crate::sampler::{Sampler, SamplingParams};
+use crate::sampler::{Sampler, SamplingParams, SamplingRequest};
 use crate::{EngineError, Model};
 use serde_json::Value as Json;
 use smoe_text::{ChatTemplate, Detokenizer, StopStrings, Tokenizer};
@@ -149,16 +149,12 @@ impl<B: Backend> Engine<B> {
 
     /// Sampling defaults from generation_config.json (greedy if it does not ask for sampling).
     pub fn default_sampling(&self) -> SamplingParams {
-        let d = &self.defaults;
-        let mut p = SamplingParams::default();
-        if d.do_sample.unwrap_or(d.temperature.is_some()) {
-            p.temperature = d.temperature.unwrap_or(1.0) as f32;
-            p.top_p = d.top_p.unwrap_or(1.0) as f32;
-            p.top_k = d.top_k.unwrap_or(0) as usize;
-            p.min_p = d.min_p.unwrap_or(0.0) as f32;
-        }
-        p.repetition_penalty = d.repetition_penalty.unwrap_or(1.0) as f32;
-        p
+        SamplingParams::from_defaults(&self.defaults)
+    }
+
+    /// The sampling settings for `request`: what it asks for over this model's defaults.
+    pub fn sampling(&self, request: &SamplingRequest) -> SamplingParams {
+        request.resolve(&self.defaults)
     }
 
     /// Generates after `prompt`. The state may already hold a prefix of `prompt` in its cache

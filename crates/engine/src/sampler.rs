@@ -4,9 +4,13 @@
 //! context), presence and frequency penalties (over generated tokens, as OpenAI defines them),
 //! temperature, top-k, top-p, min-p, then a draw from the remaining distribution. Temperature 0
 //! is greedy. A seed makes a run reproducible; without one a seed is drawn and reported.
+//!
+//! [`SamplingRequest`] is what a front end asks for (flags, request fields), each setting
+//! optional; [`SamplingRequest::resolve`] fills in the model's generation_config.json defaults.
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use smoe_vault::GenerationDefaults;
 
 /// Sampling settings.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -65,6 +69,64 @@ impl SamplingParams {
             }
         }
         Ok(())
+    }
+}
+
+impl SamplingParams {
+    /// The model's defaults from generation_config.json: its temperature, top-p, top-k and min-p
+    /// when it asks for sampling (`do_sample`, or a temperature without `do_sample`), greedy
+    /// otherwise; its repetition penalty either way.
+    pub fn from_defaults(d: &GenerationDefaults) -> SamplingParams {
+        let mut p = SamplingParams::default();
+        if d.do_sample.unwrap_or(d.temperature.is_some()) {
+            p.temperature = d.temperature.unwrap_or(1.0) as f32;
+            p.top_p = d.top_p.unwrap_or(1.0) as f32;
+            p.top_k = d.top_k.unwrap_or(0) as usize;
+            p.min_p = d.min_p.unwrap_or(0.0) as f32;
+        }
+        p.repetition_penalty = d.repetition_penalty.unwrap_or(1.0) as f32;
+        p
+    }
+}
+
+/// Sampling settings as a caller asks for them (command-line flags, API request fields): each
+/// one given overrides the model's default, see [`resolve`](Self::resolve).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SamplingRequest {
+    /// Temperature (0: greedy).
+    pub temperature: Option<f32>,
+    /// Top-k (0: off).
+    pub top_k: Option<usize>,
+    /// Top-p (1: off).
+    pub top_p: Option<f32>,
+    /// Min-p (0: off).
+    pub min_p: Option<f32>,
+    /// Repetition penalty (1: off).
+    pub repetition_penalty: Option<f32>,
+    /// Presence penalty (0: off; no model default).
+    pub presence_penalty: Option<f32>,
+    /// Frequency penalty (0: off; no model default).
+    pub frequency_penalty: Option<f32>,
+    /// Seed (none: drawn).
+    pub seed: Option<u64>,
+}
+
+impl SamplingRequest {
+    /// The settings to sample with: what was asked, the rest from the model's `defaults`
+    /// ([`SamplingParams::from_defaults`]). Values are not checked here;
+    /// [`SamplingParams::validate`] does that.
+    pub fn resolve(&self, defaults: &GenerationDefaults) -> SamplingParams {
+        let d = SamplingParams::from_defaults(defaults);
+        SamplingParams {
+            temperature: self.temperature.unwrap_or(d.temperature),
+            top_k: self.top_k.unwrap_or(d.top_k),
+            top_p: self.top_p.unwrap_or(d.top_p),
+            min_p: self.min_p.unwrap_or(d.min_p),
+            repetition_penalty: self.repetition_penalty.unwrap_or(d.repetition_penalty),
+            presence_penalty: self.presence_penalty.unwrap_or(d.presence_penalty),
+            frequency_penalty: self.frequency_penalty.unwrap_or(d.frequency_penalty),
+            seed: self.seed.or(d.seed),
+        }
     }
 }
 
@@ -246,6 +308,60 @@ mod tests {
         for (t, want) in [(0, 1.0 / 6.0), (1, 2.0 / 6.0), (2, 3.0 / 6.0)] {
             assert!((share(t) - want).abs() < 0.03, "token {t}: {} vs {want}", share(t));
         }
+    }
+
+    #[test]
+    fn requests_resolve_against_the_model_defaults() {
+        let sampling = GenerationDefaults {
+            do_sample: Some(true),
+            temperature: Some(0.6),
+            top_p: Some(0.95),
+            top_k: Some(20),
+            repetition_penalty: Some(1.1),
+            ..Default::default()
+        };
+        let d = SamplingParams::from_defaults(&sampling);
+        assert_eq!(
+            d,
+            SamplingParams { temperature: 0.6, top_p: 0.95, top_k: 20, min_p: 0.0, repetition_penalty: 1.1, ..Default::default() }
+        );
+        // Nothing asked: the defaults; each field asked overrides its default only.
+        assert_eq!(SamplingRequest::default().resolve(&sampling), d);
+        let r =
+            SamplingRequest { temperature: Some(0.0), top_k: Some(0), presence_penalty: Some(0.5), seed: Some(9), ..Default::default() };
+        assert_eq!(r.resolve(&sampling), SamplingParams { temperature: 0.0, top_k: 0, presence_penalty: 0.5, seed: Some(9), ..d.clone() });
+        let all = SamplingRequest {
+            temperature: Some(1.5),
+            top_k: Some(5),
+            top_p: Some(0.5),
+            min_p: Some(0.1),
+            repetition_penalty: Some(1.3),
+            presence_penalty: Some(-1.0),
+            frequency_penalty: Some(1.0),
+            seed: Some(1),
+        };
+        assert_eq!(
+            all.resolve(&sampling),
+            SamplingParams {
+                temperature: 1.5,
+                top_k: 5,
+                top_p: 0.5,
+                min_p: 0.1,
+                repetition_penalty: 1.3,
+                presence_penalty: -1.0,
+                frequency_penalty: 1.0,
+                seed: Some(1)
+            }
+        );
+        // A model that does not ask for sampling is greedy, but keeps its repetition penalty; a
+        // temperature alone asks for sampling.
+        let greedy =
+            GenerationDefaults { do_sample: Some(false), temperature: Some(0.7), repetition_penalty: Some(1.05), ..Default::default() };
+        assert_eq!(SamplingParams::from_defaults(&greedy), SamplingParams { repetition_penalty: 1.05, ..Default::default() });
+        let warm = GenerationDefaults { temperature: Some(0.7), ..Default::default() };
+        assert_eq!(SamplingParams::from_defaults(&warm), SamplingParams { temperature: 0.7, ..Default::default() });
+        assert_eq!(SamplingRequest { top_p: Some(0.9), ..Default::default() }.resolve(&GenerationDefaults::default()).top_p, 0.9);
+        assert_eq!(SamplingParams::from_defaults(&GenerationDefaults::default()), SamplingParams::default());
     }
 
     #[test]

@@ -4,8 +4,7 @@
 use crate::error::ApiError;
 use crate::openai::text_parts;
 use crate::params::{gen_options, opt_bool, opt_u64, req_str, ANTHROPIC};
-use crate::reply::{random_id, Piece};
-use crate::run::{gather, prepare, submit, PromptSpec, Running, Step};
+use crate::run::{prepare, random_id, submit, PromptSpec, Running, Step};
 use crate::worker::Finished;
 use crate::AppState;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
@@ -13,6 +12,7 @@ use axum::response::{IntoResponse, Response};
 use futures_util::stream::{self, StreamExt};
 use serde_json::{json, Map, Value as Json};
 use smoe_engine::FinishReason;
+use smoe_text::Piece;
 use std::collections::VecDeque;
 use std::convert::Infallible;
 
@@ -151,8 +151,8 @@ pub async fn messages(state: AppState, body: axum::body::Bytes) -> Result<Respon
         let events = s.into_stream().map(|(name, data)| Ok::<_, Infallible>(SseEvent::default().event(name).data(data.to_string())));
         return Ok(Sse::new(events).keep_alive(KeepAlive::default()).into_response());
     }
-    let (pieces, fin) = run.collect().await?;
-    let (reasoning, text, calls) = gather(pieces);
+    let (reply, fin) = run.collect().await?;
+    let (reasoning, text, calls) = (reply.reasoning, reply.content, reply.tool_calls);
     let mut content = Vec::new();
     if !reasoning.is_empty() {
         content.push(json!({"type": "thinking", "thinking": reasoning, "signature": ""}));

@@ -17,7 +17,6 @@ pub mod fleet;
 pub mod metrics;
 pub mod openai;
 pub mod params;
-pub mod reply;
 pub mod run;
 pub mod worker;
 

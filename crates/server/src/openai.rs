@@ -2,8 +2,7 @@
 
 use crate::error::ApiError;
 use crate::params::{gen_options, opt_bool, opt_u64, req_str, OPENAI};
-use crate::reply::{random_id, Piece, ToolCall};
-use crate::run::{gather, now, prepare, submit, PromptSpec, Running, Step};
+use crate::run::{now, prepare, random_id, submit, PromptSpec, Running, Step};
 use crate::worker::Finished;
 use crate::AppState;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
@@ -11,6 +10,7 @@ use axum::response::{IntoResponse, Response};
 use futures_util::stream::{self, Stream};
 use serde_json::{json, Map, Value as Json};
 use smoe_engine::FinishReason;
+use smoe_text::{Piece, ToolCall};
 use std::collections::VecDeque;
 use std::convert::Infallible;
 
@@ -138,8 +138,10 @@ fn usage(f: &Finished) -> Json {
     })
 }
 
+/// A tool call with a new `call_…` id.
 fn tool_call_json(index: usize, c: &ToolCall) -> Json {
-    json!({"index": index, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}})
+    let id = format!("call_{}", random_id(24));
+    json!({"index": index, "id": id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}})
 }
 
 /// `POST /v1/chat/completions`.
@@ -165,8 +167,8 @@ pub async fn chat(state: AppState, body: axum::body::Bytes) -> Result<Response, 
     if stream {
         return Ok(sse(ChatStream { run, id, model, created, usage_chunk, queue: VecDeque::new(), calls: 0, state: 0 }.into_stream()));
     }
-    let (pieces, fin) = run.collect().await?;
-    let (reasoning, content, calls) = gather(pieces);
+    let (reply, fin) = run.collect().await?;
+    let (reasoning, content, calls) = (reply.reasoning, reply.content, reply.tool_calls);
     let mut message =
         json!({"role": "assistant", "content": if content.is_empty() && !calls.is_empty() { Json::Null } else { content.into() }});
     if !reasoning.is_empty() {
@@ -311,9 +313,8 @@ pub async fn completions(state: AppState, body: axum::body::Bytes) -> Result<Res
                "choices": [{"text": text, "index": 0, "logprobs": null, "finish_reason": finish}]})
     };
     if !stream {
-        let (pieces, fin) = run.collect().await?;
-        let (_, text, _) = gather(pieces);
-        let mut out = chunk(&text, Some(finish_reason(fin.generation.finish, false)));
+        let (reply, fin) = run.collect().await?;
+        let mut out = chunk(&reply.content, Some(finish_reason(fin.generation.finish, false)));
         out["usage"] = usage(&fin);
         return Ok(axum::Json(out).into_response());
     }
@@ -350,9 +351,25 @@ pub async fn completions(state: AppState, body: axum::body::Bytes) -> Result<Res
     Ok(sse(st))
 }
 
+/// A piece of a raw completion as text (a raw reply is all content).
 fn piece_text(p: Piece) -> String {
     match p {
         Piece::Reasoning(s) | Piece::Content(s) => s,
-        Piece::ToolCall(c) => format!("<tool_call>{{\"name\": \"{}\", \"arguments\": {}}}</tool_call>", c.name, c.arguments),
+        Piece::ToolCall(c) => c.text,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tool_calls_get_call_ids() {
+        let reply = smoe_text::parse_reply("", true, "<tool_call>{\"name\": \"f\", \"arguments\": {\"a\": 1}}</tool_call>");
+        let j = tool_call_json(2, &reply.tool_calls[0]);
+        assert!(j["id"].as_str().unwrap().starts_with("call_"), "{j}");
+        assert_eq!(j["id"].as_str().unwrap().len(), 5 + 24);
+        assert_eq!((j["index"].clone(), j["function"]["name"].clone()), (json!(2), json!("f")));
+        assert_eq!(serde_json::from_str::<Json>(j["function"]["arguments"].as_str().unwrap()).unwrap(), json!({"a": 1}));
     }
 }

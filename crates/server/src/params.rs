@@ -2,7 +2,7 @@
 
 use crate::error::ApiError;
 use serde_json::Value as Json;
-use smoe_engine::{CpuBackend, Engine, GenOptions};
+use smoe_engine::{GenOptions, LoadedModel, SamplingRequest};
 
 /// A JSON object's optional field as a number in `[lo, hi]`.
 pub fn opt_f32(v: &Json, name: &str, lo: f64, hi: f64) -> Result<Option<f32>, ApiError> {
@@ -80,43 +80,43 @@ pub const OPENAI: Names = Names { max_tokens: &["max_completion_tokens", "max_to
 /// Anthropic's field names.
 pub const ANTHROPIC: Names = Names { max_tokens: &["max_tokens"], stop: "stop_sequences" };
 
-/// Generation options from a request over the model's defaults. `default_max` applies when no
-/// max-token field is given (`None`: up to the context limit).
-pub fn gen_options(v: &Json, names: &Names, engine: &Engine<CpuBackend>, default_max: Option<usize>) -> Result<GenOptions, ApiError> {
-    let mut s = engine.default_sampling();
-    if let Some(t) = opt_f32(v, "temperature", 0.0, 2.0)? {
-        s.temperature = t;
+/// The sampling fields of a request, checked against the API's ranges (the first bad field,
+/// in this order, is the one reported).
+pub fn sampling_request(v: &Json) -> Result<SamplingRequest, ApiError> {
+    let temperature = opt_f32(v, "temperature", 0.0, 2.0)?;
+    let top_p = opt_f32(v, "top_p", 0.0, 1.0)?;
+    if top_p.is_some_and(|p| p <= 0.0) {
+        return Err(ApiError::bad_param("top_p", "'top_p' must be greater than 0"));
     }
-    if let Some(p) = opt_f32(v, "top_p", 0.0, 1.0)? {
-        if p <= 0.0 {
-            return Err(ApiError::bad_param("top_p", "'top_p' must be greater than 0"));
-        }
-        s.top_p = p;
-    }
-    if let Some(k) = v.get("top_k").filter(|x| !x.is_null()) {
+    let top_k = match v.get("top_k").filter(|x| !x.is_null()) {
+        None => None,
         // -1 means "off" for several clients.
-        s.top_k = match k.as_i64() {
+        Some(k) => Some(match k.as_i64() {
             Some(-1) | Some(0) => 0,
             Some(n) if n > 0 => n as usize,
             _ => return Err(ApiError::bad_param("top_k", format!("'top_k' must be a positive integer or -1, got {k}"))),
-        };
-    }
-    if let Some(m) = opt_f32(v, "min_p", 0.0, 1.0)? {
-        s.min_p = m;
-    }
-    if let Some(r) = opt_f32(v, "repetition_penalty", 0.01, 10.0)? {
-        s.repetition_penalty = r;
-    }
-    s.presence_penalty = opt_f32(v, "presence_penalty", -2.0, 2.0)?.unwrap_or(0.0);
-    s.frequency_penalty = opt_f32(v, "frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0);
-    if let Some(seed) = v.get("seed").filter(|x| !x.is_null()) {
-        s.seed = Some(
+        }),
+    };
+    let min_p = opt_f32(v, "min_p", 0.0, 1.0)?;
+    let repetition_penalty = opt_f32(v, "repetition_penalty", 0.01, 10.0)?;
+    let presence_penalty = opt_f32(v, "presence_penalty", -2.0, 2.0)?;
+    let frequency_penalty = opt_f32(v, "frequency_penalty", -2.0, 2.0)?;
+    let seed = match v.get("seed").filter(|x| !x.is_null()) {
+        None => None,
+        Some(seed) => Some(
             seed.as_i64()
                 .map(|n| n as u64)
                 .or_else(|| seed.as_u64())
                 .ok_or_else(|| ApiError::bad_param("seed", format!("'seed' must be an integer, got {seed}")))?,
-        );
-    }
+        ),
+    };
+    Ok(SamplingRequest { temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty, seed })
+}
+
+/// Generation options from a request over the model's defaults. `default_max` applies when no
+/// max-token field is given (`None`: up to the context limit).
+pub fn gen_options(v: &Json, names: &Names, engine: &dyn LoadedModel, default_max: Option<usize>) -> Result<GenOptions, ApiError> {
+    let sampling = engine.sampling(&sampling_request(v)?);
     let mut max = None;
     for name in names.max_tokens {
         if let Some(n) = opt_u64(v, name, 1)? {
@@ -127,10 +127,10 @@ pub fn gen_options(v: &Json, names: &Names, engine: &Engine<CpuBackend>, default
     let stop = stop_list(v, names.stop)?;
     Ok(GenOptions {
         max_tokens: max.or(default_max).unwrap_or(usize::MAX),
-        sampling: s,
+        sampling,
         stop,
         stop_ids: None,
-        ctx: engine.ctx,
+        ctx: engine.context(),
         keep_prompt_logits: false,
     })
 }
@@ -147,4 +147,28 @@ pub fn check_length(prompt: usize, ctx: usize) -> Result<(), ApiError> {
         });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn sampling_fields_become_a_request() {
+        assert_eq!(sampling_request(&json!({})).unwrap(), SamplingRequest::default());
+        let r = sampling_request(&json!({"temperature": 0, "top_k": -1, "top_p": 0.5, "presence_penalty": null, "seed": -1})).unwrap();
+        assert_eq!(
+            r,
+            SamplingRequest { temperature: Some(0.0), top_k: Some(0), top_p: Some(0.5), seed: Some(u64::MAX), ..Default::default() }
+        );
+        assert_eq!(sampling_request(&json!({"top_k": 40, "frequency_penalty": 1})).unwrap().top_k, Some(40));
+        // The first bad field is the one named.
+        let e = sampling_request(&json!({"temperature": 3, "top_p": 0})).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("temperature"), "{e:?}");
+        let e = sampling_request(&json!({"top_p": 0})).unwrap_err();
+        assert!(e.message.contains("greater than 0"), "{e:?}");
+        assert!(sampling_request(&json!({"top_k": 1.5})).is_err());
+        assert!(sampling_request(&json!({"seed": "x"})).is_err());
+    }
 }

@@ -4,10 +4,11 @@
 use crate::error::ApiError;
 use crate::fleet::Fleet;
 use crate::params::check_length;
-use crate::reply::{Piece, ReplyParser};
 use crate::worker::{Event, Finished, Job, Worker};
+use rand::Rng;
 use serde_json::{Map, Value as Json};
-use smoe_engine::{tokenize_chat, CpuBackend, Engine, GenOptions};
+use smoe_engine::{GenOptions, LoadedModel};
+use smoe_text::{Piece, Reply, ReplyParser};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
@@ -50,17 +51,17 @@ pub async fn prepare(
     fleet: Arc<Fleet>,
     model: String,
     spec: PromptSpec,
-    options: impl FnOnce(&Engine<CpuBackend>) -> Result<GenOptions, ApiError> + Send + 'static,
+    options: impl FnOnce(&dyn LoadedModel) -> Result<GenOptions, ApiError> + Send + 'static,
 ) -> Result<Prepared, ApiError> {
     tokio::task::spawn_blocking(move || {
         let worker = fleet.get(&model)?;
-        let engine = &worker.engine;
+        let engine = &*worker.engine;
         let opts = options(engine)?;
         let bad = |e: smoe_engine::EngineError| ApiError::bad_request(e.to_string());
         let chat = matches!(spec, PromptSpec::Chat { .. });
         let (prompt_text, prompt, tools) = match spec {
             PromptSpec::Chat { messages, tools, kwargs } => {
-                let (t, ids) = tokenize_chat(engine, &messages, tools.as_deref(), &kwargs, &|c| worker.recent.get(c)).map_err(bad)?;
+                let (t, ids) = engine.tokenize_chat(&messages, tools.as_deref(), &kwargs, &|c| worker.recent.get(c)).map_err(bad)?;
                 (t, ids, tools.is_some())
             }
             PromptSpec::Text(t) => {
@@ -68,7 +69,7 @@ pub async fn prepare(
                 (t, ids, false)
             }
             PromptSpec::Ids(ids) => {
-                let vocab = engine.model.arch().vocab_size;
+                let vocab = engine.architecture().vocab_size;
                 if let Some(b) = ids.iter().find(|&&i| i as usize >= vocab) {
                     return Err(ApiError::bad_param("prompt", format!("token id {b} is outside the vocabulary of {vocab}")));
                 }
@@ -132,32 +133,26 @@ impl Running {
         }
     }
 
-    /// Runs to the end: every piece and the result.
-    pub async fn collect(mut self) -> Result<(Vec<Piece>, Box<Finished>), ApiError> {
-        let mut all = Vec::new();
+    /// Runs to the end: the whole reply and the result.
+    pub async fn collect(mut self) -> Result<(Reply, Box<Finished>), ApiError> {
+        let mut reply = Reply::default();
         loop {
             match self.next().await? {
-                Step::Pieces(p) => all.extend(p),
+                Step::Pieces(p) => reply.extend(p),
                 Step::Done(p, f) => {
-                    all.extend(p);
-                    return Ok((all, f));
+                    reply.extend(p);
+                    return Ok((reply, f));
                 }
             }
         }
     }
 }
 
-/// Reasoning, content and tool calls of a whole reply.
-pub fn gather(pieces: Vec<Piece>) -> (String, String, Vec<crate::reply::ToolCall>) {
-    let (mut r, mut c, mut calls) = (String::new(), String::new(), Vec::new());
-    for p in pieces {
-        match p {
-            Piece::Reasoning(s) => r.push_str(&s),
-            Piece::Content(s) => c.push_str(&s),
-            Piece::ToolCall(t) => calls.push(t),
-        }
-    }
-    (r, c, calls)
+/// `n` random alphanumerics (ids of responses and tool calls).
+pub fn random_id(n: usize) -> String {
+    const A: &[u8] = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
+    let mut r = rand::rng();
+    (0..n).map(|_| A[r.random_range(0..A.len())] as char).collect()
 }
 
 /// Seconds since the Unix epoch.

@@ -7,7 +7,7 @@
 
 use crate::error::ApiError;
 use crate::metrics::Metrics;
-use smoe_engine::{CpuBackend, Engine, EngineError, GenOptions, Generation, NoObserver, Session};
+use smoe_engine::{Backend, Engine, EngineError, GenOptions, Generation, LoadedModel, NoObserver, Session};
 use smoe_store::StoreStats;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -84,8 +84,9 @@ impl RecentReplies {
 pub struct Worker {
     /// The model name.
     pub name: String,
-    /// The engine (tokenizer and template are used by request threads; the model only here).
-    pub engine: Arc<Engine<CpuBackend>>,
+    /// The model as request threads use it (tokenizer, template, defaults), whatever its
+    /// backend: only the generation thread names the backend type.
+    pub engine: Arc<dyn LoadedModel>,
     /// Recent replies, for prefix reuse.
     pub recent: Arc<RecentReplies>,
     tx: Option<mpsc::Sender<Job>>,
@@ -95,15 +96,15 @@ pub struct Worker {
 }
 
 impl Worker {
-    /// Starts the generation thread.
-    pub fn spawn(name: String, engine: Engine<CpuBackend>, limits: WorkerLimits, metrics: Arc<Metrics>) -> Worker {
+    /// Starts the generation thread for an engine on any backend.
+    pub fn spawn<B: Backend + 'static>(name: String, engine: Engine<B>, limits: WorkerLimits, metrics: Arc<Metrics>) -> Worker {
         let engine = Arc::new(engine);
         let recent = Arc::new(RecentReplies::default());
         let pending = Arc::new(AtomicUsize::new(0));
         let (tx, rx) = mpsc::channel::<Job>();
         let ctx = Loop { engine: engine.clone(), recent: recent.clone(), pending: pending.clone(), limits: limits.clone(), metrics };
         let thread = std::thread::Builder::new().name(format!("gen-{name}")).spawn(move || ctx.run(rx)).expect("spawn a thread");
-        Worker { name, engine, recent, tx: Some(tx), pending, limits, thread: Some(thread) }
+        Worker { name, engine: engine as Arc<dyn LoadedModel>, recent, tx: Some(tx), pending, limits, thread: Some(thread) }
     }
 
     /// Queues a job, or refuses with 429 when the queue is full.
@@ -136,22 +137,22 @@ impl Drop for Worker {
     }
 }
 
-struct Loop {
-    engine: Arc<Engine<CpuBackend>>,
+struct Loop<B: Backend> {
+    engine: Arc<Engine<B>>,
     recent: Arc<RecentReplies>,
     pending: Arc<AtomicUsize>,
     limits: WorkerLimits,
     metrics: Arc<Metrics>,
 }
 
-struct Cached {
-    session: Session<CpuBackend>,
+struct Cached<B: Backend> {
+    session: Session<B>,
     used: Instant,
 }
 
-impl Loop {
+impl<B: Backend> Loop<B> {
     fn run(self, rx: mpsc::Receiver<Job>) {
-        let mut sessions: Vec<Cached> = Vec::new();
+        let mut sessions: Vec<Cached<B>> = Vec::new();
         while let Ok(job) = rx.recv() {
             if !job.cancel.load(Ordering::SeqCst) && !job.events.is_closed() {
                 self.one(&mut sessions, job);
@@ -163,7 +164,7 @@ impl Loop {
     /// The session to continue: the one sharing the longest prefix with the prompt, if that is
     /// at least half of what it holds (or the pool is full); otherwise a fresh one, so that a
     /// different conversation does not wipe a cached one.
-    fn pick(&self, sessions: &mut Vec<Cached>, prompt: &[u32]) -> usize {
+    fn pick(&self, sessions: &mut Vec<Cached<B>>, prompt: &[u32]) -> usize {
         let best = (0..sessions.len()).max_by_key(|&i| (sessions[i].session.common_prefix(prompt), sessions[i].used));
         if let Some(i) = best {
             // Continue when the prompt extends the session, or shares most of it (a regenerated
@@ -185,7 +186,7 @@ impl Loop {
     }
 
     /// Drops least recently used sessions (never `keep`) while their KV caches exceed the budget.
-    fn trim(&self, sessions: &mut Vec<Cached>, mut keep: usize) {
+    fn trim(&self, sessions: &mut Vec<Cached<B>>, mut keep: usize) {
         let model = &self.engine.model;
         while sessions.len() > 1 && sessions.iter().map(|c| c.session.kv_bytes(model)).sum::<usize>() > self.limits.session_bytes {
             let victim = (0..sessions.len()).filter(|&i| i != keep).min_by_key(|&i| sessions[i].used).expect("more than one session");
@@ -196,7 +197,7 @@ impl Loop {
         }
     }
 
-    fn one(&self, sessions: &mut Vec<Cached>, job: Job) {
+    fn one(&self, sessions: &mut Vec<Cached<B>>, job: Job) {
         let i = self.pick(sessions, &job.prompt);
         sessions[i].used = Instant::now();
         let store0 = self.engine.model.experts().stats();

@@ -9,20 +9,24 @@ Text in and out of the model.
 - [`Detokenizer`]: turns a stream of ids into a stream of text that never splits a UTF-8
   character and skips ids that have no token.
 - [`StopStrings`]: finds stop strings in streamed text without emitting a partial match.
-- [`SectionSplitter`]: separates `<think>` reasoning (or `<tool_call>` bodies) from content in
+- [`SectionSplitter`]: separates the text between an open and a close tag from the rest, in
   streamed text.
+- [`ReplyParser`] and [`parse_reply`]: a model's reply (streamed or whole) split into
+  reasoning, content and tool calls, in the formats of the supported chat templates.
 
-This crate knows nothing about models or sampling.
+This crate knows nothing about model weights or sampling.
 */
 #![deny(missing_docs)]
 
 mod detok;
+mod reply;
 mod sections;
 mod stop;
 mod template;
 mod tokenizer;
 
 pub use detok::Detokenizer;
+pub use reply::{parse_reply, parse_tool_call, Piece, Reply, ReplyParser, ToolCall};
 pub use sections::{Section, SectionSplitter};
 pub use stop::StopStrings;
 pub use template::{ChatTemplate, TemplateError};

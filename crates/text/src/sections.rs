@@ -1,4 +1,5 @@
-//! Tagged sections of streamed text: `<think>…</think>` reasoning, `<tool_call>…</tool_call>`.
+//! Tagged sections of streamed text, such as `<think>…</think>` reasoning or
+//! `<tool_call>…</tool_call>` (see [`crate::ReplyParser`]).
 
 /// Which side of a tag pair a piece of text is on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -27,11 +28,6 @@ impl SectionSplitter {
     /// the open tag, as thinking templates render it).
     pub fn new(open: &str, close: &str, start_inside: bool) -> SectionSplitter {
         SectionSplitter { open: open.into(), close: close.into(), inside: start_inside, pending: String::new() }
-    }
-
-    /// The `<think>` … `</think>` splitter for a model whose rendered prompt is `prompt`.
-    pub fn thinking(prompt: &str) -> SectionSplitter {
-        SectionSplitter::new("<think>", "</think>", prompt.trim_end().ends_with("<think>"))
     }
 
     /// Whether the text seen so far ends inside a section.
@@ -125,7 +121,7 @@ mod tests {
         assert_eq!(got, vec![(Section::Inside, "\nplan more".to_string()), (Section::Outside, "\n\nanswer <b>".to_string())]);
         let got = join(&["still thinking</think>done"], true);
         assert_eq!(got, vec![(Section::Inside, "still thinking".to_string()), (Section::Outside, "done".to_string())]);
-        assert!(SectionSplitter::thinking("<|im_start|>assistant\n<think>\n").inside());
+        assert!(SectionSplitter::new("<think>", "</think>", true).inside());
         let (i, o) = SectionSplitter::new("<tool_call>", "</tool_call>", false).split_all("a<tool_call>{}</tool_call>b");
         assert_eq!((i.as_str(), o.as_str()), ("{}", "ab"));
     }
