@@ -53,7 +53,8 @@ pub(crate) mod avx2 {
     /// The CPU must support AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn multi_dot(q: &[f32], k: &[f32], out: &mut [f32]) {
-        // SAFETY (closure): `multi_dot_with` asks for i + 8 <= k.len().
+        // SAFETY: `multi_dot_with` calls `load8(i)` only with i + 8 <= d = k.len(), so the eight
+        // floats are inside `k`; AVX is part of what this function's caller guarantees.
         multi_dot_with(q, k.len(), |i| unsafe { _mm256_loadu_ps(k.as_ptr().add(i)) }, |j| k[j], out)
     }
 
@@ -85,7 +86,8 @@ pub(crate) mod avx2 {
     /// The CPU must support AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn multi_axpy(acc: &mut [f32], w: &[f32], v: &[f32]) {
-        // SAFETY (closure): `multi_axpy_with` asks for i + 8 <= v.len().
+        // SAFETY: `multi_axpy_with` calls `load8(i)` only with i + 8 <= d = v.len(), so the
+        // eight floats are inside `v`; AVX is part of what this function's caller guarantees.
         multi_axpy_with(acc, w, v.len(), |i| unsafe { _mm256_loadu_ps(v.as_ptr().add(i)) }, |j| v[j])
     }
 
@@ -211,7 +213,8 @@ pub mod f16 {
         /// The CPU must support AVX2, FMA and F16C.
         #[target_feature(enable = "avx2,fma,f16c")]
         pub unsafe fn multi_dot(q: &[f32], k: &[u16], out: &mut [f32]) {
-            // SAFETY (closure): i + 8 <= k.len(): eight halves, 16 bytes.
+            // SAFETY: `multi_dot_with` calls `load8(i)` only with i + 8 <= d = k.len(), so the
+            // 16 bytes (eight halves) are inside `k`; F16C is guaranteed by this function's caller.
             let load8 = |i: usize| unsafe { _mm256_cvtph_ps(_mm_loadu_si128(k.as_ptr().add(i) as *const __m128i)) };
             multi_dot_with(q, k.len(), load8, |j| f16_bits_to_f32(k[j]), out)
         }
@@ -220,7 +223,8 @@ pub mod f16 {
         /// The CPU must support AVX2, FMA and F16C.
         #[target_feature(enable = "avx2,fma,f16c")]
         pub unsafe fn multi_axpy(acc: &mut [f32], w: &[f32], v: &[u16]) {
-            // SAFETY (closure): i + 8 <= v.len(): eight halves, 16 bytes.
+            // SAFETY: `multi_axpy_with` calls `load8(i)` only with i + 8 <= d = v.len(), so the
+            // 16 bytes (eight halves) are inside `v`; F16C is guaranteed by this function's caller.
             let load8 = |i: usize| unsafe { _mm256_cvtph_ps(_mm_loadu_si128(v.as_ptr().add(i) as *const __m128i)) };
             multi_axpy_with(acc, w, v.len(), load8, |j| f16_bits_to_f32(v[j]))
         }

@@ -13,9 +13,12 @@ pub struct Arena {
     slots: usize,
 }
 
-// SAFETY: the arena is plain memory; the store hands out disjoint slots and synchronises access
-// to each slot through its pin counts and read completions.
+// SAFETY: the arena owns its allocation (freed only in `Drop`) and holds no thread-bound state,
+// so moving it to another thread is sound.
 unsafe impl Send for Arena {}
+// SAFETY: `&Arena` gives out only raw pointers and, through the `unsafe` `slot`/`slot_mut`, slices
+// whose callers promise no concurrent writer; the store keeps that promise with its pin counts
+// and read completions, so shared access from several threads does not race.
 unsafe impl Sync for Arena {}
 
 impl Arena {

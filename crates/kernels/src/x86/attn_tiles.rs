@@ -45,9 +45,10 @@ fn tile<const R: usize, const K: usize>(q: [&[f32]; R], k: [&[f32]; K]) -> [[f32
     let full = d / 8 * 8;
     let mut acc = [[_mm256_setzero_ps(); K]; R];
     for i in (0..full).step_by(8) {
-        // SAFETY: i + 8 <= full <= d, the length of every row (asserted).
+        // SAFETY: i + 8 <= full <= d, the length of every key row (asserted above).
         let kv: [__m256; K] = std::array::from_fn(|b| unsafe { load(k[b], i) });
         for a in 0..R {
+            // SAFETY: i + 8 <= full <= d, the length of every query row (asserted above).
             let qv = unsafe { load(q[a], i) };
             for b in 0..K {
                 acc[a][b] = _mm256_fmadd_ps(qv, kv[b], acc[a][b]);
@@ -110,9 +111,12 @@ fn sum_tile<const R: usize, const C: usize>(
 ) {
     assert!((r + R - 1) * d + c + 8 * C <= acc.len() && c + 8 * C <= d);
     assert!(n == 0 || ((n - 1) * rows + r + R <= p.len() && (n - 1) * stride + c + 8 * C <= values.len()));
-    // SAFETY (loads and stores): within the bounds asserted above.
+    // SAFETY: for i < R and x < C the load ends at (r + i) * d + c + 8 * (x + 1)
+    // <= (r + R - 1) * d + c + 8 * C <= acc.len() (first assert).
     let mut a: [[__m256; C]; R] = std::array::from_fn(|i| std::array::from_fn(|x| unsafe { load(acc, (r + i) * d + c + 8 * x) }));
     for j in 0..n {
+        // SAFETY: j <= n - 1 and x < C, so the load ends at most at
+        // (n - 1) * stride + c + 8 * C <= values.len() (second assert).
         let v: [__m256; C] = std::array::from_fn(|x| unsafe { load(values, j * stride + c + 8 * x) });
         for i in 0..R {
             let w = _mm256_set1_ps(p[j * rows + r + i]);
@@ -123,6 +127,8 @@ fn sum_tile<const R: usize, const C: usize>(
     }
     for i in 0..R {
         for x in 0..C {
+            // SAFETY: the same eight floats of `acc` that were loaded above, in bounds by the
+            // first assert; `acc` is borrowed mutably, so nothing else aliases them.
             unsafe { _mm256_storeu_ps(acc.as_mut_ptr().add((r + i) * d + c + 8 * x), a[i][x]) };
         }
     }

@@ -145,21 +145,24 @@ fn q8_0_body<const R: usize>(
     let (blocks, dwords, n) = (tile.cols / 32, tile.cols / 4, tile.n);
     assert!(u.len() >= R && u[..R].iter().all(|u| u.q.len() >= tile.cols) && out.len() >= R * n);
     assert!(tile.qs.len() >= tile.tiles() * dwords * TILE * 4);
+    assert!(tile.sums.len() >= tile.tiles() * blocks * TILE && tile.d.len() >= tile.tiles() * blocks * TILE);
     for g in first..tile.tiles() {
         let qs = tile.qs[g * dwords * TILE * 4..].as_ptr();
         let mut acc = [_mm256_setzero_ps(); R];
         for b in 0..blocks {
             let mut p = [_mm256_setzero_si256(); R];
             for k in 0..8 {
-                // SAFETY (pointers): tile offset (8b + k) * 32 + 32 <= dwords * 32 (asserted
-                // above); weights 32b + 4k + 4 <= cols <= q.len().
+                // SAFETY: tile `g`'s dwords start at `qs` and hold dwords * 32 bytes (second
+                // assert, g < tiles); dword 8b + k ends at (8b + k) * 32 + 32 <= dwords * 32.
                 let y = unsafe { qs.add((8 * b + k) * TILE * 4) };
                 for r in 0..R {
+                    // SAFETY: weight dword 32b + 4k ends at 32b + 4k + 4 <= cols <= u[r].q.len()
+                    // (first assert).
                     p[r] = dot4(p[r], unsafe { u[r].q.as_ptr().add(32 * b + 4 * k) }, y);
                 }
             }
             let row = (g * blocks + b) * TILE;
-            // SAFETY: `sums` and `d` hold TILE values per (tile, block).
+            // SAFETY: row + TILE <= tiles * blocks * TILE <= sums.len(), d.len() (third assert).
             let (sums, da) =
                 unsafe { (_mm256_loadu_si256(tile.sums.as_ptr().add(row) as *const __m256i), _mm256_loadu_ps(tile.d.as_ptr().add(row))) };
             let bias = if vnni { _mm256_slli_epi32::<7>(sums) } else { _mm256_setzero_si256() };
@@ -215,10 +218,11 @@ fn with_unpacked<const R: usize, T>(w: [&[u8]; R], unpack: impl Fn(&[u8], &mut U
 /// The CPU must support AVX2, FMA, F16C, AVX-512VL and AVX-512 VNNI.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
 pub unsafe fn q8_0_vnni(w: &[u8], tile: &ActTile<'_>, out: &mut [f32]) {
-    // SAFETY (closure): the CPU features are this function's; q8_0_body passes valid pointers.
     with_unpacked(
         [w],
         |w, u| unpack_q8_0(w, true, u),
+        // SAFETY: this function's caller guarantees every feature `q8_0_body` and `dot4_vnni`
+        // need; `q8_0_body` calls `dot4` only with 4 readable weight bytes and 32 tile bytes.
         |u, ()| unsafe { q8_0_body::<1>(u, 0, tile, out, |p, x, y| dot4_vnni(p, x, y), true) },
     )
 }
@@ -229,10 +233,11 @@ pub unsafe fn q8_0_vnni(w: &[u8], tile: &ActTile<'_>, out: &mut [f32]) {
 /// As [`q8_0_vnni`]; rows of equal length.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
 pub unsafe fn q8_0_vnni_rows(w: [&[u8]; ROWS], tile: &ActTile<'_>, out: &mut [f32]) {
-    // SAFETY (closure): as in `q8_0_vnni`.
     with_unpacked(
         w,
         |w, u| unpack_q8_0(w, true, u),
+        // SAFETY: as in `q8_0_vnni`; `q8_0_pairs` needs the same AVX-512 features, and checks
+        // its own bounds.
         |u, ()| unsafe {
             let done = super::gemm512::q8_0_pairs::<ROWS>(u, tile, out);
             q8_0_body::<ROWS>(u, done, tile, out, |p, x, y| dot4_vnni(p, x, y), true)
@@ -246,10 +251,11 @@ pub unsafe fn q8_0_vnni_rows(w: [&[u8]; ROWS], tile: &ActTile<'_>, out: &mut [f3
 /// The CPU must support AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn q8_0_avx2(w: &[u8], tile: &ActTile<'_>, out: &mut [f32]) {
-    // SAFETY (closure): the CPU features are this function's; q8_0_body passes valid pointers.
     with_unpacked(
         [w],
         |w, u| unpack_q8_0(w, false, u),
+        // SAFETY: this function's caller guarantees AVX2, FMA and F16C; `q8_0_body` calls
+        // `dot4` only with 4 readable weight bytes and 32 tile bytes.
         |u, ()| unsafe { q8_0_body::<1>(u, 0, tile, out, |p, x, y| dot4_avx2(p, x, y), false) },
     )
 }
@@ -397,8 +403,9 @@ fn q4_k_body<const R: usize, const K: usize>(
     scale: impl Fn(__m256i, i32) -> __m256i,
 ) {
     let (dwords, groups, n) = (tile.cols / 4, tile.cols / 32, tile.n);
-    assert!(v.holds(sbs) && out.len() >= R * n);
+    assert!(v.holds(sbs) && out.len() >= R * n && groups >= 8 * sbs);
     assert!(tile.qs.len() >= tile.tiles() * dwords * TILE * 4);
+    assert!(tile.sums.len() >= tile.tiles() * groups * TILE && tile.d.len() >= tile.tiles() * sbs * TILE);
     for g in first..tile.tiles() {
         let qs = tile.qs[g * dwords * TILE * 4..].as_ptr();
         let (mut total, mut totalm) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
@@ -408,14 +415,17 @@ fn q4_k_body<const R: usize, const K: usize>(
                 let e = 256 * s + 32 * j;
                 let mut p = [_mm256_setzero_si256(); R];
                 for k in 0..8 {
-                    // SAFETY (pointers): tile offset (e / 4 + k) * 32 + 32 <= dwords * 32
-                    // (asserted above); weight dword e / 4 + k < 64 * sbs, which `v` holds.
+                    // SAFETY: tile `g`'s dwords start at `qs` and hold dwords * 32 bytes (second
+                    // assert, g < tiles); dword e / 4 + k < 64 * sbs <= 8 * groups = dwords
+                    // (first assert).
                     let y = unsafe { qs.add((e / 4 + k) * TILE * 4) };
                     for r in 0..R {
+                        // SAFETY: dword e / 4 + k < 64 * sbs, and `v.holds(sbs)` (asserted).
                         p[r] = acc(p[r], unsafe { v.quant(r, e / 4 + k) }, y);
                     }
                 }
-                // SAFETY: `sums` holds TILE values per (tile, group).
+                // SAFETY: group 8s + j < groups, so TILE values end within
+                // tiles * groups * TILE <= sums.len() (third assert).
                 let gs = unsafe { _mm256_loadu_si256(tile.sums.as_ptr().add((g * groups + 8 * s + j) * TILE) as *const __m256i) };
                 for r in 0..R {
                     let (sc, m) = v.scale_min(r, 8 * s + j);
@@ -423,7 +433,8 @@ fn q4_k_body<const R: usize, const K: usize>(
                     mins[r] = _mm256_add_epi32(mins[r], _mm256_mullo_epi32(gs, _mm256_set1_epi32(m)));
                 }
             }
-            // SAFETY: `d` holds TILE values per (tile, super-block).
+            // SAFETY: s < sbs, so TILE values end within tiles * sbs * TILE <= d.len() (third
+            // assert).
             let da = unsafe { _mm256_loadu_ps(tile.d.as_ptr().add((g * sbs + s) * TILE)) };
             for r in 0..R {
                 let (d, dmin) = v.d_dmin(r, s);
@@ -444,7 +455,8 @@ fn q4_k_body<const R: usize, const K: usize>(
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn body_avx2<const R: usize, const K: usize>(v: &Q4kRows<'_, R, K>, sbs: usize, first: usize, tile: &ActTile<'_>, out: &mut [f32]) {
-    // SAFETY (closure): q4_k_body passes pointers valid for what `acc_avx2` reads.
+    // SAFETY: `q4_k_body` calls `acc` only with 4 readable weight bytes at `x` and 32 tile
+    // bytes at `y`; AVX2 is guaranteed by this function's caller.
     let acc = |p, x, y| unsafe { acc_avx2(p, x, y) };
     q4_k_body::<R, K>(v, sbs, first, tile, out, acc, |p, sc| _mm256_madd_epi16(p, _mm256_set1_epi16(sc as i16)))
 }
@@ -456,7 +468,8 @@ unsafe fn body_avx2<const R: usize, const K: usize>(v: &Q4kRows<'_, R, K>, sbs: 
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
 #[inline]
 unsafe fn body_vnni<const R: usize, const K: usize>(v: &Q4kRows<'_, R, K>, sbs: usize, first: usize, tile: &ActTile<'_>, out: &mut [f32]) {
-    // SAFETY (closure): q4_k_body passes pointers valid for what `dot4_vnni` reads.
+    // SAFETY: `q4_k_body` calls `acc` only with 4 readable weight bytes at `x` and 32 tile
+    // bytes at `y`; AVX-512VL and VNNI are guaranteed by this function's caller.
     let acc = |p, x, y| unsafe { dot4_vnni(p, x, y) };
     q4_k_body::<R, K>(v, sbs, first, tile, out, acc, |p, sc| _mm256_mullo_epi32(p, _mm256_set1_epi32(sc)))
 }
@@ -469,8 +482,9 @@ unsafe fn body_vnni<const R: usize, const K: usize>(v: &Q4kRows<'_, R, K>, sbs: 
 #[target_feature(enable = "avx2")]
 #[inline]
 unsafe fn acc_avx2(p: __m256i, x: *const u8, y: *const i8) -> __m256i {
-    // SAFETY: as the caller guarantees.
-    _mm256_add_epi16(p, _mm256_maddubs_epi16(unsafe { bcast(x) }, unsafe { load(y) }))
+    // SAFETY: the caller guarantees 4 readable bytes at `x` and 32 at `y`, and AVX2.
+    let (x, y) = unsafe { (bcast(x), load(y)) };
+    _mm256_add_epi16(p, _mm256_maddubs_epi16(x, y))
 }
 
 /// Q4_K row × tokens with AVX2.
@@ -479,7 +493,7 @@ unsafe fn acc_avx2(p: __m256i, x: *const u8, y: *const i8) -> __m256i {
 /// The CPU must support AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn q4_k_avx2(w: &[u8], tile: &ActTile<'_>, out: &mut [f32]) {
-    // SAFETY (closure): the CPU features are this function's; q4_k_body passes valid pointers.
+    // SAFETY: this function's caller guarantees AVX2, FMA and F16C, all `body_avx2` needs.
     with_unpacked([w], |w, u| unpack_q4_k(w, u), |u, sbs| unsafe { body_avx2::<1, 1>(&row_view(u), sbs, 0, tile, out) })
 }
 
@@ -489,7 +503,7 @@ pub unsafe fn q4_k_avx2(w: &[u8], tile: &ActTile<'_>, out: &mut [f32]) {
 /// As [`q4_k_avx2`]; rows of equal length.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn q4_k_avx2_rows(w: [&[u8]; ROWS], tile: &ActTile<'_>, out: &mut [f32]) {
-    // SAFETY (closure): as in `q4_k_avx2`.
+    // SAFETY: as in `q4_k_avx2`.
     with_unpacked(w, |w, u| unpack_q4_k(w, u), |u, sbs| unsafe { body_avx2::<ROWS, 1>(&row_view(u), sbs, 0, tile, out) })
 }
 
@@ -499,7 +513,7 @@ pub unsafe fn q4_k_avx2_rows(w: [&[u8]; ROWS], tile: &ActTile<'_>, out: &mut [f3
 /// The CPU must support AVX2, FMA, F16C, AVX-512VL and AVX-512 VNNI.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
 pub unsafe fn q4_k_vnni(w: &[u8], tile: &ActTile<'_>, out: &mut [f32]) {
-    // SAFETY (closure): the CPU features are this function's; q4_k_body passes valid pointers.
+    // SAFETY: this function's caller guarantees every feature `body_vnni` needs.
     with_unpacked([w], |w, u| unpack_q4_k(w, u), |u, sbs| unsafe { body_vnni::<1, 1>(&row_view(u), sbs, 0, tile, out) })
 }
 
@@ -509,10 +523,11 @@ pub unsafe fn q4_k_vnni(w: &[u8], tile: &ActTile<'_>, out: &mut [f32]) {
 /// As [`q4_k_vnni`]; rows of equal length.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
 pub unsafe fn q4_k_vnni_rows(w: [&[u8]; ROWS], tile: &ActTile<'_>, out: &mut [f32]) {
-    // SAFETY (closure): as in `q4_k_vnni`.
     with_unpacked(
         w,
         |w, u| unpack_q4_k(w, u),
+        // SAFETY: as in `q4_k_vnni`; `q4_k_pairs` needs the same AVX-512 features and checks
+        // its own bounds.
         |u, sbs| unsafe {
             let v = row_view(u);
             let done = super::gemm512::q4_k_pairs::<ROWS, 1>(&v, sbs, tile, out);
@@ -528,7 +543,7 @@ pub unsafe fn q4_k_vnni_rows(w: [&[u8]; ROWS], tile: &ActTile<'_>, out: &mut [f3
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn q4_k_avx2_group(w: &[u8], tile: &ActTile<'_>, out: &mut [f32]) {
     assert_eq!(w.len(), GROUP_BLOCK * tile.cols / 256, "q4_k_avx2_group: group and tile differ");
-    // SAFETY (closure): as in `q4_k_avx2`.
+    // SAFETY: as in `q4_k_avx2`.
     with_group(w, out, tile.n, |v, sbs, out| unsafe { body_avx2::<ROWS, GROUP>(v, sbs, 0, tile, out) })
 }
 
@@ -539,7 +554,7 @@ pub unsafe fn q4_k_avx2_group(w: &[u8], tile: &ActTile<'_>, out: &mut [f32]) {
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
 pub unsafe fn q4_k_vnni_group(w: &[u8], tile: &ActTile<'_>, out: &mut [f32]) {
     assert_eq!(w.len(), GROUP_BLOCK * tile.cols / 256, "q4_k_vnni_group: group and tile differ");
-    // SAFETY (closure): as in `q4_k_vnni`.
+    // SAFETY: as in `q4_k_vnni_rows`.
     with_group(w, out, tile.n, |v, sbs, out| unsafe {
         let done = super::gemm512::q4_k_pairs::<ROWS, GROUP>(v, sbs, tile, out);
         body_vnni::<ROWS, GROUP>(v, sbs, done, tile, out)

@@ -61,10 +61,13 @@ pub(super) fn q8_0_pairs<const R: usize>(u: &[Unpacked], tile: &ActTile<'_>, out
         for b in 0..blocks {
             let mut p = [_mm512_setzero_si512(); R];
             for k in 0..8 {
-                // SAFETY (pointers): dword 8b + k of tiles g and g + 1 (asserted above);
-                // weights 32b + 4k + 4 <= cols <= q.len().
+                // SAFETY: dword 8b + k < dwords of tile g (at `qs`) and of tile g + 1
+                // (`tile_ints` further), 8 i32 each; g + 1 < tiles, and `qs` holds every tile's
+                // dwords (second assert).
                 let y = unsafe { pair(qs.add((8 * b + k) * TILE), tile_ints) };
                 for r in 0..R {
+                    // SAFETY: weight bytes 32b + 4k..32b + 4k + 4 lie below cols <= u[r].q.len()
+                    // (first assert).
                     p[r] = _mm512_dpbusd_epi32(p[r], unsafe { bcast(u[r].q.as_ptr().add(32 * b + 4 * k)) }, y);
                 }
             }
@@ -105,10 +108,12 @@ pub(super) fn q4_k_pairs<const R: usize, const K: usize>(v: &Q4kRows<'_, R, K>, 
                 let e = 256 * s + 32 * j;
                 let mut p = [_mm512_setzero_si512(); R];
                 for k in 0..8 {
-                    // SAFETY (pointers): dword e / 4 + k of tiles g and g + 1 (asserted
-                    // above); weight dword e / 4 + k < 64 * sbs, which `q` holds.
+                    // SAFETY: dword e / 4 + k < 64 * sbs <= 8 * groups = dwords (first assert),
+                    // of tile g (at `qs`) and tile g + 1 (`tile_ints` further), 8 i32 each;
+                    // g + 1 < tiles, and `qs` holds every tile's dwords (second assert).
                     let y = unsafe { pair(qs.add((e / 4 + k) * TILE), tile_ints) };
                     for r in 0..R {
+                        // SAFETY: dword e / 4 + k < 64 * sbs, and `v.holds(sbs)` (first assert).
                         p[r] = _mm512_dpbusd_epi32(p[r], unsafe { bcast(v.quant(r, e / 4 + k)) }, y);
                     }
                 }
