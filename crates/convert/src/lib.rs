@@ -15,8 +15,8 @@ pub mod gguf;
 mod shatter;
 pub mod synth;
 
-pub use smoe_formats::{Progress, Silent};
 pub use shatter::{quantize_rows, shatter, shatter_from, ShatterOptions, ShatterReport, SourceAssets, TensorProvider};
+pub use smoe_formats::{Progress, Silent};
 
 use std::path::Path;
 

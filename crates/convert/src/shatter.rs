@@ -5,10 +5,10 @@
 //! whatever the checkpoint size. Quantization runs in parallel on a rayon pool; writes are
 //! sequential into a temporary file that is renamed into place only when complete.
 
-use smoe_formats::hf::{self, hf_expert_names, hf_name};
-use smoe_formats::safetensors::{Checkpoint, DType};
 use crate::{ConvertError, Progress};
 use rayon::prelude::*;
+use smoe_formats::hf::{self, hf_expert_names, hf_name};
+use smoe_formats::safetensors::{Checkpoint, DType};
 use smoe_quant::Format;
 use smoe_vault::{layout_blob, names, Architecture, Manifest, VaultWriter};
 use std::collections::{BTreeMap, BTreeSet};

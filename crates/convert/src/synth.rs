@@ -13,10 +13,10 @@
 //!
 //! Generation is deterministic in `--seed` and streams tensor by tensor with bounded memory.
 
-use smoe_formats::hf::{self, hf_expert_names, hf_name};
 use crate::{ConvertError, Progress};
 use rayon::prelude::*;
 use serde_json::{json, Value};
+use smoe_formats::hf::{self, hf_expert_names, hf_name};
 use smoe_vault::names;
 use std::fs::File;
 use std::io::{BufWriter, Write};

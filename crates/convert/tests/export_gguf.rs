@@ -3,8 +3,8 @@
 //! convert_hf_to_gguf.py), and the architecture metadata llama.cpp reads.
 
 use smoe_convert::gguf::export::export;
-use smoe_formats::gguf::Gguf;
 use smoe_convert::{shatter, ShatterOptions, Silent};
+use smoe_formats::gguf::Gguf;
 use smoe_quant::Format;
 use std::os::unix::fs::FileExt;
 use std::path::Path;

@@ -146,7 +146,12 @@ impl ExpertMap {
 
     /// The map of experts stored stacked (a GGUF read in place): three reads per expert,
     /// straight from the stacked tensors, each rounded out to the 4096-byte O_DIRECT alignment.
-    pub fn stacked(files: Vec<PathBuf>, moe_layers: Vec<usize>, num_experts: usize, layers: &[[StackedPart; 3]]) -> Result<ExpertMap, StoreError> {
+    pub fn stacked(
+        files: Vec<PathBuf>,
+        moe_layers: Vec<usize>,
+        num_experts: usize,
+        layers: &[[StackedPart; 3]],
+    ) -> Result<ExpertMap, StoreError> {
         let layers = layers
             .iter()
             .map(|l| {

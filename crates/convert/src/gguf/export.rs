@@ -2,10 +2,10 @@
 //! copied bit for bit, so both engines compute on identical numbers.
 
 use super::{TensorDecl, Writer};
+use crate::{ConvertError, Progress};
 use smoe_formats::gguf::names::{arch_name, expert_tensor, llama_qk_permutation, tensor_name};
 use smoe_formats::gguf::vocab::gguf_tokenizer;
 use smoe_formats::gguf::Value;
-use crate::{ConvertError, Progress};
 use smoe_quant::Format;
 use smoe_vault::{names, Architecture, Family, LayerKind, QkNorm, RopeScaling, Router, Vault};
 use std::path::Path;
