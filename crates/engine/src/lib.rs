@@ -7,8 +7,10 @@ number of tokens, through one layer loop whose family differences are enums chos
 [`Sampler`] turns logits into tokens; [`Engine`] drives tokenizer, template, model and
 sampler for text generation.
 
-This crate owns the math and the generation loop. It does not read files (`smoe-vault`), fetch
-experts (`smoe-store`) or tokenize (`smoe-text`).
+This crate owns the math and the generation loop. It does not parse files (`smoe-vault`,
+`smoe-formats`: [`open`] only asks them for a model's parts), fetch experts (`smoe-store`) or
+tokenize (`smoe-text`). [`LoadedModel`] is an engine as front ends see it, whatever its backend;
+[`conformance`] checks a backend op by op.
 */
 #![deny(missing_docs)]
 
