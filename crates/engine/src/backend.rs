@@ -8,12 +8,13 @@
 //! sigmoid is taken on the host) and the final logits. A GPU backend can hold the dense
 //! weights, activations and the KV cache in device memory behind the same calls.
 //! Routed experts arrive as host [`QMatrix`] views of the expert store's cache slots, in the
-//! jobs of [`Backend::matmul_many`] ([`WeightRef::Host`]); a backend that wants experts in its
+//! jobs of [`Backend::matmul_many`] ([`WeightRef::Expert`], with the slot's handle); a backend that wants experts in its
 //! own memory (a GPU's) copies or caches them from there.
 //!
 //! [`crate::conformance`] checks every op of a backend against a plain f32 implementation.
 
 use smoe_quant::{Format, QMatrix};
+use smoe_store::SlotHandle;
 use std::sync::Arc;
 
 /// Shape of one layer's KV cache.
@@ -43,8 +44,10 @@ pub struct AttnParams {
 pub enum WeightRef<'a, M> {
     /// A resident matrix, optionally a row range `(first, count)` of it.
     Resident(&'a M, Option<(usize, usize)>),
-    /// A matrix in host memory (a routed expert in the cache).
-    Host(QMatrix<'a>),
+    /// A routed expert's matrix in the expert store's cache slot `slot`: its bytes in host
+    /// memory, and which slot and load of it they are. A backend that keeps experts in its own
+    /// memory keys its copies by the handle and copies again only when its `load` changes.
+    Expert(QMatrix<'a>, SlotHandle),
 }
 
 /// One product of a batch: input rows `x_row..x_row + n` (their first `cols` values) times the

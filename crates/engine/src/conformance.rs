@@ -12,6 +12,7 @@ use crate::backend::{AttnParams, Backend, KvShape, MatJob, WeightRef};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use smoe_quant::{Format, QMatrix};
+use smoe_store::SlotHandle;
 use std::sync::Arc;
 
 /// How far a backend may be from the f32 implementation, per kind of op.
@@ -236,7 +237,7 @@ impl<B: Backend> Suite<'_, B> {
             let jobs: Vec<MatJob<'_, B::Matrix>> = plan
                 .iter()
                 .map(|&(res, range, x_row, n, out_row, out_col)| MatJob {
-                    w: if res { WeightRef::Resident(&rm, range) } else { WeightRef::Host(host.view()) },
+                    w: if res { WeightRef::Resident(&rm, range) } else { WeightRef::Expert(host.view(), SlotHandle { slot: 7, load: 3 }) },
                     x_row,
                     n,
                     out_row,

@@ -578,15 +578,15 @@ impl<B: Backend> Model<B> {
         let mut jobs = Vec::with_capacity(2 * batch.len());
         for (j, ex) in batch {
             let (r0, rows) = groups.rows(*j);
-            jobs.push(MatJob { w: WeightRef::Host(ex.gate), x_row: r0, n: rows, out_row: r0, out_col: 0 });
-            jobs.push(MatJob { w: WeightRef::Host(ex.up), x_row: r0, n: rows, out_row: r0, out_col: width });
+            jobs.push(MatJob { w: WeightRef::Expert(ex.gate, ex.slot), x_row: r0, n: rows, out_row: r0, out_col: 0 });
+            jobs.push(MatJob { w: WeightRef::Expert(ex.up, ex.slot), x_row: r0, n: rows, out_row: r0, out_col: width });
         }
         be.matmul_many(&jobs, &b.xe, hd, &mut b.gu, 2 * width);
         jobs.clear();
         for (j, ex) in batch {
             let (r0, rows) = groups.rows(*j);
             be.silu_mul_halves(&mut b.gu, r0, rows, 2 * width, width);
-            jobs.push(MatJob { w: WeightRef::Host(ex.down), x_row: r0, n: rows, out_row: r0, out_col: 0 });
+            jobs.push(MatJob { w: WeightRef::Expert(ex.down, ex.slot), x_row: r0, n: rows, out_row: r0, out_col: 0 });
         }
         be.matmul_many(&jobs, &b.gu, 2 * width, &mut b.dd, hd);
     }

@@ -171,7 +171,7 @@ fn interleaved_q4_k_experts_match_plain_rows() {
     // Every expert matrix of this fixture is Q4_K in whole groups of eight rows.
     let mut slot = vec![0u8; on.slot_size()];
     on.interleave_slot(0, 0, &mut slot, &mut Vec::new());
-    assert_eq!(on.view(0, 0, &slot).down.layout, smoe_quant::Layout::Interleaved8);
+    assert_eq!(on.view(0, 0, &slot, smoe_store::SlotHandle { slot: 0, load: 0 }).down.layout, smoe_quant::Layout::Interleaved8);
     let fast = |src: Arc<dyn ExpertSource>| Model::load(&v, CpuBackend::new(Precision::Fast), src).unwrap();
     let plain = fast(Arc::new(ResidentExperts::load_map(map).unwrap()));
     let resident = fast(Arc::new(ResidentExperts::load_map(on.clone()).unwrap()));
@@ -203,4 +203,41 @@ fn interleaved_q4_k_experts_match_plain_rows() {
             assert!(layout_err <= 0.5 * int8_err && same_top * 100 >= input.len() * 95, "{tag} {mode:?}: interleaved vs rows");
         }
     }
+}
+
+/// The handles a backend would key its own copies of experts by: a hit hands back the slot and
+/// load it was read into; an expert read again after eviction gets a new load; every slot
+/// number lies inside the cache.
+#[test]
+fn slot_handles_name_the_slot_and_change_when_it_is_refilled() {
+    let path = vault("qwen3_moe", Format::Q8_0, Format::Q8_0);
+    let v = Vault::open(&path).unwrap();
+    let n = v.architecture().moe.top_k;
+    let store = ExpertStore::open(&v, &StoreOptions::with_slots(n)).unwrap();
+    let handles = |experts: &[u32]| {
+        let mut out = vec![None; experts.len()];
+        store
+            .with_experts(v.architecture().moe_layers()[0], experts, &mut |batch| batch.iter().for_each(|(i, e)| out[*i] = Some(e.slot)))
+            .unwrap();
+        out.into_iter().map(|h| h.expect("every expert handed over")).collect::<Vec<_>>()
+    };
+    let first: Vec<u32> = (0..n as u32).collect();
+    let a = handles(&first);
+    assert!(a.iter().all(|h| (h.slot as usize) < n), "{a:?}");
+    assert_eq!(handles(&first), a, "hits keep their slot and load");
+    // Other experts evict the first ones; reading them again fills slots anew.
+    let other: Vec<u32> = (n as u32..2 * n as u32).collect();
+    handles(&other);
+    let again = handles(&first);
+    for (x, y) in a.iter().zip(&again) {
+        assert!(y.load > x.load, "a refilled slot has a new load: {x:?} then {y:?}");
+    }
+    // A store holding everything names each expert's own slot, loaded once.
+    let resident = ResidentExperts::load(&v).unwrap();
+    let mut seen = Vec::new();
+    resident.with_experts(v.architecture().moe_layers()[0], &first, &mut |batch| seen.extend(batch.iter().map(|(_, e)| e.slot))).unwrap();
+    seen.sort_by_key(|h| h.slot);
+    seen.dedup();
+    assert_eq!(seen.len(), n);
+    assert!(seen.iter().all(|h| h.load == 0));
 }

@@ -61,9 +61,22 @@ pub enum StoreError {
     Config(String),
 }
 
+/// Which cache slot holds an expert, and which load of it. A backend that keeps experts in its
+/// own memory (a GPU's VRAM) keys its copies by `slot` and copies again only when `load`
+/// changes: the store owns the bytes, the backend may own a mirror of its slots.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SlotHandle {
+    /// The slot (for a store holding every expert, the expert's index over all MoE layers).
+    pub slot: u32,
+    /// Which load of the slot this is: a new number each time the slot is filled.
+    pub load: u64,
+}
+
 /// The three matrices of one routed expert.
 #[derive(Clone, Copy, Debug)]
 pub struct ExpertView<'a> {
+    /// The slot the matrices lie in.
+    pub slot: SlotHandle,
     /// `[intermediate, hidden]`.
     pub gate: QMatrix<'a>,
     /// `[intermediate, hidden]`.

@@ -5,7 +5,7 @@
 //! out to the O_DIRECT alignment, landing side by side in the slot. [`ExpertMap`] describes
 //! both, so one store serves either.
 
-use crate::{ExpertView, StoreError};
+use crate::{ExpertView, SlotHandle, StoreError};
 use smoe_quant::{Format, Layout, QMatrix};
 use smoe_vault::{PartEntry, StackedPart, Vault};
 use std::path::PathBuf;
@@ -230,15 +230,15 @@ impl ExpertMap {
         self.slot_offsets[ord][e] + (off % self.align as u64) as usize
     }
 
-    /// The expert in a filled slot.
-    pub fn view<'a>(&self, ord: usize, expert: usize, slot: &'a [u8]) -> ExpertView<'a> {
+    /// The expert in a filled slot, `handle` saying which slot and load it is.
+    pub fn view<'a>(&self, ord: usize, expert: usize, slot: &'a [u8], handle: SlotHandle) -> ExpertView<'a> {
         let m = |p: &Part| {
             let at = self.data_offset(ord, expert, p.extent) + p.offset as usize;
             let layout = if self.interleaves(p) { Layout::Interleaved8 } else { Layout::Rows };
             QMatrix { format: p.format, rows: p.rows, cols: p.cols, data: &slot[at..at + p.len as usize], layout }
         };
         let p = &self.layers[ord].parts;
-        ExpertView { gate: m(&p[0]), up: m(&p[1]), down: m(&p[2]) }
+        ExpertView { slot: handle, gate: m(&p[0]), up: m(&p[1]), down: m(&p[2]) }
     }
 
     /// This map with `on`: every Q4_K matrix whose rows come in whole groups of eight is
@@ -298,7 +298,7 @@ mod tests {
         let mut slot = vec![0u8; m.slot_size()];
         slot[228..232].copy_from_slice(&1.5f32.to_le_bytes());
         slot[12288 + 5064 - 4096..][..4].copy_from_slice(&2.5f32.to_le_bytes());
-        let v = m.view(0, 2, &slot);
+        let v = m.view(0, 2, &slot, SlotHandle { slot: 0, load: 0 });
         assert_eq!(&v.gate.data[..4], &1.5f32.to_le_bytes());
         assert_eq!(&v.down.data[..4], &2.5f32.to_le_bytes());
         assert_eq!(m.read_bytes(0, 2), 3 * 4096);

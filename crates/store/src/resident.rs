@@ -2,7 +2,7 @@
 //! is checked against.
 
 use crate::map::{ExpertMap, SlotRead};
-use crate::{ExpertBatch, ExpertSource, StoreError, StoreStats};
+use crate::{ExpertBatch, ExpertSource, SlotHandle, StoreError, StoreStats};
 use smoe_vault::Vault;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -93,7 +93,8 @@ impl ExpertSource for ResidentExperts {
             let e = e as usize;
             let li = li.filter(|_| e < n).ok_or(StoreError::NoSuchExpert { layer, expert: e })?;
             let off = (li * n + e) * size;
-            batch.push((i, self.map.view(li, e, &self.data[off..off + size])));
+            let handle = SlotHandle { slot: (li * self.map.num_experts + e) as u32, load: 0 };
+            batch.push((i, self.map.view(li, e, &self.data[off..off + size], handle)));
         }
         f(&batch);
         self.stats.lock().unwrap().hits += experts.len() as u64;

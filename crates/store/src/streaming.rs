@@ -6,7 +6,7 @@ use crate::depth::{DepthTuner, QueueDepth};
 use crate::io::{self, Completion, IoKind, ReadEngine, ReadReq};
 use crate::map::{ExpertMap, SlotRead};
 use crate::policy::{EvictionPolicy, Key, PolicyKind};
-use crate::{ExpertBatch, ExpertSource, ExpertView, StoreError, StoreStats};
+use crate::{ExpertBatch, ExpertSource, ExpertView, SlotHandle, StoreError, StoreStats};
 use smoe_vault::Vault;
 use std::sync::Mutex;
 use std::time::Instant;
@@ -64,11 +64,13 @@ struct Slot {
     reads: u8,
     /// The first error among this slot's reads.
     error: Option<std::io::Error>,
+    /// Which fill of the store this slot holds ([`SlotHandle::load`]).
+    load: u64,
 }
 
 impl Slot {
     fn empty() -> Slot {
-        Slot { key: None, state: SlotState::Empty, pins: 0, prefetched: false, reads: 0, error: None }
+        Slot { key: None, state: SlotState::Empty, pins: 0, prefetched: false, reads: 0, error: None, load: 0 }
     }
 }
 
@@ -95,6 +97,8 @@ struct Inner {
     completions: Vec<Completion>,
     reqs: Vec<ReadReq>,
     slot_reads: Vec<SlotRead>,
+    /// Slots filled so far: the next fill's [`SlotHandle::load`].
+    loads: u64,
 }
 
 /// The streaming store.
@@ -150,6 +154,7 @@ impl ExpertStore {
             completions: Vec::new(),
             reqs: Vec::new(),
             slot_reads: Vec::new(),
+            loads: 0,
             tuner,
             scratch: Vec::new(),
         };
@@ -230,7 +235,9 @@ impl ExpertStore {
             prefetched: !demand,
             reads: reads.len() as u8,
             error: None,
+            load: inner.loads,
         };
+        inner.loads += 1;
         inner.slot_reads = reads;
         s
     }
@@ -422,10 +429,14 @@ impl ExpertSource for ExpertStore {
             }
             // 3. Compute the resident experts, as one batch, while the reads are in flight.
             if first_err.is_none() && !ready.is_empty() {
-                // SAFETY: these slots are ready and pinned; no read targets them until unpinned.
                 let batch: Vec<(usize, ExpertView<'_>)> = ready
                     .iter()
-                    .map(|&(i, s)| (i, self.map.view(ord as usize, experts[i] as usize, unsafe { self.arena.slot(s) })))
+                    .map(|&(i, s)| {
+                        let handle = SlotHandle { slot: s as u32, load: inner.slots[s].load };
+                        // SAFETY: these slots are ready and pinned; no read targets them until unpinned.
+                        let bytes = unsafe { self.arena.slot(s) };
+                        (i, self.map.view(ord as usize, experts[i] as usize, bytes, handle))
+                    })
                     .collect();
                 f(&batch);
             }
@@ -449,10 +460,14 @@ impl ExpertSource for ExpertStore {
                     }
                 }
                 if first_err.is_none() && !arrived.is_empty() {
-                    // SAFETY: the reads into these slots completed and the slots are pinned.
                     let batch: Vec<(usize, ExpertView<'_>)> = arrived
                         .iter()
-                        .map(|&(i, s)| (i, self.map.view(ord as usize, experts[i] as usize, unsafe { self.arena.slot(s) })))
+                        .map(|&(i, s)| {
+                            let handle = SlotHandle { slot: s as u32, load: inner.slots[s].load };
+                            // SAFETY: the reads into these slots completed and the slots are pinned.
+                            let bytes = unsafe { self.arena.slot(s) };
+                            (i, self.map.view(ord as usize, experts[i] as usize, bytes, handle))
+                        })
                         .collect();
                     f(&batch);
                 }

@@ -233,6 +233,8 @@ mod tests {
         assert!(last * 8 < first, "the last task ({last}) is much smaller than the first ({first})");
     }
 
+    const SLOT: smoe_store::SlotHandle = smoe_store::SlotHandle { slot: 0, load: 0 };
+
     /// Two products on one input, the first in a format without a many-token kernel and the
     /// second with one: each must compute exactly what it computes alone.
     #[test]
@@ -255,8 +257,8 @@ mod tests {
         let (mut alone_a, mut alone_b) = (vec![0f32; n * rows], vec![0f32; n * rows]);
         matmul(k, &pool, &a, &x, n, &mut alone_a);
         matmul(k, &pool, &b, &x, n, &mut alone_b);
-        let ja: MatJob<'_, ()> = MatJob { w: WeightRef::Host(a), x_row: 0, n, out_row: 0, out_col: 0 };
-        let jb: MatJob<'_, ()> = MatJob { w: WeightRef::Host(b), x_row: 0, n, out_row: 0, out_col: rows };
+        let ja: MatJob<'_, ()> = MatJob { w: WeightRef::Expert(a, SLOT), x_row: 0, n, out_row: 0, out_col: 0 };
+        let jb: MatJob<'_, ()> = MatJob { w: WeightRef::Expert(b, SLOT), x_row: 0, n, out_row: 0, out_col: rows };
         let mut out = vec![0f32; n * 2 * rows];
         matmul_many(k, &pool, &[(a, &ja), (b, &jb)], &x, cols, &mut out, 2 * rows);
         for t in 0..n {

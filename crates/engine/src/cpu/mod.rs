@@ -237,7 +237,8 @@ impl Backend for CpuBackend {
                 let v = match &j.w {
                     WeightRef::Resident(m, None) => m.view(),
                     WeightRef::Resident(m, Some((r0, n))) => m.view().slice_rows(*r0, *n),
-                    WeightRef::Host(q) => *q,
+                    // The slot handle matters to a backend mirroring experts; the CPU reads them in place.
+                    WeightRef::Expert(q, _) => *q,
                 };
                 check_rows("matmul_many input", x, j.x_row, j.n, x_stride, 0, v.cols);
                 check_rows("matmul_many", out, j.out_row, j.n, out_stride, j.out_col, v.rows);
