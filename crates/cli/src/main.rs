@@ -80,6 +80,9 @@ enum Command {
         #[arg(short, long)]
         out: PathBuf,
     },
+    /// What this machine can compute on: the CPU's kernel tables and the NVIDIA GPUs (or why
+    /// none is usable).
+    Devices,
     /// Describe a vault: architecture, formats, sizes.
     Inspect {
         vault: PathBuf,
@@ -296,6 +299,16 @@ fn run(cli: Cli) -> Result<()> {
                 cmd_vault::fmt_bytes(r.bytes),
                 t0.elapsed().as_secs_f64()
             );
+            Ok(())
+        }
+        Command::Devices => {
+            let tables: Vec<&str> = smoe_kernels::available().iter().map(|k| k.isa).collect();
+            let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+            println!("cpu: {threads} threads; kernel tables {} (using {})", tables.join(", "), smoe_kernels::best().isa);
+            match smoe_cuda::probe() {
+                Ok(gpus) => gpus.iter().for_each(|g| println!("{g}")),
+                Err(why) => println!("cuda: none usable: {why}"),
+            }
             Ok(())
         }
         Command::Inspect { vault, json } => cmd_vault::run_inspect(&vault, json),

@@ -200,3 +200,13 @@ fn bench_json_reports_throughput_and_streaming() {
     assert_eq!(d["bytes_read"].as_u64().unwrap(), misses * blob);
     assert!((j["hit_rate"].as_f64().unwrap() - hits as f64 / (hits + misses) as f64).abs() < 1e-9);
 }
+
+/// `smoe devices` names the CPU's kernel table in use and either lists GPUs or says in one line
+/// why none is usable; a machine without the NVIDIA driver is not an error.
+#[test]
+fn devices_reports_the_cpu_and_the_gpus_or_why_not() {
+    let out = ok(&smoe(&["devices"]));
+    let lines: Vec<&str> = out.lines().collect();
+    assert!(lines[0].starts_with("cpu: ") && lines[0].contains("(using "), "{out}");
+    assert!(lines.len() >= 2 && lines[1..].iter().all(|l| l.starts_with("cuda")), "{out}");
+}
