@@ -103,6 +103,36 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, 
     for (int i = threadIdx.x; i < dim; i += blockDim.x) out[(size_t)blockIdx.x * dim + i] = w[i] * (row[i] * scale);
 }
 
+// Decode mat-vec over Q8_0 rows as GGUF stores them (blocks of 34 bytes: f16 scale, 32 int8):
+// out[r] = sum_b d_b * sum_i q_bi * x[32b + i]. One warp per row. Each half-warp takes one block,
+// each of its 16 lanes one 16-bit pair of quants, so a warp's loads are consecutive 16-bit words
+// (blocks are only 2-byte aligned); eight blocks per lane are in flight per iteration.
+extern "C" __global__ void matvec_q8_0(const unsigned char* w, const float* x, float* out, int rows, int cols) {
+    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    int lane = threadIdx.x % 32;
+    if (row >= rows) return;
+    int blocks = cols / 32;
+    const unsigned char* r = w + (size_t)row * blocks * 34;
+    int half = lane / 16, pair = lane % 16;
+    float acc = 0.0f;
+    for (int b0 = 0; b0 < blocks; b0 += 16) {
+        #pragma unroll
+        for (int k = 0; k < 8; k++) {
+            int b = b0 + 2 * k + half;
+            if (b < blocks) {
+                const unsigned short* p = (const unsigned short*)(r + (size_t)b * 34);
+                float d;
+                asm("cvt.f32.f16 %0, %1;" : "=f"(d) : "h"(p[0]));
+                unsigned short two = p[1 + pair];
+                float2 xv = *(const float2*)(x + b * 32 + 2 * pair);
+                acc += d * ((float)(signed char)(two & 0xff) * xv.x + (float)(signed char)(two >> 8) * xv.y);
+            }
+        }
+    }
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_down_sync(0xffffffff, acc, o);
+    if (lane == 0) out[row] = acc;
+}
+
 // g[i] = silu(g[i]) * u[i].
 extern "C" __global__ void silu_mul(float* g, const float* u, int n) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -117,6 +147,16 @@ pub struct Gpu {
     stream: Arc<CudaStream>,
     rms_norm: CudaFunction,
     silu_mul: CudaFunction,
+    matvec_q8_0: CudaFunction,
+}
+
+/// A Q8_0 matrix in VRAM (GGUF's block layout, as the vault stores it).
+pub struct GpuQ8Matrix {
+    data: cudarc::driver::CudaSlice<u8>,
+    /// Rows.
+    pub rows: usize,
+    /// Columns (a multiple of 32).
+    pub cols: usize,
 }
 
 impl Gpu {
@@ -134,7 +174,13 @@ impl Gpu {
         let ptx = cudarc::nvrtc::compile_ptx_with_opts(KERNELS, opts).map_err(|e| format!("compiling the kernels for {arch}: {e}"))?;
         let module = ctx.load_module(ptx).map_err(|e| format!("loading the kernels: {e}"))?;
         let load = |name: &str| module.load_function(name).map_err(|e| format!("kernel {name}: {e}"));
-        Ok(Gpu { stream: ctx.default_stream(), rms_norm: load("rms_norm")?, silu_mul: load("silu_mul")?, info })
+        Ok(Gpu {
+            stream: ctx.default_stream(),
+            rms_norm: load("rms_norm")?,
+            silu_mul: load("silu_mul")?,
+            matvec_q8_0: load("matvec_q8_0")?,
+            info,
+        })
     }
 
     /// `n` rows of `dim` normalised by their RMS and scaled by `w`, computed on the GPU.
@@ -168,5 +214,39 @@ impl Gpu {
         // i < n and both buffers hold n floats.
         unsafe { launch.launch(LaunchConfig::for_num_elems(g.len() as u32)) }.map_err(err)?;
         self.stream.clone_dtoh(&gd).map_err(err)
+    }
+
+    /// Copies a Q8_0 matrix (`rows` rows of `cols`, 34 bytes per 32 values) to VRAM.
+    pub fn upload_q8_0(&self, bytes: &[u8], rows: usize, cols: usize) -> Result<GpuQ8Matrix, String> {
+        if !cols.is_multiple_of(32) || bytes.len() != rows * cols / 32 * 34 {
+            return Err(format!("Q8_0 {rows}x{cols} needs {} bytes and whole blocks, got {}", rows * cols / 32 * 34, bytes.len()));
+        }
+        let data = self.stream.clone_htod(bytes).map_err(|e| format!("upload: {e}"))?;
+        Ok(GpuQ8Matrix { data, rows, cols })
+    }
+
+    /// `w · x` for one token, `reps` times (the result of the last), with the seconds the
+    /// launches took after the inputs were on the GPU: a decode mat-vec and its time.
+    pub fn matvec_q8_0(&self, w: &GpuQ8Matrix, x: &[f32], reps: usize) -> Result<(Vec<f32>, f64), String> {
+        assert_eq!(x.len(), w.cols, "matvec_q8_0: x has {} values for {} columns", x.len(), w.cols);
+        let err = |e: cudarc::driver::DriverError| format!("matvec_q8_0: {e}");
+        let xd = self.stream.clone_htod(x).map_err(err)?;
+        let mut out = self.stream.alloc_zeros::<f32>(w.rows).map_err(err)?;
+        let (rows, cols) = (w.rows as i32, w.cols as i32);
+        // Eight warps (rows) per block.
+        let cfg = LaunchConfig { grid_dim: (w.rows.div_ceil(8) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        self.stream.synchronize().map_err(err)?;
+        let t = std::time::Instant::now();
+        for _ in 0..reps.max(1) {
+            let mut launch = self.stream.launch_builder(&self.matvec_q8_0);
+            launch.arg(&w.data).arg(&xd).arg(&mut out).arg(&rows).arg(&cols);
+            // SAFETY: arguments match the kernel (bytes of rows*cols/32 blocks of 34, cols
+            // floats, rows floats, int, int); a warp works only on its row when row < rows,
+            // and reads blocks b < cols/32 of it.
+            unsafe { launch.launch(cfg) }.map_err(err)?;
+        }
+        self.stream.synchronize().map_err(err)?;
+        let secs = t.elapsed().as_secs_f64();
+        Ok((self.stream.clone_dtoh(&out).map_err(err)?, secs))
     }
 }
