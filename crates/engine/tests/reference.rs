@@ -155,10 +155,10 @@ fn fast_path_against_reference_per_fixture() {
     let fast = |path: &std::path::Path| {
         let v = smoe_vault::Vault::open(path).unwrap();
         // As `smoe score --fast` opens it: Q4_K experts interleaved where the kernels read them so.
-        let interleave = smoe_kernels::best().has_group8(Format::Q4_K);
-        let map = smoe_store::ExpertMap::of_vault(&v).unwrap().interleaved(interleave);
+        let backend = smoe_engine::CpuBackend::new(smoe_engine::Precision::Fast);
+        let map = smoe_store::ExpertMap::of_vault(&v).unwrap().interleaved(smoe_engine::Backend::interleaves_experts(&backend));
         let ex = std::sync::Arc::new(smoe_store::ResidentExperts::load_map(map).unwrap());
-        smoe_engine::Model::load(&v, smoe_engine::CpuBackend::new(smoe_engine::Precision::Fast), ex).unwrap()
+        smoe_engine::Model::load(&v, backend, ex).unwrap()
     };
     let all = ENGINE_FIXTURES.iter().chain(&GLM_DEEPSEEK_FIXTURES).chain(&["qwen3_moe_k"]);
     for &name in all {

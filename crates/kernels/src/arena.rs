@@ -115,6 +115,22 @@ impl ActArena {
         parts
     }
 
+    /// Quantizes (and interleaves, if tiled) input `i`, row `t` being `row(t)`: one input
+    /// filled without making the list [`parts`](Self::parts) allocates (decode's one-input
+    /// products).
+    pub fn fill<'x>(&mut self, i: usize, row: impl Fn(usize) -> &'x [f32]) {
+        let s = self.spans[i];
+        let n = s.act_len();
+        let act = match s.kind {
+            ActKind::F32 => PartAct::F32(&mut self.f32[s.act..s.act + n]),
+            ActKind::Q8x32 => PartAct::Q32(&mut self.b32[s.act..s.act + n]),
+            ActKind::Q8x256 => PartAct::Q256(&mut self.b256[s.act..s.act + n]),
+        };
+        let (nq, nd, ns) = s.tile_len();
+        let tile = TileMut { qs: &mut self.qs[s.qs..s.qs + nq], d: &mut self.d[s.d..s.d + nd], sums: &mut self.sums[s.sums..s.sums + ns] };
+        ArenaPart { span: s, act, tile }.fill(row);
+    }
+
     /// Input `i`'s quantized rows.
     pub fn rows(&self, i: usize) -> QuantRows<'_> {
         let s = &self.spans[i];
@@ -228,7 +244,7 @@ impl QuantAct {
     /// them for the many-token kernels).
     pub fn quantize(&mut self, f: Format, x: &[f32], rows: usize, cols: usize) {
         self.0.layout(std::iter::once((f, rows, cols, true)));
-        self.0.parts()[0].fill(|t| &x[t * cols..(t + 1) * cols]);
+        self.0.fill(0, |t| &x[t * cols..(t + 1) * cols]);
     }
 
     /// Row `r`.

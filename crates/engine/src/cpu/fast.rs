@@ -10,7 +10,7 @@ use std::sync::Mutex;
 
 thread_local! {
     /// The calling thread's buffers for one product, reused across calls (on decode's path
-    /// the only allocations per call are `matmul_many`'s short lists of its inputs).
+    /// the only allocation per call is `matmul_many`'s list of its weight views).
     static CALLER: RefCell<Caller> = RefCell::new(Caller::default());
     /// A task's outputs, row-major.
     static ROWOUT: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
@@ -118,7 +118,7 @@ pub(crate) fn matmul(k: &Kernels, pool: &Pool, w: &QMatrix<'_>, x: &[f32], n: us
         let Caller { arena, tasks, .. } = &mut *c.borrow_mut();
         let tiled = n >= 4 && k.has_gemm(w.format);
         arena.layout(std::iter::once((w.format, n, cols, tiled)));
-        arena.parts()[0].fill(|t| &x[t * cols..(t + 1) * cols]);
+        arena.fill(0, |t| &x[t * cols..(t + 1) * cols]);
         let sink = super::DisjointOut::new(&mut out[..n * m]);
         tasks.clear();
         guided_tasks(std::iter::once((m, cols * n)), pool.threads(), tasks);
@@ -171,19 +171,18 @@ pub(crate) fn matmul_many<M: Sync>(
         arena.layout(needs.iter().map(|n| (jobs[n.first_job].0.format, n.key.1, n.key.2, n.tiled)));
         // Quantizing and interleaving the inputs is a pass over every activation:
         // on the pool when there is enough of it (prefill's per-expert inputs).
-        let parts: Vec<Mutex<_>> = arena.parts().into_iter().map(Mutex::new).collect();
-        let prepare = |i: usize| {
-            let j = jobs[needs[i].first_job].1;
-            let p = &mut *parts[i].lock().unwrap_or_else(|e| e.into_inner());
-            p.fill(|t| &x[(j.x_row + t) * x_stride..][..needs[i].key.2]);
+        let input_rows = |i: usize| {
+            let (j, cols) = (jobs[needs[i].first_job].1, needs[i].key.2);
+            move |t: usize| &x[(j.x_row + t) * x_stride..][..cols]
         };
         let prep_work: usize = needs.iter().map(|n| n.key.1 * n.key.2).sum();
         if prep_work >= 1 << 16 {
-            pool.run(needs.len(), &prepare);
+            // Each task fills its own input's disjoint part of the arena.
+            let parts: Vec<Mutex<_>> = arena.parts().into_iter().map(Mutex::new).collect();
+            pool.run(needs.len(), &|i| parts[i].lock().unwrap_or_else(|e| e.into_inner()).fill(input_rows(i)));
         } else {
-            (0..needs.len()).for_each(prepare);
+            (0..needs.len()).for_each(|i| arena.fill(i, input_rows(i)));
         }
-        drop(parts);
         let arena = &*arena;
         // Tasks: row chunks of every job.
         tasks.clear();
