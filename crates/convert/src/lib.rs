@@ -18,25 +18,9 @@ pub mod synth;
 pub use shatter::{quantize_rows, shatter, shatter_from, ShatterOptions, ShatterReport, SourceAssets, TensorProvider};
 pub use smoe_formats::{Progress, Silent};
 
-use std::path::Path;
-
 /// Conversion errors. Messages name the tensor or file involved.
 #[derive(Debug, thiserror::Error)]
 pub enum ConvertError {
-    /// A file could not be read.
-    #[error("{path}: {source}")]
-    Io {
-        /// The file.
-        path: String,
-        /// The error.
-        source: std::io::Error,
-    },
-    /// Malformed input.
-    #[error("{0}")]
-    BadInput(String),
-    /// A model, setting or dtype smoe does not support.
-    #[error("unsupported: {0}")]
-    Unsupported(String),
     /// Tensors the architecture needs that the checkpoint lacks.
     #[error("checkpoint is missing {} tensor(s): {}", .0.len(), list(.0))]
     Missing(Vec<String>),
@@ -53,7 +37,8 @@ pub enum ConvertError {
         /// The shape the config implies.
         expected: Vec<usize>,
     },
-    /// Reading the source failed.
+    /// Reading the source failed, or it is malformed or unsupported (the variants of
+    /// [`smoe_formats::FormatError`], which reading and writing share).
     #[error(transparent)]
     Format(#[from] smoe_formats::FormatError),
     /// Writing the vault failed.
@@ -62,16 +47,6 @@ pub enum ConvertError {
     /// A failure injected by a test.
     #[error("injected failure (test hook)")]
     Injected,
-    /// A bug.
-    #[error("internal error: {0}")]
-    Internal(String),
-}
-
-impl ConvertError {
-    /// Wraps an I/O error with its file.
-    pub fn io(path: &Path, source: std::io::Error) -> ConvertError {
-        ConvertError::Io { path: path.display().to_string(), source }
-    }
 }
 
 fn list(v: &[String]) -> String {

@@ -9,6 +9,7 @@ use crate::{ConvertError, Progress};
 use rayon::prelude::*;
 use smoe_formats::hf::{self, hf_expert_names, hf_name};
 use smoe_formats::safetensors::{Checkpoint, DType};
+use smoe_formats::FormatError;
 use smoe_quant::Format;
 use smoe_vault::{layout_blob, names, Architecture, Manifest, VaultWriter};
 use std::collections::{BTreeMap, BTreeSet};
@@ -92,10 +93,12 @@ impl TensorProvider for Checkpoint {
         RAW.with(|raw| info.read_rows_f32(start, n, &mut raw.borrow_mut(), out))?;
         if info.dtype == DType::F8E4M3 {
             let sname = format!("{name}_scale_inv");
-            let s = self.tensors.get(&sname).ok_or_else(|| ConvertError::BadInput(format!("{name} is float8 but {sname} is missing")))?;
+            let s = self.tensors.get(&sname).ok_or_else(|| FormatError::BadInput(format!("{name} is float8 but {sname} is missing")))?;
             let bpr = info.cols().div_ceil(128);
             if s.rows() != info.rows().div_ceil(128) || s.cols() != bpr {
-                return Err(ConvertError::BadInput(format!("{sname} has shape {:?}, not 128x128 blocks of {:?}", s.shape, info.shape)));
+                return Err(
+                    FormatError::BadInput(format!("{sname} has shape {:?}, not 128x128 blocks of {:?}", s.shape, info.shape)).into()
+                );
             }
             let scales = s.read_f32()?;
             let cols = info.cols();
@@ -121,11 +124,11 @@ fn read_all(src: &dyn TensorProvider, name: &str) -> Result<Vec<f32>, ConvertErr
 
 /// Quantizes whole rows in parallel.
 pub fn quantize_rows(format: Format, src: &[f32], cols: usize, dst: &mut [u8]) -> Result<(), ConvertError> {
-    let row_bytes = format.row_bytes(cols).map_err(|e| ConvertError::Internal(e.to_string()))?;
+    let row_bytes = format.row_bytes(cols).map_err(|e| FormatError::Internal(e.to_string()))?;
     dst.par_chunks_mut(row_bytes)
         .zip(src.par_chunks(cols))
         .try_for_each(|(d, s)| smoe_quant::quantize(format, s, d))
-        .map_err(|e| ConvertError::Internal(e.to_string()))
+        .map_err(|e| FormatError::Internal(e.to_string()).into())
 }
 
 /// The format a matrix gets, recording a note when the requested one does not fit its rows.
@@ -174,10 +177,8 @@ fn check_tensors(src: &dyn TensorProvider, arch: &Architecture) -> Result<(), Co
 
 /// Converts the checkpoint in `hf_dir` into the vault `out`.
 pub fn shatter(hf_dir: &Path, out: &Path, opts: &ShatterOptions, progress: &dyn Progress) -> Result<ShatterReport, ConvertError> {
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(opts.threads.unwrap_or(0))
-        .build()
-        .map_err(|e| ConvertError::Internal(e.to_string()))?;
+    let pool =
+        rayon::ThreadPoolBuilder::new().num_threads(opts.threads.unwrap_or(0)).build().map_err(|e| FormatError::Internal(e.to_string()))?;
     pool.install(|| shatter_in_pool(hf_dir, out, opts, progress))
 }
 
@@ -206,10 +207,8 @@ pub fn shatter_from(
     opts: &ShatterOptions,
     progress: &dyn Progress,
 ) -> Result<ShatterReport, ConvertError> {
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(opts.threads.unwrap_or(0))
-        .build()
-        .map_err(|e| ConvertError::Internal(e.to_string()))?;
+    let pool =
+        rayon::ThreadPoolBuilder::new().num_threads(opts.threads.unwrap_or(0)).build().map_err(|e| FormatError::Internal(e.to_string()))?;
     pool.install(|| convert(src, assets, out, opts, progress))
 }
 
@@ -240,7 +239,7 @@ fn convert(
         let format = if spec.keep_f32 { Format::F32 } else { choose_format(opts.dense, cols, &spec.name, &mut notes) };
         w.begin_tensor(&spec.name, format, &spec.shape, &src_name)?;
         let chunk_rows = (CHUNK_ELEMS / cols).max(1);
-        let row_bytes = format.row_bytes(cols).map_err(|e| ConvertError::Internal(e.to_string()))?;
+        let row_bytes = format.row_bytes(cols).map_err(|e| FormatError::Internal(e.to_string()))?;
         let mut r = 0;
         while r < rows {
             let n = chunk_rows.min(rows - r);
@@ -281,10 +280,10 @@ fn convert(
                         .zip(&part_specs)
                         .map(|(n, (_, format, shape))| {
                             let data = read_all(ckpt, n)?;
-                            let row_bytes = format.row_bytes(shape[1]).map_err(|e| ConvertError::Internal(e.to_string()))?;
+                            let row_bytes = format.row_bytes(shape[1]).map_err(|e| FormatError::Internal(e.to_string()))?;
                             let mut q = vec![0u8; row_bytes * shape[0]];
                             for (d, s) in q.chunks_exact_mut(row_bytes).zip(data.chunks_exact(shape[1])) {
-                                smoe_quant::quantize(*format, s, d).map_err(|e| ConvertError::Internal(e.to_string()))?;
+                                smoe_quant::quantize(*format, s, d).map_err(|e| FormatError::Internal(e.to_string()))?;
                             }
                             Ok(q)
                         })

@@ -17,6 +17,7 @@ use crate::{ConvertError, Progress};
 use rayon::prelude::*;
 use serde_json::{json, Value};
 use smoe_formats::hf::{self, hf_expert_names, hf_name};
+use smoe_formats::FormatError;
 use smoe_vault::names;
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -165,7 +166,7 @@ pub fn shape_config(name: &str) -> Result<Value, ConvertError> {
             "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "tie_word_embeddings": false,
             "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "v_head_dim": 128, "vocab_size": 129280
         }),
-        other => return Err(ConvertError::BadInput(format!("unknown shape '{other}'; known: {}", shape_names().join(", ")))),
+        other => return Err(FormatError::BadInput(format!("unknown shape '{other}'; known: {}", shape_names().join(", "))).into()),
     })
 }
 
@@ -327,7 +328,7 @@ fn config_with_layers(shape: &str, layers: Option<usize>) -> Result<Value, Conve
     if let Some(n) = layers {
         let full = cfg["num_hidden_layers"].as_u64().unwrap() as usize;
         if n == 0 || n > full {
-            return Err(ConvertError::BadInput(format!("--layers must be between 1 and {full}")));
+            return Err(FormatError::BadInput(format!("--layers must be between 1 and {full}")).into());
         }
         cfg["num_hidden_layers"] = n.into();
         // A cut that would keep only the leading dense layers keeps one MoE layer instead:
@@ -430,7 +431,7 @@ pub fn synth(shape: &str, out: &Path, opts: &SynthOptions, progress: &dyn Progre
 
 fn checkpoint_from_config(cfg: Value, out: &Path, opts: &SynthOptions, progress: &dyn Progress) -> Result<SynthReport, ConvertError> {
     let tensors = plan(&cfg)?;
-    std::fs::create_dir_all(out).map_err(|e| ConvertError::io(out, e))?;
+    std::fs::create_dir_all(out).map_err(|e| FormatError::io(out, e))?;
     // Shard plan: consecutive tensors up to `shard_bytes` each.
     let mut shards: Vec<Vec<usize>> = vec![vec![]];
     let mut size = 0u64;
@@ -465,8 +466,8 @@ fn checkpoint_from_config(cfg: Value, out: &Path, opts: &SynthOptions, progress:
             h.push(b' ');
         }
         let path = out.join(&fname);
-        let mut w = BufWriter::with_capacity(8 << 20, File::create(&path).map_err(|e| ConvertError::io(&path, e))?);
-        let io = |e| ConvertError::io(&path, e);
+        let mut w = BufWriter::with_capacity(8 << 20, File::create(&path).map_err(|e| FormatError::io(&path, e))?);
+        let io = |e| FormatError::io(&path, e);
         w.write_all(&(h.len() as u64).to_le_bytes()).map_err(io)?;
         w.write_all(&h).map_err(io)?;
         for &i in shard {
@@ -480,7 +481,7 @@ fn checkpoint_from_config(cfg: Value, out: &Path, opts: &SynthOptions, progress:
     }
     let write = |name: &str, v: &Value| -> Result<(), ConvertError> {
         let p = out.join(name);
-        std::fs::write(&p, serde_json::to_string_pretty(v).unwrap()).map_err(|e| ConvertError::io(&p, e))
+        Ok(std::fs::write(&p, serde_json::to_string_pretty(v).unwrap()).map_err(|e| FormatError::io(&p, e))?)
     };
     write("model.safetensors.index.json", &json!({"metadata": {"total_size": total}, "weight_map": weight_map}))?;
     write("config.json", &cfg)?;
@@ -491,7 +492,7 @@ fn checkpoint_from_config(cfg: Value, out: &Path, opts: &SynthOptions, progress:
     )?;
     let tok = opts.tokenizer_json.as_deref().unwrap_or(FALLBACK_TOKENIZER);
     let p = out.join("tokenizer.json");
-    std::fs::write(&p, tok).map_err(|e| ConvertError::io(&p, e))?;
+    std::fs::write(&p, tok).map_err(|e| FormatError::io(&p, e))?;
     write("tokenizer_config.json", &json!({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": QWEN3_TEMPLATE}))?;
     progress.finish();
     Ok(SynthReport { bytes: total, shards: n_shards, tensors: tensors.len() })

@@ -6,6 +6,7 @@ use crate::{ConvertError, Progress};
 use smoe_formats::gguf::names::{arch_name, expert_tensor, llama_qk_permutation, tensor_name};
 use smoe_formats::gguf::vocab::gguf_tokenizer;
 use smoe_formats::gguf::Value;
+use smoe_formats::FormatError;
 use smoe_quant::Format;
 use smoe_vault::{names, Architecture, Family, LayerKind, QkNorm, RopeScaling, Router, Vault};
 use std::path::Path;
@@ -161,7 +162,7 @@ pub struct ExportReport {
 }
 
 fn check_supported(a: &Architecture) -> Result<(), ConvertError> {
-    let bad = |m: &str| Err(ConvertError::Unsupported(format!("{} cannot be exported for llama.cpp: {m}", a.family.model_type())));
+    let bad = |m: &str| Err(FormatError::Unsupported(format!("{} cannot be exported for llama.cpp: {m}", a.family.model_type())).into());
     match a.family {
         Family::Qwen3Moe if !a.moe.norm_topk_prob => bad("llama.cpp's qwen3moe always renormalises top-k weights"),
         Family::Qwen2Moe | Family::Olmoe if a.moe.norm_topk_prob => {
@@ -205,7 +206,7 @@ pub fn export(vault: &Path, out: &Path, progress: &dyn Progress) -> Result<Expor
             plans.push(Plan::KvB { canonical: spec.name.clone(), key: false });
             continue;
         }
-        let name = tensor_name(a.family, &spec.name).ok_or_else(|| ConvertError::Internal(format!("no GGUF name for {}", spec.name)))?;
+        let name = tensor_name(a.family, &spec.name).ok_or_else(|| FormatError::Internal(format!("no GGUF name for {}", spec.name)))?;
         // GGUF stores Qwen2-MoE's shared gate as [hidden] x 1; our [1, hidden] is the same bytes.
         decls.push((name, dims, e.format.ggml_id(), e.len));
         let permute = a.family == Family::Mixtral && (spec.name.ends_with("attn.q") || spec.name.ends_with("attn.k"));
@@ -246,7 +247,7 @@ pub fn export(vault: &Path, out: &Path, progress: &dyn Progress) -> Result<Expor
                 let (r, nope, vd, h) = (mla.kv_lora_rank, mla.qk_nope_head_dim, mla.v_head_dim, a.num_heads);
                 let mut f = vec![0f32; e.shape[0] * e.shape[1]];
                 smoe_quant::dequantize(e.format, &v.read_dense(canonical)?, &mut f)
-                    .map_err(|err| ConvertError::Internal(err.to_string()))?;
+                    .map_err(|err| FormatError::Internal(err.to_string()))?;
                 let out_fmt = Format::from_ggml_id(decls[i].2).unwrap();
                 // kv_b rows: per head, `nope` rows of W_uk then `vd` rows of W_uv, each `r` long.
                 let mut vals = Vec::with_capacity(if *key { h * r * nope } else { h * vd * r });
@@ -264,7 +265,7 @@ pub fn export(vault: &Path, out: &Path, progress: &dyn Progress) -> Result<Expor
                     }
                 }
                 let mut bytes = vec![0u8; decls[i].3 as usize];
-                smoe_quant::quantize(out_fmt, &vals, &mut bytes).map_err(|err| ConvertError::Internal(err.to_string()))?;
+                smoe_quant::quantize(out_fmt, &vals, &mut bytes).map_err(|err| FormatError::Internal(err.to_string()))?;
                 w.write_at(i, 0, &bytes)?
             }
         }

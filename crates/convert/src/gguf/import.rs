@@ -3,6 +3,7 @@
 
 use crate::{ConvertError, Progress, ShatterReport};
 use smoe_formats::gguf::{DenseSpec, GgufModel};
+use smoe_formats::FormatError;
 use smoe_quant::Format;
 use smoe_vault::names;
 use std::fs::File;
@@ -50,7 +51,7 @@ pub fn shatter_gguf(path: &Path, out: &Path, progress: &dyn Progress) -> Result<
             mixed = true;
         }
     }
-    let files = m.gguf.paths.iter().map(|p| File::open(p).map_err(|e| ConvertError::io(p, e))).collect::<Result<Vec<_>, _>>()?;
+    let files = m.gguf.paths.iter().map(|p| File::open(p).map_err(|e| FormatError::io(p, e))).collect::<Result<Vec<_>, _>>()?;
     let mut bufs: [Vec<u8>; 3] = Default::default();
     for (li, &l) in moe_layers.iter().enumerate() {
         for e in 0..n {
@@ -58,7 +59,7 @@ pub fn shatter_gguf(path: &Path, out: &Path, progress: &dyn Progress) -> Result<
                 buf.resize(p.bytes as usize, 0);
                 files[p.file]
                     .read_exact_at(buf, p.offset + e as u64 * p.bytes)
-                    .map_err(|err| ConvertError::io(&m.gguf.paths[p.file], err))?;
+                    .map_err(|err| FormatError::io(&m.gguf.paths[p.file], err))?;
             }
             w.add_blob(l, e, &[&bufs[0], &bufs[1], &bufs[2]])?;
             progress.advance(bufs.iter().map(|b| b.len() as u64).sum());

@@ -3,6 +3,7 @@
 
 use crate::ConvertError;
 use smoe_formats::gguf::{Value, DEFAULT_ALIGNMENT, MAGIC};
+use smoe_formats::FormatError;
 use std::fs::File;
 use std::io::{BufWriter, Seek, Write};
 use std::path::{Path, PathBuf};
@@ -52,7 +53,7 @@ pub type TensorDecl = (String, Vec<u64>, u32, u64);
 impl Writer {
     /// Writes the header of `path`: `meta` and the tensor directory.
     pub fn create(path: &Path, meta: &[(String, Value)], tensors: &[TensorDecl]) -> Result<Writer, ConvertError> {
-        let io = |e| ConvertError::io(path, e);
+        let io = |e| FormatError::io(path, e);
         let mut out = BufWriter::with_capacity(8 << 20, File::create(path).map_err(io)?);
         out.write_all(MAGIC).map_err(io)?;
         out.write_all(&3u32.to_le_bytes()).map_err(io)?;
@@ -79,7 +80,7 @@ impl Writer {
         let pos = out.stream_position().map_err(io)?;
         let data_start = pos.div_ceil(DEFAULT_ALIGNMENT) * DEFAULT_ALIGNMENT;
         out.write_all(&vec![0u8; (data_start - pos) as usize]).map_err(io)?;
-        let file = out.into_inner().map_err(|e| ConvertError::io(path, e.into_error()))?;
+        let file = out.into_inner().map_err(|e| FormatError::io(path, e.into_error()))?;
         Ok(Writer { file, path: path.to_path_buf(), spans: rel.iter().map(|&(o, l)| (data_start + o, l)).collect(), end: data_start + off })
     }
 
@@ -88,16 +89,16 @@ impl Writer {
         use std::os::unix::fs::FileExt;
         let (off, len) = self.spans[i];
         if within + bytes.len() as u64 > len {
-            return Err(ConvertError::Internal(format!("write past the end of GGUF tensor {i}")));
+            return Err(FormatError::Internal(format!("write past the end of GGUF tensor {i}")).into());
         }
-        self.file.write_all_at(bytes, off + within).map_err(|e| ConvertError::io(&self.path, e))
+        Ok(self.file.write_all_at(bytes, off + within).map_err(|e| FormatError::io(&self.path, e))?)
     }
 
     /// Sets the final length and syncs.
     pub fn finish(self) -> Result<(), ConvertError> {
-        let io = |e| ConvertError::io(&self.path, e);
+        let io = |e| FormatError::io(&self.path, e);
         self.file.set_len(self.end).map_err(io)?;
-        self.file.sync_all().map_err(io)
+        Ok(self.file.sync_all().map_err(io)?)
     }
 }
 
