@@ -89,6 +89,14 @@ pub trait Backend: Send + Sync {
     fn interleaves_experts(&self) -> bool {
         false
     }
+    /// The first device error this backend met, if any (a GPU out of memory, a failed kernel
+    /// launch). The ops cannot return errors, so a backend that can meet them keeps the first,
+    /// makes later ops do nothing, and says so here; the engine checks after loading and after
+    /// every forward call and fails with [`crate::EngineError::Backend`]. The CPU backend has
+    /// none.
+    fn fault(&self) -> Option<String> {
+        None
+    }
 
     /// Makes a matrix from `rows x cols` elements in `format` at `offset` in `region` (the
     /// vault's dense region, shared so the CPU backend needs no copy).

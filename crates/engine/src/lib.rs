@@ -60,6 +60,9 @@ pub enum EngineError {
     /// Tokenizer or template failure.
     #[error("{0}")]
     Text(String),
+    /// The backend's device failed (see [`Backend::fault`]).
+    #[error("backend: {0}")]
+    Backend(String),
 }
 
 #[cfg(test)]

@@ -212,10 +212,15 @@ impl<B: Backend> Model<B> {
             }
             None => 1.0 / (arch.head_dim as f32).sqrt(),
         };
+        let (embed, final_norm) = (ld.matrix("embed")?, ld.vector("final_norm")?);
+        let lm_head = if arch.tie_word_embeddings { None } else { Some(ld.matrix("lm_head")?) };
+        if let Some(fault) = backend.fault() {
+            return Err(EngineError::Backend(format!("loading {} MiB of dense weights: {fault}", region.len() >> 20)));
+        }
         Ok(Model {
-            embed: ld.matrix("embed")?,
-            final_norm: ld.vector("final_norm")?,
-            lm_head: if arch.tie_word_embeddings { None } else { Some(ld.matrix("lm_head")?) },
+            embed,
+            final_norm,
+            lm_head,
             rope: RopeTable::new(&arch),
             router: RouterRule::new(&arch.moe),
             eps: arch.norm_eps as f32,
