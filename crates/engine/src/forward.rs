@@ -307,6 +307,9 @@ impl<B: Backend> Model<B> {
         for chunk in tokens.chunks(st.chunk) {
             self.forward_chunk(st, chunk, want, obs)?;
         }
+        if let Some(fault) = self.backend.fault() {
+            return Err(EngineError::Backend(fault));
+        }
         Ok(&st.logits)
     }
 
@@ -426,6 +429,12 @@ impl<B: Backend> Model<B> {
             be.add_bias(&mut b.q, n, w, qw + kvw, vb);
         }
         match &a.qk_norm {
+            // One token's heads lie end to end: one call for all of them (decode); several
+            // tokens' do not, so then one call per head over the tokens.
+            Some((smoe_vault::QkNorm::PerHead, qn, kn)) if n == 1 => {
+                be.rms_norm_strided(&mut b.q, nh, hdim, 0, hdim, qn, self.eps);
+                be.rms_norm_strided(&mut b.q, nkv, hdim, qw, hdim, kn, self.eps);
+            }
             Some((smoe_vault::QkNorm::PerHead, qn, kn)) => {
                 for h in 0..nh {
                     be.rms_norm_strided(&mut b.q, n, w, h * hdim, hdim, qn, self.eps);
@@ -583,9 +592,20 @@ impl<B: Backend> Model<B> {
         }
         be.matmul_many(&jobs, &b.xe, hd, &mut b.gu, 2 * width);
         jobs.clear();
+        // SiLU over the batch's rows: one call when they are one run of rows (every expert of a
+        // layer at once, as a resident store hands them over), else one per expert.
+        let (lo, hi, total) =
+            batch.iter().map(|(j, _)| groups.rows(*j)).fold((usize::MAX, 0, 0), |(lo, hi, t), (r0, n)| (lo.min(r0), hi.max(r0 + n), t + n));
+        if total > 0 && total == hi - lo {
+            be.silu_mul_halves(&mut b.gu, lo, total, 2 * width, width);
+        } else {
+            for (j, _) in batch {
+                let (r0, rows) = groups.rows(*j);
+                be.silu_mul_halves(&mut b.gu, r0, rows, 2 * width, width);
+            }
+        }
         for (j, ex) in batch {
             let (r0, rows) = groups.rows(*j);
-            be.silu_mul_halves(&mut b.gu, r0, rows, 2 * width, width);
             jobs.push(MatJob { w: WeightRef::Expert(ex.down, ex.slot), x_row: r0, n: rows, out_row: r0, out_col: 0 });
         }
         be.matmul_many(&jobs, &b.gu, 2 * width, &mut b.dd, hd);
