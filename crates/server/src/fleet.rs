@@ -5,14 +5,51 @@
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::worker::{Worker, WorkerLimits};
-use smoe_engine::{open_cpu, CacheSize, OpenOptions, Precision};
+use smoe_engine::{open_cpu, CacheSize, EngineError, OpenOptions, OpenReport, Precision};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+/// Opens a model on the backend the front end chose and starts its generation thread. The
+/// server names no backend: [`CpuOpener`] is the default, and the command line supplies one for
+/// a GPU.
+pub trait Opener: Send + Sync {
+    /// The backend in words, for the log.
+    fn describe(&self) -> String;
+    /// Opens `path` with `opts` and spawns its worker.
+    fn open(
+        &self,
+        name: &str,
+        path: &Path,
+        opts: &OpenOptions,
+        limits: WorkerLimits,
+        metrics: Arc<Metrics>,
+    ) -> Result<(Worker, OpenReport), EngineError>;
+}
+
+/// Opens models on the CPU backend.
+pub struct CpuOpener;
+
+impl Opener for CpuOpener {
+    fn describe(&self) -> String {
+        "cpu".into()
+    }
+    fn open(
+        &self,
+        name: &str,
+        path: &Path,
+        opts: &OpenOptions,
+        limits: WorkerLimits,
+        metrics: Arc<Metrics>,
+    ) -> Result<(Worker, OpenReport), EngineError> {
+        let (engine, report) = open_cpu(path, opts)?;
+        Ok((Worker::spawn(name.to_string(), engine, limits, metrics), report))
+    }
+}
+
 /// How the fleet loads models.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct FleetConfig {
     /// Directory of vaults.
     pub dir: PathBuf,
@@ -28,6 +65,23 @@ pub struct FleetConfig {
     pub open: OpenOptions,
     /// Memory the models may use together (default: available at start, less a reserve).
     pub memory: Option<u64>,
+    /// The backend models open on.
+    pub opener: Arc<dyn Opener>,
+}
+
+impl std::fmt::Debug for FleetConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FleetConfig")
+            .field("dir", &self.dir)
+            .field("cache", &self.cache)
+            .field("ctx", &self.ctx)
+            .field("max_queue", &self.max_queue)
+            .field("max_sessions", &self.max_sessions)
+            .field("open", &self.open)
+            .field("memory", &self.memory)
+            .field("opener", &self.opener.describe())
+            .finish()
+    }
 }
 
 /// A loaded model.
@@ -166,15 +220,17 @@ impl Fleet {
         let mut opts = self.cfg.open.clone();
         opts.cache = if self.cfg.cache == CacheSize::Resident { CacheSize::Resident } else { CacheSize::Bytes(cache) };
         opts.ctx = Some(ctx);
-        let (engine, report) = open_cpu(path, &opts).map_err(|e| unavailable(e.to_string()))?;
+        let limits = WorkerLimits { max_queue: self.cfg.max_queue, max_sessions: self.cfg.max_sessions, session_bytes: kv as usize };
+        let (worker, report) =
+            self.cfg.opener.open(name, path, &opts, limits, self.metrics.clone()).map_err(|e| unavailable(e.to_string()))?;
         tracing::info!(
-            "loaded '{name}': {report}; dense {} MiB, session KV budget {} MiB{}",
+            "loaded '{name}' on {}: {report}; dense {} MiB, session KV budget {} MiB{}",
+            self.cfg.opener.describe(),
             dense >> 20,
             kv >> 20,
             if unloaded.is_empty() { String::new() } else { format!("; unloaded {} to make room", unloaded.join(", ")) }
         );
-        let limits = WorkerLimits { max_queue: self.cfg.max_queue, max_sessions: self.cfg.max_sessions, session_bytes: kv as usize };
-        let worker = Arc::new(Worker::spawn(name.to_string(), engine, limits, self.metrics.clone()));
+        let worker = Arc::new(worker);
         Ok((worker, base + report.cache_bytes, report.cache_bytes))
     }
 }
@@ -225,6 +281,7 @@ impl FleetConfig {
             max_sessions: 8,
             open: OpenOptions { precision: Precision::Fast, ..Default::default() },
             memory: None,
+            opener: Arc::new(CpuOpener),
         }
     }
 }
