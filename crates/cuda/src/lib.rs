@@ -7,10 +7,17 @@ in one line why no GPU is usable instead of failing at start or at link time. Ke
 C compiled by NVRTC for the device's own architecture at first use; no CUDA toolkit is needed
 where smoe runs.
 
-This is the foundation of the CUDA backend (issue #18): device discovery, the compile-and-launch
-path, and the first ops checked against the CPU. The `Backend` implementation builds on it.
+[`CudaBackend`] is the engine's backend on one GPU; [`Gpu`] is the bare device with a few
+kernels, for tests and bandwidth probes.
 */
 #![deny(missing_docs)]
+
+pub mod backend;
+mod experts;
+mod staging;
+
+pub use backend::{CudaBackend, CudaOptions};
+pub use experts::ExpertStats;
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use std::sync::Arc;
@@ -28,6 +35,13 @@ pub struct DeviceInfo {
     pub total_bytes: usize,
     /// Memory free now, in bytes.
     pub free_bytes: usize,
+}
+
+impl DeviceInfo {
+    /// `cuda:N`.
+    pub fn short(&self) -> String {
+        format!("cuda:{}", self.ordinal)
+    }
 }
 
 impl std::fmt::Display for DeviceInfo {
@@ -85,60 +99,77 @@ pub fn probe() -> Result<Vec<DeviceInfo>, String> {
         .collect()
 }
 
-/// The kernels, compiled by NVRTC for the device at hand.
-const KERNELS: &str = r#"
-// out[t, i] = x[t, i] / rms(x[t, :]) * w[i]: one block of 256 threads per row.
-extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, int dim, float eps) {
-    __shared__ float partial[256];
-    const float* row = x + (size_t)blockIdx.x * dim;
-    float s = 0.0f;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) s += row[i] * row[i];
-    partial[threadIdx.x] = s;
-    __syncthreads();
-    for (int k = blockDim.x / 2; k > 0; k >>= 1) {
-        if (threadIdx.x < k) partial[threadIdx.x] += partial[threadIdx.x + k];
-        __syncthreads();
-    }
-    float scale = rsqrtf(partial[0] / dim + eps);
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) out[(size_t)blockIdx.x * dim + i] = w[i] * (row[i] * scale);
-}
+/// The kernels' CUDA C source.
+const KERNELS: &str = include_str!("kernels.cu");
 
-// Decode mat-vec over Q8_0 rows as GGUF stores them (blocks of 34 bytes: f16 scale, 32 int8):
-// out[r] = sum_b d_b * sum_i q_bi * x[32b + i]. One warp per row. Each half-warp takes one block,
-// each of its 16 lanes one 16-bit pair of quants, so a warp's loads are consecutive 16-bit words
-// (blocks are only 2-byte aligned); eight blocks per lane are in flight per iteration.
-extern "C" __global__ void matvec_q8_0(const unsigned char* w, const float* x, float* out, int rows, int cols) {
-    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    int lane = threadIdx.x % 32;
-    if (row >= rows) return;
-    int blocks = cols / 32;
-    const unsigned char* r = w + (size_t)row * blocks * 34;
-    int half = lane / 16, pair = lane % 16;
-    float acc = 0.0f;
-    for (int b0 = 0; b0 < blocks; b0 += 16) {
-        #pragma unroll
-        for (int k = 0; k < 8; k++) {
-            int b = b0 + 2 * k + half;
-            if (b < blocks) {
-                const unsigned short* p = (const unsigned short*)(r + (size_t)b * 34);
-                float d;
-                asm("cvt.f32.f16 %0, %1;" : "=f"(d) : "h"(p[0]));
-                unsigned short two = p[1 + pair];
-                float2 xv = *(const float2*)(x + b * 32 + 2 * pair);
-                acc += d * ((float)(signed char)(two & 0xff) * xv.x + (float)(signed char)(two >> 8) * xv.y);
-            }
+/// The kernels compiled for compute capability `cc`, from the per-user kernel cache
+/// (`$XDG_CACHE_HOME/smoe` or `~/.cache/smoe`, one PTX file per source and architecture) or by
+/// NVRTC, which then fills the cache. Needs NVRTC only on a cache miss and no GPU at all, so it
+/// also checks that the kernels compile where there is none.
+pub fn compile_kernels(cc: (i32, i32)) -> Result<cudarc::nvrtc::Ptx, String> {
+    let arch = format!("sm_{}{}", cc.0, cc.1);
+    let cached = cache_dir().map(|d| d.join(format!("kernels-{:016x}-{arch}.ptx", fnv1a(KERNELS.as_bytes()))));
+    if let Some(text) = cached.as_ref().and_then(|p| std::fs::read_to_string(p).ok()) {
+        return Ok(cudarc::nvrtc::Ptx::from_src(text));
+    }
+    let ptx = compile_ptx(cc)?;
+    if let Some(p) = cached {
+        // A cache that cannot be written only costs the next start a compile.
+        let tmp = p.with_extension(format!("tmp{}", std::process::id()));
+        if p.parent().is_some_and(|d| std::fs::create_dir_all(d).is_ok()) && std::fs::write(&tmp, ptx.to_src()).is_ok() {
+            let _ = std::fs::rename(&tmp, &p);
         }
     }
-    for (int o = 16; o > 0; o >>= 1) acc += __shfl_down_sync(0xffffffff, acc, o);
-    if (lane == 0) out[row] = acc;
+    Ok(ptx)
 }
 
-// g[i] = silu(g[i]) * u[i].
-extern "C" __global__ void silu_mul(float* g, const float* u, int n) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) { float a = g[i]; g[i] = a / (1.0f + expf(-a)) * u[i]; }
+/// The kernels compiled by NVRTC for compute capability `cc`, without the cache. Needs no GPU.
+pub fn compile_ptx(cc: (i32, i32)) -> Result<cudarc::nvrtc::Ptx, String> {
+    if !nvrtc_present() {
+        return Err("NVRTC not found (libnvrtc.so.13 or .12; it ships with the CUDA runtime)".into());
+    }
+    let arch = format!("sm_{}{}", cc.0, cc.1);
+    // NVRTC wants a 'static architecture name; one per architecture compiled is leaked.
+    let arch_static: &'static str = Box::leak(arch.clone().into_boxed_str());
+    let opts = cudarc::nvrtc::CompileOptions { arch: Some(arch_static), ..Default::default() };
+    cudarc::nvrtc::compile_ptx_with_opts(KERNELS, opts).map_err(|e| format!("compiling the kernels for {arch}: {e}"))
 }
-"#;
+
+fn cache_dir() -> Option<std::path::PathBuf> {
+    let base = std::env::var_os("XDG_CACHE_HOME").filter(|v| !v.is_empty()).map(std::path::PathBuf::from);
+    base.or_else(|| std::env::var_os("HOME").map(|h| std::path::PathBuf::from(h).join(".cache"))).map(|d| d.join("smoe"))
+}
+
+/// FNV-1a: names the cached PTX after the source it was compiled from.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf29ce484222325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x100000001b3))
+}
+
+/// Host → device copy bandwidth in bytes per second of `bytes` from pageable memory and from
+/// page-locked memory (best of five copies each), on GPU `ordinal`.
+pub fn copy_bandwidth(ordinal: usize, bytes: usize) -> Result<(f64, f64), String> {
+    let err = |e: cudarc::driver::DriverError| e.to_string();
+    let ctx = CudaContext::new(ordinal).map_err(err)?;
+    let stream = ctx.new_stream().map_err(err)?;
+    let mut dev = stream.alloc_zeros::<u8>(bytes).map_err(err)?;
+    let host = vec![1u8; bytes];
+    // SAFETY: a page-locked buffer of `bytes` bytes, filled before it is read.
+    let mut pinned = unsafe { ctx.alloc_pinned::<u8>(bytes) }.map_err(err)?;
+    pinned.as_mut_slice().map_err(err)?.fill(1);
+    let mut best = |src: &dyn Fn(&mut cudarc::driver::CudaSlice<u8>) -> Result<(), cudarc::driver::DriverError>| {
+        let mut top = 0f64;
+        for _ in 0..5 {
+            let t = std::time::Instant::now();
+            src(&mut dev).map_err(err)?;
+            stream.synchronize().map_err(err)?;
+            top = top.max(bytes as f64 / t.elapsed().as_secs_f64());
+        }
+        Ok::<f64, String>(top)
+    };
+    let pageable = best(&|d| stream.memcpy_htod(&host, d))?;
+    let locked = best(&|d| stream.memcpy_htod(&pinned, d))?;
+    Ok((pageable, locked))
+}
 
 /// One GPU with its stream and compiled kernels.
 pub struct Gpu {
@@ -167,11 +198,7 @@ impl Gpu {
             return Err("NVRTC not found (libnvrtc.so.13 or .12; it ships with the CUDA runtime)".into());
         }
         let ctx = CudaContext::new(ordinal).map_err(|e| format!("cuda:{ordinal}: {e}"))?;
-        let (major, minor) = info.compute_capability;
-        // NVRTC wants a 'static architecture name; one per process and device is leaked.
-        let arch: &'static str = Box::leak(format!("sm_{major}{minor}").into_boxed_str());
-        let opts = cudarc::nvrtc::CompileOptions { arch: Some(arch), ..Default::default() };
-        let ptx = cudarc::nvrtc::compile_ptx_with_opts(KERNELS, opts).map_err(|e| format!("compiling the kernels for {arch}: {e}"))?;
+        let ptx = compile_kernels(info.compute_capability)?;
         let module = ctx.load_module(ptx).map_err(|e| format!("loading the kernels: {e}"))?;
         let load = |name: &str| module.load_function(name).map_err(|e| format!("kernel {name}: {e}"));
         Ok(Gpu {
@@ -190,13 +217,13 @@ impl Gpu {
         let xd = self.stream.clone_htod(&x[..n * dim]).map_err(err)?;
         let wd = self.stream.clone_htod(&w[..dim]).map_err(err)?;
         let mut out = self.stream.alloc_zeros::<f32>(n * dim).map_err(err)?;
-        let dim_i = dim as i32;
+        let (dim_i, zero) = (dim as i32, 0i32);
         let cfg = LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         let mut launch = self.stream.launch_builder(&self.rms_norm);
-        launch.arg(&xd).arg(&wd).arg(&mut out).arg(&dim_i).arg(&eps);
-        // SAFETY: the arguments match the kernel's signature (two float inputs of n*dim and
-        // dim, one float output of n*dim, int, float) and every index it touches is below
-        // n*dim (one block per row, threads striding within the row).
+        launch.arg(&xd).arg(&dim_i).arg(&zero).arg(&wd).arg(&mut out).arg(&dim_i).arg(&zero).arg(&dim_i).arg(&eps);
+        // SAFETY: the arguments match the kernel's signature (input, its row stride and offset,
+        // weights, output, its stride and offset, int, float) and every index it touches is
+        // below n*dim (one block per row of dim, threads striding within the row).
         unsafe { launch.launch(cfg) }.map_err(err)?;
         self.stream.clone_dtoh(&out).map_err(err)
     }

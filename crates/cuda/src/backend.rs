@@ -1,0 +1,872 @@
+//! [`CudaBackend`]: the engine's [`Backend`] on one NVIDIA GPU.
+//!
+//! Dense weights are copied to VRAM once, in their block formats; activations, norms and the KV
+//! cache live in VRAM; every op is a kernel on one stream, so ops are ordered without events and
+//! the host waits only where the decoder downloads (router logits, final logits). Routed experts
+//! arrive as host views of the expert store's slots and are mirrored in a VRAM cache keyed by
+//! slot handle ([`crate::experts`]). Small host inputs of an op (row lists, mixing weights,
+//! RoPE tables) go through a page-locked staging ring ([`crate::staging`]); batches of products pass their job table as a
+//! kernel parameter.
+//!
+//! The trait's ops cannot fail, but a GPU can (out of memory, a failed launch): the first
+//! error is kept, later ops do nothing, and [`Backend::fault`] reports it, which the engine
+//! turns into an error after loading and after each forward call.
+
+use crate::experts::{ExpertCache, ExpertStats};
+use crate::staging::Staging;
+use crate::{compile_kernels, DeviceInfo};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr, DriverError, LaunchArgs, LaunchConfig,
+    PushKernelArg,
+};
+use smoe_engine::backend::{AttnParams, Backend, KvShape, MatJob, WeightRef};
+use smoe_quant::{Format, Layout};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// Products per launch: the job table is a kernel parameter (4 KiB at most).
+const MAX_JOBS: usize = 48;
+/// Up to this many tokens a product is a mat-vec (a warp per row, the weights read once);
+/// beyond, tiled.
+const MV_TOKENS: usize = 8;
+
+/// One product as the kernels read it (`struct Job` in kernels.cu).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct Job {
+    w: u64,
+    row_bytes: u64,
+    rows: i32,
+    cols: i32,
+    x_row: i32,
+    n: i32,
+    out_row: i32,
+    out_col: i32,
+}
+
+/// A launch's job table (`struct Jobs` in kernels.cu).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Jobs {
+    count: i32,
+    pad: i32,
+    job: [Job; MAX_JOBS],
+}
+
+// SAFETY: plain old data with the C layout of `struct Jobs` in kernels.cu (i32, i32, then 48
+// jobs of two u64 and six i32: 40 bytes, 8-aligned), copied by value into the kernel's
+// parameters.
+unsafe impl DeviceRepr for Jobs {}
+
+/// Options of a CUDA backend.
+#[derive(Clone, Debug, Default)]
+pub struct CudaOptions {
+    /// Bytes of VRAM for routed experts; `None`: what is free at the first expert product, less
+    /// headroom for work buffers.
+    pub expert_bytes: Option<u64>,
+}
+
+/// The four kernels of one weight format.
+struct FormatKernels {
+    mv: CudaFunction,
+    mm: CudaFunction,
+    mmt: CudaFunction,
+    embed: CudaFunction,
+    mt: CudaFunction,
+}
+
+struct Kernels {
+    formats: Vec<(Format, FormatKernels)>,
+    rms_norm: CudaFunction,
+    add: CudaFunction,
+    silu_mul: CudaFunction,
+    silu_mul_halves: CudaFunction,
+    add_bias: CudaFunction,
+    scale_rows: CudaFunction,
+    copy_strided: CudaFunction,
+    move_rows: CudaFunction,
+    add_weighted_slots: CudaFunction,
+    rope: CudaFunction,
+    attention: CudaFunction,
+}
+
+/// The kernels' name for each weight format.
+pub(crate) const FORMAT_NAMES: [(Format, &str); 13] = [
+    (Format::F32, "f32"),
+    (Format::F16, "f16"),
+    (Format::BF16, "bf16"),
+    (Format::Q4_0, "q4_0"),
+    (Format::Q4_1, "q4_1"),
+    (Format::Q5_0, "q5_0"),
+    (Format::Q5_1, "q5_1"),
+    (Format::Q8_0, "q8_0"),
+    (Format::Q2_K, "q2_k"),
+    (Format::Q3_K, "q3_k"),
+    (Format::Q4_K, "q4_k"),
+    (Format::Q5_K, "q5_k"),
+    (Format::Q6_K, "q6_k"),
+];
+
+impl Kernels {
+    fn load(module: &Arc<CudaModule>) -> Result<Kernels, String> {
+        let f = |name: &str| module.load_function(name).map_err(|e| format!("kernel {name}: {e}"));
+        let formats = FORMAT_NAMES
+            .iter()
+            .map(|&(fmt, n)| {
+                Ok((
+                    fmt,
+                    FormatKernels {
+                        mv: f(&format!("mv_{n}"))?,
+                        mm: f(&format!("mm_{n}"))?,
+                        mmt: f(&format!("mmt_{n}"))?,
+                        embed: f(&format!("embed_{n}"))?,
+                        mt: f(&format!("mt_{n}"))?,
+                    },
+                ))
+            })
+            .collect::<Result<Vec<_>, String>>()?;
+        Ok(Kernels {
+            formats,
+            rms_norm: f("rms_norm")?,
+            add: f("add")?,
+            silu_mul: f("silu_mul")?,
+            silu_mul_halves: f("silu_mul_halves")?,
+            add_bias: f("add_bias")?,
+            scale_rows: f("scale_rows")?,
+            copy_strided: f("copy_strided")?,
+            move_rows: f("move_rows")?,
+            add_weighted_slots: f("add_weighted_slots")?,
+            rope: f("rope")?,
+            attention: f("attention")?,
+        })
+    }
+
+    fn format(&self, fmt: Format) -> &FormatKernels {
+        &self.formats.iter().find(|(f, _)| *f == fmt).expect("every Format has kernels (FORMAT_NAMES)").1
+    }
+}
+
+/// An f32 activation buffer in VRAM.
+pub struct CudaBuf {
+    name: &'static str,
+    data: CudaSlice<f32>,
+}
+
+/// A weight matrix in VRAM, in its block format.
+pub struct CudaMatrix {
+    data: CudaSlice<u8>,
+    format: Format,
+    rows: usize,
+    cols: usize,
+    row_bytes: usize,
+}
+
+/// An f32 vector in VRAM.
+pub struct CudaVector {
+    data: CudaSlice<f32>,
+    len: usize,
+}
+
+struct KvLayer {
+    shape: KvShape,
+    k: Option<CudaSlice<f32>>,
+    v: Option<CudaSlice<f32>>,
+    /// Positions allocated.
+    cap: usize,
+    /// Positions stored.
+    len: usize,
+}
+
+impl KvLayer {
+    fn k_width(&self) -> usize {
+        self.shape.heads * self.shape.k_dim
+    }
+    fn v_width(&self) -> usize {
+        if self.shape.values_in_keys {
+            0
+        } else {
+            self.shape.heads * self.shape.v_dim
+        }
+    }
+}
+
+/// The KV cache of one sequence, in VRAM.
+pub struct CudaKvCache {
+    layers: Vec<KvLayer>,
+}
+
+/// The CUDA backend. See the module documentation.
+pub struct CudaBackend {
+    info: DeviceInfo,
+    stream: Arc<CudaStream>,
+    ctx: Arc<CudaContext>,
+    k: Kernels,
+    staging: Mutex<Staging>,
+    experts: Mutex<ExpertCache>,
+    /// `SMOE_CUDA_PROFILE=1`: every launch waited for and timed by kernel, printed at the end
+    /// (launch plus run time, on a synchronized stream: for finding where time goes, not speed).
+    profile: Option<Mutex<std::collections::HashMap<&'static str, (u64, f64)>>>,
+    /// Many-token products on tensor cores (compute 8.0+, unless `SMOE_CUDA_PREFILL=simt`).
+    tensor_cores: bool,
+    faulted: AtomicBool,
+    fault: Mutex<Option<String>>,
+}
+
+fn dptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
+    // Event tracking is off for this context (one stream orders everything), so the guard
+    // returned with the pointer records nothing.
+    s.device_ptr(stream).0
+}
+
+fn cfg_elems(n: usize) -> LaunchConfig {
+    LaunchConfig { grid_dim: (n.div_ceil(256) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// Panics, naming the op and the buffer, when rows `row0..row0 + n` of `stride` floats (at
+/// offset `off`, `width` wide) do not lie inside `buf`: a bug in the forward pass's buffer
+/// widths, as on the CPU backend.
+fn check_rows(op: &str, buf: &CudaBuf, row0: usize, n: usize, stride: usize, off: usize, width: usize) {
+    if n == 0 || width == 0 {
+        return;
+    }
+    let end = (row0 + n - 1) * stride + off + width;
+    assert!(
+        end <= buf.data.len(),
+        "{op}: buffer '{}' holds {} floats, {n} rows of {width} at offset {off} (stride {stride}) from row {row0} need {end}",
+        buf.name,
+        buf.data.len()
+    );
+}
+
+fn check(op: &str, buf: &CudaBuf, n: usize, width: usize) {
+    check_rows(op, buf, 0, n, width, 0, width);
+}
+
+impl CudaBackend {
+    /// Opens GPU `ordinal`: compiles (or loads from the kernel cache) the kernels for its
+    /// architecture. Fails with one line when there is no usable GPU.
+    pub fn open(ordinal: usize, opts: &CudaOptions) -> Result<CudaBackend, String> {
+        let info = crate::probe()?.into_iter().nth(ordinal).ok_or_else(|| format!("no GPU cuda:{ordinal}"))?;
+        let ctx = CudaContext::new(ordinal).map_err(|e| format!("cuda:{ordinal}: {e}"))?;
+        // SAFETY: everything this backend allocates is used on its one stream, in order, so
+        // cudarc's cross-stream events are not needed (and would cost a record per use).
+        unsafe { ctx.disable_event_tracking() };
+        let ptx = compile_kernels(info.compute_capability)?;
+        let module = ctx.load_module(ptx).map_err(|e| format!("loading the kernels: {e}"))?;
+        let k = Kernels::load(&module)?;
+        let stream = ctx.new_stream().map_err(|e| format!("cuda:{ordinal}: {e}"))?;
+        let experts = ExpertCache::new(opts.expert_bytes);
+        let tensor_cores = info.compute_capability.0 >= 8 && std::env::var("SMOE_CUDA_PREFILL").as_deref() != Ok("simt");
+        Ok(CudaBackend {
+            info,
+            stream,
+            ctx,
+            k,
+            staging: Mutex::new(Staging::new()),
+            experts: Mutex::new(experts),
+            tensor_cores,
+            profile: std::env::var_os("SMOE_CUDA_PROFILE").map(|_| Mutex::new(Default::default())),
+            faulted: AtomicBool::new(false),
+            fault: Mutex::new(None),
+        })
+    }
+
+    /// The GPU this backend runs on.
+    pub fn device(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    /// Counters of the VRAM expert cache.
+    pub fn expert_stats(&self) -> ExpertStats {
+        self.experts.lock().expect("expert cache lock").stats()
+    }
+
+    fn faulted(&self) -> bool {
+        self.faulted.load(Ordering::Relaxed)
+    }
+
+    /// Keeps the first device error; ops after it do nothing.
+    fn record(&self, op: &str, e: impl std::fmt::Display) {
+        let mut f = self.fault.lock().expect("fault lock");
+        if f.is_none() {
+            *f = Some(format!("{} {op}: {e}", self.info.short()));
+        }
+        self.faulted.store(true, Ordering::Relaxed);
+    }
+
+    fn ok<T>(&self, op: &str, r: Result<T, DriverError>) -> Option<T> {
+        r.map_err(|e| self.record(op, e)).ok()
+    }
+
+    fn launch(&self, mut args: LaunchArgs<'_>, cfg: LaunchConfig, op: &'static str) {
+        if cfg.grid_dim.0 == 0 || cfg.grid_dim.1 == 0 || cfg.grid_dim.2 == 0 {
+            return;
+        }
+        let t = self.profile.as_ref().map(|_| std::time::Instant::now());
+        // SAFETY: every caller pushes arguments matching its kernel's parameter list in
+        // kernels.cu (64-bit device pointers for pointers, i32 for int, f32 for float, `Jobs`
+        // by value), has checked on the host that the rows the kernel touches lie inside the
+        // buffers behind those pointers, and each kernel guards its thread indices against the
+        // extents it is given.
+        let r = unsafe { args.launch(cfg) };
+        self.ok(op, r);
+        if let (Some(p), Some(t)) = (&self.profile, t) {
+            let _ = self.stream.synchronize();
+            let mut p = p.lock().expect("profile lock");
+            let e = p.entry(op).or_insert((0, 0.0));
+            e.0 += 1;
+            e.1 += t.elapsed().as_secs_f64();
+        }
+    }
+
+    fn alloc_f32(&self, op: &str, len: usize) -> Option<CudaSlice<f32>> {
+        self.ok(op, self.stream.alloc_zeros::<f32>(len.max(1)))
+    }
+
+    /// Queues a copy of host values to the GPU (see [`Staging`]) and returns their device
+    /// address, valid for the kernels queued next.
+    fn stage<T: DeviceRepr>(&self, op: &str, values: &[T]) -> Option<u64> {
+        // SAFETY: `values` is a slice of plain data (DeviceRepr types: f32, i32); viewing its
+        // memory as bytes reads exactly its own bytes.
+        let raw = unsafe { std::slice::from_raw_parts(values.as_ptr() as *const u8, std::mem::size_of_val(values)) };
+        let r = self.staging.lock().expect("staging lock").stage(&self.stream, raw);
+        self.ok(op, r)
+    }
+
+    /// Runs products, one launch per format and kind (mat-vec or tiled) and per
+    /// [`MAX_JOBS`]: `jobs` pairs each job's format with its table entry.
+    fn products(&self, jobs: &[(Format, Job)], x: u64, xs: usize, out: u64, os: usize) {
+        let mut order: Vec<usize> = (0..jobs.len()).collect();
+        order.sort_by_key(|&i| (jobs[i].0, jobs[i].1.n as usize > MV_TOKENS));
+        let key = |i: usize| (jobs[i].0, jobs[i].1.n as usize > MV_TOKENS);
+        let mut start = 0;
+        while start < order.len() {
+            let k0 = key(order[start]);
+            let mut end = start;
+            while end < order.len() && end - start < MAX_JOBS && key(order[end]) == k0 {
+                end += 1;
+            }
+            let mut table = Jobs { count: (end - start) as i32, pad: 0, job: [Job::default(); MAX_JOBS] };
+            for (slot, &i) in order[start..end].iter().enumerate() {
+                table.job[slot] = jobs[i].1;
+            }
+            let batch = &table.job[..end - start];
+            let max_rows = batch.iter().map(|j| j.rows as usize).max().unwrap_or(0);
+            let max_n = batch.iter().map(|j| j.n as usize).max().unwrap_or(0);
+            let fk = self.k.format(k0.0);
+            let (xs_i, os_i) = (xs as i32, os as i32);
+            let (func, cfg) = if k0.1 {
+                let grid = (max_rows.div_ceil(64) as u32, max_n.div_ceil(32) as u32, (end - start) as u32);
+                if self.tensor_cores {
+                    let grid = (grid.0, max_n.div_ceil(64) as u32, grid.2);
+                    (&fk.mmt, LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: 0 })
+                } else {
+                    (&fk.mm, LaunchConfig { grid_dim: grid, block_dim: (256, 1, 1), shared_mem_bytes: 0 })
+                }
+            } else {
+                let grid = (max_rows.div_ceil(8) as u32, (end - start) as u32, 1);
+                (&fk.mv, LaunchConfig { grid_dim: grid, block_dim: (256, 1, 1), shared_mem_bytes: 0 })
+            };
+            let mut a = self.stream.launch_builder(func);
+            a.arg(&table).arg(&x).arg(&xs_i).arg(&out).arg(&os_i);
+            let op = match (k0.1, self.tensor_cores) {
+                (false, _) => "products, mat-vec",
+                (true, true) => "products, tensor cores",
+                (true, false) => "products, tiled",
+            };
+            self.launch(a, cfg, op);
+            start = end;
+        }
+    }
+
+    fn job(w: u64, row_bytes: usize, rows: usize, cols: usize, x_row: usize, n: usize, out_row: usize, out_col: usize) -> Job {
+        Job {
+            w,
+            row_bytes: row_bytes as u64,
+            rows: rows as i32,
+            cols: cols as i32,
+            x_row: x_row as i32,
+            n: n as i32,
+            out_row: out_row as i32,
+            out_col: out_col as i32,
+        }
+    }
+
+    fn kv_grow(&self, l: &mut KvLayer, positions: usize) {
+        if positions <= l.cap {
+            return;
+        }
+        let (kw, vw) = (l.k_width(), l.v_width());
+        let cap = positions;
+        let Some(mut k) = self.alloc_f32("kv cache", cap * kw) else { return };
+        let mut v = None;
+        if vw > 0 {
+            let Some(nv) = self.alloc_f32("kv cache", cap * vw) else { return };
+            v = Some(nv);
+        }
+        if l.len > 0 {
+            if let Some(old) = &l.k {
+                let r = self.stream.memcpy_dtod(&old.slice(..l.len * kw), &mut k.slice_mut(..l.len * kw));
+                self.ok("kv cache", r);
+            }
+            if let (Some(old), Some(nv)) = (&l.v, v.as_mut()) {
+                let r = self.stream.memcpy_dtod(&old.slice(..l.len * vw), &mut nv.slice_mut(..l.len * vw));
+                self.ok("kv cache", r);
+            }
+        }
+        l.k = Some(k);
+        l.v = v;
+        l.cap = cap;
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn copy_rows(&self, src: u64, ss: usize, so: usize, dst: u64, ds: usize, dof: usize, width: usize, n: usize) {
+        let (ss, so, ds, dof, w, n_i) = (ss as i32, so as i32, ds as i32, dof as i32, width as i32, n as i32);
+        let mut a = self.stream.launch_builder(&self.k.copy_strided);
+        a.arg(&src).arg(&ss).arg(&so).arg(&dst).arg(&ds).arg(&dof).arg(&w).arg(&n_i);
+        self.launch(a, cfg_elems(n * width), "copy_strided");
+    }
+
+    fn move_rows(&self, src: &CudaBuf, dst: &mut CudaBuf, dim: usize, rows: &[usize], scatter: bool) {
+        if rows.is_empty() {
+            return;
+        }
+        let idx: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
+        let Some(ip) = self.stage("move rows", &idx) else { return };
+        let (s, d) = (dptr(&src.data, &self.stream), dptr(&dst.data, &self.stream));
+        let (dim_i, count, sc) = (dim as i32, rows.len() as i32, scatter as i32);
+        let mut a = self.stream.launch_builder(&self.k.move_rows);
+        a.arg(&s).arg(&d).arg(&dim_i).arg(&ip).arg(&count).arg(&sc);
+        self.launch(a, cfg_elems(rows.len() * dim), "move rows");
+    }
+}
+
+impl Backend for CudaBackend {
+    type Buf = CudaBuf;
+    type Matrix = CudaMatrix;
+    type Vector = CudaVector;
+    type KvCache = CudaKvCache;
+
+    fn describe(&self) -> String {
+        let mut d = format!("{}{}", self.info, if self.tensor_cores { ", prefill on tensor cores (3xTF32)" } else { "" });
+        let e = self.expert_stats();
+        if e.hits + e.misses > 0 {
+            d.push_str(&format!("; {e}"));
+        }
+        d
+    }
+
+    fn fault(&self) -> Option<String> {
+        if self.faulted() {
+            self.fault.lock().expect("fault lock").clone()
+        } else {
+            None
+        }
+    }
+
+    fn matrix(&self, region: &Arc<Vec<u8>>, offset: usize, format: Format, rows: usize, cols: usize) -> CudaMatrix {
+        let row_bytes = format.row_bytes(cols).expect("validated by the vault reader");
+        let bytes = &region[offset..offset + rows * row_bytes];
+        let data = if self.faulted() {
+            None
+        } else {
+            let r = self.stream.clone_htod(if bytes.is_empty() { &[0u8][..] } else { bytes });
+            self.ok("loading weights", r)
+        };
+        let data = data.unwrap_or_else(|| self.stream.null().expect("an empty device slice"));
+        CudaMatrix { data, format, rows, cols, row_bytes }
+    }
+    fn vector(&self, v: &[f32]) -> CudaVector {
+        let data = if self.faulted() {
+            None
+        } else {
+            self.ok("loading weights", self.stream.clone_htod(if v.is_empty() { &[0f32][..] } else { v }))
+        };
+        CudaVector { data: data.unwrap_or_else(|| self.stream.null().expect("an empty device slice")), len: v.len() }
+    }
+    fn buf(&self, name: &'static str, len: usize) -> CudaBuf {
+        let data = if self.faulted() { None } else { self.alloc_f32(name, len) };
+        let mut data = data.unwrap_or_else(|| self.stream.null().expect("an empty device slice"));
+        if data.len() > len {
+            // `alloc_f32` rounds an empty buffer up to one float; the buffer's length is the
+            // caller's.
+            data = self.stream.null().expect("an empty device slice");
+        }
+        CudaBuf { name, data }
+    }
+    fn kv_cache(&self, layers: &[KvShape]) -> CudaKvCache {
+        CudaKvCache { layers: layers.iter().map(|&shape| KvLayer { shape, k: None, v: None, cap: 0, len: 0 }).collect() }
+    }
+    fn kv_reserve(&self, cache: &mut CudaKvCache, positions: usize) {
+        for l in &mut cache.layers {
+            self.kv_grow(l, positions);
+        }
+    }
+    fn kv_capacity(&self, cache: &CudaKvCache) -> usize {
+        cache.layers.iter().map(|l| l.cap).min().unwrap_or(0)
+    }
+    fn kv_bytes(&self, cache: &CudaKvCache) -> usize {
+        cache.layers.iter().map(|l| l.len * (l.k_width() + l.v_width()) * 4).sum()
+    }
+
+    fn upload(&self, dst: &mut CudaBuf, src: &[f32]) {
+        if self.faulted() || src.is_empty() {
+            return;
+        }
+        check("upload", dst, 1, src.len());
+        let r = self.stream.memcpy_htod(src, &mut dst.data.slice_mut(..src.len()));
+        self.ok("upload", r);
+    }
+    fn download(&self, src: &CudaBuf, offset: usize, dst: &mut [f32]) {
+        if self.faulted() || dst.is_empty() {
+            dst.fill(0.0);
+            return;
+        }
+        check_rows("download", src, 0, 1, 0, offset, dst.len());
+        let r = self.stream.memcpy_dtoh(&src.data.slice(offset..offset + dst.len()), dst);
+        if self.ok("download", r).is_some() && self.ok("download", self.stream.synchronize()).is_some() {
+            self.staging.lock().expect("staging lock").synchronized();
+        }
+    }
+
+    fn embed(&self, table: &CudaMatrix, ids: &[u32], out: &mut CudaBuf) {
+        if self.faulted() || ids.is_empty() {
+            return;
+        }
+        check("embed", out, ids.len(), table.cols);
+        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= table.rows) {
+            panic!("embed: token {bad} outside a table of {} rows", table.rows);
+        }
+        let ids: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
+        let Some(ip) = self.stage("embed", &ids) else { return };
+        let (t, o) = (dptr(&table.data, &self.stream), dptr(&out.data, &self.stream));
+        let (rb, cols) = (table.row_bytes as u64, table.cols as i32);
+        let mut a = self.stream.launch_builder(&self.k.format(table.format).embed);
+        a.arg(&t).arg(&rb).arg(&cols).arg(&ip).arg(&o);
+        self.launch(a, LaunchConfig { grid_dim: (ids.len() as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 }, "embed");
+    }
+    fn matmul(&self, w: &CudaMatrix, rows: Option<(usize, usize)>, x: &CudaBuf, n: usize, out: &mut CudaBuf) {
+        if self.faulted() || n == 0 {
+            return;
+        }
+        let (r0, m) = rows.unwrap_or((0, w.rows));
+        assert!(r0 + m <= w.rows, "matmul: rows {r0}..{} of a {}-row matrix", r0 + m, w.rows);
+        check("matmul input", x, n, w.cols);
+        check("matmul", out, n, m);
+        let wp = dptr(&w.data, &self.stream) + (r0 * w.row_bytes) as u64;
+        let job = Self::job(wp, w.row_bytes, m, w.cols, 0, n, 0, 0);
+        self.products(&[(w.format, job)], dptr(&x.data, &self.stream), w.cols, dptr(&out.data, &self.stream), m);
+    }
+    fn matmul_many(&self, jobs: &[MatJob<'_, CudaMatrix>], x: &CudaBuf, x_stride: usize, out: &mut CudaBuf, out_stride: usize) {
+        if self.faulted() {
+            return;
+        }
+        let mut table = Vec::with_capacity(jobs.len());
+        let mut experts = self.experts.lock().expect("expert cache lock");
+        experts.begin_call();
+        for j in jobs {
+            if j.n == 0 {
+                continue;
+            }
+            let (fmt, wp, row_bytes, rows, cols) = match &j.w {
+                WeightRef::Resident(m, range) => {
+                    let (r0, rows) = range.unwrap_or((0, m.rows));
+                    assert!(r0 + rows <= m.rows, "matmul_many: rows {r0}..{} of a {}-row matrix", r0 + rows, m.rows);
+                    (m.format, dptr(&m.data, &self.stream) + (r0 * m.row_bytes) as u64, m.row_bytes, rows, m.cols)
+                }
+                WeightRef::Expert(q, handle) => {
+                    if q.layout != Layout::Rows {
+                        self.record("matmul_many", "an expert arrived interleaved; the CUDA backend reads rows as stored");
+                        return;
+                    }
+                    let row_bytes = q.format.row_bytes(q.cols).expect("a valid expert matrix");
+                    let ptr = match experts.device_copy(&self.stream, *handle, q.data) {
+                        Ok(p) => p,
+                        Err(e) => {
+                            self.record("expert upload", e);
+                            return;
+                        }
+                    };
+                    (q.format, ptr, row_bytes, q.rows, q.cols)
+                }
+            };
+            check_rows("matmul_many input", x, j.x_row, j.n, x_stride, 0, cols);
+            check_rows("matmul_many", out, j.out_row, j.n, out_stride, j.out_col, rows);
+            table.push((fmt, Self::job(wp, row_bytes, rows, cols, j.x_row, j.n, j.out_row, j.out_col)));
+        }
+        drop(experts);
+        self.products(&table, dptr(&x.data, &self.stream), x_stride, dptr(&out.data, &self.stream), out_stride);
+    }
+    fn matmul_t(&self, w: &CudaMatrix, r0: usize, m: usize, x: &CudaBuf, x_stride: usize, x_off: usize, n: usize, out: &mut CudaBuf) {
+        if self.faulted() || n == 0 {
+            return;
+        }
+        assert!(r0 + m <= w.rows, "matmul_t: rows {r0}..{} of a {}-row matrix", r0 + m, w.rows);
+        check_rows("matmul_t input", x, 0, n, x_stride, x_off, m);
+        check("matmul_t", out, n, w.cols);
+        let wp = dptr(&w.data, &self.stream) + (r0 * w.row_bytes) as u64;
+        let xp = dptr(&x.data, &self.stream) + (x_off * 4) as u64;
+        let op = dptr(&out.data, &self.stream);
+        let (rb, m_i, cols, xs, n_i) = (w.row_bytes as u64, m as i32, w.cols as i32, x_stride as i32, n as i32);
+        let mut a = self.stream.launch_builder(&self.k.format(w.format).mt);
+        a.arg(&wp).arg(&rb).arg(&m_i).arg(&cols).arg(&xp).arg(&xs).arg(&n_i).arg(&op);
+        let threads = n * w.cols.div_ceil(32);
+        let cfg = LaunchConfig { grid_dim: (threads.div_ceil(64) as u32, 1, 1), block_dim: (64, 1, 1), shared_mem_bytes: 0 };
+        self.launch(a, cfg, "matmul_t");
+    }
+
+    fn rms_norm(&self, x: &CudaBuf, n: usize, dim: usize, w: &CudaVector, eps: f32, out: &mut CudaBuf) {
+        if self.faulted() || n == 0 {
+            return;
+        }
+        check("rms_norm input", x, n, dim);
+        check("rms_norm", out, n, dim);
+        assert!(w.len >= dim, "rms_norm: {} weights for rows of {dim}", w.len);
+        let (xp, wp, op) = (dptr(&x.data, &self.stream), dptr(&w.data, &self.stream), dptr(&out.data, &self.stream));
+        let (d, zero) = (dim as i32, 0i32);
+        let mut a = self.stream.launch_builder(&self.k.rms_norm);
+        a.arg(&xp).arg(&d).arg(&zero).arg(&wp).arg(&op).arg(&d).arg(&zero).arg(&d).arg(&eps);
+        self.launch(a, LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }, "rms_norm");
+    }
+    fn rms_norm_strided(&self, x: &mut CudaBuf, n: usize, stride: usize, off: usize, dim: usize, w: &CudaVector, eps: f32) {
+        if self.faulted() || n == 0 {
+            return;
+        }
+        check_rows("rms_norm_strided", x, 0, n, stride, off, dim);
+        assert!(w.len >= dim, "rms_norm_strided: {} weights for rows of {dim}", w.len);
+        let (xp, wp) = (dptr(&x.data, &self.stream), dptr(&w.data, &self.stream));
+        let (s, o, d) = (stride as i32, off as i32, dim as i32);
+        let mut a = self.stream.launch_builder(&self.k.rms_norm);
+        a.arg(&xp).arg(&s).arg(&o).arg(&wp).arg(&xp).arg(&s).arg(&o).arg(&d).arg(&eps);
+        self.launch(a, LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }, "rms_norm_strided");
+    }
+    fn add_bias(&self, x: &mut CudaBuf, n: usize, stride: usize, off: usize, b: &CudaVector) {
+        if self.faulted() || n == 0 || b.len == 0 {
+            return;
+        }
+        check_rows("add_bias", x, 0, n, stride, off, b.len);
+        let (xp, bp) = (dptr(&x.data, &self.stream), dptr(&b.data, &self.stream));
+        let (n_i, s, o, l) = (n as i32, stride as i32, off as i32, b.len as i32);
+        let mut a = self.stream.launch_builder(&self.k.add_bias);
+        a.arg(&xp).arg(&n_i).arg(&s).arg(&o).arg(&bp).arg(&l);
+        self.launch(a, cfg_elems(n * b.len), "add_bias");
+    }
+    fn add(&self, x: &mut CudaBuf, y: &CudaBuf, len: usize) {
+        if self.faulted() || len == 0 {
+            return;
+        }
+        check("add", x, 1, len);
+        check("add input", y, 1, len);
+        let (xp, yp, l) = (dptr(&x.data, &self.stream), dptr(&y.data, &self.stream), len as i32);
+        let mut a = self.stream.launch_builder(&self.k.add);
+        a.arg(&xp).arg(&yp).arg(&l);
+        self.launch(a, cfg_elems(len), "add");
+    }
+    fn silu_mul(&self, g: &mut CudaBuf, u: &CudaBuf, len: usize) {
+        if self.faulted() || len == 0 {
+            return;
+        }
+        check("silu_mul", g, 1, len);
+        check("silu_mul input", u, 1, len);
+        let (gp, up, l) = (dptr(&g.data, &self.stream), dptr(&u.data, &self.stream), len as i32);
+        let mut a = self.stream.launch_builder(&self.k.silu_mul);
+        a.arg(&gp).arg(&up).arg(&l);
+        self.launch(a, cfg_elems(len), "silu_mul");
+    }
+    fn silu_mul_halves(&self, x: &mut CudaBuf, row0: usize, n: usize, stride: usize, w: usize) {
+        if self.faulted() || n == 0 || w == 0 {
+            return;
+        }
+        check_rows("silu_mul_halves", x, row0, n, stride, 0, 2 * w);
+        let xp = dptr(&x.data, &self.stream);
+        let (r, n_i, s, w_i) = (row0 as i32, n as i32, stride as i32, w as i32);
+        let mut a = self.stream.launch_builder(&self.k.silu_mul_halves);
+        a.arg(&xp).arg(&r).arg(&n_i).arg(&s).arg(&w_i);
+        self.launch(a, cfg_elems(n * w), "silu_mul_halves");
+    }
+    fn rope(
+        &self,
+        x: &mut CudaBuf,
+        n: usize,
+        stride: usize,
+        off: usize,
+        heads: usize,
+        head_stride: usize,
+        cos: &[f32],
+        sin: &[f32],
+        interleaved: bool,
+    ) {
+        if self.faulted() || n == 0 || heads == 0 {
+            return;
+        }
+        let half = cos.len() / n;
+        check_rows("rope", x, 0, n, stride, off, (heads - 1) * head_stride + 2 * half);
+        let mut cs = Vec::with_capacity(2 * n * half);
+        cs.extend_from_slice(&cos[..n * half]);
+        cs.extend_from_slice(&sin[..n * half]);
+        let Some(cp) = self.stage("rope", &cs) else { return };
+        let xp = dptr(&x.data, &self.stream);
+        let (n_i, s, o, h, hs, hf, il) =
+            (n as i32, stride as i32, off as i32, heads as i32, head_stride as i32, half as i32, interleaved as i32);
+        let mut a = self.stream.launch_builder(&self.k.rope);
+        a.arg(&xp).arg(&n_i).arg(&s).arg(&o).arg(&h).arg(&hs).arg(&cp).arg(&hf).arg(&il);
+        self.launch(a, cfg_elems(n * heads * half), "rope");
+    }
+    fn copy_strided(
+        &self,
+        src: &CudaBuf,
+        src_stride: usize,
+        src_off: usize,
+        dst: &mut CudaBuf,
+        dst_stride: usize,
+        dst_off: usize,
+        width: usize,
+        n: usize,
+    ) {
+        if self.faulted() || n == 0 || width == 0 {
+            return;
+        }
+        check_rows("copy_strided input", src, 0, n, src_stride, src_off, width);
+        check_rows("copy_strided", dst, 0, n, dst_stride, dst_off, width);
+        let (s, d) = (dptr(&src.data, &self.stream), dptr(&dst.data, &self.stream));
+        self.copy_rows(s, src_stride, src_off, d, dst_stride, dst_off, width, n);
+    }
+    fn gather_rows(&self, src: &CudaBuf, dim: usize, rows: &[usize], dst: &mut CudaBuf) {
+        if self.faulted() {
+            return;
+        }
+        check("gather_rows", dst, rows.len(), dim);
+        if let Some(&last) = rows.iter().max() {
+            check("gather_rows input", src, last + 1, dim);
+        }
+        self.move_rows(src, dst, dim, rows, false);
+    }
+    fn scatter_rows(&self, src: &CudaBuf, dim: usize, rows: &[usize], dst: &mut CudaBuf) {
+        if self.faulted() {
+            return;
+        }
+        check("scatter_rows input", src, rows.len(), dim);
+        if let Some(&last) = rows.iter().max() {
+            check("scatter_rows", dst, last + 1, dim);
+        }
+        self.move_rows(src, dst, dim, rows, true);
+    }
+    fn add_weighted_slots(&self, src: &CudaBuf, dim: usize, n: usize, k: usize, weights: &[f32], out: &mut CudaBuf) {
+        if self.faulted() || n == 0 {
+            return;
+        }
+        check("add_weighted_slots input", src, n * k, dim);
+        check("add_weighted_slots", out, n, dim);
+        assert!(weights.len() >= n * k, "add_weighted_slots: {} weights for {n} tokens of {k}", weights.len());
+        let Some(wp) = self.stage("add_weighted_slots", &weights[..n * k]) else { return };
+        let (s, o) = (dptr(&src.data, &self.stream), dptr(&out.data, &self.stream));
+        let (d, n_i, k_i) = (dim as i32, n as i32, k as i32);
+        let mut a = self.stream.launch_builder(&self.k.add_weighted_slots);
+        a.arg(&s).arg(&d).arg(&n_i).arg(&k_i).arg(&wp).arg(&o);
+        self.launch(a, cfg_elems(n * dim), "add_weighted_slots");
+    }
+    fn scale_rows(&self, x: &mut CudaBuf, dim: usize, s: &[f32]) {
+        if self.faulted() || s.is_empty() {
+            return;
+        }
+        check("scale_rows", x, s.len(), dim);
+        let Some(sp) = self.stage("scale_rows", s) else { return };
+        let xp = dptr(&x.data, &self.stream);
+        let (d, n) = (dim as i32, s.len() as i32);
+        let mut a = self.stream.launch_builder(&self.k.scale_rows);
+        a.arg(&xp).arg(&d).arg(&sp).arg(&n);
+        self.launch(a, cfg_elems(s.len() * dim), "scale_rows");
+    }
+
+    fn kv_store(
+        &self,
+        cache: &mut CudaKvCache,
+        layer: usize,
+        pos0: usize,
+        n: usize,
+        k: &CudaBuf,
+        k_stride: usize,
+        k_off: usize,
+        v: Option<(&CudaBuf, usize, usize)>,
+    ) {
+        if self.faulted() {
+            return;
+        }
+        let l = &mut cache.layers[layer];
+        let (kw, vw) = (l.k_width(), l.shape.heads * l.shape.v_dim);
+        check_rows("kv_store keys", k, 0, n, k_stride, k_off, kw);
+        if let Some((v, v_stride, v_off)) = v {
+            check_rows("kv_store values", v, 0, n, v_stride, v_off, vw);
+        }
+        if pos0 + n > l.cap {
+            // Doubling keeps an unreserved cache's copies amortised.
+            let want = (pos0 + n).max(2 * l.cap);
+            self.kv_grow(l, want);
+            if self.faulted() {
+                return;
+            }
+        }
+        l.len = pos0 + n;
+        if n == 0 {
+            return;
+        }
+        let kp = dptr(l.k.as_ref().expect("allocated by kv_grow"), &self.stream);
+        self.copy_rows(dptr(&k.data, &self.stream), k_stride, k_off, kp + (pos0 * kw * 4) as u64, kw, 0, kw, n);
+        if let (Some((v, v_stride, v_off)), Some(vc)) = (v, l.v.as_ref()) {
+            let vp = dptr(vc, &self.stream);
+            self.copy_rows(dptr(&v.data, &self.stream), v_stride, v_off, vp + (pos0 * vw * 4) as u64, vw, 0, vw, n);
+        }
+    }
+    fn attention(
+        &self,
+        cache: &CudaKvCache,
+        layer: usize,
+        q: &CudaBuf,
+        q_stride: usize,
+        n: usize,
+        pos0: usize,
+        p: AttnParams,
+        out: &mut CudaBuf,
+    ) {
+        if self.faulted() || n == 0 {
+            return;
+        }
+        let l = &cache.layers[layer];
+        let s = l.shape;
+        check_rows("attention queries", q, 0, n, q_stride, 0, p.q_heads * s.k_dim);
+        check("attention", out, n, p.q_heads * s.v_dim);
+        assert!(pos0 + n <= l.len, "attention: positions up to {} but {} cached", pos0 + n, l.len);
+        let kc = l.k.as_ref().expect("keys stored before attention");
+        let kp = dptr(kc, &self.stream);
+        let (vp, v_row, v_head) = if s.values_in_keys {
+            (kp, l.k_width(), s.k_dim)
+        } else {
+            (dptr(l.v.as_ref().expect("values stored before attention"), &self.stream), l.v_width(), s.v_dim)
+        };
+        let (qp, op) = (dptr(&q.data, &self.stream), dptr(&out.data, &self.stream));
+        let (heads, kd, vd, vr, vh) = (s.heads as i32, s.k_dim as i32, s.v_dim as i32, v_row as i32, v_head as i32);
+        let (qs, qh, p0) = (q_stride as i32, p.q_heads as i32, pos0 as i32);
+        let threads = 128u32;
+        let shared = ((s.k_dim + threads as usize + s.v_dim) * 4) as u32;
+        let mut a = self.stream.launch_builder(&self.k.attention);
+        a.arg(&kp).arg(&vp).arg(&heads).arg(&kd).arg(&vd).arg(&vr).arg(&vh).arg(&qp).arg(&qs).arg(&qh).arg(&p0).arg(&p.scale).arg(&op);
+        let cfg = LaunchConfig { grid_dim: ((n * p.q_heads) as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: shared };
+        self.launch(a, cfg, "attention");
+    }
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        // Frees are stream-ordered: let them finish before the context may go.
+        let _ = self.stream.synchronize();
+        if let Some(p) = &self.profile {
+            let mut rows: Vec<_> = p.lock().map(|p| p.iter().map(|(k, v)| (*k, *v)).collect()).unwrap_or_default();
+            rows.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
+            eprintln!("cuda profile ({}): kernel, launches, seconds, microseconds each", self.info.short());
+            for (op, (n, secs)) in rows {
+                eprintln!("  {op:<24} {n:>9} {secs:>9.3} {:>9.1}", secs * 1e6 / n.max(1) as f64);
+            }
+        }
+        let _ = &self.ctx;
+    }
+}

@@ -1,0 +1,647 @@
+// The CUDA backend's kernels, compiled at run time by NVRTC for the device's architecture.
+//
+// Weights stay in ggml's block formats in VRAM (the bytes of the vault or GGUF, unchanged):
+// every product decodes 32 values at a time with `group<F>` (one block of a simple format, a
+// sub-block of a K-quant's 256) and multiplies in f32. Format numbers are smoe_quant::Format's.
+// Pointers arrive as 64-bit integers from Rust; every kernel bounds its own indices.
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ float f16(const u8* p) {
+    u16 h = (u16)p[0] | ((u16)p[1] << 8);
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ float bf16(const u8* p) {
+    return __uint_as_float(((u32)p[0] | ((u32)p[1] << 8)) << 16);
+}
+
+// Q4_K / Q5_K: 6-bit scale and minimum of sub-block j from the 12 packed bytes.
+__device__ __forceinline__ void scale_min_k4(int j, const u8* q, float* sc, float* mn) {
+    if (j < 4) {
+        *sc = (float)(q[j] & 63);
+        *mn = (float)(q[j + 4] & 63);
+    } else {
+        *sc = (float)((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
+        *mn = (float)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+    }
+}
+
+// Q3_K: signed 6-bit scale s (of 16) from the 12 packed bytes.
+__device__ __forceinline__ float scale_q3_k(int s, const u8* sc) {
+    int lo = s < 8 ? (sc[s] & 0xF) : (sc[s - 8] >> 4);
+    int hi = (sc[8 + (s & 3)] >> (2 * (s >> 2))) & 3;
+    return (float)((lo | (hi << 4)) - 32);
+}
+
+// Whether rows of format F may end inside a group of 32 (only the float formats).
+#define PARTIAL(F) ((F) == 0 || (F) == 1 || (F) == 30)
+
+// Values 32g .. 32g + 32 of a row of `cols` in format F into y (zeros past the row's end, which
+// only the float formats can have).
+template <int F>
+__device__ __forceinline__ void group(const u8* row, int g, int cols, float* y) {
+    if (PARTIAL(F)) {
+        int lim = min(32, cols - 32 * g);
+#pragma unroll
+        for (int i = 0; i < 32; i++) {
+            int c = 32 * g + i;
+            if (i < lim) {
+                if (F == 0) y[i] = ((const float*)row)[c];
+                else if (F == 1) y[i] = f16(row + 2 * c);
+                else y[i] = bf16(row + 2 * c);
+            } else {
+                y[i] = 0.0f;
+            }
+        }
+    } else if (F == 2) {  // Q4_0
+        const u8* b = row + (size_t)g * 18;
+        float d = f16(b);
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            y[i] = (float)((b[2 + i] & 0xF) - 8) * d;
+            y[i + 16] = (float)((b[2 + i] >> 4) - 8) * d;
+        }
+    } else if (F == 3) {  // Q4_1
+        const u8* b = row + (size_t)g * 20;
+        float d = f16(b), m = f16(b + 2);
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            y[i] = (float)(b[4 + i] & 0xF) * d + m;
+            y[i + 16] = (float)(b[4 + i] >> 4) * d + m;
+        }
+    } else if (F == 6 || F == 7) {  // Q5_0, Q5_1
+        const u8* b = row + (size_t)g * (F == 6 ? 22 : 24);
+        float d = f16(b), m = F == 7 ? f16(b + 2) : 0.0f;
+        const u8* h = b + (F == 6 ? 2 : 4);
+        u32 qh = (u32)h[0] | ((u32)h[1] << 8) | ((u32)h[2] << 16) | ((u32)h[3] << 24);
+        const u8* qs = h + 4;
+        int off = F == 6 ? 16 : 0;
+#pragma unroll
+        for (int j = 0; j < 16; j++) {
+            int x0 = (qs[j] & 0xF) | (((qh >> j) << 4) & 0x10);
+            int x1 = (qs[j] >> 4) | ((qh >> (j + 12)) & 0x10);
+            y[j] = (float)(x0 - off) * d + m;
+            y[j + 16] = (float)(x1 - off) * d + m;
+        }
+    } else if (F == 8) {  // Q8_0
+        const u8* b = row + (size_t)g * 34;
+        float d = f16(b);
+#pragma unroll
+        for (int i = 0; i < 32; i++) y[i] = (float)(signed char)b[2 + i] * d;
+    } else if (F == 10) {  // Q2_K: 16 scale bytes, 64 quant bytes, d, dmin
+        int sub = g & 7;
+        const u8* b = row + (size_t)(g >> 3) * 84;
+        float d = f16(b + 80), dmin = f16(b + 82);
+        const u8* q = b + 16 + 32 * (sub >> 2);
+        int shift = 2 * (sub & 3);
+        u8 s0 = b[2 * sub], s1 = b[2 * sub + 1];
+        float d0 = d * (float)(s0 & 0xF), m0 = dmin * (float)(s0 >> 4);
+        float d1 = d * (float)(s1 & 0xF), m1 = dmin * (float)(s1 >> 4);
+#pragma unroll
+        for (int l = 0; l < 16; l++) {
+            y[l] = d0 * (float)((q[l] >> shift) & 3) - m0;
+            y[l + 16] = d1 * (float)((q[l + 16] >> shift) & 3) - m1;
+        }
+    } else if (F == 11) {  // Q3_K: 32 hmask bytes, 64 quant bytes, 12 scale bytes, d
+        int sub = g & 7;
+        const u8* b = row + (size_t)(g >> 3) * 110;
+        const u8* hm = b;
+        const u8* q = b + 32 + 32 * (sub >> 2);
+        float d = f16(b + 108);
+        int shift = 2 * (sub & 3);
+        u8 m = (u8)(1 << sub);
+        float d0 = d * scale_q3_k(2 * sub, b + 96), d1 = d * scale_q3_k(2 * sub + 1, b + 96);
+#pragma unroll
+        for (int l = 0; l < 16; l++) {
+            y[l] = d0 * (float)(((q[l] >> shift) & 3) - ((hm[l] & m) ? 0 : 4));
+            y[l + 16] = d1 * (float)(((q[l + 16] >> shift) & 3) - ((hm[l + 16] & m) ? 0 : 4));
+        }
+    } else if (F == 12 || F == 13) {  // Q4_K, Q5_K: d, dmin, 12 scale bytes, [32 high bits,] quants
+        int sub = g & 7;
+        const u8* b = row + (size_t)(g >> 3) * (F == 12 ? 144 : 176);
+        float d = f16(b), dmin = f16(b + 2), sc, mn;
+        scale_min_k4(sub, b + 4, &sc, &mn);
+        float dl = d * sc, ml = dmin * mn;
+        const u8* q = b + (F == 12 ? 16 : 48) + 32 * (sub >> 1);
+        const u8* qh = b + 16;
+        int hi = sub & 1;
+#pragma unroll
+        for (int l = 0; l < 32; l++) {
+            int v = hi ? (q[l] >> 4) : (q[l] & 0xF);
+            if (F == 13) v += (qh[l] >> sub) & 1 ? 16 : 0;
+            y[l] = dl * (float)v - ml;
+        }
+    } else if (F == 14) {  // Q6_K: 128 low-nibble bytes, 64 high-bit bytes, 16 scales, d
+        int sub = g & 7, n = sub >> 2, k = sub & 3;
+        const u8* b = row + (size_t)(g >> 3) * 210;
+        float d = f16(b + 208);
+        const u8* ql = b + 64 * n + (k & 1) * 32;
+        const u8* qh = b + 128 + 32 * n;
+        const signed char* sc = (const signed char*)(b + 192 + 8 * n + 2 * k);
+        float d0 = d * (float)sc[0], d1 = d * (float)sc[1];
+#pragma unroll
+        for (int l = 0; l < 32; l++) {
+            int lo = k >= 2 ? (ql[l] >> 4) : (ql[l] & 0xF);
+            int q = (lo | (((qh[l] >> (2 * k)) & 3) << 4)) - 32;
+            y[l] = (l < 16 ? d0 : d1) * (float)q;
+        }
+    }
+}
+
+// One product of a batch: rows of w (row_bytes apart) times input rows x_row.. into output rows
+// out_row.. at column out_col.
+struct Job {
+    u64 w;
+    u64 row_bytes;
+    int rows, cols, x_row, n, out_row, out_col;
+};
+
+// Passed by value as a kernel parameter (at most 4 KiB of them): no copy before a launch.
+#define MAX_JOBS 48
+struct Jobs {
+    int count;
+    int pad;
+    Job job[MAX_JOBS];
+};
+
+// Bytes of 32 consecutive groups (1024 values) of format F: the span a warp stages at once.
+template <int F>
+__device__ __forceinline__ int span32() {
+    switch (F) {
+        case 0: return 4096;
+        case 1: case 30: return 2048;
+        case 2: return 32 * 18;
+        case 3: return 32 * 20;
+        case 6: return 32 * 22;
+        case 7: return 32 * 24;
+        case 8: return 32 * 34;
+        case 10: return 4 * 84;
+        case 11: return 4 * 110;
+        case 12: return 4 * 144;
+        case 13: return 4 * 176;
+        default: return 4 * 210;  // 14: Q6_K
+    }
+}
+
+// Few tokens (decode): one warp per weight row. The warp copies 32 groups of the row at a time
+// into shared memory with wide, coalesced loads (blocks are only 2-byte aligned, and a lane
+// reading its own block byte by byte left the H200 at a fraction of its bandwidth), then each
+// lane decodes one group from there and multiplies it with up to eight tokens; grid (row
+// blocks of 8, jobs).
+#define MV_TOKENS 8
+template <int F>
+__device__ void mv(const Jobs& js, const float* x, int xs, float* out, int os) {
+    __shared__ __align__(16) u8 stage[8][4096];
+    const Job& j = js.job[blockIdx.y];
+    int r = blockIdx.x * 8 + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (r >= j.rows) return;
+    u8* sm = stage[threadIdx.x / 32];
+    const u8* row = (const u8*)j.w + (size_t)r * j.row_bytes;
+    const float* xr = x + (size_t)j.x_row * xs;
+    float acc[MV_TOKENS];
+#pragma unroll
+    for (int t = 0; t < MV_TOKENS; t++) acc[t] = 0.0f;
+    int groups = (j.cols + 31) / 32;
+    const int span = span32<F>();
+    float y[32];
+    for (int g0 = 0; g0 < groups; g0 += 32) {
+        const u8* src = row + (size_t)(g0 / 32) * span;
+        int bytes = min(span, (int)(j.row_bytes - (size_t)(g0 / 32) * span));
+        if ((((size_t)src | bytes) & 15) == 0) {
+            for (int i = lane; i < bytes / 16; i += 32) ((uint4*)sm)[i] = ((const uint4*)src)[i];
+        } else if ((((size_t)src | bytes) & 3) == 0) {
+            for (int i = lane; i < bytes / 4; i += 32) ((u32*)sm)[i] = ((const u32*)src)[i];
+        } else {
+            for (int i = lane; i < bytes / 2; i += 32) ((u16*)sm)[i] = ((const u16*)src)[i];
+        }
+        __syncwarp();
+        int g = g0 + lane;
+        if (g < groups) {
+            group<F>(sm, lane, j.cols - 32 * g0, y);
+            int lim = min(32, j.cols - 32 * g);
+#pragma unroll
+            for (int t = 0; t < MV_TOKENS; t++) {
+                if (t < j.n) {
+                    const float* xv = xr + (size_t)t * xs + 32 * g;
+                    float s = 0.0f;
+                    if (!PARTIAL(F) && ((size_t)xv & 15) == 0) {
+                        // Aligned input rows (every row of a stride that is a multiple of 4): 16-byte loads.
+#pragma unroll
+                        for (int i = 0; i < 32; i += 4) {
+                            float4 v = *(const float4*)(xv + i);
+                            s += y[i] * v.x + y[i + 1] * v.y + y[i + 2] * v.z + y[i + 3] * v.w;
+                        }
+                    } else {
+#pragma unroll
+                        for (int i = 0; i < 32; i++)
+                            if (!PARTIAL(F) || i < lim) s += y[i] * xv[i];
+                    }
+                    acc[t] += s;
+                }
+            }
+        }
+        __syncwarp();
+    }
+#pragma unroll
+    for (int t = 0; t < MV_TOKENS; t++) {
+        float a = acc[t];
+        for (int o = 16; o > 0; o >>= 1) a += __shfl_down_sync(0xffffffff, a, o);
+        if (lane == 0 && t < j.n) out[(size_t)(j.out_row + t) * os + j.out_col + r] = a;
+    }
+}
+
+// Many tokens (prefill): tiles of 64 weight rows by 32 tokens, 256 threads; 64 threads decode a
+// group of each row into shared memory, all multiply; grid (row tiles, token tiles, jobs).
+template <int F>
+__device__ void mm(const Jobs& js, const float* x, int xs, float* out, int os) {
+    __shared__ float ws[64][33];
+    __shared__ float xt[32][33];
+    const Job& j = js.job[blockIdx.z];
+    int r0 = blockIdx.x * 64, t0 = blockIdx.y * 32;
+    if (r0 >= j.rows || t0 >= j.n) return;
+    int tid = threadIdx.x, tr = tid % 64, tq = tid / 64;
+    float acc[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) acc[i] = 0.0f;
+    int groups = (j.cols + 31) / 32;
+    const float* xr = x + (size_t)(j.x_row + t0) * xs;
+    for (int g = 0; g < groups; g++) {
+        if (tid < 64) {
+            float y[32];
+            if (r0 + tid < j.rows) group<F>((const u8*)j.w + (size_t)(r0 + tid) * j.row_bytes, g, j.cols, y);
+            else {
+#pragma unroll
+                for (int i = 0; i < 32; i++) y[i] = 0.0f;
+            }
+#pragma unroll
+            for (int i = 0; i < 32; i++) ws[tid][i] = y[i];
+        }
+        for (int e = tid; e < 32 * 32; e += 256) {
+            int t = e / 32, c = e % 32, col = 32 * g + c;
+            xt[t][c] = (t0 + t < j.n && col < j.cols) ? xr[(size_t)t * xs + col] : 0.0f;
+        }
+        __syncthreads();
+#pragma unroll 8
+        for (int k = 0; k < 32; k++) {
+            float w = ws[tr][k];
+#pragma unroll
+            for (int i = 0; i < 8; i++) acc[i] += w * xt[tq * 8 + i][k];
+        }
+        __syncthreads();
+    }
+    int r = r0 + tr;
+    if (r < j.rows) {
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            int t = t0 + tq * 8 + i;
+            if (t < j.n) out[(size_t)(j.out_row + t) * os + j.out_col + r] = acc[i];
+        }
+    }
+}
+
+#if __CUDA_ARCH__ >= 800
+// f32 as a tf32 value (the top 19 bits, rounded) and the tf32 value of what it leaves out.
+__device__ __forceinline__ void split_tf32(float v, u32* big, u32* small) {
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(*big) : "f"(v));
+    float rest = v - __uint_as_float(*big);
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(*small) : "f"(rest));
+}
+
+__device__ __forceinline__ void mma_tf32(float* d, const u32* a, const u32* b) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+#endif
+
+// Many tokens on tensor cores (compute 8.0 and later): tiles of 64 weight rows by 64 tokens
+// (each decoded weight group serves twice the tokens of `mm`'s tile), 128 threads, 64 input
+// values per step, each warp 16 rows by 64 tokens as eight m16n8k8 TF32 products. Each f32 operand is split into a TF32 value and its TF32 remainder and
+// three products are summed (big·big + big·small + small·big), which keeps f32 accuracy
+// ("3xTF32") at a third of the tensor cores' TF32 rate.
+template <int F>
+__device__ void mm_tc(const Jobs& js, const float* x, int xs, float* out, int os) {
+#if __CUDA_ARCH__ >= 800
+    __shared__ float ws[64][68];
+    __shared__ float xt[64][68];
+    const Job& j = js.job[blockIdx.z];
+    int r0 = blockIdx.x * 64, t0 = blockIdx.y * 64;
+    if (r0 >= j.rows || t0 >= j.n) return;
+    int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gid = lane >> 2, tig = lane & 3;
+    float c[8][4];
+#pragma unroll
+    for (int a = 0; a < 8; a++)
+#pragma unroll
+        for (int b = 0; b < 4; b++) c[a][b] = 0.0f;
+    int groups = (j.cols + 31) / 32;
+    const float* xr = x + (size_t)(j.x_row + t0) * xs;
+    for (int g0 = 0; g0 < groups; g0 += 2) {
+        {
+            int r = tid % 64, half = tid / 64, gg = g0 + half;
+            float y[32];
+            if (r0 + r < j.rows && gg < groups) group<F>((const u8*)j.w + (size_t)(r0 + r) * j.row_bytes, gg, j.cols, y);
+            else {
+#pragma unroll
+                for (int i = 0; i < 32; i++) y[i] = 0.0f;
+            }
+#pragma unroll
+            for (int i = 0; i < 32; i++) ws[r][32 * half + i] = y[i];
+        }
+        for (int e = tid; e < 64 * 64; e += 128) {
+            int t = e / 64, cc = e % 64, col = 32 * g0 + cc;
+            xt[t][cc] = (t0 + t < j.n && col < j.cols) ? xr[(size_t)t * xs + col] : 0.0f;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int k0 = 0; k0 < 64; k0 += 8) {
+            u32 ab[4], as[4];
+            int ra = 16 * warp + gid;
+            split_tf32(ws[ra][k0 + tig], &ab[0], &as[0]);
+            split_tf32(ws[ra + 8][k0 + tig], &ab[1], &as[1]);
+            split_tf32(ws[ra][k0 + tig + 4], &ab[2], &as[2]);
+            split_tf32(ws[ra + 8][k0 + tig + 4], &ab[3], &as[3]);
+#pragma unroll
+            for (int jn = 0; jn < 8; jn++) {
+                u32 bb[2], bs[2];
+                split_tf32(xt[8 * jn + gid][k0 + tig], &bb[0], &bs[0]);
+                split_tf32(xt[8 * jn + gid][k0 + tig + 4], &bb[1], &bs[1]);
+                mma_tf32(c[jn], as, bb);
+                mma_tf32(c[jn], ab, bs);
+                mma_tf32(c[jn], ab, bb);
+            }
+        }
+        __syncthreads();
+    }
+    int ra = r0 + 16 * warp + gid, rb = ra + 8;
+#pragma unroll
+    for (int jn = 0; jn < 8; jn++) {
+        int t = t0 + 8 * jn + 2 * tig;
+        if (ra < j.rows) {
+            if (t < j.n) out[(size_t)(j.out_row + t) * os + j.out_col + ra] = c[jn][0];
+            if (t + 1 < j.n) out[(size_t)(j.out_row + t + 1) * os + j.out_col + ra] = c[jn][1];
+        }
+        if (rb < j.rows) {
+            if (t < j.n) out[(size_t)(j.out_row + t) * os + j.out_col + rb] = c[jn][2];
+            if (t + 1 < j.n) out[(size_t)(j.out_row + t + 1) * os + j.out_col + rb] = c[jn][3];
+        }
+    }
+#endif
+}
+
+// Embedding rows: one block per token, threads over groups.
+template <int F>
+__device__ void embed(const u8* table, u64 row_bytes, int cols, const int* ids, float* out) {
+    const u8* row = table + (size_t)ids[blockIdx.x] * row_bytes;
+    float y[32];
+    for (int g = threadIdx.x; g < (cols + 31) / 32; g += blockDim.x) {
+        group<F>(row, g, cols, y);
+        int lim = min(32, cols - 32 * g);
+#pragma unroll
+        for (int i = 0; i < 32; i++)
+            if (i < lim) out[(size_t)blockIdx.x * cols + 32 * g + i] = y[i];
+    }
+}
+
+// Transposed product: out[t, c] = sum_r w[r, c] x[t * xs + r] over m rows; one thread per
+// (token, group of 32 columns).
+template <int F>
+__device__ void mt(const u8* w, u64 row_bytes, int m, int cols, const float* x, int xs, int n, float* out) {
+    int groups = (cols + 31) / 32;
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n * groups) return;
+    int t = i / groups, g = i % groups;
+    float acc[32], y[32];
+#pragma unroll
+    for (int k = 0; k < 32; k++) acc[k] = 0.0f;
+    for (int r = 0; r < m; r++) {
+        group<F>(w + (size_t)r * row_bytes, g, cols, y);
+        float xv = x[(size_t)t * xs + r];
+#pragma unroll
+        for (int k = 0; k < 32; k++) acc[k] += y[k] * xv;
+    }
+    int lim = min(32, cols - 32 * g);
+#pragma unroll
+    for (int k = 0; k < 32; k++)
+        if (k < lim) out[(size_t)t * cols + 32 * g + k] = acc[k];
+}
+
+#define FORMAT_KERNELS(name, id)                                                                      \
+    extern "C" __global__ void mv_##name(const Jobs js, const float* x, int xs, float* out, int os) {  \
+        mv<id>(js, x, xs, out, os);                                                                   \
+    }                                                                                                 \
+    extern "C" __global__ void mm_##name(const Jobs js, const float* x, int xs, float* out, int os) {  \
+        mm<id>(js, x, xs, out, os);                                                                   \
+    }                                                                                                 \
+    extern "C" __global__ void mmt_##name(const Jobs js, const float* x, int xs, float* out, int os) { \
+        mm_tc<id>(js, x, xs, out, os);                                                                \
+    }                                                                                                 \
+    extern "C" __global__ void embed_##name(const u8* t, u64 rb, int cols, const int* ids, float* o) { \
+        embed<id>(t, rb, cols, ids, o);                                                               \
+    }                                                                                                 \
+    extern "C" __global__ void mt_##name(const u8* w, u64 rb, int m, int cols, const float* x, int xs, \
+                                         int n, float* out) {                                         \
+        mt<id>(w, rb, m, cols, x, xs, n, out);                                                        \
+    }
+
+FORMAT_KERNELS(f32, 0)
+FORMAT_KERNELS(f16, 1)
+FORMAT_KERNELS(q4_0, 2)
+FORMAT_KERNELS(q4_1, 3)
+FORMAT_KERNELS(q5_0, 6)
+FORMAT_KERNELS(q5_1, 7)
+FORMAT_KERNELS(q8_0, 8)
+FORMAT_KERNELS(q2_k, 10)
+FORMAT_KERNELS(q3_k, 11)
+FORMAT_KERNELS(q4_k, 12)
+FORMAT_KERNELS(q5_k, 13)
+FORMAT_KERNELS(q6_k, 14)
+FORMAT_KERNELS(bf16, 30)
+
+// Sum of v over the block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
+__device__ float block_sum(float v) {
+    __shared__ float part[32];
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    __syncthreads();
+    if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = v;
+    __syncthreads();
+    float s = 0.0f;
+    for (int w = 0; w < (int)blockDim.x / 32; w++) s += part[w];
+    return s;
+}
+
+__device__ float block_max(float v) {
+    __shared__ float part[32];
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+    __syncthreads();
+    if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = v;
+    __syncthreads();
+    float s = NEG_INF;
+    for (int w = 0; w < (int)blockDim.x / 32; w++) s = fmaxf(s, part[w]);
+    return s;
+}
+
+// out[t * os + oo + i] = x[t * xs + xo + i] / rms * w[i]: one block per row (in place when
+// out == x: each element is read before it is written, by the same thread).
+extern "C" __global__ void rms_norm(const float* x, int xs, int xo, const float* w, float* out, int os, int oo,
+                                    int dim, float eps) {
+    const float* row = x + (size_t)blockIdx.x * xs + xo;
+    float* o = out + (size_t)blockIdx.x * os + oo;
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) s += row[i] * row[i];
+    float scale = rsqrtf(block_sum(s) / dim + eps);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) o[i] = w[i] * (row[i] * scale);
+}
+
+extern "C" __global__ void add(float* x, const float* y, int len) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < len) x[i] += y[i];
+}
+
+extern "C" __global__ void silu_mul(float* g, const float* u, int len) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < len) {
+        float a = g[i];
+        g[i] = a / (1.0f + expf(-a)) * u[i];
+    }
+}
+
+// Rows row0.. of stride: x[0..w] = silu(x[0..w]) * x[w..2w].
+extern "C" __global__ void silu_mul_halves(float* x, int row0, int n, int stride, int w) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n * w) return;
+    float* row = x + (size_t)(row0 + i / w) * stride;
+    int c = i % w;
+    float a = row[c];
+    row[c] = a / (1.0f + expf(-a)) * row[w + c];
+}
+
+extern "C" __global__ void add_bias(float* x, int n, int stride, int off, const float* b, int len) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n * len) x[(size_t)(i / len) * stride + off + i % len] += b[i % len];
+}
+
+extern "C" __global__ void scale_rows(float* x, int dim, const float* s, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n * dim) x[i] *= s[i / dim];
+}
+
+extern "C" __global__ void copy_strided(const float* src, int ss, int so, float* dst, int ds, int dof, int width,
+                                        int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n * width) dst[(size_t)(i / width) * ds + dof + i % width] = src[(size_t)(i / width) * ss + so + i % width];
+}
+
+// dst[i] = src[rows[i]] (gather) or dst[rows[i]] = src[i] (scatter), rows of dim.
+extern "C" __global__ void move_rows(const float* src, float* dst, int dim, const int* rows, int count, int scatter) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= count * dim) return;
+    int k = i / dim, c = i % dim;
+    if (scatter) dst[(size_t)rows[k] * dim + c] = src[(size_t)k * dim + c];
+    else dst[(size_t)k * dim + c] = src[(size_t)rows[k] * dim + c];
+}
+
+// out[t] += sum_s weights[t k + s] src[t k + s] in slot order.
+extern "C" __global__ void add_weighted_slots(const float* src, int dim, int n, int k, const float* weights, float* out) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n * dim) return;
+    int t = i / dim, c = i % dim;
+    float a = out[i];
+    for (int s = 0; s < k; s++) a += weights[t * k + s] * src[(size_t)(t * k + s) * dim + c];
+    out[i] = a;
+}
+
+// One thread per (token, head, pair): cs holds n * half cosines then n * half sines.
+extern "C" __global__ void rope(float* x, int n, int stride, int off, int heads, int head_stride, const float* cs,
+                                int half, int interleaved) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n * heads * half) return;
+    int t = i / (heads * half), h = (i / half) % heads, p = i % half;
+    float* base = x + (size_t)t * stride + off + (size_t)h * head_stride;
+    float c = cs[t * half + p], s = cs[n * half + t * half + p];
+    int ia = interleaved ? 2 * p : p, ib = interleaved ? 2 * p + 1 : p + half;
+    float a = base[ia], b = base[ib];
+    base[ia] = a * c - b * s;
+    base[ib] = b * c + a * s;
+}
+
+// Causal attention, one block per (token, query head), online softmax over chunks of
+// blockDim.x positions. Keys: [pos][heads * kd]; values: [pos][v_row] with head g at g * v_head
+// (values_in_keys: the keys themselves, v_head = kd). Dynamic shared memory: kd + blockDim.x + vd
+// floats.
+extern "C" __global__ void attention(const float* k, const float* v, int heads, int kd, int vd, int v_row,
+                                     int v_head, const float* q, int q_stride, int q_heads, int pos0, float scale,
+                                     float* out) {
+    extern __shared__ float sh[];
+    float* qs = sh;
+    float* sc = sh + kd;
+    float* acc = sc + blockDim.x;
+    int t = blockIdx.x / q_heads, h = blockIdx.x % q_heads, g = h / (q_heads / heads);
+    int len = pos0 + t + 1, k_row = heads * kd;
+    for (int i = threadIdx.x; i < kd; i += blockDim.x) qs[i] = q[(size_t)t * q_stride + h * kd + i];
+    for (int i = threadIdx.x; i < vd; i += blockDim.x) acc[i] = 0.0f;
+    __syncthreads();
+    float m = NEG_INF, l = 0.0f;
+    for (int start = 0; start < len; start += blockDim.x) {
+        int j = start + threadIdx.x;
+        float s = NEG_INF;
+        if (j < len) {
+            const float* kr = k + (size_t)j * k_row + g * kd;
+            float d = 0.0f;
+            for (int i = 0; i < kd; i++) d += qs[i] * kr[i];
+            s = d * scale;
+        }
+        float m_new = fmaxf(m, block_max(s));
+        float p = j < len ? expf(s - m_new) : 0.0f;
+        sc[threadIdx.x] = p;
+        float alpha = expf(m - m_new);
+        l = l * alpha + block_sum(p);
+        m = m_new;
+        __syncthreads();
+        int cnt = min((int)blockDim.x, len - start);
+        for (int d = threadIdx.x; d < vd; d += blockDim.x) {
+            float a = acc[d] * alpha;
+            const float* vc = v + (size_t)start * v_row + g * v_head + d;
+            for (int jj = 0; jj < cnt; jj++) a += sc[jj] * vc[(size_t)jj * v_row];
+            acc[d] = a;
+        }
+        __syncthreads();
+    }
+    float inv = 1.0f / l;
+    for (int d = threadIdx.x; d < vd; d += blockDim.x) out[((size_t)t * q_heads + h) * vd + d] = acc[d] * inv;
+}
+
+// Decode mat-vec over Q8_0 rows, tuned (half a warp per 34-byte block, 16-bit loads): the
+// bandwidth probe of `Gpu::matvec_q8_0`.
+extern "C" __global__ void matvec_q8_0(const unsigned char* w, const float* x, float* out, int rows, int cols) {
+    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    int lane = threadIdx.x % 32;
+    if (row >= rows) return;
+    int blocks = cols / 32;
+    const unsigned char* r = w + (size_t)row * blocks * 34;
+    int half = lane / 16, pair = lane % 16;
+    float acc = 0.0f;
+    for (int b0 = 0; b0 < blocks; b0 += 16) {
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            int b = b0 + 2 * k + half;
+            if (b < blocks) {
+                const unsigned short* p = (const unsigned short*)(r + (size_t)b * 34);
+                float d;
+                asm("cvt.f32.f16 %0, %1;" : "=f"(d) : "h"(p[0]));
+                unsigned short two = p[1 + pair];
+                float2 xv = *(const float2*)(x + b * 32 + 2 * pair);
+                acc += d * ((float)(signed char)(two & 0xff) * xv.x + (float)(signed char)(two >> 8) * xv.y);
+            }
+        }
+    }
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_down_sync(0xffffffff, acc, o);
+    if (lane == 0) out[row] = acc;
+}
