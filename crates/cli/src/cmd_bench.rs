@@ -1,9 +1,10 @@
 //! `smoe bench` and the memory-bandwidth probe.
 
 use crate::cmd_run::ModelArgs;
+use crate::device::OnEngine;
 use anyhow::Result;
 use smoe_engine::bench::{bench, BenchOptions, BenchResult};
-use smoe_engine::Precision;
+use smoe_engine::{Backend, Engine, OpenReport, Precision};
 use std::path::Path;
 
 const MIB: f64 = (1u64 << 20) as f64;
@@ -26,19 +27,50 @@ pub fn run_bench(
     model: &ModelArgs,
 ) -> Result<()> {
     threads(model.threads);
-    let t0 = std::time::Instant::now();
-    let (engine, report) = model.open_with_report(vault, Precision::Fast, Some(prompt_tokens + gen_tokens + 1))?;
-    let load_s = t0.elapsed().as_secs_f64();
+    let job = BenchJob { prompt_tokens, gen_tokens, chunk, reps, json, model: model.clone(), t0: std::time::Instant::now() };
+    model.open_on(vault, Precision::Fast, Some(prompt_tokens + gen_tokens + 1), job)
+}
+
+struct BenchJob {
+    prompt_tokens: usize,
+    gen_tokens: usize,
+    chunk: usize,
+    reps: usize,
+    json: bool,
+    model: ModelArgs,
+    t0: std::time::Instant,
+}
+
+impl OnEngine for BenchJob {
+    type Out = ();
+    fn run<B: Backend + 'static>(self, engine: Engine<B>, report: OpenReport) -> Result<()> {
+        let BenchJob { prompt_tokens, gen_tokens, chunk, reps, json, model, t0 } = self;
+        bench_on(&engine, &report, prompt_tokens, gen_tokens, chunk, reps, json, &model, t0.elapsed().as_secs_f64())
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn bench_on<B: Backend>(
+    engine: &Engine<B>,
+    report: &OpenReport,
+    prompt_tokens: usize,
+    gen_tokens: usize,
+    chunk: usize,
+    reps: usize,
+    json: bool,
+    model: &ModelArgs,
+    load_s: f64,
+) -> Result<()> {
     let opts = BenchOptions { prompt_tokens, gen_tokens, seed: 1, chunk };
     if reps > 1 {
-        bench(&engine, &BenchOptions { prompt_tokens: 16.min(prompt_tokens), gen_tokens: 4.min(gen_tokens), ..opts.clone() })?;
+        bench(engine, &BenchOptions { prompt_tokens: 16.min(prompt_tokens), gen_tokens: 4.min(gen_tokens), ..opts.clone() })?;
     }
     // Every repetition's figures, kept so that a noisy machine's spread is visible; the best
     // (by decode, or by prefill when nothing is decoded) is the one reported in full.
     let (mut best, mut samples): (Option<BenchResult>, Vec<(f64, f64)>) = (None, Vec::new());
     let key = |r: &BenchResult| if gen_tokens > 1 { r.decode_tok_s } else { r.prefill_tok_s };
     for _ in 0..reps.max(1) {
-        let r = bench(&engine, &opts)?;
+        let r = bench(engine, &opts)?;
         if reps > 1 {
             eprintln!("  run {}: prefill {:.2} tok/s, decode {:.2} tok/s", samples.len() + 1, r.prefill_tok_s, r.decode_tok_s);
         }
@@ -53,6 +85,7 @@ pub fn run_bench(
         v["load_seconds"] = load_s.into();
         v["prefill_tok_s_samples"] = samples.iter().map(|s| s.0).collect::<Vec<_>>().into();
         v["decode_tok_s_samples"] = samples.iter().map(|s| s.1).collect::<Vec<_>>().into();
+        v["backend"] = engine.model.backend().describe().into();
         v["threads"] = model.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())).into();
         v["dense_bytes"] = engine.model.dense_bytes().into();
         let arch = engine.model.arch();
@@ -65,7 +98,8 @@ pub fn run_bench(
         return Ok(());
     }
     println!(
-        "loaded in {load_s:.1} s, {} threads",
+        "loaded in {load_s:.1} s on {}, {} threads",
+        engine.model.backend().describe(),
         model.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
     );
     println!(

@@ -1,10 +1,11 @@
 //! `smoe chat`: an interactive conversation that keeps its KV cache between turns.
 
 use crate::cmd_run::{print_summaries, GenArgs, ModelArgs};
+use crate::device::OnEngine;
 use anyhow::{bail, Context, Result};
 use serde_json::json;
 use smoe_engine::instrument::Instrument;
-use smoe_engine::{Backend, Conversation, Engine, FinishReason, NoObserver, Overflow, Precision, Turn};
+use smoe_engine::{Backend, Conversation, Engine, FinishReason, NoObserver, OpenReport, Overflow, Precision, Turn};
 use smoe_text::{Piece, ReplyParser};
 use std::io::{BufRead, IsTerminal, Write};
 use std::path::{Path, PathBuf};
@@ -81,7 +82,18 @@ struct Chat<'e, B: Backend> {
 
 pub fn run_chat(a: ChatArgs) -> Result<()> {
     let precision = if a.reference { Precision::Reference } else { Precision::Fast };
-    let engine = a.model.open(&a.vault, precision, a.gen.ctx)?;
+    let (model, vault, ctx) = (a.model.clone(), a.vault.clone(), a.gen.ctx);
+    model.open_on(&vault, precision, ctx, a)
+}
+
+impl OnEngine for ChatArgs {
+    type Out = ();
+    fn run<B: Backend + 'static>(self, engine: Engine<B>, _: OpenReport) -> Result<()> {
+        chat_on(self, &engine)
+    }
+}
+
+fn chat_on<B: Backend>(a: ChatArgs, engine: &Engine<B>) -> Result<()> {
     if engine.template.is_none() {
         bail!("{} has no chat template; use `smoe run --raw` for plain completion", a.vault.display());
     }
@@ -105,7 +117,7 @@ pub fn run_chat(a: ChatArgs) -> Result<()> {
         None => None,
     };
     let mut chat =
-        Chat { engine: &engine, conv, gen: a.gen, show_thinking: true, color: std::io::stdout().is_terminal(), last: None, cancel, trace };
+        Chat { engine, conv, gen: a.gen, show_thinking: true, color: std::io::stdout().is_terminal(), last: None, cancel, trace };
     if a.no_think {
         chat.set_think(false);
     }

@@ -1,5 +1,6 @@
 //! `smoe score` and `smoe run`, and the flags they share.
 
+use crate::device::OnEngine;
 use anyhow::{bail, Context, Result};
 use smoe_engine::instrument::Instrument;
 use smoe_engine::{
@@ -57,6 +58,15 @@ pub struct ModelArgs {
     /// Compute threads (default: every core).
     #[arg(long)]
     pub threads: Option<usize>,
+    /// Where the model runs: `cpu`, `cuda` (`cuda:N` for GPU N), or `auto` (a GPU when one is
+    /// usable, else the CPU; the startup line says which).
+    #[arg(long, default_value = "auto")]
+    pub device: crate::device::Device,
+    /// VRAM for routed experts on a GPU: `auto` (what is free after the dense weights), a size
+    /// (`20GiB`) or a number of experts. Experts beyond it stay in host memory and are copied
+    /// up as they are used.
+    #[arg(long)]
+    pub gpu_cache: Option<CacheSize>,
 }
 
 impl ModelArgs {
@@ -71,6 +81,8 @@ impl ModelArgs {
             queue_depth: smoe_store::depth::QueueDepth::AUTO,
             instrument: false,
             threads: None,
+            device: crate::device::Device::Cpu,
+            gpu_cache: None,
         }
     }
 
@@ -86,18 +98,22 @@ impl ModelArgs {
         }
     }
 
-    /// Opens the model and reports the cache size chosen (on stderr).
-    pub fn open(&self, vault: &Path, precision: Precision, ctx: Option<usize>) -> Result<Engine<CpuBackend>> {
-        Ok(self.open_with_report(vault, precision, ctx)?.0)
-    }
-
-    /// Opens the model; also returns what was chosen at open.
-    pub fn open_with_report(&self, vault: &Path, precision: Precision, ctx: Option<usize>) -> Result<(Engine<CpuBackend>, OpenReport)> {
+    /// Opens the model on the CPU and reports the cache size chosen (on stderr).
+    pub fn open_cpu(&self, vault: &Path, precision: Precision, ctx: Option<usize>) -> Result<Engine<CpuBackend>> {
         exists(vault)?;
         let (mut engine, report) = open_cpu(vault, &self.options(precision, ctx)).with_context(|| format!("open {}", vault.display()))?;
         engine.model.set_lookahead(self.prefetch == "lookahead");
         eprintln!("{report}");
-        Ok((engine, report))
+        Ok(engine)
+    }
+
+    /// Opens the model on the `--device` backend (saying which, and the cache chosen, on
+    /// stderr) and hands it to `then`.
+    pub fn open_on<W: OnEngine>(&self, vault: &Path, precision: Precision, ctx: Option<usize>, then: W) -> Result<W::Out> {
+        exists(vault)?;
+        let (chosen, line) = self.device.choose(&crate::device::cuda_options(self.gpu_cache, vault)?)?;
+        eprintln!("{line}");
+        crate::device::open_on(chosen, vault, &self.options(precision, ctx), self.prefetch == "lookahead", then)
     }
 }
 
@@ -127,10 +143,25 @@ pub fn run_score(a: ScoreArgs) -> Result<()> {
         model.cache = CacheSize::Bytes(mb << 20);
     }
     let precision = if a.fast { Precision::Fast } else { Precision::Reference };
-    let engine = model.open(&a.vault, precision, Some(ids.len() + a.greedy))?;
+    model.open_on(&a.vault.clone(), precision, Some(ids.len() + a.greedy), Score { a, ids })
+}
+
+struct Score {
+    a: ScoreArgs,
+    ids: Vec<u32>,
+}
+
+impl OnEngine for Score {
+    type Out = ();
+    fn run<B: Backend + 'static>(self, engine: Engine<B>, _: OpenReport) -> Result<()> {
+        score_on(&self.a, &self.ids, &engine)
+    }
+}
+
+fn score_on<B: Backend>(a: &ScoreArgs, ids: &[u32], engine: &Engine<B>) -> Result<()> {
     let mode = if a.decode { ScoreMode::Decode } else { ScoreMode::Prefill };
     let t0 = std::time::Instant::now();
-    let out = score_and_continue(&engine.model, &ids, mode, smoe_engine::PREFILL_CHUNK, a.model.instrument, a.greedy)?;
+    let out = score_and_continue(&engine.model, ids, mode, smoe_engine::PREFILL_CHUNK, a.model.instrument, a.greedy)?;
     out.write_safetensors(&a.out).with_context(|| format!("write {}", a.out.display()))?;
     eprintln!("scored {} tokens ({mode:?}) in {:.2} s -> {}", ids.len(), t0.elapsed().as_secs_f64(), a.out.display());
     if let Some(s) = &out.instrument {
@@ -259,9 +290,16 @@ pub fn prompt_ids<B: Backend>(engine: &Engine<B>, p: &Prompt) -> Result<Vec<u32>
 }
 
 pub fn run_run(a: RunArgs) -> Result<()> {
-    let engine = a.model.open(&a.vault, Precision::Fast, a.gen.ctx)?;
-    let p = Prompt { text: &a.prompt, raw: a.raw, system: a.system.as_deref(), think: a.think };
-    generate_and_report(&engine, &p, a.json, &a.gen, a.model.instrument)
+    let (model, vault, ctx) = (a.model.clone(), a.vault.clone(), a.gen.ctx);
+    model.open_on(&vault, Precision::Fast, ctx, a)
+}
+
+impl OnEngine for RunArgs {
+    type Out = ();
+    fn run<B: Backend + 'static>(self, engine: Engine<B>, _: OpenReport) -> Result<()> {
+        let p = Prompt { text: &self.prompt, raw: self.raw, system: self.system.as_deref(), think: self.think };
+        generate_and_report(&engine, &p, self.json, &self.gen, self.model.instrument)
+    }
 }
 
 /// Prints every step of an instrument and its summaries.

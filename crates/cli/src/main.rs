@@ -4,6 +4,7 @@ mod cmd_bench;
 mod cmd_chat;
 mod cmd_run;
 mod cmd_vault;
+mod device;
 mod progress;
 
 use anyhow::Result;
@@ -331,6 +332,20 @@ fn run(cli: Cli) -> Result<()> {
             fleet.max_queue = max_queue;
             fleet.max_sessions = sessions;
             fleet.open = model.options(smoe_engine::Precision::Fast, ctx);
+            // The device is chosen once at start; each model then opens its own backend on it.
+            if let Some(smoe_engine::CacheSize::Experts(_)) = model.gpu_cache {
+                anyhow::bail!("--gpu-cache for serve takes a size such as 20GiB: models differ in expert size");
+            }
+            let gpu_opts = device::cuda_options(model.gpu_cache, std::path::Path::new(""))?;
+            match model.device.choose(&gpu_opts)? {
+                (device::Chosen::Cpu, line) => eprintln!("{line}"),
+                (device::Chosen::Cuda(b), line) => {
+                    eprintln!("{line}");
+                    let ordinal = b.device().ordinal;
+                    drop(b);
+                    fleet.opener = std::sync::Arc::new(device::CudaOpener { ordinal, opts: gpu_opts, line });
+                }
+            }
             fleet.memory = match memory {
                 None => None,
                 Some(smoe_engine::CacheSize::Bytes(b)) => Some(b),
@@ -371,7 +386,7 @@ fn demo(model: Option<PathBuf>, prompt: &str) -> Result<()> {
     let prompt = prompt.replace("\\n", "\n");
     // A deliberately small cache (a quarter of the experts) so the demo streams from disk.
     let experts = smoe_vault::Vault::open(&vault)?.manifest().experts.layers.len() * 32;
-    let engine = cmd_run::ModelArgs::with_cache(smoe_engine::CacheSize::Experts(experts / 4)).open(
+    let engine = cmd_run::ModelArgs::with_cache(smoe_engine::CacheSize::Experts(experts / 4)).open_cpu(
         &vault,
         smoe_engine::Precision::Reference,
         None,

@@ -210,3 +210,31 @@ fn devices_reports_the_cpu_and_the_gpus_or_why_not() {
     assert!(lines[0].starts_with("cpu: ") && lines[0].contains("(using "), "{out}");
     assert!(lines.len() >= 2 && lines[1..].iter().all(|l| l.starts_with("cuda")), "{out}");
 }
+
+/// `--device`: `auto` says in the startup line where the model runs (here the CPU, with the
+/// reason, where no GPU is usable) and gives the same tokens as `cpu`; an explicit `cuda` on a
+/// machine without one is a one-line error, never a crash; a device name that means nothing is
+/// refused by the parser.
+#[test]
+fn device_auto_falls_back_to_the_cpu_and_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let v = shatter(dir.path(), "qwen3_moe", &[]);
+    let args = |device: &'static str| vec!["run", &v, "-p", "hi", "--temperature", "0", "--max-tokens", "6", "--json", "--device", device];
+    let auto = smoe(&args("auto"));
+    let err = String::from_utf8_lossy(&auto.stderr).to_string();
+    let line = err.lines().find(|l| l.starts_with("device: ")).unwrap_or_else(|| panic!("no startup line: {err}"));
+    let cpu = ok(&smoe(&args("cpu")));
+    if smoe_cuda::probe().is_err() {
+        assert!(line.starts_with("device: cpu (no usable GPU: "), "{line}");
+        let (a, c): (serde_json::Value, serde_json::Value) =
+            (serde_json::from_str(&ok(&auto)).unwrap(), serde_json::from_str(&cpu).unwrap());
+        assert_eq!((&a["tokens"], &a["text"]), (&c["tokens"], &c["text"]), "auto on a machine without a GPU is the CPU");
+        let cuda = smoe(&args("cuda"));
+        let e = String::from_utf8_lossy(&cuda.stderr);
+        assert!(!cuda.status.success() && e.contains("--device cuda:0: ") && !e.contains("panicked"), "{e}");
+    } else {
+        assert!(line.starts_with("device: cuda:0 "), "{line}");
+    }
+    let bad = smoe(&args("tpu"));
+    assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("unknown device 'tpu'"));
+}
