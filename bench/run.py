@@ -100,8 +100,11 @@ def fio(path, bs, depth, seconds=15):
     return j["jobs"][0]["read"]["bw_bytes"]
 
 
+DEVICE = "cpu"
+
+
 def smoe_bench(smoe, vault, threads, args, cache="resident", prefix=()):
-    cmd = [*prefix, smoe, "bench", vault, "--threads", threads, "--json", "--cache", cache, *args]
+    cmd = [*prefix, smoe, "bench", vault, "--device", DEVICE, "--threads", threads, "--json", "--cache", cache, *args]
     out = run(cmd).stdout.strip().splitlines()[-1]
     return json.loads(out)
 
@@ -177,7 +180,7 @@ def greedy_evidence(smoe, bins, vault, gguf):
     prompt = "The capital of France is"
     llama = run([os.path.join(bins, "llama-completion"), "-m", gguf, "-p", prompt, "-n", "12", "--temp", "0", "-t", "2",
                  "--no-display-prompt", "-no-cnv", "--seed", "1"], check=False)
-    ours = run([smoe, "run", vault, "-p", prompt, "--raw", "--temperature", "0", "--max-tokens", "12", "--json",
+    ours = run([smoe, "run", vault, "--device", DEVICE, "-p", prompt, "--raw", "--temperature", "0", "--max-tokens", "12", "--json",
                 "--cache", "resident"])
     ours_j = json.loads(ours.stdout)
     return {"prompt": prompt, "llama_text": llama.stdout, "llama_ok": llama.returncode == 0, "smoe_text": ours_j["text"],
@@ -193,7 +196,10 @@ def main():
     ap.add_argument("--work", default=os.path.join(ROOT, "target/bench"))
     ap.add_argument("--capped-tokens", default="16", help="llama.cpp's decode tokens under the cap (it is slow there)")
     ap.add_argument("--capped-tokens-smoe", default="64")
+    ap.add_argument("--device", default="cpu", help="smoe's device: cpu, cuda or cuda:N (llama.cpp runs as it was built)")
     args = ap.parse_args()
+    global DEVICE
+    DEVICE = args.device
     os.makedirs(args.work, exist_ok=True)
     t_start = time.time()
     smoe = build_smoe()
