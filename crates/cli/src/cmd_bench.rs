@@ -44,23 +44,13 @@ struct BenchJob {
 impl OnEngine for BenchJob {
     type Out = ();
     fn run<B: Backend + 'static>(self, engine: Engine<B>, report: OpenReport) -> Result<()> {
-        let BenchJob { prompt_tokens, gen_tokens, chunk, reps, json, model, t0 } = self;
-        bench_on(&engine, &report, prompt_tokens, gen_tokens, chunk, reps, json, &model, t0.elapsed().as_secs_f64())
+        let load_s = self.t0.elapsed().as_secs_f64();
+        bench_on(&engine, &report, &self, load_s)
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn bench_on<B: Backend>(
-    engine: &Engine<B>,
-    report: &OpenReport,
-    prompt_tokens: usize,
-    gen_tokens: usize,
-    chunk: usize,
-    reps: usize,
-    json: bool,
-    model: &ModelArgs,
-    load_s: f64,
-) -> Result<()> {
+fn bench_on<B: Backend>(engine: &Engine<B>, report: &OpenReport, job: &BenchJob, load_s: f64) -> Result<()> {
+    let BenchJob { prompt_tokens, gen_tokens, chunk, reps, json, ref model, .. } = *job;
     let opts = BenchOptions { prompt_tokens, gen_tokens, seed: 1, chunk };
     if reps > 1 {
         bench(engine, &BenchOptions { prompt_tokens: 16.min(prompt_tokens), gen_tokens: 4.min(gen_tokens), ..opts.clone() })?;

@@ -222,22 +222,14 @@ fn cfg_elems(n: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (n.div_ceil(256) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
 }
 
-/// Panics, naming the op and the buffer, when rows `row0..row0 + n` of `stride` floats (at
-/// offset `off`, `width` wide) do not lie inside `buf`: a bug in the forward pass's buffer
-/// widths, as on the CPU backend.
+/// [`smoe_engine::backend::check_rows`] on a VRAM buffer: a row outside it is a bug in the
+/// forward pass's buffer widths, reported as on the CPU backend.
+#[track_caller]
 fn check_rows(op: &str, buf: &CudaBuf, row0: usize, n: usize, stride: usize, off: usize, width: usize) {
-    if n == 0 || width == 0 {
-        return;
-    }
-    let end = (row0 + n - 1) * stride + off + width;
-    assert!(
-        end <= buf.data.len(),
-        "{op}: buffer '{}' holds {} floats, {n} rows of {width} at offset {off} (stride {stride}) from row {row0} need {end}",
-        buf.name,
-        buf.data.len()
-    );
+    smoe_engine::backend::check_rows(op, (buf.name, buf.data.len()), row0, n, stride, off, width);
 }
 
+#[track_caller]
 fn check(op: &str, buf: &CudaBuf, n: usize, width: usize) {
     check_rows(op, buf, 0, n, width, 0, width);
 }

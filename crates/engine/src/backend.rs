@@ -65,6 +65,24 @@ pub struct MatJob<'a, M> {
     pub out_col: usize,
 }
 
+/// Fails with the op, the buffer (`(name, length in floats)`) and the extents unless rows
+/// `row0..row0 + n` of it, each `width` floats from offset `off` in rows of `stride`, lie inside
+/// it. Every backend checks its ops with this, so their messages agree.
+#[track_caller]
+pub fn check_rows(op: &str, buf: (&str, usize), row0: usize, n: usize, stride: usize, off: usize, width: usize) {
+    if n == 0 || width == 0 {
+        return;
+    }
+    let need = (row0 + n - 1) * stride + off + width;
+    assert!(
+        need <= buf.1,
+        "{op}: buffer `{}` holds {} floats, but rows {row0}..{} of {width} floats (stride {stride}, offset {off}) reach {need}",
+        buf.0,
+        buf.1,
+        row0 + n,
+    );
+}
+
 /// A numeric backend. See the module documentation.
 ///
 /// Every op checks that the rows it reads and writes lie inside its buffers and, if not, fails

@@ -64,21 +64,10 @@ impl std::ops::DerefMut for CpuBuf {
     }
 }
 
-/// Fails with the op, the buffer and the extents unless rows `row0..row0 + n` of `buf`, each
-/// `width` floats from offset `off` in rows of `stride`, lie inside it.
+/// [`crate::backend::check_rows`] on a CPU buffer.
 #[track_caller]
 fn check_rows(op: &str, buf: &CpuBuf, row0: usize, n: usize, stride: usize, off: usize, width: usize) {
-    if n == 0 || width == 0 {
-        return;
-    }
-    let need = (row0 + n - 1) * stride + off + width;
-    assert!(
-        need <= buf.data.len(),
-        "{op}: buffer `{}` holds {} floats, but rows {row0}..{} of {width} floats (stride {stride}, offset {off}) reach {need}",
-        buf.name,
-        buf.data.len(),
-        row0 + n,
-    );
+    crate::backend::check_rows(op, (buf.name, buf.data.len()), row0, n, stride, off, width);
 }
 
 /// [`check_rows`] for `n` packed rows of `width` from the start.
