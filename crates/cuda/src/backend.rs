@@ -19,7 +19,7 @@ use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr, DriverError, LaunchArgs, LaunchConfig,
     PushKernelArg,
 };
-use smoe_engine::backend::{AttnParams, Backend, KvShape, MatJob, WeightRef};
+use smoe_engine::backend::{check, check_rows, AttnParams, Backend, Extent, KvShape, MatJob, WeightRef};
 use smoe_quant::{Format, Layout};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -222,16 +222,10 @@ fn cfg_elems(n: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (n.div_ceil(256) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
 }
 
-/// [`smoe_engine::backend::check_rows`] on a VRAM buffer: a row outside it is a bug in the
-/// forward pass's buffer widths, reported as on the CPU backend.
-#[track_caller]
-fn check_rows(op: &str, buf: &CudaBuf, row0: usize, n: usize, stride: usize, off: usize, width: usize) {
-    smoe_engine::backend::check_rows(op, (buf.name, buf.data.len()), row0, n, stride, off, width);
-}
-
-#[track_caller]
-fn check(op: &str, buf: &CudaBuf, n: usize, width: usize) {
-    check_rows(op, buf, 0, n, width, 0, width);
+impl Extent for CudaBuf {
+    fn extent(&self) -> (&str, usize) {
+        (self.name, self.data.len())
+    }
 }
 
 impl CudaBackend {

@@ -65,22 +65,34 @@ pub struct MatJob<'a, M> {
     pub out_col: usize,
 }
 
-/// Fails with the op, the buffer (`(name, length in floats)`) and the extents unless rows
-/// `row0..row0 + n` of it, each `width` floats from offset `off` in rows of `stride`, lie inside
-/// it. Every backend checks its ops with this, so their messages agree.
+/// What an op's bounds check needs of a buffer: its name (for the message) and its length in
+/// floats.
+pub trait Extent {
+    /// `(name, length in floats)`.
+    fn extent(&self) -> (&str, usize);
+}
+
+/// Fails with the op, the buffer and the extents unless rows `row0..row0 + n` of `buf`, each
+/// `width` floats from offset `off` in rows of `stride`, lie inside it. Every backend checks its
+/// ops with this, so their messages agree.
 #[track_caller]
-pub fn check_rows(op: &str, buf: (&str, usize), row0: usize, n: usize, stride: usize, off: usize, width: usize) {
+pub fn check_rows(op: &str, buf: &impl Extent, row0: usize, n: usize, stride: usize, off: usize, width: usize) {
     if n == 0 || width == 0 {
         return;
     }
+    let (name, len) = buf.extent();
     let need = (row0 + n - 1) * stride + off + width;
     assert!(
-        need <= buf.1,
-        "{op}: buffer `{}` holds {} floats, but rows {row0}..{} of {width} floats (stride {stride}, offset {off}) reach {need}",
-        buf.0,
-        buf.1,
+        need <= len,
+        "{op}: buffer `{name}` holds {len} floats, but rows {row0}..{} of {width} floats (stride {stride}, offset {off}) reach {need}",
         row0 + n,
     );
+}
+
+/// [`check_rows`] for `n` packed rows of `width` from the start.
+#[track_caller]
+pub fn check(op: &str, buf: &impl Extent, n: usize, width: usize) {
+    check_rows(op, buf, 0, n, width, 0, width);
 }
 
 /// A numeric backend. See the module documentation.

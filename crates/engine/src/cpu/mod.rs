@@ -9,7 +9,7 @@ mod fast;
 mod matmul;
 pub mod pool;
 
-use crate::backend::{AttnParams, Backend, KvShape, MatJob, WeightRef};
+use crate::backend::{check, check_rows, AttnParams, Backend, KvShape, MatJob, WeightRef};
 use smoe_quant::{Format, QMatrix};
 use std::sync::Arc;
 
@@ -64,16 +64,10 @@ impl std::ops::DerefMut for CpuBuf {
     }
 }
 
-/// [`crate::backend::check_rows`] on a CPU buffer.
-#[track_caller]
-fn check_rows(op: &str, buf: &CpuBuf, row0: usize, n: usize, stride: usize, off: usize, width: usize) {
-    crate::backend::check_rows(op, (buf.name, buf.data.len()), row0, n, stride, off, width);
-}
-
-/// [`check_rows`] for `n` packed rows of `width` from the start.
-#[track_caller]
-fn check(op: &str, buf: &CpuBuf, n: usize, width: usize) {
-    check_rows(op, buf, 0, n, width, 0, width);
+impl crate::backend::Extent for CpuBuf {
+    fn extent(&self) -> (&str, usize) {
+        (self.name, self.data.len())
+    }
 }
 
 /// How matrix products are computed.
