@@ -370,6 +370,7 @@ pub fn generate_and_report<B: Backend>(engine: &Engine<B>, p: &Prompt, json: boo
             "hit_rate": store.hit_rate(),
             "bytes_read": store.bytes_read,
             "instrument": ins,
+            "backend": engine.model.backend().describe(),
         });
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
@@ -392,6 +393,8 @@ pub fn generate_and_report<B: Backend>(engine: &Engine<B>, p: &Prompt, json: boo
     );
     if let Some(i) = &st.instrument {
         print_instrument(i, prefill_steps);
+        // The backend in words; on a GPU, with its VRAM expert tier's counters.
+        eprintln!("backend: {}", engine.model.backend().describe());
     }
     Ok(())
 }

@@ -281,7 +281,17 @@ impl CudaBackend {
     }
 
     fn ok<T>(&self, op: &str, r: Result<T, DriverError>) -> Option<T> {
-        r.map_err(|e| self.record(op, e)).ok()
+        r.map_err(|e| {
+            // Out of memory says how much there was: a dense part too large for this GPU is
+            // refused with the numbers.
+            if e.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+                let (free, total) = self.ctx.mem_get_info().unwrap_or((0, 0));
+                self.record(op, format!("{e} ({} MiB free of {} MiB)", free >> 20, total >> 20));
+            } else {
+                self.record(op, e);
+            }
+        })
+        .ok()
     }
 
     fn launch(&self, mut args: LaunchArgs<'_>, cfg: LaunchConfig, op: &'static str) {
