@@ -56,13 +56,19 @@ pub fn check_backend<B: Backend>(b: &B, tol: &Tolerance) -> Result<usize, Vec<St
 }
 
 /// Weight formats and a row length each accepts (K-quants need whole super-blocks of 256).
-const FORMATS: [(Format, usize); 7] = [
+const FORMATS: [(Format, usize); 13] = [
     (Format::F32, 40),
     (Format::F16, 72),
     (Format::BF16, 104),
     (Format::Q8_0, 96),
     (Format::Q4_0, 160),
+    (Format::Q4_1, 64),
+    (Format::Q5_0, 224),
+    (Format::Q5_1, 32),
+    (Format::Q2_K, 256),
+    (Format::Q3_K, 768),
     (Format::Q4_K, 512),
+    (Format::Q5_K, 256),
     (Format::Q6_K, 256),
 ];
 
