@@ -69,16 +69,17 @@ pub trait OnEngine {
 }
 
 /// The VRAM expert tier's size from `--gpu-cache`: a number of experts becomes bytes at the
-/// model's expert size.
-pub fn cuda_options(gpu_cache: Option<smoe_engine::CacheSize>, path: &Path) -> Result<smoe_cuda::CudaOptions> {
+/// expert size of `model`; without one (serve: models differ) only a size is accepted.
+pub fn cuda_options(gpu_cache: Option<smoe_engine::CacheSize>, model: Option<&Path>) -> Result<smoe_cuda::CudaOptions> {
     use smoe_engine::CacheSize;
-    let expert_bytes = match gpu_cache {
-        None | Some(CacheSize::Auto) | Some(CacheSize::Resident) => None,
-        Some(CacheSize::Bytes(b)) => Some(b),
-        Some(CacheSize::Experts(n)) => {
+    let expert_bytes = match (gpu_cache, model) {
+        (None | Some(CacheSize::Auto) | Some(CacheSize::Resident), _) => None,
+        (Some(CacheSize::Bytes(b)), _) => Some(b),
+        (Some(CacheSize::Experts(n)), Some(path)) => {
             let sizes = smoe_engine::model_sizes(path).with_context(|| format!("open {}", path.display()))?;
             Some(n as u64 * sizes.slot_bytes)
         }
+        (Some(CacheSize::Experts(_)), None) => bail!("--gpu-cache takes a size such as 20GiB here: models differ in expert size"),
     };
     Ok(smoe_cuda::CudaOptions { expert_bytes })
 }

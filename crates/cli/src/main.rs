@@ -333,10 +333,7 @@ fn run(cli: Cli) -> Result<()> {
             fleet.max_sessions = sessions;
             fleet.open = model.options(smoe_engine::Precision::Fast, ctx);
             // The device is chosen once at start; each model then opens its own backend on it.
-            if let Some(smoe_engine::CacheSize::Experts(_)) = model.gpu_cache {
-                anyhow::bail!("--gpu-cache for serve takes a size such as 20GiB: models differ in expert size");
-            }
-            let gpu_opts = device::cuda_options(model.gpu_cache, std::path::Path::new(""))?;
+            let gpu_opts = device::cuda_options(model.gpu_cache, None)?;
             match model.device.choose(&gpu_opts)? {
                 (device::Chosen::Cpu, line) => eprintln!("{line}"),
                 (device::Chosen::Cuda(b), line) => {

@@ -315,36 +315,63 @@ impl CudaBackend {
         }
     }
 
+    /// An empty device slice: what a buffer of no elements, or one whose allocation failed
+    /// (the fault is kept), holds.
+    fn empty<T>(&self) -> CudaSlice<T> {
+        self.stream.null().expect("an empty device slice needs no memory")
+    }
+
+    /// A copy of `values` in VRAM (empty when there are none, or after a fault).
+    fn upload_new<T: DeviceRepr>(&self, op: &str, values: &[T]) -> CudaSlice<T> {
+        let data = if self.faulted() || values.is_empty() { None } else { self.ok(op, self.stream.clone_htod(values)) };
+        data.unwrap_or_else(|| self.empty())
+    }
+
     fn alloc_f32(&self, op: &str, len: usize) -> Option<CudaSlice<f32>> {
         self.ok(op, self.stream.alloc_zeros::<f32>(len.max(1)))
     }
 
-    /// Queues a copy of host values to the GPU (see [`Staging`]) and returns their device
-    /// address, valid for the kernels queued next.
-    fn stage<T: DeviceRepr>(&self, op: &str, values: &[T]) -> Option<u64> {
-        // SAFETY: `values` is a slice of plain data (DeviceRepr types: f32, i32); viewing its
-        // memory as bytes reads exactly its own bytes.
-        let raw = unsafe { std::slice::from_raw_parts(values.as_ptr() as *const u8, std::mem::size_of_val(values)) };
-        let r = self.staging.lock().expect("staging lock").stage(&self.stream, raw);
+    /// Queues a copy of `len` bytes written by `fill` to the GPU (see [`Staging`]) and returns
+    /// their device address, valid for the kernels queued next.
+    fn stage(&self, op: &str, len: usize, fill: impl FnOnce(&mut [u8])) -> Option<u64> {
+        let r = self.staging.lock().expect("staging lock").stage(&self.stream, len, fill);
         self.ok(op, r)
+    }
+
+    /// [`Self::stage`] of f32 values, back to back.
+    fn stage_f32(&self, op: &str, parts: &[&[f32]]) -> Option<u64> {
+        let len = parts.iter().map(|p| 4 * p.len()).sum();
+        self.stage(op, len, |dst| {
+            for (d, v) in dst.chunks_exact_mut(4).zip(parts.iter().flat_map(|p| p.iter())) {
+                d.copy_from_slice(&v.to_ne_bytes());
+            }
+        })
+    }
+
+    /// [`Self::stage`] of indices as the kernels' 32-bit ints.
+    fn stage_i32(&self, op: &str, values: impl ExactSizeIterator<Item = usize>) -> Option<u64> {
+        self.stage(op, 4 * values.len(), |dst| {
+            for (d, v) in dst.chunks_exact_mut(4).zip(values) {
+                d.copy_from_slice(&(v as i32).to_ne_bytes());
+            }
+        })
     }
 
     /// Runs products, one launch per format and kind (mat-vec or tiled) and per
     /// [`MAX_JOBS`]: `jobs` pairs each job's format with its table entry.
-    fn products(&self, jobs: &[(Format, Job)], x: u64, xs: usize, out: u64, os: usize) {
-        let mut order: Vec<usize> = (0..jobs.len()).collect();
-        order.sort_by_key(|&i| (jobs[i].0, jobs[i].1.n as usize > MV_TOKENS));
-        let key = |i: usize| (jobs[i].0, jobs[i].1.n as usize > MV_TOKENS);
+    fn products(&self, jobs: &mut [(Format, Job)], x: u64, xs: usize, out: u64, os: usize) {
+        let key = |j: &(Format, Job)| (j.0, j.1.n as usize > MV_TOKENS);
+        jobs.sort_by_key(key);
         let mut start = 0;
-        while start < order.len() {
-            let k0 = key(order[start]);
+        while start < jobs.len() {
+            let k0 = key(&jobs[start]);
             let mut end = start;
-            while end < order.len() && end - start < MAX_JOBS && key(order[end]) == k0 {
+            while end < jobs.len() && end - start < MAX_JOBS && key(&jobs[end]) == k0 {
                 end += 1;
             }
             let mut table = Jobs { count: (end - start) as i32, pad: 0, job: [Job::default(); MAX_JOBS] };
-            for (slot, &i) in order[start..end].iter().enumerate() {
-                table.job[slot] = jobs[i].1;
+            for (slot, j) in jobs[start..end].iter().enumerate() {
+                table.job[slot] = j.1;
             }
             let batch = &table.job[..end - start];
             let max_rows = batch.iter().map(|j| j.rows as usize).max().unwrap_or(0);
@@ -427,8 +454,7 @@ impl CudaBackend {
         if rows.is_empty() {
             return;
         }
-        let idx: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
-        let Some(ip) = self.stage("move rows", &idx) else { return };
+        let Some(ip) = self.stage_i32("move rows", rows.iter().copied()) else { return };
         let (s, d) = (dptr(&src.data, &self.stream), dptr(&dst.data, &self.stream));
         let (dim_i, count, sc) = (dim as i32, rows.len() as i32, scatter as i32);
         let mut a = self.stream.launch_builder(&self.k.move_rows);
@@ -462,33 +488,15 @@ impl Backend for CudaBackend {
 
     fn matrix(&self, region: &Arc<Vec<u8>>, offset: usize, format: Format, rows: usize, cols: usize) -> CudaMatrix {
         let row_bytes = format.row_bytes(cols).expect("validated by the vault reader");
-        let bytes = &region[offset..offset + rows * row_bytes];
-        let data = if self.faulted() {
-            None
-        } else {
-            let r = self.stream.clone_htod(if bytes.is_empty() { &[0u8][..] } else { bytes });
-            self.ok("loading weights", r)
-        };
-        let data = data.unwrap_or_else(|| self.stream.null().expect("an empty device slice"));
+        let data = self.upload_new("loading weights", &region[offset..offset + rows * row_bytes]);
         CudaMatrix { data, format, rows, cols, row_bytes }
     }
     fn vector(&self, v: &[f32]) -> CudaVector {
-        let data = if self.faulted() {
-            None
-        } else {
-            self.ok("loading weights", self.stream.clone_htod(if v.is_empty() { &[0f32][..] } else { v }))
-        };
-        CudaVector { data: data.unwrap_or_else(|| self.stream.null().expect("an empty device slice")), len: v.len() }
+        CudaVector { data: self.upload_new("loading weights", v), len: v.len() }
     }
     fn buf(&self, name: &'static str, len: usize) -> CudaBuf {
-        let data = if self.faulted() { None } else { self.alloc_f32(name, len) };
-        let mut data = data.unwrap_or_else(|| self.stream.null().expect("an empty device slice"));
-        if data.len() > len {
-            // `alloc_f32` rounds an empty buffer up to one float; the buffer's length is the
-            // caller's.
-            data = self.stream.null().expect("an empty device slice");
-        }
-        CudaBuf { name, data }
+        let data = if self.faulted() || len == 0 { None } else { self.ok(name, self.stream.alloc_zeros::<f32>(len)) };
+        CudaBuf { name, data: data.unwrap_or_else(|| self.empty()) }
     }
     fn kv_cache(&self, layers: &[KvShape]) -> CudaKvCache {
         CudaKvCache { layers: layers.iter().map(|&shape| KvLayer { shape, k: None, v: None, cap: 0, len: 0 }).collect() }
@@ -533,8 +541,7 @@ impl Backend for CudaBackend {
         if let Some(&bad) = ids.iter().find(|&&i| i as usize >= table.rows) {
             panic!("embed: token {bad} outside a table of {} rows", table.rows);
         }
-        let ids: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
-        let Some(ip) = self.stage("embed", &ids) else { return };
+        let Some(ip) = self.stage_i32("embed", ids.iter().map(|&i| i as usize)) else { return };
         let (t, o) = (dptr(&table.data, &self.stream), dptr(&out.data, &self.stream));
         let (rb, cols) = (table.row_bytes as u64, table.cols as i32);
         let mut a = self.stream.launch_builder(&self.k.format(table.format).embed);
@@ -551,7 +558,7 @@ impl Backend for CudaBackend {
         check("matmul", out, n, m);
         let wp = dptr(&w.data, &self.stream) + (r0 * w.row_bytes) as u64;
         let job = Self::job(wp, w.row_bytes, m, w.cols, 0, n, 0, 0);
-        self.products(&[(w.format, job)], dptr(&x.data, &self.stream), w.cols, dptr(&out.data, &self.stream), m);
+        self.products(&mut [(w.format, job)], dptr(&x.data, &self.stream), w.cols, dptr(&out.data, &self.stream), m);
     }
     fn matmul_many(&self, jobs: &[MatJob<'_, CudaMatrix>], x: &CudaBuf, x_stride: usize, out: &mut CudaBuf, out_stride: usize) {
         if self.faulted() {
@@ -591,7 +598,7 @@ impl Backend for CudaBackend {
             table.push((fmt, Self::job(wp, row_bytes, rows, cols, j.x_row, j.n, j.out_row, j.out_col)));
         }
         drop(experts);
-        self.products(&table, dptr(&x.data, &self.stream), x_stride, dptr(&out.data, &self.stream), out_stride);
+        self.products(&mut table, dptr(&x.data, &self.stream), x_stride, dptr(&out.data, &self.stream), out_stride);
     }
     fn matmul_t(&self, w: &CudaMatrix, r0: usize, m: usize, x: &CudaBuf, x_stride: usize, x_off: usize, n: usize, out: &mut CudaBuf) {
         if self.faulted() || n == 0 {
@@ -697,10 +704,8 @@ impl Backend for CudaBackend {
         }
         let half = cos.len() / n;
         check_rows("rope", x, 0, n, stride, off, (heads - 1) * head_stride + 2 * half);
-        let mut cs = Vec::with_capacity(2 * n * half);
-        cs.extend_from_slice(&cos[..n * half]);
-        cs.extend_from_slice(&sin[..n * half]);
-        let Some(cp) = self.stage("rope", &cs) else { return };
+        // The kernel reads the cosines, then the sines, from one staged table.
+        let Some(cp) = self.stage_f32("rope", &[&cos[..n * half], &sin[..n * half]]) else { return };
         let xp = dptr(&x.data, &self.stream);
         let (n_i, s, o, h, hs, hf, il) =
             (n as i32, stride as i32, off as i32, heads as i32, head_stride as i32, half as i32, interleaved as i32);
@@ -754,7 +759,7 @@ impl Backend for CudaBackend {
         check("add_weighted_slots input", src, n * k, dim);
         check("add_weighted_slots", out, n, dim);
         assert!(weights.len() >= n * k, "add_weighted_slots: {} weights for {n} tokens of {k}", weights.len());
-        let Some(wp) = self.stage("add_weighted_slots", &weights[..n * k]) else { return };
+        let Some(wp) = self.stage_f32("add_weighted_slots", &[&weights[..n * k]]) else { return };
         let (s, o) = (dptr(&src.data, &self.stream), dptr(&out.data, &self.stream));
         let (d, n_i, k_i) = (dim as i32, n as i32, k as i32);
         let mut a = self.stream.launch_builder(&self.k.add_weighted_slots);
@@ -766,7 +771,7 @@ impl Backend for CudaBackend {
             return;
         }
         check("scale_rows", x, s.len(), dim);
-        let Some(sp) = self.stage("scale_rows", s) else { return };
+        let Some(sp) = self.stage_f32("scale_rows", &[s]) else { return };
         let xp = dptr(&x.data, &self.stream);
         let (d, n) = (dim as i32, s.len() as i32);
         let mut a = self.stream.launch_builder(&self.k.scale_rows);
@@ -863,6 +868,5 @@ impl Drop for CudaBackend {
                 eprintln!("  {op:<24} {n:>9} {secs:>9.3} {:>9.1}", secs * 1e6 / n.max(1) as f64);
             }
         }
-        let _ = &self.ctx;
     }
 }

@@ -7,8 +7,8 @@ in one line why no GPU is usable instead of failing at start or at link time. Ke
 C compiled by NVRTC for the device's own architecture at first use; no CUDA toolkit is needed
 where smoe runs.
 
-[`CudaBackend`] is the engine's backend on one GPU; [`Gpu`] is the bare device with a few
-kernels, for tests and bandwidth probes.
+[`CudaBackend`] is the engine's backend on one GPU; [`Gpu`] is the bare device with the Q8_0
+bandwidth probe kernel (`examples/matvec_bandwidth.rs`).
 */
 #![deny(missing_docs)]
 
@@ -171,13 +171,11 @@ pub fn copy_bandwidth(ordinal: usize, bytes: usize) -> Result<(f64, f64), String
     Ok((pageable, locked))
 }
 
-/// One GPU with its stream and compiled kernels.
+/// One GPU with its stream and the bandwidth probe kernel.
 pub struct Gpu {
     /// What the driver says of it.
     pub info: DeviceInfo,
     stream: Arc<CudaStream>,
-    rms_norm: CudaFunction,
-    silu_mul: CudaFunction,
     matvec_q8_0: CudaFunction,
 }
 
@@ -201,46 +199,7 @@ impl Gpu {
         let ptx = compile_kernels(info.compute_capability)?;
         let module = ctx.load_module(ptx).map_err(|e| format!("loading the kernels: {e}"))?;
         let load = |name: &str| module.load_function(name).map_err(|e| format!("kernel {name}: {e}"));
-        Ok(Gpu {
-            stream: ctx.default_stream(),
-            rms_norm: load("rms_norm")?,
-            silu_mul: load("silu_mul")?,
-            matvec_q8_0: load("matvec_q8_0")?,
-            info,
-        })
-    }
-
-    /// `n` rows of `dim` normalised by their RMS and scaled by `w`, computed on the GPU.
-    pub fn rms_norm(&self, x: &[f32], w: &[f32], n: usize, dim: usize, eps: f32) -> Result<Vec<f32>, String> {
-        assert!(x.len() >= n * dim && w.len() >= dim, "rms_norm: {} floats for {n} rows of {dim}, {} weights", x.len(), w.len());
-        let err = |e: cudarc::driver::DriverError| format!("rms_norm: {e}");
-        let xd = self.stream.clone_htod(&x[..n * dim]).map_err(err)?;
-        let wd = self.stream.clone_htod(&w[..dim]).map_err(err)?;
-        let mut out = self.stream.alloc_zeros::<f32>(n * dim).map_err(err)?;
-        let (dim_i, zero) = (dim as i32, 0i32);
-        let cfg = LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        let mut launch = self.stream.launch_builder(&self.rms_norm);
-        launch.arg(&xd).arg(&dim_i).arg(&zero).arg(&wd).arg(&mut out).arg(&dim_i).arg(&zero).arg(&dim_i).arg(&eps);
-        // SAFETY: the arguments match the kernel's signature (input, its row stride and offset,
-        // weights, output, its stride and offset, int, float) and every index it touches is
-        // below n*dim (one block per row of dim, threads striding within the row).
-        unsafe { launch.launch(cfg) }.map_err(err)?;
-        self.stream.clone_dtoh(&out).map_err(err)
-    }
-
-    /// `silu(g) * u` element-wise, computed on the GPU.
-    pub fn silu_mul(&self, g: &[f32], u: &[f32]) -> Result<Vec<f32>, String> {
-        assert_eq!(g.len(), u.len(), "silu_mul: operands differ in length");
-        let err = |e: cudarc::driver::DriverError| format!("silu_mul: {e}");
-        let mut gd = self.stream.clone_htod(g).map_err(err)?;
-        let ud = self.stream.clone_htod(u).map_err(err)?;
-        let n = g.len() as i32;
-        let mut launch = self.stream.launch_builder(&self.silu_mul);
-        launch.arg(&mut gd).arg(&ud).arg(&n);
-        // SAFETY: arguments match the kernel (float*, const float*, int); the kernel guards
-        // i < n and both buffers hold n floats.
-        unsafe { launch.launch(LaunchConfig::for_num_elems(g.len() as u32)) }.map_err(err)?;
-        self.stream.clone_dtoh(&gd).map_err(err)
+        Ok(Gpu { stream: ctx.default_stream(), matvec_q8_0: load("matvec_q8_0")?, info })
     }
 
     /// Copies a Q8_0 matrix (`rows` rows of `cols`, 34 bytes per 32 values) to VRAM.

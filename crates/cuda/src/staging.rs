@@ -34,10 +34,11 @@ impl Staging {
         self.off = 0;
     }
 
-    /// Queues a copy of `bytes` to the device and returns its device address, valid for kernels
-    /// queued next on `stream`.
-    pub(crate) fn stage(&mut self, stream: &Arc<CudaStream>, bytes: &[u8]) -> Result<u64, DriverError> {
-        let need = bytes.len().max(1);
+    /// Queues a copy of `len` bytes, written into the ring by `fill`, to the device and returns
+    /// their device address, valid for kernels queued next on `stream`. Writing in place spares
+    /// an op its own host buffer (ids widened to i32, RoPE's cosines and sines side by side).
+    pub(crate) fn stage(&mut self, stream: &Arc<CudaStream>, len: usize, fill: impl FnOnce(&mut [u8])) -> Result<u64, DriverError> {
+        let need = len.max(1);
         if need > self.cap {
             stream.synchronize()?;
             self.release();
@@ -56,16 +57,15 @@ impl Staging {
         }
         let off = self.off;
         let dst = self.dev.as_ref().expect("allocated with the host ring").device_ptr(stream).0 + off as u64;
-        // SAFETY: `off + bytes.len() <= cap`, so the write stays inside the host ring; no copy
-        // still in flight reads these bytes (everything past `off` was synchronized or never
-        // used); and the ring is page-locked, so the asynchronous copy reads it after this
-        // call returns, in stream order, while it stays allocated (freed only after a
-        // synchronize).
+        // SAFETY: `off + len <= cap`, so the slice stays inside the host ring; no copy still in
+        // flight reads these bytes (everything past `off` was synchronized or never used); and
+        // the ring is page-locked, so the asynchronous copy reads it after this call returns, in
+        // stream order, while it stays allocated (freed only after a synchronize).
         unsafe {
-            std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.host.add(off), bytes.len());
-            let src = std::slice::from_raw_parts(self.host.add(off), bytes.len());
-            if !src.is_empty() {
-                result::memcpy_htod_async(dst, src, stream.cu_stream())?;
+            let host = std::slice::from_raw_parts_mut(self.host.add(off), len);
+            fill(host);
+            if len > 0 {
+                result::memcpy_htod_async(dst, &*host, stream.cu_stream())?;
             }
         }
         self.off = (off + need).next_multiple_of(16);
