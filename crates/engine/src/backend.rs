@@ -128,6 +128,13 @@ pub trait Backend: Send + Sync {
         None
     }
 
+    /// The host memory routed experts will be read from (`(address, bytes)` ranges, from
+    /// [`smoe_store::ExpertSource::host_memory`]), which stays allocated for as long as this
+    /// backend is used: a [`crate::Model`] owns both and drops the backend first. A backend that
+    /// copies experts to a device page-locks it, so that copies run at the bus's speed and
+    /// asynchronously; the CPU backend reads it where it is and ignores this.
+    fn use_host_memory(&self, _regions: &[(usize, usize)]) {}
+
     /// Makes a matrix from `rows x cols` elements in `format` at `offset` in `region` (the
     /// vault's dense region, shared so the CPU backend needs no copy).
     fn matrix(&self, region: &Arc<Vec<u8>>, offset: usize, format: Format, rows: usize, cols: usize) -> Self::Matrix;

@@ -217,6 +217,8 @@ impl<B: Backend> Model<B> {
         if let Some(fault) = backend.fault() {
             return Err(EngineError::Backend(format!("loading {} MiB of dense weights: {fault}", region.len() >> 20)));
         }
+        // Sound because the model owns the source and drops `backend` (declared first) before it.
+        backend.use_host_memory(&experts.host_memory());
         Ok(Model {
             embed,
             final_norm,

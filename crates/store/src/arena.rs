@@ -43,6 +43,11 @@ impl Arena {
         self.slots
     }
 
+    /// The whole allocation as `(address, bytes)`.
+    pub fn extent(&self) -> (usize, usize) {
+        (self.ptr.as_ptr() as usize, self.layout.size())
+    }
+
     /// Bytes per slot.
     pub fn slot_size(&self) -> usize {
         self.slot_size

@@ -175,4 +175,12 @@ pub trait ExpertSource: Send + Sync {
     /// Hint: these experts of decoder layer `layer` will probably be needed soon. Stores that
     /// read from disk may start reading them; the default ignores the hint.
     fn prefetch(&self, _layer: usize, _experts: &[u32]) {}
+
+    /// The host memory every view this source hands out lies in, as `(address, bytes)`
+    /// ranges that stay allocated for the source's lifetime: a backend that copies experts to
+    /// a device page-locks them, so that its copies run at the bus's speed and asynchronously.
+    /// The default names none.
+    fn host_memory(&self) -> Vec<(usize, usize)> {
+        Vec::new()
+    }
 }

@@ -104,4 +104,8 @@ impl ExpertSource for ResidentExperts {
     fn stats(&self) -> StoreStats {
         *self.stats.lock().unwrap()
     }
+
+    fn host_memory(&self) -> Vec<(usize, usize)> {
+        vec![(self.data.as_ptr() as usize, self.data.len())]
+    }
 }

@@ -493,6 +493,11 @@ impl ExpertSource for ExpertStore {
         StoreStats { queue_depth: inner.tuner.depth() as u32, ..inner.stats }
     }
 
+    /// The arena: every view is one of its slots.
+    fn host_memory(&self) -> Vec<(usize, usize)> {
+        vec![self.arena.extent()]
+    }
+
     fn prefetch(&self, layer: usize, experts: &[u32]) {
         self.prefetch_reads(layer, experts)
     }
