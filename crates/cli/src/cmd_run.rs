@@ -67,6 +67,11 @@ pub struct ModelArgs {
     /// up as they are used.
     #[arg(long)]
     pub gpu_cache: Option<CacheSize>,
+    /// On a GPU whose expert tier is full, where a decode step's missing experts are computed:
+    /// `copy` (up to VRAM, evicting others), `cpu` (by the CPU on the host copy, while the GPU
+    /// runs the others) or `auto` (whichever has measured faster on this machine).
+    #[arg(long, default_value = "auto")]
+    pub gpu_misses: smoe_cuda::MissMode,
 }
 
 impl ModelArgs {
@@ -83,6 +88,7 @@ impl ModelArgs {
             threads: None,
             device: crate::device::Device::Cpu,
             gpu_cache: None,
+            gpu_misses: smoe_cuda::MissMode::Auto,
         }
     }
 
@@ -111,7 +117,7 @@ impl ModelArgs {
     /// stderr) and hands it to `then`.
     pub fn open_on<W: OnEngine>(&self, vault: &Path, precision: Precision, ctx: Option<usize>, then: W) -> Result<W::Out> {
         exists(vault)?;
-        let (chosen, line) = self.device.choose(&crate::device::cuda_options(self.gpu_cache, Some(vault))?)?;
+        let (chosen, line) = self.device.choose(&crate::device::cuda_options(self.gpu_cache, self.gpu_misses, Some(vault))?)?;
         eprintln!("{line}");
         crate::device::open_on(chosen, vault, &self.options(precision, ctx), self.prefetch == "lookahead", then)
     }

@@ -70,7 +70,11 @@ pub trait OnEngine {
 
 /// The VRAM expert tier's size from `--gpu-cache`: a number of experts becomes bytes at the
 /// expert size of `model`; without one (serve: models differ) only a size is accepted.
-pub fn cuda_options(gpu_cache: Option<smoe_engine::CacheSize>, model: Option<&Path>) -> Result<smoe_cuda::CudaOptions> {
+pub fn cuda_options(
+    gpu_cache: Option<smoe_engine::CacheSize>,
+    misses: smoe_cuda::MissMode,
+    model: Option<&Path>,
+) -> Result<smoe_cuda::CudaOptions> {
     use smoe_engine::CacheSize;
     let expert_bytes = match (gpu_cache, model) {
         (None | Some(CacheSize::Auto) | Some(CacheSize::Resident), _) => None,
@@ -81,7 +85,7 @@ pub fn cuda_options(gpu_cache: Option<smoe_engine::CacheSize>, model: Option<&Pa
         }
         (Some(CacheSize::Experts(_)), None) => bail!("--gpu-cache takes a size such as 20GiB here: models differ in expert size"),
     };
-    Ok(smoe_cuda::CudaOptions { expert_bytes })
+    Ok(smoe_cuda::CudaOptions { expert_bytes, misses })
 }
 
 /// Opens `path` on the chosen backend and hands the engine to `then`.

@@ -4,7 +4,9 @@
 //! cache live in VRAM; every op is a kernel on one stream, so ops are ordered without events and
 //! the host waits only where the decoder downloads (router logits, final logits). Routed experts
 //! arrive as host views of the expert store's slots and are mirrored in a VRAM cache keyed by
-//! slot handle ([`crate::experts`]). Small host inputs of an op (row lists, mixing weights,
+//! slot handle ([`crate::experts`]); a batch's missing experts are copied on a second stream
+//! from page-locked host memory ([`crate::pinned`]) while the products of those already in VRAM
+//! run, joined to the compute stream by events. Small host inputs of an op (row lists, mixing weights,
 //! RoPE tables) go through a page-locked staging ring ([`crate::staging`]); batches of products pass their job table as a
 //! kernel parameter.
 //!
@@ -13,16 +15,20 @@
 //! turns into an error after loading and after each forward call.
 
 use crate::experts::{ExpertCache, ExpertStats};
+use crate::misses::{MissMode, MissPolicy, Route};
+use crate::pinned::PinnedHost;
 use crate::staging::Staging;
 use crate::{compile_kernels, DeviceInfo};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr, DriverError, LaunchArgs, LaunchConfig,
-    PushKernelArg,
+    sys, CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr, DriverError, LaunchArgs,
+    LaunchConfig, PushKernelArg,
 };
 use smoe_engine::backend::{check, check_rows, AttnParams, Backend, Extent, KvShape, MatJob, WeightRef};
-use smoe_quant::{Format, Layout};
+use smoe_engine::{CpuBackend, Precision};
+use smoe_quant::{Format, Layout, QMatrix};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 /// Products per launch: the job table is a kernel parameter (4 KiB at most).
 const MAX_JOBS: usize = 48;
@@ -64,10 +70,15 @@ pub struct CudaOptions {
     /// Bytes of VRAM for routed experts; `None`: what is free at the first expert product, less
     /// headroom for work buffers.
     pub expert_bytes: Option<u64>,
+    /// Where products of experts missing from VRAM run once the tier is full.
+    pub misses: MissMode,
 }
 
-/// The four kernels of one weight format.
+/// The kernels of one weight format.
 struct FormatKernels {
+    /// Mat-vec of one token (fewer registers, so more warps and loads in flight).
+    mv1: CudaFunction,
+    /// Mat-vec of up to [`MV_TOKENS`] tokens.
     mv: CudaFunction,
     mm: CudaFunction,
     mmt: CudaFunction,
@@ -116,6 +127,7 @@ impl Kernels {
                 Ok((
                     fmt,
                     FormatKernels {
+                        mv1: f(&format!("mv1_{n}"))?,
                         mv: f(&format!("mv_{n}"))?,
                         mm: f(&format!("mm_{n}"))?,
                         mmt: f(&format!("mmt_{n}"))?,
@@ -203,6 +215,15 @@ pub struct CudaBackend {
     k: Kernels,
     staging: Mutex<Staging>,
     experts: Mutex<ExpertCache>,
+    /// Expert copies host → VRAM: their own stream, so that they run beside the products
+    /// that do not need them.
+    copy_stream: Arc<CudaStream>,
+    /// The host expert memory, page-locked.
+    pinned: Mutex<PinnedHost>,
+    /// Copy or CPU for VRAM misses, from measured rates.
+    misses: Mutex<MissPolicy>,
+    /// The CPU backend that computes misses on the host copy, made at first use.
+    cpu: std::sync::OnceLock<CpuBackend>,
     /// `SMOE_CUDA_PROFILE=1`: every launch waited for and timed by kernel, printed at the end
     /// (launch plus run time, on a synchronized stream: for finding where time goes, not speed).
     profile: Option<Mutex<std::collections::HashMap<&'static str, (u64, f64)>>>,
@@ -234,13 +255,16 @@ impl CudaBackend {
     pub fn open(ordinal: usize, opts: &CudaOptions) -> Result<CudaBackend, String> {
         let info = crate::probe()?.into_iter().nth(ordinal).ok_or_else(|| format!("no GPU cuda:{ordinal}"))?;
         let ctx = CudaContext::new(ordinal).map_err(|e| format!("cuda:{ordinal}: {e}"))?;
-        // SAFETY: everything this backend allocates is used on its one stream, in order, so
-        // cudarc's cross-stream events are not needed (and would cost a record per use).
+        // SAFETY: everything this backend allocates is used on its compute stream, in order,
+        // except the expert copies, which `matmul_many` orders with explicit events; cudarc's
+        // per-buffer events are not needed (and would cost a record per use).
         unsafe { ctx.disable_event_tracking() };
         let ptx = compile_kernels(info.compute_capability)?;
         let module = ctx.load_module(ptx).map_err(|e| format!("loading the kernels: {e}"))?;
         let k = Kernels::load(&module)?;
         let stream = ctx.new_stream().map_err(|e| format!("cuda:{ordinal}: {e}"))?;
+        let copy_stream = ctx.new_stream().map_err(|e| format!("cuda:{ordinal}: {e}"))?;
+        let pinned = PinnedHost::new(ctx.clone());
         let experts = ExpertCache::new(opts.expert_bytes);
         let tensor_cores = info.compute_capability.0 >= 8 && std::env::var("SMOE_CUDA_PREFILL").as_deref() != Ok("simt");
         Ok(CudaBackend {
@@ -250,6 +274,10 @@ impl CudaBackend {
             k,
             staging: Mutex::new(Staging::new()),
             experts: Mutex::new(experts),
+            copy_stream,
+            pinned: Mutex::new(pinned),
+            misses: Mutex::new(MissPolicy::new(opts.misses)),
+            cpu: std::sync::OnceLock::new(),
             tensor_cores,
             profile: std::env::var_os("SMOE_CUDA_PROFILE").map(|_| Mutex::new(Default::default())),
             faulted: AtomicBool::new(false),
@@ -360,7 +388,19 @@ impl CudaBackend {
     /// Runs products, one launch per format and kind (mat-vec or tiled) and per
     /// [`MAX_JOBS`]: `jobs` pairs each job's format with its table entry.
     fn products(&self, jobs: &mut [(Format, Job)], x: u64, xs: usize, out: u64, os: usize) {
-        let key = |j: &(Format, Job)| (j.0, j.1.n as usize > MV_TOKENS);
+        // Kind 0: one token (`mv1`), 1: a few (`mv`), 2: many (tiled). A job's kernel, and so its
+        // rounding, depends on its own token count only, never on the batch it came in: the
+        // same product gives the same bits whether its expert was in VRAM or just copied up.
+        let kind = |n: i32| {
+            if n == 1 {
+                0u8
+            } else if n as usize <= MV_TOKENS {
+                1
+            } else {
+                2
+            }
+        };
+        let key = |j: &(Format, Job)| (j.0, kind(j.1.n));
         jobs.sort_by_key(key);
         let mut start = 0;
         while start < jobs.len() {
@@ -378,7 +418,7 @@ impl CudaBackend {
             let max_n = batch.iter().map(|j| j.n as usize).max().unwrap_or(0);
             let fk = self.k.format(k0.0);
             let (xs_i, os_i) = (xs as i32, os as i32);
-            let (func, cfg) = if k0.1 {
+            let (func, cfg) = if k0.1 == 2 {
                 let grid = (max_rows.div_ceil(64) as u32, max_n.div_ceil(32) as u32, (end - start) as u32);
                 if self.tensor_cores {
                     let grid = (grid.0, max_n.div_ceil(64) as u32, grid.2);
@@ -387,19 +427,97 @@ impl CudaBackend {
                     (&fk.mm, LaunchConfig { grid_dim: grid, block_dim: (256, 1, 1), shared_mem_bytes: 0 })
                 }
             } else {
-                let grid = (max_rows.div_ceil(8) as u32, (end - start) as u32, 1);
-                (&fk.mv, LaunchConfig { grid_dim: grid, block_dim: (256, 1, 1), shared_mem_bytes: 0 })
+                // Four rows (warps) per block: MV_WARPS in kernels.cu.
+                let grid = (max_rows.div_ceil(4) as u32, (end - start) as u32, 1);
+                let func = if k0.1 == 0 { &fk.mv1 } else { &fk.mv };
+                (func, LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: 0 })
             };
             let mut a = self.stream.launch_builder(func);
             a.arg(&table).arg(&x).arg(&xs_i).arg(&out).arg(&os_i);
             let op = match (k0.1, self.tensor_cores) {
-                (false, _) => "products, mat-vec",
-                (true, true) => "products, tensor cores",
-                (true, false) => "products, tiled",
+                (0 | 1, _) => "products, mat-vec",
+                (_, true) => "products, tensor cores",
+                (_, false) => "products, tiled",
             };
             self.launch(a, cfg, op);
             start = end;
         }
+    }
+
+    /// Computes `missing` expert products with the CPU backend on their host copies: reads
+    /// their input rows back (on the copy stream, once `inputs` is reached, beside the products
+    /// already queued), multiplies on the host, and queues the results into `out` through the
+    /// staging ring, one strided copy per product.
+    fn misses_on_cpu(
+        &self,
+        missing: &[(&MatJob<'_, CudaMatrix>, &QMatrix<'_>)],
+        inputs: &CudaEvent,
+        x: &CudaBuf,
+        x_stride: usize,
+        out: &mut CudaBuf,
+        out_stride: usize,
+    ) {
+        let lo = missing.iter().map(|(j, _)| j.x_row).min().unwrap_or(0);
+        let hi = missing.iter().map(|(j, _)| j.x_row + j.n).max().unwrap_or(0);
+        let cols = missing.iter().map(|(_, q)| q.cols).max().unwrap_or(0);
+        // Rows lo..hi of x, the last one only as far as the products read.
+        let len = (hi - lo - 1) * x_stride + cols;
+        let mut xh = vec![0f32; len];
+        let src = dptr(&x.data, &self.stream) + (lo * x_stride * 4) as u64;
+        if self.ok("expert inputs", self.copy_stream.wait(inputs)).is_none() {
+            return;
+        }
+        // SAFETY: rows lo..hi of x at x_stride hold at least `len` floats (each job's rows were
+        // checked against x's extent), and the copy completes before the synchronize returns.
+        let r = unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut xh, src, self.copy_stream.cu_stream()) };
+        if self.ok("expert inputs", r).is_none() || self.ok("expert inputs", self.copy_stream.synchronize()).is_none() {
+            return;
+        }
+        let cpu = self.cpu.get_or_init(|| CpuBackend::new(Precision::Fast));
+        let mut xb = cpu.buf("expert inputs", len);
+        cpu.upload(&mut xb, &xh);
+        // Results packed: product k in rows at[k].. of a buffer `width` wide.
+        let width = missing.iter().map(|(_, q)| q.rows).max().unwrap_or(0);
+        let mut at = Vec::with_capacity(missing.len());
+        let mut rows = 0;
+        for (j, _) in missing {
+            at.push(rows);
+            rows += j.n;
+        }
+        let cjobs: Vec<MatJob<'_, <CpuBackend as Backend>::Matrix>> = missing
+            .iter()
+            .zip(&at)
+            .map(|((j, q), &r)| {
+                let WeightRef::Expert(_, handle) = j.w else { unreachable!("only experts miss") };
+                MatJob { w: WeightRef::Expert(**q, handle), x_row: j.x_row - lo, n: j.n, out_row: r, out_col: 0 }
+            })
+            .collect();
+        let mut ob = cpu.buf("expert outputs", rows * width);
+        cpu.matmul_many(&cjobs, &xb, x_stride, &mut ob, width);
+        let mut oh = vec![0f32; rows * width];
+        cpu.download(&ob, 0, &mut oh);
+        let Some(staged) = self.stage_f32("expert outputs", &[&oh]) else { return };
+        let dst = dptr(&out.data, &self.stream);
+        for ((j, q), &r) in missing.iter().zip(&at) {
+            self.copy_rows(staged, width, r * width, dst, out_stride, j.out_row * out_stride + j.out_col, q.rows, j.n);
+        }
+    }
+
+    /// Queues `copies` (device address, host bytes) on the copy stream after `after`, between
+    /// two timing events, which it returns.
+    fn upload_experts(&self, after: &CudaEvent, copies: &[(u64, &[u8])]) -> Option<(CudaEvent, CudaEvent)> {
+        let timed = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        self.ok("expert upload", self.copy_stream.wait(after))?;
+        let start = self.ok("expert upload", self.copy_stream.record_event(timed))?;
+        for &(dst, src) in copies {
+            // SAFETY: `dst` is a VRAM buffer of at least `src.len()` bytes that the expert cache
+            // allocated for this copy and keeps (pinned for this call); `src` stays valid until
+            // `matmul_many` returns, and it waits for the copy stream first.
+            let r = unsafe { cudarc::driver::result::memcpy_htod_async(dst, src, self.copy_stream.cu_stream()) };
+            self.ok("expert upload", r)?;
+        }
+        let end = self.ok("expert upload", self.copy_stream.record_event(timed))?;
+        Some((start, end))
     }
 
     fn job(w: u64, row_bytes: usize, rows: usize, cols: usize, x_row: usize, n: usize, out_row: usize, out_col: usize) -> Job {
@@ -475,7 +593,25 @@ impl Backend for CudaBackend {
         if e.hits + e.misses > 0 {
             d.push_str(&format!("; {e}"));
         }
+        let p = self.pinned.lock().expect("pinned lock");
+        if p.bytes > 0 {
+            d.push_str(&format!("; {:.1} GiB of host expert memory page-locked in {:.2} s", p.bytes as f64 / (1u64 << 30) as f64, p.secs));
+        }
+        if let Some(why) = &p.refused {
+            d.push_str(&format!("; {why}"));
+        }
+        let gbs = |r: Option<f64>| r.map_or("unmeasured".to_string(), |r| format!("{:.1} GB/s", r / 1e9));
+        let (copy, cpu) = self.misses.lock().expect("miss policy lock").rates();
+        if copy.is_some() || cpu.is_some() {
+            d.push_str(&format!("; misses served at: copy {}, CPU {}", gbs(copy), gbs(cpu)));
+        }
         d
+    }
+
+    fn use_host_memory(&self, regions: &[(usize, usize)]) {
+        let mut p = self.pinned.lock().expect("pinned lock");
+        p.register(regions);
+        self.experts.lock().expect("expert cache lock").set_pinned(p.bytes);
     }
 
     fn fault(&self) -> Option<String> {
@@ -564,7 +700,9 @@ impl Backend for CudaBackend {
         if self.faulted() {
             return;
         }
-        let mut table = Vec::with_capacity(jobs.len());
+        // Products whose weights are in VRAM already, and the expert products that miss.
+        let mut ready = Vec::with_capacity(jobs.len());
+        let mut missing: Vec<(&MatJob<'_, CudaMatrix>, &QMatrix<'_>)> = Vec::new();
         let mut experts = self.experts.lock().expect("expert cache lock");
         experts.begin_call();
         for j in jobs {
@@ -582,23 +720,81 @@ impl Backend for CudaBackend {
                         self.record("matmul_many", "an expert arrived interleaved; the CUDA backend reads rows as stored");
                         return;
                     }
-                    let row_bytes = q.format.row_bytes(q.cols).expect("a valid expert matrix");
-                    let ptr = match experts.device_copy(&self.stream, *handle, q.data) {
-                        Ok(p) => p,
-                        Err(e) => {
-                            self.record("expert upload", e);
-                            return;
-                        }
+                    check_rows("matmul_many input", x, j.x_row, j.n, x_stride, 0, q.cols);
+                    check_rows("matmul_many", out, j.out_row, j.n, out_stride, j.out_col, q.rows);
+                    let Some(ptr) = experts.lookup(&self.stream, *handle, q.data) else {
+                        missing.push((j, q));
+                        continue;
                     };
-                    (q.format, ptr, row_bytes, q.rows, q.cols)
+                    (q.format, ptr, q.format.row_bytes(q.cols).expect("a valid expert matrix"), q.rows, q.cols)
                 }
             };
             check_rows("matmul_many input", x, j.x_row, j.n, x_stride, 0, cols);
             check_rows("matmul_many", out, j.out_row, j.n, out_stride, j.out_col, rows);
-            table.push((fmt, Self::job(wp, row_bytes, rows, cols, j.x_row, j.n, j.out_row, j.out_col)));
+            ready.push((fmt, Self::job(wp, row_bytes, rows, cols, j.x_row, j.n, j.out_row, j.out_col)));
+        }
+        let (xp, op) = (dptr(&x.data, &self.stream), dptr(&out.data, &self.stream));
+        if missing.is_empty() {
+            drop(experts);
+            self.products(&mut ready, xp, x_stride, op, out_stride);
+            return;
+        }
+        let miss_bytes: u64 = missing.iter().map(|(_, q)| q.data.len() as u64).sum();
+        let room = match experts.room(&self.stream, miss_bytes) {
+            Ok(r) => r,
+            Err(e) => {
+                self.record("expert upload", e);
+                return;
+            }
+        };
+        let few = missing.iter().all(|(j, _)| j.n <= MV_TOKENS);
+        let route = self.misses.lock().expect("miss policy lock").choose(room, few);
+        // Copies: buffers for the misses now (in the compute stream's order), products once
+        // the copies land.
+        let (mut waiting, mut copies) = (Vec::new(), Vec::<(u64, &[u8])>::new());
+        if route == Route::Copy {
+            for &(j, q) in &missing {
+                let WeightRef::Expert(_, handle) = j.w else { unreachable!("only experts miss") };
+                let ptr = match experts.device_copy(&self.stream, handle, q.data) {
+                    Ok((p, _)) => p,
+                    Err(e) => {
+                        self.record("expert upload", e);
+                        return;
+                    }
+                };
+                if !copies.iter().any(|&(d, _)| d == ptr) {
+                    copies.push((ptr, q.data));
+                }
+                let row_bytes = q.format.row_bytes(q.cols).expect("a valid expert matrix");
+                waiting.push((q.format, Self::job(ptr, row_bytes, q.rows, q.cols, j.x_row, j.n, j.out_row, j.out_col)));
+            }
         }
         drop(experts);
-        self.products(&mut table, dptr(&x.data, &self.stream), x_stride, dptr(&out.data, &self.stream), out_stride);
+        // What the misses wait for: their buffers (copy route) or their inputs (CPU route),
+        // not the products of the experts already in VRAM, which run meanwhile.
+        let Some(before) = self.ok("expert upload", self.stream.record_event(None)) else { return };
+        self.products(&mut ready, xp, x_stride, op, out_stride);
+        if route == Route::Cpu {
+            let t = Instant::now();
+            self.misses_on_cpu(&missing, &before, x, x_stride, out, out_stride);
+            let secs = t.elapsed().as_secs_f64();
+            self.misses.lock().expect("miss policy lock").record(Route::Cpu, miss_bytes, secs);
+            self.experts.lock().expect("expert cache lock").computed_on_cpu(missing.len() as u64, miss_bytes, secs);
+            return;
+        }
+        let copied = self.upload_experts(&before, &copies);
+        let wait = Instant::now();
+        // The store reuses the host slots once this call returns: the copies must have read
+        // them by then, whatever else failed.
+        let synced = self.ok("expert upload", self.copy_stream.synchronize());
+        let Some((start, end)) = copied.filter(|_| synced.is_some()) else { return };
+        let gpu_secs = self.ok("expert upload", start.elapsed_ms(&end)).unwrap_or(0.0) as f64 / 1e3;
+        self.experts.lock().expect("expert cache lock").copied(gpu_secs, wait.elapsed().as_secs_f64());
+        let copied_bytes = copies.iter().map(|(_, b)| b.len() as u64).sum();
+        self.misses.lock().expect("miss policy lock").record(Route::Copy, copied_bytes, gpu_secs);
+        if self.ok("expert upload", self.stream.wait(&end)).is_some() {
+            self.products(&mut waiting, xp, x_stride, op, out_stride);
+        }
     }
     fn matmul_t(&self, w: &CudaMatrix, r0: usize, m: usize, x: &CudaBuf, x_stride: usize, x_off: usize, n: usize, out: &mut CudaBuf) {
         if self.faulted() || n == 0 {
@@ -860,6 +1056,7 @@ impl Drop for CudaBackend {
     fn drop(&mut self) {
         // Frees are stream-ordered: let them finish before the context may go.
         let _ = self.stream.synchronize();
+        let _ = self.copy_stream.synchronize();
         if let Some(p) = &self.profile {
             let mut rows: Vec<_> = p.lock().map(|p| p.iter().map(|(k, v)| (*k, *v)).collect()).unwrap_or_default();
             rows.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));

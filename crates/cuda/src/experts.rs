@@ -13,7 +13,6 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use smoe_store::SlotHandle;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
-use std::time::Instant;
 
 /// Counters of the VRAM expert tier.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -24,8 +23,18 @@ pub struct ExpertStats {
     pub misses: u64,
     /// Bytes copied host → device.
     pub uploaded_bytes: u64,
-    /// Seconds the copies took (they are synchronous from pageable memory).
+    /// Seconds the copies took on the GPU's copy engine (between events on the copy stream).
     pub upload_secs: f64,
+    /// Seconds the host waited for copies after queueing the products that did not need them.
+    pub upload_wait_secs: f64,
+    /// Bytes of host expert memory page-locked for copies (0: copies from pageable memory).
+    pub pinned_host_bytes: u64,
+    /// Expert products computed by the CPU on the host copy instead (VRAM misses not copied).
+    pub cpu_products: u64,
+    /// Bytes of weights those products read.
+    pub cpu_bytes: u64,
+    /// Seconds of those CPU batches, from reading the inputs back to queueing the results.
+    pub cpu_secs: f64,
     /// Bytes of experts in VRAM now.
     pub resident_bytes: u64,
     /// The tier's capacity in bytes (0 until sized at the first expert product).
@@ -37,14 +46,19 @@ impl std::fmt::Display for ExpertStats {
         let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
         write!(
             f,
-            "VRAM experts {:.0} of {:.0} MiB, {} hits, {} copies ({:.1} MiB in {:.3} s, {:.1} GB/s)",
+            "VRAM experts {:.0} of {:.0} MiB, {} hits, {} copies ({:.1} MiB in {:.3} s, {:.1} GB/s, from {}; host waited {:.3} s), {} products of misses on the CPU ({:.1} MiB in {:.3} s)",
             mib(self.resident_bytes),
             mib(self.capacity_bytes),
             self.hits,
             self.misses,
             mib(self.uploaded_bytes),
             self.upload_secs,
-            if self.upload_secs > 0.0 { self.uploaded_bytes as f64 / self.upload_secs / 1e9 } else { 0.0 }
+            if self.upload_secs > 0.0 { self.uploaded_bytes as f64 / self.upload_secs / 1e9 } else { 0.0 },
+            if self.pinned_host_bytes > 0 { "page-locked memory" } else { "pageable memory" },
+            self.upload_wait_secs,
+            self.cpu_products,
+            mib(self.cpu_bytes),
+            self.cpu_secs,
         )
     }
 }
@@ -53,6 +67,9 @@ struct Entry {
     load: u64,
     data: CudaSlice<u8>,
     used: u64,
+    /// The call (`ExpertCache::call`) whose copy filled it: until that call's copies are done,
+    /// a second use in the same call must wait for them too.
+    filled: u64,
 }
 
 /// Matrices in VRAM by (slot, host address), least recently used first in `lru`.
@@ -80,6 +97,53 @@ impl ExpertCache {
         ExpertStats { resident_bytes: self.bytes, capacity_bytes: self.cap.unwrap_or(0), ..self.stats }
     }
 
+    /// Adds the times of one batch of copies.
+    pub(crate) fn copied(&mut self, gpu_secs: f64, wait_secs: f64) {
+        self.stats.upload_secs += gpu_secs;
+        self.stats.upload_wait_secs += wait_secs;
+    }
+
+    /// Adds one batch of misses computed on the CPU.
+    pub(crate) fn computed_on_cpu(&mut self, products: u64, bytes: u64, secs: f64) {
+        self.stats.cpu_products += products;
+        self.stats.cpu_bytes += bytes;
+        self.stats.cpu_secs += secs;
+    }
+
+    /// The device address of `bytes` of `handle`'s slot if they are in VRAM, copied by an
+    /// earlier call (a hit, counted).
+    pub(crate) fn lookup(&mut self, stream: &Arc<CudaStream>, handle: SlotHandle, bytes: &[u8]) -> Option<u64> {
+        let key = (handle.slot, bytes.as_ptr() as usize);
+        let e = self.map.get(&key)?;
+        if e.load != handle.load || e.data.len() != bytes.len() || e.filled >= self.call {
+            return None;
+        }
+        self.stats.hits += 1;
+        self.touch(key);
+        Some(self.map[&key].data.device_ptr(stream).0)
+    }
+
+    /// Whether `need` more bytes fit without evicting anything.
+    pub(crate) fn room(&mut self, stream: &Arc<CudaStream>, need: u64) -> Result<bool, String> {
+        Ok(self.bytes + need <= self.capacity(stream)?)
+    }
+
+    /// The tier's capacity, sized from free VRAM at first use unless given.
+    fn capacity(&mut self, stream: &Arc<CudaStream>) -> Result<u64, String> {
+        if let Some(c) = self.cap {
+            return Ok(c);
+        }
+        let (free, _) = stream.context().mem_get_info().map_err(|e| e.to_string())?;
+        let c = (free as u64 + self.bytes).saturating_sub(HEADROOM);
+        self.cap = Some(c);
+        Ok(c)
+    }
+
+    /// Notes how much host expert memory is page-locked.
+    pub(crate) fn set_pinned(&mut self, bytes: u64) {
+        self.stats.pinned_host_bytes = bytes;
+    }
+
     /// Starts a batch of products: what it uses from here on is not evicted until the next.
     pub(crate) fn begin_call(&mut self) {
         self.clock += 1;
@@ -94,28 +158,22 @@ impl ExpertCache {
         self.lru.insert(self.clock, key);
     }
 
-    /// The device address of `bytes` (the matrix of `handle`'s slot at that host address),
-    /// copying them up on a miss.
-    pub(crate) fn device_copy(&mut self, stream: &Arc<CudaStream>, handle: SlotHandle, bytes: &[u8]) -> Result<u64, String> {
+    /// The device address of `bytes` (the matrix of `handle`'s slot at that host address) and
+    /// whether they are there already. On a miss the buffer is allocated (in `stream`'s order)
+    /// but not filled: the caller queues the copy of `bytes` to that address (see
+    /// `CudaBackend::matmul_many`) before any kernel reads it. A matrix copied earlier in the
+    /// same call is a hit that is not there yet (its copy is queued, once).
+    pub(crate) fn device_copy(&mut self, stream: &Arc<CudaStream>, handle: SlotHandle, bytes: &[u8]) -> Result<(u64, bool), String> {
         let key = (handle.slot, bytes.as_ptr() as usize);
         if let Some(e) = self.map.get(&key) {
             if e.load == handle.load && e.data.len() == bytes.len() {
                 self.stats.hits += 1;
                 self.touch(key);
                 let e = &self.map[&key];
-                return Ok(e.data.device_ptr(stream).0);
+                return Ok((e.data.device_ptr(stream).0, e.filled < self.call));
             }
         }
-        let cap = match self.cap {
-            Some(c) => c,
-            None => {
-                let (free, _) = stream.context().mem_get_info().map_err(|e| e.to_string())?;
-                let c = (free as u64 + self.bytes).saturating_sub(HEADROOM);
-                self.cap = Some(c);
-                c
-            }
-        };
-        let t = Instant::now();
+        let cap = self.capacity(stream)?;
         let data = match self.map.remove(&key) {
             // Refilled slot, same size: reuse the buffer.
             Some(e) if e.data.len() == bytes.len() => {
@@ -129,20 +187,20 @@ impl ExpertCache {
                     self.bytes -= e.data.len() as u64;
                 }
                 self.evict_for(bytes.len() as u64, cap);
-                stream.alloc_zeros::<u8>(bytes.len().max(1)).map_err(|e| format!("{e} with {} MiB of experts in VRAM", self.bytes >> 20))?
+                // SAFETY: an uninitialised device buffer of u8; the caller fills all of it
+                // (the copy of `bytes`) in stream order before any kernel reads it.
+                unsafe { stream.alloc::<u8>(bytes.len().max(1)) }
+                    .map_err(|e| format!("{e} with {} MiB of experts in VRAM", self.bytes >> 20))?
             }
         };
-        let mut data = data;
-        stream.memcpy_htod(bytes, &mut data.slice_mut(..bytes.len())).map_err(|e| e.to_string())?;
         self.stats.misses += 1;
         self.stats.uploaded_bytes += bytes.len() as u64;
-        self.stats.upload_secs += t.elapsed().as_secs_f64();
         self.bytes += data.len() as u64;
         let ptr = data.device_ptr(stream).0;
         self.clock += 1;
         self.lru.insert(self.clock, key);
-        self.map.insert(key, Entry { load: handle.load, data, used: self.clock });
-        Ok(ptr)
+        self.map.insert(key, Entry { load: handle.load, data, used: self.clock, filled: self.call });
+        Ok((ptr, false))
     }
 
     /// Evicts least recently used entries not pinned by the current call until `need` more

@@ -12,16 +12,49 @@ typedef unsigned long long u64;
 
 #define NEG_INF __int_as_float(0xff800000)
 
+// Half-precision values lie at even offsets in every format (scales included), so one 16-bit
+// load reads them.
 __device__ __forceinline__ float f16(const u8* p) {
-    u16 h = (u16)p[0] | ((u16)p[1] << 8);
+    u16 h = *(const u16*)p;
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
     return f;
 }
 
 __device__ __forceinline__ float bf16(const u8* p) {
-    return __uint_as_float(((u32)p[0] | ((u32)p[1] << 8)) << 16);
+    return __uint_as_float((u32)(*(const u16*)p) << 16);
 }
+
+// A small integer (|v| < 2^22) as f32, exactly: v added to the bits of 1.5 * 2^23 (whose unit in
+// the last place is 1), then 1.5 * 2^23 taken away. An integer add and a float add at full rate
+// instead of a conversion, which the SMs run at a quarter rate: decoding a quantized weight is
+// one conversion per value, and at that rate the conversions bounded the decode products.
+__device__ __forceinline__ float itof(int v) {
+    return __int_as_float(0x4B400000 + v) - 12582912.0f;
+}
+
+// `words` little-endian 32-bit words from 2-byte aligned p, by 16-bit loads: a lane reading a
+// block's quants as words instead of bytes issues a quarter (or half) of the loads, which the
+// decode products are short of (shared memory serves one load instruction per cycle).
+__device__ __forceinline__ void load_u16(const u8* p, u32* w, int words) {
+    const u16* h = (const u16*)p;
+#pragma unroll
+    for (int k = 0; k < words; k++) w[k] = (u32)h[2 * k] | ((u32)h[2 * k + 1] << 16);
+}
+
+// 32 bytes from p (2-byte aligned) as eight words, with 16-byte loads where p is 16-aligned:
+// for formats whose quants always are (Q4_K, Q5_K), so that a warp's lanes agree.
+__device__ __forceinline__ void load32(const u8* p, u32* w) {
+    if (((size_t)p & 15) == 0) {
+        uint4 a = ((const uint4*)p)[0], b = ((const uint4*)p)[1];
+        w[0] = a.x, w[1] = a.y, w[2] = a.z, w[3] = a.w, w[4] = b.x, w[5] = b.y, w[6] = b.z, w[7] = b.w;
+    } else {
+        load_u16(p, w, 8);
+    }
+}
+
+// Byte l of words w (l a compile-time constant after unrolling, so w stays in registers).
+#define BYTE(w, l) (((w)[(l) >> 2] >> (8 * ((l) & 3))) & 0xFF)
 
 // Q4_K / Q5_K: 6-bit scale and minimum of sub-block j from the 12 packed bytes.
 __device__ __forceinline__ void scale_min_k4(int j, const u8* q, float* sc, float* mn) {
@@ -64,18 +97,20 @@ __device__ __forceinline__ void group(const u8* row, int g, int cols, float* y) 
     } else if (F == 2) {  // Q4_0
         const u8* b = row + (size_t)g * 18;
         float d = f16(b);
+        u32 w[4];
+        load_u16(b + 2, w, 4);
 #pragma unroll
         for (int i = 0; i < 16; i++) {
-            y[i] = (float)((b[2 + i] & 0xF) - 8) * d;
-            y[i + 16] = (float)((b[2 + i] >> 4) - 8) * d;
+            y[i] = itof((int)(BYTE(w, i) & 0xF) - 8) * d;
+            y[i + 16] = itof((int)(BYTE(w, i) >> 4) - 8) * d;
         }
     } else if (F == 3) {  // Q4_1
         const u8* b = row + (size_t)g * 20;
         float d = f16(b), m = f16(b + 2);
 #pragma unroll
         for (int i = 0; i < 16; i++) {
-            y[i] = (float)(b[4 + i] & 0xF) * d + m;
-            y[i + 16] = (float)(b[4 + i] >> 4) * d + m;
+            y[i] = itof(b[4 + i] & 0xF) * d + m;
+            y[i + 16] = itof(b[4 + i] >> 4) * d + m;
         }
     } else if (F == 6 || F == 7) {  // Q5_0, Q5_1
         const u8* b = row + (size_t)g * (F == 6 ? 22 : 24);
@@ -88,14 +123,16 @@ __device__ __forceinline__ void group(const u8* row, int g, int cols, float* y) 
         for (int j = 0; j < 16; j++) {
             int x0 = (qs[j] & 0xF) | (((qh >> j) << 4) & 0x10);
             int x1 = (qs[j] >> 4) | ((qh >> (j + 12)) & 0x10);
-            y[j] = (float)(x0 - off) * d + m;
-            y[j + 16] = (float)(x1 - off) * d + m;
+            y[j] = itof(x0 - off) * d + m;
+            y[j + 16] = itof(x1 - off) * d + m;
         }
     } else if (F == 8) {  // Q8_0
         const u8* b = row + (size_t)g * 34;
         float d = f16(b);
+        u32 w[8];
+        load_u16(b + 2, w, 8);
 #pragma unroll
-        for (int i = 0; i < 32; i++) y[i] = (float)(signed char)b[2 + i] * d;
+        for (int i = 0; i < 32; i++) y[i] = itof((int)(w[i >> 2] << (24 - 8 * (i & 3))) >> 24) * d;
     } else if (F == 10) {  // Q2_K: 16 scale bytes, 64 quant bytes, d, dmin
         int sub = g & 7;
         const u8* b = row + (size_t)(g >> 3) * 84;
@@ -107,8 +144,8 @@ __device__ __forceinline__ void group(const u8* row, int g, int cols, float* y) 
         float d1 = d * (float)(s1 & 0xF), m1 = dmin * (float)(s1 >> 4);
 #pragma unroll
         for (int l = 0; l < 16; l++) {
-            y[l] = d0 * (float)((q[l] >> shift) & 3) - m0;
-            y[l + 16] = d1 * (float)((q[l + 16] >> shift) & 3) - m1;
+            y[l] = d0 * itof((q[l] >> shift) & 3) - m0;
+            y[l + 16] = d1 * itof((q[l + 16] >> shift) & 3) - m1;
         }
     } else if (F == 11) {  // Q3_K: 32 hmask bytes, 64 quant bytes, 12 scale bytes, d
         int sub = g & 7;
@@ -121,8 +158,8 @@ __device__ __forceinline__ void group(const u8* row, int g, int cols, float* y) 
         float d0 = d * scale_q3_k(2 * sub, b + 96), d1 = d * scale_q3_k(2 * sub + 1, b + 96);
 #pragma unroll
         for (int l = 0; l < 16; l++) {
-            y[l] = d0 * (float)(((q[l] >> shift) & 3) - ((hm[l] & m) ? 0 : 4));
-            y[l + 16] = d1 * (float)(((q[l + 16] >> shift) & 3) - ((hm[l + 16] & m) ? 0 : 4));
+            y[l] = d0 * itof(((q[l] >> shift) & 3) - ((hm[l] & m) ? 0 : 4));
+            y[l + 16] = d1 * itof(((q[l + 16] >> shift) & 3) - ((hm[l + 16] & m) ? 0 : 4));
         }
     } else if (F == 12 || F == 13) {  // Q4_K, Q5_K: d, dmin, 12 scale bytes, [32 high bits,] quants
         int sub = g & 7;
@@ -130,28 +167,31 @@ __device__ __forceinline__ void group(const u8* row, int g, int cols, float* y) 
         float d = f16(b), dmin = f16(b + 2), sc, mn;
         scale_min_k4(sub, b + 4, &sc, &mn);
         float dl = d * sc, ml = dmin * mn;
-        const u8* q = b + (F == 12 ? 16 : 48) + 32 * (sub >> 1);
-        const u8* qh = b + 16;
-        int hi = sub & 1;
+        u32 w[8], h[8];
+        load32(b + (F == 12 ? 16 : 48) + 32 * (sub >> 1), w);
+        if (F == 13) load32(b + 16, h);
+        int shift = 4 * (sub & 1);
 #pragma unroll
         for (int l = 0; l < 32; l++) {
-            int v = hi ? (q[l] >> 4) : (q[l] & 0xF);
-            if (F == 13) v += (qh[l] >> sub) & 1 ? 16 : 0;
-            y[l] = dl * (float)v - ml;
+            int v = (BYTE(w, l) >> shift) & 0xF;
+            if (F == 13) v += (BYTE(h, l) >> sub) & 1 ? 16 : 0;
+            y[l] = dl * itof(v) - ml;
         }
     } else if (F == 14) {  // Q6_K: 128 low-nibble bytes, 64 high-bit bytes, 16 scales, d
         int sub = g & 7, n = sub >> 2, k = sub & 3;
         const u8* b = row + (size_t)(g >> 3) * 210;
         float d = f16(b + 208);
-        const u8* ql = b + 64 * n + (k & 1) * 32;
-        const u8* qh = b + 128 + 32 * n;
         const signed char* sc = (const signed char*)(b + 192 + 8 * n + 2 * k);
         float d0 = d * (float)sc[0], d1 = d * (float)sc[1];
+        u32 wl[8], wh[8];
+        load_u16(b + 64 * n + (k & 1) * 32, wl, 8);
+        load_u16(b + 128 + 32 * n, wh, 8);
+        int shift = k >= 2 ? 4 : 0;
 #pragma unroll
         for (int l = 0; l < 32; l++) {
-            int lo = k >= 2 ? (ql[l] >> 4) : (ql[l] & 0xF);
-            int q = (lo | (((qh[l] >> (2 * k)) & 3) << 4)) - 32;
-            y[l] = (l < 16 ? d0 : d1) * (float)q;
+            int lo = (BYTE(wl, l) >> shift) & 0xF;
+            int q = (int)(lo | (((BYTE(wh, l) >> (2 * k)) & 3) << 4)) - 32;
+            y[l] = (l < 16 ? d0 : d1) * itof(q);
         }
     }
 }
@@ -174,84 +214,169 @@ struct Jobs {
 
 // Bytes of 32 consecutive groups (1024 values) of format F: the span a warp stages at once.
 template <int F>
-__device__ __forceinline__ int span32() {
-    switch (F) {
-        case 0: return 4096;
-        case 1: case 30: return 2048;
-        case 2: return 32 * 18;
-        case 3: return 32 * 20;
-        case 6: return 32 * 22;
-        case 7: return 32 * 24;
-        case 8: return 32 * 34;
-        case 10: return 4 * 84;
-        case 11: return 4 * 110;
-        case 12: return 4 * 144;
-        case 13: return 4 * 176;
-        default: return 4 * 210;  // 14: Q6_K
-    }
+__device__ constexpr int span32() {
+    return F == 0 ? 4096
+         : (F == 1 || F == 30) ? 2048
+         : F == 2 ? 32 * 18
+         : F == 3 ? 32 * 20
+         : F == 6 ? 32 * 22
+         : F == 7 ? 32 * 24
+         : F == 8 ? 32 * 34
+         : F == 10 ? 4 * 84
+         : F == 11 ? 4 * 110
+         : F == 12 ? 4 * 144
+         : F == 13 ? 4 * 176
+         : 4 * 210;  // 14: Q6_K
 }
 
-// Few tokens (decode): one warp per weight row. The warp copies 32 groups of the row at a time
-// into shared memory with wide, coalesced loads (blocks are only 2-byte aligned, and a lane
-// reading its own block byte by byte left the H200 at a fraction of its bandwidth), then each
-// lane decodes one group from there and multiplies it with up to eight tokens; grid (row
-// blocks of 8, jobs).
-#define MV_TOKENS 8
+// Starts copying `bytes` from global `src` into shared `dst` with the widest loads their
+// alignment allows. From compute 8.0 the copies are asynchronous (cp.async: no registers
+// held, the warp goes on decoding the previous span while they land; `mv_wait` waits);
+// before that, and for spans only 2-byte aligned, they are plain loads.
+__device__ __forceinline__ void mv_fetch(u8* dst, const u8* src, int bytes, int lane) {
+#if __CUDA_ARCH__ >= 800
+    u32 d = (u32)__cvta_generic_to_shared(dst);
+    if ((((size_t)src | bytes) & 15) == 0) {
+        for (int i = lane; i < bytes / 16; i += 32)
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d + 16 * i), "l"(src + 16 * i));
+        asm volatile("cp.async.commit_group;");
+        return;
+    }
+    if ((((size_t)src | bytes) & 3) == 0) {
+        for (int i = lane; i < bytes / 4; i += 32)
+            asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d + 4 * i), "l"(src + 4 * i));
+        asm volatile("cp.async.commit_group;");
+        return;
+    }
+    asm volatile("cp.async.commit_group;");  // an empty group keeps the count of groups uniform
+#else
+    if ((((size_t)src | bytes) & 15) == 0) {
+        for (int i = lane; i < bytes / 16; i += 32) ((uint4*)dst)[i] = ((const uint4*)src)[i];
+        return;
+    }
+    if ((((size_t)src | bytes) & 3) == 0) {
+        for (int i = lane; i < bytes / 4; i += 32) ((u32*)dst)[i] = ((const u32*)src)[i];
+        return;
+    }
+#endif
+    for (int i = lane; i < bytes / 2; i += 32) ((u16*)dst)[i] = ((const u16*)src)[i];
+}
+
+// Waits until at most `pending` of this thread's fetches are still in flight, then for the
+// whole warp (each lane copied part of every span).
+template <int pending>
+__device__ __forceinline__ void mv_wait() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;" ::"n"(pending));
+#endif
+    __syncwarp();
+}
+
+// Spans of format F a warp keeps in flight: about 4 KiB of its row (at least two spans), so
+// that each warp has several loads outstanding, not one span's.
 template <int F>
+__device__ constexpr int mv_ring() {
+    return span32<F>() >= 2048 ? 2 : (4096 / span32<F>() > 8 ? 8 : 4096 / span32<F>());
+}
+
+// Few tokens (decode): one warp per weight row, four rows per block. The warp stages 32 groups
+// of the row at a time in shared memory with wide, coalesced copies (blocks are only 2-byte
+// aligned, and a lane reading its own block byte by byte left the H200 at a fraction of its
+// bandwidth), keeping the next few spans in flight while it decodes this one (a ring of
+// `mv_ring` spans); each lane decodes one group from there and multiplies it with up to NT
+// tokens. NT is 1 for a single token: eight accumulators and their loops held 94 registers per
+// thread, which let only a quarter of the warps an SM can hold run, and with one span in flight
+// per warp, too few loads were outstanding to keep HBM busy. Grid (row blocks of 4, jobs).
+#define MV_TOKENS 8
+#define MV_WARPS 4
+template <int F, int NT>
 __device__ void mv(const Jobs& js, const float* x, int xs, float* out, int os) {
-    __shared__ __align__(16) u8 stage[8][4096];
+    constexpr int SPAN = span32<F>(), RING = mv_ring<F>();
+    __shared__ __align__(16) u8 stage[MV_WARPS][RING][SPAN];
+    // One token's input for the span, shared by the block's rows, one group per 33 floats: lane
+    // l reads value i of its group at l * 33 + i, a different bank for every lane. Read from
+    // global memory, each lane's 16-byte loads hit a 128-byte line of their own, and those
+    // loads, not the weights, bounded the products (their time did not change with the bytes
+    // of the format).
+    __shared__ float xg[NT == 1 ? 32 * 33 : 1];
     const Job& j = js.job[blockIdx.y];
-    int r = blockIdx.x * 8 + threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (r >= j.rows) return;
-    u8* sm = stage[threadIdx.x / 32];
-    const u8* row = (const u8*)j.w + (size_t)r * j.row_bytes;
+    if (blockIdx.x * MV_WARPS >= j.rows) return;  // the whole block: no one left to sync with
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int r = blockIdx.x * MV_WARPS + warp;
+    bool live = r < j.rows;  // a warp past the last row still stages input for the others
+    const u8* row = (const u8*)j.w + (size_t)(live ? r : 0) * j.row_bytes;
     const float* xr = x + (size_t)j.x_row * xs;
-    float acc[MV_TOKENS];
+    float acc[NT];
 #pragma unroll
-    for (int t = 0; t < MV_TOKENS; t++) acc[t] = 0.0f;
-    int groups = (j.cols + 31) / 32;
-    const int span = span32<F>();
+    for (int t = 0; t < NT; t++) acc[t] = 0.0f;
+    int groups = (j.cols + 31) / 32, spans = (groups + 31) / 32;
     float y[32];
-    for (int g0 = 0; g0 < groups; g0 += 32) {
-        const u8* src = row + (size_t)(g0 / 32) * span;
-        int bytes = min(span, (int)(j.row_bytes - (size_t)(g0 / 32) * span));
-        if ((((size_t)src | bytes) & 15) == 0) {
-            for (int i = lane; i < bytes / 16; i += 32) ((uint4*)sm)[i] = ((const uint4*)src)[i];
-        } else if ((((size_t)src | bytes) & 3) == 0) {
-            for (int i = lane; i < bytes / 4; i += 32) ((u32*)sm)[i] = ((const u32*)src)[i];
-        } else {
-            for (int i = lane; i < bytes / 2; i += 32) ((u16*)sm)[i] = ((const u16*)src)[i];
+    // Span c goes to slot c % RING; every step commits one group of copies (empty past the
+    // row's end), so "all but RING - 1 groups done" means span c has landed.
+#pragma unroll
+    for (int c = 0; c < RING - 1; c++) {
+        size_t at = (size_t)c * SPAN;
+        mv_fetch(stage[warp][c], row + at, live && c < spans ? min(SPAN, (int)(j.row_bytes - at)) : 0, lane);
+    }
+    for (int c = 0; c < spans; c++) {
+        int next = c + RING - 1;
+        size_t at = (size_t)next * SPAN;
+        mv_fetch(stage[warp][next % RING], row + at, live && next < spans ? min(SPAN, (int)(j.row_bytes - at)) : 0, lane);
+        if (NT == 1) {
+            __syncthreads();  // everyone is done with the previous span's input
+            for (int e = threadIdx.x; e < 1024; e += 32 * MV_WARPS) {
+                int col = 1024 * c + e;
+                xg[(e / 32) * 33 + e % 32] = col < j.cols ? xr[col] : 0.0f;
+            }
+            __syncthreads();
         }
-        __syncwarp();
-        int g = g0 + lane;
-        if (g < groups) {
-            group<F>(sm, lane, j.cols - 32 * g0, y);
-            int lim = min(32, j.cols - 32 * g);
+        mv_wait<RING - 1>();
+        int g = 32 * c + lane;
+        if (live && g < groups) {
+            group<F>(stage[warp][c % RING], lane, j.cols - 1024 * c, y);
+            if (NT == 1) {
+                // Summed in the order of the many-token branch below, so that a token's result
+                // does not depend on which kernel its batch got (zeros past the row's end on
+                // both sides: no bound to check).
+                const float* xv = xg + lane * 33;
+                float s = 0.0f;
+                if (!PARTIAL(F) && ((size_t)(xr + 32 * g) & 15) == 0) {
 #pragma unroll
-            for (int t = 0; t < MV_TOKENS; t++) {
-                if (t < j.n) {
-                    const float* xv = xr + (size_t)t * xs + 32 * g;
-                    float s = 0.0f;
-                    if (!PARTIAL(F) && ((size_t)xv & 15) == 0) {
-                        // Aligned input rows (every row of a stride that is a multiple of 4): 16-byte loads.
+                    for (int i = 0; i < 32; i += 4) s += y[i] * xv[i] + y[i + 1] * xv[i + 1] + y[i + 2] * xv[i + 2] + y[i + 3] * xv[i + 3];
+                } else {
 #pragma unroll
-                        for (int i = 0; i < 32; i += 4) {
-                            float4 v = *(const float4*)(xv + i);
-                            s += y[i] * v.x + y[i + 1] * v.y + y[i + 2] * v.z + y[i + 3] * v.w;
+                    for (int i = 0; i < 32; i++) s += y[i] * xv[i];
+                }
+                acc[0] += s;
+            } else {
+                int lim = min(32, j.cols - 32 * g);
+#pragma unroll
+                for (int t = 0; t < NT; t++) {
+                    if (t < j.n) {
+                        const float* xv = xr + (size_t)t * xs + 32 * g;
+                        float s = 0.0f;
+                        if (!PARTIAL(F) && ((size_t)xv & 15) == 0) {
+                            // Aligned input rows (every row of a stride that is a multiple of 4): 16-byte loads.
+#pragma unroll
+                            for (int i = 0; i < 32; i += 4) {
+                                float4 v = *(const float4*)(xv + i);
+                                s += y[i] * v.x + y[i + 1] * v.y + y[i + 2] * v.z + y[i + 3] * v.w;
+                            }
+                        } else {
+#pragma unroll
+                            for (int i = 0; i < 32; i++)
+                                if (!PARTIAL(F) || i < lim) s += y[i] * xv[i];
                         }
-                    } else {
-#pragma unroll
-                        for (int i = 0; i < 32; i++)
-                            if (!PARTIAL(F) || i < lim) s += y[i] * xv[i];
+                        acc[t] += s;
                     }
-                    acc[t] += s;
                 }
             }
         }
-        __syncwarp();
+        __syncwarp();  // the slot just read is refilled by the next step
     }
+    if (!live) return;
 #pragma unroll
-    for (int t = 0; t < MV_TOKENS; t++) {
+    for (int t = 0; t < NT; t++) {
         float a = acc[t];
         for (int o = 16; o > 0; o >>= 1) a += __shfl_down_sync(0xffffffff, a, o);
         if (lane == 0 && t < j.n) out[(size_t)(j.out_row + t) * os + j.out_col + r] = a;
@@ -435,7 +560,10 @@ __device__ void mt(const u8* w, u64 row_bytes, int m, int cols, const float* x, 
 
 #define FORMAT_KERNELS(name, id)                                                                      \
     extern "C" __global__ void mv_##name(const Jobs js, const float* x, int xs, float* out, int os) {  \
-        mv<id>(js, x, xs, out, os);                                                                   \
+        mv<id, MV_TOKENS>(js, x, xs, out, os);                                                        \
+    }                                                                                                 \
+    extern "C" __global__ void mv1_##name(const Jobs js, const float* x, int xs, float* out, int os) { \
+        mv<id, 1>(js, x, xs, out, os);                                                                \
     }                                                                                                 \
     extern "C" __global__ void mm_##name(const Jobs js, const float* x, int xs, float* out, int os) {  \
         mm<id>(js, x, xs, out, os);                                                                   \

@@ -14,10 +14,13 @@ bandwidth probe kernel (`examples/matvec_bandwidth.rs`).
 
 pub mod backend;
 mod experts;
+mod misses;
+mod pinned;
 mod staging;
 
 pub use backend::{CudaBackend, CudaOptions};
 pub use experts::ExpertStats;
+pub use misses::MissMode;
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use std::sync::Arc;
