@@ -73,6 +73,10 @@ enum Command {
         /// models/ggml-vocab-qwen2.gguf: the real Qwen2/Qwen3 vocabulary).
         #[arg(long, conflicts_with = "tokenizer")]
         vocab_gguf: Option<PathBuf>,
+        /// With --vault: write the quantized tensors as random valid blocks of realistic spread
+        /// instead of quantizing generated values (disk speed: seconds, not minutes, per 10 GB).
+        #[arg(long, requires = "vault")]
+        random_blocks: bool,
     },
     /// Write a vault as a GGUF file for llama.cpp, with the same quantized blocks.
     ExportGguf {
@@ -263,14 +267,14 @@ fn run(cli: Cli) -> Result<()> {
         Command::Shatter { input, out, experts, dense, threads } => {
             cmd_vault::run_shatter(&input, &out, experts, dense, threads).map(|_| ())
         }
-        Command::Synth { shape, out, vault, experts, dense, layers, seed, shard_gib, tokenizer, vocab_gguf } => {
+        Command::Synth { shape, out, vault, experts, dense, layers, seed, shard_gib, tokenizer, vocab_gguf, random_blocks } => {
             let tokenizer_json = match (tokenizer, vocab_gguf) {
                 (Some(p), _) => Some(std::fs::read_to_string(&p).map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?),
                 (None, Some(g)) => Some(smoe_formats::gguf::vocab::tokenizer_json(&smoe_formats::gguf::Gguf::open(&g)?.meta)?),
                 (None, None) => None,
             };
             let opts =
-                smoe_convert::synth::SynthOptions { layers, seed, shard_bytes: (shard_gib * (1u64 << 30) as f64) as u64, tokenizer_json };
+                smoe_convert::synth::SynthOptions { layers, seed, shard_bytes: (shard_gib * (1u64 << 30) as f64) as u64, tokenizer_json, random_blocks };
             if let Some(v) = vault {
                 let sh = smoe_convert::ShatterOptions { experts, dense, threads: None, fail_after_blobs: None };
                 let r = smoe_convert::synth::synth_vault(&shape, &v, &opts, &sh, &progress::CliProgress::new())?;

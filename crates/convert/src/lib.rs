@@ -12,6 +12,7 @@ This crate writes only: reading model files (GGUF, config.json, safetensors) is
 #![deny(missing_docs)]
 
 pub mod gguf;
+pub mod random_blocks;
 mod shatter;
 pub mod synth;
 

@@ -70,6 +70,12 @@ pub trait TensorProvider: Sync {
     fn read_rows(&self, name: &str, start: usize, n: usize, out: &mut [f32]) -> Result<(), ConvertError>;
     /// Bytes of source data (for progress).
     fn source_bytes(&self, name: &str) -> u64;
+    /// Rows `[start, start + n)` already in `format`, written into `dst` (whole rows), for a
+    /// source that makes blocks directly (`synth --random-blocks`); `None`: read the values and
+    /// quantize them (the default).
+    fn read_quantized(&self, _name: &str, _format: Format, _start: usize, _n: usize, _dst: &mut [u8]) -> Option<Result<(), ConvertError>> {
+        None
+    }
 }
 
 thread_local! {
@@ -245,8 +251,12 @@ fn convert(
             let n = chunk_rows.min(rows - r);
             f32buf.resize(n * cols, 0.0);
             qbuf.resize(n * row_bytes, 0);
-            ckpt.read_rows(&src_name, r, n, &mut f32buf)?;
-            quantize_rows(format, &f32buf, cols, &mut qbuf)?;
+            if let Some(done) = ckpt.read_quantized(&src_name, format, r, n, &mut qbuf) {
+                done?;
+            } else {
+                ckpt.read_rows(&src_name, r, n, &mut f32buf)?;
+                quantize_rows(format, &f32buf, cols, &mut qbuf)?;
+            }
             w.write_tensor_bytes(&qbuf)?;
             progress.advance(ckpt.source_bytes(&src_name) * n as u64 / rows as u64);
             r += n;
@@ -279,9 +289,12 @@ fn convert(
                         .iter()
                         .zip(&part_specs)
                         .map(|(n, (_, format, shape))| {
-                            let data = read_all(ckpt, n)?;
                             let row_bytes = format.row_bytes(shape[1]).map_err(|e| FormatError::Internal(e.to_string()))?;
                             let mut q = vec![0u8; row_bytes * shape[0]];
+                            if let Some(done) = ckpt.read_quantized(n, *format, 0, shape[0], &mut q) {
+                                return done.map(|()| q);
+                            }
+                            let data = read_all(ckpt, n)?;
                             for (d, s) in q.chunks_exact_mut(row_bytes).zip(data.chunks_exact(shape[1])) {
                                 smoe_quant::quantize(*format, s, d).map_err(|e| FormatError::Internal(e.to_string()))?;
                             }

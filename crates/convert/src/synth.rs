@@ -18,6 +18,7 @@ use rayon::prelude::*;
 use serde_json::{json, Value};
 use smoe_formats::hf::{self, hf_expert_names, hf_name};
 use smoe_formats::FormatError;
+use smoe_quant::Format;
 use smoe_vault::names;
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -302,6 +303,8 @@ pub struct SynthProvider {
     tensors: Vec<Planned>,
     index: std::collections::HashMap<String, usize>,
     seed: u64,
+    /// Write quantized tensors as random blocks (see [`crate::random_blocks`]).
+    random_blocks: bool,
 }
 
 impl crate::TensorProvider for SynthProvider {
@@ -319,6 +322,22 @@ impl crate::TensorProvider for SynthProvider {
     }
     fn source_bytes(&self, name: &str) -> u64 {
         self.shape(name).map_or(0, |s| s.iter().product::<usize>() as u64 * 2)
+    }
+    fn read_quantized(&self, name: &str, format: Format, start: usize, n: usize, dst: &mut [u8]) -> Option<Result<(), ConvertError>> {
+        if !self.random_blocks || !crate::random_blocks::supported(format) {
+            return None;
+        }
+        let &i = self.index.get(name)?;
+        let t = &self.tensors[i];
+        let cols = *t.shape.last()?;
+        let sigma = match t.init {
+            Init::Matrix { cols } => 1.0 / (cols as f32).sqrt(),
+            Init::Router { hidden } => 1.0 / (hidden as f32).sqrt(),
+            Init::Small(s) => s,
+            Init::Norm => return None,
+        };
+        crate::random_blocks::fill_rows(format, cols, sigma, self.seed, i as u64, start, &mut dst[..n * format.row_bytes(cols).ok()?]);
+        Some(Ok(()))
     }
 }
 
@@ -366,7 +385,7 @@ pub fn synth_vault_from_config(
 ) -> Result<crate::ShatterReport, ConvertError> {
     let tensors = plan(&cfg)?;
     let index = tensors.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
-    let provider = SynthProvider { tensors, index, seed: opts.seed };
+    let provider = SynthProvider { tensors, index, seed: opts.seed, random_blocks: opts.random_blocks };
     let tok = opts.tokenizer_json.clone().unwrap_or_else(|| FALLBACK_TOKENIZER.to_string());
     let text = smoe_vault::TextAssets {
         tokenizer_json: tok,
@@ -419,6 +438,10 @@ pub struct SynthOptions {
     pub shard_bytes: u64,
     /// A tokenizer.json to ship (default: the small byte-level BPE of the test fixtures).
     pub tokenizer_json: Option<String>,
+    /// Vaults only: write quantized tensors as random valid blocks of realistic spread, with no
+    /// values generated or quantized (disk speed; the vault then has no bf16 checkpoint of the
+    /// same seed behind it).
+    pub random_blocks: bool,
 }
 
 const FALLBACK_TOKENIZER: &str = include_str!("../../../testdata/hf/qwen3_moe/tokenizer.json");
@@ -541,7 +564,7 @@ mod tests {
     #[test]
     fn direct_vault_equals_safetensors_then_shatter() {
         let dir = tempfile::tempdir().unwrap();
-        let opts = SynthOptions { layers: None, seed: 5, shard_bytes: 1 << 16, tokenizer_json: None };
+        let opts = SynthOptions { layers: None, seed: 5, shard_bytes: 1 << 16, tokenizer_json: None, random_blocks: false };
         let sh = crate::ShatterOptions {
             experts: smoe_quant::Format::Q4_K,
             dense: smoe_quant::Format::Q8_0,
@@ -563,6 +586,46 @@ mod tests {
             assert_eq!(vb.dense(&d.name).unwrap().checksum, d.checksum, "{}", d.name);
         }
         assert_eq!(va.manifest().experts, vb.manifest().experts);
+    }
+
+    /// `--random-blocks`: the same tensors and layout as the quantizing path, with blocks whose
+    /// values have the spread the generated ones would (1/sqrt(cols)), and dense vectors (norms)
+    /// generated as before.
+    #[test]
+    fn random_blocks_make_the_same_vault_layout_with_the_same_spread() {
+        let dir = tempfile::tempdir().unwrap();
+        let sh = crate::ShatterOptions { experts: Format::Q4_K, dense: Format::Q8_0, threads: Some(2), fail_after_blobs: None };
+        let cfg: Value = serde_json::from_str(
+            &std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/hf/glm4_moe/config.json")).unwrap(),
+        )
+        .unwrap();
+        let opts = |random_blocks| SynthOptions { layers: None, seed: 5, shard_bytes: 1 << 16, tokenizer_json: None, random_blocks };
+        let (a, b) = (dir.path().join("a.smoe"), dir.path().join("b.smoe"));
+        synth_vault_from_config(cfg.clone(), &a, &opts(false), &sh, &crate::Silent).unwrap();
+        synth_vault_from_config(cfg, &b, &opts(true), &sh, &crate::Silent).unwrap();
+        let (va, vb) = (smoe_vault::Vault::open(&a).unwrap(), smoe_vault::Vault::open(&b).unwrap());
+        assert_eq!(va.manifest().experts.blob_size, vb.manifest().experts.blob_size);
+        assert_eq!(va.manifest().experts.parts, vb.manifest().experts.parts);
+        for d in &va.manifest().dense {
+            let e = vb.dense(&d.name).unwrap();
+            assert_eq!((e.format, &e.shape), (d.format, &d.shape), "{}", d.name);
+            // Norms are not quantized: generated as before, so identical.
+            if d.format == Format::F32 {
+                assert_eq!(e.checksum, d.checksum, "{}", d.name);
+            }
+        }
+        let spread = |v: &smoe_vault::Vault| {
+            let part = &v.manifest().experts.parts[0];
+            let mut blob = vec![0u8; v.manifest().experts.blob_size as usize];
+            let layer = v.manifest().experts.layers[0].layer;
+            v.read_blob(layer, 0, &mut blob).unwrap();
+            let bytes = &blob[part.offset as usize..(part.offset + part.len) as usize];
+            let mut x = vec![0f32; part.shape[0] * part.shape[1]];
+            smoe_quant::dequantize(part.format, bytes, &mut x).unwrap();
+            (x.iter().map(|x| x * x).sum::<f32>() / x.len() as f32).sqrt() * (part.shape[1] as f32).sqrt()
+        };
+        let (sa, sb) = (spread(&va), spread(&vb));
+        assert!((sb / sa - 1.0).abs() < 0.2, "expert spread {sb} against {sa} from quantized values");
     }
 
     #[test]
