@@ -72,6 +72,9 @@ pub struct CudaOptions {
     pub expert_bytes: Option<u64>,
     /// Where products of experts missing from VRAM run once the tier is full.
     pub misses: MissMode,
+    /// The precision of misses computed on the CPU (default: the fast int8-activation path;
+    /// the f32 reference lets a test compare the two routes exactly).
+    pub miss_precision: Option<Precision>,
 }
 
 /// The kernels of one weight format.
@@ -224,6 +227,7 @@ pub struct CudaBackend {
     misses: Mutex<MissPolicy>,
     /// The CPU backend that computes misses on the host copy, made at first use.
     cpu: std::sync::OnceLock<CpuBackend>,
+    miss_precision: Precision,
     /// `SMOE_CUDA_PROFILE=1`: every launch waited for and timed by kernel, printed at the end
     /// (launch plus run time, on a synchronized stream: for finding where time goes, not speed).
     profile: Option<Mutex<std::collections::HashMap<&'static str, (u64, f64)>>>,
@@ -278,6 +282,7 @@ impl CudaBackend {
             pinned: Mutex::new(pinned),
             misses: Mutex::new(MissPolicy::new(opts.misses)),
             cpu: std::sync::OnceLock::new(),
+            miss_precision: opts.miss_precision.unwrap_or(Precision::Fast),
             tensor_cores,
             profile: std::env::var_os("SMOE_CUDA_PROFILE").map(|_| Mutex::new(Default::default())),
             faulted: AtomicBool::new(false),
@@ -473,7 +478,7 @@ impl CudaBackend {
         if self.ok("expert inputs", r).is_none() || self.ok("expert inputs", self.copy_stream.synchronize()).is_none() {
             return;
         }
-        let cpu = self.cpu.get_or_init(|| CpuBackend::new(Precision::Fast));
+        let cpu = self.cpu.get_or_init(|| CpuBackend::new(self.miss_precision));
         let mut xb = cpu.buf("expert inputs", len);
         cpu.upload(&mut xb, &xh);
         // Results packed: product k in rows at[k].. of a buffer `width` wide.
