@@ -2,6 +2,7 @@
 
 mod cmd_bench;
 mod cmd_chat;
+mod cmd_replay;
 mod cmd_run;
 mod cmd_vault;
 mod device;
@@ -230,6 +231,18 @@ enum Command {
         #[command(flatten)]
         model: cmd_run::ModelArgs,
     },
+    /// Replay a routing trace through the expert cache's eviction policies and Belady's optimum.
+    Replay {
+        /// A safetensors file with `experts` of shape [texts, positions, layers, top_k]
+        /// (as in testdata/traces).
+        trace: PathBuf,
+        /// Cache size: a percentage of every (layer, expert) in the trace, or a number of slots.
+        #[arg(long, default_value = "25%")]
+        cache: String,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
     /// Measure this machine's memory read bandwidth (for the benchmark's physical limits).
     #[command(hide = true)]
     MemBandwidth {
@@ -273,8 +286,13 @@ fn run(cli: Cli) -> Result<()> {
                 (None, Some(g)) => Some(smoe_formats::gguf::vocab::tokenizer_json(&smoe_formats::gguf::Gguf::open(&g)?.meta)?),
                 (None, None) => None,
             };
-            let opts =
-                smoe_convert::synth::SynthOptions { layers, seed, shard_bytes: (shard_gib * (1u64 << 30) as f64) as u64, tokenizer_json, random_blocks };
+            let opts = smoe_convert::synth::SynthOptions {
+                layers,
+                seed,
+                shard_bytes: (shard_gib * (1u64 << 30) as f64) as u64,
+                tokenizer_json,
+                random_blocks,
+            };
             if let Some(v) = vault {
                 let sh = smoe_convert::ShatterOptions { experts, dense, threads: None, fail_after_blobs: None };
                 let r = smoe_convert::synth::synth_vault(&shape, &v, &opts, &sh, &progress::CliProgress::new())?;
@@ -365,6 +383,7 @@ fn run(cli: Cli) -> Result<()> {
             cmd_bench::run_bench(&vault, prompt_tokens, gen_tokens, chunk, reps, json, &model)
         }
         Command::MemBandwidth { threads, mib } => cmd_bench::mem_bandwidth(threads, mib),
+        Command::Replay { trace, cache, json } => cmd_replay::run(&trace, &cache, json),
         Command::Demo { model, prompt } => demo(model, &prompt),
     }
 }

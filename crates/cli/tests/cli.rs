@@ -238,3 +238,28 @@ fn device_auto_falls_back_to_the_cpu_and_says_so() {
     let bad = smoe(&args("tpu"));
     assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("unknown device 'tpu'"));
 }
+
+/// `smoe replay` on the bundled trained-MoE trace: Belady's optimum at a quarter of the
+/// experts is the trace README's 0.72, every policy lies below it, the default is named, and
+/// a file that is not a trace or a cache of no slots is refused with a message.
+#[test]
+fn replay_prints_each_policy_against_belady() {
+    let trace = root().join("testdata/traces/trained_moe_48x6.safetensors").display().to_string();
+    let v: serde_json::Value = serde_json::from_str(&ok(&smoe(&["replay", &trace, "--cache", "25%", "--json"]))).unwrap();
+    assert_eq!(v["cache_slots"], 72);
+    let best = v["belady"].as_f64().unwrap();
+    assert!((best - 0.72).abs() < 0.011, "{v}");
+    let policies = v["policies"].as_object().unwrap();
+    assert!(policies.contains_key(v["default"].as_str().unwrap()), "{v}");
+    for (name, h) in policies {
+        let h = h.as_f64().unwrap();
+        assert!(h > 0.3 && h <= best + 1e-9, "{name}: {h} against belady {best}");
+    }
+    let text = ok(&smoe(&["replay", &trace, "--cache", "36"]));
+    assert!(text.contains("36 slots") && text.contains("of optimal"), "{text}");
+    let not_a_trace = fixture("qwen3_moe") + "/model-00001-of-00008.safetensors";
+    let o = smoe(&["replay", &not_a_trace]);
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("no tensor `experts`"), "{o:?}");
+    let o = smoe(&["replay", &trace, "--cache", "0%"]);
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("percentage"), "{o:?}");
+}

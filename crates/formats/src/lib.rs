@@ -14,6 +14,7 @@ This crate reads only. Writing (vaults from checkpoints, GGUF export, synthetic 
 pub mod gguf;
 pub mod hf;
 pub mod safetensors;
+pub mod trace;
 
 use std::path::Path;
 

@@ -1,0 +1,125 @@
+//! Routing traces: which experts a model chose, per text, position and MoE layer, as a
+//! safetensors file with one integer tensor `experts` of shape `[texts, positions, layers,
+//! top_k]` (the layout of `testdata/traces`). Read for `smoe replay`, which runs them through the
+//! expert cache's eviction policies.
+
+use crate::FormatError;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+
+/// A routing trace.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RoutingTrace {
+    /// Texts, positions per text, MoE layers, experts per token.
+    pub shape: [usize; 4],
+    /// Expert ids in that order.
+    pub experts: Vec<u32>,
+}
+
+impl RoutingTrace {
+    /// The largest expert id plus one.
+    pub fn num_experts(&self) -> usize {
+        self.experts.iter().max().map_or(0, |&m| m as usize + 1)
+    }
+
+    /// The experts of (text, position, layer).
+    pub fn experts_at(&self, text: usize, pos: usize, layer: usize) -> &[u32] {
+        let [_, p, l, k] = self.shape;
+        let b = ((text * p + pos) * l + layer) * k;
+        &self.experts[b..b + k]
+    }
+}
+
+/// Reads `path`. Sizes are checked against the file before anything is allocated from them;
+/// negative or non-integer ids are refused with a message.
+pub fn read(path: &Path) -> Result<RoutingTrace, FormatError> {
+    let bad = |m: String| FormatError::BadInput(format!("{}: {m}", path.display()));
+    let file = File::open(path).map_err(|e| FormatError::io(path, e))?;
+    let file_len = file.metadata().map_err(|e| FormatError::io(path, e))?.len();
+    let mut n = [0u8; 8];
+    file.read_exact_at(&mut n, 0).map_err(|_| bad("too short for a safetensors header".into()))?;
+    let n = u64::from_le_bytes(n);
+    if n > 1 << 20 || 8 + n > file_len {
+        return Err(bad(format!("header length {n} is impossible")));
+    }
+    let mut header = vec![0u8; n as usize];
+    file.read_exact_at(&mut header, 8).map_err(|e| FormatError::io(path, e))?;
+    let v: serde_json::Value = serde_json::from_slice(&header).map_err(|e| bad(format!("header JSON: {e}")))?;
+    let t = v
+        .get("experts")
+        .ok_or_else(|| bad("no tensor `experts` (a routing trace has [texts, positions, layers, top_k] expert ids)".into()))?;
+    let size = match t.get("dtype").and_then(|d| d.as_str()) {
+        Some("I16") => 2,
+        Some("I32") => 4,
+        Some("I64") => 8,
+        other => return Err(bad(format!("`experts` has dtype {other:?}; a trace holds integers (I16, I32 or I64)"))),
+    };
+    let shape: Vec<u64> =
+        t.get("shape").and_then(|s| s.as_array()).map(|a| a.iter().filter_map(|x| x.as_u64()).collect()).unwrap_or_default();
+    let &[texts, pos, layers, k] = shape.as_slice() else {
+        return Err(bad(format!("`experts` has shape {shape:?}, not [texts, positions, layers, top_k]")));
+    };
+    let off = t.get("data_offsets").and_then(|o| o.as_array()).filter(|o| o.len() == 2);
+    let (start, end) = match off.map(|o| (o[0].as_u64(), o[1].as_u64())) {
+        Some((Some(s), Some(e))) if s <= e => (s, e),
+        _ => return Err(bad("`experts` has bad data_offsets".into())),
+    };
+    let elems = [texts, pos, layers, k].iter().try_fold(1u64, |a, &d| a.checked_mul(d)).ok_or_else(|| bad("shape overflows".into()))?;
+    if elems.checked_mul(size) != Some(end - start) || 8 + n + end > file_len {
+        return Err(bad(format!("`experts` data does not match shape {shape:?} or lies past the end of the file")));
+    }
+    if elems == 0 {
+        return Err(bad("the trace is empty".into()));
+    }
+    let mut raw = vec![0u8; (end - start) as usize];
+    file.read_exact_at(&mut raw, 8 + n + start).map_err(|e| FormatError::io(path, e))?;
+    let experts = raw
+        .chunks_exact(size as usize)
+        .map(|c| {
+            let mut b = [0u8; 8];
+            b[..c.len()].copy_from_slice(c);
+            // Sign-extend from the stored width.
+            let shift = 64 - 8 * c.len() as u32;
+            let v = (i64::from_le_bytes(b) << shift) >> shift;
+            u32::try_from(v).map_err(|_| bad(format!("expert id {v} is not an expert")))
+        })
+        .collect::<Result<Vec<u32>, _>>()?;
+    Ok(RoutingTrace { shape: [texts as usize, pos as usize, layers as usize, k as usize], experts })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(dir: &Path, header: &str, data: &[u8]) -> std::path::PathBuf {
+        let p = dir.join("t.safetensors");
+        let mut b = (header.len() as u64).to_le_bytes().to_vec();
+        b.extend_from_slice(header.as_bytes());
+        b.extend_from_slice(data);
+        std::fs::write(&p, b).unwrap();
+        p
+    }
+
+    #[test]
+    fn reads_the_bundled_trace_and_refuses_bad_ones() {
+        let t = read(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/traces/trained_moe_48x6.safetensors")).unwrap();
+        assert_eq!((t.shape[2], t.shape[3], t.num_experts()), (6, 6, 48));
+        assert_eq!(t.experts_at(0, 0, 0).len(), 6);
+        let dir = tempfile::tempdir().unwrap();
+        let ok = r#"{"experts":{"dtype":"I32","shape":[1,1,1,2],"data_offsets":[0,8]}}"#;
+        let good = write(dir.path(), ok, &[3, 0, 0, 0, 1, 0, 0, 0]);
+        assert_eq!(read(&good).unwrap().experts, vec![3, 1]);
+        for (header, data, want) in [
+            (r#"{"experts":{"dtype":"F32","shape":[1,1,1,2],"data_offsets":[0,8]}}"#, vec![0u8; 8], "dtype"),
+            (r#"{"experts":{"dtype":"I32","shape":[1,1,2],"data_offsets":[0,8]}}"#, vec![0u8; 8], "shape"),
+            (r#"{"experts":{"dtype":"I32","shape":[1,1,1,2],"data_offsets":[0,8]}}"#, vec![0u8; 4], "past the end"),
+            (r#"{"experts":{"dtype":"I64","shape":[4294967296,4294967296,1,1],"data_offsets":[0,8]}}"#, vec![0u8; 8], "overflows"),
+            (r#"{"experts":{"dtype":"I16","shape":[1,1,1,1],"data_offsets":[0,2]}}"#, vec![0xFF, 0xFF], "not an expert"),
+            (r#"{"other":{}}"#, vec![], "no tensor"),
+        ] {
+            let e = read(&write(dir.path(), header, &data)).unwrap_err().to_string();
+            assert!(e.contains(want), "{header}: {e}");
+        }
+    }
+}
