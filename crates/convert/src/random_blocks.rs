@@ -155,7 +155,18 @@ mod tests {
     /// near zero, the same for the same seed and different for another.
     #[test]
     fn random_blocks_decode_to_the_requested_spread() {
-        let formats = [Format::Q8_0, Format::Q4_0, Format::Q4_1, Format::Q5_0, Format::Q5_1, Format::Q2_K, Format::Q3_K, Format::Q4_K, Format::Q5_K, Format::Q6_K];
+        let formats = [
+            Format::Q8_0,
+            Format::Q4_0,
+            Format::Q4_1,
+            Format::Q5_0,
+            Format::Q5_1,
+            Format::Q2_K,
+            Format::Q3_K,
+            Format::Q4_K,
+            Format::Q5_K,
+            Format::Q6_K,
+        ];
         for f in formats {
             let (rows, cols, sigma) = (64, 512, 0.03f32);
             let mut a = vec![0u8; rows * f.row_bytes(cols).unwrap()];
