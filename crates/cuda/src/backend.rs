@@ -92,6 +92,7 @@ struct FormatKernels {
 struct Kernels {
     formats: Vec<(Format, FormatKernels)>,
     rms_norm: CudaFunction,
+    rms_norm_heads: CudaFunction,
     add: CudaFunction,
     silu_mul: CudaFunction,
     silu_mul_halves: CudaFunction,
@@ -143,6 +144,7 @@ impl Kernels {
         Ok(Kernels {
             formats,
             rms_norm: f("rms_norm")?,
+            rms_norm_heads: f("rms_norm_heads")?,
             add: f("add")?,
             silu_mul: f("silu_mul")?,
             silu_mul_halves: f("silu_mul_halves")?,
@@ -843,6 +845,19 @@ impl Backend for CudaBackend {
         let mut a = self.stream.launch_builder(&self.k.rms_norm);
         a.arg(&xp).arg(&s).arg(&o).arg(&wp).arg(&xp).arg(&s).arg(&o).arg(&d).arg(&eps);
         self.launch(a, LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }, "rms_norm_strided");
+    }
+    fn rms_norm_heads(&self, x: &mut CudaBuf, n: usize, stride: usize, off: usize, heads: usize, dim: usize, w: &CudaVector, eps: f32) {
+        if self.faulted() || n == 0 || heads == 0 {
+            return;
+        }
+        check_rows("rms_norm_heads", x, 0, n, stride, off, heads * dim);
+        assert!(w.len >= dim, "rms_norm_heads: {} weights for heads of {dim}", w.len);
+        let (xp, wp) = (dptr(&x.data, &self.stream), dptr(&w.data, &self.stream));
+        let (s, o, h, d) = (stride as i32, off as i32, heads as i32, dim as i32);
+        let mut a = self.stream.launch_builder(&self.k.rms_norm_heads);
+        a.arg(&xp).arg(&s).arg(&o).arg(&h).arg(&wp).arg(&d).arg(&eps);
+        let cfg = LaunchConfig { grid_dim: ((n * heads) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        self.launch(a, cfg, "rms_norm_heads");
     }
     fn add_bias(&self, x: &mut CudaBuf, n: usize, stride: usize, off: usize, b: &CudaVector) {
         if self.faulted() || n == 0 || b.len == 0 {

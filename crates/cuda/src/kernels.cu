@@ -628,6 +628,16 @@ extern "C" __global__ void rms_norm(const float* x, int xs, int xo, const float*
     for (int i = threadIdx.x; i < dim; i += blockDim.x) o[i] = w[i] * (row[i] * scale);
 }
 
+// In place over `heads` vectors of `dim` end to end from xo in each row (at xs): block r is
+// head r % heads of row r / heads.
+extern "C" __global__ void rms_norm_heads(float* x, int xs, int xo, int heads, const float* w, int dim, float eps) {
+    float* row = x + (size_t)(blockIdx.x / heads) * xs + xo + (size_t)(blockIdx.x % heads) * dim;
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) s += row[i] * row[i];
+    float scale = rsqrtf(block_sum(s) / dim + eps);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) row[i] = w[i] * (row[i] * scale);
+}
+
 extern "C" __global__ void add(float* x, const float* y, int len) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < len) x[i] += y[i];

@@ -177,6 +177,15 @@ pub trait Backend: Send + Sync {
     fn rms_norm(&self, x: &Self::Buf, n: usize, dim: usize, w: &Self::Vector, eps: f32, out: &mut Self::Buf);
     /// In place over `n` segments of `dim` that start every `stride` floats, at offset `off`.
     fn rms_norm_strided(&self, x: &mut Self::Buf, n: usize, stride: usize, off: usize, dim: usize, w: &Self::Vector, eps: f32);
+    /// [`Self::rms_norm_strided`] of `heads` vectors of `dim` lying end to end from `off` in
+    /// each of `n` rows, all with the weights `w`: a batch's per-head q or k norms in one call.
+    /// The default makes one call per head; a backend that pays per launch does it in one.
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm_heads(&self, x: &mut Self::Buf, n: usize, stride: usize, off: usize, heads: usize, dim: usize, w: &Self::Vector, eps: f32) {
+        for h in 0..heads {
+            self.rms_norm_strided(x, n, stride, off + h * dim, dim, w, eps);
+        }
+    }
     /// `x[t * stride + off..][..b.len()] += b` for `n` rows.
     fn add_bias(&self, x: &mut Self::Buf, n: usize, stride: usize, off: usize, b: &Self::Vector);
     /// `x[i] += y[i]` for the first `len` floats.

@@ -319,6 +319,24 @@ impl<B: Backend> Suite<'_, B> {
         }
         let got = self.read(&xb, n * stride);
         self.compare_elementwise("rms_norm_strided", "segments of 24 at 10 in rows of 50", &got, &want);
+        // Heads: three segments of 12 end to end from offset 7 of rows of 50.
+        let (heads, dim, off) = (3, 12, 7);
+        let g = self.values(dim);
+        let w = self.b.vector(&g);
+        let mut xb = self.buf(n * stride, &x);
+        self.b.rms_norm_heads(&mut xb, n, stride, off, heads, dim, &w, eps);
+        let mut want = x.clone();
+        for t in 0..n {
+            for h in 0..heads {
+                let at = t * stride + off + h * dim;
+                let r = &x[at..at + dim];
+                for i in 0..dim {
+                    want[at + i] = g[i] * r[i] * rms(r);
+                }
+            }
+        }
+        let got = self.read(&xb, n * stride);
+        self.compare_elementwise("rms_norm_heads", "3 heads of 12 at 7 in rows of 50", &got, &want);
     }
 
     fn elementwise(&mut self) {

@@ -430,18 +430,14 @@ impl<B: Backend> Model<B> {
         }
         match &a.qk_norm {
             // One token's heads lie end to end: one call for all of them (decode); several
-            // tokens' do not, so then one call per head over the tokens.
+            // tokens' are one call per projection where the backend does heads at once.
             Some((smoe_vault::QkNorm::PerHead, qn, kn)) if n == 1 => {
                 be.rms_norm_strided(&mut b.q, nh, hdim, 0, hdim, qn, self.eps);
                 be.rms_norm_strided(&mut b.q, nkv, hdim, qw, hdim, kn, self.eps);
             }
             Some((smoe_vault::QkNorm::PerHead, qn, kn)) => {
-                for h in 0..nh {
-                    be.rms_norm_strided(&mut b.q, n, w, h * hdim, hdim, qn, self.eps);
-                }
-                for h in 0..nkv {
-                    be.rms_norm_strided(&mut b.q, n, w, qw + h * hdim, hdim, kn, self.eps);
-                }
+                be.rms_norm_heads(&mut b.q, n, w, 0, nh, hdim, qn, self.eps);
+                be.rms_norm_heads(&mut b.q, n, w, qw, nkv, hdim, kn, self.eps);
             }
             Some((_, qn, kn)) => {
                 be.rms_norm_strided(&mut b.q, n, w, 0, qw, qn, self.eps);
