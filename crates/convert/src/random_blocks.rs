@@ -44,18 +44,15 @@ pub fn supported(format: Format) -> bool {
     layout(format).is_some()
 }
 
-/// SplitMix64: fast, deterministic per (seed, tensor, row).
-struct Rng(u64);
+/// Random bytes and a jitter from synth's generator, seeded per (seed, tensor, row) and apart
+/// from the values `synth` generates for the same tensor.
+struct Rng(crate::synth::Rng);
 impl Rng {
     fn new(seed: u64, tensor: u64, row: u64) -> Rng {
-        Rng(seed ^ tensor.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ row.wrapping_mul(0xD1B5_4A32_D192_ED03) ^ 0x5151_5151)
+        Rng(crate::synth::Rng::new(seed ^ 0x5151_5151_5151_5151, tensor, row))
     }
     fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        self.0.next()
     }
     fn fill(&mut self, out: &mut [u8]) {
         for c in out.chunks_mut(8) {
@@ -155,18 +152,8 @@ mod tests {
     /// near zero, the same for the same seed and different for another.
     #[test]
     fn random_blocks_decode_to_the_requested_spread() {
-        let formats = [
-            Format::Q8_0,
-            Format::Q4_0,
-            Format::Q4_1,
-            Format::Q5_0,
-            Format::Q5_1,
-            Format::Q2_K,
-            Format::Q3_K,
-            Format::Q4_K,
-            Format::Q5_K,
-            Format::Q6_K,
-        ];
+        let formats: Vec<Format> = smoe_quant::ALL_FORMATS.into_iter().filter(|&f| supported(f)).collect();
+        assert_eq!(formats.len(), 10, "every block format but the float ones");
         for f in formats {
             let (rows, cols, sigma) = (64, 512, 0.03f32);
             let mut a = vec![0u8; rows * f.row_bytes(cols).unwrap()];

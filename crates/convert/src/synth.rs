@@ -172,12 +172,12 @@ pub fn shape_config(name: &str) -> Result<Value, ConvertError> {
 }
 
 /// A deterministic, fast generator (SplitMix64) for one chunk of one tensor.
-struct Rng(u64);
+pub(crate) struct Rng(u64);
 impl Rng {
-    fn new(seed: u64, tensor: u64, chunk: u64) -> Rng {
+    pub(crate) fn new(seed: u64, tensor: u64, chunk: u64) -> Rng {
         Rng(seed ^ tensor.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ chunk.wrapping_mul(0xC2B2_AE3D_27D4_EB4F))
     }
-    fn next(&mut self) -> u64 {
+    pub(crate) fn next(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
