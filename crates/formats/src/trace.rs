@@ -4,7 +4,6 @@
 //! expert cache's eviction policies.
 
 use crate::FormatError;
-use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
@@ -35,17 +34,7 @@ impl RoutingTrace {
 /// negative or non-integer ids are refused with a message.
 pub fn read(path: &Path) -> Result<RoutingTrace, FormatError> {
     let bad = |m: String| FormatError::BadInput(format!("{}: {m}", path.display()));
-    let file = File::open(path).map_err(|e| FormatError::io(path, e))?;
-    let file_len = file.metadata().map_err(|e| FormatError::io(path, e))?.len();
-    let mut n = [0u8; 8];
-    file.read_exact_at(&mut n, 0).map_err(|_| bad("too short for a safetensors header".into()))?;
-    let n = u64::from_le_bytes(n);
-    if n > 1 << 20 || 8 + n > file_len {
-        return Err(bad(format!("header length {n} is impossible")));
-    }
-    let mut header = vec![0u8; n as usize];
-    file.read_exact_at(&mut header, 8).map_err(|e| FormatError::io(path, e))?;
-    let v: serde_json::Value = serde_json::from_slice(&header).map_err(|e| bad(format!("header JSON: {e}")))?;
+    let (file, v, n, file_len) = crate::safetensors::open_header(path, 1 << 20)?;
     let t = v
         .get("experts")
         .ok_or_else(|| bad("no tensor `experts` (a routing trace has [texts, positions, layers, top_k] expert ids)".into()))?;
