@@ -92,19 +92,16 @@ pub fn cuda_options(
 pub fn open_on<W: OnEngine>(chosen: Chosen, path: &Path, opts: &OpenOptions, lookahead: bool, then: W) -> Result<W::Out> {
     let ctx = || format!("open {}", path.display());
     match chosen {
-        Chosen::Cpu => {
-            let (mut engine, report) = smoe_engine::open_cpu(path, opts).with_context(ctx)?;
-            engine.model.set_lookahead(lookahead);
-            eprintln!("{report}");
-            then.run(engine, report)
-        }
-        Chosen::Cuda(b) => {
-            let (mut engine, report) = smoe_engine::open(path, opts, *b).with_context(ctx)?;
-            engine.model.set_lookahead(lookahead);
-            eprintln!("{report}");
-            then.run(engine, report)
-        }
+        Chosen::Cpu => ready(smoe_engine::open_cpu(path, opts).with_context(ctx)?, lookahead, then),
+        Chosen::Cuda(b) => ready(smoe_engine::open(path, opts, *b).with_context(ctx)?, lookahead, then),
     }
+}
+
+/// An opened engine, whichever its backend: lookahead set, the open report said, `then` run.
+fn ready<B: Backend + 'static, W: OnEngine>((mut engine, report): (Engine<B>, OpenReport), lookahead: bool, then: W) -> Result<W::Out> {
+    engine.model.set_lookahead(lookahead);
+    eprintln!("{report}");
+    then.run(engine, report)
 }
 
 /// The server's models on a GPU: each opens on its own [`smoe_cuda::CudaBackend`] of the same

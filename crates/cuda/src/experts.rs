@@ -158,19 +158,19 @@ impl ExpertCache {
         self.lru.insert(self.clock, key);
     }
 
-    /// The device address of `bytes` (the matrix of `handle`'s slot at that host address) and
-    /// whether they are there already. On a miss the buffer is allocated (in `stream`'s order)
-    /// but not filled: the caller queues the copy of `bytes` to that address (see
-    /// `CudaBackend::matmul_many`) before any kernel reads it. A matrix copied earlier in the
-    /// same call is a hit that is not there yet (its copy is queued, once).
+    /// For a matrix [`Self::lookup`] missed: the device address for `bytes` (the matrix of
+    /// `handle`'s slot at that host address) and whether the caller must queue their copy. A
+    /// new buffer is allocated (in `stream`'s order) but not filled: the caller copies `bytes`
+    /// to it (see `CudaBackend::matmul_many`) before any kernel reads it. A matrix a second job
+    /// of the same call already asked for is a hit whose copy is queued once.
     pub(crate) fn device_copy(&mut self, stream: &Arc<CudaStream>, handle: SlotHandle, bytes: &[u8]) -> Result<(u64, bool), String> {
         let key = (handle.slot, bytes.as_ptr() as usize);
         if let Some(e) = self.map.get(&key) {
             if e.load == handle.load && e.data.len() == bytes.len() {
+                debug_assert_eq!(e.filled, self.call, "lookup returns matrices filled by earlier calls");
                 self.stats.hits += 1;
                 self.touch(key);
-                let e = &self.map[&key];
-                return Ok((e.data.device_ptr(stream).0, e.filled < self.call));
+                return Ok((self.map[&key].data.device_ptr(stream).0, false));
             }
         }
         let cap = self.capacity(stream)?;

@@ -179,9 +179,13 @@ pub trait Backend: Send + Sync {
     fn rms_norm_strided(&self, x: &mut Self::Buf, n: usize, stride: usize, off: usize, dim: usize, w: &Self::Vector, eps: f32);
     /// [`Self::rms_norm_strided`] of `heads` vectors of `dim` lying end to end from `off` in
     /// each of `n` rows, all with the weights `w`: a batch's per-head q or k norms in one call.
-    /// The default makes one call per head; a backend that pays per launch does it in one.
+    /// The default makes one call per head (one in all for a single row, whose heads are
+    /// `dim` apart); a backend that pays per launch does it in one.
     #[allow(clippy::too_many_arguments)]
     fn rms_norm_heads(&self, x: &mut Self::Buf, n: usize, stride: usize, off: usize, heads: usize, dim: usize, w: &Self::Vector, eps: f32) {
+        if n == 1 {
+            return self.rms_norm_strided(x, heads, dim, off, dim, w, eps);
+        }
         for h in 0..heads {
             self.rms_norm_strided(x, n, stride, off + h * dim, dim, w, eps);
         }

@@ -429,12 +429,6 @@ impl<B: Backend> Model<B> {
             be.add_bias(&mut b.q, n, w, qw + kvw, vb);
         }
         match &a.qk_norm {
-            // One token's heads lie end to end: one call for all of them (decode); several
-            // tokens' are one call per projection where the backend does heads at once.
-            Some((smoe_vault::QkNorm::PerHead, qn, kn)) if n == 1 => {
-                be.rms_norm_strided(&mut b.q, nh, hdim, 0, hdim, qn, self.eps);
-                be.rms_norm_strided(&mut b.q, nkv, hdim, qw, hdim, kn, self.eps);
-            }
             Some((smoe_vault::QkNorm::PerHead, qn, kn)) => {
                 be.rms_norm_heads(&mut b.q, n, w, 0, nh, hdim, qn, self.eps);
                 be.rms_norm_heads(&mut b.q, n, w, qw, nkv, hdim, kn, self.eps);
