@@ -105,8 +105,14 @@ fn error_json(body: &str) -> serde_json::Value {
 }
 
 /// A Python with the official client packages, in a virtual environment under target/ (created
-/// and filled from PyPI on first use).
+/// and filled from PyPI on first use). Made once per test binary: two tests creating it at the
+/// same time on a fresh clone raced (one ran `pip` while the other was recreating the venv).
 fn python() -> PathBuf {
+    static PYTHON: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    PYTHON.get_or_init(make_python).clone()
+}
+
+fn make_python() -> PathBuf {
     let env = root().join("target/pyenv");
     let py = env.join("bin/python");
     let ok = |py: &Path| Command::new(py).args(["-c", "import openai, anthropic"]).output().is_ok_and(|o| o.status.success());
