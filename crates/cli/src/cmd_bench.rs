@@ -4,6 +4,7 @@ use crate::cmd_run::ModelArgs;
 use crate::device::OnEngine;
 use anyhow::Result;
 use smoe_engine::bench::{bench, BenchOptions, BenchResult};
+use smoe_engine::trace_routing::TraceRouting;
 use smoe_engine::{Backend, Engine, OpenReport, Precision};
 use std::path::Path;
 
@@ -16,34 +17,60 @@ fn threads(n: Option<usize>) {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-pub fn run_bench(
-    vault: &Path,
-    prompt_tokens: usize,
-    gen_tokens: usize,
-    chunk: usize,
-    reps: usize,
-    json: bool,
-    model: &ModelArgs,
-) -> Result<()> {
-    threads(model.threads);
-    let job = BenchJob { prompt_tokens, gen_tokens, chunk, reps, json, model: model.clone(), t0: std::time::Instant::now() };
-    model.open_on(vault, Precision::Fast, Some(prompt_tokens + gen_tokens + 1), job)
+/// Runs the benchmark `job` on `vault`.
+pub fn run_bench(vault: &Path, job: BenchJob) -> Result<()> {
+    threads(job.model.threads);
+    let context = job.prompt_tokens + job.gen_tokens + 1;
+    let model = job.model.clone();
+    model.open_on(vault, Precision::Fast, Some(context), job)
 }
 
-struct BenchJob {
+/// What `smoe bench` was asked to do.
+pub struct BenchJob {
     prompt_tokens: usize,
     gen_tokens: usize,
     chunk: usize,
     reps: usize,
     json: bool,
+    /// `--routing-trace`: a trace file, or `bundled`.
+    routing_trace: Option<String>,
     model: ModelArgs,
     t0: std::time::Instant,
 }
 
+impl BenchJob {
+    /// The job, its clock started now (load time counts from here).
+    pub fn new(
+        prompt_tokens: usize,
+        gen_tokens: usize,
+        chunk: usize,
+        reps: usize,
+        json: bool,
+        routing_trace: Option<String>,
+        model: &ModelArgs,
+    ) -> BenchJob {
+        BenchJob { prompt_tokens, gen_tokens, chunk, reps, json, routing_trace, model: model.clone(), t0: std::time::Instant::now() }
+    }
+}
+
+/// The trace `--routing-trace` names, mapped onto `arch`.
+fn load_trace(which: &str, arch: &smoe_vault::Architecture) -> Result<TraceRouting> {
+    let (trace, name) = if which == "bundled" {
+        (smoe_formats::trace::bundled(), smoe_formats::trace::BUNDLED.0.to_string())
+    } else {
+        let p = Path::new(which);
+        (smoe_formats::trace::read(p)?, p.file_stem().map_or(which.into(), |s| s.to_string_lossy().into_owned()))
+    };
+    Ok(TraceRouting::new(trace, &name, arch)?)
+}
+
 impl OnEngine for BenchJob {
     type Out = ();
-    fn run<B: Backend + 'static>(self, engine: Engine<B>, report: OpenReport) -> Result<()> {
+    fn run<B: Backend + 'static>(self, mut engine: Engine<B>, report: OpenReport) -> Result<()> {
+        if let Some(which) = &self.routing_trace {
+            let trace = load_trace(which, engine.model.arch())?;
+            engine.model.set_routing_trace(Some(trace));
+        }
         let load_s = self.t0.elapsed().as_secs_f64();
         bench_on(&engine, &report, &self, load_s)
     }
@@ -51,6 +78,14 @@ impl OnEngine for BenchJob {
 
 fn bench_on<B: Backend>(engine: &Engine<B>, report: &OpenReport, job: &BenchJob, load_s: f64) -> Result<()> {
     let BenchJob { prompt_tokens, gen_tokens, chunk, reps, json, ref model, .. } = *job;
+    // Every line printed with a trace says so: its figures are not the model's own routing.
+    let tag = match engine.model.routing_trace() {
+        Some(t) => {
+            eprintln!("[trace routing] {}; output text is meaningless (benchmark only)", t.describe());
+            "[trace routing] "
+        }
+        None => "",
+    };
     let opts = BenchOptions { prompt_tokens, gen_tokens, seed: 1, chunk };
     if reps > 1 {
         bench(engine, &BenchOptions { prompt_tokens: 16.min(prompt_tokens), gen_tokens: 4.min(gen_tokens), ..opts.clone() })?;
@@ -62,7 +97,7 @@ fn bench_on<B: Backend>(engine: &Engine<B>, report: &OpenReport, job: &BenchJob,
     for _ in 0..reps.max(1) {
         let r = bench(engine, &opts)?;
         if reps > 1 {
-            eprintln!("  run {}: prefill {:.2} tok/s, decode {:.2} tok/s", samples.len() + 1, r.prefill_tok_s, r.decode_tok_s);
+            eprintln!("{tag}  run {}: prefill {:.2} tok/s, decode {:.2} tok/s", samples.len() + 1, r.prefill_tok_s, r.decode_tok_s);
         }
         samples.push((r.prefill_tok_s, r.decode_tok_s));
         if best.as_ref().is_none_or(|b| key(&r) > key(b)) {
@@ -76,6 +111,7 @@ fn bench_on<B: Backend>(engine: &Engine<B>, report: &OpenReport, job: &BenchJob,
         v["prefill_tok_s_samples"] = samples.iter().map(|s| s.0).collect::<Vec<_>>().into();
         v["decode_tok_s_samples"] = samples.iter().map(|s| s.1).collect::<Vec<_>>().into();
         v["backend"] = engine.model.backend().describe().into();
+        v["routing"] = engine.model.routing_trace().map_or("router".to_string(), |t| t.describe()).into();
         v["threads"] = model.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())).into();
         v["dense_bytes"] = engine.model.dense_bytes().into();
         let arch = engine.model.arch();
@@ -88,16 +124,16 @@ fn bench_on<B: Backend>(engine: &Engine<B>, report: &OpenReport, job: &BenchJob,
         return Ok(());
     }
     println!(
-        "loaded in {load_s:.1} s on {}, {} threads",
+        "{tag}loaded in {load_s:.1} s on {}, {} threads",
         engine.model.backend().describe(),
         model.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
     );
     println!(
-        "prefill {} tok: {:.2} tok/s   ttft {:.0} ms   expert hit rate {:.3}",
+        "{tag}prefill {} tok: {:.2} tok/s   ttft {:.0} ms   expert hit rate {:.3}",
         r.prompt_tokens, r.prefill_tok_s, r.ttft_ms, r.prefill_hit_rate
     );
     println!(
-        "decode  {} tok: {:.2} tok/s   {:.1} MiB read/token   hit rate {:.3}   reads {:.2} GB/s",
+        "{tag}decode  {} tok: {:.2} tok/s   {:.1} MiB read/token   hit rate {:.3}   reads {:.2} GB/s",
         r.gen_tokens,
         r.decode_tok_s,
         r.bytes_read_per_token / (1 << 20) as f64,
@@ -105,12 +141,12 @@ fn bench_on<B: Backend>(engine: &Engine<B>, report: &OpenReport, job: &BenchJob,
         r.read_bytes_per_s / 1e9
     );
     match r.rss_growth_bytes {
-        Some(g) => println!("kv cache {:.1} MiB   resident memory grew {:.1} MiB", r.kv_bytes as f64 / MIB, g as f64 / MIB),
-        None => println!("kv cache {:.1} MiB", r.kv_bytes as f64 / MIB),
+        Some(g) => println!("{tag}kv cache {:.1} MiB   resident memory grew {:.1} MiB", r.kv_bytes as f64 / MIB, g as f64 / MIB),
+        None => println!("{tag}kv cache {:.1} MiB", r.kv_bytes as f64 / MIB),
     }
     if model.instrument {
-        println!("prefill: {}", r.prefill);
-        println!("decode:  {}", r.decode);
+        println!("{tag}prefill: {}", r.prefill);
+        println!("{tag}decode:  {}", r.decode);
     }
     Ok(())
 }

@@ -23,11 +23,18 @@ pub fn fmt_bytes(b: u64) -> String {
     }
 }
 
-pub fn run_shatter(input: &Path, out: &Path, experts: Format, dense: Format, threads: Option<usize>) -> Result<ShatterReport> {
+pub fn run_shatter(
+    input: &Path,
+    out: &Path,
+    experts: smoe_convert::ExpertFormats,
+    dense: Format,
+    threads: Option<usize>,
+) -> Result<ShatterReport> {
     let opts = ShatterOptions {
         experts,
         dense,
         threads,
+        zero_experts: false,
         fail_after_blobs: std::env::var("SMOE_TEST_FAIL_AFTER_BLOBS").ok().and_then(|v| v.parse().ok()),
     };
     let report = if input.is_file() && smoe_engine::is_gguf(input) {

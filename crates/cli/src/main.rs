@@ -30,9 +30,10 @@ enum Command {
         /// Output vault.
         #[arg(short, long)]
         out: PathBuf,
-        /// Format of the routed experts.
+        /// Format of the routed experts: one format (Q4_K), a low-bit mix (Q2_K_MIX: gate/up
+        /// Q2_K, down Q3_K; Q3_K_MIX: gate/up Q3_K, down Q4_K) or per matrix (Q3_K,down=Q5_K).
         #[arg(long, default_value = "Q4_K")]
-        experts: Format,
+        experts: smoe_convert::ExpertFormats,
         /// Format of the dense matrices (norms, biases and routers always stay F32).
         #[arg(long, default_value = "Q8_0")]
         dense: Format,
@@ -47,14 +48,18 @@ enum Command {
         #[arg(long)]
         shape: String,
         /// Output directory (a Hugging Face checkpoint).
-        #[arg(short, long, required_unless_present = "vault")]
+        #[arg(short, long, required_unless_present_any = ["vault", "gguf"])]
         out: Option<PathBuf>,
         /// Convert straight into this vault instead, without writing bf16 safetensors.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "gguf")]
         vault: Option<PathBuf>,
-        /// Expert format of the vault (with --vault).
+        /// Write straight into this GGUF file instead (both smoe and llama.cpp read it), in the
+        /// formats of --experts/--dense; with --random-blocks at disk speed.
+        #[arg(long)]
+        gguf: Option<PathBuf>,
+        /// Expert formats of the vault (with --vault): as `shatter --experts`.
         #[arg(long, default_value = "Q4_K")]
-        experts: Format,
+        experts: smoe_convert::ExpertFormats,
         /// Dense format of the vault (with --vault).
         #[arg(long, default_value = "Q8_0")]
         dense: Format,
@@ -74,10 +79,14 @@ enum Command {
         /// models/ggml-vocab-qwen2.gguf: the real Qwen2/Qwen3 vocabulary).
         #[arg(long, conflicts_with = "tokenizer")]
         vocab_gguf: Option<PathBuf>,
-        /// With --vault: write the quantized tensors as random valid blocks of realistic spread
+        /// With --vault or --gguf: write the quantized tensors as random valid blocks of realistic spread
         /// instead of quantizing generated values (disk speed: seconds, not minutes, per 10 GB).
-        #[arg(long, requires = "vault")]
+        #[arg(long)]
         random_blocks: bool,
+        /// Concentrate routing: scale expert e's router row by exp(s·z_e), z_e ~ N(0,1). 0 (the
+        /// default): every expert equally likely; 1–2: a few experts take most tokens.
+        #[arg(long, default_value_t = 0.0)]
+        router_spread: f32,
     },
     /// Write a vault as a GGUF file for llama.cpp, with the same quantized blocks.
     ExportGguf {
@@ -228,6 +237,13 @@ enum Command {
         /// Print one JSON object.
         #[arg(long)]
         json: bool,
+        /// Replace the router's choice with recorded routing (expert ids per token and layer,
+        /// mapped onto this model's layers and experts), for I/O and cache benchmarks of
+        /// random-weight models: a trace file as in testdata/traces, or no value for the
+        /// bundled trace of a trained MoE. The text produced is meaningless; every line printed
+        /// says so. Only `bench` has this.
+        #[arg(long, value_name = "TRACE", num_args = 0..=1, default_missing_value = "bundled")]
+        routing_trace: Option<String>,
         #[command(flatten)]
         model: cmd_run::ModelArgs,
     },
@@ -280,7 +296,21 @@ fn run(cli: Cli) -> Result<()> {
         Command::Shatter { input, out, experts, dense, threads } => {
             cmd_vault::run_shatter(&input, &out, experts, dense, threads).map(|_| ())
         }
-        Command::Synth { shape, out, vault, experts, dense, layers, seed, shard_gib, tokenizer, vocab_gguf, random_blocks } => {
+        Command::Synth {
+            shape,
+            out,
+            vault,
+            gguf,
+            experts,
+            dense,
+            layers,
+            seed,
+            shard_gib,
+            tokenizer,
+            vocab_gguf,
+            random_blocks,
+            router_spread,
+        } => {
             let tokenizer_json = match (tokenizer, vocab_gguf) {
                 (Some(p), _) => Some(std::fs::read_to_string(&p).map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?),
                 (None, Some(g)) => Some(smoe_formats::gguf::vocab::tokenizer_json(&smoe_formats::gguf::Gguf::open(&g)?.meta)?),
@@ -292,9 +322,26 @@ fn run(cli: Cli) -> Result<()> {
                 shard_bytes: (shard_gib * (1u64 << 30) as f64) as u64,
                 tokenizer_json,
                 random_blocks,
+                router_spread,
             };
+            if let Some(g) = gguf {
+                let sh = smoe_convert::ShatterOptions { experts, dense, ..Default::default() };
+                let t0 = std::time::Instant::now();
+                let r = smoe_convert::synth::synth_gguf(&shape, &g, &opts, &sh, &progress::CliProgress::new())?;
+                eprintln!(
+                    "wrote {} ({} tensors, {}) in {:.1} s",
+                    g.display(),
+                    r.tensors,
+                    cmd_vault::fmt_bytes(r.bytes),
+                    t0.elapsed().as_secs_f64()
+                );
+                return Ok(());
+            }
+            if opts.random_blocks && vault.is_none() {
+                anyhow::bail!("--random-blocks writes quantized blocks: use it with --vault or --gguf");
+            }
             if let Some(v) = vault {
-                let sh = smoe_convert::ShatterOptions { experts, dense, threads: None, fail_after_blobs: None };
+                let sh = smoe_convert::ShatterOptions { experts, dense, threads: None, zero_experts: false, fail_after_blobs: None };
                 let r = smoe_convert::synth::synth_vault(&shape, &v, &opts, &sh, &progress::CliProgress::new())?;
                 eprintln!(
                     "wrote {} in {:.1} s: dense {}, experts {} ({} per blob)",
@@ -379,8 +426,9 @@ fn run(cli: Cli) -> Result<()> {
             };
             smoe_server::serve(cfg).map_err(anyhow::Error::msg)
         }
-        Command::Bench { vault, prompt_tokens, gen_tokens, chunk, reps, json, model } => {
-            cmd_bench::run_bench(&vault, prompt_tokens, gen_tokens, chunk, reps, json, &model)
+        Command::Bench { vault, prompt_tokens, gen_tokens, chunk, reps, json, routing_trace, model } => {
+            let job = cmd_bench::BenchJob::new(prompt_tokens, gen_tokens, chunk, reps, json, routing_trace, &model);
+            cmd_bench::run_bench(&vault, job)
         }
         Command::MemBandwidth { threads, mib } => cmd_bench::mem_bandwidth(threads, mib),
         Command::Replay { trace, cache, json } => cmd_replay::run(&trace, &cache, json),
@@ -398,7 +446,7 @@ fn demo(model: Option<PathBuf>, prompt: &str) -> Result<()> {
     let dir = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../target/smoe-demo"));
     std::fs::create_dir_all(&dir)?;
     let vault = dir.join("stdlib-moe.smoe");
-    cmd_vault::run_shatter(&model, &vault, Format::Q4_K, Format::Q8_0, None)?;
+    cmd_vault::run_shatter(&model, &vault, Format::Q4_K.into(), Format::Q8_0, None)?;
     println!();
     cmd_vault::run_inspect(&vault, false)?;
     println!();

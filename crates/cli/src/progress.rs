@@ -42,9 +42,16 @@ fn gib(b: u64) -> f64 {
 
 impl smoe_convert::Progress for CliProgress {
     fn start(&self, total: u64) {
+        // A job may run in phases (synth into GGUF: the dense vault, then the file), each
+        // starting afresh.
         self.total.store(total, Ordering::Relaxed);
+        self.done.store(0, Ordering::Relaxed);
+        *self.last_logged.lock().unwrap() = (Instant::now(), 0);
         match &self.bar {
-            Some(b) => b.set_length(total),
+            Some(b) => {
+                b.set_length(total);
+                b.set_position(0);
+            }
             None => eprintln!("converting {:.2} GiB of checkpoint data", gib(total)),
         }
     }

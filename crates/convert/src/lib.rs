@@ -11,11 +11,13 @@ This crate writes only: reading model files (GGUF, config.json, safetensors) is
 */
 #![deny(missing_docs)]
 
+mod expert_formats;
 pub mod gguf;
 pub mod random_blocks;
 mod shatter;
 pub mod synth;
 
+pub use expert_formats::ExpertFormats;
 pub use shatter::{quantize_rows, shatter, shatter_from, ShatterOptions, ShatterReport, SourceAssets, TensorProvider};
 pub use smoe_formats::{Progress, Silent};
 

@@ -5,7 +5,7 @@
 //! whatever the checkpoint size. Quantization runs in parallel on a rayon pool; writes are
 //! sequential into a temporary file that is renamed into place only when complete.
 
-use crate::{ConvertError, Progress};
+use crate::{ConvertError, ExpertFormats, Progress};
 use rayon::prelude::*;
 use smoe_formats::hf::{self, hf_expert_names, hf_name};
 use smoe_formats::safetensors::{Checkpoint, DType};
@@ -19,12 +19,15 @@ use std::time::Instant;
 /// Options of a conversion.
 #[derive(Clone, Debug)]
 pub struct ShatterOptions {
-    /// Format requested for routed experts.
-    pub experts: Format,
+    /// Formats requested for the routed experts' matrices.
+    pub experts: ExpertFormats,
     /// Format requested for dense matrices (norms, biases and routers always stay F32).
     pub dense: Format,
     /// Quantization threads (default: all cores).
     pub threads: Option<usize>,
+    /// Leave the expert region zero and unwritten (a hole in the file, no disk used): for
+    /// vaults whose experts are written elsewhere (`synth` straight into GGUF).
+    pub zero_experts: bool,
     /// Test hook: fail after this many expert blobs, as a crash mid-conversion would.
     #[doc(hidden)]
     pub fail_after_blobs: Option<usize>,
@@ -32,7 +35,13 @@ pub struct ShatterOptions {
 
 impl Default for ShatterOptions {
     fn default() -> Self {
-        ShatterOptions { experts: Format::Q4_K, dense: Format::Q8_0, threads: None, fail_after_blobs: None }
+        ShatterOptions {
+            experts: ExpertFormats::all(Format::Q4_K),
+            dense: Format::Q8_0,
+            threads: None,
+            zero_experts: false,
+            fail_after_blobs: None,
+        }
     }
 }
 
@@ -145,6 +154,21 @@ fn choose_format(requested: Format, cols: usize, what: &str, notes: &mut BTreeMa
         notes.entry(key).or_default().insert(what.to_string());
     }
     f
+}
+
+/// One expert matrix `name` of `shape` from `ckpt`, in `format`: the provider's own quantized
+/// blocks where it has them, else its values quantized.
+pub(crate) fn expert_part(ckpt: &dyn TensorProvider, name: &str, format: Format, shape: [usize; 2]) -> Result<Vec<u8>, ConvertError> {
+    let row_bytes = format.row_bytes(shape[1]).map_err(|e| FormatError::Internal(e.to_string()))?;
+    let mut q = vec![0u8; row_bytes * shape[0]];
+    if let Some(done) = ckpt.read_quantized(name, format, 0, shape[0], &mut q) {
+        return done.map(|()| q);
+    }
+    let data = read_all(ckpt, name)?;
+    for (d, s) in q.chunks_exact_mut(row_bytes).zip(data.chunks_exact(shape[1])) {
+        smoe_quant::quantize(format, s, d).map_err(|e| FormatError::Internal(e.to_string()))?;
+    }
+    Ok(q)
 }
 
 /// Checks that the checkpoint holds exactly the tensors the architecture needs, with the right
@@ -271,36 +295,24 @@ fn convert(
     let part_specs: Vec<(String, Format, [usize; 2])> = names::EXPERT_PARTS
         .iter()
         .zip(shapes)
-        .map(|(n, s)| (n.to_string(), choose_format(opts.experts, s[1], &format!("expert {n}"), &mut notes), s))
+        .map(|(n, s)| (n.to_string(), choose_format(opts.experts.of(n), s[1], &format!("expert {n}"), &mut notes), s))
         .collect();
     let (parts, blob_size) = layout_blob(&part_specs, smoe_vault::header::DEFAULT_ALIGNMENT)?;
     let moe_layers = arch.moe_layers();
     w.begin_experts(parts, blob_size, &moe_layers, arch.moe.num_experts)?;
     let batch = rayon::current_num_threads().max(1) * 2;
     let mut blobs_done = 0usize;
-    for &l in &moe_layers {
+    if opts.zero_experts {
+        w.add_zero_blobs()?;
+    }
+    for &l in moe_layers.iter().filter(|_| !opts.zero_experts) {
         for first in (0..arch.moe.num_experts).step_by(batch) {
             let last = (first + batch).min(arch.moe.num_experts);
             let quantized: Vec<Result<Vec<Vec<u8>>, ConvertError>> = (first..last)
                 .into_par_iter()
                 .map(|e| {
                     let names = hf_expert_names(arch.family, l, e);
-                    names
-                        .iter()
-                        .zip(&part_specs)
-                        .map(|(n, (_, format, shape))| {
-                            let row_bytes = format.row_bytes(shape[1]).map_err(|e| FormatError::Internal(e.to_string()))?;
-                            let mut q = vec![0u8; row_bytes * shape[0]];
-                            if let Some(done) = ckpt.read_quantized(n, *format, 0, shape[0], &mut q) {
-                                return done.map(|()| q);
-                            }
-                            let data = read_all(ckpt, n)?;
-                            for (d, s) in q.chunks_exact_mut(row_bytes).zip(data.chunks_exact(shape[1])) {
-                                smoe_quant::quantize(*format, s, d).map_err(|e| FormatError::Internal(e.to_string()))?;
-                            }
-                            Ok(q)
-                        })
-                        .collect()
+                    names.iter().zip(&part_specs).map(|(n, (_, format, shape))| expert_part(ckpt, n, *format, *shape)).collect()
                 })
                 .collect();
             for (e, q) in (first..last).zip(quantized) {

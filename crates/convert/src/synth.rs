@@ -8,7 +8,11 @@
 //! - matrices: N(0, 1/cols) (activations stay O(1) through every projection), with one value in
 //!   256 multiplied by 8 — the outlier weights trained models have, which make block scales work;
 //! - router matrices: N(0, 1/hidden), so router logits are O(1) and softmax/sigmoid scores
-//!   spread over many experts instead of collapsing onto one;
+//!   spread over many experts instead of collapsing onto one. With `--router-spread s`, expert
+//!   `e`'s row is further scaled by `exp(s·z_e)` (`z_e` a standard normal per layer and expert):
+//!   at 0 every expert is equally likely; larger values make a few experts win most tokens,
+//!   concentrating routing as trained models' popular experts do (top-k does not change with a
+//!   common scale, so concentration needs unequal rows);
 //! - norm weights 1 + N(0, 0.05²), biases and correction biases N(0, 0.02²), embeddings N(0, 0.05²).
 //!
 //! Generation is deterministic in `--seed` and streams tensor by tensor with bounded memory.
@@ -199,7 +203,7 @@ impl Rng {
 #[derive(Clone, Copy)]
 enum Init {
     Matrix { cols: usize },
-    Router { hidden: usize },
+    Router { hidden: usize, cols: usize, spread: f32 },
     Norm,
     Small(f32),
 }
@@ -210,12 +214,12 @@ struct Planned {
     init: Init,
 }
 
-fn plan(cfg: &Value) -> Result<Vec<Planned>, ConvertError> {
+fn plan(cfg: &Value, router_spread: f32) -> Result<Vec<Planned>, ConvertError> {
     let arch = hf::architecture_from_config(cfg)?;
     let mut v = Vec::new();
     for spec in names::dense_tensors(&arch) {
         let init = if spec.name.ends_with("moe.router") {
-            Init::Router { hidden: arch.hidden_size }
+            Init::Router { hidden: arch.hidden_size, cols: spec.shape[1], spread: router_spread }
         } else if spec.name.ends_with("norm") {
             Init::Norm
         } else if spec.shape.len() == 1 {
@@ -247,7 +251,7 @@ const CHUNK: usize = 1 << 16;
 fn gen_chunk(t: &Planned, idx: u64, seed: u64, c: usize, out: &mut [f32]) {
     let mut rng = Rng::new(seed, idx, c as u64);
     let mut pending: Option<f32> = None;
-    for o in out.iter_mut() {
+    for (i, o) in out.iter_mut().enumerate() {
         let g = pending.take().unwrap_or_else(|| {
             let (a, b) = rng.normal2();
             pending = Some(b);
@@ -258,12 +262,25 @@ fn gen_chunk(t: &Planned, idx: u64, seed: u64, c: usize, out: &mut [f32]) {
                 let outlier = if rng.next() & 255 == 0 { 8.0 } else { 1.0 };
                 g * outlier / (cols as f32).sqrt()
             }
-            Init::Router { hidden } => g / (hidden as f32).sqrt(),
+            Init::Router { hidden, cols, spread } => {
+                let row = (c * CHUNK + i) / cols;
+                g * router_row_scale(seed, idx, row, spread) / (hidden as f32).sqrt()
+            }
             Init::Norm => 1.0 + 0.05 * g,
             Init::Small(s) => s * g,
         };
         *o = smoe_quant::half::bf16_bits_to_f32(smoe_quant::half::f32_to_bf16_bits(v));
     }
+}
+
+/// The `--router-spread` factor of router row `row` of tensor `idx`: `exp(spread·z)`, `z` a
+/// standard normal drawn from its own stream (so a row's scale does not depend on the chunking).
+fn router_row_scale(seed: u64, idx: u64, row: usize, spread: f32) -> f32 {
+    if spread == 0.0 {
+        return 1.0;
+    }
+    let (z, _) = Rng::new(seed ^ 0x726F_7574_6572, idx, row as u64).normal2();
+    (spread * z).exp()
 }
 
 /// Elements `[start, start + out.len())` of tensor `idx`.
@@ -332,7 +349,7 @@ impl crate::TensorProvider for SynthProvider {
         let cols = *t.shape.last()?;
         let sigma = match t.init {
             Init::Matrix { cols } => 1.0 / (cols as f32).sqrt(),
-            Init::Router { hidden } => 1.0 / (hidden as f32).sqrt(),
+            Init::Router { hidden, .. } => 1.0 / (hidden as f32).sqrt(),
             Init::Small(s) => s,
             Init::Norm => return None,
         };
@@ -383,7 +400,7 @@ pub fn synth_vault_from_config(
     shatter: &crate::ShatterOptions,
     progress: &dyn Progress,
 ) -> Result<crate::ShatterReport, ConvertError> {
-    let tensors = plan(&cfg)?;
+    let tensors = plan(&cfg, opts.router_spread)?;
     let index = tensors.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
     let provider = SynthProvider { tensors, index, seed: opts.seed, random_blocks: opts.random_blocks };
     let tok = opts.tokenizer_json.clone().unwrap_or_else(|| FALLBACK_TOKENIZER.to_string());
@@ -397,6 +414,49 @@ pub fn synth_vault_from_config(
     };
     let generation = hf_generation(&cfg);
     crate::shatter_from(&provider, crate::SourceAssets { config: cfg, text, generation }, out, shatter, progress)
+}
+
+/// Writes a synthetic checkpoint of `shape` straight into the GGUF file `out`, in the formats
+/// of `shatter` (with `opts.random_blocks`, at disk speed): the dense part goes through a
+/// temporary vault beside `out` (its expert region a hole, no disk used), exported with the
+/// experts made on the fly; the file holds the blocks `synth_vault` would write for the same
+/// seed. Both smoe (in place) and llama.cpp read the result.
+pub fn synth_gguf(
+    shape: &str,
+    out: &Path,
+    opts: &SynthOptions,
+    shatter: &crate::ShatterOptions,
+    progress: &dyn Progress,
+) -> Result<crate::gguf::export::ExportReport, ConvertError> {
+    synth_gguf_from_config(config_with_layers(shape, opts.layers)?, out, opts, shatter, progress)
+}
+
+/// [`synth_gguf`] of any config.json (hub layout; `opts.layers` is not applied).
+pub fn synth_gguf_from_config(
+    cfg: Value,
+    out: &Path,
+    opts: &SynthOptions,
+    shatter: &crate::ShatterOptions,
+    progress: &dyn Progress,
+) -> Result<crate::gguf::export::ExportReport, ConvertError> {
+    let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let tmp = tempfile::Builder::new().prefix(".smoe-synth-").tempdir_in(parent).map_err(|e| FormatError::io(parent, e))?;
+    let vault = tmp.path().join("dense.smoe");
+    let dense_only = crate::ShatterOptions { zero_experts: true, ..shatter.clone() };
+    synth_vault_from_config(cfg.clone(), &vault, opts, &dense_only, progress)?;
+    let tensors = plan(&cfg, opts.router_spread)?;
+    let index = tensors.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
+    let provider = SynthProvider { tensors, index, seed: opts.seed, random_blocks: opts.random_blocks };
+    let v = smoe_vault::Vault::open(&vault)?;
+    let (family, parts) = (v.architecture().family, v.manifest().experts.parts.clone());
+    drop(v);
+    let make = |layer: usize, expert: usize, part: usize, dst: &mut [u8]| -> Result<(), ConvertError> {
+        let p = &parts[part];
+        let name = &hf_expert_names(family, layer, expert)[part];
+        dst.copy_from_slice(&crate::shatter::expert_part(&provider, name, p.format, p.shape)?);
+        Ok(())
+    };
+    crate::gguf::export::export_with(&vault, out, progress, Some(&make))
 }
 
 fn hf_generation(cfg: &Value) -> smoe_vault::GenerationDefaults {
@@ -442,6 +502,9 @@ pub struct SynthOptions {
     /// values generated or quantized (disk speed; the vault then has no bf16 checkpoint of the
     /// same seed behind it).
     pub random_blocks: bool,
+    /// Concentration of routing: router rows scaled by `exp(spread·N(0,1))` per expert (0: all
+    /// experts equally likely). See the module documentation.
+    pub router_spread: f32,
 }
 
 const FALLBACK_TOKENIZER: &str = include_str!("../../../testdata/hf/qwen3_moe/tokenizer.json");
@@ -453,7 +516,7 @@ pub fn synth(shape: &str, out: &Path, opts: &SynthOptions, progress: &dyn Progre
 }
 
 fn checkpoint_from_config(cfg: Value, out: &Path, opts: &SynthOptions, progress: &dyn Progress) -> Result<SynthReport, ConvertError> {
-    let tensors = plan(&cfg)?;
+    let tensors = plan(&cfg, opts.router_spread)?;
     std::fs::create_dir_all(out).map_err(|e| FormatError::io(out, e))?;
     // Shard plan: consecutive tensors up to `shard_bytes` each.
     let mut shards: Vec<Vec<usize>> = vec![vec![]];
@@ -543,7 +606,7 @@ mod tests {
         ];
         assert_eq!(published.len(), shape_names().len());
         for (shape, want) in published {
-            let n: usize = plan(&shape_config(shape).unwrap()).unwrap().iter().map(|t| t.shape.iter().product::<usize>()).sum();
+            let n: usize = plan(&shape_config(shape).unwrap(), 0.0).unwrap().iter().map(|t| t.shape.iter().product::<usize>()).sum();
             let off = (n as f64 - want).abs() / want;
             assert!(off < 0.01, "{shape}: {n} parameters, published {want:e}");
         }
@@ -553,22 +616,24 @@ mod tests {
     fn every_shape_plans() {
         for s in shape_names() {
             let cfg = shape_config(s).unwrap();
-            assert!(!plan(&cfg).unwrap().is_empty(), "{s}");
+            assert!(!plan(&cfg, 0.0).unwrap().is_empty(), "{s}");
         }
         let mut cfg = shape_config("qwen3-30b-a3b").unwrap();
         cfg["num_hidden_layers"] = 1.into();
         // embed, final norm, lm_head; 9 dense tensors per layer; 128 experts x 3.
-        assert_eq!(plan(&cfg).unwrap().len(), 3 + 9 + 128 * 3);
+        assert_eq!(plan(&cfg, 0.0).unwrap().len(), 3 + 9 + 128 * 3);
     }
 
     #[test]
     fn direct_vault_equals_safetensors_then_shatter() {
         let dir = tempfile::tempdir().unwrap();
-        let opts = SynthOptions { layers: None, seed: 5, shard_bytes: 1 << 16, tokenizer_json: None, random_blocks: false };
+        let opts =
+            SynthOptions { layers: None, seed: 5, shard_bytes: 1 << 16, tokenizer_json: None, random_blocks: false, router_spread: 0.0 };
         let sh = crate::ShatterOptions {
-            experts: smoe_quant::Format::Q4_K,
+            experts: smoe_quant::Format::Q4_K.into(),
             dense: smoe_quant::Format::Q8_0,
             threads: Some(2),
+            zero_experts: false,
             fail_after_blobs: None,
         };
         // The fixtures' tiny GLM config keeps this quick and covers dense, MoE and shared experts.
@@ -594,12 +659,25 @@ mod tests {
     #[test]
     fn random_blocks_make_the_same_vault_layout_with_the_same_spread() {
         let dir = tempfile::tempdir().unwrap();
-        let sh = crate::ShatterOptions { experts: Format::Q4_K, dense: Format::Q8_0, threads: Some(2), fail_after_blobs: None };
+        let sh = crate::ShatterOptions {
+            experts: Format::Q4_K.into(),
+            dense: Format::Q8_0,
+            threads: Some(2),
+            zero_experts: false,
+            fail_after_blobs: None,
+        };
         let cfg: Value = serde_json::from_str(
             &std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/hf/glm4_moe/config.json")).unwrap(),
         )
         .unwrap();
-        let opts = |random_blocks| SynthOptions { layers: None, seed: 5, shard_bytes: 1 << 16, tokenizer_json: None, random_blocks };
+        let opts = |random_blocks| SynthOptions {
+            layers: None,
+            seed: 5,
+            shard_bytes: 1 << 16,
+            tokenizer_json: None,
+            random_blocks,
+            router_spread: 0.0,
+        };
         let (a, b) = (dir.path().join("a.smoe"), dir.path().join("b.smoe"));
         synth_vault_from_config(cfg.clone(), &a, &opts(false), &sh, &crate::Silent).unwrap();
         synth_vault_from_config(cfg, &b, &opts(true), &sh, &crate::Silent).unwrap();
@@ -639,5 +717,60 @@ mod tests {
         let var = v.iter().map(|x| (x * x) as f64).sum::<f64>() / v.len() as f64;
         // 1/cols, inflated by the 1-in-256 outliers at 8x: (1 + 63/256) / 1024.
         assert!((var * 1024.0 - 1.246).abs() < 0.08, "{var}");
+    }
+
+    #[test]
+    fn router_spread_concentrates_routing() {
+        // Top-8 of 64 experts over random hidden states: at spread 0 the busiest expert takes
+        // about its fair share (1/64 of choices, chosen by 1 token in 8); at spread 1.5 a few
+        // experts take far more (measured: the busiest is chosen by 46% of tokens).
+        let (experts, hidden, tokens, k) = (64, 256, 2000, 8);
+        let busiest = |spread: f32| {
+            let t = Planned { name: "r".into(), shape: vec![experts, hidden], init: Init::Router { hidden, cols: hidden, spread } };
+            let mut w = vec![0f32; experts * hidden];
+            gen_range(&t, 7, 1, 0, &mut w);
+            let mut rng = Rng::new(99, 0, 0);
+            let mut counts = vec![0usize; experts];
+            for _ in 0..tokens {
+                let x: Vec<f32> = (0..hidden).map(|_| rng.normal2().0).collect();
+                let logits: Vec<f32> = w.chunks_exact(hidden).map(|r| r.iter().zip(&x).map(|(a, b)| a * b).sum()).collect();
+                let mut idx: Vec<usize> = (0..experts).collect();
+                idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+                for &e in &idx[..k] {
+                    counts[e] += 1;
+                }
+            }
+            *counts.iter().max().unwrap() as f64 / (tokens * k) as f64
+        };
+        let (flat, peaked) = (busiest(0.0), busiest(1.5));
+        assert!(flat < 2.0 / 64.0, "{flat}");
+        assert!(peaked > 3.0 / 64.0, "{peaked}");
+    }
+
+    #[test]
+    fn gguf_straight_from_synth_equals_vault_then_export() {
+        // Random blocks in a low-bit mix, written straight into GGUF, byte for byte the file that
+        // synthesizing the vault and exporting it gives; the temporary vault is gone after.
+        let dir = tempfile::tempdir().unwrap();
+        let opts =
+            SynthOptions { layers: None, seed: 3, shard_bytes: 1 << 20, tokenizer_json: None, random_blocks: true, router_spread: 1.0 };
+        let sh = crate::ShatterOptions { experts: "Q2_K_MIX".parse().unwrap(), threads: Some(2), ..Default::default() };
+        let cfg: Value = serde_json::from_str(
+            &std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/hf/qwen3_moe_k/config.json")).unwrap(),
+        )
+        .unwrap();
+        let direct = dir.path().join("direct").join("m.gguf");
+        std::fs::create_dir_all(direct.parent().unwrap()).unwrap();
+        synth_gguf_from_config(cfg.clone(), &direct, &opts, &sh, &crate::Silent).unwrap();
+        assert_eq!(std::fs::read_dir(direct.parent().unwrap()).unwrap().count(), 1, "temporary vault left behind");
+        // The temporary vault is called dense.smoe, which names the model in the metadata.
+        let vault = dir.path().join("dense.smoe");
+        synth_vault_from_config(cfg, &vault, &opts, &sh, &crate::Silent).unwrap();
+        let parts = smoe_vault::Vault::open(&vault).unwrap().manifest().experts.parts.clone();
+        let formats: Vec<Format> = parts.iter().map(|p| p.format).collect();
+        assert_eq!(formats, [Format::Q2_K, Format::Q2_K, Format::Q3_K]);
+        let via = dir.path().join("via.gguf");
+        crate::gguf::export::export(&vault, &via, &crate::Silent).unwrap();
+        assert!(std::fs::read(&direct).unwrap() == std::fs::read(&via).unwrap(), "the GGUF files differ");
     }
 }

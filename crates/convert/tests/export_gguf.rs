@@ -25,7 +25,13 @@ fn bf16_export_matches_llama_cpp_converter() {
     let dir = tempfile::tempdir().unwrap();
     for name in ["qwen3_moe", "qwen3_moe_yarn", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3", "deepseek_v3_yarn"] {
         let vault = dir.path().join(format!("{name}.smoe"));
-        let opts = ShatterOptions { experts: Format::BF16, dense: Format::BF16, threads: Some(2), fail_after_blobs: None };
+        let opts = ShatterOptions {
+            experts: Format::BF16.into(),
+            dense: Format::BF16,
+            threads: Some(2),
+            zero_experts: false,
+            fail_after_blobs: None,
+        };
         shatter(&root().join("hf").join(name), &vault, &opts, &Silent).unwrap();
         let out = dir.path().join(format!("{name}.gguf"));
         export(&vault, &out, &Silent).unwrap();

@@ -399,7 +399,7 @@ impl<B: Backend> Model<B> {
         self.backend.rms_norm(&b.x, n, self.arch.hidden_size, &next.ffn_norm, self.eps, &mut b.xe);
         let predicted = &mut hs.predicted;
         predicted.clear();
-        self.route_tokens(m, &b.xe, &mut b.router, &mut hs.routes, n, |_, experts, _, _| {
+        self.route_tokens(m, None, &b.xe, &mut b.router, &mut hs.routes, n, |_, experts, _, _| {
             for &e in experts {
                 if !predicted.contains(&e) {
                     predicted.push(e);
@@ -505,7 +505,7 @@ impl<B: Backend> Model<B> {
     fn moe(&self, li: usize, m: &MoeBlock<B>, st: &mut State<B>, n: usize, pos: usize, obs: &mut dyn Observer) -> Result<(), EngineError> {
         let t = Instant::now();
         let ins = &mut st.instrument;
-        self.route_tokens(m, &st.buf.h, &mut st.buf.router, &mut st.host.routes, n, |token, experts, weights, choice| {
+        self.route_tokens(m, Some(li), &st.buf.h, &mut st.buf.router, &mut st.host.routes, n, |token, experts, weights, choice| {
             obs.route(li, pos + token, experts, weights, choice);
             if let Some(ins) = ins.as_mut() {
                 ins.route(li, experts);
@@ -526,10 +526,14 @@ impl<B: Backend> Model<B> {
     /// (`[n, hidden]`) into `logits` (`[n, experts]`), downloaded to the host, then each
     /// token's experts and mixing weights, chosen by the router rule, into `r.ids` and
     /// `r.weights`. `seen(token, experts, weights, choice)` sees each token as it is routed
-    /// (`choice`: the scores the experts were chosen on, one per expert).
+    /// (`choice`: the scores the experts were chosen on, one per expert). With a routing trace
+    /// set, the experts of decoder layer `layer` (the MoE block's own routing, not the
+    /// lookahead's guess) are the trace's.
+    #[allow(clippy::too_many_arguments)]
     fn route_tokens(
         &self,
         m: &MoeBlock<B>,
+        layer: Option<usize>,
         input: &B::Buf,
         logits: &mut B::Buf,
         r: &mut Routes,
@@ -545,6 +549,9 @@ impl<B: Backend> Model<B> {
         for t in 0..n {
             let (ids, w) = (&mut r.ids[t * k..(t + 1) * k], &mut r.weights[t * k..(t + 1) * k]);
             self.router.route(&r.logits[t * e_count..(t + 1) * e_count], m.router_bias.as_deref(), ids, w, &mut r.scratch);
+            if let (Some(trace), Some(li)) = (&self.routing_trace, layer) {
+                trace.replace(li, ids);
+            }
             seen(t, ids, w, &r.scratch.choice);
         }
     }

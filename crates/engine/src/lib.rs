@@ -29,6 +29,7 @@ pub mod routing;
 pub mod sampler;
 pub mod score;
 mod session;
+pub mod trace_routing;
 mod widths;
 
 pub use backend::Backend;

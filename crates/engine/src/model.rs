@@ -85,6 +85,8 @@ pub struct Model<B: Backend> {
     /// Bytes of the embedding table (read one row per token, unless it doubles as the LM head).
     pub(crate) embed_bytes: u64,
     pub(crate) lookahead: bool,
+    /// Routing replayed from a trace instead of the router's choice (benchmarks only).
+    pub(crate) routing_trace: Option<crate::trace_routing::TraceRouting>,
 }
 
 struct Loader<'a, B: Backend> {
@@ -230,6 +232,7 @@ impl<B: Backend> Model<B> {
             dense_bytes: region.len() as u64,
             embed_bytes: ld.entry("embed")?.len,
             lookahead: false,
+            routing_trace: None,
             layers,
             experts,
             backend,
@@ -253,6 +256,16 @@ impl<B: Backend> Model<B> {
     /// applied to the current hidden state and its predicted experts are read ahead.
     pub fn set_lookahead(&mut self, on: bool) {
         self.lookahead = on;
+    }
+    /// Replaces the router's choice of experts with a recorded trace's, for I/O and cache
+    /// benchmarks on random-weight models (see [`TraceRouting`](crate::trace_routing::TraceRouting));
+    /// the text produced is meaningless. `None` restores exact routing.
+    pub fn set_routing_trace(&mut self, trace: Option<crate::trace_routing::TraceRouting>) {
+        self.routing_trace = trace;
+    }
+    /// The routing trace in use, if any.
+    pub fn routing_trace(&self) -> Option<&crate::trace_routing::TraceRouting> {
+        self.routing_trace.as_ref()
     }
     /// Bytes of dense weights held.
     pub fn dense_bytes(&self) -> u64 {

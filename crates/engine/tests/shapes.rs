@@ -230,8 +230,8 @@ fn run_case(seed: u64) {
     let chunk = r.range(2, t - 1);
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("m.smoe");
-    let synth = SynthOptions { layers: None, seed, shard_bytes: 1 << 30, tokenizer_json: None, random_blocks: false };
-    let shatter = ShatterOptions { experts, dense, threads: Some(1), fail_after_blobs: None };
+    let synth = SynthOptions { layers: None, seed, shard_bytes: 1 << 30, tokenizer_json: None, random_blocks: false, router_spread: 0.0 };
+    let shatter = ShatterOptions { experts: experts.into(), dense, threads: Some(1), zero_experts: false, fail_after_blobs: None };
     let what = format!("seed {seed} ({family}, {experts}/{dense}, {t} tokens, chunk {chunk}) config {cfg}");
     synth_vault_from_config(cfg.clone(), &path, &synth, &shatter, &Silent).unwrap_or_else(|e| panic!("{what}: synth: {e}"));
     let reference = load(&path, Precision::Reference);
@@ -301,8 +301,10 @@ fn deepseek_v3_ratios_score_300_tokens_from_vault_and_gguf() {
     });
     let dir = tempfile::tempdir().unwrap();
     let (vault, gguf) = (dir.path().join("ds.smoe"), dir.path().join("ds.gguf"));
-    let synth = SynthOptions { layers: None, seed: 3, shard_bytes: 1 << 30, tokenizer_json: None, random_blocks: false };
-    let shatter = ShatterOptions { experts: Format::BF16, dense: Format::BF16, threads: Some(2), fail_after_blobs: None };
+    let synth =
+        SynthOptions { layers: None, seed: 3, shard_bytes: 1 << 30, tokenizer_json: None, random_blocks: false, router_spread: 0.0 };
+    let shatter =
+        ShatterOptions { experts: Format::BF16.into(), dense: Format::BF16, threads: Some(2), zero_experts: false, fail_after_blobs: None };
     synth_vault_from_config(cfg, &vault, &synth, &shatter, &Silent).unwrap();
     smoe_convert::gguf::export::export(&vault, &gguf, &Silent).unwrap();
     let ids: Vec<u32> = (0..300u32).map(|i| (i * 7919 + 13) % 1024).collect();

@@ -1,10 +1,9 @@
 //! Routing traces: which experts a model chose, per text, position and MoE layer, as a
 //! safetensors file with one integer tensor `experts` of shape `[texts, positions, layers,
 //! top_k]` (the layout of `testdata/traces`). Read for `smoe replay`, which runs them through the
-//! expert cache's eviction policies.
+//! expert cache's eviction policies, and by `smoe bench --routing-trace`.
 
 use crate::FormatError;
-use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 /// A routing trace.
@@ -30,11 +29,43 @@ impl RoutingTrace {
     }
 }
 
-/// Reads `path`. Sizes are checked against the file before anything is allocated from them;
-/// negative or non-integer ids are refused with a message.
+/// The trace bundled with smoe: the routing of a small trained MoE over held-out text (see
+/// `testdata/README.fixtures.md`), the default for benchmarks that replay routing.
+pub const BUNDLED: (&str, &[u8]) = ("trained_moe_48x6", include_bytes!("../../../testdata/traces/trained_moe_48x6.safetensors"));
+
+/// The bundled trace, parsed.
+pub fn bundled() -> RoutingTrace {
+    parse(BUNDLED.1, BUNDLED.0).expect("the bundled trace is valid")
+}
+
+/// Traces are small (a few MB); a file above this is refused rather than read into memory.
+const MAX_TRACE_BYTES: u64 = 1 << 30;
+
+/// Reads `path`, at most 1 GiB, and [parses](parse) it.
 pub fn read(path: &Path) -> Result<RoutingTrace, FormatError> {
-    let bad = |m: String| FormatError::BadInput(format!("{}: {m}", path.display()));
-    let (file, v, n, file_len) = crate::safetensors::open_header(path, 1 << 20)?;
+    let len = std::fs::metadata(path).map_err(|e| FormatError::io(path, e))?.len();
+    if len > MAX_TRACE_BYTES {
+        return Err(FormatError::BadInput(format!("{}: {len} bytes is too large for a routing trace", path.display())));
+    }
+    let bytes = std::fs::read(path).map_err(|e| FormatError::io(path, e))?;
+    parse(&bytes, &path.display().to_string())
+}
+
+/// Parses a trace file's bytes (`name` for messages). Sizes are checked against the bytes
+/// before anything is allocated from them; negative or non-integer ids are refused with a
+/// message.
+pub fn parse(bytes: &[u8], name: &str) -> Result<RoutingTrace, FormatError> {
+    let bad = |m: String| FormatError::BadInput(format!("{name}: {m}"));
+    let file_len = bytes.len() as u64;
+    let n = bytes
+        .get(..8)
+        .map(|b| u64::from_le_bytes(b.try_into().unwrap()))
+        .ok_or_else(|| bad("too short for a safetensors header".into()))?;
+    if n > 1 << 20 || 8 + n > file_len {
+        return Err(bad(format!("header length {n} is impossible")));
+    }
+    let v: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&bytes[8..8 + n as usize]).map_err(|e| bad(format!("header JSON: {e}")))?;
     let t = v
         .get("experts")
         .ok_or_else(|| bad("no tensor `experts` (a routing trace has [texts, positions, layers, top_k] expert ids)".into()))?;
@@ -61,8 +92,7 @@ pub fn read(path: &Path) -> Result<RoutingTrace, FormatError> {
     if elems == 0 {
         return Err(bad("the trace is empty".into()));
     }
-    let mut raw = vec![0u8; (end - start) as usize];
-    file.read_exact_at(&mut raw, 8 + n + start).map_err(|e| FormatError::io(path, e))?;
+    let raw = &bytes[(8 + n + start) as usize..(8 + n + end) as usize];
     let experts = raw
         .chunks_exact(size as usize)
         .map(|c| {
@@ -95,6 +125,8 @@ mod tests {
         let t = read(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/traces/trained_moe_48x6.safetensors")).unwrap();
         assert_eq!((t.shape[2], t.shape[3], t.num_experts()), (6, 6, 48));
         assert_eq!(t.experts_at(0, 0, 0).len(), 6);
+        assert_eq!(bundled(), t);
+        assert!(parse(&[1, 2], "x").unwrap_err().to_string().contains("too short"));
         let dir = tempfile::tempdir().unwrap();
         let ok = r#"{"experts":{"dtype":"I32","shape":[1,1,1,2],"data_offsets":[0,8]}}"#;
         let good = write(dir.path(), ok, &[3, 0, 0, 0, 1, 0, 0, 0]);

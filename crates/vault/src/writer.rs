@@ -231,6 +231,28 @@ impl VaultWriter {
         Ok(())
     }
 
+    /// Adds every remaining blob as zeros without writing them: the file gets a hole there (no
+    /// disk used on filesystems with sparse files). For vaults whose experts are written
+    /// elsewhere: `synth` straight into GGUF keeps only the dense part of its vault.
+    pub fn add_zero_blobs(&mut self) -> Result<(), VaultError> {
+        let idx = self.experts.as_mut().ok_or(VaultError::Usage("add_zero_blobs before begin_experts"))?;
+        let zero = xxhash_rust::xxh3::xxh3_64(&vec![0u8; idx.blob_size as usize]);
+        let mut n = 0u64;
+        for l in idx.layers.iter_mut().skip(self.next_blob.0) {
+            while l.checksums.len() < self.num_experts {
+                l.checksums.push(zero);
+                n += 1;
+            }
+        }
+        let skip = n * idx.blob_size;
+        self.next_blob = (idx.layers.len(), 0);
+        let out = self.out.as_mut().expect("writer used after finish");
+        // BufWriter's seek flushes first; seeking past the end leaves a hole.
+        out.seek(SeekFrom::Current(skip as i64)).map_err(|e| VaultError::io(&self.tmp_path, e))?;
+        self.pos += skip;
+        Ok(())
+    }
+
     /// Writes the manifest and header, fsyncs and renames into place. `manifest.dense` and
     /// `manifest.experts` are filled in by the writer.
     pub fn finish(mut self, mut manifest: Manifest) -> Result<u64, VaultError> {

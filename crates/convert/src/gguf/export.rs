@@ -175,6 +175,17 @@ fn check_supported(a: &Architecture) -> Result<(), ConvertError> {
 
 /// Writes `vault` as a GGUF file at `out`.
 pub fn export(vault: &Path, out: &Path, progress: &dyn Progress) -> Result<ExportReport, ConvertError> {
+    export_with(vault, out, progress, None)
+}
+
+/// Makes one expert matrix's bytes: `(decoder layer, expert, part index, out)`, `out` sized to
+/// the part.
+pub type ExpertMaker<'a> = &'a (dyn Fn(usize, usize, usize, &mut [u8]) -> Result<(), ConvertError> + Sync);
+
+/// [`export`], with the experts' bytes made by `experts` (in parallel, a batch at a time)
+/// instead of read from the vault: `synth` writes a GGUF this way from a vault that holds only
+/// the dense part.
+pub fn export_with(vault: &Path, out: &Path, progress: &dyn Progress, experts: Option<ExpertMaker>) -> Result<ExportReport, ConvertError> {
     let v = Vault::open(vault)?;
     let a = v.architecture().clone();
     check_supported(&a)?;
@@ -270,6 +281,37 @@ pub fn export(vault: &Path, out: &Path, progress: &dyn Progress) -> Result<Expor
             }
         }
         progress.advance(decls[i].3);
+    }
+    if let Some(make) = experts {
+        // Made a parallel batch of experts at a time, each part written into its stacked tensor.
+        use rayon::prelude::*;
+        let batch = rayon::current_num_threads().max(1) * 2;
+        for (li, &l) in a.moe_layers().iter().enumerate() {
+            for first in (0..n).step_by(batch) {
+                let made: Vec<Result<Vec<Vec<u8>>, ConvertError>> = (first..(first + batch).min(n))
+                    .into_par_iter()
+                    .map(|e| {
+                        x.parts
+                            .iter()
+                            .enumerate()
+                            .map(|(pi, p)| {
+                                let mut b = vec![0u8; p.len as usize];
+                                make(l, e, pi, &mut b).map(|()| b)
+                            })
+                            .collect()
+                    })
+                    .collect();
+                for (e, parts) in (first..).zip(made) {
+                    for (pi, bytes) in parts?.iter().enumerate() {
+                        w.write_at(first_expert + li * x.parts.len() + pi, e as u64 * x.parts[pi].len, bytes)?;
+                        progress.advance(bytes.len() as u64);
+                    }
+                }
+            }
+        }
+        w.finish()?;
+        progress.finish();
+        return Ok(ExportReport { tensors: decls.len(), bytes: std::fs::metadata(out).map(|m| m.len()).unwrap_or(0) });
     }
     // Experts: each blob read once, its parts written into the three stacked tensors.
     let mut blob = vec![0u8; x.blob_size as usize];

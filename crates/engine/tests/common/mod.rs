@@ -20,7 +20,7 @@ pub fn vault(name: &str, experts: Format, dense: Format) -> PathBuf {
     let out = dir.path().join(format!("{name}-{experts}-{dense}.smoe"));
     let _g = LOCK.lock().unwrap();
     if !out.exists() {
-        let opts = ShatterOptions { experts, dense, threads: Some(2), fail_after_blobs: None };
+        let opts = ShatterOptions { experts: experts.into(), dense, threads: Some(2), zero_experts: false, fail_after_blobs: None };
         shatter(&fixture(name), &out, &opts, &Silent).unwrap();
     }
     out

@@ -1,0 +1,176 @@
+//! Routing replayed from a recorded trace, for I/O and cache benchmarks only.
+//!
+//! Random-weight models route without the temporal locality of trained ones (their hidden states
+//! carry no meaning), so a benchmark of the expert store on them measures the wrong workload.
+//! With a [`TraceRouting`] set, each MoE layer's experts are taken from a recorded trace of a
+//! trained MoE instead of the router's choice; everything else (reads, cache, products, mixing
+//! weights) runs as usual. The output is meaningless text, which is why only `smoe bench` offers
+//! it and says so in every line it prints.
+//!
+//! Mapping a trace of `Lt` layers, `Et` experts and top-`kt` onto a model of `Lm` MoE layers,
+//! `Em` experts and top-`km`: a model layer's `km` experts come from `B = ceil(km / kt)` trace
+//! layer selections, block `b` taking the first `km / B` (or one more) of selection `b` and
+//! spreading its ids over the `Em / B` experts of block `b` (`e -> b·W + e·W / Et`, distinct when
+//! `W >= Et`; a collision moves to the next free id). Model layer `m`'s block `b` replays trace
+//! layer `(m·B + b) mod Lt`; each further pass over the trace's layers starts a text later, so
+//! that layers sharing a trace layer do not move in lockstep. Token `j` of a layer is position
+//! `j mod positions` of text `j / positions` (plus that offset), wrapping around the trace.
+//! Adjacent-token reuse and expert popularity, what the cache sees, carry over; correlations
+//! between layers only approximately.
+
+use crate::EngineError;
+use smoe_formats::trace::RoutingTrace;
+use smoe_vault::Architecture;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// A trace mapped onto one model's MoE layers. See the module documentation.
+pub struct TraceRouting {
+    trace: RoutingTrace,
+    name: String,
+    /// MoE ordinal of each decoder layer.
+    ordinal: Vec<Option<usize>>,
+    experts: usize,
+    top_k: usize,
+    /// Tokens routed so far, per MoE layer.
+    next: Vec<AtomicUsize>,
+}
+
+impl TraceRouting {
+    /// Maps `trace` (called `name` in reports) onto `arch`'s MoE layers.
+    pub fn new(trace: RoutingTrace, name: &str, arch: &Architecture) -> Result<TraceRouting, EngineError> {
+        let moe = arch.moe_layers();
+        if moe.is_empty() {
+            return Err(EngineError::Model("a routing trace needs a model with MoE layers".into()));
+        }
+        let (experts, top_k) = (arch.moe.num_experts, arch.moe.top_k);
+        if top_k > experts || top_k == 0 {
+            return Err(EngineError::Model(format!("top-{top_k} of {experts} experts")));
+        }
+        let mut ordinal = vec![None; arch.num_layers];
+        for (m, &l) in moe.iter().enumerate() {
+            ordinal[l] = Some(m);
+        }
+        let next = moe.iter().map(|_| AtomicUsize::new(0)).collect();
+        Ok(TraceRouting { trace, name: name.to_string(), ordinal, experts, top_k, next })
+    }
+
+    /// One line for reports: which trace, and onto what.
+    pub fn describe(&self) -> String {
+        let [texts, pos, layers, k] = self.trace.shape;
+        format!(
+            "routing replayed from trace {} ({texts} texts x {pos} tokens, {layers} layers of {} experts, top-{k}) onto {} MoE layers of {} experts, top-{}",
+            self.name,
+            self.trace.num_experts(),
+            self.next.len(),
+            self.experts,
+            self.top_k
+        )
+    }
+
+    /// Replaces one token's experts at decoder layer `layer` with the trace's next ones (in
+    /// place: `ids` holds the model's top-k). A layer without MoE is left alone.
+    pub fn replace(&self, layer: usize, ids: &mut [u32]) {
+        let Some(m) = self.ordinal.get(layer).copied().flatten() else { return };
+        let j = self.next[m].fetch_add(1, Ordering::Relaxed);
+        self.fill(m, j, ids);
+    }
+
+    /// The experts of model MoE layer `m` at its `j`-th token.
+    fn fill(&self, m: usize, j: usize, ids: &mut [u32]) {
+        let [texts, positions, lt, kt] = self.trace.shape;
+        let et = self.trace.num_experts().max(1);
+        let (km, em) = (ids.len(), self.experts);
+        let blocks = km.div_ceil(kt).min(em).max(1);
+        let width = em / blocks;
+        let mut n = 0;
+        for b in 0..blocks {
+            let take = km / blocks + usize::from(b < km % blocks);
+            let slot = m * blocks + b;
+            let text = (j / positions + slot / lt) % texts;
+            let chosen = self.trace.experts_at(text, j % positions, slot % lt);
+            for &e in &chosen[..take.min(kt)] {
+                let mut id = (b * width + e as usize * width / et) % em;
+                // Distinct ids: a collision (more trace experts than the block holds) moves on.
+                while ids[..n].contains(&(id as u32)) {
+                    id = (id + 1) % em;
+                }
+                ids[n] = id as u32;
+                n += 1;
+            }
+        }
+        // A trace with fewer experts per token than a block needs: the rest follow the last.
+        while n < km {
+            let mut id = (ids[n - 1] as usize + 1) % em;
+            while ids[..n].contains(&(id as u32)) {
+                id = (id + 1) % em;
+            }
+            ids[n] = id as u32;
+            n += 1;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn trace() -> RoutingTrace {
+        smoe_formats::trace::bundled()
+    }
+
+    fn routing(layers: usize, experts: usize, k: usize) -> TraceRouting {
+        let ordinal = (0..layers).map(Some).collect();
+        let next = (0..layers).map(|_| AtomicUsize::new(0)).collect();
+        TraceRouting { trace: trace(), name: "t".into(), ordinal, experts, top_k: k, next }
+    }
+
+    #[test]
+    fn ids_are_distinct_and_in_range_for_any_shape() {
+        for (layers, experts, k) in [(48, 128, 8), (94, 128, 8), (4, 8, 2), (3, 60, 4), (2, 256, 8), (2, 16, 16)] {
+            let r = routing(layers, experts, k);
+            let mut ids = vec![0u32; k];
+            for m in 0..layers {
+                for j in [0, 1, 1023, 1024, 9000] {
+                    r.fill(m, j, &mut ids);
+                    let mut s = ids.clone();
+                    s.sort();
+                    s.dedup();
+                    assert_eq!(s.len(), k, "{layers}x{experts} top-{k}: {ids:?}");
+                    assert!(ids.iter().all(|&e| (e as usize) < experts));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_same_shaped_model_replays_the_trace_as_recorded() {
+        let t = trace();
+        let r = routing(6, 48, 6);
+        let mut ids = vec![0u32; 6];
+        for j in [0, 5, 1500] {
+            for m in 0..6 {
+                r.fill(m, j, &mut ids);
+                assert_eq!(ids, t.experts_at(j / 1024, j % 1024, m));
+            }
+        }
+    }
+
+    #[test]
+    fn adjacent_token_reuse_carries_over() {
+        // The trace's adjacent-token reuse (0.30; 0.125 if random) survives the mapping onto a
+        // Qwen3-30B-A3B shape (0.0625 if random).
+        let r = routing(48, 128, 8);
+        let (mut a, mut b) = (vec![0u32; 8], vec![0u32; 8]);
+        let (mut shared, mut total) = (0, 0);
+        for m in 0..48 {
+            for j in 0..200 {
+                r.fill(m, j, &mut a);
+                r.fill(m, j + 1, &mut b);
+                shared += a.iter().filter(|e| b.contains(e)).count();
+                total += 8;
+            }
+        }
+        let reuse = shared as f64 / total as f64;
+        assert!(reuse > 0.2, "{reuse}");
+    }
+}
