@@ -200,7 +200,7 @@ impl ExpertCache {
         self.clock += 1;
         self.lru.insert(self.clock, key);
         self.map.insert(key, Entry { load: handle.load, data, used: self.clock, filled: self.call });
-        Ok((ptr, false))
+        Ok((ptr, true))
     }
 
     /// Evicts least recently used entries not pinned by the current call until `need` more
