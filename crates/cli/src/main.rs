@@ -2,6 +2,7 @@
 
 mod cmd_bench;
 mod cmd_chat;
+mod cmd_perplexity;
 mod cmd_replay;
 mod cmd_run;
 mod cmd_vault;
@@ -132,6 +133,29 @@ enum Command {
         /// (compared with a peer engine's greedy decode).
         #[arg(long, default_value_t = 0)]
         greedy: usize,
+        #[command(flatten)]
+        model: cmd_run::ModelArgs,
+    },
+    /// Perplexity of a text (windows of --ctx tokens, the second half of each scored, as
+    /// llama.cpp's llama-perplexity does): the yardstick of a quantization.
+    Perplexity {
+        vault: PathBuf,
+        /// A text file, tokenized as is (no chat template).
+        #[arg(long, conflicts_with = "ids_file")]
+        text: Option<PathBuf>,
+        /// Or a file of token ids (comma/whitespace separated, or a JSON array), or a
+        /// safetensors file's `input_ids` (e.g. the held-out texts of testdata/traces).
+        #[arg(long)]
+        ids_file: Option<PathBuf>,
+        /// Window length in tokens.
+        #[arg(long, default_value_t = 512)]
+        ctx: usize,
+        /// Use the production kernels (int8 activations) instead of f32 reference math.
+        #[arg(long)]
+        fast: bool,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
         #[command(flatten)]
         model: cmd_run::ModelArgs,
     },
@@ -385,6 +409,9 @@ fn run(cli: Cli) -> Result<()> {
         Command::Verify { vault } => cmd_vault::run_verify(&vault),
         Command::Score { vault, ids, ids_file, out, decode, fast, cache_mb, greedy, model } => {
             cmd_run::run_score(cmd_run::ScoreArgs { vault, ids, ids_file, out, decode, fast, cache_mb, greedy, model })
+        }
+        Command::Perplexity { vault, text, ids_file, ctx, fast, json, model } => {
+            cmd_perplexity::run(cmd_perplexity::PerplexityArgs { vault, text, ids_file, ctx, fast, json, model })
         }
         Command::Run { vault, prompt, raw, system, no_think, json, gen, model } => {
             cmd_run::run_run(cmd_run::RunArgs { vault, model, prompt, raw, system, think: no_think.then_some(false), json, gen })

@@ -24,6 +24,7 @@ pub mod instrument;
 mod loaded;
 mod model;
 mod open;
+pub mod perplexity;
 pub mod rope;
 pub mod routing;
 pub mod sampler;

@@ -4,6 +4,7 @@
 
 mod common;
 use common::*;
+use smoe_convert::ExpertFormats;
 use smoe_engine::{score, Logits, NoObserver, ScoreMode};
 use smoe_quant::Format;
 
@@ -94,7 +95,7 @@ fn qwen3_moe_k_matches_transformers() {
 /// Quantized vaults compute exactly what f32 math on their dequantized weights computes; their
 /// distance from the bf16 reference is printed (reported in docs/quality.md, not asserted: on
 /// these random tiny models near-tie routing flips under any weight change).
-fn check_quantized(name: &str, configs: &[(Format, Format)]) {
+fn check_quantized(name: &str, configs: &[(ExpertFormats, Format)]) {
     let r = read_safetensors(&fixture(name).join("reference.safetensors"));
     let chat = ids(&r["chat.input_ids"]);
     let long = ids(&r["long.input_ids"]);
@@ -102,7 +103,8 @@ fn check_quantized(name: &str, configs: &[(Format, Format)]) {
         let q = vault(name, experts, dense);
         let model = load(&q);
         let reference = load(&dequantized_copy(&q));
-        let used = smoe_vault::Vault::open(&q).unwrap().manifest().experts.parts[0].format;
+        let parts = smoe_vault::Vault::open(&q).unwrap().manifest().experts.parts.clone();
+        let used = ExpertFormats { gate: parts[0].format, up: parts[1].format, down: parts[2].format };
         for (tag, input) in [("chat", &chat), ("long", &long)] {
             let want = score(&reference, input, ScoreMode::Prefill, 64, false).unwrap().logits;
             for mode in [ScoreMode::Prefill, ScoreMode::Decode] {
@@ -116,15 +118,33 @@ fn check_quantized(name: &str, configs: &[(Format, Format)]) {
     }
 }
 
-const QUANT_CONFIGS: [(Format, Format); 7] = [
-    (Format::BF16, Format::Q8_0),
-    (Format::Q8_0, Format::BF16),
-    (Format::Q6_K, Format::BF16),
-    (Format::Q4_K, Format::BF16),
-    (Format::Q8_0, Format::Q8_0),
-    (Format::Q6_K, Format::Q8_0),
-    (Format::Q4_K, Format::Q8_0),
+const fn all(f: Format) -> ExpertFormats {
+    ExpertFormats::all(f)
+}
+
+const QUANT_CONFIGS: [(ExpertFormats, Format); 7] = [
+    (all(Format::BF16), Format::Q8_0),
+    (all(Format::Q8_0), Format::BF16),
+    (all(Format::Q6_K), Format::BF16),
+    (all(Format::Q4_K), Format::BF16),
+    (all(Format::Q8_0), Format::Q8_0),
+    (all(Format::Q6_K), Format::Q8_0),
+    (all(Format::Q4_K), Format::Q8_0),
 ];
+
+/// Low-bit experts and llama.cpp-style mixes (gate/up below down), on the fixture whose rows
+/// hold K-quants.
+const LOW_BIT_CONFIGS: [(ExpertFormats, Format); 4] = [
+    (all(Format::Q3_K), Format::BF16),
+    (all(Format::Q2_K), Format::BF16),
+    (ExpertFormats { gate: Format::Q3_K, up: Format::Q3_K, down: Format::Q4_K }, Format::BF16),
+    (ExpertFormats { gate: Format::Q2_K, up: Format::Q2_K, down: Format::Q3_K }, Format::BF16),
+];
+
+#[test]
+fn low_bit_expert_mixes_match_their_dequantized_reference() {
+    check_quantized("qwen3_moe_k", &LOW_BIT_CONFIGS);
+}
 
 #[test]
 fn quantized_vaults_match_their_dequantized_reference() {

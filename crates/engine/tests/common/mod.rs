@@ -3,7 +3,7 @@
 
 #![allow(dead_code)]
 
-use smoe_convert::{shatter, ShatterOptions, Silent};
+use smoe_convert::{shatter, ExpertFormats, ShatterOptions, Silent};
 use smoe_quant::Format;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -13,14 +13,15 @@ pub fn fixture(name: &str) -> PathBuf {
 }
 
 /// Shatters a fixture once per test process into a shared temporary directory.
-pub fn vault(name: &str, experts: Format, dense: Format) -> PathBuf {
+pub fn vault(name: &str, experts: impl Into<ExpertFormats>, dense: Format) -> PathBuf {
+    let experts: ExpertFormats = experts.into();
     static DIR: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
     static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let dir = DIR.get_or_init(|| tempfile::tempdir().unwrap());
     let out = dir.path().join(format!("{name}-{experts}-{dense}.smoe"));
     let _g = LOCK.lock().unwrap();
     if !out.exists() {
-        let opts = ShatterOptions { experts: experts.into(), dense, threads: Some(2), zero_experts: false, fail_after_blobs: None };
+        let opts = ShatterOptions { experts, dense, threads: Some(2), zero_experts: false, fail_after_blobs: None };
         shatter(&fixture(name), &out, &opts, &Silent).unwrap();
     }
     out
