@@ -2,6 +2,7 @@
 """smoe vs llama.cpp vs the machine's physical limits, on a synthetic Qwen3-30B-A3B-shape model.
 
 One command (see docs/benchmarks.md):  bench/run  [--layers 48] [--threads 2] [--reps 3]
+(`bench/run --shape qwen3-235b-a22b`: the full-scale run larger than RAM, in big.py.)
 
 Steps: build smoe; fetch and build llama.cpp from the llama-cpp-python source distribution
 (outside the repository, under the work directory); synthesise a qwen3-30b-a3b-shape vault
@@ -197,7 +198,16 @@ def main():
     ap.add_argument("--capped-tokens", default="16", help="llama.cpp's decode tokens under the cap (it is slow there)")
     ap.add_argument("--capped-tokens-smoe", default="64")
     ap.add_argument("--device", default="cpu", help="smoe's device: cpu, cuda or cuda:N (llama.cpp runs as it was built)")
+    ap.add_argument("--shape", default="qwen3-30b-a3b", choices=["qwen3-30b-a3b", "qwen3-235b-a22b"],
+                    help="qwen3-235b-a22b: the full-scale run of bench/big.py instead (a file larger than RAM, no cap)")
+    ap.add_argument("--ram-ratio", type=float, default=2.5, help="235B run: the file's size over physical memory")
+    ap.add_argument("--gen-tokens", default="64", help="235B run: smoe's decode tokens")
+    ap.add_argument("--llama-gen-tokens", default="16", help="235B run: llama.cpp's decode tokens")
+    ap.add_argument("--keep-model", action="store_true", help="235B run: keep the GGUF afterwards")
     args = ap.parse_args()
+    if args.shape == "qwen3-235b-a22b":
+        import big
+        return big.main(args)
     global DEVICE
     DEVICE = args.device
     os.makedirs(args.work, exist_ok=True)
@@ -261,6 +271,12 @@ def main():
     l = llama_bench(bins, gguf, args.threads, "0", args.capped_tokens, "1", extra=["--repack", "0", "-lm", "mmap", "--no-warmup"],
                     prefix=cg.prefix())
     res["capped"] = {"smoe": s, "llama": l, "llama_wall_s": time.time() - t0}
+    # The same, with the routing of a trained MoE replayed (random weights route without its
+    # locality); llama.cpp cannot replay it, so this row has no peer.
+    drop_caches()
+    res["capped"]["smoe_trace"] = smoe_bench(smoe, vault, args.threads, ["--prompt-tokens", "32", "--gen-tokens",
+                                                                          args.capped_tokens_smoe, "--routing-trace"],
+                                             cache="auto", prefix=cg.prefix())
     res["total_minutes"] = (time.time() - t_start) / 60
     report(res, args.work)
 
@@ -289,6 +305,9 @@ def report(r, work):
         ("decode tok/s (128, cached)", c["smoe"]["decode_tok_s"], c["llama"].get("decode"), limit_cached),
         (f"decode tok/s (capped at {r['cap_bytes'] / 2**30:.1f} GiB)", cap["smoe"]["decode_tok_s"], cap["llama"].get("decode"),
          limit_capped),
+        *([(f"decode tok/s (capped, trace routing; hit rate {cap['smoe_trace']['hit_rate']:.2f} vs "
+             f"{cap['smoe']['hit_rate']:.2f})", cap["smoe_trace"]["decode_tok_s"], None,
+             fio_bw / max(cap["smoe_trace"]["bytes_read_per_token"], 1))] if "smoe_trace" in cap else []),
         ("time to first token, ms (512, cached)", c["smoe"]["ttft_ms"], None, None),
     ]
     lines = [

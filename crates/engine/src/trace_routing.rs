@@ -31,6 +31,8 @@ pub struct TraceRouting {
     ordinal: Vec<Option<usize>>,
     experts: usize,
     top_k: usize,
+    /// The trace's expert count (its largest id plus one), counted once.
+    trace_experts: usize,
     /// Tokens routed so far, per MoE layer.
     next: Vec<AtomicUsize>,
 }
@@ -51,7 +53,8 @@ impl TraceRouting {
             ordinal[l] = Some(m);
         }
         let next = moe.iter().map(|_| AtomicUsize::new(0)).collect();
-        Ok(TraceRouting { trace, name: name.to_string(), ordinal, experts, top_k, next })
+        let trace_experts = trace.num_experts().max(1);
+        Ok(TraceRouting { trace, name: name.to_string(), ordinal, experts, top_k, trace_experts, next })
     }
 
     /// One line for reports: which trace, and onto what.
@@ -60,7 +63,7 @@ impl TraceRouting {
         format!(
             "routing replayed from trace {} ({texts} texts x {pos} tokens, {layers} layers of {} experts, top-{k}) onto {} MoE layers of {} experts, top-{}",
             self.name,
-            self.trace.num_experts(),
+            self.trace_experts,
             self.next.len(),
             self.experts,
             self.top_k
@@ -78,7 +81,7 @@ impl TraceRouting {
     /// The experts of model MoE layer `m` at its `j`-th token.
     fn fill(&self, m: usize, j: usize, ids: &mut [u32]) {
         let [texts, positions, lt, kt] = self.trace.shape;
-        let et = self.trace.num_experts().max(1);
+        let et = self.trace_experts;
         let (km, em) = (ids.len(), self.experts);
         let blocks = km.div_ceil(kt).min(em).max(1);
         let width = em / blocks;
@@ -121,7 +124,7 @@ mod tests {
     fn routing(layers: usize, experts: usize, k: usize) -> TraceRouting {
         let ordinal = (0..layers).map(Some).collect();
         let next = (0..layers).map(|_| AtomicUsize::new(0)).collect();
-        TraceRouting { trace: trace(), name: "t".into(), ordinal, experts, top_k: k, next }
+        TraceRouting { trace: trace(), name: "t".into(), ordinal, experts, top_k: k, trace_experts: 48, next }
     }
 
     #[test]
