@@ -25,32 +25,18 @@ pub fn run_bench(vault: &Path, job: BenchJob) -> Result<()> {
     model.open_on(vault, Precision::Fast, Some(context), job)
 }
 
-/// What `smoe bench` was asked to do.
+/// What `smoe bench` was asked to do (the flags of the same names).
 pub struct BenchJob {
-    prompt_tokens: usize,
-    gen_tokens: usize,
-    chunk: usize,
-    reps: usize,
-    json: bool,
+    pub prompt_tokens: usize,
+    pub gen_tokens: usize,
+    pub chunk: usize,
+    pub reps: usize,
+    pub json: bool,
     /// `--routing-trace`: a trace file, or `bundled`.
-    routing_trace: Option<String>,
-    model: ModelArgs,
-    t0: std::time::Instant,
-}
-
-impl BenchJob {
-    /// The job, its clock started now (load time counts from here).
-    pub fn new(
-        prompt_tokens: usize,
-        gen_tokens: usize,
-        chunk: usize,
-        reps: usize,
-        json: bool,
-        routing_trace: Option<String>,
-        model: &ModelArgs,
-    ) -> BenchJob {
-        BenchJob { prompt_tokens, gen_tokens, chunk, reps, json, routing_trace, model: model.clone(), t0: std::time::Instant::now() }
-    }
+    pub routing_trace: Option<String>,
+    pub model: ModelArgs,
+    /// When the command started: load time counts from here.
+    pub t0: std::time::Instant,
 }
 
 /// The trace `--routing-trace` names, mapped onto `arch`.

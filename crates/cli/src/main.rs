@@ -454,7 +454,8 @@ fn run(cli: Cli) -> Result<()> {
             smoe_server::serve(cfg).map_err(anyhow::Error::msg)
         }
         Command::Bench { vault, prompt_tokens, gen_tokens, chunk, reps, json, routing_trace, model } => {
-            let job = cmd_bench::BenchJob::new(prompt_tokens, gen_tokens, chunk, reps, json, routing_trace, &model);
+            let t0 = std::time::Instant::now();
+            let job = cmd_bench::BenchJob { prompt_tokens, gen_tokens, chunk, reps, json, routing_trace, model, t0 };
             cmd_bench::run_bench(&vault, job)
         }
         Command::MemBandwidth { threads, mib } => cmd_bench::mem_bandwidth(threads, mib),

@@ -324,6 +324,15 @@ pub struct SynthProvider {
     random_blocks: bool,
 }
 
+impl SynthProvider {
+    /// The tensors `cfg` implies, with `opts`' seed, router spread and block mode.
+    fn new(cfg: &Value, opts: &SynthOptions) -> Result<SynthProvider, ConvertError> {
+        let tensors = plan(cfg, opts.router_spread)?;
+        let index = tensors.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
+        Ok(SynthProvider { tensors, index, seed: opts.seed, random_blocks: opts.random_blocks })
+    }
+}
+
 impl crate::TensorProvider for SynthProvider {
     fn shape(&self, name: &str) -> Option<Vec<usize>> {
         self.index.get(name).map(|&i| self.tensors[i].shape.clone())
@@ -400,9 +409,7 @@ pub fn synth_vault_from_config(
     shatter: &crate::ShatterOptions,
     progress: &dyn Progress,
 ) -> Result<crate::ShatterReport, ConvertError> {
-    let tensors = plan(&cfg, opts.router_spread)?;
-    let index = tensors.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
-    let provider = SynthProvider { tensors, index, seed: opts.seed, random_blocks: opts.random_blocks };
+    let provider = SynthProvider::new(&cfg, opts)?;
     let tok = opts.tokenizer_json.clone().unwrap_or_else(|| FALLBACK_TOKENIZER.to_string());
     let text = smoe_vault::TextAssets {
         tokenizer_json: tok,
@@ -444,9 +451,7 @@ pub fn synth_gguf_from_config(
     let vault = tmp.path().join("dense.smoe");
     let dense_only = crate::ShatterOptions { zero_experts: true, ..shatter.clone() };
     synth_vault_from_config(cfg.clone(), &vault, opts, &dense_only, progress)?;
-    let tensors = plan(&cfg, opts.router_spread)?;
-    let index = tensors.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
-    let provider = SynthProvider { tensors, index, seed: opts.seed, random_blocks: opts.random_blocks };
+    let provider = SynthProvider::new(&cfg, opts)?;
     let v = smoe_vault::Vault::open(&vault)?;
     let (family, parts) = (v.architecture().family, v.manifest().experts.parts.clone());
     drop(v);
