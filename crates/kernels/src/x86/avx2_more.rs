@@ -122,12 +122,6 @@ pub unsafe fn dot_q5_1(w: &[u8], a: &[Block32]) -> f32 {
     blocks8!(wb, a, |b, y| mul_sum_u8_i8(_mm256_or_si256(nibbles(&b.qs), _mm256_and_si256(bits(b.qh), _mm256_set1_epi8(0x10))), y), min: m)
 }
 
-/// Two groups of 16 products (i16) in one register, weighted by their scales, to 8 i32.
-#[target_feature(enable = "avx2")]
-fn scaled(p: __m256i, s0: i16, s1: i16) -> __m256i {
-    _mm256_madd_epi16(p, _mm256_setr_m128i(_mm_set1_epi16(s0), _mm_set1_epi16(s1)))
-}
-
 #[target_feature(enable = "avx2")]
 fn load256(a: &Block256, at: usize) -> __m256i {
     // SAFETY: callers pass at <= 224, so 32 bytes fit in the 256 quants.
@@ -147,31 +141,32 @@ fn srl(x: __m256i, n: i32) -> __m256i {
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_q2_k(w: &[u8], a: &[Block256]) -> f32 {
     let wb: &[BlockQ2K] = bytemuck::cast_slice(w);
-    let m3 = _mm256_set1_epi8(3);
-    let mut total = 0f32;
+    let (m3, m4) = (_mm256_set1_epi8(3), _mm_set1_epi8(15));
+    let (mut acc, mut accm) = (_mm256_setzero_ps(), _mm256_setzero_ps());
     for (b, a) in wb.iter().zip(a) {
+        // SAFETY: scales holds 16 bytes, bsums 16 i16.
+        let sm = unsafe { _mm_loadu_si128(b.scales.as_ptr() as *const __m128i) };
+        let bsums = unsafe { _mm256_loadu_si256(a.bsums.as_ptr() as *const __m256i) };
+        let s16 = _mm256_cvtepu8_epi16(_mm_and_si128(sm, m4));
+        let mins = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(sm), m4)), bsums);
         let mut sumi = _mm256_setzero_si256();
-        let mut summ = 0i32;
-        for g in 0..16 {
-            summ += (b.scales[g] >> 4) as i32 * a.bsums[g] as i32;
-        }
         for h in 0..2 {
             // SAFETY: qs holds 64 bytes, 32 per half.
             let q = unsafe { _mm256_loadu_si256(b.qs.as_ptr().add(32 * h) as *const __m256i) };
+            let sh = if h == 0 { _mm256_permute2x128_si256::<0x00>(s16, s16) } else { _mm256_permute2x128_si256::<0x11>(s16, s16) };
             for j in 0..4 {
                 let x = _mm256_and_si256(srl(q, 2 * j as i32), m3);
                 let p = _mm256_maddubs_epi16(x, load256(a, 128 * h + 32 * j));
-                let g = 8 * h + 2 * j;
-                sumi = _mm256_add_epi32(sumi, scaled(p, (b.scales[g] & 15) as i16, (b.scales[g + 1] & 15) as i16));
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, _mm256_shuffle_epi8(sh, PAIR_SCALES[j])));
             }
         }
-        let dd = f16x8(&[u16::from_le_bytes(b.d.0), u16::from_le_bytes(b.dmin.0), 0, 0, 0, 0, 0, 0]);
-        let mut d = [0f32; 8];
-        // SAFETY: 8 f32 into an 8-element array.
-        unsafe { _mm256_storeu_ps(d.as_mut_ptr(), dd) };
-        total += a.d * (d[0] * hsum(_mm256_cvtepi32_ps(sumi)) - d[1] * summ as f32);
+        // d and dmin are adjacent f16s: both converted in one instruction.
+        let dd = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from_le_bytes([b.d.0[0], b.d.0[1], b.dmin.0[0], b.dmin.0[1]])));
+        let ad = _mm_mul_ps(dd, _mm_set1_ps(a.d));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_broadcastss_ps(ad), acc);
+        accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_broadcastss_ps(_mm_movehdup_ps(ad)), accm);
     }
-    total
+    hsum(acc) - hsum(accm)
 }
 
 /// Q3_K weights: 2 low bits plus a high bit (clear means −4), sixteen signed 6-bit scales.
@@ -181,31 +176,74 @@ pub unsafe fn dot_q2_k(w: &[u8], a: &[Block256]) -> f32 {
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_q3_k(w: &[u8], a: &[Block256]) -> f32 {
     let wb: &[BlockQ3K] = bytemuck::cast_slice(w);
-    let m3 = _mm256_set1_epi8(3);
-    let mut total = 0f32;
+    let (m3, four) = (_mm256_set1_epi8(3), _mm256_set1_epi8(4));
+    let mut acc = _mm256_setzero_ps();
     for (b, a) in wb.iter().zip(a) {
-        let sc = smoe_quant::unpack_q3_scales(&b.scales);
-        // SAFETY: hmask holds 32 bytes.
+        // A quant is low + 4·high − 4 (high: its hmask bit). The products take the unsigned
+        // low + 4·high (0..7) in one maddubs; the −4 comes off once per block through the
+        // activation sums of each 16-element group: Σ_g s_g·(Σ (low + 4 high)·y − 4·bsum_g).
+        let s16 = q3_scales(&b.scales);
+        // SAFETY: bsums holds 16 i16, hmask 32 bytes.
+        let bsums = unsafe { _mm256_loadu_si256(a.bsums.as_ptr() as *const __m256i) };
         let hm = unsafe { _mm256_loadu_si256(b.hmask.as_ptr() as *const __m256i) };
-        let mut sumi = _mm256_setzero_si256();
+        let mut sumi = _mm256_slli_epi32::<2>(_mm256_madd_epi16(s16, bsums));
+        sumi = _mm256_sub_epi32(_mm256_setzero_si256(), sumi);
         for h in 0..2 {
             // SAFETY: qs holds 64 bytes, 32 per half.
             let q = unsafe { _mm256_loadu_si256(b.qs.as_ptr().add(32 * h) as *const __m256i) };
+            // This half's eight scales in both 128-bit lanes, for the per-group shuffles.
+            let sh = if h == 0 { _mm256_permute2x128_si256::<0x00>(s16, s16) } else { _mm256_permute2x128_si256::<0x11>(s16, s16) };
             for j in 0..4 {
-                let x = _mm256_and_si256(srl(q, 2 * j as i32), m3);
-                // 4 where the high bit is clear: subtracted through a second product.
-                let bit = _mm256_set1_epi8((1u8 << (4 * h + j)) as i8);
-                let clear = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), _mm256_setzero_si256());
-                let four = _mm256_and_si256(clear, _mm256_set1_epi8(4));
-                let y = load256(a, 128 * h + 32 * j);
-                let p = _mm256_sub_epi16(_mm256_maddubs_epi16(x, y), _mm256_maddubs_epi16(four, y));
-                let g = 8 * h + 2 * j;
-                sumi = _mm256_add_epi32(sumi, scaled(p, sc[g] as i16, sc[g + 1] as i16));
+                let low = _mm256_and_si256(srl(q, 2 * j as i32), m3);
+                // Bit 4h + j of each hmask byte, moved to bit 2 (shifts of at most 5 keep a
+                // byte's own bits in place).
+                let bit = 4 * h as i32 + j as i32;
+                let hb = if bit >= 2 { srl(hm, bit - 2) } else { _mm256_sll_epi16(hm, _mm_cvtsi32_si128(2 - bit)) };
+                let x = _mm256_or_si256(low, _mm256_and_si256(hb, four));
+                let p = _mm256_maddubs_epi16(x, load256(a, 128 * h + 32 * j));
+                // Groups 2j and 2j + 1 of this half: the low lane's 16 elements, the high lane's.
+                let sc = _mm256_shuffle_epi8(sh, PAIR_SCALES[j]);
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, sc));
             }
         }
-        total += a.d * f16(b.d.0) * hsum(_mm256_cvtepi32_ps(sumi));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(a.d * f16(b.d.0)), acc);
     }
-    total
+    hsum(acc)
+}
+
+/// Shuffle controls broadcasting, for pair `j` of a half's eight 16-element groups (Q2_K,
+/// Q3_K), scale `2j` (i16) over the low lane and `2j + 1` over the high lane: the scales of the
+/// two groups a 32-byte product covers, built once per block instead of per product.
+const PAIR_SCALES: [__m256i; 4] = {
+    const fn ctl(j: usize) -> __m256i {
+        let mut b = [0u8; 32];
+        let mut i = 0;
+        while i < 16 {
+            b[i] = (4 * j + i % 2) as u8;
+            b[16 + i] = (4 * j + 2 + i % 2) as u8;
+            i += 1;
+        }
+        // SAFETY: 32 bytes reinterpreted as a 256-bit vector.
+        unsafe { std::mem::transmute::<[u8; 32], __m256i>(b) }
+    }
+    [ctl(0), ctl(1), ctl(2), ctl(3)]
+};
+
+/// Q3_K's sixteen 6-bit scales (minus 32) as 16 i16, in group order: four words of 4-bit lows
+/// and 2-bit highs assembled at once instead of one scale at a time.
+#[target_feature(enable = "avx2")]
+fn q3_scales(s: &[u8; 12]) -> __m256i {
+    let w = |i: usize| u32::from_le_bytes([s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]]);
+    let (a0, a1, hi) = (w(0), w(1), w(2));
+    let (lo4, hi2) = (0x0f0f_0f0f_u32, 0x0303_0303_u32);
+    let words = [
+        (a0 & lo4) | ((hi & hi2) << 4),
+        (a1 & lo4) | (((hi >> 2) & hi2) << 4),
+        ((a0 >> 4) & lo4) | (((hi >> 4) & hi2) << 4),
+        ((a1 >> 4) & lo4) | (((hi >> 6) & hi2) << 4),
+    ];
+    let v = _mm_sub_epi8(_mm_setr_epi32(words[0] as i32, words[1] as i32, words[2] as i32, words[3] as i32), _mm_set1_epi8(32));
+    _mm256_cvtepi8_epi16(v)
 }
 
 /// Q5_K weights: Q4_K's layout plus a fifth bit per quant in `qh`.
