@@ -144,8 +144,9 @@ pub unsafe fn dot_q2_k(w: &[u8], a: &[Block256]) -> f32 {
     let (m3, m4) = (_mm256_set1_epi8(3), _mm_set1_epi8(15));
     let (mut acc, mut accm) = (_mm256_setzero_ps(), _mm256_setzero_ps());
     for (b, a) in wb.iter().zip(a) {
-        // SAFETY: scales holds 16 bytes, bsums 16 i16.
+        // SAFETY: scales holds 16 bytes.
         let sm = unsafe { _mm_loadu_si128(b.scales.as_ptr() as *const __m128i) };
+        // SAFETY: bsums holds 16 i16, 32 bytes.
         let bsums = unsafe { _mm256_loadu_si256(a.bsums.as_ptr() as *const __m256i) };
         let s16 = _mm256_cvtepu8_epi16(_mm_and_si128(sm, m4));
         let mins = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(sm), m4)), bsums);
@@ -183,8 +184,9 @@ pub unsafe fn dot_q3_k(w: &[u8], a: &[Block256]) -> f32 {
         // low + 4·high (0..7) in one maddubs; the −4 comes off once per block through the
         // activation sums of each 16-element group: Σ_g s_g·(Σ (low + 4 high)·y − 4·bsum_g).
         let s16 = q3_scales(&b.scales);
-        // SAFETY: bsums holds 16 i16, hmask 32 bytes.
+        // SAFETY: bsums holds 16 i16, 32 bytes.
         let bsums = unsafe { _mm256_loadu_si256(a.bsums.as_ptr() as *const __m256i) };
+        // SAFETY: hmask holds 32 bytes.
         let hm = unsafe { _mm256_loadu_si256(b.hmask.as_ptr() as *const __m256i) };
         let mut sumi = _mm256_slli_epi32::<2>(_mm256_madd_epi16(s16, bsums));
         sumi = _mm256_sub_epi32(_mm256_setzero_si256(), sumi);
