@@ -43,11 +43,11 @@ def disk_read_bytes(path):
     return 0
 
 
-def measured(fn):
-    """Runs fn(); returns (its result, wall seconds, bytes read from the disk meanwhile)."""
-    b0, t0 = disk_read_bytes(WORK), time.time()
+def measured(fn, path):
+    """Runs fn(); returns (its result, wall seconds, bytes read meanwhile from the disk holding `path`)."""
+    b0, t0 = disk_read_bytes(path), time.time()
     out = fn()
-    return out, time.time() - t0, disk_read_bytes(WORK) - b0
+    return out, time.time() - t0, disk_read_bytes(path) - b0
 
 
 def synth(smoe, path, layers, vocab):
@@ -93,14 +93,9 @@ def bound(decode):
     return {k: round(v / total, 3) for k, v in parts.items()}
 
 
-WORK = "."
-
-
 def main(args):
-    global WORK
     work = os.path.join(args.work, "big")
     os.makedirs(work, exist_ok=True)
-    WORK = work
     t_start = time.time()
     smoe = h.build_smoe()
     src, bins = h.llama_cpp(args.work)
@@ -132,7 +127,7 @@ def main(args):
 
     def cold(fn):
         h.drop_caches()
-        return measured(fn)
+        return measured(fn, work)
 
     # smoe: cold start to first token of a 512-token prompt.
     ttft, wall, read = cold(lambda: smoe_json(smoe, gguf, args.threads, ["--prompt-tokens", "512", "--gen-tokens", "1"]))

@@ -59,17 +59,18 @@ impl OnEngine for Job {
             Source::Ids(ids) => ids,
             Source::Text(t) => engine.tokenizer.encode(&t)?,
         };
-        let vocab = engine.model.arch().vocab_size;
-        if let Some(&bad) = ids.iter().find(|&&t| t as usize >= vocab) {
-            bail!("token id {bad} is outside the vocabulary ({vocab})");
-        }
         let t0 = std::time::Instant::now();
         let json = self.json;
         let p = smoe_engine::perplexity::perplexity(&engine.model, &ids, self.ctx, |done, of| {
             if !json {
                 eprint!("\rwindow {done}/{of}");
             }
-        })?;
+        });
+        if !json {
+            // End the progress line, whether the windows all ran or one failed.
+            eprintln!();
+        }
+        let p = p?;
         if json {
             let mut v = serde_json::to_value(&p)?;
             v["input"] = self.what.into();
@@ -77,7 +78,6 @@ impl OnEngine for Job {
             v["seconds"] = t0.elapsed().as_secs_f64().into();
             println!("{v}");
         } else {
-            eprintln!();
             println!(
                 "perplexity {:.4} (mean NLL {:.4} ± {:.4} nats/token) over {} predictions in {} windows of {} ({} tokens of {}), {:.1} s",
                 p.perplexity,

@@ -201,6 +201,38 @@ fn bench_json_reports_throughput_and_streaming() {
     assert!((j["hit_rate"].as_f64().unwrap() - hits as f64 / (hits + misses) as f64).abs() < 1e-9);
 }
 
+/// `bench --routing-trace`: the bundled trace (no value) or a trace file replaces the router's
+/// choice, and every line bench prints says so (stdout and stderr alike), as does the JSON;
+/// only bench takes the flag.
+#[test]
+fn bench_with_a_routing_trace_says_so_in_every_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let vault = shatter(dir.path(), "qwen3_moe", &[]);
+    let base = ["bench", vault.as_str(), "--prompt-tokens", "8", "--gen-tokens", "4", "--cache-experts", "8"];
+    let o = smoe(&[&base[..], &["--routing-trace", "--reps", "2"]].concat());
+    ok(&o);
+    let (out, err) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(out.lines().count() >= 3, "{out}");
+    for line in out.lines() {
+        assert!(line.starts_with("[trace routing]"), "untagged line: {line}");
+    }
+    // Stderr also carries the startup lines of opening the model, before the trace is set.
+    let tagged: Vec<&str> = err.lines().filter(|l| l.starts_with("[trace routing]")).collect();
+    assert!(tagged.iter().any(|l| l.contains("trained_moe_48x6") && l.contains("meaningless")), "{err}");
+    assert!(tagged.iter().filter(|l| l.contains("run ")).count() == 2, "{err}");
+    let trace = root().join("testdata/traces/trained_moe_48x6.safetensors").display().to_string();
+    let j: serde_json::Value =
+        serde_json::from_str(ok(&smoe(&[&base[..], &["--routing-trace", &trace, "--json"]].concat())).trim().lines().last().unwrap())
+            .unwrap();
+    assert!(j["routing"].as_str().unwrap().starts_with("routing replayed from trace trained_moe_48x6"), "{j}");
+    let j: serde_json::Value = serde_json::from_str(ok(&smoe(&[&base[..], &["--json"]].concat())).trim().lines().last().unwrap()).unwrap();
+    assert_eq!(j["routing"], "router");
+    let o = smoe(&["run", &vault, "-p", "hi", "--routing-trace"]);
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("--routing-trace"), "{o:?}");
+    let o = smoe(&[&base[..], &["--routing-trace", &fixture("qwen3_moe")]].concat());
+    assert!(!o.status.success(), "a directory is not a trace");
+}
+
 /// `smoe devices` names the CPU's kernel table in use and either lists GPUs or says in one line
 /// why none is usable; a machine without the NVIDIA driver is not an error.
 #[test]

@@ -302,10 +302,13 @@ fn convert(
     w.begin_experts(parts, blob_size, &moe_layers, arch.moe.num_experts)?;
     let batch = rayon::current_num_threads().max(1) * 2;
     let mut blobs_done = 0usize;
-    if opts.zero_experts {
+    let layers: &[usize] = if opts.zero_experts {
         w.add_zero_blobs()?;
-    }
-    for &l in moe_layers.iter().filter(|_| !opts.zero_experts) {
+        &[]
+    } else {
+        &moe_layers
+    };
+    for &l in layers {
         for first in (0..arch.moe.num_experts).step_by(batch) {
             let last = (first + batch).min(arch.moe.num_experts);
             let quantized: Vec<Result<Vec<Vec<u8>>, ConvertError>> = (first..last)

@@ -455,11 +455,9 @@ pub fn synth_gguf_from_config(
     let v = smoe_vault::Vault::open(&vault)?;
     let (family, parts) = (v.architecture().family, v.manifest().experts.parts.clone());
     drop(v);
-    let make = |layer: usize, expert: usize, part: usize, dst: &mut [u8]| -> Result<(), ConvertError> {
+    let make = |layer: usize, expert: usize, part: usize| {
         let p = &parts[part];
-        let name = &hf_expert_names(family, layer, expert)[part];
-        dst.copy_from_slice(&crate::shatter::expert_part(&provider, name, p.format, p.shape)?);
-        Ok(())
+        crate::shatter::expert_part(&provider, &hf_expert_names(family, layer, expert)[part], p.format, p.shape)
     };
     crate::gguf::export::export_with(&vault, out, progress, Some(&make))
 }

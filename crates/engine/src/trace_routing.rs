@@ -122,9 +122,9 @@ mod tests {
     }
 
     fn routing(layers: usize, experts: usize, k: usize) -> TraceRouting {
-        let ordinal = (0..layers).map(Some).collect();
+        let (trace, ordinal) = (trace(), (0..layers).map(Some).collect());
         let next = (0..layers).map(|_| AtomicUsize::new(0)).collect();
-        TraceRouting { trace: trace(), name: "t".into(), ordinal, experts, top_k: k, trace_experts: 48, next }
+        TraceRouting { trace_experts: trace.num_experts(), trace, name: "t".into(), ordinal, experts, top_k: k, next }
     }
 
     #[test]

@@ -143,6 +143,13 @@ const LOW_BIT_CONFIGS: [(ExpertFormats, Format); 4] = [
 
 #[test]
 fn low_bit_expert_mixes_match_their_dequantized_reference() {
+    // The fixture's rows hold K-quants, so each matrix is stored as asked (no fallback).
+    for (experts, dense) in LOW_BIT_CONFIGS {
+        let parts = smoe_vault::Vault::open(vault("qwen3_moe_k", experts, dense)).unwrap().manifest().experts.parts.clone();
+        let names: Vec<&str> = parts.iter().map(|p| p.name.as_str()).collect();
+        assert_eq!(names, ["gate", "up", "down"]);
+        assert_eq!(ExpertFormats { gate: parts[0].format, up: parts[1].format, down: parts[2].format }, experts);
+    }
     check_quantized("qwen3_moe_k", &LOW_BIT_CONFIGS);
 }
 

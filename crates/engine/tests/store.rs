@@ -20,10 +20,6 @@ fn streaming(path: &Path, slots: usize) -> (Model<CpuBackend>, Arc<ExpertStore>)
     (model, store)
 }
 
-fn ids(name: &str, tag: &str) -> Vec<u32> {
-    read_safetensors(&fixture(name).join("reference.safetensors"))[&format!("{tag}.input_ids")].i32().iter().map(|&x| x as u32).collect()
-}
-
 #[test]
 fn any_cache_size_is_bit_identical_to_resident() {
     for name in ALL {
@@ -34,7 +30,7 @@ fn any_cache_size_is_bit_identical_to_resident() {
         let resident = Model::load(&v, CpuBackend::new(Precision::Reference), Arc::new(ResidentExperts::load(&v).unwrap())).unwrap();
         let blob = v.manifest().experts.blob_size;
         for tag in ["chat", "long"] {
-            let input = ids(name, tag);
+            let input = input_ids(name, tag);
             for mode in [ScoreMode::Prefill, ScoreMode::Decode] {
                 let want = score(&resident, &input, mode, 64, false).unwrap();
                 for slots in [a.moe.top_k, total.div_ceil(10)] {
@@ -77,7 +73,7 @@ fn any_cache_size_is_bit_identical_to_resident() {
 fn a_big_enough_cache_stops_reading() {
     let path = vault("qwen3_moe", Format::Q8_0, Format::Q8_0);
     let (model, store) = streaming(&path, 10_000);
-    let input = ids("qwen3_moe", "long");
+    let input = input_ids("qwen3_moe", "long");
     let r = score(&model, &input, ScoreMode::Decode, 64, false).unwrap();
     let first = store.stats();
     let distinct: usize = r
@@ -99,7 +95,7 @@ fn a_big_enough_cache_stops_reading() {
 #[test]
 fn injected_read_error_fails_one_request_and_the_engine_recovers() {
     let path = vault("mixtral", Format::Q8_0, Format::Q8_0);
-    let input = ids("mixtral", "chat");
+    let input = input_ids("mixtral", "chat");
     let (reference, _) = streaming(&path, 4);
     let want = score(&reference, &input, ScoreMode::Decode, 64, false).unwrap();
     // A cold store must read the first token's layer-1 experts: make one of them fail.
@@ -120,7 +116,7 @@ fn truncated_and_corrupted_vaults_are_reported_not_computed_on() {
     std::fs::copy(vault("qwen3_moe", Format::Q8_0, Format::Q8_0), &path).unwrap();
     let original = std::fs::read(&path).unwrap();
     let (model, _store) = streaming(&path, 2);
-    let input = ids("qwen3_moe", "chat");
+    let input = input_ids("qwen3_moe", "chat");
     let want = score(&model, &input, ScoreMode::Prefill, 64, false).unwrap().logits;
     // Truncate after opening: the experts of the last layer are gone.
     let v = Vault::open(&path).unwrap();
@@ -145,7 +141,7 @@ fn truncated_and_corrupted_vaults_are_reported_not_computed_on() {
 #[test]
 fn lookahead_prefetch_changes_no_numbers() {
     let path = vault("deepseek_v3", Format::Q8_0, Format::Q8_0);
-    let input = ids("deepseek_v3", "long");
+    let input = input_ids("deepseek_v3", "long");
     let (plain, _) = streaming(&path, 4);
     let want = score(&plain, &input, ScoreMode::Decode, 64, false).unwrap().logits;
     let (mut model, store) = streaming(&path, 4);
@@ -178,7 +174,7 @@ fn interleaved_q4_k_experts_match_plain_rows() {
     let streamed = fast(Arc::new(ExpertStore::open_map(on, &StoreOptions::with_slots(v.architecture().moe.top_k)).unwrap()));
     let reference = Model::load(&v, CpuBackend::new(Precision::Reference), Arc::new(ResidentExperts::load(&v).unwrap())).unwrap();
     for tag in ["chat", "long"] {
-        let input = ids("qwen3_moe_k", tag);
+        let input = input_ids("qwen3_moe_k", tag);
         for mode in [ScoreMode::Prefill, ScoreMode::Decode] {
             let want = score(&plain, &input, mode, 64, false).unwrap();
             let a = score(&resident, &input, mode, 64, false).unwrap();

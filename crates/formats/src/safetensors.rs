@@ -186,28 +186,20 @@ impl Checkpoint {
     }
 }
 
-/// A safetensors file opened: its header's JSON object, the header's length and the file's.
-/// The header may be at most `limit` bytes and must fit in the file.
-pub(crate) fn open_header(path: &Path, limit: u64) -> Result<(File, serde_json::Map<String, serde_json::Value>, u64, u64), FormatError> {
+/// Parses one safetensors file's header.
+pub fn read_header(path: &Path) -> Result<Vec<TensorInfo>, FormatError> {
     let file = File::open(path).map_err(|e| FormatError::io(path, e))?;
     let file_len = file.metadata().map_err(|e| FormatError::io(path, e))?.len();
     let bad = |m: String| FormatError::BadInput(format!("{}: {m}", path.display()));
     let mut n = [0u8; 8];
     file.read_exact_at(&mut n, 0).map_err(|_| bad("too short for a safetensors header".into()))?;
     let n = u64::from_le_bytes(n);
-    if n > limit || 8 + n > file_len {
+    if n > 100 << 20 || 8 + n > file_len {
         return Err(bad(format!("header length {n} is impossible")));
     }
     let mut header = vec![0u8; n as usize];
     file.read_exact_at(&mut header, 8).map_err(|e| FormatError::io(path, e))?;
-    let v = serde_json::from_slice(&header).map_err(|e| bad(format!("header JSON: {e}")))?;
-    Ok((file, v, n, file_len))
-}
-
-/// Parses one safetensors file's header.
-pub fn read_header(path: &Path) -> Result<Vec<TensorInfo>, FormatError> {
-    let bad = |m: String| FormatError::BadInput(format!("{}: {m}", path.display()));
-    let (file, v, n, file_len) = open_header(path, 100 << 20)?;
+    let v: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&header).map_err(|e| bad(format!("header JSON: {e}")))?;
     let file = Arc::new(file);
     let pathbuf = Arc::new(path.to_path_buf());
     let mut out = Vec::new();

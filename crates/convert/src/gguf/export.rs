@@ -3,6 +3,7 @@
 
 use super::{TensorDecl, Writer};
 use crate::{ConvertError, Progress};
+use rayon::prelude::*;
 use smoe_formats::gguf::names::{arch_name, expert_tensor, llama_qk_permutation, tensor_name};
 use smoe_formats::gguf::vocab::gguf_tokenizer;
 use smoe_formats::gguf::Value;
@@ -178,12 +179,10 @@ pub fn export(vault: &Path, out: &Path, progress: &dyn Progress) -> Result<Expor
     export_with(vault, out, progress, None)
 }
 
-/// Makes one expert matrix's bytes: `(decoder layer, expert, part index, out)`, `out` sized to
-/// the part.
-pub type ExpertMaker<'a> = &'a (dyn Fn(usize, usize, usize, &mut [u8]) -> Result<(), ConvertError> + Sync);
+/// Makes one expert matrix's bytes: `(decoder layer, expert, part index)`, as long as the part.
+pub type ExpertMaker<'a> = &'a (dyn Fn(usize, usize, usize) -> Result<Vec<u8>, ConvertError> + Sync);
 
-/// [`export`], with the experts' bytes made by `experts` (in parallel, a batch at a time)
-/// instead of read from the vault: `synth` writes a GGUF this way from a vault that holds only
+/// [`export`], with the experts' bytes made by `experts` instead of read from the vault: `synth` writes a GGUF this way from a vault that holds only
 /// the dense part.
 pub fn export_with(vault: &Path, out: &Path, progress: &dyn Progress, experts: Option<ExpertMaker>) -> Result<ExportReport, ConvertError> {
     let v = Vault::open(vault)?;
@@ -282,46 +281,36 @@ pub fn export_with(vault: &Path, out: &Path, progress: &dyn Progress, experts: O
         }
         progress.advance(decls[i].3);
     }
-    if let Some(make) = experts {
-        // Made a parallel batch of experts at a time, each part written into its stacked tensor.
-        use rayon::prelude::*;
-        let batch = rayon::current_num_threads().max(1) * 2;
-        for (li, &l) in a.moe_layers().iter().enumerate() {
-            for first in (0..n).step_by(batch) {
-                let made: Vec<Result<Vec<Vec<u8>>, ConvertError>> = (first..(first + batch).min(n))
-                    .into_par_iter()
-                    .map(|e| {
-                        x.parts
-                            .iter()
-                            .enumerate()
-                            .map(|(pi, p)| {
-                                let mut b = vec![0u8; p.len as usize];
-                                make(l, e, pi, &mut b).map(|()| b)
-                            })
-                            .collect()
-                    })
-                    .collect();
-                for (e, parts) in (first..).zip(made) {
-                    for (pi, bytes) in parts?.iter().enumerate() {
-                        w.write_at(first_expert + li * x.parts.len() + pi, e as u64 * x.parts[pi].len, bytes)?;
-                        progress.advance(bytes.len() as u64);
-                    }
-                }
+    // Experts: a parallel batch at a time, each expert's parts (read from its blob, or made)
+    // written into the stacked tensors.
+    let parts_of = |l: usize, e: usize| -> Result<Vec<Vec<u8>>, ConvertError> {
+        match experts {
+            Some(make) => (0..x.parts.len()).map(|pi| make(l, e, pi)).collect(),
+            None => {
+                let mut blob = vec![0u8; x.blob_size as usize];
+                v.read_blob(l, e, &mut blob)?;
+                Ok(x.parts.iter().map(|p| blob[p.offset as usize..(p.offset + p.len) as usize].to_vec()).collect())
             }
         }
-        w.finish()?;
-        progress.finish();
-        return Ok(ExportReport { tensors: decls.len(), bytes: std::fs::metadata(out).map(|m| m.len()).unwrap_or(0) });
-    }
-    // Experts: each blob read once, its parts written into the three stacked tensors.
-    let mut blob = vec![0u8; x.blob_size as usize];
+    };
+    let batch = rayon::current_num_threads().max(1) * 2;
     for (li, &l) in a.moe_layers().iter().enumerate() {
-        for e in 0..n {
-            v.read_blob(l, e, &mut blob)?;
-            for (pi, p) in x.parts.iter().enumerate() {
-                let t = first_expert + li * x.parts.len() + pi;
-                w.write_at(t, e as u64 * p.len, &blob[p.offset as usize..(p.offset + p.len) as usize])?;
-                progress.advance(p.len);
+        for first in (0..n).step_by(batch) {
+            let made: Vec<_> = (first..(first + batch).min(n)).into_par_iter().map(|e| parts_of(l, e)).collect();
+            for (e, parts) in (first..).zip(made) {
+                for ((pi, p), bytes) in x.parts.iter().enumerate().zip(parts?) {
+                    if bytes.len() as u64 != p.len {
+                        return Err(FormatError::Internal(format!(
+                            "layer {l} expert {e} {}: {} bytes, not {}",
+                            p.name,
+                            bytes.len(),
+                            p.len
+                        ))
+                        .into());
+                    }
+                    w.write_at(first_expert + li * x.parts.len() + pi, e as u64 * p.len, &bytes)?;
+                    progress.advance(p.len);
+                }
             }
         }
     }

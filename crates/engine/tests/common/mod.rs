@@ -27,6 +27,11 @@ pub fn vault(name: &str, experts: impl Into<ExpertFormats>, dense: Format) -> Pa
     out
 }
 
+/// A fixture's `{tag}.input_ids` (`chat` or `long`) from its reference.safetensors.
+pub fn input_ids(name: &str, tag: &str) -> Vec<u32> {
+    read_safetensors(&fixture(name).join("reference.safetensors"))[&format!("{tag}.input_ids")].i32().iter().map(|&x| x as u32).collect()
+}
+
 /// A tensor from a safetensors file, as f32 (F32) or i32 (I32) values.
 pub enum Tensor {
     F32(Vec<usize>, Vec<f32>),
