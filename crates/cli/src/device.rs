@@ -85,7 +85,7 @@ pub fn cuda_options(
         }
         (Some(CacheSize::Experts(_)), None) => bail!("--gpu-cache takes a size such as 20GiB here: models differ in expert size"),
     };
-    Ok(smoe_cuda::CudaOptions { expert_bytes, misses, miss_precision: None })
+    Ok(smoe_cuda::CudaOptions { expert_bytes, misses, ..Default::default() })
 }
 
 /// Opens `path` on the chosen backend and hands the engine to `then`.

@@ -14,7 +14,8 @@
 //! error is kept, later ops do nothing, and [`Backend::fault`] reports it, which the engine
 //! turns into an error after loading and after each forward call.
 
-use crate::experts::{ExpertCache, ExpertStats};
+use crate::experts::{ExpertCache, ExpertStats, HEADROOM};
+use crate::kept::KeptExperts;
 use crate::misses::{MissMode, MissPolicy, Route};
 use crate::pinned::PinnedHost;
 use crate::staging::Staging;
@@ -24,8 +25,11 @@ use cudarc::driver::{
     LaunchConfig, PushKernelArg,
 };
 use smoe_engine::backend::{check, check_rows, AttnParams, Backend, Extent, KvShape, MatJob, WeightRef};
+use smoe_engine::routing::RouterRule;
 use smoe_engine::{CpuBackend, Precision};
 use smoe_quant::{Format, Layout, QMatrix};
+use smoe_store::ExpertView;
+use smoe_vault::Router;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -64,6 +68,26 @@ struct Jobs {
 // parameters.
 unsafe impl DeviceRepr for Jobs {}
 
+/// Products of kept experts as `mvk_*` reads them (`struct Kept` in kernels.cu).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct KeptJobs {
+    base: [u64; 2],
+    expert_bytes: [u64; 2],
+    row_bytes: u64,
+    rows: i32,
+    cols: i32,
+    k: i32,
+    parts: i32,
+    experts: i32,
+    x_per_pair: i32,
+    out_col: [i32; 2],
+}
+
+// SAFETY: plain old data with the C layout of `struct Kept` in kernels.cu (five u64, then eight
+// i32: 72 bytes, 8-aligned), copied by value into the kernel's parameters.
+unsafe impl DeviceRepr for KeptJobs {}
+
 /// Options of a CUDA backend.
 #[derive(Clone, Debug, Default)]
 pub struct CudaOptions {
@@ -75,6 +99,10 @@ pub struct CudaOptions {
     /// The precision of misses computed on the CPU (default: the fast int8-activation path;
     /// the f32 reference lets a test compare the two routes exactly).
     pub miss_precision: Option<Precision>,
+    /// Never keep experts by layer (routed on the GPU), even when all fit: every expert then
+    /// goes through the slot-keyed tier and the host's routing. For comparing the two (also
+    /// `SMOE_CUDA_KEEP=off`).
+    pub no_keep: bool,
 }
 
 /// The kernels of one weight format.
@@ -83,6 +111,8 @@ struct FormatKernels {
     mv1: CudaFunction,
     /// Mat-vec of up to [`MV_TOKENS`] tokens.
     mv: CudaFunction,
+    /// Mat-vec of kept experts, routed on the device.
+    mvk: CudaFunction,
     mm: CudaFunction,
     mmt: CudaFunction,
     embed: CudaFunction,
@@ -103,6 +133,7 @@ struct Kernels {
     add_weighted_slots: CudaFunction,
     rope: CudaFunction,
     attention: CudaFunction,
+    route: CudaFunction,
 }
 
 /// The kernels' name for each weight format.
@@ -133,6 +164,7 @@ impl Kernels {
                     FormatKernels {
                         mv1: f(&format!("mv1_{n}"))?,
                         mv: f(&format!("mv_{n}"))?,
+                        mvk: f(&format!("mvk_{n}"))?,
                         mm: f(&format!("mm_{n}"))?,
                         mmt: f(&format!("mmt_{n}"))?,
                         embed: f(&format!("embed_{n}"))?,
@@ -155,6 +187,7 @@ impl Kernels {
             add_weighted_slots: f("add_weighted_slots")?,
             rope: f("rope")?,
             attention: f("attention")?,
+            route: f("route")?,
         })
     }
 
@@ -220,6 +253,11 @@ pub struct CudaBackend {
     k: Kernels,
     staging: Mutex<Staging>,
     experts: Mutex<ExpertCache>,
+    /// Experts kept by layer, routed on the GPU (see [`crate::kept`]).
+    kept: Mutex<KeptExperts>,
+    /// `CudaOptions::no_keep` and `expert_bytes`: what `keep_room` may offer.
+    no_keep: bool,
+    expert_cap: Option<u64>,
     /// Expert copies host → VRAM: their own stream, so that they run beside the products
     /// that do not need them.
     copy_stream: Arc<CudaStream>,
@@ -280,6 +318,9 @@ impl CudaBackend {
             k,
             staging: Mutex::new(Staging::new()),
             experts: Mutex::new(experts),
+            kept: Mutex::new(KeptExperts::default()),
+            no_keep: opts.no_keep || std::env::var("SMOE_CUDA_KEEP").as_deref() == Ok("off"),
+            expert_cap: opts.expert_bytes,
             copy_stream,
             pinned: Mutex::new(pinned),
             misses: Mutex::new(MissPolicy::new(opts.misses)),
@@ -593,6 +634,15 @@ impl Backend for CudaBackend {
 
     fn describe(&self) -> String {
         let mut d = format!("{}{}", self.info, if self.tensor_cores { ", prefill on tensor cores (3xTF32)" } else { "" });
+        let kept = self.kept.lock().expect("kept experts lock");
+        let layers = (0..kept.layers.len()).filter(|&l| kept.layer(l).is_some()).count();
+        if layers > 0 {
+            d.push_str(&format!(
+                "; the routed experts of {layers} layers kept in VRAM ({:.1} GiB), routed on the GPU",
+                kept.bytes as f64 / (1u64 << 30) as f64
+            ));
+        }
+        drop(kept);
         let e = self.expert_stats();
         if e.hits + e.misses > 0 {
             d.push_str(&format!("; {e}"));
@@ -731,6 +781,15 @@ impl Backend for CudaBackend {
                         continue;
                     };
                     (q.format, ptr, q.format.row_bytes(q.cols).expect("a valid expert matrix"), q.rows, q.cols)
+                }
+                WeightRef::Kept { layer, expert, part } => {
+                    let kept = self.kept.lock().expect("kept experts lock");
+                    let Some(l) = kept.layer(*layer).filter(|l| (*expert as usize) < l.experts) else {
+                        self.record("matmul_many", format!("expert {expert} of layer {layer} is not kept"));
+                        return;
+                    };
+                    let p = l.part(*part);
+                    (p.format, p.at(&self.stream, *expert), p.row_bytes, p.rows, p.cols)
                 }
             };
             check_rows("matmul_many input", x, j.x_row, j.n, x_stride, 0, cols);
@@ -977,9 +1036,9 @@ impl Backend for CudaBackend {
         assert!(weights.len() >= n * k, "add_weighted_slots: {} weights for {n} tokens of {k}", weights.len());
         let Some(wp) = self.stage_f32("add_weighted_slots", &[&weights[..n * k]]) else { return };
         let (s, o) = (dptr(&src.data, &self.stream), dptr(&out.data, &self.stream));
-        let (d, n_i, k_i) = (dim as i32, n as i32, k as i32);
+        let (d, n_i, k_i, wo) = (dim as i32, n as i32, k as i32, 0i32);
         let mut a = self.stream.launch_builder(&self.k.add_weighted_slots);
-        a.arg(&s).arg(&d).arg(&n_i).arg(&k_i).arg(&wp).arg(&o);
+        a.arg(&s).arg(&d).arg(&n_i).arg(&k_i).arg(&wp).arg(&k_i).arg(&wo).arg(&o);
         self.launch(a, cfg_elems(n * dim), "add_weighted_slots");
     }
     fn scale_rows(&self, x: &mut CudaBuf, dim: usize, s: &[f32]) {
@@ -993,6 +1052,135 @@ impl Backend for CudaBackend {
         let mut a = self.stream.launch_builder(&self.k.scale_rows);
         a.arg(&xp).arg(&d).arg(&sp).arg(&n);
         self.launch(a, cfg_elems(s.len() * dim), "scale_rows");
+    }
+
+    fn route(&self, rule: &RouterRule, logits: &CudaBuf, bias: Option<&CudaVector>, n: usize, routes: &mut CudaBuf, at: usize) {
+        if self.faulted() || n == 0 {
+            return;
+        }
+        let (e, k) = (rule.num_experts(), rule.top_k());
+        check("route input", logits, n, e);
+        check_rows("route", routes, 0, 1, 0, at, n * 2 * k);
+        let (sigmoid, n_group, topk_group) = match *rule.kind() {
+            Router::Softmax => (0i32, 1i32, 1i32),
+            Router::SigmoidGrouped { n_group, topk_group, .. } => (1, n_group as i32, topk_group as i32),
+        };
+        // The kernel scores one group per lane, and every expert must be choosable.
+        assert!((1..=32).contains(&n_group) && k <= e, "route: {n_group} groups, top {k} of {e}");
+        if let Some(b) = bias {
+            assert!(b.len >= e, "route: {} biases for {e} experts", b.len);
+        }
+        let lp = dptr(&logits.data, &self.stream);
+        let bp = bias.map_or(0u64, |b| dptr(&b.data, &self.stream));
+        let rp = dptr(&routes.data, &self.stream) + (at * 4) as u64;
+        let (e_i, k_i, norm, scaling) = (e as i32, k as i32, rule.norm_topk_prob() as i32, rule.scaling());
+        let mut a = self.stream.launch_builder(&self.k.route);
+        a.arg(&lp).arg(&e_i).arg(&bp).arg(&sigmoid).arg(&n_group).arg(&topk_group).arg(&k_i).arg(&norm).arg(&scaling).arg(&rp);
+        let cfg = LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (32, 1, 1), shared_mem_bytes: (2 * e * 4) as u32 };
+        self.launch(a, cfg, "route");
+    }
+
+    fn keep_room(&self) -> u64 {
+        if self.no_keep || self.faulted() {
+            return 0;
+        }
+        if let Some(cap) = self.expert_cap {
+            return cap;
+        }
+        // Loading comes first: leave room for the KV cache and work buffers still to come.
+        let (free, total) = self.ctx.mem_get_info().unwrap_or((0, 0));
+        (free as u64).saturating_sub(HEADROOM + total as u64 / 10)
+    }
+
+    fn keep_experts(&self, layer: usize, experts: usize, batch: &[(u32, ExpertView<'_>)]) -> bool {
+        if self.faulted() || self.no_keep {
+            return false;
+        }
+        let r = self.kept.lock().expect("kept experts lock").keep(&self.stream, layer, experts, batch);
+        // The host views go when this returns: the copies must have read them.
+        let synced = self.ok("keeping experts", self.stream.synchronize());
+        match r {
+            Ok(()) => synced.is_some(),
+            Err(e) => {
+                self.record("keeping experts", e);
+                false
+            }
+        }
+    }
+
+    fn kept_experts(
+        &self,
+        layer: usize,
+        routes: &CudaBuf,
+        at: usize,
+        k: usize,
+        h: &CudaBuf,
+        n: usize,
+        gu: &mut CudaBuf,
+        slots: &mut CudaBuf,
+        x: &mut CudaBuf,
+    ) {
+        if self.faulted() || n == 0 {
+            return;
+        }
+        let kept = self.kept.lock().expect("kept experts lock");
+        let Some(l) = kept.layer(layer) else {
+            drop(kept);
+            self.record("kept_experts", format!("layer {layer} is not kept"));
+            return;
+        };
+        let [gate, up, down] = &l.parts;
+        let (hidden, width) = (gate.cols, gate.rows);
+        check_rows("kept_experts routes", routes, 0, 1, 0, at, n * 2 * k);
+        check("kept_experts input", h, n, hidden);
+        check("kept_experts gate and up", gu, n * k, 2 * width);
+        check("kept_experts down", slots, n * k, hidden);
+        check("kept_experts", x, n, hidden);
+        let rp = dptr(&routes.data, &self.stream) + (at * 4) as u64;
+        let pairs = (n * k) as u32;
+        let launch = |parts: &[(&crate::kept::KeptPart, usize)], xb: &CudaBuf, xs: usize, per_pair: bool, out: &CudaBuf, os: usize| {
+            let p0 = parts[0].0;
+            let mut kj = KeptJobs {
+                row_bytes: p0.row_bytes as u64,
+                rows: p0.rows as i32,
+                cols: p0.cols as i32,
+                k: k as i32,
+                parts: parts.len() as i32,
+                experts: l.experts as i32,
+                x_per_pair: per_pair as i32,
+                ..Default::default()
+            };
+            for (i, (p, col)) in parts.iter().enumerate() {
+                kj.base[i] = dptr(&p.data, &self.stream);
+                kj.expert_bytes[i] = p.bytes as u64;
+                kj.out_col[i] = *col as i32;
+            }
+            let (xp, op, xs_i, os_i) = (dptr(&xb.data, &self.stream), dptr(&out.data, &self.stream), xs as i32, os as i32);
+            let mut a = self.stream.launch_builder(&self.k.format(p0.format).mvk);
+            a.arg(&kj).arg(&rp).arg(&xp).arg(&xs_i).arg(&op).arg(&os_i);
+            // Four rows (warps) per block, as `mv1`.
+            let grid = (p0.rows.div_ceil(4) as u32, pairs * parts.len() as u32, 1);
+            self.launch(a, LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: 0 }, "products, kept experts");
+        };
+        // Gate and up in one launch when they share a format (as they do but in odd mixes).
+        if gate.format == up.format {
+            launch(&[(gate, 0), (up, width)], h, hidden, false, gu, 2 * width);
+        } else {
+            launch(&[(gate, 0)], h, hidden, false, gu, 2 * width);
+            launch(&[(up, width)], h, hidden, false, gu, 2 * width);
+        }
+        let gp = dptr(&gu.data, &self.stream);
+        let (r0, np, st, w) = (0i32, (n * k) as i32, (2 * width) as i32, width as i32);
+        let mut a = self.stream.launch_builder(&self.k.silu_mul_halves);
+        a.arg(&gp).arg(&r0).arg(&np).arg(&st).arg(&w);
+        self.launch(a, cfg_elems(n * k * width), "silu_mul_halves");
+        launch(&[(down, 0)], gu, 2 * width, true, slots, hidden);
+        drop(kept);
+        let (s, o) = (dptr(&slots.data, &self.stream), dptr(&x.data, &self.stream));
+        let (d, n_i, k_i, ws, wo) = (hidden as i32, n as i32, k as i32, (2 * k) as i32, k as i32);
+        let mut a = self.stream.launch_builder(&self.k.add_weighted_slots);
+        a.arg(&s).arg(&d).arg(&n_i).arg(&k_i).arg(&rp).arg(&ws).arg(&wo).arg(&o);
+        self.launch(a, cfg_elems(n * hidden), "add_weighted_slots");
     }
 
     fn kv_store(

@@ -86,7 +86,7 @@ pub(crate) struct ExpertCache {
 
 /// VRAM left for everything else when the tier sizes itself from free memory: work buffers
 /// and KV growth.
-const HEADROOM: u64 = 1536 << 20;
+pub(crate) const HEADROOM: u64 = 1536 << 20;
 
 impl ExpertCache {
     pub(crate) fn new(cap: Option<u64>) -> ExpertCache {

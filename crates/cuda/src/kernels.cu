@@ -290,7 +290,7 @@ __device__ constexpr int mv_ring() {
 #define MV_TOKENS 8
 #define MV_WARPS 4
 template <int F, int NT>
-__device__ void mv(const Jobs& js, const float* x, int xs, float* out, int os) {
+__device__ void mv(const Job& j, const float* x, int xs, float* out, int os) {
     constexpr int SPAN = span32<F>(), RING = mv_ring<F>();
     __shared__ __align__(16) u8 stage[MV_WARPS][RING][SPAN];
     // One token's input for the span, shared by the block's rows, one group per 33 floats: lane
@@ -299,7 +299,6 @@ __device__ void mv(const Jobs& js, const float* x, int xs, float* out, int os) {
     // loads, not the weights, bounded the products (their time did not change with the bytes
     // of the format).
     __shared__ float xg[NT == 1 ? 32 * 33 : 1];
-    const Job& j = js.job[blockIdx.y];
     if (blockIdx.x * MV_WARPS >= j.rows) return;  // the whole block: no one left to sync with
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     int r = blockIdx.x * MV_WARPS + warp;
@@ -558,12 +557,47 @@ __device__ void mt(const u8* w, u64 row_bytes, int m, int cols, const float* x, 
         if (k < lim) out[(size_t)t * cols + 32 * g + k] = acc[k];
 }
 
+// Products of the experts a layer keeps in VRAM, one (token, slot) pair and matrix per block
+// row: `parts` matrices (gate and up, or down) of every expert back to back from `base`, the
+// expert of each pair read from the routes on the device (`[n, 2k]`: ids as floats, then
+// weights), so the host never learns them. Input row: the pair's token (`h`) or the pair
+// itself (`gu`); output row: the pair.
+struct Kept {
+    u64 base[2];
+    u64 expert_bytes[2];
+    u64 row_bytes;
+    int rows, cols, k, parts, experts, x_per_pair;
+    int out_col[2];
+};
+
+template <int F>
+__device__ void mv_kept(const Kept& kp, const float* routes, const float* x, int xs, float* out, int os) {
+    int pair = blockIdx.y / kp.parts, part = blockIdx.y % kp.parts;
+    int t = pair / kp.k;
+    float id = routes[(size_t)t * 2 * kp.k + pair % kp.k];
+    int e = id >= 0.0f && id < (float)kp.experts ? (int)id : 0;  // a NaN route reads expert 0, never outside
+    Job j;
+    j.w = kp.base[part] + (u64)e * kp.expert_bytes[part];
+    j.row_bytes = kp.row_bytes;
+    j.rows = kp.rows;
+    j.cols = kp.cols;
+    j.x_row = kp.x_per_pair ? pair : t;
+    j.n = 1;
+    j.out_row = pair;
+    j.out_col = kp.out_col[part];
+    mv<F, 1>(j, x, xs, out, os);
+}
+
 #define FORMAT_KERNELS(name, id)                                                                      \
     extern "C" __global__ void mv_##name(const Jobs js, const float* x, int xs, float* out, int os) {  \
-        mv<id, MV_TOKENS>(js, x, xs, out, os);                                                        \
+        mv<id, MV_TOKENS>(js.job[blockIdx.y], x, xs, out, os);                                        \
     }                                                                                                 \
     extern "C" __global__ void mv1_##name(const Jobs js, const float* x, int xs, float* out, int os) { \
-        mv<id, 1>(js, x, xs, out, os);                                                                \
+        mv<id, 1>(js.job[blockIdx.y], x, xs, out, os);                                                \
+    }                                                                                                 \
+    extern "C" __global__ void mvk_##name(const Kept kp, const float* routes, const float* x, int xs,  \
+                                          float* out, int os) {                                       \
+        mv_kept<id>(kp, routes, x, xs, out, os);                                                      \
     }                                                                                                 \
     extern "C" __global__ void mm_##name(const Jobs js, const float* x, int xs, float* out, int os) {  \
         mm<id>(js, x, xs, out, os);                                                                   \
@@ -686,14 +720,120 @@ extern "C" __global__ void move_rows(const float* src, float* dst, int dim, cons
     else dst[(size_t)k * dim + c] = src[(size_t)rows[k] * dim + c];
 }
 
-// out[t] += sum_s weights[t k + s] src[t k + s] in slot order.
-extern "C" __global__ void add_weighted_slots(const float* src, int dim, int n, int k, const float* weights, float* out) {
+// out[t] += sum_s weights[t ws + wo + s] src[t k + s] in slot order.
+extern "C" __global__ void add_weighted_slots(const float* src, int dim, int n, int k, const float* weights, int ws,
+                                              int wo, float* out) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n * dim) return;
     int t = i / dim, c = i % dim;
     float a = out[i];
-    for (int s = 0; s < k; s++) a += weights[t * k + s] * src[(size_t)(t * k + s) * dim + c];
+    for (int s = 0; s < k; s++) a += weights[t * ws + wo + s] * src[(size_t)(t * k + s) * dim + c];
     out[i] = a;
+}
+
+// exp as the host's libm gives it (correctly rounded in all but rare cases): in double, rounded
+// once, so that routes chosen here match the host's bit for bit as far as possible.
+__device__ __forceinline__ float exp_rounded(float x) { return (float)exp((double)x); }
+
+// The warp's largest v[i] over i < e that is still a candidate, ties to the lower index:
+// what RouterRule's top-k picks first. Returns e when none compares (all NaN).
+__device__ int warp_argmax(const float* v, int e) {
+    int lane = threadIdx.x % 32, bi = e;
+    float bv = NEG_INF;
+    for (int i = lane; i < e; i += 32)
+        if (v[i] > bv) bv = v[i], bi = i;
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffff, bv, o);
+        int oi = __shfl_xor_sync(0xffffffff, bi, o);
+        if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
+    }
+    return bi;
+}
+
+// Routing on the device, one warp per token, as RouterRule::route does on the host: softmax
+// (sigmoid = 0) or sigmoid scores plus correction bias restricted to the best `topk_group` of
+// `n_group` groups (a group scores the sum of its two best); top-k, weights renormalised
+// (norm) and scaled. Sums run in the host's order. Out: routes[t][0..k] ids as floats,
+// [k..2k] weights. Dynamic shared memory: 2 e floats.
+extern "C" __global__ void route(const float* logits, int e, const float* bias, int sigmoid, int n_group,
+                                 int topk_group, int k, int norm, float scaling, float* routes) {
+    extern __shared__ float sh[];
+    float* choice = sh;
+    float* wsrc = sh + e;
+    int t = blockIdx.x, lane = threadIdx.x;
+    const float* l = logits + (size_t)t * e;
+    float* out = routes + (size_t)t * 2 * k;
+    if (!sigmoid) {
+        float m = NEG_INF;
+        for (int i = lane; i < e; i += 32) m = fmaxf(m, l[i]);
+        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, o));
+        for (int i = lane; i < e; i += 32) choice[i] = exp_rounded(l[i] - m);
+        __syncwarp();
+        float sum = 0.0f;
+        if (lane == 0)
+            for (int i = 0; i < e; i++) sum += choice[i];
+        sum = __shfl_sync(0xffffffff, sum, 0);
+        for (int i = lane; i < e; i += 32) wsrc[i] = choice[i] = choice[i] / sum;
+    } else {
+        for (int i = lane; i < e; i += 32) {
+            float score = 1.0f / (1.0f + exp_rounded(-l[i]));
+            wsrc[i] = score;
+            choice[i] = score + (bias ? bias[i] : 0.0f);
+        }
+        __syncwarp();
+        // Lane g scores group g (n_group <= 32, checked on the host), then lane 0 keeps the best.
+        int per = e / n_group;
+        float gs = NEG_INF;
+        if (lane < n_group) {
+            const float* grp = choice + lane * per;
+            int b0 = 0;
+            for (int i = 1; i < per; i++)
+                if (grp[i] > grp[b0]) b0 = i;
+            gs = grp[b0];
+            if (per >= 2) {
+                int b1 = b0 == 0 ? 1 : 0;
+                for (int i = 0; i < per; i++)
+                    if (i != b0 && grp[i] > grp[b1]) b1 = i;
+                gs = gs + grp[b1];
+            }
+        }
+        unsigned keep = 0;
+        for (int r = 0; r < topk_group; r++) {
+            float v = lane < n_group && !(keep >> lane & 1) ? gs : NEG_INF;
+            int bi = lane < n_group && !(keep >> lane & 1) ? lane : 32;
+            for (int o = 16; o > 0; o >>= 1) {
+                float ov = __shfl_xor_sync(0xffffffff, v, o);
+                int oi = __shfl_xor_sync(0xffffffff, bi, o);
+                if (ov > v || (ov == v && oi < bi)) v = ov, bi = oi;
+            }
+            if (bi < 32) keep |= 1u << bi;
+        }
+        __syncwarp();
+        for (int i = lane; i < e; i += 32)
+            if (!(keep >> (i / per) & 1)) choice[i] = 0.0f;
+    }
+    __syncwarp();
+    for (int r = 0; r < k; r++) {
+        int bi = warp_argmax(choice, e);
+        if (bi == e) bi = 0;
+        __syncwarp();
+        if (lane == 0) {
+            out[r] = (float)bi;
+            out[k + r] = wsrc[bi];
+            choice[bi] = NEG_INF;
+        }
+        __syncwarp();
+    }
+    if (lane == 0) {
+        if (norm) {
+            float sum = 0.0f;
+            for (int r = 0; r < k; r++) sum += out[k + r];
+            sum += sigmoid ? 1e-20f : 0.0f;
+            for (int r = 0; r < k; r++) out[k + r] /= sum;
+        }
+        if (scaling != 1.0f)
+            for (int r = 0; r < k; r++) out[k + r] *= scaling;
+    }
 }
 
 // One thread per (token, head, pair): cs holds n * half cosines then n * half sines.

@@ -14,6 +14,7 @@ bandwidth probe kernel (`examples/matvec_bandwidth.rs`).
 
 pub mod backend;
 mod experts;
+mod kept;
 mod misses;
 mod pinned;
 mod staging;

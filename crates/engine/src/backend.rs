@@ -4,8 +4,10 @@
 //! The decoder is generic over [`Backend`] and never touches activation memory directly: it
 //! allocates buffers, calls ops (passing their small host inputs as arguments: token ids, RoPE
 //! cos/sin, mixing weights, row lists), and downloads only what the host must see: router
-//! logits (routing runs on the host), Qwen2-MoE's shared-expert gate (one value per token; its
-//! sigmoid is taken on the host) and the final logits. A GPU backend can hold the dense
+//! logits (routing runs on the host, unless the backend keeps the layer's experts: then
+//! [`Backend::route`] and [`Backend::kept_experts`] run there and nothing is read back),
+//! Qwen2-MoE's shared-expert gate (one value per token; its sigmoid is taken on the host) and
+//! the final logits. A GPU backend can hold the dense
 //! weights, activations and the KV cache in device memory behind the same calls.
 //! Routed experts arrive as host [`QMatrix`] views of the expert store's cache slots, in the
 //! jobs of [`Backend::matmul_many`] ([`WeightRef::Expert`], with the slot's handle); a backend that wants experts in its
@@ -13,8 +15,9 @@
 //!
 //! [`crate::conformance`] checks every op of a backend against a plain f32 implementation.
 
+use crate::routing::RouterRule;
 use smoe_quant::{Format, QMatrix};
-use smoe_store::SlotHandle;
+use smoe_store::{ExpertView, SlotHandle};
 use std::sync::Arc;
 
 /// Shape of one layer's KV cache.
@@ -48,6 +51,35 @@ pub enum WeightRef<'a, M> {
     /// memory, and which slot and load of it they are. A backend that keeps experts in its own
     /// memory keys its copies by the handle and copies again only when its `load` changes.
     Expert(QMatrix<'a>, SlotHandle),
+    /// A routed expert's matrix that the backend keeps itself ([`Backend::keep_experts`]):
+    /// part `part` of expert `expert` of decoder layer `layer`.
+    Kept {
+        /// The decoder layer.
+        layer: usize,
+        /// The expert's id in its layer.
+        expert: u32,
+        /// Which of its matrices.
+        part: ExpertPart,
+    },
+}
+
+// Copy whatever `M` is: the variants hold a reference, a view and small ids.
+impl<M> Clone for WeightRef<'_, M> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<M> Copy for WeightRef<'_, M> {}
+
+/// One of a routed expert's three matrices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertPart {
+    /// `[intermediate, hidden]`.
+    Gate,
+    /// `[intermediate, hidden]`.
+    Up,
+    /// `[hidden, intermediate]`.
+    Down,
 }
 
 /// One product of a batch: input rows `x_row..x_row + n` (their first `cols` values) times the
@@ -233,6 +265,51 @@ pub trait Backend: Send + Sync {
     fn add_weighted_slots(&self, src: &Self::Buf, dim: usize, n: usize, k: usize, weights: &[f32], out: &mut Self::Buf);
     /// `x[t, :] *= s[t]`.
     fn scale_rows(&self, x: &mut Self::Buf, dim: usize, s: &[f32]);
+
+    /// Routes `n` tokens where their router logits lie: `logits` `[n, experts]` through
+    /// `rule` (with `bias`, the router's correction bias, where the rule has one) into `routes`
+    /// `[n, 2k]` from float `at` on: each token's `k` expert ids (as f32 values, exact below 2^24), best first, then
+    /// their mixing weights, as [`RouterRule::route`] computes them on the host. A device
+    /// backend routes without sending the logits to the host, so that the decoder need not
+    /// wait for the device at every MoE layer (see [`Self::kept_experts`]).
+    fn route(&self, rule: &RouterRule, logits: &Self::Buf, bias: Option<&Self::Vector>, n: usize, routes: &mut Self::Buf, at: usize);
+
+    /// Bytes of routed experts this backend can keep in its own memory (see
+    /// [`Self::keep_experts`]); 0 for a backend that computes on the store's views where they
+    /// lie, as the CPU backend does.
+    fn keep_room(&self) -> u64 {
+        0
+    }
+    /// Offers copies of experts of decoder layer `layer` (whose MoE block has `experts`
+    /// experts) to keep: `batch` pairs expert ids with their weights. Returns whether the
+    /// backend kept them; once it has kept all of a layer's experts, the decoder runs that
+    /// layer's routed experts with [`Self::kept_experts`] (or names them with
+    /// [`WeightRef::Kept`]) and no longer asks the store. The default keeps nothing.
+    fn keep_experts(&self, _layer: usize, _experts: usize, _batch: &[(u32, ExpertView<'_>)]) -> bool {
+        false
+    }
+    /// The routed experts of a layer whose experts this backend keeps, for `n` tokens routed by
+    /// [`Self::route`] into `routes` (`[n, 2k]` from float `at` on): for each (token, slot) pair, SwiGLU through
+    /// the slot's expert of `h`'s row — `[gate | up]` into row `token × k + slot` of `gu`
+    /// (`2 × moe width` wide), SiLU(gate) · up in its gate half, the down product into the same
+    /// row of `slots` (`hidden` wide) — then each token's slots added into `x` with their mixing
+    /// weights in slot order: what the decoder computes from the store's views, without
+    /// the host seeing the routes. Only called after [`Self::keep_experts`] kept the layer.
+    #[allow(clippy::too_many_arguments)]
+    fn kept_experts(
+        &self,
+        _layer: usize,
+        _routes: &Self::Buf,
+        _at: usize,
+        _k: usize,
+        _h: &Self::Buf,
+        _n: usize,
+        _gu: &mut Self::Buf,
+        _slots: &mut Self::Buf,
+        _x: &mut Self::Buf,
+    ) {
+        panic!("kept_experts: this backend keeps no experts (keep_experts returned false)");
+    }
 
     /// Stores `n` key (and value) rows for positions `pos0..pos0 + n` of `layer`.
     fn kv_store(

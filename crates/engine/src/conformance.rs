@@ -8,11 +8,13 @@
 //! the case and the element. Weights are quantized here and compared against their dequantized
 //! values, so the suite measures the backend's arithmetic, not the format's rounding.
 
-use crate::backend::{AttnParams, Backend, KvShape, MatJob, WeightRef};
+use crate::backend::{AttnParams, Backend, ExpertPart, KvShape, MatJob, WeightRef};
+use crate::routing::{RouteScratch, RouterRule};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use smoe_quant::{Format, QMatrix};
-use smoe_store::SlotHandle;
+use smoe_store::{ExpertView, SlotHandle};
+use smoe_vault::{Moe, Router};
 use std::sync::Arc;
 
 /// How far a backend may be from the f32 implementation, per kind of op.
@@ -48,6 +50,8 @@ pub fn check_backend<B: Backend>(b: &B, tol: &Tolerance) -> Result<usize, Vec<St
     s.rope();
     s.rows();
     s.attention();
+    s.routing();
+    s.kept();
     if s.failures.is_empty() {
         Ok(s.cases)
     } else {
@@ -477,6 +481,155 @@ impl<B: Backend> Suite<'_, B> {
     /// Grouped-query attention with separate values, and one latent head whose values are
     /// the keys' first dims (MLA), filled in two stores; queries after a prefix, and a context
     /// longer than the fast path's blocks of positions.
+    /// Routing where the logits lie against [`RouterRule::route`] on the host: softmax with and
+    /// without renormalisation, and sigmoid scores with a correction bias over groups (with
+    /// groups of one expert, and a scaling), written at an offset into a wider buffer. The ids
+    /// must be equal; the weights within the elementwise tolerance.
+    fn routing(&mut self) {
+        let rules = [
+            ("softmax, renormalised", 60, 4, Router::Softmax, true, 1.0),
+            ("softmax", 33, 7, Router::Softmax, false, 1.0),
+            ("sigmoid, 8 groups, best 3", 64, 6, Router::SigmoidGrouped { n_group: 8, topk_group: 3, correction_bias: true }, true, 2.5),
+            ("sigmoid, groups of one", 16, 2, Router::SigmoidGrouped { n_group: 16, topk_group: 4, correction_bias: true }, false, 1.0),
+        ];
+        for (case, e, k, router, norm, scaling) in rules {
+            let moe = Moe {
+                num_experts: e,
+                top_k: k,
+                intermediate_size: 1,
+                router: router.clone(),
+                norm_topk_prob: norm,
+                routed_scaling_factor: scaling,
+                shared_experts: None,
+            };
+            let rule = RouterRule::new(&moe);
+            let n = 5;
+            let logits: Vec<f32> = self.values(n * e).iter().map(|v| 4.0 * v).collect();
+            let bias_host = matches!(router, Router::SigmoidGrouped { .. }).then(|| self.values(e));
+            let bias = bias_host.as_ref().map(|b| self.b.vector(b));
+            let lb = self.buf(n * e, &logits);
+            let at = 3;
+            let mut routes = self.buf(at + n * 2 * k + 2, &[]);
+            self.b.route(&rule, &lb, bias.as_ref(), n, &mut routes, at);
+            let got = self.read(&routes, at + n * 2 * k);
+            let mut want = vec![0f32; n * 2 * k];
+            rule.route_rows(&logits, bias_host.as_deref(), n, &mut want, &mut RouteScratch::default());
+            let ids = |v: &[f32]| -> Vec<f32> { v.chunks(2 * k).flat_map(|r| r[..k].to_vec()).collect() };
+            let weights = |v: &[f32]| -> Vec<f32> { v.chunks(2 * k).flat_map(|r| r[k..].to_vec()).collect() };
+            self.compare("route", &format!("{case}: experts"), &ids(&got[at..]), &ids(&want), |_| 0.0);
+            self.compare_elementwise("route", &format!("{case}: weights"), &weights(&got[at..]), &weights(&want));
+        }
+    }
+
+    /// Experts kept by the backend (only where [`Backend::keep_room`] offers room): kept from
+    /// two batches, run by [`Backend::kept_experts`] for routes at an offset, and named in
+    /// [`Backend::matmul_many`] jobs ([`WeightRef::Kept`]), against SwiGLU in f32 on the
+    /// dequantized weights. Gate and up in different formats, as a mix has them.
+    fn kept(&mut self) {
+        if self.b.keep_room() == 0 {
+            return;
+        }
+        let (e, k, n, hidden, width) = (5usize, 2usize, 3usize, 256usize, 96usize);
+        let layer = 2;
+        let mats: Vec<[Weights; 3]> = (0..e)
+            .map(|_| {
+                [
+                    self.weights(Format::Q4_K, width, hidden),
+                    self.weights(Format::Q5_K, width, hidden),
+                    self.weights(Format::Q8_0, hidden, width),
+                ]
+            })
+            .collect();
+        let views: Vec<(u32, ExpertView<'_>)> = mats
+            .iter()
+            .enumerate()
+            .map(|(i, [g, u, d])| {
+                (i as u32, ExpertView { slot: SlotHandle { slot: i as u32, load: 1 }, gate: g.view(), up: u.view(), down: d.view() })
+            })
+            .collect();
+        let kept = self.b.keep_experts(layer, e, &views[..2]) & self.b.keep_experts(layer, e, &views[2..]);
+        self.cases += 1;
+        if !kept {
+            self.failures.push("keep_experts: five small experts not kept despite room".into());
+            return;
+        }
+        let h = self.values(n * hidden);
+        let hb = self.buf(n * hidden, &h);
+        // Token t's slots: experts (t + 4) % 5 and t, with weights.
+        let at = 5;
+        let mut routes_host = vec![0f32; at + n * 2 * k];
+        for t in 0..n {
+            let r = &mut routes_host[at + t * 2 * k..][..2 * k];
+            r.copy_from_slice(&[((t + 4) % e) as f32, t as f32, 0.75, -0.5]);
+        }
+        let routes = self.buf(routes_host.len(), &routes_host);
+        let x0 = self.values(n * hidden);
+        let mut x = self.buf(n * hidden, &x0);
+        let mut gu = self.buf(n * k * 2 * width, &[]);
+        let mut slots = self.buf(n * k * hidden, &[]);
+        self.b.kept_experts(layer, &routes, at, k, &hb, n, &mut gu, &mut slots, &mut x);
+        let got = self.read(&x, n * hidden);
+        // The same through matmul_many jobs naming kept experts: pair p = t k + s on its own rows.
+        let mut jobs = Vec::new();
+        for t in 0..n {
+            for s in 0..k {
+                let (p, expert) = (t * k + s, routes_host[at + t * 2 * k + s] as u32);
+                jobs.push(MatJob { w: WeightRef::Kept { layer, expert, part: ExpertPart::Gate }, x_row: t, n: 1, out_row: p, out_col: 0 });
+                jobs.push(MatJob {
+                    w: WeightRef::Kept { layer, expert, part: ExpertPart::Up },
+                    x_row: t,
+                    n: 1,
+                    out_row: p,
+                    out_col: width,
+                });
+            }
+        }
+        let mut gu2 = self.buf(n * k * 2 * width, &[]);
+        self.b.matmul_many(&jobs, &hb, hidden, &mut gu2, 2 * width);
+        let gu_got = self.read(&gu2, n * k * 2 * width);
+        let (mut want, mut want_gu, mut bound) = (x0.clone(), vec![0f32; n * k * 2 * width], vec![0f32; n * hidden]);
+        for t in 0..n {
+            let hr = &h[t * hidden..(t + 1) * hidden];
+            for s in 0..k {
+                let r = &routes_host[at + t * 2 * k..];
+                let (ex, w) = (r[s] as usize, r[k + s]);
+                let [g, u, d] = &mats[ex];
+                let dot = |m: &Weights, row: usize, v: &[f32]| -> f64 {
+                    m.values[row * m.cols..(row + 1) * m.cols].iter().zip(v).map(|(a, b)| *a as f64 * *b as f64).sum()
+                };
+                let p = t * k + s;
+                let act: Vec<f32> = (0..width)
+                    .map(|i| {
+                        let (gv, uv) = (dot(g, i, hr) as f32, dot(u, i, hr) as f32);
+                        want_gu[p * 2 * width + i] = gv;
+                        want_gu[p * 2 * width + width + i] = uv;
+                        gv / (1.0 + (-gv).exp()) * uv
+                    })
+                    .collect();
+                let amax = act.iter().fold(0f32, |a, v| a.max(v.abs()));
+                for c in 0..hidden {
+                    want[t * hidden + c] += w * dot(d, c, &act) as f32;
+                    let l1: f32 = d.values[c * width..(c + 1) * width].iter().map(|v| v.abs()).sum();
+                    // The activations carry the gate/up products' rounding into the down product.
+                    bound[t * hidden + c] += w.abs() * (self.tol.products * 8.0 * l1 * amax.max(1.0)) + 1e-5;
+                }
+            }
+        }
+        self.compare("kept_experts", "Q4_K gate, Q5_K up, Q8_0 down; 3 tokens of 2 slots", &got, &want, |i| bound[i]);
+        let gub: Vec<f32> = (0..n * k * 2 * width)
+            .map(|i| {
+                let (p, c) = (i / (2 * width), i % (2 * width));
+                let (t, m) = (p / k, if c < width { 0 } else { 1 });
+                let ex = routes_host[at + t * 2 * k + p % k] as usize;
+                let row = c % width;
+                let wv = &mats[ex][m].values[row * hidden..(row + 1) * hidden];
+                let xmax = h[t * hidden..(t + 1) * hidden].iter().fold(0f32, |a, v| a.max(v.abs()));
+                self.tol.products * wv.iter().map(|v| v.abs()).sum::<f32>() * xmax + 1e-6
+            })
+            .collect();
+        self.compare("matmul_many", "kept experts by id", &gu_got, &want_gu, |i| gub[i]);
+    }
+
     fn attention(&mut self) {
         let cases = [
             ("GQA 6 query heads on 2", KvShape { heads: 2, k_dim: 24, v_dim: 16, values_in_keys: false }, 6, 12, 5),

@@ -24,7 +24,7 @@
 //!   (generation, scoring and the benchmark do);
 //! - with instrumentation on, one [`StepRecord`] per call.
 
-use crate::backend::{AttnParams, Backend, MatJob, WeightRef};
+use crate::backend::{AttnParams, Backend, ExpertPart, MatJob, WeightRef};
 use crate::instrument::{Instrument, StepRecord};
 use crate::model::{Attention, FeedForward, LatentAttention, Layer, Mlp, Model, MoeBlock, StandardAttention};
 use crate::routing::RouteScratch;
@@ -57,11 +57,26 @@ pub trait Observer {
     /// Routing of one token at one MoE layer: chosen experts, their mixing weights, and the
     /// scores the choice was made on (for every expert).
     fn route(&mut self, _layer: usize, _pos: usize, _experts: &[u32], _weights: &[f32], _choice: &[f32]) {}
+    /// Whether [`Self::route`] is wanted: when it is, every MoE layer is routed on the host
+    /// (a backend that keeps a layer's experts routes them itself and the host never sees
+    /// the choice scores).
+    fn wants_routes(&self) -> bool {
+        true
+    }
 }
 
 /// An observer that watches nothing.
 pub struct NoObserver;
-impl Observer for NoObserver {}
+impl Observer for NoObserver {
+    fn wants_routes(&self) -> bool {
+        false
+    }
+}
+
+/// Most tokens of a chunk routed on the backend in a layer whose experts it keeps: each (token,
+/// slot) pair is then its own product, which for a few tokens costs less than routing on the
+/// host (a wait for the device per layer); beyond, the pairs are grouped by expert on the host.
+const KEPT_TOKENS: usize = 4;
 
 /// Activation buffers on the backend, each `chunk` rows as wide as [`Widths`] says (`n ≤ chunk`
 /// rows in use in a call; `k` is the router's `top_k`). A buffer that a family does not use has
@@ -111,6 +126,10 @@ struct Buffers<B: Backend> {
     slots: B::Buf,
     /// `[n, experts]`: router logits (downloaded into [`Routes::logits`]).
     router: B::Buf,
+    /// `[layers, n, 2k]`: where a layer's experts are kept by the backend, the routes it chose
+    /// ([`Backend::route`]), read back after the chunk when the instrument is on. Empty when no
+    /// layer is kept.
+    routes: B::Buf,
     /// `[n, vocab]` for [`Logits::All`], `[1, vocab]` for [`Logits::Last`]: the LM head's output.
     logits: B::Buf,
 }
@@ -270,6 +289,7 @@ impl<B: Backend> Model<B> {
                 dd: mk("dd", w.dd),
                 slots: mk("slots", w.slots),
                 router: mk("router", w.router),
+                routes: mk("routes", if self.kept_layers() > 0 { self.arch.num_layers * 2 * self.router.top_k() } else { 0 }),
                 logits: mk("logits", w.logits),
             },
             host: HostScratch::default(),
@@ -323,8 +343,12 @@ impl<B: Backend> Model<B> {
         }
         be.embed(&self.embed, tokens, &mut st.buf.x);
         self.rope.fill(pos, n, &mut st.host.cos, &mut st.host.sin);
+        let mut routed_kept = false;
         for (li, layer) in self.layers.iter().enumerate() {
-            self.layer(li, layer, st, n, pos, obs)?;
+            routed_kept |= self.layer(li, layer, st, n, pos, obs)?;
+        }
+        if routed_kept && st.instrument.is_some() {
+            self.instrument_kept_routes(st, n);
         }
         let b = &mut st.buf;
         be.rms_norm(&b.x, n, hd, &self.final_norm, self.eps, &mut b.h);
@@ -351,8 +375,28 @@ impl<B: Backend> Model<B> {
         Ok(())
     }
 
+    /// The instrument's view of the routes chosen on the backend in this chunk's kept layers
+    /// (read back once, after the last layer).
+    fn instrument_kept_routes(&self, st: &mut State<B>, n: usize) {
+        let k = self.router.top_k();
+        let mut host = vec![0f32; self.arch.num_layers * n * 2 * k];
+        self.backend.download(&st.buf.routes, 0, &mut host);
+        let Some(ins) = st.instrument.as_mut() else { return };
+        let mut ids = vec![0u32; k];
+        for (li, _) in self.kept.iter().enumerate().filter(|(_, &kept)| kept) {
+            for t in 0..n {
+                let row = &host[(li * n + t) * 2 * k..][..k];
+                for (id, &v) in ids.iter_mut().zip(row) {
+                    *id = v as u32;
+                }
+                ins.route(li, &ids);
+            }
+        }
+    }
+
     /// One decoder layer: attention of `h = norm(x)` added into `x`, then (after the lookahead,
-    /// when on) the feed-forward block of `h = norm(x)` added into `x`.
+    /// when on) the feed-forward block of `h = norm(x)` added into `x`. Returns whether its
+    /// experts were routed on the backend.
     fn layer(
         &self,
         li: usize,
@@ -361,7 +405,7 @@ impl<B: Backend> Model<B> {
         n: usize,
         pos: usize,
         obs: &mut dyn Observer,
-    ) -> Result<(), EngineError> {
+    ) -> Result<bool, EngineError> {
         let be = &self.backend;
         let hd = self.arch.hidden_size;
         let t = Instant::now();
@@ -383,9 +427,9 @@ impl<B: Backend> Model<B> {
                 be.add(&mut st.buf.x, &st.buf.d, n * hd);
                 st.charge(t, |r| &mut r.expert_ms);
             }
-            FeedForward::Moe(m) => self.moe(li, m, st, n, pos, obs)?,
+            FeedForward::Moe(m) => return self.moe(li, m, st, n, pos, obs),
         }
-        Ok(())
+        Ok(false)
     }
 
     /// Predicts the next MoE layer's experts by routing the current hidden state (after this
@@ -395,6 +439,9 @@ impl<B: Backend> Model<B> {
     fn lookahead_prefetch(&self, li: usize, st: &mut State<B>, n: usize) {
         let Some(next) = self.layers.get(li + 1) else { return };
         let FeedForward::Moe(m) = &next.ffn else { return };
+        if self.kept[li + 1] {
+            return;
+        }
         let (b, hs) = (&mut st.buf, &mut st.host);
         self.backend.rms_norm(&b.x, n, self.arch.hidden_size, &next.ffn_norm, self.eps, &mut b.xe);
         let predicted = &mut hs.predicted;
@@ -440,8 +487,8 @@ impl<B: Backend> Model<B> {
             None => {}
         }
         let (cos, sin, il) = (&st.host.cos, &st.host.sin, self.rope.interleaved);
-        be.rope(&mut b.q, n, w, 0, nh, hdim, cos, sin, il);
-        be.rope(&mut b.q, n, w, qw, nkv, hdim, cos, sin, il);
+        // Keys follow the queries head after head in each row: one rotation for both.
+        be.rope(&mut b.q, n, w, 0, nh + nkv, hdim, cos, sin, il);
         be.kv_store(&mut st.kv, li, pos, n, &b.q, w, qw, Some((&b.q, w, qw + kvw)));
         be.attention(&st.kv, li, &b.q, w, n, pos, AttnParams { q_heads: nh, scale: self.attn_scale }, &mut b.att);
         be.matmul(&a.o, None, &b.att, n, &mut b.d);
@@ -502,8 +549,21 @@ impl<B: Backend> Model<B> {
     /// (token, slot) pairs [grouped by expert](ExpertGroups::group), the
     /// [routed experts](Self::routed_experts) and the [shared experts](Self::shared_experts).
     /// Routing counts as routing time, the rest as expert time.
-    fn moe(&self, li: usize, m: &MoeBlock<B>, st: &mut State<B>, n: usize, pos: usize, obs: &mut dyn Observer) -> Result<(), EngineError> {
+    fn moe(
+        &self,
+        li: usize,
+        m: &MoeBlock<B>,
+        st: &mut State<B>,
+        n: usize,
+        pos: usize,
+        obs: &mut dyn Observer,
+    ) -> Result<bool, EngineError> {
         let t = Instant::now();
+        if self.kept[li] && n <= KEPT_TOKENS && self.routing_trace.is_none() && !obs.wants_routes() {
+            self.kept_moe(li, m, st, n);
+            st.charge(t, |r| &mut r.expert_ms);
+            return Ok(true);
+        }
         let ins = &mut st.instrument;
         self.route_tokens(m, Some(li), &st.buf.h, &mut st.buf.router, &mut st.host.routes, n, |token, experts, weights, choice| {
             obs.route(li, pos + token, experts, weights, choice);
@@ -519,7 +579,24 @@ impl<B: Backend> Model<B> {
             self.shared_experts(shared, m.shared_gate.as_ref(), st, n);
         }
         st.charge(t, |r| &mut r.expert_ms);
-        Ok(())
+        Ok(false)
+    }
+
+    /// The MoE block of a layer whose experts the backend keeps, for a few tokens: router,
+    /// routing and every (token, slot) product on the backend ([`Backend::route`],
+    /// [`Backend::kept_experts`]), nothing read back: the decoder queues the next layer while
+    /// the device runs this one.
+    fn kept_moe(&self, li: usize, m: &MoeBlock<B>, st: &mut State<B>, n: usize) {
+        let (be, k) = (&self.backend, self.router.top_k());
+        let b = &mut st.buf;
+        be.matmul(&m.router, None, &b.h, n, &mut b.router);
+        // This layer's routes, in its own rows of `routes` (see `instrument_kept_routes`).
+        let at = li * n * 2 * k;
+        be.route(&self.router, &b.router, m.router_bias_kept.as_ref(), n, &mut b.routes, at);
+        be.kept_experts(li, &b.routes, at, k, &b.h, n, &mut b.gu, &mut b.slots, &mut b.x);
+        if let Some(shared) = &m.shared {
+            self.shared_experts(shared, m.shared_gate.as_ref(), st, n);
+        }
     }
 
     /// Routing, shared by the MoE block and the lookahead: `m`'s router over `n` rows of `input`
@@ -568,24 +645,41 @@ impl<B: Backend> Model<B> {
         let (b, hs) = (&mut st.buf, &st.host);
         let groups = &hs.groups;
         be.gather_rows(&b.h, hd, &groups.tokens, &mut b.xe);
-        self.experts.with_experts(li, &groups.needed, &mut |batch: &ExpertBatch<'_>| self.expert_batch(batch, groups, b))?;
+        if self.kept[li] {
+            // The backend has every expert of the layer: one batch, named by id.
+            let kept = |j: usize, part| WeightRef::Kept { layer: li, expert: groups.needed[j], part };
+            let all: Vec<_> = (0..groups.needed.len())
+                .map(|j| (j, [kept(j, ExpertPart::Gate), kept(j, ExpertPart::Up), kept(j, ExpertPart::Down)]))
+                .collect();
+            self.expert_batch(&all, groups, b);
+        } else {
+            self.experts.with_experts(li, &groups.needed, &mut |batch: &ExpertBatch<'_>| {
+                let views: Vec<_> = batch
+                    .iter()
+                    .map(|(j, ex)| {
+                        (*j, [WeightRef::Expert(ex.gate, ex.slot), WeightRef::Expert(ex.up, ex.slot), WeightRef::Expert(ex.down, ex.slot)])
+                    })
+                    .collect();
+                self.expert_batch(&views, groups, b)
+            })?;
+        }
         be.scatter_rows(&b.dd, hd, &groups.order, &mut b.slots);
         be.add_weighted_slots(&b.slots, hd, n, k, &hs.routes.weights, &mut b.x);
         Ok(())
     }
 
-    /// One batch of landed experts over their rows of `xe`: one dispatch for every gate and up
-    /// product (`[gate | up]` per row of `gu`), SiLU(gate) · up into each row's gate half, then
-    /// one dispatch for every down product into `dd`.
-    fn expert_batch(&self, batch: &ExpertBatch<'_>, groups: &ExpertGroups, b: &mut Buffers<B>) {
+    /// One batch of experts (`(index into needed, [gate, up, down])`) over their rows of `xe`:
+    /// one dispatch for every gate and up product (`[gate | up]` per row of `gu`), SiLU(gate)
+    /// · up into each row's gate half, then one dispatch for every down product into `dd`.
+    fn expert_batch(&self, batch: &[(usize, [WeightRef<'_, B::Matrix>; 3])], groups: &ExpertGroups, b: &mut Buffers<B>) {
         let (be, hd, width) = (&self.backend, self.arch.hidden_size, self.arch.moe.intermediate_size);
         // The jobs borrow this batch's views, valid only during the store's callback: the list
         // is made here, once per batch (see the module documentation).
         let mut jobs = Vec::with_capacity(2 * batch.len());
-        for (j, ex) in batch {
+        for (j, [gate, up, _]) in batch {
             let (r0, rows) = groups.rows(*j);
-            jobs.push(MatJob { w: WeightRef::Expert(ex.gate, ex.slot), x_row: r0, n: rows, out_row: r0, out_col: 0 });
-            jobs.push(MatJob { w: WeightRef::Expert(ex.up, ex.slot), x_row: r0, n: rows, out_row: r0, out_col: width });
+            jobs.push(MatJob { w: *gate, x_row: r0, n: rows, out_row: r0, out_col: 0 });
+            jobs.push(MatJob { w: *up, x_row: r0, n: rows, out_row: r0, out_col: width });
         }
         be.matmul_many(&jobs, &b.xe, hd, &mut b.gu, 2 * width);
         jobs.clear();
@@ -601,9 +695,9 @@ impl<B: Backend> Model<B> {
                 be.silu_mul_halves(&mut b.gu, r0, rows, 2 * width, width);
             }
         }
-        for (j, ex) in batch {
+        for (j, [_, _, down]) in batch {
             let (r0, rows) = groups.rows(*j);
-            jobs.push(MatJob { w: WeightRef::Expert(ex.down, ex.slot), x_row: r0, n: rows, out_row: r0, out_col: 0 });
+            jobs.push(MatJob { w: *down, x_row: r0, n: rows, out_row: r0, out_col: 0 });
         }
         be.matmul_many(&jobs, &b.gu, 2 * width, &mut b.dd, hd);
     }

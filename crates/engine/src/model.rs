@@ -49,8 +49,10 @@ pub(crate) struct Mlp<B: Backend> {
 
 pub(crate) struct MoeBlock<B: Backend> {
     pub router: B::Matrix,
-    /// `e_score_correction_bias`, on the host: routing happens there.
+    /// `e_score_correction_bias`, on the host: routing happens there...
     pub router_bias: Option<Vec<f32>>,
+    /// ...or on the backend, for layers whose experts it keeps ([`Backend::route`]).
+    pub router_bias_kept: Option<B::Vector>,
     pub shared: Option<Mlp<B>>,
     /// Qwen2-MoE's `shared_expert_gate`, `[1, hidden]`.
     pub shared_gate: Option<B::Matrix>,
@@ -85,6 +87,9 @@ pub struct Model<B: Backend> {
     /// Bytes of the embedding table (read one row per token, unless it doubles as the LM head).
     pub(crate) embed_bytes: u64,
     pub(crate) lookahead: bool,
+    /// Per decoder layer: the backend keeps its routed experts ([`Backend::keep_experts`]), so
+    /// they are routed and run there, not fetched from the store.
+    pub(crate) kept: Vec<bool>,
     /// Routing replayed from a trace instead of the router's choice (benchmarks only).
     pub(crate) routing_trace: Option<crate::trace_routing::TraceRouting>,
 }
@@ -188,6 +193,11 @@ impl<B: Backend> Model<B> {
                     } else {
                         None
                     },
+                    router_bias_kept: if ld.entries.contains_key(t("moe.router_bias").as_str()) && backend.keep_room() > 0 {
+                        Some(ld.vector(&t("moe.router_bias"))?)
+                    } else {
+                        None
+                    },
                     shared: match &arch.moe.shared_experts {
                         Some(s) => Some(ld.mlp(l, "moe.shared", s.intermediate_size)?),
                         None => None,
@@ -221,7 +231,9 @@ impl<B: Backend> Model<B> {
         }
         // Sound because the model owns the source and drops `backend` (declared first) before it.
         backend.use_host_memory(&experts.host_memory());
+        let kept = keep_all_experts(&backend, experts.as_ref(), &arch)?;
         Ok(Model {
+            kept,
             embed,
             final_norm,
             lm_head,
@@ -238,6 +250,12 @@ impl<B: Backend> Model<B> {
             backend,
             arch,
         })
+    }
+
+    /// MoE layers whose routed experts the backend keeps itself (routed there, never asked
+    /// of the store).
+    pub fn kept_layers(&self) -> usize {
+        self.kept.iter().filter(|&&k| k).count()
     }
 
     /// The architecture.
@@ -312,4 +330,38 @@ pub fn naive_kv_values_per_token(arch: &Architecture) -> usize {
         None => arch.num_heads * 2 * arch.head_dim,
     };
     per_layer * arch.num_layers
+}
+
+/// Hands every routed expert to the backend when it has room to keep all of them (a GPU with
+/// the whole model in VRAM), layer by layer from the store; returns which layers it kept. All
+/// or nothing: a model that only partly fits runs through the store and the backend's own
+/// expert cache, which follows the routing rather than a fixed split by layer.
+fn keep_all_experts<B: Backend>(backend: &B, experts: &dyn ExpertSource, arch: &Architecture) -> Result<Vec<bool>, EngineError> {
+    let mut kept = vec![false; arch.num_layers];
+    let room = backend.keep_room();
+    let moe: Vec<usize> = (0..arch.num_layers).filter(|&l| arch.layers[l] == LayerKind::Moe).collect();
+    let (Some(&first), true) = (moe.first(), room > 0) else { return Ok(kept) };
+    let count = arch.moe.num_experts;
+    let mut one = 0u64;
+    experts.with_experts(first, &[0], &mut |batch| {
+        for (_, v) in batch {
+            one = (v.gate.data.len() + v.up.data.len() + v.down.data.len()) as u64;
+        }
+    })?;
+    if one * (count * moe.len()) as u64 > room {
+        return Ok(kept);
+    }
+    let ids: Vec<u32> = (0..count as u32).collect();
+    for &l in &moe {
+        let mut ok = true;
+        experts.with_experts(l, &ids, &mut |batch| {
+            let pairs: Vec<(u32, smoe_store::ExpertView<'_>)> = batch.iter().map(|(i, v)| (ids[*i], *v)).collect();
+            ok &= backend.keep_experts(l, count, &pairs);
+        })?;
+        if let Some(fault) = backend.fault() {
+            return Err(EngineError::Backend(format!("keeping the routed experts of layer {l}: {fault}")));
+        }
+        kept[l] = ok;
+    }
+    Ok(kept)
 }

@@ -67,6 +67,42 @@ impl RouterRule {
         self.top_k
     }
 
+    /// The router's kind (softmax, or sigmoid with groups).
+    pub fn kind(&self) -> &Router {
+        &self.kind
+    }
+
+    /// Whether the chosen experts' weights are renormalised to sum to one.
+    pub fn norm_topk_prob(&self) -> bool {
+        self.norm_topk_prob
+    }
+
+    /// The factor the mixing weights are scaled by.
+    pub fn scaling(&self) -> f32 {
+        self.scaling
+    }
+
+    /// Experts to choose from.
+    pub fn num_experts(&self) -> usize {
+        self.num_experts
+    }
+
+    /// Routes `n` tokens of `logits` (`[n, experts]`) into `routes` (`[n, 2k]`: each token's
+    /// expert ids as f32 values, then their weights): the layout of
+    /// [`crate::Backend::route`].
+    pub fn route_rows(&self, logits: &[f32], bias: Option<&[f32]>, n: usize, routes: &mut [f32], s: &mut RouteScratch) {
+        let (e, k) = (self.num_experts, self.top_k);
+        let (mut ids, mut w) = (vec![0u32; k], vec![0f32; k]);
+        for t in 0..n {
+            self.route(&logits[t * e..(t + 1) * e], bias, &mut ids, &mut w, s);
+            let row = &mut routes[t * 2 * k..(t + 1) * 2 * k];
+            for (dst, &i) in row[..k].iter_mut().zip(&ids) {
+                *dst = i as f32;
+            }
+            row[k..].copy_from_slice(&w);
+        }
+    }
+
     /// Routes one token: `ids` and `weights` (each `top_k` long) from its router `logits`.
     pub fn route(&self, logits: &[f32], bias: Option<&[f32]>, ids: &mut [u32], weights: &mut [f32], s: &mut RouteScratch) {
         let e = self.num_experts;

@@ -10,6 +10,7 @@ mod matmul;
 pub mod pool;
 
 use crate::backend::{check, check_rows, AttnParams, Backend, KvShape, MatJob, WeightRef};
+use crate::routing::{RouteScratch, RouterRule};
 use smoe_quant::{Format, QMatrix};
 use std::sync::Arc;
 
@@ -222,6 +223,7 @@ impl Backend for CpuBackend {
                     WeightRef::Resident(m, Some((r0, n))) => m.view().slice_rows(*r0, *n),
                     // The slot handle matters to a backend mirroring experts; the CPU reads them in place.
                     WeightRef::Expert(q, _) => *q,
+                    WeightRef::Kept { .. } => panic!("matmul_many: the CPU backend keeps no experts"),
                 };
                 check_rows("matmul_many input", x, j.x_row, j.n, x_stride, 0, v.cols);
                 check_rows("matmul_many", out, j.out_row, j.n, out_stride, j.out_col, v.rows);
@@ -384,6 +386,12 @@ impl Backend for CpuBackend {
                 }
             }
         }
+    }
+    fn route(&self, rule: &RouterRule, logits: &CpuBuf, bias: Option<&Vec<f32>>, n: usize, routes: &mut CpuBuf, at: usize) {
+        let (e, k) = (rule.num_experts(), rule.top_k());
+        check("route input", logits, n, e);
+        check_rows("route", routes, 0, 1, 0, at, n * 2 * k);
+        rule.route_rows(&logits[..n * e], bias.map(|b| &b[..]), n, &mut routes[at..at + n * 2 * k], &mut RouteScratch::default());
     }
     fn scale_rows(&self, x: &mut CpuBuf, dim: usize, s: &[f32]) {
         check("scale_rows", x, s.len(), dim);
