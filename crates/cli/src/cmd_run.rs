@@ -117,7 +117,7 @@ impl ModelArgs {
     /// stderr) and hands it to `then`.
     pub fn open_on<W: OnEngine>(&self, vault: &Path, precision: Precision, ctx: Option<usize>, then: W) -> Result<W::Out> {
         exists(vault)?;
-        let (chosen, line) = self.device.choose(&crate::device::cuda_options(self.gpu_cache, self.gpu_misses, Some(vault))?)?;
+        let (chosen, line) = self.device.choose(&crate::device::cuda_options(self.gpu_cache, self.gpu_misses, Some(vault), precision)?)?;
         eprintln!("{line}");
         crate::device::open_on(chosen, vault, &self.options(precision, ctx), self.prefetch == "lookahead", then)
     }

@@ -74,6 +74,7 @@ pub fn cuda_options(
     gpu_cache: Option<smoe_engine::CacheSize>,
     misses: smoe_cuda::MissMode,
     model: Option<&Path>,
+    precision: smoe_engine::Precision,
 ) -> Result<smoe_cuda::CudaOptions> {
     use smoe_engine::CacheSize;
     let expert_bytes = match (gpu_cache, model) {
@@ -85,7 +86,7 @@ pub fn cuda_options(
         }
         (Some(CacheSize::Experts(_)), None) => bail!("--gpu-cache takes a size such as 20GiB here: models differ in expert size"),
     };
-    Ok(smoe_cuda::CudaOptions { expert_bytes, misses, ..Default::default() })
+    Ok(smoe_cuda::CudaOptions { expert_bytes, misses, precision: Some(precision), ..Default::default() })
 }
 
 /// Opens `path` on the chosen backend and hands the engine to `then`.

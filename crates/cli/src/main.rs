@@ -429,7 +429,7 @@ fn run(cli: Cli) -> Result<()> {
             fleet.max_sessions = sessions;
             fleet.open = model.options(smoe_engine::Precision::Fast, ctx);
             // The device is chosen once at start; each model then opens its own backend on it.
-            let gpu_opts = device::cuda_options(model.gpu_cache, model.gpu_misses, None)?;
+            let gpu_opts = device::cuda_options(model.gpu_cache, model.gpu_misses, None, smoe_engine::Precision::Fast)?;
             match model.device.choose(&gpu_opts)? {
                 (device::Chosen::Cpu, line) => eprintln!("{line}"),
                 (device::Chosen::Cuda(b), line) => {

@@ -39,6 +39,8 @@ const MAX_JOBS: usize = 48;
 /// Up to this many tokens a product is a mat-vec (a warp per row, the weights read once);
 /// beyond, tiled.
 const MV_TOKENS: usize = 8;
+/// Rows per block of the int8 mat-vec: MVQ_WARPS × MVQ_ROWS in kernels.cu.
+const MVQ_BLOCK_ROWS: usize = 8;
 
 /// One product as the kernels read it (`struct Job` in kernels.cu).
 #[repr(C)]
@@ -99,6 +101,10 @@ pub struct CudaOptions {
     /// The precision of misses computed on the CPU (default: the fast int8-activation path;
     /// the f32 reference lets a test compare the two routes exactly).
     pub miss_precision: Option<Precision>,
+    /// Fast (the default): one-token products of the formats with an int8 kernel (Q8_0, Q4_K)
+    /// run on int8 activations with dp4a, as the CPU's fast path; Reference: every product in
+    /// f32 (the conformance suite's exactness). `SMOE_CUDA_INT8=off` also turns int8 off.
+    pub precision: Option<Precision>,
     /// Never keep experts by layer (routed on the GPU), even when all fit: every expert then
     /// goes through the slot-keyed tier and the host's routing. For comparing the two (also
     /// `SMOE_CUDA_KEEP=off`).
@@ -113,6 +119,8 @@ struct FormatKernels {
     mv: CudaFunction,
     /// Mat-vec of kept experts, routed on the device.
     mvk: CudaFunction,
+    /// One-token products on int8 activations, for the formats that have them (`HAS_MVQ`).
+    mvq: Option<(CudaFunction, CudaFunction)>,
     mm: CudaFunction,
     mmt: CudaFunction,
     embed: CudaFunction,
@@ -134,6 +142,7 @@ struct Kernels {
     rope: CudaFunction,
     attention: CudaFunction,
     route: CudaFunction,
+    quantize_rows: CudaFunction,
 }
 
 /// The kernels' name for each weight format.
@@ -165,6 +174,10 @@ impl Kernels {
                         mv1: f(&format!("mv1_{n}"))?,
                         mv: f(&format!("mv_{n}"))?,
                         mvk: f(&format!("mvk_{n}"))?,
+                        mvq: match fmt {
+                            Format::Q8_0 | Format::Q4_K => Some((f(&format!("mvq_{n}"))?, f(&format!("mvkq_{n}"))?)),
+                            _ => None,
+                        },
                         mm: f(&format!("mm_{n}"))?,
                         mmt: f(&format!("mmt_{n}"))?,
                         embed: f(&format!("embed_{n}"))?,
@@ -188,6 +201,7 @@ impl Kernels {
             rope: f("rope")?,
             attention: f("attention")?,
             route: f("route")?,
+            quantize_rows: f("quantize_rows")?,
         })
     }
 
@@ -271,6 +285,11 @@ pub struct CudaBackend {
     /// `SMOE_CUDA_PROFILE=1`: every launch waited for and timed by kernel, printed at the end
     /// (launch plus run time, on a synchronized stream: for finding where time goes, not speed).
     profile: Option<Mutex<std::collections::HashMap<&'static str, (u64, f64)>>>,
+    /// One-token products on int8 activations where the format has a kernel (`Precision::Fast`).
+    int8: bool,
+    /// Their quantized inputs (see `quantize_rows` in kernels.cu), reused launch after launch:
+    /// one stream orders each product's reads before the next quantization.
+    qscratch: Mutex<Option<CudaSlice<u8>>>,
     /// Many-token products on tensor cores (compute 8.0+, unless `SMOE_CUDA_PREFILL=simt`).
     tensor_cores: bool,
     faulted: AtomicBool,
@@ -327,6 +346,8 @@ impl CudaBackend {
             cpu: std::sync::OnceLock::new(),
             miss_precision: opts.miss_precision.unwrap_or(Precision::Fast),
             tensor_cores,
+            qscratch: Mutex::new(None),
+            int8: opts.precision.unwrap_or(Precision::Fast) == Precision::Fast && std::env::var("SMOE_CUDA_INT8").as_deref() != Ok("off"),
             profile: std::env::var_os("SMOE_CUDA_PROFILE").map(|_| Mutex::new(Default::default())),
             faulted: AtomicBool::new(false),
             fault: Mutex::new(None),
@@ -448,7 +469,9 @@ impl CudaBackend {
                 2
             }
         };
-        let key = |j: &(Format, Job)| (j.0, kind(j.1.n));
+        // One-token launches also by input width: an int8 launch quantizes its jobs' input rows
+        // once, at one width.
+        let key = |j: &(Format, Job)| (j.0, kind(j.1.n), if j.1.n == 1 { j.1.cols } else { 0 });
         jobs.sort_by_key(key);
         let mut start = 0;
         while start < jobs.len() {
@@ -474,6 +497,17 @@ impl CudaBackend {
                 } else {
                     (&fk.mm, LaunchConfig { grid_dim: grid, block_dim: (256, 1, 1), shared_mem_bytes: 0 })
                 }
+            } else if let (0, true, Some((mvq, _))) = (k0.1, self.int8, &fk.mvq) {
+                let lo = batch.iter().map(|j| j.x_row as usize).min().unwrap_or(0);
+                let hi = batch.iter().map(|j| j.x_row as usize + 1).max().unwrap_or(0);
+                let Some((qx, qstride)) = self.quantize(x, xs, lo, hi - lo, k0.2 as usize) else { return };
+                let (qs_i, lo_i, os_i) = (qstride as i32, lo as i32, os as i32);
+                let mut a = self.stream.launch_builder(mvq);
+                a.arg(&table).arg(&qx).arg(&qs_i).arg(&lo_i).arg(&out).arg(&os_i);
+                let grid = (max_rows.div_ceil(MVQ_BLOCK_ROWS) as u32, (end - start) as u32, 1);
+                self.launch(a, LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: 0 }, "products, int8 mat-vec");
+                start = end;
+                continue;
             } else {
                 // Four rows (warps) per block: MV_WARPS in kernels.cu.
                 let grid = (max_rows.div_ceil(4) as u32, (end - start) as u32, 1);
@@ -490,6 +524,29 @@ impl CudaBackend {
             self.launch(a, cfg, op);
             start = end;
         }
+    }
+
+    /// Quantizes rows `lo..lo + rows` of `x` (`cols` values each, rows `xs` apart) for the int8
+    /// mat-vec; returns the scratch's address and its row stride in bytes.
+    fn quantize(&self, x: u64, xs: usize, lo: usize, rows: usize, cols: usize) -> Option<(u64, usize)> {
+        let qstride = (cols + 8 * (cols / 32)).next_multiple_of(16);
+        let mut scratch = self.qscratch.lock().expect("scratch lock");
+        if scratch.as_ref().is_none_or(|s| s.len() < rows * qstride) {
+            // The old buffer's frees are stream-ordered after the products that read it.
+            *scratch = Some(self.ok("quantizing inputs", self.stream.alloc_zeros::<u8>((2 * rows * qstride).max(1 << 16)))?);
+        }
+        let qx = dptr(scratch.as_ref().expect("allocated above"), &self.stream);
+        let (xs_i, lo_i, rows_i, cols_i, qs_i) = (xs as i32, lo as i32, rows as i32, cols as i32, qstride as i32);
+        let mut a = self.stream.launch_builder(&self.k.quantize_rows);
+        a.arg(&x).arg(&xs_i).arg(&lo_i).arg(&rows_i).arg(&cols_i).arg(&qx).arg(&qs_i);
+        // A warp per group of 32, four per block.
+        let groups = rows * (cols / 32);
+        self.launch(
+            a,
+            LaunchConfig { grid_dim: (groups.div_ceil(4) as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 },
+            "quantize",
+        );
+        Some((qx, qstride))
     }
 
     /// Computes `missing` expert products with the CPU backend on their host copies: reads
@@ -634,6 +691,9 @@ impl Backend for CudaBackend {
 
     fn describe(&self) -> String {
         let mut d = format!("{}{}", self.info, if self.tensor_cores { ", prefill on tensor cores (3xTF32)" } else { "" });
+        if self.int8 {
+            d.push_str(", decode products of Q8_0 and Q4_K on int8 activations (dp4a)");
+        }
         let kept = self.kept.lock().expect("kept experts lock");
         let layers = (0..kept.layers.len()).filter(|&l| kept.layer(l).is_some()).count();
         if layers > 0 {
@@ -1156,10 +1216,25 @@ impl Backend for CudaBackend {
                 kj.out_col[i] = *col as i32;
             }
             let (xp, op, xs_i, os_i) = (dptr(&xb.data, &self.stream), dptr(&out.data, &self.stream), xs as i32, os as i32);
-            let mut a = self.stream.launch_builder(&self.k.format(p0.format).mvk);
+            let fk = self.k.format(p0.format);
+            // The kernel a one-token product of this format gets in `products`, so that a kept
+            // expert's product has the same bits as the same product named by a job.
+            let (func, rows_per_block) = match (&fk.mvq, self.int8) {
+                (Some((_, mvkq)), true) => {
+                    let rows = if per_pair { n * k } else { n };
+                    let Some((qx, qstride)) = self.quantize(xp, xs, 0, rows, p0.cols) else { return };
+                    let qs_i = qstride as i32;
+                    let mut a = self.stream.launch_builder(mvkq);
+                    a.arg(&kj).arg(&rp).arg(&qx).arg(&qs_i).arg(&op).arg(&os_i);
+                    let grid = (p0.rows.div_ceil(MVQ_BLOCK_ROWS) as u32, pairs * parts.len() as u32, 1);
+                    self.launch(a, LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: 0 }, "products, kept experts");
+                    return;
+                }
+                _ => (&fk.mvk, 4),
+            };
+            let mut a = self.stream.launch_builder(func);
             a.arg(&kj).arg(&rp).arg(&xp).arg(&xs_i).arg(&op).arg(&os_i);
-            // Four rows (warps) per block, as `mv1`.
-            let grid = (p0.rows.div_ceil(4) as u32, pairs * parts.len() as u32, 1);
+            let grid = (p0.rows.div_ceil(rows_per_block) as u32, pairs * parts.len() as u32, 1);
             self.launch(a, LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: 0 }, "products, kept experts");
         };
         // Gate and up in one launch when they share a format (as they do but in odd mixes).
