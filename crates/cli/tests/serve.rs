@@ -115,14 +115,16 @@ fn python() -> PathBuf {
 fn make_python() -> PathBuf {
     let env = root().join("target/pyenv");
     let py = env.join("bin/python");
-    let ok = |py: &Path| Command::new(py).args(["-c", "import openai, anthropic"]).output().is_ok_and(|o| o.status.success());
+    let ok = |py: &Path| Command::new(py).args(["-c", "import openai, anthropic, selenium"]).output().is_ok_and(|o| o.status.success());
     if !ok(&py) {
         let st =
             Command::new("python3").args(["-m", "venv", env.to_str().unwrap()]).status().expect("python3 is needed for the client tests");
         assert!(st.success(), "python3 -m venv failed");
-        let st =
-            Command::new(env.join("bin/pip")).args(["install", "--quiet", "openai==3.57.0", "anthropic==2.14.0"]).status().expect("pip");
-        assert!(st.success(), "pip install openai anthropic failed");
+        let st = Command::new(env.join("bin/pip"))
+            .args(["install", "--quiet", "openai==3.57.0", "anthropic==2.14.0", "selenium==4.38.0"])
+            .status()
+            .expect("pip");
+        assert!(st.success(), "pip install openai anthropic selenium failed");
     }
     py
 }
@@ -326,4 +328,65 @@ fn short_load_test() {
     let rss = rss_kib(server.pid());
     assert!(rss > 0 && rss < 1 << 20, "server RSS {rss} KiB");
     assert_eq!(http(server.addr, "GET", "/health", &[], b"").0, 200);
+}
+
+/// The chat page at `/` in a real browser: headless Chromium and its WebDriver from Debian's
+/// `chromium` and `chromium-driver` packages, driven by `selenium` (page_test.py), against the
+/// demo vault and a fixture: the model picker, a reply streamed in several steps, Stop mid-stream,
+/// Regenerate, the live panel, the conversation after a reload, and the API-key prompt of a
+/// keyed server. Skips with a message where there is no browser, unless
+/// `SMOE_REQUIRE_BROWSER=1` (as `.ci/run` sets, after installing them). Leaves a screenshot in
+/// `target/page.png`.
+#[test]
+fn the_chat_page_works_in_a_real_browser() {
+    if !Path::new("/usr/bin/chromedriver").exists() || !Path::new("/usr/bin/chromium").exists() {
+        let why = "no /usr/bin/chromium and /usr/bin/chromedriver (Debian: chromium chromium-driver)";
+        assert!(std::env::var_os("SMOE_REQUIRE_BROWSER").is_none(), "SMOE_REQUIRE_BROWSER is set but there is {why}");
+        eprintln!("skipped: {why}");
+        return;
+    }
+    let dir = vault_dir();
+    let demo = dir.path().join("demo.smoe");
+    let o = Command::new(env!("CARGO_BIN_EXE_smoe"))
+        .args(["shatter", root().join("models/stdlib-moe").to_str().unwrap(), "-o", demo.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let open = Server::start(dir.path(), &[]);
+    let keyed = Server::start(dir.path(), &["--api-key", KEY]);
+    let shot = root().join("target/page.png");
+    let out = run_python("page_test.py", &[&open.base(), &keyed.base(), KEY, shot.to_str().unwrap()]);
+    eprintln!("{out}");
+    assert!(!out.contains("FAIL"), "{out}");
+}
+
+/// The page is served without the key (it asks for one); the live panel's JSON needs the key,
+/// has the finished generation's figures, and no prompt or reply text.
+#[test]
+fn the_page_and_its_stats_endpoint() {
+    let dir = vault_dir();
+    let server = Server::start(dir.path(), &["--api-key", KEY]);
+    let (status, head, body) = http(server.addr, "GET", "/", &[], b"");
+    assert_eq!(status, 200, "{head}");
+    assert!(head.to_ascii_lowercase().contains("content-type: text/html"), "{head}");
+    assert!(body.contains("<title>smoe</title>") && body.contains("/v1/smoe/stats"));
+    let (status, _, _) = http(server.addr, "GET", "/v1/smoe/stats", &[], b"");
+    assert_eq!(status, 401, "the stats need the key");
+    let secret = "a prompt the stats must not echo";
+    let req = format!(r#"{{"model": "qwen3", "max_tokens": 8, "messages": [{{"role": "user", "content": "{secret}"}}]}}"#);
+    let (status, _, body) = post(server.addr, "/v1/chat/completions", &req);
+    assert_eq!(status, 200, "{body}");
+    let auth = format!("Bearer {KEY}");
+    let (status, _, body) = http(server.addr, "GET", "/v1/smoe/stats", &[("Authorization", &auth)], b"");
+    assert_eq!(status, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let last = &v["recent"][0];
+    assert_eq!(last["model"], "qwen3", "{v}");
+    assert!(last["generated_tokens"].as_u64().unwrap() >= 1 && last["ttft_ms"].as_f64().unwrap() > 0.0, "{v}");
+    assert!(v["models"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|m| m["id"] == "qwen3" && m["loaded"] == true && m["size_bytes"].as_u64() > Some(0)));
+    assert!(!body.contains(secret), "the stats leak the prompt");
 }

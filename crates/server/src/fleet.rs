@@ -100,6 +100,8 @@ pub struct ModelInfo {
     pub id: String,
     /// The vault's modification time (Unix seconds).
     pub created: u64,
+    /// The vault's (or GGUF's) size in bytes.
+    pub size_bytes: u64,
     /// Loaded now.
     pub loaded: bool,
     /// Its expert cache when loaded.
@@ -155,14 +157,16 @@ impl Fleet {
         self.models()
             .into_iter()
             .map(|(id, path)| {
-                let created = std::fs::metadata(&path)
-                    .and_then(|m| m.modified())
-                    .ok()
+                let meta = std::fs::metadata(&path).ok();
+                let size_bytes = meta.as_ref().map_or(0, |m| m.len());
+                let created = meta
+                    .and_then(|m| m.modified().ok())
                     .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
                     .map_or(0, |d| d.as_secs());
                 let l = loaded.get(&id);
                 ModelInfo {
                     created,
+                    size_bytes,
                     loaded: l.is_some(),
                     cache_bytes: l.map_or(0, |l| l.cache_bytes),
                     queue_depth: l.map_or(0, |l| l.worker.queue_depth()),

@@ -92,7 +92,7 @@ async fn messages(State(s): State<AppState>, req: Request) -> Response {
 
 fn model_json(m: &fleet::ModelInfo) -> serde_json::Value {
     json!({"id": m.id, "object": "model", "created": m.created, "owned_by": "smoe",
-           "smoe": {"loaded": m.loaded, "expert_cache_bytes": m.cache_bytes, "queue_depth": m.queue_depth}})
+           "smoe": {"loaded": m.loaded, "size_bytes": m.size_bytes, "expert_cache_bytes": m.cache_bytes, "queue_depth": m.queue_depth}})
 }
 
 async fn list_models(State(s): State<AppState>) -> Response {
@@ -120,6 +120,20 @@ async fn metrics(State(s): State<AppState>) -> Response {
     r
 }
 
+async fn stats(State(s): State<AppState>) -> Response {
+    axum::Json(s.metrics.stats_json(&s.fleet.list())).into_response()
+}
+
+/// The chat page (`page.html`, in the binary: no network at run time). It is open without the
+/// API key; it asks for one when the API answers 401.
+async fn page() -> Response {
+    let mut r = PAGE.into_response();
+    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/html; charset=utf-8"));
+    r
+}
+
+const PAGE: &str = include_str!("page.html");
+
 async fn fallback(req: Request) -> ApiError {
     ApiError::not_found(req.uri().path())
 }
@@ -132,7 +146,7 @@ async fn guard(State(s): State<AppState>, req: Request, next: Next) -> Response 
         let h = req.headers();
         let bearer = h.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
         let x = h.get("x-api-key").and_then(|v| v.to_str().ok());
-        let open = path == "/health" || req.method() == Method::OPTIONS;
+        let open = path == "/health" || path == "/" || req.method() == Method::OPTIONS;
         if !open && bearer != Some(key) && x != Some(key) {
             s.metrics.record_request(&path, 401);
             let e = ApiError::unauthorized();
@@ -141,7 +155,17 @@ async fn guard(State(s): State<AppState>, req: Request, next: Next) -> Response 
     }
     let r = next.run(req).await;
     let endpoint = if path.starts_with("/v1/models/") { "/v1/models/{id}" } else { &path };
-    let known = ["/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/models", "/v1/models/{id}", "/health", "/metrics"];
+    let known = [
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/messages",
+        "/v1/models",
+        "/v1/models/{id}",
+        "/v1/smoe/stats",
+        "/health",
+        "/metrics",
+        "/",
+    ];
     s.metrics.record_request(if known.contains(&endpoint) { endpoint } else { "other" }, r.status().as_u16());
     r
 }
@@ -156,6 +180,8 @@ pub fn router(state: AppState, cors_origins: &[String]) -> Router {
         .route("/v1/models/{id}", get(one_model))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
+        .route("/v1/smoe/stats", get(stats))
+        .route("/", get(page))
         .fallback(fallback)
         .layer(axum::middleware::from_fn_with_state(state.clone(), guard))
         .layer(DefaultBodyLimit::max(state.body_limit))

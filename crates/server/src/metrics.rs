@@ -31,7 +31,41 @@ pub struct Metrics {
     /// Generations that failed in the engine.
     pub engine_errors: AtomicU64,
     last: Mutex<(f64, f64)>,
+    /// The latest generations, for the page's live panel (`GET /v1/smoe/stats`).
+    recent: Mutex<std::collections::VecDeque<Sample>>,
 }
+
+/// One finished generation as the live panel plots it.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Sample {
+    /// Unix time in milliseconds when it finished.
+    pub t_ms: u64,
+    /// The model.
+    pub model: String,
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Of those, the ones computed (the rest came from a cached session).
+    pub prefilled_tokens: usize,
+    /// Generated tokens.
+    pub generated_tokens: usize,
+    /// Time to first token.
+    pub ttft_ms: f64,
+    /// Prefill throughput (0 when the whole prompt came from a cached session).
+    pub prefill_tok_s: f64,
+    /// Decode throughput (0 for fewer than two tokens).
+    pub decode_tok_s: f64,
+    /// Expert uses served from the cache, of all uses.
+    pub hit_rate: f64,
+    /// Bytes read from the vault per generated token.
+    pub bytes_per_token: f64,
+    /// Requests waiting or running for the model when it finished (itself included).
+    pub queue: usize,
+}
+
+/// Samples kept: at most this many, and none older than [`RECENT_SECONDS`].
+const RECENT_MAX: usize = 1000;
+/// The panel's window.
+const RECENT_SECONDS: u64 = 600;
 
 impl Metrics {
     /// Counts a finished request.
@@ -53,6 +87,55 @@ impl Metrics {
         if s.generated_tokens > 1 {
             last.1 = s.decode_tok_s();
         }
+    }
+
+    /// Keeps a finished generation of `model` for the live panel.
+    pub fn record_sample(&self, model: &str, s: &GenStats, store: &StoreStats, queue: usize) {
+        let t_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+        let sample = Sample {
+            t_ms,
+            model: model.to_string(),
+            prompt_tokens: s.prompt_tokens,
+            prefilled_tokens: s.prefilled_tokens,
+            generated_tokens: s.generated_tokens,
+            ttft_ms: s.ttft_seconds * 1e3,
+            prefill_tok_s: if s.prefilled_tokens > 0 { s.prefill_tok_s() } else { 0.0 },
+            decode_tok_s: if s.generated_tokens > 1 { s.decode_tok_s() } else { 0.0 },
+            hit_rate: store.hit_rate(),
+            bytes_per_token: store.bytes_read as f64 / s.generated_tokens.max(1) as f64,
+            queue,
+        };
+        let mut r = self.recent.lock().unwrap();
+        r.push_back(sample);
+        while r.len() > RECENT_MAX || r.front().is_some_and(|f| f.t_ms + RECENT_SECONDS * 1000 < t_ms) {
+            r.pop_front();
+        }
+    }
+
+    /// What the page's live panel shows: totals since start, the models, and the generations of
+    /// the last ten minutes. Never any prompt or reply text.
+    pub fn stats_json(&self, models: &[crate::fleet::ModelInfo]) -> serde_json::Value {
+        let g = |v: &AtomicU64| v.load(Ordering::Relaxed);
+        let (hits, misses) = (g(&self.expert_hits), g(&self.expert_misses));
+        let recent: Vec<Sample> = self.recent.lock().unwrap().iter().cloned().collect();
+        serde_json::json!({
+            "totals": {
+                "prompt_tokens": g(&self.prompt_tokens),
+                "prefilled_tokens": g(&self.prefilled_tokens),
+                "completion_tokens": g(&self.completion_tokens),
+                "prefill_seconds": g(&self.prefill_us) as f64 / 1e6,
+                "decode_seconds": g(&self.decode_us) as f64 / 1e6,
+                "expert_hit_rate": hits as f64 / (hits + misses).max(1) as f64,
+                "bytes_read": g(&self.bytes_read),
+                "engine_errors": g(&self.engine_errors),
+            },
+            "models": models.iter().map(|m| serde_json::json!({
+                "id": m.id, "loaded": m.loaded, "size_bytes": m.size_bytes,
+                "expert_cache_bytes": m.cache_bytes, "queue_depth": m.queue_depth,
+            })).collect::<Vec<_>>(),
+            "window_seconds": RECENT_SECONDS,
+            "recent": recent,
+        })
     }
 
     /// Adds expert store activity.

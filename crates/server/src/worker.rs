@@ -102,7 +102,14 @@ impl Worker {
         let recent = Arc::new(RecentReplies::default());
         let pending = Arc::new(AtomicUsize::new(0));
         let (tx, rx) = mpsc::channel::<Job>();
-        let ctx = Loop { engine: engine.clone(), recent: recent.clone(), pending: pending.clone(), limits: limits.clone(), metrics };
+        let ctx = Loop {
+            name: name.clone(),
+            engine: engine.clone(),
+            recent: recent.clone(),
+            pending: pending.clone(),
+            limits: limits.clone(),
+            metrics,
+        };
         let thread = std::thread::Builder::new().name(format!("gen-{name}")).spawn(move || ctx.run(rx)).expect("spawn a thread");
         Worker { name, engine: engine as Arc<dyn LoadedModel>, recent, tx: Some(tx), pending, limits, thread: Some(thread) }
     }
@@ -138,6 +145,7 @@ impl Drop for Worker {
 }
 
 struct Loop<B: Backend> {
+    name: String,
     engine: Arc<Engine<B>>,
     recent: Arc<RecentReplies>,
     pending: Arc<AtomicUsize>,
@@ -213,6 +221,7 @@ impl<B: Backend> Loop<B> {
         match result {
             Ok(g) => {
                 self.metrics.record_generation(&g.stats);
+                self.metrics.record_sample(&self.name, &g.stats, &store, self.pending.load(Ordering::Relaxed));
                 if !g.tokens.is_empty() {
                     self.recent.add(g.text.clone(), g.tokens.clone());
                 }
