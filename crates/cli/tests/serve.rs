@@ -390,3 +390,34 @@ fn the_page_and_its_stats_endpoint() {
         .any(|m| m["id"] == "qwen3" && m["loaded"] == true && m["size_bytes"].as_u64() > Some(0)));
     assert!(!body.contains(secret), "the stats leak the prompt");
 }
+
+/// Two new conversations with the same long system prompt (as Open WebUI sends its tool
+/// schemas with every chat): the second computes only its own message, and the first, asked a
+/// follow-up afterwards, still finds its whole history cached.
+#[test]
+fn new_conversations_share_a_cached_system_prompt() {
+    let dir = vault_dir();
+    let server = Server::start(dir.path(), &["--api-key", KEY]);
+    let system = "You are a careful assistant. ".repeat(40);
+    let chat = |messages: &str| {
+        let req = format!(
+            r#"{{"model": "qwen3", "max_tokens": 4, "temperature": 0, "messages": [{{"role": "system", "content": "{system}"}}, {messages}]}}"#
+        );
+        let (status, _, body) = post(server.addr, "/v1/chat/completions", &req);
+        assert_eq!(status, 200, "{body}");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        let u = &v["usage"];
+        let reply = v["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+        (u["prompt_tokens"].as_u64().unwrap(), u["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap(), reply)
+    };
+    let (p1, c1, r1) = chat(r#"{"role": "user", "content": "first conversation"}"#);
+    assert_eq!(c1, 0, "nothing cached yet");
+    let (p2, c2, _) = chat(r#"{"role": "user", "content": "a second, different conversation"}"#);
+    assert!(c2 >= 200 && p2 - c2 < 40, "the second conversation computed {} of {p2} prompt tokens", p2 - c2);
+    let follow = format!(
+        r#"{{"role": "user", "content": "first conversation"}}, {{"role": "assistant", "content": {}}}, {{"role": "user", "content": "and a follow-up"}}"#,
+        serde_json::Value::String(r1)
+    );
+    let (p3, c3, _) = chat(&follow);
+    assert!(c3 >= p1, "the first conversation's follow-up found {c3} cached of {p3}, its first prompt was {p1}");
+}

@@ -186,6 +186,13 @@ pub trait Backend: Send + Sync {
     fn kv_capacity(&self, cache: &Self::KvCache) -> usize;
     /// Bytes the cache holds now.
     fn kv_bytes(&self, cache: &Self::KvCache) -> usize;
+    /// Copies positions `0..positions` of every layer of `src` into `dst` (whose later positions
+    /// are then unset): a new sequence starting from another's prefix without recomputing it
+    /// (the server's prefix cache shared across sessions). Returns false where the backend
+    /// cannot; the default.
+    fn kv_copy(&self, _src: &Self::KvCache, _dst: &mut Self::KvCache, _positions: usize) -> bool {
+        false
+    }
 
     /// Copies host data into the start of a buffer.
     fn upload(&self, dst: &mut Self::Buf, src: &[f32]);

@@ -244,6 +244,17 @@ impl<B: Backend> State<B> {
     pub fn truncate(&mut self, pos: usize) {
         self.pos = self.pos.min(pos);
     }
+    /// Starts this state from positions `0..positions` of `other` (same model): their keys and
+    /// values are copied, not recomputed. False where the backend cannot copy a KV cache.
+    pub fn copy_prefix(&mut self, model: &Model<B>, other: &State<B>, positions: usize) -> bool {
+        let positions = positions.min(other.pos);
+        if !model.backend().kv_copy(&other.kv, &mut self.kv, positions) {
+            return false;
+        }
+        self.pos = positions;
+        true
+    }
+
     /// The KV cache.
     pub fn kv(&self) -> &B::KvCache {
         &self.kv

@@ -21,6 +21,17 @@ impl<B: Backend> Session<B> {
         Session { state: model.new_state(PREFILL_CHUNK), cached: Vec::new() }
     }
 
+    /// A session holding the first `positions` tokens of `other`'s cache, copied (see
+    /// [`State::copy_prefix`]); `None` where the backend cannot copy a KV cache.
+    pub fn fork(model: &Model<B>, other: &Session<B>, positions: usize) -> Option<Session<B>> {
+        let positions = positions.min(other.cached.len());
+        let mut s = Session::new(model);
+        s.state.copy_prefix(model, &other.state, positions).then(|| {
+            s.cached.extend_from_slice(&other.cached[..positions]);
+            s
+        })
+    }
+
     /// The tokens in the cache.
     pub fn cached_tokens(&self) -> &[u32] {
         &self.cached

@@ -144,6 +144,9 @@ impl Drop for Worker {
     }
 }
 
+/// Fewest tokens of a cached conversation's prefix worth copying into a new one (see `pick`).
+const SHARED_PREFIX_MIN: usize = 64;
+
 struct Loop<B: Backend> {
     name: String,
     engine: Arc<Engine<B>>,
@@ -174,21 +177,36 @@ impl<B: Backend> Loop<B> {
     /// different conversation does not wipe a cached one.
     fn pick(&self, sessions: &mut Vec<Cached<B>>, prompt: &[u32]) -> usize {
         let best = (0..sessions.len()).max_by_key(|&i| (sessions[i].session.common_prefix(prompt), sessions[i].used));
+        let common = best.map_or(0, |i| sessions[i].session.common_prefix(prompt));
+        // The prompt extends a cached conversation: continue it.
+        if let Some(i) = best.filter(|&i| common > 0 && common == sessions[i].session.cached_tokens().len()) {
+            return i;
+        }
+        let room = sessions.len() < self.limits.max_sessions.max(1);
+        // A prompt that shares a long prefix with a cached conversation but goes elsewhere (a new
+        // conversation with the same system prompt and tool schemas, as Open WebUI sends with
+        // every chat; a regenerated reply) starts from a copy of that prefix's keys and values
+        // and leaves the other conversation whole.
+        let shared = common.min(prompt.len().saturating_sub(1));
+        if let (Some(i), true) = (best, room && shared >= SHARED_PREFIX_MIN) {
+            if let Some(session) = Session::fork(&self.engine.model, &sessions[i].session, shared) {
+                sessions.push(Cached { session, used: Instant::now() });
+                return sessions.len() - 1;
+            }
+        }
         if let Some(i) = best {
-            // Continue when the prompt extends the session, or shares most of it (a regenerated
-            // reply): truncating a little is cheaper than recomputing everything.
-            let s = &sessions[i].session;
-            let common = s.common_prefix(prompt);
-            if common > 0 && 2 * common >= s.cached_tokens().len() {
+            // No copy (no room, or a backend that cannot copy): continue when the prompt shares
+            // most of it, truncating a little rather than recomputing everything.
+            if common > 0 && 2 * common >= sessions[i].session.cached_tokens().len() {
                 return i;
             }
         }
-        if sessions.len() < self.limits.max_sessions.max(1) {
+        if room {
             sessions.push(Cached { session: Session::new(&self.engine.model), used: Instant::now() });
             return sessions.len() - 1;
         }
         match best {
-            Some(i) if sessions[i].session.common_prefix(prompt) > 0 => i,
+            Some(i) if common > 0 => i,
             _ => (0..sessions.len()).min_by_key(|&i| sessions[i].used).expect("the pool is not empty"),
         }
     }

@@ -402,6 +402,19 @@ impl Backend for CpuBackend {
         }
     }
 
+    fn kv_copy(&self, src: &CpuKvCache, dst: &mut CpuKvCache, positions: usize) -> bool {
+        for (d, s) in dst.layers.iter_mut().zip(&src.layers) {
+            let (kw, vw) = (s.shape.heads * s.shape.k_dim, s.shape.heads * s.shape.v_dim);
+            assert!(s.k.len() >= positions * kw, "kv_copy: {positions} positions of a cache holding {}", s.k.len() / kw.max(1));
+            d.k.clear();
+            d.k.extend_from_slice(&s.k[..positions * kw]);
+            d.v.clear();
+            if !s.v.is_empty() {
+                d.v.extend_from_slice(&s.v[..positions * vw]);
+            }
+        }
+        true
+    }
     fn kv_store(
         &self,
         cache: &mut CpuKvCache,
