@@ -233,6 +233,10 @@ enum Command {
         /// Context limit per model (default: each model's, capped by memory).
         #[arg(long)]
         ctx: Option<usize>,
+        /// Tokens to generate for a chat request that does not set `max_tokens` (default: until
+        /// the context is full or the model stops; Open WebUI sets none).
+        #[arg(long)]
+        max_tokens: Option<usize>,
         /// Largest request body in MiB.
         #[arg(long, default_value_t = 16)]
         body_limit_mib: usize,
@@ -420,13 +424,27 @@ fn run(cli: Cli) -> Result<()> {
             let overflow = if overflow == "refuse" { smoe_engine::Overflow::Refuse } else { smoe_engine::Overflow::DropOldest };
             cmd_chat::run_chat(cmd_chat::ChatArgs { vault, system, no_think, overflow, reference, trace, gen, model })
         }
-        Command::Serve { models, host, port, api_key, cors_origin, max_queue, sessions, ctx, body_limit_mib, memory, model } => {
+        Command::Serve {
+            models,
+            host,
+            port,
+            api_key,
+            cors_origin,
+            max_queue,
+            sessions,
+            ctx,
+            max_tokens,
+            body_limit_mib,
+            memory,
+            model,
+        } => {
             let ip: std::net::IpAddr = host.parse().map_err(|_| anyhow::anyhow!("--host: '{host}' is not an IP address"))?;
             let mut fleet = smoe_server::FleetConfig::new(models);
             fleet.cache = model.cache_experts.map(smoe_engine::CacheSize::Experts).unwrap_or(model.cache);
             fleet.ctx = ctx;
             fleet.max_queue = max_queue;
             fleet.max_sessions = sessions;
+            fleet.default_max_tokens = max_tokens;
             fleet.open = model.options(smoe_engine::Precision::Fast, ctx);
             // The device is chosen once at start; each model then opens its own backend on it.
             let gpu_opts = device::cuda_options(model.gpu_cache, model.gpu_misses, None, smoe_engine::Precision::Fast)?;

@@ -421,3 +421,30 @@ fn new_conversations_share_a_cached_system_prompt() {
     let (p3, c3, _) = chat(&follow);
     assert!(c3 >= p1, "the first conversation's follow-up found {c3} cached of {p3}, its first prompt was {p1}");
 }
+
+/// Tool schemas that would crowd the conversation out of the context (Open WebUI's defaults on
+/// the 4096-token demo) are dropped and the chat is answered; a conversation that does not fit
+/// by itself is still refused with the context error.
+#[test]
+fn tool_schemas_that_do_not_fit_are_dropped() {
+    let dir = vault_dir();
+    let server = Server::start(dir.path(), &["--api-key", KEY, "--ctx", "2048"]);
+    let tool = |i: usize| {
+        format!(
+            r#"{{"type": "function", "function": {{"name": "tool_{i}", "description": "{}", "parameters": {{"type": "object", "properties": {{"q": {{"type": "string"}}}}}}}}}}"#,
+            "Looks something up in a knowledge base of notes and memories. ".repeat(8)
+        )
+    };
+    let tools = (0..36).map(tool).collect::<Vec<_>>().join(", ");
+    let req = format!(r#"{{"model": "qwen3", "max_tokens": 4, "messages": [{{"role": "user", "content": "hello"}}], "tools": [{tools}]}}"#);
+    let (status, _, body) = post(server.addr, "/v1/chat/completions", &req);
+    assert_eq!(status, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert!(v["usage"]["prompt_tokens"].as_u64().unwrap() < 100, "answered without the schemas: {v}");
+    let long = "hello ".repeat(3000);
+    let req =
+        format!(r#"{{"model": "qwen3", "max_tokens": 4, "messages": [{{"role": "user", "content": "{long}"}}], "tools": [{tools}]}}"#);
+    let (status, _, body) = post(server.addr, "/v1/chat/completions", &req);
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("context_length_exceeded"), "{body}");
+}

@@ -61,6 +61,9 @@ pub struct FleetConfig {
     pub max_queue: usize,
     /// Cached sessions per model.
     pub max_sessions: usize,
+    /// Tokens generated for a chat request that does not say (`--max-tokens`); `None`: until
+    /// the context or a stop.
+    pub default_max_tokens: Option<usize>,
     /// Open options (precision, policy, I/O).
     pub open: OpenOptions,
     /// Memory the models may use together (default: available at start, less a reserve).
@@ -126,6 +129,11 @@ pub struct Fleet {
 }
 
 impl Fleet {
+    /// Tokens generated for a request that does not set `max_tokens`.
+    pub fn default_max_tokens(&self) -> Option<usize> {
+        self.cfg.default_max_tokens
+    }
+
     /// A fleet over `cfg.dir`; nothing is loaded yet.
     pub fn new(cfg: FleetConfig, metrics: Arc<Metrics>) -> Result<Fleet, String> {
         if !cfg.dir.is_dir() {
@@ -283,6 +291,7 @@ impl FleetConfig {
             ctx: None,
             max_queue: 16,
             max_sessions: 8,
+            default_max_tokens: None,
             open: OpenOptions { precision: Precision::Fast, ..Default::default() },
             memory: None,
             opener: Arc::new(CpuOpener),

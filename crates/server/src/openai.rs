@@ -160,7 +160,8 @@ pub async fn chat(state: AppState, body: axum::body::Bytes) -> Result<Response, 
     };
     let spec = PromptSpec::Chat { messages, tools, kwargs };
     let vv = v.clone();
-    let p = prepare(state.fleet.clone(), model.clone(), spec, move |e| gen_options(&vv, &OPENAI, e, None)).await?;
+    let default_max = state.fleet.default_max_tokens();
+    let p = prepare(state.fleet.clone(), model.clone(), spec, move |e| gen_options(&vv, &OPENAI, e, default_max)).await?;
     let run = submit(&p)?;
     let id = format!("chatcmpl-{}", random_id(24));
     let created = now();

@@ -61,8 +61,31 @@ pub async fn prepare(
         let chat = matches!(spec, PromptSpec::Chat { .. });
         let (prompt_text, prompt, tools) = match spec {
             PromptSpec::Chat { messages, tools, kwargs } => {
-                let (t, ids) = engine.tokenize_chat(&messages, tools.as_deref(), &kwargs, &|c| worker.recent.get(c)).map_err(bad)?;
-                (t, ids, tools.is_some())
+                let known = |c: &str| worker.recent.get(c);
+                let (t, ids) = engine.tokenize_chat(&messages, tools.as_deref(), &kwargs, &known).map_err(bad)?;
+                // Tool schemas that crowd out the conversation (Open WebUI sends ~36 of them, 13K
+                // tokens, with every chat by default) are dropped when the conversation alone
+                // fits: a reply without tools rather than an error. Said in the log.
+                let room = |n: usize| opts.ctx.saturating_sub(n);
+                let enough = opts.ctx / 8;
+                match &tools {
+                    Some(list) if room(ids.len()) < enough => {
+                        let (t2, ids2) = engine.tokenize_chat(&messages, None, &kwargs, &known).map_err(bad)?;
+                        if room(ids2.len()) >= enough {
+                            tracing::warn!(
+                                "{model}: {} tool schemas dropped: with them the prompt is {} of the {}-token context, without them {}",
+                                list.len(),
+                                ids.len(),
+                                opts.ctx,
+                                ids2.len()
+                            );
+                            (t2, ids2, false)
+                        } else {
+                            (t, ids, true)
+                        }
+                    }
+                    _ => (t, ids, tools.is_some()),
+                }
             }
             PromptSpec::Text(t) => {
                 let ids = engine.encode(&t).map_err(bad)?;
