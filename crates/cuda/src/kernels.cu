@@ -570,8 +570,8 @@ struct Kept {
     int out_col[2];
 };
 
-template <int F>
-__device__ void mv_kept(const Kept& kp, const float* routes, const float* x, int xs, float* out, int os) {
+// The product of this block's (token, slot) pair and matrix, as a job.
+__device__ Job kept_job(const Kept& kp, const float* routes) {
     int pair = blockIdx.y / kp.parts, part = blockIdx.y % kp.parts;
     int t = pair / kp.k;
     float id = routes[(size_t)t * 2 * kp.k + pair % kp.k];
@@ -585,7 +585,12 @@ __device__ void mv_kept(const Kept& kp, const float* routes, const float* x, int
     j.n = 1;
     j.out_row = pair;
     j.out_col = kp.out_col[part];
-    mv<F, 1>(j, x, xs, out, os);
+    return j;
+}
+
+template <int F>
+__device__ void mv_kept(const Kept& kp, const float* routes, const float* x, int xs, float* out, int os) {
+    mv<F, 1>(kept_job(kp, routes), x, xs, out, os);
 }
 
 // ---- Decode products on int8 activations (Precision::Fast) ----
@@ -694,20 +699,7 @@ __device__ void mvq(const Job& j, const u8* qx, int qstride, int lo, float* out,
 // qx + (x_per_pair ? pair : token) * qstride.
 template <int F>
 __device__ void mvq_kept(const Kept& kp, const float* routes, const u8* qx, int qstride, float* out, int os) {
-    int pair = blockIdx.y / kp.parts, part = blockIdx.y % kp.parts;
-    int t = pair / kp.k;
-    float id = routes[(size_t)t * 2 * kp.k + pair % kp.k];
-    int e = id >= 0.0f && id < (float)kp.experts ? (int)id : 0;
-    Job j;
-    j.w = kp.base[part] + (u64)e * kp.expert_bytes[part];
-    j.row_bytes = kp.row_bytes;
-    j.rows = kp.rows;
-    j.cols = kp.cols;
-    j.x_row = kp.x_per_pair ? pair : t;
-    j.n = 1;
-    j.out_row = pair;
-    j.out_col = kp.out_col[part];
-    mvq<F>(j, qx, qstride, 0, out, os);
+    mvq<F>(kept_job(kp, routes), qx, qstride, 0, out, os);
 }
 
 #define INT8_KERNELS(name, id)                                                                            \

@@ -559,7 +559,9 @@ impl<B: Backend> Model<B> {
     /// The MoE block of `h`, added into `x`: [`route_tokens`](Self::route_tokens), then the
     /// (token, slot) pairs [grouped by expert](ExpertGroups::group), the
     /// [routed experts](Self::routed_experts) and the [shared experts](Self::shared_experts).
-    /// Routing counts as routing time, the rest as expert time.
+    /// Routing counts as routing time, the rest as expert time. A few tokens of a layer whose
+    /// experts the backend keeps go to [`kept_moe`](Self::kept_moe) instead; returns whether
+    /// they did.
     fn moe(
         &self,
         li: usize,
