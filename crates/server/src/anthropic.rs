@@ -143,7 +143,7 @@ pub async fn messages(state: AppState, body: axum::body::Bytes) -> Result<Respon
         gen_options(&vv, &ANTHROPIC, e, None)
     })
     .await?;
-    let run = submit(&p)?;
+    let run = submit(&p, stream)?;
     let id = format!("msg_{}", random_id(24));
     if stream {
         let s =

@@ -162,7 +162,7 @@ pub async fn chat(state: AppState, body: axum::body::Bytes) -> Result<Response, 
     let vv = v.clone();
     let default_max = state.fleet.default_max_tokens();
     let p = prepare(state.fleet.clone(), model.clone(), spec, move |e| gen_options(&vv, &OPENAI, e, default_max)).await?;
-    let run = submit(&p)?;
+    let run = submit(&p, stream)?;
     let id = format!("chatcmpl-{}", random_id(24));
     let created = now();
     if stream {
@@ -306,7 +306,7 @@ pub async fn completions(state: AppState, body: axum::body::Bytes) -> Result<Res
     let vv = v.clone();
     // OpenAI's default for completions is 16 tokens.
     let p = prepare(state.fleet.clone(), model.clone(), spec, move |e| gen_options(&vv, &OPENAI, e, Some(16))).await?;
-    let run = submit(&p)?;
+    let run = submit(&p, stream)?;
     let id = format!("cmpl-{}", random_id(24));
     let created = now();
     let chunk = move |text: &str, finish: Option<&str>| {

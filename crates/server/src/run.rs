@@ -11,6 +11,7 @@ use smoe_engine::{GenOptions, LoadedModel};
 use smoe_text::{Piece, Reply, ReplyParser};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 /// What the prompt is.
@@ -129,10 +130,12 @@ pub struct Running {
 }
 
 /// Queues the generation (429 when the model's queue is full).
-pub fn submit(p: &Prepared) -> Result<Running, ApiError> {
+/// `streamed`: someone watches the reply arrive (it goes before background requests).
+pub fn submit(p: &Prepared, streamed: bool) -> Result<Running, ApiError> {
     let (tx, rx) = unbounded_channel();
     let cancel = Arc::new(AtomicBool::new(false));
-    p.worker.submit(Job { prompt: p.prompt.clone(), opts: p.opts.clone(), events: tx, cancel: cancel.clone() })?;
+    let job = Job { prompt: p.prompt.clone(), opts: p.opts.clone(), events: tx, cancel: cancel.clone(), streamed, queued: Instant::now() };
+    p.worker.submit(job)?;
     let parser = if p.chat { ReplyParser::new(&p.prompt_text, p.tools) } else { ReplyParser::raw() };
     Ok(Running { rx, guard: CancelOnDrop(cancel), parser })
 }

@@ -12,7 +12,7 @@ use smoe_store::StoreStats;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedSender;
 
 /// What a generation streams back.
@@ -45,6 +45,11 @@ pub struct Job {
     pub events: UnboundedSender<Event>,
     /// Set when the client no longer wants the result.
     pub cancel: Arc<AtomicBool>,
+    /// Streamed to a client (someone watching), as opposed to a background request such as
+    /// Open WebUI's title and tag generation, which are not streamed.
+    pub streamed: bool,
+    /// When it was queued.
+    pub queued: Instant,
 }
 
 /// Limits of a worker.
@@ -144,6 +149,18 @@ impl Drop for Worker {
     }
 }
 
+/// A background request that has waited this long goes next, streamed ones or not.
+const BACKGROUND_PATIENCE: Duration = Duration::from_secs(10);
+
+/// The next job of a non-empty queue: streamed requests before background ones (a user watching
+/// a reply should not wait behind a title or tag request), each kind in arrival order, unless
+/// the oldest job has waited [`BACKGROUND_PATIENCE`].
+fn next_job(waiting: &mut VecDeque<Job>, now: Instant) -> Job {
+    let oldest_waited = waiting.front().is_some_and(|j| now.duration_since(j.queued) >= BACKGROUND_PATIENCE);
+    let i = if oldest_waited { 0 } else { waiting.iter().position(|j| j.streamed).unwrap_or(0) };
+    waiting.remove(i).expect("a non-empty queue")
+}
+
 /// Fewest tokens of a cached conversation's prefix worth copying into a new one (see `pick`).
 const SHARED_PREFIX_MIN: usize = 64;
 
@@ -164,7 +181,16 @@ struct Cached<B: Backend> {
 impl<B: Backend> Loop<B> {
     fn run(self, rx: mpsc::Receiver<Job>) {
         let mut sessions: Vec<Cached<B>> = Vec::new();
-        while let Ok(job) = rx.recv() {
+        let mut waiting: VecDeque<Job> = VecDeque::new();
+        loop {
+            if waiting.is_empty() {
+                match rx.recv() {
+                    Ok(job) => waiting.push_back(job),
+                    Err(_) => return,
+                }
+            }
+            waiting.extend(rx.try_iter());
+            let job = next_job(&mut waiting, Instant::now());
             if !job.cancel.load(Ordering::SeqCst) && !job.events.is_closed() {
                 self.one(&mut sessions, job);
             }
@@ -172,9 +198,9 @@ impl<B: Backend> Loop<B> {
         }
     }
 
-    /// The session to continue: the one sharing the longest prefix with the prompt, if that is
-    /// at least half of what it holds (or the pool is full); otherwise a fresh one, so that a
-    /// different conversation does not wipe a cached one.
+    /// The session for `prompt`: the cached one it extends; else a copy of the longest shared
+    /// prefix (see below); else the one sharing at least half of itself; else a fresh one, so
+    /// that a different conversation does not wipe a cached one.
     fn pick(&self, sessions: &mut Vec<Cached<B>>, prompt: &[u32]) -> usize {
         let best = (0..sessions.len()).max_by_key(|&i| (sessions[i].session.common_prefix(prompt), sessions[i].used));
         let common = best.map_or(0, |i| sessions[i].session.common_prefix(prompt));
@@ -256,5 +282,29 @@ impl<B: Backend> Loop<B> {
             }
         }
         self.trim(sessions, i);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn job(streamed: bool, waited: Duration, now: Instant, tag: usize) -> Job {
+        let (events, _) = tokio::sync::mpsc::unbounded_channel();
+        let opts =
+            GenOptions { max_tokens: tag, sampling: Default::default(), stop: vec![], stop_ids: None, ctx: 16, keep_prompt_logits: false };
+        Job { prompt: vec![], opts, events, cancel: Arc::default(), streamed, queued: now - waited }
+    }
+
+    #[test]
+    fn streamed_requests_go_before_background_ones_until_those_waited_too_long() {
+        let now = Instant::now();
+        let s = Duration::from_secs(1);
+        let mut q: VecDeque<Job> =
+            [job(false, 3 * s, now, 1), job(false, 2 * s, now, 2), job(true, s, now, 3), job(true, s, now, 4)].into();
+        let order: Vec<usize> = (0..4).map(|_| next_job(&mut q, now).opts.max_tokens).collect();
+        assert_eq!(order, [3, 4, 1, 2], "streamed first, each kind in arrival order");
+        let mut q: VecDeque<Job> = [job(false, BACKGROUND_PATIENCE, now, 1), job(true, s, now, 2)].into();
+        assert_eq!(next_job(&mut q, now).opts.max_tokens, 1, "a background request that waited its patience goes next");
     }
 }
