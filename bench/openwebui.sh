@@ -44,10 +44,11 @@ args=(serve --models "$work/vaults" --port 8099)
 [ -n "$max_tokens" ] && args+=(--max-tokens "$max_tokens")
 "$smoe" "${args[@]}" >"$work/smoe.log" 2>&1 &
 pids+=($!)
-# Open WebUI offline: no embedding model download, no Ollama, no login.
-DATA_DIR=$work/data WEBUI_AUTH=False ENABLE_OLLAMA_API=False OFFLINE_MODE=True HF_HUB_OFFLINE=1 \
+# Open WebUI offline: no embedding model download, no Ollama, no login; run from $work, where it
+# writes its secret key file.
+(cd "$work" && DATA_DIR=$work/data WEBUI_AUTH=False ENABLE_OLLAMA_API=False OFFLINE_MODE=True HF_HUB_OFFLINE=1 \
     RAG_EMBEDDING_MODEL_AUTO_UPDATE=False OPENAI_API_BASE_URL=http://127.0.0.1:8099/v1 OPENAI_API_KEY=none \
-    "$venv/bin/open-webui" serve --host 127.0.0.1 --port 8098 >"$work/openwebui.log" 2>&1 &
+    exec "$venv/bin/open-webui" serve --host 127.0.0.1 --port 8098 >"$work/openwebui.log" 2>&1) &
 pids+=($!)
 for _ in $(seq 180); do
     curl -sf -o /dev/null http://127.0.0.1:8098/ && break
