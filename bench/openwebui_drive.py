@@ -98,15 +98,6 @@ def show(phase, samples):
               f"TTFT {r['ttft_ms']:.0f} ms", flush=True)
 
 
-def last_sample(n_before):
-    for _ in range(600):
-        s = stats()
-        if len(s["recent"]) > n_before:
-            return s["recent"][n_before]
-        time.sleep(0.5)
-    return None
-
-
 try:
     d.get(owui + "/")
     time.sleep(8)

@@ -1244,11 +1244,7 @@ impl Backend for CudaBackend {
             launch(&[(gate, 0)], h, hidden, false, gu, 2 * width);
             launch(&[(up, width)], h, hidden, false, gu, 2 * width);
         }
-        let gp = dptr(&gu.data, &self.stream);
-        let (r0, np, st, w) = (0i32, (n * k) as i32, (2 * width) as i32, width as i32);
-        let mut a = self.stream.launch_builder(&self.k.silu_mul_halves);
-        a.arg(&gp).arg(&r0).arg(&np).arg(&st).arg(&w);
-        self.launch(a, cfg_elems(n * k * width), "silu_mul_halves");
+        self.silu_mul_halves(gu, 0, n * k, 2 * width, width);
         launch(&[(down, 0)], gu, 2 * width, true, slots, hidden);
         drop(kept);
         let (s, o) = (dptr(&slots.data, &self.stream), dptr(&x.data, &self.stream));

@@ -661,19 +661,15 @@ impl<B: Backend> Model<B> {
         if self.kept[li] {
             // The backend has every expert of the layer: one batch, named by id.
             let kept = |j: usize, part| WeightRef::Kept { layer: li, expert: groups.needed[j], part };
-            let all: Vec<_> = (0..groups.needed.len())
-                .map(|j| (j, [kept(j, ExpertPart::Gate), kept(j, ExpertPart::Up), kept(j, ExpertPart::Down)]))
-                .collect();
-            self.expert_batch(&all, groups, b);
+            let all =
+                (0..groups.needed.len()).map(|j| (j, [kept(j, ExpertPart::Gate), kept(j, ExpertPart::Up), kept(j, ExpertPart::Down)]));
+            self.expert_batch(all, groups, b);
         } else {
             self.experts.with_experts(li, &groups.needed, &mut |batch: &ExpertBatch<'_>| {
-                let views: Vec<_> = batch
-                    .iter()
-                    .map(|(j, ex)| {
-                        (*j, [WeightRef::Expert(ex.gate, ex.slot), WeightRef::Expert(ex.up, ex.slot), WeightRef::Expert(ex.down, ex.slot)])
-                    })
-                    .collect();
-                self.expert_batch(&views, groups, b)
+                let views = batch.iter().map(|(j, ex)| {
+                    (*j, [WeightRef::Expert(ex.gate, ex.slot), WeightRef::Expert(ex.up, ex.slot), WeightRef::Expert(ex.down, ex.slot)])
+                });
+                self.expert_batch(views, groups, b)
             })?;
         }
         be.scatter_rows(&b.dd, hd, &groups.order, &mut b.slots);
@@ -684,33 +680,40 @@ impl<B: Backend> Model<B> {
     /// One batch of experts (`(index into needed, [gate, up, down])`) over their rows of `xe`:
     /// one dispatch for every gate and up product (`[gate | up]` per row of `gu`), SiLU(gate)
     /// · up into each row's gate half, then one dispatch for every down product into `dd`.
-    fn expert_batch(&self, batch: &[(usize, [WeightRef<'_, B::Matrix>; 3])], groups: &ExpertGroups, b: &mut Buffers<B>) {
+    fn expert_batch<'w>(
+        &self,
+        batch: impl Iterator<Item = (usize, [WeightRef<'w, B::Matrix>; 3])> + Clone,
+        groups: &ExpertGroups,
+        b: &mut Buffers<B>,
+    ) where
+        B::Matrix: 'w,
+    {
         let (be, hd, width) = (&self.backend, self.arch.hidden_size, self.arch.moe.intermediate_size);
         // The jobs borrow this batch's views, valid only during the store's callback: the list
         // is made here, once per batch (see the module documentation).
-        let mut jobs = Vec::with_capacity(2 * batch.len());
-        for (j, [gate, up, _]) in batch {
-            let (r0, rows) = groups.rows(*j);
-            jobs.push(MatJob { w: *gate, x_row: r0, n: rows, out_row: r0, out_col: 0 });
-            jobs.push(MatJob { w: *up, x_row: r0, n: rows, out_row: r0, out_col: width });
+        let mut jobs = Vec::with_capacity(2 * batch.size_hint().0);
+        for (j, [gate, up, _]) in batch.clone() {
+            let (r0, rows) = groups.rows(j);
+            jobs.push(MatJob { w: gate, x_row: r0, n: rows, out_row: r0, out_col: 0 });
+            jobs.push(MatJob { w: up, x_row: r0, n: rows, out_row: r0, out_col: width });
         }
         be.matmul_many(&jobs, &b.xe, hd, &mut b.gu, 2 * width);
         jobs.clear();
         // SiLU over the batch's rows: one call when they are one run of rows (every expert of a
         // layer at once, as a resident store hands them over), else one per expert.
         let (lo, hi, total) =
-            batch.iter().map(|(j, _)| groups.rows(*j)).fold((usize::MAX, 0, 0), |(lo, hi, t), (r0, n)| (lo.min(r0), hi.max(r0 + n), t + n));
+            batch.clone().map(|(j, _)| groups.rows(j)).fold((usize::MAX, 0, 0), |(lo, hi, t), (r0, n)| (lo.min(r0), hi.max(r0 + n), t + n));
         if total > 0 && total == hi - lo {
             be.silu_mul_halves(&mut b.gu, lo, total, 2 * width, width);
         } else {
-            for (j, _) in batch {
-                let (r0, rows) = groups.rows(*j);
+            for (j, _) in batch.clone() {
+                let (r0, rows) = groups.rows(j);
                 be.silu_mul_halves(&mut b.gu, r0, rows, 2 * width, width);
             }
         }
         for (j, [_, _, down]) in batch {
-            let (r0, rows) = groups.rows(*j);
-            jobs.push(MatJob { w: *down, x_row: r0, n: rows, out_row: r0, out_col: 0 });
+            let (r0, rows) = groups.rows(j);
+            jobs.push(MatJob { w: down, x_row: r0, n: rows, out_row: r0, out_col: 0 });
         }
         be.matmul_many(&jobs, &b.gu, 2 * width, &mut b.dd, hd);
     }
