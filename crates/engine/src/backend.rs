@@ -43,6 +43,32 @@ pub struct AttnParams {
     pub scale: f32,
 }
 
+/// Rows of `[q | k | v]` as [`Backend::qk_rope_store`] takes them: each row holds `q_heads`
+/// query heads, then `kv_heads` key heads, then `kv_heads` value heads, each `head_dim` wide.
+#[derive(Clone, Copy, Debug)]
+pub struct QkvRows {
+    /// Floats from one row to the next.
+    pub stride: usize,
+    /// Query heads.
+    pub q_heads: usize,
+    /// Key (and value) heads.
+    pub kv_heads: usize,
+    /// Dimensions per head.
+    pub head_dim: usize,
+}
+
+/// Rotary tables of a chunk: `rotary_dim / 2` cosines and sines per token, as
+/// [`Backend::rope`] takes them.
+#[derive(Clone, Copy, Debug)]
+pub struct RopeTables<'a> {
+    /// Cosines, token after token.
+    pub cos: &'a [f32],
+    /// Sines, token after token.
+    pub sin: &'a [f32],
+    /// Pairs `(2p, 2p + 1)` instead of `(p, p + rotary_dim / 2)`.
+    pub interleaved: bool,
+}
+
 /// The weight of one product in [`Backend::matmul_many`].
 pub enum WeightRef<'a, M> {
     /// A resident matrix, optionally a row range `(first, count)` of it.
@@ -228,6 +254,40 @@ pub trait Backend: Send + Sync {
         for h in 0..heads {
             self.rms_norm_strided(x, n, stride, off + h * dim, dim, w, eps);
         }
+    }
+    /// `x[i] += y[i]` over `n` rows of `dim`, then `out = rms_norm(x)` with `w`: a sublayer's
+    /// residual add and the next norm, which a backend that pays per launch does in one.
+    #[allow(clippy::too_many_arguments)]
+    fn add_rms_norm(&self, x: &mut Self::Buf, y: &Self::Buf, n: usize, dim: usize, w: &Self::Vector, eps: f32, out: &mut Self::Buf) {
+        self.add(x, y, n * dim);
+        self.rms_norm(x, n, dim, w, eps, out);
+    }
+    /// Standard attention's inputs made ready, in `n` rows of `[q | k | v]` (`rows`): each q
+    /// and k head normalised by `norm` (query weights, key weights, epsilon; per head, where
+    /// the model has such norms), q and k heads rotated by `rope`, and the keys and values
+    /// stored for positions `pos0..pos0 + n` of `layer` — [`Self::rms_norm_heads`],
+    /// [`Self::rope`] and [`Self::kv_store`], which a backend that pays per launch fuses.
+    #[allow(clippy::too_many_arguments)]
+    fn qk_rope_store(
+        &self,
+        qkv: &mut Self::Buf,
+        n: usize,
+        rows: QkvRows,
+        norm: Option<(&Self::Vector, &Self::Vector, f32)>,
+        rope: RopeTables<'_>,
+        cache: &mut Self::KvCache,
+        layer: usize,
+        pos0: usize,
+    ) {
+        let QkvRows { stride, q_heads, kv_heads, head_dim } = rows;
+        let (qw, kvw) = (q_heads * head_dim, kv_heads * head_dim);
+        if let Some((qn, kn, eps)) = norm {
+            self.rms_norm_heads(qkv, n, stride, 0, q_heads, head_dim, qn, eps);
+            self.rms_norm_heads(qkv, n, stride, qw, kv_heads, head_dim, kn, eps);
+        }
+        // Keys follow the queries head after head in each row: one rotation for both.
+        self.rope(qkv, n, stride, 0, q_heads + kv_heads, head_dim, rope.cos, rope.sin, rope.interleaved);
+        self.kv_store(cache, layer, pos0, n, qkv, stride, qw, Some((qkv, stride, qw + kvw)));
     }
     /// `x[t * stride + off..][..b.len()] += b` for `n` rows.
     fn add_bias(&self, x: &mut Self::Buf, n: usize, stride: usize, off: usize, b: &Self::Vector);

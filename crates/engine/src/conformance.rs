@@ -8,7 +8,7 @@
 //! the case and the element. Weights are quantized here and compared against their dequantized
 //! values, so the suite measures the backend's arithmetic, not the format's rounding.
 
-use crate::backend::{AttnParams, Backend, ExpertPart, KvShape, MatJob, WeightRef};
+use crate::backend::{AttnParams, Backend, ExpertPart, KvShape, MatJob, QkvRows, RopeTables, WeightRef};
 use crate::routing::{RouteScratch, RouterRule};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -50,6 +50,8 @@ pub fn check_backend<B: Backend>(b: &B, tol: &Tolerance) -> Result<usize, Vec<St
     s.rope();
     s.rows();
     s.attention();
+    s.attention_inputs();
+    s.normed_products();
     s.routing();
     s.kept();
     if s.failures.is_empty() {
@@ -341,6 +343,48 @@ impl<B: Backend> Suite<'_, B> {
         }
         let got = self.read(&xb, n * stride);
         self.compare_elementwise("rms_norm_heads", "3 heads of 12 at 7 in rows of 50", &got, &want);
+        // The residual add and the next norm.
+        let (n, dim) = (3, 72);
+        let (x, y, g) = (self.values(n * dim), self.values(n * dim), self.values(dim));
+        let w = self.b.vector(&g);
+        let (mut xb, yb, mut out) = (self.buf(n * dim, &x), self.buf(n * dim, &y), self.buf(n * dim, &[]));
+        self.b.add_rms_norm(&mut xb, &yb, n, dim, &w, eps, &mut out);
+        let sum: Vec<f32> = x.iter().zip(&y).map(|(a, b)| a + b).collect();
+        let want: Vec<f32> = sum.chunks(dim).flat_map(|r| r.iter().zip(&g).map(|(v, g)| g * v * rms(r)).collect::<Vec<_>>()).collect();
+        let (got_sum, got) = (self.read(&xb, n * dim), self.read(&out, n * dim));
+        self.compare_elementwise("add_rms_norm", "3 rows of 72, the sum", &got_sum, &sum);
+        self.compare_elementwise("add_rms_norm", "3 rows of 72, normed", &got, &want);
+    }
+
+    /// Products whose input an op wrote just before (a norm, attention), as the decoder runs
+    /// them: a backend may hand the product its input in another form (int8, quantized by the
+    /// op that wrote it), and a later write must not leave a stale one behind.
+    fn normed_products(&mut self) {
+        let (dim, eps) = (256, 1e-6);
+        let g = self.values(dim);
+        let w = self.b.vector(&g);
+        for f in [Format::Q8_0, Format::Q4_K, Format::F32] {
+            let wt = self.weights(f, 24, dim);
+            let m = self.matrix(&wt);
+            for n in [1usize, 3] {
+                let (x, y) = (self.values(n * dim), self.values(n * dim));
+                let (mut xb, yb) = (self.buf(n * dim, &x), self.buf(n * dim, &y));
+                let mut h = self.buf(n * dim, &[]);
+                for step in ["after rms_norm", "after add_rms_norm", "after a later write"] {
+                    match step {
+                        "after rms_norm" => self.b.rms_norm(&xb, n, dim, &w, eps, &mut h),
+                        "after add_rms_norm" => self.b.add_rms_norm(&mut xb, &yb, n, dim, &w, eps, &mut h),
+                        _ => self.b.add(&mut h, &yb, n * dim),
+                    }
+                    let hv = self.read(&h, n * dim);
+                    let mut out = self.buf(n * 24, &[]);
+                    self.b.matmul(&m, None, &h, n, &mut out);
+                    let (want, bound) = self.products(&wt, 0, 24, &hv, dim, n);
+                    let got = self.read(&out, want.len());
+                    self.compare("matmul", &format!("{f}, {n} tokens {step}"), &got, &want, |i| bound[i]);
+                }
+            }
+        }
     }
 
     fn elementwise(&mut self) {
@@ -635,6 +679,9 @@ impl<B: Backend> Suite<'_, B> {
             ("GQA 6 query heads on 2", KvShape { heads: 2, k_dim: 24, v_dim: 16, values_in_keys: false }, 6, 12, 5),
             ("MLA 5 query heads on 1 latent", KvShape { heads: 1, k_dim: 40, v_dim: 32, values_in_keys: true }, 5, 12, 5),
             ("GQA over 700 positions", KvShape { heads: 2, k_dim: 32, v_dim: 32, values_in_keys: false }, 4, 700, 3),
+            ("GQA, one query after 300 positions", KvShape { heads: 2, k_dim: 64, v_dim: 64, values_in_keys: false }, 4, 301, 1),
+            ("GQA, 45 queries after 30 positions", KvShape { heads: 2, k_dim: 40, v_dim: 24, values_in_keys: false }, 6, 75, 45),
+            ("GQA, 70 queries from the start", KvShape { heads: 1, k_dim: 128, v_dim: 128, values_in_keys: false }, 3, 70, 70),
         ];
         for (what, shape, q_heads, positions, n) in cases {
             let (kw, vw) = (shape.heads * shape.k_dim, shape.heads * shape.v_dim);
@@ -697,6 +744,76 @@ impl<B: Backend> Suite<'_, B> {
             let got = self.read(&out, want.len());
             let tol = self.tol.attention * vmax;
             self.compare("attention", what, &got, &want, |_| tol);
+        }
+    }
+
+    /// `qk_rope_store`: q and k heads normed and rotated in place, keys and values stored. The
+    /// stored rows are checked through attention against a cache filled by `kv_store` with the
+    /// expected rows.
+    fn attention_inputs(&mut self) {
+        let eps = 1e-6;
+        // (case, q heads, kv heads, head dim, rotated pairs, norms, interleaved)
+        let cases = [
+            ("4 on 2 heads of 32, per-head norms", 4, 2, 32, 16, true, false),
+            ("6 on 3 heads of 24, partial rotary, no norms", 6, 3, 24, 8, false, false),
+            ("4 on 1 head of 64, interleaved, per-head norms", 4, 1, 64, 32, true, true),
+        ];
+        for (what, qh, kvh, hd, half, normed, interleaved) in cases {
+            let (n, pos0) = (3, 5);
+            let stride = (qh + 2 * kvh) * hd + 4;
+            let x = self.values(n * stride);
+            let (gq, gk) = (self.values(hd), self.values(hd));
+            let (wq, wk) = (self.b.vector(&gq), self.b.vector(&gk));
+            let angles: Vec<f32> = self.values(n * half).iter().map(|a| a * 3.0).collect();
+            let (cos, sin): (Vec<f32>, Vec<f32>) = angles.iter().map(|a| (a.cos(), a.sin())).unzip();
+            // The expected rows.
+            let mut want = x.clone();
+            let rms = |v: &[f32]| 1.0 / ((v.iter().map(|a| (*a as f64).powi(2)).sum::<f64>() / v.len() as f64) as f32 + eps).sqrt();
+            for t in 0..n {
+                for h in 0..qh + kvh {
+                    let at = t * stride + h * hd;
+                    let mut v = x[at..at + hd].to_vec();
+                    if normed {
+                        let (r, g) = (rms(&v), if h < qh { &gq } else { &gk });
+                        v = v.iter().zip(g).map(|(a, g)| g * a * r).collect();
+                    }
+                    let mut o = v.clone();
+                    for p in 0..half {
+                        let (ia, ib) = if interleaved { (2 * p, 2 * p + 1) } else { (p, p + half) };
+                        let (c, s) = (cos[t * half + p], sin[t * half + p]);
+                        o[ia] = v[ia] * c - v[ib] * s;
+                        o[ib] = v[ib] * c + v[ia] * s;
+                    }
+                    want[at..at + hd].copy_from_slice(&o);
+                }
+            }
+            let shape = KvShape { heads: kvh, k_dim: hd, v_dim: hd, values_in_keys: false };
+            // Positions 0..pos0 hold the same random rows in both caches.
+            let prefix = self.values(pos0 * stride);
+            let mut caches = Vec::new();
+            for _ in 0..2 {
+                let mut cache = self.b.kv_cache(&[shape]);
+                let pb = self.buf(prefix.len(), &prefix);
+                self.b.kv_store(&mut cache, 0, 0, pos0, &pb, stride, qh * hd, Some((&pb, stride, (qh + kvh) * hd)));
+                caches.push(cache);
+            }
+            let mut xb = self.buf(n * stride, &x);
+            let rows = QkvRows { stride, q_heads: qh, kv_heads: kvh, head_dim: hd };
+            let norm = normed.then_some((&wq, &wk, eps));
+            let rope = RopeTables { cos: &cos, sin: &sin, interleaved };
+            self.b.qk_rope_store(&mut xb, n, rows, norm, rope, &mut caches[0], 0, pos0);
+            let got = self.read(&xb, n * stride);
+            self.compare_elementwise("qk_rope_store", &format!("{what}: rows"), &got, &want);
+            let wb = self.buf(want.len(), &want);
+            self.b.kv_store(&mut caches[1], 0, pos0, n, &wb, stride, qh * hd, Some((&wb, stride, (qh + kvh) * hd)));
+            let mut outs = Vec::new();
+            for cache in &caches {
+                let mut out = self.buf(n * qh * hd, &[]);
+                self.b.attention(cache, 0, &wb, stride, n, pos0, AttnParams { q_heads: qh, scale: 0.2 }, &mut out);
+                outs.push(self.read(&out, n * qh * hd));
+            }
+            let tol = self.tol.attention * 4.0;
+            self.compare("qk_rope_store", &format!("{what}: stored keys and values, through attention"), &outs[0], &outs[1], |_| tol);
         }
     }
 }

@@ -24,7 +24,7 @@
 //!   (generation, scoring and the benchmark do);
 //! - with instrumentation on, one [`StepRecord`] per call.
 
-use crate::backend::{AttnParams, Backend, ExpertPart, MatJob, WeightRef};
+use crate::backend::{AttnParams, Backend, ExpertPart, MatJob, QkvRows, RopeTables, WeightRef};
 use crate::instrument::{Instrument, StepRecord};
 use crate::model::{Attention, FeedForward, LatentAttention, Layer, Mlp, Model, MoeBlock, StandardAttention};
 use crate::routing::RouteScratch;
@@ -425,12 +425,12 @@ impl<B: Backend> Model<B> {
             Attention::Standard(a) => self.standard_attention(li, a, st, n, pos),
             Attention::Latent(a) => self.latent_attention(li, a, st, n, pos),
         }
-        be.add(&mut st.buf.x, &st.buf.d, n * hd);
+        let b = &mut st.buf;
+        be.add_rms_norm(&mut b.x, &b.d, n, hd, &layer.ffn_norm, self.eps, &mut b.h);
         st.charge(t, |r| &mut r.attention_ms);
         if self.lookahead {
             self.lookahead_prefetch(li, st, n);
         }
-        be.rms_norm(&st.buf.x, n, hd, &layer.ffn_norm, self.eps, &mut st.buf.h);
         match &layer.ffn {
             FeedForward::Dense(m) => {
                 let t = Instant::now();
@@ -486,21 +486,18 @@ impl<B: Backend> Model<B> {
             be.add_bias(&mut b.q, n, w, qw, kb);
             be.add_bias(&mut b.q, n, w, qw + kvw, vb);
         }
-        match &a.qk_norm {
-            Some((smoe_vault::QkNorm::PerHead, qn, kn)) => {
-                be.rms_norm_heads(&mut b.q, n, w, 0, nh, hdim, qn, self.eps);
-                be.rms_norm_heads(&mut b.q, n, w, qw, nkv, hdim, kn, self.eps);
-            }
+        let per_head = match &a.qk_norm {
+            Some((smoe_vault::QkNorm::PerHead, qn, kn)) => Some((qn, kn, self.eps)),
             Some((_, qn, kn)) => {
                 be.rms_norm_strided(&mut b.q, n, w, 0, qw, qn, self.eps);
                 be.rms_norm_strided(&mut b.q, n, w, qw, kvw, kn, self.eps);
+                None
             }
-            None => {}
-        }
-        let (cos, sin, il) = (&st.host.cos, &st.host.sin, self.rope.interleaved);
-        // Keys follow the queries head after head in each row: one rotation for both.
-        be.rope(&mut b.q, n, w, 0, nh + nkv, hdim, cos, sin, il);
-        be.kv_store(&mut st.kv, li, pos, n, &b.q, w, qw, Some((&b.q, w, qw + kvw)));
+            None => None,
+        };
+        let rope = RopeTables { cos: &st.host.cos, sin: &st.host.sin, interleaved: self.rope.interleaved };
+        let rows = QkvRows { stride: w, q_heads: nh, kv_heads: nkv, head_dim: hdim };
+        be.qk_rope_store(&mut b.q, n, rows, per_head, rope, &mut st.kv, li, pos);
         be.attention(&st.kv, li, &b.q, w, n, pos, AttnParams { q_heads: nh, scale: self.attn_scale }, &mut b.att);
         be.matmul(&a.o, None, &b.att, n, &mut b.d);
     }
