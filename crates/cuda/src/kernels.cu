@@ -12,6 +12,15 @@ typedef unsigned long long u64;
 
 #define NEG_INF __int_as_float(0xff800000)
 
+// The first statement of every kernel (see launch.rs): wait until the kernel before this one in
+// the stream has finished and its writes are visible, then let the one after be scheduled.
+// Before compute 9.0 kernels are launched without overlap and this is empty.
+#if __CUDA_ARCH__ >= 900
+#define PDL_START asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
+#else
+#define PDL_START
+#endif
+
 // Half-precision values lie at even offsets in every format (scales included), so one 16-bit
 // load reads them.
 __device__ __forceinline__ float f16(const u8* p) {
@@ -607,19 +616,16 @@ __device__ void mv_kept(const Kept& kp, const float* routes, const float* x, int
 #define MVQ_WARPS 4
 #define MVQ_ROWS 2
 
-// Rows lo .. lo + rows of x (cols values each, a multiple of 32) into qx: one warp per group.
-extern "C" __global__ void quantize_rows(const float* x, int xs, int lo, int rows, int cols, u8* qx, int qstride) {
-    int lane = threadIdx.x % 32;
-    int groups = cols / 32;
-    int gi = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
-    if (gi >= rows * groups) return;
-    int r = gi / groups, g = gi % groups;
-    float v = x[(size_t)(lo + r) * xs + 32 * g + lane];
+// Group g of a quantized row (`cols` values) from its 32 values, one per lane of a warp (all 32
+// lanes call it): the int8 value at row[32g + lane], the group's scale and scale × sum after the
+// row's cols bytes. Every kernel that quantizes (the fused norms, attention, SiLU) goes through
+// here, so a fused kernel's int8 input has the bits `quantize_rows` would give its f32 output.
+__device__ __forceinline__ void quantize_group(float v, u8* row, int cols, int g) {
+    int lane = threadIdx.x % 32, groups = cols / 32;
     float a = fabsf(v);
     for (int o = 16; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffff, a, o));
     float d = a / 127.0f;
     int q = a > 0.0f ? __float2int_rn(v / d) : 0;
-    u8* row = qx + (size_t)r * qstride;
     ((signed char*)row)[32 * g + lane] = (signed char)q;
     int sum = q;
     for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, o);
@@ -628,6 +634,15 @@ extern "C" __global__ void quantize_rows(const float* x, int xs, int lo, int row
         xd[g] = d;
         xd[groups + g] = d * (float)sum;
     }
+}
+
+// Rows lo .. lo + rows of x (cols values each, a multiple of 32) into qx: one warp per group.
+extern "C" __global__ void quantize_rows(const float* x, int xs, int lo, int rows, int cols, u8* qx, int qstride) { PDL_START;
+    int groups = cols / 32;
+    int gi = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    if (gi >= rows * groups) return;
+    int r = gi / groups, g = gi % groups;
+    quantize_group(x[(size_t)(lo + r) * xs + 32 * g + threadIdx.x % 32], qx + (size_t)r * qstride, cols, g);
 }
 
 __device__ __forceinline__ int load_i32_u16(const u8* p) {
@@ -673,7 +688,11 @@ __device__ __forceinline__ float mvq_task(const u8* row, int t, const signed cha
     }
 }
 
-// Job j's rows against its input row, quantized at qx + (j.x_row - lo) * qstride.
+// Job j's rows against its input row, quantized at qx + (j.x_row - lo) * qstride. A warp takes
+// MVQ_ROWS (2) rows: both at once, so that the loads of one are in flight while the other's
+// arrive (one row after the other, a warp had a single task's loads outstanding), and for rows
+// of at most 16 tasks (a down projection from 768: 12) half a warp each, which left 20 of 32
+// lanes idle as a warp per row.
 template <int F>
 __device__ void mvq(const Job& j, const u8* qx, int qstride, int lo, float* out, int os) {
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -683,15 +702,27 @@ __device__ void mvq(const Job& j, const u8* qx, int qstride, int lo, float* out,
     const float* xsum = xd + j.cols / 32;
     int tasks = F == 8 ? j.cols / 32 : j.cols / 64;
     int r0 = (blockIdx.x * MVQ_WARPS + warp) * MVQ_ROWS;
+    if (r0 >= j.rows) return;  // the whole warp
+    if (tasks <= 16) {
+        int r = r0 + lane / 16, t = lane % 16;
+        float acc = r < j.rows && t < tasks ? mvq_task<F>((const u8*)j.w + (size_t)r * j.row_bytes, t, xq, xd, xsum) : 0.0f;
+        for (int o = 8; o > 0; o >>= 1) acc += __shfl_down_sync(0xffffffff, acc, o, 16);
+        if (t == 0 && r < j.rows) out[(size_t)j.out_row * os + j.out_col + r] = acc;
+        return;
+    }
+    float acc[MVQ_ROWS];
+#pragma unroll
+    for (int i = 0; i < MVQ_ROWS; i++) acc[i] = 0.0f;
+    for (int t = lane; t < tasks; t += 32) {
+#pragma unroll
+        for (int i = 0; i < MVQ_ROWS; i++)
+            if (r0 + i < j.rows) acc[i] += mvq_task<F>((const u8*)j.w + (size_t)(r0 + i) * j.row_bytes, t, xq, xd, xsum);
+    }
 #pragma unroll
     for (int i = 0; i < MVQ_ROWS; i++) {
-        int r = r0 + i;
-        if (r >= j.rows) return;
-        const u8* row = (const u8*)j.w + (size_t)r * j.row_bytes;
-        float acc = 0.0f;
-        for (int t = lane; t < tasks; t += 32) acc += mvq_task<F>(row, t, xq, xd, xsum);
-        for (int o = 16; o > 0; o >>= 1) acc += __shfl_down_sync(0xffffffff, acc, o);
-        if (lane == 0) out[(size_t)j.out_row * os + j.out_col + r] = acc;
+        float a = acc[i];
+        for (int o = 16; o > 0; o >>= 1) a += __shfl_down_sync(0xffffffff, a, o);
+        if (lane == 0 && r0 + i < j.rows) out[(size_t)j.out_row * os + j.out_col + r0 + i] = a;
     }
 }
 
@@ -704,11 +735,11 @@ __device__ void mvq_kept(const Kept& kp, const float* routes, const u8* qx, int 
 
 #define INT8_KERNELS(name, id)                                                                            \
     extern "C" __global__ void mvq_##name(const Jobs js, const u8* qx, int qstride, int lo, float* out,    \
-                                          int os) {                                                       \
+                                          int os) { PDL_START;                                                       \
         mvq<id>(js.job[blockIdx.y], qx, qstride, lo, out, os);                                            \
     }                                                                                                     \
     extern "C" __global__ void mvkq_##name(const Kept kp, const float* routes, const u8* qx, int qstride, \
-                                           float* out, int os) {                                          \
+                                           float* out, int os) { PDL_START;                                          \
         mvq_kept<id>(kp, routes, qx, qstride, out, os);                                                   \
     }
 
@@ -716,27 +747,27 @@ INT8_KERNELS(q8_0, 8)
 INT8_KERNELS(q4_k, 12)
 
 #define FORMAT_KERNELS(name, id)                                                                      \
-    extern "C" __global__ void mv_##name(const Jobs js, const float* x, int xs, float* out, int os) {  \
+    extern "C" __global__ void mv_##name(const Jobs js, const float* x, int xs, float* out, int os) { PDL_START;  \
         mv<id, MV_TOKENS>(js.job[blockIdx.y], x, xs, out, os);                                        \
     }                                                                                                 \
-    extern "C" __global__ void mv1_##name(const Jobs js, const float* x, int xs, float* out, int os) { \
+    extern "C" __global__ void mv1_##name(const Jobs js, const float* x, int xs, float* out, int os) { PDL_START; \
         mv<id, 1>(js.job[blockIdx.y], x, xs, out, os);                                                \
     }                                                                                                 \
     extern "C" __global__ void mvk_##name(const Kept kp, const float* routes, const float* x, int xs,  \
-                                          float* out, int os) {                                       \
+                                          float* out, int os) { PDL_START;                                       \
         mv_kept<id>(kp, routes, x, xs, out, os);                                                      \
     }                                                                                                 \
-    extern "C" __global__ void mm_##name(const Jobs js, const float* x, int xs, float* out, int os) {  \
+    extern "C" __global__ void mm_##name(const Jobs js, const float* x, int xs, float* out, int os) { PDL_START;  \
         mm<id>(js, x, xs, out, os);                                                                   \
     }                                                                                                 \
-    extern "C" __global__ void mmt_##name(const Jobs js, const float* x, int xs, float* out, int os) { \
+    extern "C" __global__ void mmt_##name(const Jobs js, const float* x, int xs, float* out, int os) { PDL_START; \
         mm_tc<id>(js, x, xs, out, os);                                                                \
     }                                                                                                 \
-    extern "C" __global__ void embed_##name(const u8* t, u64 rb, int cols, const int* ids, float* o) { \
+    extern "C" __global__ void embed_##name(const u8* t, u64 rb, int cols, const int* ids, float* o) { PDL_START; \
         embed<id>(t, rb, cols, ids, o);                                                               \
     }                                                                                                 \
     extern "C" __global__ void mt_##name(const u8* w, u64 rb, int m, int cols, const float* x, int xs, \
-                                         int n, float* out) {                                         \
+                                         int n, float* out) { PDL_START;                                         \
         mt<id>(w, rb, m, cols, x, xs, n, out);                                                        \
     }
 
@@ -778,20 +809,26 @@ __device__ float block_max(float v) {
 }
 
 // out[t * os + oo + i] = x[t * xs + xo + i] / rms * w[i]: one block per row (in place when
-// out == x: each element is read before it is written, by the same thread).
+// out == x: each element is read before it is written, by the same thread). With qx (dim a
+// multiple of 32, blockDim a multiple of 32), each output row is also quantized for the int8
+// mat-vec at qx + t * qstride: a warp's 32 values of one pass are one group.
 extern "C" __global__ void rms_norm(const float* x, int xs, int xo, const float* w, float* out, int os, int oo,
-                                    int dim, float eps) {
+                                    int dim, float eps, u8* qx, int qstride) { PDL_START;
     const float* row = x + (size_t)blockIdx.x * xs + xo;
     float* o = out + (size_t)blockIdx.x * os + oo;
     float s = 0.0f;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) s += row[i] * row[i];
     float scale = rsqrtf(block_sum(s) / dim + eps);
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) o[i] = w[i] * (row[i] * scale);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        float v = w[i] * (row[i] * scale);
+        o[i] = v;
+        if (qx) quantize_group(v, qx + (size_t)blockIdx.x * qstride, dim, i / 32);
+    }
 }
 
 // In place over `heads` vectors of `dim` end to end from xo in each row (at xs): block r is
 // head r % heads of row r / heads.
-extern "C" __global__ void rms_norm_heads(float* x, int xs, int xo, int heads, const float* w, int dim, float eps) {
+extern "C" __global__ void rms_norm_heads(float* x, int xs, int xo, int heads, const float* w, int dim, float eps) { PDL_START;
     float* row = x + (size_t)(blockIdx.x / heads) * xs + xo + (size_t)(blockIdx.x % heads) * dim;
     float s = 0.0f;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) s += row[i] * row[i];
@@ -799,12 +836,12 @@ extern "C" __global__ void rms_norm_heads(float* x, int xs, int xo, int heads, c
     for (int i = threadIdx.x; i < dim; i += blockDim.x) row[i] = w[i] * (row[i] * scale);
 }
 
-extern "C" __global__ void add(float* x, const float* y, int len) {
+extern "C" __global__ void add(float* x, const float* y, int len) { PDL_START;
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < len) x[i] += y[i];
 }
 
-extern "C" __global__ void silu_mul(float* g, const float* u, int len) {
+extern "C" __global__ void silu_mul(float* g, const float* u, int len) { PDL_START;
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < len) {
         float a = g[i];
@@ -813,7 +850,7 @@ extern "C" __global__ void silu_mul(float* g, const float* u, int len) {
 }
 
 // Rows row0.. of stride: x[0..w] = silu(x[0..w]) * x[w..2w].
-extern "C" __global__ void silu_mul_halves(float* x, int row0, int n, int stride, int w) {
+extern "C" __global__ void silu_mul_halves(float* x, int row0, int n, int stride, int w) { PDL_START;
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n * w) return;
     float* row = x + (size_t)(row0 + i / w) * stride;
@@ -822,24 +859,24 @@ extern "C" __global__ void silu_mul_halves(float* x, int row0, int n, int stride
     row[c] = a / (1.0f + expf(-a)) * row[w + c];
 }
 
-extern "C" __global__ void add_bias(float* x, int n, int stride, int off, const float* b, int len) {
+extern "C" __global__ void add_bias(float* x, int n, int stride, int off, const float* b, int len) { PDL_START;
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n * len) x[(size_t)(i / len) * stride + off + i % len] += b[i % len];
 }
 
-extern "C" __global__ void scale_rows(float* x, int dim, const float* s, int n) {
+extern "C" __global__ void scale_rows(float* x, int dim, const float* s, int n) { PDL_START;
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n * dim) x[i] *= s[i / dim];
 }
 
 extern "C" __global__ void copy_strided(const float* src, int ss, int so, float* dst, int ds, int dof, int width,
-                                        int n) {
+                                        int n) { PDL_START;
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n * width) dst[(size_t)(i / width) * ds + dof + i % width] = src[(size_t)(i / width) * ss + so + i % width];
 }
 
 // dst[i] = src[rows[i]] (gather) or dst[rows[i]] = src[i] (scatter), rows of dim.
-extern "C" __global__ void move_rows(const float* src, float* dst, int dim, const int* rows, int count, int scatter) {
+extern "C" __global__ void move_rows(const float* src, float* dst, int dim, const int* rows, int count, int scatter) { PDL_START;
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= count * dim) return;
     int k = i / dim, c = i % dim;
@@ -849,7 +886,7 @@ extern "C" __global__ void move_rows(const float* src, float* dst, int dim, cons
 
 // out[t] += sum_s weights[t ws + wo + s] src[t k + s] in slot order.
 extern "C" __global__ void add_weighted_slots(const float* src, int dim, int n, int k, const float* weights, int ws,
-                                              int wo, float* out) {
+                                              int wo, float* out) { PDL_START;
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n * dim) return;
     int t = i / dim, c = i % dim;
@@ -883,7 +920,7 @@ __device__ int warp_argmax(const float* v, int e) {
 // (norm) and scaled. Sums run in the host's order. Out: routes[t][0..k] ids as floats,
 // [k..2k] weights. Dynamic shared memory: 2 e floats.
 extern "C" __global__ void route(const float* logits, int e, const float* bias, int sigmoid, int n_group,
-                                 int topk_group, int k, int norm, float scaling, float* routes) {
+                                 int topk_group, int k, int norm, float scaling, float* routes) { PDL_START;
     extern __shared__ float sh[];
     float* choice = sh;
     float* wsrc = sh + e;
@@ -965,7 +1002,7 @@ extern "C" __global__ void route(const float* logits, int e, const float* bias, 
 
 // One thread per (token, head, pair): cs holds n * half cosines then n * half sines.
 extern "C" __global__ void rope(float* x, int n, int stride, int off, int heads, int head_stride, const float* cs,
-                                int half, int interleaved) {
+                                int half, int interleaved) { PDL_START;
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n * heads * half) return;
     int t = i / (heads * half), h = (i / half) % heads, p = i % half;
@@ -978,31 +1015,42 @@ extern "C" __global__ void rope(float* x, int n, int stride, int off, int heads,
 }
 
 // Causal attention, one block per (token, query head), online softmax over chunks of
-// blockDim.x positions. Keys: [pos][heads * kd]; values: [pos][v_row] with head g at g * v_head
+// blockDim.x positions (a multiple of 32). With `part`, the positions are split in runs of
+// `split` over blockIdx.y (flash-decoding: a long context's few queries still fill the GPU),
+// each block leaving its partial softmax in `part` for attention_combine. Keys: [pos][heads * kd]; values: [pos][v_row] with head g at g * v_head
 // (values_in_keys: the keys themselves, v_head = kd). Dynamic shared memory: kd + blockDim.x + vd
 // floats.
 extern "C" __global__ void attention(const float* k, const float* v, int heads, int kd, int vd, int v_row,
                                      int v_head, const float* q, int q_stride, int q_heads, int pos0, float scale,
-                                     float* out) {
+                                     float* out, u8* qx, int qstride, int split, float* part) { PDL_START;
     extern __shared__ float sh[];
     float* qs = sh;
     float* sc = sh + kd;
     float* acc = sc + blockDim.x;
     int t = blockIdx.x / q_heads, h = blockIdx.x % q_heads, g = h / (q_heads / heads);
     int len = pos0 + t + 1, k_row = heads * kd;
+    // With part: only positions lo..len of split blockIdx.y (see attention_combine).
+    int lo = part ? blockIdx.y * split : 0;
+    if (part) len = min(len, lo + split);
     for (int i = threadIdx.x; i < kd; i += blockDim.x) qs[i] = q[(size_t)t * q_stride + h * kd + i];
     for (int i = threadIdx.x; i < vd; i += blockDim.x) acc[i] = 0.0f;
     __syncthreads();
     float m = NEG_INF, l = 0.0f;
-    for (int start = 0; start < len; start += blockDim.x) {
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+    for (int start = lo; start < len; start += blockDim.x) {
         int j = start + threadIdx.x;
-        float s = NEG_INF;
-        if (j < len) {
-            const float* kr = k + (size_t)j * k_row + g * kd;
+        // The chunk's scores, a warp per position: its lanes read the key row together (a
+        // thread per position read its own row alone, kd loads one after another).
+        int cnt = min((int)blockDim.x, len - start);
+        for (int jj = warp; jj < cnt; jj += warps) {
+            const float* kr = k + (size_t)(start + jj) * k_row + g * kd;
             float d = 0.0f;
-            for (int i = 0; i < kd; i++) d += qs[i] * kr[i];
-            s = d * scale;
+            for (int i = lane; i < kd; i += 32) d += qs[i] * kr[i];
+            for (int o = 16; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffff, d, o);
+            if (lane == 0) sc[jj] = d * scale;
         }
+        __syncthreads();
+        float s = j < len ? sc[threadIdx.x] : NEG_INF;
         float m_new = fmaxf(m, block_max(s));
         float p = j < len ? expf(s - m_new) : 0.0f;
         sc[threadIdx.x] = p;
@@ -1010,7 +1058,6 @@ extern "C" __global__ void attention(const float* k, const float* v, int heads, 
         l = l * alpha + block_sum(p);
         m = m_new;
         __syncthreads();
-        int cnt = min((int)blockDim.x, len - start);
         for (int d = threadIdx.x; d < vd; d += blockDim.x) {
             float a = acc[d] * alpha;
             const float* vc = v + (size_t)start * v_row + g * v_head + d;
@@ -1019,13 +1066,25 @@ extern "C" __global__ void attention(const float* k, const float* v, int heads, 
         }
         __syncthreads();
     }
+    if (part) {  // this split's maximum, sum and unnormalised output
+        float* pp = part + ((size_t)blockIdx.x * gridDim.y + blockIdx.y) * (vd + 2);
+        if (threadIdx.x == 0) pp[0] = m, pp[1] = l;
+        for (int d = threadIdx.x; d < vd; d += blockDim.x) pp[2 + d] = acc[d];
+        return;
+    }
     float inv = 1.0f / l;
-    for (int d = threadIdx.x; d < vd; d += blockDim.x) out[((size_t)t * q_heads + h) * vd + d] = acc[d] * inv;
+    for (int d = threadIdx.x; d < vd; d += blockDim.x) {
+        float o = acc[d] * inv;
+        out[((size_t)t * q_heads + h) * vd + d] = o;
+        // With qx (vd a multiple of 32): the row quantized for the output projection's int8
+        // mat-vec, a warp's 32 values one group.
+        if (qx) quantize_group(o, qx + (size_t)t * qstride, q_heads * vd, (h * vd + d) / 32);
+    }
 }
 
 // Decode mat-vec over Q8_0 rows, tuned (half a warp per 34-byte block, 16-bit loads): the
 // bandwidth probe of `Gpu::matvec_q8_0`.
-extern "C" __global__ void matvec_q8_0(const unsigned char* w, const float* x, float* out, int rows, int cols) {
+extern "C" __global__ void matvec_q8_0(const unsigned char* w, const float* x, float* out, int rows, int cols) { PDL_START;
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
     if (row >= rows) return;

@@ -13,8 +13,10 @@ bandwidth probe kernel (`examples/matvec_bandwidth.rs`).
 #![deny(missing_docs)]
 
 pub mod backend;
+mod buf;
 mod experts;
 mod kept;
+mod launch;
 mod misses;
 mod pinned;
 mod staging;
@@ -104,7 +106,7 @@ pub fn probe() -> Result<Vec<DeviceInfo>, String> {
 }
 
 /// The kernels' CUDA C source.
-const KERNELS: &str = include_str!("kernels.cu");
+const KERNELS: &str = concat!(include_str!("kernels.cu"), include_str!("fused.cu"), include_str!("attention.cu"));
 
 /// The kernels compiled for compute capability `cc`, from the per-user kernel cache
 /// (`$XDG_CACHE_HOME/smoe` or `~/.cache/smoe`, one PTX file per source and architecture) or by

@@ -1,0 +1,163 @@
+//! The fused ops of the decode path (kernels in fused.cu): the residual add with the next norm,
+//! the attention inputs (per-head norms, RoPE, the KV store) in one launch, int8 copies left by
+//! the ops that write a product's input, and the rotary tables kept on the device.
+
+use super::{cfg_elems, norm_threads, CudaBackend, CudaBuf, CudaKvCache, CudaVector, MV_TOKENS};
+use crate::launch::Launch;
+use cudarc::driver::{CudaSlice, LaunchConfig};
+use smoe_engine::backend::{check, check_rows, Backend, QkvRows, RopeTables};
+
+/// The rotary tables of the token being decoded, on the device: every layer rotates with the
+/// same ones, so they are copied up once per chunk, not once per layer.
+#[derive(Default)]
+pub(super) struct RopeOnDevice {
+    /// What `mem` holds: cosines, then sines.
+    host: Vec<f32>,
+    mem: Option<CudaSlice<f32>>,
+}
+
+impl CudaBackend {
+    /// Room for the int8 copy that an op writing rows `0..rows` of `cols` into `out` leaves
+    /// beside them, when one-token products will read those rows on int8 activations (few
+    /// rows, whole groups of 32): its address and row stride, or `(0, 0)`: none.
+    pub(super) fn quant_out(&self, out: &mut CudaBuf, rows: usize, cols: usize) -> (u64, i32) {
+        if !self.int8 || rows > MV_TOKENS || !cols.is_multiple_of(32) || self.faulted() {
+            return (0, 0);
+        }
+        match self.ok("quantizing outputs", out.quantize_into(&self.stream, rows, cols)) {
+            Some(q) => (q.ptr, q.stride as i32),
+            None => (0, 0),
+        }
+    }
+
+    /// `cos` then `sin` on the device; copied only when they changed.
+    fn rope_tables(&self, cos: &[f32], sin: &[f32]) -> Option<u64> {
+        let mut r = self.rope.lock().expect("rope tables lock");
+        let same = r.host.len() == cos.len() + sin.len() && r.host[..cos.len()] == *cos && r.host[cos.len()..] == *sin;
+        if !same {
+            r.host.clear();
+            r.host.extend_from_slice(cos);
+            r.host.extend_from_slice(sin);
+            if r.mem.as_ref().is_none_or(|m| m.len() < r.host.len()) {
+                r.mem = Some(self.ok("rope tables", self.stream.alloc_zeros::<f32>(r.host.len().max(256)))?);
+            }
+            let RopeOnDevice { host, mem } = &mut *r;
+            let dst = mem.as_mut().expect("allocated above");
+            // Stream-ordered after the kernels still reading the previous tables.
+            if self.ok("rope tables", self.stream.memcpy_htod(&host[..], &mut dst.slice_mut(..host.len()))).is_none() {
+                r.host.clear();
+                return None;
+            }
+        }
+        Some(super::dptr(r.mem.as_ref().expect("copied above"), &self.stream))
+    }
+
+    pub(super) fn fused_add_rms_norm(
+        &self,
+        x: &mut CudaBuf,
+        y: &CudaBuf,
+        n: usize,
+        dim: usize,
+        w: &CudaVector,
+        eps: f32,
+        out: &mut CudaBuf,
+    ) {
+        if self.faulted() || n == 0 {
+            return;
+        }
+        check("add_rms_norm", x, n, dim);
+        check("add_rms_norm input", y, n, dim);
+        check("add_rms_norm output", out, n, dim);
+        assert!(w.len >= dim, "add_rms_norm: {} weights for rows of {dim}", w.len);
+        let (xp, yp, wp) = (x.at_mut(&self.stream), y.at(&self.stream), super::dptr(&w.data, &self.stream));
+        let op = out.at_mut(&self.stream);
+        let (qx, qs) = self.quant_out(out, n, dim);
+        let d = dim as i32;
+        let mut a = Launch::new(&self.k.add_rms_norm);
+        a.arg(&xp).arg(&yp).arg(&wp).arg(&op).arg(&d).arg(&eps).arg(&qx).arg(&qs);
+        self.launch(
+            a,
+            LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (norm_threads(dim), 1, 1), shared_mem_bytes: 0 },
+            "add_rms_norm",
+        );
+    }
+
+    /// [`Backend::qk_rope_store`] in one launch where the cache is plain GQA's (keys and values
+    /// of `head_dim` per head, the layer's heads those of the rows); else the three ops.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn fused_qk_rope_store(
+        &self,
+        qkv: &mut CudaBuf,
+        n: usize,
+        rows: QkvRows,
+        norm: Option<(&CudaVector, &CudaVector, f32)>,
+        rope: RopeTables<'_>,
+        cache: &mut CudaKvCache,
+        layer: usize,
+        pos0: usize,
+    ) {
+        if self.faulted() || n == 0 {
+            return;
+        }
+        let QkvRows { stride, q_heads, kv_heads, head_dim } = rows;
+        let shape = cache.layers[layer].shape;
+        let half = rope.cos.len() / n;
+        let plain = shape.heads == kv_heads && shape.k_dim == head_dim && shape.v_dim == head_dim && !shape.values_in_keys;
+        if !plain || head_dim > 512 || 2 * half > head_dim {
+            let (qw, kvw) = (q_heads * head_dim, kv_heads * head_dim);
+            if let Some((qn, kn, eps)) = norm {
+                self.rms_norm_heads(qkv, n, stride, 0, q_heads, head_dim, qn, eps);
+                self.rms_norm_heads(qkv, n, stride, qw, kv_heads, head_dim, kn, eps);
+            }
+            self.rope(qkv, n, stride, 0, q_heads + kv_heads, head_dim, rope.cos, rope.sin, rope.interleaved);
+            self.kv_store(cache, layer, pos0, n, qkv, stride, qw, Some((qkv, stride, qw + kvw)));
+            return;
+        }
+        check_rows("qk_rope_store", qkv, 0, n, stride, 0, (q_heads + 2 * kv_heads) * head_dim);
+        if let Some((qn, kn, _)) = norm {
+            assert!(qn.len >= head_dim && kn.len >= head_dim, "qk_rope_store: norms of {} and {} for heads of {head_dim}", qn.len, kn.len);
+        }
+        let Some((kp, vp)) = self.kv_room(cache, layer, pos0, n) else { return };
+        let Some(cs) = self.rope_tables(&rope.cos[..n * half], &rope.sin[..n * half]) else { return };
+        let xp = qkv.at_mut(&self.stream);
+        let (qn, kn, eps) = match norm {
+            Some((qn, kn, eps)) => (super::dptr(&qn.data, &self.stream), super::dptr(&kn.data, &self.stream), eps),
+            None => (0, 0, 0.0),
+        };
+        let (s, qh, kh, hd, n_i, hf, il, p0) =
+            (stride as i32, q_heads as i32, kv_heads as i32, head_dim as i32, n as i32, half as i32, rope.interleaved as i32, pos0 as i32);
+        let mut a = Launch::new(&self.k.qk_rope_store);
+        a.arg(&xp)
+            .arg(&s)
+            .arg(&qh)
+            .arg(&kh)
+            .arg(&hd)
+            .arg(&qn)
+            .arg(&kn)
+            .arg(&eps)
+            .arg(&cs)
+            .arg(&n_i)
+            .arg(&hf)
+            .arg(&il)
+            .arg(&kp)
+            .arg(&vp)
+            .arg(&p0);
+        let blocks = n * (q_heads + 2 * kv_heads);
+        let threads = head_dim.next_multiple_of(32).min(256) as u32;
+        self.launch(a, LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }, "qk_rope_store");
+    }
+
+    /// SiLU(gate) · up over rows `0..rows` of `gu` (`[gate | up]`, `width` each), quantized for
+    /// the down products into the scratch: its address and row stride.
+    pub(super) fn silu_quantize(&self, gu: &mut CudaBuf, rows: usize, width: usize) -> Option<(u64, usize)> {
+        let stride = crate::buf::quant_stride(width);
+        let qx = self.scratch(rows * stride)?;
+        let gp = gu.at_mut(&self.stream);
+        let (s, r, w, qs) = ((2 * width) as i32, rows as i32, width as i32, stride as i32);
+        let mut a = Launch::new(&self.k.silu_quantize);
+        a.arg(&gp).arg(&s).arg(&r).arg(&w).arg(&qx).arg(&qs);
+        // A warp per group of 32.
+        self.launch(a, cfg_elems(rows * width), "silu_quantize");
+        Some((qx, stride))
+    }
+}

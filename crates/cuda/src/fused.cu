@@ -1,0 +1,110 @@
+// Fused kernels of the decode path, appended to kernels.cu (whose helpers they use).
+//
+// A decoded token runs a few dozen small ops per layer; on the H200 each costs a launch and a
+// ramp of its own, and Nsight Compute found a layer's dozen small kernels (norms, RoPE, KV
+// copies, quantizing inputs) taking longer together than its products. Each kernel here does
+// what two to six of them did, with the same arithmetic in the same order per element.
+
+// x[t] += y[t], then out[t] = x[t] / rms * w (and, with qx, quantized as `rms_norm` does): the
+// residual add of a sublayer and the next norm. One block per row; each element is added,
+// stored and normalised by the same thread.
+extern "C" __global__ void add_rms_norm(float* x, const float* y, const float* w, float* out, int dim, float eps,
+                                        u8* qx, int qstride) { PDL_START;
+    float* row = x + (size_t)blockIdx.x * dim;
+    const float* yr = y + (size_t)blockIdx.x * dim;
+    float* o = out + (size_t)blockIdx.x * dim;
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        float v = row[i] + yr[i];
+        row[i] = v;
+        s += v * v;
+    }
+    float scale = rsqrtf(block_sum(s) / dim + eps);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        float v = w[i] * (row[i] * scale);
+        o[i] = v;
+        if (qx) quantize_group(v, qx + (size_t)blockIdx.x * qstride, dim, i / 32);
+    }
+}
+
+// Standard attention's inputs, in rows of `stride` holding q_heads query heads, then kv_heads
+// key heads, then kv_heads value heads, each hd wide: every q and k head normalised over its hd
+// values (with qn / kn, where the model has per-head norms), rotated (cs: n * half cosines,
+// then n * half sines; pairs (p, p + half), or (2p, 2p + 1) interleaved), written back, and the
+// keys and values of token t stored at position pos0 + t of the caches (rows of kv_heads * hd).
+// One block per (token, head); hd <= 512.
+extern "C" __global__ void qk_rope_store(float* x, int stride, int q_heads, int kv_heads, int hd, const float* qn,
+                                         const float* kn, float eps, const float* cs, int n, int half,
+                                         int interleaved, float* kc, float* vc, int pos0) { PDL_START;
+    __shared__ float v[512];
+    int per = q_heads + 2 * kv_heads;
+    int t = blockIdx.x / per, h = blockIdx.x % per;
+    float* head = x + (size_t)t * stride + (size_t)h * hd;
+    size_t kv_row = (size_t)(pos0 + t) * kv_heads * hd;
+    if (h >= q_heads + kv_heads) {  // a value head: stored as it is
+        float* dst = vc + kv_row + (size_t)(h - q_heads - kv_heads) * hd;
+        for (int i = threadIdx.x; i < hd; i += blockDim.x) dst[i] = head[i];
+        return;
+    }
+    const float* w = h < q_heads ? qn : kn;
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) v[i] = head[i];
+    if (w) {  // as rms_norm_heads
+        float s = 0.0f;
+        for (int i = threadIdx.x; i < hd; i += blockDim.x) s += v[i] * v[i];
+        float scale = rsqrtf(block_sum(s) / hd + eps);
+        for (int i = threadIdx.x; i < hd; i += blockDim.x) v[i] = w[i] * (v[i] * scale);
+    }
+    __syncthreads();
+    for (int p = threadIdx.x; p < half; p += blockDim.x) {  // as rope
+        float c = cs[t * half + p], sn = cs[n * half + t * half + p];
+        int ia = interleaved ? 2 * p : p, ib = interleaved ? 2 * p + 1 : p + half;
+        float a = v[ia], b = v[ib];
+        v[ia] = a * c - b * sn;
+        v[ib] = b * c + a * sn;
+    }
+    __syncthreads();
+    float* key = h >= q_heads ? kc + kv_row + (size_t)(h - q_heads) * hd : nullptr;
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+        head[i] = v[i];
+        if (key) key[i] = v[i];
+    }
+}
+
+// Rows 0..rows of x ([gate | up], w each, rows `stride` apart): gate = silu(gate) * up, as
+// silu_mul_halves, and the result quantized (as quantize_rows would) into qx, rows qstride
+// apart: the kept experts' down products read it there. One warp per group of 32 (w a
+// multiple of 32).
+extern "C" __global__ void silu_quantize(float* x, int stride, int rows, int w, u8* qx, int qstride) { PDL_START;
+    int groups = w / 32;
+    int gi = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    if (gi >= rows * groups) return;
+    int r = gi / groups, g = gi % groups, c = 32 * g + threadIdx.x % 32;
+    float* row = x + (size_t)r * stride;
+    float a = row[c];
+    float v = a / (1.0f + expf(-a)) * row[w + c];
+    row[c] = v;
+    quantize_group(v, qx + (size_t)r * qstride, w, g);
+}
+
+// One token through f32 weights (a router, most often: 128 rows of 2048), a block of threads
+// per row, so that a matrix of few rows still spreads over every SM (the warp-per-row mat-vec
+// gave a router 32 blocks on 132 SMs, and it took as long as a layer's expert products).
+// Summed in a fixed order: the same bits every run.
+extern "C" __global__ void mvs_f32(const Jobs js, const float* x, int xs, float* out, int os) { PDL_START;
+    const Job& j = js.job[blockIdx.y];
+    int r = blockIdx.x;
+    if (r >= j.rows) return;  // the whole block
+    const float* w = (const float*)(j.w + (u64)r * j.row_bytes);
+    const float* xr = x + (size_t)j.x_row * xs;
+    float s = 0.0f;
+    if ((((size_t)w | (size_t)xr) & 15) == 0 && (j.cols & 3) == 0) {
+        for (int c = 4 * threadIdx.x; c < j.cols; c += 4 * blockDim.x) {
+            float4 a = *(const float4*)(w + c), b = *(const float4*)(xr + c);
+            s += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+        }
+    } else {
+        for (int c = threadIdx.x; c < j.cols; c += blockDim.x) s += w[c] * xr[c];
+    }
+    s = block_sum(s);
+    if (threadIdx.x == 0) out[(size_t)j.out_row * os + j.out_col + r] = s;
+}
