@@ -833,6 +833,23 @@ impl Backend for CudaBackend {
         cache.layers.iter().map(|l| l.len * (l.k_width() + l.v_width()) * 4).sum()
     }
 
+    fn kv_copy(&self, src: &CudaKvCache, dst: &mut CudaKvCache, positions: usize) -> bool {
+        for (d, s) in dst.layers.iter_mut().zip(&src.layers) {
+            assert!(positions <= s.len, "kv_copy: {positions} positions of a cache holding {}", s.len);
+            self.kv_grow(d, positions);
+            if self.faulted() {
+                return false;
+            }
+            d.len = positions;
+            for (from, to, width) in [(&s.k, &mut d.k, s.k_width()), (&s.v, &mut d.v, s.v_width())] {
+                if let (Some(from), Some(to), true) = (from, to.as_mut(), positions * width > 0) {
+                    let r = self.stream.memcpy_dtod(&from.slice(..positions * width), &mut to.slice_mut(..positions * width));
+                    self.ok("kv_copy", r);
+                }
+            }
+        }
+        !self.faulted()
+    }
     fn upload(&self, dst: &mut CudaBuf, src: &[f32]) {
         if self.faulted() || src.is_empty() {
             return;

@@ -744,6 +744,18 @@ impl<B: Backend> Suite<'_, B> {
             let got = self.read(&out, want.len());
             let tol = self.tol.attention * vmax;
             self.compare("attention", what, &got, &want, |_| tol);
+            // A copy of the cache's positions (a new sequence from a shared prefix) attends
+            // the same, to the bit.
+            // (Every layer of a sequence holds its positions: layer 0's too.)
+            let zeros = self.buf(positions * 8, &[]);
+            self.b.kv_store(&mut cache, 0, 0, positions, &zeros, 8, 0, Some((&zeros, 8, 0)));
+            let mut copy = self.b.kv_cache(&[KvShape { heads: 1, k_dim: 8, v_dim: 8, values_in_keys: false }, shape]);
+            if self.b.kv_copy(&cache, &mut copy, positions) {
+                let mut out = self.buf(n * q_heads * shape.v_dim, &[]);
+                self.b.attention(&copy, 1, &qb, q_stride, n, first, AttnParams { q_heads, scale }, &mut out);
+                let again = self.read(&out, want.len());
+                self.compare("kv_copy", what, &again, &got, |_| 0.0);
+            }
         }
     }
 
