@@ -45,7 +45,7 @@ enum Command {
     /// Write a random-weight checkpoint with the exact shapes of a published model.
     Synth {
         /// qwen3-30b-a3b, qwen3-235b-a22b, qwen2-57b-a14b, mixtral-8x7b, mixtral-8x22b,
-        /// olmoe-1b-7b, glm-4.5-air, glm-4.5, deepseek-v3 or kimi-k2.
+        /// olmoe-1b-7b, glm-4.5-air, glm-4.5, deepseek-v3, kimi-k2 or minimax-m2.
         #[arg(long)]
         shape: String,
         /// Output directory (a Hugging Face checkpoint).

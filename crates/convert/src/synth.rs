@@ -41,6 +41,7 @@ pub fn shape_names() -> Vec<&'static str> {
         "glm-4.5",
         "deepseek-v3",
         "kimi-k2",
+        "minimax-m2",
     ]
 }
 
@@ -126,6 +127,17 @@ pub fn shape_config(name: &str) -> Result<Value, ConvertError> {
             }
             c
         }
+        "minimax-m2" => json!({
+            "architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2", "attention_dropout": 0.0,
+            "bos_token_id": 200034, "eos_token_id": 200020, "head_dim": 128, "hidden_act": "silu",
+            "hidden_size": 3072, "initializer_range": 0.02, "intermediate_size": 1536,
+            "max_position_embeddings": 196608, "num_attention_heads": 48, "num_experts_per_tok": 8,
+            "num_hidden_layers": 62, "num_key_value_heads": 8, "num_local_experts": 256,
+            "qk_norm_type": "per_layer", "rms_norm_eps": 1e-6, "rope_theta": 5000000, "rotary_dim": 64,
+            "router_aux_loss_coef": 0.001, "scoring_func": "sigmoid", "tie_word_embeddings": false,
+            "torch_dtype": "bfloat16", "use_cache": true, "use_qk_norm": true, "use_routing_bias": true,
+            "vocab_size": 200064
+        }),
         "olmoe-1b-7b" => json!({
             "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "attention_bias": false,
             "attention_dropout": 0.0, "bos_token_id": null, "eos_token_id": 50279, "pad_token_id": 1,
@@ -606,6 +618,7 @@ mod tests {
             ("glm-4.5", 352.8e9),
             ("deepseek-v3", 671.0e9),
             ("kimi-k2", 1026.4e9),
+            ("minimax-m2", 228.7e9),
         ];
         assert_eq!(published.len(), shape_names().len());
         for (shape, want) in published {

@@ -87,6 +87,13 @@ fn glm_and_deepseek_match_transformers() {
     }
 }
 
+/// MiniMax-M2: no code of its own in the decoder, only its architecture description (GLM's
+/// sigmoid routing with a correction bias, OLMoE's q/k norms over all heads, partial rotary).
+#[test]
+fn minimax_m2_matches_transformers() {
+    check_fixture("minimax_m2");
+}
+
 #[test]
 fn qwen3_moe_k_matches_transformers() {
     check_fixture("qwen3_moe_k");

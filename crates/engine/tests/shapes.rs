@@ -46,7 +46,7 @@ impl Rng {
     }
 }
 
-const FAMILIES: [&str; 6] = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3"];
+const FAMILIES: [&str; 7] = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3", "minimax_m2"];
 
 /// A random valid config.json of `family`. Widths are drawn around `hidden` so that every
 /// product is sometimes wider and sometimes narrower than the residual stream.
@@ -100,6 +100,13 @@ fn random_config(family: &str, r: &mut Rng) -> Value {
         "mixtral" => {
             c["num_local_experts"] = experts.into();
             c["intermediate_size"] = inter(r).into();
+        }
+        "minimax_m2" => {
+            c["num_local_experts"] = experts.into();
+            c["intermediate_size"] = inter(r).into();
+            // Rotary over an even part of the head, q/k norms over all heads.
+            c["rotary_dim"] = r.even(2, head_dim).into();
+            c["use_qk_norm"] = r.coin().into();
         }
         "olmoe" => {
             c["num_experts"] = experts.into();

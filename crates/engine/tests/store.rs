@@ -10,8 +10,18 @@ use smoe_vault::Vault;
 use std::path::Path;
 use std::sync::Arc;
 
-const ALL: [&str; 9] =
-    ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen3_moe_yarn", "qwen3_moe_k", "glm4_moe", "deepseek_v3", "deepseek_v3_yarn"];
+const ALL: [&str; 10] = [
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+    "olmoe",
+    "qwen3_moe_yarn",
+    "qwen3_moe_k",
+    "glm4_moe",
+    "deepseek_v3",
+    "deepseek_v3_yarn",
+    "minimax_m2",
+];
 
 fn streaming(path: &Path, slots: usize) -> (Model<CpuBackend>, Arc<ExpertStore>) {
     let v = Vault::open(path).unwrap();

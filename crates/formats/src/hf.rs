@@ -78,7 +78,7 @@ pub fn architecture_from_config(cfg: &Value) -> Result<Architecture, FormatError
     let scaling = rope_scaling(scaling_src, c.opt_usize("max_position_embeddings")?)?;
 
     let num_experts_key = match family {
-        Family::Mixtral => "num_local_experts",
+        Family::Mixtral | Family::MinimaxM2 => "num_local_experts",
         Family::Glm4Moe | Family::DeepseekV3 => "n_routed_experts",
         _ => "num_experts",
     };
@@ -155,6 +155,29 @@ pub fn architecture_from_config(cfg: &Value) -> Result<Architecture, FormatError
             arch.qkv_bias = c.bool_or("attention_bias", false)?;
             if c.get("clip_qkv").is_some() {
                 return Err(FormatError::Unsupported("olmoe clip_qkv".into()));
+            }
+        }
+        // Every difference from the families above is a field already: GLM's routing, OLMoE's
+        // q/k norms, partial rotary.
+        Family::MinimaxM2 => {
+            moe.intermediate_size = c.usize("intermediate_size")?;
+            moe.norm_topk_prob = true;
+            moe.router = Router::SigmoidGrouped { n_group: 1, topk_group: 1, correction_bias: c.bool_or("use_routing_bias", true)? };
+            arch.dense_intermediate_size = 0;
+            arch.qk_norm = match (c.bool_or("use_qk_norm", true)?, c.get("qk_norm_type").and_then(|v| v.as_str())) {
+                (false, _) => QkNorm::None,
+                (true, None | Some("per_layer")) => QkNorm::WholeProjection,
+                (true, Some("per_head")) => QkNorm::PerHead,
+                (true, Some(t)) => return Err(FormatError::Unsupported(format!("minimax_m2 qk_norm_type '{t}'"))),
+            };
+            if let Some(f) = c.get("scoring_func").and_then(|v| v.as_str()).filter(|&f| f != "sigmoid") {
+                return Err(FormatError::Unsupported(format!("minimax_m2 scoring_func '{f}' (only sigmoid)")));
+            }
+            // The published config gives the rotated dimensions; transformers 5 turns them
+            // into rope_parameters.partial_rotary_factor (read above).
+            if let Some(r) = c.opt_usize("rotary_dim")? {
+                arch.rope.rotary_dim = r;
+                arch.rope.partial_rotary_factor = r as f64 / head_dim as f64;
             }
         }
         Family::Glm4Moe | Family::DeepseekV3 => {
@@ -250,7 +273,7 @@ pub fn hf_name(family: Family, canonical: &str) -> String {
     };
     let rest = simple.strip_prefix("layers.").expect("canonical layer tensor");
     let (layer, what) = rest.split_once('.').expect("layer index");
-    let moe_block = if family == Family::Mixtral { "block_sparse_moe" } else { "mlp" };
+    let moe_block = if matches!(family, Family::Mixtral | Family::MinimaxM2) { "block_sparse_moe" } else { "mlp" };
     let shared = if family == Family::Qwen2Moe { "shared_expert" } else { "shared_experts" };
     let mapped = match what {
         "attn_norm" => "input_layernorm.weight".to_string(),
@@ -264,6 +287,8 @@ pub fn hf_name(family: Family, canonical: &str) -> String {
         "attn.q_norm" => "self_attn.q_norm.weight".into(),
         "attn.k_norm" => "self_attn.k_norm.weight".into(),
         "moe.router" => format!("{moe_block}.gate.weight"),
+        // MiniMax-M2 keeps its routing bias on the block, not on the gate.
+        "moe.router_bias" if family == Family::MinimaxM2 => format!("{moe_block}.e_score_correction_bias"),
         "moe.router_bias" => format!("{moe_block}.gate.e_score_correction_bias"),
         "moe.shared_gate" => "mlp.shared_expert_gate.weight".into(),
         w => {
@@ -286,7 +311,7 @@ pub fn hf_name(family: Family, canonical: &str) -> String {
 
 /// The checkpoint names of expert `e`'s `[gate, up, down]` in decoder layer `layer`.
 pub fn hf_expert_names(family: Family, layer: usize, e: usize) -> [String; 3] {
-    if family == Family::Mixtral {
+    if matches!(family, Family::Mixtral | Family::MinimaxM2) {
         let p = format!("model.layers.{layer}.block_sparse_moe.experts.{e}");
         return [format!("{p}.w1.weight"), format!("{p}.w3.weight"), format!("{p}.w2.weight")];
     }

@@ -24,6 +24,8 @@ pub enum Family {
     Glm4Moe,
     /// DeepSeek-V3 / R1.
     DeepseekV3,
+    /// MiniMax-M2.
+    MinimaxM2,
 }
 
 impl Family {
@@ -36,11 +38,13 @@ impl Family {
             Family::Olmoe => "olmoe",
             Family::Glm4Moe => "glm4_moe",
             Family::DeepseekV3 => "deepseek_v3",
+            Family::MinimaxM2 => "minimax_m2",
         }
     }
 
     /// All supported families.
-    pub const ALL: [Family; 6] = [Family::Qwen3Moe, Family::Qwen2Moe, Family::Mixtral, Family::Olmoe, Family::Glm4Moe, Family::DeepseekV3];
+    pub const ALL: [Family; 7] =
+        [Family::Qwen3Moe, Family::Qwen2Moe, Family::Mixtral, Family::Olmoe, Family::Glm4Moe, Family::DeepseekV3, Family::MinimaxM2];
 
     /// The family with this `model_type`.
     pub fn from_model_type(s: &str) -> Option<Family> {
@@ -56,7 +60,7 @@ pub enum QkNorm {
     None,
     /// RMSNorm over each head's `head_dim` values (Qwen3, GLM-4.5 with `use_qk_norm`).
     PerHead,
-    /// RMSNorm over the whole projection, all heads at once (OLMoE).
+    /// RMSNorm over the whole projection, all heads at once (OLMoE, MiniMax-M2).
     WholeProjection,
 }
 

@@ -12,6 +12,7 @@ pub fn arch_name(f: Family) -> &'static str {
         Family::Olmoe => "olmoe",
         Family::Glm4Moe => "glm4moe",
         Family::DeepseekV3 => "deepseek2",
+        Family::MinimaxM2 => "minimax-m2",
     }
 }
 
