@@ -9,8 +9,18 @@ use smoe_quant::Format;
 use smoe_vault::{names, LayerKind, QkNorm, RopeScaling, Router, Vault};
 use std::path::{Path, PathBuf};
 
-const FIXTURES: [&str; 9] =
-    ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3", "deepseek_v3_yarn", "qwen3_moe_k", "qwen3_moe_yarn"];
+const FIXTURES: [&str; 10] = [
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+    "olmoe",
+    "glm4_moe",
+    "deepseek_v3",
+    "deepseek_v3_yarn",
+    "qwen3_moe_k",
+    "qwen3_moe_yarn",
+    "minimax_m2",
+];
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/hf").join(name)
@@ -61,13 +71,13 @@ fn manifest_matches_config_field_by_field() {
             },
         }
         let family_experts = match name {
-            "mixtral" => cfg_usize(&c, "num_local_experts"),
+            "mixtral" | "minimax_m2" => cfg_usize(&c, "num_local_experts"),
             "glm4_moe" | "deepseek_v3" | "deepseek_v3_yarn" => cfg_usize(&c, "n_routed_experts"),
             _ => cfg_usize(&c, "num_experts"),
         };
         assert_eq!(a.moe.num_experts, family_experts, "{name}");
         let expert_size = match name {
-            "mixtral" | "olmoe" => cfg_usize(&c, "intermediate_size"),
+            "mixtral" | "olmoe" | "minimax_m2" => cfg_usize(&c, "intermediate_size"),
             _ => cfg_usize(&c, "moe_intermediate_size"),
         };
         assert_eq!(a.moe.intermediate_size, expert_size, "{name}");
@@ -90,6 +100,12 @@ fn manifest_matches_config_field_by_field() {
             }
             "mixtral" => assert!(a.moe.norm_topk_prob && a.qk_norm == QkNorm::None && !a.qkv_bias),
             "olmoe" => assert_eq!(a.qk_norm, QkNorm::WholeProjection),
+            "minimax_m2" => {
+                assert_eq!(a.qk_norm, QkNorm::WholeProjection);
+                assert_eq!(a.rope.rotary_dim, cfg_usize(&c, "rotary_dim"));
+                assert!(a.moe.norm_topk_prob && !a.qkv_bias && a.moe.shared_experts.is_none());
+                assert_eq!(a.moe.router, Router::SigmoidGrouped { n_group: 1, topk_group: 1, correction_bias: true });
+            }
             "glm4_moe" => {
                 assert_eq!(a.rope.partial_rotary_factor, c["partial_rotary_factor"].as_f64().unwrap());
                 assert_eq!(a.rope.rotary_dim, cfg_usize(&c, "head_dim") / 2);

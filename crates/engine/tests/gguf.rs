@@ -11,7 +11,8 @@ use std::path::{Path, PathBuf};
 
 /// llama.cpp's converter made a bf16 and a q8_0 file of each (glm4_moe with the two
 /// workarounds of `testdata/make_gguf_fixtures.py`; see the fixtures README).
-const FAMILIES: [&str; 8] = ["qwen3_moe", "qwen3_moe_yarn", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3", "deepseek_v3_yarn"];
+const FAMILIES: [&str; 9] =
+    ["qwen3_moe", "qwen3_moe_yarn", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3", "deepseek_v3_yarn", "minimax_m2"];
 
 fn gguf(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/gguf").join(name)

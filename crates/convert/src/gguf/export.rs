@@ -170,8 +170,9 @@ fn check_supported(a: &Architecture) -> Result<(), ConvertError> {
             bad("llama.cpp does not renormalise top-k weights for this architecture")
         }
         Family::Olmoe if a.qk_norm != QkNorm::WholeProjection => bad("unexpected qk-norm"),
-        // Not checked against llama.cpp's converter and loader yet: refused rather than guessed.
-        Family::MinimaxM2 => bad("GGUF export of this family is not implemented yet"),
+        Family::MinimaxM2 if a.qk_norm != QkNorm::WholeProjection || !a.moe.norm_topk_prob => {
+            bad("llama.cpp's minimax-m2 assumes its published settings")
+        }
         _ => Ok(()),
     }
 }

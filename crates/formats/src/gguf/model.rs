@@ -99,10 +99,11 @@ fn config_from_metadata(g: &Gguf) -> Result<Json, FormatError> {
         "olmoe" => "olmoe",
         "glm4moe" => "glm4_moe",
         "deepseek2" => "deepseek_v3",
+        "minimax-m2" => "minimax_m2",
         "llama" => return Err(FormatError::Unsupported("a llama GGUF without experts is a dense model; smoe runs MoE models".into())),
         other => {
             return Err(FormatError::Unsupported(format!(
-                "GGUF architecture '{other}' is not supported; supported: qwen3moe, qwen2moe, llama (Mixtral), olmoe, glm4moe, deepseek2"
+                "GGUF architecture '{other}' is not supported; supported: qwen3moe, qwen2moe, llama (Mixtral), olmoe, glm4moe, deepseek2, minimax-m2"
             )))
         }
     };
@@ -179,6 +180,14 @@ fn config_from_metadata(g: &Gguf) -> Result<Json, FormatError> {
         "mixtral" => {
             c.insert("num_local_experts".into(), experts.into());
             c.insert("intermediate_size".into(), expert_ff.into());
+        }
+        "minimax_m2" => {
+            // Sigmoid routing is the family's only kind (expert_gating_func 2); the rotated
+            // dimensions came through rope.dimension_count above.
+            c.insert("num_local_experts".into(), experts.into());
+            c.insert("intermediate_size".into(), expert_ff.into());
+            c.insert("use_qk_norm".into(), has("blk.0.attn_q_norm.weight").into());
+            c.insert("use_routing_bias".into(), has("blk.0.exp_probs_b.bias").into());
         }
         "olmoe" => {
             c.insert("num_experts".into(), experts.into());
