@@ -200,9 +200,17 @@ pub struct Gguf {
     pub tensors: Vec<TensorInfo>,
 }
 
+/// Elements a tensor may claim: far above any real model (2^48), and low enough that rows ×
+/// row bytes cannot overflow. A header claiming more is refused before anything is allocated.
+const MAX_ELEMENTS: u64 = 1 << 48;
+
 struct Reader<R: Read> {
     r: R,
     path: PathBuf,
+    /// Bytes read so far, and the file's length: every count in the header is checked against
+    /// what the rest of the file could hold before anything is allocated for it.
+    pos: u64,
+    len: u64,
 }
 
 impl<R: Read> Reader<R> {
@@ -212,6 +220,7 @@ impl<R: Read> Reader<R> {
     fn bytes<const N: usize>(&mut self) -> Result<[u8; N], FormatError> {
         let mut b = [0u8; N];
         self.r.read_exact(&mut b).map_err(|_| self.bad("truncated GGUF header"))?;
+        self.pos += N as u64;
         Ok(b)
     }
     fn u32(&mut self) -> Result<u32, FormatError> {
@@ -220,13 +229,23 @@ impl<R: Read> Reader<R> {
     fn u64(&mut self) -> Result<u64, FormatError> {
         Ok(u64::from_le_bytes(self.bytes()?))
     }
+    /// Bytes left in the file after the header read so far.
+    fn left(&self) -> u64 {
+        self.len.saturating_sub(self.pos)
+    }
+    /// Refuses a count of `n` items of at least `each` bytes that the rest of the file cannot hold.
+    fn fits(&self, n: u64, each: u64, what: &str) -> Result<(), FormatError> {
+        if n.checked_mul(each).is_none_or(|b| b > self.left()) {
+            return Err(self.bad(&format!("{what} claims {n} entries, more than the {} bytes left in the file hold", self.left())));
+        }
+        Ok(())
+    }
     fn string(&mut self) -> Result<String, FormatError> {
         let n = self.u64()?;
-        if n > 1 << 30 {
-            return Err(self.bad("string length is impossible"));
-        }
+        self.fits(n, 1, "a string")?;
         let mut b = vec![0u8; n as usize];
         self.r.read_exact(&mut b).map_err(|_| self.bad("truncated string"))?;
+        self.pos += n;
         String::from_utf8(b).map_err(|_| self.bad("string is not UTF-8"))
     }
     fn value(&mut self, t: u32, depth: usize) -> Result<Value, FormatError> {
@@ -243,9 +262,14 @@ impl<R: Read> Reader<R> {
             9 if depth == 0 => {
                 let et = self.u32()?;
                 let n = self.u64()?;
-                if n > 1 << 28 {
-                    return Err(self.bad("array length is impossible"));
-                }
+                // The smallest encoding of one element (a string: its 8-byte length).
+                let each = match et {
+                    0 | 1 | 7 => 1,
+                    2 | 3 => 2,
+                    4..=6 => 4,
+                    _ => 8,
+                };
+                self.fits(n, each, "an array")?;
                 let mut v = Vec::with_capacity(n as usize);
                 for _ in 0..n {
                     v.push(self.value(et, depth + 1)?);
@@ -264,7 +288,7 @@ impl<R: Read> Reader<R> {
 fn read_one(path: &Path, file_index: usize) -> Result<(BTreeMap<String, Value>, Vec<TensorInfo>), FormatError> {
     let f = File::open(path).map_err(|e| FormatError::io(path, e))?;
     let len = f.metadata().map_err(|e| FormatError::io(path, e))?.len();
-    let mut r = Reader { r: std::io::BufReader::with_capacity(1 << 20, f), path: path.to_path_buf() };
+    let mut r = Reader { r: std::io::BufReader::with_capacity(1 << 20, f), path: path.to_path_buf(), pos: 0, len };
     if &r.bytes::<4>()? != MAGIC {
         return Err(r.bad("not a GGUF file (bad magic)"));
     }
@@ -274,9 +298,10 @@ fn read_one(path: &Path, file_index: usize) -> Result<(BTreeMap<String, Value>, 
     }
     let n_tensors = r.u64()?;
     let n_kv = r.u64()?;
-    if n_tensors > 1 << 24 || n_kv > 1 << 24 {
-        return Err(r.bad("impossible counts in the header"));
-    }
+    // A tensor's info takes at least 32 bytes (name length, one dimension, type, offset), a
+    // key/value pair 13 (key length, type, one byte).
+    r.fits(n_tensors, 32, "the tensor count")?;
+    r.fits(n_kv, 13, "the metadata count")?;
     let mut meta = BTreeMap::new();
     for _ in 0..n_kv {
         let k = r.string()?;
@@ -292,6 +317,9 @@ fn read_one(path: &Path, file_index: usize) -> Result<(BTreeMap<String, Value>, 
             return Err(r.bad(&format!("tensor {name} has {nd} dimensions")));
         }
         let dims = (0..nd).map(|_| r.u64()).collect::<Result<Vec<_>, _>>()?;
+        if dims.iter().try_fold(1u64, |a, &d| a.checked_mul(d)).is_none_or(|e| e > MAX_ELEMENTS) {
+            return Err(r.bad(&format!("tensor {name} claims dimensions {dims:?}: more elements than any model has")));
+        }
         let ggml_type = r.u32()?;
         let offset = r.u64()?;
         tensors.push(TensorInfo { name, dims, ggml_type, offset, file: file_index });
@@ -303,11 +331,11 @@ fn read_one(path: &Path, file_index: usize) -> Result<(BTreeMap<String, Value>, 
     let pos = r.r.stream_position().map_err(|e| FormatError::io(path, e))?;
     let data = pos.div_ceil(align) * align;
     for t in &mut tensors {
-        t.offset += data;
-        if let Ok(l) = t.len() {
-            if t.offset + l > len {
-                return Err(r.bad(&format!("tensor {} lies past the end of the file (truncated download?)", t.name)));
-            }
+        // A type smoe does not read is refused, with the tensor's name, where it is used.
+        let l = t.len().unwrap_or(0);
+        match t.offset.checked_add(data).and_then(|o| o.checked_add(l)) {
+            Some(end) if end <= len => t.offset += data,
+            _ => return Err(r.bad(&format!("tensor {} lies past the end of the file (truncated download?)", t.name))),
         }
     }
     Ok((meta, tensors))
@@ -398,5 +426,64 @@ mod tests {
         std::fs::write(&p, &good[..good.len() / 2]).unwrap();
         let e = Gguf::open(&p).err().unwrap().to_string();
         assert!(e.contains("past the end"), "{e}");
+    }
+
+    /// A GGUF header: version 3, `n_tensors` and the given metadata pairs, then `rest`.
+    fn header(n_tensors: u64, kv: &[(&str, u32, Vec<u8>)], rest: &[u8]) -> Vec<u8> {
+        let mut b = b"GGUF".to_vec();
+        b.extend(3u32.to_le_bytes());
+        b.extend(n_tensors.to_le_bytes());
+        b.extend((kv.len() as u64).to_le_bytes());
+        for (k, t, v) in kv {
+            b.extend((k.len() as u64).to_le_bytes());
+            b.extend(k.as_bytes());
+            b.extend(t.to_le_bytes());
+            b.extend(v);
+        }
+        b.extend(rest);
+        b
+    }
+
+    /// Counts and sizes that the file cannot hold are refused before anything is allocated for
+    /// them (a 10^9-entry vocabulary, a 2^60-element tensor, a 2^40-byte string, 2^40 tensors):
+    /// each test file is a few dozen bytes.
+    #[test]
+    fn hostile_counts_are_refused_before_allocation() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("hostile.gguf");
+        let array = |et: u32, n: u64| [et.to_le_bytes().to_vec(), n.to_le_bytes().to_vec()].concat();
+        let tensor = |name: &str, dims: &[u64]| {
+            let mut t = (name.len() as u64).to_le_bytes().to_vec();
+            t.extend(name.as_bytes());
+            t.extend((dims.len() as u32).to_le_bytes());
+            for d in dims {
+                t.extend(d.to_le_bytes());
+            }
+            t.extend(0u32.to_le_bytes()); // F32
+            t.extend(0u64.to_le_bytes());
+            t
+        };
+        let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+            (
+                "a 10^9-entry vocabulary",
+                header(0, &[("tokenizer.ggml.tokens", 9, array(8, 1_000_000_000))], &[]),
+                "an array claims 1000000000",
+            ),
+            ("a 2^40-element array of u8", header(0, &[("x", 9, array(0, 1 << 40))], &[]), "an array claims"),
+            ("a 2^40-byte string", header(0, &[("x", 8, (1u64 << 40).to_le_bytes().to_vec())], &[]), "a string claims"),
+            ("2^40 tensors", header(1 << 40, &[], &[]), "the tensor count claims"),
+            ("a 2^60-element tensor", header(1, &[], &tensor("blk.0.attn_q.weight", &[1 << 30, 1 << 30])), "more elements than any model"),
+            (
+                "dimensions whose product overflows",
+                header(1, &[], &tensor("t", &[1 << 40, 1 << 40, 1 << 40])),
+                "more elements than any model",
+            ),
+            ("a tensor past the end", header(1, &[], &tensor("t", &[64, 64])), "past the end"),
+        ];
+        for (what, bytes, want) in cases {
+            std::fs::write(&p, &bytes).unwrap();
+            let e = Gguf::open(&p).err().unwrap_or_else(|| panic!("{what}: opened")).to_string();
+            assert!(e.contains(want), "{what}: {e}");
+        }
     }
 }
