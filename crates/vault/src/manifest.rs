@@ -3,6 +3,17 @@
 
 use crate::arch::Architecture;
 use serde::{Deserialize, Serialize};
+
+/// Bytes of a dense tensor of `shape` (rows of its last dimension) in `format`, or `None`
+/// where the shape is not a whole number of the format's blocks per row or the size does not
+/// fit in 64 bits: the writer refuses such a tensor and the reader such a manifest, so that no
+/// later product of dimensions can wrap.
+pub fn dense_len(format: smoe_quant::Format, shape: &[usize]) -> Option<u64> {
+    let cols = *shape.last().unwrap_or(&0);
+    let rows = shape[..shape.len().saturating_sub(1)].iter().try_fold(1usize, |a, &d| a.checked_mul(d))?.max(1);
+    let row = format.row_bytes(cols).ok()?;
+    u64::try_from(row.checked_mul(rows)?).ok()
+}
 use smoe_quant::Format;
 
 /// Features a reader must understand to use the vault. Empty in format 1.0; a future minor

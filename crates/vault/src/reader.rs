@@ -56,6 +56,8 @@ impl Vault {
             return Err(VaultError::Checksum { what: "manifest".into() });
         }
         let manifest: Manifest = serde_json::from_slice(&json).map_err(|e| VaultError::Corrupt(format!("manifest does not parse: {e}")))?;
+        // Before anything is sized by it (the layer index below).
+        manifest.architecture.validate().map_err(|e| VaultError::Corrupt(format!("architecture: {e}")))?;
         let by_name = manifest.dense.iter().enumerate().map(|(i, d)| (d.name.clone(), i)).collect();
         let mut moe_index = vec![None; manifest.architecture.num_layers];
         for (i, l) in manifest.experts.layers.iter().enumerate() {
@@ -99,9 +101,8 @@ impl Vault {
         }
         for d in &m.dense {
             let cols = *d.shape.last().unwrap_or(&0);
-            let rows: usize = d.shape[..d.shape.len() - 1].iter().product::<usize>().max(1);
-            let row = d.format.row_bytes(cols).map_err(|e| VaultError::Corrupt(format!("{}: {e}", d.name)))?;
-            if (row * rows) as u64 != d.len {
+            d.format.row_bytes(cols).map_err(|e| VaultError::Corrupt(format!("{}: {e}", d.name)))?;
+            if crate::manifest::dense_len(d.format, &d.shape) != Some(d.len) {
                 return bad(format!("dense tensor {} length {} does not match its shape", d.name, d.len));
             }
             if d.offset.checked_add(d.len).is_none_or(|end| end > self.header.dense_len) {

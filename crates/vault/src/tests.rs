@@ -202,3 +202,19 @@ fn manifest_inconsistent_with_architecture_is_refused() {
     let e = Vault::open(&path).err().unwrap().to_string();
     assert!(e.contains("is missing"), "{e}");
 }
+
+/// Shapes whose byte count overflows are refused, never wrapped to a small length that a
+/// hostile manifest could match.
+#[test]
+fn dense_lengths_never_wrap() {
+    use crate::manifest::dense_len;
+    assert_eq!(dense_len(Format::F32, &[16, 32]), Some(16 * 32 * 4));
+    assert_eq!(dense_len(Format::Q8_0, &[3, 64]), Some(3 * 2 * 34));
+    assert_eq!(dense_len(Format::F32, &[1 << 40, 1 << 30]), None);
+    assert_eq!(dense_len(Format::F32, &[1 << 62, 1 << 62, 8]), None);
+    assert_eq!(dense_len(Format::Q8_0, &[4, 33]), None);
+    let dir = tempfile::tempdir().unwrap();
+    let mut w = VaultWriter::create(&dir.path().join("m.smoe")).unwrap();
+    let e = w.add_tensor("embed", Format::F32, &[1 << 40, 1 << 30], &[], "x").err().unwrap().to_string();
+    assert!(e.contains("too large"), "{e}");
+}

@@ -110,8 +110,9 @@ impl VaultWriter {
         }
         self.pad_to(DENSE_TENSOR_ALIGN)?;
         let cols = *shape.last().unwrap_or(&0);
-        let rows: usize = shape[..shape.len().saturating_sub(1)].iter().product();
-        let len = (format.row_bytes(cols).map_err(|e| VaultError::Corrupt(format!("{name}: {e}")))? * rows.max(1)) as u64;
+        format.row_bytes(cols).map_err(|e| VaultError::Corrupt(format!("{name}: {e}")))?;
+        let len = crate::manifest::dense_len(format, shape)
+            .ok_or_else(|| VaultError::Corrupt(format!("{name}: shape {shape:?} is too large for any file")))?;
         let entry = DenseEntry {
             name: name.to_string(),
             format,
