@@ -118,6 +118,12 @@ fn tool_input(arguments: &str) -> Json {
     serde_json::from_str(arguments).unwrap_or_else(|_| json!({}))
 }
 
+/// A messages request's messages (system prompt first) and tools, as the chat template takes
+/// them: what needs no model (the fuzz target's entry).
+pub fn messages_request(v: &Json) -> Result<(Vec<Json>, Option<Vec<Json>>), ApiError> {
+    Ok((to_template_messages(v)?, tools(v)?))
+}
+
 /// `POST /v1/messages`.
 pub async fn messages(state: AppState, body: axum::body::Bytes) -> Result<Response, ApiError> {
     let v = crate::params::parse_body(&body)?;
@@ -125,8 +131,7 @@ pub async fn messages(state: AppState, body: axum::body::Bytes) -> Result<Respon
     if opt_u64(&v, "max_tokens", 1)?.is_none() {
         return Err(ApiError::bad_param("max_tokens", "'max_tokens' is required"));
     }
-    let messages = to_template_messages(&v)?;
-    let tools = tools(&v)?;
+    let (messages, tools) = messages_request(&v)?;
     let mut kwargs = Map::new();
     match v["thinking"]["type"].as_str() {
         Some("enabled") => {

@@ -144,13 +144,20 @@ fn tool_call_json(index: usize, c: &ToolCall) -> Json {
     json!({"index": index, "id": id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}})
 }
 
+/// The parts of a chat request that need no model: its messages as the chat template takes
+/// them, its tools, and the refusal of what smoe does not do (the fuzz target's entry).
+pub fn chat_request(v: &Json) -> Result<(Vec<Json>, Option<Vec<Json>>), ApiError> {
+    let messages = normalize_messages(v)?;
+    let tools = tools(v)?;
+    refuse_unsupported(v)?;
+    Ok((messages, tools))
+}
+
 /// `POST /v1/chat/completions`.
 pub async fn chat(state: AppState, body: axum::body::Bytes) -> Result<Response, ApiError> {
     let v = crate::params::parse_body(&body)?;
     let model = req_str(&v, "model")?.to_string();
-    let messages = normalize_messages(&v)?;
-    let tools = tools(&v)?;
-    refuse_unsupported(&v)?;
+    let (messages, tools) = chat_request(&v)?;
     let stream = opt_bool(&v, "stream")?.unwrap_or(false);
     let usage_chunk = include_usage(&v)?;
     let kwargs: Map<String, Json> = match v.get("chat_template_kwargs") {
