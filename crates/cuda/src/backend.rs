@@ -1437,24 +1437,17 @@ impl Backend for CudaBackend {
         let (qx, qstride) = if s.v_dim.is_multiple_of(32) { self.quant_out(out, n, p.q_heads * s.v_dim) } else { (0, 0) };
         let (heads, kd, vd, vr, vh) = (s.heads as i32, s.k_dim as i32, s.v_dim as i32, v_row as i32, v_head as i32);
         let (qs, qh, p0) = (q_stride as i32, p.q_heads as i32, pos0 as i32);
+        // Both attention kernels begin with the same parameters.
+        let common = |f| {
+            let mut a = Launch::new(f);
+            a.arg(&kp).arg(&vp).arg(&heads).arg(&kd).arg(&vd).arg(&vr).arg(&vh).arg(&qp).arg(&qs).arg(&qh);
+            a
+        };
         if n > MV_TOKENS && s.k_dim <= 128 && s.v_dim <= 128 {
             // Many queries: key tiles shared by 32 queries of a head (attention_tiles).
             let n_i = n as i32;
-            let mut a = Launch::new(&self.k.attention_tiles);
-            a.arg(&kp)
-                .arg(&vp)
-                .arg(&heads)
-                .arg(&kd)
-                .arg(&vd)
-                .arg(&vr)
-                .arg(&vh)
-                .arg(&qp)
-                .arg(&qs)
-                .arg(&qh)
-                .arg(&n_i)
-                .arg(&p0)
-                .arg(&p.scale)
-                .arg(&op);
+            let mut a = common(&self.k.attention_tiles);
+            a.arg(&n_i).arg(&p0).arg(&p.scale).arg(&op);
             let cfg = LaunchConfig { grid_dim: (n.div_ceil(32) as u32, p.q_heads as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
             self.launch(a, cfg, "attention, tiled");
             return;
@@ -1469,23 +1462,8 @@ impl Backend for CudaBackend {
         let rows = n * p.q_heads;
         let part = if splits > 1 { self.attention_scratch(rows * splits * (s.v_dim + 2)) } else { None };
         let (split_i, pp) = (SPLIT as i32, part.unwrap_or(0));
-        let mut a = Launch::new(&self.k.attention);
-        a.arg(&kp)
-            .arg(&vp)
-            .arg(&heads)
-            .arg(&kd)
-            .arg(&vd)
-            .arg(&vr)
-            .arg(&vh)
-            .arg(&qp)
-            .arg(&qs)
-            .arg(&qh)
-            .arg(&p0)
-            .arg(&p.scale)
-            .arg(&op)
-            .arg(&qx)
-            .arg(&qstride);
-        a.arg(&split_i).arg(&pp);
+        let mut a = common(&self.k.attention);
+        a.arg(&p0).arg(&p.scale).arg(&op).arg(&qx).arg(&qstride).arg(&split_i).arg(&pp);
         let grid = (rows as u32, if part.is_some() { splits as u32 } else { 1 }, 1);
         self.launch(a, LaunchConfig { grid_dim: grid, block_dim: (threads, 1, 1), shared_mem_bytes: shared }, "attention");
         if part.is_some() {

@@ -69,6 +69,31 @@ pub struct RopeTables<'a> {
     pub interleaved: bool,
 }
 
+/// [`Backend::qk_rope_store`] as the ops it fuses: per-head norms, RoPE, the KV store (its
+/// default, and what a backend that fuses it falls back to where its kernel does not apply).
+#[allow(clippy::too_many_arguments)]
+pub fn qk_rope_store_composed<B: Backend>(
+    be: &B,
+    qkv: &mut B::Buf,
+    n: usize,
+    rows: QkvRows,
+    norm: Option<(&B::Vector, &B::Vector, f32)>,
+    rope: RopeTables<'_>,
+    cache: &mut B::KvCache,
+    layer: usize,
+    pos0: usize,
+) {
+    let QkvRows { stride, q_heads, kv_heads, head_dim } = rows;
+    let (qw, kvw) = (q_heads * head_dim, kv_heads * head_dim);
+    if let Some((qn, kn, eps)) = norm {
+        be.rms_norm_heads(qkv, n, stride, 0, q_heads, head_dim, qn, eps);
+        be.rms_norm_heads(qkv, n, stride, qw, kv_heads, head_dim, kn, eps);
+    }
+    // Keys follow the queries head after head in each row: one rotation for both.
+    be.rope(qkv, n, stride, 0, q_heads + kv_heads, head_dim, rope.cos, rope.sin, rope.interleaved);
+    be.kv_store(cache, layer, pos0, n, qkv, stride, qw, Some((qkv, stride, qw + kvw)));
+}
+
 /// The weight of one product in [`Backend::matmul_many`].
 pub enum WeightRef<'a, M> {
     /// A resident matrix, optionally a row range `(first, count)` of it.
@@ -278,16 +303,10 @@ pub trait Backend: Send + Sync {
         cache: &mut Self::KvCache,
         layer: usize,
         pos0: usize,
-    ) {
-        let QkvRows { stride, q_heads, kv_heads, head_dim } = rows;
-        let (qw, kvw) = (q_heads * head_dim, kv_heads * head_dim);
-        if let Some((qn, kn, eps)) = norm {
-            self.rms_norm_heads(qkv, n, stride, 0, q_heads, head_dim, qn, eps);
-            self.rms_norm_heads(qkv, n, stride, qw, kv_heads, head_dim, kn, eps);
-        }
-        // Keys follow the queries head after head in each row: one rotation for both.
-        self.rope(qkv, n, stride, 0, q_heads + kv_heads, head_dim, rope.cos, rope.sin, rope.interleaved);
-        self.kv_store(cache, layer, pos0, n, qkv, stride, qw, Some((qkv, stride, qw + kvw)));
+    ) where
+        Self: Sized,
+    {
+        qk_rope_store_composed(self, qkv, n, rows, norm, rope, cache, layer, pos0);
     }
     /// `x[t * stride + off..][..b.len()] += b` for `n` rows.
     fn add_bias(&self, x: &mut Self::Buf, n: usize, stride: usize, off: usize, b: &Self::Vector);

@@ -5,7 +5,7 @@
 use super::{cfg_elems, norm_threads, CudaBackend, CudaBuf, CudaKvCache, CudaVector, MV_TOKENS};
 use crate::launch::Launch;
 use cudarc::driver::{CudaSlice, LaunchConfig};
-use smoe_engine::backend::{check, check_rows, Backend, QkvRows, RopeTables};
+use smoe_engine::backend::{check, check_rows, qk_rope_store_composed, QkvRows, RopeTables};
 
 /// The rotary tables of the token being decoded, on the device: every layer rotates with the
 /// same ones, so they are copied up once per chunk, not once per layer.
@@ -104,14 +104,7 @@ impl CudaBackend {
         let half = rope.cos.len() / n;
         let plain = shape.heads == kv_heads && shape.k_dim == head_dim && shape.v_dim == head_dim && !shape.values_in_keys;
         if !plain || head_dim > 512 || 2 * half > head_dim {
-            let (qw, kvw) = (q_heads * head_dim, kv_heads * head_dim);
-            if let Some((qn, kn, eps)) = norm {
-                self.rms_norm_heads(qkv, n, stride, 0, q_heads, head_dim, qn, eps);
-                self.rms_norm_heads(qkv, n, stride, qw, kv_heads, head_dim, kn, eps);
-            }
-            self.rope(qkv, n, stride, 0, q_heads + kv_heads, head_dim, rope.cos, rope.sin, rope.interleaved);
-            self.kv_store(cache, layer, pos0, n, qkv, stride, qw, Some((qkv, stride, qw + kvw)));
-            return;
+            return qk_rope_store_composed(self, qkv, n, rows, norm, rope, cache, layer, pos0);
         }
         check_rows("qk_rope_store", qkv, 0, n, stride, 0, (q_heads + 2 * kv_heads) * head_dim);
         if let Some((qn, kn, _)) = norm {
