@@ -12,8 +12,11 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
-/// Every target, by the name its cargo-fuzz binary and corpus folder have.
-pub const TARGETS: [(&str, fn(&[u8])); 9] = [
+/// A target: the name its cargo-fuzz binary and corpus folder have, and its function.
+pub type Target = (&'static str, fn(&[u8]));
+
+/// Every target.
+pub const TARGETS: [Target; 9] = [
     ("gguf", gguf),
     ("vault", vault),
     ("safetensors", safetensors),
