@@ -13,22 +13,29 @@ use cudarc::driver::{sys, CudaFunction, CudaStream, DeviceRepr, DriverError, Lau
 use std::ffi::c_void;
 use std::marker::PhantomData;
 
+/// Parameters of the kernel that takes the most (attention: 17).
+const MAX_ARGS: usize = 20;
+
 /// One launch's kernel and arguments, as the driver takes them: a pointer to each value, which
-/// the borrow keeps alive until the launch.
+/// the borrow keeps alive until the launch. On the stack: a decoded token makes some 600
+/// launches, and a heap list each was an allocation per kernel.
 pub(crate) struct Launch<'a> {
     func: &'a CudaFunction,
-    args: Vec<*mut c_void>,
+    args: [*mut c_void; MAX_ARGS],
+    len: usize,
     _values: PhantomData<&'a ()>,
 }
 
 impl<'a> Launch<'a> {
     pub fn new(func: &'a CudaFunction) -> Launch<'a> {
-        Launch { func, args: Vec::with_capacity(16), _values: PhantomData }
+        Launch { func, args: [std::ptr::null_mut(); MAX_ARGS], len: 0, _values: PhantomData }
     }
 
     /// The next argument, by reference.
     pub fn arg<T: DeviceRepr>(&mut self, value: &'a T) -> &mut Self {
-        self.args.push(value as *const T as *mut c_void);
+        assert!(self.len < MAX_ARGS, "a kernel with more than {MAX_ARGS} parameters: raise MAX_ARGS");
+        self.args[self.len] = value as *const T as *mut c_void;
+        self.len += 1;
         self
     }
 

@@ -77,7 +77,7 @@ impl Vault {
             return Err(VaultError::UnsupportedFeature(f.clone()));
         }
         let arch = &m.architecture;
-        arch.validate().map_err(|e| VaultError::Corrupt(format!("architecture: {e}")))?;
+        // (The architecture itself was validated in `open`, before it sized anything.)
         // Dense tensors: exactly the expected set, shapes and sizes consistent, inside the region.
         let expected = names::dense_tensors(arch);
         if self.by_name.len() != m.dense.len() {
