@@ -22,6 +22,45 @@ pub struct ReadReq {
     pub need: usize,
     /// Destination (aligned for O_DIRECT); must stay valid until the completion is reaped.
     pub buf: *mut u8,
+    /// A fault a test injected into this read (`None` in normal operation).
+    pub fault: Option<Fault>,
+}
+
+/// A fault injected into one read by a test ([`crate::ExpertStore::inject_fault`]). The read
+/// runs for real, but each of its system calls reports what [`Fault::apply`] makes of the
+/// result, so both engines' own error and retry paths handle it as they would a failing disk
+/// or a file that shrank. `bytes` should be a multiple of the file's alignment: under O_DIRECT
+/// the kernel returns short reads only in whole blocks, and a read resumed mid-block is refused.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// The read fails with EIO.
+    Eio,
+    /// The first call returns at most `bytes` bytes, later ones run normally: a short read the
+    /// engine must resume, with the right bytes in the end.
+    Short {
+        /// Bytes the first call returns at most (more than 0).
+        bytes: usize,
+    },
+    /// The first call returns at most `bytes` bytes, later ones report the end of the file.
+    Truncated {
+        /// Bytes the first call returns at most.
+        bytes: usize,
+    },
+}
+
+impl Fault {
+    /// What one read call of a faulted read reports: `res` is what the kernel returned, `done`
+    /// the bytes the read already had before the call.
+    pub fn apply(self, done: usize, res: io::Result<usize>) -> io::Result<usize> {
+        match (self, res) {
+            (Fault::Eio, _) => Err(io::Error::from_raw_os_error(libc::EIO)),
+            (_, Err(e)) => Err(e),
+            (Fault::Short { bytes } | Fault::Truncated { bytes }, Ok(n)) if done == 0 => Ok(n.min(bytes)),
+            (Fault::Short { .. }, Ok(n)) => Ok(n),
+            (Fault::Truncated { .. }, Ok(_)) => Ok(0),
+        }
+    }
 }
 
 // SAFETY: a ReadReq is a description of a read; the buffer it points to is owned by the store,
@@ -108,7 +147,12 @@ fn pread_exact(files: &[File], req: &ReadReq) -> io::Result<()> {
     let buf = unsafe { std::slice::from_raw_parts_mut(req.buf, req.len) };
     let mut got = 0;
     while got < req.need {
-        match file.read_at(&mut buf[got..], req.offset + got as u64) {
+        let res = file.read_at(&mut buf[got..], req.offset + got as u64);
+        let res = match req.fault {
+            Some(f) => f.apply(got, res),
+            None => res,
+        };
+        match res {
             Ok(0) => return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "read past the end of the file")),
             Ok(n) => got += n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -295,15 +339,17 @@ mod uring {
                 let done: Vec<(usize, i32)> = self.ring.completion().map(|c| (c.user_data() as usize, c.result())).collect();
                 for (tag, res) in done {
                     let Some((req, already)) = self.inflight.remove(&tag) else { continue };
-                    if res < 0 {
-                        out.push((tag, Err(io::Error::from_raw_os_error(-res))));
-                    } else if res == 0 {
-                        out.push((tag, Err(io::Error::new(io::ErrorKind::UnexpectedEof, "read past the end of the file"))));
-                    } else if already + res as usize >= req.need {
+                    let res = if res < 0 { Err(io::Error::from_raw_os_error(-res)) } else { Ok(res as usize) };
+                    let res = match req.fault {
+                        Some(f) => f.apply(already, res),
+                        None => res,
+                    };
+                    match res {
+                        Err(e) => out.push((tag, Err(e))),
+                        Ok(0) => out.push((tag, Err(io::Error::new(io::ErrorKind::UnexpectedEof, "read past the end of the file")))),
                         // Everything needed is in (the file may end inside the aligned tail).
-                        out.push((tag, Ok(())));
-                    } else {
-                        self.push(req, already + res as usize)?;
+                        Ok(n) if already + n >= req.need => out.push((tag, Ok(()))),
+                        Ok(n) => self.push(req, already + n)?,
                     }
                 }
                 self.fill()?;
@@ -377,7 +423,7 @@ mod tests {
         let data = std::fs::read(path).unwrap();
         let a = Arena::new(8, 8192, 4096).unwrap();
         let reqs: Vec<ReadReq> = (0..8)
-            .map(|i| ReadReq { tag: i, file: 0, offset: ((7 - i) * 8192) as u64, len: 8192, need: 8192, buf: a.slot_ptr(i) })
+            .map(|i| ReadReq { tag: i, file: 0, offset: ((7 - i) * 8192) as u64, len: 8192, need: 8192, buf: a.slot_ptr(i), fault: None })
             .collect();
         // With at most `limit` in flight, no reap can return more than `limit` completions,
         // and every read still lands.
@@ -404,7 +450,7 @@ mod tests {
         // hang or a panic.
         let tail = 8 * 8192;
         for (need, ok) in [(1000, true), (1001, false)] {
-            e.submit(&[ReadReq { tag: 98, file: 0, offset: tail as u64, len: 4096, need, buf: a.slot_ptr(0) }]).unwrap();
+            e.submit(&[ReadReq { tag: 98, file: 0, offset: tail as u64, len: 4096, need, buf: a.slot_ptr(0), fault: None }]).unwrap();
             let mut done = Vec::new();
             e.reap(&mut done).unwrap();
             assert_eq!(done[0].1.is_ok(), ok, "need {need}: {}", e.describe());
@@ -413,10 +459,55 @@ mod tests {
                 assert_eq!(&unsafe { a.slot(0) }[..1000], &data[tail..], "{}", e.describe());
             }
         }
-        e.submit(&[ReadReq { tag: 99, file: 0, offset: tail as u64 + 4096, len: 4096, need: 4096, buf: a.slot_ptr(0) }]).unwrap();
+        e.submit(&[ReadReq { tag: 99, file: 0, offset: tail as u64 + 4096, len: 4096, need: 4096, buf: a.slot_ptr(0), fault: None }])
+            .unwrap();
         let mut done = Vec::new();
         e.reap(&mut done).unwrap();
         assert!(done[0].1.is_err(), "{}", e.describe());
+    }
+
+    /// Each injected fault goes through the engine's own paths: EIO is an error, a short read
+    /// is resumed and lands the right bytes, a read whose file ends early is an error; the
+    /// engine then serves a healthy read as usual.
+    fn check_faults(mut e: Box<dyn ReadEngine>, data: &[u8]) {
+        eprintln!("faults through {}", e.describe());
+        let a = Arena::new(1, 8192, 4096).unwrap();
+        for (fault, ok) in [
+            (Fault::Eio, false),
+            (Fault::Short { bytes: 4096 }, true),
+            (Fault::Truncated { bytes: 4096 }, false),
+            (Fault::Truncated { bytes: 0 }, false),
+        ] {
+            for f in [Some(fault), None] {
+                // SAFETY: no read into the slot is in flight.
+                unsafe { a.slot_mut(0) }.fill(0);
+                e.submit(&[ReadReq { tag: 7, file: 0, offset: 8192, len: 8192, need: 8192, buf: a.slot_ptr(0), fault: f }]).unwrap();
+                let mut done = Vec::new();
+                e.reap(&mut done).unwrap();
+                let (tag, r) = done.pop().unwrap();
+                assert_eq!(tag, 7);
+                assert_eq!(r.is_ok(), ok || f.is_none(), "{f:?} {r:?}: {}", e.describe());
+                if let Err(err) = r {
+                    let eio = err.raw_os_error() == Some(libc::EIO);
+                    assert!(eio == (fault == Fault::Eio), "{fault:?}: {err}");
+                    assert!(eio || err.kind() == io::ErrorKind::UnexpectedEof, "{fault:?}: {err}");
+                } else {
+                    // SAFETY: the read into slot 0 has completed.
+                    assert_eq!(unsafe { a.slot(0) }, &data[8192..16384], "{f:?}: {}", e.describe());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn injected_faults_take_the_engines_error_and_retry_paths() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        let data: Vec<u8> = (0..4 * 8192u32).map(|i| (i * 31 % 251) as u8).collect();
+        std::fs::write(&path, &data).unwrap();
+        let paths = [path.clone()];
+        check_faults(engine(&paths, 4096, 16, IoKind::Auto).unwrap(), &data);
+        check_faults(engine(&paths, 4096, 4, IoKind::Pool).unwrap(), &data);
     }
 
     #[test]

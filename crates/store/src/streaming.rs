@@ -3,7 +3,7 @@
 
 use crate::arena::Arena;
 use crate::depth::{DepthTuner, QueueDepth};
-use crate::io::{self, Completion, IoKind, ReadEngine, ReadReq};
+use crate::io::{self, Completion, Fault, IoKind, ReadEngine, ReadReq};
 use crate::map::{ExpertMap, SlotRead};
 use crate::policy::{EvictionPolicy, Key, PolicyKind};
 use crate::{ExpertBatch, ExpertSource, ExpertView, SlotHandle, StoreError, StoreStats};
@@ -43,6 +43,15 @@ impl StoreOptions {
 }
 
 const NONE: u32 = u32::MAX;
+
+/// Which read an injected fault hits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum FaultAt {
+    /// The expert read with this number (counting from 0 at the store's opening).
+    Nth(u64),
+    /// The next read of this expert.
+    Key(Key),
+}
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum SlotState {
@@ -89,8 +98,10 @@ struct Inner {
     free: Vec<usize>,
     policy: Box<dyn EvictionPolicy>,
     stats: StoreStats,
-    /// Test hook: keys whose next read fails with EIO.
-    fail_next: Vec<Key>,
+    /// Test hook: faults for reads still to come ([`ExpertStore::inject_fault`]).
+    faults: Vec<(FaultAt, Fault)>,
+    /// Expert reads started so far (demand and prefetch): numbers them for `faults`.
+    expert_reads: u64,
     // Scratch, reused across calls.
     candidates: Vec<(usize, Key)>,
     victims: Vec<usize>,
@@ -148,7 +159,8 @@ impl ExpertStore {
             free: (0..slots).rev().collect(),
             policy: opts.policy.build(map.moe_layers.len(), experts),
             stats: StoreStats::default(),
-            fail_next: Vec::new(),
+            faults: Vec::new(),
+            expert_reads: 0,
             candidates: Vec::new(),
             victims: Vec::new(),
             completions: Vec::new(),
@@ -180,7 +192,17 @@ impl ExpertStore {
     #[doc(hidden)]
     pub fn inject_read_error(&self, layer: usize, expert: usize) {
         let key = Key { layer: self.ordinal[layer], expert: expert as u32 };
-        self.inner.lock().unwrap().fail_next.push(key);
+        self.inner.lock().unwrap().faults.push((FaultAt::Key(key), Fault::Eio));
+    }
+
+    /// Test hook: the `nth` expert read from now (0: the next one; demand reads and prefetches
+    /// count alike, one per expert however many pieces it is read in) meets `fault` in the I/O
+    /// engine. Costs nothing when no fault is pending.
+    #[doc(hidden)]
+    pub fn inject_fault(&self, nth: u64, fault: Fault) {
+        let mut inner = self.inner.lock().unwrap();
+        let at = FaultAt::Nth(inner.expert_reads + nth);
+        inner.faults.push((at, fault));
     }
 
     fn key_index(&self, k: Key) -> usize {
@@ -224,9 +246,13 @@ impl ExpertStore {
         let mut reads = std::mem::take(&mut inner.slot_reads);
         reads.clear();
         self.map.reads(key.layer as usize, key.expert as usize, &mut reads);
+        let nth = inner.expert_reads;
+        inner.expert_reads += 1;
+        let hit = inner.faults.iter().position(|&(at, _)| at == FaultAt::Nth(nth) || at == FaultAt::Key(key));
+        let fault = hit.map(|i| inner.faults.swap_remove(i).1);
         for (k, r) in reads.iter().enumerate() {
             let buf = self.arena.slot_ptr(s).wrapping_add(r.slot_offset);
-            inner.reqs.push(ReadReq { tag: s * TAGS + k, file: r.file, offset: r.offset, len: r.len, need: r.need, buf });
+            inner.reqs.push(ReadReq { tag: s * TAGS + k, file: r.file, offset: r.offset, len: r.len, need: r.need, buf, fault });
         }
         inner.slots[s] = Slot {
             key: Some(key),
@@ -281,13 +307,6 @@ impl ExpertStore {
             let res = slot.error.take().map_or(Ok(()), Err);
             let (ord, expert) = (key.layer as usize, key.expert as usize);
             let layer = self.decoder_layer(key.layer);
-            let injected = match inner.fail_next.iter().position(|k| *k == key) {
-                Some(i) => {
-                    inner.fail_next.swap_remove(i);
-                    true
-                }
-                None => false,
-            };
             let io_err = |e: std::io::Error| StoreError::Read {
                 layer,
                 expert,
@@ -295,7 +314,6 @@ impl ExpertStore {
             };
             let outcome = match res {
                 Err(e) => Err(io_err(e)),
-                Ok(()) if injected => Err(io_err(std::io::Error::from_raw_os_error(libc::EIO))),
                 Ok(()) => {
                     inner.stats.bytes_read += self.map.read_bytes(ord, expert);
                     // SAFETY: every read into slot `s` has completed and nothing writes it now.
