@@ -119,6 +119,89 @@ fn injected_read_error_fails_one_request_and_the_engine_recovers() {
     assert!(again == want, "the next request is unaffected");
 }
 
+/// Forwards to a store and records what the model asked for, in order.
+struct Recorder {
+    store: Arc<ExpertStore>,
+    calls: std::sync::Mutex<Vec<(usize, Vec<u32>)>>,
+}
+
+impl ExpertSource for Recorder {
+    fn with_experts(
+        &self,
+        layer: usize,
+        experts: &[u32],
+        f: &mut dyn FnMut(&smoe_store::ExpertBatch<'_>),
+    ) -> Result<(), smoe_store::StoreError> {
+        self.calls.lock().unwrap().push((layer, experts.to_vec()));
+        self.store.with_experts(layer, experts, f)
+    }
+    fn stats(&self) -> smoe_store::StoreStats {
+        self.store.stats()
+    }
+}
+
+/// EIO, a short read, and a file that ends early, injected into the I/O engine (io_uring and
+/// the pread pool) at the first, second, a middle and the last expert read of a request: a
+/// short read is resumed and changes no number; the others fail the request with an error
+/// naming that read's layer and expert, never a panic or a computed answer; the same store
+/// then serves the request again with the right logits.
+#[test]
+fn faults_at_the_nth_expert_read_name_the_expert_and_the_store_recovers() {
+    use smoe_store::io::{Fault, IoKind};
+    let path = vault("mixtral", Format::Q8_0, Format::Q8_0);
+    let v = Vault::open(&path).unwrap();
+    let a = v.architecture();
+    let total = a.moe_layers().len() * a.moe.num_experts;
+    let blob = v.manifest().experts.blob_size as usize;
+    assert!(blob >= 2 * 4096, "a short read of 4096 bytes must leave some of a {blob}-byte blob");
+    let input = input_ids("mixtral", "chat");
+    let mut cases = 0;
+    for mode in [ScoreMode::Decode, ScoreMode::Prefill] {
+        // With a slot for every expert nothing is evicted, so the n-th read is of the n-th
+        // expert first asked for.
+        let rec = Arc::new(Recorder {
+            store: Arc::new(ExpertStore::open(&v, &StoreOptions::with_slots(total)).unwrap()),
+            calls: Default::default(),
+        });
+        let model = Model::load(&v, CpuBackend::new(Precision::Reference), rec.clone()).unwrap();
+        let want = score(&model, &input, mode, 64, false).unwrap().logits;
+        let mut order: Vec<(usize, u32)> = Vec::new();
+        for (layer, experts) in rec.calls.lock().unwrap().iter() {
+            for &e in experts {
+                if !order.contains(&(*layer, e)) {
+                    order.push((*layer, e));
+                }
+            }
+        }
+        assert_eq!(order.len() as u64, rec.stats().misses, "{mode:?}");
+        for io in [IoKind::Auto, IoKind::Pool] {
+            for n in [0, 1, order.len() / 2, order.len() - 1] {
+                for fault in [Fault::Eio, Fault::Short { bytes: 4096 }, Fault::Truncated { bytes: 4096 }] {
+                    let opts = StoreOptions { io, ..StoreOptions::with_slots(total) };
+                    let store = Arc::new(ExpertStore::open(&v, &opts).unwrap());
+                    let model = Model::load(&v, CpuBackend::new(Precision::Reference), store.clone()).unwrap();
+                    store.inject_fault(n as u64, fault);
+                    let got = score(&model, &input, mode, 64, false);
+                    let (layer, expert) = order[n];
+                    let what = format!("{mode:?} {io:?} read {n} ({fault:?})");
+                    match fault {
+                        Fault::Short { .. } => assert!(got.unwrap().logits == want, "{what}: a resumed short read changed the logits"),
+                        _ => {
+                            let e = got.err().unwrap_or_else(|| panic!("{what}: computed an answer")).to_string();
+                            let cause = if fault == Fault::Eio { "Input/output error" } else { "read past the end of the file" };
+                            assert!(e.contains(&format!("reading expert {expert} of layer {layer}")) && e.contains(cause), "{what}: {e}");
+                        }
+                    }
+                    let again = score(&model, &input, mode, 64, false).unwrap_or_else(|e| panic!("{what}: after the fault: {e}"));
+                    assert!(again.logits == want, "{what}: the next request differs");
+                    cases += 1;
+                }
+            }
+        }
+    }
+    eprintln!("{cases} faults injected, each followed by a healthy request");
+}
+
 #[test]
 fn truncated_and_corrupted_vaults_are_reported_not_computed_on() {
     let dir = tempfile::tempdir().unwrap();
