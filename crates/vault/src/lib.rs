@@ -28,7 +28,7 @@ pub use manifest::{DenseEntry, ExpertIndex, ExpertLayer, GenerationDefaults, Man
 pub use reader::{BlobLocation, Vault};
 pub use smoe_quant::Format;
 pub use stacked::StackedPart;
-pub use writer::{layout_blob, VaultWriter};
+pub use writer::{layout_blob, remove_stale_temps, sync_parent, temp_path, VaultWriter};
 
 use std::path::Path;
 

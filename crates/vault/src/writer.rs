@@ -4,7 +4,9 @@
 //! header page, the dense tensors, the expert blobs, then the manifest. Only `finish` writes the
 //! real header, fsyncs and renames the file into place, so an interrupted conversion (an error,
 //! a panic, a kill) never leaves a file under the destination name. Dropping an unfinished
-//! writer deletes the temporary file.
+//! writer deletes the temporary file; a killed one cannot, and the next writer of the same
+//! destination removes what it left ([`remove_stale_temps`]). [`temp_path`] and
+//! [`sync_parent`] are the same steps for other writers (`smoe export-gguf`).
 
 use crate::header::{Header, DEFAULT_ALIGNMENT, FORMAT_MAJOR, FORMAT_MINOR};
 use crate::manifest::{DenseEntry, ExpertIndex, ExpertLayer, Manifest, PartEntry};
@@ -22,6 +24,57 @@ pub const PART_ALIGN: u64 = 64;
 
 fn round_up(v: u64, a: u64) -> u64 {
     v.div_ceil(a) * a
+}
+
+/// The temporary name under which a file bound for `path` is written: `NAME.tmp-PID` beside
+/// it (same directory, so the final rename is atomic).
+pub fn temp_path(path: &Path) -> Result<PathBuf, VaultError> {
+    let file_name = path.file_name().ok_or_else(|| VaultError::Corrupt(format!("bad output path {}", path.display())))?;
+    Ok(path.with_file_name(format!("{}.tmp-{}", file_name.to_string_lossy(), std::process::id())))
+}
+
+/// Removes the temporary files ([`temp_path`]) beside `path` whose writing process no longer
+/// exists: what a writer killed with SIGKILL, or cut off by a power failure, left behind.
+/// Temporary files of live processes are left alone. Returns how many were removed.
+///
+/// A process is judged by its id in this machine's process table: a writer on another machine
+/// sharing the directory is not seen, and its temporary file would be removed (its rename then
+/// fails; nothing complete is lost).
+pub fn remove_stale_temps(path: &Path) -> usize {
+    let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else { return 0 };
+    let dir = if dir.as_os_str().is_empty() { Path::new(".") } else { dir };
+    let prefix = format!("{}.tmp-", name.to_string_lossy());
+    let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
+    let mut removed = 0;
+    for entry in entries.flatten() {
+        let file_name = entry.file_name();
+        let Some(pid) = file_name.to_str().and_then(|n| n.strip_prefix(&prefix)).and_then(|p| p.parse::<i32>().ok()) else { continue };
+        if pid <= 0 || pid as u32 == std::process::id() || process_exists(pid) {
+            continue;
+        }
+        if std::fs::remove_file(entry.path()).is_ok() {
+            removed += 1;
+        }
+    }
+    removed
+}
+
+fn process_exists(pid: i32) -> bool {
+    // SAFETY: kill with signal 0 sends nothing; it only checks that the process exists.
+    let rc = unsafe { libc::kill(pid, 0) };
+    rc == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+}
+
+/// Fsyncs the directory holding `path`, so that a rename into it survives a power failure.
+/// Best effort: some filesystems refuse to sync a directory, and the file itself is already
+/// synced.
+pub fn sync_parent(path: &Path) {
+    if let Some(dir) = path.parent() {
+        let dir = if dir.as_os_str().is_empty() { Path::new(".") } else { dir };
+        if let Ok(d) = File::open(dir) {
+            let _ = d.sync_all();
+        }
+    }
 }
 
 /// Lays out the parts of an expert blob; returns the parts with offsets and the blob size.
@@ -57,8 +110,8 @@ pub struct VaultWriter {
 impl VaultWriter {
     /// Starts writing to a temporary file beside `path`.
     pub fn create(path: &Path) -> Result<VaultWriter, VaultError> {
-        let file_name = path.file_name().ok_or_else(|| VaultError::Corrupt(format!("bad output path {}", path.display())))?;
-        let tmp_path = path.with_file_name(format!("{}.tmp-{}", file_name.to_string_lossy(), std::process::id()));
+        let tmp_path = temp_path(path)?;
+        remove_stale_temps(path);
         let file = File::create(&tmp_path).map_err(|e| VaultError::io(&tmp_path, e))?;
         let mut w = VaultWriter {
             final_path: path.to_path_buf(),
@@ -297,12 +350,8 @@ impl VaultWriter {
             let _ = std::fs::remove_file(&self.tmp_path);
             return Err(e);
         }
-        if let Some(dir) = self.final_path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            // Make the rename itself durable; failure here is not worth failing the conversion.
-            if let Ok(d) = File::open(dir) {
-                let _ = d.sync_all();
-            }
-        }
+        // Make the rename itself durable; failure here is not worth failing the conversion.
+        sync_parent(&self.final_path);
         Ok(header.file_len)
     }
 }

@@ -1,5 +1,11 @@
 //! Writing GGUF files: the header (metadata and tensor directory) first, then tensor data at
 //! positioned offsets.
+//!
+//! Like a vault, the file is written under a temporary name beside the destination
+//! (`OUT.gguf.tmp-PID`, [`smoe_vault::temp_path`]) and only `finish` syncs it and renames it
+//! into place: an error, a full disk or a kill never leaves a half-written file under the
+//! destination's name. Dropping an unfinished writer deletes the temporary file; one left by a
+//! killed process is removed by the next writer of the same destination.
 
 use crate::ConvertError;
 use smoe_formats::gguf::{Value, DEFAULT_ALIGNMENT, MAGIC};
@@ -13,7 +19,12 @@ use std::path::{Path, PathBuf};
 /// time).
 pub struct Writer {
     file: File,
+    /// The destination, which exists only once `finish` has renamed the file.
     path: PathBuf,
+    /// The file being written.
+    tmp: PathBuf,
+    /// Renamed into place: nothing to clean up.
+    done: bool,
     /// Absolute offset and length of each tensor's data.
     spans: Vec<(u64, u64)>,
     end: u64,
@@ -51,10 +62,24 @@ fn put_value(w: &mut impl Write, v: &Value) -> std::io::Result<()> {
 pub type TensorDecl = (String, Vec<u64>, u32, u64);
 
 impl Writer {
-    /// Writes the header of `path`: `meta` and the tensor directory.
+    /// Writes the header of the file bound for `path` (under its temporary name): `meta` and
+    /// the tensor directory.
     pub fn create(path: &Path, meta: &[(String, Value)], tensors: &[TensorDecl]) -> Result<Writer, ConvertError> {
+        let tmp = smoe_vault::temp_path(path)?;
+        smoe_vault::remove_stale_temps(path);
+        let file = File::create(&tmp).map_err(|e| FormatError::io(&tmp, e))?;
+        // From here on the temporary file is removed on any error.
+        let mut w = Writer { file, path: path.to_path_buf(), tmp, done: false, spans: Vec::new(), end: 0 };
+        let (spans, end) = w.write_header(meta, tensors)?;
+        (w.spans, w.end) = (spans, end);
+        Ok(w)
+    }
+
+    /// Writes the header; returns each tensor's data span and the file's length.
+    fn write_header(&self, meta: &[(String, Value)], tensors: &[TensorDecl]) -> Result<(Vec<(u64, u64)>, u64), ConvertError> {
+        let path = self.tmp.as_path();
         let io = |e| FormatError::io(path, e);
-        let mut out = BufWriter::with_capacity(8 << 20, File::create(path).map_err(io)?);
+        let mut out = BufWriter::with_capacity(8 << 20, &self.file);
         out.write_all(MAGIC).map_err(io)?;
         out.write_all(&3u32.to_le_bytes()).map_err(io)?;
         out.write_all(&(tensors.len() as u64).to_le_bytes()).map_err(io)?;
@@ -80,8 +105,8 @@ impl Writer {
         let pos = out.stream_position().map_err(io)?;
         let data_start = pos.div_ceil(DEFAULT_ALIGNMENT) * DEFAULT_ALIGNMENT;
         out.write_all(&vec![0u8; (data_start - pos) as usize]).map_err(io)?;
-        let file = out.into_inner().map_err(|e| FormatError::io(path, e.into_error()))?;
-        Ok(Writer { file, path: path.to_path_buf(), spans: rel.iter().map(|&(o, l)| (data_start + o, l)).collect(), end: data_start + off })
+        out.flush().map_err(io)?;
+        Ok((rel.iter().map(|&(o, l)| (data_start + o, l)).collect(), data_start + off))
     }
 
     /// Writes `bytes` at `within` bytes into tensor `i`.
@@ -91,14 +116,26 @@ impl Writer {
         if within + bytes.len() as u64 > len {
             return Err(FormatError::Internal(format!("write past the end of GGUF tensor {i}")).into());
         }
-        Ok(self.file.write_all_at(bytes, off + within).map_err(|e| FormatError::io(&self.path, e))?)
+        Ok(self.file.write_all_at(bytes, off + within).map_err(|e| FormatError::io(&self.tmp, e))?)
     }
 
-    /// Sets the final length and syncs.
-    pub fn finish(self) -> Result<(), ConvertError> {
-        let io = |e| FormatError::io(&self.path, e);
+    /// Sets the final length, syncs, and renames the file into place.
+    pub fn finish(mut self) -> Result<(), ConvertError> {
+        let io = |e| FormatError::io(&self.tmp, e);
         self.file.set_len(self.end).map_err(io)?;
-        Ok(self.file.sync_all().map_err(io)?)
+        self.file.sync_all().map_err(io)?;
+        std::fs::rename(&self.tmp, &self.path).map_err(|e| FormatError::io(&self.path, e))?;
+        self.done = true;
+        smoe_vault::sync_parent(&self.path);
+        Ok(())
+    }
+}
+
+impl Drop for Writer {
+    fn drop(&mut self) {
+        if !self.done {
+            let _ = std::fs::remove_file(&self.tmp);
+        }
     }
 }
 
@@ -118,5 +155,35 @@ mod tests {
         Writer::create(&q, &meta, &[]).unwrap().finish().unwrap();
         let g2 = Gguf::open(&q).unwrap();
         assert_eq!(g2.meta, g.meta);
+    }
+
+    /// The file exists under its name only once finished: an unfinished writer (an error on
+    /// the way) leaves nothing; a temporary file left by a killed process is removed by the next
+    /// writer, one of a live process is not.
+    #[test]
+    fn only_a_finished_file_appears_under_its_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let q = dir.path().join("m.gguf");
+        let t = [("t".to_string(), vec![4u64], 0u32, 16u64)];
+        let w = Writer::create(&q, &[], &t).unwrap();
+        w.write_at(0, 0, &[1u8; 16]).unwrap();
+        assert!(!q.exists() && smoe_vault::temp_path(&q).unwrap().exists());
+        drop(w);
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "an unfinished writer leaves nothing");
+        // A process that has exited, and this one's parent (alive), each left a temporary file.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        let live = std::os::unix::process::parent_id();
+        for pid in [dead, live] {
+            std::fs::write(dir.path().join(format!("m.gguf.tmp-{pid}")), b"partial").unwrap();
+        }
+        let w = Writer::create(&q, &[], &t).unwrap();
+        w.write_at(0, 0, &[1u8; 16]).unwrap();
+        w.finish().unwrap();
+        let mut left: Vec<String> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        left.sort();
+        assert_eq!(left, vec!["m.gguf".to_string(), format!("m.gguf.tmp-{live}")]);
+        assert_eq!(Gguf::open(&q).unwrap().tensors.len(), 1);
     }
 }
