@@ -170,7 +170,10 @@ fn error_statuses_and_recovery() {
     let chat = |model: &str, extra: &str| {
         format!(r#"{{"model": "{model}", "messages": [{{"role": "user", "content": "hello"}}], "max_tokens": 4, "temperature": 0{extra}}}"#)
     };
-    assert_eq!(post(a, "/v1/chat/completions", &chat("qwen3", "")).0, 200);
+    let (st, _, body) = post(a, "/v1/chat/completions", &chat("qwen3", ""));
+    assert_eq!(st, 200, "{body}");
+    let reply = |body: &str| serde_json::from_str::<serde_json::Value>(body).unwrap()["choices"][0]["message"]["content"].clone();
+    let answer = reply(&body);
     // CORS preflight from an allowed origin (no key needed for the preflight).
     let (st, head, _) = http(
         a,
@@ -240,6 +243,7 @@ fn error_statuses_and_recovery() {
 
     // 500: the vault is truncated under the server; the request fails, the server goes on.
     let path = dir.path().join("qwen3.smoe");
+    let original = std::fs::read(&path).unwrap();
     let len = std::fs::metadata(&path).unwrap().len();
     std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(len / 2).unwrap();
     let mut saw_500 = false;
@@ -268,6 +272,54 @@ fn error_statuses_and_recovery() {
     ] {
         assert!(metrics.contains(name), "{name} missing from\n{metrics}");
     }
+
+    // The vault restored in place: the same model serves again, and answers as before.
+    std::fs::write(&path, &original).unwrap();
+    let (st, _, body) = post(a, "/v1/chat/completions", &chat("qwen3", ""));
+    assert_eq!((st, reply(&body)), (200, answer.clone()), "{body}");
+    // One bit flipped in every expert blob: the first blob read fails its checksum, named by
+    // layer and expert; nothing is computed on it. Restored, the model answers as before.
+    let v = smoe_vault::Vault::open(&path).unwrap();
+    let mut flipped = original.clone();
+    for &l in &v.architecture().moe_layers() {
+        for e in 0..v.architecture().moe.num_experts {
+            flipped[v.blob(l, e).unwrap().offset as usize + 7] ^= 0x10;
+        }
+    }
+    std::fs::write(&path, &flipped).unwrap();
+    let mut named = None;
+    for i in 0..20 {
+        let (st, _, body) =
+            post(a, "/v1/completions", &format!(r#"{{"model": "qwen3", "prompt": "{i} another prompt {i}", "max_tokens": 8}}"#));
+        assert!(st == 200 || st == 500, "{st} {body}");
+        if st == 500 {
+            named = Some(error_json(&body)["error"]["message"].as_str().unwrap().to_string());
+            break;
+        }
+    }
+    let named = named.expect("a flipped bit in every blob must fail a request");
+    let expert_named = named.split("expert ").nth(1).and_then(|r| r.split(" of layer ").nth(1)).is_some();
+    assert!(named.contains("failed its checksum") && expert_named, "{named}");
+    assert_eq!(post(a, "/v1/chat/completions", &chat("mixtral", "")).0, 200, "other models keep serving");
+    std::fs::write(&path, &original).unwrap();
+    let (st, _, body) = post(a, "/v1/chat/completions", &chat("qwen3", ""));
+    assert_eq!((st, reply(&body)), (200, answer.clone()), "{body}");
+    eprintln!("a flipped bit under the server: {named}");
+    // Replaced by a rename (how a new model is put in place), the running server keeps reading
+    // the file it opened: the same answers, never the new file's bytes under the old index.
+    let aside = tempfile::tempdir_in(dir.path().parent().unwrap()).unwrap();
+    let new = aside.path().join("new.smoe");
+    std::fs::copy(dir.path().join("mixtral.smoe"), &new).unwrap();
+    std::fs::rename(&new, &path).unwrap();
+    for i in 0..5 {
+        let (st, _, body) = post(a, "/v1/chat/completions", &chat("qwen3", ""));
+        assert_eq!((st, reply(&body)), (200, answer.clone()), "request {i} after the replacement: {body}");
+        let (st, _, body) =
+            post(a, "/v1/completions", &format!(r#"{{"model": "qwen3", "prompt": "{i} a third prompt {i}", "max_tokens": 8}}"#));
+        assert_eq!(st, 200, "{body}");
+    }
+    let (_, _, metrics) = http(a, "GET", "/metrics", &[("Authorization", &auth)], b"");
+    assert!(metrics.contains("smoe_engine_errors_total 2"), "{metrics}");
 }
 
 #[test]
