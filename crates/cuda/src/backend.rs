@@ -41,8 +41,19 @@ const MAX_JOBS: usize = 48;
 /// Up to this many tokens a product is a mat-vec (a warp per row, the weights read once);
 /// beyond, tiled.
 const MV_TOKENS: usize = 8;
-/// Rows per block of the int8 mat-vec: MVQ_WARPS × MVQ_ROWS in kernels.cu.
-const MVQ_BLOCK_ROWS: usize = 8;
+/// Rows per block of the int8 mat-vec of `cols` inputs in `format`: MVQ_WARPS × MVQ_ROWS in
+/// kernels.cu, divided among the warps that share rows (`mvq_split` there, the same function).
+fn mvq_block_rows(format: Format, cols: usize) -> usize {
+    let tasks = if format == Format::Q8_0 { cols / 32 } else { cols / 64 };
+    let split = if tasks >= 128 {
+        4
+    } else if tasks >= 64 {
+        2
+    } else {
+        1
+    };
+    4 * 2 / split
+}
 
 /// One product as the kernels read it (`struct Job` in kernels.cu).
 #[repr(C)]
@@ -123,6 +134,8 @@ struct FormatKernels {
     mvk: CudaFunction,
     /// One-token products on int8 activations, for the formats that have them (`HAS_MVQ`).
     mvq: Option<(CudaFunction, CudaFunction)>,
+    /// Many-token products on int8 tensor cores (`mmq.cu`), for the same formats as `mvq`.
+    mmq: Option<CudaFunction>,
     mm: CudaFunction,
     mmt: CudaFunction,
     embed: CudaFunction,
@@ -184,6 +197,10 @@ impl Kernels {
                         mvk: f(&format!("mvk_{n}"))?,
                         mvq: match fmt {
                             Format::Q8_0 | Format::Q4_K => Some((f(&format!("mvq_{n}"))?, f(&format!("mvkq_{n}"))?)),
+                            _ => None,
+                        },
+                        mmq: match fmt {
+                            Format::Q8_0 | Format::Q4_K => Some(f(&format!("mmq_{n}"))?),
                             _ => None,
                         },
                         mm: f(&format!("mm_{n}"))?,
@@ -295,6 +312,9 @@ pub struct CudaBackend {
     profile: Option<Mutex<std::collections::HashMap<&'static str, (u64, f64)>>>,
     /// One-token products on int8 activations where the format has a kernel (`Precision::Fast`).
     int8: bool,
+    /// Many-token products of those formats on int8 tensor cores (`mmq.cu`); off
+    /// (`SMOE_CUDA_PREFILL=tf32`), on 3xTF32 ones.
+    int8_tiles: bool,
     /// Their quantized inputs (see `quantize_rows` in kernels.cu), reused launch after launch:
     /// one stream orders each product's reads before the next quantization.
     qscratch: Mutex<Option<CudaSlice<u8>>>,
@@ -344,7 +364,9 @@ impl CudaBackend {
         let copy_stream = ctx.new_stream().map_err(|e| format!("cuda:{ordinal}: {e}"))?;
         let pinned = PinnedHost::new(ctx.clone());
         let experts = ExpertCache::new(opts.expert_bytes);
-        let tensor_cores = info.compute_capability.0 >= 8 && std::env::var("SMOE_CUDA_PREFILL").as_deref() != Ok("simt");
+        let prefill = std::env::var("SMOE_CUDA_PREFILL");
+        let tensor_cores = info.compute_capability.0 >= 8 && prefill.as_deref() != Ok("simt");
+        let int8 = opts.precision.unwrap_or(Precision::Fast) == Precision::Fast && std::env::var("SMOE_CUDA_INT8").as_deref() != Ok("off");
         let pdl = info.compute_capability.0 >= 9 && std::env::var("SMOE_CUDA_PDL").as_deref() != Ok("off");
         Ok(CudaBackend {
             info,
@@ -365,7 +387,8 @@ impl CudaBackend {
             qscratch: Mutex::new(None),
             rope: Mutex::new(Default::default()),
             attention_part: Mutex::new(None),
-            int8: opts.precision.unwrap_or(Precision::Fast) == Precision::Fast && std::env::var("SMOE_CUDA_INT8").as_deref() != Ok("off"),
+            int8,
+            int8_tiles: int8 && tensor_cores && prefill.as_deref() != Ok("tf32"),
             profile: std::env::var_os("SMOE_CUDA_PROFILE").map(|_| Mutex::new(Default::default())),
             pdl,
             few_tokens: AtomicBool::new(true),
@@ -491,9 +514,9 @@ impl CudaBackend {
                 2
             }
         };
-        // One-token launches also by input width: an int8 launch quantizes its jobs' input rows
-        // once, at one width.
-        let key = |j: &(Format, Job)| (j.0, kind(j.1.n), if j.1.n == 1 { j.1.cols } else { 0 });
+        // One-token and tiled launches also by input width: an int8 launch quantizes its jobs'
+        // input rows once, at one width.
+        let key = |j: &(Format, Job)| (j.0, kind(j.1.n), if kind(j.1.n) != 1 { j.1.cols } else { 0 });
         jobs.sort_by_key(key);
         let mut start = 0;
         while start < jobs.len() {
@@ -511,17 +534,15 @@ impl CudaBackend {
             let max_n = batch.iter().map(|j| j.n as usize).max().unwrap_or(0);
             let fk = self.k.format(k0.0);
             let (xs_i, os_i) = (xs as i32, os as i32);
-            let (func, cfg) = if k0.1 == 2 {
-                let grid = (max_rows.div_ceil(64) as u32, max_n.div_ceil(32) as u32, (end - start) as u32);
-                if self.tensor_cores {
-                    let grid = (grid.0, max_n.div_ceil(64) as u32, grid.2);
-                    (&fk.mmt, LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: 0 })
-                } else {
-                    (&fk.mm, LaunchConfig { grid_dim: grid, block_dim: (256, 1, 1), shared_mem_bytes: 0 })
-                }
-            } else if let (0, true, Some((mvq, _))) = (k0.1, self.int8, &fk.mvq) {
+            // Int8 activations: the one-token mat-vec, and tiles on tensor cores.
+            let int8 = match k0.1 {
+                0 if self.int8 => fk.mvq.as_ref().map(|(mvq, _)| mvq),
+                2 if self.int8_tiles => fk.mmq.as_ref(),
+                _ => None,
+            };
+            if let Some(func) = int8 {
                 let lo = batch.iter().map(|j| j.x_row as usize).min().unwrap_or(0);
-                let hi = batch.iter().map(|j| j.x_row as usize + 1).max().unwrap_or(0);
+                let hi = batch.iter().map(|j| (j.x_row + j.n) as usize).max().unwrap_or(0);
                 let cols = k0.2 as usize;
                 let (qx, qstride, lo) = match xq {
                     // Rows the op before left quantized: no launch of its own.
@@ -532,12 +553,25 @@ impl CudaBackend {
                     }
                 };
                 let (qs_i, lo_i, os_i) = (qstride as i32, lo as i32, os as i32);
-                let mut a = Launch::new(mvq);
+                let mut a = Launch::new(func);
                 a.arg(&table).arg(&qx).arg(&qs_i).arg(&lo_i).arg(&out).arg(&os_i);
-                let grid = (max_rows.div_ceil(MVQ_BLOCK_ROWS) as u32, (end - start) as u32, 1);
-                self.launch(a, LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: 0 }, "products, int8 mat-vec");
+                let (grid, op) = if k0.1 == 0 {
+                    ((max_rows.div_ceil(mvq_block_rows(k0.0, cols)) as u32, (end - start) as u32, 1), "products, int8 mat-vec")
+                } else {
+                    ((max_rows.div_ceil(64) as u32, max_n.div_ceil(64) as u32, (end - start) as u32), "products, int8 tensor cores")
+                };
+                self.launch(a, LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: 0 }, op);
                 start = end;
                 continue;
+            }
+            let (func, cfg) = if k0.1 == 2 {
+                let grid = (max_rows.div_ceil(64) as u32, max_n.div_ceil(32) as u32, (end - start) as u32);
+                if self.tensor_cores {
+                    let grid = (grid.0, max_n.div_ceil(64) as u32, grid.2);
+                    (&fk.mmt, LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: 0 })
+                } else {
+                    (&fk.mm, LaunchConfig { grid_dim: grid, block_dim: (256, 1, 1), shared_mem_bytes: 0 })
+                }
             } else if k0.0 == Format::F32 && k0.1 == 0 {
                 // A block per row (see mvs_f32).
                 let grid = (max_rows as u32, (end - start) as u32, 1);
@@ -552,7 +586,7 @@ impl CudaBackend {
             a.arg(&table).arg(&x).arg(&xs_i).arg(&out).arg(&os_i);
             let op = match (k0.1, self.tensor_cores) {
                 (0 | 1, _) => "products, mat-vec",
-                (_, true) => "products, tensor cores",
+                (_, true) => "products, tensor cores (3xTF32)",
                 (_, false) => "products, tiled",
             };
             self.launch(a, cfg, op);
@@ -757,7 +791,12 @@ impl Backend for CudaBackend {
     type KvCache = CudaKvCache;
 
     fn describe(&self) -> String {
-        let mut d = format!("{}{}", self.info, if self.tensor_cores { ", prefill on tensor cores (3xTF32)" } else { "" });
+        let prefill = match (self.tensor_cores, self.int8_tiles) {
+            (true, true) => ", prefill on tensor cores (int8 for Q8_0 and Q4_K, else 3xTF32)",
+            (true, false) => ", prefill on tensor cores (3xTF32)",
+            _ => "",
+        };
+        let mut d = format!("{}{prefill}", self.info);
         if self.int8 {
             d.push_str(", decode products of Q8_0 and Q4_K on int8 activations (dp4a)");
         }
@@ -1245,7 +1284,7 @@ impl Backend for CudaBackend {
         let (e_i, k_i, norm, scaling) = (e as i32, k as i32, rule.norm_topk_prob() as i32, rule.scaling());
         let mut a = Launch::new(&self.k.route);
         a.arg(&lp).arg(&e_i).arg(&bp).arg(&sigmoid).arg(&n_group).arg(&topk_group).arg(&k_i).arg(&norm).arg(&scaling).arg(&rp);
-        let cfg = LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (32, 1, 1), shared_mem_bytes: (2 * e * 4) as u32 };
+        let cfg = LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (32, 1, 1), shared_mem_bytes: ((2 * e + 2 * k) * 4) as u32 };
         self.launch(a, cfg, "route");
     }
 
@@ -1342,7 +1381,7 @@ impl Backend for CudaBackend {
                 let qs_i = qstride as i32;
                 let mut a = Launch::new(mvkq);
                 a.arg(&kj).arg(&rp).arg(&qx).arg(&qs_i).arg(&op).arg(&os_i);
-                let grid = (p0.rows.div_ceil(MVQ_BLOCK_ROWS) as u32, pairs * parts.len() as u32, 1);
+                let grid = (p0.rows.div_ceil(mvq_block_rows(p0.format, p0.cols)) as u32, pairs * parts.len() as u32, 1);
                 self.launch(a, LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: 0 }, "products, kept experts");
                 return;
             }

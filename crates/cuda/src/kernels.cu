@@ -688,21 +688,34 @@ __device__ __forceinline__ float mvq_task(const u8* row, int t, const signed cha
     }
 }
 
+// Warps that share a pair of rows, each taking every split-th task: about one task per lane
+// and row. A row of 4096 Q8_0 values is 128 tasks; with a warp per pair of rows the 2048-row
+// output projection was 256 blocks of 4 warps, too few loads in flight to pass 0.9 TB/s.
+// `mvq_split` in backend.rs is the same function: the grid depends on it.
+template <int F>
+__device__ __forceinline__ int mvq_split(int cols) {
+    int tasks = F == 8 ? cols / 32 : cols / 64;
+    return tasks >= 128 ? 4 : tasks >= 64 ? 2 : 1;
+}
+
 // Job j's rows against its input row, quantized at qx + (j.x_row - lo) * qstride. A warp takes
 // MVQ_ROWS (2) rows: both at once, so that the loads of one are in flight while the other's
 // arrive (one row after the other, a warp had a single task's loads outstanding), and for rows
 // of at most 16 tasks (a down projection from 768: 12) half a warp each, which left 20 of 32
-// lanes idle as a warp per row.
+// lanes idle as a warp per row. Long rows are split between `mvq_split` warps, whose partial
+// sums are added in warp order (the same bits from run to run).
 template <int F>
 __device__ void mvq(const Job& j, const u8* qx, int qstride, int lo, float* out, int os) {
+    __shared__ float partial[MVQ_WARPS][MVQ_ROWS];
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int split = mvq_split<F>(j.cols), part = warp % split;
     const u8* qrow = qx + (size_t)(j.x_row - lo) * qstride;
     const signed char* xq = (const signed char*)qrow;
     const float* xd = (const float*)(qrow + j.cols);
     const float* xsum = xd + j.cols / 32;
     int tasks = F == 8 ? j.cols / 32 : j.cols / 64;
-    int r0 = (blockIdx.x * MVQ_WARPS + warp) * MVQ_ROWS;
-    if (r0 >= j.rows) return;  // the whole warp
+    int r0 = (blockIdx.x * (MVQ_WARPS / split) + warp / split) * MVQ_ROWS;
+    if (r0 >= j.rows) return;  // the whole warp, and the warps it shares rows with
     if (tasks <= 16) {
         int r = r0 + lane / 16, t = lane % 16;
         float acc = r < j.rows && t < tasks ? mvq_task<F>((const u8*)j.w + (size_t)r * j.row_bytes, t, xq, xd, xsum) : 0.0f;
@@ -713,7 +726,7 @@ __device__ void mvq(const Job& j, const u8* qx, int qstride, int lo, float* out,
     float acc[MVQ_ROWS];
 #pragma unroll
     for (int i = 0; i < MVQ_ROWS; i++) acc[i] = 0.0f;
-    for (int t = lane; t < tasks; t += 32) {
+    for (int t = lane + 32 * part; t < tasks; t += 32 * split) {
 #pragma unroll
         for (int i = 0; i < MVQ_ROWS; i++)
             if (r0 + i < j.rows) acc[i] += mvq_task<F>((const u8*)j.w + (size_t)(r0 + i) * j.row_bytes, t, xq, xd, xsum);
@@ -722,8 +735,28 @@ __device__ void mvq(const Job& j, const u8* qx, int qstride, int lo, float* out,
     for (int i = 0; i < MVQ_ROWS; i++) {
         float a = acc[i];
         for (int o = 16; o > 0; o >>= 1) a += __shfl_down_sync(0xffffffff, a, o);
-        if (lane == 0 && r0 + i < j.rows) out[(size_t)j.out_row * os + j.out_col + r0 + i] = a;
+        acc[i] = a;
     }
+    if (split > 1) {
+        if (lane == 0)
+#pragma unroll
+            for (int i = 0; i < MVQ_ROWS; i++) partial[warp][i] = acc[i];
+        // The warps of this pair of rows only (barrier 1 + its index; 0 is __syncthreads's).
+        // (Immediate ids: a computed one makes ptxas reserve all 16.)
+        if (warp / split == 0) asm volatile("bar.sync 1, %0;" ::"r"(32 * split) : "memory");
+        else asm volatile("bar.sync 2, %0;" ::"r"(32 * split) : "memory");
+        if (part != 0) return;
+#pragma unroll
+        for (int i = 0; i < MVQ_ROWS; i++) {
+            float a = partial[warp][i];
+            for (int p = 1; p < split; p++) a += partial[warp + p][i];
+            acc[i] = a;
+        }
+    }
+    if (lane == 0)
+#pragma unroll
+        for (int i = 0; i < MVQ_ROWS; i++)
+            if (r0 + i < j.rows) out[(size_t)j.out_row * os + j.out_col + r0 + i] = acc[i];
 }
 
 // Kept experts (see mv_kept) on int8 activations: the pair's input row is quantized at
@@ -899,26 +932,37 @@ extern "C" __global__ void add_weighted_slots(const float* src, int dim, int n, 
 // once, so that routes chosen here match the host's bit for bit as far as possible.
 __device__ __forceinline__ float exp_rounded(float x) { return (float)exp((double)x); }
 
-// The warp's largest v[i] over i < e that is still a candidate, ties to the lower index:
-// what RouterRule's top-k picks first. Returns e when none compares (all NaN).
-__device__ int warp_argmax(const float* v, int e) {
-    int lane = threadIdx.x % 32, bi = e;
-    float bv = NEG_INF;
-    for (int i = lane; i < e; i += 32)
-        if (v[i] > bv) bv = v[i], bi = i;
-    for (int o = 16; o > 0; o >>= 1) {
-        float ov = __shfl_xor_sync(0xffffffff, bv, o);
-        int oi = __shfl_xor_sync(0xffffffff, bi, o);
-        if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
-    }
-    return bi;
+// A float's order as an unsigned key (larger value, larger key; -0 as +0), 0 for what is never
+// chosen: -inf (taken or masked) and NaN.
+__device__ __forceinline__ u32 order_key(float v) {
+    if (!(v > NEG_INF)) return 0;
+    u32 b = __float_as_uint(v == 0.0f ? 0.0f : v);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// Warp-wide maximum and minimum: one instruction from compute 8.0, shuffles before.
+__device__ __forceinline__ u32 warp_max_u32(u32 v) {
+#if __CUDA_ARCH__ >= 800
+    return __reduce_max_sync(0xffffffff, v);
+#else
+    for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffff, v, o));
+    return v;
+#endif
+}
+__device__ __forceinline__ u32 warp_min_u32(u32 v) {
+#if __CUDA_ARCH__ >= 800
+    return __reduce_min_sync(0xffffffff, v);
+#else
+    for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(0xffffffff, v, o));
+    return v;
+#endif
 }
 
 // Routing on the device, one warp per token, as RouterRule::route does on the host: softmax
 // (sigmoid = 0) or sigmoid scores plus correction bias restricted to the best `topk_group` of
 // `n_group` groups (a group scores the sum of its two best); top-k, weights renormalised
 // (norm) and scaled. Sums run in the host's order. Out: routes[t][0..k] ids as floats,
-// [k..2k] weights. Dynamic shared memory: 2 e floats.
+// [k..2k] weights. Dynamic shared memory: 2 e + 2 k floats.
 extern "C" __global__ void route(const float* logits, int e, const float* bias, int sigmoid, int n_group,
                                  int topk_group, int k, int norm, float scaling, float* routes) { PDL_START;
     extern __shared__ float sh[];
@@ -977,26 +1021,41 @@ extern "C" __global__ void route(const float* logits, int e, const float* bias, 
             if (!(keep >> (i / per) & 1)) choice[i] = 0.0f;
     }
     __syncwarp();
+    // Top k: each round the warp's largest candidate (ties to the lower index) by two
+    // reductions of order-preserving keys, the pick kept in shared memory; the output written
+    // once at the end, in parallel (lane 0 writing each pick to global memory and reading the
+    // weights back to normalise them was most of this kernel's 9 µs).
+    float* pick_w = sh + 2 * e;
+    float* pick_id = pick_w + k;
     for (int r = 0; r < k; r++) {
-        int bi = warp_argmax(choice, e);
-        if (bi == e) bi = 0;
+        u32 best = 0;
+        int bi = e;
+        for (int i = lane; i < e; i += 32) {
+            u32 key = order_key(choice[i]);
+            if (key > best) best = key, bi = i;
+        }
+        u32 top = warp_max_u32(best);
+        int id = (int)warp_min_u32(top != 0 && best == top ? (u32)bi : 0xffffffffu);
+        if (top == 0) id = 0;  // nothing compares (all NaN): expert 0, never outside
         __syncwarp();
         if (lane == 0) {
-            out[r] = (float)bi;
-            out[k + r] = wsrc[bi];
-            choice[bi] = NEG_INF;
+            pick_id[r] = (float)id;
+            pick_w[r] = wsrc[id];
+            choice[id] = NEG_INF;
         }
         __syncwarp();
     }
-    if (lane == 0) {
-        if (norm) {
-            float sum = 0.0f;
-            for (int r = 0; r < k; r++) sum += out[k + r];
-            sum += sigmoid ? 1e-20f : 0.0f;
-            for (int r = 0; r < k; r++) out[k + r] /= sum;
-        }
-        if (scaling != 1.0f)
-            for (int r = 0; r < k; r++) out[k + r] *= scaling;
+    float sum = 0.0f;
+    if (norm) {
+        for (int r = 0; r < k; r++) sum += pick_w[r];
+        sum += sigmoid ? 1e-20f : 0.0f;
+    }
+    for (int r = lane; r < k; r += 32) {
+        float w = pick_w[r];
+        if (norm) w /= sum;
+        if (scaling != 1.0f) w *= scaling;
+        out[r] = pick_id[r];
+        out[k + r] = w;
     }
 }
 

@@ -106,7 +106,7 @@ pub fn probe() -> Result<Vec<DeviceInfo>, String> {
 }
 
 /// The kernels' CUDA C source.
-const KERNELS: &str = concat!(include_str!("kernels.cu"), include_str!("fused.cu"), include_str!("attention.cu"));
+const KERNELS: &str = concat!(include_str!("kernels.cu"), include_str!("fused.cu"), include_str!("attention.cu"), include_str!("mmq.cu"));
 
 /// The kernels compiled for compute capability `cc`, from the per-user kernel cache
 /// (`$XDG_CACHE_HOME/smoe` or `~/.cache/smoe`, one PTX file per source and architecture) or by
