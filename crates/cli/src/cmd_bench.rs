@@ -29,7 +29,7 @@ pub fn run_bench(vault: &Path, job: BenchJob) -> Result<()> {
 pub struct BenchJob {
     pub prompt_tokens: usize,
     pub gen_tokens: usize,
-    pub chunk: usize,
+    pub chunk: Option<usize>,
     pub reps: usize,
     pub json: bool,
     /// `--routing-trace`: a trace file, or `bundled`.
@@ -72,6 +72,7 @@ fn bench_on<B: Backend>(engine: &Engine<B>, report: &OpenReport, job: &BenchJob,
         }
         None => "",
     };
+    let chunk = chunk.unwrap_or_else(|| engine.model.prefill_chunk());
     let opts = BenchOptions { prompt_tokens, gen_tokens, seed: 1, chunk };
     if reps > 1 {
         bench(engine, &BenchOptions { prompt_tokens: 16.min(prompt_tokens), gen_tokens: 4.min(gen_tokens), ..opts.clone() })?;

@@ -221,7 +221,7 @@ impl<B: Backend> Chat<'_, B> {
                         store.hit_rate(),
                         store.bytes_read as f64 / (1u64 << 20) as f64
                     );
-                    print_summaries(ins, s.prefilled_tokens.div_ceil(smoe_engine::PREFILL_CHUNK));
+                    print_summaries(ins, s.prefilled_tokens.div_ceil(self.engine.model.prefill_chunk()));
                 }
             },
             other => bail!("unknown command /{other}; /help lists them"),

@@ -167,7 +167,7 @@ impl OnEngine for Score {
 fn score_on<B: Backend>(a: &ScoreArgs, ids: &[u32], engine: &Engine<B>) -> Result<()> {
     let mode = if a.decode { ScoreMode::Decode } else { ScoreMode::Prefill };
     let t0 = std::time::Instant::now();
-    let out = score_and_continue(&engine.model, ids, mode, smoe_engine::PREFILL_CHUNK, a.model.instrument, a.greedy)?;
+    let out = score_and_continue(&engine.model, ids, mode, engine.model.prefill_chunk(), a.model.instrument, a.greedy)?;
     out.write_safetensors(&a.out).with_context(|| format!("write {}", a.out.display()))?;
     eprintln!("scored {} tokens ({mode:?}) in {:.2} s -> {}", ids.len(), t0.elapsed().as_secs_f64(), a.out.display());
     if let Some(s) = &out.instrument {
@@ -349,7 +349,7 @@ pub fn generate_and_report<B: Backend>(engine: &Engine<B>, p: &Prompt, json: boo
         }
         true
     };
-    let mut st = engine.model.new_state(smoe_engine::PREFILL_CHUNK);
+    let mut st = engine.model.new_state(engine.model.prefill_chunk());
     if instrument {
         st.enable_instrument();
     }
@@ -357,7 +357,7 @@ pub fn generate_and_report<B: Backend>(engine: &Engine<B>, p: &Prompt, json: boo
     let g = engine.generate(&mut st, &ids, &opts, &mut NoObserver, &mut on_token)?;
     let s = &g.stats;
     let store = engine.model.experts().stats().since(&store_before);
-    let prefill_steps = s.prefilled_tokens.div_ceil(smoe_engine::PREFILL_CHUNK);
+    let prefill_steps = s.prefilled_tokens.div_ceil(st.chunk());
     if json {
         let ins = st.instrument.as_ref().map(
             |i| serde_json::json!({"prefill": i.summary_range(0, prefill_steps), "decode": i.summary(prefill_steps), "steps": i.records}),

@@ -256,9 +256,9 @@ enum Command {
         /// Tokens to generate.
         #[arg(long, default_value_t = 128)]
         gen_tokens: usize,
-        /// Prefill chunk size.
-        #[arg(long, default_value_t = smoe_engine::PREFILL_CHUNK)]
-        chunk: usize,
+        /// Prefill chunk size [default: the backend's: 256 tokens on the CPU, 512 on CUDA].
+        #[arg(long)]
+        chunk: Option<usize>,
         /// Runs; the best is reported (after a short warm-up run when > 1), every run's figures too.
         #[arg(long, default_value_t = 1)]
         reps: usize,

@@ -134,8 +134,9 @@ struct FormatKernels {
     mvk: CudaFunction,
     /// One-token products on int8 activations, for the formats that have them (`HAS_MVQ`).
     mvq: Option<(CudaFunction, CudaFunction)>,
-    /// Many-token products on int8 tensor cores (`mmq.cu`), for the same formats as `mvq`.
-    mmq: Option<CudaFunction>,
+    /// Many-token products on int8 tensor cores (`mmq.cu`), for the same formats as `mvq`:
+    /// tiles of 32 tokens, and of 64.
+    mmq: Option<(CudaFunction, CudaFunction)>,
     mm: CudaFunction,
     mmt: CudaFunction,
     embed: CudaFunction,
@@ -200,7 +201,7 @@ impl Kernels {
                             _ => None,
                         },
                         mmq: match fmt {
-                            Format::Q8_0 | Format::Q4_K => Some(f(&format!("mmq_{n}"))?),
+                            Format::Q8_0 | Format::Q4_K => Some((f(&format!("mmq32_{n}"))?, f(&format!("mmq_{n}"))?)),
                             _ => None,
                         },
                         mm: f(&format!("mm_{n}"))?,
@@ -315,6 +316,9 @@ pub struct CudaBackend {
     /// Many-token products of those formats on int8 tensor cores (`mmq.cu`); off
     /// (`SMOE_CUDA_PREFILL=tf32`), on 3xTF32 ones.
     int8_tiles: bool,
+    /// Tokens per int8 tile: 64, or 32 with `SMOE_CUDA_MMQ_TOKENS=32` (for comparison: it fits
+    /// an expert's few dozen tokens better, yet measured 8% slower on the 30B shape).
+    mmq_tokens: usize,
     /// Their quantized inputs (see `quantize_rows` in kernels.cu), reused launch after launch:
     /// one stream orders each product's reads before the next quantization.
     qscratch: Mutex<Option<CudaSlice<u8>>>,
@@ -389,6 +393,7 @@ impl CudaBackend {
             attention_part: Mutex::new(None),
             int8,
             int8_tiles: int8 && tensor_cores && prefill.as_deref() != Ok("tf32"),
+            mmq_tokens: if std::env::var("SMOE_CUDA_MMQ_TOKENS").as_deref() == Ok("32") { 32 } else { 64 },
             profile: std::env::var_os("SMOE_CUDA_PROFILE").map(|_| Mutex::new(Default::default())),
             pdl,
             few_tokens: AtomicBool::new(true),
@@ -505,10 +510,13 @@ impl CudaBackend {
         // Kind 0: one token (`mv1`), 1: a few (`mv`), 2: many (tiled). A job's kernel, and so its
         // rounding, depends on its own token count only, never on the batch it came in: the
         // same product gives the same bits whether its expert was in VRAM or just copied up.
-        let kind = |n: i32| {
+        // With int8 tiles, a few tokens go to them too: the f32 mat-vec of 2..8 tokens took
+        // 18 ms of a 512-token prefill (experts that few tokens chose), the tiles a fraction.
+        let tiles_from = |f: Format| if self.int8_tiles && self.k.format(f).mmq.is_some() { 2 } else { MV_TOKENS + 1 };
+        let kind = |f: Format, n: i32| {
             if n == 1 {
                 0u8
-            } else if n as usize <= MV_TOKENS {
+            } else if (n as usize) < tiles_from(f) {
                 1
             } else {
                 2
@@ -516,8 +524,12 @@ impl CudaBackend {
         };
         // One-token and tiled launches also by input width: an int8 launch quantizes its jobs'
         // input rows once, at one width.
-        let key = |j: &(Format, Job)| (j.0, kind(j.1.n), if kind(j.1.n) != 1 { j.1.cols } else { 0 });
+        let key = |j: &(Format, Job)| (j.0, kind(j.0, j.1.n), if kind(j.0, j.1.n) != 1 { j.1.cols } else { 0 });
         jobs.sort_by_key(key);
+        // The int8 inputs of the current run of jobs with one key (several launches when more
+        // than MAX_JOBS): quantized once for all of them, `(key, (qx, qstride, lo))`.
+        type Key = (Format, u8, i32);
+        let mut quantized: Option<(Key, (u64, usize, usize))> = None;
         let mut start = 0;
         while start < jobs.len() {
             let k0 = key(&jobs[start]);
@@ -537,28 +549,40 @@ impl CudaBackend {
             // Int8 activations: the one-token mat-vec, and tiles on tensor cores.
             let int8 = match k0.1 {
                 0 if self.int8 => fk.mvq.as_ref().map(|(mvq, _)| mvq),
-                2 if self.int8_tiles => fk.mmq.as_ref(),
+                2 if self.int8_tiles => fk.mmq.as_ref().map(|(t32, t64)| if self.mmq_tokens == 64 { t64 } else { t32 }),
                 _ => None,
             };
             if let Some(func) = int8 {
-                let lo = batch.iter().map(|j| j.x_row as usize).min().unwrap_or(0);
-                let hi = batch.iter().map(|j| (j.x_row + j.n) as usize).max().unwrap_or(0);
                 let cols = k0.2 as usize;
-                let (qx, qstride, lo) = match xq {
-                    // Rows the op before left quantized: no launch of its own.
-                    Some(q) if q.cols == cols && xs == cols && hi <= q.rows => (q.ptr, q.stride, 0),
+                // The input rows of every job with this key, from this launch's on.
+                let run_rows = || {
+                    jobs[start..]
+                        .iter()
+                        .take_while(|j| key(j) == k0)
+                        .fold((usize::MAX, 0), |(lo, hi), (_, j)| (lo.min(j.x_row as usize), hi.max((j.x_row + j.n) as usize)))
+                };
+                let (qx, qstride, lo) = match (quantized, xq) {
+                    (Some((k, q)), _) if k == k0 => q,
+                    (_, Some(q)) if q.cols == cols && xs == cols && q.rows >= run_rows().1 => (q.ptr, q.stride, 0),
                     _ => {
+                        // Rows the op before left quantized need no launch of their own;
+                        // else every row of the key's jobs, once.
+                        let (lo, hi) = run_rows();
                         let Some((qx, qstride)) = self.quantize(x, xs, lo, hi - lo, cols) else { return };
                         (qx, qstride, lo)
                     }
                 };
+                quantized = Some((k0, (qx, qstride, lo)));
                 let (qs_i, lo_i, os_i) = (qstride as i32, lo as i32, os as i32);
                 let mut a = Launch::new(func);
                 a.arg(&table).arg(&qx).arg(&qs_i).arg(&lo_i).arg(&out).arg(&os_i);
                 let (grid, op) = if k0.1 == 0 {
                     ((max_rows.div_ceil(mvq_block_rows(k0.0, cols)) as u32, (end - start) as u32, 1), "products, int8 mat-vec")
                 } else {
-                    ((max_rows.div_ceil(64) as u32, max_n.div_ceil(64) as u32, (end - start) as u32), "products, int8 tensor cores")
+                    (
+                        (max_rows.div_ceil(64) as u32, max_n.div_ceil(self.mmq_tokens) as u32, (end - start) as u32),
+                        "products, int8 tensor cores",
+                    )
                 };
                 self.launch(a, LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: 0 }, op);
                 start = end;
@@ -789,6 +813,12 @@ impl Backend for CudaBackend {
     type Matrix = CudaMatrix;
     type Vector = CudaVector;
     type KvCache = CudaKvCache;
+
+    /// 512: at 256 a chunk's dense products were a few hundred tiles, too few to fill the H200
+    /// (prefill of 512 tokens 2,664 → 3,330 tok/s with the same kernels).
+    fn prefill_chunk(&self) -> usize {
+        512
+    }
 
     fn describe(&self) -> String {
         let prefill = match (self.tensor_cores, self.int8_tiles) {

@@ -10,8 +10,8 @@
 //
 // with w_i = a_w q_i - b_w in every group of 32 (Q8_0: a_w the block's scale, b_w 0; Q4_K: a_w
 // d · scale of the sub-block, b_w dmin · its minimum), the arithmetic of the int8 mat-vec
-// (`mvq_task`) in another order. A block computes 64 weight rows by 64 tokens; each of its four
-// warps 16 rows by 64 tokens as eight m16n8k32 products per group. The weights of eight groups
+// (`mvq_task`) in another order. A block computes 64 weight rows by 32 or 64 tokens; each of its four
+// warps 16 rows by all the tokens, an m16n8k32 product per 8 tokens and group. The weights of eight groups
 // (a Q4_K super-block) and the inputs' are staged in shared memory per step, rows 272 bytes apart
 // so that a warp's fragment loads (eight rows by four words) fall in 32 different banks.
 
@@ -62,23 +62,26 @@ __device__ __forceinline__ void mmq_pair(const u8* row, int g, bool two, u32* ds
     }
 }
 
-// Job blockIdx.z's rows r0.. (64) by tokens t0.. (64) against its input rows, quantized at
-// qx + (j.x_row - lo) * qstride. Grid (row tiles, token tiles, jobs), 128 threads.
-template <int F>
+// Job blockIdx.z's rows r0.. (64) by tokens t0.. (NT: 32 or 64) against its input rows,
+// quantized at qx + (j.x_row - lo) * qstride. Grid (row tiles, token tiles, jobs), 128 threads.
+// Tiles of 32 tokens fit an expert's few dozen tokens of a prefill chunk better (with 64, half
+// of each tile's products and scalings are of padding) and leave room for more blocks per SM,
+// yet measured 8% slower on the 30B shape than 64: the backend uses 64 unless told.
+template <int F, int NT>
 __device__ void mmq(const Jobs& js, const u8* qx, int qstride, int lo, float* out, int os) {
 #if __CUDA_ARCH__ >= 800
     __shared__ __align__(16) u8 ws[MMQ_TILE * MMQ_STRIDE];
-    __shared__ __align__(16) u8 xq[MMQ_TILE * MMQ_STRIDE];
+    __shared__ __align__(16) u8 xq[NT * MMQ_STRIDE];
     // Odd row lengths: the four tokens a warp's lanes read at once fall in different banks.
     __shared__ float wa[MMQ_TILE][MMQ_GROUPS + 1], wb[MMQ_TILE][MMQ_GROUPS + 1];
-    __shared__ float xd[MMQ_TILE][MMQ_GROUPS + 1], xm[MMQ_TILE][MMQ_GROUPS + 1];
+    __shared__ float xd[NT][MMQ_GROUPS + 1], xm[NT][MMQ_GROUPS + 1];
     const Job& j = js.job[blockIdx.z];
-    int r0 = blockIdx.x * MMQ_TILE, t0 = blockIdx.y * MMQ_TILE;
+    int r0 = blockIdx.x * MMQ_TILE, t0 = blockIdx.y * NT;
     if (r0 >= j.rows || t0 >= j.n) return;
     int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gid = lane >> 2, tig = lane & 3;
-    float c[8][4];
+    float c[NT / 8][4];
 #pragma unroll
-    for (int a = 0; a < 8; a++)
+    for (int a = 0; a < NT / 8; a++)
 #pragma unroll
         for (int b = 0; b < 4; b++) c[a][b] = 0.0f;
     int groups = j.cols / 32;
@@ -102,13 +105,13 @@ __device__ void mmq(const Jobs& js, const u8* qx, int qstride, int lo, float* ou
         }
         // Inputs: 16-byte pieces (rows and column offsets are multiples of 16 bytes), then
         // each group's scale and scaled sum; zeros past the job's tokens or the row's end.
-        for (int e = tid; e < MMQ_TILE * 16; e += blockDim.x) {
+        for (int e = tid; e < NT * 16; e += blockDim.x) {
             int t = e / 16, piece = e % 16, col = 32 * g0 + 16 * piece;
             uint4 v = make_uint4(0, 0, 0, 0);
             if (t0 + t < j.n && col < j.cols) v = *(const uint4*)(xrows + (size_t)t * qstride + col);
             *(uint4*)(xq + t * MMQ_STRIDE + 16 * piece) = v;
         }
-        for (int e = tid; e < MMQ_TILE * MMQ_GROUPS; e += blockDim.x) {
+        for (int e = tid; e < NT * MMQ_GROUPS; e += blockDim.x) {
             int t = e / MMQ_GROUPS, gl = e % MMQ_GROUPS, g = g0 + gl;
             bool ok = t0 + t < j.n && g < groups;
             const float* s = (const float*)(xrows + (size_t)t * qstride + j.cols);
@@ -124,7 +127,7 @@ __device__ void mmq(const Jobs& js, const u8* qx, int qstride, int lo, float* ou
                         *(const u32*)(wr + 8 * MMQ_STRIDE + 16)};
             float a0 = wa[ra][gl], a1 = wa[ra + 8][gl], b0 = wb[ra][gl], b1 = wb[ra + 8][gl];
 #pragma unroll
-            for (int jn = 0; jn < 8; jn++) {
+            for (int jn = 0; jn < NT / 8; jn++) {
                 const u8* xr = xq + (8 * jn + gid) * MMQ_STRIDE + 32 * gl + 4 * tig;
                 u32 bq[2] = {*(const u32*)xr, *(const u32*)(xr + 16)};
                 int s[4] = {0, 0, 0, 0};
@@ -148,7 +151,7 @@ __device__ void mmq(const Jobs& js, const u8* qx, int qstride, int lo, float* ou
     }
     int ra = r0 + 16 * warp + gid, rb = ra + 8;
 #pragma unroll
-    for (int jn = 0; jn < 8; jn++) {
+    for (int jn = 0; jn < NT / 8; jn++) {
         int t = t0 + 8 * jn + 2 * tig;
         if (ra < j.rows) {
             if (t < j.n) out[(size_t)(j.out_row + t) * os + j.out_col + ra] = c[jn][0];
@@ -165,7 +168,11 @@ __device__ void mmq(const Jobs& js, const u8* qx, int qstride, int lo, float* ou
 #define MMQ_KERNELS(name, id)                                                                         \
     extern "C" __global__ void mmq_##name(const Jobs js, const u8* qx, int qstride, int lo, float* out, \
                                           int os) { PDL_START;                                        \
-        mmq<id>(js, qx, qstride, lo, out, os);                                                        \
+        mmq<id, 64>(js, qx, qstride, lo, out, os);                                                    \
+    }                                                                                                 \
+    extern "C" __global__ void mmq32_##name(const Jobs js, const u8* qx, int qstride, int lo,          \
+                                            float* out, int os) { PDL_START;                          \
+        mmq<id, 32>(js, qx, qstride, lo, out, os);                                                    \
     }
 
 MMQ_KERNELS(q8_0, 8)

@@ -196,6 +196,12 @@ pub trait Backend: Send + Sync {
 
     /// Human-readable description (ISA, threads).
     fn describe(&self) -> String;
+    /// Most tokens a prefill step should run at once: [`PREFILL_CHUNK`](crate::PREFILL_CHUNK)
+    /// (what keeps the CPU's working set in its caches) unless the backend fills wider steps
+    /// better, as a GPU does.
+    fn prefill_chunk(&self) -> usize {
+        crate::PREFILL_CHUNK
+    }
     /// Whether this backend's expert products read Q4_K experts interleaved eight rows at a
     /// time ([`smoe_quant::Layout::Interleaved8`]): the store then lays them out so as they
     /// load.

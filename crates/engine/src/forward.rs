@@ -272,8 +272,12 @@ impl<B: Backend> State<B> {
 }
 
 impl<B: Backend> Model<B> {
-    /// A fresh sequence that runs prefill in chunks of up to `chunk` tokens ([`PREFILL_CHUNK`]
-    /// unless there is a reason to differ).
+    /// The prefill chunk this model's backend prefers ([`Backend::prefill_chunk`]).
+    pub fn prefill_chunk(&self) -> usize {
+        self.backend.prefill_chunk()
+    }
+    /// A fresh sequence that runs prefill in chunks of up to `chunk` tokens
+    /// ([`prefill_chunk`](Self::prefill_chunk) unless there is a reason to differ).
     pub fn new_state(&self, chunk: usize) -> State<B> {
         let c = chunk.max(1);
         let be = &self.backend;

@@ -2,7 +2,7 @@
 //! loop that prefills a prompt and samples until a stop condition.
 
 use crate::backend::Backend;
-use crate::forward::{Logits, NoObserver, Observer, State, PREFILL_CHUNK};
+use crate::forward::{Logits, NoObserver, Observer, State};
 use crate::sampler::{Sampler, SamplingParams, SamplingRequest};
 use crate::{EngineError, Model};
 use serde_json::Value as Json;
@@ -246,7 +246,7 @@ impl<B: Backend> Engine<B> {
         Ok(Generation { tokens, text, finish, stats, prompt_logits, stop_string })
     }
 
-    /// [`generate`](Self::generate) from an empty state (prefilling [`PREFILL_CHUNK`] tokens at a
+    /// [`generate`](Self::generate) from an empty state (prefilling the backend's chunk of tokens at a
     /// time), observing nothing.
     pub fn generate_fresh(
         &self,
@@ -254,7 +254,7 @@ impl<B: Backend> Engine<B> {
         opts: &GenOptions,
         on_token: &mut dyn FnMut(u32, &str) -> bool,
     ) -> Result<Generation, EngineError> {
-        let mut st = self.model.new_state(PREFILL_CHUNK);
+        let mut st = self.model.new_state(self.model.prefill_chunk());
         self.generate(&mut st, prompt, opts, &mut NoObserver, on_token)
     }
 }

@@ -43,7 +43,7 @@ pub fn perplexity<B: Backend>(
         return Err(EngineError::Input(format!("{} tokens do not fill one window of {ctx}", ids.len())));
     }
     let vocab = model.arch().vocab_size;
-    let mut st = model.new_state(crate::PREFILL_CHUNK);
+    let mut st = model.new_state(model.prefill_chunk());
     model.reserve(&mut st, ctx);
     let (mut sum, mut sum_sq, mut n) = (0f64, 0f64, 0usize);
     for w in 0..windows {

@@ -2,7 +2,7 @@
 //! what is cached.
 
 use crate::backend::Backend;
-use crate::forward::{Observer, State, PREFILL_CHUNK};
+use crate::forward::{Observer, State};
 use crate::generate::{Engine, GenOptions, Generation};
 use crate::{EngineError, Model};
 use serde_json::{json, Map, Value as Json};
@@ -16,9 +16,9 @@ pub struct Session<B: Backend> {
 }
 
 impl<B: Backend> Session<B> {
-    /// An empty session for `model`, prefilling [`PREFILL_CHUNK`] tokens at a time.
+    /// An empty session for `model`, prefilling its backend's chunk of tokens at a time.
     pub fn new(model: &Model<B>) -> Session<B> {
-        Session { state: model.new_state(PREFILL_CHUNK), cached: Vec::new() }
+        Session { state: model.new_state(model.prefill_chunk()), cached: Vec::new() }
     }
 
     /// A session holding the first `positions` tokens of `other`'s cache, copied (see
