@@ -45,13 +45,7 @@ const MV_TOKENS: usize = 8;
 /// kernels.cu, divided among the warps that share rows (`mvq_split` there, the same function).
 fn mvq_block_rows(format: Format, cols: usize) -> usize {
     let tasks = if format == Format::Q8_0 { cols / 32 } else { cols / 64 };
-    let split = if tasks >= 128 {
-        4
-    } else if tasks >= 64 {
-        2
-    } else {
-        1
-    };
+    let split = if tasks >= 128 { 4 } else { 1 };
     4 * 2 / split
 }
 

@@ -32,14 +32,32 @@ __device__ __forceinline__ void mma_s8(int* d, const u32* a, const u32* b) {
 template <int F>
 __device__ __forceinline__ void mmq_pair(const u8* row, int g, bool two, u32* dst, float* a, float* b) {
     if (F == 8) {
+        // Two 34-byte blocks from an even group start 4-byte aligned where the row does (row
+        // lengths are multiples of 68 bytes but for odd group counts): 17 words, the first
+        // block's quants two bytes into them. Two-byte loads (load_i32_u16) made the dense
+        // products' weight staging the slowest part of a chunk.
+        const u8* blk = row + (size_t)g * 34;
+        if (two && ((size_t)blk & 3) == 0) {
+            u32 w[17];
+#pragma unroll
+            for (int k = 0; k < 17; k++) w[k] = ((const u32*)blk)[k];
+#pragma unroll
+            for (int k = 0; k < 8; k++) dst[k] = __funnelshift_r(w[k], w[k + 1], 16);
+#pragma unroll
+            for (int k = 0; k < 8; k++) dst[8 + k] = w[9 + k];
+            a[0] = half_bits((u16)(w[0] & 0xFFFF));
+            a[1] = half_bits((u16)(w[8] >> 16));
+            b[0] = b[1] = 0.0f;
+            return;
+        }
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             if (h == 1 && !two) break;
-            const u8* blk = row + (size_t)(g + h) * 34;
-            a[h] = f16(blk);
+            const u8* bh = blk + h * 34;
+            a[h] = f16(bh);
             b[h] = 0.0f;
 #pragma unroll
-            for (int k = 0; k < 8; k++) dst[8 * h + k] = (u32)load_i32_u16(blk + 2 + 4 * k);
+            for (int k = 0; k < 8; k++) dst[8 * h + k] = (u32)load_i32_u16(bh + 2 + 4 * k);
         }
     } else {  // Q4_K: groups g, g + 1 are sub-blocks 2p, 2p + 1 of super-block g / 8 (g even)
         int sb = g >> 3, p = (g & 7) >> 1;
