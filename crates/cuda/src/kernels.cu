@@ -455,6 +455,26 @@ __device__ __forceinline__ void mma_tf32(float* d, const u32* a, const u32* b) {
 }
 #endif
 
+// A warp's m16n8 accumulators of NJ tiles of eight tokens into job j's output: c[jn] holds rows
+// ra and ra + 8 for tokens t and t + 1 (t = t0 + 8 jn; ra and t0 already offset by the lane's
+// place in the fragment), rows and tokens past the job's left out.
+template <int NJ>
+__device__ __forceinline__ void store_tile(const Job& j, int ra, int t0, const float (*c)[4], float* out, int os) {
+    int rb = ra + 8;
+#pragma unroll
+    for (int jn = 0; jn < NJ; jn++) {
+        int t = t0 + 8 * jn;
+        if (ra < j.rows) {
+            if (t < j.n) out[(size_t)(j.out_row + t) * os + j.out_col + ra] = c[jn][0];
+            if (t + 1 < j.n) out[(size_t)(j.out_row + t + 1) * os + j.out_col + ra] = c[jn][1];
+        }
+        if (rb < j.rows) {
+            if (t < j.n) out[(size_t)(j.out_row + t) * os + j.out_col + rb] = c[jn][2];
+            if (t + 1 < j.n) out[(size_t)(j.out_row + t + 1) * os + j.out_col + rb] = c[jn][3];
+        }
+    }
+}
+
 // Many tokens on tensor cores (compute 8.0 and later): tiles of 64 weight rows by 64 tokens
 // (each decoded weight group serves twice the tokens of `mm`'s tile), 128 threads, 64 input
 // values per step, each warp 16 rows by 64 tokens as eight m16n8k8 TF32 products. Each f32 operand is split into a TF32 value and its TF32 remainder and
@@ -513,19 +533,7 @@ __device__ void mm_tc(const Jobs& js, const float* x, int xs, float* out, int os
         }
         __syncthreads();
     }
-    int ra = r0 + 16 * warp + gid, rb = ra + 8;
-#pragma unroll
-    for (int jn = 0; jn < 8; jn++) {
-        int t = t0 + 8 * jn + 2 * tig;
-        if (ra < j.rows) {
-            if (t < j.n) out[(size_t)(j.out_row + t) * os + j.out_col + ra] = c[jn][0];
-            if (t + 1 < j.n) out[(size_t)(j.out_row + t + 1) * os + j.out_col + ra] = c[jn][1];
-        }
-        if (rb < j.rows) {
-            if (t < j.n) out[(size_t)(j.out_row + t) * os + j.out_col + rb] = c[jn][2];
-            if (t + 1 < j.n) out[(size_t)(j.out_row + t + 1) * os + j.out_col + rb] = c[jn][3];
-        }
-    }
+    store_tile<8>(j, r0 + 16 * warp + gid, t0 + 2 * tig, c, out, os);
 #endif
 }
 

@@ -167,19 +167,7 @@ __device__ void mmq(const Jobs& js, const u8* qx, int qstride, int lo, float* ou
         }
         __syncthreads();
     }
-    int ra = r0 + 16 * warp + gid, rb = ra + 8;
-#pragma unroll
-    for (int jn = 0; jn < NT / 8; jn++) {
-        int t = t0 + 8 * jn + 2 * tig;
-        if (ra < j.rows) {
-            if (t < j.n) out[(size_t)(j.out_row + t) * os + j.out_col + ra] = c[jn][0];
-            if (t + 1 < j.n) out[(size_t)(j.out_row + t + 1) * os + j.out_col + ra] = c[jn][1];
-        }
-        if (rb < j.rows) {
-            if (t < j.n) out[(size_t)(j.out_row + t) * os + j.out_col + rb] = c[jn][2];
-            if (t + 1 < j.n) out[(size_t)(j.out_row + t + 1) * os + j.out_col + rb] = c[jn][3];
-        }
-    }
+    store_tile<NT / 8>(j, r0 + 16 * warp + gid, t0 + 2 * tig, c, out, os);
 #endif
 }
 

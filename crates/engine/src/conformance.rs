@@ -44,7 +44,6 @@ pub fn check_backend<B: Backend>(b: &B, tol: &Tolerance) -> Result<usize, Vec<St
     s.embed();
     s.matmul();
     s.matmul_many();
-    s.matmul_tiles();
     s.matmul_t();
     s.norms();
     s.elementwise();
@@ -210,21 +209,31 @@ impl<B: Backend> Suite<'_, B> {
     fn matmul(&mut self) {
         for (f, cols) in FORMATS {
             for rows in [1usize, 13, 40] {
-                let w = self.weights(f, rows, cols);
-                let m = self.matrix(&w);
-                for n in TOKENS {
-                    let x = self.values(n * cols);
-                    let xb = self.buf(n * cols, &x);
-                    // All rows, then a range starting off a group boundary.
-                    for range in [None, Some((rows / 3, rows - rows / 3))] {
-                        let (r0, count) = range.unwrap_or((0, rows));
-                        let mut out = self.buf(n * count, &[]);
-                        self.b.matmul(&m, range, &xb, n, &mut out);
-                        let (want, bound) = self.products(&w, r0, count, &x, cols, n);
-                        let got = self.read(&out, want.len());
-                        self.compare("matmul", &format!("{f}, {rows}x{cols}, rows {range:?}, {n} tokens"), &got, &want, |i| bound[i]);
-                    }
-                }
+                self.matmul_shape(f, rows, cols, &TOKENS, (rows / 3, rows - rows / 3));
+            }
+        }
+        // Prefill-sized products: several tiles of rows and of tokens (a GPU's 64 × 64), with
+        // remainders of each, more groups of 32 than one step of a tile takes and an odd count.
+        for (f, cols) in [(Format::Q4_K, 768usize), (Format::Q8_0, 288), (Format::F32, 72)] {
+            self.matmul_shape(f, 130, cols, &[70], (5, 125));
+        }
+    }
+
+    /// `rows × cols` weights of format `f` against each token count: all rows, then `range`
+    /// (first row, count; starting off a group boundary).
+    fn matmul_shape(&mut self, f: Format, rows: usize, cols: usize, tokens: &[usize], range: (usize, usize)) {
+        let w = self.weights(f, rows, cols);
+        let m = self.matrix(&w);
+        for &n in tokens {
+            let x = self.values(n * cols);
+            let xb = self.buf(n * cols, &x);
+            for range in [None, Some(range)] {
+                let (r0, count) = range.unwrap_or((0, rows));
+                let mut out = self.buf(n * count, &[]);
+                self.b.matmul(&m, range, &xb, n, &mut out);
+                let (want, bound) = self.products(&w, r0, count, &x, cols, n);
+                let got = self.read(&out, want.len());
+                self.compare("matmul", &format!("{f}, {rows}x{cols}, rows {range:?}, {n} tokens"), &got, &want, |i| bound[i]);
             }
         }
     }
@@ -266,26 +275,6 @@ impl<B: Backend> Suite<'_, B> {
                 let (want, bound) = self.products(w, r0, m, &x[x_row * x_stride..], x_stride, n);
                 let got: Vec<f32> = (0..n).flat_map(|t| got[(out_row + t) * out_stride + out_col..][..m].to_vec()).collect();
                 self.compare("matmul_many", &format!("{f}, job {ji}"), &got, &want, |i| bound[i]);
-            }
-        }
-    }
-
-    /// Prefill-sized products: several tiles of rows and of tokens (a GPU's 64 × 64), with
-    /// remainders of each, more groups of 32 than one step of a tile takes and an odd count.
-    fn matmul_tiles(&mut self) {
-        for (f, cols) in [(Format::Q4_K, 768usize), (Format::Q8_0, 288), (Format::F32, 72)] {
-            let (rows, n) = (130, 70);
-            let w = self.weights(f, rows, cols);
-            let m = self.matrix(&w);
-            let x = self.values(n * cols);
-            let xb = self.buf(n * cols, &x);
-            for range in [None, Some((5, 125))] {
-                let (r0, count) = range.unwrap_or((0, rows));
-                let mut out = self.buf(n * count, &[]);
-                self.b.matmul(&m, range, &xb, n, &mut out);
-                let (want, bound) = self.products(&w, r0, count, &x, cols, n);
-                let got = self.read(&out, want.len());
-                self.compare("matmul", &format!("{f}, {rows}x{cols}, rows {range:?}, {n} tokens"), &got, &want, |i| bound[i]);
             }
         }
     }
