@@ -28,6 +28,8 @@ pub trait LoadedModel: Send + Sync {
     ) -> Result<(String, Vec<u32>), EngineError>;
     /// A request's sampling settings over the model's generation defaults.
     fn sampling(&self, request: &SamplingRequest) -> SamplingParams;
+    /// How the model writes tool calls (its chat template's syntax; the default without one).
+    fn call_syntax(&self) -> smoe_text::CallSyntax;
 }
 
 impl<B: Backend> LoadedModel for Engine<B> {
@@ -54,5 +56,8 @@ impl<B: Backend> LoadedModel for Engine<B> {
     }
     fn sampling(&self, request: &SamplingRequest) -> SamplingParams {
         Engine::sampling(self, request)
+    }
+    fn call_syntax(&self) -> smoe_text::CallSyntax {
+        self.template.as_ref().map(|t| t.call_syntax()).unwrap_or_default()
     }
 }

@@ -45,6 +45,8 @@ pub struct Prepared {
     pub tools: bool,
     /// Whether the reply is a chat reply (reasoning and tool calls are split out) or raw text.
     pub chat: bool,
+    /// How the model writes tool calls.
+    pub calls: smoe_text::CallSyntax,
 }
 
 /// Loads the model, builds the options with `options(engine)` and tokenizes the prompt.
@@ -104,7 +106,7 @@ pub async fn prepare(
             return Err(ApiError::bad_param("prompt", "the prompt is empty"));
         }
         check_length(prompt.len(), opts.ctx)?;
-        Ok(Prepared { worker: worker.clone(), prompt, prompt_text, opts, tools, chat })
+        Ok(Prepared { worker: worker.clone(), prompt, prompt_text, opts, tools, chat, calls: engine.call_syntax() })
     })
     .await
     .map_err(|e| ApiError::internal(format!("request task failed: {e}")))?
@@ -136,7 +138,7 @@ pub fn submit(p: &Prepared, streamed: bool) -> Result<Running, ApiError> {
     let cancel = Arc::new(AtomicBool::new(false));
     let job = Job { prompt: p.prompt.clone(), opts: p.opts.clone(), events: tx, cancel: cancel.clone(), streamed, queued: Instant::now() };
     p.worker.submit(job)?;
-    let parser = if p.chat { ReplyParser::new(&p.prompt_text, p.tools) } else { ReplyParser::raw() };
+    let parser = if p.chat { ReplyParser::with_syntax(&p.prompt_text, p.tools, p.calls) } else { ReplyParser::raw() };
     Ok(Running { rx, guard: CancelOnDrop(cancel), parser })
 }
 

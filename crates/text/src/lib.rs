@@ -26,7 +26,7 @@ mod template;
 mod tokenizer;
 
 pub use detok::Detokenizer;
-pub use reply::{parse_reply, parse_tool_call, Piece, Reply, ReplyParser, ToolCall};
+pub use reply::{parse_reply, parse_tool_call, CallSyntax, Piece, Reply, ReplyParser, ToolCall};
 pub use sections::{Section, SectionSplitter};
 pub use stop::StopStrings;
 pub use template::{ChatTemplate, TemplateError};

@@ -4,7 +4,9 @@
 //! `<think>` and `</think>` (Qwen3, GLM-4.5, DeepSeek-R1 style; a prompt that ends with
 //! `<think>` starts the reply inside it), and tool calls between `<tool_call>` and
 //! `</tool_call>` whose body is either JSON `{"name": …, "arguments": {…}}` (Qwen, Hermes) or
-//! GLM-4.5's `name\n<arg_key>k</arg_key>\n<arg_value>v</arg_value>…`.
+//! GLM-4.5's `name\n<arg_key>k</arg_key>\n<arg_value>v</arg_value>…`, or MiniMax-M2's
+//! `<minimax:tool_call>` blocks of `<invoke name="f"><parameter name="k">v</parameter></invoke>`
+//! ([`CallSyntax`], told by the chat template).
 //!
 //! [`ReplyParser`] works on streamed text and returns each [`Piece`] as soon as it is certain;
 //! [`parse_reply`] parses a whole text at once. However the text is cut into pieces, the
@@ -17,6 +19,46 @@ const THINK_OPEN: &str = "<think>";
 const THINK_CLOSE: &str = "</think>";
 const CALL_OPEN: &str = "<tool_call>";
 const CALL_CLOSE: &str = "</tool_call>";
+const MINIMAX_OPEN: &str = "<minimax:tool_call>";
+const MINIMAX_CLOSE: &str = "</minimax:tool_call>";
+
+/// How a model writes tool calls.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CallSyntax {
+    /// One call between `<tool_call>` and `</tool_call>`: JSON (Qwen, Hermes) or GLM-4.5's
+    /// `<arg_key>`/`<arg_value>` pairs.
+    #[default]
+    ToolCallTags,
+    /// MiniMax-M2: one or more `<invoke name="f">` with `<parameter name="k">v</parameter>`
+    /// between `<minimax:tool_call>` and `</minimax:tool_call>`.
+    MiniMax,
+}
+
+impl CallSyntax {
+    /// The syntax a chat template's source teaches its model.
+    pub fn of_template(source: &str) -> CallSyntax {
+        if source.contains(MINIMAX_OPEN) {
+            CallSyntax::MiniMax
+        } else {
+            CallSyntax::ToolCallTags
+        }
+    }
+
+    fn tags(self) -> (&'static str, &'static str) {
+        match self {
+            CallSyntax::ToolCallTags => (CALL_OPEN, CALL_CLOSE),
+            CallSyntax::MiniMax => (MINIMAX_OPEN, MINIMAX_CLOSE),
+        }
+    }
+
+    /// The calls in one block's body (the text between the tags); `None` when it is not one.
+    fn parse(self, body: &str) -> Option<Vec<ToolCall>> {
+        match self {
+            CallSyntax::ToolCallTags => parse_tool_call(body).map(|c| vec![c]),
+            CallSyntax::MiniMax => parse_minimax_calls(body),
+        }
+    }
+}
 
 /// One parsed piece of a reply.
 #[derive(Clone, Debug, PartialEq)]
@@ -93,24 +135,32 @@ pub struct ReplyParser {
     blank: String,
     /// Whether a tool call was returned.
     called: bool,
+    syntax: CallSyntax,
 }
 
 impl ReplyParser {
     /// A parser for a chat reply to `prompt` (a prompt ending in `<think>` starts in reasoning);
     /// tool calls are parsed only when the request offered `tools`.
     pub fn new(prompt: &str, tools: bool) -> ReplyParser {
+        ReplyParser::with_syntax(prompt, tools, CallSyntax::default())
+    }
+
+    /// [`new`](Self::new) for a model that writes tool calls in `syntax`.
+    pub fn with_syntax(prompt: &str, tools: bool, syntax: CallSyntax) -> ReplyParser {
+        let (open, close) = syntax.tags();
         ReplyParser {
             think: Some(SectionSplitter::new(THINK_OPEN, THINK_CLOSE, prompt.trim_end().ends_with(THINK_OPEN))),
-            tools: tools.then(|| SectionSplitter::new(CALL_OPEN, CALL_CLOSE, false)),
+            tools: tools.then(|| SectionSplitter::new(open, close, false)),
             call: String::new(),
             blank: String::new(),
             called: false,
+            syntax,
         }
     }
 
     /// A parser that returns all text as content (raw completions).
     pub fn raw() -> ReplyParser {
-        ReplyParser { think: None, tools: None, call: String::new(), blank: String::new(), called: false }
+        ReplyParser { think: None, tools: None, call: String::new(), blank: String::new(), called: false, syntax: CallSyntax::default() }
     }
 
     /// Whether the text seen so far ends inside reasoning.
@@ -137,7 +187,8 @@ impl ReplyParser {
             out.extend(self.content_or_call(rest));
             if open || !self.call.is_empty() {
                 let call = std::mem::take(&mut self.call);
-                out.push(Piece::Content(format!("{}{CALL_OPEN}{call}", std::mem::take(&mut self.blank))));
+                let open = self.syntax.tags().0;
+                out.push(Piece::Content(format!("{}{open}{call}", std::mem::take(&mut self.blank))));
             }
             let blank = std::mem::take(&mut self.blank);
             if !self.called && !blank.is_empty() {
@@ -188,14 +239,17 @@ impl ReplyParser {
                 Section::Closed => {
                     let body = std::mem::take(&mut self.call);
                     let blank = std::mem::take(&mut self.blank);
-                    out.push(match parse_tool_call(&body) {
-                        Some(c) => {
+                    match self.syntax.parse(&body) {
+                        Some(calls) => {
                             self.called = true;
-                            Piece::ToolCall(c)
+                            out.extend(calls.into_iter().map(Piece::ToolCall));
                         }
                         // Not a call after all: the text as written.
-                        None => Piece::Content(format!("{blank}{CALL_OPEN}{body}{CALL_CLOSE}")),
-                    });
+                        None => {
+                            let (open, close) = self.syntax.tags();
+                            out.push(Piece::Content(format!("{blank}{open}{body}{close}")));
+                        }
+                    }
                 }
             }
         }
@@ -242,6 +296,43 @@ pub fn parse_tool_call(body: &str) -> Option<ToolCall> {
         (name.to_string(), Json::Object(map).to_string())
     };
     Some(ToolCall { name, arguments, text: format!("{CALL_OPEN}{body}{CALL_CLOSE}") })
+}
+
+/// The calls of a MiniMax-M2 block body: `<invoke name="f">` … `</invoke>`, each with
+/// `<parameter name="k">v</parameter>` children. A value is JSON where it parses as JSON (numbers,
+/// booleans, objects, arrays, as the model writes non-string arguments), else the text itself
+/// without the line breaks that wrap it. `None` when the body holds no invoke, or holds
+/// anything but invokes and whitespace, or one is not closed.
+fn parse_minimax_calls(body: &str) -> Option<Vec<ToolCall>> {
+    const INVOKE: (&str, &str) = ("<invoke name=", "</invoke>");
+    const PARAM: (&str, &str) = ("<parameter name=", "</parameter>");
+    // `name="x">` (quotes optional) at the start of `s`: the name and the rest after `>`.
+    fn named(s: &str) -> Option<(String, &str)> {
+        let end = s.find('>')?;
+        let name = s[..end].trim().trim_matches('"').to_string();
+        (!name.is_empty()).then_some((name, &s[end + 1..]))
+    }
+    let mut calls = Vec::new();
+    let mut rest = body.trim_start();
+    while !rest.is_empty() {
+        let inner = rest.strip_prefix(INVOKE.0)?;
+        let close = inner.find(INVOKE.1)?;
+        let (name, mut params) = named(&inner[..close])?;
+        let mut map = serde_json::Map::new();
+        params = params.trim_start();
+        while !params.is_empty() {
+            let p = params.strip_prefix(PARAM.0)?;
+            let (key, after) = named(p)?;
+            let v1 = after.find(PARAM.1)?;
+            let raw = after[..v1].trim_matches('\n');
+            map.insert(key, serde_json::from_str(raw).unwrap_or_else(|_| Json::String(raw.to_string())));
+            params = after[v1 + PARAM.1.len()..].trim_start();
+        }
+        let text = format!("{MINIMAX_OPEN}\n{}{}\n{MINIMAX_CLOSE}", INVOKE.0, &inner[..close + INVOKE.1.len()]);
+        calls.push(ToolCall { name, arguments: Json::Object(map).to_string(), text });
+        rest = inner[close + INVOKE.1.len()..].trim_start();
+    }
+    (!calls.is_empty()).then_some(calls)
 }
 
 #[cfg(test)]
@@ -390,6 +481,45 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    const MINIMAX_REPLY: &str = "<think>\nThe user wants weather.\n</think>\n\nChecking.\n<minimax:tool_call>\n<invoke name=\"get_weather\">\n<parameter name=\"city\">San Francisco</parameter>\n<parameter name=\"days\">3</parameter>\n<parameter name=\"opts\">{\"unit\": \"celsius\"}</parameter>\n</invoke>\n<invoke name=\"get_time\">\n</invoke>\n</minimax:tool_call>";
+
+    #[test]
+    fn minimax_tool_calls() {
+        assert_eq!(CallSyntax::of_template("{{ '<minimax:tool_call>' }}"), CallSyntax::MiniMax);
+        assert_eq!(CallSyntax::of_template("{{ '<tool_call>' }}"), CallSyntax::ToolCallTags);
+        let r = ReplyParser::with_syntax("<|im_start|>assistant\n", true, CallSyntax::MiniMax).parse(MINIMAX_REPLY);
+        assert_eq!(r.reasoning, "\nThe user wants weather.\n");
+        assert_eq!(r.content, "\n\nChecking.");
+        assert_eq!(r.tool_calls.len(), 2, "{r:?}");
+        assert_eq!(r.tool_calls[0].name, "get_weather");
+        assert_eq!(args(&r.tool_calls[0]), serde_json::json!({"city": "San Francisco", "days": 3, "opts": {"unit": "celsius"}}));
+        assert!(r.tool_calls[0].text.starts_with("<minimax:tool_call>\n<invoke name=\"get_weather\">"));
+        assert!(r.tool_calls[0].text.ends_with("</invoke>\n</minimax:tool_call>"));
+        assert_eq!((r.tool_calls[1].name.as_str(), args(&r.tool_calls[1])), ("get_time", serde_json::json!({})));
+        // The other syntax's tags are text to this model, and this model's are text to others.
+        let other = "a <tool_call>{\"name\": \"f\"}</tool_call>";
+        assert_eq!(ReplyParser::with_syntax("", true, CallSyntax::MiniMax).parse(other).content, other);
+        assert!(parse_reply("", true, MINIMAX_REPLY).tool_calls.is_empty());
+        // Anything but invokes in a block, or an unclosed one, is content as written.
+        for bad in [
+            "<minimax:tool_call>text</minimax:tool_call>",
+            "<minimax:tool_call><invoke name=\"f\"></minimax:tool_call>",
+            "<minimax:tool_call><invoke name=\"f\"><parameter name=\"k\">v</invoke></minimax:tool_call>",
+            "<minimax:tool_call><invoke name=\"f\"></invoke>",
+        ] {
+            let r = ReplyParser::with_syntax("", true, CallSyntax::MiniMax).parse(bad);
+            assert_eq!((r.content.as_str(), r.tool_calls.len()), (bad, 0));
+        }
+        // Streamed in any cutting, the same reply.
+        let whole = ReplyParser::with_syntax("", true, CallSyntax::MiniMax).parse(MINIMAX_REPLY);
+        for parts in cuttings(MINIMAX_REPLY) {
+            let mut p = ReplyParser::with_syntax("", true, CallSyntax::MiniMax);
+            let mut streamed: Reply = parts.iter().flat_map(|s| p.push(s)).collect();
+            streamed.extend(p.finish());
+            assert_eq!(streamed, whole, "as {parts:?}");
         }
     }
 }

@@ -20,6 +20,7 @@ pub struct ChatTemplate {
     env: Arc<Environment<'static>>,
     bos_token: String,
     eos_token: String,
+    calls: crate::CallSyntax,
 }
 
 impl ChatTemplate {
@@ -33,7 +34,17 @@ impl ChatTemplate {
         env.add_function("raise_exception", |msg: String| -> Result<Value, Error> { Err(Error::new(ErrorKind::InvalidOperation, msg)) });
         env.add_function("strftime_now", |fmt: String| strftime(&fmt, now_unix()));
         env.add_template_owned("chat", source.to_string()).map_err(|e| TemplateError(format!("{e:#}")))?;
-        Ok(ChatTemplate { env: Arc::new(env), bos_token: bos_token.unwrap_or("").into(), eos_token: eos_token.unwrap_or("").into() })
+        Ok(ChatTemplate {
+            env: Arc::new(env),
+            bos_token: bos_token.unwrap_or("").into(),
+            eos_token: eos_token.unwrap_or("").into(),
+            calls: crate::CallSyntax::of_template(source),
+        })
+    }
+
+    /// How the model this template was written for writes tool calls.
+    pub fn call_syntax(&self) -> crate::CallSyntax {
+        self.calls
     }
 
     /// Renders `messages` (OpenAI-style objects). `tools` is passed when present; `extra` holds
