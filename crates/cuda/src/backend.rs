@@ -128,9 +128,8 @@ struct FormatKernels {
     mvk: CudaFunction,
     /// One-token products on int8 activations, for the formats that have them (`HAS_MVQ`).
     mvq: Option<(CudaFunction, CudaFunction)>,
-    /// Many-token products on int8 tensor cores (`mmq.cu`), for the same formats as `mvq`:
-    /// tiles of 32 tokens, and of 64.
-    mmq: Option<(CudaFunction, CudaFunction)>,
+    /// Many-token products on int8 tensor cores (`mmq.cu`), for the same formats as `mvq`.
+    mmq: Option<CudaFunction>,
     mm: CudaFunction,
     mmt: CudaFunction,
     embed: CudaFunction,
@@ -195,7 +194,7 @@ impl Kernels {
                             _ => None,
                         },
                         mmq: match fmt {
-                            Format::Q8_0 | Format::Q4_K => Some((f(&format!("mmq32_{n}"))?, f(&format!("mmq_{n}"))?)),
+                            Format::Q8_0 | Format::Q4_K => Some(f(&format!("mmq_{n}"))?),
                             _ => None,
                         },
                         mm: f(&format!("mm_{n}"))?,
@@ -310,9 +309,6 @@ pub struct CudaBackend {
     /// Many-token products of those formats on int8 tensor cores (`mmq.cu`); off
     /// (`SMOE_CUDA_PREFILL=tf32`), on 3xTF32 ones.
     int8_tiles: bool,
-    /// Tokens per int8 tile: 64, or 32 with `SMOE_CUDA_MMQ_TOKENS=32` (for comparison: it fits
-    /// an expert's few dozen tokens better, yet measured 8% slower on the 30B shape).
-    mmq_tokens: usize,
     /// Their quantized inputs (see `quantize_rows` in kernels.cu), reused launch after launch:
     /// one stream orders each product's reads before the next quantization.
     qscratch: Mutex<Option<CudaSlice<u8>>>,
@@ -387,7 +383,6 @@ impl CudaBackend {
             attention_part: Mutex::new(None),
             int8,
             int8_tiles: int8 && tensor_cores && prefill.as_deref() != Ok("tf32"),
-            mmq_tokens: if std::env::var("SMOE_CUDA_MMQ_TOKENS").as_deref() == Ok("32") { 32 } else { 64 },
             profile: std::env::var_os("SMOE_CUDA_PROFILE").map(|_| Mutex::new(Default::default())),
             pdl,
             few_tokens: AtomicBool::new(true),
@@ -543,7 +538,7 @@ impl CudaBackend {
             // Int8 activations: the one-token mat-vec, and tiles on tensor cores.
             let int8 = match k0.1 {
                 0 if self.int8 => fk.mvq.as_ref().map(|(mvq, _)| mvq),
-                2 if self.int8_tiles => fk.mmq.as_ref().map(|(t32, t64)| if self.mmq_tokens == 64 { t64 } else { t32 }),
+                2 if self.int8_tiles => fk.mmq.as_ref(),
                 _ => None,
             };
             if let Some(func) = int8 {
@@ -573,10 +568,7 @@ impl CudaBackend {
                 let (grid, op) = if k0.1 == 0 {
                     ((max_rows.div_ceil(mvq_block_rows(k0.0, cols)) as u32, (end - start) as u32, 1), "products, int8 mat-vec")
                 } else {
-                    (
-                        (max_rows.div_ceil(64) as u32, max_n.div_ceil(self.mmq_tokens) as u32, (end - start) as u32),
-                        "products, int8 tensor cores",
-                    )
+                    ((max_rows.div_ceil(64) as u32, max_n.div_ceil(64) as u32, (end - start) as u32), "products, int8 tensor cores")
                 };
                 self.launch(a, LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: 0 }, op);
                 start = end;

@@ -948,20 +948,12 @@ __device__ __forceinline__ u32 order_key(float v) {
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
-// Warp-wide maximum and minimum: one instruction from compute 8.0, shuffles before.
+// Warp-wide maximum: one instruction from compute 8.0, shuffles before.
 __device__ __forceinline__ u32 warp_max_u32(u32 v) {
 #if __CUDA_ARCH__ >= 800
     return __reduce_max_sync(0xffffffff, v);
 #else
     for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffff, v, o));
-    return v;
-#endif
-}
-__device__ __forceinline__ u32 warp_min_u32(u32 v) {
-#if __CUDA_ARCH__ >= 800
-    return __reduce_min_sync(0xffffffff, v);
-#else
-    for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(0xffffffff, v, o));
     return v;
 #endif
 }
@@ -1043,7 +1035,8 @@ extern "C" __global__ void route(const float* logits, int e, const float* bias, 
             if (key > best) best = key, bi = i;
         }
         u32 top = warp_max_u32(best);
-        int id = (int)warp_min_u32(top != 0 && best == top ? (u32)bi : 0xffffffffu);
+        // The lowest index among the lanes holding it: a minimum, as the maximum of complements.
+        int id = (int)~warp_max_u32(top != 0 && best == top ? ~(u32)bi : 0u);
         if (top == 0) id = 0;  // nothing compares (all NaN): expert 0, never outside
         __syncwarp();
         if (lane == 0) {

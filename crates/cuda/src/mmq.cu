@@ -80,11 +80,11 @@ __device__ __forceinline__ void mmq_pair(const u8* row, int g, bool two, u32* ds
     }
 }
 
-// Job blockIdx.z's rows r0.. (64) by tokens t0.. (NT: 32 or 64) against its input rows,
+// Job blockIdx.z's rows r0.. (64) by tokens t0.. (NT) against its input rows,
 // quantized at qx + (j.x_row - lo) * qstride. Grid (row tiles, token tiles, jobs), 128 threads.
-// Tiles of 32 tokens fit an expert's few dozen tokens of a prefill chunk better (with 64, half
-// of each tile's products and scalings are of padding) and leave room for more blocks per SM,
-// yet measured 8% slower on the 30B shape than 64: the backend uses 64 unless told.
+// Tiles of 32 tokens (NT = 32) fit an expert's few dozen tokens of a prefill chunk better (with
+// 64, half of each tile's products and scalings are of padding), yet measured 8% slower on the
+// 30B shape than 64, the only size built.
 template <int F, int NT>
 __device__ void mmq(const Jobs& js, const u8* qx, int qstride, int lo, float* out, int os) {
 #if __CUDA_ARCH__ >= 800
@@ -175,10 +175,6 @@ __device__ void mmq(const Jobs& js, const u8* qx, int qstride, int lo, float* ou
     extern "C" __global__ void mmq_##name(const Jobs js, const u8* qx, int qstride, int lo, float* out, \
                                           int os) { PDL_START;                                        \
         mmq<id, 64>(js, qx, qstride, lo, out, os);                                                    \
-    }                                                                                                 \
-    extern "C" __global__ void mmq32_##name(const Jobs js, const u8* qx, int qstride, int lo,          \
-                                            float* out, int os) { PDL_START;                          \
-        mmq<id, 32>(js, qx, qstride, lo, out, os);                                                    \
     }
 
 MMQ_KERNELS(q8_0, 8)
