@@ -578,13 +578,17 @@ impl<B: Backend> Model<B> {
             st.charge(t, |r| &mut r.expert_ms);
             return Ok(true);
         }
-        let ins = &mut st.instrument;
-        self.route_tokens(m, Some(li), &st.buf.h, &mut st.buf.router, &mut st.host.routes, n, |token, experts, weights, choice| {
-            obs.route(li, pos + token, experts, weights, choice);
-            if let Some(ins) = ins.as_mut() {
-                ins.route(li, experts);
-            }
-        });
+        if self.kept[li] && self.routing_trace.is_none() && !obs.wants_routes() {
+            self.route_on_backend(li, m, st, n);
+        } else {
+            let ins = &mut st.instrument;
+            self.route_tokens(m, Some(li), &st.buf.h, &mut st.buf.router, &mut st.host.routes, n, |token, experts, weights, choice| {
+                obs.route(li, pos + token, experts, weights, choice);
+                if let Some(ins) = ins.as_mut() {
+                    ins.route(li, experts);
+                }
+            });
+        }
         st.charge(t, |r| &mut r.routing_ms);
         let t = Instant::now();
         st.host.groups.group(&st.host.routes.ids, self.arch.moe.num_experts, self.router.top_k());
@@ -603,13 +607,40 @@ impl<B: Backend> Model<B> {
     fn kept_moe(&self, li: usize, m: &MoeBlock<B>, st: &mut State<B>, n: usize) {
         let (be, k) = (&self.backend, self.router.top_k());
         let b = &mut st.buf;
-        be.matmul(&m.router, None, &b.h, n, &mut b.router);
         // This layer's routes, in its own rows of `routes` (see `instrument_kept_routes`).
         let at = li * n * 2 * k;
+        be.matmul(&m.router, None, &b.h, n, &mut b.router);
         be.route(&self.router, &b.router, m.router_bias_kept.as_ref(), n, &mut b.routes, at);
         be.kept_experts(li, &b.routes, at, k, &b.h, n, &mut b.gu, &mut b.slots, &mut b.x);
         if let Some(shared) = &m.shared {
             self.shared_experts(shared, m.shared_gate.as_ref(), st, n);
+        }
+    }
+
+    /// The routing of many tokens of a layer whose experts the backend keeps: router and
+    /// [`Backend::route`] on the backend, only the chosen experts and weights (`[n, 2k]`)
+    /// brought back for grouping. Routing on the host brought back every logit (`[n,
+    /// experts]`) and then computed the softmax and top-k of each token while the device
+    /// waited: a quarter of a 512-token prefill on the GPU. The backend's routes are the
+    /// host's ([`Backend::route`]'s contract), so the groups are the same.
+    fn route_on_backend(&self, li: usize, m: &MoeBlock<B>, st: &mut State<B>, n: usize) {
+        let (be, k) = (&self.backend, self.router.top_k());
+        let (b, r) = (&mut st.buf, &mut st.host.routes);
+        be.matmul(&m.router, None, &b.h, n, &mut b.router);
+        let at = li * n * 2 * k;
+        be.route(&self.router, &b.router, m.router_bias_kept.as_ref(), n, &mut b.routes, at);
+        r.logits.resize(n * 2 * k, 0.0);
+        be.download(&b.routes, at, &mut r.logits);
+        r.ids.clear();
+        r.weights.clear();
+        for row in r.logits.chunks_exact(2 * k) {
+            r.ids.extend(row[..k].iter().map(|&id| id as u32));
+            r.weights.extend_from_slice(&row[k..]);
+        }
+        if let Some(ins) = st.instrument.as_mut() {
+            for experts in r.ids.chunks_exact(k) {
+                ins.route(li, experts);
+            }
         }
     }
 
