@@ -82,26 +82,3 @@ extern "C" __global__ void attention_tiles(const float* k, const float* v, int h
         if (d < vd) out[((size_t)t * q_heads + h) * vd + d] = o[j] * inv;
     }
 }
-
-// The splits of `attention` with `part` merged: for each (token, query head) block, the
-// splits' maxima, sums and outputs rescaled to the largest maximum and summed in split order,
-// the output written (and, with qx, quantized) as `attention` writes it. Split 0 always holds
-// position 0, so the largest maximum is finite.
-extern "C" __global__ void attention_combine(const float* part, int splits, int vd, int q_heads, float* out, u8* qx,
-                                             int qstride) {
-    PDL_START;
-    const float* pp = part + (size_t)blockIdx.x * splits * (vd + 2);
-    int t = blockIdx.x / q_heads, h = blockIdx.x % q_heads;
-    float m = NEG_INF;
-    for (int s = 0; s < splits; s++) m = fmaxf(m, pp[(size_t)s * (vd + 2)]);
-    float l = 0.0f;
-    for (int s = 0; s < splits; s++) l += pp[(size_t)s * (vd + 2) + 1] * expf(pp[(size_t)s * (vd + 2)] - m);
-    float inv = 1.0f / l;
-    for (int d = threadIdx.x; d < vd; d += blockDim.x) {
-        float a = 0.0f;
-        for (int s = 0; s < splits; s++) a += pp[(size_t)s * (vd + 2) + 2 + d] * expf(pp[(size_t)s * (vd + 2)] - m);
-        float o = a * inv;
-        out[((size_t)t * q_heads + h) * vd + d] = o;
-        if (qx) quantize_group(o, qx + (size_t)t * qstride, q_heads * vd, (h * vd + d) / 32);
-    }
-}

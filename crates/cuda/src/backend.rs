@@ -116,6 +116,62 @@ pub struct CudaOptions {
     /// goes through the slot-keyed tier and the host's routing. For comparing the two (also
     /// `SMOE_CUDA_KEEP=off`).
     pub no_keep: bool,
+    /// Record decoded tokens as CUDA graphs (see [`crate::graph`]) instead of launching each
+    /// kernel (also `SMOE_CUDA_GRAPHS=on`). Off by default: on the H200 the graphs decoded
+    /// slower than the stream's overlapped launches (docs/benchmarks.md).
+    pub graphs: bool,
+}
+
+/// The parameters of the routing kernel (`route`) for a rule.
+struct RouteArgs {
+    e: i32,
+    k: i32,
+    sigmoid: i32,
+    n_group: i32,
+    topk_group: i32,
+    norm: i32,
+    scaling: f32,
+    bias: u64,
+    /// Dynamic shared memory: 2 e + 2 k floats.
+    shared: u32,
+}
+
+impl RouteArgs {
+    fn new(rule: &RouterRule, bias: Option<&CudaVector>, stream: &CudaStream) -> RouteArgs {
+        let (e, k) = (rule.num_experts(), rule.top_k());
+        let (sigmoid, n_group, topk_group) = match *rule.kind() {
+            Router::Softmax => (0i32, 1i32, 1i32),
+            Router::SigmoidGrouped { n_group, topk_group, .. } => (1, n_group as i32, topk_group as i32),
+        };
+        // The kernel scores one group per lane, and every expert must be choosable.
+        assert!((1..=32).contains(&n_group) && k <= e, "route: {n_group} groups, top {k} of {e}");
+        if let Some(b) = bias {
+            assert!(b.len >= e, "route: {} biases for {e} experts", b.len);
+        }
+        RouteArgs {
+            e: e as i32,
+            k: k as i32,
+            sigmoid,
+            n_group,
+            topk_group,
+            norm: rule.norm_topk_prob() as i32,
+            scaling: rule.scaling(),
+            bias: bias.map_or(0u64, |b| dptr(&b.data, stream)),
+            shared: ((2 * e + 2 * k) * 4) as u32,
+        }
+    }
+}
+
+/// The one-token int8-activation kernels of a format (kernels.cu, kept.cu).
+struct Int8Kernels {
+    /// Products named by jobs.
+    mvq: CudaFunction,
+    /// Products of kept experts, routed on the device.
+    mvkq: CudaFunction,
+    /// Kept experts' gate and up with SiLU(gate) · up and its int8 copy (`mvkq_swiglu`).
+    swiglu: CudaFunction,
+    /// Kept experts' down products mixed into the residual (`mvkq_mix`).
+    mix: CudaFunction,
 }
 
 /// The kernels of one weight format.
@@ -127,7 +183,7 @@ struct FormatKernels {
     /// Mat-vec of kept experts, routed on the device.
     mvk: CudaFunction,
     /// One-token products on int8 activations, for the formats that have them (`HAS_MVQ`).
-    mvq: Option<(CudaFunction, CudaFunction)>,
+    mvq: Option<Int8Kernels>,
     /// Many-token products on int8 tensor cores (`mmq.cu`), for the same formats as `mvq`.
     mmq: Option<CudaFunction>,
     mm: CudaFunction,
@@ -157,7 +213,6 @@ struct Kernels {
     silu_quantize: CudaFunction,
     mvs_f32: CudaFunction,
     attention_tiles: CudaFunction,
-    attention_combine: CudaFunction,
 }
 
 /// The kernels' name for each weight format.
@@ -190,7 +245,12 @@ impl Kernels {
                         mv: f(&format!("mv_{n}"))?,
                         mvk: f(&format!("mvk_{n}"))?,
                         mvq: match fmt {
-                            Format::Q8_0 | Format::Q4_K => Some((f(&format!("mvq_{n}"))?, f(&format!("mvkq_{n}"))?)),
+                            Format::Q8_0 | Format::Q4_K => Some(Int8Kernels {
+                                mvq: f(&format!("mvq_{n}"))?,
+                                mvkq: f(&format!("mvkq_{n}"))?,
+                                swiglu: f(&format!("mvkq_swiglu_{n}"))?,
+                                mix: f(&format!("mvkq_mix_{n}"))?,
+                            }),
                             _ => None,
                         },
                         mmq: match fmt {
@@ -226,7 +286,6 @@ impl Kernels {
             silu_quantize: f("silu_quantize")?,
             mvs_f32: f("mvs_f32")?,
             attention_tiles: f("attention_tiles")?,
-            attention_combine: f("attention_combine")?,
         })
     }
 
@@ -303,16 +362,23 @@ pub struct CudaBackend {
     miss_precision: Precision,
     /// `SMOE_CUDA_PROFILE=1`: every launch waited for and timed by kernel, printed at the end
     /// (launch plus run time, on a synchronized stream: for finding where time goes, not speed).
+    /// `SMOE_CUDA_PROFILE=host`: nothing waited for; each launch's host time, and the time the
+    /// host waits for the device in downloads (whether decode is bound by the GPU or by the
+    /// host queueing its kernels).
     profile: Option<Mutex<std::collections::HashMap<&'static str, (u64, f64)>>>,
+    profile_sync: bool,
     /// One-token products on int8 activations where the format has a kernel (`Precision::Fast`).
     int8: bool,
     /// Many-token products of those formats on int8 tensor cores (`mmq.cu`); off
     /// (`SMOE_CUDA_PREFILL=tf32`), on 3xTF32 ones.
     int8_tiles: bool,
+    /// A decoded token's kept experts in two launches (kept.cu) where the formats allow;
+    /// `SMOE_CUDA_FUSED_KEPT=off`: the four of before.
+    kept_fused: bool,
     /// Their quantized inputs (see `quantize_rows` in kernels.cu), reused launch after launch:
     /// one stream orders each product's reads before the next quantization.
     qscratch: Mutex<Option<CudaSlice<u8>>>,
-    /// The partial results of split attention (see `attention_combine` in attention.cu).
+    /// Split attention's tickets and partial results (see `merge_splits` in kernels.cu).
     attention_part: Mutex<Option<CudaSlice<f32>>>,
     /// The rotary tables of the chunk being run (see [`fused::RopeOnDevice`]).
     rope: Mutex<fused::RopeOnDevice>,
@@ -328,6 +394,10 @@ pub struct CudaBackend {
     few_tokens: AtomicBool,
     faulted: AtomicBool,
     fault: Mutex<Option<String>>,
+    /// One-token steps recorded and launched as CUDA graphs (see [`crate::graph`]):
+    /// `CudaOptions::graphs`, never under the synchronizing profile.
+    graphs: bool,
+    graph: Mutex<crate::graph::StepGraph>,
 }
 
 /// Threads of a norm's block (one block a row): up to 1024, so that a decoded token's row of a
@@ -382,12 +452,17 @@ impl CudaBackend {
             rope: Mutex::new(Default::default()),
             attention_part: Mutex::new(None),
             int8,
+            kept_fused: std::env::var("SMOE_CUDA_FUSED_KEPT").as_deref() != Ok("off"),
             int8_tiles: int8 && tensor_cores && prefill.as_deref() != Ok("tf32"),
             profile: std::env::var_os("SMOE_CUDA_PROFILE").map(|_| Mutex::new(Default::default())),
+            profile_sync: std::env::var("SMOE_CUDA_PROFILE").as_deref() != Ok("host"),
             pdl,
             few_tokens: AtomicBool::new(true),
             faulted: AtomicBool::new(false),
             fault: Mutex::new(None),
+            graphs: (opts.graphs || std::env::var("SMOE_CUDA_GRAPHS").as_deref() == Ok("on"))
+                && std::env::var("SMOE_CUDA_PROFILE").map_or(true, |p| p == "host"),
+            graph: Mutex::new(crate::graph::StepGraph::new()),
         })
     }
 
@@ -403,6 +478,30 @@ impl CudaBackend {
 
     fn faulted(&self) -> bool {
         self.faulted.load(Ordering::Relaxed)
+    }
+
+    /// Ends the capture of a step (see [`crate::graph`]), launching what was recorded, before
+    /// work that must not be recorded: a download, a synchronization, an allocation, a copy
+    /// from pageable memory, the copy stream's traffic.
+    fn settle(&self) {
+        if !self.graphs {
+            return;
+        }
+        let mut g = self.graph.lock().expect("graph lock");
+        if g.capturing() {
+            let r = g.end(&self.stream);
+            drop(g);
+            self.ok("launching a step's graph", r);
+        }
+    }
+
+    /// Starts recording a one-token step (see [`crate::graph`]).
+    fn begin_step_graph(&self) {
+        if !self.graphs || self.faulted() {
+            return;
+        }
+        let r = self.graph.lock().expect("graph lock").begin(&self.stream);
+        self.ok("recording a step", r);
     }
 
     /// Keeps the first device error; ops after it do nothing.
@@ -441,8 +540,18 @@ impl CudaBackend {
         // extents it is given; every kernel there begins with PDL_START, so overlapping is safe.
         let r = unsafe { args.launch(&self.stream, cfg, overlap) };
         self.ok(op, r);
-        if let (Some(p), Some(t)) = (&self.profile, t) {
-            let _ = self.stream.synchronize();
+        if let Some(t) = t {
+            if self.profile_sync {
+                self.settle();
+                let _ = self.stream.synchronize();
+            }
+            self.profiled(op, t);
+        }
+    }
+
+    /// Adds the time since `t` to `op`'s row of the profile.
+    fn profiled(&self, op: &'static str, t: std::time::Instant) {
+        if let Some(p) = &self.profile {
             let mut p = p.lock().expect("profile lock");
             let e = p.entry(op).or_insert((0, 0.0));
             e.0 += 1;
@@ -458,18 +567,24 @@ impl CudaBackend {
 
     /// A copy of `values` in VRAM (empty when there are none, or after a fault).
     fn upload_new<T: DeviceRepr>(&self, op: &str, values: &[T]) -> CudaSlice<T> {
+        self.settle();
         let data = if self.faulted() || values.is_empty() { None } else { self.ok(op, self.stream.clone_htod(values)) };
         data.unwrap_or_else(|| self.empty())
     }
 
     fn alloc_f32(&self, op: &str, len: usize) -> Option<CudaSlice<f32>> {
+        self.settle();
         self.ok(op, self.stream.alloc_zeros::<f32>(len.max(1)))
     }
 
     /// Queues a copy of `len` bytes written by `fill` to the GPU (see [`Staging`]) and returns
     /// their device address, valid for the kernels queued next.
     fn stage(&self, op: &str, len: usize, fill: impl FnOnce(&mut [u8])) -> Option<u64> {
-        let r = self.staging.lock().expect("staging lock").stage(&self.stream, len, fill);
+        let mut staging = self.staging.lock().expect("staging lock");
+        if !staging.fits(len) {
+            self.settle(); // the ring waits for the stream, or grows
+        }
+        let r = staging.stage(&self.stream, len, fill);
         self.ok(op, r)
     }
 
@@ -537,7 +652,7 @@ impl CudaBackend {
             let (xs_i, os_i) = (xs as i32, os as i32);
             // Int8 activations: the one-token mat-vec, and tiles on tensor cores.
             let int8 = match k0.1 {
-                0 if self.int8 => fk.mvq.as_ref().map(|(mvq, _)| mvq),
+                0 if self.int8 => fk.mvq.as_ref().map(|i| &i.mvq),
                 2 if self.int8_tiles => fk.mmq.as_ref(),
                 _ => None,
             };
@@ -627,6 +742,7 @@ impl CudaBackend {
     fn scratch(&self, bytes: usize) -> Option<u64> {
         let mut scratch = self.qscratch.lock().expect("scratch lock");
         if scratch.as_ref().is_none_or(|s| s.len() < bytes) {
+            self.settle();
             // The old buffer's frees are stream-ordered after the products that read it.
             *scratch = Some(self.ok("quantizing inputs", self.stream.alloc_zeros::<u8>((2 * bytes).max(1 << 16)))?);
         }
@@ -637,6 +753,7 @@ impl CudaBackend {
     fn attention_scratch(&self, floats: usize) -> Option<u64> {
         let mut part = self.attention_part.lock().expect("attention scratch lock");
         if part.as_ref().is_none_or(|p| p.len() < floats) {
+            self.settle();
             *part = Some(self.ok("attention scratch", self.stream.alloc_zeros::<f32>((2 * floats).max(1 << 14)))?);
         }
         Some(dptr(part.as_ref().expect("allocated above"), &self.stream))
@@ -660,6 +777,7 @@ impl CudaBackend {
         let cols = missing.iter().map(|(_, q)| q.cols).max().unwrap_or(0);
         // Rows lo..hi of x, the last one only as far as the products read.
         let len = (hi - lo - 1) * x_stride + cols;
+        self.settle();
         let cpu = self.cpu.get_or_init(|| CpuBackend::new(self.miss_precision));
         // Read straight into the CPU backend's buffer (it is a host slice).
         let mut xb = cpu.buf("expert inputs", len);
@@ -701,6 +819,7 @@ impl CudaBackend {
     /// Queues `copies` (device address, host bytes) on the copy stream after `after`, between
     /// two timing events, which it returns.
     fn upload_experts(&self, after: &CudaEvent, copies: &[(u64, &[u8])]) -> Option<(CudaEvent, CudaEvent)> {
+        self.settle();
         let timed = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
         self.ok("expert upload", self.copy_stream.wait(after))?;
         let start = self.ok("expert upload", self.copy_stream.record_event(timed))?;
@@ -819,6 +938,10 @@ impl Backend for CudaBackend {
         if self.pdl {
             d.push_str(", decode kernels overlapped (programmatic dependent launch)");
         }
+        if self.graphs {
+            let g = self.graph.lock().expect("graph lock");
+            d.push_str(&format!(", decoded tokens as CUDA graphs ({} launched, {} built)", g.launched, g.instantiated));
+        }
         let kept = self.kept.lock().expect("kept experts lock");
         let layers = (0..kept.layers.len()).filter(|&l| kept.layer(l).is_some()).count();
         if layers > 0 {
@@ -870,6 +993,7 @@ impl Backend for CudaBackend {
         CudaVector { data: self.upload_new("loading weights", v), len: v.len() }
     }
     fn buf(&self, name: &'static str, len: usize) -> CudaBuf {
+        self.settle();
         let data = if self.faulted() || len == 0 { None } else { self.ok(name, self.stream.alloc_zeros::<f32>(len)) };
         CudaBuf::new(name, data.unwrap_or_else(|| self.empty()))
     }
@@ -889,6 +1013,7 @@ impl Backend for CudaBackend {
     }
 
     fn kv_copy(&self, src: &CudaKvCache, dst: &mut CudaKvCache, positions: usize) -> bool {
+        self.settle();
         for (d, s) in dst.layers.iter_mut().zip(&src.layers) {
             assert!(positions <= s.len, "kv_copy: {positions} positions of a cache holding {}", s.len);
             self.kv_grow(d, positions);
@@ -906,6 +1031,7 @@ impl Backend for CudaBackend {
         !self.faulted()
     }
     fn upload(&self, dst: &mut CudaBuf, src: &[f32]) {
+        self.settle();
         if self.faulted() || src.is_empty() {
             return;
         }
@@ -914,15 +1040,18 @@ impl Backend for CudaBackend {
         self.ok("upload", r);
     }
     fn download(&self, src: &CudaBuf, offset: usize, dst: &mut [f32]) {
+        self.settle();
         if self.faulted() || dst.is_empty() {
             dst.fill(0.0);
             return;
         }
         check_rows("download", src, 0, 1, 0, offset, dst.len());
+        let t = std::time::Instant::now();
         let r = self.stream.memcpy_dtoh(&src.mem().slice(offset..offset + dst.len()), dst);
         if self.ok("download", r).is_some() && self.ok("download", self.stream.synchronize()).is_some() {
             self.staging.lock().expect("staging lock").synchronized();
         }
+        self.profiled("(host waits: download)", t);
     }
 
     fn embed(&self, table: &CudaMatrix, ids: &[u32], out: &mut CudaBuf) {
@@ -931,6 +1060,11 @@ impl Backend for CudaBackend {
         }
         check("embed", out, ids.len(), table.cols);
         self.few_tokens.store(ids.len() <= MV_TOKENS, Ordering::Relaxed);
+        // A decoded token's step, up to its first download (the logits), as one graph.
+        self.settle();
+        if ids.len() == 1 {
+            self.begin_step_graph();
+        }
         if let Some(&bad) = ids.iter().find(|&&i| i as usize >= table.rows) {
             panic!("embed: token {bad} outside a table of {} rows", table.rows);
         }
@@ -1005,6 +1139,8 @@ impl Backend for CudaBackend {
             self.products(&mut ready, xp, x.quantized(), x_stride, op, out_stride);
             return;
         }
+        // The tier's copies and events are not recorded in a step's graph.
+        self.settle();
         let miss_bytes: u64 = missing.iter().map(|(_, q)| q.data.len() as u64).sum();
         let room = match experts.room(&self.stream, miss_bytes) {
             Ok(r) => r,
@@ -1285,22 +1421,21 @@ impl Backend for CudaBackend {
         let (e, k) = (rule.num_experts(), rule.top_k());
         check("route input", logits, n, e);
         check_rows("route", routes, 0, 1, 0, at, n * 2 * k);
-        let (sigmoid, n_group, topk_group) = match *rule.kind() {
-            Router::Softmax => (0i32, 1i32, 1i32),
-            Router::SigmoidGrouped { n_group, topk_group, .. } => (1, n_group as i32, topk_group as i32),
-        };
-        // The kernel scores one group per lane, and every expert must be choosable.
-        assert!((1..=32).contains(&n_group) && k <= e, "route: {n_group} groups, top {k} of {e}");
-        if let Some(b) = bias {
-            assert!(b.len >= e, "route: {} biases for {e} experts", b.len);
-        }
+        let p = RouteArgs::new(rule, bias, &self.stream);
         let lp = logits.at(&self.stream);
-        let bp = bias.map_or(0u64, |b| dptr(&b.data, &self.stream));
         let rp = routes.at_mut(&self.stream) + (at * 4) as u64;
-        let (e_i, k_i, norm, scaling) = (e as i32, k as i32, rule.norm_topk_prob() as i32, rule.scaling());
         let mut a = Launch::new(&self.k.route);
-        a.arg(&lp).arg(&e_i).arg(&bp).arg(&sigmoid).arg(&n_group).arg(&topk_group).arg(&k_i).arg(&norm).arg(&scaling).arg(&rp);
-        let cfg = LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (32, 1, 1), shared_mem_bytes: ((2 * e + 2 * k) * 4) as u32 };
+        a.arg(&lp)
+            .arg(&p.e)
+            .arg(&p.bias)
+            .arg(&p.sigmoid)
+            .arg(&p.n_group)
+            .arg(&p.topk_group)
+            .arg(&p.k)
+            .arg(&p.norm)
+            .arg(&p.scaling)
+            .arg(&rp);
+        let cfg = LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (32, 1, 1), shared_mem_bytes: p.shared };
         self.launch(a, cfg, "route");
     }
 
@@ -1317,6 +1452,7 @@ impl Backend for CudaBackend {
     }
 
     fn keep_experts(&self, layer: usize, experts: usize, batch: &[(u32, ExpertView<'_>)]) -> bool {
+        self.settle();
         if self.faulted() || self.no_keep {
             return false;
         }
@@ -1391,7 +1527,7 @@ impl Backend for CudaBackend {
             let fk = self.k.format(p0.format);
             // The kernel a one-token product of this format gets in `products`, so that a kept
             // expert's product has the same bits as the same product named by a job.
-            if let (Some((_, mvkq)), true) = (&fk.mvq, self.int8) {
+            if let (Some(Int8Kernels { mvkq, .. }), true) = (&fk.mvq, self.int8) {
                 let rows = if per_pair { n * k } else { n };
                 let Some((qx, qstride)) = xq.or_else(|| self.quantize(xp, xs, 0, rows, p0.cols)) else { return };
                 let qs_i = qstride as i32;
@@ -1409,6 +1545,43 @@ impl Backend for CudaBackend {
         // `h` as the norm before left it quantized, where it did.
         let hq = h.quantized().filter(|q| q.cols == hidden && q.rows >= n).map(|q| (q.ptr, q.stride));
         let (hp, gp) = (h.at(&self.stream), gu.at_mut(&self.stream));
+        if let Some(hq) = hq.filter(|_| self.kept_fused) {
+            let kernels = |p: &crate::kept::KeptPart| self.k.format(p.format).mvq.as_ref().filter(|_| self.int8);
+            if let (Some(gk), Some(dk), true) = (kernels(gate), kernels(down), gate.format == up.format && width % 32 == 0) {
+                let mk = |parts: &[&crate::kept::KeptPart]| {
+                    let p0 = parts[0];
+                    let mut kj = KeptJobs {
+                        row_bytes: p0.row_bytes as u64,
+                        rows: p0.rows as i32,
+                        cols: p0.cols as i32,
+                        k: k as i32,
+                        parts: parts.len() as i32,
+                        experts: l.experts as i32,
+                        ..Default::default()
+                    };
+                    for (i, p) in parts.iter().enumerate() {
+                        kj.base[i] = dptr(&p.data, &self.stream);
+                        kj.expert_bytes[i] = p.bytes as u64;
+                    }
+                    kj
+                };
+                let (gj, dj) = (mk(&[gate, up]), mk(&[down]));
+                let dstride = crate::buf::quant_stride(width);
+                let Some(dq) = self.scratch(n * k * dstride) else { return };
+                let (hs, gs, ds) = (hq.1 as i32, (2 * width) as i32, dstride as i32);
+                let mut a = Launch::new(&gk.swiglu);
+                a.arg(&gj).arg(&rp).arg(&hq.0).arg(&hs).arg(&gp).arg(&gs).arg(&dq).arg(&ds);
+                let cfg = LaunchConfig { grid_dim: ((width / 32) as u32, pairs, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+                self.launch(a, cfg, "kept experts: gate, up, SiLU");
+                drop(kept);
+                let (xp, xs) = (x.at_mut(&self.stream), hidden as i32);
+                let mut a = Launch::new(&dk.mix);
+                a.arg(&dj).arg(&rp).arg(&dq).arg(&ds).arg(&xp).arg(&xs);
+                let cfg = LaunchConfig { grid_dim: (hidden.div_ceil(8) as u32, n as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+                self.launch(a, cfg, "kept experts: down, mixed");
+                return;
+            }
+        }
         // Gate and up in one launch when they share a format (as they do but in odd mixes).
         if gate.format == up.format {
             launch(&[(gate, 0), (up, width)], hp, hq, hidden, false, gp, 2 * width);
@@ -1509,34 +1682,29 @@ impl Backend for CudaBackend {
         }
         let threads = 128u32;
         let shared = ((s.k_dim + threads as usize + s.v_dim) * 4) as u32;
-        // A long context is split in runs of SPLIT positions over blocks, merged after
-        // (flash-decoding): one block per query head left most SMs idle, and a decoded token
-        // after 512 positions took twice as long as one after 5.
-        const SPLIT: usize = 128;
-        let splits = if pos0 + n > 2 * SPLIT { (pos0 + n).div_ceil(SPLIT) } else { 1 };
+        // The context is split in runs of `split` positions over blocks, merged by the last
+        // of each row (flash-decoding): one block per query head left most SMs idle (32
+        // blocks on 132 SMs), and a decoded token's attention grew with every position.
+        let len = pos0 + n;
+        let split = if len <= 1024 { 32 } else { 128 };
+        let splits = if len > split { len.div_ceil(split) } else { 1 };
         let rows = n * p.q_heads;
-        let part = if splits > 1 { self.attention_scratch(rows * splits * (s.v_dim + 2)) } else { None };
-        let (split_i, pp) = (SPLIT as i32, part.unwrap_or(0));
+        // Tickets (one int a row, left at 0 by each launch), then the partial results.
+        let tickets = rows.next_multiple_of(4);
+        let part = if splits > 1 { self.attention_scratch(tickets + rows * splits * (s.v_dim + 2)) } else { None };
+        let (split_i, tp) = (split as i32, part.unwrap_or(0));
+        let pp = part.map_or(0, |t| t + 4 * tickets as u64);
         let mut a = common(&self.k.attention);
-        a.arg(&p0).arg(&p.scale).arg(&op).arg(&qx).arg(&qstride).arg(&split_i).arg(&pp);
+        a.arg(&p0).arg(&p.scale).arg(&op).arg(&qx).arg(&qstride).arg(&split_i).arg(&pp).arg(&tp);
         let grid = (rows as u32, if part.is_some() { splits as u32 } else { 1 }, 1);
         self.launch(a, LaunchConfig { grid_dim: grid, block_dim: (threads, 1, 1), shared_mem_bytes: shared }, "attention");
-        if part.is_some() {
-            let sp = splits as i32;
-            let mut a = Launch::new(&self.k.attention_combine);
-            a.arg(&pp).arg(&sp).arg(&vd).arg(&qh).arg(&op).arg(&qx).arg(&qstride);
-            self.launch(
-                a,
-                LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 },
-                "attention, merge",
-            );
-        }
     }
 }
 
 impl Drop for CudaBackend {
     fn drop(&mut self) {
         // Frees are stream-ordered: let them finish before the context may go.
+        self.settle();
         let _ = self.stream.synchronize();
         let _ = self.copy_stream.synchronize();
         if let Some(p) = &self.profile {

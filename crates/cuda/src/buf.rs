@@ -76,6 +76,11 @@ impl CudaBuf {
         self.quant.valid
     }
 
+    /// Whether [`Self::quantize_into`] would find room without allocating.
+    pub(crate) fn quant_fits(&self, rows: usize, cols: usize) -> bool {
+        self.quant.mem.as_ref().is_some_and(|m| m.len() >= rows * quant_stride(cols))
+    }
+
     /// Room for the int8 copy of rows `0..rows` of `cols` floats, which the op about to be
     /// queued writes with them (call it after [`Self::at_mut`]).
     pub(crate) fn quantize_into(&mut self, stream: &Arc<CudaStream>, rows: usize, cols: usize) -> Result<QuantRows, DriverError> {

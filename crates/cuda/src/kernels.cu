@@ -963,23 +963,36 @@ __device__ __forceinline__ u32 warp_max_u32(u32 v) {
 // `n_group` groups (a group scores the sum of its two best); top-k, weights renormalised
 // (norm) and scaled. Sums run in the host's order. Out: routes[t][0..k] ids as floats,
 // [k..2k] weights. Dynamic shared memory: 2 e + 2 k floats.
-extern "C" __global__ void route(const float* logits, int e, const float* bias, int sigmoid, int n_group,
-                                 int topk_group, int k, int norm, float scaling, float* routes) { PDL_START;
-    extern __shared__ float sh[];
+// One token's routing by the calling warp: logits l, out its 2 k floats, sh 2 e + 2 k floats
+// of shared memory.
+__device__ void route_row(const float* l, int e, const float* bias, int sigmoid, int n_group, int topk_group, int k,
+                          int norm, float scaling, float* out, float* sh) {
     float* choice = sh;
     float* wsrc = sh + e;
-    int t = blockIdx.x, lane = threadIdx.x;
-    const float* l = logits + (size_t)t * e;
-    float* out = routes + (size_t)t * 2 * k;
+    int lane = threadIdx.x % 32;
     if (!sigmoid) {
         float m = NEG_INF;
         for (int i = lane; i < e; i += 32) m = fmaxf(m, l[i]);
         for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, o));
         for (int i = lane; i < e; i += 32) choice[i] = exp_rounded(l[i] - m);
         __syncwarp();
+        // In the host's order, one add after another; four values a shared-memory load (one
+        // load per value kept this serial chain waiting on each load).
         float sum = 0.0f;
-        if (lane == 0)
-            for (int i = 0; i < e; i++) sum += choice[i];
+        if (lane == 0) {
+            int i = 0;
+            if ((e & 3) == 0 && ((size_t)choice & 15) == 0) {
+#pragma unroll 8
+                for (; i < e; i += 4) {
+                    float4 c = *(const float4*)(choice + i);
+                    sum += c.x;
+                    sum += c.y;
+                    sum += c.z;
+                    sum += c.w;
+                }
+            }
+            for (; i < e; i++) sum += choice[i];
+        }
         sum = __shfl_sync(0xffffffff, sum, 0);
         for (int i = lane; i < e; i += 32) wsrc[i] = choice[i] = choice[i] / sum;
     } else {
@@ -1060,6 +1073,13 @@ extern "C" __global__ void route(const float* logits, int e, const float* bias, 
     }
 }
 
+extern "C" __global__ void route(const float* logits, int e, const float* bias, int sigmoid, int n_group,
+                                 int topk_group, int k, int norm, float scaling, float* routes) { PDL_START;
+    extern __shared__ float sh[];
+    int t = blockIdx.x;
+    route_row(logits + (size_t)t * e, e, bias, sigmoid, n_group, topk_group, k, norm, scaling, routes + (size_t)t * 2 * k, sh);
+}
+
 // One thread per (token, head, pair): cs holds n * half cosines then n * half sines.
 extern "C" __global__ void rope(float* x, int n, int stride, int off, int heads, int head_stride, const float* cs,
                                 int half, int interleaved) { PDL_START;
@@ -1074,22 +1094,42 @@ extern "C" __global__ void rope(float* x, int n, int stride, int off, int heads,
     base[ib] = b * c + a * s;
 }
 
+// The splits of one (token, query head) row of `attention` merged (row blockIdx.x): their
+// maxima, sums and outputs rescaled to the largest maximum and summed in split order, the
+// output written (and, with qx, quantized) as an unsplit row is. Split 0 always holds position
+// 0, so the largest maximum is finite. Read through L2 (`__ldcg`): other blocks wrote them.
+__device__ void merge_splits(const float* pp, int splits, int vd, int q_heads, float* out, u8* qx, int qstride) {
+    int t = blockIdx.x / q_heads, h = blockIdx.x % q_heads;
+    float m = NEG_INF;
+    for (int s = 0; s < splits; s++) m = fmaxf(m, __ldcg(pp + (size_t)s * (vd + 2)));
+    float l = 0.0f;
+    for (int s = 0; s < splits; s++) l += __ldcg(pp + (size_t)s * (vd + 2) + 1) * expf(__ldcg(pp + (size_t)s * (vd + 2)) - m);
+    float inv = 1.0f / l;
+    for (int d = threadIdx.x; d < vd; d += blockDim.x) {
+        float a = 0.0f;
+        for (int s = 0; s < splits; s++) a += __ldcg(pp + (size_t)s * (vd + 2) + 2 + d) * expf(__ldcg(pp + (size_t)s * (vd + 2)) - m);
+        float o = a * inv;
+        out[((size_t)t * q_heads + h) * vd + d] = o;
+        if (qx) quantize_group(o, qx + (size_t)t * qstride, q_heads * vd, (h * vd + d) / 32);
+    }
+}
+
 // Causal attention, one block per (token, query head), online softmax over chunks of
 // blockDim.x positions (a multiple of 32). With `part`, the positions are split in runs of
 // `split` over blockIdx.y (flash-decoding: a long context's few queries still fill the GPU),
-// each block leaving its partial softmax in `part` for attention_combine. Keys: [pos][heads * kd]; values: [pos][v_row] with head g at g * v_head
+// each block leaving its partial softmax in `part`, the last one merging them (merge_splits). Keys: [pos][heads * kd]; values: [pos][v_row] with head g at g * v_head
 // (values_in_keys: the keys themselves, v_head = kd). Dynamic shared memory: kd + blockDim.x + vd
 // floats.
 extern "C" __global__ void attention(const float* k, const float* v, int heads, int kd, int vd, int v_row,
                                      int v_head, const float* q, int q_stride, int q_heads, int pos0, float scale,
-                                     float* out, u8* qx, int qstride, int split, float* part) { PDL_START;
+                                     float* out, u8* qx, int qstride, int split, float* part, int* tickets) { PDL_START;
     extern __shared__ float sh[];
     float* qs = sh;
     float* sc = sh + kd;
     float* acc = sc + blockDim.x;
     int t = blockIdx.x / q_heads, h = blockIdx.x % q_heads, g = h / (q_heads / heads);
     int len = pos0 + t + 1, k_row = heads * kd;
-    // With part: only positions lo..len of split blockIdx.y (see attention_combine).
+    // With part: only positions lo..len of split blockIdx.y (see merge_splits).
     int lo = part ? blockIdx.y * split : 0;
     if (part) len = min(len, lo + split);
     for (int i = threadIdx.x; i < kd; i += blockDim.x) qs[i] = q[(size_t)t * q_stride + h * kd + i];
@@ -1130,6 +1170,18 @@ extern "C" __global__ void attention(const float* k, const float* v, int heads, 
         float* pp = part + ((size_t)blockIdx.x * gridDim.y + blockIdx.y) * (vd + 2);
         if (threadIdx.x == 0) pp[0] = m, pp[1] = l;
         for (int d = threadIdx.x; d < vd; d += blockDim.x) pp[2 + d] = acc[d];
+        // The row's last split to finish merges them all, in this launch (a merging kernel
+        // after was one more launch a layer): its ticket says it is last, the fences make the
+        // other splits' writes visible to it, and it leaves the ticket at 0 for the next launch.
+        __shared__ int last;
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) last = atomicAdd(tickets + blockIdx.x, 1) == (int)gridDim.y - 1;
+        __syncthreads();
+        if (!last) return;
+        __threadfence();
+        merge_splits(part + (size_t)blockIdx.x * gridDim.y * (vd + 2), gridDim.y, vd, q_heads, out, qx, qstride);
+        if (threadIdx.x == 0) tickets[blockIdx.x] = 0;
         return;
     }
     float inv = 1.0f / l;

@@ -15,6 +15,7 @@ bandwidth probe kernel (`examples/matvec_bandwidth.rs`).
 pub mod backend;
 mod buf;
 mod experts;
+mod graph;
 mod kept;
 mod launch;
 mod misses;
@@ -106,7 +107,13 @@ pub fn probe() -> Result<Vec<DeviceInfo>, String> {
 }
 
 /// The kernels' CUDA C source.
-const KERNELS: &str = concat!(include_str!("kernels.cu"), include_str!("fused.cu"), include_str!("attention.cu"), include_str!("mmq.cu"));
+const KERNELS: &str = concat!(
+    include_str!("kernels.cu"),
+    include_str!("fused.cu"),
+    include_str!("attention.cu"),
+    include_str!("mmq.cu"),
+    include_str!("kept.cu")
+);
 
 /// The kernels compiled for compute capability `cc`, from the per-user kernel cache
 /// (`$XDG_CACHE_HOME/smoe` or `~/.cache/smoe`, one PTX file per source and architecture) or by

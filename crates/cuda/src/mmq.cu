@@ -146,6 +146,9 @@ __device__ void mmq(const Jobs& js, const u8* qx, int qstride, int lo, float* ou
             float a0 = wa[ra][gl], a1 = wa[ra + 8][gl], b0 = wb[ra][gl], b1 = wb[ra + 8][gl];
 #pragma unroll
             for (int jn = 0; jn < NT / 8; jn++) {
+                // Past the job's tokens (an expert's few dozen in a tile of 64): no product, no
+                // scaling (the same for the whole block).
+                if (t0 + 8 * jn >= j.n) break;
                 const u8* xr = xq + (8 * jn + gid) * MMQ_STRIDE + 32 * gl + 4 * tig;
                 u32 bq[2] = {*(const u32*)xr, *(const u32*)(xr + 16)};
                 int s[4] = {0, 0, 0, 0};

@@ -18,6 +18,9 @@ pub(crate) struct Staging {
     cap: usize,
     /// Next free byte; everything before it may still be in flight.
     off: usize,
+    /// Counts the times the ring was freed (reused from its start, or replaced): a staged
+    /// address stays valid while the epoch it was staged in lasts.
+    epoch: u64,
 }
 
 // SAFETY: `host` is a page-locked allocation owned by this value alone (freed in Drop), only
@@ -26,12 +29,24 @@ unsafe impl Send for Staging {}
 
 impl Staging {
     pub(crate) fn new() -> Staging {
-        Staging { host: std::ptr::null_mut(), dev: None, cap: 0, off: 0 }
+        Staging { host: std::ptr::null_mut(), dev: None, cap: 0, off: 0, epoch: 0 }
     }
 
     /// Everything queued before is complete: the whole ring is free again.
     pub(crate) fn synchronized(&mut self) {
         self.off = 0;
+        self.epoch += 1;
+    }
+
+    /// The current epoch (see the field).
+    pub(crate) fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Whether `len` bytes fit in the ring as it is, without waiting for the stream or growing.
+    pub(crate) fn fits(&self, len: usize) -> bool {
+        let need = len.max(1);
+        need <= self.cap && self.off + need <= self.cap
     }
 
     /// Queues a copy of `len` bytes, written into the ring by `fill`, to the device and returns
@@ -50,10 +65,12 @@ impl Staging {
             self.cap = cap;
             self.dev = Some(stream.alloc_zeros::<u8>(cap)?);
             self.off = 0;
+            self.epoch += 1;
         } else if self.off + need > self.cap {
             // Wrapping: the copies queued from the start of the ring must have finished.
             stream.synchronize()?;
             self.off = 0;
+            self.epoch += 1;
         }
         let off = self.off;
         let dst = self.dev.as_ref().expect("allocated with the host ring").device_ptr(stream).0 + off as u64;

@@ -42,8 +42,14 @@ fn kernels_compile_for_every_architecture() {
     }
 }
 
-const REFERENCE: CudaOptions =
-    CudaOptions { expert_bytes: None, misses: MissMode::Auto, miss_precision: None, precision: Some(Precision::Reference), no_keep: false };
+const REFERENCE: CudaOptions = CudaOptions {
+    expert_bytes: None,
+    misses: MissMode::Auto,
+    miss_precision: None,
+    precision: Some(Precision::Reference),
+    no_keep: false,
+    graphs: false,
+};
 
 #[test]
 fn every_op_matches_the_f32_reference() {
@@ -142,6 +148,32 @@ fn experts_kept_in_vram_route_on_the_gpu_as_the_host_does() {
     let (ek, eh) = (rel_err(&a, r["chat.logits"].f32()), rel_err(&a, &b));
     eprintln!("qwen3_moe Q4_K/Q8_0 on int8 activations: {ek:.2e} from transformers (quantized weights), {eh:.2e} from host routing");
     assert!(eh < 1e-5, "int8 kept experts moved the logits by {eh:.2e}");
+}
+
+/// Decoded tokens recorded and launched as CUDA graphs give the logits of the same kernels
+/// launched one by one, bit for bit: kept experts (a whole token in one graph) and the host's
+/// routing (a graph up to each layer's download), on int8 and f32 products, across the
+/// attention splits of a 300-token context.
+#[test]
+fn decode_as_cuda_graphs_matches_kernel_by_kernel() {
+    let graphs_on = CudaOptions { graphs: true, ..Default::default() };
+    for (name, formats) in [("qwen3_moe", (Format::Q4_K, Format::Q8_0)), ("deepseek_v3", (Format::BF16, Format::BF16))] {
+        let Some(probe) = backend(&CudaOptions::default()) else { return };
+        drop(probe);
+        let v = smoe_vault::Vault::open(vault(name, formats.0, formats.1)).unwrap();
+        let open = |opts: &CudaOptions| Model::load(&v, backend(opts).unwrap(), Arc::new(ResidentExperts::load(&v).unwrap())).unwrap();
+        let r = read_safetensors(&fixture(name).join("reference.safetensors"));
+        let input = ids(&r["long.input_ids"]);
+        for keep in [true, false] {
+            let (on, off) =
+                (open(&CudaOptions { no_keep: !keep, ..graphs_on.clone() }), open(&CudaOptions { no_keep: !keep, ..Default::default() }));
+            let (a, b) = (decode_quietly(&on, &input), decode_quietly(&off, &input));
+            let described = smoe_engine::Backend::describe(on.backend());
+            eprintln!("{name} kept {keep}: {described}");
+            assert!(described.contains("CUDA graphs (") && !described.contains("(0 launched"), "{name}: no graphs ran: {described}");
+            assert!(a == b, "{name} kept {keep}: graphs moved the logits by {:.2e}", rel_err(&a, &b));
+        }
+    }
 }
 
 /// Experts streamed through a host cache of top-k slots and a VRAM tier of two experts' bytes

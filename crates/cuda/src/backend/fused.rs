@@ -4,16 +4,17 @@
 
 use super::{cfg_elems, norm_threads, CudaBackend, CudaBuf, CudaKvCache, CudaVector, MV_TOKENS};
 use crate::launch::Launch;
-use cudarc::driver::{CudaSlice, LaunchConfig};
+use cudarc::driver::LaunchConfig;
 use smoe_engine::backend::{check, check_rows, qk_rope_store_composed, QkvRows, RopeTables};
 
 /// The rotary tables of the token being decoded, on the device: every layer rotates with the
 /// same ones, so they are copied up once per chunk, not once per layer.
 #[derive(Default)]
 pub(super) struct RopeOnDevice {
-    /// What `mem` holds: cosines, then sines.
+    /// What was staged: cosines, then sines.
     host: Vec<f32>,
-    mem: Option<CudaSlice<f32>>,
+    /// Their staged copy's device address, and the staging epoch it lasts.
+    at: Option<(u64, u64)>,
 }
 
 impl CudaBackend {
@@ -24,32 +25,35 @@ impl CudaBackend {
         if !self.int8 || rows > MV_TOKENS || !cols.is_multiple_of(32) || self.faulted() {
             return (0, 0);
         }
+        if !out.quant_fits(rows, cols) {
+            self.settle(); // an allocation: not in a step's graph
+        }
         match self.ok("quantizing outputs", out.quantize_into(&self.stream, rows, cols)) {
             Some(q) => (q.ptr, q.stride as i32),
             None => (0, 0),
         }
     }
 
-    /// `cos` then `sin` on the device; copied only when they changed.
+    /// `cos` then `sin` on the device, staged (page-locked, so that a step's graph records the
+    /// copy; see [`crate::graph`]) when they changed: every layer of a chunk rotates with the
+    /// same tables. A staged copy lasts while the staging ring is not reused (its epoch).
     fn rope_tables(&self, cos: &[f32], sin: &[f32]) -> Option<u64> {
         let mut r = self.rope.lock().expect("rope tables lock");
+        let epoch = self.staging.lock().expect("staging lock").epoch();
         let same = r.host.len() == cos.len() + sin.len() && r.host[..cos.len()] == *cos && r.host[cos.len()..] == *sin;
-        if !same {
-            r.host.clear();
-            r.host.extend_from_slice(cos);
-            r.host.extend_from_slice(sin);
-            if r.mem.as_ref().is_none_or(|m| m.len() < r.host.len()) {
-                r.mem = Some(self.ok("rope tables", self.stream.alloc_zeros::<f32>(r.host.len().max(256)))?);
-            }
-            let RopeOnDevice { host, mem } = &mut *r;
-            let dst = mem.as_mut().expect("allocated above");
-            // Stream-ordered after the kernels still reading the previous tables.
-            if self.ok("rope tables", self.stream.memcpy_htod(&host[..], &mut dst.slice_mut(..host.len()))).is_none() {
-                r.host.clear();
-                return None;
+        if let (true, Some((at, e))) = (same, r.at) {
+            if e == epoch {
+                return Some(at);
             }
         }
-        Some(super::dptr(r.mem.as_ref().expect("copied above"), &self.stream))
+        r.host.clear();
+        r.host.extend_from_slice(cos);
+        r.host.extend_from_slice(sin);
+        let at = self.stage_f32("rope tables", &[cos, sin])?;
+        // Staging may have started a new epoch to make room: the copy belongs to that one.
+        let epoch = self.staging.lock().expect("staging lock").epoch();
+        r.at = Some((at, epoch));
+        Some(at)
     }
 
     pub(super) fn fused_add_rms_norm(
