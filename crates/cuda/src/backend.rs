@@ -143,6 +143,7 @@ struct Kernels {
     add: CudaFunction,
     silu_mul: CudaFunction,
     silu_mul_halves: CudaFunction,
+    swiglu_clamped_halves: CudaFunction,
     add_bias: CudaFunction,
     scale_rows: CudaFunction,
     copy_strided: CudaFunction,
@@ -212,6 +213,7 @@ impl Kernels {
             add: f("add")?,
             silu_mul: f("silu_mul")?,
             silu_mul_halves: f("silu_mul_halves")?,
+            swiglu_clamped_halves: f("swiglu_clamped_halves")?,
             add_bias: f("add_bias")?,
             scale_rows: f("scale_rows")?,
             copy_strided: f("copy_strided")?,
@@ -1186,6 +1188,17 @@ impl Backend for CudaBackend {
         a.arg(&xp).arg(&r).arg(&n_i).arg(&s).arg(&w_i);
         self.launch(a, cfg_elems(n * w), "silu_mul_halves");
     }
+    fn swiglu_clamped_halves(&self, x: &mut CudaBuf, row0: usize, n: usize, stride: usize, w: usize, alpha: f32, limit: f32) {
+        if self.faulted() || n == 0 || w == 0 {
+            return;
+        }
+        check_rows("swiglu_clamped_halves", x, row0, n, stride, 0, 2 * w);
+        let xp = x.at_mut(&self.stream);
+        let (r, n_i, s, w_i) = (row0 as i32, n as i32, stride as i32, w as i32);
+        let mut a = Launch::new(&self.k.swiglu_clamped_halves);
+        a.arg(&xp).arg(&r).arg(&n_i).arg(&s).arg(&w_i).arg(&alpha).arg(&limit);
+        self.launch(a, cfg_elems(n * w), "swiglu_clamped_halves");
+    }
     fn rope(
         &self,
         x: &mut CudaBuf,
@@ -1470,10 +1483,19 @@ impl Backend for CudaBackend {
         q_stride: usize,
         n: usize,
         pos0: usize,
-        p: AttnParams,
+        p: AttnParams<'_>,
         out: &mut CudaBuf,
     ) {
         if self.faulted() || n == 0 {
+            return;
+        }
+        if p.window.is_some() || p.sinks.is_some() {
+            // gpt-oss's sliding windows and sinks have no CUDA kernel yet: fail the call
+            // (Model::forward reports it) rather than attend over the wrong positions.
+            self.record(
+                "attention",
+                "sliding-window attention and attention sinks (gpt-oss) are not implemented on CUDA yet; use --device cpu",
+            );
             return;
         }
         let l = &cache.layers[layer];

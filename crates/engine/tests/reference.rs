@@ -94,6 +94,21 @@ fn minimax_m2_matches_transformers() {
     check_fixture("minimax_m2");
 }
 
+/// gpt-oss: sliding-window and full layers, attention sinks, biases on every projection and
+/// expert, the clamped SwiGLU over interleaved gate/up columns, softmax over the top-k of
+/// biased router logits, YaRN.
+#[test]
+fn gpt_oss_matches_transformers() {
+    check_fixture("gpt_oss");
+}
+
+/// gpt-oss with its experts in the hub's MXFP4 blocks, against transformers on the experts
+/// its own `convert_moe_packed_tensors` decodes.
+#[test]
+fn gpt_oss_mxfp4_matches_transformers() {
+    check_fixture("gpt_oss_mxfp4");
+}
+
 #[test]
 fn qwen3_moe_k_matches_transformers() {
     check_fixture("qwen3_moe_k");

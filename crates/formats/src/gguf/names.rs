@@ -13,6 +13,7 @@ pub fn arch_name(f: Family) -> &'static str {
         Family::Glm4Moe => "glm4moe",
         Family::DeepseekV3 => "deepseek2",
         Family::MinimaxM2 => "minimax-m2",
+        Family::GptOss => "gpt-oss",
     }
 }
 
