@@ -20,6 +20,7 @@ use crate::shatter::TensorProvider;
 use crate::ConvertError;
 use smoe_formats::safetensors::Checkpoint;
 use smoe_formats::FormatError;
+use smoe_quant::Format;
 use smoe_vault::Architecture;
 
 /// A gpt-oss checkpoint seen through per-expert tensor names (see the module documentation).
@@ -30,9 +31,6 @@ pub struct FusedExperts<'a> {
     width: usize,
     mxfp4: bool,
 }
-
-/// The e2m1 values of MXFP4's sixteen codes (sign in bit 3).
-pub const E2M1: [f32; 16] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
 
 /// Which fused tensor a per-expert name reads, and which of its rows.
 struct Part {
@@ -127,10 +125,7 @@ impl<'a> FusedExperts<'a> {
         if self.mxfp4 {
             let mut q = vec![0u8; n * p.cols / 32 * BLOCK_BYTES];
             self.read_blocks(p, start, n, &mut q)?;
-            for (o, b) in out.chunks_exact_mut(32).zip(q.chunks_exact(BLOCK_BYTES)) {
-                dequantize_block(b, o);
-            }
-            return Ok(());
+            return smoe_quant::dequantize(Format::MXFP4, &q, out).map_err(|e| FormatError::Internal(e.to_string()).into());
         }
         // transformers' layout: the expert's [inputs, outputs] matrix, read whole, transposed.
         let t = self.tensor(&names[0])?;
@@ -169,7 +164,7 @@ impl<'a> FusedExperts<'a> {
 }
 
 /// Bytes of one ggml `block_mxfp4`: a scale byte and sixteen bytes of nibbles.
-const BLOCK_BYTES: usize = 17;
+const BLOCK_BYTES: usize = std::mem::size_of::<smoe_quant::blocks::BlockMxfp4>();
 
 /// The hub's sixteen bytes (element `2j` low, `2j + 1` high in byte `j`) as ggml's (element `j`
 /// low, `j + 16` high).
@@ -178,20 +173,6 @@ pub fn repack_hub_block(hub: &[u8; 16], ggml: &mut [u8; 16]) {
     for (j, g) in ggml.iter_mut().enumerate() {
         *g = code(j) | (code(j + 16) << 4);
     }
-}
-
-/// One ggml `block_mxfp4` as 32 floats.
-fn dequantize_block(b: &[u8], out: &mut [f32]) {
-    let scale = e8m0_to_f32(b[0]);
-    for j in 0..16 {
-        out[j] = E2M1[(b[1 + j] & 0x0f) as usize] * scale;
-        out[j + 16] = E2M1[(b[1 + j] >> 4) as usize] * scale;
-    }
-}
-
-/// An e8m0 scale, `2^(x - 127)`, as ggml's `GGML_E8M0_TO_FP32` (0 is 2^-127, a subnormal).
-fn e8m0_to_f32(x: u8) -> f32 {
-    f32::from_bits(if x == 0 { 0x0040_0000 } else { (x as u32) << 23 })
 }
 
 impl TensorProvider for FusedExperts<'_> {
@@ -240,6 +221,18 @@ impl TensorProvider for FusedExperts<'_> {
             }
         }
         Ok(())
+    }
+    fn read_quantized(&self, name: &str, format: Format, start: usize, n: usize, dst: &mut [u8]) -> Option<Result<(), ConvertError>> {
+        // The hub's blocks go into an MXFP4 vault as they are; any other format re-encodes
+        // the decoded values.
+        let p = self.part(name)?;
+        if !self.mxfp4 || format != Format::MXFP4 {
+            return None;
+        }
+        if dst.len() != n * p.cols / 32 * BLOCK_BYTES {
+            return Some(Err(FormatError::Internal(format!("{name}: {} bytes for {n} MXFP4 rows", dst.len())).into()));
+        }
+        Some(self.read_blocks(&p, start, n, dst))
     }
     fn source_bytes(&self, name: &str) -> u64 {
         match self.part(name) {

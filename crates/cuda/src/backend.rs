@@ -178,6 +178,12 @@ pub(crate) const FORMAT_NAMES: [(Format, &str); 13] = [
     (Format::Q6_K, "q6_k"),
 ];
 
+/// Whether the kernels decode `f` (MXFP4 does not yet: its 17-byte blocks leave rows only
+/// byte-aligned, which the staged loads do not handle).
+fn has_kernels(f: Format) -> bool {
+    FORMAT_NAMES.iter().any(|(g, _)| *g == f)
+}
+
 impl Kernels {
     fn load(module: &Arc<CudaModule>) -> Result<Kernels, String> {
         let f = |name: &str| module.load_function(name).map_err(|e| format!("kernel {name}: {e}"));
@@ -865,6 +871,10 @@ impl Backend for CudaBackend {
 
     fn matrix(&self, region: &Arc<Vec<u8>>, offset: usize, format: Format, rows: usize, cols: usize) -> CudaMatrix {
         let row_bytes = format.row_bytes(cols).expect("validated by the vault reader");
+        if !has_kernels(format) {
+            // Later ops on it do nothing; `Model::load_parts` reports the fault.
+            self.record("loading weights", format!("{format} weights have no CUDA kernels yet; use --device cpu"));
+        }
         let data = self.upload_new("loading weights", &region[offset..offset + rows * row_bytes]);
         CudaMatrix { data, format, rows, cols, row_bytes }
     }
@@ -975,6 +985,10 @@ impl Backend for CudaBackend {
                     (m.format, dptr(&m.data, &self.stream) + (r0 * m.row_bytes) as u64, m.row_bytes, rows, m.cols)
                 }
                 WeightRef::Expert(q, handle) => {
+                    if !has_kernels(q.format) {
+                        self.record("matmul_many", format!("{} experts have no CUDA kernels yet; use --device cpu", q.format));
+                        return;
+                    }
                     if q.layout != Layout::Rows {
                         self.record("matmul_many", "an expert arrived interleaved; the CUDA backend reads rows as stored");
                         return;

@@ -28,6 +28,8 @@ fn file_type(f: Format) -> u32 {
         Format::Q5_K => 17,
         Format::Q6_K => 18,
         Format::BF16 => 32,
+        // LLAMA_FTYPE_MOSTLY_MXFP4_MOE: MXFP4 experts, the rest as they are.
+        Format::MXFP4 => 38,
     }
 }
 
