@@ -14,7 +14,7 @@
 //!
 //! In both, gate and up columns interleave (`gate_up[..., 0::2]` is the gate, `1::2` the up):
 //! gate row `r` is fused row `2r`, up row `r` is `2r + 1`. `experts.gate_up_proj_bias` interleaves
-//! the same way and is read as `[gate | up]` per expert, as the decoder's `gu` rows lie.
+//! the same way and is presented as `experts.gate_proj_bias` and `experts.up_proj_bias`.
 
 use crate::shatter::TensorProvider;
 use crate::ConvertError;
@@ -89,9 +89,19 @@ impl<'a> FusedExperts<'a> {
         }
     }
 
-    /// Whether `name` is a fused expert tensor (replaced by the per-expert names).
+    /// Whether `name` is a fused expert tensor (replaced by the per-expert names), or the fused
+    /// gate/up bias (replaced by its two halves).
     fn is_fused(name: &str) -> bool {
-        name.contains(".mlp.experts.") && !name.ends_with("_bias") && !name.ends_with(".weight")
+        name.contains(".mlp.experts.") && (!name.ends_with("_bias") || name.ends_with("gate_up_proj_bias")) && !name.ends_with(".weight")
+    }
+
+    /// The fused bias behind a virtual `experts.{gate,up}_proj_bias`, and which columns (0: even,
+    /// 1: odd) it takes.
+    fn bias_half(name: &str) -> Option<(String, usize)> {
+        if let Some(p) = name.strip_suffix("mlp.experts.gate_proj_bias") {
+            return Some((format!("{p}mlp.experts.gate_up_proj_bias"), 0));
+        }
+        name.strip_suffix("mlp.experts.up_proj_bias").map(|p| (format!("{p}mlp.experts.gate_up_proj_bias"), 1))
     }
 
     /// Parses a per-expert name `model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight`.
@@ -180,7 +190,10 @@ impl TensorProvider for FusedExperts<'_> {
         match self.part(name) {
             Some(p) => Some(vec![p.rows, p.cols]),
             None if Self::is_fused(name) => None,
-            None => self.inner.shape(name),
+            None => match Self::bias_half(name) {
+                Some((fused, _)) => self.inner.shape(&fused).map(|s| vec![s[0], s[1] / 2]),
+                None => self.inner.shape(name),
+            },
         }
     }
     fn names(&self) -> Vec<String> {
@@ -200,6 +213,11 @@ impl TensorProvider for FusedExperts<'_> {
                     v.push(format!("model.layers.{l}.mlp.experts.{e}.{part}_proj.weight"));
                 }
             }
+            if self.inner.tensors.contains_key(&format!("model.layers.{l}.mlp.experts.gate_up_proj_bias")) {
+                for part in ["gate", "up"] {
+                    v.push(format!("model.layers.{l}.mlp.experts.{part}_proj_bias"));
+                }
+            }
         }
         v
     }
@@ -207,18 +225,18 @@ impl TensorProvider for FusedExperts<'_> {
         if let Some(p) = self.part(name) {
             return self.read_part(&p, start, n, out);
         }
-        self.inner.read_rows(name, start, n, out)?;
-        if name.ends_with("mlp.experts.gate_up_proj_bias") {
-            // Interleaved [g0, u0, g1, u1, ...] → [g0, g1, ... | u0, u1, ...].
-            let w = self.width;
-            let mut row = vec![0f32; 2 * w];
-            for r in out.chunks_exact_mut(2 * w) {
-                for i in 0..w {
-                    row[i] = r[2 * i];
-                    row[w + i] = r[2 * i + 1];
-                }
-                r.copy_from_slice(&row);
-            }
+        let Some((fused, half)) = Self::bias_half(name) else {
+            return self.inner.read_rows(name, start, n, out);
+        };
+        // Interleaved [g0, u0, g1, u1, ...]: the gate takes the even columns, the up the odd.
+        let w = self.width;
+        if out.len() != n * w {
+            return Err(FormatError::Internal(format!("{name}: {} values for {n} rows of {w}", out.len())).into());
+        }
+        let mut both = vec![0f32; n * 2 * w];
+        self.inner.read_rows(&fused, start, n, &mut both)?;
+        for (o, b) in out.iter_mut().zip(both.iter().skip(half).step_by(2)) {
+            *o = *b;
         }
         Ok(())
     }
@@ -235,6 +253,9 @@ impl TensorProvider for FusedExperts<'_> {
         Some(self.read_blocks(&p, start, n, dst))
     }
     fn source_bytes(&self, name: &str) -> u64 {
+        if let Some((fused, _)) = Self::bias_half(name) {
+            return self.inner.source_bytes(&fused) / 2;
+        }
         match self.part(name) {
             Some(p) => {
                 let total: u64 = self.sources(p.layer, p.fused).iter().map(|s| self.inner.source_bytes(s)).sum();

@@ -143,13 +143,18 @@ impl<B: Backend> Loader<'_, B> {
     fn vector(&self, name: &str) -> Result<B::Vector, EngineError> {
         Ok(self.backend.vector(&self.f32s(name)?))
     }
-    /// A `[rows, cols]` tensor as one vector per row.
-    fn row_vectors(&self, name: &str, rows: usize, cols: usize) -> Result<Vec<B::Vector>, EngineError> {
-        let all = self.f32s(name)?;
-        if all.len() != rows * cols {
-            return Err(EngineError::Model(format!("{name} holds {} values, not {rows} x {cols}", all.len())));
+    /// `[rows, cols]` tensors side by side, one vector per row: row `r` of each, in order.
+    fn row_vectors(&self, names: &[String], rows: usize, cols: usize) -> Result<Vec<B::Vector>, EngineError> {
+        let all = names.iter().map(|n| self.f32s(n)).collect::<Result<Vec<_>, _>>()?;
+        if let Some((n, t)) = names.iter().zip(&all).find(|(_, t)| t.len() != rows * cols) {
+            return Err(EngineError::Model(format!("{n} holds {} values, not {rows} x {cols}", t.len())));
         }
-        Ok(all.chunks_exact(cols).map(|r| self.backend.vector(r)).collect())
+        Ok((0..rows)
+            .map(|r| {
+                let row: Vec<f32> = all.iter().flat_map(|t| &t[r * cols..(r + 1) * cols]).copied().collect();
+                self.backend.vector(&row)
+            })
+            .collect())
     }
     fn mlp(&self, l: usize, prefix: &str, width: usize) -> Result<Mlp<B>, EngineError> {
         let n = |p: &str| names::layer(l, &format!("{prefix}.{p}"));
@@ -240,8 +245,8 @@ impl<B: Backend> Model<B> {
                     expert_bias: if arch.moe.expert_bias {
                         let (e, i) = (arch.moe.num_experts, arch.moe.intermediate_size);
                         Some(ExpertBias {
-                            gate_up: ld.row_vectors(&t("moe.expert_gate_up_bias"), e, 2 * i)?,
-                            down: ld.row_vectors(&t("moe.expert_down_bias"), e, arch.hidden_size)?,
+                            gate_up: ld.row_vectors(&[t("moe.expert_gate_bias"), t("moe.expert_up_bias")], e, i)?,
+                            down: ld.row_vectors(&[t("moe.expert_down_bias")], e, arch.hidden_size)?,
                         })
                     } else {
                         None

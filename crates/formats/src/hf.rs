@@ -337,9 +337,10 @@ pub fn hf_name(family: Family, canonical: &str) -> String {
         "moe.router" if family == Family::GptOss => "mlp.router.weight".into(),
         "moe.router_logit_bias" => "mlp.router.bias".into(),
         "attn.sinks" => "self_attn.sinks".into(),
-        // gpt-oss's fused expert biases; the gate/up one is read de-interleaved (see
-        // `smoe_convert`'s gpt-oss provider).
-        "moe.expert_gate_up_bias" => "mlp.experts.gate_up_proj_bias".into(),
+        // gpt-oss's expert biases; gate and up are the even and odd columns of
+        // `gate_up_proj_bias`, named apart by `smoe_convert`'s gpt-oss provider.
+        "moe.expert_gate_bias" => "mlp.experts.gate_proj_bias".into(),
+        "moe.expert_up_bias" => "mlp.experts.up_proj_bias".into(),
         "moe.expert_down_bias" => "mlp.experts.down_proj_bias".into(),
         "moe.router" => format!("{moe_block}.gate.weight"),
         // MiniMax-M2 keeps its routing bias on the block, not on the gate.

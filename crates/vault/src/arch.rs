@@ -216,8 +216,8 @@ pub struct Moe {
     /// only steers the choice.
     #[serde(default, skip_serializing_if = "is_false")]
     pub router_logit_bias: bool,
-    /// Per-expert biases on the gate/up and down products (gpt-oss; dense tensors
-    /// `moe.expert_gate_up_bias` `[experts, 2 × width]`, gate half then up half, and
+    /// Per-expert biases on the gate, up and down products (gpt-oss; dense tensors
+    /// `moe.expert_gate_bias` and `moe.expert_up_bias` `[experts, width]`,
     /// `moe.expert_down_bias` `[experts, hidden]`).
     #[serde(default, skip_serializing_if = "is_false")]
     pub expert_bias: bool,

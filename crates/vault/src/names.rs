@@ -66,7 +66,8 @@ pub fn dense_tensors(arch: &Architecture) -> Vec<TensorSpec> {
                 }
                 if arch.moe.expert_bias {
                     let i = arch.moe.intermediate_size;
-                    v.push(TensorSpec::exact_matrix(layer(l, "moe.expert_gate_up_bias"), e, 2 * i));
+                    v.push(TensorSpec::exact_matrix(layer(l, "moe.expert_gate_bias"), e, i));
+                    v.push(TensorSpec::exact_matrix(layer(l, "moe.expert_up_bias"), e, i));
                     v.push(TensorSpec::exact_matrix(layer(l, "moe.expert_down_bias"), e, h));
                 }
                 if let Some(s) = &arch.moe.shared_experts {
