@@ -814,6 +814,11 @@ impl Backend for CudaBackend {
         512
     }
 
+    /// Not yet: the attention kernels know neither windows nor sinks (gpt-oss runs on the CPU).
+    fn attends_windows_and_sinks(&self) -> bool {
+        false
+    }
+
     fn describe(&self) -> String {
         let prefill = match (self.tensor_cores, self.int8_tiles) {
             (true, true) => ", prefill on tensor cores (int8 for Q8_0 and Q4_K, else 3xTF32)",

@@ -209,6 +209,12 @@ pub trait Backend: Send + Sync {
 
     /// Human-readable description (ISA, threads).
     fn describe(&self) -> String;
+    /// Whether [`Self::attention`] honours [`AttnParams::window`] and [`AttnParams::sinks`]
+    /// (gpt-oss). A model that needs them is refused at load on a backend that answers `false`,
+    /// and the conformance suite skips those cases there.
+    fn attends_windows_and_sinks(&self) -> bool {
+        true
+    }
     /// Most tokens a prefill step should run at once: [`PREFILL_CHUNK`](crate::PREFILL_CHUNK)
     /// (what keeps the CPU's working set in its caches) unless the backend fills wider steps
     /// better, as a GPU does.

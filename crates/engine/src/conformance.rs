@@ -742,7 +742,8 @@ impl<B: Backend> Suite<'_, B> {
                 true,
             ),
         ];
-        let all = cases.into_iter().map(|(w, s, q, p, n)| (w, s, q, p, n, None, false)).chain(windowed);
+        let windowed = if self.b.attends_windows_and_sinks() { &windowed[..] } else { &[] };
+        let all = cases.into_iter().map(|(w, s, q, p, n)| (w, s, q, p, n, None, false)).chain(windowed.iter().copied());
         for (what, shape, q_heads, positions, n, window, with_sinks) in all {
             let (kw, vw) = (shape.heads * shape.k_dim, shape.heads * shape.v_dim);
             let keys = self.values(positions * kw);

@@ -180,6 +180,13 @@ impl<B: Backend> Model<B> {
         experts: Arc<dyn ExpertSource>,
     ) -> Result<Model<B>, EngineError> {
         let arch = arch.clone();
+        if (arch.attn_sinks || !arch.attention_windows.is_empty()) && !backend.attends_windows_and_sinks() {
+            return Err(EngineError::Model(format!(
+                "{} uses attention sinks and sliding windows, which the {} backend does not implement yet; use the CPU",
+                arch.family.model_type(),
+                backend.describe()
+            )));
+        }
         if let Some(d) = dense.iter().find(|d| d.offset.checked_add(d.len).is_none_or(|end| end > region.len() as u64)) {
             return Err(EngineError::Model(format!("tensor {} lies outside the dense data", d.name)));
         }
