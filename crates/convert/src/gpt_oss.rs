@@ -270,15 +270,18 @@ impl TensorProvider for FusedExperts<'_> {
 mod tests {
     use super::*;
 
-    /// Element `e` of a hub block sits at ggml's position: low nibbles hold 0..16, high 16..32.
+    /// Element `e` of a hub block (code `e / 2` here, so that elements `j` and `j + 16`
+    /// differ) lands in ggml's place: the low nibble of byte `j` for `j < 16`, else the high
+    /// nibble of byte `j - 16`.
     #[test]
     fn hub_blocks_repack_to_ggml_order() {
-        let hub: [u8; 16] = std::array::from_fn(|j| ((2 * j) % 16 | (((2 * j + 1) % 16) << 4)) as u8);
+        let code = |e: usize| (e / 2) as u8;
+        let hub: [u8; 16] = std::array::from_fn(|j| code(2 * j) | (code(2 * j + 1) << 4));
         let mut g = [0u8; 16];
         repack_hub_block(&hub, &mut g);
         for j in 0..16 {
-            assert_eq!(g[j] & 0x0f, ((j) % 16) as u8);
-            assert_eq!(g[j] >> 4, ((j + 16) % 16) as u8);
+            assert_eq!(g[j] & 0x0f, code(j), "element {j}");
+            assert_eq!(g[j] >> 4, code(j + 16), "element {}", j + 16);
         }
     }
 }
