@@ -79,6 +79,12 @@ impl<'a> FusedExperts<'a> {
         Ok(me)
     }
 
+    /// Whether `ckpt` keeps its experts fused (a checkpoint written per expert, as `smoe synth`
+    /// does, is read as it is).
+    pub fn applies(ckpt: &Checkpoint) -> bool {
+        ckpt.tensors.keys().any(|n| Self::is_fused(n))
+    }
+
     /// The checkpoint tensors holding layer `l`'s fused `gate_up_proj` or `down_proj`.
     fn sources(&self, l: usize, fused: &str) -> Vec<String> {
         let p = format!("model.layers.{l}.mlp.experts.{fused}");

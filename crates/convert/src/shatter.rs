@@ -217,7 +217,7 @@ fn shatter_in_pool(hf_dir: &Path, out: &Path, opts: &ShatterOptions, progress: &
     let assets = SourceAssets { text: hf::text_assets(hf_dir)?, generation: hf::generation_defaults(hf_dir, &config)?, config };
     let ckpt = Checkpoint::open(hf_dir)?;
     let arch = hf::architecture_from_config(&assets.config)?;
-    if arch.family == smoe_vault::Family::GptOss {
+    if arch.family == smoe_vault::Family::GptOss && crate::gpt_oss::FusedExperts::applies(&ckpt) {
         // Fused (and maybe MXFP4) experts, read as per-expert tensors.
         return convert(&crate::gpt_oss::FusedExperts::new(&ckpt, &arch)?, assets, out, opts, progress);
     }
