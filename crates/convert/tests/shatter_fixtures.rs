@@ -323,6 +323,28 @@ fn bad_checkpoints_fail_clearly() {
     std::fs::write(ck.join("config.json"), c.to_string()).unwrap();
     let e = shatter(&ck, &out, &bf16_opts(), &Silent).unwrap_err().to_string();
     assert!(e.contains("longrope"), "{e}");
+    // gpt-oss: layer types that do not fit the layers, or slide without a window, and fused
+    // MXFP4 experts of another shape than the config says.
+    let ck = dir.path().join("gpt_oss");
+    copy_fixture("gpt_oss_mxfp4", &ck);
+    let good: Value = serde_json::from_str(&std::fs::read_to_string(ck.join("config.json")).unwrap()).unwrap();
+    for (change, want) in [
+        (serde_json::json!({"layer_types": ["full_attention"]}), "1 layer_types for 4 layers"),
+        (
+            serde_json::json!({"layer_types": ["sliding_attention", "chunked_attention", "full_attention", "full_attention"]}),
+            "chunked_attention",
+        ),
+        (serde_json::json!({"sliding_window": null}), "without sliding_window"),
+        (serde_json::json!({"intermediate_size": 64}), "gate_up_proj_blocks"),
+    ] {
+        let mut c = good.clone();
+        for (k, v) in change.as_object().unwrap() {
+            c[k] = v.clone();
+        }
+        std::fs::write(ck.join("config.json"), c.to_string()).unwrap();
+        let e = shatter(&ck, &out, &bf16_opts(), &Silent).unwrap_err().to_string();
+        assert!(e.contains(want), "{change}: {e}");
+    }
     // Missing tensors are listed: drop a shard.
     let ck = dir.path().join("missing");
     copy_fixture("qwen3_moe", &ck);
