@@ -26,10 +26,16 @@ pub fn fmt_bytes(b: u64) -> String {
 pub fn run_shatter(
     input: &Path,
     out: &Path,
-    experts: smoe_convert::ExpertFormats,
+    experts: Option<smoe_convert::ExpertFormats>,
     dense: Format,
     threads: Option<usize>,
 ) -> Result<ShatterReport> {
+    let experts = experts.unwrap_or_else(|| {
+        // A checkpoint's own expert format where smoe keeps it as it is (gpt-oss's MXFP4).
+        let native =
+            smoe_formats::hf::read_json(&input.join("config.json")).ok().and_then(|c| smoe_convert::gpt_oss::native_expert_format(&c));
+        native.unwrap_or(Format::Q4_K).into()
+    });
     let opts = ShatterOptions {
         experts,
         dense,

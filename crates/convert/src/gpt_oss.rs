@@ -23,6 +23,15 @@ use smoe_formats::FormatError;
 use smoe_quant::Format;
 use smoe_vault::Architecture;
 
+/// The experts' format of a checkpoint that ships them quantized in a format smoe keeps as it
+/// is: MXFP4 for gpt-oss's published checkpoints (`quantization_config.quant_method: mxfp4`).
+/// `smoe shatter` uses it when no `--experts` is given, so their blocks are copied, not
+/// re-quantized.
+pub fn native_expert_format(config: &serde_json::Value) -> Option<Format> {
+    let method = config.get("quantization_config")?.get("quant_method")?.as_str()?;
+    (method == "mxfp4").then_some(Format::MXFP4)
+}
+
 /// A gpt-oss checkpoint seen through per-expert tensor names (see the module documentation).
 pub struct FusedExperts<'a> {
     inner: &'a Checkpoint,
