@@ -82,6 +82,17 @@ impl<'a> FusedExperts<'a> {
                         Some(f) if f != want => return Err(ConvertError::Shape { tensor: name.clone(), found: f, expected: want }),
                         Some(_) => {}
                     }
+                    // Blocks and scales are bytes, copied as they are; anything else would be
+                    // read as the wrong numbers.
+                    let dtype = inner.tensors[name].dtype;
+                    if mxfp4 && dtype != smoe_formats::safetensors::DType::U8 {
+                        return Err(
+                            FormatError::BadInput(format!("{name} is {dtype:?}, not U8 (MXFP4 blocks and scales are bytes)")).into()
+                        );
+                    }
+                    if !mxfp4 && dtype == smoe_formats::safetensors::DType::U8 {
+                        return Err(FormatError::BadInput(format!("{name} is U8: fused experts without their _blocks/_scales")).into());
+                    }
                 }
             }
         }
@@ -152,7 +163,9 @@ impl<'a> FusedExperts<'a> {
             self.read_blocks(p, start, n, &mut q)?;
             return smoe_quant::dequantize(Format::MXFP4, &q, out).map_err(|e| FormatError::Internal(e.to_string()).into());
         }
-        // transformers' layout: the expert's [inputs, outputs] matrix, read whole, transposed.
+        // transformers' layout: the expert's [inputs, outputs] matrix, read whole and taken
+        // apart by columns (one expert at a time, so memory stays bounded; the hub's MXFP4
+        // layout above is read row by row).
         let t = self.tensor(&names[0])?;
         let outs = t.cols();
         let mut m = vec![0f32; p.cols * outs];
