@@ -52,6 +52,11 @@ def glm4_moe_quirks(family):
 
 FAMILY_QUIRKS = {"glm4_moe": glm4_moe_quirks}
 
+# gpt-oss from the hub's MXFP4 layout: `--outtype bf16` keeps the experts' MXFP4 blocks (repacked
+# to ggml's nibble order) and writes the rest bf16, so the fixture's own reference applies; no
+# q8_0 file (its reference would need transformers on MXFP4 experts plus Q8_0 round trips).
+BF16_ONLY = {"gpt_oss_mxfp4"}
+
 
 OUT = "gguf"
 
@@ -164,6 +169,8 @@ def main():
     os.makedirs(OUT, exist_ok=True)
     for family in args:
         convert(family, "bf16")
+        if family in BF16_ONLY:
+            continue
         q8 = convert(family, "q8_0")
         print("wrote", q8_0_reference(family, q8))
 

@@ -26,10 +26,16 @@ pub fn fmt_bytes(b: u64) -> String {
 pub fn run_shatter(
     input: &Path,
     out: &Path,
-    experts: smoe_convert::ExpertFormats,
+    experts: Option<smoe_convert::ExpertFormats>,
     dense: Format,
     threads: Option<usize>,
 ) -> Result<ShatterReport> {
+    let experts = experts.unwrap_or_else(|| {
+        // A checkpoint's own expert format where smoe keeps it as it is (gpt-oss's MXFP4).
+        let native =
+            smoe_formats::hf::read_json(&input.join("config.json")).ok().and_then(|c| smoe_convert::gpt_oss::native_expert_format(&c));
+        native.unwrap_or(Format::Q4_K).into()
+    });
     let opts = ShatterOptions {
         experts,
         dense,
@@ -108,6 +114,12 @@ pub fn run_inspect(path: &Path, json: bool) -> Result<()> {
             a.num_heads, a.num_kv_heads, a.head_dim, a.qk_norm, a.qkv_bias
         ),
     }
+    // gpt-oss's attention extras, where a model has them.
+    let windows: Vec<String> = a.attention_windows.iter().map(|w| w.map_or("full".into(), |w| w.to_string())).collect();
+    if a.attn_sinks || a.o_bias || !windows.is_empty() {
+        let per_layer = if windows.is_empty() { String::new() } else { format!(", windows per layer [{}]", windows.join(" ")) };
+        println!("              sinks {}, output bias {}{per_layer}", a.attn_sinks, a.o_bias);
+    }
     println!(
         "rope          theta {}, rotary dim {}{}, scaling {:?}",
         a.rope.theta,
@@ -123,6 +135,12 @@ pub fn run_inspect(path: &Path, json: bool) -> Result<()> {
         "experts       {} x {} wide, top-{}, router {router}, renormalise {}, scale {}",
         a.moe.num_experts, a.moe.intermediate_size, a.moe.top_k, a.moe.norm_topk_prob, a.moe.routed_scaling_factor
     );
+    if a.moe.router_logit_bias || a.moe.expert_bias || a.moe.expert_act != smoe_vault::ExpertAct::Silu {
+        println!(
+            "              router bias {}, expert biases {}, activation {:?}",
+            a.moe.router_logit_bias, a.moe.expert_bias, a.moe.expert_act
+        );
+    }
     if let Some(s) = &a.moe.shared_experts {
         println!("shared expert {} wide{}", s.intermediate_size, if s.sigmoid_gate { ", sigmoid gate" } else { "" });
     }

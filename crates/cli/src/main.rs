@@ -33,8 +33,10 @@ enum Command {
         out: PathBuf,
         /// Format of the routed experts: one format (Q4_K), a low-bit mix (Q2_K_MIX: gate/up
         /// Q2_K, down Q3_K; Q3_K_MIX: gate/up Q3_K, down Q4_K) or per matrix (Q3_K,down=Q5_K).
-        #[arg(long, default_value = "Q4_K")]
-        experts: smoe_convert::ExpertFormats,
+        /// Default: Q4_K, or MXFP4 for a checkpoint whose experts are MXFP4 (gpt-oss: its
+        /// blocks are copied, not re-quantized).
+        #[arg(long)]
+        experts: Option<smoe_convert::ExpertFormats>,
         /// Format of the dense matrices (norms, biases and routers always stay F32).
         #[arg(long, default_value = "Q8_0")]
         dense: Format,
@@ -45,7 +47,8 @@ enum Command {
     /// Write a random-weight checkpoint with the exact shapes of a published model.
     Synth {
         /// qwen3-30b-a3b, qwen3-235b-a22b, qwen2-57b-a14b, mixtral-8x7b, mixtral-8x22b,
-        /// olmoe-1b-7b, glm-4.5-air, glm-4.5, deepseek-v3, kimi-k2 or minimax-m2.
+        /// olmoe-1b-7b, glm-4.5-air, glm-4.5, deepseek-v3, kimi-k2, minimax-m2, gpt-oss-20b or
+        /// gpt-oss-120b.
         #[arg(long)]
         shape: String,
         /// Output directory (a Hugging Face checkpoint).
@@ -492,7 +495,7 @@ fn demo(model: Option<PathBuf>, prompt: &str) -> Result<()> {
     let dir = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../target/smoe-demo"));
     std::fs::create_dir_all(&dir)?;
     let vault = dir.join("stdlib-moe.smoe");
-    cmd_vault::run_shatter(&model, &vault, Format::Q4_K.into(), Format::Q8_0, None)?;
+    cmd_vault::run_shatter(&model, &vault, Some(Format::Q4_K.into()), Format::Q8_0, None)?;
     println!();
     cmd_vault::run_inspect(&vault, false)?;
     println!();

@@ -35,6 +35,21 @@ fn shatter(dir: &Path, name: &str, extra: &[&str]) -> String {
     out
 }
 
+/// A gpt-oss checkpoint as the hub ships it keeps its MXFP4 experts when no `--experts` is
+/// given (its blocks copied), and `inspect` shows what makes gpt-oss different.
+#[test]
+fn gpt_oss_keeps_its_mxfp4_experts_by_default() {
+    let dir = tempfile::tempdir().unwrap();
+    let v = shatter(dir.path(), "gpt_oss_mxfp4", &[]);
+    let j: serde_json::Value = serde_json::from_str(&ok(&smoe(&["inspect", &v, "--json"]))).unwrap();
+    assert_eq!(j["architecture"]["family"], "gpt_oss");
+    assert!(j["expert_parts"].as_array().unwrap().iter().all(|p| p["format"] == "MXFP4"), "{}", j["expert_parts"]);
+    let text = ok(&smoe(&["inspect", &v]));
+    assert!(text.contains("sinks true") && text.contains("windows per layer [8 full 8 full]") && text.contains("ClampedSwiglu"), "{text}");
+    let run = ok(&smoe(&["run", &v, "-p", "Hello", "--max-tokens", "4", "--temperature", "0"]));
+    assert!(!run.is_empty());
+}
+
 #[test]
 fn shatter_inspect_verify_and_a_flipped_byte() {
     let dir = tempfile::tempdir().unwrap();

@@ -13,6 +13,7 @@ This crate writes only: reading model files (GGUF, config.json, safetensors) is
 
 mod expert_formats;
 pub mod gguf;
+pub mod gpt_oss;
 pub mod random_blocks;
 mod shatter;
 pub mod synth;

@@ -216,6 +216,11 @@ fn shatter_in_pool(hf_dir: &Path, out: &Path, opts: &ShatterOptions, progress: &
     let config = hf::read_json(&hf_dir.join("config.json"))?;
     let assets = SourceAssets { text: hf::text_assets(hf_dir)?, generation: hf::generation_defaults(hf_dir, &config)?, config };
     let ckpt = Checkpoint::open(hf_dir)?;
+    let arch = hf::architecture_from_config(&assets.config)?;
+    if arch.family == smoe_vault::Family::GptOss && crate::gpt_oss::FusedExperts::applies(&ckpt) {
+        // Fused (and maybe MXFP4) experts, read as per-expert tensors.
+        return convert(&crate::gpt_oss::FusedExperts::new(&ckpt, &arch)?, assets, out, opts, progress);
+    }
     convert(&ckpt, assets, out, opts, progress)
 }
 

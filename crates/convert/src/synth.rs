@@ -42,6 +42,8 @@ pub fn shape_names() -> Vec<&'static str> {
         "deepseek-v3",
         "kimi-k2",
         "minimax-m2",
+        "gpt-oss-20b",
+        "gpt-oss-120b",
     ]
 }
 
@@ -138,6 +140,25 @@ pub fn shape_config(name: &str) -> Result<Value, ConvertError> {
             "torch_dtype": "bfloat16", "use_cache": true, "use_qk_norm": true, "use_routing_bias": true,
             "vocab_size": 200064
         }),
+        // The published configs (without their `quantization_config`: synth writes the experts
+        // per expert, in bf16, where the hub keeps them fused in MXFP4).
+        "gpt-oss-20b" | "gpt-oss-120b" => {
+            let (layers, experts) = if name == "gpt-oss-20b" { (24, 32) } else { (36, 128) };
+            let types: Vec<&str> = (0..layers).map(|l| if l % 2 == 0 { "sliding_attention" } else { "full_attention" }).collect();
+            json!({
+                "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": true,
+                "attention_dropout": 0.0, "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64,
+                "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096,
+                "initializer_range": 0.02, "intermediate_size": 2880, "layer_types": types,
+                "max_position_embeddings": 131072, "num_attention_heads": 64, "num_experts_per_tok": 4,
+                "num_hidden_layers": layers, "num_key_value_heads": 8, "num_local_experts": experts,
+                "output_router_logits": false, "pad_token_id": 199999, "rms_norm_eps": 1e-5,
+                "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                 "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": false},
+                "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+                "tie_word_embeddings": false, "torch_dtype": "bfloat16", "use_cache": true, "vocab_size": 201088
+            })
+        }
         "olmoe-1b-7b" => json!({
             "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "attention_bias": false,
             "attention_dropout": 0.0, "bos_token_id": null, "eos_token_id": 50279, "pad_token_id": 1,
@@ -619,6 +640,9 @@ mod tests {
             ("deepseek-v3", 671.0e9),
             ("kimi-k2", 1026.4e9),
             ("minimax-m2", 228.7e9),
+            // OpenAI's model card: 20.91B and 116.83B.
+            ("gpt-oss-20b", 20.91e9),
+            ("gpt-oss-120b", 116.83e9),
         ];
         assert_eq!(published.len(), shape_names().len());
         for (shape, want) in published {

@@ -6,10 +6,10 @@ use serde_json::Value;
 use smoe_convert::{shatter, ShatterOptions, Silent};
 use smoe_formats::{hf, safetensors::Checkpoint};
 use smoe_quant::Format;
-use smoe_vault::{names, LayerKind, QkNorm, RopeScaling, Router, Vault};
+use smoe_vault::{names, ExpertAct, LayerKind, QkNorm, RopeScaling, Router, Vault};
 use std::path::{Path, PathBuf};
 
-const FIXTURES: [&str; 10] = [
+const FIXTURES: [&str; 12] = [
     "qwen3_moe",
     "qwen2_moe",
     "mixtral",
@@ -20,6 +20,8 @@ const FIXTURES: [&str; 10] = [
     "qwen3_moe_k",
     "qwen3_moe_yarn",
     "minimax_m2",
+    "gpt_oss",
+    "gpt_oss_mxfp4",
 ];
 
 fn fixture(name: &str) -> PathBuf {
@@ -71,13 +73,13 @@ fn manifest_matches_config_field_by_field() {
             },
         }
         let family_experts = match name {
-            "mixtral" | "minimax_m2" => cfg_usize(&c, "num_local_experts"),
+            "mixtral" | "minimax_m2" | "gpt_oss" | "gpt_oss_mxfp4" => cfg_usize(&c, "num_local_experts"),
             "glm4_moe" | "deepseek_v3" | "deepseek_v3_yarn" => cfg_usize(&c, "n_routed_experts"),
             _ => cfg_usize(&c, "num_experts"),
         };
         assert_eq!(a.moe.num_experts, family_experts, "{name}");
         let expert_size = match name {
-            "mixtral" | "olmoe" | "minimax_m2" => cfg_usize(&c, "intermediate_size"),
+            "mixtral" | "olmoe" | "minimax_m2" | "gpt_oss" | "gpt_oss_mxfp4" => cfg_usize(&c, "intermediate_size"),
             _ => cfg_usize(&c, "moe_intermediate_size"),
         };
         assert_eq!(a.moe.intermediate_size, expert_size, "{name}");
@@ -105,6 +107,16 @@ fn manifest_matches_config_field_by_field() {
                 assert_eq!(a.rope.rotary_dim, cfg_usize(&c, "rotary_dim"));
                 assert!(a.moe.norm_topk_prob && !a.qkv_bias && a.moe.shared_experts.is_none());
                 assert_eq!(a.moe.router, Router::SigmoidGrouped { n_group: 1, topk_group: 1, correction_bias: true });
+            }
+            "gpt_oss" | "gpt_oss_mxfp4" => {
+                assert!(a.qkv_bias && a.o_bias && a.attn_sinks && a.moe.norm_topk_prob);
+                assert!(a.moe.router_logit_bias && a.moe.expert_bias && a.moe.router == Router::Softmax);
+                assert_eq!(a.moe.expert_act, ExpertAct::ClampedSwiglu { alpha: 1.702, limit: c["swiglu_limit"].as_f64().unwrap() });
+                let w = cfg_usize(&c, "sliding_window");
+                let types = c["layer_types"].as_array().unwrap();
+                let want: Vec<Option<usize>> = types.iter().map(|t| (t == "sliding_attention").then_some(w)).collect();
+                assert_eq!(a.attention_windows, want, "{name}");
+                assert!(matches!(a.rope.scaling, RopeScaling::Yarn { truncate: false, .. }), "{name}");
             }
             "glm4_moe" => {
                 assert_eq!(a.rope.partial_rotary_factor, c["partial_rotary_factor"].as_f64().unwrap());
@@ -159,6 +171,10 @@ fn bf16_round_trip_is_bit_exact() {
         let v = shatter_to(name, &bf16_opts(), dir.path());
         let ckpt = Checkpoint::open(&fixture(name)).unwrap();
         let a = v.architecture().clone();
+        if a.family == smoe_vault::Family::GptOss {
+            gpt_oss_values_kept(name, &v, &ckpt);
+            continue;
+        }
         for spec in names::dense_tensors(&a) {
             let src = &ckpt.tensors[&hf::hf_name(a.family, &spec.name)];
             let bytes = v.read_dense(&spec.name).unwrap();
@@ -196,6 +212,40 @@ fn bf16_round_trip_is_bit_exact() {
         }
         v.verify(&mut |_| {}).unwrap();
     }
+}
+
+/// gpt-oss's experts are fused (and maybe MXFP4): every tensor of a BF16 vault holds the values
+/// the per-expert view of the checkpoint reads (gate/up de-interleaved, transposed to rows of
+/// outputs, MXFP4 decoded — exact in bf16).
+fn gpt_oss_values_kept(name: &str, v: &Vault, ckpt: &Checkpoint) {
+    use smoe_convert::TensorProvider;
+    let a = v.architecture();
+    let src = smoe_convert::gpt_oss::FusedExperts::new(ckpt, a).unwrap();
+    let read = |n: &str, rows: usize, cols: usize| {
+        let mut out = vec![0f32; rows * cols];
+        src.read_rows(n, 0, rows, &mut out).unwrap();
+        out
+    };
+    for spec in names::dense_tensors(a) {
+        let (cols, rows) = (*spec.shape.last().unwrap(), spec.shape[..spec.shape.len() - 1].iter().product::<usize>().max(1));
+        let entry = v.dense(&spec.name).unwrap();
+        let mut got = vec![0f32; rows * cols];
+        smoe_quant::dequantize(entry.format, &v.read_dense(&spec.name).unwrap(), &mut got).unwrap();
+        assert_eq!(got, read(&hf::hf_name(a.family, &spec.name), rows, cols), "{name} {}", spec.name);
+    }
+    let mut blob = vec![0u8; v.manifest().experts.blob_size as usize];
+    let shapes = names::expert_part_shapes(a);
+    for l in a.moe_layers() {
+        for e in 0..a.moe.num_experts {
+            v.read_blob(l, e, &mut blob).unwrap();
+            for ((part, src_name), [rows, cols]) in v.manifest().experts.parts.iter().zip(hf::hf_expert_names(a.family, l, e)).zip(shapes) {
+                let mut got = vec![0f32; rows * cols];
+                smoe_quant::dequantize(part.format, &blob[part.offset as usize..(part.offset + part.len) as usize], &mut got).unwrap();
+                assert_eq!(got, read(&src_name, rows, cols), "{name} {src_name}");
+            }
+        }
+    }
+    v.verify(&mut |_| {}).unwrap();
 }
 
 /// Relative RMS error of every expert matrix after a round trip through `format`.
@@ -273,6 +323,28 @@ fn bad_checkpoints_fail_clearly() {
     std::fs::write(ck.join("config.json"), c.to_string()).unwrap();
     let e = shatter(&ck, &out, &bf16_opts(), &Silent).unwrap_err().to_string();
     assert!(e.contains("longrope"), "{e}");
+    // gpt-oss: layer types that do not fit the layers, or slide without a window, and fused
+    // MXFP4 experts of another shape than the config says.
+    let ck = dir.path().join("gpt_oss");
+    copy_fixture("gpt_oss_mxfp4", &ck);
+    let good: Value = serde_json::from_str(&std::fs::read_to_string(ck.join("config.json")).unwrap()).unwrap();
+    for (change, want) in [
+        (serde_json::json!({"layer_types": ["full_attention"]}), "1 layer_types for 4 layers"),
+        (
+            serde_json::json!({"layer_types": ["sliding_attention", "chunked_attention", "full_attention", "full_attention"]}),
+            "chunked_attention",
+        ),
+        (serde_json::json!({"sliding_window": null}), "without sliding_window"),
+        (serde_json::json!({"intermediate_size": 64}), "gate_up_proj_blocks"),
+    ] {
+        let mut c = good.clone();
+        for (k, v) in change.as_object().unwrap() {
+            c[k] = v.clone();
+        }
+        std::fs::write(ck.join("config.json"), c.to_string()).unwrap();
+        let e = shatter(&ck, &out, &bf16_opts(), &Silent).unwrap_err().to_string();
+        assert!(e.contains(want), "{change}: {e}");
+    }
     // Missing tensors are listed: drop a shard.
     let ck = dir.path().join("missing");
     copy_fixture("qwen3_moe", &ck);

@@ -199,6 +199,7 @@ struct Kernels {
     add: CudaFunction,
     silu_mul: CudaFunction,
     silu_mul_halves: CudaFunction,
+    swiglu_clamped_halves: CudaFunction,
     add_bias: CudaFunction,
     scale_rows: CudaFunction,
     copy_strided: CudaFunction,
@@ -231,6 +232,12 @@ pub(crate) const FORMAT_NAMES: [(Format, &str); 13] = [
     (Format::Q5_K, "q5_k"),
     (Format::Q6_K, "q6_k"),
 ];
+
+/// Whether the kernels decode `f` (MXFP4 does not yet: its 17-byte blocks leave rows only
+/// byte-aligned, which the staged loads do not handle).
+fn has_kernels(f: Format) -> bool {
+    FORMAT_NAMES.iter().any(|(g, _)| *g == f)
+}
 
 impl Kernels {
     fn load(module: &Arc<CudaModule>) -> Result<Kernels, String> {
@@ -272,6 +279,7 @@ impl Kernels {
             add: f("add")?,
             silu_mul: f("silu_mul")?,
             silu_mul_halves: f("silu_mul_halves")?,
+            swiglu_clamped_halves: f("swiglu_clamped_halves")?,
             add_bias: f("add_bias")?,
             scale_rows: f("scale_rows")?,
             copy_strided: f("copy_strided")?,
@@ -925,6 +933,11 @@ impl Backend for CudaBackend {
         512
     }
 
+    /// Not yet: the attention kernels know neither windows nor sinks (gpt-oss runs on the CPU).
+    fn attends_windows_and_sinks(&self) -> bool {
+        false
+    }
+
     fn describe(&self) -> String {
         let prefill = match (self.tensor_cores, self.int8_tiles) {
             (true, true) => ", prefill on tensor cores (int8 for Q8_0 and Q4_K, else 3xTF32)",
@@ -986,6 +999,10 @@ impl Backend for CudaBackend {
 
     fn matrix(&self, region: &Arc<Vec<u8>>, offset: usize, format: Format, rows: usize, cols: usize) -> CudaMatrix {
         let row_bytes = format.row_bytes(cols).expect("validated by the vault reader");
+        if !has_kernels(format) {
+            // Later ops on it do nothing; `Model::load_parts` reports the fault.
+            self.record("loading weights", format!("{format} weights have no CUDA kernels yet; use --device cpu"));
+        }
         let data = self.upload_new("loading weights", &region[offset..offset + rows * row_bytes]);
         CudaMatrix { data, format, rows, cols, row_bytes }
     }
@@ -1107,6 +1124,10 @@ impl Backend for CudaBackend {
                     (m.format, dptr(&m.data, &self.stream) + (r0 * m.row_bytes) as u64, m.row_bytes, rows, m.cols)
                 }
                 WeightRef::Expert(q, handle) => {
+                    if !has_kernels(q.format) {
+                        self.record("matmul_many", format!("{} experts have no CUDA kernels yet; use --device cpu", q.format));
+                        return;
+                    }
                     if q.layout != Layout::Rows {
                         self.record("matmul_many", "an expert arrived interleaved; the CUDA backend reads rows as stored");
                         return;
@@ -1321,6 +1342,17 @@ impl Backend for CudaBackend {
         let mut a = Launch::new(&self.k.silu_mul_halves);
         a.arg(&xp).arg(&r).arg(&n_i).arg(&s).arg(&w_i);
         self.launch(a, cfg_elems(n * w), "silu_mul_halves");
+    }
+    fn swiglu_clamped_halves(&self, x: &mut CudaBuf, row0: usize, n: usize, stride: usize, w: usize, alpha: f32, limit: f32) {
+        if self.faulted() || n == 0 || w == 0 {
+            return;
+        }
+        check_rows("swiglu_clamped_halves", x, row0, n, stride, 0, 2 * w);
+        let xp = x.at_mut(&self.stream);
+        let (r, n_i, s, w_i) = (row0 as i32, n as i32, stride as i32, w as i32);
+        let mut a = Launch::new(&self.k.swiglu_clamped_halves);
+        a.arg(&xp).arg(&r).arg(&n_i).arg(&s).arg(&w_i).arg(&alpha).arg(&limit);
+        self.launch(a, cfg_elems(n * w), "swiglu_clamped_halves");
     }
     fn rope(
         &self,
@@ -1643,10 +1675,19 @@ impl Backend for CudaBackend {
         q_stride: usize,
         n: usize,
         pos0: usize,
-        p: AttnParams,
+        p: AttnParams<'_>,
         out: &mut CudaBuf,
     ) {
         if self.faulted() || n == 0 {
+            return;
+        }
+        if p.window.is_some() || p.sinks.is_some() {
+            // gpt-oss's sliding windows and sinks have no CUDA kernel yet: fail the call
+            // (Model::forward reports it) rather than attend over the wrong positions.
+            self.record(
+                "attention",
+                "sliding-window attention and attention sinks (gpt-oss) are not implemented on CUDA yet; use --device cpu",
+            );
             return;
         }
         let l = &cache.layers[layer];

@@ -900,6 +900,17 @@ extern "C" __global__ void silu_mul_halves(float* x, int row0, int n, int stride
     row[c] = a / (1.0f + expf(-a)) * row[w + c];
 }
 
+// gpt-oss's clamped SwiGLU (Backend::swiglu_clamped_halves).
+extern "C" __global__ void swiglu_clamped_halves(float* x, int row0, int n, int stride, int w, float alpha, float limit) { PDL_START;
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n * w) return;
+    float* row = x + (size_t)(row0 + i / w) * stride;
+    int c = i % w;
+    float g = fminf(row[c], limit);
+    float u = fminf(fmaxf(row[w + c], -limit), limit);
+    row[c] = g / (1.0f + expf(-alpha * g)) * (u + 1.0f);
+}
+
 extern "C" __global__ void add_bias(float* x, int n, int stride, int off, const float* b, int len) { PDL_START;
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n * len) x[(size_t)(i / len) * stride + off + i % len] += b[i % len];

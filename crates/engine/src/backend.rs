@@ -36,11 +36,24 @@ pub struct KvShape {
 
 /// Parameters of one attention call.
 #[derive(Clone, Copy, Debug)]
-pub struct AttnParams {
+pub struct AttnParams<'a> {
     /// Query heads.
     pub q_heads: usize,
     /// Softmax scale applied to q·k.
     pub scale: f32,
+    /// A sliding window of `w` positions: the query at position `p` sees `p + 1 - w..=p`
+    /// (gpt-oss's sliding layers). `None`: every position before it.
+    pub window: Option<usize>,
+    /// One logit per query head that joins that head's softmax denominator and contributes no
+    /// value ("attention sinks", gpt-oss). `None`: a plain softmax.
+    pub sinks: Option<&'a [f32]>,
+}
+
+impl AttnParams<'_> {
+    /// The first position the query at position `p` sees.
+    pub fn first_seen(&self, p: usize) -> usize {
+        self.window.map_or(0, |w| (p + 1).saturating_sub(w))
+    }
 }
 
 /// Rows of `[q | k | v]` as [`Backend::qk_rope_store`] takes them: each row holds `q_heads`
@@ -196,6 +209,12 @@ pub trait Backend: Send + Sync {
 
     /// Human-readable description (ISA, threads).
     fn describe(&self) -> String;
+    /// Whether [`Self::attention`] honours [`AttnParams::window`] and [`AttnParams::sinks`]
+    /// (gpt-oss). A model that needs them is refused at load on a backend that answers `false`,
+    /// and the conformance suite skips those cases there.
+    fn attends_windows_and_sinks(&self) -> bool {
+        true
+    }
     /// Most tokens a prefill step should run at once: [`PREFILL_CHUNK`](crate::PREFILL_CHUNK)
     /// (what keeps the CPU's working set in its caches) unless the backend fills wider steps
     /// better, as a GPU does.
@@ -322,6 +341,11 @@ pub trait Backend: Send + Sync {
     fn silu_mul(&self, g: &mut Self::Buf, u: &Self::Buf, len: usize);
     /// Within rows `row0..row0 + n` of `stride`: `x[0..w] = silu(x[0..w]) * x[w..2w]`.
     fn silu_mul_halves(&self, x: &mut Self::Buf, row0: usize, n: usize, stride: usize, w: usize);
+    /// gpt-oss's clamped SwiGLU within rows `row0..row0 + n` of `stride`: with `g = min(x[c],
+    /// limit)` and `u = clamp(x[w + c], -limit, limit)`, `x[c] = g · sigmoid(alpha · g) · (u + 1)`
+    /// for `c < w`.
+    #[allow(clippy::too_many_arguments)]
+    fn swiglu_clamped_halves(&self, x: &mut Self::Buf, row0: usize, n: usize, stride: usize, w: usize, alpha: f32, limit: f32);
     /// Rotates `heads` heads per token: head `h` of token `t` starts at
     /// `t * stride + off + h * head_stride`; `cos`/`sin` hold `rotary_dim / 2` values per token.
     fn rope(
@@ -416,7 +440,7 @@ pub trait Backend: Send + Sync {
         v: Option<(&Self::Buf, usize, usize)>,
     );
     /// Causal attention of `n` queries at positions `pos0..` over cached positions
-    /// `0..pos0 + n`: `q` rows (every `q_stride` floats) start with `q_heads * k_dim` values,
+    /// `0..pos0 + n` (within `p.window`, with `p.sinks` in the denominators): `q` rows (every `q_stride` floats) start with `q_heads * k_dim` values,
     /// `out` rows hold `q_heads * v_dim`.
     fn attention(
         &self,
@@ -426,7 +450,7 @@ pub trait Backend: Send + Sync {
         q_stride: usize,
         n: usize,
         pos0: usize,
-        p: AttnParams,
+        p: AttnParams<'_>,
         out: &mut Self::Buf,
     );
 }

@@ -441,6 +441,22 @@ impl<B: Backend> Suite<'_, B> {
         let got = self.read(&xb, rows * stride);
         self.compare_elementwise("silu_mul_halves", "rows 2..7, halves of 31 in rows of 70", &got, &want);
 
+        // Values past the clamp bound on both sides, so that both clamps are exercised.
+        let (alpha, limit) = (1.702f32, 0.6f32);
+        let x: Vec<f32> = self.values(rows * stride).iter().map(|v| v * 3.0).collect();
+        let mut xb = self.buf(rows * stride, &x);
+        self.b.swiglu_clamped_halves(&mut xb, row0, count, stride, w, alpha, limit);
+        let mut want = x.clone();
+        for r in row0..row0 + count {
+            for i in 0..w {
+                let g = x[r * stride + i].min(limit);
+                let u = x[r * stride + w + i].clamp(-limit, limit);
+                want[r * stride + i] = g / (1.0 + (-alpha * g).exp()) * (u + 1.0);
+            }
+        }
+        let got = self.read(&xb, rows * stride);
+        self.compare_elementwise("swiglu_clamped_halves", "rows 2..7, halves of 31 in rows of 70", &got, &want);
+
         let (n, dim) = (6, 37);
         let x = self.values(n * dim);
         let s = self.values(n);
@@ -555,6 +571,9 @@ impl<B: Backend> Suite<'_, B> {
                 norm_topk_prob: norm,
                 routed_scaling_factor: scaling,
                 shared_experts: None,
+                router_logit_bias: false,
+                expert_bias: false,
+                expert_act: Default::default(),
             };
             let rule = RouterRule::new(&moe);
             let n = 5;
@@ -693,7 +712,39 @@ impl<B: Backend> Suite<'_, B> {
             ("GQA, 45 queries after 30 positions", KvShape { heads: 2, k_dim: 40, v_dim: 24, values_in_keys: false }, 6, 75, 45),
             ("GQA, 70 queries from the start", KvShape { heads: 1, k_dim: 128, v_dim: 128, values_in_keys: false }, 3, 70, 70),
         ];
-        for (what, shape, q_heads, positions, n) in cases {
+        // gpt-oss: sliding windows and per-head sinks, alone and together.
+        let windowed = [
+            (
+                "GQA, window 64 over 700 positions, sinks",
+                KvShape { heads: 2, k_dim: 32, v_dim: 32, values_in_keys: false },
+                4,
+                700,
+                3,
+                Some(64),
+                true,
+            ),
+            (
+                "GQA, 45 queries in a window of 7",
+                KvShape { heads: 2, k_dim: 40, v_dim: 24, values_in_keys: false },
+                6,
+                75,
+                45,
+                Some(7),
+                false,
+            ),
+            (
+                "GQA, 70 queries from the start, sinks",
+                KvShape { heads: 1, k_dim: 64, v_dim: 64, values_in_keys: false },
+                3,
+                70,
+                70,
+                None,
+                true,
+            ),
+        ];
+        let windowed = if self.b.attends_windows_and_sinks() { &windowed[..] } else { &[] };
+        let all = cases.into_iter().map(|(w, s, q, p, n)| (w, s, q, p, n, None, false)).chain(windowed.iter().copied());
+        for (what, shape, q_heads, positions, n, window, with_sinks) in all {
             let (kw, vw) = (shape.heads * shape.k_dim, shape.heads * shape.v_dim);
             let keys = self.values(positions * kw);
             let values = self.values(positions * vw);
@@ -723,7 +774,10 @@ impl<B: Backend> Suite<'_, B> {
             let qb = self.buf(n * q_stride, &q);
             let scale = 1.0 / (shape.k_dim as f32).sqrt();
             let mut out = self.buf(n * q_heads * shape.v_dim, &[]);
-            self.b.attention(&cache, 1, &qb, q_stride, n, first, AttnParams { q_heads, scale }, &mut out);
+            // Sinks around the scores' size, so that some win the maximum and some do not.
+            let sinks: Vec<f32> = if with_sinks { self.values(q_heads).iter().map(|v| v * 4.0).collect() } else { vec![] };
+            let params = AttnParams { q_heads, scale, window, sinks: with_sinks.then_some(&sinks[..]) };
+            self.b.attention(&cache, 1, &qb, q_stride, n, first, params, &mut out);
             let group = q_heads / shape.heads;
             let mut want = Vec::new();
             for t in 0..n {
@@ -739,14 +793,16 @@ impl<B: Backend> Suite<'_, B> {
                         }
                     };
                     let visible = first + t + 1;
-                    let scores: Vec<f64> = (0..visible)
+                    let lo = params.first_seen(first + t);
+                    let scores: Vec<f64> = (lo..visible)
                         .map(|p| qr.iter().zip(key(p)).map(|(a, b)| (*a as f64) * (*b as f64)).sum::<f64>() * scale as f64)
                         .collect();
-                    let max = scores.iter().cloned().fold(f64::MIN, f64::max);
+                    let sink = sinks.get(h).map(|&s| s as f64);
+                    let max = scores.iter().cloned().chain(sink).fold(f64::MIN, f64::max);
                     let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
-                    let sum: f64 = e.iter().sum();
+                    let sum: f64 = e.iter().sum::<f64>() + sink.map_or(0.0, |s| (s - max).exp());
                     for d in 0..shape.v_dim {
-                        want.push((0..visible).map(|p| e[p] / sum * value(p)[d] as f64).sum::<f64>() as f32);
+                        want.push((lo..visible).map(|p| e[p - lo] / sum * value(p)[d] as f64).sum::<f64>() as f32);
                     }
                 }
             }
@@ -762,7 +818,7 @@ impl<B: Backend> Suite<'_, B> {
             let mut copy = self.b.kv_cache(&[KvShape { heads: 1, k_dim: 8, v_dim: 8, values_in_keys: false }, shape]);
             if self.b.kv_copy(&cache, &mut copy, positions) {
                 let mut out = self.buf(n * q_heads * shape.v_dim, &[]);
-                self.b.attention(&copy, 1, &qb, q_stride, n, first, AttnParams { q_heads, scale }, &mut out);
+                self.b.attention(&copy, 1, &qb, q_stride, n, first, params, &mut out);
                 let again = self.read(&out, want.len());
                 self.compare("kv_copy", what, &again, &got, |_| 0.0);
             }
@@ -831,7 +887,16 @@ impl<B: Backend> Suite<'_, B> {
             let mut outs = Vec::new();
             for cache in &caches {
                 let mut out = self.buf(n * qh * hd, &[]);
-                self.b.attention(cache, 0, &wb, stride, n, pos0, AttnParams { q_heads: qh, scale: 0.2 }, &mut out);
+                self.b.attention(
+                    cache,
+                    0,
+                    &wb,
+                    stride,
+                    n,
+                    pos0,
+                    AttnParams { q_heads: qh, scale: 0.2, window: None, sinks: None },
+                    &mut out,
+                );
                 outs.push(self.read(&out, n * qh * hd));
             }
             let tol = self.tol.attention * 4.0;

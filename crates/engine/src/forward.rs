@@ -26,11 +26,12 @@
 
 use crate::backend::{AttnParams, Backend, ExpertPart, MatJob, QkvRows, RopeTables, WeightRef};
 use crate::instrument::{Instrument, StepRecord};
-use crate::model::{Attention, FeedForward, LatentAttention, Layer, Mlp, Model, MoeBlock, StandardAttention};
+use crate::model::{Attention, ExpertBias, FeedForward, LatentAttention, Layer, Mlp, Model, MoeBlock, StandardAttention};
 use crate::routing::RouteScratch;
 use crate::widths::Widths;
 use crate::EngineError;
 use smoe_store::ExpertBatch;
+use smoe_vault::ExpertAct;
 use std::time::Instant;
 
 /// Tokens per prefill chunk of the engine's own sequences ([`Session`](crate::Session),
@@ -502,8 +503,12 @@ impl<B: Backend> Model<B> {
         let rope = RopeTables { cos: &st.host.cos, sin: &st.host.sin, interleaved: self.rope.interleaved };
         let rows = QkvRows { stride: w, q_heads: nh, kv_heads: nkv, head_dim: hdim };
         be.qk_rope_store(&mut b.q, n, rows, per_head, rope, &mut st.kv, li, pos);
-        be.attention(&st.kv, li, &b.q, w, n, pos, AttnParams { q_heads: nh, scale: self.attn_scale }, &mut b.att);
+        let params = AttnParams { q_heads: nh, scale: self.attn_scale, window: a.window, sinks: a.sinks.as_deref() };
+        be.attention(&st.kv, li, &b.q, w, n, pos, params, &mut b.att);
         be.matmul(&a.o, None, &b.att, n, &mut b.d);
+        if let Some(ob) = &a.o_bias {
+            be.add_bias(&mut b.d, n, ar.hidden_size, 0, ob);
+        }
     }
 
     /// Absorbed multi-head latent attention; leaves the projected output in `d`.
@@ -537,7 +542,8 @@ impl<B: Backend> Model<B> {
             be.copy_strided(&b.tmp2, rank, 0, &mut b.q, nh * lat, h * lat, rank, n);
             be.copy_strided(&b.tmp, nh * qk, h * qk + nope, &mut b.q, nh * lat, h * lat + rank, rope, n);
         }
-        be.attention(&st.kv, li, &b.q, nh * lat, n, pos, AttnParams { q_heads: nh, scale: self.attn_scale }, &mut b.att);
+        let params = AttnParams { q_heads: nh, scale: self.attn_scale, window: None, sinks: None };
+        be.attention(&st.kv, li, &b.q, nh * lat, n, pos, params, &mut b.att);
         // Expand each head's attended latent through W_uv[h].
         for h in 0..nh {
             be.copy_strided(&b.att, nh * rank, h * rank, &mut b.tmp2, rank, 0, rank, n);
@@ -592,7 +598,7 @@ impl<B: Backend> Model<B> {
         st.charge(t, |r| &mut r.routing_ms);
         let t = Instant::now();
         st.host.groups.group(&st.host.routes.ids, self.arch.moe.num_experts, self.router.top_k());
-        self.routed_experts(li, st, n)?;
+        self.routed_experts(li, m, st, n)?;
         if let Some(shared) = &m.shared {
             self.shared_experts(shared, m.shared_gate.as_ref(), st, n);
         }
@@ -664,6 +670,9 @@ impl<B: Backend> Model<B> {
     ) {
         let (be, e_count, k) = (&self.backend, self.arch.moe.num_experts, self.router.top_k());
         be.matmul(&m.router, None, input, n, logits);
+        if let Some(bias) = &m.router_logit_bias {
+            be.add_bias(logits, n, e_count, 0, bias);
+        }
         r.logits.resize(n * e_count, 0.0);
         be.download(logits, 0, &mut r.logits);
         r.ids.resize(n * k, 0);
@@ -685,7 +694,7 @@ impl<B: Backend> Model<B> {
     /// each token's slots are added into `x` with their mixing weights in slot order, whatever
     /// order the experts arrived in: bit-identical results whether experts were resident or
     /// streamed.
-    fn routed_experts(&self, li: usize, st: &mut State<B>, n: usize) -> Result<(), EngineError> {
+    fn routed_experts(&self, li: usize, m: &MoeBlock<B>, st: &mut State<B>, n: usize) -> Result<(), EngineError> {
         let (be, hd, k) = (&self.backend, self.arch.hidden_size, self.router.top_k());
         let (b, hs) = (&mut st.buf, &st.host);
         let groups = &hs.groups;
@@ -695,13 +704,13 @@ impl<B: Backend> Model<B> {
             let kept = |j: usize, part| WeightRef::Kept { layer: li, expert: groups.needed[j], part };
             let all =
                 (0..groups.needed.len()).map(|j| (j, [kept(j, ExpertPart::Gate), kept(j, ExpertPart::Up), kept(j, ExpertPart::Down)]));
-            self.expert_batch(all, groups, b);
+            self.expert_batch(all, groups, m.expert_bias.as_ref(), b);
         } else {
             self.experts.with_experts(li, &groups.needed, &mut |batch: &ExpertBatch<'_>| {
                 let views = batch.iter().map(|(j, ex)| {
                     (*j, [WeightRef::Expert(ex.gate, ex.slot), WeightRef::Expert(ex.up, ex.slot), WeightRef::Expert(ex.down, ex.slot)])
                 });
-                self.expert_batch(views, groups, b)
+                self.expert_batch(views, groups, m.expert_bias.as_ref(), b)
             })?;
         }
         be.scatter_rows(&b.dd, hd, &groups.order, &mut b.slots);
@@ -716,6 +725,7 @@ impl<B: Backend> Model<B> {
         &self,
         batch: impl Iterator<Item = (usize, [WeightRef<'w, B::Matrix>; 3])> + Clone,
         groups: &ExpertGroups,
+        bias: Option<&ExpertBias<B>>,
         b: &mut Buffers<B>,
     ) where
         B::Matrix: 'w,
@@ -731,16 +741,34 @@ impl<B: Backend> Model<B> {
         }
         be.matmul_many(&jobs, &b.xe, hd, &mut b.gu, 2 * width);
         jobs.clear();
-        // SiLU over the batch's rows: one call when they are one run of rows (every expert of a
-        // layer at once, as a resident store hands them over), else one per expert.
+        // Each expert's biases (gpt-oss) on its run of rows; `add_bias`'s offset reaches the
+        // run's first row.
+        let experts = batch.clone();
+        let add_biases = |buf: &mut B::Buf, vecs: &[B::Vector], stride: usize| {
+            for (j, _) in experts.clone() {
+                let (r0, rows) = groups.rows(j);
+                be.add_bias(buf, rows, stride, r0 * stride, &vecs[groups.needed[j] as usize]);
+            }
+        };
+        if let Some(bias) = bias {
+            add_biases(&mut b.gu, &bias.gate_up, 2 * width);
+        }
+        // The activation over the batch's rows: one call when they are one run of rows (every
+        // expert of a layer at once, as a resident store hands them over), else one per expert.
+        let act = |gu: &mut B::Buf, r0: usize, rows: usize| match self.arch.moe.expert_act {
+            ExpertAct::Silu => be.silu_mul_halves(gu, r0, rows, 2 * width, width),
+            ExpertAct::ClampedSwiglu { alpha, limit } => {
+                be.swiglu_clamped_halves(gu, r0, rows, 2 * width, width, alpha as f32, limit as f32)
+            }
+        };
         let (lo, hi, total) =
             batch.clone().map(|(j, _)| groups.rows(j)).fold((usize::MAX, 0, 0), |(lo, hi, t), (r0, n)| (lo.min(r0), hi.max(r0 + n), t + n));
         if total > 0 && total == hi - lo {
-            be.silu_mul_halves(&mut b.gu, lo, total, 2 * width, width);
+            act(&mut b.gu, lo, total);
         } else {
             for (j, _) in batch.clone() {
                 let (r0, rows) = groups.rows(j);
-                be.silu_mul_halves(&mut b.gu, r0, rows, 2 * width, width);
+                act(&mut b.gu, r0, rows);
             }
         }
         for (j, [_, _, down]) in batch {
@@ -748,6 +776,9 @@ impl<B: Backend> Model<B> {
             jobs.push(MatJob { w: down, x_row: r0, n: rows, out_row: r0, out_col: 0 });
         }
         be.matmul_many(&jobs, &b.gu, 2 * width, &mut b.dd, hd);
+        if let Some(bias) = bias {
+            add_biases(&mut b.dd, &bias.down, hd);
+        }
     }
 
     /// The shared experts of `h`, added into `x`: one SwiGLU MLP into `d`, each token's row

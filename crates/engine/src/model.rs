@@ -20,6 +20,12 @@ pub(crate) struct StandardAttention<B: Backend> {
     pub bias: Option<[B::Vector; 3]>,
     /// q and k norms (Qwen3: per head; OLMoE: whole projection).
     pub qk_norm: Option<(QkNorm, B::Vector, B::Vector)>,
+    /// The output projection's bias (gpt-oss).
+    pub o_bias: Option<B::Vector>,
+    /// One sink logit per query head, on the host: attention takes them as a slice (gpt-oss).
+    pub sinks: Option<Vec<f32>>,
+    /// This layer's sliding window, if it has one (gpt-oss's sliding layers).
+    pub window: Option<usize>,
 }
 
 /// Multi-head latent attention (DeepSeek-V3), decoded in absorbed form.
@@ -56,6 +62,19 @@ pub(crate) struct MoeBlock<B: Backend> {
     pub shared: Option<Mlp<B>>,
     /// Qwen2-MoE's `shared_expert_gate`, `[1, hidden]`.
     pub shared_gate: Option<B::Matrix>,
+    /// A bias added to the router's logits before routing (gpt-oss's `router.bias`).
+    pub router_logit_bias: Option<B::Vector>,
+    /// Per-expert biases of the routed experts (gpt-oss).
+    pub expert_bias: Option<ExpertBias<B>>,
+}
+
+/// The routed experts' biases, one vector per expert: resident beside the dense weights (a
+/// few kilobytes per expert), so the store's blobs keep their three matrices.
+pub(crate) struct ExpertBias<B: Backend> {
+    /// `[gate | up]` biases, `2 × moe width`, as the rows of `gu` lie.
+    pub gate_up: Vec<B::Vector>,
+    /// Down biases, `hidden`.
+    pub down: Vec<B::Vector>,
 }
 
 pub(crate) enum FeedForward<B: Backend> {
@@ -124,6 +143,19 @@ impl<B: Backend> Loader<'_, B> {
     fn vector(&self, name: &str) -> Result<B::Vector, EngineError> {
         Ok(self.backend.vector(&self.f32s(name)?))
     }
+    /// `[rows, cols]` tensors side by side, one vector per row: row `r` of each, in order.
+    fn row_vectors(&self, names: &[String], rows: usize, cols: usize) -> Result<Vec<B::Vector>, EngineError> {
+        let all = names.iter().map(|n| self.f32s(n)).collect::<Result<Vec<_>, _>>()?;
+        if let Some((n, t)) = names.iter().zip(&all).find(|(_, t)| t.len() != rows * cols) {
+            return Err(EngineError::Model(format!("{n} holds {} values, not {rows} x {cols}", t.len())));
+        }
+        Ok((0..rows)
+            .map(|r| {
+                let row: Vec<f32> = all.iter().flat_map(|t| &t[r * cols..(r + 1) * cols]).copied().collect();
+                self.backend.vector(&row)
+            })
+            .collect())
+    }
     fn mlp(&self, l: usize, prefix: &str, width: usize) -> Result<Mlp<B>, EngineError> {
         let n = |p: &str| names::layer(l, &format!("{prefix}.{p}"));
         Ok(Mlp { gate: self.matrix(&n("gate"))?, up: self.matrix(&n("up"))?, down: self.matrix(&n("down"))?, width })
@@ -148,6 +180,13 @@ impl<B: Backend> Model<B> {
         experts: Arc<dyn ExpertSource>,
     ) -> Result<Model<B>, EngineError> {
         let arch = arch.clone();
+        if (arch.attn_sinks || !arch.attention_windows.is_empty()) && !backend.attends_windows_and_sinks() {
+            return Err(EngineError::Model(format!(
+                "{} uses attention sinks and sliding windows, which the {} backend does not implement yet; use the CPU",
+                arch.family.model_type(),
+                backend.describe()
+            )));
+        }
         if let Some(d) = dense.iter().find(|d| d.offset.checked_add(d.len).is_none_or(|end| end > region.len() as u64)) {
             return Err(EngineError::Model(format!("tensor {} lies outside the dense data", d.name)));
         }
@@ -182,6 +221,9 @@ impl<B: Backend> Model<B> {
                         QkNorm::None => None,
                         kind => Some((kind, ld.vector(&t("attn.q_norm"))?, ld.vector(&t("attn.k_norm"))?)),
                     },
+                    o_bias: if arch.o_bias { Some(ld.vector(&t("attn.o_bias"))?) } else { None },
+                    sinks: if arch.attn_sinks { Some(ld.f32s(&t("attn.sinks"))?) } else { None },
+                    window: arch.attention_window(l),
                 }),
             };
             let ffn = match arch.layers[l] {
@@ -205,6 +247,16 @@ impl<B: Backend> Model<B> {
                     shared_gate: match &arch.moe.shared_experts {
                         Some(s) if s.sigmoid_gate => Some(ld.matrix(&t("moe.shared_gate"))?),
                         _ => None,
+                    },
+                    router_logit_bias: if arch.moe.router_logit_bias { Some(ld.vector(&t("moe.router_logit_bias"))?) } else { None },
+                    expert_bias: if arch.moe.expert_bias {
+                        let (e, i) = (arch.moe.num_experts, arch.moe.intermediate_size);
+                        Some(ExpertBias {
+                            gate_up: ld.row_vectors(&[t("moe.expert_gate_bias"), t("moe.expert_up_bias")], e, i)?,
+                            down: ld.row_vectors(&[t("moe.expert_down_bias")], e, arch.hidden_size)?,
+                        })
+                    } else {
+                        None
                     },
                 }),
             };
@@ -341,6 +393,10 @@ fn keep_all_experts<B: Backend>(backend: &B, experts: &dyn ExpertSource, arch: &
     let room = backend.keep_room();
     let moe: Vec<usize> = (0..arch.num_layers).filter(|&l| arch.layers[l] == LayerKind::Moe).collect();
     let (Some(&first), true) = (moe.first(), room > 0) else { return Ok(kept) };
+    // A kept layer runs as `Backend::kept_experts`, which knows plain SwiGLU experts only.
+    if arch.moe.expert_bias || arch.moe.router_logit_bias || arch.moe.expert_act != smoe_vault::ExpertAct::Silu {
+        return Ok(kept);
+    }
     let count = arch.moe.num_experts;
     let mut one = 0u64;
     experts.with_experts(first, &[0], &mut |batch| {

@@ -193,6 +193,9 @@ mod tests {
             norm_topk_prob: true,
             routed_scaling_factor: 2.0,
             shared_experts: None,
+            router_logit_bias: false,
+            expert_bias: false,
+            expert_act: Default::default(),
         };
         let r = RouterRule::new(&moe);
         // Group 1 (experts 2, 3) wins on corrected scores; expert 0 is masked to 0 even though

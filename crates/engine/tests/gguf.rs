@@ -77,6 +77,36 @@ fn llama_cpp_ggufs_import_and_run_in_place() {
     }
 }
 
+/// gpt-oss as llama.cpp's converter writes the hub's MXFP4 checkpoint (`--outtype bf16`: the
+/// experts' MXFP4 blocks repacked to ggml's nibble order, the rest bf16): in place and
+/// shattered against transformers, and its expert blocks byte for byte those smoe's own
+/// converter copies from the hub's `*_blocks`/`*_scales`.
+#[test]
+fn llama_cpp_gpt_oss_mxfp4_gguf_imports_and_runs_in_place() {
+    let file = gguf("gpt_oss_mxfp4.bf16.gguf");
+    let r = reference("gpt_oss_mxfp4", "bf16");
+    check(&engine(&file, CacheSize::Experts(4)).model, &r, "gpt_oss_mxfp4.bf16 in place");
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("gpt_oss.smoe");
+    smoe_convert::gguf::import::shatter_gguf(&file, &out, &smoe_formats::Silent).unwrap();
+    check(&engine(&out, CacheSize::Resident).model, &r, "gpt_oss_mxfp4.bf16 shattered");
+    let (from_gguf, from_hub) =
+        (smoe_vault::Vault::open(&out).unwrap(), smoe_vault::Vault::open(vault("gpt_oss_mxfp4", Format::MXFP4, Format::BF16)).unwrap());
+    let parts = &from_gguf.manifest().experts.parts;
+    assert!(parts.iter().all(|p| p.format == Format::MXFP4), "{parts:?}");
+    let a = from_gguf.architecture();
+    let blob = |v: &smoe_vault::Vault, l: usize, e: usize| {
+        let mut b = vec![0u8; v.manifest().experts.blob_size as usize];
+        v.read_blob(l, e, &mut b).unwrap();
+        v.manifest().experts.parts.iter().map(|p| b[p.offset as usize..(p.offset + p.len) as usize].to_vec()).collect::<Vec<_>>()
+    };
+    for l in a.moe_layers() {
+        for e in 0..a.moe.num_experts {
+            assert_eq!(blob(&from_gguf, l, e), blob(&from_hub, l, e), "layer {l} expert {e}");
+        }
+    }
+}
+
 /// A split set written by llama.cpp's own `llama-gguf-split` (testdata/gguf-split: the
 /// qwen3_moe Q8_0 fixture in parts of at most 16 tensors, so experts, attention and the
 /// embedding land in different files): opened by its first part, in place and shattered, it

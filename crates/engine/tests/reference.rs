@@ -16,7 +16,12 @@ fn ids(t: &Tensor) -> Vec<u32> {
 }
 
 fn check_fixture(name: &str) {
-    let model = load(&vault(name, Format::BF16, Format::BF16));
+    check_vault(name, Format::BF16.into());
+}
+
+/// The fixture's vault with `experts` (dense BF16) against transformers' reference.
+fn check_vault(name: &str, experts: ExpertFormats) {
+    let model = load(&vault(name, experts, Format::BF16));
     let r = read_safetensors(&fixture(name).join("reference.safetensors"));
     let (vocab, k) = (model.arch().vocab_size, model.arch().moe.top_k);
     for tag in ["chat", "long"] {
@@ -92,6 +97,37 @@ fn glm_and_deepseek_match_transformers() {
 #[test]
 fn minimax_m2_matches_transformers() {
     check_fixture("minimax_m2");
+}
+
+/// gpt-oss: sliding-window and full layers, attention sinks, biases on every projection and
+/// expert, the clamped SwiGLU over interleaved gate/up columns, softmax over the top-k of
+/// biased router logits, YaRN.
+#[test]
+fn gpt_oss_matches_transformers() {
+    check_fixture("gpt_oss");
+}
+
+/// gpt-oss with its experts in the hub's MXFP4 blocks, against transformers on the experts
+/// its own `convert_moe_packed_tensors` decodes.
+#[test]
+fn gpt_oss_mxfp4_matches_transformers() {
+    check_fixture("gpt_oss_mxfp4");
+}
+
+/// The hub's MXFP4 blocks copied into an MXFP4 vault hold exactly the values transformers
+/// decodes: the vault matches the reference itself, not only its own dequantized copy.
+#[test]
+fn gpt_oss_mxfp4_vault_matches_transformers() {
+    let parts = smoe_vault::Vault::open(vault("gpt_oss_mxfp4", Format::MXFP4, Format::BF16)).unwrap().manifest().experts.parts.clone();
+    assert!(parts.iter().all(|p| p.format == Format::MXFP4), "{parts:?}");
+    check_vault("gpt_oss_mxfp4", Format::MXFP4.into());
+}
+
+/// gpt-oss's experts quantized by smoe (MXFP4, Q8_0, Q4_0) against f32 math on their
+/// dequantized weights.
+#[test]
+fn quantized_gpt_oss_matches_its_dequantized_reference() {
+    check_quantized("gpt_oss", &[(all(Format::MXFP4), Format::BF16), (all(Format::Q8_0), Format::Q8_0), (all(Format::Q4_0), Format::BF16)]);
 }
 
 #[test]
@@ -194,11 +230,17 @@ fn fast_path_against_reference_per_fixture() {
         let ex = std::sync::Arc::new(smoe_store::ResidentExperts::load_map(map).unwrap());
         smoe_engine::Model::load(&v, backend, ex).unwrap()
     };
-    let all = ENGINE_FIXTURES.iter().chain(&GLM_DEEPSEEK_FIXTURES).chain(&["qwen3_moe_k"]);
+    let all = ENGINE_FIXTURES.iter().chain(&GLM_DEEPSEEK_FIXTURES).chain(&["qwen3_moe_k", "gpt_oss", "gpt_oss_mxfp4"]);
     for &name in all {
         let r = read_safetensors(&fixture(name).join("reference.safetensors"));
         let input = ids(&r["long.input_ids"]);
-        for (experts, dense) in [(Format::BF16, Format::BF16), (Format::Q4_K, Format::Q8_0)] {
+        // The hub's MXFP4 experts run as they are, on the MXFP4 kernels.
+        let configs = if name == "gpt_oss_mxfp4" {
+            vec![(Format::MXFP4, Format::BF16), (Format::MXFP4, Format::Q8_0)]
+        } else {
+            vec![(Format::BF16, Format::BF16), (Format::Q4_K, Format::Q8_0)]
+        };
+        for (experts, dense) in configs {
             let path = vault(name, experts, dense);
             let (reference, production) = (load(&path), fast(&path));
             let vocab = reference.arch().vocab_size;

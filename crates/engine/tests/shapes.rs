@@ -46,7 +46,7 @@ impl Rng {
     }
 }
 
-const FAMILIES: [&str; 7] = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3", "minimax_m2"];
+const FAMILIES: [&str; 8] = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3", "minimax_m2", "gpt_oss"];
 
 /// A random valid config.json of `family`. Widths are drawn around `hidden` so that every
 /// product is sometimes wider and sometimes narrower than the residual stream.
@@ -107,6 +107,16 @@ fn random_config(family: &str, r: &mut Rng) -> Value {
             // Rotary over an even part of the head, q/k norms over all heads.
             c["rotary_dim"] = r.even(2, head_dim).into();
             c["use_qk_norm"] = r.coin().into();
+        }
+        "gpt_oss" => {
+            c["num_local_experts"] = experts.into();
+            c["intermediate_size"] = inter(r).into();
+            // Windows shorter than the prompt, on a random set of layers; a clamp that bites.
+            c["sliding_window"] = r.range(1, 16).into();
+            c["layer_types"] =
+                (0..layers).map(|_| if r.coin() { "sliding_attention" } else { "full_attention" }).collect::<Vec<_>>().into();
+            c["attention_bias"] = r.coin().into();
+            c["swiglu_limit"] = r.pick(&[0.5, 7.0]).into();
         }
         "olmoe" => {
             c["num_experts"] = experts.into();

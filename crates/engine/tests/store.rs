@@ -10,7 +10,7 @@ use smoe_vault::Vault;
 use std::path::Path;
 use std::sync::Arc;
 
-const ALL: [&str; 10] = [
+const ALL: [&str; 11] = [
     "qwen3_moe",
     "qwen2_moe",
     "mixtral",
@@ -21,6 +21,7 @@ const ALL: [&str; 10] = [
     "deepseek_v3",
     "deepseek_v3_yarn",
     "minimax_m2",
+    "gpt_oss",
 ];
 
 fn streaming(path: &Path, slots: usize) -> (Model<CpuBackend>, Arc<ExpertStore>) {

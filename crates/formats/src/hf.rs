@@ -4,7 +4,8 @@
 use crate::FormatError;
 use serde_json::Value;
 use smoe_vault::{
-    names, Architecture, Family, GenerationDefaults, LayerKind, Mla, Moe, QkNorm, Rope, RopeScaling, Router, SharedExperts, TextAssets,
+    names, Architecture, ExpertAct, Family, GenerationDefaults, LayerKind, Mla, Moe, QkNorm, Rope, RopeScaling, Router, SharedExperts,
+    TextAssets,
 };
 use std::path::Path;
 
@@ -78,7 +79,7 @@ pub fn architecture_from_config(cfg: &Value) -> Result<Architecture, FormatError
     let scaling = rope_scaling(scaling_src, c.opt_usize("max_position_embeddings")?)?;
 
     let num_experts_key = match family {
-        Family::Mixtral | Family::MinimaxM2 => "num_local_experts",
+        Family::Mixtral | Family::MinimaxM2 | Family::GptOss => "num_local_experts",
         Family::Glm4Moe | Family::DeepseekV3 => "n_routed_experts",
         _ => "num_experts",
     };
@@ -92,6 +93,9 @@ pub fn architecture_from_config(cfg: &Value) -> Result<Architecture, FormatError
         norm_topk_prob: false,
         routed_scaling_factor: 1.0,
         shared_experts: None,
+        router_logit_bias: false,
+        expert_bias: false,
+        expert_act: Default::default(),
     };
     let mut arch = Architecture {
         family,
@@ -111,6 +115,9 @@ pub fn architecture_from_config(cfg: &Value) -> Result<Architecture, FormatError
         moe: moe.clone(),
         layers: vec![LayerKind::Moe; num_layers],
         tie_word_embeddings: c.bool_or("tie_word_embeddings", false)?,
+        attention_windows: vec![],
+        attn_sinks: false,
+        o_bias: false,
     };
     match family {
         Family::Qwen3Moe | Family::Qwen2Moe => {
@@ -180,6 +187,7 @@ pub fn architecture_from_config(cfg: &Value) -> Result<Architecture, FormatError
                 arch.rope.partial_rotary_factor = r as f64 / head_dim as f64;
             }
         }
+        Family::GptOss => gpt_oss(&c, &mut arch, &mut moe)?,
         Family::Glm4Moe | Family::DeepseekV3 => {
             moe.intermediate_size = c.usize("moe_intermediate_size")?;
             moe.norm_topk_prob = c.bool_or("norm_topk_prob", true)?;
@@ -231,6 +239,46 @@ pub fn architecture_from_config(cfg: &Value) -> Result<Architecture, FormatError
     arch.moe = moe;
     arch.validate().map_err(|e| FormatError::BadInput(format!("config.json: {e}")))?;
     Ok(arch)
+}
+
+/// gpt-oss: softmax over the top-k of biased router logits (a softmax over all experts,
+/// renormalised over the chosen: the same weights), biased experts with the clamped SwiGLU,
+/// biases on all four attention projections, a sink per head, and sliding-window layers as
+/// `layer_types` lists them (transformers' default: even layers slide).
+fn gpt_oss(c: &Cfg<'_>, arch: &mut Architecture, moe: &mut Moe) -> Result<(), FormatError> {
+    moe.intermediate_size = c.usize("intermediate_size")?;
+    moe.norm_topk_prob = true;
+    moe.router_logit_bias = true;
+    moe.expert_bias = true;
+    moe.expert_act = ExpertAct::ClampedSwiglu { alpha: c.f64_or("swiglu_alpha", 1.702)?, limit: c.f64_or("swiglu_limit", 7.0)? };
+    arch.dense_intermediate_size = 0;
+    let bias = c.bool_or("attention_bias", true)?;
+    arch.qkv_bias = bias;
+    arch.o_bias = bias;
+    arch.attn_sinks = true;
+    let window = c.opt_usize("sliding_window")?;
+    let types: Vec<String> = match c.get("layer_types") {
+        None => (0..arch.num_layers).map(|l| if l % 2 == 0 { "sliding_attention" } else { "full_attention" }.to_string()).collect(),
+        Some(v) => v
+            .as_array()
+            .and_then(|a| a.iter().map(|t| t.as_str().map(str::to_string)).collect::<Option<Vec<_>>>())
+            .ok_or_else(|| FormatError::BadInput("config.json: layer_types is not a list of strings".into()))?,
+    };
+    if types.len() != arch.num_layers {
+        return Err(FormatError::BadInput(format!("config.json: {} layer_types for {} layers", types.len(), arch.num_layers)));
+    }
+    arch.attention_windows = types
+        .iter()
+        .map(|t| match (t.as_str(), window) {
+            ("full_attention", _) => Ok(None),
+            ("sliding_attention", Some(w)) => Ok(Some(w)),
+            ("sliding_attention", None) => {
+                Err(FormatError::BadInput("config.json: sliding_attention layers without sliding_window".into()))
+            }
+            (other, _) => Err(FormatError::Unsupported(format!("gpt_oss layer type '{other}' (only sliding_attention, full_attention)"))),
+        })
+        .collect::<Result<_, _>>()?;
+    Ok(())
 }
 
 fn rope_scaling(v: Option<&Value>, max_pos: Option<usize>) -> Result<RopeScaling, FormatError> {
@@ -286,6 +334,14 @@ pub fn hf_name(family: Family, canonical: &str) -> String {
         "attn.kv_b" => "self_attn.kv_b_proj.weight".into(),
         "attn.q_norm" => "self_attn.q_norm.weight".into(),
         "attn.k_norm" => "self_attn.k_norm.weight".into(),
+        "moe.router" if family == Family::GptOss => "mlp.router.weight".into(),
+        "moe.router_logit_bias" => "mlp.router.bias".into(),
+        "attn.sinks" => "self_attn.sinks".into(),
+        // gpt-oss's expert biases; gate and up are the even and odd columns of
+        // `gate_up_proj_bias`, named apart by `smoe_convert`'s gpt-oss provider.
+        "moe.expert_gate_bias" => "mlp.experts.gate_proj_bias".into(),
+        "moe.expert_up_bias" => "mlp.experts.up_proj_bias".into(),
+        "moe.expert_down_bias" => "mlp.experts.down_proj_bias".into(),
         "moe.router" => format!("{moe_block}.gate.weight"),
         // MiniMax-M2 keeps its routing bias on the block, not on the gate.
         "moe.router_bias" if family == Family::MinimaxM2 => format!("{moe_block}.e_score_correction_bias"),

@@ -22,6 +22,9 @@ pub enum DType {
     BF16,
     /// float8 e4m3 (DeepSeek-V3's published weights), with a `_scale_inv` companion.
     F8E4M3,
+    /// Bytes: gpt-oss's packed MXFP4 `_blocks` and their e8m0 `_scales`, read as they are
+    /// (as f32 each byte is its value, 0..=255).
+    U8,
 }
 
 impl DType {
@@ -31,6 +34,7 @@ impl DType {
             "F16" => DType::F16,
             "BF16" => DType::BF16,
             "F8_E4M3" => DType::F8E4M3,
+            "U8" => DType::U8,
             _ => return None,
         })
     }
@@ -39,7 +43,7 @@ impl DType {
         match self {
             DType::F32 => 4,
             DType::F16 | DType::BF16 => 2,
-            DType::F8E4M3 => 1,
+            DType::F8E4M3 | DType::U8 => 1,
         }
     }
 }
@@ -103,11 +107,28 @@ impl TensorInfo {
                     *o = f8e4m3_to_f32(b);
                 }
             }
+            DType::U8 => {
+                for (o, &b) in out.iter_mut().zip(raw.iter()) {
+                    *o = b as f32;
+                }
+            }
         }
         if let Some(bad) = out.iter().position(|v| !v.is_finite()) {
             return Err(FormatError::NonFinite { tensor: self.name.clone(), index: (start * cols + bad) as u64 });
         }
         Ok(())
+    }
+
+    /// Reads the bytes of rows `[start, start + n)` as stored into `out` (`n * cols * element
+    /// size` long): blocks that are copied, not converted.
+    pub fn read_rows_raw(&self, start: usize, n: usize, out: &mut [u8]) -> Result<(), FormatError> {
+        let row = self.cols() * self.dtype.size();
+        if start + n > self.rows() || out.len() != n * row {
+            return Err(FormatError::Internal(format!("{}: row range out of bounds", self.name)));
+        }
+        self.file
+            .read_exact_at(out, self.offset + (start * row) as u64)
+            .map_err(|e| FormatError::Io { path: self.path.display().to_string(), source: e })
     }
 
     /// Reads the whole tensor as f32.

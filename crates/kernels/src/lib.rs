@@ -57,7 +57,7 @@ pub enum ActRow<'a> {
 pub fn act_kind(f: Format) -> ActKind {
     match f {
         Format::F32 | Format::F16 | Format::BF16 => ActKind::F32,
-        Format::Q8_0 | Format::Q4_0 | Format::Q4_1 | Format::Q5_0 | Format::Q5_1 => ActKind::Q8x32,
+        Format::Q8_0 | Format::Q4_0 | Format::Q4_1 | Format::Q5_0 | Format::Q5_1 | Format::MXFP4 => ActKind::Q8x32,
         Format::Q2_K | Format::Q3_K | Format::Q4_K | Format::Q5_K | Format::Q6_K => ActKind::Q8x256,
     }
 }
@@ -73,9 +73,9 @@ pub struct Kernels {
     /// Many keys or values at once (prefill's attention); `None`: one at a time.
     pub(crate) attn_scores: Option<attn::Scores>,
     pub(crate) attn_sum: Option<attn::WeightedSum>,
-    dots: [DotFn; 13],
-    gemms: [Option<gemm::GemmRow>; 13],
-    gemms4: [Option<gemm::GemmRows>; 13],
+    dots: [DotFn; FORMATS],
+    gemms: [Option<gemm::GemmRow>; FORMATS],
+    gemms4: [Option<gemm::GemmRows>; FORMATS],
     /// Eight interleaved Q4_K rows against one token ([`Kernels::dot_group8`]).
     q4k_group8: Option<Group8Fn>,
     /// Eight interleaved Q4_K rows against many tokens ([`Kernels::gemm_group8`]).
@@ -87,6 +87,9 @@ pub struct Kernels {
 /// Eight interleaved rows against one token: `out[r]` (see [`smoe_quant::interleave`]).
 pub type Group8Fn = unsafe fn(&[u8], &[Block256], &mut [f32; 8]);
 
+/// Formats in a kernel table.
+const FORMATS: usize = smoe_quant::ALL_FORMATS.len();
+
 fn slot(f: Format) -> usize {
     smoe_quant::ALL_FORMATS.iter().position(|&x| x == f).expect("every format is listed")
 }
@@ -94,7 +97,7 @@ fn slot(f: Format) -> usize {
 impl Kernels {
     /// The scalar reference table.
     pub fn scalar_table() -> Kernels {
-        let mut dots = [DotFn::F32(scalar::dot_f32); 13];
+        let mut dots = [DotFn::F32(scalar::dot_f32); FORMATS];
         for f in smoe_quant::ALL_FORMATS {
             dots[slot(f)] = match f {
                 Format::F32 => DotFn::F32(scalar::dot_f32),
@@ -110,6 +113,7 @@ impl Kernels {
                 Format::Q4_K => DotFn::Q256(scalar::dot_q4_k),
                 Format::Q5_K => DotFn::Q256(scalar::dot_q5_k),
                 Format::Q6_K => DotFn::Q256(scalar::dot_q6_k),
+                Format::MXFP4 => DotFn::Q32(scalar::dot_mxfp4),
             };
         }
         Kernels {
@@ -120,8 +124,8 @@ impl Kernels {
             attn_scores: None,
             attn_sum: None,
             dots,
-            gemms: [None; 13],
-            gemms4: [None; 13],
+            gemms: [None; FORMATS],
+            gemms4: [None; FORMATS],
             q4k_group8: None,
             q4k_gemm_group8: None,
             transpose8: None,

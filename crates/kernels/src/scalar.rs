@@ -51,6 +51,23 @@ pub fn dot_q4_0(w: &[u8], a: &[Block32]) -> f32 {
         .sum()
 }
 
+/// MXFP4 weights: integer e2m1 values (doubled, [`smoe_quant::KVALUES_MXFP4`]) times half the
+/// e8m0 scale.
+pub fn dot_mxfp4(w: &[u8], a: &[Block32]) -> f32 {
+    let kv = &smoe_quant::KVALUES_MXFP4;
+    blocks::<BlockMxfp4>(w)
+        .iter()
+        .zip(a)
+        .map(|(b, a)| {
+            let s =
+                isum((0..16).map(|j| {
+                    kv[(b.qs[j] & 15) as usize] as i32 * a.qs[j] as i32 + kv[(b.qs[j] >> 4) as usize] as i32 * a.qs[j + 16] as i32
+                }));
+            smoe_quant::e8m0_to_f32_half(b.e) * a.d * s as f32
+        })
+        .sum()
+}
+
 /// Q4_1 weights (value = q·d + m).
 pub fn dot_q4_1(w: &[u8], a: &[Block32]) -> f32 {
     blocks::<BlockQ4_1>(w)

@@ -24,6 +24,32 @@ pub struct BlockQ4_0 {
 }
 const _: () = assert!(std::mem::size_of::<BlockQ4_0>() == 18);
 
+/// 4.25 bits per weight (OCP MXFP4): `x = KVALUES_MXFP4[q] · 2^(e − 128)`, that is an e2m1
+/// value times the e8m0 scale `2^(e − 127)`.
+#[repr(C)]
+#[derive(Clone, Copy, Pod, Zeroable)]
+pub struct BlockMxfp4 {
+    /// Shared exponent (e8m0).
+    pub e: u8,
+    /// Codes (sign in bit 3), laid out as in [`BlockQ4_0`].
+    pub qs: [u8; QK / 2],
+}
+const _: () = assert!(std::mem::size_of::<BlockMxfp4>() == 17);
+
+/// The e2m1 values of MXFP4's codes, doubled so that they are integers (ggml's
+/// `kvalues_mxfp4`); the scale is halved to match ([`e8m0_to_f32_half`]).
+pub const KVALUES_MXFP4: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+/// Half the e8m0 scale `2^(e − 127)`, as ggml's `GGML_E8M0_TO_FP32_HALF` (exact: a power of
+/// two, subnormal for `e` 0 and 1).
+pub fn e8m0_to_f32_half(e: u8) -> f32 {
+    if e < 2 {
+        f32::from_bits(0x0020_0000 << e)
+    } else {
+        f32::from_bits(((e - 1) as u32) << 23)
+    }
+}
+
 /// 5 bits per weight: `x = q * d + m`.
 #[repr(C)]
 #[derive(Clone, Copy, Pod, Zeroable)]

@@ -23,7 +23,7 @@ mod simple;
 use std::fmt;
 use std::str::FromStr;
 
-pub use blocks::{QK, QK_K};
+pub use blocks::{e8m0_to_f32_half, KVALUES_MXFP4, QK, QK_K};
 pub use kquants::{scale_min_k4, unpack_q3_scales};
 pub use matrix::{Layout, QMatrix};
 
@@ -58,10 +58,12 @@ pub enum Format {
     Q6_K = 14,
     /// bfloat16.
     BF16 = 30,
+    /// OCP MXFP4: 32 e2m1 values sharing an e8m0 scale (gpt-oss's experts).
+    MXFP4 = 39,
 }
 
 /// Every format this crate can encode and decode.
-pub const ALL_FORMATS: [Format; 13] = [
+pub const ALL_FORMATS: [Format; 14] = [
     Format::F32,
     Format::F16,
     Format::BF16,
@@ -75,13 +77,14 @@ pub const ALL_FORMATS: [Format; 13] = [
     Format::Q4_K,
     Format::Q5_K,
     Format::Q6_K,
+    Format::MXFP4,
 ];
 
 /// Errors from format parsing and row coding.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum QuantError {
     /// A format name that is not known.
-    #[error("unknown tensor format '{0}' (known: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)")]
+    #[error("unknown tensor format '{0}' (known: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4)")]
     UnknownName(String),
     /// A ggml type id that is not supported.
     #[error("unsupported ggml type id {0}")]
@@ -123,6 +126,7 @@ impl Format {
             Format::Q4_K => "Q4_K",
             Format::Q5_K => "Q5_K",
             Format::Q6_K => "Q6_K",
+            Format::MXFP4 => "MXFP4",
         }
     }
 
@@ -140,7 +144,7 @@ impl Format {
     pub fn block_elems(self) -> usize {
         match self {
             Format::F32 | Format::F16 | Format::BF16 => 1,
-            Format::Q8_0 | Format::Q4_0 | Format::Q4_1 | Format::Q5_0 | Format::Q5_1 => QK,
+            Format::Q8_0 | Format::Q4_0 | Format::Q4_1 | Format::Q5_0 | Format::Q5_1 | Format::MXFP4 => QK,
             Format::Q2_K | Format::Q3_K | Format::Q4_K | Format::Q5_K | Format::Q6_K => QK_K,
         }
     }
@@ -161,6 +165,7 @@ impl Format {
             Format::Q4_K => size_of::<blocks::BlockQ4K>(),
             Format::Q5_K => size_of::<blocks::BlockQ5K>(),
             Format::Q6_K => size_of::<blocks::BlockQ6K>(),
+            Format::MXFP4 => size_of::<blocks::BlockMxfp4>(),
         }
     }
 
@@ -196,7 +201,7 @@ impl Format {
             Format::Q4_K => Format::Q5_0,
             Format::Q5_K => Format::Q5_1,
             Format::Q6_K => Format::Q8_0,
-            Format::Q8_0 | Format::Q4_0 | Format::Q4_1 | Format::Q5_0 | Format::Q5_1 => Format::BF16,
+            Format::Q8_0 | Format::Q4_0 | Format::Q4_1 | Format::Q5_0 | Format::Q5_1 | Format::MXFP4 => Format::BF16,
             f => f,
         }
     }
@@ -262,6 +267,7 @@ pub fn quantize(format: Format, src: &[f32], dst: &mut [u8]) -> Result<(), Quant
         Format::Q4_K => kquants::quantize_q4_k(src, bytemuck::cast_slice_mut(dst)),
         Format::Q5_K => kquants::quantize_q5_k(src, bytemuck::cast_slice_mut(dst)),
         Format::Q6_K => kquants::quantize_q6_k(src, bytemuck::cast_slice_mut(dst)),
+        Format::MXFP4 => simple::quantize_mxfp4(src, bytemuck::cast_slice_mut(dst)),
     }
     Ok(())
 }
@@ -295,6 +301,7 @@ pub fn dequantize(format: Format, src: &[u8], dst: &mut [f32]) -> Result<(), Qua
         Format::Q4_K => kquants::dequantize_q4_k(bytemuck::cast_slice(src), dst),
         Format::Q5_K => kquants::dequantize_q5_k(bytemuck::cast_slice(src), dst),
         Format::Q6_K => kquants::dequantize_q6_k(bytemuck::cast_slice(src), dst),
+        Format::MXFP4 => simple::dequantize_mxfp4(bytemuck::cast_slice(src), dst),
     }
     Ok(())
 }

@@ -3,7 +3,7 @@
 //! Encoders mirror ggml's `quantize_row_*_ref` (including its truncating casts), decoders
 //! mirror `dequantize_row_*`.
 
-use crate::blocks::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0, QK};
+use crate::blocks::{e8m0_to_f32_half, BlockMxfp4, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0, KVALUES_MXFP4, QK};
 use crate::half::F16Bytes;
 
 /// The value of largest magnitude, with its sign.
@@ -63,6 +63,42 @@ pub(crate) fn dequantize_q4_0(x: &[BlockQ4_0], y: &mut [f32]) {
         for j in 0..QK / 2 {
             y[j] = ((b.qs[j] & 0x0f) as i32 - 8) as f32 * d;
             y[j + QK / 2] = ((b.qs[j] >> 4) as i32 - 8) as f32 * d;
+        }
+    }
+}
+
+/// ggml's `quantize_row_mxfp4_ref`: the shared exponent `floor(log2(amax)) − 2` (so that the
+/// largest magnitude lands in e2m1's top binade), each value the code nearest to it (the first
+/// of equals).
+pub(crate) fn quantize_mxfp4(x: &[f32], y: &mut [BlockMxfp4]) {
+    for (b, x) in y.iter_mut().zip(x.chunks_exact(QK)) {
+        let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+        // `as u8` saturates: exponents below the range become 0, as ggml's cast wraps only for
+        // magnitudes no checkpoint holds.
+        b.e = if amax > 0.0 { (amax.log2().floor() - 2.0 + 127.0) as u8 } else { 0 };
+        let d = e8m0_to_f32_half(b.e);
+        let best = |v: f32| {
+            let mut best = (0u8, (KVALUES_MXFP4[0] as f32 * d - v).abs());
+            for (i, &k) in KVALUES_MXFP4.iter().enumerate().skip(1) {
+                let err = (k as f32 * d - v).abs();
+                if err < best.1 {
+                    best = (i as u8, err);
+                }
+            }
+            best.0
+        };
+        for j in 0..QK / 2 {
+            b.qs[j] = best(x[j]) | (best(x[j + QK / 2]) << 4);
+        }
+    }
+}
+
+pub(crate) fn dequantize_mxfp4(x: &[BlockMxfp4], y: &mut [f32]) {
+    for (b, y) in x.iter().zip(y.chunks_exact_mut(QK)) {
+        let d = e8m0_to_f32_half(b.e);
+        for j in 0..QK / 2 {
+            y[j] = KVALUES_MXFP4[(b.qs[j] & 0x0f) as usize] as f32 * d;
+            y[j + QK / 2] = KVALUES_MXFP4[(b.qs[j] >> 4) as usize] as f32 * d;
         }
     }
 }

@@ -47,6 +47,7 @@ fn block_sizes_match_ggml() {
         (Format::Q4_K, 144),
         (Format::Q5_K, 176),
         (Format::Q6_K, 210),
+        (Format::MXFP4, 17),
     ];
     for (f, b) in expect {
         assert_eq!(f.block_bytes(), b, "{f}");
@@ -82,11 +83,30 @@ fn round_trip_error_within_documented_bounds() {
         (Format::Q4_0, 0.14),
         (Format::Q3_K, 0.22),
         (Format::Q2_K, 0.45),
+        (Format::MXFP4, 0.20),
     ];
     let x = gaussian(256 * 64, 7);
     for (f, bound) in bounds {
         let e = rms_rel_error(f, &x);
         assert!(e <= bound, "{f}: relative RMS error {e} above {bound}");
+    }
+}
+
+/// MXFP4 holds e2m1 values times a power of two exactly (what the hub's blocks decode to), and
+/// its scale is ggml's `GGML_E8M0_TO_FP32_HALF` for every byte.
+#[test]
+fn mxfp4_keeps_e2m1_values_and_scales() {
+    for e in 0..=254u8 {
+        assert_eq!(crate::e8m0_to_f32_half(e), 2f64.powi(e as i32 - 128) as f32, "e {e}");
+    }
+    let e2m1 = [0.0f32, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
+    for scale in [2f32.powi(-9), 1.0, 2f32.powi(5)] {
+        let x: Vec<f32> = (0..64).map(|i| e2m1[i % 8] * scale * if i % 3 == 0 { -1.0 } else { 1.0 }).collect();
+        let mut q = vec![0u8; Format::MXFP4.row_bytes(64).unwrap()];
+        quantize(Format::MXFP4, &x, &mut q).unwrap();
+        let mut y = vec![0f32; 64];
+        dequantize(Format::MXFP4, &q, &mut y).unwrap();
+        assert_eq!(y, x, "scale {scale}");
     }
 }
 

@@ -8,7 +8,7 @@ fn golden(name: &str) -> Vec<u8> {
     std::fs::read(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/ggml-quant").join(name)).unwrap()
 }
 
-const FORMATS: [(Format, &str); 10] = [
+const FORMATS: [(Format, &str); 11] = [
     (Format::Q8_0, "q8_0"),
     (Format::Q4_0, "q4_0"),
     (Format::Q4_1, "q4_1"),
@@ -19,6 +19,7 @@ const FORMATS: [(Format, &str); 10] = [
     (Format::Q4_K, "q4_K"),
     (Format::Q5_K, "q5_K"),
     (Format::Q6_K, "q6_K"),
+    (Format::MXFP4, "mxfp4"),
 ];
 
 fn rms(x: &[f32], f: Format, q: &[u8]) -> f64 {

@@ -26,6 +26,8 @@ pub enum Family {
     DeepseekV3,
     /// MiniMax-M2.
     MinimaxM2,
+    /// OpenAI gpt-oss (gpt-oss-20b, gpt-oss-120b).
+    GptOss,
 }
 
 impl Family {
@@ -39,12 +41,21 @@ impl Family {
             Family::Glm4Moe => "glm4_moe",
             Family::DeepseekV3 => "deepseek_v3",
             Family::MinimaxM2 => "minimax_m2",
+            Family::GptOss => "gpt_oss",
         }
     }
 
     /// All supported families.
-    pub const ALL: [Family; 7] =
-        [Family::Qwen3Moe, Family::Qwen2Moe, Family::Mixtral, Family::Olmoe, Family::Glm4Moe, Family::DeepseekV3, Family::MinimaxM2];
+    pub const ALL: [Family; 8] = [
+        Family::Qwen3Moe,
+        Family::Qwen2Moe,
+        Family::Mixtral,
+        Family::Olmoe,
+        Family::Glm4Moe,
+        Family::DeepseekV3,
+        Family::MinimaxM2,
+        Family::GptOss,
+    ];
 
     /// The family with this `model_type`.
     pub fn from_model_type(s: &str) -> Option<Family> {
@@ -156,6 +167,33 @@ pub struct SharedExperts {
     pub sigmoid_gate: bool,
 }
 
+/// The routed experts' activation between the gate/up and down products.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ExpertAct {
+    /// `silu(gate) · up` (every family but gpt-oss).
+    #[default]
+    Silu,
+    /// gpt-oss: `gate` clamped above at `limit`, `up` clamped to `[-limit, limit]`, then
+    /// `gate · sigmoid(alpha · gate) · (up + 1)`.
+    ClampedSwiglu {
+        /// Slope inside the sigmoid (1.702).
+        alpha: f64,
+        /// Clamp bound (7.0).
+        limit: f64,
+    },
+}
+
+impl ExpertAct {
+    fn is_silu(&self) -> bool {
+        *self == ExpertAct::Silu
+    }
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
+}
+
 /// The mixture-of-experts block.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Moe {
@@ -173,6 +211,19 @@ pub struct Moe {
     pub routed_scaling_factor: f64,
     /// Shared experts, if any.
     pub shared_experts: Option<SharedExperts>,
+    /// A learned bias added to the router's logits before the choice (gpt-oss's
+    /// `router.bias`; tensor `moe.router_logit_bias`). Not DeepSeek's correction bias, which
+    /// only steers the choice.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub router_logit_bias: bool,
+    /// Per-expert biases on the gate, up and down products (gpt-oss; dense tensors
+    /// `moe.expert_gate_bias` and `moe.expert_up_bias` `[experts, width]`,
+    /// `moe.expert_down_bias` `[experts, hidden]`).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub expert_bias: bool,
+    /// The routed experts' activation.
+    #[serde(default, skip_serializing_if = "ExpertAct::is_silu")]
+    pub expert_act: ExpertAct,
 }
 
 /// What a decoder layer's feed-forward part is.
@@ -222,9 +273,26 @@ pub struct Architecture {
     pub layers: Vec<LayerKind>,
     /// LM head shares the embedding matrix.
     pub tie_word_embeddings: bool,
+    /// Per layer, the span of a sliding-window attention layer (a query sees itself and the
+    /// `w - 1` positions before it) or `None` for full attention; empty when every layer
+    /// attends fully (gpt-oss alternates the two).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub attention_windows: Vec<Option<usize>>,
+    /// A learned logit per query head that joins each softmax's denominator and takes no
+    /// value ("attention sinks", gpt-oss; tensor `attn.sinks` `[heads]`).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub attn_sinks: bool,
+    /// A bias on the attention output projection (gpt-oss; tensor `attn.o_bias`).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub o_bias: bool,
 }
 
 impl Architecture {
+    /// The sliding window of layer `l`, if it has one.
+    pub fn attention_window(&self, l: usize) -> Option<usize> {
+        self.attention_windows.get(l).copied().flatten()
+    }
+
     /// Indices of the MoE layers, in order.
     pub fn moe_layers(&self) -> Vec<usize> {
         (0..self.num_layers).filter(|&l| self.layers[l] == LayerKind::Moe).collect()
@@ -268,6 +336,20 @@ impl Architecture {
         let head_for_rope = self.mla.as_ref().map_or(self.head_dim, |m| m.qk_rope_head_dim);
         if self.rope.rotary_dim == 0 || self.rope.rotary_dim > head_for_rope || !self.rope.rotary_dim.is_multiple_of(2) {
             return Err(format!("bad rotary dim {} for head dim {}", self.rope.rotary_dim, head_for_rope));
+        }
+        if !self.attention_windows.is_empty() && self.attention_windows.len() != self.num_layers {
+            return Err(format!("{} attention windows for {} layers", self.attention_windows.len(), self.num_layers));
+        }
+        if self.attention_windows.contains(&Some(0)) {
+            return Err("a sliding attention window of 0 positions".into());
+        }
+        if (self.attn_sinks || self.o_bias || !self.attention_windows.is_empty()) && self.mla.is_some() {
+            return Err("attention sinks, output bias and sliding windows are only implemented for standard attention".into());
+        }
+        if let ExpertAct::ClampedSwiglu { alpha, limit } = self.moe.expert_act {
+            if !alpha.is_finite() || !limit.is_finite() || limit <= 0.0 {
+                return Err(format!("bad clamped SwiGLU: alpha {alpha}, limit {limit}"));
+            }
         }
         if self.layers.contains(&LayerKind::Dense) && self.dense_intermediate_size == 0 {
             return Err("dense layers without dense_intermediate_size".into());

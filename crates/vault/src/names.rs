@@ -61,6 +61,15 @@ pub fn dense_tensors(arch: &Architecture) -> Vec<TensorSpec> {
                 if let Router::SigmoidGrouped { correction_bias: true, .. } = arch.moe.router {
                     v.push(TensorSpec::vector(layer(l, "moe.router_bias"), e));
                 }
+                if arch.moe.router_logit_bias {
+                    v.push(TensorSpec::vector(layer(l, "moe.router_logit_bias"), e));
+                }
+                if arch.moe.expert_bias {
+                    let i = arch.moe.intermediate_size;
+                    v.push(TensorSpec::exact_matrix(layer(l, "moe.expert_gate_bias"), e, i));
+                    v.push(TensorSpec::exact_matrix(layer(l, "moe.expert_up_bias"), e, i));
+                    v.push(TensorSpec::exact_matrix(layer(l, "moe.expert_down_bias"), e, h));
+                }
                 if let Some(s) = &arch.moe.shared_experts {
                     mlp_tensors(&mut v, l, "moe.shared", h, s.intermediate_size);
                     if s.sigmoid_gate {
@@ -111,6 +120,12 @@ fn attention_tensors(arch: &Architecture, l: usize, v: &mut Vec<TensorSpec>) {
         v.push(TensorSpec::vector(layer(l, "attn.q_bias"), q));
         v.push(TensorSpec::vector(layer(l, "attn.k_bias"), kv));
         v.push(TensorSpec::vector(layer(l, "attn.v_bias"), kv));
+    }
+    if arch.o_bias {
+        v.push(TensorSpec::vector(layer(l, "attn.o_bias"), h));
+    }
+    if arch.attn_sinks {
+        v.push(TensorSpec::vector(layer(l, "attn.sinks"), nh));
     }
     match arch.qk_norm {
         QkNorm::None => {}

@@ -28,9 +28,15 @@ pub(crate) fn tiny_arch() -> Architecture {
             norm_topk_prob: true,
             routed_scaling_factor: 1.0,
             shared_experts: None,
+            router_logit_bias: false,
+            expert_bias: false,
+            expert_act: Default::default(),
         },
         layers: vec![LayerKind::Moe; 2],
         tie_word_embeddings: false,
+        attention_windows: vec![],
+        attn_sinks: false,
+        o_bias: false,
     }
 }
 

@@ -28,6 +28,8 @@ fn file_type(f: Format) -> u32 {
         Format::Q5_K => 17,
         Format::Q6_K => 18,
         Format::BF16 => 32,
+        // LLAMA_FTYPE_MOSTLY_MXFP4_MOE: MXFP4 experts, the rest as they are.
+        Format::MXFP4 => 38,
     }
 }
 
@@ -173,6 +175,9 @@ fn check_supported(a: &Architecture) -> Result<(), ConvertError> {
         Family::MinimaxM2 if a.qk_norm != QkNorm::WholeProjection || !a.moe.norm_topk_prob => {
             bad("llama.cpp's minimax-m2 assumes its published settings")
         }
+        // Not yet: its metadata (sliding window, expert widths) and tensor names are imported
+        // but not written.
+        Family::GptOss => bad("exporting gpt-oss is not implemented yet (importing llama.cpp's gpt-oss GGUFs is)"),
         _ => Ok(()),
     }
 }

@@ -18,7 +18,7 @@ fn one(
     q_stride: usize,
     n_qh: usize,
     pos0: usize,
-    p: AttnParams,
+    p: AttnParams<'_>,
     i: usize,
     o: &mut [f32],
     dotf: &dyn Fn(&[f32], &[f32]) -> f32,
@@ -32,21 +32,27 @@ fn one(
     let g = h / group;
     let qv = &q[t * q_stride + h * kd..][..kd];
     let len = pos0 + t + 1;
+    let first = p.first_seen(pos0 + t);
     SCORES.with(|sc| {
         let mut sc = sc.borrow_mut();
-        sc.resize(len, 0.0);
+        sc.resize(len - first, 0.0);
         let mut max = f32::NEG_INFINITY;
-        for (j, sj) in sc.iter_mut().enumerate() {
+        for (j, sj) in (first..).zip(sc.iter_mut()) {
             *sj = dotf(qv, &l.k[j * k_row + g * kd..][..kd]) * p.scale;
             max = max.max(*sj);
         }
-        let mut sum = 0f32;
+        // A sink joins the denominator (and the maximum) but weighs no value.
+        let sink = p.sinks.map(|s| s[h]);
+        if let Some(s) = sink {
+            max = max.max(s);
+        }
+        let mut sum = sink.map_or(0.0, |s| (s - max).exp());
         for sj in sc.iter_mut() {
             *sj = (*sj - max).exp();
             sum += *sj;
         }
         o.fill(0.0);
-        for (j, &w) in sc.iter().enumerate() {
+        for (j, &w) in (first..).zip(sc.iter()) {
             let v = &values[j * v_row + g * v_stride..][..vd];
             for (a, &b) in o.iter_mut().zip(v) {
                 *a += w * b;
@@ -60,7 +66,7 @@ fn one(
 }
 
 /// Reference attention (rayon over queries when large).
-pub(super) fn attention_ref(l: &KvLayer, q: &[f32], q_stride: usize, n: usize, pos0: usize, p: AttnParams, out: &mut [f32]) {
+pub(super) fn attention_ref(l: &KvLayer, q: &[f32], q_stride: usize, n: usize, pos0: usize, p: AttnParams<'_>, out: &mut [f32]) {
     let vd = l.shape.v_dim;
     let out = &mut out[..n * p.q_heads * vd];
     let job = |(i, o): (usize, &mut [f32])| one(l, q, q_stride, p.q_heads, pos0, p, i, o, &dot);
@@ -112,7 +118,7 @@ pub(super) fn attention_fast(
     q_stride: usize,
     n: usize,
     pos0: usize,
-    p: AttnParams,
+    p: AttnParams<'_>,
     out: &mut [f32],
     k: &smoe_kernels::Kernels,
     pool: &super::pool::Pool,
@@ -147,7 +153,10 @@ pub(super) fn attention_fast(
             ob.resize(rows * vd, 0.0);
             const ROWS: usize = TOKENS_PER_TASK * HEADS_PER_TASK;
             let (mut max, mut sum, mut inv) = ([f32::NEG_INFINITY; ROWS], [0f32; ROWS], [0f32; ROWS]);
-            for j0 in (0..len).step_by(block) {
+            // Blocks stay aligned to multiples of `block` whatever the window, so that a row's
+            // arithmetic does not depend on the other rows of its task (prefill = decode).
+            let start = p.first_seen(pos0 + t0) / block * block;
+            for j0 in (start..len).step_by(block) {
                 let nb = block.min(len - j0);
                 // Scores, position-major: pr[j * rows + r] for positions j0 + j.
                 pr.resize(nb * rows, 0.0);
@@ -157,9 +166,11 @@ pub(super) fn attention_fast(
                 // them).
                 for tt in 0..t1 - t0 {
                     let seen = (pos0 + t0 + tt + 1).saturating_sub(j0).min(nb);
+                    // Positions before the row's window are masked like those after it.
+                    let from = p.first_seen(pos0 + t0 + tt).saturating_sub(j0).min(seen);
                     let rs = tt * heads..(tt + 1) * heads;
                     let mut block_max = [f32::NEG_INFINITY; ROWS];
-                    for j in 0..seen {
+                    for j in from..seen {
                         for (v, m) in pr[j * rows..][rs.clone()].iter_mut().zip(&mut block_max[rs.clone()]) {
                             *v *= p.scale;
                             *m = m.max(*v);
@@ -174,7 +185,10 @@ pub(super) fn attention_fast(
                             max[r] = block_max[r];
                         }
                     }
-                    for j in 0..seen {
+                    for j in 0..from {
+                        pr[j * rows..][rs.clone()].fill(0.0);
+                    }
+                    for j in from..seen {
                         for ((v, m), s) in pr[j * rows..][rs.clone()].iter_mut().zip(&max[rs.clone()]).zip(&mut sum[rs.clone()]) {
                             *v = (*v - m).exp();
                             *s += *v;
@@ -185,6 +199,20 @@ pub(super) fn attention_fast(
                     }
                 }
                 k.attn_weighted_sum(ob, vd, &pr[..nb * rows], &values[j0 * v_row + g * v_stride..], v_row, nb);
+            }
+            if let Some(sinks) = p.sinks {
+                // Each row's sink joins its denominator, rescaling what came before if it is
+                // the new maximum (as one softmax over the scores and the sink would).
+                for r in 0..rows {
+                    let s = sinks[h0 + r % heads];
+                    if s > max[r] {
+                        let f = (max[r] - s).exp();
+                        sum[r] *= f;
+                        ob[r * vd..(r + 1) * vd].iter_mut().for_each(|o| *o *= f);
+                        max[r] = s;
+                    }
+                    sum[r] += (s - max[r]).exp();
+                }
             }
             for r in 0..rows {
                 inv[r] = 1.0 / sum[r];
@@ -218,7 +246,8 @@ mod tests {
     }
 
     /// Attention in blocks of positions equals one softmax over all of them (to rounding), and
-    /// prefill equals decode bit for bit at any block size.
+    /// prefill equals decode bit for bit at any block size, with and without sliding windows
+    /// and sinks.
     #[test]
     fn blocks_of_positions_match_one_softmax() {
         let kernels = smoe_kernels::best();
@@ -231,20 +260,26 @@ mod tests {
             let l = layer(shape, pos0 + n);
             let q_stride = q_heads * shape.k_dim + 5;
             let q: Vec<f32> = (0..n * q_stride).map(|i| ((i * 31 % 97) as f32 - 48.0) / 40.0).collect();
-            let p = AttnParams { q_heads, scale: 0.3 };
-            let width = n * q_heads * shape.v_dim;
-            let mut exact = vec![0f32; width];
-            attention_ref(&l, &q, q_stride, n, pos0, p, &mut exact);
-            for block in [1, 3, 17, 64, 4096] {
-                let mut got = vec![0f32; width];
-                attention_fast(&l, &q, q_stride, n, pos0, p, &mut got, kernels, &pool, block);
-                let err = got.iter().zip(&exact).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-                assert!(err < 1e-5, "block {block}: {err}");
-                // Token by token through the same cache: the same bits.
-                let mut one = vec![0f32; q_heads * shape.v_dim];
-                for t in 0..n {
-                    attention_fast(&l, &q[t * q_stride..], q_stride, 1, pos0 + t, p, &mut one, kernels, &pool, block);
-                    assert_eq!(one, got[t * one.len()..(t + 1) * one.len()], "block {block}, token {t}");
+            // gpt-oss's windows and sinks (large enough to win some maxima) go through the same
+            // blocks.
+            let sinks: Vec<f32> = (0..q_heads).map(|h| h as f32 * 1.5 - 2.0).collect();
+            let variants = [(None, None), (Some(7), Some(&sinks[..])), (Some(45), None), (None, Some(&sinks[..]))];
+            for (window, sinks) in variants {
+                let p = AttnParams { q_heads, scale: 0.3, window, sinks };
+                let width = n * q_heads * shape.v_dim;
+                let mut exact = vec![0f32; width];
+                attention_ref(&l, &q, q_stride, n, pos0, p, &mut exact);
+                for block in [1, 3, 17, 64, 4096] {
+                    let mut got = vec![0f32; width];
+                    attention_fast(&l, &q, q_stride, n, pos0, p, &mut got, kernels, &pool, block);
+                    let err = got.iter().zip(&exact).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                    assert!(err < 1e-5, "block {block}: {err}");
+                    // Token by token through the same cache: the same bits.
+                    let mut one = vec![0f32; q_heads * shape.v_dim];
+                    for t in 0..n {
+                        attention_fast(&l, &q[t * q_stride..], q_stride, 1, pos0 + t, p, &mut one, kernels, &pool, block);
+                        assert_eq!(one, got[t * one.len()..(t + 1) * one.len()], "block {block}, token {t}");
+                    }
                 }
             }
         }

@@ -308,6 +308,16 @@ impl Backend for CpuBackend {
             }
         }
     }
+    fn swiglu_clamped_halves(&self, x: &mut CpuBuf, row0: usize, n: usize, stride: usize, w: usize, alpha: f32, limit: f32) {
+        check_rows("swiglu_clamped_halves", x, row0, n, stride, 0, 2 * w);
+        for row in x[row0 * stride..(row0 + n) * stride].chunks_exact_mut(stride) {
+            let (g, u) = row[..2 * w].split_at_mut(w);
+            for (a, &b) in g.iter_mut().zip(u.iter()) {
+                let (gc, uc) = (a.min(limit), b.clamp(-limit, limit));
+                *a = gc / (1.0 + (-alpha * gc).exp()) * (uc + 1.0);
+            }
+        }
+    }
     fn rope(
         &self,
         x: &mut CpuBuf,
@@ -450,7 +460,7 @@ impl Backend for CpuBackend {
         q_stride: usize,
         n: usize,
         pos0: usize,
-        p: AttnParams,
+        p: AttnParams<'_>,
         out: &mut CpuBuf,
     ) {
         let l = &cache.layers[layer];

@@ -100,10 +100,11 @@ fn config_from_metadata(g: &Gguf) -> Result<Json, FormatError> {
         "glm4moe" => "glm4_moe",
         "deepseek2" => "deepseek_v3",
         "minimax-m2" => "minimax_m2",
+        "gpt-oss" => "gpt_oss",
         "llama" => return Err(FormatError::Unsupported("a llama GGUF without experts is a dense model; smoe runs MoE models".into())),
         other => {
             return Err(FormatError::Unsupported(format!(
-                "GGUF architecture '{other}' is not supported; supported: qwen3moe, qwen2moe, llama (Mixtral), olmoe, glm4moe, deepseek2, minimax-m2"
+                "GGUF architecture '{other}' is not supported; supported: qwen3moe, qwen2moe, llama (Mixtral), olmoe, glm4moe, deepseek2, minimax-m2, gpt-oss"
             )))
         }
     };
@@ -188,6 +189,20 @@ fn config_from_metadata(g: &Gguf) -> Result<Json, FormatError> {
             c.insert("intermediate_size".into(), expert_ff.into());
             c.insert("use_qk_norm".into(), has("blk.0.attn_q_norm.weight").into());
             c.insert("use_routing_bias".into(), has("blk.0.exp_probs_b.bias").into());
+        }
+        "gpt_oss" => {
+            // llama.cpp hard-codes the rest: even layers slide (transformers' default
+            // layer_types), swiglu alpha 1.702 and limit 7.0, softmax over the top-k logits;
+            // the published config's YaRN does not truncate its correction range.
+            c.insert("num_local_experts".into(), experts.into());
+            c.insert("intermediate_size".into(), expert_ff.into());
+            c.insert("attention_bias".into(), has("blk.0.attn_q.bias").into());
+            if let Some(w) = u("attention.sliding_window") {
+                c.insert("sliding_window".into(), w.into());
+            }
+            if let Some(Json::Object(s)) = c.get_mut("rope_scaling") {
+                s.insert("truncate".into(), false.into());
+            }
         }
         "olmoe" => {
             c.insert("num_experts".into(), experts.into());

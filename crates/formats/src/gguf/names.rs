@@ -13,6 +13,7 @@ pub fn arch_name(f: Family) -> &'static str {
         Family::Glm4Moe => "glm4moe",
         Family::DeepseekV3 => "deepseek2",
         Family::MinimaxM2 => "minimax-m2",
+        Family::GptOss => "gpt-oss",
     }
 }
 
@@ -32,8 +33,8 @@ pub fn tensor_name(family: Family, canonical: &str) -> Option<String> {
     let (layer, what) = rest.split_once('.')?;
     let g = match what {
         "attn_norm" => "attn_norm.weight",
-        // llama.cpp's glm4moe keeps Hugging Face's name for the norm before the FFN.
-        "ffn_norm" if family == Family::Glm4Moe => "post_attention_norm.weight",
+        // llama.cpp's glm4moe and gpt-oss keep Hugging Face's name for the norm before the FFN.
+        "ffn_norm" if matches!(family, Family::Glm4Moe | Family::GptOss) => "post_attention_norm.weight",
         "ffn_norm" => "ffn_norm.weight",
         "attn.q" => "attn_q.weight",
         "attn.k" => "attn_k.weight",
@@ -53,6 +54,12 @@ pub fn tensor_name(family: Family, canonical: &str) -> Option<String> {
         "mlp.gate" => "ffn_gate.weight",
         "mlp.up" => "ffn_up.weight",
         "mlp.down" => "ffn_down.weight",
+        "attn.o_bias" => "attn_output.bias",
+        "attn.sinks" => "attn_sinks.weight",
+        "moe.router_logit_bias" => "ffn_gate_inp.bias",
+        "moe.expert_gate_bias" => "ffn_gate_exps.bias",
+        "moe.expert_up_bias" => "ffn_up_exps.bias",
+        "moe.expert_down_bias" => "ffn_down_exps.bias",
         "moe.router" => "ffn_gate_inp.weight",
         "moe.router_bias" => "exp_probs_b.bias",
         "moe.shared.gate" => "ffn_gate_shexp.weight",
@@ -101,8 +108,10 @@ mod tests {
     #[test]
     fn glm4moe_names_the_pre_ffn_norm_as_llama_cpp_loads_it() {
         // llama.cpp's glm4moe loader requires `post_attention_norm` and has no `ffn_norm`.
-        assert_eq!(tensor_name(Family::Glm4Moe, "layers.3.ffn_norm").unwrap(), "blk.3.post_attention_norm.weight");
-        for f in Family::ALL.into_iter().filter(|&f| f != Family::Glm4Moe) {
+        for f in [Family::Glm4Moe, Family::GptOss] {
+            assert_eq!(tensor_name(f, "layers.3.ffn_norm").unwrap(), "blk.3.post_attention_norm.weight", "{f:?}");
+        }
+        for f in Family::ALL.into_iter().filter(|&f| f != Family::Glm4Moe && f != Family::GptOss) {
             assert_eq!(tensor_name(f, "layers.3.ffn_norm").unwrap(), "blk.3.ffn_norm.weight", "{f:?}");
         }
     }

@@ -6,7 +6,7 @@
 use super::avx2::{hsum, mul_sum_i8};
 use super::{f16x8, k4_scales};
 use crate::act::{Block256, Block32};
-use smoe_quant::blocks::{BlockQ2K, BlockQ3K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1};
+use smoe_quant::blocks::{BlockMxfp4, BlockQ2K, BlockQ3K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1};
 use std::arch::x86_64::*;
 
 fn f16(b: [u8; 2]) -> f32 {
@@ -89,6 +89,27 @@ macro_rules! blocks8 {
 pub unsafe fn dot_q4_0(w: &[u8], a: &[Block32]) -> f32 {
     let wb: &[BlockQ4_0] = bytemuck::cast_slice(w);
     blocks8!(wb, a, |b, y| mul_sum_i8(_mm256_sub_epi8(nibbles(&b.qs), _mm256_set1_epi8(8)), y))
+}
+
+/// MXFP4 weights: each code looked up as its doubled e2m1 value (a signed byte, by one
+/// shuffle), times half the block's e8m0 scale.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn dot_mxfp4(w: &[u8], a: &[Block32]) -> f32 {
+    let wb: &[BlockMxfp4] = bytemuck::cast_slice(w);
+    let kv = smoe_quant::KVALUES_MXFP4;
+    // SAFETY: 16 bytes from a 16-byte array, in both lanes (the shuffle looks up per lane).
+    let table = unsafe { _mm256_broadcastsi128_si256(_mm_loadu_si128(kv.as_ptr() as *const __m128i)) };
+    let mut acc = [_mm256_setzero_ps(); 2];
+    for (i, (b, a)) in wb.iter().zip(a).enumerate() {
+        let q = _mm256_shuffle_epi8(table, nibbles(&b.qs));
+        let p = _mm256_cvtepi32_ps(mul_sum_i8(q, load(a)));
+        let d = smoe_quant::e8m0_to_f32_half(b.e) * a.d;
+        acc[i % 2] = _mm256_fmadd_ps(_mm256_set1_ps(d), p, acc[i % 2]);
+    }
+    hsum(_mm256_add_ps(acc[0], acc[1]))
 }
 
 /// Q4_1 weights: `d · q + m`; the minimum meets the activation block sum.
