@@ -15,6 +15,7 @@ tokenize (`smoe-text`). [`LoadedModel`] is an engine as front ends see it, whate
 #![deny(missing_docs)]
 
 pub mod backend;
+mod batch;
 pub mod bench;
 pub mod conformance;
 pub mod cpu;
@@ -34,6 +35,7 @@ pub mod trace_routing;
 mod widths;
 
 pub use backend::Backend;
+pub use batch::{Batch, BatchItem};
 pub use cpu::{CpuBackend, Precision};
 pub use forward::{Logits, NoObserver, Observer, State, PREFILL_CHUNK};
 pub use generate::{Engine, FinishReason, GenOptions, GenStats, Generation};
