@@ -31,6 +31,7 @@ pub mod routing;
 pub mod sampler;
 pub mod score;
 mod session;
+mod stepwise;
 pub mod trace_routing;
 mod widths;
 
@@ -45,6 +46,7 @@ pub use open::{default_context, is_gguf, model_sizes, open, open_cpu, CacheSize,
 pub use sampler::{Sampler, SamplingParams, SamplingRequest};
 pub use score::{score, score_and_continue, ScoreMode, ScoreOutput};
 pub use session::{tokenize_chat, Conversation, Overflow, Session, Turn, TOKEN_IDS_KEY};
+pub use stepwise::Stepwise;
 
 /// Engine errors.
 #[derive(Debug, thiserror::Error)]
