@@ -298,6 +298,7 @@ impl<B: Backend> Loop<B> {
         let result = model.forward_batch(batch, &mut items, &mut NoObserver);
         drop(items);
         self.metrics.record_store(&model.experts().stats().since(&store0));
+        self.metrics.record_step(take.iter().filter(|&&t| t > 0).count());
         let vocab = model.arch().vocab_size;
         let running = active.iter_mut().zip(&take).filter(|(_, &t)| t > 0);
         match result {
