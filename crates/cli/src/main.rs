@@ -282,9 +282,10 @@ enum Command {
         routing_trace: Option<String>,
         /// Decode this many sequences side by side in batched steps (each prefilled alone
         /// first, then one token of every sequence per step): aggregate and per-sequence
-        /// tok/s, bytes read per generated token.
-        #[arg(long, value_name = "N")]
-        batch: Option<usize>,
+        /// tok/s, bytes read per generated token. Several sizes (`1,4,16`) run in turn on the
+        /// one loaded model, interleaved in each of --reps rounds.
+        #[arg(long, value_name = "N", value_delimiter = ',')]
+        batch: Option<Vec<usize>>,
         #[command(flatten)]
         model: cmd_run::ModelArgs,
     },

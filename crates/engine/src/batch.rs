@@ -101,7 +101,7 @@ impl<B: Backend> Model<B> {
             .iter_mut()
             .map(|it| {
                 let n = it.tokens.len();
-                let seg = Seg { kv: &mut it.state.kv, pos: it.state.pos, row, n };
+                let seg = Seg { kv: &mut it.state.kv, pos: it.state.pos, stream: it.state.stream, row, n };
                 row += n;
                 seg
             })

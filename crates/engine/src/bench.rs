@@ -181,8 +181,10 @@ pub fn bench_batch<B: Backend>(engine: &Engine<B>, opts: &BatchBenchOptions) -> 
     let mut batch = model.new_batch(chunk.max(n));
     batch.enable_instrument();
     let mut states: Vec<crate::State<B>> = (0..n).map(|_| model.new_state(1)).collect();
-    for st in &mut states {
+    for (i, st) in states.iter_mut().enumerate() {
         model.reserve(st, opts.prompt_tokens + steps + 1);
+        // With a routing trace, each sequence replays its own texts.
+        st.set_trace_stream(i);
     }
     let t0 = std::time::Instant::now();
     for (st, prompt) in states.iter_mut().zip(&prompts) {

@@ -221,6 +221,8 @@ pub(crate) struct HostScratch {
     gate: Vec<f32>,
     /// `[n]`: each row's position in its own sequence.
     positions: Vec<usize>,
+    /// `[n]`: each row's sequence's routing-trace stream ([`State::set_trace_stream`]).
+    streams: Vec<usize>,
     /// A batch's last row of each sequence (the rows the LM head runs on).
     last_rows: Vec<usize>,
 }
@@ -240,6 +242,8 @@ pub(crate) struct Work<B: Backend> {
 pub(crate) struct Seg<'k, B: Backend> {
     pub(crate) kv: &'k mut B::KvCache,
     pub(crate) pos: usize,
+    /// Its routing-trace stream (benchmarks only).
+    pub(crate) stream: usize,
     pub(crate) row: usize,
     pub(crate) n: usize,
 }
@@ -286,6 +290,8 @@ pub struct State<B: Backend> {
     pub(crate) kv: B::KvCache,
     /// Tokens in the cache.
     pub(crate) pos: usize,
+    /// Which stream of a routing trace it replays ([`Self::set_trace_stream`]).
+    pub(crate) stream: usize,
     /// Buffers for this sequence's own forward calls (`work.chunk` rows; unused when it runs in a
     /// [`Batch`](crate::Batch)).
     work: Work<B>,
@@ -321,6 +327,14 @@ impl<B: Backend> State<B> {
         true
     }
 
+    /// With a routing trace set on the model (benchmarks only, see
+    /// [`TraceRouting::replace_in`](crate::trace_routing::TraceRouting::replace_in)): which
+    /// stream of it this sequence replays, so that the sequences of a batch route as different
+    /// texts. 0 (the default) is the stream a lone sequence replays.
+    pub fn set_trace_stream(&mut self, stream: usize) {
+        self.stream = stream;
+    }
+
     /// The KV cache.
     pub fn kv(&self) -> &B::KvCache {
         &self.kv
@@ -340,7 +354,14 @@ impl<B: Backend> Model<B> {
     /// ([`prefill_chunk`](Self::prefill_chunk) unless there is a reason to differ). A sequence
     /// that only runs in [`Batch`](crate::Batch)es needs no buffers of its own: `chunk` 1.
     pub fn new_state(&self, chunk: usize) -> State<B> {
-        State { kv: self.backend.kv_cache(&self.kv_shapes()), pos: 0, work: self.work(chunk, false), logits: Vec::new(), instrument: None }
+        State {
+            kv: self.backend.kv_cache(&self.kv_shapes()),
+            pos: 0,
+            stream: 0,
+            work: self.work(chunk, false),
+            logits: Vec::new(),
+            instrument: None,
+        }
     }
 
     /// Working memory for steps of up to `chunk` rows; `batch`: of several sequences (with the
@@ -420,8 +441,8 @@ impl<B: Backend> Model<B> {
         if let Some(ins) = st.instrument.as_mut() {
             ins.begin(n, self.experts.stats());
         }
-        let State { kv, pos, work, logits, instrument } = st;
-        let mut one = [Seg { kv, pos: *pos, row: 0, n }];
+        let State { kv, pos, stream, work, logits, instrument } = st;
+        let mut one = [Seg { kv, pos: *pos, stream: *stream, row: 0, n }];
         let mut s = Step { buf: &mut work.buf, host: &mut work.host, instrument, segs: &mut one };
         self.layers_of_step(&mut s, tokens, obs)?;
         let b = &mut work.buf;
@@ -455,8 +476,10 @@ impl<B: Backend> Model<B> {
         be.embed(&self.embed, tokens, &mut s.buf.x);
         let h = &mut *s.host;
         h.positions.clear();
+        h.streams.clear();
         for seg in s.segs.iter() {
             h.positions.extend(seg.pos..seg.pos + seg.n);
+            h.streams.extend(std::iter::repeat_n(seg.stream, seg.n));
         }
         self.rope.fill(&h.positions, &mut h.cos, &mut h.sin);
         let mut routed_kept = false;
@@ -697,12 +720,20 @@ impl<B: Backend> Model<B> {
             return Ok(true);
         }
         let (ins, positions) = (&mut s.instrument, &s.host.positions);
-        self.route_tokens(m, Some(li), &s.buf.h, &mut s.buf.router, &mut s.host.routes, n, |token, experts, weights, choice| {
-            obs.route(li, positions[token], experts, weights, choice);
-            if let Some(ins) = ins.as_mut() {
-                ins.route(li, experts);
-            }
-        });
+        self.route_tokens(
+            m,
+            Some((li, &s.host.streams)),
+            &s.buf.h,
+            &mut s.buf.router,
+            &mut s.host.routes,
+            n,
+            |token, experts, weights, choice| {
+                obs.route(li, positions[token], experts, weights, choice);
+                if let Some(ins) = ins.as_mut() {
+                    ins.route(li, experts);
+                }
+            },
+        );
         s.charge(t, |r| &mut r.routing_ms);
         let t = Instant::now();
         s.host.groups.group(&s.host.routes.ids, self.arch.moe.num_experts, self.router.top_k());
@@ -737,12 +768,12 @@ impl<B: Backend> Model<B> {
     /// `r.weights`. `seen(token, experts, weights, choice)` sees each token as it is routed
     /// (`choice`: the scores the experts were chosen on, one per expert). With a routing trace
     /// set, the experts of decoder layer `layer` (the MoE block's own routing, not the
-    /// lookahead's guess) are the trace's.
+    /// lookahead's guess; with each row's trace stream) are the trace's.
     #[allow(clippy::too_many_arguments)]
     fn route_tokens(
         &self,
         m: &MoeBlock<B>,
-        layer: Option<usize>,
+        layer: Option<(usize, &[usize])>,
         input: &B::Buf,
         logits: &mut B::Buf,
         r: &mut Routes,
@@ -758,8 +789,8 @@ impl<B: Backend> Model<B> {
         for t in 0..n {
             let (ids, w) = (&mut r.ids[t * k..(t + 1) * k], &mut r.weights[t * k..(t + 1) * k]);
             self.router.route(&r.logits[t * e_count..(t + 1) * e_count], m.router_bias.as_deref(), ids, w, &mut r.scratch);
-            if let (Some(trace), Some(li)) = (&self.routing_trace, layer) {
-                trace.replace(li, ids);
+            if let (Some(trace), Some((li, streams))) = (&self.routing_trace, layer) {
+                trace.replace_in(li, streams[t], ids);
             }
             seen(t, ids, w, &r.scratch.choice);
         }
