@@ -209,25 +209,15 @@ impl<B: Backend> Loop<B> {
         let max_batch = self.limits.max_batch.max(1);
         let step_tokens = self.limits.step_tokens.unwrap_or_else(|| self.engine.model.prefill_chunk());
         let mut batch = self.engine.model.new_batch(step_tokens.max(max_batch));
-        let mut open = true;
         loop {
             if active.is_empty() && waiting.is_empty() {
                 // Closing the channel ends the loop once queued jobs are done.
-                match rx.recv().ok().filter(|_| open) {
-                    Some(job) => waiting.push_back(job),
-                    None => return,
-                }
-            }
-            loop {
-                match rx.try_recv() {
+                match rx.recv() {
                     Ok(job) => waiting.push_back(job),
-                    Err(mpsc::TryRecvError::Empty) => break,
-                    Err(mpsc::TryRecvError::Disconnected) => {
-                        open = false;
-                        break;
-                    }
+                    Err(_) => return,
                 }
             }
+            waiting.extend(rx.try_iter());
             while active.len() < max_batch && !waiting.is_empty() {
                 let job = next_job(&mut waiting, Instant::now());
                 self.admit(&mut sessions, &mut active, job);
@@ -261,7 +251,7 @@ impl<B: Backend> Loop<B> {
         match cached.session.start(&self.engine, &job.prompt, &job.opts) {
             Ok(gen) => active.push(Active { job, session: cached.session, gen, store0, failed: None }),
             Err(e) => {
-                cached.session.record(&[]);
+                // Refused before any step: the session still holds the prefix it shares.
                 sessions.push(cached);
                 self.metrics.engine_errors.fetch_add(1, Ordering::Relaxed);
                 let _ = job.events.send(Event::Failed(api_error(e)));
