@@ -510,7 +510,10 @@ fn concurrent_requests_are_batched_and_answer_as_alone() {
     let dir = vault_dir();
     let server = Server::start(dir.path(), &["--api-key", KEY, "--max-batch", "4", "--max-queue", "8", "--batch-tokens", "16"]);
     let a = server.addr;
-    let prompts = ["one two three", "a longer prompt, of several more words than the first one has", "x", "the fourth prompt"];
+    // The second prompt is several steps' worth of tokens: it is prefilled in chunks between
+    // the others' decode tokens (--batch-tokens 16).
+    let long = "a longer prompt, of several more words than the first one has, ".repeat(8);
+    let prompts = ["one two three", long.as_str(), "x", "the fourth prompt"];
     let body = |p: &str| format!(r#"{{"model": "qwen3", "prompt": "{p}", "max_tokens": 40, "temperature": 0}}"#);
     let text = |b: &str| serde_json::from_str::<serde_json::Value>(b).unwrap()["choices"][0]["text"].as_str().unwrap().to_string();
     let alone: Vec<String> = prompts
