@@ -3,7 +3,7 @@
 use crate::cmd_run::ModelArgs;
 use crate::device::OnEngine;
 use anyhow::Result;
-use smoe_engine::bench::{bench, BenchOptions, BenchResult};
+use smoe_engine::bench::{bench, bench_batch, BatchBenchOptions, BatchBenchResult, BenchOptions, BenchResult};
 use smoe_engine::trace_routing::TraceRouting;
 use smoe_engine::{Backend, Engine, OpenReport, Precision};
 use std::path::Path;
@@ -34,6 +34,8 @@ pub struct BenchJob {
     pub json: bool,
     /// `--routing-trace`: a trace file, or `bundled`.
     pub routing_trace: Option<String>,
+    /// `--batch N[,N...]`: sequences decoded side by side (each size in turn).
+    pub batch: Option<Vec<usize>>,
     pub model: ModelArgs,
     /// When the command started: load time counts from here.
     pub t0: std::time::Instant,
@@ -58,7 +60,10 @@ impl OnEngine for BenchJob {
             engine.model.set_routing_trace(Some(trace));
         }
         let load_s = self.t0.elapsed().as_secs_f64();
-        bench_on(&engine, &report, &self, load_s)
+        match self.batch.as_deref() {
+            Some(sizes) => batch_on(&engine, &report, &self, sizes, load_s),
+            None => bench_on(&engine, &report, &self, load_s),
+        }
     }
 }
 
@@ -134,6 +139,67 @@ fn bench_on<B: Backend>(engine: &Engine<B>, report: &OpenReport, job: &BenchJob,
     if model.instrument {
         println!("{tag}prefill: {}", r.prefill);
         println!("{tag}decode:  {}", r.decode);
+    }
+    Ok(())
+}
+
+/// `smoe bench --batch N[,N...]`: each batch size in turn on the one loaded model, the sizes
+/// interleaved within each of `--reps` rounds (this machine's speed drifts; side by side is
+/// how ratios stay honest), the best run of each size (by aggregate decode) reported.
+fn batch_on<B: Backend>(engine: &Engine<B>, report: &OpenReport, job: &BenchJob, sizes: &[usize], load_s: f64) -> Result<()> {
+    let BenchJob { prompt_tokens, gen_tokens, chunk, reps, json, ref model, .. } = *job;
+    let tag = if engine.model.routing_trace().is_some() { "[trace routing] " } else { "" };
+    let chunk = chunk.unwrap_or_else(|| engine.model.prefill_chunk());
+    let mut best: Vec<Option<BatchBenchResult>> = vec![None; sizes.len()];
+    let mut samples: Vec<Vec<f64>> = vec![Vec::new(); sizes.len()];
+    for round in 0..reps.max(1) {
+        for (i, &n) in sizes.iter().enumerate() {
+            let opts = BatchBenchOptions { sequences: n, prompt_tokens, gen_tokens, seed: 1, chunk };
+            let r = bench_batch(engine, &opts)?;
+            if reps > 1 {
+                eprintln!("{tag}  round {}: {n} sequences, decode {:.2} tok/s", round + 1, r.decode_tok_s);
+            }
+            samples[i].push(r.decode_tok_s);
+            if best[i].as_ref().is_none_or(|b| r.decode_tok_s > b.decode_tok_s) {
+                best[i] = Some(r);
+            }
+        }
+    }
+    let threads = model.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    if !json {
+        println!("{tag}loaded in {load_s:.1} s on {}, {threads} threads", engine.model.backend().describe());
+        println!("{tag}expert cache {} of {} experts", report.cache_experts, report.total_experts);
+    }
+    for (r, samples) in best.into_iter().flatten().zip(samples) {
+        let n = r.sequences;
+        if json {
+            let mut v = serde_json::to_value(&r)?;
+            v["load_seconds"] = load_s.into();
+            v["decode_tok_s_samples"] = samples.into();
+            v["backend"] = engine.model.backend().describe().into();
+            v["routing"] = engine.model.routing_trace().map_or("router".to_string(), |t| t.describe()).into();
+            v["threads"] = threads.into();
+            v["cache_bytes"] = report.cache_bytes.into();
+            v["cache_experts"] = report.cache_experts.into();
+            v["total_experts"] = report.total_experts.into();
+            println!("{}", serde_json::to_string(&v)?);
+            continue;
+        }
+        println!(
+            "{tag}batch {n:>3}: decode {:.2} tok/s aggregate, {:.2} tok/s per sequence, {:.0} ms/step; {:.1} MiB read/token, hit rate {:.3}, reads {:.2} GB/s; prefill {:.2} tok/s; kv {:.1} MiB",
+            r.decode_tok_s,
+            r.per_sequence_tok_s,
+            r.step_ms,
+            r.bytes_read_per_token / MIB,
+            r.hit_rate,
+            r.read_bytes_per_s / 1e9,
+            r.prefill_tok_s,
+            r.kv_bytes as f64 / MIB
+        );
+        if model.instrument {
+            println!("{tag}  prefill: {}", r.prefill);
+            println!("{tag}  decode:  {}", r.decode);
+        }
     }
     Ok(())
 }

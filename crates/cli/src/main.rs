@@ -233,6 +233,14 @@ enum Command {
         /// Conversations kept per model for prefix reuse.
         #[arg(long, default_value_t = 8)]
         sessions: usize,
+        /// Generations a model advances together in one batched step (continuous batching)
+        /// [default: four per core, 4 to 64, at most --max-queue].
+        #[arg(long)]
+        max_batch: Option<usize>,
+        /// Tokens one batched step runs, all generations together: a token of each decoding
+        /// one, then chunks of new prompts [default: the backend's prefill chunk, 256 on the CPU].
+        #[arg(long)]
+        batch_tokens: Option<usize>,
         /// Context limit per model (default: each model's, capped by memory).
         #[arg(long)]
         ctx: Option<usize>,
@@ -275,6 +283,12 @@ enum Command {
         /// says so. Only `bench` has this.
         #[arg(long, value_name = "TRACE", num_args = 0..=1, default_missing_value = "bundled")]
         routing_trace: Option<String>,
+        /// Decode this many sequences side by side in batched steps (each prefilled alone
+        /// first, then one token of every sequence per step): aggregate and per-sequence
+        /// tok/s, bytes read per generated token. Several sizes (`1,4,16`) run in turn on the
+        /// one loaded model, interleaved in each of --reps rounds.
+        #[arg(long, value_name = "N", value_delimiter = ',')]
+        batch: Option<Vec<usize>>,
         #[command(flatten)]
         model: cmd_run::ModelArgs,
     },
@@ -435,6 +449,8 @@ fn run(cli: Cli) -> Result<()> {
             cors_origin,
             max_queue,
             sessions,
+            max_batch,
+            batch_tokens,
             ctx,
             max_tokens,
             body_limit_mib,
@@ -447,6 +463,11 @@ fn run(cli: Cli) -> Result<()> {
             fleet.ctx = ctx;
             fleet.max_queue = max_queue;
             fleet.max_sessions = sessions;
+            fleet.max_batch = max_batch.unwrap_or_else(|| smoe_server::default_max_batch(max_queue));
+            if fleet.max_batch == 0 || batch_tokens == Some(0) {
+                anyhow::bail!("--max-batch and --batch-tokens must be at least 1");
+            }
+            fleet.step_tokens = batch_tokens;
             fleet.default_max_tokens = max_tokens;
             fleet.open = model.options(smoe_engine::Precision::Fast, ctx);
             // The device is chosen once at start; each model then opens its own backend on it.
@@ -474,9 +495,9 @@ fn run(cli: Cli) -> Result<()> {
             };
             smoe_server::serve(cfg).map_err(anyhow::Error::msg)
         }
-        Command::Bench { vault, prompt_tokens, gen_tokens, chunk, reps, json, routing_trace, model } => {
+        Command::Bench { vault, prompt_tokens, gen_tokens, chunk, reps, json, routing_trace, batch, model } => {
             let t0 = std::time::Instant::now();
-            let job = cmd_bench::BenchJob { prompt_tokens, gen_tokens, chunk, reps, json, routing_trace, model, t0 };
+            let job = cmd_bench::BenchJob { prompt_tokens, gen_tokens, chunk, reps, json, routing_trace, batch, model, t0 };
             cmd_bench::run_bench(&vault, job)
         }
         Command::MemBandwidth { threads, mib } => cmd_bench::mem_bandwidth(threads, mib),

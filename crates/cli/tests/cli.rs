@@ -216,6 +216,33 @@ fn bench_json_reports_throughput_and_streaming() {
     assert!((j["hit_rate"].as_f64().unwrap() - hits as f64 / (hits + misses) as f64).abs() < 1e-9);
 }
 
+/// `bench --batch 1,3`: one JSON line per batch size, aggregate and per-sequence rates that
+/// agree with each other, one decode token per sequence and step, and the store's reads
+/// shared by a step's tokens; a batch of 0 is refused with a message.
+#[test]
+fn bench_batch_reports_each_size() {
+    let dir = tempfile::tempdir().unwrap();
+    let vault = shatter(dir.path(), "qwen3_moe", &[]);
+    let args = ["bench", &vault, "--prompt-tokens", "6", "--gen-tokens", "5", "--cache-experts", "8", "--batch", "1,3", "--json"];
+    let out = ok(&smoe(&args));
+    let lines: Vec<serde_json::Value> = out.trim().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), 2, "{out}");
+    for (j, n) in lines.iter().zip([1u64, 3]) {
+        assert_eq!(j["sequences"], n);
+        let (agg, per) = (j["decode_tok_s"].as_f64().unwrap(), j["per_sequence_tok_s"].as_f64().unwrap());
+        assert!(agg > 0.0 && (agg - per * n as f64).abs() < 1e-6 * agg, "{j}");
+        let d = &j["decode"];
+        assert_eq!((d["steps"].as_u64(), d["tokens"].as_u64()), (Some(4), Some(4 * n)), "{j}");
+        let blob = j["cache_bytes"].as_u64().unwrap() / 8;
+        assert_eq!(d["bytes_read"].as_u64().unwrap(), d["misses"].as_u64().unwrap() * blob);
+        let per_token = d["bytes_read"].as_f64().unwrap() / (4 * n) as f64;
+        assert!((j["bytes_read_per_token"].as_f64().unwrap() - per_token).abs() < 1e-6 * per_token.max(1.0), "{j}");
+    }
+    let o = smoe(&["bench", &vault, "--batch", "0"]);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("at least 1"), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
 /// `bench --routing-trace`: the bundled trace (no value) or a trace file replaces the router's
 /// choice, and every line bench prints says so (stdout and stderr alike), as does the JSON;
 /// only bench takes the flag.

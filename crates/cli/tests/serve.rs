@@ -501,3 +501,78 @@ fn tool_schemas_that_do_not_fit_are_dropped() {
     assert_eq!(status, 400, "{body}");
     assert!(body.contains("context_length_exceeded"), "{body}");
 }
+
+/// Continuous batching: concurrent requests are advanced together in batched steps (the
+/// metrics count steps of several generations), each answers as it does alone, and a stream
+/// whose client hangs up leaves the batch at the next step while the others finish.
+#[test]
+fn concurrent_requests_are_batched_and_answer_as_alone() {
+    let dir = vault_dir();
+    let server = Server::start(dir.path(), &["--api-key", KEY, "--max-batch", "4", "--max-queue", "8", "--batch-tokens", "16"]);
+    let a = server.addr;
+    // The second prompt is several steps' worth of tokens: it is prefilled in chunks between
+    // the others' decode tokens (--batch-tokens 16).
+    let long = "a longer prompt, of several more words than the first one has, ".repeat(8);
+    let prompts = ["one two three", long.as_str(), "x", "the fourth prompt"];
+    let body = |p: &str| format!(r#"{{"model": "qwen3", "prompt": "{p}", "max_tokens": 40, "temperature": 0}}"#);
+    let text = |b: &str| serde_json::from_str::<serde_json::Value>(b).unwrap()["choices"][0]["text"].as_str().unwrap().to_string();
+    let alone: Vec<String> = prompts
+        .iter()
+        .map(|p| {
+            let (st, _, b) = post(a, "/v1/completions", &body(p));
+            assert_eq!(st, 200, "{b}");
+            text(&b)
+        })
+        .collect();
+    // A stream that will hang up holds one place of the batch meanwhile.
+    let auth = format!("Bearer {KEY}");
+    let hog_req = r#"{"model": "qwen3", "prompt": "hog", "max_tokens": 60000, "stream": true}"#;
+    let mut hog = TcpStream::connect(a).unwrap();
+    write!(
+        hog,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: {auth}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{hog_req}",
+        hog_req.len()
+    )
+    .unwrap();
+    let mut first = [0u8; 64];
+    hog.read_exact(&mut first).unwrap();
+    let barrier = std::sync::Arc::new(std::sync::Barrier::new(prompts.len() + 1));
+    let together: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let (b, barrier) = (body(p), barrier.clone());
+            std::thread::spawn(move || {
+                barrier.wait();
+                post(a, "/v1/completions", &b)
+            })
+        })
+        .collect();
+    barrier.wait();
+    std::thread::sleep(Duration::from_millis(200));
+    drop(hog);
+    for (i, h) in together.into_iter().enumerate() {
+        let (st, _, b) = h.join().unwrap();
+        assert_eq!(st, 200, "{b}");
+        assert_eq!(text(&b), alone[i], "prompt {i} in a batch answers as alone");
+    }
+    let (_, _, metrics) = http(a, "GET", "/metrics", &[("Authorization", &auth)], b"");
+    let value = |name: &str| -> f64 {
+        let line = metrics.lines().find(|l| l.starts_with(&format!("{name} "))).unwrap_or_else(|| panic!("{name} missing"));
+        line.split_whitespace().nth(1).unwrap().parse().unwrap()
+    };
+    assert!(value("smoe_batch_max") >= 3.0, "no step ran three generations together:\n{metrics}");
+    assert!(value("smoe_batch_sequences_total") > value("smoe_batch_steps_total"), "{metrics}");
+    eprintln!("batch: at most {}, {} steps", value("smoe_batch_max"), value("smoe_batch_steps_total"));
+    // The hog left at a step after its client hung up: the queue empties.
+    let t0 = Instant::now();
+    loop {
+        let (_, _, m) = http(a, "GET", "/metrics", &[("Authorization", &auth)], b"");
+        if m.contains("smoe_queue_depth{model=\"qwen3\"} 0") {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(5), "the stream that hung up is still queued:\n{m}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (st, _, b) = post_settled(a, "/v1/completions", &body(prompts[0]));
+    assert_eq!((st, text(&b)), (200, alone[0].clone()));
+}

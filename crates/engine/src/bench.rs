@@ -117,3 +117,106 @@ pub fn bench<B: Backend>(engine: &Engine<B>, opts: &BenchOptions) -> Result<Benc
         rss_growth_bytes,
     })
 }
+
+/// What `smoe bench --batch N` measures.
+#[derive(Clone, Debug)]
+pub struct BatchBenchOptions {
+    /// Sequences decoded side by side.
+    pub sequences: usize,
+    /// Prompt length of each sequence.
+    pub prompt_tokens: usize,
+    /// Tokens generated per sequence after its prompt.
+    pub gen_tokens: usize,
+    /// Seed of the random prompts and inputs.
+    pub seed: u64,
+    /// Prefill chunk size.
+    pub chunk: usize,
+}
+
+/// A batched benchmark's numbers.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct BatchBenchResult {
+    /// Sequences decoded side by side.
+    pub sequences: usize,
+    /// Prompt tokens per sequence.
+    pub prompt_tokens: usize,
+    /// Generated tokens per sequence.
+    pub gen_tokens: usize,
+    /// Prompt tokens per second, all sequences (each prefilled in its own chunks).
+    pub prefill_tok_s: f64,
+    /// Decoded tokens per second, all sequences together (after each sequence's first).
+    pub decode_tok_s: f64,
+    /// Decoded tokens per second of one sequence: every sequence advances one token a step.
+    pub per_sequence_tok_s: f64,
+    /// Milliseconds per decode step (one token of every sequence).
+    pub step_ms: f64,
+    /// Expert bytes read per decoded token (each step's reads shared by its tokens).
+    pub bytes_read_per_token: f64,
+    /// Expert cache hit rate while decoding (one use per expert a step, however many tokens
+    /// chose it).
+    pub hit_rate: f64,
+    /// Achieved read bandwidth while reads were outstanding (bytes/s), decode phase.
+    pub read_bytes_per_s: f64,
+    /// Prefill phase breakdown.
+    pub prefill: Summary,
+    /// Decode phase breakdown.
+    pub decode: Summary,
+    /// Bytes of KV cache all sequences hold at the end.
+    pub kv_bytes: usize,
+}
+
+/// Prefills `sequences` random prompts (each in chunks of `chunk`, one sequence at a time),
+/// then decodes them side by side in [`Model::forward_batch`](crate::Model::forward_batch)
+/// steps of one token per sequence, `gen_tokens - 1` steps. Like [`bench`], each step feeds
+/// random tokens, not the model's choices.
+pub fn bench_batch<B: Backend>(engine: &Engine<B>, opts: &BatchBenchOptions) -> Result<BatchBenchResult, EngineError> {
+    let (n, model) = (opts.sequences, &engine.model);
+    if n == 0 || opts.prompt_tokens == 0 {
+        return Err(EngineError::Input("--batch and --prompt-tokens must be at least 1".into()));
+    }
+    let chunk = opts.chunk.max(1);
+    let prompts: Vec<Vec<u32>> = (0..n as u64).map(|i| random_prompt(engine, opts.prompt_tokens, opts.seed + i)).collect();
+    let steps = opts.gen_tokens.saturating_sub(1);
+    let inputs = random_prompt(engine, steps * n, opts.seed ^ 0x5eed_dec0de);
+    let mut batch = model.new_batch(chunk.max(n));
+    batch.enable_instrument();
+    let mut states: Vec<crate::State<B>> = (0..n).map(|_| model.new_state(1)).collect();
+    for (i, st) in states.iter_mut().enumerate() {
+        model.reserve(st, opts.prompt_tokens + steps + 1);
+        // With a routing trace, each sequence replays its own texts.
+        st.set_trace_stream(i);
+    }
+    let t0 = std::time::Instant::now();
+    for (st, prompt) in states.iter_mut().zip(&prompts) {
+        for part in prompt.chunks(chunk) {
+            model.forward_batch(&mut batch, &mut [crate::BatchItem { state: st, tokens: part }], &mut NoObserver)?;
+        }
+    }
+    let prefill_s = t0.elapsed().as_secs_f64();
+    let prefill_steps = batch.instrument.as_ref().map_or(0, |i| i.records.len());
+    let t1 = std::time::Instant::now();
+    for step in inputs.chunks(n) {
+        let mut items: Vec<crate::BatchItem<'_, B>> =
+            states.iter_mut().zip(step.chunks(1)).map(|(state, tokens)| crate::BatchItem { state, tokens }).collect();
+        model.forward_batch(&mut batch, &mut items, &mut NoObserver)?;
+    }
+    let decode_s = t1.elapsed().as_secs_f64();
+    let ins = batch.instrument.as_ref().expect("enabled above");
+    let (prefill, decode) = (ins.summary_range(0, prefill_steps), ins.summary(prefill_steps));
+    let decoded = (steps * n) as f64;
+    Ok(BatchBenchResult {
+        sequences: n,
+        prompt_tokens: opts.prompt_tokens,
+        gen_tokens: opts.gen_tokens,
+        prefill_tok_s: (n * opts.prompt_tokens) as f64 / prefill_s,
+        decode_tok_s: if steps == 0 { 0.0 } else { decoded / decode_s },
+        per_sequence_tok_s: if steps == 0 { 0.0 } else { steps as f64 / decode_s },
+        step_ms: if steps == 0 { 0.0 } else { decode_s * 1e3 / steps as f64 },
+        bytes_read_per_token: decode.bytes_read as f64 / decoded.max(1.0),
+        hit_rate: decode.hit_rate(),
+        read_bytes_per_s: decode.read_bytes_per_s(),
+        prefill,
+        decode,
+        kv_bytes: states.iter().map(|s| model.backend().kv_bytes(s.kv())).sum(),
+    })
+}

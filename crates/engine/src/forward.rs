@@ -82,7 +82,7 @@ const KEPT_TOKENS: usize = 4;
 /// Activation buffers on the backend, each `chunk` rows as wide as [`Widths`] says (`n ≤ chunk`
 /// rows in use in a call; `k` is the router's `top_k`). A buffer that a family does not use has
 /// width 0.
-struct Buffers<B: Backend> {
+pub(crate) struct Buffers<B: Backend> {
     /// `[n, hidden]`: the residual stream. Token embeddings, then each layer adds its attention
     /// and feed-forward outputs.
     x: B::Buf,
@@ -131,8 +131,16 @@ struct Buffers<B: Backend> {
     /// ([`Backend::route`]), read back after the chunk when the instrument is on. Empty when no
     /// layer is kept.
     routes: B::Buf,
-    /// `[n, vocab]` for [`Logits::All`], `[1, vocab]` for [`Logits::Last`]: the LM head's output.
+    /// `[n, vocab]` for [`Logits::All`], `[1, vocab]` for [`Logits::Last`], `[sequences, vocab]`
+    /// in a batch: the LM head's output.
     logits: B::Buf,
+    /// Batches only (width 0 in a sequence's own buffers): `[n, q width]`, one sequence's rows of
+    /// `q` moved to row 0, because attention reads its queries from row 0 (see
+    /// [`Model::attend`]).
+    seg_q: B::Buf,
+    /// Batches only: `[n, att width]`, that sequence's attention output before it goes back to
+    /// its rows of `att`.
+    seg_att: B::Buf,
 }
 
 /// One chunk's routing, on the host (`n` tokens, `k` experts each).
@@ -198,7 +206,7 @@ impl ExpertGroups {
 
 /// Host-side scratch (`n` tokens of a chunk).
 #[derive(Default)]
-struct HostScratch {
+pub(crate) struct HostScratch {
     /// `[n, rotary_dim / 2]`: RoPE cosines for the chunk's positions.
     cos: Vec<f32>,
     /// `[n, rotary_dim / 2]`: RoPE sines.
@@ -212,18 +220,82 @@ struct HostScratch {
     predicted: Vec<u32>,
     /// `[n]`: the shared-expert gate, sigmoid(`shared_gate` · h).
     gate: Vec<f32>,
+    /// `[n]`: each row's position in its own sequence.
+    positions: Vec<usize>,
+    /// `[n]`: each row's sequence's routing-trace stream ([`State::set_trace_stream`]).
+    streams: Vec<usize>,
+    /// A batch's last row of each sequence (the rows the LM head runs on).
+    last_rows: Vec<usize>,
+}
+
+/// The memory a forward step works in: activation buffers of `chunk` rows and host scratch. A
+/// [`State`] has its own (for its own sequence); a [`Batch`](crate::Batch) has one for all
+/// the sequences of its steps.
+pub(crate) struct Work<B: Backend> {
+    /// Most rows (tokens) of one step.
+    pub(crate) chunk: usize,
+    buf: Buffers<B>,
+    host: HostScratch,
+}
+
+/// One sequence's part of a step: rows `row..row + n` of the step's buffers are its new tokens,
+/// at positions `pos..pos + n`, their keys and values going into `kv`.
+pub(crate) struct Seg<'k, B: Backend> {
+    pub(crate) kv: &'k mut B::KvCache,
+    pub(crate) pos: usize,
+    /// Its routing-trace stream (benchmarks only).
+    pub(crate) stream: usize,
+    pub(crate) row: usize,
+    pub(crate) n: usize,
+}
+
+/// What one forward step runs on: the working memory, the instrument and the sequences whose
+/// tokens are its rows. Everything but attention treats the rows alike, whichever sequence
+/// they belong to; attention runs per sequence, over its own KV cache.
+pub(crate) struct Step<'a, 'k, B: Backend> {
+    buf: &'a mut Buffers<B>,
+    host: &'a mut HostScratch,
+    instrument: &'a mut Option<Instrument>,
+    segs: &'a mut [Seg<'k, B>],
+}
+
+impl<B: Backend> Work<B> {
+    /// The buffers and host scratch, for a [`Step`].
+    pub(crate) fn parts(&mut self) -> (&mut Buffers<B>, &mut HostScratch) {
+        (&mut self.buf, &mut self.host)
+    }
+}
+
+impl<'a, 'k, B: Backend> Step<'a, 'k, B> {
+    /// A step over `segs`, whose rows lie in `buf` and `host`.
+    pub(crate) fn new(
+        buf: &'a mut Buffers<B>,
+        host: &'a mut HostScratch,
+        instrument: &'a mut Option<Instrument>,
+        segs: &'a mut [Seg<'k, B>],
+    ) -> Self {
+        Step { buf, host, instrument, segs }
+    }
+
+    /// Adds the milliseconds since `t` to one timer of the current step, when instrumenting.
+    fn charge(&mut self, t: Instant, timer: fn(&mut StepRecord) -> &mut f64) {
+        if let Some(ins) = self.instrument.as_mut() {
+            *timer(&mut ins.current) += ms(t);
+        }
+    }
 }
 
 /// One sequence: its KV cache, position and scratch. Reset by dropping back to position 0.
 pub struct State<B: Backend> {
     /// Keys and values of positions `0..pos`, every layer.
-    kv: B::KvCache,
+    pub(crate) kv: B::KvCache,
     /// Tokens in the cache.
-    pos: usize,
-    /// Most tokens per forward chunk: the rows of every activation buffer.
-    chunk: usize,
-    buf: Buffers<B>,
-    host: HostScratch,
+    pub(crate) pos: usize,
+    /// Which stream of a routing trace it replays ([`Self::set_trace_stream`]).
+    pub(crate) stream: usize,
+    /// Buffers for this sequence's own forward calls (`work.chunk` rows; unused when it runs in a
+    /// [`Batch`](crate::Batch)).
+    work: Work<B>,
     /// Logits of the last forward call: `[vocab]` ([`Logits::Last`]) or `[tokens, vocab]`
     /// ([`Logits::All`]).
     logits: Vec<f32>,
@@ -239,7 +311,7 @@ impl<B: Backend> State<B> {
     /// Most tokens one forward chunk runs (a prefill of `t` tokens is `t.div_ceil(chunk)`
     /// forward steps).
     pub fn chunk(&self) -> usize {
-        self.chunk
+        self.work.chunk
     }
     /// Forgets everything after the first `pos` tokens (prefix reuse keeps the rest).
     pub fn truncate(&mut self, pos: usize) {
@@ -256,6 +328,14 @@ impl<B: Backend> State<B> {
         true
     }
 
+    /// With a routing trace set on the model (benchmarks only, see
+    /// [`TraceRouting::replace_in`](crate::trace_routing::TraceRouting::replace_in)): which
+    /// stream of it this sequence replays, so that the sequences of a batch route as different
+    /// texts. 0 (the default) is the stream a lone sequence replays.
+    pub fn set_trace_stream(&mut self, stream: usize) {
+        self.stream = stream;
+    }
+
     /// The KV cache.
     pub fn kv(&self) -> &B::KvCache {
         &self.kv
@@ -263,12 +343,6 @@ impl<B: Backend> State<B> {
     /// Starts recording per-step measurements (see [`Instrument`]).
     pub fn enable_instrument(&mut self) {
         self.instrument.get_or_insert_with(Instrument::default);
-    }
-    /// Adds the milliseconds since `t` to one timer of the current step, when instrumenting.
-    fn charge(&mut self, t: Instant, timer: fn(&mut StepRecord) -> &mut f64) {
-        if let Some(ins) = self.instrument.as_mut() {
-            *timer(&mut ins.current) += ms(t);
-        }
     }
 }
 
@@ -278,15 +352,27 @@ impl<B: Backend> Model<B> {
         self.backend.prefill_chunk()
     }
     /// A fresh sequence that runs prefill in chunks of up to `chunk` tokens
-    /// ([`prefill_chunk`](Self::prefill_chunk) unless there is a reason to differ).
+    /// ([`prefill_chunk`](Self::prefill_chunk) unless there is a reason to differ). A sequence
+    /// that only runs in [`Batch`](crate::Batch)es needs no buffers of its own: `chunk` 1.
     pub fn new_state(&self, chunk: usize) -> State<B> {
+        State {
+            kv: self.backend.kv_cache(&self.kv_shapes()),
+            pos: 0,
+            stream: 0,
+            work: self.work(chunk, false),
+            logits: Vec::new(),
+            instrument: None,
+        }
+    }
+
+    /// Working memory for steps of up to `chunk` rows; `batch`: of several sequences (with the
+    /// scratch that attention needs to take a sequence's rows apart).
+    pub(crate) fn work(&self, chunk: usize, batch: bool) -> Work<B> {
         let c = chunk.max(1);
         let be = &self.backend;
         let w = Widths::of(&self.arch, self.router.top_k());
         let mk = |name: &'static str, width: usize| be.buf(name, c * width);
-        State {
-            kv: be.kv_cache(&self.kv_shapes()),
-            pos: 0,
+        Work {
             chunk: c,
             buf: Buffers {
                 x: mk("x", w.x),
@@ -307,10 +393,10 @@ impl<B: Backend> Model<B> {
                 router: mk("router", w.router),
                 routes: mk("routes", if self.kept_layers() > 0 { self.arch.num_layers * 2 * self.router.top_k() } else { 0 }),
                 logits: mk("logits", w.logits),
+                seg_q: mk("seg_q", if batch { w.q } else { 0 }),
+                seg_att: mk("seg_att", if batch { w.att } else { 0 }),
             },
             host: HostScratch::default(),
-            logits: Vec::new(),
-            instrument: None,
         }
     }
 
@@ -340,7 +426,7 @@ impl<B: Backend> Model<B> {
         if want == Logits::All {
             st.logits.reserve(tokens.len() * vocab);
         }
-        for chunk in tokens.chunks(st.chunk) {
+        for chunk in tokens.chunks(st.work.chunk) {
             self.forward_chunk(st, chunk, want, obs)?;
         }
         if let Some(fault) = self.backend.fault() {
@@ -352,36 +438,29 @@ impl<B: Backend> Model<B> {
     fn forward_chunk(&self, st: &mut State<B>, tokens: &[u32], want: Logits, obs: &mut dyn Observer) -> Result<(), EngineError> {
         let be = &self.backend;
         let (n, hd) = (tokens.len(), self.arch.hidden_size);
-        let pos = st.pos;
         let t0 = Instant::now();
         if let Some(ins) = st.instrument.as_mut() {
             ins.begin(n, self.experts.stats());
         }
-        be.embed(&self.embed, tokens, &mut st.buf.x);
-        self.rope.fill(pos, n, &mut st.host.cos, &mut st.host.sin);
-        let mut routed_kept = false;
-        for (li, layer) in self.layers.iter().enumerate() {
-            routed_kept |= self.layer(li, layer, st, n, pos, obs)?;
-        }
-        if routed_kept && st.instrument.is_some() {
-            self.instrument_kept_routes(st, n);
-        }
-        let b = &mut st.buf;
-        be.rms_norm(&b.x, n, hd, &self.final_norm, self.eps, &mut b.h);
+        let State { kv, pos, stream, work, logits, instrument } = st;
+        let mut one = [Seg { kv, pos: *pos, stream: *stream, row: 0, n }];
+        let mut s = Step { buf: &mut work.buf, host: &mut work.host, instrument, segs: &mut one };
+        self.layers_of_step(&mut s, tokens, obs)?;
+        let b = &mut work.buf;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         let vocab = self.arch.vocab_size;
         match want {
             Logits::All => {
                 be.matmul(head, None, &b.h, n, &mut b.logits);
-                let start = st.logits.len();
-                st.logits.resize(start + n * vocab, 0.0);
-                be.download(&b.logits, 0, &mut st.logits[start..]);
+                let start = logits.len();
+                logits.resize(start + n * vocab, 0.0);
+                be.download(&b.logits, 0, &mut logits[start..]);
             }
             Logits::Last => {
                 be.copy_strided(&b.h, hd, (n - 1) * hd, &mut b.tmp, hd, 0, hd, 1);
                 be.matmul(head, None, &b.tmp, 1, &mut b.logits);
-                st.logits.resize(vocab, 0.0);
-                be.download(&b.logits, 0, &mut st.logits);
+                logits.resize(vocab, 0.0);
+                be.download(&b.logits, 0, logits);
             }
         }
         st.pos += n;
@@ -391,13 +470,52 @@ impl<B: Backend> Model<B> {
         Ok(())
     }
 
+    /// The step's tokens (its sequences' rows, one after another as `s.segs` says) through
+    /// every layer and the final norm, into `h`. Each row gets its own sequence's position.
+    pub(crate) fn layers_of_step(&self, s: &mut Step<'_, '_, B>, tokens: &[u32], obs: &mut dyn Observer) -> Result<(), EngineError> {
+        let (be, n, hd) = (&self.backend, tokens.len(), self.arch.hidden_size);
+        be.embed(&self.embed, tokens, &mut s.buf.x);
+        let h = &mut *s.host;
+        h.positions.clear();
+        h.streams.clear();
+        for seg in s.segs.iter() {
+            h.positions.extend(seg.pos..seg.pos + seg.n);
+            h.streams.extend(std::iter::repeat_n(seg.stream, seg.n));
+        }
+        self.rope.fill(&h.positions, &mut h.cos, &mut h.sin);
+        let mut routed_kept = false;
+        for (li, layer) in self.layers.iter().enumerate() {
+            routed_kept |= self.layer(li, layer, s, n, obs)?;
+        }
+        if routed_kept && s.instrument.is_some() {
+            self.instrument_kept_routes(s, n);
+        }
+        let b = &mut *s.buf;
+        be.rms_norm(&b.x, n, hd, &self.final_norm, self.eps, &mut b.h);
+        Ok(())
+    }
+
+    /// The LM head over the last row of each of the step's sequences (`h` after
+    /// [`layers_of_step`](Self::layers_of_step)), into `out` as `[sequences, vocab]`.
+    pub(crate) fn last_logits(&self, s: &mut Step<'_, '_, B>, out: &mut Vec<f32>) {
+        let (be, hd, vocab) = (&self.backend, self.arch.hidden_size, self.arch.vocab_size);
+        let (b, h) = (&mut *s.buf, &mut *s.host);
+        h.last_rows.clear();
+        h.last_rows.extend(s.segs.iter().map(|seg| seg.row + seg.n - 1));
+        be.gather_rows(&b.h, hd, &h.last_rows, &mut b.tmp);
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        be.matmul(head, None, &b.tmp, h.last_rows.len(), &mut b.logits);
+        out.resize(h.last_rows.len() * vocab, 0.0);
+        be.download(&b.logits, 0, out);
+    }
+
     /// The instrument's view of the routes chosen on the backend in this chunk's kept layers
     /// (read back once, after the last layer).
-    fn instrument_kept_routes(&self, st: &mut State<B>, n: usize) {
+    fn instrument_kept_routes(&self, s: &mut Step<'_, '_, B>, n: usize) {
         let k = self.router.top_k();
         let mut host = vec![0f32; self.arch.num_layers * n * 2 * k];
-        self.backend.download(&st.buf.routes, 0, &mut host);
-        let Some(ins) = st.instrument.as_mut() else { return };
+        self.backend.download(&s.buf.routes, 0, &mut host);
+        let Some(ins) = s.instrument.as_mut() else { return };
         let mut ids = vec![0u32; k];
         for (li, _) in self.kept.iter().enumerate().filter(|(_, &kept)| kept) {
             for t in 0..n {
@@ -413,37 +531,29 @@ impl<B: Backend> Model<B> {
     /// One decoder layer: attention of `h = norm(x)` added into `x`, then (after the lookahead,
     /// when on) the feed-forward block of `h = norm(x)` added into `x`. Returns whether its
     /// experts were routed on the backend.
-    fn layer(
-        &self,
-        li: usize,
-        layer: &Layer<B>,
-        st: &mut State<B>,
-        n: usize,
-        pos: usize,
-        obs: &mut dyn Observer,
-    ) -> Result<bool, EngineError> {
+    fn layer(&self, li: usize, layer: &Layer<B>, s: &mut Step<'_, '_, B>, n: usize, obs: &mut dyn Observer) -> Result<bool, EngineError> {
         let be = &self.backend;
         let hd = self.arch.hidden_size;
         let t = Instant::now();
-        be.rms_norm(&st.buf.x, n, hd, &layer.attn_norm, self.eps, &mut st.buf.h);
+        be.rms_norm(&s.buf.x, n, hd, &layer.attn_norm, self.eps, &mut s.buf.h);
         match &layer.attn {
-            Attention::Standard(a) => self.standard_attention(li, a, st, n, pos),
-            Attention::Latent(a) => self.latent_attention(li, a, st, n, pos),
+            Attention::Standard(a) => self.standard_attention(li, a, s, n),
+            Attention::Latent(a) => self.latent_attention(li, a, s, n),
         }
-        let b = &mut st.buf;
+        let b = &mut *s.buf;
         be.add_rms_norm(&mut b.x, &b.d, n, hd, &layer.ffn_norm, self.eps, &mut b.h);
-        st.charge(t, |r| &mut r.attention_ms);
+        s.charge(t, |r| &mut r.attention_ms);
         if self.lookahead {
-            self.lookahead_prefetch(li, st, n);
+            self.lookahead_prefetch(li, s, n);
         }
         match &layer.ffn {
             FeedForward::Dense(m) => {
                 let t = Instant::now();
-                self.mlp(m, st, n);
-                be.add(&mut st.buf.x, &st.buf.d, n * hd);
-                st.charge(t, |r| &mut r.expert_ms);
+                self.mlp(m, s, n);
+                be.add(&mut s.buf.x, &s.buf.d, n * hd);
+                s.charge(t, |r| &mut r.expert_ms);
             }
-            FeedForward::Moe(m) => return self.moe(li, m, st, n, pos, obs),
+            FeedForward::Moe(m) => return self.moe(li, m, s, n, obs),
         }
         Ok(false)
     }
@@ -452,13 +562,13 @@ impl<B: Backend> Model<B> {
     /// layer's attention, normed with the next layer's FFN norm into `xe`) through the next
     /// layer's router, and asks the store to start reading them, in the order the tokens first
     /// chose them.
-    fn lookahead_prefetch(&self, li: usize, st: &mut State<B>, n: usize) {
+    fn lookahead_prefetch(&self, li: usize, s: &mut Step<'_, '_, B>, n: usize) {
         let Some(next) = self.layers.get(li + 1) else { return };
         let FeedForward::Moe(m) = &next.ffn else { return };
         if self.kept[li + 1] {
             return;
         }
-        let (b, hs) = (&mut st.buf, &mut st.host);
+        let (b, hs) = (&mut *s.buf, &mut *s.host);
         self.backend.rms_norm(&b.x, n, self.arch.hidden_size, &next.ffn_norm, self.eps, &mut b.xe);
         let predicted = &mut hs.predicted;
         predicted.clear();
@@ -474,9 +584,9 @@ impl<B: Backend> Model<B> {
 
     /// GQA attention; leaves the projected output in `d`. q, k and v come from one dispatch into
     /// one row per token, `[q | k | v]`.
-    fn standard_attention(&self, li: usize, a: &StandardAttention<B>, st: &mut State<B>, n: usize, pos: usize) {
+    fn standard_attention(&self, li: usize, a: &StandardAttention<B>, s: &mut Step<'_, '_, B>, n: usize) {
         let (be, ar) = (&self.backend, &self.arch);
-        let b = &mut st.buf;
+        let b = &mut *s.buf;
         let (nh, nkv, hdim) = (ar.num_heads, ar.num_kv_heads, ar.head_dim);
         let (qw, kvw) = (nh * hdim, nkv * hdim);
         let w = qw + 2 * kvw;
@@ -500,22 +610,57 @@ impl<B: Backend> Model<B> {
             }
             None => None,
         };
-        let rope = RopeTables { cos: &st.host.cos, sin: &st.host.sin, interleaved: self.rope.interleaved };
         let rows = QkvRows { stride: w, q_heads: nh, kv_heads: nkv, head_dim: hdim };
-        be.qk_rope_store(&mut b.q, n, rows, per_head, rope, &mut st.kv, li, pos);
+        let (half, host) = (self.rope.half(), &*s.host);
         let params = AttnParams { q_heads: nh, scale: self.attn_scale, window: a.window, sinks: a.sinks.as_deref() };
-        be.attention(&st.kv, li, &b.q, w, n, pos, params, &mut b.att);
+        for seg in s.segs.iter_mut() {
+            // This sequence's rows of the step's RoPE tables.
+            let span = seg.row * half..(seg.row + seg.n) * half;
+            let rope = RopeTables { cos: &host.cos[span.clone()], sin: &host.sin[span], interleaved: self.rope.interleaved };
+            let (n, pos) = (seg.n, seg.pos);
+            self.attend(li, seg, b, w, qw, params, |q, kv| be.qk_rope_store(q, n, rows, per_head, rope, kv, li, pos));
+        }
         be.matmul(&a.o, None, &b.att, n, &mut b.d);
         if let Some(ob) = &a.o_bias {
             be.add_bias(&mut b.d, n, ar.hidden_size, 0, ob);
         }
     }
 
+    /// Attention of one sequence of the step over its own KV cache: its queries are rows
+    /// `seg.row..seg.row + seg.n` of `q` (`q_stride` apart), its output goes to the same rows
+    /// of `att` (`att_w` wide). `prepare` runs first on the buffer the queries are read from
+    /// (standard attention's norms, RoPE and KV store). The attention op reads queries from row
+    /// 0 of a buffer and writes from row 0, so a sequence after the first of a batch moves its
+    /// rows to `seg_q` and its output back from `seg_att`: it then runs exactly the ops it runs
+    /// alone, on the same values (a copy of a few rows per sequence and layer; the first
+    /// sequence, and a sequence alone, copies nothing).
+    fn attend(
+        &self,
+        li: usize,
+        seg: &mut Seg<'_, B>,
+        b: &mut Buffers<B>,
+        q_stride: usize,
+        att_w: usize,
+        p: AttnParams<'_>,
+        prepare: impl FnOnce(&mut B::Buf, &mut B::KvCache),
+    ) {
+        let be = &self.backend;
+        if seg.row == 0 {
+            prepare(&mut b.q, seg.kv);
+            be.attention(seg.kv, li, &b.q, q_stride, seg.n, seg.pos, p, &mut b.att);
+            return;
+        }
+        be.copy_strided(&b.q, q_stride, seg.row * q_stride, &mut b.seg_q, q_stride, 0, q_stride, seg.n);
+        prepare(&mut b.seg_q, seg.kv);
+        be.attention(seg.kv, li, &b.seg_q, q_stride, seg.n, seg.pos, p, &mut b.seg_att);
+        be.copy_strided(&b.seg_att, att_w, 0, &mut b.att, att_w, seg.row * att_w, att_w, seg.n);
+    }
+
     /// Absorbed multi-head latent attention; leaves the projected output in `d`.
-    fn latent_attention(&self, li: usize, a: &LatentAttention<B>, st: &mut State<B>, n: usize, pos: usize) {
+    fn latent_attention(&self, li: usize, a: &LatentAttention<B>, s: &mut Step<'_, '_, B>, n: usize) {
         let (be, ar) = (&self.backend, &self.arch);
         let m = ar.mla.as_ref().expect("latent attention without MLA dims");
-        let b = &mut st.buf;
+        let b = &mut *s.buf;
         let nh = ar.num_heads;
         let (nope, rope, rank, vdim) = (m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank, m.v_head_dim);
         let (qk, lat) = (nope + rope, rank + rope);
@@ -532,9 +677,11 @@ impl<B: Backend> Model<B> {
         // The cached row per position: normalised latent, then the rotated shared key.
         be.matmul(&a.kv_a, None, &b.h, n, &mut b.v);
         be.rms_norm_strided(&mut b.v, n, lat, 0, rank, &a.kv_a_norm, self.eps);
-        let (cos, sin, il) = (&st.host.cos, &st.host.sin, self.rope.interleaved);
+        let (cos, sin, il) = (&s.host.cos, &s.host.sin, self.rope.interleaved);
         be.rope(&mut b.v, n, lat, rank, 1, 0, cos, sin, il);
-        be.kv_store(&mut st.kv, li, pos, n, &b.v, lat, 0, None);
+        for seg in s.segs.iter_mut() {
+            be.kv_store(seg.kv, li, seg.pos, seg.n, &b.v, lat, seg.row * lat, None);
+        }
         be.rope(&mut b.tmp, n, nh * qk, nope, nh, qk, cos, sin, il);
         // Absorb W_uk into the queries: q_eff[h] = [W_uk[h]ᵀ q_nope[h] | q_rope[h]].
         for h in 0..nh {
@@ -543,7 +690,9 @@ impl<B: Backend> Model<B> {
             be.copy_strided(&b.tmp, nh * qk, h * qk + nope, &mut b.q, nh * lat, h * lat + rank, rope, n);
         }
         let params = AttnParams { q_heads: nh, scale: self.attn_scale, window: None, sinks: None };
-        be.attention(&st.kv, li, &b.q, nh * lat, n, pos, params, &mut b.att);
+        for seg in s.segs.iter_mut() {
+            self.attend(li, seg, b, nh * lat, nh * rank, params, |_, _| {});
+        }
         // Expand each head's attended latent through W_uv[h].
         for h in 0..nh {
             be.copy_strided(&b.att, nh * rank, h * rank, &mut b.tmp2, rank, 0, rank, n);
@@ -554,9 +703,9 @@ impl<B: Backend> Model<B> {
     }
 
     /// SwiGLU MLP of `h` into `d`.
-    fn mlp(&self, m: &Mlp<B>, st: &mut State<B>, n: usize) {
+    fn mlp(&self, m: &Mlp<B>, s: &mut Step<'_, '_, B>, n: usize) {
         let be = &self.backend;
-        let b = &mut st.buf;
+        let b = &mut *s.buf;
         be.matmul(&m.gate, None, &b.h, n, &mut b.g);
         be.matmul(&m.up, None, &b.h, n, &mut b.u);
         be.silu_mul(&mut b.g, &b.u, n * m.width);
@@ -569,40 +718,40 @@ impl<B: Backend> Model<B> {
     /// Routing counts as routing time, the rest as expert time. A few tokens of a layer whose
     /// experts the backend keeps go to [`kept_moe`](Self::kept_moe) instead; returns whether
     /// they did.
-    fn moe(
-        &self,
-        li: usize,
-        m: &MoeBlock<B>,
-        st: &mut State<B>,
-        n: usize,
-        pos: usize,
-        obs: &mut dyn Observer,
-    ) -> Result<bool, EngineError> {
+    fn moe(&self, li: usize, m: &MoeBlock<B>, s: &mut Step<'_, '_, B>, n: usize, obs: &mut dyn Observer) -> Result<bool, EngineError> {
         let t = Instant::now();
         if self.kept[li] && n <= KEPT_TOKENS && self.routing_trace.is_none() && !obs.wants_routes() {
-            self.kept_moe(li, m, st, n);
-            st.charge(t, |r| &mut r.expert_ms);
+            self.kept_moe(li, m, s, n);
+            s.charge(t, |r| &mut r.expert_ms);
             return Ok(true);
         }
         if self.kept[li] && self.routing_trace.is_none() && !obs.wants_routes() {
-            self.route_on_backend(li, m, st, n);
+            self.route_on_backend(li, m, s, n);
         } else {
-            let ins = &mut st.instrument;
-            self.route_tokens(m, Some(li), &st.buf.h, &mut st.buf.router, &mut st.host.routes, n, |token, experts, weights, choice| {
-                obs.route(li, pos + token, experts, weights, choice);
-                if let Some(ins) = ins.as_mut() {
-                    ins.route(li, experts);
-                }
-            });
+            let (ins, positions) = (&mut s.instrument, &s.host.positions);
+            self.route_tokens(
+                m,
+                Some((li, &s.host.streams)),
+                &s.buf.h,
+                &mut s.buf.router,
+                &mut s.host.routes,
+                n,
+                |token, experts, weights, choice| {
+                    obs.route(li, positions[token], experts, weights, choice);
+                    if let Some(ins) = ins.as_mut() {
+                        ins.route(li, experts);
+                    }
+                },
+            );
         }
-        st.charge(t, |r| &mut r.routing_ms);
+        s.charge(t, |r| &mut r.routing_ms);
         let t = Instant::now();
-        st.host.groups.group(&st.host.routes.ids, self.arch.moe.num_experts, self.router.top_k());
-        self.routed_experts(li, m, st, n)?;
+        s.host.groups.group(&s.host.routes.ids, self.arch.moe.num_experts, self.router.top_k());
+        self.routed_experts(li, m, s, n)?;
         if let Some(shared) = &m.shared {
-            self.shared_experts(shared, m.shared_gate.as_ref(), st, n);
+            self.shared_experts(shared, m.shared_gate.as_ref(), s, n);
         }
-        st.charge(t, |r| &mut r.expert_ms);
+        s.charge(t, |r| &mut r.expert_ms);
         Ok(false)
     }
 
@@ -610,16 +759,16 @@ impl<B: Backend> Model<B> {
     /// routing and every (token, slot) product on the backend ([`Backend::route`],
     /// [`Backend::kept_experts`]), nothing read back: the decoder queues the next layer while
     /// the device runs this one.
-    fn kept_moe(&self, li: usize, m: &MoeBlock<B>, st: &mut State<B>, n: usize) {
+    fn kept_moe(&self, li: usize, m: &MoeBlock<B>, s: &mut Step<'_, '_, B>, n: usize) {
         let (be, k) = (&self.backend, self.router.top_k());
-        let b = &mut st.buf;
+        let b = &mut *s.buf;
         // This layer's routes, in its own rows of `routes` (see `instrument_kept_routes`).
         let at = li * n * 2 * k;
-        be.matmul(&m.router, None, &b.h, n, &mut b.router);
+        self.router_logits(m, &b.h, n, &mut b.router);
         be.route(&self.router, &b.router, m.router_bias_kept.as_ref(), n, &mut b.routes, at);
         be.kept_experts(li, &b.routes, at, k, &b.h, n, &mut b.gu, &mut b.slots, &mut b.x);
         if let Some(shared) = &m.shared {
-            self.shared_experts(shared, m.shared_gate.as_ref(), st, n);
+            self.shared_experts(shared, m.shared_gate.as_ref(), s, n);
         }
     }
 
@@ -629,10 +778,10 @@ impl<B: Backend> Model<B> {
     /// experts]`) and then computed the softmax and top-k of each token while the device
     /// waited: a quarter of a 512-token prefill on the GPU. The backend's routes are the
     /// host's ([`Backend::route`]'s contract), so the groups are the same.
-    fn route_on_backend(&self, li: usize, m: &MoeBlock<B>, st: &mut State<B>, n: usize) {
+    fn route_on_backend(&self, li: usize, m: &MoeBlock<B>, s: &mut Step<'_, '_, B>, n: usize) {
         let (be, k) = (&self.backend, self.router.top_k());
-        let (b, r) = (&mut st.buf, &mut st.host.routes);
-        be.matmul(&m.router, None, &b.h, n, &mut b.router);
+        let (b, r) = (&mut *s.buf, &mut s.host.routes);
+        self.router_logits(m, &b.h, n, &mut b.router);
         let at = li * n * 2 * k;
         be.route(&self.router, &b.router, m.router_bias_kept.as_ref(), n, &mut b.routes, at);
         r.logits.resize(n * 2 * k, 0.0);
@@ -643,10 +792,19 @@ impl<B: Backend> Model<B> {
             r.ids.extend(row[..k].iter().map(|&id| id as u32));
             r.weights.extend_from_slice(&row[k..]);
         }
-        if let Some(ins) = st.instrument.as_mut() {
+        if let Some(ins) = s.instrument.as_mut() {
             for experts in r.ids.chunks_exact(k) {
                 ins.route(li, experts);
             }
+        }
+    }
+
+    /// `m`'s router over `n` rows of `input` into `logits` (`[n, experts]`), with the router's
+    /// logit bias where it has one (gpt-oss).
+    fn router_logits(&self, m: &MoeBlock<B>, input: &B::Buf, n: usize, logits: &mut B::Buf) {
+        self.backend.matmul(&m.router, None, input, n, logits);
+        if let Some(bias) = &m.router_logit_bias {
+            self.backend.add_bias(logits, n, self.arch.moe.num_experts, 0, bias);
         }
     }
 
@@ -656,12 +814,12 @@ impl<B: Backend> Model<B> {
     /// `r.weights`. `seen(token, experts, weights, choice)` sees each token as it is routed
     /// (`choice`: the scores the experts were chosen on, one per expert). With a routing trace
     /// set, the experts of decoder layer `layer` (the MoE block's own routing, not the
-    /// lookahead's guess) are the trace's.
+    /// lookahead's guess; with each row's trace stream) are the trace's.
     #[allow(clippy::too_many_arguments)]
     fn route_tokens(
         &self,
         m: &MoeBlock<B>,
-        layer: Option<usize>,
+        layer: Option<(usize, &[usize])>,
         input: &B::Buf,
         logits: &mut B::Buf,
         r: &mut Routes,
@@ -669,10 +827,7 @@ impl<B: Backend> Model<B> {
         mut seen: impl FnMut(usize, &[u32], &[f32], &[f32]),
     ) {
         let (be, e_count, k) = (&self.backend, self.arch.moe.num_experts, self.router.top_k());
-        be.matmul(&m.router, None, input, n, logits);
-        if let Some(bias) = &m.router_logit_bias {
-            be.add_bias(logits, n, e_count, 0, bias);
-        }
+        self.router_logits(m, input, n, logits);
         r.logits.resize(n * e_count, 0.0);
         be.download(logits, 0, &mut r.logits);
         r.ids.resize(n * k, 0);
@@ -680,8 +835,8 @@ impl<B: Backend> Model<B> {
         for t in 0..n {
             let (ids, w) = (&mut r.ids[t * k..(t + 1) * k], &mut r.weights[t * k..(t + 1) * k]);
             self.router.route(&r.logits[t * e_count..(t + 1) * e_count], m.router_bias.as_deref(), ids, w, &mut r.scratch);
-            if let (Some(trace), Some(li)) = (&self.routing_trace, layer) {
-                trace.replace(li, ids);
+            if let (Some(trace), Some((li, streams))) = (&self.routing_trace, layer) {
+                trace.replace_in(li, streams[t], ids);
             }
             seen(t, ids, w, &r.scratch.choice);
         }
@@ -694,9 +849,9 @@ impl<B: Backend> Model<B> {
     /// each token's slots are added into `x` with their mixing weights in slot order, whatever
     /// order the experts arrived in: bit-identical results whether experts were resident or
     /// streamed.
-    fn routed_experts(&self, li: usize, m: &MoeBlock<B>, st: &mut State<B>, n: usize) -> Result<(), EngineError> {
+    fn routed_experts(&self, li: usize, m: &MoeBlock<B>, s: &mut Step<'_, '_, B>, n: usize) -> Result<(), EngineError> {
         let (be, hd, k) = (&self.backend, self.arch.hidden_size, self.router.top_k());
-        let (b, hs) = (&mut st.buf, &st.host);
+        let (b, hs) = (&mut *s.buf, &*s.host);
         let groups = &hs.groups;
         be.gather_rows(&b.h, hd, &groups.tokens, &mut b.xe);
         if self.kept[li] {
@@ -783,10 +938,10 @@ impl<B: Backend> Model<B> {
 
     /// The shared experts of `h`, added into `x`: one SwiGLU MLP into `d`, each token's row
     /// scaled by sigmoid(`gate` · h) where the model has a gate (Qwen2-MoE).
-    fn shared_experts(&self, shared: &Mlp<B>, gate: Option<&B::Matrix>, st: &mut State<B>, n: usize) {
+    fn shared_experts(&self, shared: &Mlp<B>, gate: Option<&B::Matrix>, s: &mut Step<'_, '_, B>, n: usize) {
         let (be, hd) = (&self.backend, self.arch.hidden_size);
-        self.mlp(shared, st, n);
-        let (b, hs) = (&mut st.buf, &mut st.host);
+        self.mlp(shared, s, n);
+        let (b, hs) = (&mut *s.buf, &mut *s.host);
         if let Some(g) = gate {
             be.matmul(g, None, &b.h, n, &mut b.tmp);
             hs.gate.resize(n, 0.0);

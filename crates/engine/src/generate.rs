@@ -3,12 +3,12 @@
 
 use crate::backend::Backend;
 use crate::forward::{Logits, NoObserver, Observer, State};
-use crate::sampler::{Sampler, SamplingParams, SamplingRequest};
+use crate::sampler::{SamplingParams, SamplingRequest};
+use crate::stepwise::Stepwise;
 use crate::{EngineError, Model};
 use serde_json::Value as Json;
-use smoe_text::{ChatTemplate, Detokenizer, StopStrings, Tokenizer};
+use smoe_text::{ChatTemplate, Tokenizer};
 use smoe_vault::{GenerationDefaults, Manifest, Vault};
-use std::time::Instant;
 
 /// Why generation ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
@@ -168,82 +168,16 @@ impl<B: Backend> Engine<B> {
         obs: &mut dyn Observer,
         on_token: &mut dyn FnMut(u32, &str) -> bool,
     ) -> Result<Generation, EngineError> {
-        opts.sampling.validate().map_err(EngineError::Input)?;
-        if prompt.is_empty() {
-            return Err(EngineError::Input("the prompt is empty".into()));
-        }
-        if prompt.len() >= opts.ctx {
-            return Err(EngineError::Input(format!("prompt is {} tokens; the context limit is {}", prompt.len(), opts.ctx)));
-        }
-        let t0 = Instant::now();
-        // Reuse what is cached, but always recompute at least the last prompt token: its logits
-        // start the generation.
-        let cached = st.pos().min(prompt.len() - 1);
-        st.truncate(cached);
-        self.model.reserve(st, prompt.len().saturating_add(opts.max_tokens).min(opts.ctx));
-        let mut sampler = Sampler::new(opts.sampling.clone());
-        let mut logits = self.model.forward(st, &prompt[cached..], Logits::Last, obs)?.to_vec();
-        let prefill_seconds = t0.elapsed().as_secs_f64();
-        let prompt_logits = opts.keep_prompt_logits.then(|| logits.clone());
-        let stop_ids = opts.stop_ids.clone().unwrap_or_else(|| self.default_stop_ids());
-        let mut detok = Detokenizer::new(self.tokenizer.clone(), true);
-        let mut stops = StopStrings::new(&opts.stop);
-        let mut context = prompt.to_vec();
-        let (mut tokens, mut text) = (Vec::new(), String::new());
-        let mut finish = FinishReason::Length;
-        let mut ttft = None;
-        let t_decode = Instant::now();
-        loop {
-            if tokens.len() >= opts.max_tokens || context.len() >= opts.ctx {
-                break;
-            }
-            let ts = Instant::now();
-            let id = sampler.sample(&mut logits, &context, tokens.len());
-            if let Some(ins) = st.instrument.as_mut() {
-                ins.add_sampling(ts.elapsed().as_secs_f64() * 1e3);
-            }
-            ttft.get_or_insert_with(|| t0.elapsed().as_secs_f64());
-            if stop_ids.contains(&id) {
-                finish = FinishReason::Stop;
-                break;
-            }
-            tokens.push(id);
-            context.push(id);
-            let piece = detok.push(id);
-            let (out, stopped) = stops.push(&piece);
-            text.push_str(&out);
-            if !on_token(id, &out) {
-                finish = FinishReason::Cancelled;
-                break;
-            }
-            if stopped {
-                finish = FinishReason::Stop;
-                break;
-            }
-            if tokens.len() >= opts.max_tokens || context.len() >= opts.ctx {
-                break;
-            }
-            logits.copy_from_slice(self.model.forward(st, &[id], Logits::Last, obs)?);
-        }
-        if finish != FinishReason::Stop {
-            let (tail, _) = stops.push(&detok.flush());
-            let tail = tail + &stops.flush();
-            if !tail.is_empty() {
-                text.push_str(&tail);
-                on_token(u32::MAX, &tail);
+        let mut g = Stepwise::start(self, st, prompt, opts)?;
+        while !g.finished() {
+            let n = g.input().len();
+            let logits = self.model.forward(st, g.input(), Logits::Last, obs)?;
+            g.advance(n, logits, on_token);
+            if let Some(ins) = st.instrument.as_mut().filter(|_| g.sampling_ms > 0.0) {
+                ins.add_sampling(g.sampling_ms);
             }
         }
-        let stats = GenStats {
-            prompt_tokens: prompt.len(),
-            prefilled_tokens: prompt.len() - cached,
-            generated_tokens: tokens.len(),
-            ttft_seconds: ttft.unwrap_or(prefill_seconds),
-            prefill_seconds,
-            decode_seconds: t_decode.elapsed().as_secs_f64() - (ttft.unwrap_or(prefill_seconds) - prefill_seconds),
-            seed: sampler.seed(),
-        };
-        let stop_string = stops.matched().map(str::to_string);
-        Ok(Generation { tokens, text, finish, stats, prompt_logits, stop_string })
+        Ok(g.finish(on_token))
     }
 
     /// [`generate`](Self::generate) from an empty state (prefilling the backend's chunk of tokens at a

@@ -15,6 +15,7 @@ tokenize (`smoe-text`). [`LoadedModel`] is an engine as front ends see it, whate
 #![deny(missing_docs)]
 
 pub mod backend;
+mod batch;
 pub mod bench;
 pub mod conformance;
 pub mod cpu;
@@ -30,10 +31,12 @@ pub mod routing;
 pub mod sampler;
 pub mod score;
 mod session;
+mod stepwise;
 pub mod trace_routing;
 mod widths;
 
 pub use backend::Backend;
+pub use batch::{Batch, BatchItem};
 pub use cpu::{CpuBackend, Precision};
 pub use forward::{Logits, NoObserver, Observer, State, PREFILL_CHUNK};
 pub use generate::{Engine, FinishReason, GenOptions, GenStats, Generation};
@@ -43,6 +46,7 @@ pub use open::{default_context, is_gguf, model_sizes, open, open_cpu, CacheSize,
 pub use sampler::{Sampler, SamplingParams, SamplingRequest};
 pub use score::{score, score_and_continue, ScoreMode, ScoreOutput};
 pub use session::{tokenize_chat, Conversation, Overflow, Session, Turn, TOKEN_IDS_KEY};
+pub use stepwise::Stepwise;
 
 /// Engine errors.
 #[derive(Debug, thiserror::Error)]

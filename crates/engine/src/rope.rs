@@ -77,18 +77,25 @@ impl RopeTable {
         RopeTable { inv_freq, attention_factor, rotary_dim: dim, interleaved: r.interleaved }
     }
 
-    /// Fills `cos`/`sin` with `rotary_dim / 2` values for each position `pos0..pos0 + n`.
-    pub fn fill(&self, pos0: usize, n: usize, cos: &mut Vec<f32>, sin: &mut Vec<f32>) {
+    /// Fills `cos`/`sin` with `rotary_dim / 2` values for each of `positions` (a step's rows:
+    /// consecutive for one sequence, each sequence's own in a batch).
+    pub fn fill(&self, positions: &[usize], cos: &mut Vec<f32>, sin: &mut Vec<f32>) {
         let half = self.inv_freq.len();
+        let n = positions.len();
         cos.resize(n * half, 0.0);
         sin.resize(n * half, 0.0);
-        for t in 0..n {
-            let p = (pos0 + t) as f32;
+        for (t, &pos) in positions.iter().enumerate() {
+            let p = pos as f32;
             for (i, &f) in self.inv_freq.iter().enumerate() {
                 let angle = p * f;
                 cos[t * half + i] = angle.cos() * self.attention_factor;
                 sin[t * half + i] = angle.sin() * self.attention_factor;
             }
         }
+    }
+
+    /// Cosines (and sines) per position: `rotary_dim / 2`.
+    pub fn half(&self) -> usize {
+        self.inv_freq.len()
     }
 }

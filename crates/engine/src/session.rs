@@ -4,6 +4,7 @@
 use crate::backend::Backend;
 use crate::forward::{Observer, State};
 use crate::generate::{Engine, GenOptions, Generation};
+use crate::stepwise::Stepwise;
 use crate::{EngineError, Model};
 use serde_json::{json, Map, Value as Json};
 
@@ -56,6 +57,26 @@ impl<B: Backend> Session<B> {
     /// The state (for instrumentation).
     pub fn state_mut(&mut self) -> &mut State<B> {
         &mut self.state
+    }
+
+    /// Starts a generation of `prompt` to be run step by step (a batch scheduler runs the
+    /// forward steps on [`state_mut`](Self::state_mut)), reusing the cached prefix it shares
+    /// with earlier turns. [`record`](Self::record) afterwards, whatever happened.
+    pub fn start(&mut self, engine: &Engine<B>, prompt: &[u32], opts: &GenOptions) -> Result<Stepwise, EngineError> {
+        let keep = self.common_prefix(prompt);
+        self.state.truncate(keep);
+        self.cached.truncate(keep);
+        Stepwise::start(engine, &mut self.state, prompt, opts)
+    }
+
+    /// After a generation from [`start`](Self::start), finished or failed: the cache holds
+    /// the first `pos` tokens of `context` (its prompt, then the tokens generated), the keys and
+    /// values of every forward step that completed.
+    pub fn record(&mut self, context: &[u32]) {
+        let pos = self.state.pos().min(context.len());
+        self.state.truncate(pos);
+        self.cached.clear();
+        self.cached.extend_from_slice(&context[..pos]);
     }
 
     /// Generates after `prompt`, reusing the cached prefix it shares with earlier turns.

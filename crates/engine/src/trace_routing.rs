@@ -21,7 +21,9 @@
 use crate::EngineError;
 use smoe_formats::trace::RoutingTrace;
 use smoe_vault::Architecture;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
 
 /// A trace mapped onto one model's MoE layers. See the module documentation.
 pub struct TraceRouting {
@@ -33,8 +35,10 @@ pub struct TraceRouting {
     top_k: usize,
     /// The trace's expert count (its largest id plus one), counted once.
     trace_experts: usize,
-    /// Tokens routed so far, per MoE layer.
+    /// Tokens routed so far, per MoE layer (stream 0).
     next: Vec<AtomicUsize>,
+    /// The same for the other streams (sequences of a batch), by (MoE layer, stream).
+    streams: Mutex<HashMap<(usize, usize), usize>>,
 }
 
 impl TraceRouting {
@@ -54,7 +58,7 @@ impl TraceRouting {
         }
         let next = moe.iter().map(|_| AtomicUsize::new(0)).collect();
         let trace_experts = trace.num_experts().max(1);
-        Ok(TraceRouting { trace, name: name.to_string(), ordinal, experts, top_k, trace_experts, next })
+        Ok(TraceRouting { trace, name: name.to_string(), ordinal, experts, top_k, trace_experts, next, streams: Mutex::default() })
     }
 
     /// One line for reports: which trace, and onto what.
@@ -73,8 +77,23 @@ impl TraceRouting {
     /// Replaces one token's experts at decoder layer `layer` with the trace's next ones (in
     /// place: `ids` holds the model's top-k). A layer without MoE is left alone.
     pub fn replace(&self, layer: usize, ids: &mut [u32]) {
+        self.replace_in(layer, 0, ids);
+    }
+
+    /// [`replace`](Self::replace) for one of several sequences decoded together: stream `s`
+    /// has its own count of tokens and starts `s` texts into the trace, so that the sequences
+    /// of a batch replay different texts, as different users' requests would route, rather
+    /// than taking turns at one.
+    pub fn replace_in(&self, layer: usize, stream: usize, ids: &mut [u32]) {
         let Some(m) = self.ordinal.get(layer).copied().flatten() else { return };
-        let j = self.next[m].fetch_add(1, Ordering::Relaxed);
+        let j = if stream == 0 {
+            self.next[m].fetch_add(1, Ordering::Relaxed)
+        } else {
+            let mut counts = self.streams.lock().unwrap_or_else(|e| e.into_inner());
+            let c = counts.entry((m, stream)).or_default();
+            *c += 1;
+            stream * self.trace.shape[1] + *c - 1
+        };
         self.fill(m, j, ids);
     }
 
@@ -124,7 +143,16 @@ mod tests {
     fn routing(layers: usize, experts: usize, k: usize) -> TraceRouting {
         let (trace, ordinal) = (trace(), (0..layers).map(Some).collect());
         let next = (0..layers).map(|_| AtomicUsize::new(0)).collect();
-        TraceRouting { trace_experts: trace.num_experts(), trace, name: "t".into(), ordinal, experts, top_k: k, next }
+        TraceRouting {
+            trace_experts: trace.num_experts(),
+            trace,
+            name: "t".into(),
+            ordinal,
+            experts,
+            top_k: k,
+            next,
+            streams: Mutex::default(),
+        }
     }
 
     #[test]
@@ -154,6 +182,22 @@ mod tests {
             for m in 0..6 {
                 r.fill(m, j, &mut ids);
                 assert_eq!(ids, t.experts_at(j / 1024, j % 1024, m));
+            }
+        }
+    }
+
+    /// Stream 0 is the plain count; stream `s` counts its own tokens from text `s`.
+    #[test]
+    fn streams_replay_their_own_texts() {
+        let (r, plain) = (routing(48, 128, 8), routing(48, 128, 8));
+        let [_, positions, _, _] = trace().shape;
+        let (mut got, mut want) = (vec![0u32; 8], vec![0u32; 8]);
+        let layer = 3;
+        for token in 0..3 {
+            for s in [0usize, 2, 5] {
+                r.replace_in(layer, s, &mut got);
+                plain.fill(layer, s * positions + token, &mut want);
+                assert_eq!(got, want, "stream {s} token {token}");
             }
         }
     }

@@ -61,6 +61,10 @@ pub struct FleetConfig {
     pub max_queue: usize,
     /// Cached sessions per model.
     pub max_sessions: usize,
+    /// Generations a model advances together (see [`default_max_batch`]).
+    pub max_batch: usize,
+    /// Tokens of one batched step; `None`: the backend's prefill chunk.
+    pub step_tokens: Option<usize>,
     /// Tokens generated for a chat request that does not say (`--max-tokens`); `None`: until
     /// the context or a stop.
     pub default_max_tokens: Option<usize>,
@@ -80,6 +84,8 @@ impl std::fmt::Debug for FleetConfig {
             .field("ctx", &self.ctx)
             .field("max_queue", &self.max_queue)
             .field("max_sessions", &self.max_sessions)
+            .field("max_batch", &self.max_batch)
+            .field("step_tokens", &self.step_tokens)
             .field("open", &self.open)
             .field("memory", &self.memory)
             .field("opener", &self.opener.describe())
@@ -232,7 +238,13 @@ impl Fleet {
         let mut opts = self.cfg.open.clone();
         opts.cache = if self.cfg.cache == CacheSize::Resident { CacheSize::Resident } else { CacheSize::Bytes(cache) };
         opts.ctx = Some(ctx);
-        let limits = WorkerLimits { max_queue: self.cfg.max_queue, max_sessions: self.cfg.max_sessions, session_bytes: kv as usize };
+        let limits = WorkerLimits {
+            max_queue: self.cfg.max_queue,
+            max_sessions: self.cfg.max_sessions,
+            session_bytes: kv as usize,
+            max_batch: self.cfg.max_batch,
+            step_tokens: self.cfg.step_tokens,
+        };
         let (worker, report) =
             self.cfg.opener.open(name, path, &opts, limits, self.metrics.clone()).map_err(|e| unavailable(e.to_string()))?;
         tracing::info!(
@@ -282,6 +294,14 @@ fn split_part(stem: &str) -> Option<(&str, usize)> {
     None
 }
 
+/// Generations a model advances together by default: four per core (a batched step's dense
+/// products and attention grow with it, and on a CPU they share the cores), 4 to 64, and no
+/// more than the queue admits.
+pub fn default_max_batch(max_queue: usize) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (4 * cores).clamp(4, 64).min(max_queue.max(1))
+}
+
 impl FleetConfig {
     /// Defaults for `dir`: automatic cache, queue of 16, 8 sessions, fast kernels.
     pub fn new(dir: PathBuf) -> FleetConfig {
@@ -291,6 +311,8 @@ impl FleetConfig {
             ctx: None,
             max_queue: 16,
             max_sessions: 8,
+            max_batch: default_max_batch(16),
+            step_tokens: None,
             default_max_tokens: None,
             open: OpenOptions { precision: Precision::Fast, ..Default::default() },
             memory: None,

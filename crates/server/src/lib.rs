@@ -28,7 +28,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 pub use error::ApiError;
-pub use fleet::{CpuOpener, Fleet, FleetConfig, Opener};
+pub use fleet::{default_max_batch, CpuOpener, Fleet, FleetConfig, Opener};
 use metrics::Metrics;
 use serde_json::json;
 use std::net::SocketAddr;

@@ -30,6 +30,12 @@ pub struct Metrics {
     pub bytes_read: AtomicU64,
     /// Generations that failed in the engine.
     pub engine_errors: AtomicU64,
+    /// Batched forward steps run.
+    pub batch_steps: AtomicU64,
+    /// Generations in those steps, summed (over `batch_steps`: the mean batch).
+    pub batch_sequences: AtomicU64,
+    /// The most generations one step has run.
+    pub batch_max: AtomicU64,
     last: Mutex<(f64, f64)>,
     /// The latest generations, for the page's live panel (`GET /v1/smoe/stats`).
     recent: Mutex<std::collections::VecDeque<Sample>>,
@@ -71,6 +77,13 @@ impl Metrics {
     /// Counts a finished request.
     pub fn record_request(&self, endpoint: &str, status: u16) {
         *self.requests.lock().unwrap().entry((endpoint.to_string(), status)).or_default() += 1;
+    }
+
+    /// Counts a batched step of `sequences` generations.
+    pub fn record_step(&self, sequences: usize) {
+        self.batch_steps.fetch_add(1, Ordering::Relaxed);
+        self.batch_sequences.fetch_add(sequences as u64, Ordering::Relaxed);
+        self.batch_max.fetch_max(sequences as u64, Ordering::Relaxed);
     }
 
     /// Adds a generation's counts and timings.
@@ -164,6 +177,12 @@ impl Metrics {
             ("smoe_expert_misses_total", "Expert uses read from disk.", g(&self.expert_misses) as f64),
             ("smoe_read_bytes_total", "Bytes read from vaults.", g(&self.bytes_read) as f64),
             ("smoe_engine_errors_total", "Generations that failed in the engine.", g(&self.engine_errors) as f64),
+            ("smoe_batch_steps_total", "Batched forward steps run.", g(&self.batch_steps) as f64),
+            (
+                "smoe_batch_sequences_total",
+                "Generations in batched steps, summed (over steps: the mean batch).",
+                g(&self.batch_sequences) as f64,
+            ),
         ];
         for (name, help, v) in counters {
             let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
@@ -174,6 +193,7 @@ impl Metrics {
             ("smoe_cache_hit_rate", "Expert cache hit rate since start.", hits as f64 / (hits + misses).max(1) as f64),
             ("smoe_last_prefill_tokens_per_second", "Prefill throughput of the last generation.", pf),
             ("smoe_last_decode_tokens_per_second", "Decode throughput of the last generation.", dc),
+            ("smoe_batch_max", "The most generations one batched step has run.", g(&self.batch_max) as f64),
         ];
         for (name, help, v) in gauges {
             let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");

@@ -1,13 +1,18 @@
-//! One loaded model: a thread that runs its generations one at a time from a bounded queue,
-//! with a pool of cached sessions for prefix reuse.
+//! One loaded model: a thread that runs its generations from a bounded queue, several at a
+//! time (continuous batching), with a pool of cached sessions for prefix reuse.
 //!
-//! Requests reach the thread as [`Job`]s and answer through a channel of [`Event`]s. A job whose
-//! client has gone (its channel closed, or its cancel flag set) stops at the next token. The
-//! loop is the place where continuous batching would go: it owns the model and the sessions.
+//! Requests reach the thread as [`Job`]s and answer through a channel of [`Event`]s. Each step
+//! the thread admits waiting jobs up to the batch's limit, then runs one batched forward step
+//! ([`smoe_engine::Model::forward_batch`]) over every active generation: a decode token of each
+//! one past its prompt, then chunks of prompts in the step's token budget left (chunked prefill,
+//! so a long prompt neither waits for the streams nor stalls them). A job whose client has gone
+//! (its channel closed, or its cancel flag set) leaves the batch at the next step.
 
 use crate::error::ApiError;
 use crate::metrics::Metrics;
-use smoe_engine::{Backend, Engine, EngineError, GenOptions, Generation, LoadedModel, NoObserver, Session};
+use smoe_engine::{
+    Backend, Batch, BatchItem, Engine, EngineError, FinishReason, GenOptions, Generation, LoadedModel, NoObserver, Session, Stepwise,
+};
 use smoe_store::StoreStats;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -61,6 +66,13 @@ pub struct WorkerLimits {
     pub max_sessions: usize,
     /// KV-cache bytes all sessions may hold together.
     pub session_bytes: usize,
+    /// Generations advanced together, at most (`--max-batch`).
+    pub max_batch: usize,
+    /// Tokens one step runs, at most, all generations together (`--batch-tokens`): each
+    /// decoding generation's token, then prompt chunks in what is left. `None`: the backend's
+    /// prefill chunk (256 tokens on the CPU), which bounds the step's buffers as a lone
+    /// sequence's chunk does.
+    pub step_tokens: Option<usize>,
 }
 
 /// Replies generated recently, by text: lets a client's next request, which sends the reply
@@ -178,24 +190,144 @@ struct Cached<B: Backend> {
     used: Instant,
 }
 
+/// A generation in the batch, with the session it runs on (out of the pool meanwhile).
+struct Active<B: Backend> {
+    job: Job,
+    session: Session<B>,
+    gen: Stepwise,
+    /// The store's counters when it started (the generations of a batch share their reads).
+    store0: StoreStats,
+    /// The step that failed under it, if one did.
+    failed: Option<ApiError>,
+}
+
 impl<B: Backend> Loop<B> {
     fn run(self, rx: mpsc::Receiver<Job>) {
         let mut sessions: Vec<Cached<B>> = Vec::new();
         let mut waiting: VecDeque<Job> = VecDeque::new();
+        let mut active: Vec<Active<B>> = Vec::new();
+        let max_batch = self.limits.max_batch.max(1);
+        let step_tokens = self.limits.step_tokens.unwrap_or_else(|| self.engine.model.prefill_chunk());
+        let mut batch = self.engine.model.new_batch(step_tokens.max(max_batch));
         loop {
-            if waiting.is_empty() {
+            if active.is_empty() && waiting.is_empty() {
+                // Closing the channel ends the loop once queued jobs are done.
                 match rx.recv() {
                     Ok(job) => waiting.push_back(job),
                     Err(_) => return,
                 }
             }
             waiting.extend(rx.try_iter());
-            let job = next_job(&mut waiting, Instant::now());
-            if !job.cancel.load(Ordering::SeqCst) && !job.events.is_closed() {
-                self.one(&mut sessions, job);
+            while active.len() < max_batch && !waiting.is_empty() {
+                let job = next_job(&mut waiting, Instant::now());
+                self.admit(&mut sessions, &mut active, job);
             }
-            self.pending.fetch_sub(1, Ordering::SeqCst);
+            for a in active.iter_mut().filter(|a| a.job.cancel.load(Ordering::SeqCst) || a.job.events.is_closed()) {
+                a.gen.stop(FinishReason::Cancelled);
+            }
+            self.step(&mut batch, &mut active);
+            let mut i = 0;
+            while i < active.len() {
+                if active[i].gen.finished() || active[i].failed.is_some() {
+                    let a = active.remove(i);
+                    self.finish(&mut sessions, a);
+                } else {
+                    i += 1;
+                }
+            }
         }
+    }
+
+    /// Starts `job` on a session from the pool, or answers it at once (a client already gone,
+    /// a prompt the engine refuses).
+    fn admit(&self, sessions: &mut Vec<Cached<B>>, active: &mut Vec<Active<B>>, job: Job) {
+        if job.cancel.load(Ordering::SeqCst) || job.events.is_closed() {
+            self.pending.fetch_sub(1, Ordering::SeqCst);
+            return;
+        }
+        let i = self.pick(sessions, &job.prompt);
+        let mut cached = sessions.remove(i);
+        let store0 = self.engine.model.experts().stats();
+        match cached.session.start(&self.engine, &job.prompt, &job.opts) {
+            Ok(gen) => active.push(Active { job, session: cached.session, gen, store0, failed: None }),
+            Err(e) => {
+                // Refused before any step: the session still holds the prefix it shares.
+                sessions.push(cached);
+                self.metrics.engine_errors.fetch_add(1, Ordering::Relaxed);
+                let _ = job.events.send(Event::Failed(api_error(e)));
+                self.pending.fetch_sub(1, Ordering::SeqCst);
+            }
+        }
+    }
+
+    /// One batched forward step over the active generations: one token of each that is past
+    /// its prompt, then prompt chunks in admission order while the step's token budget lasts.
+    /// Each generation then samples from its own logits and streams its text.
+    fn step(&self, batch: &mut Batch<B>, active: &mut [Active<B>]) {
+        let mut left = batch.tokens();
+        let mut take = vec![0usize; active.len()];
+        for prefill in [false, true] {
+            for (t, a) in take.iter_mut().zip(active.iter()) {
+                if !a.gen.finished() && a.gen.prefilling() == prefill {
+                    *t = a.gen.input().len().min(left);
+                    left -= *t;
+                }
+            }
+        }
+        if take.iter().all(|&t| t == 0) {
+            return;
+        }
+        let model = &self.engine.model;
+        let store0 = model.experts().stats();
+        let mut items: Vec<BatchItem<'_, B>> = active
+            .iter_mut()
+            .zip(&take)
+            .filter(|(_, &t)| t > 0)
+            .map(|(a, &t)| BatchItem { state: a.session.state_mut(), tokens: &a.gen.input()[..t] })
+            .collect();
+        let result = model.forward_batch(batch, &mut items, &mut NoObserver);
+        drop(items);
+        self.metrics.record_store(&model.experts().stats().since(&store0));
+        self.metrics.record_step(take.iter().filter(|&&t| t > 0).count());
+        let vocab = model.arch().vocab_size;
+        let running = active.iter_mut().zip(&take).filter(|(_, &t)| t > 0);
+        match result {
+            Ok(logits) => {
+                for ((a, &t), row) in running.zip(logits.chunks_exact(vocab)) {
+                    let (events, cancel) = (&a.job.events, &a.job.cancel);
+                    a.gen.advance(t, row, &mut |_, text| stream(events, cancel, text));
+                }
+            }
+            Err(e) => {
+                tracing::error!("batched step failed: {e}");
+                let err = api_error(e);
+                for (a, _) in running {
+                    a.failed = Some(err.clone());
+                }
+            }
+        }
+    }
+
+    /// Answers a generation that left the batch and returns its session to the pool.
+    fn finish(&self, sessions: &mut Vec<Cached<B>>, a: Active<B>) {
+        let Active { job, mut session, gen, store0, failed } = a;
+        session.record(gen.context());
+        if let Some(err) = failed {
+            self.metrics.engine_errors.fetch_add(1, Ordering::Relaxed);
+            let _ = job.events.send(Event::Failed(err));
+        } else {
+            let g = gen.finish(&mut |_, text| stream(&job.events, &job.cancel, text));
+            let store = self.engine.model.experts().stats().since(&store0);
+            self.metrics.record_generation(&g.stats);
+            self.metrics.record_sample(&self.name, &g.stats, &store, self.pending.load(Ordering::Relaxed));
+            if !g.tokens.is_empty() {
+                self.recent.add(g.text.clone(), g.tokens.clone());
+            }
+            let _ = job.events.send(Event::Done(Box::new(Finished { generation: g, store })));
+        }
+        sessions.push(Cached { session, used: Instant::now() });
+        self.trim(sessions, sessions.len() - 1);
+        self.pending.fetch_sub(1, Ordering::SeqCst);
     }
 
     /// The session for `prompt`: the cached one it extends; else a copy of the longest shared
@@ -248,40 +380,21 @@ impl<B: Backend> Loop<B> {
             }
         }
     }
+}
 
-    fn one(&self, sessions: &mut Vec<Cached<B>>, job: Job) {
-        let i = self.pick(sessions, &job.prompt);
-        sessions[i].used = Instant::now();
-        let store0 = self.engine.model.experts().stats();
-        let (events, cancel) = (job.events.clone(), job.cancel.clone());
-        let result = sessions[i].session.generate(&self.engine, &job.prompt, &job.opts, &mut NoObserver, &mut |_, text| {
-            if !text.is_empty() && events.send(Event::Text(text.to_string())).is_err() {
-                return false;
-            }
-            !cancel.load(Ordering::SeqCst)
-        });
-        let store = self.engine.model.experts().stats().since(&store0);
-        self.metrics.record_store(&store);
-        match result {
-            Ok(g) => {
-                self.metrics.record_generation(&g.stats);
-                self.metrics.record_sample(&self.name, &g.stats, &store, self.pending.load(Ordering::Relaxed));
-                if !g.tokens.is_empty() {
-                    self.recent.add(g.text.clone(), g.tokens.clone());
-                }
-                let _ = job.events.send(Event::Done(Box::new(Finished { generation: g, store })));
-            }
-            Err(e) => {
-                self.metrics.engine_errors.fetch_add(1, Ordering::Relaxed);
-                tracing::error!("generation failed: {e}");
-                let err = match e {
-                    EngineError::Input(m) => ApiError::bad_request(m),
-                    other => ApiError::internal(format!("engine error: {other}")),
-                };
-                let _ = job.events.send(Event::Failed(err));
-            }
-        }
-        self.trim(sessions, i);
+/// Streams a generation's text to its client; false (stop) once the client has gone.
+fn stream(events: &UnboundedSender<Event>, cancel: &AtomicBool, text: &str) -> bool {
+    if !text.is_empty() && events.send(Event::Text(text.to_string())).is_err() {
+        return false;
+    }
+    !cancel.load(Ordering::SeqCst)
+}
+
+/// The client's view of an engine error: its input refused, or a failure of ours.
+fn api_error(e: EngineError) -> ApiError {
+    match e {
+        EngineError::Input(m) => ApiError::bad_request(m),
+        other => ApiError::internal(format!("engine error: {other}")),
     }
 }
 

@@ -79,6 +79,20 @@ fn dot_rows(k: &Kernels, w: &QMatrix<'_>, r0: usize, r1: usize, a: smoe_kernels:
     }
 }
 
+/// Rows a task's one-row-kernel products take per pass over its tokens: 32 rows of a Q4_K
+/// expert (2048 wide) are 36 KiB, so every token after the first reads them from L1/L2
+/// instead of streaming the whole task's rows again (a batch of decode tokens puts two or three
+/// tokens on many experts).
+const BLOCK_ROWS: usize = 32;
+const _: () = assert!(BLOCK_ROWS.is_multiple_of(TASK_ROWS));
+
+/// Rows `r0..r1` as blocks of [`BLOCK_ROWS`] when `n` tokens share them, else whole: each
+/// row's product is the same either way, only the order of rows and tokens changes.
+fn row_blocks(r0: usize, r1: usize, n: usize) -> impl Iterator<Item = (usize, usize)> {
+    let step = if n > 1 { BLOCK_ROWS } else { (r1 - r0).max(1) };
+    (r0..r1).step_by(step).map(move |b| (b, (b + step).min(r1)))
+}
+
 /// Task row ranges `(job, first, end)` over jobs of `(rows, work per row)`, largest first:
 /// each task takes half a thread's share of the work still left (guided self-scheduling),
 /// never less than a minimum that amortises taking it, in whole row groups. The pool hands
@@ -134,9 +148,11 @@ pub(crate) fn matmul(k: &Kernels, pool: &Pool, w: &QMatrix<'_>, x: &[f32], n: us
         let act = arena.rows(0);
         pool.run(tasks.len(), &|i| {
             let (_, r0, r1) = tasks[i];
-            for t in 0..n {
-                // SAFETY: this task alone computes rows r0..r1 of every token.
-                dot_rows(k, w, r0, r1, act.row(t), unsafe { sink.range(t * m + r0, r1 - r0) });
+            for (b0, b1) in row_blocks(r0, r1, n) {
+                for t in 0..n {
+                    // SAFETY: this task alone computes rows r0..r1 of every token.
+                    dot_rows(k, w, b0, b1, act.row(t), unsafe { sink.range(t * m + b0, b1 - b0) });
+                }
             }
         });
     })
@@ -198,9 +214,11 @@ pub(crate) fn matmul_many<M: Sync>(
                 gemm_rows(k, w, r0, r1, &tile, |t| unsafe { sink.range(at(t, r0), r1 - r0) });
             } else {
                 let act = arena.rows(input);
-                for t in 0..j.n {
-                    // SAFETY: this task alone computes rows r0..r1 of this job's outputs.
-                    dot_rows(k, w, r0, r1, act.row(t), unsafe { sink.range(at(t, r0), r1 - r0) });
+                for (b0, b1) in row_blocks(r0, r1, j.n) {
+                    for t in 0..j.n {
+                        // SAFETY: this task alone computes rows r0..r1 of this job's outputs.
+                        dot_rows(k, w, b0, b1, act.row(t), unsafe { sink.range(at(t, b0), b1 - b0) });
+                    }
                 }
             }
         });

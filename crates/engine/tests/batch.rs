@@ -1,0 +1,185 @@
+//! Batched steps (`Model::forward_batch`) against each sequence run alone: sequences of
+//! different lengths join a running batch with their prompt in chunks, decode side by side and
+//! leave, on every fixture family. With the f32 reference products a sequence's logits in the
+//! batch are bit for bit its logits alone; with the int8 products (whose many-token kernels
+//! apply block scales in another order) they agree within a measured bound.
+
+mod common;
+use common::*;
+use smoe_engine::{Batch, BatchItem, CpuBackend, Logits, Model, NoObserver, Precision, State};
+use smoe_quant::Format;
+use smoe_store::{ExpertSource, ExpertStore, ResidentExperts, StoreOptions};
+use smoe_vault::Vault;
+use std::path::Path;
+use std::sync::Arc;
+
+const ALL: [&str; 10] = [
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+    "olmoe",
+    "qwen3_moe_yarn",
+    "qwen3_moe_k",
+    "glm4_moe",
+    "deepseek_v3",
+    "deepseek_v3_yarn",
+    "minimax_m2",
+];
+
+fn open(path: &Path, precision: Precision, slots: Option<usize>) -> Model<CpuBackend> {
+    let v = Vault::open(path).unwrap();
+    let experts: Arc<dyn ExpertSource> = match slots {
+        Some(s) => Arc::new(ExpertStore::open(&v, &StoreOptions::with_slots(s)).unwrap()),
+        None => Arc::new(ResidentExperts::load(&v).unwrap()),
+    };
+    Model::load(&v, CpuBackend::with_threads(precision, 2), experts).unwrap()
+}
+
+/// One sequence of the schedule: it joins at step `join` with `prompt`, prefilled in chunks of
+/// what the step's token budget leaves, then decodes `decode` (fixed ids, so that its run alone
+/// feeds the same ones) and leaves.
+struct Seq {
+    join: usize,
+    prompt: Vec<u32>,
+    decode: Vec<u32>,
+}
+
+/// What a sequence ran in each step it took part in, and the logits it got back.
+type Record = Vec<(Vec<u32>, Vec<f32>)>;
+
+/// Runs the schedule in batched steps of at most `budget` tokens: every decoding sequence
+/// takes one token a step; prompts take what is left, oldest first (chunked prefill).
+fn run_batched(model: &Model<CpuBackend>, seqs: &[Seq], budget: usize) -> Vec<Record> {
+    let mut batch: Batch<CpuBackend> = model.new_batch(budget);
+    let mut states: Vec<State<CpuBackend>> = seqs.iter().map(|_| model.new_state(1)).collect();
+    let mut fed = vec![0usize; seqs.len()];
+    let mut records: Vec<Record> = seqs.iter().map(|_| Vec::new()).collect();
+    let total = |s: &Seq| s.prompt.len() + s.decode.len();
+    let mut step = 0;
+    let mut most = 0;
+    while seqs.iter().zip(&fed).any(|(s, &f)| f < total(s)) {
+        // Decoders first (one token each), then prompt chunks in the budget left.
+        let active: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].join <= step && fed[i] < total(&seqs[i])).collect();
+        let mut take = vec![0usize; seqs.len()];
+        let mut left = budget;
+        for &i in active.iter().filter(|&&i| fed[i] >= seqs[i].prompt.len()) {
+            take[i] = 1;
+            left -= 1;
+        }
+        for &i in active.iter().filter(|&&i| fed[i] < seqs[i].prompt.len()) {
+            take[i] = (seqs[i].prompt.len() - fed[i]).min(left);
+            left -= take[i];
+        }
+        let all: Vec<Vec<u32>> = seqs.iter().map(|s| s.prompt.iter().chain(&s.decode).copied().collect()).collect();
+        let order: Vec<usize> = active.iter().copied().filter(|&i| take[i] > 0).collect();
+        if !order.is_empty() {
+            most = most.max(order.len());
+            let mut items: Vec<BatchItem<'_, CpuBackend>> = states
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| take[*i] > 0)
+                .map(|(i, state)| BatchItem { state, tokens: &all[i][fed[i]..fed[i] + take[i]] })
+                .collect();
+            let logits = model.forward_batch(&mut batch, &mut items, &mut NoObserver).unwrap().to_vec();
+            let vocab = model.arch().vocab_size;
+            for (j, &i) in order.iter().enumerate() {
+                records[i].push((all[i][fed[i]..fed[i] + take[i]].to_vec(), logits[j * vocab..(j + 1) * vocab].to_vec()));
+                fed[i] += take[i];
+            }
+        }
+        step += 1;
+    }
+    assert!(most >= 3, "the schedule ran at most {most} sequences in one step");
+    records
+}
+
+/// The same steps for one sequence alone, through `Model::forward`.
+fn run_alone(model: &Model<CpuBackend>, record: &Record) -> Vec<Vec<f32>> {
+    let mut st = model.new_state(64);
+    record.iter().map(|(tokens, _)| model.forward(&mut st, tokens, Logits::Last, &mut NoObserver).unwrap().to_vec()).collect()
+}
+
+/// Four sequences of different lengths joining at different steps; the first leaves while
+/// the last is still prefilling.
+fn schedule(name: &str) -> Vec<Seq> {
+    let (long, chat) = (input_ids(name, "long"), input_ids(name, "chat"));
+    vec![
+        Seq { join: 0, prompt: long[..21].to_vec(), decode: long[200..206].to_vec() },
+        Seq { join: 1, prompt: chat[..5].to_vec(), decode: long[210..222].to_vec() },
+        Seq { join: 2, prompt: long[50..53].to_vec(), decode: long[230..240].to_vec() },
+        Seq { join: 6, prompt: chat[10..40].to_vec(), decode: long[250..254].to_vec() },
+    ]
+}
+
+/// The largest relative error of any step of any sequence, batched against alone.
+fn batched_vs_alone(model: &Model<CpuBackend>, name: &str, exact: bool) -> f64 {
+    let seqs = schedule(name);
+    let records = run_batched(model, &seqs, 12);
+    let mut worst = 0f64;
+    for (i, record) in records.iter().enumerate() {
+        let alone = run_alone(model, record);
+        for (s, ((tokens, got), want)) in record.iter().zip(&alone).enumerate() {
+            if exact {
+                assert!(got == want, "{name} sequence {i} step {s} ({} tokens): batched logits differ from alone", tokens.len());
+            }
+            worst = worst.max(rel_err(got, want));
+        }
+    }
+    worst
+}
+
+#[test]
+fn batched_logits_equal_alone_bit_for_bit_on_every_family() {
+    for name in ALL {
+        let path = vault(name, Format::Q8_0, Format::Q8_0);
+        batched_vs_alone(&open(&path, Precision::Reference, None), name, true);
+        // Streamed through a small cache: experts arrive in batches, in the store's order.
+        let a = Vault::open(&path).unwrap().architecture().clone();
+        let slots = (a.moe_layers().len() * a.moe.num_experts).div_ceil(8).max(a.moe.top_k);
+        batched_vs_alone(&open(&path, Precision::Reference, Some(slots)), name, true);
+    }
+}
+
+/// The int8 path: the same schedule within a bound. Measured on these fixtures (Q8_0 and
+/// Q4_K experts, AVX2): at most 3.3e-7 of the largest logit; the bound leaves room for other
+/// ISAs' kernels.
+#[test]
+fn batched_logits_match_alone_with_int8_products() {
+    for (name, experts) in
+        [("qwen3_moe", Format::Q8_0), ("qwen3_moe_k", Format::Q4_K), ("deepseek_v3", Format::Q8_0), ("mixtral", Format::Q8_0)]
+    {
+        let model = open(&vault(name, experts, Format::Q8_0), Precision::Fast, None);
+        let worst = batched_vs_alone(&model, name, false);
+        eprintln!("{name} {experts}: batched vs alone, largest relative logit error {worst:.2e}");
+        assert!(worst < 1e-5, "{name}: batched logits differ from alone by {worst:.2e}");
+    }
+}
+
+/// Bad steps fail with a message, and leave the sequences where they were.
+#[test]
+fn bad_batches_are_refused_cleanly() {
+    let model = open(&vault("qwen3_moe", Format::Q8_0, Format::Q8_0), Precision::Reference, None);
+    let mut batch = model.new_batch(4);
+    let (mut a, mut b) = (model.new_state(1), model.new_state(1));
+    let vocab = model.arch().vocab_size as u32;
+    let err = |r: Result<&[f32], smoe_engine::EngineError>| r.map(|_| ()).unwrap_err().to_string();
+    assert!(err(model.forward_batch(&mut batch, &mut [], &mut NoObserver)).contains("at least one"));
+    let e = err(model.forward_batch(
+        &mut batch,
+        &mut [BatchItem { state: &mut a, tokens: &[1, 2, 3] }, BatchItem { state: &mut b, tokens: &[4, 5] }],
+        &mut NoObserver,
+    ));
+    assert!(e.contains("at most 4"), "{e}");
+    let e = err(model.forward_batch(&mut batch, &mut [BatchItem { state: &mut a, tokens: &[] }], &mut NoObserver));
+    assert!(e.contains("no tokens"), "{e}");
+    let e = err(model.forward_batch(&mut batch, &mut [BatchItem { state: &mut a, tokens: &[1, vocab] }], &mut NoObserver));
+    assert!(e.contains("outside the vocabulary"), "{e}");
+    assert_eq!((a.pos(), b.pos()), (0, 0));
+    let ok = model.forward_batch(
+        &mut batch,
+        &mut [BatchItem { state: &mut a, tokens: &[1, 2] }, BatchItem { state: &mut b, tokens: &[3] }],
+        &mut NoObserver,
+    );
+    assert_eq!(ok.unwrap().len(), 2 * vocab as usize);
+    assert_eq!((a.pos(), b.pos()), (2, 1));
+}
