@@ -13,7 +13,7 @@ use smoe_vault::Vault;
 use std::path::Path;
 use std::sync::Arc;
 
-const ALL: [&str; 10] = [
+const ALL: [&str; 11] = [
     "qwen3_moe",
     "qwen2_moe",
     "mixtral",
@@ -24,6 +24,7 @@ const ALL: [&str; 10] = [
     "deepseek_v3",
     "deepseek_v3_yarn",
     "minimax_m2",
+    "gpt_oss",
 ];
 
 fn open(path: &Path, precision: Precision, slots: Option<usize>) -> Model<CpuBackend> {
