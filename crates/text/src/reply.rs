@@ -6,7 +6,10 @@
 //! `</tool_call>` whose body is either JSON `{"name": …, "arguments": {…}}` (Qwen, Hermes) or
 //! GLM-4.5's `name\n<arg_key>k</arg_key>\n<arg_value>v</arg_value>…`, or MiniMax-M2's
 //! `<minimax:tool_call>` blocks of `<invoke name="f"><parameter name="k">v</parameter></invoke>`
-//! ([`CallSyntax`], told by the chat template).
+//! ([`CallSyntax`], told by the chat template). gpt-oss's harmony format is parsed by channel:
+//! `<|channel|>analysis<|message|>…<|end|>` is reasoning, the `final` channel content, and a
+//! message to `functions.f` (`<|channel|>commentary to=functions.f <|constrain|>json<|message|>
+//! {…}<|call|>`) a tool call with JSON arguments.
 //!
 //! [`ReplyParser`] works on streamed text and returns each [`Piece`] as soon as it is certain;
 //! [`parse_reply`] parses a whole text at once. However the text is cut into pieces, the
@@ -32,6 +35,10 @@ pub enum CallSyntax {
     /// MiniMax-M2: one or more `<invoke name="f">` with `<parameter name="k">v</parameter>`
     /// between `<minimax:tool_call>` and `</minimax:tool_call>`.
     MiniMax,
+    /// gpt-oss's harmony format: messages in channels, calls addressed `to=functions.f`
+    /// with JSON arguments. The markers (`<|channel|>`, `<|message|>`, `<|end|>`, …) must be
+    /// in the text (special tokens rendered).
+    Harmony,
 }
 
 impl CallSyntax {
@@ -39,6 +46,8 @@ impl CallSyntax {
     pub fn of_template(source: &str) -> CallSyntax {
         if source.contains(MINIMAX_OPEN) {
             CallSyntax::MiniMax
+        } else if source.contains(H_CHANNEL) && source.contains(H_MESSAGE) {
+            CallSyntax::Harmony
         } else {
             CallSyntax::ToolCallTags
         }
@@ -48,6 +57,7 @@ impl CallSyntax {
         match self {
             CallSyntax::ToolCallTags => (CALL_OPEN, CALL_CLOSE),
             CallSyntax::MiniMax => (MINIMAX_OPEN, MINIMAX_CLOSE),
+            CallSyntax::Harmony => unreachable!("harmony calls are messages, not tagged blocks"),
         }
     }
 
@@ -56,6 +66,7 @@ impl CallSyntax {
         match self {
             CallSyntax::ToolCallTags => parse_tool_call(body).map(|c| vec![c]),
             CallSyntax::MiniMax => parse_minimax_calls(body),
+            CallSyntax::Harmony => None,
         }
     }
 }
@@ -136,6 +147,8 @@ pub struct ReplyParser {
     /// Whether a tool call was returned.
     called: bool,
     syntax: CallSyntax,
+    /// The harmony reader, for [`CallSyntax::Harmony`] (then `think` and `tools` are unused).
+    harmony: Option<Harmony>,
 }
 
 impl ReplyParser {
@@ -147,6 +160,12 @@ impl ReplyParser {
 
     /// [`new`](Self::new) for a model that writes tool calls in `syntax`.
     pub fn with_syntax(prompt: &str, tools: bool, syntax: CallSyntax) -> ReplyParser {
+        if syntax == CallSyntax::Harmony {
+            let mut p = ReplyParser::raw();
+            p.syntax = syntax;
+            p.harmony = Some(Harmony::new(prompt, tools));
+            return p;
+        }
         let (open, close) = syntax.tags();
         ReplyParser {
             think: Some(SectionSplitter::new(THINK_OPEN, THINK_CLOSE, prompt.trim_end().ends_with(THINK_OPEN))),
@@ -155,21 +174,36 @@ impl ReplyParser {
             blank: String::new(),
             called: false,
             syntax,
+            harmony: None,
         }
     }
 
     /// A parser that returns all text as content (raw completions).
     pub fn raw() -> ReplyParser {
-        ReplyParser { think: None, tools: None, call: String::new(), blank: String::new(), called: false, syntax: CallSyntax::default() }
+        ReplyParser {
+            think: None,
+            tools: None,
+            call: String::new(),
+            blank: String::new(),
+            called: false,
+            syntax: CallSyntax::default(),
+            harmony: None,
+        }
     }
 
     /// Whether the text seen so far ends inside reasoning.
     pub fn in_reasoning(&self) -> bool {
+        if let Some(h) = &self.harmony {
+            return matches!(h.state, HState::Body(Channel::Reasoning));
+        }
         self.think.as_ref().is_some_and(SectionSplitter::inside)
     }
 
     /// Feeds generated text; returns what is now certain.
     pub fn push(&mut self, text: &str) -> Vec<Piece> {
+        if let Some(h) = self.harmony.as_mut() {
+            return h.push(text);
+        }
         match self.think.as_mut() {
             Some(t) => {
                 let pieces = t.push(text);
@@ -181,6 +215,9 @@ impl ReplyParser {
 
     /// The rest, at the end of the reply. An unterminated tool call is returned as content.
     pub fn finish(&mut self) -> Vec<Piece> {
+        if let Some(h) = self.harmony.as_mut() {
+            return h.finish();
+        }
         let pieces = self.think.as_mut().map(|t| t.flush()).unwrap_or_default();
         let mut out = self.route(pieces);
         if let Some((rest, open)) = self.tools.as_mut().map(|t| (t.flush(), t.inside())) {
@@ -254,6 +291,177 @@ impl ReplyParser {
             }
         }
         out
+    }
+}
+
+const H_CHANNEL: &str = "<|channel|>";
+const H_MESSAGE: &str = "<|message|>";
+const H_START: &str = "<|start|>";
+/// Markers that end a harmony message (consumed).
+const H_ENDS: [&str; 3] = ["<|end|>", "<|return|>", "<|call|>"];
+/// Markers that begin a harmony header (and end a message left unterminated).
+const H_HEADS: [&str; 2] = [H_START, H_CHANNEL];
+/// What a reply's first message may begin with besides [`H_HEADS`]: a recipient after the
+/// prompt's `<|start|>assistant`.
+const H_RECIPIENT: &str = " to=";
+
+/// Where a harmony message's body goes.
+#[derive(Clone, Debug, PartialEq)]
+enum Channel {
+    /// `analysis`.
+    Reasoning,
+    /// `final`, a `commentary` preamble, or text outside any channel.
+    Content,
+    /// A message to `functions.NAME` (tools offered); `header` as written.
+    Call { name: String, header: String },
+}
+
+#[derive(Clone, Debug, PartialEq)]
+enum HState {
+    /// Between messages: whether a header or bare text follows is not known yet.
+    Start,
+    /// Reading a header up to `<|message|>`.
+    Header,
+    /// In a message's body.
+    Body(Channel),
+}
+
+/// Reads harmony messages from streamed text. Text that could begin a marker is held back
+/// until it is known not to be one.
+#[derive(Clone, Debug)]
+struct Harmony {
+    tools: bool,
+    state: HState,
+    /// Text not yet returned: a header being read, or the tail of a body that may begin a marker.
+    buf: String,
+    /// The body of the call being read.
+    call: String,
+}
+
+impl Harmony {
+    /// Starts between messages, or in the message whose header the prompt ends with.
+    fn new(prompt: &str, tools: bool) -> Harmony {
+        let mut h = Harmony { tools, state: HState::Start, buf: String::new(), call: String::new() };
+        if let Some(head) = prompt.strip_suffix(H_MESSAGE) {
+            let head = head.rfind(H_START).map_or(head, |i| &head[i..]);
+            h.state = HState::Body(h.channel(head));
+        }
+        h
+    }
+
+    /// The channel a header sends its body to.
+    fn channel(&self, header: &str) -> Channel {
+        // A word after `key` in the header, up to whitespace or the next marker.
+        fn word<'a>(header: &'a str, key: &str) -> Option<&'a str> {
+            let rest = &header[header.rfind(key)? + key.len()..];
+            let end = rest.find(|c: char| c.is_whitespace() || c == '<').unwrap_or(rest.len());
+            Some(&rest[..end])
+        }
+        if let Some(name) = word(header, "to=").and_then(|r| r.strip_prefix("functions.")) {
+            if self.tools && !name.is_empty() {
+                return Channel::Call { name: name.to_string(), header: header.to_string() };
+            }
+        }
+        match word(header, H_CHANNEL) {
+            Some("analysis") => Channel::Reasoning,
+            _ => Channel::Content,
+        }
+    }
+
+    fn push(&mut self, text: &str) -> Vec<Piece> {
+        self.buf.push_str(text);
+        let mut out = Vec::new();
+        loop {
+            match &self.state {
+                HState::Start => {
+                    let heads = H_HEADS.iter().chain([&H_RECIPIENT]);
+                    if heads.clone().any(|m| self.buf.starts_with(m)) {
+                        self.state = HState::Header;
+                    } else if heads.clone().any(|m| m.starts_with(self.buf.as_str())) {
+                        return out; // empty, or could still begin one
+                    } else {
+                        self.state = HState::Body(Channel::Content);
+                    }
+                }
+                HState::Header => {
+                    let Some(at) = self.buf.find(H_MESSAGE) else { return out };
+                    let header: String = self.buf.drain(..at + H_MESSAGE.len()).collect();
+                    let header = &header[..at];
+                    let channel = self.channel(header);
+                    if channel == Channel::Content && header.contains("to=") {
+                        // A message to a recipient that is not an offered function: as written.
+                        out.push(Piece::Content(format!("{header}{H_MESSAGE}")));
+                    }
+                    self.state = HState::Body(channel);
+                }
+                HState::Body(_) => {
+                    let found = H_ENDS.iter().map(|m| (m, true)).chain(H_HEADS.iter().map(|m| (m, false)));
+                    let next = found.filter_map(|(m, end)| self.buf.find(m).map(|at| (at, m.len(), end))).min();
+                    let Some((at, len, end)) = next else {
+                        let keep = H_ENDS
+                            .iter()
+                            .chain(&H_HEADS)
+                            .flat_map(|m| m.char_indices().skip(1).map(|(i, _)| &m[..i]))
+                            .filter(|p| self.buf.ends_with(p))
+                            .map(str::len)
+                            .max()
+                            .unwrap_or(0);
+                        let body: String = self.buf.drain(..self.buf.len() - keep).collect();
+                        self.body(body, &mut out);
+                        return out;
+                    };
+                    let body: String = self.buf.drain(..at).collect();
+                    if end {
+                        self.buf.drain(..len);
+                    }
+                    self.body(body, &mut out);
+                    self.close(&mut out);
+                }
+            }
+        }
+    }
+
+    fn finish(&mut self) -> Vec<Piece> {
+        let mut out = Vec::new();
+        let rest = std::mem::take(&mut self.buf);
+        match self.state {
+            // An unfinished header, or text that might have begun one: as written.
+            HState::Start | HState::Header => {
+                if !rest.is_empty() {
+                    out.push(Piece::Content(rest));
+                }
+            }
+            HState::Body(_) => {
+                self.body(rest, &mut out);
+                self.close(&mut out);
+            }
+        }
+        self.state = HState::Start;
+        out
+    }
+
+    fn body(&mut self, s: String, out: &mut Vec<Piece>) {
+        if s.is_empty() {
+            return;
+        }
+        match &self.state {
+            HState::Body(Channel::Reasoning) => out.push(Piece::Reasoning(s)),
+            HState::Body(Channel::Call { .. }) => self.call.push_str(&s),
+            _ => out.push(Piece::Content(s)),
+        }
+    }
+
+    /// Ends the message being read; a call's body becomes a call, or text as written when it
+    /// is not JSON.
+    fn close(&mut self, out: &mut Vec<Piece>) {
+        if let HState::Body(Channel::Call { name, header }) = std::mem::replace(&mut self.state, HState::Start) {
+            let body = std::mem::take(&mut self.call);
+            let text = format!("{header}{H_MESSAGE}{body}");
+            match serde_json::from_str::<Json>(body.trim()) {
+                Ok(args) => out.push(Piece::ToolCall(ToolCall { name, arguments: args.to_string(), text: format!("{text}<|call|>") })),
+                Err(_) => out.push(Piece::Content(text)),
+            }
+        }
     }
 }
 
@@ -520,6 +728,76 @@ mod tests {
             let mut streamed: Reply = parts.iter().flat_map(|s| p.push(s)).collect();
             streamed.extend(p.finish());
             assert_eq!(streamed, whole, "as {parts:?}");
+        }
+    }
+
+    const HARMONY_PROMPT: &str = "<|start|>user<|message|>Weather in Paris?<|end|><|start|>assistant";
+    const HARMONY_REPLY: &str = "<|channel|>analysis<|message|>Need the weather tool.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\", \"days\": 3}<|call|>";
+
+    fn harmony(prompt: &str, tools: bool, text: &str) -> Reply {
+        ReplyParser::with_syntax(prompt, tools, CallSyntax::Harmony).parse(text)
+    }
+
+    #[test]
+    fn harmony_channels_and_calls() {
+        assert_eq!(CallSyntax::of_template("{{ '<|start|>assistant<|channel|>final<|message|>' }}"), CallSyntax::Harmony);
+        // Reasoning and the final answer (stopped at <|return|>, or with it in the text).
+        let text = "<|channel|>analysis<|message|>User greets.<|end|><|start|>assistant<|channel|>final<|message|>Hello! How can I help?";
+        for t in [text.to_string(), format!("{text}<|return|>")] {
+            let r = harmony(HARMONY_PROMPT, false, &t);
+            assert_eq!((r.reasoning.as_str(), r.content.as_str(), r.tool_calls.len()), ("User greets.", "Hello! How can I help?", 0));
+        }
+        // A tool call, with or without its <|call|> (a stop token), recipient before or after the channel.
+        for t in [HARMONY_REPLY, HARMONY_REPLY.strip_suffix("<|call|>").unwrap()] {
+            let r = harmony(HARMONY_PROMPT, true, t);
+            assert_eq!((r.reasoning.as_str(), r.content.as_str()), ("Need the weather tool.", ""));
+            assert_eq!(r.tool_calls.len(), 1, "{r:?}");
+            assert_eq!(r.tool_calls[0].name, "get_weather");
+            assert_eq!(args(&r.tool_calls[0]), serde_json::json!({"city": "Paris", "days": 3}));
+            assert!(r.tool_calls[0].text.starts_with("<|start|>assistant<|channel|>commentary to=functions.get_weather"));
+        }
+        let r = harmony(HARMONY_PROMPT, true, " to=functions.f<|channel|>commentary json<|message|>{}<|call|>");
+        assert_eq!((r.tool_calls[0].name.as_str(), r.tool_calls[0].arguments.as_str(), r.content.as_str()), ("f", "{}", ""));
+        // A commentary preamble is content; a call whose arguments are not JSON is text as written.
+        let r =
+            harmony("", true, "<|channel|>commentary<|message|>Checking.<|end|><|channel|>commentary to=functions.f<|message|>not json");
+        assert_eq!(r.content, "Checking.<|channel|>commentary to=functions.f<|message|>not json");
+        assert!(r.tool_calls.is_empty());
+        // Without tools, a message to a function is text as written.
+        let r = harmony("", false, "<|channel|>commentary to=functions.f<|message|>{}");
+        assert_eq!((r.content.as_str(), r.tool_calls.len()), ("<|channel|>commentary to=functions.f<|message|>{}", 0));
+        // A reply without channels is content; so is an unfinished header.
+        assert_eq!(harmony(HARMONY_PROMPT, true, "Just text <b>.").content, "Just text <b>.");
+        assert_eq!(harmony("", true, "<|channel|>fin").content, "<|channel|>fin");
+        // A prompt that ends in a message header starts in that channel.
+        let p = ReplyParser::with_syntax("<|start|>assistant<|channel|>analysis<|message|>", false, CallSyntax::Harmony);
+        assert!(p.in_reasoning());
+        let r = p.parse("think<|end|><|start|>assistant<|channel|>final<|message|>ok");
+        assert_eq!((r.reasoning.as_str(), r.content.as_str()), ("think", "ok"));
+        // Other syntaxes' tags are text to harmony.
+        assert_eq!(harmony("", true, "<think>a</think><tool_call>{}</tool_call>").content, "<think>a</think><tool_call>{}</tool_call>");
+    }
+
+    #[test]
+    fn harmony_streamed_at_any_boundary() {
+        let texts = [
+            HARMONY_REPLY,
+            "<|channel|>analysis<|message|>é plan <|<|end|><|start|>assistant<|channel|>final<|message|>answer <|x|><|return|>",
+            "plain < text <|",
+            " to=functions.f<|channel|>commentary json<|message|>{\"a\": [1]}",
+            "<|channel|>commentary to=browser.search<|message|>q<|end|>",
+        ];
+        for text in texts {
+            for tools in [false, true] {
+                let whole = harmony(HARMONY_PROMPT, tools, text);
+                for parts in cuttings(text) {
+                    let mut p = ReplyParser::with_syntax(HARMONY_PROMPT, tools, CallSyntax::Harmony);
+                    assert!(!p.in_reasoning());
+                    let mut streamed: Reply = parts.iter().flat_map(|s| p.push(s)).collect();
+                    streamed.extend(p.finish());
+                    assert_eq!(streamed, whole, "{text:?} as {parts:?}, tools {tools}");
+                }
+            }
         }
     }
 }
