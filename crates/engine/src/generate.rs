@@ -137,6 +137,8 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Ids that end generation by default: generation_config's eos ids, else the eos token.
+    /// A harmony model (gpt-oss) also stops at `<|return|>` and `<|call|>`, which end its
+    /// answer and its tool calls, whatever its generation_config (or GGUF) lists.
     pub fn default_stop_ids(&self) -> Vec<u32> {
         let mut ids = self.defaults.eos_token_ids.clone();
         if ids.is_empty() {
@@ -144,7 +146,20 @@ impl<B: Backend> Engine<B> {
                 ids.push(id);
             }
         }
+        if self.harmony() {
+            for id in ["<|return|>", "<|call|>"].iter().filter_map(|t| self.tokenizer.token_id(t)) {
+                if !ids.contains(&id) {
+                    ids.push(id);
+                }
+            }
+        }
         ids
+    }
+
+    /// Whether the chat template speaks harmony (gpt-oss): its replies are then detokenized
+    /// with special tokens, which carry the channels the reply parser splits on.
+    pub fn harmony(&self) -> bool {
+        self.template.as_ref().is_some_and(|t| t.call_syntax() == smoe_text::CallSyntax::Harmony)
     }
 
     /// Sampling defaults from generation_config.json (greedy if it does not ask for sampling).

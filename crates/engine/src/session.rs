@@ -258,7 +258,14 @@ impl<B: Backend> Conversation<B> {
         };
         match self.session.generate(engine, &prompt, opts, obs, on_token) {
             Ok(g) => {
-                self.messages.push(json!({"role": "assistant", "content": g.text, TOKEN_IDS_KEY: g.tokens}));
+                if engine.harmony() {
+                    // The raw text holds harmony's channel markers; the template writes them
+                    // itself around the answer (and drops past reasoning).
+                    let reply = smoe_text::ReplyParser::with_syntax(&prompt_text, false, smoe_text::CallSyntax::Harmony).parse(&g.text);
+                    self.messages.push(json!({"role": "assistant", "content": reply.content}));
+                } else {
+                    self.messages.push(json!({"role": "assistant", "content": g.text, TOKEN_IDS_KEY: g.tokens}));
+                }
                 Ok(Turn { generation: g, prompt, prompt_text, dropped_messages: dropped })
             }
             Err(e) => {

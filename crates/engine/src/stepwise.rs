@@ -64,7 +64,7 @@ impl Stepwise {
         Ok(Stepwise {
             sampler: Sampler::new(opts.sampling.clone()),
             stop_ids: opts.stop_ids.clone().unwrap_or_else(|| engine.default_stop_ids()),
-            detok: Detokenizer::new(engine.tokenizer.clone(), true),
+            detok: Detokenizer::new(engine.tokenizer.clone(), !engine.harmony()),
             stops: StopStrings::new(&opts.stop),
             opts: opts.clone(),
             context: prompt.to_vec(),

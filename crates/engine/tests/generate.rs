@@ -75,3 +75,90 @@ fn a_forked_session_reuses_the_shared_prefix() {
     assert_eq!(forked.tokens, fresh.tokens, "the fork generates what a fresh session does");
     assert_eq!(one.cached_tokens(), &before[..], "the first conversation is left whole");
 }
+
+/// A harmony model (gpt-oss's template): its reply keeps the channel markers, which are special
+/// tokens, so the reply parser can split it; `<|return|>` and `<|call|>` end it. The gpt_oss
+/// fixture is given harmony's markers as special tokens and a harmony template; the steps are
+/// fed logits that pick the reply's tokens, so the path from ids to parsed reply is the one
+/// the server runs.
+#[test]
+fn harmony_replies_keep_their_markers_and_stop_at_return_and_call() {
+    use smoe_engine::Stepwise;
+    use smoe_text::{CallSyntax, ChatTemplate, ReplyParser, Tokenizer};
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("gpt_oss.smoe");
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/hf/gpt_oss");
+    smoe_convert::shatter(&src, &out, &Default::default(), &smoe_convert::Silent).unwrap();
+    let mut engine = open_cpu(&out, &OpenOptions::default()).unwrap().0;
+    let vocab = engine.model.arch().vocab_size as u32;
+    let mut tok: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(src.join("tokenizer.json")).unwrap()).unwrap();
+    let markers = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"];
+    let first = tok["added_tokens"].as_array().unwrap().iter().map(|t| t["id"].as_u64().unwrap() as u32).max().unwrap() + 1;
+    for (i, m) in markers.iter().enumerate() {
+        tok["added_tokens"].as_array_mut().unwrap().push(serde_json::json!({
+            "id": first + i as u32, "content": m, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true
+        }));
+    }
+    assert!(first + (markers.len() as u32) <= vocab);
+    engine.tokenizer = Tokenizer::from_json(&tok.to_string()).unwrap();
+    let template = "{% for m in messages %}{% if m.role == 'assistant' %}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>{% else %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endif %}{% endfor %}{% if add_generation_prompt %}<|start|>assistant{% endif %}";
+    engine.template = Some(ChatTemplate::new(template, None, None).unwrap());
+    assert!(engine.harmony());
+    let id = |t: &str| engine.tokenizer.token_id(t).unwrap();
+    let stops = engine.default_stop_ids();
+    assert!(stops.contains(&id("<|return|>")) && stops.contains(&id("<|call|>")), "{stops:?}");
+
+    let prompt_text =
+        engine.render_chat(&[serde_json::json!({"role": "user", "content": "Weather in Paris?"})], None, &Default::default()).unwrap();
+    assert_eq!(prompt_text, "<|start|>user<|message|>Weather in Paris?<|end|><|start|>assistant");
+    let prompt = engine.encode(&prompt_text).unwrap();
+    let opts = GenOptions {
+        max_tokens: 100,
+        sampling: SamplingParams { temperature: 0.0, ..Default::default() },
+        stop: vec![],
+        stop_ids: None,
+        ctx: 256,
+        keep_prompt_logits: false,
+    };
+    // Runs the reply `text` (then `end`) through Stepwise, each step's logits picking the next id.
+    let run = |text: &str, end: &str, tools: bool| {
+        let mut ids = engine.encode(text).unwrap();
+        ids.push(id(end));
+        ids.extend(engine.encode("never reached").unwrap());
+        let mut st = engine.model.new_state(1);
+        let mut g = Stepwise::start(&engine, &mut st, &prompt, &opts).unwrap();
+        let mut parser = ReplyParser::with_syntax(&prompt_text, tools, engine.template.as_ref().unwrap().call_syntax());
+        let mut reply = smoe_text::Reply::default();
+        let mut next = ids.iter();
+        let mut ran = prompt.len();
+        loop {
+            let mut logits = vec![0.0f32; vocab as usize];
+            logits[*next.next().unwrap() as usize] = 1.0;
+            let done = g.advance(ran, &logits, &mut |_, piece| {
+                reply.extend(parser.push(piece));
+                true
+            });
+            ran = 1;
+            if done {
+                break;
+            }
+        }
+        let gen = g.finish(&mut |_, piece| {
+            reply.extend(parser.push(piece));
+            true
+        });
+        reply.extend(parser.finish());
+        assert_eq!(gen.finish, FinishReason::Stop);
+        assert_eq!(gen.tokens.len(), ids.len() - 1 - engine.encode("never reached").unwrap().len(), "stopped at {end}");
+        (gen.text, reply)
+    };
+    let answer = "<|channel|>analysis<|message|>User asks weather.<|end|><|start|>assistant<|channel|>final<|message|>Sunny.";
+    let (text, r) = run(answer, "<|return|>", false);
+    assert_eq!(text, answer, "the markers are in the text");
+    assert_eq!((r.reasoning.as_str(), r.content.as_str(), r.tool_calls.len()), ("User asks weather.", "Sunny.", 0));
+    let call = "<|channel|>analysis<|message|>Use the tool.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}";
+    let (_, r) = run(call, "<|call|>", true);
+    assert_eq!((r.reasoning.as_str(), r.content.as_str(), r.tool_calls.len()), ("Use the tool.", "", 1));
+    assert_eq!((r.tool_calls[0].name.as_str(), r.tool_calls[0].arguments.as_str()), ("get_weather", "{\"city\":\"Paris\"}"));
+    assert_eq!(CallSyntax::of_template(template), CallSyntax::Harmony);
+}
