@@ -122,46 +122,6 @@ pub struct CudaOptions {
     pub graphs: bool,
 }
 
-/// The parameters of the routing kernel (`route`) for a rule.
-struct RouteArgs {
-    e: i32,
-    k: i32,
-    sigmoid: i32,
-    n_group: i32,
-    topk_group: i32,
-    norm: i32,
-    scaling: f32,
-    bias: u64,
-    /// Dynamic shared memory: 2 e + 2 k floats.
-    shared: u32,
-}
-
-impl RouteArgs {
-    fn new(rule: &RouterRule, bias: Option<&CudaVector>, stream: &CudaStream) -> RouteArgs {
-        let (e, k) = (rule.num_experts(), rule.top_k());
-        let (sigmoid, n_group, topk_group) = match *rule.kind() {
-            Router::Softmax => (0i32, 1i32, 1i32),
-            Router::SigmoidGrouped { n_group, topk_group, .. } => (1, n_group as i32, topk_group as i32),
-        };
-        // The kernel scores one group per lane, and every expert must be choosable.
-        assert!((1..=32).contains(&n_group) && k <= e, "route: {n_group} groups, top {k} of {e}");
-        if let Some(b) = bias {
-            assert!(b.len >= e, "route: {} biases for {e} experts", b.len);
-        }
-        RouteArgs {
-            e: e as i32,
-            k: k as i32,
-            sigmoid,
-            n_group,
-            topk_group,
-            norm: rule.norm_topk_prob() as i32,
-            scaling: rule.scaling(),
-            bias: bias.map_or(0u64, |b| dptr(&b.data, stream)),
-            shared: ((2 * e + 2 * k) * 4) as u32,
-        }
-    }
-}
-
 /// The one-token int8-activation kernels of a format (kernels.cu, kept.cu).
 struct Int8Kernels {
     /// Products named by jobs.
@@ -1453,21 +1413,22 @@ impl Backend for CudaBackend {
         let (e, k) = (rule.num_experts(), rule.top_k());
         check("route input", logits, n, e);
         check_rows("route", routes, 0, 1, 0, at, n * 2 * k);
-        let p = RouteArgs::new(rule, bias, &self.stream);
+        let (sigmoid, n_group, topk_group) = match *rule.kind() {
+            Router::Softmax => (0i32, 1i32, 1i32),
+            Router::SigmoidGrouped { n_group, topk_group, .. } => (1, n_group as i32, topk_group as i32),
+        };
+        // The kernel scores one group per lane, and every expert must be choosable.
+        assert!((1..=32).contains(&n_group) && k <= e, "route: {n_group} groups, top {k} of {e}");
+        if let Some(b) = bias {
+            assert!(b.len >= e, "route: {} biases for {e} experts", b.len);
+        }
         let lp = logits.at(&self.stream);
+        let bp = bias.map_or(0u64, |b| dptr(&b.data, &self.stream));
         let rp = routes.at_mut(&self.stream) + (at * 4) as u64;
+        let (e_i, k_i, norm, scaling) = (e as i32, k as i32, rule.norm_topk_prob() as i32, rule.scaling());
         let mut a = Launch::new(&self.k.route);
-        a.arg(&lp)
-            .arg(&p.e)
-            .arg(&p.bias)
-            .arg(&p.sigmoid)
-            .arg(&p.n_group)
-            .arg(&p.topk_group)
-            .arg(&p.k)
-            .arg(&p.norm)
-            .arg(&p.scaling)
-            .arg(&rp);
-        let cfg = LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (32, 1, 1), shared_mem_bytes: p.shared };
+        a.arg(&lp).arg(&e_i).arg(&bp).arg(&sigmoid).arg(&n_group).arg(&topk_group).arg(&k_i).arg(&norm).arg(&scaling).arg(&rp);
+        let cfg = LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (32, 1, 1), shared_mem_bytes: ((2 * e + 2 * k) * 4) as u32 };
         self.launch(a, cfg, "route");
     }
 
@@ -1530,15 +1491,9 @@ impl Backend for CudaBackend {
         check("kept_experts", x, n, hidden);
         let rp = routes.at(&self.stream) + (at * 4) as u64;
         let pairs = (n * k) as u32;
-        // One launch for the given parts of every pair's expert: inputs at `xp` (rows `xs`
-        // apart, one per token or, `per_pair`, per pair), or already quantized at `xq`.
-        let launch = |parts: &[(&crate::kept::KeptPart, usize)],
-                      xp: u64,
-                      xq: Option<(u64, usize)>,
-                      xs: usize,
-                      per_pair: bool,
-                      op: u64,
-                      os: usize| {
+        // The given parts (and their output columns) of every pair's expert, as the kernels
+        // take them; inputs one row per token or, `per_pair`, per pair.
+        let kept_jobs = |parts: &[(&crate::kept::KeptPart, usize)], per_pair: bool| {
             let p0 = parts[0].0;
             let mut kj = KeptJobs {
                 row_bytes: p0.row_bytes as u64,
@@ -1555,6 +1510,19 @@ impl Backend for CudaBackend {
                 kj.expert_bytes[i] = p.bytes as u64;
                 kj.out_col[i] = *col as i32;
             }
+            kj
+        };
+        // One launch for the given parts of every pair's expert: inputs at `xp` (rows `xs`
+        // apart), or already quantized at `xq`.
+        let launch = |parts: &[(&crate::kept::KeptPart, usize)],
+                      xp: u64,
+                      xq: Option<(u64, usize)>,
+                      xs: usize,
+                      per_pair: bool,
+                      op: u64,
+                      os: usize| {
+            let p0 = parts[0].0;
+            let kj = kept_jobs(parts, per_pair);
             let (xs_i, os_i) = (xs as i32, os as i32);
             let fk = self.k.format(p0.format);
             // The kernel a one-token product of this format gets in `products`, so that a kept
@@ -1580,24 +1548,7 @@ impl Backend for CudaBackend {
         if let Some(hq) = hq.filter(|_| self.kept_fused) {
             let kernels = |p: &crate::kept::KeptPart| self.k.format(p.format).mvq.as_ref().filter(|_| self.int8);
             if let (Some(gk), Some(dk), true) = (kernels(gate), kernels(down), gate.format == up.format && width % 32 == 0) {
-                let mk = |parts: &[&crate::kept::KeptPart]| {
-                    let p0 = parts[0];
-                    let mut kj = KeptJobs {
-                        row_bytes: p0.row_bytes as u64,
-                        rows: p0.rows as i32,
-                        cols: p0.cols as i32,
-                        k: k as i32,
-                        parts: parts.len() as i32,
-                        experts: l.experts as i32,
-                        ..Default::default()
-                    };
-                    for (i, p) in parts.iter().enumerate() {
-                        kj.base[i] = dptr(&p.data, &self.stream);
-                        kj.expert_bytes[i] = p.bytes as u64;
-                    }
-                    kj
-                };
-                let (gj, dj) = (mk(&[gate, up]), mk(&[down]));
+                let (gj, dj) = (kept_jobs(&[(gate, 0), (up, width)], false), kept_jobs(&[(down, 0)], true));
                 let dstride = crate::buf::quant_stride(width);
                 let Some(dq) = self.scratch(n * k * dstride) else { return };
                 let (hs, gs, ds) = (hq.1 as i32, (2 * width) as i32, dstride as i32);

@@ -86,21 +86,6 @@ extern "C" __global__ void silu_quantize(float* x, int stride, int rows, int w, 
     quantize_group(v, qx + (size_t)r * qstride, w, g);
 }
 
-// Row w (cols floats) · x by the block, summed in a fixed order (the same bits every run);
-// every thread gets the sum.
-__device__ float row_dot_f32(const float* w, const float* xr, int cols) {
-    float s = 0.0f;
-    if ((((size_t)w | (size_t)xr) & 15) == 0 && (cols & 3) == 0) {
-        for (int c = 4 * threadIdx.x; c < cols; c += 4 * blockDim.x) {
-            float4 a = *(const float4*)(w + c), b = *(const float4*)(xr + c);
-            s += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
-        }
-    } else {
-        for (int c = threadIdx.x; c < cols; c += blockDim.x) s += w[c] * xr[c];
-    }
-    return block_sum(s);
-}
-
 // One token through f32 weights (a router, most often: 128 rows of 2048), a block of threads
 // per row, so that a matrix of few rows still spreads over every SM (the warp-per-row mat-vec
 // gave a router 32 blocks on 132 SMs, and it took as long as a layer's expert products).
@@ -109,6 +94,17 @@ extern "C" __global__ void mvs_f32(const Jobs js, const float* x, int xs, float*
     const Job& j = js.job[blockIdx.y];
     int r = blockIdx.x;
     if (r >= j.rows) return;  // the whole block
-    float s = row_dot_f32((const float*)(j.w + (u64)r * j.row_bytes), x + (size_t)j.x_row * xs, j.cols);
+    const float* w = (const float*)(j.w + (u64)r * j.row_bytes);
+    const float* xr = x + (size_t)j.x_row * xs;
+    float s = 0.0f;
+    if ((((size_t)w | (size_t)xr) & 15) == 0 && (j.cols & 3) == 0) {
+        for (int c = 4 * threadIdx.x; c < j.cols; c += 4 * blockDim.x) {
+            float4 a = *(const float4*)(w + c), b = *(const float4*)(xr + c);
+            s += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+        }
+    } else {
+        for (int c = threadIdx.x; c < j.cols; c += blockDim.x) s += w[c] * xr[c];
+    }
+    s = block_sum(s);
     if (threadIdx.x == 0) out[(size_t)j.out_row * os + j.out_col + r] = s;
 }
