@@ -98,19 +98,6 @@ fn post(addr: SocketAddr, path: &str, body: &str) -> (u16, String, String) {
     http(addr, "POST", path, &[("Authorization", &auth), ("Content-Type", "application/json")], body.as_bytes())
 }
 
-/// [`post`], again after a moment while the answer is 429: with `--max-queue 1` the request
-/// before may still hold the queue's place for a moment after its reply arrived.
-fn post_settled(addr: SocketAddr, path: &str, body: &str) -> (u16, String, String) {
-    for _ in 0..200 {
-        let r = post(addr, path, body);
-        if r.0 != 429 {
-            return r;
-        }
-        std::thread::sleep(Duration::from_millis(25));
-    }
-    panic!("{path} still 429 after 5 s")
-}
-
 fn error_json(body: &str) -> serde_json::Value {
     let v: serde_json::Value = serde_json::from_str(body).unwrap_or_else(|e| panic!("not JSON ({e}): {body}"));
     assert!(v["error"]["message"].is_string(), "OpenAI error shape: {v}");
@@ -263,7 +250,7 @@ fn error_statuses_and_recovery() {
     let first_failure = |tag: &str| {
         (0..20).find_map(|i| {
             let prompt = format!(r#"{{"model": "qwen3", "prompt": "{i} {tag} prompt {i}", "max_tokens": 8}}"#);
-            let (st, _, body) = post_settled(a, "/v1/completions", &prompt);
+            let (st, _, body) = post(a, "/v1/completions", &prompt);
             assert!(st == 200 || st == 500, "{st} {body}");
             (st == 500).then(|| error_json(&body)["error"]["message"].as_str().unwrap().to_string())
         })
@@ -271,7 +258,7 @@ fn error_statuses_and_recovery() {
     let message = first_failure("different").expect("a truncated vault must fail a request");
     assert!(message.contains("expert"), "{message}");
     assert_eq!(http(a, "GET", "/health", &[], b"").0, 200);
-    assert_eq!(post_settled(a, "/v1/chat/completions", &chat("mixtral", "")).0, 200, "other models keep serving");
+    assert_eq!(post(a, "/v1/chat/completions", &chat("mixtral", "")).0, 200, "other models keep serving");
     let (st, _, metrics) = http(a, "GET", "/metrics", &[("Authorization", &auth)], b"");
     assert_eq!(st, 200);
     for name in [
@@ -286,7 +273,7 @@ fn error_statuses_and_recovery() {
 
     // The vault restored in place: the same model serves again, and answers as before.
     std::fs::write(&path, &original).unwrap();
-    let (st, _, body) = post_settled(a, "/v1/chat/completions", &chat("qwen3", ""));
+    let (st, _, body) = post(a, "/v1/chat/completions", &chat("qwen3", ""));
     assert_eq!((st, reply(&body)), (200, answer.clone()), "{body}");
     // One bit flipped in every expert blob: the first blob read fails its checksum, named by
     // layer and expert; nothing is computed on it. Restored, the model answers as before.
@@ -301,9 +288,9 @@ fn error_statuses_and_recovery() {
     let named = first_failure("another").expect("a flipped bit in every blob must fail a request");
     let expert_named = named.split("expert ").nth(1).and_then(|r| r.split(" of layer ").nth(1)).is_some();
     assert!(named.contains("failed its checksum") && expert_named, "{named}");
-    assert_eq!(post_settled(a, "/v1/chat/completions", &chat("mixtral", "")).0, 200, "other models keep serving");
+    assert_eq!(post(a, "/v1/chat/completions", &chat("mixtral", "")).0, 200, "other models keep serving");
     std::fs::write(&path, &original).unwrap();
-    let (st, _, body) = post_settled(a, "/v1/chat/completions", &chat("qwen3", ""));
+    let (st, _, body) = post(a, "/v1/chat/completions", &chat("qwen3", ""));
     assert_eq!((st, reply(&body)), (200, answer.clone()), "{body}");
     eprintln!("a flipped bit under the server: {named}");
     // Replaced by a rename (how a new model is put in place), the running server keeps reading
@@ -313,10 +300,10 @@ fn error_statuses_and_recovery() {
     std::fs::copy(dir.path().join("mixtral.smoe"), &new).unwrap();
     std::fs::rename(&new, &path).unwrap();
     for i in 0..5 {
-        let (st, _, body) = post_settled(a, "/v1/chat/completions", &chat("qwen3", ""));
+        let (st, _, body) = post(a, "/v1/chat/completions", &chat("qwen3", ""));
         assert_eq!((st, reply(&body)), (200, answer.clone()), "request {i} after the replacement: {body}");
         let (st, _, body) =
-            post_settled(a, "/v1/completions", &format!(r#"{{"model": "qwen3", "prompt": "{i} a third prompt {i}", "max_tokens": 8}}"#));
+            post(a, "/v1/completions", &format!(r#"{{"model": "qwen3", "prompt": "{i} a third prompt {i}", "max_tokens": 8}}"#));
         assert_eq!(st, 200, "{body}");
     }
     let (_, _, metrics) = http(a, "GET", "/metrics", &[("Authorization", &auth)], b"");
@@ -508,7 +495,8 @@ fn tool_schemas_that_do_not_fit_are_dropped() {
 #[test]
 fn concurrent_requests_are_batched_and_answer_as_alone() {
     let dir = vault_dir();
-    let server = Server::start(dir.path(), &["--api-key", KEY, "--max-batch", "4", "--max-queue", "8", "--batch-tokens", "16"]);
+    let server =
+        Server::start(dir.path(), &["--api-key", KEY, "--max-batch", "4", "--max-queue", "8", "--batch-tokens", "16", "--ctx", "65536"]);
     let a = server.addr;
     // The second prompt is several steps' worth of tokens: it is prefilled in chunks between
     // the others' decode tokens (--batch-tokens 16).
@@ -573,6 +561,6 @@ fn concurrent_requests_are_batched_and_answer_as_alone() {
         assert!(t0.elapsed() < Duration::from_secs(5), "the stream that hung up is still queued:\n{m}");
         std::thread::sleep(Duration::from_millis(20));
     }
-    let (st, _, b) = post_settled(a, "/v1/completions", &body(prompts[0]));
+    let (st, _, b) = post(a, "/v1/completions", &body(prompts[0]));
     assert_eq!((st, text(&b)), (200, alone[0].clone()));
 }

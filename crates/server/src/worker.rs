@@ -254,8 +254,8 @@ impl<B: Backend> Loop<B> {
                 // Refused before any step: the session still holds the prefix it shares.
                 sessions.push(cached);
                 self.metrics.engine_errors.fetch_add(1, Ordering::Relaxed);
-                let _ = job.events.send(Event::Failed(api_error(e)));
                 self.pending.fetch_sub(1, Ordering::SeqCst);
+                let _ = job.events.send(Event::Failed(api_error(e)));
             }
         }
     }
@@ -308,13 +308,15 @@ impl<B: Backend> Loop<B> {
         }
     }
 
-    /// Answers a generation that left the batch and returns its session to the pool.
+    /// Answers a generation that left the batch and returns its session to the pool. The
+    /// queue's place is given back before the answer goes out: a client that sends its next
+    /// request on the answer finds the place free (with `--max-queue 1` it got a 429).
     fn finish(&self, sessions: &mut Vec<Cached<B>>, a: Active<B>) {
         let Active { job, mut session, gen, store0, failed } = a;
         session.record(gen.context());
-        if let Some(err) = failed {
+        let answer = if let Some(err) = failed {
             self.metrics.engine_errors.fetch_add(1, Ordering::Relaxed);
-            let _ = job.events.send(Event::Failed(err));
+            Event::Failed(err)
         } else {
             let g = gen.finish(&mut |_, text| stream(&job.events, &job.cancel, text));
             let store = self.engine.model.experts().stats().since(&store0);
@@ -323,11 +325,12 @@ impl<B: Backend> Loop<B> {
             if !g.tokens.is_empty() {
                 self.recent.add(g.text.clone(), g.tokens.clone());
             }
-            let _ = job.events.send(Event::Done(Box::new(Finished { generation: g, store })));
-        }
+            Event::Done(Box::new(Finished { generation: g, store }))
+        };
         sessions.push(Cached { session, used: Instant::now() });
         self.trim(sessions, sessions.len() - 1);
         self.pending.fetch_sub(1, Ordering::SeqCst);
+        let _ = job.events.send(answer);
     }
 
     /// The session for `prompt`: the cached one it extends; else a copy of the longest shared
