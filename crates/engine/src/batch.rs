@@ -112,14 +112,15 @@ impl<B: Backend> Model<B> {
         self.layers_of_step(&mut step, ids, obs)?;
         self.last_logits(&mut step, logits);
         drop(segs);
+        // A failed step leaves every sequence where it was: its keys are not kept.
+        if let Some(fault) = self.backend.fault() {
+            return Err(EngineError::Backend(fault));
+        }
         for it in items.iter_mut() {
             it.state.pos += it.tokens.len();
         }
         if let Some(ins) = instrument.as_mut() {
             ins.end(t0.elapsed().as_secs_f64() * 1e3, self.experts.stats());
-        }
-        if let Some(fault) = self.backend.fault() {
-            return Err(EngineError::Backend(fault));
         }
         Ok(logits)
     }
