@@ -13,20 +13,6 @@ use smoe_vault::Vault;
 use std::path::Path;
 use std::sync::Arc;
 
-const ALL: [&str; 11] = [
-    "qwen3_moe",
-    "qwen2_moe",
-    "mixtral",
-    "olmoe",
-    "qwen3_moe_yarn",
-    "qwen3_moe_k",
-    "glm4_moe",
-    "deepseek_v3",
-    "deepseek_v3_yarn",
-    "minimax_m2",
-    "gpt_oss",
-];
-
 fn open(path: &Path, precision: Precision, slots: Option<usize>) -> Model<CpuBackend> {
     let v = Vault::open(path).unwrap();
     let experts: Arc<dyn ExpertSource> = match slots {
@@ -131,7 +117,7 @@ fn batched_vs_alone(model: &Model<CpuBackend>, name: &str, exact: bool) -> f64 {
 
 #[test]
 fn batched_logits_equal_alone_bit_for_bit_on_every_family() {
-    for name in ALL {
+    for name in ALL_FIXTURES {
         let path = vault(name, Format::Q8_0, Format::Q8_0);
         batched_vs_alone(&open(&path, Precision::Reference, None), name, true);
         // Streamed through a small cache: experts arrive in batches, in the store's order.
@@ -141,18 +127,22 @@ fn batched_logits_equal_alone_bit_for_bit_on_every_family() {
     }
 }
 
-/// The int8 path: the same schedule within a bound. Measured on these fixtures (Q8_0 and
-/// Q4_K experts, AVX2): at most 3.3e-7 of the largest logit; the bound leaves room for other
-/// ISAs' kernels.
+/// The int8 path (`serve`'s default): the same schedule within a bound, on every family with
+/// Q8_0 experts and on Q4_K ones. In a batch, rows take the many-row int8 kernels where alone
+/// they took the one-row ones: the same integer products, summed and scaled in another order.
+/// Measured (AVX2): at most 3.3e-7 of the largest logit on nine families and Q4_K, held to 1e-5
+/// (room for other ISAs' kernels); qwen2_moe 1.1e-4 and olmoe 5.4e-3, not yet explained (a
+/// routing near-tie tipped by the rounding is the suspect; with f32 products every family is
+/// bit for bit, above), held to 1e-2 so that a worse change still fails.
 #[test]
 fn batched_logits_match_alone_with_int8_products() {
-    for (name, experts) in
-        [("qwen3_moe", Format::Q8_0), ("qwen3_moe_k", Format::Q4_K), ("deepseek_v3", Format::Q8_0), ("mixtral", Format::Q8_0)]
-    {
+    let cases = ALL_FIXTURES.iter().map(|&name| (name, Format::Q8_0)).chain([("qwen3_moe_k", Format::Q4_K)]);
+    for (name, experts) in cases {
         let model = open(&vault(name, experts, Format::Q8_0), Precision::Fast, None);
         let worst = batched_vs_alone(&model, name, false);
         eprintln!("{name} {experts}: batched vs alone, largest relative logit error {worst:.2e}");
-        assert!(worst < 1e-5, "{name}: batched logits differ from alone by {worst:.2e}");
+        let bound = if ["qwen2_moe", "olmoe"].contains(&name) { 1e-2 } else { 1e-5 };
+        assert!(worst < bound, "{name}: batched logits differ from alone by {worst:.2e} (bound {bound:.0e})");
     }
 }
 

@@ -10,20 +10,6 @@ use smoe_vault::Vault;
 use std::path::Path;
 use std::sync::Arc;
 
-const ALL: [&str; 11] = [
-    "qwen3_moe",
-    "qwen2_moe",
-    "mixtral",
-    "olmoe",
-    "qwen3_moe_yarn",
-    "qwen3_moe_k",
-    "glm4_moe",
-    "deepseek_v3",
-    "deepseek_v3_yarn",
-    "minimax_m2",
-    "gpt_oss",
-];
-
 fn streaming(path: &Path, slots: usize) -> (Model<CpuBackend>, Arc<ExpertStore>) {
     let v = Vault::open(path).unwrap();
     let store = Arc::new(ExpertStore::open(&v, &StoreOptions::with_slots(slots)).unwrap());
@@ -33,7 +19,7 @@ fn streaming(path: &Path, slots: usize) -> (Model<CpuBackend>, Arc<ExpertStore>)
 
 #[test]
 fn any_cache_size_is_bit_identical_to_resident() {
-    for name in ALL {
+    for name in ALL_FIXTURES {
         let path = vault(name, Format::Q8_0, Format::Q8_0);
         let v = Vault::open(&path).unwrap();
         let a = v.architecture().clone();

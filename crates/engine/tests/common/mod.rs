@@ -8,6 +8,22 @@ use smoe_quant::Format;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+/// Every fixture family's directory under testdata/hf (one per model type, plus the YaRN and
+/// K-quant variants).
+pub const ALL_FIXTURES: [&str; 11] = [
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+    "olmoe",
+    "qwen3_moe_yarn",
+    "qwen3_moe_k",
+    "glm4_moe",
+    "deepseek_v3",
+    "deepseek_v3_yarn",
+    "minimax_m2",
+    "gpt_oss",
+];
+
 pub fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/hf").join(name)
 }
