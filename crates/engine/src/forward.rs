@@ -146,7 +146,8 @@ pub(crate) struct Buffers<B: Backend> {
 /// One chunk's routing, on the host (`n` tokens, `k` experts each).
 #[derive(Default)]
 struct Routes {
-    /// `[n, experts]`: router logits.
+    /// `[n, experts]`: router logits; or, routed on the backend
+    /// (`route_on_backend`), its `[n, 2k]` ids and weights.
     logits: Vec<f32>,
     /// `[n, k]`: each token's experts, best first (slot `s` of token `t` is `t × k + s`).
     ids: Vec<u32>,
@@ -437,7 +438,7 @@ impl<B: Backend> Model<B> {
 
     fn forward_chunk(&self, st: &mut State<B>, tokens: &[u32], want: Logits, obs: &mut dyn Observer) -> Result<(), EngineError> {
         let be = &self.backend;
-        let (n, hd) = (tokens.len(), self.arch.hidden_size);
+        let n = tokens.len();
         let t0 = Instant::now();
         if let Some(ins) = st.instrument.as_mut() {
             ins.begin(n, self.experts.stats());
@@ -446,22 +447,15 @@ impl<B: Backend> Model<B> {
         let mut one = [Seg { kv, pos: *pos, stream: *stream, row: 0, n }];
         let mut s = Step { buf: &mut work.buf, host: &mut work.host, instrument, segs: &mut one };
         self.layers_of_step(&mut s, tokens, obs)?;
-        let b = &mut work.buf;
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        let vocab = self.arch.vocab_size;
         match want {
             Logits::All => {
-                be.matmul(head, None, &b.h, n, &mut b.logits);
+                let (b, vocab) = (&mut *s.buf, self.arch.vocab_size);
+                be.matmul(self.lm_head.as_ref().unwrap_or(&self.embed), None, &b.h, n, &mut b.logits);
                 let start = logits.len();
                 logits.resize(start + n * vocab, 0.0);
                 be.download(&b.logits, 0, &mut logits[start..]);
             }
-            Logits::Last => {
-                be.copy_strided(&b.h, hd, (n - 1) * hd, &mut b.tmp, hd, 0, hd, 1);
-                be.matmul(head, None, &b.tmp, 1, &mut b.logits);
-                logits.resize(vocab, 0.0);
-                be.download(&b.logits, 0, logits);
-            }
+            Logits::Last => self.last_logits(&mut s, logits),
         }
         st.pos += n;
         if let Some(ins) = st.instrument.as_mut() {

@@ -156,10 +156,15 @@ impl<B: Backend> Engine<B> {
         ids
     }
 
+    /// The tool-call syntax the chat template teaches its model (the default without one).
+    pub fn call_syntax(&self) -> smoe_text::CallSyntax {
+        self.template.as_ref().map(|t| t.call_syntax()).unwrap_or_default()
+    }
+
     /// Whether the chat template speaks harmony (gpt-oss): its replies are then detokenized
     /// with special tokens, which carry the channels the reply parser splits on.
     pub fn harmony(&self) -> bool {
-        self.template.as_ref().is_some_and(|t| t.call_syntax() == smoe_text::CallSyntax::Harmony)
+        self.call_syntax() == smoe_text::CallSyntax::Harmony
     }
 
     /// Sampling defaults from generation_config.json (greedy if it does not ask for sampling).

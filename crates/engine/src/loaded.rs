@@ -58,6 +58,6 @@ impl<B: Backend> LoadedModel for Engine<B> {
         Engine::sampling(self, request)
     }
     fn call_syntax(&self) -> smoe_text::CallSyntax {
-        self.template.as_ref().map(|t| t.call_syntax()).unwrap_or_default()
+        Engine::call_syntax(self)
     }
 }
