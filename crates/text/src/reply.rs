@@ -398,14 +398,7 @@ impl Harmony {
                     let found = H_ENDS.iter().map(|m| (m, true)).chain(H_HEADS.iter().map(|m| (m, false)));
                     let next = found.filter_map(|(m, end)| self.buf.find(m).map(|at| (at, m.len(), end))).min();
                     let Some((at, len, end)) = next else {
-                        let keep = H_ENDS
-                            .iter()
-                            .chain(&H_HEADS)
-                            .flat_map(|m| m.char_indices().skip(1).map(|(i, _)| &m[..i]))
-                            .filter(|p| self.buf.ends_with(p))
-                            .map(str::len)
-                            .max()
-                            .unwrap_or(0);
+                        let keep = crate::sections::partial_suffix_len(&self.buf, H_ENDS.iter().chain(&H_HEADS).copied());
                         let body: String = self.buf.drain(..self.buf.len() - keep).collect();
                         self.body(body, &mut out);
                         return out;

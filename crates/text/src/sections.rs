@@ -1,6 +1,18 @@
 //! Tagged sections of streamed text, such as `<think>…</think>` reasoning or
 //! `<tool_call>…</tool_call>` (see [`crate::ReplyParser`]).
 
+/// Bytes at the end of `text` that could begin one of `markers` (the longest proper prefix of
+/// a marker that `text` ends with): streamed text holds them back until the next piece tells.
+pub(crate) fn partial_suffix_len<'a>(text: &str, markers: impl IntoIterator<Item = &'a str>) -> usize {
+    markers
+        .into_iter()
+        .flat_map(|m| m.char_indices().skip(1).map(move |(i, _)| &m[..i]))
+        .filter(|p| text.ends_with(p))
+        .map(str::len)
+        .max()
+        .unwrap_or(0)
+}
+
 /// Which side of a tag pair a piece of text is on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Section {
@@ -55,7 +67,7 @@ impl SectionSplitter {
                 continue;
             }
             // Keep the longest suffix that could begin the tag.
-            let keep = tag.char_indices().skip(1).map(|(i, _)| i).filter(|&i| self.pending.ends_with(&tag[..i])).max().unwrap_or(0);
+            let keep = partial_suffix_len(&self.pending, [tag.as_str()]);
             let cut = self.pending.len() - keep;
             if cut > 0 {
                 let s: String = self.pending.drain(..cut).collect();

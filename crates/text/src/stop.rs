@@ -30,14 +30,7 @@ impl StopStrings {
             return (out, true);
         }
         // Hold back the longest suffix that is a prefix of some stop string.
-        let mut keep = 0;
-        for s in &self.stops {
-            for (i, _) in s.char_indices().skip(1) {
-                if self.pending.ends_with(&s[..i]) {
-                    keep = keep.max(i);
-                }
-            }
-        }
+        let keep = crate::sections::partial_suffix_len(&self.pending, self.stops.iter().map(String::as_str));
         let cut = self.pending.len() - keep;
         let out = self.pending[..cut].to_string();
         self.pending.drain(..cut);
