@@ -107,11 +107,8 @@ impl TensorInfo {
                     *o = f8e4m3_to_f32(b);
                 }
             }
-            DType::U8 => {
-                for (o, &b) in out.iter_mut().zip(raw.iter()) {
-                    *o = b as f32;
-                }
-            }
+            // Bytes (MXFP4 blocks and scales), read as stored by read_rows_raw: not numbers.
+            DType::U8 => return Err(FormatError::BadInput(format!("{}: a U8 tensor holds bytes, not weights", self.name))),
         }
         if let Some(bad) = out.iter().position(|v| !v.is_finite()) {
             return Err(FormatError::NonFinite { tensor: self.name.clone(), index: (start * cols + bad) as u64 });
