@@ -12,6 +12,16 @@ pub type Scores = unsafe fn(q: &[f32], d: usize, keys: &[f32], stride: usize, n:
 /// `acc[r, :] += Σ_j p[j * rows + r] · values[j * stride..][..d]` over `n` values, for the
 /// `rows` rows of `acc` ([`crate::Kernels::attn_weighted_sum`]).
 pub type WeightedSum = unsafe fn(acc: &mut [f32], d: usize, p: &[f32], values: &[f32], stride: usize, n: usize);
+/// `v[i] = exp(v[i] - m[i]); sum[i] += v[i]` (see [`crate::Kernels::softmax_terms`]).
+pub type SoftmaxTerms = unsafe fn(v: &mut [f32], m: &[f32], sum: &mut [f32]);
+
+/// The plain softmax terms: `exp` from the standard library, one value at a time.
+pub fn softmax_terms(v: &mut [f32], m: &[f32], sum: &mut [f32]) {
+    for ((v, m), s) in v.iter_mut().zip(m).zip(sum) {
+        *v = (*v - m).exp();
+        *s += *v;
+    }
+}
 
 /// Scalar [`MultiDot`].
 pub fn multi_dot(q: &[f32], k: &[f32], out: &mut [f32]) {

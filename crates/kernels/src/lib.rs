@@ -73,6 +73,7 @@ pub struct Kernels {
     /// Many keys or values at once (prefill's attention); `None`: one at a time.
     pub(crate) attn_scores: Option<attn::Scores>,
     pub(crate) attn_sum: Option<attn::WeightedSum>,
+    pub(crate) softmax_terms: attn::SoftmaxTerms,
     dots: [DotFn; FORMATS],
     gemms: [Option<gemm::GemmRow>; FORMATS],
     gemms4: [Option<gemm::GemmRows>; FORMATS],
@@ -123,6 +124,7 @@ impl Kernels {
             multi_axpy: attn::multi_axpy,
             attn_scores: None,
             attn_sum: None,
+            softmax_terms: attn::softmax_terms,
             dots,
             gemms: [None; FORMATS],
             gemms4: [None; FORMATS],
@@ -335,6 +337,16 @@ impl Kernels {
             Some(f) => unsafe { f(acc, d, p, values, stride, n) },
             None => (0..n).for_each(|j| self.multi_axpy(acc, &p[j * rows..(j + 1) * rows], &values[j * stride..][..d])),
         }
+    }
+
+    /// Softmax terms of one token's rows at one position: `v[i] = exp(v[i] - m[i])` and
+    /// `sum[i] += v[i]`, for `v`, `m` and `sum` of one length. The SIMD tables use a polynomial
+    /// `exp` (within 2 ulp of the correctly rounded value) whose result does not depend on a
+    /// value's place in the slice, so a row's terms are the same whatever rows surround it.
+    pub fn softmax_terms(&self, v: &mut [f32], m: &[f32], sum: &mut [f32]) {
+        assert!(m.len() == v.len() && sum.len() == v.len(), "softmax_terms: lengths differ");
+        // SAFETY: as for `dot`.
+        unsafe { (self.softmax_terms)(v, m, sum) }
     }
 
     /// `a · b` in f32 (attention, f32 weights).

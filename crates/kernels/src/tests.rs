@@ -361,3 +361,32 @@ fn dot_rows_match_row_dots() {
         }
     }
 }
+
+/// Every table's softmax terms: `exp(v - m)` within 2 ulp of the standard library's over the
+/// range softmax sees (0 below -87.3), sums accumulated, and a value's result independent of
+/// where it sits in the slice (vector lanes and the one-by-one tail agree).
+#[test]
+fn softmax_terms_are_exp_to_two_ulp_wherever_a_value_sits() {
+    let xs: Vec<f32> = (0..4001).map(|i| -90.0 * i as f32 / 4000.0).chain([0.0, -1e-8, -0.5, -87.0, -87.4, -200.0]).collect();
+    for k in available() {
+        for len in [1usize, 3, 8, 13] {
+            for start in 0..xs.len().saturating_sub(len) {
+                let x = &xs[start..start + len];
+                let mut v: Vec<f32> = x.iter().map(|x| x + 2.5).collect();
+                let m = vec![2.5f32; len];
+                let mut sum = vec![1.0f32; len];
+                k.softmax_terms(&mut v, &m, &mut sum);
+                for i in 0..len {
+                    let want = ((x[i] + 2.5) - 2.5).exp();
+                    let tol = if x[i] < -87.0 { 1.3e-38 } else { want * 2.4e-7 };
+                    assert!((v[i] - want).abs() <= tol, "{} exp({}) = {} want {want}", k.isa, x[i], v[i]);
+                    assert_eq!(sum[i], 1.0 + v[i]);
+                }
+                // The same value alone gives the same bits.
+                let mut one = [x[0] + 2.5];
+                k.softmax_terms(&mut one, &m[..1], &mut [0.0]);
+                assert_eq!(one[0], v[0], "{}: lane and tail differ at {}", k.isa, x[0]);
+            }
+        }
+    }
+}

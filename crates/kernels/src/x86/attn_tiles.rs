@@ -45,8 +45,13 @@ fn tile<const R: usize, const K: usize>(q: [&[f32]; R], k: [&[f32]; K]) -> [[f32
     let full = d / 8 * 8;
     let mut acc = [[_mm256_setzero_ps(); K]; R];
     for i in (0..full).step_by(8) {
-        // SAFETY: i + 8 <= full <= d, the length of every key row (asserted above).
-        let kv: [__m256; K] = std::array::from_fn(|b| unsafe { load(k[b], i) });
+        // Plain loops here, not `array::from_fn`: its closure is not compiled with this
+        // function's target features, so the loads would become calls.
+        let mut kv = [_mm256_setzero_ps(); K];
+        for b in 0..K {
+            // SAFETY: i + 8 <= full <= d, the length of every key row (asserted above).
+            kv[b] = unsafe { load(k[b], i) };
+        }
         for a in 0..R {
             // SAFETY: i + 8 <= full <= d, the length of every query row (asserted above).
             let qv = unsafe { load(q[a], i) };
@@ -55,7 +60,13 @@ fn tile<const R: usize, const K: usize>(q: [&[f32]; R], k: [&[f32]; K]) -> [[f32
             }
         }
     }
-    std::array::from_fn(|b| std::array::from_fn(|a| finish_dot(acc[a][b], q[a], k[b], full)))
+    let mut out = [[0f32; R]; K];
+    for b in 0..K {
+        for a in 0..R {
+            out[b][a] = finish_dot(acc[a][b], q[a], k[b], full);
+        }
+    }
+    out
 }
 
 /// Scores of `q`'s rows (`d` long each) against `n` keys, key `j` at `keys[j * stride..]`:
@@ -73,6 +84,10 @@ pub unsafe fn scores(q: &[f32], d: usize, keys: &[f32], stride: usize, n: usize,
     let mut j = 0;
     while j < n {
         let ks = KS.min(n - j);
+        // The keys a few steps ahead (see `weighted_sum` on why).
+        for f in j + 8 * KS..(j + 9 * KS).min(n) {
+            prefetch_row(key(f));
+        }
         for r in (0..rows).step_by(QR) {
             let rs = QR.min(rows - r);
             // Whole tiles in the common case; a last partial block row by row and key by key.
@@ -111,13 +126,21 @@ fn sum_tile<const R: usize, const C: usize>(
 ) {
     assert!((r + R - 1) * d + c + 8 * C <= acc.len() && c + 8 * C <= d);
     assert!(n == 0 || ((n - 1) * rows + r + R <= p.len() && (n - 1) * stride + c + 8 * C <= values.len()));
-    // SAFETY: for i < R and x < C the load ends at (r + i) * d + c + 8 * (x + 1)
-    // <= (r + R - 1) * d + c + 8 * C <= acc.len() (first assert).
-    let mut a: [[__m256; C]; R] = std::array::from_fn(|i| std::array::from_fn(|x| unsafe { load(acc, (r + i) * d + c + 8 * x) }));
+    let mut a = [[_mm256_setzero_ps(); C]; R];
+    for i in 0..R {
+        for x in 0..C {
+            // SAFETY: for i < R and x < C the load ends at (r + i) * d + c + 8 * (x + 1)
+            // <= (r + R - 1) * d + c + 8 * C <= acc.len() (first assert).
+            a[i][x] = unsafe { load(acc, (r + i) * d + c + 8 * x) };
+        }
+    }
     for j in 0..n {
-        // SAFETY: j <= n - 1 and x < C, so the load ends at most at
-        // (n - 1) * stride + c + 8 * C <= values.len() (second assert).
-        let v: [__m256; C] = std::array::from_fn(|x| unsafe { load(values, j * stride + c + 8 * x) });
+        let mut v = [_mm256_setzero_ps(); C];
+        for x in 0..C {
+            // SAFETY: j <= n - 1 and x < C, so the load ends at most at
+            // (n - 1) * stride + c + 8 * C <= values.len() (second assert).
+            v[x] = unsafe { load(values, j * stride + c + 8 * x) };
+        }
         for i in 0..R {
             let w = _mm256_set1_ps(p[j * rows + r + i]);
             for x in 0..C {
@@ -144,6 +167,36 @@ pub unsafe fn weighted_sum(acc: &mut [f32], d: usize, p: &[f32], values: &[f32],
     assert!(d > 0 && acc.len().is_multiple_of(d), "weighted_sum: rows of {d}");
     let rows = acc.len() / d;
     assert!(p.len() >= n * rows && (n == 0 || (n - 1) * stride + d <= values.len()), "weighted_sum: buffers too short");
+    // Positions go by in chunks small enough to stay in L1 while every row group and column
+    // tile passes over them: each cached value is fetched from memory once, not once per pass
+    // (decode reads one head's slice of each cached row, 2 KB apart, where the hardware
+    // prefetchers help little); the next chunk is prefetched meanwhile. Each output element
+    // still sums its terms in position order.
+    for j0 in (0..n).step_by(SUM_CHUNK) {
+        let jn = SUM_CHUNK.min(n - j0);
+        for j in j0 + 2 * SUM_CHUNK..(j0 + 3 * SUM_CHUNK).min(n) {
+            prefetch_row(&values[j * stride..][..d]);
+        }
+        weighted_sum_chunk(acc, d, rows, &p[j0 * rows..], &values[j0 * stride..], stride, jn);
+    }
+}
+
+/// Positions per chunk of [`weighted_sum`].
+const SUM_CHUNK: usize = 16;
+
+/// Asks for `row`'s cache lines ahead of use.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn prefetch_row(row: &[f32]) {
+    for i in (0..row.len()).step_by(16) {
+        // SAFETY: a prefetch of an address inside `row` (it never faults in any case).
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(row.as_ptr().add(i) as *const i8) };
+    }
+}
+
+/// [`weighted_sum`] over `n` positions that stay in cache.
+#[target_feature(enable = "avx2,fma")]
+fn weighted_sum_chunk(acc: &mut [f32], d: usize, rows: usize, p: &[f32], values: &[f32], stride: usize, n: usize) {
     let full = d / 8 * 8;
     for r in (0..rows).step_by(QR) {
         let whole = rows - r >= QR;
@@ -168,5 +221,67 @@ pub unsafe fn weighted_sum(acc: &mut [f32], d: usize, p: &[f32], values: &[f32],
                 }
             }
         }
+    }
+}
+
+/// `exp(x)` for `x <= 0` (softmax terms): `x = k·ln 2 + r` with `|r| <= ln 2 / 2`, a degree-6
+/// polynomial for `exp(r)` (Cephes' `expf` coefficients), times `2^k` built in the exponent
+/// bits. Below -87.3 the result is 0. Lane by lane the same operations as [`exp_one`].
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+fn exp8(x: __m256) -> __m256 {
+    let x = _mm256_max_ps(x, _mm256_set1_ps(EXP_MIN));
+    let k =
+        _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)));
+    let r = _mm256_fnmadd_ps(k, _mm256_set1_ps(LN2_HI), x);
+    let r = _mm256_fnmadd_ps(k, _mm256_set1_ps(LN2_LO), r);
+    let mut p = _mm256_set1_ps(EXP_POLY[0]);
+    for &c in &EXP_POLY[1..] {
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+    }
+    // exp(r) = 1 + r + r²·p(r)
+    let e = _mm256_fmadd_ps(_mm256_mul_ps(r, r), p, _mm256_add_ps(r, _mm256_set1_ps(1.0)));
+    let two_k = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127))));
+    let y = _mm256_mul_ps(e, two_k);
+    // 2^k is not representable below k = -126: such terms are zero.
+    _mm256_and_ps(y, _mm256_cmp_ps::<_CMP_GT_OQ>(x, _mm256_set1_ps(EXP_MIN)))
+}
+
+const EXP_MIN: f32 = -87.3;
+const LN2_HI: f32 = 0.693_359_4;
+const LN2_LO: f32 = -2.121_944_4e-4;
+const EXP_POLY: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5e-1];
+
+/// [`exp8`] for one value, with the same operations (FMA is exactly rounded either way).
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+fn exp_one(x: f32) -> f32 {
+    let mut a = [0f32; 8];
+    a[0] = x;
+    // SAFETY: eight floats in and out of a local array.
+    unsafe { _mm256_storeu_ps(a.as_mut_ptr(), exp8(_mm256_loadu_ps(a.as_ptr()))) };
+    a[0]
+}
+
+/// `v[i] = exp(v[i] - m[i]); sum[i] += v[i]`, eight at a time, the rest through the same
+/// arithmetic one by one.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn softmax_terms(v: &mut [f32], m: &[f32], sum: &mut [f32]) {
+    let n = v.len().min(m.len()).min(sum.len());
+    let full = n / 8 * 8;
+    for i in (0..full).step_by(8) {
+        // SAFETY: i + 8 <= full <= the length of each slice.
+        unsafe {
+            let e = exp8(_mm256_sub_ps(load(v, i), load(m, i)));
+            _mm256_storeu_ps(v.as_mut_ptr().add(i), e);
+            _mm256_storeu_ps(sum.as_mut_ptr().add(i), _mm256_add_ps(load(sum, i), e));
+        }
+    }
+    for i in full..n {
+        v[i] = exp_one(v[i] - m[i]);
+        sum[i] += v[i];
     }
 }

@@ -571,26 +571,29 @@ pub unsafe fn transpose8(src: &[f32], m: usize, n: usize, t0: usize, out: &mut [
     let full = m / 8 * 8;
     for i0 in (0..full).step_by(8) {
         // SAFETY: row i0 + k's tokens t0..t0 + 8 end at (i0 + k) * n + t0 + 8 <= m * n.
-        let r: [__m256; 8] = std::array::from_fn(|k| unsafe { _mm256_loadu_ps(src.as_ptr().add((i0 + k) * n + t0)) });
-        let t: [__m256; 8] = std::array::from_fn(|k| {
-            let (a, b) = (r[2 * (k / 2)], r[2 * (k / 2) + 1]);
-            if k % 2 == 0 {
-                _mm256_unpacklo_ps(a, b)
-            } else {
-                _mm256_unpackhi_ps(a, b)
-            }
-        });
+        // Plain loops, not `array::from_fn`: its closure is not compiled with this function's
+        // target features, so the intrinsics inside it would be calls instead of instructions.
+        let mut r = [_mm256_setzero_ps(); 8];
+        for (k, r) in r.iter_mut().enumerate() {
+            // SAFETY: row i0 + k's tokens t0..t0 + 8 end at (i0 + k) * n + t0 + 8 <= m * n.
+            *r = unsafe { _mm256_loadu_ps(src.as_ptr().add((i0 + k) * n + t0)) };
+        }
+        let mut t = [_mm256_setzero_ps(); 8];
+        for k in 0..4 {
+            let (a, b) = (r[2 * k], r[2 * k + 1]);
+            t[2 * k] = _mm256_unpacklo_ps(a, b);
+            t[2 * k + 1] = _mm256_unpackhi_ps(a, b);
+        }
         // s[j] (j < 4): rows 0..4 of token j in its low half and of token j + 4 in its high
         // half; s[4 + j]: the same for rows 4..8.
-        let s: [__m256; 8] = std::array::from_fn(|k| {
-            let (q, j) = (k / 4, k % 4);
-            let (a, b) = (t[4 * q + j / 2], t[4 * q + 2 + j / 2]);
-            if j % 2 == 0 {
-                _mm256_shuffle_ps::<0x44>(a, b)
-            } else {
-                _mm256_shuffle_ps::<0xEE>(a, b)
+        let mut s = [_mm256_setzero_ps(); 8];
+        for q in 0..2 {
+            for h in 0..2 {
+                let (a, b) = (t[4 * q + h], t[4 * q + 2 + h]);
+                s[4 * q + 2 * h] = _mm256_shuffle_ps::<0x44>(a, b);
+                s[4 * q + 2 * h + 1] = _mm256_shuffle_ps::<0xEE>(a, b);
             }
-        });
+        }
         for (k, o) in out.iter_mut().enumerate() {
             let v = if k < 4 { _mm256_permute2f128_ps::<0x20>(s[k], s[4 + k]) } else { _mm256_permute2f128_ps::<0x31>(s[k - 4], s[k]) };
             // SAFETY: 8 floats at i0 < full <= m <= o.len().

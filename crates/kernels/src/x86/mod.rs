@@ -54,6 +54,8 @@ pub fn avx2_table() -> Option<Kernels> {
     k.multi_axpy = crate::attn::avx2::multi_axpy;
     k.attn_scores = Some(attn_tiles::scores);
     k.attn_sum = Some(attn_tiles::weighted_sum);
+    k.softmax_terms = attn_tiles::softmax_terms;
+
     k.transpose8 = Some(gemm::transpose8);
     k.set(Format::F32, DotFn::F32(avx2::dot_f32));
     k.set(Format::BF16, DotFn::F32(avx2::dot_bf16));
