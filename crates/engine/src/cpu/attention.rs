@@ -77,6 +77,11 @@ pub(super) fn attention_ref(l: &KvLayer, q: &[f32], q_stride: usize, n: usize, p
     }
 }
 
+/// Positions of one block (see [`attention_fast`]): small enough that one decode token's
+/// blocks spread over the pool, large enough that merging them costs little (two `exp` and a
+/// row rescale per block against 128 positions' weighted sums).
+pub(super) const POSITIONS_PER_BLOCK: usize = 128;
+
 /// Query heads per task: one KV head's query heads, split so that MLA's single KV head (and
 /// 128 query heads) still spreads over the pool.
 const HEADS_PER_TASK: usize = 16;
@@ -85,32 +90,198 @@ const HEADS_PER_TASK: usize = 16;
 /// queries of each head, instead of one.
 const TOKENS_PER_TASK: usize = 8;
 
-/// A task's buffers, reused across calls: its query rows, its scores (then probabilities)
-/// position-major, and its unnormalised outputs.
+/// Rows (token, head) a task holds at most.
+const ROWS: usize = TOKENS_PER_TASK * HEADS_PER_TASK;
+
+/// A task's buffers, reused across calls: its query rows, one block's scores (then
+/// probabilities) position-major, that block's unnormalised outputs, and the running outputs.
 #[derive(Default)]
 struct Scratch {
     q: Vec<f32>,
     probs: Vec<f32>,
+    part: Vec<f32>,
     out: Vec<f32>,
 }
 
 thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+    /// Decode's per-block partial results, (outputs, maxima, sums) of every task.
+    static PARTS: RefCell<(Vec<f32>, Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
 }
 
-/// Positions whose scores a task holds at once (see [`attention_fast`]).
-pub(super) const POSITIONS_PER_BLOCK: usize = 512;
+/// Which rows a task computes: tokens `t0..t1` (of the call), query heads `h0..h0 + heads` of
+/// KV head `g`, `rows = (t1 - t0) * heads`, row `(t - t0) * heads + h`.
+#[derive(Clone, Copy)]
+struct Rows {
+    t0: usize,
+    t1: usize,
+    g: usize,
+    h0: usize,
+    heads: usize,
+    rows: usize,
+}
 
-/// Grouped-query attention on the persistent pool: each task takes up to [`TOKENS_PER_TASK`]
+/// The layout of one call, shared by its tasks.
+struct Call<'a> {
+    l: &'a KvLayer,
+    k: &'a smoe_kernels::Kernels,
+    p: AttnParams<'a>,
+    q: &'a [f32],
+    q_stride: usize,
+    pos0: usize,
+    block: usize,
+    group: usize,
+    chunk: usize,
+    chunks_per_group: usize,
+    values: &'a [f32],
+    v_row: usize,
+    v_stride: usize,
+}
+
+impl Call<'_> {
+    /// Task `i`'s rows when tasks go (token block, KV head, head chunk) in that order.
+    fn rows(&self, i: usize, n: usize) -> Rows {
+        let kvh = self.l.shape.heads;
+        let (b, rest) = (i / (kvh * self.chunks_per_group), i % (kvh * self.chunks_per_group));
+        let (g, c) = (rest / self.chunks_per_group, rest % self.chunks_per_group);
+        let h0 = g * self.group + c * self.chunk;
+        let heads = self.chunk.min(g * self.group + self.group - h0);
+        let (t0, t1) = (b * TOKENS_PER_TASK, ((b + 1) * TOKENS_PER_TASK).min(n));
+        Rows { t0, t1, g, h0, heads, rows: (t1 - t0) * heads }
+    }
+
+    /// The first block every row of `r` may see: blocks stay aligned to multiples of `block`
+    /// whatever the window, so that a row's arithmetic does not depend on the other rows of
+    /// its task (prefill = decode).
+    fn first_block(&self, r: Rows) -> usize {
+        self.p.first_seen(self.pos0 + r.t0) / self.block
+    }
+
+    /// Blocks up to the last position the rows see.
+    fn end_block(&self, r: Rows) -> usize {
+        (self.pos0 + r.t1).div_ceil(self.block)
+    }
+
+    /// `r`'s query rows, contiguous.
+    fn gather_queries(&self, r: Rows, qb: &mut Vec<f32>) {
+        let kd = self.l.shape.k_dim;
+        qb.clear();
+        for t in r.t0..r.t1 {
+            qb.extend_from_slice(&self.q[t * self.q_stride + r.h0 * kd..][..r.heads * kd]);
+        }
+    }
+
+    /// Block `bi`'s softmax terms for rows `r` on their own: each row's maximum `m` over the
+    /// positions of the block it sees, `exp(score - m)` for those (zero for the others), their
+    /// sum `s`, and the weighted sum of values `o` (`rows × v_dim`). A row that sees none of
+    /// the block gets `m = -inf`, `s = 0`, `o = 0`. Depends only on the row and the block, not
+    /// on the other rows of the task.
+    #[allow(clippy::too_many_arguments)]
+    fn block_terms(&self, r: Rows, bi: usize, qb: &[f32], pr: &mut Vec<f32>, o: &mut [f32], m: &mut [f32], s: &mut [f32]) {
+        let sh = self.l.shape;
+        let (kd, vd, rows, heads) = (sh.k_dim, sh.v_dim, r.rows, r.heads);
+        let k_row = sh.heads * kd;
+        let j0 = bi * self.block;
+        let nb = self.block.min(self.pos0 + r.t1 - j0);
+        // Scores, position-major: pr[j * rows + r] for positions j0 + j.
+        pr.resize(nb * rows, 0.0);
+        self.k.attn_scores(qb, kd, &self.l.k[j0 * k_row + r.g * kd..], k_row, nb, pr);
+        m[..rows].fill(f32::NEG_INFINITY);
+        s[..rows].fill(0.0);
+        // A token's heads side by side (scores are position-major: one row at a time would
+        // stride through them).
+        for tt in 0..r.t1 - r.t0 {
+            let pos = self.pos0 + r.t0 + tt;
+            let seen = (pos + 1).saturating_sub(j0).min(nb);
+            // Positions before the row's window are masked like those after it.
+            let from = self.p.first_seen(pos).saturating_sub(j0).min(seen);
+            let rs = tt * heads..(tt + 1) * heads;
+            for j in from..seen {
+                for (v, mx) in pr[j * rows..][rs.clone()].iter_mut().zip(&mut m[rs.clone()]) {
+                    *v *= self.p.scale;
+                    *mx = mx.max(*v);
+                }
+            }
+            for j in 0..from {
+                pr[j * rows..][rs.clone()].fill(0.0);
+            }
+            for j in from..seen {
+                self.k.softmax_terms(&mut pr[j * rows..][rs.clone()], &m[rs.clone()], &mut s[rs.clone()]);
+            }
+            for j in seen..nb {
+                pr[j * rows..][rs.clone()].fill(0.0);
+            }
+        }
+        let o = &mut o[..rows * vd];
+        o.fill(0.0);
+        self.k.attn_weighted_sum(o, vd, &pr[..nb * rows], &self.values[j0 * self.v_row + r.g * self.v_stride..], self.v_row, nb);
+    }
+
+    /// Ends rows `r`: each row's sink (gpt-oss) joins its denominator, then the outputs are
+    /// divided by it into `out`'s rows.
+    fn finish(&self, r: Rows, o: &mut [f32], m: &mut [f32], s: &mut [f32], out: &super::DisjointOut) {
+        let vd = self.l.shape.v_dim;
+        if let Some(sinks) = self.p.sinks {
+            for i in 0..r.rows {
+                // The sink as one more block of one position, whose output is zero.
+                let sink = sinks[r.h0 + i % r.heads];
+                merge(&mut m[i], &mut s[i], &mut o[i * vd..(i + 1) * vd], sink, 1.0, None);
+            }
+        }
+        for t in r.t0..r.t1 {
+            let r0 = (t - r.t0) * r.heads;
+            // SAFETY: this task owns the output rows of query heads h0..h0 + heads of tokens
+            // t0..t1; tasks cover disjoint (token, head) ranges and `out` outlives the call.
+            let dst = unsafe { out.range((t * self.p.q_heads + r.h0) * vd, r.heads * vd) };
+            for (h, d) in dst.chunks_exact_mut(vd).enumerate() {
+                let inv = 1.0 / s[r0 + h];
+                for (d, &v) in d.iter_mut().zip(&o[(r0 + h) * vd..(r0 + h + 1) * vd]) {
+                    *d = v * inv;
+                }
+            }
+        }
+    }
+}
+
+/// Folds one block's terms of a row (`mb`, `sb`, `ob`: see [`Call::block_terms`]; `ob` None
+/// for zeros) into the row's running maximum `m`, sum `s` and outputs `o`, both sides rescaled
+/// to the larger maximum. Blocks fold in position order in prefill and in decode alike, so the
+/// two give the same bits.
+fn merge(m: &mut f32, s: &mut f32, o: &mut [f32], mb: f32, sb: f32, ob: Option<&[f32]>) {
+    if mb == f32::NEG_INFINITY {
+        return; // the row sees none of this block
+    }
+    if *m == f32::NEG_INFINITY {
+        // The first block the row sees: its terms as they are (a single block is one softmax).
+        *m = mb;
+        *s = sb;
+        match ob {
+            Some(ob) => o.copy_from_slice(ob),
+            None => o.fill(0.0),
+        }
+        return;
+    }
+    let mx = m.max(mb);
+    let (fa, fb) = ((*m - mx).exp(), (mb - mx).exp());
+    *s = *s * fa + sb * fb;
+    match ob {
+        Some(ob) => o.iter_mut().zip(ob).for_each(|(x, &y)| *x = *x * fa + y * fb),
+        None => o.iter_mut().for_each(|x| *x *= fa),
+    }
+    *m = mx;
+}
+
+/// Grouped-query attention on the persistent pool. A task takes up to [`TOKENS_PER_TASK`]
 /// tokens, one KV head and up to [`HEADS_PER_TASK`] of its query heads, and streams that
 /// head's cached keys and values once for all of them. Every (token, head) row gets exactly
-/// the arithmetic it would get alone (later positions are masked out of its softmax and
-/// enter its weighted sum with weight zero), so prefill and decode agree bit for bit.
+/// the arithmetic it would get alone (positions a row does not see get weight zero), so
+/// prefill and decode agree bit for bit.
 ///
-/// Positions go by in blocks of `block` ([`POSITIONS_PER_BLOCK`] in production): a task holds one block's scores, and
-/// each row carries its running maximum and sum across blocks (its output is rescaled when
-/// the maximum grows), so a task's scratch does not grow with the context. Up to one block,
-/// the arithmetic is that of one softmax over all positions.
+/// Positions go by in aligned blocks of `block` ([`POSITIONS_PER_BLOCK`] in production). Each
+/// block's softmax terms are computed on their own ([`Call::block_terms`]) and folded into the
+/// row in position order ([`merge`]), so a task's scratch does not grow with the context, and
+/// a decode token (too few rows to fill the pool) computes its blocks in parallel — one task
+/// per (block, KV head, head chunk) — and folds them afterwards with the same arithmetic.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn attention_fast(
     l: &KvLayer,
@@ -128,109 +299,88 @@ pub(super) fn attention_fast(
     let (kd, vd, kvh) = (s.k_dim, s.v_dim, s.heads);
     let group = p.q_heads / kvh;
     let chunk = group.min(HEADS_PER_TASK);
-    let chunks_per_group = group.div_ceil(chunk);
-    let blocks = n.div_ceil(TOKENS_PER_TASK);
-    let k_row = kvh * kd;
-    let (values, v_row, v_stride) = if s.values_in_keys { (&l.k, k_row, kd) } else { (&l.v, kvh * vd, vd) };
-    let out = &mut out[..n * p.q_heads * vd];
-    let sink = super::DisjointOut::new(out);
-    pool.run(blocks * kvh * chunks_per_group, &|task| {
-        let (b, rest) = (task / (kvh * chunks_per_group), task % (kvh * chunks_per_group));
-        let (g, c) = (rest / chunks_per_group, rest % chunks_per_group);
-        let h0 = g * group + c * chunk;
-        let heads = chunk.min(g * group + group - h0);
-        let (t0, t1) = (b * TOKENS_PER_TASK, ((b + 1) * TOKENS_PER_TASK).min(n));
-        let rows = (t1 - t0) * heads;
-        let len = pos0 + t1;
+    let (values, v_row, v_stride) = if s.values_in_keys { (&l.k, kvh * kd, kd) } else { (&l.v, kvh * vd, vd) };
+    let call = Call { l, k, p, q, q_stride, pos0, block, group, chunk, chunks_per_group: group.div_ceil(chunk), values, v_row, v_stride };
+    let tasks = n.div_ceil(TOKENS_PER_TASK) * kvh * call.chunks_per_group;
+    let sink = super::DisjointOut::new(&mut out[..n * p.q_heads * vd]);
+    let r0 = call.rows(0, n);
+    let blocks = call.end_block(r0) - call.first_block(r0);
+    if tasks == kvh * call.chunks_per_group && blocks > 1 {
+        return decode_blocks(&call, n, tasks, blocks, pool, &sink);
+    }
+    pool.run(tasks, &|task| {
+        let r = call.rows(task, n);
         SCRATCH.with(|sc| {
-            let Scratch { q: qb, probs: pr, out: ob } = &mut *sc.borrow_mut();
-            // The block's query rows, contiguous: row (t - t0) * heads + h.
-            qb.clear();
-            for t in t0..t1 {
-                qb.extend_from_slice(&q[t * q_stride + h0 * kd..][..heads * kd]);
-            }
+            let Scratch { q: qb, probs: pr, part, out: ob } = &mut *sc.borrow_mut();
+            call.gather_queries(r, qb);
             ob.clear();
-            ob.resize(rows * vd, 0.0);
-            const ROWS: usize = TOKENS_PER_TASK * HEADS_PER_TASK;
-            let (mut max, mut sum, mut inv) = ([f32::NEG_INFINITY; ROWS], [0f32; ROWS], [0f32; ROWS]);
-            // Blocks stay aligned to multiples of `block` whatever the window, so that a row's
-            // arithmetic does not depend on the other rows of its task (prefill = decode).
-            let start = p.first_seen(pos0 + t0) / block * block;
-            for j0 in (start..len).step_by(block) {
-                let nb = block.min(len - j0);
-                // Scores, position-major: pr[j * rows + r] for positions j0 + j.
-                pr.resize(nb * rows, 0.0);
-                k.attn_scores(qb, kd, &l.k[j0 * k_row + g * kd..], k_row, nb, pr);
-                // Softmax terms of each row over the positions it sees, a token's heads side
-                // by side (scores are position-major: one row at a time would stride through
-                // them).
-                for tt in 0..t1 - t0 {
-                    let seen = (pos0 + t0 + tt + 1).saturating_sub(j0).min(nb);
-                    // Positions before the row's window are masked like those after it.
-                    let from = p.first_seen(pos0 + t0 + tt).saturating_sub(j0).min(seen);
-                    let rs = tt * heads..(tt + 1) * heads;
-                    let mut block_max = [f32::NEG_INFINITY; ROWS];
-                    for j in from..seen {
-                        for (v, m) in pr[j * rows..][rs.clone()].iter_mut().zip(&mut block_max[rs.clone()]) {
-                            *v *= p.scale;
-                            *m = m.max(*v);
-                        }
-                    }
-                    for r in rs.clone() {
-                        if block_max[r] > max[r] {
-                            // The row's terms so far were taken against a smaller maximum.
-                            let f = (max[r] - block_max[r]).exp();
-                            sum[r] *= f;
-                            ob[r * vd..(r + 1) * vd].iter_mut().for_each(|o| *o *= f);
-                            max[r] = block_max[r];
-                        }
-                    }
-                    for j in 0..from {
-                        pr[j * rows..][rs.clone()].fill(0.0);
-                    }
-                    for j in from..seen {
-                        for ((v, m), s) in pr[j * rows..][rs.clone()].iter_mut().zip(&max[rs.clone()]).zip(&mut sum[rs.clone()]) {
-                            *v = (*v - m).exp();
-                            *s += *v;
-                        }
-                    }
-                    for j in seen..nb {
-                        pr[j * rows..][rs.clone()].fill(0.0);
-                    }
-                }
-                k.attn_weighted_sum(ob, vd, &pr[..nb * rows], &values[j0 * v_row + g * v_stride..], v_row, nb);
-            }
-            if let Some(sinks) = p.sinks {
-                // Each row's sink joins its denominator, rescaling what came before if it is
-                // the new maximum (as one softmax over the scores and the sink would).
-                for r in 0..rows {
-                    let s = sinks[h0 + r % heads];
-                    if s > max[r] {
-                        let f = (max[r] - s).exp();
-                        sum[r] *= f;
-                        ob[r * vd..(r + 1) * vd].iter_mut().for_each(|o| *o *= f);
-                        max[r] = s;
-                    }
-                    sum[r] += (s - max[r]).exp();
+            ob.resize(r.rows * vd, 0.0);
+            part.resize(r.rows * vd, 0.0);
+            let (mut max, mut sum) = ([f32::NEG_INFINITY; ROWS], [0f32; ROWS]);
+            let (mut mb, mut sb) = ([0f32; ROWS], [0f32; ROWS]);
+            for bi in call.first_block(r)..call.end_block(r) {
+                call.block_terms(r, bi, qb, pr, part, &mut mb, &mut sb);
+                for i in 0..r.rows {
+                    merge(&mut max[i], &mut sum[i], &mut ob[i * vd..(i + 1) * vd], mb[i], sb[i], Some(&part[i * vd..(i + 1) * vd]));
                 }
             }
-            for r in 0..rows {
-                inv[r] = 1.0 / sum[r];
-            }
-            for t in t0..t1 {
-                let r0 = (t - t0) * heads;
-                // SAFETY: this task owns the output rows of query heads h0..h0 + heads of
-                // tokens t0..t1; tasks cover disjoint (token, head) ranges and `out`
-                // outlives `pool.run`.
-                let o = unsafe { sink.range((t * p.q_heads + h0) * vd, heads * vd) };
-                for (h, o) in o.chunks_exact_mut(vd).enumerate() {
-                    for (d, &v) in o.iter_mut().zip(&ob[(r0 + h) * vd..(r0 + h + 1) * vd]) {
-                        *d = v * inv[r0 + h];
-                    }
-                }
-            }
+            call.finish(r, ob, &mut max, &mut sum, &sink);
         })
     });
+}
+
+/// Decode (one token block): every (block, row group) on its own task, then one task per row
+/// group folds its blocks in order.
+fn decode_blocks(call: &Call<'_>, n: usize, groups: usize, blocks: usize, pool: &super::pool::Pool, sink: &super::DisjointOut) {
+    let vd = call.l.shape.v_dim;
+    let rows = call.rows(0, n).rows; // every group has the same rows but the last chunk's
+    PARTS.with(|parts| {
+        let (po, pm, ps) = &mut *parts.borrow_mut();
+        let slots = groups * blocks;
+        po.resize(slots * rows * vd, 0.0);
+        pm.resize(slots * rows, 0.0);
+        ps.resize(slots * rows, 0.0);
+        let (o_out, m_out, s_out) = (super::DisjointOut::new(po), super::DisjointOut::new(pm), super::DisjointOut::new(ps));
+        pool.run(slots, &|task| {
+            let (gi, b) = (task / blocks, task % blocks);
+            let r = call.rows(gi, n);
+            let bi = call.first_block(r) + b;
+            SCRATCH.with(|sc| {
+                let Scratch { q: qb, probs: pr, .. } = &mut *sc.borrow_mut();
+                call.gather_queries(r, qb);
+                // SAFETY: slot `task` of each partial buffer is this task's alone.
+                let (o, m, s) = unsafe {
+                    (o_out.range(task * rows * vd, r.rows * vd), m_out.range(task * rows, r.rows), s_out.range(task * rows, r.rows))
+                };
+                call.block_terms(r, bi, qb, pr, o, m, s);
+            })
+        });
+        let (po, pm, ps) = (&*po, &*pm, &*ps);
+        pool.run(groups, &|gi| {
+            let r = call.rows(gi, n);
+            SCRATCH.with(|sc| {
+                let Scratch { out: ob, .. } = &mut *sc.borrow_mut();
+                ob.clear();
+                ob.resize(r.rows * vd, 0.0);
+                let (mut max, mut sum) = ([f32::NEG_INFINITY; ROWS], [0f32; ROWS]);
+                for b in 0..blocks {
+                    let slot = gi * blocks + b;
+                    for i in 0..r.rows {
+                        let part = &po[(slot * rows + i) * vd..][..vd];
+                        merge(
+                            &mut max[i],
+                            &mut sum[i],
+                            &mut ob[i * vd..(i + 1) * vd],
+                            pm[slot * rows + i],
+                            ps[slot * rows + i],
+                            Some(part),
+                        );
+                    }
+                }
+                call.finish(r, ob, &mut max, &mut sum, sink);
+            })
+        });
+    })
 }
 
 #[cfg(test)]
@@ -282,6 +432,53 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod speed {
+    use super::*;
+    use crate::backend::KvShape;
+
+    /// Decode attention's speed (Qwen3-30B-A3B's heads, 1536 positions), for comparing
+    /// versions on one machine: `cargo test --release -p smoe-engine --lib attention_speed -- --ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn attention_speed() {
+        let shape = KvShape { heads: 4, k_dim: 128, v_dim: 128, values_in_keys: false };
+        let (q_heads, positions) = (32, 1536);
+        let kw = shape.heads * shape.k_dim;
+        let v = |n: usize| (0..n).map(|i| ((i * 7919 % 1999) as f32 / 1999.0 - 0.5) * 3.0).collect::<Vec<f32>>();
+        // Twelve layers' caches (80 MB), visited in turn as decode does: from memory, not cache.
+        let layers: Vec<KvLayer> = (0..12).map(|_| KvLayer { shape, k: v(positions * kw), v: v(positions * kw) }).collect();
+        let q = v(q_heads * 128);
+        let p = AttnParams { q_heads, scale: 0.088, window: None, sinks: None };
+        let mut out = vec![0f32; q_heads * 128];
+        for threads in [1, 2] {
+            let pool = crate::cpu::pool::Pool::new(threads);
+            let reps = 100;
+            // The best of five rounds after a warm-up (this machine's neighbours are noisy).
+            let mut best = f64::MAX;
+            for _ in 0..6 {
+                let t = std::time::Instant::now();
+                for i in 0..reps {
+                    attention_fast(
+                        &layers[i % 12],
+                        &q,
+                        q_heads * 128,
+                        1,
+                        positions - 1,
+                        p,
+                        &mut out,
+                        smoe_kernels::best(),
+                        &pool,
+                        POSITIONS_PER_BLOCK,
+                    );
+                }
+                best = best.min(t.elapsed().as_secs_f64());
+            }
+            println!("{threads} threads: {:.1} us per decode attention over {positions} positions", best / reps as f64 * 1e6);
         }
     }
 }
