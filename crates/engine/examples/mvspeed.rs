@@ -1,12 +1,16 @@
 //! Parallel matrix-vector throughput of the fast CPU path on matrices larger than the caches:
-//! `cargo run --release -p smoe-engine --example mvspeed`.
+//! `cargo run --release -p smoe-engine --example mvspeed [THREADS...]` (default: 1 2).
 use smoe_engine::backend::Backend;
 use smoe_engine::{CpuBackend, Precision};
 use smoe_quant::Format;
 use std::sync::Arc;
 
 fn main() {
-    for threads in [1, 2] {
+    let mut counts: Vec<usize> = std::env::args().skip(1).map(|a| a.parse().expect("thread counts")).collect();
+    if counts.is_empty() {
+        counts = vec![1, 2];
+    }
+    for threads in counts {
         let be = CpuBackend::with_threads(Precision::Fast, threads);
         for (f, rows, cols) in
             [(Format::Q8_0, 4096, 2048), (Format::Q8_0, 2048, 4096), (Format::Q4_K, 768, 2048), (Format::Q8_0, 151936, 2048)]
