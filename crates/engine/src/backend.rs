@@ -243,6 +243,13 @@ pub trait Backend: Send + Sync {
     /// asynchronously; the CPU backend reads it where it is and ignores this.
     fn use_host_memory(&self, _regions: &[(usize, usize)]) {}
 
+    /// Before the dense region is shared: the backend may lay out, in place, the matrices
+    /// listed in `products` (`(offset, format, rows, cols)`: matrices the decoder only ever
+    /// multiplies, never reads as rows or vectors) as its kernels read them best; [`Backend::matrix`]
+    /// then makes matrices of them in that layout. The CPU interleaves Q8_0 matrices by eight
+    /// rows where it has the kernel for it ([`smoe_quant::interleave`]); the default does
+    /// nothing.
+    fn prepare_dense(&self, _region: &mut [u8], _products: &[(usize, Format, usize, usize)]) {}
     /// Makes a matrix from `rows x cols` elements in `format` at `offset` in `region` (the
     /// vault's dense region, shared so the CPU backend needs no copy).
     fn matrix(&self, region: &Arc<Vec<u8>>, offset: usize, format: Format, rows: usize, cols: usize) -> Self::Matrix;

@@ -190,6 +190,8 @@ impl<B: Backend> Model<B> {
         if let Some(d) = dense.iter().find(|d| d.offset.checked_add(d.len).is_none_or(|end| end > region.len() as u64)) {
             return Err(EngineError::Model(format!("tensor {} lies outside the dense data", d.name)));
         }
+        let mut region = region;
+        backend.prepare_dense(&mut region, &product_matrices(&arch, dense));
         let region = Arc::new(region);
         let ld = Loader { entries: dense.iter().map(|d| (d.name.as_str(), d)).collect(), region: region.clone(), backend: &backend };
         let mut layers = Vec::with_capacity(arch.num_layers);
@@ -420,4 +422,36 @@ fn keep_all_experts<B: Backend>(backend: &B, experts: &dyn ExpertSource, arch: &
         kept[l] = ok;
     }
     Ok(kept)
+}
+
+/// The dense matrices the decoder only ever multiplies (attention projections of standard
+/// attention, dense and shared-expert MLPs, an untied LM head), as `(offset, format, rows,
+/// cols)`: those a backend may lay out its own way ([`Backend::prepare_dense`]). Tied
+/// embeddings, routers, vectors and MLA's matrices (read row by row, or transposed) are not.
+fn product_matrices(arch: &Architecture, dense: &[DenseEntry]) -> Vec<(usize, smoe_quant::Format, usize, usize)> {
+    let mut names: Vec<String> = Vec::new();
+    for l in 0..arch.num_layers {
+        if arch.mla.is_none() {
+            names.extend(["attn.q", "attn.k", "attn.v", "attn.o"].map(|w| names::layer(l, w)));
+        }
+        let prefix = match arch.layers[l] {
+            LayerKind::Dense => Some("mlp"),
+            LayerKind::Moe if arch.moe.shared_experts.is_some() => Some("moe.shared"),
+            LayerKind::Moe => None,
+        };
+        if let Some(p) = prefix {
+            names.extend(["gate", "up", "down"].map(|w| names::layer(l, &format!("{p}.{w}"))));
+        }
+    }
+    if !arch.tie_word_embeddings {
+        names.push("lm_head".to_string());
+    }
+    dense
+        .iter()
+        .filter(|d| names.iter().any(|n| *n == d.name))
+        .filter_map(|d| match d.shape[..] {
+            [r, c] => Some((d.offset as usize, d.format, r, c)),
+            _ => None,
+        })
+        .collect()
 }

@@ -131,9 +131,11 @@ fn batched_logits_equal_alone_bit_for_bit_on_every_family() {
 /// Q8_0 experts and on Q4_K ones. In a batch, rows take the many-row int8 kernels where alone
 /// they took the one-row ones: the same integer products, summed and scaled in another order.
 /// Measured (AVX2): at most 3.3e-7 of the largest logit on nine families and Q4_K, held to 1e-5
-/// (room for other ISAs' kernels); qwen2_moe 1.1e-4 and olmoe 5.4e-3, not yet explained (a
-/// routing near-tie tipped by the rounding is the suspect; with f32 products every family is
-/// bit for bit, above), held to 1e-2 so that a worse change still fails.
+/// (room for other ISAs' kernels); qwen2_moe 1.1e-4 and olmoe 5.4e-3. Those two came from the
+/// dense Q8_0 products (one-row kernel alone, four-row kernel in a batch): where the CPU has
+/// the interleaved Q8_0 group kernel (AVX-512 VNNI), dense matrices take it at any token count
+/// with the same bits, and every family stays within 2.7e-6 (measured on Zen 4), held to 1e-5;
+/// elsewhere the two keep a bound of 1e-2 so that a worse change still fails.
 #[test]
 fn batched_logits_match_alone_with_int8_products() {
     let cases = ALL_FIXTURES.iter().map(|&name| (name, Format::Q8_0)).chain([("qwen3_moe_k", Format::Q4_K)]);
@@ -141,7 +143,8 @@ fn batched_logits_match_alone_with_int8_products() {
         let model = open(&vault(name, experts, Format::Q8_0), Precision::Fast, None);
         let worst = batched_vs_alone(&model, name, false);
         eprintln!("{name} {experts}: batched vs alone, largest relative logit error {worst:.2e}");
-        let bound = if ["qwen2_moe", "olmoe"].contains(&name) { 1e-2 } else { 1e-5 };
+        let same_dense_bits = smoe_kernels::best().has_group8(Format::Q8_0);
+        let bound = if !same_dense_bits && ["qwen2_moe", "olmoe"].contains(&name) { 1e-2 } else { 1e-5 };
         assert!(worst < bound, "{name}: batched logits differ from alone by {worst:.2e} (bound {bound:.0e})");
     }
 }

@@ -25,6 +25,27 @@ fn main() {
             }
             let secs = t.elapsed().as_secs_f64();
             println!("{f} {:12}: {:6.1} GB/s  ({:.1} Mrows/s) [{s:.1}]", k.isa, (rows * rb) as f64 / secs / 1e9, rows as f64 / secs / 1e6);
+            if k.has_group8(f) && smoe_quant::interleave::supported(f, rows / 8 * 8, cols) {
+                // The same rows interleaved by eight, as the engine lays out dense and expert
+                // matrices for these kernels.
+                let rows = rows / 8 * 8;
+                let mut inter = vec![0u8; rows * rb];
+                smoe_quant::interleave::interleave(f, &w[..rows * rb], rows, cols, &mut inter);
+                let t = std::time::Instant::now();
+                let mut out = [0f32; 8];
+                let mut s = 0f32;
+                for g in 0..rows / 8 {
+                    k.dot_group8(f, &inter[g * 8 * rb..(g + 1) * 8 * rb], cols, act.row(0), &mut out);
+                    s += out[0];
+                }
+                let secs = t.elapsed().as_secs_f64();
+                println!(
+                    "{f} {:12}: {:6.1} GB/s  ({:.1} Mrows/s) [{s:.1}] eight interleaved rows at a time",
+                    k.isa,
+                    (rows * rb) as f64 / secs / 1e9,
+                    rows as f64 / secs / 1e6
+                );
+            }
         }
     }
 }

@@ -62,6 +62,12 @@ pub fn act_kind(f: Format) -> ActKind {
     }
 }
 
+thread_local! {
+    /// A group's rows taken apart, for formats without a many-token group kernel (prefill of
+    /// interleaved Q8_0: once per group and call, against every token of the tile).
+    static GROUP_ROWS: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// A table of kernels for one instruction set.
 #[derive(Clone)]
 pub struct Kernels {
@@ -79,6 +85,9 @@ pub struct Kernels {
     gemms4: [Option<gemm::GemmRows>; FORMATS],
     /// Eight interleaved Q4_K rows against one token ([`Kernels::dot_group8`]).
     q4k_group8: Option<Group8Fn>,
+    /// Eight interleaved Q8_0 rows against one token, and against four.
+    q8_0_group8: Option<Group8Q32Fn>,
+    q8_0_group8x4: Option<Group8x4Q32Fn>,
     /// Eight interleaved Q4_K rows against many tokens ([`Kernels::gemm_group8`]).
     q4k_gemm_group8: Option<gemm::GemmGroup>,
     /// Products to token rows eight tokens at a time ([`Kernels::scatter_tokens`]).
@@ -87,6 +96,10 @@ pub struct Kernels {
 
 /// Eight interleaved rows against one token: `out[r]` (see [`smoe_quant::interleave`]).
 pub type Group8Fn = unsafe fn(&[u8], &[Block256], &mut [f32; 8]);
+/// [`Group8Fn`] for formats with 32-element blocks (Q8_0).
+pub type Group8Q32Fn = unsafe fn(&[u8], &[Block32], &mut [f32; 8]);
+/// [`Group8Q32Fn`] for four tokens at once.
+pub type Group8x4Q32Fn = unsafe fn(&[u8], [&[Block32]; 4], [&mut [f32; 8]; 4]);
 
 /// Formats in a kernel table.
 const FORMATS: usize = smoe_quant::ALL_FORMATS.len();
@@ -129,6 +142,8 @@ impl Kernels {
             gemms: [None; FORMATS],
             gemms4: [None; FORMATS],
             q4k_group8: None,
+            q8_0_group8: None,
+            q8_0_group8x4: None,
             q4k_gemm_group8: None,
             transpose8: None,
         }
@@ -211,7 +226,32 @@ impl Kernels {
     /// Whether matrices of `f` interleaved by eight rows have a kernel here: the engine
     /// interleaves only then.
     pub fn has_group8(&self, f: Format) -> bool {
-        f == Format::Q4_K && self.q4k_group8.is_some()
+        match f {
+            Format::Q4_K => self.q4k_group8.is_some(),
+            Format::Q8_0 => self.q8_0_group8.is_some(),
+            _ => false,
+        }
+    }
+
+    #[allow(dead_code)]
+    pub(crate) fn set_q8_0_group8(&mut self, one: Group8Q32Fn, four: Group8x4Q32Fn) {
+        self.q8_0_group8 = Some(one);
+        self.q8_0_group8x4 = Some(four);
+    }
+
+    /// [`Kernels::dot_group8`] for four tokens at once, with each token's bits what it gets
+    /// alone; `false` (nothing written) where this table has no such kernel for `f`.
+    pub fn dot_group8_x4(&self, f: Format, group: &[u8], cols: usize, a: [ActRow<'_>; 4], out: [&mut [f32; 8]; 4]) -> bool {
+        let rb = f.row_bytes(cols).expect("a valid shape");
+        assert!(group.len() >= 8 * rb, "dot_group8_x4: group too short");
+        match (self.q8_0_group8x4, a) {
+            (Some(k), [ActRow::Q32(a0), ActRow::Q32(a1), ActRow::Q32(a2), ActRow::Q32(a3)]) if f == Format::Q8_0 => {
+                // SAFETY: as for `dot`.
+                unsafe { k(&group[..8 * rb], [a0, a1, a2, a3], out) };
+                true
+            }
+            _ => false,
+        }
     }
 
     #[allow(dead_code)]
@@ -234,11 +274,14 @@ impl Kernels {
             Some(g) if f == Format::Q4_K => unsafe { g(group, tile, out) },
             _ => {
                 let rb = f.row_bytes(tile.cols).expect("a valid shape");
-                let mut rows = vec![0u8; 8 * rb];
-                for (r, row) in rows.chunks_exact_mut(rb).enumerate() {
-                    smoe_quant::interleave::row_q4_k(group, tile.cols, r, row);
-                }
-                return self.gemm_block(f, &rows, rb, tile, out);
+                return GROUP_ROWS.with(|rows| {
+                    let rows = &mut *rows.borrow_mut();
+                    rows.resize(8 * rb, 0);
+                    for (r, row) in rows.chunks_exact_mut(rb).enumerate() {
+                        smoe_quant::interleave::row(f, group, tile.cols, r, row);
+                    }
+                    self.gemm_block(f, rows, rb, tile, out)
+                });
             }
         }
         true
@@ -263,13 +306,15 @@ impl Kernels {
     pub fn dot_group8(&self, f: Format, group: &[u8], cols: usize, a: ActRow<'_>, out: &mut [f32; 8]) {
         let rb = f.row_bytes(cols).expect("a valid shape");
         assert!(group.len() >= 8 * rb, "dot_group8: group too short");
-        match (self.q4k_group8, a) {
+        match (self.q4k_group8, self.q8_0_group8, a) {
             // SAFETY: as for `dot`.
-            (Some(k), ActRow::Q256(x)) if f == Format::Q4_K => unsafe { k(&group[..8 * rb], x, out) },
+            (Some(k), _, ActRow::Q256(x)) if f == Format::Q4_K => unsafe { k(&group[..8 * rb], x, out) },
+            // SAFETY: as for `dot`.
+            (_, Some(k), ActRow::Q32(x)) if f == Format::Q8_0 => unsafe { k(&group[..8 * rb], x, out) },
             _ => {
                 let mut row = vec![0u8; rb];
                 for (r, o) in out.iter_mut().enumerate() {
-                    smoe_quant::interleave::row_q4_k(group, cols, r, &mut row);
+                    smoe_quant::interleave::row(f, group, cols, r, &mut row);
                     *o = self.dot(f, &row, a);
                 }
             }

@@ -242,30 +242,43 @@ fn f16_kv_helpers_match_scalar() {
 }
 
 /// Sixteen random Q4_K rows of `cols`: as rows, interleaved (two groups), and bytes per row.
-fn interleaved_q4_k(cols: usize, rng: &mut rand::rngs::StdRng) -> (Vec<u8>, Vec<u8>, usize) {
-    let rb = Format::Q4_K.row_bytes(cols).unwrap();
+fn interleaved(f: Format, cols: usize, rng: &mut rand::rngs::StdRng) -> (Vec<u8>, Vec<u8>, usize) {
+    let rb = f.row_bytes(cols).unwrap();
     let mut rows = vec![0u8; 16 * rb];
     for r in rows.chunks_mut(rb) {
-        smoe_quant::quantize(Format::Q4_K, &data(cols, rng), r).unwrap();
+        smoe_quant::quantize(f, &data(cols, rng), r).unwrap();
     }
     let mut inter = vec![0u8; rows.len()];
-    smoe_quant::interleave::interleave_q4_k(&rows, 16, cols, &mut inter);
+    smoe_quant::interleave::interleave(f, &rows, 16, cols, &mut inter);
     (rows, inter, rb)
 }
 
-/// Eight interleaved Q4_K rows at once give each row's own dot product, on every table (x86
-/// tables through their group kernels, the others through the de-interleaving fallback).
+/// Eight interleaved Q4_K or Q8_0 rows at once give each row's own dot product, on every
+/// table (x86 tables through their group kernels, the others through the de-interleaving
+/// fallback).
 #[test]
 fn interleaved_group_kernels_match_row_dots() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(23);
     let scalar = Kernels::scalar_table();
-    let f = Format::Q4_K;
-    for k in available() {
-        assert!(k.has_group8(f) || k.isa == "scalar" || !cfg!(target_arch = "x86_64"), "{} has no group kernel", k.isa);
+    for (f, k) in [Format::Q4_K, Format::Q8_0].into_iter().flat_map(|f| available().into_iter().map(move |k| (f, k))) {
+        let must = f == Format::Q4_K || k.isa == "avx512-vnni";
+        assert!(k.has_group8(f) || !must || k.isa == "scalar" || !cfg!(target_arch = "x86_64"), "{} has no {f} group kernel", k.isa);
         for cols in [256usize, 768, 2048] {
-            let (rows, inter, rb) = interleaved_q4_k(cols, &mut rng);
+            let (rows, inter, rb) = interleaved(f, cols, &mut rng);
             let mut qa = QuantAct::default();
             qa.quantize(f, &data(cols, &mut rng), 1, cols);
+            // Four tokens at once, where a table can: each token's bits as alone.
+            let mut q4 = QuantAct::default();
+            q4.quantize(f, &data(4 * cols, &mut rng), 4, cols);
+            let mut four = [[0f32; 8]; 4];
+            let [o0, o1, o2, o3] = &mut four;
+            if k.dot_group8_x4(f, &inter[..8 * rb], cols, [q4.row(0), q4.row(1), q4.row(2), q4.row(3)], [o0, o1, o2, o3]) {
+                for (t, got) in four.iter().enumerate() {
+                    let mut alone = [0f32; 8];
+                    k.dot_group8(f, &inter[..8 * rb], cols, q4.row(t), &mut alone);
+                    assert_eq!(*got, alone, "{} {f} cols {cols}: token {t} of four", k.isa);
+                }
+            }
             for g in 0..2 {
                 let mut out = [0f32; 8];
                 k.dot_group8(f, &inter[g * 8 * rb..(g + 1) * 8 * rb], cols, qa.row(0), &mut out);
@@ -286,7 +299,6 @@ fn interleaved_group_kernels_match_row_dots() {
 fn interleaved_group_gemm_matches_rows_taken_apart() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(29);
     let scalar = Kernels::scalar_table();
-    let f = Format::Q4_K;
     // Every table as it is (each x86 table with its group kernel), and again without its group
     // kernel: the rows are then taken apart and go through the plain many-token kernels.
     let tables = available().into_iter().flat_map(|k| {
@@ -299,23 +311,21 @@ fn interleaved_group_gemm_matches_rows_taken_apart() {
         plain.q4k_gemm_group8 = None;
         [k, plain]
     });
-    for k in tables {
+    for (f, k) in tables.flat_map(|k| [Format::Q4_K, Format::Q8_0].map(|f| (f, k.clone()))) {
         for (cols, n) in [(256usize, 3usize), (768, 19), (2048, 16), (512, 35), (768, 8)] {
-            let (rows, inter, rb) = interleaved_q4_k(cols, &mut rng);
+            let (rows, inter, rb) = interleaved(f, cols, &mut rng);
             let mut qa = QuantAct::default();
             qa.quantize(f, &data(n * cols, &mut rng), n, cols);
             let tile = qa.tile();
             for g in 0..2 {
                 let mut got = vec![0f32; 8 * n];
                 if !k.gemm_group8(f, &inter[g * 8 * rb..(g + 1) * 8 * rb], &tile, &mut got) {
-                    assert!(!k.has_gemm(f), "{} has a many-token Q4_K kernel but no group product", k.isa);
+                    assert!(!k.has_gemm(f), "{} has a many-token {f} kernel but no group product", k.isa);
                     continue;
                 }
                 let row = |r: usize| &rows[(8 * g + r) * rb..(8 * g + r + 1) * rb];
                 let mut want = vec![0f32; 8 * n];
-                for h in 0..2 {
-                    assert!(k.gemm_rows(f, std::array::from_fn(|i| row(4 * h + i)), &tile, &mut want[4 * h * n..]));
-                }
+                assert!(k.gemm_block(f, &rows[8 * g * rb..(8 * g + 8) * rb], rb, &tile, &mut want));
                 assert_eq!(got, want, "{} cols {cols} n {n} group {g}", k.isa);
                 for r in 0..8 {
                     for t in 0..n {

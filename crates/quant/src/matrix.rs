@@ -23,7 +23,7 @@ pub enum Layout {
     /// One row after another (every file's layout).
     #[default]
     Rows,
-    /// Q4_K rows interleaved in groups of eight, in memory only ([`crate::interleave`]).
+    /// Q4_K or Q8_0 rows interleaved in groups of eight, in memory only ([`crate::interleave`]).
     Interleaved8,
 }
 
@@ -65,7 +65,7 @@ impl<'a> QMatrix<'a> {
             Layout::Rows => dequantize(self.format, self.row(r), out),
             Layout::Interleaved8 => {
                 let mut row = vec![0u8; self.row_bytes()];
-                crate::interleave::row_q4_k(self.data, self.cols, r, &mut row);
+                crate::interleave::row(self.format, self.data, self.cols, r, &mut row);
                 dequantize(self.format, &row, out)
             }
         }

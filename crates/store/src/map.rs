@@ -250,7 +250,8 @@ impl ExpertMap {
     }
 
     fn interleaves(&self, p: &Part) -> bool {
-        self.interleave && smoe_quant::interleave::supported(p.format, p.rows, p.cols)
+        // Q4_K only: every table with a Q4_K group kernel has one for Q4_K, not all for Q8_0.
+        self.interleave && p.format == Format::Q4_K && smoe_quant::interleave::supported(p.format, p.rows, p.cols)
     }
 
     /// Interleaves the matrices of an expert just loaded into `slot` (after its checksum was
@@ -258,7 +259,7 @@ impl ExpertMap {
     pub fn interleave_slot(&self, ord: usize, expert: usize, slot: &mut [u8], scratch: &mut Vec<u8>) {
         for p in self.layers[ord].parts.iter().filter(|p| self.interleaves(p)) {
             let at = self.data_offset(ord, expert, p.extent) + p.offset as usize;
-            smoe_quant::interleave::interleave_in_place(&mut slot[at..at + p.len as usize], p.rows, p.cols, scratch);
+            smoe_quant::interleave::interleave_in_place(p.format, &mut slot[at..at + p.len as usize], p.rows, p.cols, scratch);
         }
     }
 

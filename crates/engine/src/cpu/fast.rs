@@ -2,6 +2,7 @@
 //! dot products (smoe-kernels), output rows split across the persistent pool.
 
 use super::pool::Pool;
+use smoe_kernels::arena::QuantRows;
 use smoe_kernels::gemm::{self, ActTile};
 use smoe_kernels::{ActArena, Kernels};
 use smoe_quant::{Layout, QMatrix};
@@ -79,6 +80,52 @@ fn dot_rows(k: &Kernels, w: &QMatrix<'_>, r0: usize, r1: usize, a: smoe_kernels:
     }
 }
 
+/// Whether `n` tokens against `w` take the many-token kernels (an interleaved tile of
+/// activations), not the one-token kernels once per token. Interleaved Q8_0 (dense matrices,
+/// [`crate::Backend::prepare_dense`]) takes its eight-row group kernel token by token: its
+/// products then have the same bits in prefill, in decode and in a batch.
+fn many_tokens(k: &Kernels, w: &QMatrix<'_>, n: usize) -> bool {
+    n >= 4 && k.has_gemm(w.format) && (w.layout == Layout::Rows || w.format == smoe_quant::Format::Q4_K)
+}
+
+/// Rows `r0..r1` of `w` against tokens `0..n` of `act` through the one-token kernels, token
+/// `t`'s outputs into `dest(t, first row, rows)`. An interleaved matrix with a four-token group
+/// kernel goes group by group, four tokens per call (the same bits as one at a time); others
+/// by blocks of rows, every token against each block while it is in cache.
+fn dot_tokens<'o>(
+    k: &Kernels,
+    w: &QMatrix<'_>,
+    r0: usize,
+    r1: usize,
+    act: QuantRows<'_>,
+    n: usize,
+    dest: impl Fn(usize, usize, usize) -> &'o mut [f32],
+) {
+    if w.layout == Layout::Interleaved8 && n >= 4 {
+        let rb = w.row_bytes();
+        for g in (r0..r1).step_by(8) {
+            let group = &w.data[g * rb..(g + 8) * rb];
+            let mut t = 0;
+            while t + 4 <= n {
+                let out: [&mut [f32; 8]; 4] = std::array::from_fn(|i| dest(t + i, g, 8).try_into().expect("eight rows"));
+                if !k.dot_group8_x4(w.format, group, w.cols, std::array::from_fn(|i| act.row(t + i)), out) {
+                    break;
+                }
+                t += 4;
+            }
+            for t in t..n {
+                dot_rows(k, w, g, g + 8, act.row(t), dest(t, g, 8));
+            }
+        }
+        return;
+    }
+    for (b0, b1) in row_blocks(r0, r1, n) {
+        for t in 0..n {
+            dot_rows(k, w, b0, b1, act.row(t), dest(t, b0, b1 - b0));
+        }
+    }
+}
+
 /// Rows a task's one-row-kernel products take per pass over its tokens: 32 rows of a Q4_K
 /// expert (2048 wide) are 36 KiB, so every token after the first reads them from L1/L2
 /// instead of streaming the whole task's rows again (a batch of decode tokens puts two or three
@@ -130,7 +177,7 @@ pub(crate) fn matmul(k: &Kernels, pool: &Pool, w: &QMatrix<'_>, x: &[f32], n: us
     assert!(x.len() >= n * cols && out.len() >= n * m, "matmul buffers too small");
     CALLER.with(|c| {
         let Caller { arena, tasks, .. } = &mut *c.borrow_mut();
-        let tiled = n >= 4 && k.has_gemm(w.format);
+        let tiled = many_tokens(k, w, n);
         arena.layout(std::iter::once((w.format, n, cols, tiled)));
         arena.fill(0, |t| &x[t * cols..(t + 1) * cols]);
         let sink = super::DisjointOut::new(&mut out[..n * m]);
@@ -148,12 +195,8 @@ pub(crate) fn matmul(k: &Kernels, pool: &Pool, w: &QMatrix<'_>, x: &[f32], n: us
         let act = arena.rows(0);
         pool.run(tasks.len(), &|i| {
             let (_, r0, r1) = tasks[i];
-            for (b0, b1) in row_blocks(r0, r1, n) {
-                for t in 0..n {
-                    // SAFETY: this task alone computes rows r0..r1 of every token.
-                    dot_rows(k, w, b0, b1, act.row(t), unsafe { sink.range(t * m + b0, b1 - b0) });
-                }
-            }
+            // SAFETY: this task alone computes rows r0..r1 of every token.
+            dot_tokens(k, w, r0, r1, act, n, |t, r, len| unsafe { sink.range(t * m + r, len) });
         });
     })
 }
@@ -181,7 +224,7 @@ pub(crate) fn matmul_many<M: Sync>(
                 needs.push(Input { key, first_job: ji, tiled: false });
                 needs.len() - 1
             });
-            needs[idx].tiled |= j.n >= 4 && k.has_gemm(w.format);
+            needs[idx].tiled |= many_tokens(k, w, j.n);
             input_of.push(idx);
         }
         arena.layout(needs.iter().map(|n| (jobs[n.first_job].0.format, n.key.1, n.key.2, n.tiled)));
@@ -209,17 +252,12 @@ pub(crate) fn matmul_many<M: Sync>(
             let (w, j) = &jobs[ji];
             let input = input_of[ji];
             let at = |t: usize, r: usize| (j.out_row + t) * out_stride + j.out_col + r;
-            if let Some(tile) = arena.tile(input).filter(|_| j.n >= 4 && k.has_gemm(w.format)) {
+            if let Some(tile) = arena.tile(input).filter(|_| many_tokens(k, w, j.n)) {
                 // SAFETY: this task alone computes rows r0..r1 of this job's outputs.
                 gemm_rows(k, w, r0, r1, &tile, |t| unsafe { sink.range(at(t, r0), r1 - r0) });
             } else {
-                let act = arena.rows(input);
-                for (b0, b1) in row_blocks(r0, r1, j.n) {
-                    for t in 0..j.n {
-                        // SAFETY: this task alone computes rows r0..r1 of this job's outputs.
-                        dot_rows(k, w, b0, b1, act.row(t), unsafe { sink.range(at(t, b0), b1 - b0) });
-                    }
-                }
+                // SAFETY: this task alone computes rows r0..r1 of this job's outputs.
+                dot_tokens(k, w, r0, r1, arena.rows(input), j.n, |t, r, len| unsafe { sink.range(at(t, r), len) });
             }
         });
     })

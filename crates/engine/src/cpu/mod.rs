@@ -85,6 +85,9 @@ pub struct CpuBackend {
     precision: Precision,
     kernels: &'static smoe_kernels::Kernels,
     pool: std::sync::Arc<pool::Pool>,
+    /// Addresses of the dense matrices [`Backend::prepare_dense`] interleaved (a backend
+    /// belongs to one model, and this is reset at each preparation).
+    interleaved: std::sync::Mutex<std::collections::HashSet<usize>>,
 }
 
 impl CpuBackend {
@@ -96,7 +99,12 @@ impl CpuBackend {
 
     /// A backend computing at `precision` with `threads` compute threads.
     pub fn with_threads(precision: Precision, threads: usize) -> CpuBackend {
-        CpuBackend { precision, kernels: smoe_kernels::best(), pool: std::sync::Arc::new(pool::Pool::new(threads)) }
+        CpuBackend {
+            precision,
+            kernels: smoe_kernels::best(),
+            pool: std::sync::Arc::new(pool::Pool::new(threads)),
+            interleaved: Default::default(),
+        }
     }
 
     fn product(&self, w: &QMatrix<'_>, x: &[f32], n: usize, out: &mut [f32]) {
@@ -115,6 +123,7 @@ pub struct CpuMatrix {
     format: Format,
     rows: usize,
     cols: usize,
+    layout: smoe_quant::Layout,
 }
 
 impl CpuMatrix {
@@ -124,7 +133,7 @@ impl CpuMatrix {
             rows: self.rows,
             cols: self.cols,
             data: &self.region[self.offset..self.offset + self.len],
-            layout: smoe_quant::Layout::Rows,
+            layout: self.layout,
         }
     }
 }
@@ -158,9 +167,32 @@ impl Backend for CpuBackend {
         self.precision == Precision::Fast && self.kernels.has_group8(Format::Q4_K)
     }
 
+    fn prepare_dense(&self, region: &mut [u8], products: &[(usize, Format, usize, usize)]) {
+        let mut laid = self.interleaved.lock().unwrap_or_else(|e| e.into_inner());
+        laid.clear();
+        // `SMOE_INTERLEAVE_DENSE=off` keeps the file's row layout (to measure the difference).
+        if std::env::var("SMOE_INTERLEAVE_DENSE").is_ok_and(|v| v == "off") {
+            return;
+        }
+        let mut scratch = Vec::new();
+        for &(offset, format, rows, cols) in products {
+            // Q8_0 only (Q4_K dense matrices are rare; its experts are interleaved by the store).
+            let wanted = format == Format::Q8_0 && self.precision == Precision::Fast && self.kernels.has_group8(format);
+            if !wanted || !smoe_quant::interleave::supported(format, rows, cols) {
+                continue;
+            }
+            let len = format.row_bytes(cols).expect("validated by the vault reader") * rows;
+            smoe_quant::interleave::interleave_in_place(format, &mut region[offset..offset + len], rows, cols, &mut scratch);
+            // Keyed by address: the region's heap buffer stays where it is when it is shared.
+            laid.insert(region.as_ptr() as usize + offset);
+        }
+    }
+
     fn matrix(&self, region: &Arc<Vec<u8>>, offset: usize, format: Format, rows: usize, cols: usize) -> CpuMatrix {
         let len = format.row_bytes(cols).expect("validated by the vault reader") * rows;
-        CpuMatrix { region: region.clone(), offset, len, format, rows, cols }
+        let interleaved = self.interleaved.lock().unwrap_or_else(|e| e.into_inner()).contains(&(region.as_ptr() as usize + offset));
+        let layout = if interleaved { smoe_quant::Layout::Interleaved8 } else { smoe_quant::Layout::Rows };
+        CpuMatrix { region: region.clone(), offset, len, format, rows, cols, layout }
     }
     fn vector(&self, v: &[f32]) -> Vec<f32> {
         v.to_vec()

@@ -7,6 +7,7 @@ pub mod avx512;
 pub mod gemm;
 mod gemm512;
 pub mod q4kx8;
+pub mod q8x8;
 
 use std::arch::x86_64::*;
 
@@ -102,6 +103,7 @@ pub fn avx512_table() -> Option<Kernels> {
     k.set_gemm4(Format::Q8_0, gemm::q8_0_vnni_rows);
     k.set_gemm4(Format::Q4_K, gemm::q4_k_vnni_rows);
     k.set_group8(q4kx8::dot8_vnni);
+    k.set_q8_0_group8(q8x8::dot8_vnni, q8x8::dot8x4_vnni);
     k.set_gemm_group8(gemm::q4_k_vnni_group);
     Some(k)
 }
