@@ -8,7 +8,7 @@
 //! allocated per call and the closure may borrow the caller's stack.
 
 use crossbeam_utils::CachePadded;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -26,18 +26,16 @@ struct Shared {
     /// Workers that finished the current epoch's job.
     done: CachePadded<AtomicUsize>,
     tasks: AtomicUsize,
-    job: Mutex<Option<SendJob>>,
+    /// The current job: a pointer to the caller's [`JobRef`], published before the epoch
+    /// moves. An atomic, not a mutex: sixteen workers taking a lock at every job's start
+    /// queued behind each other for tens of microseconds, hundreds of times a token.
+    job: AtomicPtr<JobRef>,
     sleepers: AtomicUsize,
     wake: Condvar,
     lock: Mutex<()>,
     shutdown: AtomicBool,
 }
 
-#[derive(Clone, Copy)]
-struct SendJob(JobRef);
-// SAFETY: the pointer is only dereferenced while `Pool::run` keeps the closure alive, and the
-// closure is `Sync`, so calling it from other threads is allowed.
-unsafe impl Send for SendJob {}
 
 /// The pool. One per process is typical; the caller of [`Pool::run`] is one of its threads.
 pub struct Pool {
@@ -55,7 +53,7 @@ impl Pool {
             next: CachePadded::new(AtomicUsize::new(0)),
             done: CachePadded::new(AtomicUsize::new(0)),
             tasks: AtomicUsize::new(0),
-            job: Mutex::new(None),
+            job: AtomicPtr::new(std::ptr::null_mut()),
             sleepers: AtomicUsize::new(0),
             wake: Condvar::new(),
             lock: Mutex::new(()),
@@ -88,8 +86,10 @@ impl Pool {
         let s = &*self.shared;
         // SAFETY: the erased lifetime is restored by waiting below for every worker to finish
         // this epoch before returning, so the closure outlives every call through the pointer.
-        let erased: JobRef = unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync), JobRef>(f) };
-        *s.job.lock().unwrap() = Some(SendJob(erased));
+        let mut erased: JobRef = unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync), JobRef>(f) };
+        // Published by the epoch's SeqCst increment below; `erased` outlives every reader, as
+        // `f` does.
+        s.job.store(&mut erased, Ordering::Relaxed);
         s.tasks.store(tasks, Ordering::Relaxed);
         s.next.store(0, Ordering::Relaxed);
         s.done.store(0, Ordering::Relaxed);
@@ -114,7 +114,7 @@ impl Pool {
                 std::hint::spin_loop();
             }
         }
-        *s.job.lock().unwrap() = None;
+        s.job.store(std::ptr::null_mut(), Ordering::Relaxed);
     }
 }
 
@@ -152,10 +152,12 @@ fn worker(s: &Shared) {
             return;
         }
         seen = s.epoch.load(Ordering::Acquire);
-        let job = *s.job.lock().unwrap();
-        if let Some(SendJob(j)) = job {
-            // SAFETY: `run` keeps the closure alive until this worker increments `done`.
-            take_tasks(s, unsafe { &*j });
+        let job = s.job.load(Ordering::Relaxed);
+        if !job.is_null() {
+            // SAFETY: `run` stored the pointer before advancing the epoch this worker has just
+            // acquired, and keeps it (and the closure it points to) alive until this worker
+            // increments `done`; the closure is `Sync`.
+            take_tasks(s, unsafe { &**job });
         }
         s.done.fetch_add(1, Ordering::Release);
     }
