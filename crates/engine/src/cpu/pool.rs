@@ -36,7 +36,6 @@ struct Shared {
     shutdown: AtomicBool,
 }
 
-
 /// The pool. One per process is typical; the caller of [`Pool::run`] is one of its threads.
 pub struct Pool {
     shared: Arc<Shared>,
