@@ -448,7 +448,7 @@ fn product_matrices(arch: &Architecture, dense: &[DenseEntry]) -> Vec<(usize, sm
     }
     dense
         .iter()
-        .filter(|d| names.iter().any(|n| *n == d.name))
+        .filter(|d| names.contains(&d.name))
         .filter_map(|d| match d.shape[..] {
             [r, c] => Some((d.offset as usize, d.format, r, c)),
             _ => None,
