@@ -1,10 +1,11 @@
-//! NEON kernels for the formats GGUF imports bring (Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q5_K).
+//! NEON kernels for the formats GGUF imports bring (Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q5_K)
+//! and gpt-oss's MXFP4 experts.
 //! Each unpacks its quants to signed bytes in registers and reuses [`mla16`]; every product
 //! pair fits an i16 (|q| ≤ 31, |a| ≤ 127).
 
 use super::neon::mla16;
 use crate::act::{Block256, Block32};
-use smoe_quant::blocks::{BlockQ2K, BlockQ3K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1};
+use smoe_quant::blocks::{BlockMxfp4, BlockQ2K, BlockQ3K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1};
 use smoe_quant::{scale_min_k4, unpack_q3_scales};
 use std::arch::aarch64::*;
 
@@ -53,6 +54,22 @@ pub fn dot_q4_0(w: &[u8], a: &[Block32]) -> f32 {
         // SAFETY: register-only arithmetic.
         let (lo, hi) = unsafe { (vsubq_s8(lo, vdupq_n_s8(8)), vsubq_s8(hi, vdupq_n_s8(8))) };
         s += b.d.to_f32() * a.d * dot32(lo, hi, a) as f32;
+    }
+    s
+}
+
+/// MXFP4 weights: each 4-bit code looked up in the e2m1 table (doubled to integers, |v| ≤ 12),
+/// times half the block's e8m0 scale; the same per-block arithmetic as the scalar kernel.
+pub fn dot_mxfp4(w: &[u8], a: &[Block32]) -> f32 {
+    let wb: &[BlockMxfp4] = bytemuck::cast_slice(w);
+    // SAFETY: one 16-byte load of the 16-entry table.
+    let table = unsafe { vld1q_s8(smoe_quant::KVALUES_MXFP4.as_ptr()) };
+    let mut s = 0f32;
+    for (b, a) in wb.iter().zip(a) {
+        let (lo, hi) = nibbles(&b.qs);
+        // SAFETY: register-only table lookups (indices < 16).
+        let (lo, hi) = unsafe { (vqtbl1q_s8(table, vreinterpretq_u8_s8(lo)), vqtbl1q_s8(table, vreinterpretq_u8_s8(hi))) };
+        s += smoe_quant::e8m0_to_f32_half(b.e) * a.d * dot32(lo, hi, a) as f32;
     }
     s
 }
