@@ -150,6 +150,25 @@ pub struct CpuKvCache {
     layers: Vec<KvLayer>,
 }
 
+/// Elements below which a row-wise op stays on the calling thread (a pool dispatch costs a few
+/// microseconds; decode's ops on one token's rows are far smaller than this).
+const PAR_ELEMENTS: usize = 1 << 16;
+
+impl CpuBackend {
+    /// Runs `f(r0, r1)` over row ranges covering `0..rows` (`width` elements a row): on the pool
+    /// in as many pieces as it has threads when the op is large (prefill's activations, expert
+    /// rows), else at once on this thread. For ops whose rows are independent, so that the
+    /// result is the same either way.
+    fn rows_in_parallel(&self, rows: usize, width: usize, f: &(dyn Fn(usize, usize) + Sync)) {
+        let threads = self.pool.threads();
+        if rows * width < PAR_ELEMENTS || threads == 1 || rows < 2 {
+            return f(0, rows);
+        }
+        let per = rows.div_ceil(threads);
+        self.pool.run(rows.div_ceil(per), &|i| f(i * per, ((i + 1) * per).min(rows)));
+    }
+}
+
 impl Backend for CpuBackend {
     type Buf = CpuBuf;
     type Matrix = CpuMatrix;
@@ -291,13 +310,18 @@ impl Backend for CpuBackend {
     fn rms_norm(&self, x: &CpuBuf, n: usize, dim: usize, w: &Vec<f32>, eps: f32, out: &mut CpuBuf) {
         check("rms_norm input", x, n, dim);
         check("rms_norm", out, n, dim);
-        for t in 0..n {
-            let src = &x[t * dim..(t + 1) * dim];
-            let scale = rms_scale(src, eps);
-            for ((o, &v), &g) in out[t * dim..(t + 1) * dim].iter_mut().zip(src).zip(w) {
-                *o = g * (v * scale);
+        let sink = DisjointOut::new(&mut out[..n * dim]);
+        self.rows_in_parallel(n, dim, &|r0, r1| {
+            for t in r0..r1 {
+                let src = &x[t * dim..(t + 1) * dim];
+                let scale = rms_scale(src, eps);
+                // SAFETY: row t is written by the one task that holds r0..r1.
+                let o = unsafe { sink.range(t * dim, dim) };
+                for ((o, &v), &g) in o.iter_mut().zip(src).zip(w) {
+                    *o = g * (v * scale);
+                }
             }
-        }
+        });
     }
     fn rms_norm_strided(&self, x: &mut CpuBuf, n: usize, stride: usize, off: usize, dim: usize, w: &Vec<f32>, eps: f32) {
         check_rows("rms_norm_strided", x, 0, n, stride, off, dim);
@@ -333,22 +357,30 @@ impl Backend for CpuBackend {
     }
     fn silu_mul_halves(&self, x: &mut CpuBuf, row0: usize, n: usize, stride: usize, w: usize) {
         check_rows("silu_mul_halves", x, row0, n, stride, 0, 2 * w);
-        for row in x[row0 * stride..(row0 + n) * stride].chunks_exact_mut(stride) {
-            let (g, u) = row[..2 * w].split_at_mut(w);
-            for (a, &b) in g.iter_mut().zip(u.iter()) {
-                *a = *a / (1.0 + (-*a).exp()) * b;
+        let sink = DisjointOut::new(&mut x[row0 * stride..(row0 + n) * stride]);
+        self.rows_in_parallel(n, w, &|r0, r1| {
+            for r in r0..r1 {
+                // SAFETY: row r is touched by the one task that holds r0..r1.
+                let (g, u) = unsafe { sink.range(r * stride, 2 * w) }.split_at_mut(w);
+                for (a, &b) in g.iter_mut().zip(u.iter()) {
+                    *a = *a / (1.0 + (-*a).exp()) * b;
+                }
             }
-        }
+        });
     }
     fn swiglu_clamped_halves(&self, x: &mut CpuBuf, row0: usize, n: usize, stride: usize, w: usize, alpha: f32, limit: f32) {
         check_rows("swiglu_clamped_halves", x, row0, n, stride, 0, 2 * w);
-        for row in x[row0 * stride..(row0 + n) * stride].chunks_exact_mut(stride) {
-            let (g, u) = row[..2 * w].split_at_mut(w);
-            for (a, &b) in g.iter_mut().zip(u.iter()) {
-                let (gc, uc) = (a.min(limit), b.clamp(-limit, limit));
-                *a = gc / (1.0 + (-alpha * gc).exp()) * (uc + 1.0);
+        let sink = DisjointOut::new(&mut x[row0 * stride..(row0 + n) * stride]);
+        self.rows_in_parallel(n, w, &|r0, r1| {
+            for r in r0..r1 {
+                // SAFETY: row r is touched by the one task that holds r0..r1.
+                let (g, u) = unsafe { sink.range(r * stride, 2 * w) }.split_at_mut(w);
+                for (a, &b) in g.iter_mut().zip(u.iter()) {
+                    let (gc, uc) = (a.min(limit), b.clamp(-limit, limit));
+                    *a = gc / (1.0 + (-alpha * gc).exp()) * (uc + 1.0);
+                }
             }
-        }
+        });
     }
     fn rope(
         &self,
@@ -402,9 +434,13 @@ impl Backend for CpuBackend {
         if let Some(&last) = rows.iter().max() {
             check("gather_rows input", src, last + 1, dim);
         }
-        for (i, &r) in rows.iter().enumerate() {
-            dst[i * dim..(i + 1) * dim].copy_from_slice(&src[r * dim..(r + 1) * dim]);
-        }
+        let sink = DisjointOut::new(&mut dst[..rows.len() * dim]);
+        self.rows_in_parallel(rows.len(), dim, &|i0, i1| {
+            for (i, &r) in rows.iter().enumerate().take(i1).skip(i0) {
+                // SAFETY: destination row i is written by the one task that holds i0..i1.
+                unsafe { sink.range(i * dim, dim) }.copy_from_slice(&src[r * dim..(r + 1) * dim]);
+            }
+        });
     }
     fn scatter_rows(&self, src: &CpuBuf, dim: usize, rows: &[usize], dst: &mut CpuBuf) {
         check("scatter_rows input", src, rows.len(), dim);
@@ -418,16 +454,20 @@ impl Backend for CpuBackend {
     fn add_weighted_slots(&self, src: &CpuBuf, dim: usize, n: usize, k: usize, weights: &[f32], out: &mut CpuBuf) {
         check("add_weighted_slots input", src, n * k, dim);
         check("add_weighted_slots", out, n, dim);
-        for t in 0..n {
-            let o = &mut out[t * dim..(t + 1) * dim];
-            for s in 0..k {
-                let w = weights[t * k + s];
-                let row = &src[(t * k + s) * dim..(t * k + s + 1) * dim];
-                for (a, &b) in o.iter_mut().zip(row) {
-                    *a += w * b;
+        let sink = DisjointOut::new(&mut out[..n * dim]);
+        self.rows_in_parallel(n, k * dim, &|t0, t1| {
+            for t in t0..t1 {
+                // SAFETY: output row t is written by the one task that holds t0..t1.
+                let o = unsafe { sink.range(t * dim, dim) };
+                for s in 0..k {
+                    let w = weights[t * k + s];
+                    let row = &src[(t * k + s) * dim..(t * k + s + 1) * dim];
+                    for (a, &b) in o.iter_mut().zip(row) {
+                        *a += w * b;
+                    }
                 }
             }
-        }
+        });
     }
     fn route(&self, rule: &RouterRule, logits: &CpuBuf, bias: Option<&Vec<f32>>, n: usize, routes: &mut CpuBuf, at: usize) {
         let (e, k) = (rule.num_experts(), rule.top_k());
@@ -558,5 +598,38 @@ mod tests {
         let end: Vec<_> = cache.layers.iter().map(|l| (l.k.as_ptr(), l.v.as_ptr())).collect();
         assert_eq!(start, end);
         assert_eq!(be.kv_bytes(&cache), 999 * (2 * 8 * 2 + 12) * 4);
+    }
+
+    /// Row-wise ops large enough to go to the pool (prefill's expert rows) give what one
+    /// thread gives, bit for bit.
+    #[test]
+    fn row_ops_on_the_pool_equal_one_thread() {
+        let (one, four) = (CpuBackend::with_threads(Precision::Fast, 1), CpuBackend::with_threads(Precision::Fast, 4));
+        let (rows, w, dim, k) = (300, 384, 256, 8);
+        let v = |n: usize, seed: usize| (0..n).map(|i| (((i * 7919 + seed) % 2003) as f32 / 1001.0 - 1.0) * 3.0).collect::<Vec<f32>>();
+        let run = |be: &CpuBackend| {
+            let mut gu = be.buf("gu", rows * 2 * w);
+            be.upload(&mut gu, &v(rows * 2 * w, 1));
+            be.silu_mul_halves(&mut gu, 7, rows - 7, 2 * w, w);
+            let mut sw = be.buf("sw", rows * 2 * w);
+            be.upload(&mut sw, &v(rows * 2 * w, 2));
+            be.swiglu_clamped_halves(&mut sw, 0, rows, 2 * w, w, 1.702, 7.0);
+            let x = {
+                let mut b = be.buf("x", rows * dim);
+                be.upload(&mut b, &v(rows * dim, 3));
+                b
+            };
+            let mut normed = be.buf("normed", rows * dim);
+            be.rms_norm(&x, rows, dim, &v(dim, 4), 1e-6, &mut normed);
+            let picks: Vec<usize> = (0..rows * k).map(|i| i * 37 % rows).collect();
+            let mut gathered = be.buf("gathered", rows * k * dim);
+            be.gather_rows(&x, dim, &picks, &mut gathered);
+            let mut summed = be.buf("summed", rows * dim);
+            be.upload(&mut summed, &v(rows * dim, 5));
+            be.add_weighted_slots(&gathered, dim, rows, k, &v(rows * k, 6), &mut summed);
+            [gu, sw, normed, gathered, summed].map(|b| b.data)
+        };
+        assert!(rows * w >= PAR_ELEMENTS, "the test must reach the parallel path");
+        assert_eq!(run(&one), run(&four));
     }
 }
