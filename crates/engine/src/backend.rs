@@ -221,11 +221,11 @@ pub trait Backend: Send + Sync {
     fn prefill_chunk(&self) -> usize {
         crate::PREFILL_CHUNK
     }
-    /// Whether this backend's expert products read Q4_K experts interleaved eight rows at a
-    /// time ([`smoe_quant::Layout::Interleaved8`]): the store then lays them out so as they
-    /// load.
-    fn interleaves_experts(&self) -> bool {
-        false
+    /// The formats whose routed experts this backend's products read interleaved eight rows
+    /// at a time ([`smoe_quant::Layout::Interleaved8`]): the store then lays them out so as they
+    /// load. None by default.
+    fn interleaved_expert_formats(&self) -> Vec<Format> {
+        Vec::new()
     }
     /// The first device error this backend met, if any (a GPU out of memory, a failed kernel
     /// launch). The ops cannot return errors, so a backend that can meet them keeps the first,

@@ -225,7 +225,7 @@ pub fn open<B: Backend>(path: &Path, opts: &OpenOptions, backend: B) -> Result<(
     let file = ModelFile::open(path)?;
     let arch = file.architecture().clone();
     let ctx = opts.ctx.unwrap_or_else(|| default_context(&arch));
-    let map = file.expert_map()?.interleaved(backend.interleaves_experts());
+    let map = file.expert_map()?.interleaved(&backend.interleaved_expert_formats());
     let total = map.total_experts();
     let blob = map.slot_size() as u64;
     let where_from = if matches!(file, ModelFile::Gguf(_)) { "; experts read in place from the GGUF" } else { "" };

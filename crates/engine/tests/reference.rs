@@ -226,7 +226,7 @@ fn fast_path_against_reference_per_fixture() {
         let v = smoe_vault::Vault::open(path).unwrap();
         // As `smoe score --fast` opens it: Q4_K experts interleaved where the kernels read them so.
         let backend = smoe_engine::CpuBackend::new(smoe_engine::Precision::Fast);
-        let map = smoe_store::ExpertMap::of_vault(&v).unwrap().interleaved(smoe_engine::Backend::interleaves_experts(&backend));
+        let map = smoe_store::ExpertMap::of_vault(&v).unwrap().interleaved(&smoe_engine::Backend::interleaved_expert_formats(&backend));
         let ex = std::sync::Arc::new(smoe_store::ResidentExperts::load_map(map).unwrap());
         smoe_engine::Model::load(&v, backend, ex).unwrap()
     };

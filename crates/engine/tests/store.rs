@@ -233,18 +233,24 @@ fn lookahead_prefetch_changes_no_numbers() {
     assert!(s.hits + s.misses == (input.len() * 2 * 2) as u64);
 }
 
-/// The fast path reads Q4_K experts interleaved by eight rows: a streaming store through a
-/// small cache gives exactly the resident interleaved run's logits, and both agree with plain
-/// rows up to float summation order (measured here: mean |diff| 1e-8 to 4e-3 against the int8
-/// path's own 1e-2 to 2e-2 from the f32 reference).
+/// The fast path reads Q4_K (and, with AVX-512 VNNI, Q8_0) experts interleaved by eight rows:
+/// a streaming store through a small cache gives exactly the resident interleaved run's logits,
+/// and both agree with plain rows up to float summation order (measured here for Q4_K: mean
+/// |diff| 1e-8 to 4e-3 against the int8 path's own 1e-2 to 2e-2 from the f32 reference).
 #[test]
-fn interleaved_q4_k_experts_match_plain_rows() {
+fn interleaved_experts_match_plain_rows() {
+    for (name, experts) in [("qwen3_moe_k", Format::Q4_K), ("qwen3_moe", Format::Q8_0)] {
+        interleaved_experts_match(name, experts);
+    }
+}
+
+fn interleaved_experts_match(name: &str, experts: Format) {
     use smoe_store::ExpertMap;
-    let path = vault("qwen3_moe_k", Format::Q4_K, Format::Q8_0);
+    let path = vault(name, experts, Format::Q8_0);
     let v = Vault::open(&path).unwrap();
     let map = ExpertMap::of_vault(&v).unwrap();
-    let on = map.clone().interleaved(true);
-    // Every expert matrix of this fixture is Q4_K in whole groups of eight rows.
+    let on = map.clone().interleaved(&[experts]);
+    // Every expert matrix of these fixtures is in whole groups of eight rows.
     let mut slot = vec![0u8; on.slot_size()];
     on.interleave_slot(0, 0, &mut slot, &mut Vec::new());
     assert_eq!(on.view(0, 0, &slot, smoe_store::SlotHandle { slot: 0, load: 0 }).down.layout, smoe_quant::Layout::Interleaved8);
@@ -254,7 +260,7 @@ fn interleaved_q4_k_experts_match_plain_rows() {
     let streamed = fast(Arc::new(ExpertStore::open_map(on, &StoreOptions::with_slots(v.architecture().moe.top_k)).unwrap()));
     let reference = Model::load(&v, CpuBackend::new(Precision::Reference), Arc::new(ResidentExperts::load(&v).unwrap())).unwrap();
     for tag in ["chat", "long"] {
-        let input = input_ids("qwen3_moe_k", tag);
+        let input = input_ids(name, tag);
         for mode in [ScoreMode::Prefill, ScoreMode::Decode] {
             let want = score(&plain, &input, mode, 64, false).unwrap();
             let a = score(&resident, &input, mode, 64, false).unwrap();
@@ -273,10 +279,10 @@ fn interleaved_q4_k_experts_match_plain_rows() {
                 .filter(|&t| argmax(&want.logits[t * vocab..(t + 1) * vocab]) == argmax(&a.logits[t * vocab..(t + 1) * vocab]))
                 .count();
             eprintln!(
-                "{tag} {mode:?}: interleaved vs rows {layout_err:.2e}, rows vs f32 reference {int8_err:.2e}; top-1 agrees at {same_top} of {}",
+                "{name} {tag} {mode:?}: interleaved vs rows {layout_err:.2e}, rows vs f32 reference {int8_err:.2e}; top-1 agrees at {same_top} of {}",
                 input.len()
             );
-            assert!(layout_err <= 0.5 * int8_err && same_top * 100 >= input.len() * 95, "{tag} {mode:?}: interleaved vs rows");
+            assert!(layout_err <= 0.5 * int8_err && same_top * 100 >= input.len() * 95, "{name} {tag} {mode:?}: interleaved vs rows");
         }
     }
 }

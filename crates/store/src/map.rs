@@ -89,8 +89,8 @@ pub struct ExpertMap {
     /// Per MoE ordinal and extent: where in the slot its read lands.
     slot_offsets: Vec<Vec<usize>>,
     slot_size: usize,
-    /// Q4_K matrices are interleaved by eight rows once loaded ([`ExpertMap::interleaved`]).
-    interleave: bool,
+    /// Formats whose matrices are interleaved by eight rows once loaded ([`ExpertMap::interleaved`]).
+    interleave: Vec<Format>,
 }
 
 fn align_up(x: u64, a: u64) -> u64 {
@@ -141,7 +141,7 @@ impl ExpertMap {
             slot_size = slot_size.max(at as usize);
             slot_offsets.push(offs);
         }
-        Ok(ExpertMap { files, align, moe_layers, num_experts, layers, slot_offsets, slot_size, interleave: false })
+        Ok(ExpertMap { files, align, moe_layers, num_experts, layers, slot_offsets, slot_size, interleave: Vec::new() })
     }
 
     /// The map of experts stored stacked (a GGUF read in place): three reads per expert,
@@ -241,17 +241,17 @@ impl ExpertMap {
         ExpertView { slot: handle, gate: m(&p[0]), up: m(&p[1]), down: m(&p[2]) }
     }
 
-    /// This map with `on`: every Q4_K matrix whose rows come in whole groups of eight is
+    /// This map with every matrix of the `formats` whose rows come in whole groups of eight
     /// interleaved in memory once its bytes are loaded and checked ([`ExpertMap::interleave_slot`]),
-    /// for CPU kernels that read eight rows at a time; views say so in their layout.
-    pub fn interleaved(mut self, on: bool) -> ExpertMap {
-        self.interleave = on;
+    /// for CPU kernels that read eight rows at a time (the backend says which formats it reads
+    /// so, [`smoe_quant::interleave::supported`] which can be); views say so in their layout.
+    pub fn interleaved(mut self, formats: &[Format]) -> ExpertMap {
+        self.interleave = formats.to_vec();
         self
     }
 
     fn interleaves(&self, p: &Part) -> bool {
-        // Q4_K only: every table with a Q4_K group kernel has one for Q4_K, not all for Q8_0.
-        self.interleave && p.format == Format::Q4_K && smoe_quant::interleave::supported(p.format, p.rows, p.cols)
+        self.interleave.contains(&p.format) && smoe_quant::interleave::supported(p.format, p.rows, p.cols)
     }
 
     /// Interleaves the matrices of an expert just loaded into `slot` (after its checksum was

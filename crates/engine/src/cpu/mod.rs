@@ -182,8 +182,9 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn interleaves_experts(&self) -> bool {
-        self.precision == Precision::Fast && self.kernels.has_group8(Format::Q4_K)
+    fn interleaved_expert_formats(&self) -> Vec<Format> {
+        let fast = self.precision == Precision::Fast;
+        [Format::Q4_K, Format::Q8_0].into_iter().filter(|&f| fast && self.kernels.has_group8(f)).collect()
     }
 
     fn prepare_dense(&self, region: &mut [u8], products: &[(usize, Format, usize, usize)]) {
@@ -194,10 +195,12 @@ impl Backend for CpuBackend {
             return;
         }
         let mut scratch = Vec::new();
+        // Q8_0 only (dense Q4_K matrices are rare), where its group kernel exists.
+        if self.precision != Precision::Fast || !self.kernels.has_group8(Format::Q8_0) {
+            return;
+        }
         for &(offset, format, rows, cols) in products {
-            // Q8_0 only (Q4_K dense matrices are rare; its experts are interleaved by the store).
-            let wanted = format == Format::Q8_0 && self.precision == Precision::Fast && self.kernels.has_group8(format);
-            if !wanted || !smoe_quant::interleave::supported(format, rows, cols) {
+            if format != Format::Q8_0 || !smoe_quant::interleave::supported(format, rows, cols) {
                 continue;
             }
             let len = format.row_bytes(cols).expect("validated by the vault reader") * rows;
@@ -436,7 +439,7 @@ impl Backend for CpuBackend {
         }
         let sink = DisjointOut::new(&mut dst[..rows.len() * dim]);
         self.rows_in_parallel(rows.len(), dim, &|i0, i1| {
-            for (i, &r) in rows.iter().enumerate().take(i1).skip(i0) {
+            for (i, &r) in (i0..i1).zip(&rows[i0..i1]) {
                 // SAFETY: destination row i is written by the one task that holds i0..i1.
                 unsafe { sink.range(i * dim, dim) }.copy_from_slice(&src[r * dim..(r + 1) * dim]);
             }
