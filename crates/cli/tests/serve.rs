@@ -98,6 +98,27 @@ fn post(addr: SocketAddr, path: &str, body: &str) -> (u16, String, String) {
     http(addr, "POST", path, &[("Authorization", &auth), ("Content-Type", "application/json")], body.as_bytes())
 }
 
+/// A GET with the test key.
+fn get(addr: SocketAddr, path: &str) -> (u16, String, String) {
+    http(addr, "GET", path, &[("Authorization", &format!("Bearer {KEY}"))], b"")
+}
+
+/// A streaming request (with the test key) left open once its response has begun: the
+/// connection, after checking the response starts `200`.
+fn open_stream(addr: SocketAddr, path: &str, body: &str) -> TcpStream {
+    let mut s = TcpStream::connect(addr).unwrap();
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut first = [0u8; 64];
+    s.read_exact(&mut first).unwrap();
+    assert!(String::from_utf8_lossy(&first).starts_with("HTTP/1.1 200"), "{path}: {}", String::from_utf8_lossy(&first));
+    s
+}
+
 fn error_json(body: &str) -> serde_json::Value {
     let v: serde_json::Value = serde_json::from_str(body).unwrap_or_else(|e| panic!("not JSON ({e}): {body}"));
     assert!(v["error"]["message"].is_string(), "OpenAI error shape: {v}");
@@ -216,17 +237,7 @@ fn error_statuses_and_recovery() {
 
     // 429: a long streaming generation fills the queue of one...
     let long_req = chat("qwen3", r#", "max_tokens": 60000, "stream": true"#).replace(r#""max_tokens": 4, "#, "");
-    let mut hog = TcpStream::connect(a).unwrap();
-    let auth = format!("Bearer {KEY}");
-    write!(
-        hog,
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: {auth}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{long_req}",
-        long_req.len()
-    )
-    .unwrap();
-    let mut first = [0u8; 64];
-    hog.read_exact(&mut first).unwrap();
-    assert!(String::from_utf8_lossy(&first).starts_with("HTTP/1.1 200"));
+    let hog = open_stream(a, "/v1/chat/completions", &long_req);
     let (st, head, body) = post(a, "/v1/chat/completions", &chat("qwen3", ""));
     assert_eq!(st, 429, "{body}");
     assert!(head.to_ascii_lowercase().contains("retry-after: 1"), "{head}");
@@ -259,7 +270,7 @@ fn error_statuses_and_recovery() {
     assert!(message.contains("expert"), "{message}");
     assert_eq!(http(a, "GET", "/health", &[], b"").0, 200);
     assert_eq!(post(a, "/v1/chat/completions", &chat("mixtral", "")).0, 200, "other models keep serving");
-    let (st, _, metrics) = http(a, "GET", "/metrics", &[("Authorization", &auth)], b"");
+    let (st, _, metrics) = get(a, "/metrics");
     assert_eq!(st, 200);
     for name in [
         "smoe_requests_total{endpoint=\"/v1/chat/completions\",status=\"429\"}",
@@ -306,7 +317,7 @@ fn error_statuses_and_recovery() {
             post(a, "/v1/completions", &format!(r#"{{"model": "qwen3", "prompt": "{i} a third prompt {i}", "max_tokens": 8}}"#));
         assert_eq!(st, 200, "{body}");
     }
-    let (_, _, metrics) = http(a, "GET", "/metrics", &[("Authorization", &auth)], b"");
+    let (_, _, metrics) = get(a, "/metrics");
     assert!(metrics.contains("smoe_engine_errors_total 2"), "{metrics}");
 }
 
@@ -416,8 +427,7 @@ fn the_page_and_its_stats_endpoint() {
     let req = format!(r#"{{"model": "qwen3", "max_tokens": 8, "messages": [{{"role": "user", "content": "{secret}"}}]}}"#);
     let (status, _, body) = post(server.addr, "/v1/chat/completions", &req);
     assert_eq!(status, 200, "{body}");
-    let auth = format!("Bearer {KEY}");
-    let (status, _, body) = http(server.addr, "GET", "/v1/smoe/stats", &[("Authorization", &auth)], b"");
+    let (status, _, body) = get(server.addr, "/v1/smoe/stats");
     assert_eq!(status, 200, "{body}");
     let v: serde_json::Value = serde_json::from_str(&body).unwrap();
     let last = &v["recent"][0];
@@ -513,17 +523,7 @@ fn concurrent_requests_are_batched_and_answer_as_alone() {
         })
         .collect();
     // A stream that will hang up holds one place of the batch meanwhile.
-    let auth = format!("Bearer {KEY}");
-    let hog_req = r#"{"model": "qwen3", "prompt": "hog", "max_tokens": 60000, "stream": true}"#;
-    let mut hog = TcpStream::connect(a).unwrap();
-    write!(
-        hog,
-        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: {auth}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{hog_req}",
-        hog_req.len()
-    )
-    .unwrap();
-    let mut first = [0u8; 64];
-    hog.read_exact(&mut first).unwrap();
+    let hog = open_stream(a, "/v1/completions", r#"{"model": "qwen3", "prompt": "hog", "max_tokens": 60000, "stream": true}"#);
     let barrier = std::sync::Arc::new(std::sync::Barrier::new(prompts.len() + 1));
     let together: Vec<_> = prompts
         .iter()
@@ -543,7 +543,7 @@ fn concurrent_requests_are_batched_and_answer_as_alone() {
         assert_eq!(st, 200, "{b}");
         assert_eq!(text(&b), alone[i], "prompt {i} in a batch answers as alone");
     }
-    let (_, _, metrics) = http(a, "GET", "/metrics", &[("Authorization", &auth)], b"");
+    let (_, _, metrics) = get(a, "/metrics");
     let value = |name: &str| -> f64 {
         let line = metrics.lines().find(|l| l.starts_with(&format!("{name} "))).unwrap_or_else(|| panic!("{name} missing"));
         line.split_whitespace().nth(1).unwrap().parse().unwrap()
@@ -554,7 +554,7 @@ fn concurrent_requests_are_batched_and_answer_as_alone() {
     // The hog left at a step after its client hung up: the queue empties.
     let t0 = Instant::now();
     loop {
-        let (_, _, m) = http(a, "GET", "/metrics", &[("Authorization", &auth)], b"");
+        let (_, _, m) = get(a, "/metrics");
         if m.contains("smoe_queue_depth{model=\"qwen3\"} 0") {
             break;
         }

@@ -1,15 +1,21 @@
 //! Generation on the trained demo model: long sampled runs repeat exactly with a seed.
 
-use smoe_engine::{open_cpu, FinishReason, GenOptions, OpenOptions, SamplingParams};
+use smoe_engine::{open_cpu, CpuBackend, Engine, FinishReason, GenOptions, OpenOptions, SamplingParams};
 use std::path::Path;
+
+/// The checkpoint at `rel` (from the repository root) shattered into a temporary vault, opened
+/// on the CPU; the directory lives as long as the returned guard.
+fn shattered(rel: &str) -> (tempfile::TempDir, Engine<CpuBackend>) {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("model.smoe");
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").join(rel);
+    smoe_convert::shatter(&src, &out, &Default::default(), &smoe_convert::Silent).unwrap();
+    (dir, open_cpu(&out, &OpenOptions::default()).unwrap().0)
+}
 
 #[test]
 fn thousand_token_sampled_generation_repeats_with_the_same_seed() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("demo.smoe");
-    let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/stdlib-moe");
-    smoe_convert::shatter(&model, &out, &Default::default(), &smoe_convert::Silent).unwrap();
-    let engine = open_cpu(&out, &OpenOptions::default()).unwrap().0;
+    let (_dir, engine) = shattered("models/stdlib-moe");
     let prompt = engine.encode("import os\n\ndef main(argv):\n").unwrap();
     let gen = |seed| {
         let opts = GenOptions {
@@ -45,11 +51,7 @@ fn thousand_token_sampled_generation_repeats_with_the_same_seed() {
 #[test]
 fn a_forked_session_reuses_the_shared_prefix() {
     use smoe_engine::{NoObserver, Session};
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("demo.smoe");
-    let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/stdlib-moe");
-    smoe_convert::shatter(&model, &out, &Default::default(), &smoe_convert::Silent).unwrap();
-    let engine = open_cpu(&out, &OpenOptions::default()).unwrap().0;
+    let (_dir, engine) = shattered("models/stdlib-moe");
     let shared = engine
         .encode("\"\"\"Helpers for lists, dicts and sets: the system prompt every conversation shares.\"\"\"\n\nimport os\n")
         .unwrap();
@@ -85,11 +87,8 @@ fn a_forked_session_reuses_the_shared_prefix() {
 fn harmony_replies_keep_their_markers_and_stop_at_return_and_call() {
     use smoe_engine::Stepwise;
     use smoe_text::{ChatTemplate, ReplyParser, Tokenizer};
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("gpt_oss.smoe");
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/hf/gpt_oss");
-    smoe_convert::shatter(&src, &out, &Default::default(), &smoe_convert::Silent).unwrap();
-    let mut engine = open_cpu(&out, &OpenOptions::default()).unwrap().0;
+    let (_dir, mut engine) = shattered("testdata/hf/gpt_oss");
     let vocab = engine.model.arch().vocab_size as u32;
     let mut tok: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(src.join("tokenizer.json")).unwrap()).unwrap();
     let markers = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"];
