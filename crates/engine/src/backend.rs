@@ -47,6 +47,48 @@ pub struct AttnParams<'a> {
     /// One logit per query head that joins that head's softmax denominator and contributes no
     /// value ("attention sinks", gpt-oss). `None`: a plain softmax.
     pub sinks: Option<&'a [f32]>,
+    /// DeepSeek Sparse Attention: the positions each query attends to, as
+    /// [`Backend::index_select`] chose them. `None`: every position it sees.
+    pub selected: Option<Selection<'a>>,
+}
+
+/// The positions each query of an attention call attends to: row `t` of `positions` holds
+/// `per_query` ascending positions for query `t`, any unused entries `u32::MAX` at its end.
+#[derive(Clone, Copy, Debug)]
+pub struct Selection<'a> {
+    /// `[n, per_query]` positions.
+    pub positions: &'a [u32],
+    /// Entries per query.
+    pub per_query: usize,
+}
+
+impl Selection<'_> {
+    /// The positions query `t` attends to.
+    pub fn of(&self, t: usize) -> impl Iterator<Item = usize> + Clone + '_ {
+        self.positions[t * self.per_query..][..self.per_query].iter().take_while(|&&p| p != u32::MAX).map(|&p| p as usize)
+    }
+}
+
+/// Positions an indexer selection keeps for each query: `top` per query, ascending, `u32::MAX`
+/// after a query's last. A query at position `p < top` sees `p + 1` positions and keeps all of
+/// them; beyond, the `top` best `scores[j]` (`j ≤ p`), the lower position first among equal
+/// scores. [`Backend::index_select`]'s rule, shared by the backends.
+pub fn select_top(scores: &[f32], p: usize, top: usize, order: &mut Vec<u32>, out: &mut [u32]) {
+    let seen = p + 1;
+    out.fill(u32::MAX);
+    if seen <= top {
+        for (o, j) in out.iter_mut().zip(0..seen as u32) {
+            *o = j;
+        }
+        return;
+    }
+    order.clear();
+    order.extend(0..seen as u32);
+    let better = |a: &u32, b: &u32| scores[*b as usize].total_cmp(&scores[*a as usize]).then(a.cmp(b));
+    order.select_nth_unstable_by(top - 1, better);
+    let kept = &mut order[..top];
+    kept.sort_unstable();
+    out[..top].copy_from_slice(kept);
 }
 
 impl AttnParams<'_> {
@@ -215,6 +257,12 @@ pub trait Backend: Send + Sync {
     fn attends_windows_and_sinks(&self) -> bool {
         true
     }
+    /// Whether the backend runs DeepSeek Sparse Attention: [`Self::layer_norm_strided`],
+    /// [`Self::index_select`] and [`AttnParams::selected`] (GLM-5). A model that needs them is
+    /// refused at load on a backend that answers `false`, and the conformance suite skips them.
+    fn attends_selected(&self) -> bool {
+        false
+    }
     /// Most tokens a prefill step should run at once: [`PREFILL_CHUNK`](crate::PREFILL_CHUNK)
     /// (what keeps the CPU's working set in its caches) unless the backend fills wider steps
     /// better, as a GPU does.
@@ -340,6 +388,35 @@ pub trait Backend: Send + Sync {
     {
         qk_rope_store_composed(self, qkv, n, rows, norm, rope, cache, layer, pos0);
     }
+    /// LayerNorm in place over `n` segments of `dim` floats that start every `stride` floats at
+    /// offset `off`: `(x - mean) / sqrt(var + eps) · w + b` (the DSA indexer's key norm). Only
+    /// called where [`Self::attends_selected`].
+    #[allow(clippy::too_many_arguments)]
+    fn layer_norm_strided(&self, _x: &mut Self::Buf, _n: usize, _stride: usize, _off: usize, _dim: usize, _w: &Self::Vector, _b: &Self::Vector, _eps: f32) {
+        panic!("layer_norm_strided: this backend does not run sparse attention (attends_selected is false)");
+    }
+    /// DeepSeek Sparse Attention's selection: for `n` queries at positions `pos0..pos0 + n`,
+    /// rows `row0..row0 + n` of `q` (each `heads` heads of the cache layer's `k_dim`, end to end)
+    /// and of `weights` (`heads` per row), scores every cached position `j ≤ p` of `layer` (one
+    /// key of `k_dim` per position) as `Σ_h weights[h] · relu(q_h · k_j)` and writes the
+    /// positions [`select_top`] keeps into `out` (`[n, top]`). Only called where
+    /// [`Self::attends_selected`].
+    #[allow(clippy::too_many_arguments)]
+    fn index_select(
+        &self,
+        _cache: &Self::KvCache,
+        _layer: usize,
+        _q: &Self::Buf,
+        _weights: &Self::Buf,
+        _row0: usize,
+        _n: usize,
+        _pos0: usize,
+        _heads: usize,
+        _top: usize,
+        _out: &mut [u32],
+    ) {
+        panic!("index_select: this backend does not run sparse attention (attends_selected is false)");
+    }
     /// `x[t * stride + off..][..b.len()] += b` for `n` rows.
     fn add_bias(&self, x: &mut Self::Buf, n: usize, stride: usize, off: usize, b: &Self::Vector);
     /// `x[i] += y[i]` for the first `len` floats.
@@ -447,7 +524,8 @@ pub trait Backend: Send + Sync {
         v: Option<(&Self::Buf, usize, usize)>,
     );
     /// Causal attention of `n` queries at positions `pos0..` over cached positions
-    /// `0..pos0 + n` (within `p.window`, with `p.sinks` in the denominators): `q` rows (every `q_stride` floats) start with `q_heads * k_dim` values,
+    /// `0..pos0 + n` (within `p.window`, with `p.sinks` in the denominators, only the positions
+    /// of `p.selected` where given): `q` rows (every `q_stride` floats) start with `q_heads * k_dim` values,
     /// `out` rows hold `q_heads * v_dim`.
     fn attention(
         &self,

@@ -776,7 +776,7 @@ impl<B: Backend> Suite<'_, B> {
             let mut out = self.buf(n * q_heads * shape.v_dim, &[]);
             // Sinks around the scores' size, so that some win the maximum and some do not.
             let sinks: Vec<f32> = if with_sinks { self.values(q_heads).iter().map(|v| v * 4.0).collect() } else { vec![] };
-            let params = AttnParams { q_heads, scale, window, sinks: with_sinks.then_some(&sinks[..]) };
+            let params = AttnParams { q_heads, scale, window, sinks: with_sinks.then_some(&sinks[..]), selected: None };
             self.b.attention(&cache, 1, &qb, q_stride, n, first, params, &mut out);
             let group = q_heads / shape.heads;
             let mut want = Vec::new();
@@ -894,7 +894,7 @@ impl<B: Backend> Suite<'_, B> {
                     stride,
                     n,
                     pos0,
-                    AttnParams { q_heads: qh, scale: 0.2, window: None, sinks: None },
+                    AttnParams { q_heads: qh, scale: 0.2, window: None, sinks: None, selected: None },
                     &mut out,
                 );
                 outs.push(self.read(&out, n * qh * hd));

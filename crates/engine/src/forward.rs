@@ -24,9 +24,9 @@
 //!   (generation, scoring and the benchmark do);
 //! - with instrumentation on, one [`StepRecord`] per call.
 
-use crate::backend::{AttnParams, Backend, ExpertPart, MatJob, QkvRows, RopeTables, WeightRef};
+use crate::backend::{AttnParams, Backend, ExpertPart, MatJob, QkvRows, RopeTables, Selection, WeightRef};
 use crate::instrument::{Instrument, StepRecord};
-use crate::model::{Attention, ExpertBias, FeedForward, LatentAttention, Layer, Mlp, Model, MoeBlock, StandardAttention};
+use crate::model::{Attention, ExpertBias, FeedForward, Indexer, LatentAttention, Layer, Mlp, Model, MoeBlock, StandardAttention};
 use crate::routing::RouteScratch;
 use crate::widths::Widths;
 use crate::EngineError;
@@ -64,6 +64,10 @@ pub trait Observer {
     fn wants_routes(&self) -> bool {
         true
     }
+    /// DeepSeek Sparse Attention's choice at a layer that runs its own indexer: the positions
+    /// the query at position `pos` attends to, ascending (only for queries that see more
+    /// positions than the indexer keeps).
+    fn selected(&mut self, _layer: usize, _pos: usize, _positions: &[u32]) {}
 }
 
 /// An observer that watches nothing.
@@ -134,6 +138,12 @@ pub(crate) struct Buffers<B: Backend> {
     /// `[n, vocab]` for [`Logits::All`], `[1, vocab]` for [`Logits::Last`], `[sequences, vocab]`
     /// in a batch: the LM head's output.
     logits: B::Buf,
+    /// DSA only (GLM-5): `[n, index heads × index head_dim]`, the indexer's queries.
+    idx_q: B::Buf,
+    /// DSA only: `[n, index head_dim]`, the indexer's keys (normed, rotated, then cached).
+    idx_k: B::Buf,
+    /// DSA only: `[n, index heads]`, each indexer head's weight for the token.
+    idx_w: B::Buf,
     /// Batches only (width 0 in a sequence's own buffers): `[n, q width]`, one sequence's rows of
     /// `q` moved to row 0, because attention reads its queries from row 0 (see
     /// [`Model::attend`]).
@@ -227,6 +237,10 @@ pub(crate) struct HostScratch {
     streams: Vec<usize>,
     /// A batch's last row of each sequence (the rows the LM head runs on).
     last_rows: Vec<usize>,
+    /// DSA (GLM-5): per sequence of the step, the positions its queries attend to, `[n, top_k]`
+    /// as [`Backend::index_select`] wrote them, from the latest layer that ran an indexer;
+    /// empty where every query sees `top_k` positions or fewer (dense attention).
+    selection: Vec<Vec<u32>>,
 }
 
 /// The memory a forward step works in: activation buffers of `chunk` rows and host scratch. A
@@ -394,6 +408,9 @@ impl<B: Backend> Model<B> {
                 router: mk("router", w.router),
                 routes: mk("routes", if self.kept_layers() > 0 { self.arch.num_layers * 2 * self.router.top_k() } else { 0 }),
                 logits: mk("logits", w.logits),
+                idx_q: mk("idx_q", w.idx_q),
+                idx_k: mk("idx_k", w.idx_k),
+                idx_w: mk("idx_w", w.idx_w),
                 seg_q: mk("seg_q", if batch { w.q } else { 0 }),
                 seg_att: mk("seg_att", if batch { w.att } else { 0 }),
             },
@@ -532,7 +549,7 @@ impl<B: Backend> Model<B> {
         be.rms_norm(&s.buf.x, n, hd, &layer.attn_norm, self.eps, &mut s.buf.h);
         match &layer.attn {
             Attention::Standard(a) => self.standard_attention(li, a, s, n),
-            Attention::Latent(a) => self.latent_attention(li, a, s, n),
+            Attention::Latent(a) => self.latent_attention(li, a, s, n, obs),
         }
         let b = &mut *s.buf;
         be.add_rms_norm(&mut b.x, &b.d, n, hd, &layer.ffn_norm, self.eps, &mut b.h);
@@ -606,7 +623,7 @@ impl<B: Backend> Model<B> {
         };
         let rows = QkvRows { stride: w, q_heads: nh, kv_heads: nkv, head_dim: hdim };
         let (half, host) = (self.rope.half(), &*s.host);
-        let params = AttnParams { q_heads: nh, scale: self.attn_scale, window: a.window, sinks: a.sinks.as_deref() };
+        let params = AttnParams { q_heads: nh, scale: self.attn_scale, window: a.window, sinks: a.sinks.as_deref(), selected: None };
         for seg in s.segs.iter_mut() {
             // This sequence's rows of the step's RoPE tables.
             let span = seg.row * half..(seg.row + seg.n) * half;
@@ -651,7 +668,7 @@ impl<B: Backend> Model<B> {
     }
 
     /// Absorbed multi-head latent attention; leaves the projected output in `d`.
-    fn latent_attention(&self, li: usize, a: &LatentAttention<B>, s: &mut Step<'_, '_, B>, n: usize) {
+    fn latent_attention(&self, li: usize, a: &LatentAttention<B>, s: &mut Step<'_, '_, B>, n: usize, obs: &mut dyn Observer) {
         let (be, ar) = (&self.backend, &self.arch);
         let m = ar.mla.as_ref().expect("latent attention without MLA dims");
         let b = &mut *s.buf;
@@ -683,8 +700,17 @@ impl<B: Backend> Model<B> {
             be.copy_strided(&b.tmp2, rank, 0, &mut b.q, nh * lat, h * lat, rank, n);
             be.copy_strided(&b.tmp, nh * qk, h * qk + nope, &mut b.q, nh * lat, h * lat + rank, rope, n);
         }
-        let params = AttnParams { q_heads: nh, scale: self.attn_scale, window: None, sinks: None };
-        for seg in s.segs.iter_mut() {
+        if let Some(ix) = &a.indexer {
+            self.index_select(li, ix, s, n, obs);
+        }
+        let (b, host) = (&mut *s.buf, &*s.host);
+        let top = ar.sparse_attention.as_ref().map_or(0, |sa| sa.top_k);
+        for (i, seg) in s.segs.iter_mut().enumerate() {
+            let selected = match host.selection.get(i) {
+                Some(sel) if !sel.is_empty() && top > 0 => Some(Selection { positions: sel, per_query: top }),
+                _ => None,
+            };
+            let params = AttnParams { q_heads: nh, scale: self.attn_scale, window: None, sinks: None, selected };
             self.attend(li, seg, b, nh * lat, nh * rank, params, |_, _| {});
         }
         // Expand each head's attended latent through W_uv[h].
@@ -694,6 +720,47 @@ impl<B: Backend> Model<B> {
             be.copy_strided(&b.tmp, vdim, 0, &mut b.k, nh * vdim, h * vdim, vdim, n);
         }
         be.matmul(&a.o, None, &b.k, n, &mut b.d);
+    }
+
+    /// DeepSeek Sparse Attention's indexer (GLM-5): each sequence's indexer keys go into its
+    /// cache, and the positions each of its queries attends to into `host.selection` (left
+    /// empty, for dense attention, while no query sees more than `top_k` positions). Layers
+    /// without their own indexer keep the latest selection. Reads the normalised query latent
+    /// from `k` (the `q_a` path's output) and the normed input from `h`.
+    fn index_select(&self, li: usize, ix: &Indexer<B>, s: &mut Step<'_, '_, B>, n: usize, obs: &mut dyn Observer) {
+        let (be, ar) = (&self.backend, &self.arch);
+        let sa = ar.sparse_attention.as_ref().expect("an indexer without sparse attention");
+        let (heads, dim) = (sa.heads, sa.head_dim);
+        let b = &mut *s.buf;
+        be.matmul(&ix.k, None, &b.h, n, &mut b.idx_k);
+        be.layer_norm_strided(&mut b.idx_k, n, dim, 0, dim, &ix.k_norm.0, &ix.k_norm.1, 1e-6);
+        let (cos, sin) = (&s.host.cos, &s.host.sin);
+        // Interleaved pairs over the first qk_rope_head_dim dimensions of the key and of every
+        // query head (the same tables as the latent attention's).
+        be.rope(&mut b.idx_k, n, dim, 0, 1, 0, cos, sin, true);
+        let any_sparse = s.segs.iter().any(|seg| seg.pos + seg.n > sa.top_k);
+        if any_sparse {
+            be.matmul(&ix.q, None, &b.k, n, &mut b.idx_q);
+            be.rope(&mut b.idx_q, n, heads * dim, 0, heads, dim, cos, sin, true);
+            be.matmul(&ix.weights, None, &b.h, n, &mut b.idx_w);
+            // transformers scales the scores by 1/sqrt(head_dim) and the head weights by
+            // 1/sqrt(heads); through the ReLU both are one positive factor on the weights.
+            let scale = 1.0 / ((heads * dim) as f32).sqrt();
+            be.scale_rows(&mut b.idx_w, heads, &vec![scale; n]);
+        }
+        let host = &mut *s.host;
+        host.selection.resize_with(s.segs.len(), Vec::new);
+        for (seg, sel) in s.segs.iter_mut().zip(host.selection.iter_mut()) {
+            be.kv_store(seg.kv, ix.cache_layer, seg.pos, seg.n, &b.idx_k, dim, seg.row * dim, None);
+            sel.clear();
+            if seg.pos + seg.n > sa.top_k {
+                sel.resize(seg.n * sa.top_k, u32::MAX);
+                be.index_select(seg.kv, ix.cache_layer, &b.idx_q, &b.idx_w, seg.row, seg.n, seg.pos, heads, sa.top_k, sel);
+                for (t, row) in sel.chunks(sa.top_k).enumerate().filter(|(t, _)| seg.pos + t >= sa.top_k) {
+                    obs.selected(li, seg.pos + t, row);
+                }
+            }
+        }
     }
 
     /// SwiGLU MLP of `h` into `d`.

@@ -38,6 +38,22 @@ pub(crate) struct LatentAttention<B: Backend> {
     /// Per head: `qk_nope` rows of W_uk then `v_head` rows of W_uv.
     pub kv_b: B::Matrix,
     pub o: B::Matrix,
+    /// DeepSeek Sparse Attention: this layer's own indexer ("full" layers), or `None`, where the
+    /// layer attends densely or reuses the selection of the full layer before it.
+    pub indexer: Option<Indexer<B>>,
+}
+
+/// A DSA lightning indexer (GLM-5), see [`smoe_vault::SparseAttention`].
+pub(crate) struct Indexer<B: Backend> {
+    /// `[heads × head_dim, q_lora_rank]`, on the normalised query latent.
+    pub q: B::Matrix,
+    /// `[head_dim, hidden]`, then a LayerNorm with `k_norm` (weights, biases).
+    pub k: B::Matrix,
+    pub k_norm: (B::Vector, B::Vector),
+    /// `[heads, hidden]`: each head's weight for a token.
+    pub weights: B::Matrix,
+    /// The KV cache layer its keys go into (after the decoder layers', see [`kv_shapes`]).
+    pub cache_layer: usize,
 }
 
 pub(crate) enum Attention<B: Backend> {
@@ -187,6 +203,13 @@ impl<B: Backend> Model<B> {
                 backend.describe()
             )));
         }
+        if arch.sparse_attention.is_some() && !backend.attends_selected() {
+            return Err(EngineError::Model(format!(
+                "{} uses DeepSeek Sparse Attention, which the {} backend does not implement yet; use the CPU",
+                arch.family.model_type(),
+                backend.describe()
+            )));
+        }
         if let Some(d) = dense.iter().find(|d| d.offset.checked_add(d.len).is_none_or(|end| end > region.len() as u64)) {
             return Err(EngineError::Model(format!("tensor {} lies outside the dense data", d.name)));
         }
@@ -208,6 +231,16 @@ impl<B: Backend> Model<B> {
                     kv_a_norm: ld.vector(&t("attn.kv_a_norm"))?,
                     kv_b: ld.matrix(&t("attn.kv_b"))?,
                     o: ld.matrix(&t("attn.o"))?,
+                    indexer: match arch.indexer_layers().iter().position(|&i| i == l) {
+                        Some(j) => Some(Indexer {
+                            q: ld.matrix(&t("attn.idx_q"))?,
+                            k: ld.matrix(&t("attn.idx_k"))?,
+                            k_norm: (ld.vector(&t("attn.idx_k_norm"))?, ld.vector(&t("attn.idx_k_norm_bias"))?),
+                            weights: ld.matrix(&t("attn.idx_weights"))?,
+                            cache_layer: arch.num_layers + j,
+                        }),
+                        None => None,
+                    },
                 }),
                 None => Attention::Standard(StandardAttention {
                     q: ld.matrix(&t("attn.q"))?,
@@ -362,14 +395,21 @@ impl<B: Backend> Model<B> {
 
 /// The shape of each layer's KV cache for `arch`: GQA caches `num_kv_heads` keys and values;
 /// MLA caches one normalised latent plus one shared rope key per position, and reads values
-/// from the latent (the absorbed form).
+/// from the latent (the absorbed form). After the decoder layers' come the DSA indexers' key
+/// caches (one `index_head_dim` key per position for each layer that runs its own indexer), so
+/// that whatever handles a sequence's cache (prefix copies, truncation, sizes) handles them too.
 pub fn kv_shapes(arch: &Architecture) -> Vec<KvShape> {
-    (0..arch.num_layers)
+    let mut shapes: Vec<KvShape> = (0..arch.num_layers)
         .map(|_| match &arch.mla {
             Some(m) => KvShape { heads: 1, k_dim: m.kv_lora_rank + m.qk_rope_head_dim, v_dim: m.kv_lora_rank, values_in_keys: true },
             None => KvShape { heads: arch.num_kv_heads, k_dim: arch.head_dim, v_dim: arch.head_dim, values_in_keys: false },
         })
-        .collect()
+        .collect();
+    if let Some(s) = &arch.sparse_attention {
+        let index_keys = KvShape { heads: 1, k_dim: s.head_dim, v_dim: 0, values_in_keys: true };
+        shapes.extend(arch.indexer_layers().iter().map(|_| index_keys));
+    }
+    shapes
 }
 
 /// Values cached per token, summed over layers, as this engine stores them.

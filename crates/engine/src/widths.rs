@@ -31,6 +31,9 @@ pub(crate) struct Widths {
     pub slots: usize,
     pub router: usize,
     pub logits: usize,
+    pub idx_q: usize,
+    pub idx_k: usize,
+    pub idx_w: usize,
 }
 
 /// The largest of a buffer's writes (0 if it has none).
@@ -92,6 +95,10 @@ impl Widths {
             slots: top_k * hidden,                   // the same, back in slot order
             router: a.moe.num_experts,
             logits: a.vocab_size,
+            // The DSA indexer's queries, key and head weights (GLM-5 only).
+            idx_q: a.sparse_attention.as_ref().map_or(0, |s| s.heads * s.head_dim),
+            idx_k: a.sparse_attention.as_ref().map_or(0, |s| s.head_dim),
+            idx_w: a.sparse_attention.as_ref().map_or(0, |s| s.heads),
         }
     }
 }

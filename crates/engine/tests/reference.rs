@@ -92,6 +92,52 @@ fn glm_and_deepseek_match_transformers() {
     }
 }
 
+/// Records DeepSeek Sparse Attention's choices: (layer, position) → positions.
+#[derive(Default)]
+struct Selections(std::collections::BTreeMap<(usize, usize), Vec<u32>>);
+
+impl smoe_engine::Observer for Selections {
+    fn wants_routes(&self) -> bool {
+        false
+    }
+    fn selected(&mut self, layer: usize, pos: usize, positions: &[u32]) {
+        self.0.insert((layer, pos), positions.to_vec());
+    }
+}
+
+/// GLM-5 (`glm_moe_dsa`): latent attention with DeepSeek Sparse Attention. The fixture's
+/// indexer keeps 32 positions, so both the 52-token chat prompt and the 300-token text attend
+/// sparsely past position 32 (and densely before); layer 2 reuses layer 1's selection. Beyond
+/// the logits, routing and greedy checks, every query's selected positions at every layer that
+/// runs an indexer equal transformers', in one prefill and in chunks of 7 tokens.
+#[test]
+fn glm5_sparse_attention_matches_transformers() {
+    let name = "glm_moe_dsa";
+    check_fixture(name);
+    let model = load(&vault(name, Format::BF16, Format::BF16));
+    let top = model.arch().sparse_attention.as_ref().unwrap().top_k;
+    let r = read_safetensors(&fixture(name).join("reference.safetensors"));
+    for tag in ["chat", "long"] {
+        let input = ids(&r[&format!("{tag}.input_ids")]);
+        for chunk in [input.len(), 7] {
+            let mut seen = Selections::default();
+            let mut st = model.new_state(chunk);
+            for piece in input.chunks(chunk) {
+                model.forward(&mut st, piece, Logits::Last, &mut seen).unwrap();
+            }
+            for layer in model.arch().indexer_layers() {
+                let theirs = r[&format!("{tag}.index.model.layers.{layer}.self_attn.indexer")].i32();
+                for p in top..input.len() {
+                    let mut want: Vec<u32> = theirs[p * top..(p + 1) * top].iter().map(|&j| j as u32).collect();
+                    want.sort_unstable();
+                    assert_eq!(seen.0[&(layer, p)], want, "{tag} layer {layer} position {p} (chunks of {chunk})");
+                }
+            }
+            assert_eq!(seen.0.len(), model.arch().indexer_layers().len() * (input.len() - top), "{tag}");
+        }
+    }
+}
+
 /// MiniMax-M2: no code of its own in the decoder, only its architecture description (GLM's
 /// sigmoid routing with a correction bias, OLMoE's q/k norms over all heads, partial rotary).
 #[test]

@@ -5,7 +5,7 @@ use crate::FormatError;
 use serde_json::Value;
 use smoe_vault::{
     names, Architecture, ExpertAct, Family, GenerationDefaults, LayerKind, Mla, Moe, QkNorm, Rope, RopeScaling, Router, SharedExperts,
-    TextAssets,
+    SparseAttention, TextAssets,
 };
 use std::path::Path;
 
@@ -80,7 +80,7 @@ pub fn architecture_from_config(cfg: &Value) -> Result<Architecture, FormatError
 
     let num_experts_key = match family {
         Family::Mixtral | Family::MinimaxM2 | Family::GptOss => "num_local_experts",
-        Family::Glm4Moe | Family::DeepseekV3 => "n_routed_experts",
+        Family::Glm4Moe | Family::DeepseekV3 | Family::GlmMoeDsa => "n_routed_experts",
         _ => "num_experts",
     };
     let num_experts = c.usize(num_experts_key)?;
@@ -118,6 +118,7 @@ pub fn architecture_from_config(cfg: &Value) -> Result<Architecture, FormatError
         attention_windows: vec![],
         attn_sinks: false,
         o_bias: false,
+        sparse_attention: None,
     };
     match family {
         Family::Qwen3Moe | Family::Qwen2Moe => {
@@ -188,7 +189,7 @@ pub fn architecture_from_config(cfg: &Value) -> Result<Architecture, FormatError
             }
         }
         Family::GptOss => gpt_oss(&c, &mut arch, &mut moe)?,
-        Family::Glm4Moe | Family::DeepseekV3 => {
+        Family::Glm4Moe | Family::DeepseekV3 | Family::GlmMoeDsa => {
             moe.intermediate_size = c.usize("moe_intermediate_size")?;
             moe.norm_topk_prob = c.bool_or("norm_topk_prob", true)?;
             moe.routed_scaling_factor = c.f64_or("routed_scaling_factor", 1.0)?;
@@ -206,6 +207,14 @@ pub fn architecture_from_config(cfg: &Value) -> Result<Architecture, FormatError
             for (l, kind) in arch.layers.iter_mut().enumerate() {
                 *kind = if l >= first_dense && l % freq == 0 { LayerKind::Moe } else { LayerKind::Dense };
             }
+            // transformers 5 writes GLM-5's layer kinds out (`mlp_layer_types`); they win.
+            if let Some(types) = string_list(&c, "mlp_layer_types")? {
+                arch.layers = per_layer(&types, num_layers, "mlp_layer_types", |t| match t {
+                    "dense" => Some(LayerKind::Dense),
+                    "sparse" => Some(LayerKind::Moe),
+                    _ => None,
+                })?;
+            }
             if family == Family::Glm4Moe {
                 arch.qkv_bias = c.bool_or("attention_bias", false)?;
                 arch.qk_norm = if c.bool_or("use_qk_norm", false)? { QkNorm::PerHead } else { QkNorm::None };
@@ -218,7 +227,7 @@ pub fn architecture_from_config(cfg: &Value) -> Result<Architecture, FormatError
                     }
                 }
                 if c.bool_or("attention_bias", false)? {
-                    return Err(FormatError::Unsupported("deepseek_v3 attention_bias".into()));
+                    return Err(FormatError::Unsupported(format!("{model_type} attention_bias")));
                 }
                 let mla = Mla {
                     q_lora_rank: c.opt_usize("q_lora_rank")?,
@@ -231,7 +240,11 @@ pub fn architecture_from_config(cfg: &Value) -> Result<Architecture, FormatError
                 arch.num_kv_heads = num_heads;
                 arch.rope.rotary_dim = mla.qk_rope_head_dim;
                 arch.rope.partial_rotary_factor = 1.0;
-                arch.rope.interleaved = c.bool_or("rope_interleave", true)?;
+                // GLM-5 always rotates interleaved pairs (transformers has no switch for it).
+                arch.rope.interleaved = family == Family::GlmMoeDsa || c.bool_or("rope_interleave", true)?;
+                if family == Family::GlmMoeDsa {
+                    arch.sparse_attention = Some(sparse_attention(&c, num_layers)?);
+                }
                 arch.mla = Some(mla);
             }
         }
@@ -239,6 +252,54 @@ pub fn architecture_from_config(cfg: &Value) -> Result<Architecture, FormatError
     arch.moe = moe;
     arch.validate().map_err(|e| FormatError::BadInput(format!("config.json: {e}")))?;
     Ok(arch)
+}
+
+fn string_list(c: &Cfg<'_>, key: &str) -> Result<Option<Vec<String>>, FormatError> {
+    match c.get(key) {
+        None => Ok(None),
+        Some(v) => v
+            .as_array()
+            .and_then(|a| a.iter().map(|t| t.as_str().map(str::to_string)).collect::<Option<Vec<_>>>())
+            .map(Some)
+            .ok_or_else(|| FormatError::BadInput(format!("config.json: {key} is not a list of strings"))),
+    }
+}
+
+fn per_layer<T>(types: &[String], layers: usize, key: &str, f: impl Fn(&str) -> Option<T>) -> Result<Vec<T>, FormatError> {
+    if types.len() != layers {
+        return Err(FormatError::BadInput(format!("config.json: {} {key} for {layers} layers", types.len())));
+    }
+    types.iter().map(|t| f(t).ok_or_else(|| FormatError::Unsupported(format!("config.json: {key} entry '{t}'")))).collect()
+}
+
+/// GLM-5's DeepSeek Sparse Attention settings. Which layers run their own indexer comes, as in
+/// transformers, from `indexer_types`, else `index_topk_pattern` ("F"/"S" per layer), else
+/// `index_topk_freq` and `index_skip_topk_offset` (layer `i` is full when
+/// `max(i - offset + 1, 0)` is a multiple of the frequency; the defaults 1 and 2 make every
+/// layer full).
+fn sparse_attention(c: &Cfg<'_>, layers: usize) -> Result<SparseAttention, FormatError> {
+    let full = |t: &str| match t {
+        "full" | "F" => Some(true),
+        "shared" | "S" => Some(false),
+        _ => None,
+    };
+    let indexer = if let Some(types) = string_list(c, "indexer_types")? {
+        per_layer(&types, layers, "indexer_types", full)?
+    } else if let Some(p) = c.get("index_topk_pattern").and_then(|v| v.as_str()) {
+        per_layer(&p.chars().map(String::from).collect::<Vec<_>>(), layers, "index_topk_pattern", full)?
+    } else if c.get("index_topk_pattern").is_some() {
+        per_layer(&string_list(c, "index_topk_pattern")?.unwrap_or_default(), layers, "index_topk_pattern", full)?
+    } else {
+        let freq = c.opt_usize("index_topk_freq")?.unwrap_or(1).max(1);
+        let offset = c.opt_usize("index_skip_topk_offset")?.unwrap_or(2);
+        (0..layers).map(|i| (i + 1).saturating_sub(offset).is_multiple_of(freq)).collect()
+    };
+    Ok(SparseAttention {
+        top_k: c.opt_usize("index_topk")?.unwrap_or(2048),
+        heads: c.opt_usize("index_n_heads")?.unwrap_or(32),
+        head_dim: c.opt_usize("index_head_dim")?.unwrap_or(128),
+        indexer,
+    })
 }
 
 /// gpt-oss: softmax over the top-k of biased router logits (a softmax over all experts,
@@ -337,6 +398,11 @@ pub fn hf_name(family: Family, canonical: &str) -> String {
         "moe.router" if family == Family::GptOss => "mlp.router.weight".into(),
         "moe.router_logit_bias" => "mlp.router.bias".into(),
         "attn.sinks" => "self_attn.sinks".into(),
+        "attn.idx_q" => "self_attn.indexer.wq_b.weight".into(),
+        "attn.idx_k" => "self_attn.indexer.wk.weight".into(),
+        "attn.idx_k_norm" => "self_attn.indexer.k_norm.weight".into(),
+        "attn.idx_k_norm_bias" => "self_attn.indexer.k_norm.bias".into(),
+        "attn.idx_weights" => "self_attn.indexer.weights_proj.weight".into(),
         // gpt-oss's expert biases; gate and up are the even and odd columns of
         // `gate_up_proj_bias`, named apart by `smoe_convert`'s gpt-oss provider.
         "moe.expert_gate_bias" => "mlp.experts.gate_proj_bias".into(),

@@ -28,6 +28,9 @@ pub enum Family {
     MinimaxM2,
     /// OpenAI gpt-oss (gpt-oss-20b, gpt-oss-120b).
     GptOss,
+    /// GLM-5 (`glm_moe_dsa`): DeepSeek-V3's latent attention and routing with DeepSeek Sparse
+    /// Attention.
+    GlmMoeDsa,
 }
 
 impl Family {
@@ -42,11 +45,12 @@ impl Family {
             Family::DeepseekV3 => "deepseek_v3",
             Family::MinimaxM2 => "minimax_m2",
             Family::GptOss => "gpt_oss",
+            Family::GlmMoeDsa => "glm_moe_dsa",
         }
     }
 
     /// All supported families.
-    pub const ALL: [Family; 8] = [
+    pub const ALL: [Family; 9] = [
         Family::Qwen3Moe,
         Family::Qwen2Moe,
         Family::Mixtral,
@@ -55,6 +59,7 @@ impl Family {
         Family::DeepseekV3,
         Family::MinimaxM2,
         Family::GptOss,
+        Family::GlmMoeDsa,
     ];
 
     /// The family with this `model_type`.
@@ -137,6 +142,29 @@ pub struct Mla {
     pub qk_rope_head_dim: usize,
     /// Per-head value dimensions.
     pub v_head_dim: usize,
+}
+
+/// DeepSeek Sparse Attention (GLM-5; DeepSeek-V3.2's DSA): a "lightning indexer" scores every
+/// visible position for each query, and the query attends (with the layer's latent attention)
+/// only to its `top_k` best; a query that sees `top_k` positions or fewer attends to all of them.
+///
+/// The indexer of layer `l` (tensors `attn.idx_q` `[heads × head_dim, q_lora_rank]` on the
+/// normalised query latent, `attn.idx_k` `[head_dim, hidden]` followed by a LayerNorm
+/// `attn.idx_k_norm`/`attn.idx_k_norm_bias`, `attn.idx_weights` `[heads, hidden]`) rotates the
+/// first `qk_rope_head_dim` dimensions of its query heads and key (pairs interleaved) and
+/// scores position `j` as `Σ_h w_h · relu(q_h · k_j) / sqrt(head_dim · heads)`. Its keys are cached
+/// beside the latent KV, one `head_dim` row per position.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SparseAttention {
+    /// Positions each query attends to (`index_topk`).
+    pub top_k: usize,
+    /// Indexer query heads (`index_n_heads`).
+    pub heads: usize,
+    /// Indexer head dimension (`index_head_dim`).
+    pub head_dim: usize,
+    /// Per layer: `true` where the layer runs its own indexer ("full"), `false` where it reuses
+    /// the selection of the nearest full layer before it ("shared", GLM-5's `indexer_types`).
+    pub indexer: Vec<bool>,
 }
 
 /// How the router turns logits into expert choices and mixing weights.
@@ -285,12 +313,20 @@ pub struct Architecture {
     /// A bias on the attention output projection (gpt-oss; tensor `attn.o_bias`).
     #[serde(default, skip_serializing_if = "is_false")]
     pub o_bias: bool,
+    /// DeepSeek Sparse Attention over the latent attention (GLM-5), if the model has it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sparse_attention: Option<SparseAttention>,
 }
 
 impl Architecture {
     /// The sliding window of layer `l`, if it has one.
     pub fn attention_window(&self, l: usize) -> Option<usize> {
         self.attention_windows.get(l).copied().flatten()
+    }
+
+    /// The layers that run their own DSA indexer, in order (empty without sparse attention).
+    pub fn indexer_layers(&self) -> Vec<usize> {
+        self.sparse_attention.as_ref().map_or(vec![], |s| (0..self.num_layers).filter(|&l| s.indexer[l]).collect())
     }
 
     /// Indices of the MoE layers, in order.
@@ -345,6 +381,25 @@ impl Architecture {
         }
         if (self.attn_sinks || self.o_bias || !self.attention_windows.is_empty()) && self.mla.is_some() {
             return Err("attention sinks, output bias and sliding windows are only implemented for standard attention".into());
+        }
+        if let Some(s) = &self.sparse_attention {
+            let Some(mla) = &self.mla else {
+                return Err("sparse attention without latent attention".into());
+            };
+            if mla.q_lora_rank.is_none() {
+                return Err("sparse attention's indexer needs a query latent (q_lora_rank)".into());
+            }
+            pos(s.top_k, "index_topk")?;
+            pos(s.heads, "index_n_heads")?;
+            if s.head_dim < mla.qk_rope_head_dim || !s.head_dim.is_multiple_of(2) {
+                return Err(format!("index_head_dim {} below the {} rotated dimensions", s.head_dim, mla.qk_rope_head_dim));
+            }
+            if s.indexer.len() != self.num_layers {
+                return Err(format!("{} indexer layer types for {} layers", s.indexer.len(), self.num_layers));
+            }
+            if s.indexer.first() != Some(&true) {
+                return Err("the first layer shares an indexer selection no layer before it made".into());
+            }
         }
         if let ExpertAct::ClampedSwiglu { alpha, limit } = self.moe.expert_act {
             if !alpha.is_finite() || !limit.is_finite() || limit <= 0.0 {

@@ -22,7 +22,7 @@ mod reader;
 mod stacked;
 mod writer;
 
-pub use arch::{Architecture, ExpertAct, Family, LayerKind, Mla, Moe, QkNorm, Rope, RopeScaling, Router, SharedExperts};
+pub use arch::{Architecture, ExpertAct, Family, LayerKind, Mla, Moe, QkNorm, Rope, RopeScaling, Router, SharedExperts, SparseAttention};
 pub use header::Header;
 pub use manifest::{DenseEntry, ExpertIndex, ExpertLayer, GenerationDefaults, Manifest, PartEntry, TextAssets};
 pub use reader::{BlobLocation, Vault};

@@ -109,6 +109,16 @@ fn attention_tensors(arch: &Architecture, l: usize, v: &mut Vec<TensorSpec>) {
         v.push(TensorSpec::vector(layer(l, "attn.kv_a_norm"), m.kv_lora_rank));
         v.push(TensorSpec::matrix(layer(l, "attn.kv_b"), nh * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank));
         v.push(TensorSpec::matrix(layer(l, "attn.o"), h, nh * m.v_head_dim));
+        if let (Some(s), Some(r)) = (&arch.sparse_attention, m.q_lora_rank) {
+            if s.indexer[l] {
+                v.push(TensorSpec::matrix(layer(l, "attn.idx_q"), s.heads * s.head_dim, r));
+                v.push(TensorSpec::matrix(layer(l, "attn.idx_k"), s.head_dim, h));
+                v.push(TensorSpec::vector(layer(l, "attn.idx_k_norm"), s.head_dim));
+                v.push(TensorSpec::vector(layer(l, "attn.idx_k_norm_bias"), s.head_dim));
+                // The per-head weights decide the selection as the router decides routing: exact.
+                v.push(TensorSpec::exact_matrix(layer(l, "attn.idx_weights"), s.heads, h));
+            }
+        }
         return;
     }
     let (q, kv) = (nh * arch.head_dim, arch.num_kv_heads * arch.head_dim);

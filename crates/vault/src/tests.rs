@@ -37,6 +37,7 @@ pub(crate) fn tiny_arch() -> Architecture {
         attention_windows: vec![],
         attn_sinks: false,
         o_bias: false,
+        sparse_attention: None,
     }
 }
 

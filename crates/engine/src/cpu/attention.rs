@@ -11,7 +11,9 @@ thread_local! {
     static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
-/// One query's attention into `o` (`v_dim` long).
+/// One query's attention into `o` (`v_dim` long): over the positions [`AttnParams::selected`]
+/// lists for it, or else every position it sees.
+#[allow(clippy::too_many_arguments)]
 fn one(
     l: &KvLayer,
     q: &[f32],
@@ -23,6 +25,25 @@ fn one(
     o: &mut [f32],
     dotf: &dyn Fn(&[f32], &[f32]) -> f32,
 ) {
+    let t = i / n_qh;
+    match p.selected {
+        Some(sel) => one_over(l, q, q_stride, n_qh, p, i, o, dotf, sel.of(t)),
+        None => one_over(l, q, q_stride, n_qh, p, i, o, dotf, p.first_seen(pos0 + t)..pos0 + t + 1),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn one_over(
+    l: &KvLayer,
+    q: &[f32],
+    q_stride: usize,
+    n_qh: usize,
+    p: AttnParams<'_>,
+    i: usize,
+    o: &mut [f32],
+    dotf: &dyn Fn(&[f32], &[f32]) -> f32,
+    positions: impl Iterator<Item = usize> + Clone,
+) {
     let s = l.shape;
     let (kd, vd) = (s.k_dim, s.v_dim);
     let group = p.q_heads / s.heads;
@@ -31,15 +52,14 @@ fn one(
     let (t, h) = (i / n_qh, i % n_qh);
     let g = h / group;
     let qv = &q[t * q_stride + h * kd..][..kd];
-    let len = pos0 + t + 1;
-    let first = p.first_seen(pos0 + t);
     SCORES.with(|sc| {
         let mut sc = sc.borrow_mut();
-        sc.resize(len - first, 0.0);
+        sc.clear();
         let mut max = f32::NEG_INFINITY;
-        for (j, sj) in (first..).zip(sc.iter_mut()) {
-            *sj = dotf(qv, &l.k[j * k_row + g * kd..][..kd]) * p.scale;
-            max = max.max(*sj);
+        for j in positions.clone() {
+            let sj = dotf(qv, &l.k[j * k_row + g * kd..][..kd]) * p.scale;
+            max = max.max(sj);
+            sc.push(sj);
         }
         // A sink joins the denominator (and the maximum) but weighs no value.
         let sink = p.sinks.map(|s| s[h]);
@@ -52,7 +72,7 @@ fn one(
             sum += *sj;
         }
         o.fill(0.0);
-        for (j, &w) in (first..).zip(sc.iter()) {
+        for (j, &w) in positions.zip(sc.iter()) {
             let v = &values[j * v_row + g * v_stride..][..vd];
             for (a, &b) in o.iter_mut().zip(v) {
                 *a += w * b;
@@ -415,7 +435,7 @@ mod tests {
             let sinks: Vec<f32> = (0..q_heads).map(|h| h as f32 * 1.5 - 2.0).collect();
             let variants = [(None, None), (Some(7), Some(&sinks[..])), (Some(45), None), (None, Some(&sinks[..]))];
             for (window, sinks) in variants {
-                let p = AttnParams { q_heads, scale: 0.3, window, sinks };
+                let p = AttnParams { q_heads, scale: 0.3, window, sinks, selected: None };
                 let width = n * q_heads * shape.v_dim;
                 let mut exact = vec![0f32; width];
                 attention_ref(&l, &q, q_stride, n, pos0, p, &mut exact);
@@ -453,7 +473,7 @@ mod speed {
         // Twelve layers' caches (80 MB), visited in turn as decode does: from memory, not cache.
         let layers: Vec<KvLayer> = (0..12).map(|_| KvLayer { shape, k: v(positions * kw), v: v(positions * kw) }).collect();
         let q = v(q_heads * 128);
-        let p = AttnParams { q_heads, scale: 0.088, window: None, sinks: None };
+        let p = AttnParams { q_heads, scale: 0.088, window: None, sinks: None, selected: None };
         let mut out = vec![0f32; q_heads * 128];
         for threads in [1, 2] {
             let pool = crate::cpu::pool::Pool::new(threads);

@@ -8,6 +8,7 @@ mod attention;
 mod fast;
 mod matmul;
 pub mod pool;
+mod sparse;
 
 use crate::backend::{check, check_rows, AttnParams, Backend, KvShape, MatJob, WeightRef};
 use crate::routing::{RouteScratch, RouterRule};
@@ -182,6 +183,10 @@ impl Backend for CpuBackend {
         }
     }
 
+    fn attends_selected(&self) -> bool {
+        true
+    }
+
     fn interleaved_expert_formats(&self) -> Vec<Format> {
         let fast = self.precision == Precision::Fast;
         [Format::Q4_K, Format::Q8_0].into_iter().filter(|&f| fast && self.kernels.has_group8(f)).collect()
@@ -335,6 +340,34 @@ impl Backend for CpuBackend {
                 *v = g * (*v * scale);
             }
         }
+    }
+    fn layer_norm_strided(&self, x: &mut CpuBuf, n: usize, stride: usize, off: usize, dim: usize, w: &Vec<f32>, b: &Vec<f32>, eps: f32) {
+        check_rows("layer_norm_strided", x, 0, n, stride, off, dim);
+        assert!(w.len() == dim && b.len() == dim, "layer_norm_strided: {} weights and {} biases for {dim} values", w.len(), b.len());
+        for t in 0..n {
+            sparse::layer_norm(&mut x[t * stride + off..][..dim], w, b, eps);
+        }
+    }
+    fn index_select(
+        &self,
+        cache: &CpuKvCache,
+        layer: usize,
+        q: &CpuBuf,
+        weights: &CpuBuf,
+        row0: usize,
+        n: usize,
+        pos0: usize,
+        heads: usize,
+        top: usize,
+        out: &mut [u32],
+    ) {
+        let l = &cache.layers[layer];
+        let d = l.shape.k_dim;
+        check_rows("index_select queries", q, row0, n, heads * d, 0, heads * d);
+        check_rows("index_select weights", weights, row0, n, heads, 0, heads);
+        assert!(out.len() >= n * top, "index_select: {} outputs for {n} queries of {top}", out.len());
+        assert!(l.k.len() >= (pos0 + n) * d, "index_select: layer {layer} holds {} positions, not {}", l.k.len() / d.max(1), pos0 + n);
+        sparse::index_select(l, q, weights, row0, n, pos0, heads, top, out);
     }
     fn add_bias(&self, x: &mut CpuBuf, n: usize, stride: usize, off: usize, b: &Vec<f32>) {
         check_rows("add_bias", x, 0, n, stride, off, b.len());
@@ -541,6 +574,10 @@ impl Backend for CpuBackend {
         let l = &cache.layers[layer];
         check_rows("attention queries", q, 0, n, q_stride, 0, p.q_heads * l.shape.k_dim);
         check("attention", out, n, p.q_heads * l.shape.v_dim);
+        // Sparse attention's selected positions take the reference path (rows in parallel).
+        if p.selected.is_some() {
+            return attention::attention_ref(l, q, q_stride, n, pos0, p, out);
+        }
         match self.precision {
             Precision::Reference => attention::attention_ref(l, q, q_stride, n, pos0, p, out),
             Precision::Fast => {

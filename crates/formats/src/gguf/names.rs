@@ -14,6 +14,7 @@ pub fn arch_name(f: Family) -> &'static str {
         Family::DeepseekV3 => "deepseek2",
         Family::MinimaxM2 => "minimax-m2",
         Family::GptOss => "gpt-oss",
+        Family::GlmMoeDsa => "glm-dsa",
     }
 }
 

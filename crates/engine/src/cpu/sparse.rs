@@ -1,0 +1,84 @@
+//! DeepSeek Sparse Attention's indexer on the CPU: each query's scores over the cached indexer
+//! keys, and the positions it keeps. The attention over those positions is
+//! [`super::attention`]'s, driven by [`crate::backend::AttnParams::selected`].
+
+use super::matmul::dot;
+use super::KvLayer;
+use crate::backend::select_top;
+use rayon::prelude::*;
+use std::cell::RefCell;
+
+thread_local! {
+    /// One query's scores, then the positions being ranked.
+    static SCRATCH: RefCell<(Vec<f32>, Vec<u32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// Positions scored per task when one query's scores are split over threads (decode).
+const POSITIONS_PER_TASK: usize = 512;
+
+/// `Σ_h w[h] · relu(q_h · k)` over `heads` heads of `k.len()` dimensions.
+fn score(q: &[f32], w: &[f32], k: &[f32]) -> f32 {
+    let d = k.len();
+    w.iter().enumerate().map(|(h, &wh)| wh * dot(&q[h * d..][..d], k).max(0.0)).sum()
+}
+
+/// [`crate::Backend::index_select`] over one cache layer: `q` rows are `heads × k_dim` floats,
+/// `w` rows `heads`, both from row `row0`; `out` is `[n, top]`.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn index_select(
+    l: &KvLayer,
+    q: &[f32],
+    w: &[f32],
+    row0: usize,
+    n: usize,
+    pos0: usize,
+    heads: usize,
+    top: usize,
+    out: &mut [u32],
+) {
+    let d = l.shape.k_dim;
+    let one = |t: usize, o: &mut [u32]| {
+        let p = pos0 + t;
+        let (qt, wt) = (&q[(row0 + t) * heads * d..][..heads * d], &w[(row0 + t) * heads..][..heads]);
+        SCRATCH.with(|s| {
+            let (scores, order) = &mut *s.borrow_mut();
+            if p < top {
+                // Every position it sees is kept: no scores needed.
+                return select_top(&[], p, top, order, o);
+            }
+            scores.clear();
+            scores.resize(p + 1, 0.0);
+            let keys = &l.k[..(p + 1) * d];
+            if n == 1 && p + 1 >= 2 * POSITIONS_PER_TASK {
+                scores.par_chunks_mut(POSITIONS_PER_TASK).zip(keys.par_chunks(POSITIONS_PER_TASK * d)).for_each(|(sc, ks)| {
+                    for (s, k) in sc.iter_mut().zip(ks.chunks_exact(d)) {
+                        *s = score(qt, wt, k);
+                    }
+                });
+            } else {
+                for (s, k) in scores.iter_mut().zip(keys.chunks_exact(d)) {
+                    *s = score(qt, wt, k);
+                }
+            }
+            select_top(scores, p, top, order, o);
+        })
+    };
+    let out = &mut out[..n * top];
+    if n == 1 {
+        one(0, out);
+    } else {
+        out.par_chunks_mut(top).enumerate().for_each(|(t, o)| one(t, o));
+    }
+}
+
+/// LayerNorm of one segment in place, statistics accumulated in f64.
+pub(super) fn layer_norm(x: &mut [f32], w: &[f32], b: &[f32], eps: f32) {
+    let len = x.len() as f64;
+    let mean = x.iter().map(|&v| v as f64).sum::<f64>() / len;
+    let var = x.iter().map(|&v| (v as f64 - mean) * (v as f64 - mean)).sum::<f64>() / len;
+    let inv = 1.0 / (var as f32 + eps).sqrt();
+    let mean = mean as f32;
+    for ((v, &g), &bb) in x.iter_mut().zip(w).zip(b) {
+        *v = (*v - mean) * inv * g + bb;
+    }
+}
