@@ -8,7 +8,7 @@
 //! the case and the element. Weights are quantized here and compared against their dequantized
 //! values, so the suite measures the backend's arithmetic, not the format's rounding.
 
-use crate::backend::{AttnParams, Backend, ExpertPart, KvShape, MatJob, QkvRows, RopeTables, WeightRef};
+use crate::backend::{AttnParams, Backend, ExpertPart, KvShape, MatJob, QkvRows, RopeTables, Selection, WeightRef};
 use crate::routing::{RouteScratch, RouterRule};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -51,6 +51,9 @@ pub fn check_backend<B: Backend>(b: &B, tol: &Tolerance) -> Result<usize, Vec<St
     s.rows();
     s.attention();
     s.attention_inputs();
+    if b.attends_selected() {
+        s.sparse_attention();
+    }
     s.normed_products();
     s.routing();
     s.kept();
@@ -823,6 +826,116 @@ impl<B: Backend> Suite<'_, B> {
                 self.compare("kv_copy", what, &again, &got, |_| 0.0);
             }
         }
+    }
+
+    /// DeepSeek Sparse Attention's ops: the indexer key's LayerNorm, the indexer's selection
+    /// (checked as a valid top-k of f64 scores: the positions it keeps score at least as well as
+    /// those it drops, up to rounding) and attention over selected positions.
+    fn sparse_attention(&mut self) {
+        // LayerNorm: segments of 24 at offset 10 of rows of 50.
+        let (n, stride, off, dim, eps) = (5, 50, 10, 24, 1e-6f32);
+        let (x, g, bias) = (self.values(n * stride), self.values(dim), self.values(dim));
+        let (w, bv) = (self.b.vector(&g), self.b.vector(&bias));
+        let mut xb = self.buf(n * stride, &x);
+        self.b.layer_norm_strided(&mut xb, n, stride, off, dim, &w, &bv, eps);
+        let mut want = x.clone();
+        for t in 0..n {
+            let r = &x[t * stride + off..][..dim];
+            let mean = r.iter().map(|&v| v as f64).sum::<f64>() / dim as f64;
+            let var = r.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / dim as f64;
+            for i in 0..dim {
+                want[t * stride + off + i] = ((r[i] as f64 - mean) / (var + eps as f64).sqrt() * g[i] as f64 + bias[i] as f64) as f32;
+            }
+        }
+        let got = self.read(&xb, n * stride);
+        self.compare_elementwise("layer_norm_strided", "segments of 24 at 10 in rows of 50", &got, &want);
+
+        // Selection: (what, positions cached, queries at the end, first row, heads, dim, top).
+        let cases = [
+            ("decode, one query after 1100 positions", 1100, 1, 0, 4, 16, 64),
+            ("5 queries after 295 positions, from row 2", 300, 5, 2, 3, 32, 40),
+            ("40 queries from the start, 16 kept", 40, 40, 0, 2, 8, 16),
+        ];
+        let index_keys = KvShape { heads: 1, k_dim: 0, v_dim: 0, values_in_keys: true };
+        for (what, positions, n, row0, heads, dim, top) in cases {
+            let shape = KvShape { k_dim: dim, ..index_keys };
+            let keys = self.values(positions * dim);
+            let mut cache = self.b.kv_cache(&[shape]);
+            self.b.kv_store(&mut cache, 0, 0, positions, &self.buf(keys.len(), &keys), dim, 0, None);
+            let rows = row0 + n;
+            let (q, wts) = (self.values(rows * heads * dim), self.values(rows * heads));
+            let (qb, wb) = (self.buf(q.len(), &q), self.buf(wts.len(), &wts));
+            let mut out = vec![0u32; n * top];
+            let pos0 = positions - n;
+            self.b.index_select(&cache, 0, &qb, &wb, row0, n, pos0, heads, top, &mut out);
+            self.cases += 1;
+            for t in 0..n {
+                let p = pos0 + t;
+                let score = |j: usize| -> f64 {
+                    (0..heads)
+                        .map(|h| {
+                            let qh = &q[((row0 + t) * heads + h) * dim..][..dim];
+                            let d: f64 = qh.iter().zip(&keys[j * dim..][..dim]).map(|(a, b)| *a as f64 * *b as f64).sum();
+                            wts[(row0 + t) * heads + h] as f64 * d.max(0.0)
+                        })
+                        .sum()
+                };
+                let row = &out[t * top..][..top];
+                let kept: Vec<usize> = row.iter().take_while(|&&j| j != u32::MAX).map(|&j| j as usize).collect();
+                let expect_len = top.min(p + 1);
+                let ascending = kept.windows(2).all(|w| w[0] < w[1]);
+                let valid = kept.len() == expect_len && ascending && kept.iter().all(|&j| j <= p);
+                let worst_kept = kept.iter().map(|&j| score(j)).fold(f64::MAX, f64::min);
+                let best_dropped = (0..=p).filter(|j| !kept.contains(j)).map(score).fold(f64::MIN, f64::max);
+                let scale = (0..heads).map(|h| wts[(row0 + t) * heads + h].abs() as f64).sum::<f64>() * dim as f64;
+                if !valid || best_dropped > worst_kept + 1e-5 * scale {
+                    self.failures.push(format!(
+                        "index_select ({what}): query {t} at {p} kept {} positions (ascending {ascending}), worst kept {worst_kept:.6}, best dropped {best_dropped:.6}",
+                        kept.len()
+                    ));
+                    break;
+                }
+            }
+        }
+
+        // Attention over selected positions: MLA's shape (values in the keys), four queries at
+        // the end of 200 positions, each keeping its own 24 of them (one keeps only 5).
+        let (shape, q_heads, positions, n, per) = (KvShape { heads: 1, k_dim: 40, v_dim: 32, values_in_keys: true }, 5, 200, 4, 24);
+        let keys = self.values(positions * shape.k_dim);
+        let mut cache = self.b.kv_cache(&[shape]);
+        self.b.kv_store(&mut cache, 0, 0, positions, &self.buf(keys.len(), &keys), shape.k_dim, 0, None);
+        let mut sel = vec![u32::MAX; n * per];
+        for t in 0..n {
+            let mut picks: Vec<u32> = (0..=(positions - n + t) as u32).filter(|_| self.rng.random_range(0..5) == 0).collect();
+            picks.truncate(if t == 2 { 5 } else { per });
+            sel[t * per..][..picks.len()].copy_from_slice(&picks);
+        }
+        let q = self.values(n * q_heads * shape.k_dim);
+        let qb = self.buf(q.len(), &q);
+        let scale = 0.2;
+        let selected = Some(Selection { positions: &sel, per_query: per });
+        let params = AttnParams { q_heads, scale, window: None, sinks: None, selected };
+        let mut out = self.buf(n * q_heads * shape.v_dim, &[]);
+        self.b.attention(&cache, 0, &qb, q_heads * shape.k_dim, n, positions - n, params, &mut out);
+        let mut want = Vec::new();
+        for t in 0..n {
+            let js: Vec<usize> = selected.unwrap().of(t).collect();
+            for h in 0..q_heads {
+                let qr = &q[(t * q_heads + h) * shape.k_dim..][..shape.k_dim];
+                let key = |p: usize| &keys[p * shape.k_dim..][..shape.k_dim];
+                let sc: Vec<f64> =
+                    js.iter().map(|&p| qr.iter().zip(key(p)).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale as f64).collect();
+                let max = sc.iter().cloned().fold(f64::MIN, f64::max);
+                let e: Vec<f64> = sc.iter().map(|s| (s - max).exp()).collect();
+                let sum: f64 = e.iter().sum();
+                for d in 0..shape.v_dim {
+                    want.push(js.iter().zip(&e).map(|(&p, w)| w / sum * key(p)[d] as f64).sum::<f64>() as f32);
+                }
+            }
+        }
+        let got = self.read(&out, want.len());
+        let tol = self.tol.attention * keys.iter().fold(0f32, |a, v| a.max(v.abs()));
+        self.compare("attention", "selected positions (sparse attention)", &got, &want, |_| tol);
     }
 
     /// `qk_rope_store`: q and k heads normed and rotated in place, keys and values stored. The
