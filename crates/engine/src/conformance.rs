@@ -913,13 +913,13 @@ impl<B: Backend> Suite<'_, B> {
         let q = self.values(n * q_heads * shape.k_dim);
         let qb = self.buf(q.len(), &q);
         let scale = 0.2;
-        let selected = Some(Selection { positions: &sel, per_query: per });
-        let params = AttnParams { q_heads, scale, window: None, sinks: None, selected };
+        let selection = Selection { positions: &sel, per_query: per };
+        let params = AttnParams { q_heads, scale, window: None, sinks: None, selected: Some(selection) };
         let mut out = self.buf(n * q_heads * shape.v_dim, &[]);
         self.b.attention(&cache, 0, &qb, q_heads * shape.k_dim, n, positions - n, params, &mut out);
         let mut want = Vec::new();
         for t in 0..n {
-            let js: Vec<usize> = selected.unwrap().of(t).collect();
+            let js: Vec<usize> = selection.of(t).collect();
             for h in 0..q_heads {
                 let qr = &q[(t * q_heads + h) * shape.k_dim..][..shape.k_dim];
                 let key = |p: usize| &keys[p * shape.k_dim..][..shape.k_dim];
