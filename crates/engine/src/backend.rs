@@ -392,7 +392,17 @@ pub trait Backend: Send + Sync {
     /// offset `off`: `(x - mean) / sqrt(var + eps) · w + b` (the DSA indexer's key norm). Only
     /// called where [`Self::attends_selected`].
     #[allow(clippy::too_many_arguments)]
-    fn layer_norm_strided(&self, _x: &mut Self::Buf, _n: usize, _stride: usize, _off: usize, _dim: usize, _w: &Self::Vector, _b: &Self::Vector, _eps: f32) {
+    fn layer_norm_strided(
+        &self,
+        _x: &mut Self::Buf,
+        _n: usize,
+        _stride: usize,
+        _off: usize,
+        _dim: usize,
+        _w: &Self::Vector,
+        _b: &Self::Vector,
+        _eps: f32,
+    ) {
         panic!("layer_norm_strided: this backend does not run sparse attention (attends_selected is false)");
     }
     /// DeepSeek Sparse Attention's selection: for `n` queries at positions `pos0..pos0 + n`,
