@@ -9,7 +9,7 @@ use smoe_quant::Format;
 use smoe_vault::{names, ExpertAct, LayerKind, QkNorm, RopeScaling, Router, Vault};
 use std::path::{Path, PathBuf};
 
-const FIXTURES: [&str; 12] = [
+const FIXTURES: [&str; 13] = [
     "qwen3_moe",
     "qwen2_moe",
     "mixtral",
@@ -22,6 +22,7 @@ const FIXTURES: [&str; 12] = [
     "minimax_m2",
     "gpt_oss",
     "gpt_oss_mxfp4",
+    "glm_moe_dsa",
 ];
 
 fn fixture(name: &str) -> PathBuf {
@@ -74,7 +75,7 @@ fn manifest_matches_config_field_by_field() {
         }
         let family_experts = match name {
             "mixtral" | "minimax_m2" | "gpt_oss" | "gpt_oss_mxfp4" => cfg_usize(&c, "num_local_experts"),
-            "glm4_moe" | "deepseek_v3" | "deepseek_v3_yarn" => cfg_usize(&c, "n_routed_experts"),
+            "glm4_moe" | "deepseek_v3" | "deepseek_v3_yarn" | "glm_moe_dsa" => cfg_usize(&c, "n_routed_experts"),
             _ => cfg_usize(&c, "num_experts"),
         };
         assert_eq!(a.moe.num_experts, family_experts, "{name}");
@@ -146,7 +147,20 @@ fn manifest_matches_config_field_by_field() {
         } else {
             assert!(a.layers.iter().all(|k| *k == LayerKind::Moe), "{name}");
         }
-        if name.starts_with("deepseek") {
+        if name == "glm_moe_dsa" {
+            let sa = a.sparse_attention.as_ref().unwrap();
+            assert_eq!(
+                (sa.top_k, sa.heads, sa.head_dim),
+                (cfg_usize(&c, "index_topk"), cfg_usize(&c, "index_n_heads"), cfg_usize(&c, "index_head_dim"))
+            );
+            let types: Vec<bool> = c["indexer_types"].as_array().unwrap().iter().map(|t| t == "full").collect();
+            assert_eq!(sa.indexer, types);
+            let dense: Vec<bool> = c["mlp_layer_types"].as_array().unwrap().iter().map(|t| t == "dense").collect();
+            assert_eq!(a.layers.iter().map(|k| *k == LayerKind::Dense).collect::<Vec<_>>(), dense);
+        } else {
+            assert!(a.sparse_attention.is_none(), "{name}");
+        }
+        if name.starts_with("deepseek") || name == "glm_moe_dsa" {
             let m = a.mla.as_ref().unwrap();
             assert_eq!(m.q_lora_rank, Some(cfg_usize(&c, "q_lora_rank")));
             assert_eq!(m.kv_lora_rank, cfg_usize(&c, "kv_lora_rank"));

@@ -251,7 +251,7 @@ fn quantized_vaults_match_their_dequantized_reference() {
 
 #[test]
 fn quantized_glm_deepseek_match_their_dequantized_reference() {
-    for name in GLM_DEEPSEEK_FIXTURES {
+    for name in GLM_DEEPSEEK_FIXTURES.into_iter().chain(["glm_moe_dsa"]) {
         check_quantized(name, &QUANT_CONFIGS);
     }
 }
@@ -276,7 +276,7 @@ fn fast_path_against_reference_per_fixture() {
         let ex = std::sync::Arc::new(smoe_store::ResidentExperts::load_map(map).unwrap());
         smoe_engine::Model::load(&v, backend, ex).unwrap()
     };
-    let all = ENGINE_FIXTURES.iter().chain(&GLM_DEEPSEEK_FIXTURES).chain(&["qwen3_moe_k", "gpt_oss", "gpt_oss_mxfp4"]);
+    let all = ENGINE_FIXTURES.iter().chain(&GLM_DEEPSEEK_FIXTURES).chain(&["qwen3_moe_k", "gpt_oss", "gpt_oss_mxfp4", "glm_moe_dsa"]);
     for &name in all {
         let r = read_safetensors(&fixture(name).join("reference.safetensors"));
         let input = ids(&r["long.input_ids"]);

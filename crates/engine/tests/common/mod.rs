@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 /// Every fixture family's directory under testdata/hf (one per model type, plus the YaRN and
 /// K-quant variants).
-pub const ALL_FIXTURES: [&str; 11] = [
+pub const ALL_FIXTURES: [&str; 12] = [
     "qwen3_moe",
     "qwen2_moe",
     "mixtral",
@@ -22,6 +22,7 @@ pub const ALL_FIXTURES: [&str; 11] = [
     "deepseek_v3_yarn",
     "minimax_m2",
     "gpt_oss",
+    "glm_moe_dsa",
 ];
 
 pub fn fixture(name: &str) -> PathBuf {
