@@ -99,12 +99,13 @@ fn config_from_metadata(g: &Gguf) -> Result<Json, FormatError> {
         "olmoe" => "olmoe",
         "glm4moe" => "glm4_moe",
         "deepseek2" => "deepseek_v3",
+        "glm-dsa" => "glm_moe_dsa",
         "minimax-m2" => "minimax_m2",
         "gpt-oss" => "gpt_oss",
         "llama" => return Err(FormatError::Unsupported("a llama GGUF without experts is a dense model; smoe runs MoE models".into())),
         other => {
             return Err(FormatError::Unsupported(format!(
-                "GGUF architecture '{other}' is not supported; supported: qwen3moe, qwen2moe, llama (Mixtral), olmoe, glm4moe, deepseek2, minimax-m2, gpt-oss"
+                "GGUF architecture '{other}' is not supported; supported: qwen3moe, qwen2moe, llama (Mixtral), olmoe, glm4moe, deepseek2, glm-dsa, minimax-m2, gpt-oss"
             )))
         }
     };
@@ -127,7 +128,8 @@ fn config_from_metadata(g: &Gguf) -> Result<Json, FormatError> {
     c.insert("tie_word_embeddings".into(), (!has("output.weight")).into());
     c.insert("num_experts_per_tok".into(), req("expert_used_count")?.into());
     let head_dim = u("attention.key_length").unwrap_or(hidden / heads.max(1));
-    if model_type != "deepseek_v3" {
+    let mla = matches!(model_type, "deepseek_v3" | "glm_moe_dsa");
+    if !mla {
         c.insert("head_dim".into(), head_dim.into());
         if let Some(rot) = u("rope.dimension_count").filter(|&r| r != head_dim && r > 0) {
             c.insert("partial_rotary_factor".into(), (rot as f64 / head_dim as f64).into());
@@ -211,11 +213,14 @@ fn config_from_metadata(g: &Gguf) -> Result<Json, FormatError> {
             c.insert("attention_bias".into(), has("blk.0.attn_q.bias").into());
         }
         _ => {
-            // glm4_moe and deepseek_v3: grouped sigmoid routing.
+            // glm4_moe, deepseek_v3 and glm_moe_dsa: grouped sigmoid routing.
             let gating = u("expert_gating_func");
             let sigmoid = match gating {
                 Some(2) => true,
                 Some(_) => false,
+                // llama.cpp's glm-dsa defaults to sigmoid (its converter writes the key only when
+                // the config names a scoring_func).
+                None if model_type == "glm_moe_dsa" => true,
                 // DeepSeek-V2 files predate the key and use softmax; V3 files carry a correction
                 // bias, which only the sigmoid router has.
                 None => (0..layers).any(|l| has(&format!("blk.{l}.exp_probs_b.bias"))),
@@ -249,11 +254,43 @@ fn config_from_metadata(g: &Gguf) -> Result<Json, FormatError> {
                 c.insert("qk_nope_head_dim".into(), (k - rope).into());
                 c.insert("qk_rope_head_dim".into(), rope.into());
                 c.insert("v_head_dim".into(), v.into());
+                // llama.cpp rotates adjacent pairs for both (its converter permutes nothing); the
+                // architecture reader makes GLM-5 interleaved whatever this says.
                 c.insert("rope_interleave".into(), true.into());
+                if model_type == "glm_moe_dsa" {
+                    c.insert("index_n_heads".into(), req("attention.indexer.head_count")?.into());
+                    c.insert("index_head_dim".into(), req("attention.indexer.key_length")?.into());
+                    c.insert("index_topk".into(), req("attention.indexer.top_k")?.into());
+                    let context = u("context_length").unwrap_or(4096);
+                    let full = indexer_types(g.get(&key("attention.indexer.types")), layers, context, &key("attention.indexer.types"))?;
+                    let types: Vec<&str> = full.iter().map(|&f| if f { "full" } else { "shared" }).collect();
+                    c.insert("indexer_types".into(), types.into());
+                }
             }
         }
     }
     Ok(Json::Object(c))
+}
+
+/// Which of `layers` decoder layers run their own DSA indexer (GLM-5), from
+/// `glm-dsa.attention.indexer.types` (one bool per decoder layer, `true` = "full"; llama.cpp also
+/// takes integers, or one value for every layer). Files without the key get llama.cpp's rule
+/// for them: a context below 1M (GLM-5, GLM-5.1) means every layer is full; otherwise GLM-5.2's
+/// schedule, full at layers 0, 1, 2, 6, 10, ..., 74 of its 78 and shared elsewhere.
+fn indexer_types(v: Option<&Value>, layers: usize, context: usize, key: &str) -> Result<Vec<bool>, FormatError> {
+    let flag = |v: &Value| v.as_bool().or_else(|| v.as_u64().map(|x| x != 0));
+    let bad = |what: String| FormatError::BadInput(format!("GGUF metadata {key} {what}"));
+    match v {
+        None if context < 1 << 20 => Ok(vec![true; layers]),
+        None => Ok((0..layers).map(|l| l < 2 || (l < 78 && (l - 2).is_multiple_of(4))).collect()),
+        Some(Value::Array(a)) => {
+            if a.len() != layers {
+                return Err(bad(format!("has {} entries for {layers} layers", a.len())));
+            }
+            a.iter().map(|x| flag(x).ok_or_else(|| bad(format!("has a {x:?} entry, not a bool")))).collect()
+        }
+        Some(x) => flag(x).map(|f| vec![f; layers]).ok_or_else(|| bad(format!("is {x:?}, not a bool array"))),
+    }
 }
 
 /// eos/bos ids, the tokenizer's special strings and sampling defaults from the metadata.
@@ -508,4 +545,40 @@ fn dense_spec(g: &Gguf, spec: &names::TensorSpec, source: Source) -> Result<Dens
         tracing::debug!("{} is {}", t.name, format.name());
     }
     Ok(DenseSpec { name: spec.name.clone(), format, shape: spec.shape.clone(), source })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const KEY: &str = "glm-dsa.attention.indexer.types";
+
+    #[test]
+    fn glm5_indexer_types_follow_llama_cpps_defaults_without_the_key() {
+        // GLM-5 and GLM-5.1 (202752 positions): every layer full.
+        assert_eq!(indexer_types(None, 78, 202_752, KEY).unwrap(), vec![true; 78]);
+        // GLM-5.2 (1M positions): full at 0, 1, 2, 6, ..., 74; 21 of 78. llama.cpp's table ends
+        // at 78 layers, so any further ones share.
+        let t = indexer_types(None, 80, 1 << 20, KEY).unwrap();
+        assert_eq!(t[..8], [true, true, true, false, false, false, true, false]);
+        assert_eq!(t[..78].iter().filter(|&&f| f).count(), 21);
+        assert!(t[74] && !t[75] && !t[78] && !t[79]);
+    }
+
+    #[test]
+    fn glm5_indexer_types_from_the_file_or_a_clear_error() {
+        let a = |v: Vec<Value>| Value::Array(v);
+        let bools = a(vec![Value::Bool(true), Value::Bool(false), Value::Bool(true)]);
+        assert_eq!(indexer_types(Some(&bools), 3, 4096, KEY).unwrap(), [true, false, true]);
+        // Integers as llama.cpp's loader takes them, and one value for every layer.
+        assert_eq!(indexer_types(Some(&a(vec![Value::U8(1), Value::U8(0)])), 2, 4096, KEY).unwrap(), [true, false]);
+        assert_eq!(indexer_types(Some(&Value::Bool(true)), 2, 4096, KEY).unwrap(), [true, true]);
+        let err = |v: Value, layers| indexer_types(Some(&v), layers, 4096, KEY).unwrap_err().to_string();
+        let e = err(bools.clone(), 4);
+        assert!(e.contains(KEY) && e.contains("3 entries for 4 layers"), "{e}");
+        let e = err(a(vec![Value::Str("full".into())]), 1);
+        assert!(e.contains(KEY) && e.contains("not a bool"), "{e}");
+        let e = err(Value::F32(1.0), 1);
+        assert!(e.contains(KEY), "{e}");
+    }
 }

@@ -67,6 +67,12 @@ pub fn tensor_name(family: Family, canonical: &str) -> Option<String> {
         "moe.shared.up" => "ffn_up_shexp.weight",
         "moe.shared.down" => "ffn_down_shexp.weight",
         "moe.shared_gate" => "ffn_gate_inp_shexp.weight",
+        // GLM-5's DSA indexer.
+        "attn.idx_q" => "indexer.attn_q_b.weight",
+        "attn.idx_k" => "indexer.attn_k.weight",
+        "attn.idx_k_norm" => "indexer.k_norm.weight",
+        "attn.idx_k_norm_bias" => "indexer.k_norm.bias",
+        "attn.idx_weights" => "indexer.proj.weight",
         _ => return None,
     };
     Some(format!("blk.{layer}.{g}"))
