@@ -50,7 +50,21 @@ def glm4_moe_quirks(family):
     return ["--no-mtp"]
 
 
-FAMILY_QUIRKS = {"glm4_moe": glm4_moe_quirks}
+def glm_moe_dsa_quirks(family):
+    """GLM-5's converter class (GlmMoeDsaModel) takes the same GLM vocabulary step as GLM-4.5
+    (_set_vocab_glm: the pre-tokenizer hash check and GLM's [gMASK], <|user|>, <|observation|>
+    tokens), which the fixture's shared Qwen-style tokenizer fails; its vocabulary is written by
+    the generic byte-level BPE path (TextModel.set_vocab), as every other family's is. The
+    fixture has no MTP layer and its config no num_nextn_predict_layers, so no flag is needed:
+    the file has block_count 4 and no nextn_predict_layers. transformers 5.24's config fills
+    indexer_types, so glm-dsa.attention.indexer.types is written."""
+    from conversion.base import TextModel
+    from conversion.glm import GlmMoeDsaModel
+    GlmMoeDsaModel.set_vocab = TextModel.set_vocab
+    return []
+
+
+FAMILY_QUIRKS = {"glm4_moe": glm4_moe_quirks, "glm_moe_dsa": glm_moe_dsa_quirks}
 
 # gpt-oss from the hub's MXFP4 layout: `--outtype bf16` keeps the experts' MXFP4 blocks (repacked
 # to ggml's nibble order) and writes the rest bf16, so the fixture's own reference applies; no
