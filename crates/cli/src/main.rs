@@ -47,8 +47,8 @@ enum Command {
     /// Write a random-weight checkpoint with the exact shapes of a published model.
     Synth {
         /// qwen3-30b-a3b, qwen3-235b-a22b, qwen2-57b-a14b, mixtral-8x7b, mixtral-8x22b,
-        /// olmoe-1b-7b, glm-4.5-air, glm-4.5, deepseek-v3, kimi-k2, minimax-m2, gpt-oss-20b or
-        /// gpt-oss-120b.
+        /// olmoe-1b-7b, glm-4.5-air, glm-4.5, deepseek-v3, kimi-k2, minimax-m2, gpt-oss-20b,
+        /// gpt-oss-120b, glm-5 or glm-5.2.
         #[arg(long)]
         shape: String,
         /// Output directory (a Hugging Face checkpoint).

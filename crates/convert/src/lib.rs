@@ -10,6 +10,8 @@ This crate writes only: reading model files (GGUF, config.json, safetensors) is
 `smoe-formats`'s, the vault format `smoe-vault`'s and the block encoders `smoe-quant`'s.
 */
 #![deny(missing_docs)]
+// The published configs in `synth` are long `json!` literals.
+#![recursion_limit = "256"]
 
 mod expert_formats;
 pub mod gguf;

@@ -44,6 +44,8 @@ pub fn shape_names() -> Vec<&'static str> {
         "minimax-m2",
         "gpt-oss-20b",
         "gpt-oss-120b",
+        "glm-5",
+        "glm-5.2",
     ]
 }
 
@@ -188,6 +190,31 @@ pub fn shape_config(name: &str) -> Result<Value, ConvertError> {
             c["routed_scaling_factor"] = 2.827.into();
             c["rope_theta"] = 50000.0.into();
             c["rope_scaling"]["factor"] = 32.0.into();
+            c
+        }
+        // GLM-5 and GLM-5.1 (one shape): every layer runs its indexer. GLM-5.2 indexes layers 0,
+        // 1, 2 and every fourth after (its `index_topk_freq` 4 and `index_skip_topk_offset` 3,
+        // which transformers expands into the `indexer_types` its hub config also lists).
+        "glm-5" => json!({
+            "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", "attention_bias": false,
+            "eos_token_id": [154820, 154827, 154829], "pad_token_id": 154820, "first_k_dense_replace": 3,
+            "hidden_act": "silu", "hidden_size": 6144, "index_head_dim": 128, "index_n_heads": 32, "index_topk": 2048,
+            "indexer_rope_interleave": true, "initializer_range": 0.02, "intermediate_size": 12288,
+            "kv_lora_rank": 512, "max_position_embeddings": 202752, "moe_intermediate_size": 2048, "moe_layer_freq": 1,
+            "n_group": 1, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": true,
+            "num_attention_heads": 64, "num_experts_per_tok": 8, "num_hidden_layers": 78, "num_key_value_heads": 64,
+            "num_nextn_predict_layers": 1, "q_lora_rank": 2048, "qk_head_dim": 256, "qk_nope_head_dim": 192,
+            "qk_rope_head_dim": 64, "rms_norm_eps": 1e-5, "rope_interleave": true,
+            "rope_parameters": {"rope_theta": 1000000, "rope_type": "default"}, "routed_scaling_factor": 2.5,
+            "scoring_func": "sigmoid", "tie_word_embeddings": false, "topk_group": 1, "topk_method": "noaux_tc",
+            "torch_dtype": "bfloat16", "v_head_dim": 256, "vocab_size": 154880
+        }),
+        "glm-5.2" => {
+            let mut c = shape_config("glm-5")?;
+            c["max_position_embeddings"] = 1048576.into();
+            c["rope_parameters"]["rope_theta"] = 8000000.into();
+            c["index_topk_freq"] = 4.into();
+            c["index_skip_topk_offset"] = 3.into();
             c
         }
         "deepseek-v3" => json!({
@@ -643,6 +670,10 @@ mod tests {
             // OpenAI's model card: 20.91B and 116.83B.
             ("gpt-oss-20b", 20.91e9),
             ("gpt-oss-120b", 116.83e9),
+            // Z.ai: 744B. GLM-5.2 drops the indexers of the 57 layers that share a selection
+            // (wq_b 4096 x 2048, wk 128 x 6144, weights_proj 32 x 6144, k_norm 2 x 128 each).
+            ("glm-5", 744e9),
+            ("glm-5.2", 743_911_218_432.0 - 57.0 * (4096.0 * 2048.0 + 128.0 * 6144.0 + 32.0 * 6144.0 + 256.0)),
         ];
         assert_eq!(published.len(), shape_names().len());
         for (shape, want) in published {

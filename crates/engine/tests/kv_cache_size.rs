@@ -24,4 +24,8 @@ fn kv_cache_values_per_token_for_published_shapes() {
     let glm = arch("glm-4.5");
     assert_eq!(kv_values_per_token(&glm), 92 * 8 * 128 * 2);
     assert_eq!(naive_kv_values_per_token(&glm), 92 * 96 * 128 * 2);
+    // GLM-5: 78 layers x (512 + 64) latent, and a 128-value indexer key in each of the 78
+    // layers that run an indexer; GLM-5.2 runs 21.
+    assert_eq!(kv_values_per_token(&arch("glm-5")), 78 * 576 + 78 * 128);
+    assert_eq!(kv_values_per_token(&arch("glm-5.2")), 78 * 576 + 21 * 128);
 }

@@ -243,6 +243,11 @@ pub fn architecture_from_config(cfg: &Value) -> Result<Architecture, FormatError
                 // GLM-5 always rotates interleaved pairs (transformers has no switch for it).
                 arch.rope.interleaved = family == Family::GlmMoeDsa || c.bool_or("rope_interleave", true)?;
                 if family == Family::GlmMoeDsa {
+                    if !c.bool_or("indexer_rope_interleave", true)? {
+                        return Err(FormatError::Unsupported(
+                            "glm_moe_dsa indexer_rope_interleave false (its indexer rotates interleaved pairs)".into(),
+                        ));
+                    }
                     arch.sparse_attention = Some(sparse_attention(&c, num_layers)?);
                 }
                 arch.mla = Some(mla);
