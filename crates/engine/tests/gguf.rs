@@ -9,10 +9,20 @@ use smoe_engine::{open_cpu, score, CacheSize, OpenOptions, Precision, ScoreMode}
 use smoe_quant::Format;
 use std::path::{Path, PathBuf};
 
-/// llama.cpp's converter made a bf16 and a q8_0 file of each (glm4_moe with the two
+/// llama.cpp's converter made a bf16 and a q8_0 file of each (glm4_moe and glm_moe_dsa with the
 /// workarounds of `testdata/make_gguf_fixtures.py`; see the fixtures README).
-const FAMILIES: [&str; 9] =
-    ["qwen3_moe", "qwen3_moe_yarn", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3", "deepseek_v3_yarn", "minimax_m2"];
+const FAMILIES: [&str; 10] = [
+    "qwen3_moe",
+    "qwen3_moe_yarn",
+    "qwen2_moe",
+    "mixtral",
+    "olmoe",
+    "glm4_moe",
+    "deepseek_v3",
+    "deepseek_v3_yarn",
+    "minimax_m2",
+    "glm_moe_dsa",
+];
 
 fn gguf(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/gguf").join(name)
@@ -136,6 +146,91 @@ fn llama_cpp_split_sets_import_and_run_in_place() {
     std::fs::copy(&first, &lonely).unwrap();
     let e = open_cpu(&lonely, &OpenOptions::default()).err().expect("refused").to_string();
     assert!(e.contains("m-00002-of-00004.gguf"), "{e}");
+}
+
+/// A copy of the GGUF `src` at `dst` with its metadata changed by `edit` (tensors as they are).
+fn with_metadata(src: &Path, dst: &Path, edit: impl FnOnce(&mut Vec<(String, smoe_formats::gguf::Value)>)) {
+    use std::os::unix::fs::FileExt;
+    let g = smoe_formats::gguf::Gguf::open(src).unwrap();
+    let mut meta: Vec<_> = g.meta.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    edit(&mut meta);
+    let decls: Vec<_> = g.tensors.iter().map(|t| (t.name.clone(), t.dims.clone(), t.ggml_type, t.len().unwrap())).collect();
+    let w = smoe_convert::gguf::Writer::create(dst, &meta, &decls).unwrap();
+    let f = std::fs::File::open(src).unwrap();
+    for (i, d) in decls.iter().enumerate() {
+        let mut b = vec![0u8; d.3 as usize];
+        f.read_exact_at(&mut b, g.tensors[i].offset).unwrap();
+        w.write_at(i, 0, &b).unwrap();
+    }
+    w.finish().unwrap();
+}
+
+/// GLM-5 from llama.cpp's glm-dsa file: the architecture is exactly the one read from the
+/// checkpoint's config.json (indexer heads, width, top-k and the full/shared layers from
+/// `glm-dsa.attention.indexer.types`); without that key llama.cpp's own rule applies (the
+/// formats crate's unit tests check the rule itself); a missing or malformed indexer key, or an
+/// indexer the layer types call for and the file lacks, is an error naming it, not a panic.
+#[test]
+fn llama_cpp_glm_dsa_gguf_reads_glm5s_architecture() {
+    use smoe_formats::gguf::{GgufModel, Value};
+    let hf = smoe_formats::hf::architecture_from_config(&smoe_formats::hf::read_json(&fixture("glm_moe_dsa").join("config.json")).unwrap())
+        .unwrap();
+    assert_eq!(hf.sparse_attention.as_ref().unwrap().indexer, [true, true, false, true]);
+    for kind in ["bf16", "q8_0"] {
+        let m = GgufModel::open(&gguf(&format!("glm_moe_dsa.{kind}.gguf"))).unwrap();
+        assert_eq!(m.arch, hf, "{kind}");
+        assert!(m.notes.is_empty(), "{kind}: every tensor used: {:?}", m.notes);
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let src = gguf("glm_moe_dsa.bf16.gguf");
+    let types = "glm-dsa.attention.indexer.types";
+    let edited = |name: &str, edit: &dyn Fn(&mut Vec<(String, Value)>)| {
+        let p = dir.path().join(name);
+        with_metadata(&src, &p, |m| edit(m));
+        GgufModel::open(&p).map(|m| m.arch.sparse_attention.unwrap().indexer)
+    };
+    // Integers, as llama.cpp's loader also takes them.
+    let ints = edited("int-types.gguf", &|m| {
+        m.iter_mut().filter(|(k, _)| k == types).for_each(|(_, v)| *v = Value::Array([1u8, 1, 0, 1].map(Value::U8).to_vec()))
+    });
+    assert_eq!(ints.unwrap(), [true, true, false, true]);
+    // No types: llama.cpp's rule makes layer 2 full both for GLM-5/5.1 (under 1M positions,
+    // every layer) and for GLM-5.2 (1M: layers 0, 1, 2, 6, ...), and this file has no indexer
+    // there, which is named.
+    let no_types = |m: &mut Vec<(String, Value)>| m.retain(|(k, _)| k != types);
+    let e = edited("no-types.gguf", &no_types).unwrap_err().to_string();
+    assert!(e.contains("blk.2.indexer.attn_q_b.weight"), "{e}");
+    let e = edited("no-types-1m.gguf", &|m| {
+        no_types(m);
+        m.iter_mut().filter(|(k, _)| k == "glm-dsa.context_length").for_each(|(_, v)| *v = Value::U32(1 << 20));
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("blk.2.indexer.attn_q_b.weight"), "{e}");
+    for (name, edit, expect) in [
+        (
+            "no-heads.gguf",
+            &(|m: &mut Vec<(String, Value)>| m.retain(|(k, _)| k != "glm-dsa.attention.indexer.head_count")) as &dyn Fn(&mut Vec<_>),
+            "glm-dsa.attention.indexer.head_count",
+        ),
+        (
+            "short-types.gguf",
+            &|m: &mut Vec<(String, Value)>| {
+                m.iter_mut().filter(|(k, _)| k == types).for_each(|(_, v)| *v = Value::Array(vec![Value::Bool(true); 3]))
+            },
+            "3 entries for 4 layers",
+        ),
+        (
+            "first-shared.gguf",
+            &|m: &mut Vec<(String, Value)>| {
+                m.iter_mut().filter(|(k, _)| k == types).for_each(|(_, v)| *v = Value::Array(vec![Value::Bool(false); 4]))
+            },
+            "the first layer shares",
+        ),
+    ] {
+        let e = edited(name, edit).err().unwrap_or_else(|| panic!("{name} must be refused")).to_string();
+        assert!(e.contains(expect), "{name}: {e}");
+    }
 }
 
 #[test]
