@@ -236,9 +236,13 @@ fn llama_cpp_glm_dsa_gguf_reads_glm5s_architecture() {
 #[test]
 fn export_then_import_gives_identical_tensors() {
     let dir = tempfile::tempdir().unwrap();
-    for (family, experts) in
-        [("qwen3_moe_k", Format::Q4_K), ("mixtral", Format::Q8_0), ("deepseek_v3", Format::Q8_0), ("glm4_moe", Format::Q8_0)]
-    {
+    for (family, experts) in [
+        ("qwen3_moe_k", Format::Q4_K),
+        ("mixtral", Format::Q8_0),
+        ("deepseek_v3", Format::Q8_0),
+        ("glm4_moe", Format::Q8_0),
+        ("glm_moe_dsa", Format::Q8_0),
+    ] {
         let src = vault(family, experts, Format::Q8_0);
         let g = dir.path().join(format!("{family}.gguf"));
         smoe_convert::gguf::export::export(&src, &g, &smoe_formats::Silent).unwrap();

@@ -71,6 +71,13 @@ fn metadata(v: &Vault) -> Result<Vec<(String, Value)>, ConvertError> {
                 put("attention.q_lora_rank", u(r));
             }
             put("attention.kv_lora_rank", u(mla.kv_lora_rank));
+            // GLM-5's indexer, as llama.cpp's glm-dsa reads it (`types`: true = "full").
+            if let Some(s) = &a.sparse_attention {
+                put("attention.indexer.head_count", u(s.heads));
+                put("attention.indexer.key_length", u(s.head_dim));
+                put("attention.indexer.top_k", u(s.top_k));
+                put("attention.indexer.types", Value::Array(s.indexer.iter().map(|&f| Value::Bool(f)).collect()));
+            }
         }
         None => {
             put("attention.head_count_kv", u(a.num_kv_heads));
