@@ -18,7 +18,13 @@ fn read(p: &str) -> Vec<u8> {
 fn seeds(target: &str, dir: &Path) -> Vec<Vec<u8>> {
     let fixtures: Vec<PathBuf> = std::fs::read_dir(root().join("testdata/hf")).unwrap().map(|e| e.unwrap().path()).collect();
     match target {
-        "gguf" => vec![read("testdata/gguf/qwen3_moe.q8_0.gguf"), read("testdata/gguf/minimax_m2.bf16.gguf")],
+        // glm_moe_dsa's carries a bool array (glm-dsa.attention.indexer.types) and layers
+        // without some tensors.
+        "gguf" => vec![
+            read("testdata/gguf/qwen3_moe.q8_0.gguf"),
+            read("testdata/gguf/minimax_m2.bf16.gguf"),
+            read("testdata/gguf/glm_moe_dsa.bf16.gguf"),
+        ],
         "vault" => {
             let out = dir.join("seed.smoe");
             let opts = smoe_convert::ShatterOptions {
