@@ -16,12 +16,12 @@ fn ids(t: &Tensor) -> Vec<u32> {
 }
 
 fn check_fixture(name: &str) {
-    check_vault(name, Format::BF16.into());
+    check_vault(name, Format::BF16.into(), Format::BF16);
 }
 
-/// The fixture's vault with `experts` (dense BF16) against transformers' reference.
-fn check_vault(name: &str, experts: ExpertFormats) {
-    let model = load(&vault(name, experts, Format::BF16));
+/// The fixture's vault with `experts` and `dense` formats against transformers' reference.
+fn check_vault(name: &str, experts: ExpertFormats, dense: Format) {
+    let model = load(&vault(name, experts, dense));
     let r = read_safetensors(&fixture(name).join("reference.safetensors"));
     let (vocab, k) = (model.arch().vocab_size, model.arch().moe.top_k);
     for tag in ["chat", "long"] {
@@ -138,6 +138,15 @@ fn glm5_sparse_attention_matches_transformers() {
     }
 }
 
+/// GLM-5 as GLM-5-FP8 ships (DeepSeek-V3's layout): float8 e4m3 linear layers with a
+/// `weight_scale_inv` per 128x128 block, read into an F32 vault (float8 times an arbitrary f32
+/// scale is not a bf16 value) and checked against transformers in f32 on the weights the blocks
+/// stand for: logits, routing and greedy tokens as for every fixture.
+#[test]
+fn glm5_fp8_checkpoint_matches_transformers() {
+    check_vault("glm_moe_dsa_fp8", Format::F32.into(), Format::F32);
+}
+
 /// MiniMax-M2: no code of its own in the decoder, only its architecture description (GLM's
 /// sigmoid routing with a correction bias, OLMoE's q/k norms over all heads, partial rotary).
 #[test]
@@ -166,7 +175,7 @@ fn gpt_oss_mxfp4_matches_transformers() {
 fn gpt_oss_mxfp4_vault_matches_transformers() {
     let parts = smoe_vault::Vault::open(vault("gpt_oss_mxfp4", Format::MXFP4, Format::BF16)).unwrap().manifest().experts.parts.clone();
     assert!(parts.iter().all(|p| p.format == Format::MXFP4), "{parts:?}");
-    check_vault("gpt_oss_mxfp4", Format::MXFP4.into());
+    check_vault("gpt_oss_mxfp4", Format::MXFP4.into(), Format::BF16);
 }
 
 /// gpt-oss's experts quantized by smoe (MXFP4, Q8_0, Q4_0) against f32 math on their
