@@ -148,8 +148,11 @@ fn llama_cpp_split_sets_import_and_run_in_place() {
     assert!(e.contains("m-00002-of-00004.gguf"), "{e}");
 }
 
+/// A GGUF file's metadata, as the writer takes it.
+type Meta = Vec<(String, smoe_formats::gguf::Value)>;
+
 /// A copy of the GGUF `src` at `dst` with its metadata changed by `edit` (tensors as they are).
-fn with_metadata(src: &Path, dst: &Path, edit: impl FnOnce(&mut Vec<(String, smoe_formats::gguf::Value)>)) {
+fn with_metadata(src: &Path, dst: &Path, edit: impl FnOnce(&mut Meta)) {
     use std::os::unix::fs::FileExt;
     let g = smoe_formats::gguf::Gguf::open(src).unwrap();
     let mut meta: Vec<_> = g.meta.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
@@ -184,20 +187,19 @@ fn llama_cpp_glm_dsa_gguf_reads_glm5s_architecture() {
     let dir = tempfile::tempdir().unwrap();
     let src = gguf("glm_moe_dsa.bf16.gguf");
     let types = "glm-dsa.attention.indexer.types";
-    let edited = |name: &str, edit: &dyn Fn(&mut Vec<(String, Value)>)| {
+    let edited = |name: &str, edit: &dyn Fn(&mut Meta)| {
         let p = dir.path().join(name);
         with_metadata(&src, &p, |m| edit(m));
         GgufModel::open(&p).map(|m| m.arch.sparse_attention.unwrap().indexer)
     };
+    let set_types = |v: Value| move |m: &mut Meta| m.iter_mut().filter(|(k, _)| k == types).for_each(|(_, x)| *x = v.clone());
     // Integers, as llama.cpp's loader also takes them.
-    let ints = edited("int-types.gguf", &|m| {
-        m.iter_mut().filter(|(k, _)| k == types).for_each(|(_, v)| *v = Value::Array([1u8, 1, 0, 1].map(Value::U8).to_vec()))
-    });
+    let ints = edited("int-types.gguf", &set_types(Value::Array([1u8, 1, 0, 1].map(Value::U8).to_vec())));
     assert_eq!(ints.unwrap(), [true, true, false, true]);
     // No types: llama.cpp's rule makes layer 2 full both for GLM-5/5.1 (under 1M positions,
     // every layer) and for GLM-5.2 (1M: layers 0, 1, 2, 6, ...), and this file has no indexer
     // there, which is named.
-    let no_types = |m: &mut Vec<(String, Value)>| m.retain(|(k, _)| k != types);
+    let no_types = |m: &mut Meta| m.retain(|(k, _)| k != types);
     let e = edited("no-types.gguf", &no_types).unwrap_err().to_string();
     assert!(e.contains("blk.2.indexer.attn_q_b.weight"), "{e}");
     let e = edited("no-types-1m.gguf", &|m| {
@@ -207,30 +209,13 @@ fn llama_cpp_glm_dsa_gguf_reads_glm5s_architecture() {
     .unwrap_err()
     .to_string();
     assert!(e.contains("blk.2.indexer.attn_q_b.weight"), "{e}");
-    for (name, edit, expect) in [
-        (
-            "no-heads.gguf",
-            &(|m: &mut Vec<(String, Value)>| m.retain(|(k, _)| k != "glm-dsa.attention.indexer.head_count")) as &dyn Fn(&mut Vec<_>),
-            "glm-dsa.attention.indexer.head_count",
-        ),
-        (
-            "short-types.gguf",
-            &|m: &mut Vec<(String, Value)>| {
-                m.iter_mut().filter(|(k, _)| k == types).for_each(|(_, v)| *v = Value::Array(vec![Value::Bool(true); 3]))
-            },
-            "3 entries for 4 layers",
-        ),
-        (
-            "first-shared.gguf",
-            &|m: &mut Vec<(String, Value)>| {
-                m.iter_mut().filter(|(k, _)| k == types).for_each(|(_, v)| *v = Value::Array(vec![Value::Bool(false); 4]))
-            },
-            "the first layer shares",
-        ),
-    ] {
+    let refused = |name: &str, edit: &dyn Fn(&mut Meta), expect: &str| {
         let e = edited(name, edit).err().unwrap_or_else(|| panic!("{name} must be refused")).to_string();
         assert!(e.contains(expect), "{name}: {e}");
-    }
+    };
+    refused("no-heads.gguf", &|m| m.retain(|(k, _)| k != "glm-dsa.attention.indexer.head_count"), "glm-dsa.attention.indexer.head_count");
+    refused("short-types.gguf", &set_types(Value::Array(vec![Value::Bool(true); 3])), "3 entries for 4 layers");
+    refused("first-shared.gguf", &set_types(Value::Array(vec![Value::Bool(false); 4])), "the first layer shares");
 }
 
 #[test]
