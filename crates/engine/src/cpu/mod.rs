@@ -574,9 +574,12 @@ impl Backend for CpuBackend {
         let l = &cache.layers[layer];
         check_rows("attention queries", q, 0, n, q_stride, 0, p.q_heads * l.shape.k_dim);
         check("attention", out, n, p.q_heads * l.shape.v_dim);
-        // Sparse attention's selected positions take the reference path (rows in parallel).
-        if p.selected.is_some() {
-            return attention::attention_ref(l, q, q_stride, n, pos0, p, out);
+        match (self.precision, p.selected) {
+            (Precision::Reference, Some(_)) => return attention::attention_ref(l, q, q_stride, n, pos0, p, out),
+            (Precision::Fast, Some(_)) => {
+                return sparse::attention_selected(l, q, q_stride, n, p, out, self.kernels, &self.pool, attention::POSITIONS_PER_BLOCK)
+            }
+            _ => {}
         }
         match self.precision {
             Precision::Reference => attention::attention_ref(l, q, q_stride, n, pos0, p, out),

@@ -4,13 +4,61 @@
 
 use super::matmul::dot;
 use super::KvLayer;
-use crate::backend::select_top;
+use crate::backend::{select_top, AttnParams};
 use rayon::prelude::*;
 use std::cell::RefCell;
 
 thread_local! {
     /// One query's scores, then the positions being ranked.
     static SCRATCH: RefCell<(Vec<f32>, Vec<u32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+    /// One query's selected keys (and values), gathered.
+    static GATHERED: RefCell<Option<KvLayer>> = const { RefCell::new(None) };
+}
+
+/// Attention over selected positions on the fast path: each query's positions are gathered
+/// into a cache layer of their own, over which [`super::attention::attention_fast`] runs
+/// densely, so that every query head reads each selected key once per block with the others of
+/// its task (MLA's 64 or 128 heads share one latent), as in dense attention. Gathering costs a
+/// copy of the kept rows per query, against their product with every head.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn attention_selected(
+    l: &KvLayer,
+    q: &[f32],
+    q_stride: usize,
+    n: usize,
+    p: AttnParams<'_>,
+    out: &mut [f32],
+    k: &smoe_kernels::Kernels,
+    pool: &super::pool::Pool,
+    block: usize,
+) {
+    let sel = p.selected.expect("attention_selected without a selection");
+    let s = l.shape;
+    let (kw, vw) = (s.heads * s.k_dim, s.heads * s.v_dim);
+    let dense = AttnParams { selected: None, window: None, ..p };
+    let row_out = p.q_heads * s.v_dim;
+    GATHERED.with(|g| {
+        let mut g = g.borrow_mut();
+        let gl = g.get_or_insert_with(|| KvLayer { shape: s, k: Vec::new(), v: Vec::new() });
+        gl.shape = s;
+        for t in 0..n {
+            gl.k.clear();
+            gl.v.clear();
+            for j in sel.of(t) {
+                gl.k.extend_from_slice(&l.k[j * kw..][..kw]);
+                if !s.values_in_keys {
+                    gl.v.extend_from_slice(&l.v[j * vw..][..vw]);
+                }
+            }
+            let kept = gl.k.len() / kw.max(1);
+            let o = &mut out[t * row_out..][..row_out];
+            if kept == 0 {
+                o.fill(0.0);
+                continue;
+            }
+            super::attention::attention_fast(gl, &q[t * q_stride..], q_stride, 1, kept - 1, dense, o, k, pool, block);
+        }
+    })
 }
 
 /// Positions scored per task when one query's scores are split over threads (decode).
