@@ -46,7 +46,8 @@ impl Rng {
     }
 }
 
-const FAMILIES: [&str; 8] = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3", "minimax_m2", "gpt_oss"];
+const FAMILIES: [&str; 9] =
+    ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3", "minimax_m2", "gpt_oss", "glm_moe_dsa"];
 
 /// A random valid config.json of `family`. Widths are drawn around `hidden` so that every
 /// product is sometimes wider and sometimes narrower than the residual stream.
@@ -123,7 +124,7 @@ fn random_config(family: &str, r: &mut Rng) -> Value {
             c["intermediate_size"] = inter(r).into();
             c["norm_topk_prob"] = r.coin().into();
         }
-        "glm4_moe" | "deepseek_v3" => {
+        "glm4_moe" | "deepseek_v3" | "glm_moe_dsa" => {
             // Groups of at least two experts, enough of them kept to fill the top-k.
             let per = r.range(2, 4);
             let n_group = r.range(1, 4);
@@ -145,13 +146,21 @@ fn random_config(family: &str, r: &mut Rng) -> Value {
                 c["head_dim"] = (r.range(1, 8) * 4).into();
                 c["partial_rotary_factor"] = 0.5.into();
             } else {
-                c["q_lora_rank"] = if r.coin() { Value::from(r.range(4, 96)) } else { Value::Null };
+                c["q_lora_rank"] = if r.coin() || family == "glm_moe_dsa" { Value::from(r.range(4, 96)) } else { Value::Null };
                 c["kv_lora_rank"] = r.range(4, 96).into();
                 c["qk_nope_head_dim"] = r.range(2, 48).into();
                 c["qk_rope_head_dim"] = r.even(2, 24).into();
                 c["v_head_dim"] = r.range(2, 48).into();
                 c["num_key_value_heads"] = heads.into();
                 c["rope_interleave"] = r.coin().into();
+                if family == "glm_moe_dsa" {
+                    // Few kept positions, so the prompt (12 to 48 tokens) attends sparsely; the
+                    // first layer indexes, the others at random.
+                    c["index_topk"] = r.range(1, 16).into();
+                    c["index_n_heads"] = r.range(1, 8).into();
+                    c["index_head_dim"] = (c["qk_rope_head_dim"].as_u64().unwrap() as usize + r.even(0, 16)).into();
+                    c["indexer_types"] = (0..layers).map(|l| if l == 0 || r.coin() { "full" } else { "shared" }).collect::<Vec<_>>().into();
+                }
                 if let Some(s) = c["rope_scaling"].as_object_mut() {
                     if s["type"] == "yarn" {
                         s.insert("mscale".into(), 1.0.into());
@@ -193,7 +202,9 @@ fn assert_within(errors: &[f64], tol: Tolerance, what: &str) {
     assert!(max <= tol.max && median <= tol.median, "{what}: row errors median {median:.2e}, max {max:.2e}");
 }
 
-/// Records each token's chosen experts at each MoE layer.
+/// Records each token's chosen experts at each MoE layer, and the positions sparse attention
+/// keeps for it at each layer that runs an indexer (keyed `usize::MAX - layer`): both are
+/// discrete choices that a near-tie can decide either way.
 #[derive(Default, PartialEq)]
 struct Routes(BTreeMap<(usize, usize), Vec<u32>>);
 impl Observer for Routes {
@@ -201,6 +212,9 @@ impl Observer for Routes {
         let mut e = experts.to_vec();
         e.sort_unstable();
         self.0.insert((layer, pos), e);
+    }
+    fn selected(&mut self, layer: usize, pos: usize, positions: &[u32]) {
+        self.0.insert((usize::MAX - layer, pos), positions.to_vec());
     }
 }
 
