@@ -367,7 +367,8 @@ impl Backend for CpuBackend {
         check_rows("index_select weights", weights, row0, n, heads, 0, heads);
         assert!(out.len() >= n * top, "index_select: {} outputs for {n} queries of {top}", out.len());
         assert!(l.k.len() >= (pos0 + n) * d, "index_select: layer {layer} holds {} positions, not {}", l.k.len() / d.max(1), pos0 + n);
-        sparse::index_select(l, q, weights, row0, n, pos0, heads, top, out);
+        let kernels = (self.precision == Precision::Fast).then_some(self.kernels);
+        sparse::index_select(l, q, weights, row0, n, pos0, heads, top, out, kernels);
     }
     fn add_bias(&self, x: &mut CpuBuf, n: usize, stride: usize, off: usize, b: &Vec<f32>) {
         check_rows("add_bias", x, 0, n, stride, off, b.len());

@@ -64,14 +64,47 @@ pub(super) fn attention_selected(
 /// Positions scored per task when one query's scores are split over threads (decode).
 const POSITIONS_PER_TASK: usize = 512;
 
+/// Positions whose per-head products one kernel call computes (fast path).
+const POSITIONS_PER_CALL: usize = 64;
+
 /// `Σ_h w[h] · relu(q_h · k)` over `heads` heads of `k.len()` dimensions.
 fn score(q: &[f32], w: &[f32], k: &[f32]) -> f32 {
     let d = k.len();
     w.iter().enumerate().map(|(h, &wh)| wh * dot(&q[h * d..][..d], k).max(0.0)).sum()
 }
 
+/// Scores of the consecutive keys `keys` (rows of `d`) into `out`: with `kernels`, every head's
+/// products for [`POSITIONS_PER_CALL`] keys in one SIMD call (the attention kernels' scores),
+/// then the ReLU and the weighted sum over heads; else [`score`] key by key.
+fn score_keys(q: &[f32], w: &[f32], keys: &[f32], d: usize, kernels: Option<&smoe_kernels::Kernels>, out: &mut [f32]) {
+    let Some(kn) = kernels else {
+        for (s, k) in out.iter_mut().zip(keys.chunks_exact(d)) {
+            *s = score(q, w, k);
+        }
+        return;
+    };
+    let heads = w.len();
+    // Products of up to 64 heads (GLM-5 has 32) for a call's keys, on the stack.
+    let mut prods = [0f32; POSITIONS_PER_CALL * 64];
+    if heads > 64 {
+        for (s, k) in out.iter_mut().zip(keys.chunks_exact(d)) {
+            *s = score(q, w, k);
+        }
+        return;
+    }
+    let per = POSITIONS_PER_CALL;
+    for (o, ks) in out.chunks_mut(per).zip(keys.chunks(per * d)) {
+        let n = o.len();
+        kn.attn_scores(q, d, ks, d, n, &mut prods[..n * heads]);
+        for (s, p) in o.iter_mut().zip(prods.chunks_exact(heads)) {
+            *s = p.iter().zip(w).map(|(&x, &wh)| wh * x.max(0.0)).sum();
+        }
+    }
+}
+
 /// [`crate::Backend::index_select`] over one cache layer: `q` rows are `heads × k_dim` floats,
-/// `w` rows `heads`, both from row `row0`; `out` is `[n, top]`.
+/// `w` rows `heads`, both from row `row0`; `out` is `[n, top]`. `kernels`: the SIMD scores of
+/// the fast path (`None`: the reference path's plain dot products).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn index_select(
     l: &KvLayer,
@@ -83,6 +116,7 @@ pub(super) fn index_select(
     heads: usize,
     top: usize,
     out: &mut [u32],
+    kernels: Option<&smoe_kernels::Kernels>,
 ) {
     let d = l.shape.k_dim;
     let one = |t: usize, o: &mut [u32]| {
@@ -98,15 +132,12 @@ pub(super) fn index_select(
             scores.resize(p + 1, 0.0);
             let keys = &l.k[..(p + 1) * d];
             if n == 1 && p + 1 >= 2 * POSITIONS_PER_TASK {
-                scores.par_chunks_mut(POSITIONS_PER_TASK).zip(keys.par_chunks(POSITIONS_PER_TASK * d)).for_each(|(sc, ks)| {
-                    for (s, k) in sc.iter_mut().zip(ks.chunks_exact(d)) {
-                        *s = score(qt, wt, k);
-                    }
-                });
+                scores
+                    .par_chunks_mut(POSITIONS_PER_TASK)
+                    .zip(keys.par_chunks(POSITIONS_PER_TASK * d))
+                    .for_each(|(sc, ks)| score_keys(qt, wt, ks, d, kernels, sc));
             } else {
-                for (s, k) in scores.iter_mut().zip(keys.chunks_exact(d)) {
-                    *s = score(qt, wt, k);
-                }
+                score_keys(qt, wt, keys, d, kernels, scores);
             }
             select_top(scores, p, top, order, o);
         })
