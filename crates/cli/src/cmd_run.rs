@@ -117,7 +117,15 @@ impl ModelArgs {
     /// stderr) and hands it to `then`.
     pub fn open_on<W: OnEngine>(&self, vault: &Path, precision: Precision, ctx: Option<usize>, then: W) -> Result<W::Out> {
         exists(vault)?;
-        let (chosen, line) = self.device.choose(&crate::device::cuda_options(self.gpu_cache, self.gpu_misses, Some(vault), precision)?)?;
+        let (mut chosen, mut line) =
+            self.device.choose(&crate::device::cuda_options(self.gpu_cache, self.gpu_misses, Some(vault), precision)?)?;
+        // `auto` runs a model the GPU backend cannot (gpt-oss, GLM-5 for now) on the CPU.
+        if let (crate::device::Device::Auto, crate::device::Chosen::Cuda(b)) = (&self.device, &chosen) {
+            let arch = smoe_engine::model_sizes(vault).with_context(|| format!("open {}", vault.display()))?.arch;
+            if let Some(why) = smoe_engine::backend_lacks(&arch, &**b) {
+                (chosen, line) = (crate::device::Chosen::Cpu, format!("device: cpu ({why})"));
+            }
+        }
         eprintln!("{line}");
         crate::device::open_on(chosen, vault, &self.options(precision, ctx), self.prefetch == "lookahead", then)
     }

@@ -196,19 +196,8 @@ impl<B: Backend> Model<B> {
         experts: Arc<dyn ExpertSource>,
     ) -> Result<Model<B>, EngineError> {
         let arch = arch.clone();
-        if (arch.attn_sinks || !arch.attention_windows.is_empty()) && !backend.attends_windows_and_sinks() {
-            return Err(EngineError::Model(format!(
-                "{} uses attention sinks and sliding windows, which the {} backend does not implement yet; use the CPU",
-                arch.family.model_type(),
-                backend.describe()
-            )));
-        }
-        if arch.sparse_attention.is_some() && !backend.attends_selected() {
-            return Err(EngineError::Model(format!(
-                "{} uses DeepSeek Sparse Attention, which the {} backend does not implement yet; use the CPU",
-                arch.family.model_type(),
-                backend.describe()
-            )));
+        if let Some(why) = backend_lacks(&arch, &backend) {
+            return Err(EngineError::Model(format!("{why}; run it on the CPU (--device cpu)")));
         }
         if let Some(d) = dense.iter().find(|d| d.offset.checked_add(d.len).is_none_or(|end| end > region.len() as u64)) {
             return Err(EngineError::Model(format!("tensor {} lies outside the dense data", d.name)));
@@ -391,6 +380,25 @@ impl<B: Backend> Model<B> {
     pub fn kv_shapes(&self) -> Vec<KvShape> {
         kv_shapes(&self.arch)
     }
+}
+
+/// What `backend` lacks to run `arch`, said as the error a load fails with (`None`: nothing).
+/// `--device auto` asks before opening, to run such a model on the CPU instead of failing.
+pub fn backend_lacks<B: Backend>(arch: &Architecture, backend: &B) -> Option<String> {
+    let lacks = |what: &str| {
+        Some(format!(
+            "{} uses {what}, which the {} backend does not implement yet",
+            arch.family.model_type(),
+            backend.describe()
+        ))
+    };
+    if (arch.attn_sinks || !arch.attention_windows.is_empty()) && !backend.attends_windows_and_sinks() {
+        return lacks("attention sinks and sliding windows");
+    }
+    if arch.sparse_attention.is_some() && !backend.attends_selected() {
+        return lacks("DeepSeek Sparse Attention");
+    }
+    None
 }
 
 /// The shape of each layer's KV cache for `arch`: GQA caches `num_kv_heads` keys and values;
