@@ -23,9 +23,18 @@ fn bytes(g: &Gguf, name: &str) -> Vec<u8> {
 #[test]
 fn bf16_export_matches_llama_cpp_converter() {
     let dir = tempfile::tempdir().unwrap();
-    for name in
-        ["qwen3_moe", "qwen3_moe_yarn", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3", "deepseek_v3_yarn", "minimax_m2", "glm_moe_dsa"]
-    {
+    for name in [
+        "qwen3_moe",
+        "qwen3_moe_yarn",
+        "qwen2_moe",
+        "mixtral",
+        "olmoe",
+        "glm4_moe",
+        "deepseek_v3",
+        "deepseek_v3_yarn",
+        "minimax_m2",
+        "glm_moe_dsa",
+    ] {
         let vault = dir.path().join(format!("{name}.smoe"));
         let opts = ShatterOptions {
             experts: Format::BF16.into(),

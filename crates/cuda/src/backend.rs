@@ -15,6 +15,7 @@
 //! turns into an error after loading and after each forward call.
 
 mod fused;
+mod sparse;
 
 pub use crate::buf::CudaBuf;
 use crate::buf::{dptr, QuantRows};
@@ -174,6 +175,9 @@ struct Kernels {
     silu_quantize: CudaFunction,
     mvs_f32: CudaFunction,
     attention_tiles: CudaFunction,
+    layer_norm: CudaFunction,
+    index_scores: CudaFunction,
+    gather_rows: CudaFunction,
 }
 
 /// The kernels' name for each weight format.
@@ -254,6 +258,9 @@ impl Kernels {
             silu_quantize: f("silu_quantize")?,
             mvs_f32: f("mvs_f32")?,
             attention_tiles: f("attention_tiles")?,
+            layer_norm: f("layer_norm")?,
+            index_scores: f("index_scores")?,
+            gather_rows: f("gather_rows")?,
         })
     }
 
@@ -348,6 +355,8 @@ pub struct CudaBackend {
     qscratch: Mutex<Option<CudaSlice<u8>>>,
     /// Split attention's tickets and partial results (see `merge_splits` in kernels.cu).
     attention_part: Mutex<Option<CudaSlice<f32>>>,
+    /// Sparse attention's scratch: the indexer's scores, a query's gathered keys and values.
+    sparse_part: Mutex<Option<CudaSlice<f32>>>,
     /// The rotary tables of the chunk being run (see [`fused::RopeOnDevice`]).
     rope: Mutex<fused::RopeOnDevice>,
     /// Many-token products on tensor cores (compute 8.0+, unless `SMOE_CUDA_PREFILL=simt`).
@@ -419,6 +428,7 @@ impl CudaBackend {
             qscratch: Mutex::new(None),
             rope: Mutex::new(Default::default()),
             attention_part: Mutex::new(None),
+            sparse_part: Mutex::new(None),
             int8,
             kept_fused: std::env::var("SMOE_CUDA_FUSED_KEPT").as_deref() != Ok("off"),
             int8_tiles: int8 && tensor_cores && prefill.as_deref() != Ok("tf32"),
@@ -898,6 +908,11 @@ impl Backend for CudaBackend {
         false
     }
 
+    /// DeepSeek Sparse Attention (GLM-5): `backend/sparse.rs`.
+    fn attends_selected(&self) -> bool {
+        true
+    }
+
     fn describe(&self) -> String {
         let prefill = match (self.tensor_cores, self.int8_tiles) {
             (true, true) => ", prefill on tensor cores (int8 for Q8_0 and Q4_K, else 3xTF32)",
@@ -1229,6 +1244,34 @@ impl Backend for CudaBackend {
             LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (norm_threads(dim), 1, 1), shared_mem_bytes: 0 },
             "rms_norm_strided",
         );
+    }
+    fn layer_norm_strided(
+        &self,
+        x: &mut CudaBuf,
+        n: usize,
+        stride: usize,
+        off: usize,
+        dim: usize,
+        w: &CudaVector,
+        b: &CudaVector,
+        eps: f32,
+    ) {
+        self.layer_norm_rows(x, n, stride, off, dim, w, b, eps);
+    }
+    fn index_select(
+        &self,
+        cache: &CudaKvCache,
+        layer: usize,
+        q: &CudaBuf,
+        weights: &CudaBuf,
+        row0: usize,
+        n: usize,
+        pos0: usize,
+        heads: usize,
+        top: usize,
+        out: &mut [u32],
+    ) {
+        self.index_select_rows(cache, layer, q, weights, row0, n, pos0, heads, top, out);
     }
     fn rms_norm_heads(&self, x: &mut CudaBuf, n: usize, stride: usize, off: usize, heads: usize, dim: usize, w: &CudaVector, eps: f32) {
         if self.faulted() || n == 0 || heads == 0 {
@@ -1641,6 +1684,9 @@ impl Backend for CudaBackend {
             );
             return;
         }
+        if p.selected.is_some() {
+            return self.attention_selected(cache, layer, q, q_stride, n, p, out);
+        }
         let l = &cache.layers[layer];
         let s = l.shape;
         check_rows("attention queries", q, 0, n, q_stride, 0, p.q_heads * s.k_dim);
@@ -1654,24 +1700,45 @@ impl Backend for CudaBackend {
             (dptr(l.v.as_ref().expect("values stored before attention"), &self.stream), l.v_width(), s.v_dim)
         };
         let (qp, op) = (q.at(&self.stream), out.at_mut(&self.stream));
-        let (qx, qstride) = if s.v_dim.is_multiple_of(32) { self.quant_out(out, n, p.q_heads * s.v_dim) } else { (0, 0) };
-        let (heads, kd, vd, vr, vh) = (s.heads as i32, s.k_dim as i32, s.v_dim as i32, v_row as i32, v_head as i32);
-        let (qs, qh, p0) = (q_stride as i32, p.q_heads as i32, pos0 as i32);
-        // Both attention kernels begin with the same parameters.
-        let common = |f| {
-            let mut a = Launch::new(f);
-            a.arg(&kp).arg(&vp).arg(&heads).arg(&kd).arg(&vd).arg(&vr).arg(&vh).arg(&qp).arg(&qs).arg(&qh);
-            a
-        };
+        let quant = if s.v_dim.is_multiple_of(32) { self.quant_out(out, n, p.q_heads * s.v_dim) } else { (0, 0) };
         if n > MV_TOKENS && s.k_dim <= 128 && s.v_dim <= 128 {
             // Many queries: key tiles shared by 32 queries of a head (attention_tiles).
-            let n_i = n as i32;
-            let mut a = common(&self.k.attention_tiles);
+            let (heads, kd, vd, vr, vh) = (s.heads as i32, s.k_dim as i32, s.v_dim as i32, v_row as i32, v_head as i32);
+            let (qs, qh, p0, n_i) = (q_stride as i32, p.q_heads as i32, pos0 as i32, n as i32);
+            let mut a = Launch::new(&self.k.attention_tiles);
+            a.arg(&kp).arg(&vp).arg(&heads).arg(&kd).arg(&vd).arg(&vr).arg(&vh).arg(&qp).arg(&qs).arg(&qh);
             a.arg(&n_i).arg(&p0).arg(&p.scale).arg(&op);
             let cfg = LaunchConfig { grid_dim: (n.div_ceil(32) as u32, p.q_heads as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
             self.launch(a, cfg, "attention, tiled");
             return;
         }
+        self.attention_decode(kp, vp, s, v_row, v_head, qp, q_stride, n, pos0, p, op, quant);
+    }
+}
+
+impl CudaBackend {
+    /// The one-block-per-row attention kernel (flash-decoding splits past 32 positions) over
+    /// keys at `kp` and values at `vp` (rows of `v_row` floats, a head every `v_head`) for
+    /// positions `0..pos0 + n`: queries at `qp`, outputs at `op`, their int8 copy at `quant`
+    /// (`(0, 0)`: none).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn attention_decode(
+        &self,
+        kp: u64,
+        vp: u64,
+        s: KvShape,
+        v_row: usize,
+        v_head: usize,
+        qp: u64,
+        q_stride: usize,
+        n: usize,
+        pos0: usize,
+        p: AttnParams<'_>,
+        op: u64,
+        (qx, qstride): (u64, i32),
+    ) {
+        let (heads, kd, vd, vr, vh) = (s.heads as i32, s.k_dim as i32, s.v_dim as i32, v_row as i32, v_head as i32);
+        let (qs, qh, p0) = (q_stride as i32, p.q_heads as i32, pos0 as i32);
         let threads = 128u32;
         let shared = ((s.k_dim + threads as usize + s.v_dim) * 4) as u32;
         // The context is split in runs of `split` positions over blocks, merged by the last
@@ -1686,7 +1753,8 @@ impl Backend for CudaBackend {
         let part = if splits > 1 { self.attention_scratch(tickets + rows * splits * (s.v_dim + 2)) } else { None };
         let (split_i, tp) = (split as i32, part.unwrap_or(0));
         let pp = part.map_or(0, |t| t + 4 * tickets as u64);
-        let mut a = common(&self.k.attention);
+        let mut a = Launch::new(&self.k.attention);
+        a.arg(&kp).arg(&vp).arg(&heads).arg(&kd).arg(&vd).arg(&vr).arg(&vh).arg(&qp).arg(&qs).arg(&qh);
         a.arg(&p0).arg(&p.scale).arg(&op).arg(&qx).arg(&qstride).arg(&split_i).arg(&pp).arg(&tp);
         let grid = (rows as u32, if part.is_some() { splits as u32 } else { 1 }, 1);
         self.launch(a, LaunchConfig { grid_dim: grid, block_dim: (threads, 1, 1), shared_mem_bytes: shared }, "attention");

@@ -112,7 +112,8 @@ const KERNELS: &str = concat!(
     include_str!("fused.cu"),
     include_str!("attention.cu"),
     include_str!("mmq.cu"),
-    include_str!("kept.cu")
+    include_str!("kept.cu"),
+    include_str!("sparse.cu")
 );
 
 /// The kernels compiled for compute capability `cc`, from the per-user kernel cache

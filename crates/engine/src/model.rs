@@ -386,11 +386,7 @@ impl<B: Backend> Model<B> {
 /// `--device auto` asks before opening, to run such a model on the CPU instead of failing.
 pub fn backend_lacks<B: Backend>(arch: &Architecture, backend: &B) -> Option<String> {
     let lacks = |what: &str| {
-        Some(format!(
-            "{} uses {what}, which the {} backend does not implement yet",
-            arch.family.model_type(),
-            backend.describe()
-        ))
+        Some(format!("{} uses {what}, which the {} backend does not implement yet", arch.family.model_type(), backend.describe()))
     };
     if (arch.attn_sinks || !arch.attention_windows.is_empty()) && !backend.attends_windows_and_sinks() {
         return lacks("attention sinks and sliding windows");
