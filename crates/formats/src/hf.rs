@@ -83,7 +83,14 @@ pub fn architecture_from_config(cfg: &Value) -> Result<Architecture, FormatError
         Family::Glm4Moe | Family::DeepseekV3 | Family::GlmMoeDsa => "n_routed_experts",
         _ => "num_experts",
     };
-    let num_experts = c.usize(num_experts_key)?;
+    // transformers 5.2x saves every family's expert count as `num_local_experts` (its attribute
+    // map), so a Qwen3-MoE checkpoint written by it lacks `num_experts`.
+    let num_experts = match c.opt_usize(num_experts_key)? {
+        Some(n) => n,
+        None => {
+            c.opt_usize("num_local_experts")?.ok_or_else(|| FormatError::BadInput(format!("config.json: missing {num_experts_key}")))?
+        }
+    };
     let top_k = c.usize("num_experts_per_tok")?;
     let mut moe = Moe {
         num_experts,
@@ -525,4 +532,25 @@ pub fn generation_defaults(dir: &Path, config: &Value) -> Result<GenerationDefau
         min_p: f("min_p"),
         repetition_penalty: f("repetition_penalty"),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// transformers 5.24 writes a Qwen3-MoE config with `num_local_experts` and no
+    /// `num_experts`; both spellings give the same architecture, and neither is an error.
+    #[test]
+    fn qwen3_moe_expert_count_under_either_name() {
+        let cfg = |key: &str| {
+            serde_json::json!({"model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 1024, "moe_intermediate_size": 32, "intermediate_size": 96,
+                "num_experts_per_tok": 2, key: 8})
+        };
+        let a = architecture_from_config(&cfg("num_experts")).unwrap();
+        assert_eq!(a, architecture_from_config(&cfg("num_local_experts")).unwrap());
+        assert_eq!(a.moe.num_experts, 8);
+        let e = architecture_from_config(&cfg("experts")).unwrap_err().to_string();
+        assert!(e.contains("missing num_experts"), "{e}");
+    }
 }
