@@ -964,6 +964,12 @@ impl Backend for CudaBackend {
         self.experts.lock().expect("expert cache lock").set_pinned(p.bytes);
     }
 
+    /// Always, even where the driver refused a range: keeping an unlocked range's pages costs
+    /// only memory, giving back a locked one's would corrupt the copies.
+    fn locks_host_memory(&self) -> bool {
+        true
+    }
+
     fn fault(&self) -> Option<String> {
         if self.faulted() {
             self.fault.lock().expect("fault lock").clone()

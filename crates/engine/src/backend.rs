@@ -291,6 +291,13 @@ pub trait Backend: Send + Sync {
     /// asynchronously; the CPU backend reads it where it is and ignores this.
     fn use_host_memory(&self, _regions: &[(usize, usize)]) {}
 
+    /// Whether [`Backend::use_host_memory`] page-locked the ranges: the expert source is then
+    /// told ([`smoe_store::ExpertSource::host_memory_locked`]) never to give their pages back
+    /// when its cache shrinks. False by default (the CPU backend reads them where they are).
+    fn locks_host_memory(&self) -> bool {
+        false
+    }
+
     /// Before the dense region is shared: the backend may lay out, in place, the matrices
     /// listed in `products` (`(offset, format, rows, cols)`: matrices the decoder only ever
     /// multiplies, never reads as rows or vectors) as its kernels read them best; [`Backend::matrix`]

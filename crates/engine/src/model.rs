@@ -307,6 +307,9 @@ impl<B: Backend> Model<B> {
         }
         // Sound because the model owns the source and drops `backend` (declared first) before it.
         backend.use_host_memory(&experts.host_memory());
+        if backend.locks_host_memory() {
+            experts.host_memory_locked();
+        }
         let kept = keep_all_experts(&backend, experts.as_ref(), &arch)?;
         Ok(Model {
             kept,

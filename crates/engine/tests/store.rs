@@ -323,3 +323,57 @@ fn slot_handles_name_the_slot_and_change_when_it_is_refilled() {
     assert_eq!(seen.len(), n);
     assert!(seen.iter().all(|h| h.load == 0));
 }
+
+/// The cache resized while requests run, as the server's memory watch does: from another
+/// thread, between layers, with lookahead prefetches in flight. Logits stay bit-identical to a
+/// resident run; after a shrink the store holds at most the new size and its memory counts no
+/// more; grown back, it fills again and stops reading.
+#[test]
+fn a_cache_resized_mid_run_changes_no_numbers() {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    let name = "deepseek_v3";
+    let path = vault(name, Format::Q8_0, Format::Q8_0);
+    let v = Vault::open(&path).unwrap();
+    let a = v.architecture().clone();
+    let (k, total) = (a.moe.top_k, a.moe_layers().len() * a.moe.num_experts);
+    let resident = Model::load(&v, CpuBackend::new(Precision::Reference), Arc::new(ResidentExperts::load(&v).unwrap())).unwrap();
+    let input = input_ids(name, "long");
+    for mode in [ScoreMode::Decode, ScoreMode::Prefill] {
+        let want = score(&resident, &input, mode, 16, false).unwrap().logits;
+        let (mut model, store) = streaming(&path, total);
+        model.set_lookahead(true);
+        let (stop, resizes) = (AtomicBool::new(false), AtomicUsize::new(0));
+        let got = std::thread::scope(|s| {
+            s.spawn(|| {
+                let sizes = [k, total / 2, total, k + 1, 1];
+                while !stop.load(Ordering::Relaxed) {
+                    let want = sizes[resizes.load(Ordering::Relaxed) % sizes.len()];
+                    let c = store.resize(want);
+                    assert_eq!(c.slots, want.clamp(k, total), "{c:?}");
+                    assert!(c.resident_slots <= c.slots, "{c:?}");
+                    resizes.fetch_add(1, Ordering::Relaxed);
+                    std::thread::sleep(std::time::Duration::from_micros(300));
+                }
+            });
+            let got = score(&model, &input, mode, 16, false).unwrap().logits;
+            stop.store(true, Ordering::Relaxed);
+            got
+        });
+        assert!(got == want, "{mode:?}: logits differ with the cache resized {} times", resizes.load(Ordering::Relaxed));
+        assert!(resizes.load(Ordering::Relaxed) > 2, "the resizes ran during the request");
+        // Shrunk to the least: a whole request through it holds no more than that.
+        let c = store.resize(0);
+        assert_eq!((c.slots, c.max_slots), (k, total));
+        assert!(c.resident_slots <= k);
+        assert!(score(&model, &input, mode, 16, false).unwrap().logits == want, "{mode:?} at {k} slots");
+        let c = store.capacity();
+        assert!(c.resident_slots <= k && c.slots == k, "{c:?}");
+        // Grown back to its size at opening: it fills, and a second pass reads nothing.
+        assert_eq!(store.resize(usize::MAX).slots, total);
+        assert!(score(&model, &input, mode, 16, false).unwrap().logits == want);
+        let before = store.stats();
+        assert!(score(&model, &input, mode, 16, false).unwrap().logits == want);
+        assert_eq!(store.stats().since(&before).misses, 0, "{mode:?}: the regrown cache holds every expert used");
+        assert!(store.capacity().resident_slots > k);
+    }
+}

@@ -70,6 +70,36 @@ impl Arena {
         unsafe { std::slice::from_raw_parts(self.slot_ptr(i), self.slot_size) }
     }
 
+    /// Gives the memory of slots `first..last` back to the kernel (Linux; elsewhere a no-op):
+    /// the whole pages inside the range are unmapped (`MADV_DONTNEED`) and read back as zeros
+    /// when next touched. This is how a shrunk cache stops counting against a memory limit:
+    /// freeing the allocation would move every slot, and the arena's address must stay fixed
+    /// (views and a backend's page-locked ranges point into it).
+    ///
+    /// # Safety
+    /// No read may be in flight into these slots and no reference to their bytes may exist;
+    /// the range must not be page-locked by a device driver (a locked page, unmapped and faulted
+    /// in anew, would no longer be the page the device copies from).
+    pub unsafe fn release(&self, first: usize, last: usize) {
+        let last = last.min(self.slots);
+        if first >= last {
+            return;
+        }
+        #[cfg(target_os = "linux")]
+        {
+            // SAFETY: sysconf has no preconditions.
+            let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as usize;
+            let start = (self.slot_ptr(first) as usize).next_multiple_of(page);
+            let end = (self.ptr.as_ptr() as usize + last * self.slot_size) / page * page;
+            if end > start {
+                // SAFETY: [start, end) lies inside this arena's allocation (rounded inwards to
+                // whole pages), and the caller guarantees nothing reads, writes or refers to
+                // it; MADV_DONTNEED on private anonymous memory only drops the pages' contents.
+                unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_DONTNEED) };
+            }
+        }
+    }
+
     /// Slot `i` for rewriting in place (interleaving a landed expert).
     ///
     /// # Safety
@@ -107,6 +137,16 @@ mod tests {
             assert!(s.iter().all(|&b| b == i as u8));
         }
         assert!(Arena::new(0, 4096, 4096).is_err());
+        // Released slots come back as zeros (their pages were given back); the others keep
+        // their bytes.
+        // SAFETY: no reads in flight and no references to slots 3 and 4.
+        unsafe { a.release(3, 5) };
+        for i in 0..5 {
+            // SAFETY: as above.
+            let s = unsafe { a.slot(i) };
+            let want = if cfg!(target_os = "linux") && i >= 3 { 0 } else { i as u8 };
+            assert!(s.iter().all(|&b| b == want), "slot {i}");
+        }
         assert!(Arena::new(2, 100, 4096).is_err());
     }
 }

@@ -22,7 +22,7 @@ mod streaming;
 
 pub use map::ExpertMap;
 pub use resident::ResidentExperts;
-pub use sizing::{auto_cache_bytes, available_memory, MemoryInfo};
+pub use sizing::{auto_cache_bytes, available_memory, MemoryInfo, PressureEvents, TEST_CGROUP_ROOT_ENV};
 pub use streaming::{ExpertStore, StoreOptions};
 
 use smoe_quant::QMatrix;
@@ -157,6 +157,40 @@ impl StoreStats {
     }
 }
 
+/// The size of a cache that can be resized at run time ([`ExpertSource::resize_cache`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CacheCapacity {
+    /// Experts it may hold now.
+    pub slots: usize,
+    /// The most it may be given: its size at opening (the arena allocated then).
+    pub max_slots: usize,
+    /// The fewest it accepts (the experts one token needs in one layer).
+    pub min_slots: usize,
+    /// Bytes of one slot.
+    pub slot_bytes: u64,
+    /// Slots whose memory is in use: filled since the cache was last shrunk over them. Pages
+    /// are touched only when read into, so this, not `slots`, is what the cache costs now.
+    pub resident_slots: usize,
+    /// A backend page-locked the cache's memory ([`ExpertSource::host_memory_locked`]): it is
+    /// all resident, and shrinking the cache gives none of it back.
+    pub locked: bool,
+}
+
+impl CacheCapacity {
+    /// Bytes it may hold now.
+    pub fn bytes(&self) -> u64 {
+        self.slots as u64 * self.slot_bytes
+    }
+    /// Bytes of memory it takes now.
+    pub fn resident_bytes(&self) -> u64 {
+        self.resident_slots as u64 * self.slot_bytes
+    }
+    /// Bytes at its largest.
+    pub fn max_bytes(&self) -> u64 {
+        self.max_slots as u64 * self.slot_bytes
+    }
+}
+
 /// A batch of landed experts: `(index into the requested list, weights)`.
 pub type ExpertBatch<'a> = [(usize, ExpertView<'a>)];
 
@@ -182,5 +216,26 @@ pub trait ExpertSource: Send + Sync {
     /// The default names none.
     fn host_memory(&self) -> Vec<(usize, usize)> {
         Vec::new()
+    }
+
+    /// Told by a backend that page-locked the ranges of [`ExpertSource::host_memory`]: the
+    /// source must never give their pages back to the kernel from now on (a locked page,
+    /// unmapped and faulted in anew, would no longer be the page the device copies from). A
+    /// resized cache then keeps its memory. The default does nothing.
+    fn host_memory_locked(&self) {}
+
+    /// The cache's size, for a source whose cache can be resized at run time; `None` (the
+    /// default) for one that cannot (every expert resident).
+    fn cache_capacity(&self) -> Option<CacheCapacity> {
+        None
+    }
+
+    /// Resizes the cache to `slots` experts (clamped to its fewest and to its size at opening),
+    /// at any time, from any thread: a shrink waits for the layer being computed, evicts the
+    /// experts least worth keeping and gives their memory back; a later read of an evicted
+    /// expert reads it again, so results do not change. Returns the new size; `None` (the
+    /// default) where the cache cannot be resized.
+    fn resize_cache(&self, _slots: usize) -> Option<CacheCapacity> {
+        None
     }
 }

@@ -1,5 +1,7 @@
 //! How much memory the expert cache may take: what the kernel says is available, capped by the
-//! cgroup's limit (v1 or v2) on Linux, and by the kernel's own page statistics on macOS.
+//! cgroup's limit (v1 or v2) on Linux, and by the kernel's own page statistics on macOS. Read at
+//! start to size caches, and again while serving ([`available_memory`] is cheap: a few small
+//! files), with [`PressureEvents`] to hear of a cgroup's reclaim at once.
 
 use std::path::{Path, PathBuf};
 
@@ -16,11 +18,22 @@ fn read_u64(p: &Path) -> Option<u64> {
     std::fs::read_to_string(p).ok()?.trim().parse().ok()
 }
 
-fn stat_field(p: &Path, field: &str) -> Option<u64> {
-    std::fs::read_to_string(p).ok()?.lines().find_map(|l| {
-        let (k, v) = l.split_once(' ')?;
-        (k == field).then(|| v.trim().parse().ok()).flatten()
-    })
+fn stat_field(stat: &str, field: &str) -> u64 {
+    stat.lines()
+        .find_map(|l| {
+            let (k, v) = l.split_once(' ')?;
+            (k == field).then(|| v.trim().parse().ok()).flatten()
+        })
+        .unwrap_or(0)
+}
+
+/// Page cache in a cgroup's `memory.stat` that the kernel reclaims before failing an
+/// allocation: file pages, inactive or active (reclaim deactivates active ones), less those
+/// mapped into a process, dirty or under writeback. `keys`: the inactive, active, mapped, dirty
+/// and writeback fields of the cgroup version.
+fn reclaimable_cache(stat: &str, keys: [&str; 5]) -> u64 {
+    let f = |i: usize| stat_field(stat, keys[i]);
+    (f(0) + f(1)).saturating_sub(f(2) + f(3) + f(4))
 }
 
 /// `MemAvailable` from a meminfo file, in bytes.
@@ -31,39 +44,46 @@ pub(crate) fn meminfo_available(text: &str) -> Option<u64> {
         .map(|kb| kb * 1024)
 }
 
-/// Headroom under a cgroup memory limit: limit minus usage, not counting reclaimable page cache
-/// (inactive file pages), as the kernel would reclaim them before failing an allocation.
+/// Headroom under a cgroup memory limit: limit minus usage, not counting the page cache the
+/// kernel would reclaim before failing an allocation ([`reclaimable_cache`]). The limit is v1's
+/// `memory.limit_in_bytes`, or the lower of v2's `memory.max` and `memory.high` (above `high`
+/// the kernel throttles and reclaims: lowering it is how a v2 cgroup is asked to shrink).
 fn cgroup_headroom(cgroup_file: &str, root: &Path) -> Option<(u64, String)> {
+    const V1_STAT: [&str; 5] = ["total_inactive_file", "total_active_file", "total_mapped_file", "total_dirty", "total_writeback"];
+    const V2_STAT: [&str; 5] = ["inactive_file", "active_file", "file_mapped", "file_dirty", "file_writeback"];
     let mut best: Option<(u64, String)> = None;
     for line in cgroup_file.lines() {
         let mut parts = line.splitn(3, ':');
         let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
         let path = path.trim_start_matches('/');
-        let (dir_candidates, limit_f, usage_f, stat_key, label): (Vec<PathBuf>, &str, &str, &str, &str) = if controllers.is_empty() {
-            (vec![root.join(path), root.to_path_buf()], "memory.max", "memory.current", "inactive_file", "cgroup v2 limit")
-        } else if controllers.split(',').any(|c| c == "memory") {
-            (
-                vec![root.join("memory").join(path), root.join("memory")],
-                "memory.limit_in_bytes",
-                "memory.usage_in_bytes",
-                "total_inactive_file",
-                "cgroup v1 limit",
-            )
-        } else {
-            continue;
-        };
+        let (dir_candidates, limit_files, usage_f, stat_keys, label): (Vec<PathBuf>, &[&str], &str, [&str; 5], &str) =
+            if controllers.is_empty() {
+                (vec![root.join(path), root.to_path_buf()], &["memory.max", "memory.high"], "memory.current", V2_STAT, "cgroup v2")
+            } else if controllers.split(',').any(|c| c == "memory") {
+                (
+                    vec![root.join("memory").join(path), root.join("memory")],
+                    &["memory.limit_in_bytes"],
+                    "memory.usage_in_bytes",
+                    V1_STAT,
+                    "cgroup v1",
+                )
+            } else {
+                continue;
+            };
         let Some(dir) = dir_candidates.into_iter().find(|d| d.join(usage_f).exists()) else { continue };
         // Walk up: an ancestor's limit can be the binding one.
         let mut d = dir.as_path();
         loop {
-            if let (Some(limit), Some(usage)) = (read_u64(&d.join(limit_f)), read_u64(&d.join(usage_f))) {
-                // v1 reports "no limit" as a huge number; v2 as "max" (which fails to parse).
-                if limit < (1u64 << 60) {
-                    let inactive = stat_field(&d.join("memory.stat"), stat_key).unwrap_or(0);
-                    let head = limit.saturating_sub(usage.saturating_sub(inactive));
-                    if best.as_ref().is_none_or(|(b, _)| head < *b) {
-                        best = Some((head, format!("{label} {} MiB at {}", limit >> 20, d.display())));
-                    }
+            // v1 reports "no limit" as a huge number; v2 as "max" (which fails to parse).
+            let limit = limit_files
+                .iter()
+                .filter_map(|f| read_u64(&d.join(f)).filter(|&l| l < (1u64 << 60)).map(|l| (l, *f)))
+                .min_by_key(|&(l, _)| l);
+            if let (Some((limit, file)), Some(usage)) = (limit, read_u64(&d.join(usage_f))) {
+                let stat = std::fs::read_to_string(d.join("memory.stat")).unwrap_or_default();
+                let head = limit.saturating_sub(usage.saturating_sub(reclaimable_cache(&stat, stat_keys)));
+                if best.as_ref().is_none_or(|(b, _)| head < *b) {
+                    best = Some((head, format!("{label} {file} {} MiB at {}", limit >> 20, d.display())));
                 }
             }
             match d.parent() {
@@ -75,7 +95,16 @@ fn cgroup_headroom(cgroup_file: &str, root: &Path) -> Option<(u64, String)> {
     best
 }
 
-/// Memory available to this process now.
+/// Test hook: a directory whose `memory/` subdirectory stands for this process's cgroup-v1
+/// memory controller (`memory.limit_in_bytes`, `memory.usage_in_bytes`, `memory.stat`), so that
+/// a test can lower a "limit" under a running server without root.
+pub const TEST_CGROUP_ROOT_ENV: &str = "SMOE_TEST_CGROUP_ROOT";
+
+/// Memory available to this process now: `MemAvailable`, or the headroom under the tightest
+/// cgroup limit (v1 `memory.limit_in_bytes` or v2 `memory.max`, of its cgroup or an ancestor)
+/// if that is less. A cgroup's headroom is its limit minus its usage, not counting inactive
+/// page cache, which the kernel reclaims before failing an allocation.
+/// [`TEST_CGROUP_ROOT_ENV`] replaces the cgroup with a directory of files (a test hook).
 pub fn available_memory() -> MemoryInfo {
     #[cfg(target_os = "linux")]
     {
@@ -83,11 +112,13 @@ pub fn available_memory() -> MemoryInfo {
         if let Some(a) = std::fs::read_to_string("/proc/meminfo").ok().as_deref().and_then(meminfo_available) {
             info = MemoryInfo { available: a, source: "MemAvailable".into() };
         }
-        if let Ok(cg) = std::fs::read_to_string("/proc/self/cgroup") {
-            if let Some((head, label)) = cgroup_headroom(&cg, Path::new("/sys/fs/cgroup")) {
-                if head < info.available {
-                    info = MemoryInfo { available: head, source: label };
-                }
+        let cgroup = match std::env::var_os(TEST_CGROUP_ROOT_ENV) {
+            Some(root) => cgroup_headroom("1:memory:/\n", Path::new(&root)),
+            None => std::fs::read_to_string("/proc/self/cgroup").ok().and_then(|cg| cgroup_headroom(&cg, Path::new("/sys/fs/cgroup"))),
+        };
+        if let Some((head, label)) = cgroup {
+            if head < info.available {
+                info = MemoryInfo { available: head, source: label };
             }
         }
         info
@@ -99,6 +130,87 @@ pub fn available_memory() -> MemoryInfo {
     #[cfg(not(any(target_os = "linux", target_os = "macos")))]
     {
         MemoryInfo { available: 8 << 30, source: "default".into() }
+    }
+}
+
+/// Notifications of memory pressure in this process's cgroup-v1 memory controller: an
+/// eventfd registered on its `memory.pressure_level` at level `low`, which the kernel signals
+/// whenever it reclaims memory in the cgroup (a limit lowered, usage reaching the limit).
+/// Where that is unavailable (cgroup v2, no write access to `cgroup.event_control`, not
+/// Linux) [`PressureEvents::open`] fails and callers poll instead.
+pub struct PressureEvents {
+    #[cfg(target_os = "linux")]
+    efd: std::os::fd::OwnedFd,
+    /// Open for as long as the registration should last: the kernel drops it on close.
+    #[cfg(target_os = "linux")]
+    _level: std::fs::File,
+    /// Where the events come from, for the log.
+    pub source: String,
+}
+
+impl PressureEvents {
+    /// Registers for pressure events of this process's memory cgroup (v1).
+    pub fn open() -> Result<PressureEvents, String> {
+        #[cfg(target_os = "linux")]
+        {
+            use std::io::Write;
+            use std::os::fd::{AsRawFd, FromRawFd};
+            if std::env::var_os(TEST_CGROUP_ROOT_ENV).is_some() {
+                return Err(format!("{TEST_CGROUP_ROOT_ENV} is set"));
+            }
+            let cg = std::fs::read_to_string("/proc/self/cgroup").map_err(|e| format!("/proc/self/cgroup: {e}"))?;
+            let dir = cg
+                .lines()
+                .find_map(|l| {
+                    let mut parts = l.splitn(3, ':');
+                    let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+                    let memory = controllers.split(',').any(|c| c == "memory");
+                    memory.then(|| Path::new("/sys/fs/cgroup/memory").join(path.trim_start_matches('/')))
+                })
+                .ok_or("no cgroup-v1 memory controller")?;
+            let level = std::fs::File::open(dir.join("memory.pressure_level"))
+                .map_err(|e| format!("{}: {e}", dir.join("memory.pressure_level").display()))?;
+            // SAFETY: eventfd takes no pointers; a negative result is an error, checked.
+            let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+            if fd < 0 {
+                return Err(format!("eventfd: {}", std::io::Error::last_os_error()));
+            }
+            // SAFETY: `fd` is a new descriptor that nothing else owns.
+            let efd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+            let control = dir.join("cgroup.event_control");
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(&control)
+                .and_then(|mut f| f.write_all(format!("{} {} low", efd.as_raw_fd(), level.as_raw_fd()).as_bytes()))
+                .map_err(|e| format!("{}: {e}", control.display()))?;
+            Ok(PressureEvents { efd, _level: level, source: format!("{} (low)", dir.join("memory.pressure_level").display()) })
+        }
+        #[cfg(not(target_os = "linux"))]
+        Err("memory pressure events need Linux".into())
+    }
+
+    /// Waits up to `timeout` for pressure; true if there was some since the last call.
+    pub fn wait(&self, timeout: std::time::Duration) -> bool {
+        #[cfg(target_os = "linux")]
+        {
+            use std::os::fd::AsRawFd;
+            let mut p = libc::pollfd { fd: self.efd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+            let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
+            // SAFETY: one valid pollfd, for the duration of the call.
+            let n = unsafe { libc::poll(&mut p, 1, ms) };
+            if n <= 0 {
+                return false;
+            }
+            let mut count = [0u8; 8];
+            // SAFETY: reads 8 bytes (an eventfd's counter, which this resets) into an 8-byte buffer.
+            let got = unsafe { libc::read(self.efd.as_raw_fd(), count.as_mut_ptr().cast(), 8) };
+            got == 8
+        }
+        #[cfg(not(target_os = "linux"))]
+        {
+            std::thread::sleep(timeout);
+            false
+        }
     }
 }
 
@@ -166,7 +278,20 @@ mod tests {
         std::fs::write(root.path().join("user.slice/memory.current"), "1610612736\n").unwrap();
         let (head, label) = cgroup_headroom("0::/user.slice/app\n", root.path()).unwrap();
         assert_eq!(head, 512 << 20);
-        assert!(label.contains("cgroup v2"));
+        assert!(label.contains("cgroup v2 memory.max"), "{label}");
+        // memory.high binds when lower; clean, unmapped page cache, active or not, counts as
+        // free, mapped and dirty pages do not.
+        std::fs::write(root.path().join("user.slice/memory.max"), "max\n").unwrap();
+        std::fs::write(v2.join("memory.high"), "1610612736\n").unwrap();
+        std::fs::write(
+            v2.join("memory.stat"),
+            "anon 1\ninactive_file 100\nactive_file 268435356\nfile_mapped 16777216\nfile_dirty 0\nfile_writeback 0\n",
+        )
+        .unwrap();
+        let (head, label) = cgroup_headroom("0::/user.slice/app\n", root.path()).unwrap();
+        assert_eq!(head, (1536 << 20) - (1 << 30) + (240 << 20));
+        assert!(label.contains("memory.high"), "{label}");
+        std::fs::write(v2.join("memory.high"), "max\n").unwrap();
         // "max" means no limit.
         std::fs::write(v2.join("memory.max"), "max\n").unwrap();
         std::fs::write(root.path().join("user.slice/memory.max"), "max\n").unwrap();

@@ -6,8 +6,9 @@ use crate::depth::{DepthTuner, QueueDepth};
 use crate::io::{self, Completion, Fault, IoKind, ReadEngine, ReadReq};
 use crate::map::{ExpertMap, SlotRead};
 use crate::policy::{EvictionPolicy, Key, PolicyKind};
-use crate::{ExpertBatch, ExpertSource, ExpertView, SlotHandle, StoreError, StoreStats};
+use crate::{CacheCapacity, ExpertBatch, ExpertSource, ExpertView, SlotHandle, StoreError, StoreStats};
 use smoe_vault::Vault;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::Instant;
 
@@ -110,6 +111,13 @@ struct Inner {
     slot_reads: Vec<SlotRead>,
     /// Slots filled so far: the next fill's [`SlotHandle::load`].
     loads: u64,
+    /// Slots in use now (`..capacity`; the arena's others are empty, their memory given back):
+    /// the cache's size, lowered and raised by [`ExpertStore::resize`].
+    capacity: usize,
+    /// Slots read into since their memory was last given back.
+    touched: Vec<bool>,
+    /// The MoE layer ordinal computed last (for the eviction policy when shrinking).
+    last_layer: u32,
 }
 
 /// The streaming store.
@@ -122,6 +130,10 @@ pub struct ExpertStore {
     experts: usize,
     verify: bool,
     io_desc: String,
+    /// Fewest slots ([`StoreOptions::min_slots`], clamped as at opening).
+    min_slots: usize,
+    /// A backend page-locked the arena: its pages must never be given back.
+    locked: AtomicBool,
 }
 
 impl ExpertStore {
@@ -169,18 +181,142 @@ impl ExpertStore {
             loads: 0,
             tuner,
             scratch: Vec::new(),
+            capacity: slots,
+            touched: vec![false; slots],
+            last_layer: 0,
         };
-        Ok(ExpertStore { inner: Mutex::new(inner), arena, map, ordinal, experts, verify: opts.verify, io_desc })
+        let min_slots = top_k.min(slots);
+        Ok(ExpertStore {
+            inner: Mutex::new(inner),
+            arena,
+            map,
+            ordinal,
+            experts,
+            verify: opts.verify,
+            io_desc,
+            min_slots,
+            locked: AtomicBool::new(false),
+        })
     }
 
-    /// Slots in the cache.
+    /// Slots in the cache now (its size at opening unless [`ExpertStore::resize`]d).
     pub fn slots(&self) -> usize {
-        self.arena.slots()
+        self.inner.lock().unwrap().capacity
     }
 
-    /// Bytes of the cache.
+    /// Bytes of the cache now.
     pub fn cache_bytes(&self) -> u64 {
-        (self.arena.slots() * self.arena.slot_size()) as u64
+        (self.slots() * self.arena.slot_size()) as u64
+    }
+
+    /// The cache's size and what it holds.
+    pub fn capacity(&self) -> CacheCapacity {
+        let inner = self.inner.lock().unwrap();
+        self.capacity_of(&inner)
+    }
+
+    fn capacity_of(&self, inner: &Inner) -> CacheCapacity {
+        let locked = self.locked.load(Ordering::Relaxed);
+        CacheCapacity {
+            slots: inner.capacity,
+            max_slots: self.arena.slots(),
+            min_slots: self.min_slots,
+            slot_bytes: self.arena.slot_size() as u64,
+            // A locked arena is resident whole: the driver touched every page when locking.
+            resident_slots: if locked { self.arena.slots() } else { inner.touched.iter().filter(|&&t| t).count() },
+            locked,
+        }
+    }
+
+    /// Resizes the cache to `slots` experts, clamped to `[top-k, the size at opening]`. Safe at
+    /// any time and from any thread: it takes the store's lock, which a request holds while a
+    /// layer computes on the cache's slots, so it runs between layers.
+    ///
+    /// Growing makes the slots up to the new size free again. Shrinking waits for the reads in
+    /// flight (prefetches; nothing computes meanwhile), evicts the experts the policy ranks
+    /// least worth keeping until the rest fit, moves those still above the new size into free
+    /// slots below it (with a new [`SlotHandle::load`], so a backend's copies are refreshed),
+    /// and gives the memory of every slot above it back to the kernel, unless a backend locked
+    /// it ([`ExpertSource::host_memory_locked`]). An evicted expert is read again when next
+    /// used: results never change, only what is read.
+    pub fn resize(&self, slots: usize) -> CacheCapacity {
+        let target = slots.clamp(self.min_slots.max(1), self.arena.slots());
+        let mut guard = self.inner.lock().unwrap();
+        let inner = &mut *guard;
+        if target >= inner.capacity {
+            inner.free.extend((inner.capacity..target).rev());
+            inner.capacity = target;
+            return self.capacity_of(inner);
+        }
+        // 1. Let the prefetches in flight land (their errors only cost the expert its slot:
+        // nobody waits for it). Not a spin: each reap blocks until a read completes.
+        let mut landed = Vec::new();
+        while inner.engine.pending() > 0 {
+            let before = inner.engine.pending();
+            landed.clear();
+            if let Err(e) = self.reap(inner, &mut landed) {
+                if inner.engine.pending() == before {
+                    tracing::warn!("not shrinking the expert cache: waiting for its reads failed: {e}");
+                    return self.capacity_of(inner);
+                }
+            }
+        }
+        // 2. Evict until what is left fits the new size.
+        let held = inner.slots.iter().filter(|s| s.key.is_some()).count();
+        if held > target {
+            let Inner { slots, candidates, victims, policy, .. } = inner;
+            candidates.clear();
+            candidates.extend(
+                slots.iter().enumerate().filter(|(_, s)| s.pins == 0 && s.state == SlotState::Ready).map(|(i, s)| (i, s.key.unwrap())),
+            );
+            policy.victims(inner.last_layer, candidates, held - target, victims);
+            for v in std::mem::take(&mut inner.victims) {
+                self.forget(inner, v);
+            }
+        }
+        // 3. Move the experts above the new size down into its empty slots.
+        let mut empty: Vec<usize> = (0..target).filter(|&s| inner.slots[s].key.is_none()).collect();
+        for s in target..inner.capacity {
+            let Some(key) = inner.slots[s].key else { continue };
+            let Some(d) = empty.pop() else {
+                // Only a slot the eviction could not take (none, with nothing in flight and no
+                // request computing) would get here; forgetting it keeps the bound.
+                self.forget(inner, s);
+                continue;
+            };
+            // SAFETY: `s` and `d` are distinct slots; no read is in flight (drained above) and
+            // no view exists (views live only inside `with_experts`, which holds this lock).
+            unsafe { self.arena.slot_mut(d).copy_from_slice(self.arena.slot(s)) };
+            let prefetched = inner.slots[s].prefetched;
+            inner.slots[d] =
+                Slot { key: Some(key), state: SlotState::Ready, pins: 0, prefetched, reads: 0, error: None, load: inner.loads };
+            inner.loads += 1;
+            inner.touched[d] = true;
+            let ki = self.key_index(key);
+            inner.map[ki] = d as u32;
+            inner.slots[s] = Slot::empty();
+        }
+        // 4. Give the memory above the new size back.
+        if !self.locked.load(Ordering::Relaxed) {
+            // SAFETY: the slots from `target` on are empty, with no read in flight and no view.
+            unsafe { self.arena.release(target, self.arena.slots()) };
+            inner.touched[target..].iter_mut().for_each(|t| *t = false);
+        }
+        inner.free = (0..target).rev().filter(|&s| inner.slots[s].key.is_none()).collect();
+        inner.capacity = target;
+        self.capacity_of(inner)
+    }
+
+    /// Empties a ready slot, keeping it out of the free list (the caller rebuilds it).
+    fn forget(&self, inner: &mut Inner, s: usize) {
+        if let Some(key) = inner.slots[s].key.take() {
+            if inner.slots[s].prefetched {
+                inner.stats.prefetch_wasted += 1;
+            }
+            let ki = self.key_index(key);
+            inner.map[ki] = NONE;
+        }
+        inner.slots[s] = Slot::empty();
     }
 
     /// The I/O engine in use.
@@ -241,6 +377,7 @@ impl ExpertStore {
     /// Starts reading `key` into a free slot (the caller made room). Returns the slot.
     fn start_read(&self, inner: &mut Inner, key: Key, demand: bool) -> usize {
         let s = inner.free.pop().expect("make_room left a free slot");
+        inner.touched[s] = true;
         let ki = self.key_index(key);
         inner.map[ki] = s as u32;
         let mut reads = std::mem::take(&mut inner.slot_reads);
@@ -389,6 +526,7 @@ impl ExpertSource for ExpertStore {
         let mut guard = self.inner.lock().unwrap();
         let inner = &mut *guard;
         inner.policy.touch(ord, experts);
+        inner.last_layer = ord;
         let mut todo: Vec<usize> = (0..experts.len()).collect();
         let mut first_err: Option<StoreError> = None;
         let (mut ready, mut wait, mut landed) = (Vec::new(), Vec::new(), Vec::new());
@@ -518,5 +656,17 @@ impl ExpertSource for ExpertStore {
 
     fn prefetch(&self, layer: usize, experts: &[u32]) {
         self.prefetch_reads(layer, experts)
+    }
+
+    fn host_memory_locked(&self) {
+        self.locked.store(true, Ordering::Relaxed);
+    }
+
+    fn cache_capacity(&self) -> Option<CacheCapacity> {
+        Some(self.capacity())
+    }
+
+    fn resize_cache(&self, slots: usize) -> Option<CacheCapacity> {
+        Some(self.resize(slots))
     }
 }
