@@ -9,8 +9,10 @@
 # memory.limit_in_bytes step by step to the given percentages of the usage measured after the
 # warm-up (default 100 90 80 70 60 50 40 30 20), driving 6 chat requests with fresh prompts after
 # each step. For each step it prints whether the kernel accepted the limit, the HTTP statuses,
-# the cgroup's usage, its anonymous (rss) and page-cache (cache) parts, failcnt, oom_kill and
-# whether the server is still alive. Kills the server and removes the cgroup at the end.
+# the cgroup's usage, its anonymous (rss) and page-cache (cache) parts, failcnt, oom_kill,
+# whether the server is still alive, and the server's expert cache (what it may hold / what it
+# holds, from /v1/smoe/stats: the memory watch shrinks it). Prints the server's memory-watch log
+# lines, kills the server and removes the cgroup at the end. Extra `smoe serve` flags: SERVE_ARGS.
 # WARM=N requests of warm-up (default 4); START_LIMIT_MIB=M sets a limit before the server starts
 # (so its memory budget and expert cache are sized under it).
 set -u
@@ -24,11 +26,15 @@ mkdir "$CG" || exit 1
 mib() { echo $(( $1 / 1048576 )); }
 cgstat() { awk -v k="$1" '$1 == k { print $2 }' "$CG/memory.stat"; }
 oomkills() { awk '$1 == "oom_kill" { print $2 }' "$CG/memory.oom_control"; }
+servestat() {  # a model's figure from the server's stats, in MiB
+  local v; v=$(curl -s --max-time 5 "http://127.0.0.1:$PORT/v1/smoe/stats" | grep -o "\"$1\":[0-9]*" | head -1 | cut -d: -f2)
+  [ -n "$v" ] && mib "$v" || echo "-"
+}
 report() {
   local alive=no; kill -0 "$PID" 2>/dev/null && alive=yes
-  printf '%-22s usage %5s MiB  rss %5s MiB  cache %5s MiB  failcnt %6s  oom_kill %s  alive %s  statuses %s\n' \
+  printf '%-22s usage %5s MiB  rss %5s MiB  cache %5s MiB  failcnt %6s  oom_kill %s  alive %s  experts %s/%s MiB  statuses %s\n' \
     "$1" "$(mib "$(cat "$CG/memory.usage_in_bytes")")" "$(mib "$(cgstat total_rss)")" "$(mib "$(cgstat total_cache)")" \
-    "$(cat "$CG/memory.failcnt")" "$(oomkills)" "$alive" "$2"
+    "$(cat "$CG/memory.failcnt")" "$(oomkills)" "$alive" "$(servestat expert_cache_bytes)" "$(servestat expert_cache_resident_bytes)" "$2"
 }
 drive() {  # N requests with fresh prompts; prints their statuses
   local out=""
@@ -44,11 +50,12 @@ drive() {  # N requests with fresh prompts; prints their statuses
 cleanup() {
   kill "$PID" 2>/dev/null; wait "$PID" 2>/dev/null
   echo "server stderr (last lines, $LOG):"; tail -5 "$LOG"
+  echo "memory watch:"; grep -E 'memory (watch|budget)|memory: ' "$LOG" | cut -c1-400
   grep -c panicked "$LOG" | sed 's/^/panics in the server log: /'
   rmdir "$CG" && echo "removed $CG"
 }
 echo "cgroup $CG; kernel $(uname -r); swap $(awk '/SwapTotal/ {print $2}' /proc/meminfo) kB"
-sh -c "echo \$\$ > $CG/cgroup.procs && exec $SMOE serve --models $DIR --port $PORT" 2>"$LOG" &
+sh -c "echo \$\$ > $CG/cgroup.procs && exec $SMOE serve --models $DIR --port $PORT ${SERVE_ARGS:-}" 2>"$LOG" &
 PID=$!
 trap cleanup EXIT
 for _ in $(seq 600); do grep -q '^listening on' "$LOG" && break; kill -0 $PID 2>/dev/null || break; sleep 0.1; done

@@ -255,6 +255,18 @@ enum Command {
         /// unloaded to stay within it. Default: available memory less a reserve.
         #[arg(long)]
         memory: Option<smoe_engine::CacheSize>,
+        /// Re-read the memory available (MemAvailable, or the headroom under a cgroup limit)
+        /// every this many seconds, on the cgroup's pressure events, before each request and
+        /// before the batched steps of a running one, and shrink the expert caches and session
+        /// pools when what they may still grow by no longer fits (growing them back, up to their
+        /// size at load, once it has for ten of these intervals); 0: never, the caches keep
+        /// their size at load.
+        #[arg(long, default_value_t = 2.0, value_name = "SECONDS")]
+        memory_watch: f64,
+        /// Memory the watch keeps free beyond what the caches may grow by, for the running
+        /// requests' activations and KV.
+        #[arg(long, default_value = "128MiB")]
+        memory_headroom: smoe_engine::CacheSize,
         #[command(flatten)]
         model: cmd_run::ModelArgs,
     },
@@ -455,6 +467,8 @@ fn run(cli: Cli) -> Result<()> {
             max_tokens,
             body_limit_mib,
             memory,
+            memory_watch,
+            memory_headroom,
             model,
         } => {
             let ip: std::net::IpAddr = host.parse().map_err(|_| anyhow::anyhow!("--host: '{host}' is not an IP address"))?;
@@ -485,6 +499,14 @@ fn run(cli: Cli) -> Result<()> {
                 None => None,
                 Some(smoe_engine::CacheSize::Bytes(b)) => Some(b),
                 Some(_) => anyhow::bail!("--memory takes a size such as 12GiB"),
+            };
+            if !(memory_watch.is_finite() && memory_watch >= 0.0) {
+                anyhow::bail!("--memory-watch takes seconds (0: off)");
+            }
+            fleet.memory_watch = (memory_watch > 0.0).then(|| std::time::Duration::from_secs_f64(memory_watch.max(0.05)));
+            fleet.memory_headroom = match memory_headroom {
+                smoe_engine::CacheSize::Bytes(b) => b,
+                _ => anyhow::bail!("--memory-headroom takes a size such as 256MiB"),
             };
             let cfg = smoe_server::ServerConfig {
                 addr: std::net::SocketAddr::new(ip, port),

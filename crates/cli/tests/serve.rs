@@ -35,9 +35,14 @@ struct Server {
 
 impl Server {
     fn start(dir: &Path, extra: &[&str]) -> Server {
+        Server::start_with_env(dir, extra, &[])
+    }
+
+    fn start_with_env(dir: &Path, extra: &[&str], env: &[(&str, &Path)]) -> Server {
         let mut child = Command::new(env!("CARGO_BIN_EXE_smoe"))
             .args(["serve", "--models", dir.to_str().unwrap(), "--port", "0"])
             .args(extra)
+            .envs(env.iter().copied())
             .env("SMOE_LOG", "warn")
             .stderr(Stdio::piped())
             .stdout(Stdio::null())
@@ -563,4 +568,110 @@ fn concurrent_requests_are_batched_and_answer_as_alone() {
     }
     let (st, _, b) = post(a, "/v1/completions", &body(prompts[0]));
     assert_eq!((st, text(&b)), (200, alone[0].clone()));
+}
+
+/// A memory limit lowered under the running server and raised again: a cgroup-v1 memory
+/// controller faked in a directory (`SMOE_TEST_CGROUP_ROOT`, read by the same function that
+/// sizes the budget at start), whose limit is written down to its usage. The expert cache and
+/// the session budget shrink to their least, before the next request (the check every request
+/// makes) or within a tick of the watch thread when idle; requests answer exactly as before;
+/// raised again, both grow back to their size at load once the memory has stayed free for the
+/// watch's window, not at once.
+#[test]
+fn caches_follow_a_memory_limit_lowered_and_raised() {
+    let dir = vault_dir();
+    let cg = tempfile::tempdir().unwrap();
+    let mem = cg.path().join("memory");
+    std::fs::create_dir(&mem).unwrap();
+    std::fs::write(mem.join("memory.usage_in_bytes"), "1073741824\n").unwrap();
+    std::fs::write(mem.join("memory.stat"), "total_inactive_file 0\n").unwrap();
+    let limit = |bytes: u64| std::fs::write(mem.join("memory.limit_in_bytes"), format!("{bytes}\n")).unwrap();
+    limit(1 << 40);
+    let env = [("SMOE_TEST_CGROUP_ROOT", cg.path())];
+    let ask = |server: &Server, content: &str| {
+        let req =
+            format!(r#"{{"model": "qwen3", "max_tokens": 6, "temperature": 0, "messages": [{{"role": "user", "content": "{content}"}}]}}"#);
+        let (status, _, body) = post(server.addr, "/v1/chat/completions", &req);
+        assert_eq!(status, 200, "{body}");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        v["choices"][0]["message"]["content"].as_str().unwrap().to_string()
+    };
+    let model = |server: &Server| {
+        let (_, _, body) = get(server.addr, "/v1/smoe/stats");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        let m = v["models"].as_array().unwrap().iter().find(|m| m["id"] == "qwen3").unwrap().clone();
+        let n = |k: &str| m[k].as_u64().unwrap_or_else(|| panic!("{k} in {m}"));
+        (
+            n("expert_cache_bytes"),
+            n("expert_cache_max_bytes"),
+            n("expert_cache_resident_bytes"),
+            n("session_kv_budget_bytes"),
+            n("session_kv_bytes"),
+        )
+    };
+    let vault = smoe_vault::Vault::open(dir.path().join("qwen3.smoe")).unwrap();
+    let least = vault.architecture().moe.top_k as u64 * vault.manifest().experts.blob_size;
+
+    // Checked before each request only (the thread's tick is an hour away).
+    let server = Server::start_with_env(dir.path(), &["--memory-watch", "3600"], &env);
+    let first = ask(&server, "a conversation under pressure");
+    let (cache, max, resident, full_budget, held) = model(&server);
+    assert!(cache == max && max > least && resident > 0 && full_budget > 0 && held > 0, "{:?}", model(&server));
+    limit(1 << 30);
+    assert_eq!(ask(&server, "a conversation under pressure"), first, "the same answer from the shrunk caches");
+    let (cache, _, resident, budget, held) = model(&server);
+    assert_eq!((cache, budget, held), (least, 0, 0), "shrunk to the least before the request ran");
+    assert!(resident <= least, "{resident}");
+    assert_ne!(ask(&server, "another conversation"), "");
+    // Raised again: not grown back at once (memory must stay free for the watch's window, a
+    // minute here), but the answer is the same.
+    limit(1 << 40);
+    assert_eq!(ask(&server, "a conversation under pressure"), first);
+    assert_eq!(model(&server).0, least, "grown back before the memory had lasted");
+    let (_, _, metrics) = get(server.addr, "/metrics");
+    assert!(metrics.contains("smoe_cache_resizes_total 1"), "{metrics}");
+    assert!(metrics.contains(&format!("smoe_expert_cache_bytes{{model=\"qwen3\"}} {least}")), "{metrics}");
+    assert!(metrics.contains(&format!("smoe_expert_cache_max_bytes{{model=\"qwen3\"}} {max}")), "{metrics}");
+    drop(server);
+
+    // Lowered while a long generation runs, and nothing else: the check before its batched
+    // steps shrinks the caches (the thread's tick is an hour away, and no request starts).
+    let server = Server::start_with_env(dir.path(), &["--memory-watch", "3600"], &env);
+    assert_eq!(ask(&server, "a conversation under pressure"), first);
+    let hog = open_stream(server.addr, "/v1/completions", r#"{"model": "qwen3", "prompt": "hog", "max_tokens": 60000, "stream": true}"#);
+    limit(1 << 30);
+    let t = Instant::now();
+    while model(&server).0 != least {
+        assert!(t.elapsed() < Duration::from_secs(10), "not shrunk during a generation: {:?}", model(&server));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (_, _, stats) = get(server.addr, "/v1/smoe/stats");
+    assert!(stats.contains("\"queue_depth\":1"), "the generation still runs: {stats}");
+    drop(hog);
+    drop(server);
+    limit(1 << 40);
+
+    // Idle: the watch thread shrinks within a tick, dropping the cached sessions too.
+    let server = Server::start_with_env(dir.path(), &["--memory-watch", "0.1"], &env);
+    assert_eq!(ask(&server, "a conversation under pressure"), first);
+    assert!(model(&server).4 > 0, "a session is cached");
+    limit(1 << 30);
+    let t = Instant::now();
+    loop {
+        let (cache, _, resident, budget, held) = model(&server);
+        if (cache, budget, held) == (least, 0, 0) {
+            assert!(resident <= least, "{resident}");
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(10), "not shrunk while idle: {:?}", model(&server));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Raised again: grown back to the size at load once the memory has stayed free for the
+    // watch's window (ten ticks here).
+    limit(1 << 40);
+    while model(&server).0 != max || model(&server).3 != full_budget {
+        assert!(t.elapsed() < Duration::from_secs(20), "not grown back while idle: {:?}", model(&server));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(ask(&server, "a conversation under pressure"), first);
 }

@@ -22,11 +22,21 @@ impl<B: Backend> Session<B> {
         Session { state: model.new_state(model.prefill_chunk()), cached: Vec::new() }
     }
 
+    /// An empty session that only ever runs in [`Batch`](crate::Batch)es (a server's, through
+    /// [`Session::start`] and [`Session::state_mut`]): without buffers of its own for a
+    /// prefill chunk (for a model of 152K tokens' vocabulary, [`Session::new`]'s logits buffer
+    /// alone is 148 MiB of address space, touched wherever the allocator hands back reused
+    /// memory: a server creating and dropping sessions under memory pressure paid for it).
+    pub fn batched(model: &Model<B>) -> Session<B> {
+        Session { state: model.new_state(1), cached: Vec::new() }
+    }
+
     /// A session holding the first `positions` tokens of `other`'s cache, copied (see
-    /// [`State::copy_prefix`]); `None` where the backend cannot copy a KV cache.
+    /// [`State::copy_prefix`]), with buffers for `other`'s prefill chunk; `None` where the
+    /// backend cannot copy a KV cache.
     pub fn fork(model: &Model<B>, other: &Session<B>, positions: usize) -> Option<Session<B>> {
         let positions = positions.min(other.cached.len());
-        let mut s = Session::new(model);
+        let mut s = Session { state: model.new_state(other.state.chunk()), cached: Vec::new() };
         s.state.copy_prefix(model, &other.state, positions).then(|| {
             s.cached.extend_from_slice(&other.cached[..positions]);
             s

@@ -3,13 +3,15 @@
 //! budget needs its room.
 
 use crate::error::ApiError;
+use crate::memory;
 use crate::metrics::Metrics;
-use crate::worker::{Worker, WorkerLimits};
+use crate::worker::{StepHook, Worker, WorkerLimits};
 use smoe_engine::{open_cpu, CacheSize, EngineError, OpenOptions, OpenReport, Precision};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
 
 /// Opens a model on the backend the front end chose and starts its generation thread. The
 /// server names no backend: [`CpuOpener`] is the default, and the command line supplies one for
@@ -72,6 +74,11 @@ pub struct FleetConfig {
     pub open: OpenOptions,
     /// Memory the models may use together (default: available at start, less a reserve).
     pub memory: Option<u64>,
+    /// How often the memory watch re-reads the memory available and fits the caches to it
+    /// (see [`crate::memory`]); `None`: never, the caches keep their size at load.
+    pub memory_watch: Option<Duration>,
+    /// Memory the watch keeps free beyond what the caches may grow by.
+    pub memory_headroom: u64,
     /// The backend models open on.
     pub opener: Arc<dyn Opener>,
 }
@@ -88,6 +95,8 @@ impl std::fmt::Debug for FleetConfig {
             .field("step_tokens", &self.step_tokens)
             .field("open", &self.open)
             .field("memory", &self.memory)
+            .field("memory_watch", &self.memory_watch)
+            .field("memory_headroom", &self.memory_headroom)
             .field("opener", &self.opener.describe())
             .finish()
     }
@@ -96,10 +105,18 @@ impl std::fmt::Debug for FleetConfig {
 /// A loaded model.
 struct Loaded {
     worker: Arc<Worker>,
-    /// Dense + expert cache + session KV budget.
-    bytes: u64,
+    /// Dense weights (and, for a model with every expert resident, those): what the memory
+    /// watch cannot shrink.
+    fixed: u64,
     cache_bytes: u64,
     used: Instant,
+}
+
+impl Loaded {
+    /// Dense + expert cache + session KV budget, now (the memory watch may have shrunk them).
+    fn bytes_now(&self) -> u64 {
+        self.fixed + self.worker.cache_capacity().map_or(0, |c| c.bytes()) + self.worker.session_budget() as u64
+    }
 }
 
 /// What `/v1/models` reports of a model.
@@ -113,8 +130,16 @@ pub struct ModelInfo {
     pub size_bytes: u64,
     /// Loaded now.
     pub loaded: bool,
-    /// Its expert cache when loaded.
+    /// Its expert cache when loaded: what it may hold now.
     pub cache_bytes: u64,
+    /// Its expert cache at load, the most the memory watch grows it back to.
+    pub cache_max_bytes: u64,
+    /// Memory its expert cache takes now (slots filled).
+    pub cache_resident_bytes: u64,
+    /// KV its cached sessions may hold together now.
+    pub session_budget_bytes: u64,
+    /// KV its cached sessions hold.
+    pub session_kv_bytes: u64,
     /// Requests waiting or running.
     pub queue_depth: usize,
 }
@@ -130,8 +155,19 @@ pub struct ModelInfo {
 pub struct Fleet {
     cfg: FleetConfig,
     budget: u64,
+    /// The budget as the memory watch last found it ([`Fleet::fit_to_memory`]): what models
+    /// loaded from now on are sized by, if less than `budget`.
+    ceiling: AtomicU64,
     loaded: Mutex<BTreeMap<String, Loaded>>,
     metrics: Arc<Metrics>,
+    /// The least memory available in each second of the last [`memory::grow_window`], oldest
+    /// first; held while a check runs (one at a time).
+    lows: Mutex<std::collections::VecDeque<(Instant, u64)>>,
+    /// This fleet, for the workers' step hook.
+    me: Weak<Fleet>,
+    /// When a step hook last checked, in milliseconds since `started`.
+    stepped: AtomicU64,
+    started: Instant,
 }
 
 impl Fleet {
@@ -141,7 +177,7 @@ impl Fleet {
     }
 
     /// A fleet over `cfg.dir`; nothing is loaded yet.
-    pub fn new(cfg: FleetConfig, metrics: Arc<Metrics>) -> Result<Fleet, String> {
+    pub fn new(cfg: FleetConfig, metrics: Arc<Metrics>) -> Result<Arc<Fleet>, String> {
         if !cfg.dir.is_dir() {
             return Err(format!("{} is not a directory", cfg.dir.display()));
         }
@@ -151,12 +187,134 @@ impl Fleet {
             None => m.available.saturating_sub((1u64 << 30) + m.available / 20),
         };
         tracing::info!("memory budget for models: {} MiB ({} MiB available, {})", budget >> 20, m.available >> 20, m.source);
-        Ok(Fleet { cfg, budget, loaded: Mutex::new(BTreeMap::new()), metrics })
+        metrics.memory_available.store(m.available, Ordering::Relaxed);
+        Ok(Arc::new_cyclic(|me| Fleet {
+            cfg,
+            budget,
+            ceiling: AtomicU64::new(budget),
+            loaded: Mutex::new(BTreeMap::new()),
+            metrics,
+            lows: Mutex::default(),
+            me: me.clone(),
+            stepped: AtomicU64::new(0),
+            started: Instant::now(),
+        }))
     }
 
-    /// The memory budget in bytes.
+    /// The memory budget in bytes (at start).
     pub fn budget(&self) -> u64 {
         self.budget
+    }
+
+    /// How often the memory watch runs, if it does.
+    pub fn memory_watch(&self) -> Option<Duration> {
+        self.cfg.memory_watch
+    }
+
+    /// [`Fleet::fit_to_memory`] before a batched step, at most every [`memory::STEP_INTERVAL`]:
+    /// a long request's KV and a prompt's chunks grow between two requests' checks, and steps
+    /// of small models are far shorter than the check is worth.
+    fn fit_before_step(&self) {
+        let now = self.started.elapsed().as_millis() as u64;
+        let last = self.stepped.load(Ordering::Relaxed);
+        if now.saturating_sub(last) >= memory::STEP_INTERVAL.as_millis() as u64
+            && self.stepped.compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed).is_ok()
+        {
+            self.fit_to_memory();
+        }
+    }
+
+    /// Fits the loaded models' caches to the memory available now (see [`crate::memory`]):
+    /// re-reads it ([`smoe_store::available_memory`]), shrinks the expert caches and session
+    /// budgets when what they may still grow by does not fit in it less the headroom, and grows
+    /// them back towards their size at load when it does again. Logs one line when it changes
+    /// anything and returns it. Does nothing when the watch is off, while another check runs
+    /// (it reads the same memory), or while a model is being loaded (that request checks once
+    /// it is). Costs a few small file reads: cheap enough for every request.
+    pub fn fit_to_memory(&self) -> Option<String> {
+        let interval = self.cfg.memory_watch?;
+        let Ok(mut lows) = self.lows.try_lock() else { return None };
+        let m = smoe_store::available_memory();
+        self.metrics.memory_available.store(m.available, Ordering::Relaxed);
+        let now = Instant::now();
+        match lows.back_mut() {
+            Some((t, low)) if now.duration_since(*t) < Duration::from_secs(1) => *low = (*low).min(m.available),
+            _ => lows.push_back((now, m.available)),
+        }
+        while lows.front().is_some_and(|(t, _)| now.duration_since(*t) > memory::grow_window(interval)) {
+            lows.pop_front();
+        }
+        let low = lows.iter().map(|&(_, a)| a).min().unwrap_or(m.available);
+        let models: Vec<(String, Arc<Worker>, u64)> = match self.loaded.try_lock() {
+            Ok(l) => l.iter().map(|(n, l)| (n.clone(), l.worker.clone(), l.fixed)).collect(),
+            Err(_) => return None,
+        };
+        // Two caches a model: its experts (fixed where they cannot be resized or their memory
+        // is locked) and its sessions.
+        let mut caches = Vec::new();
+        for (_, w, _) in &models {
+            caches.push(match w.cache_capacity() {
+                Some(c) => {
+                    let min = if c.locked { c.bytes() } else { c.min_slots as u64 * c.slot_bytes };
+                    memory::CacheSize { held: c.resident_bytes(), cap: c.bytes(), max: c.max_bytes(), min }
+                }
+                None => memory::CacheSize { held: 0, cap: 0, max: 0, min: 0 },
+            });
+            let (held, cap, max) = (w.session_kv_bytes() as u64, w.session_budget() as u64, w.max_session_budget() as u64);
+            caches.push(memory::CacheSize { held, cap, max, min: 0 });
+        }
+        let held: u64 = caches.iter().map(|c| c.held.min(c.cap)).sum();
+        let fixed: u64 = models.iter().map(|(_, _, f)| f).sum();
+        let allowed = (held + m.available).saturating_sub(self.cfg.memory_headroom);
+        self.ceiling.store(self.budget.min(fixed + allowed), Ordering::Relaxed);
+        let new = memory::plan(&caches, m.available, low, self.cfg.memory_headroom)?;
+        // Whole MiB, with a decimal below 10 (session budgets are often that small).
+        let mib = |b: u64| if b < 10 << 20 { format!("{:.1}", b as f64 / (1 << 20) as f64) } else { (b >> 20).to_string() };
+        let (mut parts, mut shrunk) = (Vec::new(), false);
+        for (((name, w, _), c), n) in models.iter().zip(caches.chunks(2)).zip(new.chunks(2)) {
+            let mut said = Vec::new();
+            if n[0] != c[0].cap {
+                if let Some(old) = w.cache_capacity() {
+                    let now = w.resize_cache((n[0] / old.slot_bytes.max(1)) as usize).unwrap_or(old);
+                    if now.slots != old.slots {
+                        shrunk |= now.slots < old.slots;
+                        said.push(format!(
+                            "expert cache {} -> {} MiB ({} -> {} experts, {} MiB held)",
+                            mib(old.bytes()),
+                            mib(now.bytes()),
+                            old.slots,
+                            now.slots,
+                            mib(now.resident_bytes())
+                        ));
+                    }
+                }
+            }
+            if n[1] != c[1].cap {
+                shrunk |= n[1] < c[1].cap;
+                w.set_session_budget(n[1] as usize);
+                said.push(format!("session KV budget {} -> {} MiB ({} MiB held)", mib(c[1].cap), mib(n[1]), mib(c[1].held)));
+            }
+            if !said.is_empty() {
+                parts.push(format!("'{name}' {}", said.join(", ")));
+            }
+        }
+        if parts.is_empty() {
+            return None;
+        }
+        self.metrics.cache_resizes.fetch_add(1, Ordering::Relaxed);
+        let line = format!(
+            "memory: {} MiB available ({}), {} MiB kept free: {}",
+            mib(m.available),
+            m.source,
+            mib(self.cfg.memory_headroom),
+            parts.join("; ")
+        );
+        if shrunk {
+            tracing::warn!("{line}");
+        } else {
+            tracing::info!("{line}");
+        }
+        Some(line)
     }
 
     /// Model names and vault paths, read from the directory now (new files appear without a
@@ -178,11 +336,16 @@ impl Fleet {
                     .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
                     .map_or(0, |d| d.as_secs());
                 let l = loaded.get(&id);
+                let cap = l.and_then(|l| l.worker.cache_capacity());
                 ModelInfo {
                     created,
                     size_bytes,
                     loaded: l.is_some(),
-                    cache_bytes: l.map_or(0, |l| l.cache_bytes),
+                    cache_bytes: cap.map_or(l.map_or(0, |l| l.cache_bytes), |c| c.bytes()),
+                    cache_max_bytes: cap.map_or(l.map_or(0, |l| l.cache_bytes), |c| c.max_bytes()),
+                    cache_resident_bytes: cap.map_or(l.map_or(0, |l| l.cache_bytes), |c| c.resident_bytes()),
+                    session_budget_bytes: l.map_or(0, |l| l.worker.session_budget() as u64),
+                    session_kv_bytes: l.map_or(0, |l| l.worker.session_kv_bytes() as u64),
                     queue_depth: l.map_or(0, |l| l.worker.queue_depth()),
                     id,
                 }
@@ -202,7 +365,9 @@ impl Fleet {
             return Err(ApiError::unknown_model(name, &models.keys().cloned().collect::<Vec<_>>()));
         };
         let (worker, bytes, cache_bytes) = self.load(name, path, &mut loaded)?;
-        loaded.insert(name.to_string(), Loaded { worker: worker.clone(), bytes, cache_bytes, used: Instant::now() });
+        let fixed = bytes - cache_bytes - worker.max_session_budget() as u64;
+        let fixed = if worker.cache_capacity().is_none() { fixed + cache_bytes } else { fixed };
+        loaded.insert(name.to_string(), Loaded { worker: worker.clone(), fixed, cache_bytes, used: Instant::now() });
         Ok(worker)
     }
 
@@ -212,13 +377,15 @@ impl Fleet {
         let (arch, dense, blob) = (sizes.arch, sizes.dense_bytes, sizes.slot_bytes);
         let experts_total = blob * sizes.total_experts as u64;
         let ctx = self.cfg.ctx.unwrap_or_else(|| smoe_engine::default_context(&arch));
-        let kv = ((smoe_engine::kv_values_per_token(&arch) * 4 * ctx) as u64).min(self.budget / 8);
+        // The budget as the memory watch last found it, if it has fallen since the start.
+        let budget = self.budget.min(self.ceiling.load(Ordering::Relaxed));
+        let kv = ((smoe_engine::kv_values_per_token(&arch) * 4 * ctx) as u64).min(budget / 8);
         let base = dense + kv;
-        let used = |l: &BTreeMap<String, Loaded>| l.values().map(|m| m.bytes).sum::<u64>();
+        let used = |l: &BTreeMap<String, Loaded>| l.values().map(|m| m.bytes_now()).sum::<u64>();
         // The cache this model should get, and the least it accepts before others are unloaded.
         let (want, accept) = match self.cfg.cache {
             CacheSize::Auto => {
-                let alone = experts_total.min(self.budget.saturating_sub(base));
+                let alone = experts_total.min(budget.saturating_sub(base));
                 (alone, alone / 2)
             }
             CacheSize::Bytes(b) => (b.min(experts_total), b.min(experts_total)),
@@ -226,13 +393,13 @@ impl Fleet {
             CacheSize::Resident => (experts_total, experts_total),
         };
         let mut unloaded = Vec::new();
-        while !loaded.is_empty() && self.budget.saturating_sub(used(loaded)) < base + accept {
+        while !loaded.is_empty() && budget.saturating_sub(used(loaded)) < base + accept {
             let victim = loaded.iter().min_by_key(|(_, l)| l.used).map(|(k, _)| k.clone()).expect("not empty");
             loaded.remove(&victim);
             unloaded.push(victim);
         }
         let cache = match self.cfg.cache {
-            CacheSize::Auto => want.min(self.budget.saturating_sub(used(loaded) + base)),
+            CacheSize::Auto => want.min(budget.saturating_sub(used(loaded) + base)),
             _ => want,
         };
         let mut opts = self.cfg.open.clone();
@@ -244,6 +411,14 @@ impl Fleet {
             session_bytes: kv as usize,
             max_batch: self.cfg.max_batch,
             step_tokens: self.cfg.step_tokens,
+            before_step: self.cfg.memory_watch.map(|_| {
+                let fleet = self.me.clone();
+                StepHook(Arc::new(move || {
+                    if let Some(f) = fleet.upgrade() {
+                        f.fit_before_step();
+                    }
+                }))
+            }),
         };
         let (worker, report) =
             self.cfg.opener.open(name, path, &opts, limits, self.metrics.clone()).map_err(|e| unavailable(e.to_string()))?;
@@ -316,6 +491,8 @@ impl FleetConfig {
             default_max_tokens: None,
             open: OpenOptions { precision: Precision::Fast, ..Default::default() },
             memory: None,
+            memory_watch: Some(memory::DEFAULT_INTERVAL),
+            memory_headroom: memory::DEFAULT_HEADROOM,
             opener: Arc::new(CpuOpener),
         }
     }

@@ -14,6 +14,7 @@ The HTTP layer is axum on tokio; generation never runs on the async runtime.
 pub mod anthropic;
 pub mod error;
 pub mod fleet;
+pub mod memory;
 pub mod metrics;
 pub mod openai;
 pub mod params;
@@ -114,8 +115,7 @@ async fn health(State(s): State<AppState>) -> Response {
 }
 
 async fn metrics(State(s): State<AppState>) -> Response {
-    let models: Vec<_> = s.fleet.list().into_iter().map(|m| (m.id, m.queue_depth, m.cache_bytes, m.loaded)).collect();
-    let mut r = s.metrics.render(&models).into_response();
+    let mut r = s.metrics.render(&s.fleet.list()).into_response();
     r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4"));
     r
 }
@@ -205,10 +205,13 @@ pub fn router(state: AppState, cors_origins: &[String]) -> Router {
 /// on stderr once ready.
 pub fn serve(cfg: ServerConfig) -> Result<(), String> {
     let metrics = Arc::new(Metrics::default());
-    let fleet = Arc::new(Fleet::new(cfg.fleet.clone(), metrics.clone())?);
+    let fleet = Fleet::new(cfg.fleet.clone(), metrics.clone())?;
     let models = fleet.models();
     if models.is_empty() {
         return Err(format!("no models (*.smoe vaults or *.gguf files) in {}", cfg.fleet.dir.display()));
+    }
+    if let Some(interval) = fleet.memory_watch() {
+        memory::spawn_watch(fleet.clone(), interval);
     }
     let state = AppState { fleet, metrics, api_key: cfg.api_key.as_deref().map(Arc::from), body_limit: cfg.body_limit };
     let app = router(state, &cfg.cors_origins);

@@ -36,6 +36,10 @@ pub struct Metrics {
     pub batch_sequences: AtomicU64,
     /// The most generations one step has run.
     pub batch_max: AtomicU64,
+    /// Memory available when last read (at start, then by the memory watch).
+    pub memory_available: AtomicU64,
+    /// Times the memory watch resized caches.
+    pub cache_resizes: AtomicU64,
     last: Mutex<(f64, f64)>,
     /// The latest generations, for the page's live panel (`GET /v1/smoe/stats`).
     recent: Mutex<std::collections::VecDeque<Sample>>,
@@ -141,10 +145,15 @@ impl Metrics {
                 "expert_hit_rate": hits as f64 / (hits + misses).max(1) as f64,
                 "bytes_read": g(&self.bytes_read),
                 "engine_errors": g(&self.engine_errors),
+                "cache_resizes": g(&self.cache_resizes),
             },
+            "memory_available_bytes": g(&self.memory_available),
             "models": models.iter().map(|m| serde_json::json!({
                 "id": m.id, "loaded": m.loaded, "size_bytes": m.size_bytes,
-                "expert_cache_bytes": m.cache_bytes, "queue_depth": m.queue_depth,
+                "expert_cache_bytes": m.cache_bytes, "expert_cache_max_bytes": m.cache_max_bytes,
+                "expert_cache_resident_bytes": m.cache_resident_bytes,
+                "session_kv_budget_bytes": m.session_budget_bytes, "session_kv_bytes": m.session_kv_bytes,
+                "queue_depth": m.queue_depth,
             })).collect::<Vec<_>>(),
             "window_seconds": RECENT_SECONDS,
             "recent": recent,
@@ -158,9 +167,8 @@ impl Metrics {
         self.bytes_read.fetch_add(s.bytes_read, Ordering::Relaxed);
     }
 
-    /// The Prometheus exposition, with per-model gauges from `models`
-    /// (`(name, queue depth, cache bytes, loaded)`).
-    pub fn render(&self, models: &[(String, usize, u64, bool)]) -> String {
+    /// The Prometheus exposition, with per-model gauges from `models`.
+    pub fn render(&self, models: &[crate::fleet::ModelInfo]) -> String {
         let mut o = String::new();
         let g = |v: &AtomicU64| v.load(Ordering::Relaxed);
         let _ = writeln!(o, "# HELP smoe_requests_total HTTP requests by endpoint and status.\n# TYPE smoe_requests_total counter");
@@ -177,6 +185,7 @@ impl Metrics {
             ("smoe_expert_misses_total", "Expert uses read from disk.", g(&self.expert_misses) as f64),
             ("smoe_read_bytes_total", "Bytes read from vaults.", g(&self.bytes_read) as f64),
             ("smoe_engine_errors_total", "Generations that failed in the engine.", g(&self.engine_errors) as f64),
+            ("smoe_cache_resizes_total", "Times the memory watch resized caches.", g(&self.cache_resizes) as f64),
             ("smoe_batch_steps_total", "Batched forward steps run.", g(&self.batch_steps) as f64),
             (
                 "smoe_batch_sequences_total",
@@ -194,18 +203,31 @@ impl Metrics {
             ("smoe_last_prefill_tokens_per_second", "Prefill throughput of the last generation.", pf),
             ("smoe_last_decode_tokens_per_second", "Decode throughput of the last generation.", dc),
             ("smoe_batch_max", "The most generations one batched step has run.", g(&self.batch_max) as f64),
+            (
+                "smoe_memory_available_bytes",
+                "Memory available when last read (MemAvailable or under a cgroup limit).",
+                g(&self.memory_available) as f64,
+            ),
         ];
         for (name, help, v) in gauges {
             let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
         }
         let _ = writeln!(o, "# HELP smoe_queue_depth Requests waiting or running, per model.\n# TYPE smoe_queue_depth gauge");
-        for (m, q, _, _) in models {
-            let _ = writeln!(o, "smoe_queue_depth{{model=\"{m}\"}} {q}");
+        for m in models {
+            let _ = writeln!(o, "smoe_queue_depth{{model=\"{}\"}} {}", m.id, m.queue_depth);
         }
-        let _ = writeln!(o, "# HELP smoe_expert_cache_bytes Expert cache of each loaded model.\n# TYPE smoe_expert_cache_bytes gauge");
-        for (m, _, c, loaded) in models {
-            if *loaded {
-                let _ = writeln!(o, "smoe_expert_cache_bytes{{model=\"{m}\"}} {c}");
+        type Gauge = fn(&crate::fleet::ModelInfo) -> u64;
+        let per_model: [(&str, &str, Gauge); 5] = [
+            ("smoe_expert_cache_bytes", "Expert cache of each loaded model: what it may hold now.", |m| m.cache_bytes),
+            ("smoe_expert_cache_max_bytes", "Expert cache of each loaded model at load.", |m| m.cache_max_bytes),
+            ("smoe_expert_cache_resident_bytes", "Memory the expert cache of each loaded model takes now.", |m| m.cache_resident_bytes),
+            ("smoe_session_kv_budget_bytes", "KV the cached sessions of each loaded model may hold now.", |m| m.session_budget_bytes),
+            ("smoe_session_kv_bytes", "KV the cached sessions of each loaded model hold.", |m| m.session_kv_bytes),
+        ];
+        for (name, help, f) in per_model {
+            let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} gauge");
+            for m in models.iter().filter(|m| m.loaded) {
+                let _ = writeln!(o, "{name}{{model=\"{}\"}} {}", m.id, f(m));
             }
         }
         o

@@ -58,6 +58,9 @@ pub async fn prepare(
 ) -> Result<Prepared, ApiError> {
     tokio::task::spawn_blocking(move || {
         let worker = fleet.get(&model)?;
+        // Before the request can grow a cache: a limit lowered since the last check is met
+        // by shrinking first (see `crate::memory`).
+        fleet.fit_to_memory();
         let engine = &*worker.engine;
         let opts = options(engine)?;
         let bad = |e: smoe_engine::EngineError| ApiError::bad_request(e.to_string());

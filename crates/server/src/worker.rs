@@ -7,13 +7,18 @@
 //! one past its prompt, then chunks of prompts in the step's token budget left (chunked prefill,
 //! so a long prompt neither waits for the streams nor stalls them). A job whose client has gone
 //! (its channel closed, or its cancel flag set) leaves the batch at the next step.
+//!
+//! Under memory pressure the server shrinks a worker's caches while it runs (see
+//! [`crate::memory`]): the expert cache through the store, which is safe from any thread, and
+//! the session pool's budget, which the thread applies between steps (dropping the least
+//! recently used cached sessions, never one that is running).
 
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 use smoe_engine::{
     Backend, Batch, BatchItem, Engine, EngineError, FinishReason, GenOptions, Generation, LoadedModel, NoObserver, Session, Stepwise,
 };
-use smoe_store::StoreStats;
+use smoe_store::{CacheCapacity, ExpertSource, StoreStats};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
@@ -64,7 +69,8 @@ pub struct WorkerLimits {
     pub max_queue: usize,
     /// Sessions kept for prefix reuse.
     pub max_sessions: usize,
-    /// KV-cache bytes all sessions may hold together.
+    /// KV-cache bytes all sessions may hold together (at most: the memory watch may lower it
+    /// for a while, [`Worker::set_session_budget`]).
     pub session_bytes: usize,
     /// Generations advanced together, at most (`--max-batch`).
     pub max_batch: usize,
@@ -73,6 +79,19 @@ pub struct WorkerLimits {
     /// prefill chunk (256 tokens on the CPU), which bounds the step's buffers as a lone
     /// sequence's chunk does.
     pub step_tokens: Option<usize>,
+    /// Called on the generation thread before each batched step (the memory watch's check, so
+    /// that what a long request adds between two requests' checks is seen step by step).
+    pub before_step: Option<StepHook>,
+}
+
+/// A function the generation thread calls before each batched step ([`WorkerLimits::before_step`]).
+#[derive(Clone)]
+pub struct StepHook(pub Arc<dyn Fn() + Send + Sync>);
+
+impl std::fmt::Debug for StepHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StepHook")
+    }
 }
 
 /// Replies generated recently, by text: lets a client's next request, which sends the reply
@@ -106,19 +125,39 @@ pub struct Worker {
     pub engine: Arc<dyn LoadedModel>,
     /// Recent replies, for prefix reuse.
     pub recent: Arc<RecentReplies>,
-    tx: Option<mpsc::Sender<Job>>,
+    tx: Option<mpsc::Sender<Msg>>,
     pending: Arc<AtomicUsize>,
     limits: WorkerLimits,
     thread: Option<std::thread::JoinHandle<()>>,
+    /// The model's expert source (its cache resized from outside the thread).
+    experts: Arc<dyn ExpertSource>,
+    pool: Arc<PoolMemory>,
+}
+
+/// What reaches the generation thread.
+enum Msg {
+    /// A generation to run.
+    Job(Job),
+    /// The session budget changed: apply it now, even when idle.
+    Trim,
+}
+
+/// The session pool's budget now and the KV its cached sessions hold, shared by a worker and
+/// its thread.
+struct PoolMemory {
+    budget: AtomicUsize,
+    held: AtomicUsize,
 }
 
 impl Worker {
     /// Starts the generation thread for an engine on any backend.
     pub fn spawn<B: Backend + 'static>(name: String, engine: Engine<B>, limits: WorkerLimits, metrics: Arc<Metrics>) -> Worker {
         let engine = Arc::new(engine);
+        let experts = engine.model.experts().clone();
         let recent = Arc::new(RecentReplies::default());
         let pending = Arc::new(AtomicUsize::new(0));
-        let (tx, rx) = mpsc::channel::<Job>();
+        let pool = Arc::new(PoolMemory { budget: AtomicUsize::new(limits.session_bytes), held: AtomicUsize::new(0) });
+        let (tx, rx) = mpsc::channel::<Msg>();
         let ctx = Loop {
             name: name.clone(),
             engine: engine.clone(),
@@ -126,9 +165,10 @@ impl Worker {
             pending: pending.clone(),
             limits: limits.clone(),
             metrics,
+            pool: pool.clone(),
         };
         let thread = std::thread::Builder::new().name(format!("gen-{name}")).spawn(move || ctx.run(rx)).expect("spawn a thread");
-        Worker { name, engine: engine as Arc<dyn LoadedModel>, recent, tx: Some(tx), pending, limits, thread: Some(thread) }
+        Worker { name, engine: engine as Arc<dyn LoadedModel>, recent, tx: Some(tx), pending, limits, thread: Some(thread), experts, pool }
     }
 
     /// Queues a job, or refuses with 429 when the queue is full.
@@ -138,7 +178,7 @@ impl Worker {
             self.pending.fetch_sub(1, Ordering::SeqCst);
             return Err(ApiError::busy(&self.name, self.limits.max_queue));
         }
-        if self.tx.as_ref().expect("set until drop").send(job).is_err() {
+        if self.tx.as_ref().expect("set until drop").send(Msg::Job(job)).is_err() {
             self.pending.fetch_sub(1, Ordering::SeqCst);
             return Err(ApiError::internal(format!("the worker of '{}' has stopped", self.name)));
         }
@@ -148,6 +188,43 @@ impl Worker {
     /// Jobs waiting or running.
     pub fn queue_depth(&self) -> usize {
         self.pending.load(Ordering::SeqCst)
+    }
+
+    /// The expert cache's size and what it holds; `None` where it cannot be resized (every
+    /// expert resident).
+    pub fn cache_capacity(&self) -> Option<CacheCapacity> {
+        self.experts.cache_capacity()
+    }
+
+    /// Resizes the expert cache to `slots` experts (see [`ExpertSource::resize_cache`]): safe
+    /// while generations run, as the store's lock keeps a resize between two layers.
+    pub fn resize_cache(&self, slots: usize) -> Option<CacheCapacity> {
+        self.experts.resize_cache(slots)
+    }
+
+    /// KV bytes the cached sessions may hold together now.
+    pub fn session_budget(&self) -> usize {
+        self.pool.budget.load(Ordering::Relaxed)
+    }
+
+    /// The session budget at load, the most [`Worker::set_session_budget`] gives.
+    pub fn max_session_budget(&self) -> usize {
+        self.limits.session_bytes
+    }
+
+    /// KV bytes the cached sessions hold (not counting those running).
+    pub fn session_kv_bytes(&self) -> usize {
+        self.pool.held.load(Ordering::Relaxed)
+    }
+
+    /// Sets the session budget (at most the one at load). A lower one takes effect between
+    /// two steps, at once if the thread is idle: the least recently used cached sessions are
+    /// dropped until the rest fit.
+    pub fn set_session_budget(&self, bytes: usize) {
+        self.pool.budget.store(bytes.min(self.limits.session_bytes), Ordering::Relaxed);
+        if let Some(tx) = &self.tx {
+            let _ = tx.send(Msg::Trim);
+        }
     }
 }
 
@@ -183,6 +260,7 @@ struct Loop<B: Backend> {
     pending: Arc<AtomicUsize>,
     limits: WorkerLimits,
     metrics: Arc<Metrics>,
+    pool: Arc<PoolMemory>,
 }
 
 struct Cached<B: Backend> {
@@ -202,28 +280,49 @@ struct Active<B: Backend> {
 }
 
 impl<B: Backend> Loop<B> {
-    fn run(self, rx: mpsc::Receiver<Job>) {
+    fn run(self, rx: mpsc::Receiver<Msg>) {
         let mut sessions: Vec<Cached<B>> = Vec::new();
         let mut waiting: VecDeque<Job> = VecDeque::new();
         let mut active: Vec<Active<B>> = Vec::new();
         let max_batch = self.limits.max_batch.max(1);
         let step_tokens = self.limits.step_tokens.unwrap_or_else(|| self.engine.model.prefill_chunk());
         let mut batch = self.engine.model.new_batch(step_tokens.max(max_batch));
+        let mut budget = self.pool.budget.load(Ordering::Relaxed);
         loop {
             if active.is_empty() && waiting.is_empty() {
                 // Closing the channel ends the loop once queued jobs are done.
                 match rx.recv() {
-                    Ok(job) => waiting.push_back(job),
+                    Ok(Msg::Job(job)) => waiting.push_back(job),
+                    Ok(Msg::Trim) => {}
                     Err(_) => return,
                 }
             }
-            waiting.extend(rx.try_iter());
+            waiting.extend(rx.try_iter().filter_map(|m| match m {
+                Msg::Job(job) => Some(job),
+                Msg::Trim => None,
+            }));
+            // A budget lowered by the memory watch: drop cached sessions now (the running
+            // ones are out of the pool, so never theirs). Their KV goes back to the allocator:
+            // a large one (above glibc's mmap threshold, 32 MiB at most) to the kernel at once,
+            // a smaller one to the heap, where the next requests take it. The heap is not
+            // trimmed: that would hand back the requests' working memory as well, for the next
+            // one to fault in again.
+            let now = self.pool.budget.load(Ordering::Relaxed);
+            if now != budget {
+                if now < budget {
+                    self.trim(&mut sessions, None);
+                }
+                budget = now;
+            }
             while active.len() < max_batch && !waiting.is_empty() {
                 let job = next_job(&mut waiting, Instant::now());
                 self.admit(&mut sessions, &mut active, job);
             }
             for a in active.iter_mut().filter(|a| a.job.cancel.load(Ordering::SeqCst) || a.job.events.is_closed()) {
                 a.gen.stop(FinishReason::Cancelled);
+            }
+            if let (Some(hook), false) = (&self.limits.before_step, active.is_empty()) {
+                (hook.0)();
             }
             self.step(&mut batch, &mut active);
             let mut i = 0;
@@ -235,7 +334,14 @@ impl<B: Backend> Loop<B> {
                     i += 1;
                 }
             }
+            self.record_held(&sessions);
         }
+    }
+
+    /// Publishes the KV the pool holds (for the memory watch and the stats).
+    fn record_held(&self, sessions: &[Cached<B>]) {
+        let held = sessions.iter().map(|c| c.session.kv_bytes(&self.engine.model)).sum();
+        self.pool.held.store(held, Ordering::Relaxed);
     }
 
     /// Starts `job` on a session from the pool, or answers it at once (a client already gone,
@@ -328,7 +434,11 @@ impl<B: Backend> Loop<B> {
             Event::Done(Box::new(Finished { generation: g, store }))
         };
         sessions.push(Cached { session, used: Instant::now() });
-        self.trim(sessions, sessions.len() - 1);
+        // The session just finished is kept for a follow-up even over the budget, unless the
+        // memory watch has lowered the budget: then the budget holds.
+        let lowered = self.pool.budget.load(Ordering::Relaxed) < self.limits.session_bytes;
+        self.trim(sessions, (!lowered).then(|| sessions.len() - 1));
+        self.record_held(sessions);
         self.pending.fetch_sub(1, Ordering::SeqCst);
         let _ = job.events.send(answer);
     }
@@ -363,7 +473,7 @@ impl<B: Backend> Loop<B> {
             }
         }
         if room {
-            sessions.push(Cached { session: Session::new(&self.engine.model), used: Instant::now() });
+            sessions.push(Cached { session: Session::batched(&self.engine.model), used: Instant::now() });
             return sessions.len() - 1;
         }
         match best {
@@ -372,14 +482,17 @@ impl<B: Backend> Loop<B> {
         }
     }
 
-    /// Drops least recently used sessions (never `keep`) while their KV caches exceed the budget.
-    fn trim(&self, sessions: &mut Vec<Cached<B>>, mut keep: usize) {
+    /// Drops least recently used sessions (never `keep`, the one just finished) while their KV
+    /// caches exceed the budget; with no `keep`, down to none.
+    fn trim(&self, sessions: &mut Vec<Cached<B>>, mut keep: Option<usize>) {
         let model = &self.engine.model;
-        while sessions.len() > 1 && sessions.iter().map(|c| c.session.kv_bytes(model)).sum::<usize>() > self.limits.session_bytes {
-            let victim = (0..sessions.len()).filter(|&i| i != keep).min_by_key(|&i| sessions[i].used).expect("more than one session");
+        let budget = self.pool.budget.load(Ordering::Relaxed);
+        while sessions.len() > usize::from(keep.is_some()) && sessions.iter().map(|c| c.session.kv_bytes(model)).sum::<usize>() > budget {
+            let victim =
+                (0..sessions.len()).filter(|&i| Some(i) != keep).min_by_key(|&i| sessions[i].used).expect("a session other than keep");
             sessions.remove(victim);
-            if victim < keep {
-                keep -= 1;
+            if let Some(k) = keep.as_mut().filter(|k| victim < **k) {
+                *k -= 1;
             }
         }
     }
