@@ -106,11 +106,14 @@ fn ready<B: Backend + 'static, W: OnEngine>((mut engine, report): (Engine<B>, Op
 }
 
 /// The server's models on a GPU: each opens on its own [`smoe_cuda::CudaBackend`] of the same
-/// device.
+/// device. Chosen by `--device auto`, a model the GPU backend cannot run (gpt-oss for now)
+/// opens on the CPU instead, and the log says why; with an explicit `--device cuda` it fails
+/// to load with the reason.
 pub struct CudaOpener {
     pub ordinal: usize,
     pub opts: smoe_cuda::CudaOptions,
     pub line: String,
+    pub auto: bool,
 }
 
 impl smoe_server::Opener for CudaOpener {
@@ -126,6 +129,13 @@ impl smoe_server::Opener for CudaOpener {
         metrics: Arc<smoe_server::metrics::Metrics>,
     ) -> Result<(smoe_server::worker::Worker, OpenReport), smoe_engine::EngineError> {
         let b = smoe_cuda::CudaBackend::open(self.ordinal, &self.opts).map_err(smoe_engine::EngineError::Backend)?;
+        if self.auto {
+            if let Some(why) = smoe_engine::backend_lacks(&smoe_engine::model_sizes(path)?.arch, &b) {
+                eprintln!("{name}: on the CPU ({why})");
+                drop(b);
+                return smoe_server::Opener::open(&smoe_server::CpuOpener, name, path, opts, limits, metrics);
+            }
+        }
         let (engine, report) = smoe_engine::open(path, opts, b)?;
         Ok((smoe_server::worker::Worker::spawn(name.to_string(), engine, limits, metrics), report))
     }

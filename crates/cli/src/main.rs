@@ -492,7 +492,8 @@ fn run(cli: Cli) -> Result<()> {
                     eprintln!("{line}");
                     let ordinal = b.device().ordinal;
                     drop(b);
-                    fleet.opener = std::sync::Arc::new(device::CudaOpener { ordinal, opts: gpu_opts, line });
+                    let auto = model.device == device::Device::Auto;
+                    fleet.opener = std::sync::Arc::new(device::CudaOpener { ordinal, opts: gpu_opts, line, auto });
                 }
             }
             fleet.memory = match memory {
