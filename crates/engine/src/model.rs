@@ -389,7 +389,9 @@ impl<B: Backend> Model<B> {
 /// `--device auto` asks before opening, to run such a model on the CPU instead of failing.
 pub fn backend_lacks<B: Backend>(arch: &Architecture, backend: &B) -> Option<String> {
     let lacks = |what: &str| {
-        Some(format!("{} uses {what}, which the {} backend does not implement yet", arch.family.model_type(), backend.describe()))
+        // The backend's name without its details ("cuda:0 NVIDIA H200", "cpu avx512-vnni int8").
+        let name = backend.describe().split(" (").next().unwrap_or_default().to_string();
+        Some(format!("{} uses {what}, which the {name} backend does not implement yet", arch.family.model_type()))
     };
     if (arch.attn_sinks || !arch.attention_windows.is_empty()) && !backend.attends_windows_and_sinks() {
         return lacks("attention sinks and sliding windows");

@@ -424,7 +424,7 @@ impl Fleet {
             self.cfg.opener.open(name, path, &opts, limits, self.metrics.clone()).map_err(|e| unavailable(e.to_string()))?;
         tracing::info!(
             "loaded '{name}' on {}: {report}; dense {} MiB, session KV budget {} MiB{}",
-            self.cfg.opener.describe(),
+            worker.backend,
             dense >> 20,
             kv >> 20,
             if unloaded.is_empty() { String::new() } else { format!("; unloaded {} to make room", unloaded.join(", ")) }

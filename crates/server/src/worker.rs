@@ -120,6 +120,9 @@ impl RecentReplies {
 pub struct Worker {
     /// The model name.
     pub name: String,
+    /// The backend it runs on, in words (a GPU server's `--device auto` opens some models on
+    /// the CPU).
+    pub backend: String,
     /// The model as request threads use it (tokenizer, template, defaults), whatever its
     /// backend: only the generation thread names the backend type.
     pub engine: Arc<dyn LoadedModel>,
@@ -153,6 +156,7 @@ impl Worker {
     /// Starts the generation thread for an engine on any backend.
     pub fn spawn<B: Backend + 'static>(name: String, engine: Engine<B>, limits: WorkerLimits, metrics: Arc<Metrics>) -> Worker {
         let engine = Arc::new(engine);
+        let backend = engine.model.backend().describe();
         let experts = engine.model.experts().clone();
         let recent = Arc::new(RecentReplies::default());
         let pending = Arc::new(AtomicUsize::new(0));
@@ -168,7 +172,18 @@ impl Worker {
             pool: pool.clone(),
         };
         let thread = std::thread::Builder::new().name(format!("gen-{name}")).spawn(move || ctx.run(rx)).expect("spawn a thread");
-        Worker { name, engine: engine as Arc<dyn LoadedModel>, recent, tx: Some(tx), pending, limits, thread: Some(thread), experts, pool }
+        Worker {
+            name,
+            backend,
+            engine: engine as Arc<dyn LoadedModel>,
+            recent,
+            tx: Some(tx),
+            pending,
+            limits,
+            thread: Some(thread),
+            experts,
+            pool,
+        }
     }
 
     /// Queues a job, or refuses with 429 when the queue is full.
