@@ -27,7 +27,7 @@ use crate::pinned::PinnedHost;
 use crate::staging::Staging;
 use crate::{compile_kernels, DeviceInfo};
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, DriverError, LaunchConfig};
-use smoe_engine::backend::{check, check_rows, AttnParams, Backend, KvShape, MatJob, QkvRows, RopeTables, WeightRef};
+use smoe_engine::backend::{check, check_rows, AttnParams, Backend, IndexQueries, KvShape, MatJob, QkvRows, RopeTables, WeightRef};
 use smoe_engine::routing::RouterRule;
 use smoe_engine::{CpuBackend, Precision};
 use smoe_quant::{Format, Layout, QMatrix};
@@ -1264,20 +1264,8 @@ impl Backend for CudaBackend {
     ) {
         self.layer_norm_rows(x, n, stride, off, dim, w, b, eps);
     }
-    fn index_select(
-        &self,
-        cache: &CudaKvCache,
-        layer: usize,
-        q: &CudaBuf,
-        weights: &CudaBuf,
-        row0: usize,
-        n: usize,
-        pos0: usize,
-        heads: usize,
-        top: usize,
-        out: &mut [u32],
-    ) {
-        self.index_select_rows(cache, layer, q, weights, row0, n, pos0, heads, top, out);
+    fn index_select(&self, cache: &CudaKvCache, layer: usize, q: &CudaBuf, weights: &CudaBuf, at: IndexQueries, out: &mut [u32]) {
+        self.index_select_rows(cache, layer, q, weights, at, out);
     }
     fn rms_norm_heads(&self, x: &mut CudaBuf, n: usize, stride: usize, off: usize, heads: usize, dim: usize, w: &CudaVector, eps: f32) {
         if self.faulted() || n == 0 || heads == 0 {
@@ -1690,13 +1678,13 @@ impl Backend for CudaBackend {
             );
             return;
         }
-        if p.selected.is_some() {
-            return self.attention_selected(cache, layer, q, q_stride, n, p, out);
-        }
         let l = &cache.layers[layer];
         let s = l.shape;
         check_rows("attention queries", q, 0, n, q_stride, 0, p.q_heads * s.k_dim);
         check("attention", out, n, p.q_heads * s.v_dim);
+        if p.selected.is_some() {
+            return self.attention_selected(cache, layer, q, q_stride, n, p, out);
+        }
         assert!(pos0 + n <= l.len, "attention: positions up to {} but {} cached", pos0 + n, l.len);
         let kc = l.k.as_ref().expect("keys stored before attention");
         let kp = dptr(kc, &self.stream);

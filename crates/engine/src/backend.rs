@@ -69,6 +69,34 @@ impl Selection<'_> {
     }
 }
 
+/// The queries of one [`Backend::index_select`] call: rows `row0..row0 + n` of its query and
+/// weight buffers, at positions `pos0..pos0 + n`, each `heads` indexer heads, keeping `top`
+/// positions each.
+#[derive(Clone, Copy, Debug)]
+pub struct IndexQueries {
+    /// First row of the queries and weights.
+    pub row0: usize,
+    /// Queries.
+    pub n: usize,
+    /// Position of the first query.
+    pub pos0: usize,
+    /// Indexer heads.
+    pub heads: usize,
+    /// Positions kept per query.
+    pub top: usize,
+}
+
+impl IndexQueries {
+    /// Fails, with the message every backend gives, unless the queries (`heads × k_dim` a row),
+    /// the weights (`heads` a row) and `out` (`[n, top]`) hold what the call reads and writes.
+    pub fn check(&self, q: &impl Extent, weights: &impl Extent, k_dim: usize, out: &[u32]) {
+        let hd = self.heads * k_dim;
+        check_rows("index_select queries", q, self.row0, self.n, hd, 0, hd);
+        check_rows("index_select weights", weights, self.row0, self.n, self.heads, 0, self.heads);
+        assert!(out.len() >= self.n * self.top, "index_select: {} outputs for {} queries of {}", out.len(), self.n, self.top);
+    }
+}
+
 /// Positions an indexer selection keeps for each query: `top` per query, ascending, `u32::MAX`
 /// after a query's last. A query at position `p < top` sees `p + 1` positions and keeps all of
 /// them; beyond, the `top` best `scores[j]` (`j ≤ p`), the lower position first among equal
@@ -412,24 +440,18 @@ pub trait Backend: Send + Sync {
     ) {
         panic!("layer_norm_strided: this backend does not run sparse attention (attends_selected is false)");
     }
-    /// DeepSeek Sparse Attention's selection: for `n` queries at positions `pos0..pos0 + n`,
-    /// rows `row0..row0 + n` of `q` (each `heads` heads of the cache layer's `k_dim`, end to end)
-    /// and of `weights` (`heads` per row), scores every cached position `j ≤ p` of `layer` (one
-    /// key of `k_dim` per position) as `Σ_h weights[h] · relu(q_h · k_j)` and writes the
-    /// positions [`select_top`] keeps into `out` (`[n, top]`). Only called where
-    /// [`Self::attends_selected`].
-    #[allow(clippy::too_many_arguments)]
+    /// DeepSeek Sparse Attention's selection for the queries `at` names: their rows of `q`
+    /// (`heads` heads of the cache layer's `k_dim`, end to end) and of `weights` (`heads` per
+    /// row) score every cached position `j ≤ p` of `layer` (one key of `k_dim` per position) as
+    /// `Σ_h weights[h] · relu(q_h · k_j)`, and the positions [`select_top`] keeps go into `out`
+    /// (`[n, top]`). Only called where [`Self::attends_selected`].
     fn index_select(
         &self,
         _cache: &Self::KvCache,
         _layer: usize,
         _q: &Self::Buf,
         _weights: &Self::Buf,
-        _row0: usize,
-        _n: usize,
-        _pos0: usize,
-        _heads: usize,
-        _top: usize,
+        _at: IndexQueries,
         _out: &mut [u32],
     ) {
         panic!("index_select: this backend does not run sparse attention (attends_selected is false)");

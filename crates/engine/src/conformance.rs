@@ -8,7 +8,7 @@
 //! the case and the element. Weights are quantized here and compared against their dequantized
 //! values, so the suite measures the backend's arithmetic, not the format's rounding.
 
-use crate::backend::{AttnParams, Backend, ExpertPart, KvShape, MatJob, QkvRows, RopeTables, Selection, WeightRef};
+use crate::backend::{AttnParams, Backend, ExpertPart, IndexQueries, KvShape, MatJob, QkvRows, RopeTables, Selection, WeightRef};
 use crate::routing::{RouteScratch, RouterRule};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -867,7 +867,7 @@ impl<B: Backend> Suite<'_, B> {
             let (qb, wb) = (self.buf(q.len(), &q), self.buf(wts.len(), &wts));
             let mut out = vec![0u32; n * top];
             let pos0 = positions - n;
-            self.b.index_select(&cache, 0, &qb, &wb, row0, n, pos0, heads, top, &mut out);
+            self.b.index_select(&cache, 0, &qb, &wb, IndexQueries { row0, n, pos0, heads, top }, &mut out);
             self.cases += 1;
             for t in 0..n {
                 let p = pos0 + t;

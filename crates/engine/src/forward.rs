@@ -24,7 +24,7 @@
 //!   (generation, scoring and the benchmark do);
 //! - with instrumentation on, one [`StepRecord`] per call.
 
-use crate::backend::{AttnParams, Backend, ExpertPart, MatJob, QkvRows, RopeTables, Selection, WeightRef};
+use crate::backend::{AttnParams, Backend, ExpertPart, IndexQueries, MatJob, QkvRows, RopeTables, Selection, WeightRef};
 use crate::instrument::{Instrument, StepRecord};
 use crate::model::{Attention, ExpertBias, FeedForward, Indexer, LatentAttention, Layer, Mlp, Model, MoeBlock, StandardAttention};
 use crate::routing::RouteScratch;
@@ -241,6 +241,8 @@ pub(crate) struct HostScratch {
     /// as [`Backend::index_select`] wrote them, from the latest layer that ran an indexer;
     /// empty where every query sees `top_k` positions or fewer (dense attention).
     selection: Vec<Vec<u32>>,
+    /// `[n]`: the DSA indexer's weight scale, one per row (what [`Backend::scale_rows`] takes).
+    index_scale: Vec<f32>,
 }
 
 /// The memory a forward step works in: activation buffers of `chunk` rows and host scratch. A
@@ -731,6 +733,10 @@ impl<B: Backend> Model<B> {
         let (be, ar) = (&self.backend, &self.arch);
         let sa = ar.sparse_attention.as_ref().expect("an indexer without sparse attention");
         let (heads, dim) = (sa.heads, sa.head_dim);
+        // transformers scales the scores by 1/sqrt(head_dim) and the head weights by
+        // 1/sqrt(heads); through the ReLU both are one positive factor on the weights.
+        s.host.index_scale.clear();
+        s.host.index_scale.resize(n, 1.0 / ((heads * dim) as f32).sqrt());
         let b = &mut *s.buf;
         be.matmul(&ix.k, None, &b.h, n, &mut b.idx_k);
         be.layer_norm_strided(&mut b.idx_k, n, dim, 0, dim, &ix.k_norm.0, &ix.k_norm.1, 1e-6);
@@ -743,10 +749,7 @@ impl<B: Backend> Model<B> {
             be.matmul(&ix.q, None, &b.k, n, &mut b.idx_q);
             be.rope(&mut b.idx_q, n, heads * dim, 0, heads, dim, cos, sin, true);
             be.matmul(&ix.weights, None, &b.h, n, &mut b.idx_w);
-            // transformers scales the scores by 1/sqrt(head_dim) and the head weights by
-            // 1/sqrt(heads); through the ReLU both are one positive factor on the weights.
-            let scale = 1.0 / ((heads * dim) as f32).sqrt();
-            be.scale_rows(&mut b.idx_w, heads, &vec![scale; n]);
+            be.scale_rows(&mut b.idx_w, heads, &s.host.index_scale);
         }
         let host = &mut *s.host;
         host.selection.resize_with(s.segs.len(), Vec::new);
@@ -755,7 +758,8 @@ impl<B: Backend> Model<B> {
             sel.clear();
             if seg.pos + seg.n > sa.top_k {
                 sel.resize(seg.n * sa.top_k, u32::MAX);
-                be.index_select(seg.kv, ix.cache_layer, &b.idx_q, &b.idx_w, seg.row, seg.n, seg.pos, heads, sa.top_k, sel);
+                let at = IndexQueries { row0: seg.row, n: seg.n, pos0: seg.pos, heads, top: sa.top_k };
+                be.index_select(seg.kv, ix.cache_layer, &b.idx_q, &b.idx_w, at, sel);
                 for (t, row) in sel.chunks(sa.top_k).enumerate().filter(|(t, _)| seg.pos + t >= sa.top_k) {
                     obs.selected(li, seg.pos + t, row);
                 }

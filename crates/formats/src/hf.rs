@@ -295,12 +295,15 @@ fn sparse_attention(c: &Cfg<'_>, layers: usize) -> Result<SparseAttention, Forma
         "shared" | "S" => Some(false),
         _ => None,
     };
+    // The pattern is a string ("FFS...") or a list of "full"/"shared".
+    let pattern = match c.get("index_topk_pattern") {
+        Some(Value::String(p)) => Some(p.chars().map(String::from).collect::<Vec<_>>()),
+        _ => string_list(c, "index_topk_pattern")?,
+    };
     let indexer = if let Some(types) = string_list(c, "indexer_types")? {
         per_layer(&types, layers, "indexer_types", full)?
-    } else if let Some(p) = c.get("index_topk_pattern").and_then(|v| v.as_str()) {
-        per_layer(&p.chars().map(String::from).collect::<Vec<_>>(), layers, "index_topk_pattern", full)?
-    } else if c.get("index_topk_pattern").is_some() {
-        per_layer(&string_list(c, "index_topk_pattern")?.unwrap_or_default(), layers, "index_topk_pattern", full)?
+    } else if let Some(p) = pattern {
+        per_layer(&p, layers, "index_topk_pattern", full)?
     } else {
         let freq = c.opt_usize("index_topk_freq")?.unwrap_or(1).max(1);
         let offset = c.opt_usize("index_skip_topk_offset")?.unwrap_or(2);
@@ -552,5 +555,31 @@ mod tests {
         assert_eq!(a.moe.num_experts, 8);
         let e = architecture_from_config(&cfg("experts")).unwrap_err().to_string();
         assert!(e.contains("missing num_experts"), "{e}");
+    }
+
+    /// GLM-5's indexer layers from `indexer_types`, from `index_topk_pattern` as a string or a
+    /// list, and from `index_topk_freq`/`index_skip_topk_offset` as transformers derives them.
+    #[test]
+    fn glm5_indexer_layers_from_every_spelling() {
+        let cfg = |extra: serde_json::Value| {
+            let mut c = serde_json::json!({"model_type": "glm_moe_dsa", "hidden_size": 64, "num_hidden_layers": 8,
+                "num_attention_heads": 4, "vocab_size": 1024, "moe_intermediate_size": 32, "intermediate_size": 96,
+                "n_routed_experts": 8, "num_experts_per_tok": 2, "q_lora_rank": 32, "kv_lora_rank": 16,
+                "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16, "index_head_dim": 16});
+            c.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+            architecture_from_config(&c).map(|a| a.sparse_attention.unwrap().indexer)
+        };
+        let want = vec![true, false, true, true, false, false, true, false];
+        let names: Vec<&str> = want.iter().map(|&f| if f { "full" } else { "shared" }).collect();
+        assert_eq!(cfg(serde_json::json!({"indexer_types": names})).unwrap(), want);
+        assert_eq!(cfg(serde_json::json!({"index_topk_pattern": "FSFFSSFS"})).unwrap(), want);
+        assert_eq!(cfg(serde_json::json!({"index_topk_pattern": names})).unwrap(), want);
+        // GLM-5.2's schedule: layers 0, 1, 2, then every fourth.
+        let sched = cfg(serde_json::json!({"index_topk_freq": 4, "index_skip_topk_offset": 3})).unwrap();
+        assert_eq!(sched, vec![true, true, true, false, false, false, true, false]);
+        // Every layer by default; a first layer that shares nothing, or a bad entry, is refused.
+        assert!(cfg(serde_json::json!({})).unwrap().iter().all(|&f| f));
+        assert!(cfg(serde_json::json!({"index_topk_pattern": "SFFFFFFF"})).is_err());
+        assert!(cfg(serde_json::json!({"index_topk_pattern": "FXFFFFFF"})).is_err());
     }
 }

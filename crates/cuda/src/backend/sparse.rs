@@ -7,7 +7,7 @@ use super::{norm_threads, CudaBackend, CudaBuf, CudaKvCache, CudaVector};
 use crate::buf::dptr;
 use crate::launch::Launch;
 use cudarc::driver::{CudaSlice, LaunchConfig};
-use smoe_engine::backend::{check, check_rows, select_top, AttnParams};
+use smoe_engine::backend::{check_rows, select_top, AttnParams, IndexQueries};
 
 /// Threads of a block of `index_scores`: positions scored per block.
 const SCORE_THREADS: usize = 128;
@@ -52,28 +52,22 @@ impl CudaBackend {
         );
     }
 
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn index_select_rows(
         &self,
         cache: &CudaKvCache,
         layer: usize,
         q: &CudaBuf,
         weights: &CudaBuf,
-        row0: usize,
-        n: usize,
-        pos0: usize,
-        heads: usize,
-        top: usize,
+        at: IndexQueries,
         out: &mut [u32],
     ) {
+        let IndexQueries { row0, n, pos0, heads, top } = at;
         if self.faulted() || n == 0 {
             return;
         }
         let l = &cache.layers[layer];
         let d = l.shape.k_dim;
-        check_rows("index_select queries", q, row0, n, heads * d, 0, heads * d);
-        check_rows("index_select weights", weights, row0, n, heads, 0, heads);
-        assert!(out.len() >= n * top, "index_select: {} outputs for {n} queries of {top}", out.len());
+        at.check(q, weights, d, out);
         let total = pos0 + n;
         assert!(total <= l.len, "index_select: positions up to {total} but {} cached", l.len);
         let shared = 4 * heads * (d + 1);
@@ -110,8 +104,9 @@ impl CudaBackend {
         }
     }
 
-    /// Attention of `n` queries, each over its own selected positions: per query, its kept
-    /// keys (and values) gathered into the scratch, then the decode kernel over them.
+    /// Attention of `n` queries (checked by the caller), each over its own selected positions:
+    /// per query, its kept keys (and values) gathered into the scratch, then the decode kernel
+    /// over them.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn attention_selected(
         &self,
@@ -126,11 +121,9 @@ impl CudaBackend {
         let sel = p.selected.expect("attention_selected without a selection");
         let l = &cache.layers[layer];
         let s = l.shape;
-        check_rows("attention queries", q, 0, n, q_stride, 0, p.q_heads * s.k_dim);
-        check("attention", out, n, p.q_heads * s.v_dim);
         let (kw, vw) = (l.k_width(), l.v_width());
         let per = sel.per_query;
-        let lists: Vec<u32> = sel.positions[..n * per].to_vec();
+        let lists = &sel.positions[..n * per];
         if let Some(&bad) = lists.iter().find(|&&j| j != u32::MAX && j as usize >= l.len) {
             self.record("attention", format!("selected position {bad} but {} cached", l.len));
             return;
@@ -138,7 +131,7 @@ impl CudaBackend {
         let row_floats = kw + if s.values_in_keys { 0 } else { vw };
         let Some(gp) = self.sparse_scratch(per * row_floats) else { return };
         let Some(lp) = self.stage("sparse attention positions", 4 * lists.len(), |dst| {
-            for (d, v) in dst.chunks_exact_mut(4).zip(&lists) {
+            for (d, v) in dst.chunks_exact_mut(4).zip(lists) {
                 d.copy_from_slice(&v.to_ne_bytes());
             }
         }) else {

@@ -10,7 +10,7 @@ mod matmul;
 pub mod pool;
 mod sparse;
 
-use crate::backend::{check, check_rows, AttnParams, Backend, KvShape, MatJob, WeightRef};
+use crate::backend::{check, check_rows, AttnParams, Backend, IndexQueries, KvShape, MatJob, WeightRef};
 use crate::routing::{RouteScratch, RouterRule};
 use smoe_quant::{Format, QMatrix};
 use std::sync::Arc;
@@ -348,27 +348,13 @@ impl Backend for CpuBackend {
             sparse::layer_norm(&mut x[t * stride + off..][..dim], w, b, eps);
         }
     }
-    fn index_select(
-        &self,
-        cache: &CpuKvCache,
-        layer: usize,
-        q: &CpuBuf,
-        weights: &CpuBuf,
-        row0: usize,
-        n: usize,
-        pos0: usize,
-        heads: usize,
-        top: usize,
-        out: &mut [u32],
-    ) {
+    fn index_select(&self, cache: &CpuKvCache, layer: usize, q: &CpuBuf, weights: &CpuBuf, at: IndexQueries, out: &mut [u32]) {
         let l = &cache.layers[layer];
-        let d = l.shape.k_dim;
-        check_rows("index_select queries", q, row0, n, heads * d, 0, heads * d);
-        check_rows("index_select weights", weights, row0, n, heads, 0, heads);
-        assert!(out.len() >= n * top, "index_select: {} outputs for {n} queries of {top}", out.len());
-        assert!(l.k.len() >= (pos0 + n) * d, "index_select: layer {layer} holds {} positions, not {}", l.k.len() / d.max(1), pos0 + n);
+        let (d, end) = (l.shape.k_dim, at.pos0 + at.n);
+        at.check(q, weights, d, out);
+        assert!(l.k.len() >= end * d, "index_select: layer {layer} holds {} positions, not {end}", l.k.len() / d.max(1));
         let kernels = (self.precision == Precision::Fast).then_some(self.kernels);
-        sparse::index_select(l, q, weights, row0, n, pos0, heads, top, out, kernels);
+        sparse::index_select(l, q, weights, at, out, kernels);
     }
     fn add_bias(&self, x: &mut CpuBuf, n: usize, stride: usize, off: usize, b: &Vec<f32>) {
         check_rows("add_bias", x, 0, n, stride, off, b.len());

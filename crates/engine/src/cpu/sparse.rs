@@ -4,7 +4,7 @@
 
 use super::matmul::dot;
 use super::KvLayer;
-use crate::backend::{select_top, AttnParams};
+use crate::backend::{select_top, AttnParams, IndexQueries};
 use rayon::prelude::*;
 use std::cell::RefCell;
 
@@ -77,21 +77,15 @@ fn score(q: &[f32], w: &[f32], k: &[f32]) -> f32 {
 /// products for [`POSITIONS_PER_CALL`] keys in one SIMD call (the attention kernels' scores),
 /// then the ReLU and the weighted sum over heads; else [`score`] key by key.
 fn score_keys(q: &[f32], w: &[f32], keys: &[f32], d: usize, kernels: Option<&smoe_kernels::Kernels>, out: &mut [f32]) {
-    let Some(kn) = kernels else {
+    let heads = w.len();
+    // The products of up to 64 heads (GLM-5 has 32) for a call's keys fit on the stack.
+    let Some(kn) = kernels.filter(|_| heads <= 64) else {
         for (s, k) in out.iter_mut().zip(keys.chunks_exact(d)) {
             *s = score(q, w, k);
         }
         return;
     };
-    let heads = w.len();
-    // Products of up to 64 heads (GLM-5 has 32) for a call's keys, on the stack.
     let mut prods = [0f32; POSITIONS_PER_CALL * 64];
-    if heads > 64 {
-        for (s, k) in out.iter_mut().zip(keys.chunks_exact(d)) {
-            *s = score(q, w, k);
-        }
-        return;
-    }
     let per = POSITIONS_PER_CALL;
     for (o, ks) in out.chunks_mut(per).zip(keys.chunks(per * d)) {
         let n = o.len();
@@ -103,21 +97,10 @@ fn score_keys(q: &[f32], w: &[f32], keys: &[f32], d: usize, kernels: Option<&smo
 }
 
 /// [`crate::Backend::index_select`] over one cache layer: `q` rows are `heads × k_dim` floats,
-/// `w` rows `heads`, both from row `row0`; `out` is `[n, top]`. `kernels`: the SIMD scores of
-/// the fast path (`None`: the reference path's plain dot products).
-#[allow(clippy::too_many_arguments)]
-pub(super) fn index_select(
-    l: &KvLayer,
-    q: &[f32],
-    w: &[f32],
-    row0: usize,
-    n: usize,
-    pos0: usize,
-    heads: usize,
-    top: usize,
-    out: &mut [u32],
-    kernels: Option<&smoe_kernels::Kernels>,
-) {
+/// `w` rows `heads`; `out` is `[n, top]`. `kernels`: the SIMD scores of the fast path (`None`:
+/// the reference path's plain dot products).
+pub(super) fn index_select(l: &KvLayer, q: &[f32], w: &[f32], at: IndexQueries, out: &mut [u32], kernels: Option<&smoe_kernels::Kernels>) {
+    let IndexQueries { row0, n, pos0, heads, top } = at;
     let d = l.shape.k_dim;
     let one = |t: usize, o: &mut [u32]| {
         let p = pos0 + t;
