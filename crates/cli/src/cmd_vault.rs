@@ -130,6 +130,10 @@ pub fn run_inspect(path: &Path, json: bool) -> Result<()> {
     let router = match &a.moe.router {
         Router::Softmax => "softmax".to_string(),
         Router::SigmoidGrouped { n_group, topk_group, .. } => format!("sigmoid + correction bias, {topk_group} of {n_group} groups"),
+        Router::SqrtSoftplus { .. } => {
+            let hashed = a.moe.hash_layers.iter().filter(|&&h| h).count();
+            format!("sqrt(softplus) + correction bias, {hashed} hash-routed layers")
+        }
     };
     println!(
         "experts       {} x {} wide, top-{}, router {router}, renormalise {}, scale {}",

@@ -1453,6 +1453,8 @@ impl Backend for CudaBackend {
         let (sigmoid, n_group, topk_group) = match *rule.kind() {
             Router::Softmax => (0i32, 1i32, 1i32),
             Router::SigmoidGrouped { n_group, topk_group, .. } => (1, n_group as i32, topk_group as i32),
+            // `backend_lacks` keeps DeepSeek-V4 (the only family with this router) off the GPU.
+            Router::SqrtSoftplus { .. } => unreachable!("route: the sqrt-softplus router on CUDA"),
         };
         // The kernel scores one group per lane, and every expert must be choosable.
         assert!((1..=32).contains(&n_group) && k <= e, "route: {n_group} groups, top {k} of {e}");

@@ -84,9 +84,18 @@ pub struct IndexQueries {
     pub heads: usize,
     /// Positions kept per query.
     pub top: usize,
+    /// Positions per cached key: 1 for GLM-5 (a key per position); DeepSeek-V4's indexer keys
+    /// are compressed entries, one per `rate` positions, and the query at `p` sees the
+    /// `(p + 1) / rate` entries whose windows have closed.
+    pub rate: usize,
 }
 
 impl IndexQueries {
+    /// Keys the query at position `p` sees.
+    pub fn seen(&self, p: usize) -> usize {
+        (p + 1) / self.rate.max(1)
+    }
+
     /// Fails, with the message every backend gives, unless the queries (`heads × k_dim` a row),
     /// the weights (`heads` a row) and `out` (`[n, top]`) hold what the call reads and writes.
     pub fn check(&self, q: &impl Extent, weights: &impl Extent, k_dim: usize, out: &[u32]) {
@@ -98,11 +107,9 @@ impl IndexQueries {
 }
 
 /// Positions an indexer selection keeps for each query: `top` per query, ascending, `u32::MAX`
-/// after a query's last. A query at position `p < top` sees `p + 1` positions and keeps all of
-/// them; beyond, the `top` best `scores[j]` (`j ≤ p`), the lower position first among equal
-/// scores. [`Backend::index_select`]'s rule, shared by the backends.
-pub fn select_top(scores: &[f32], p: usize, top: usize, order: &mut Vec<u32>, out: &mut [u32]) {
-    let seen = p + 1;
+/// after a query's last. A query that sees `seen ≤ top` keys keeps all of them; beyond, the
+/// `top` best `scores[j]` (`j < seen`), the lower position first among equal scores. [`Backend::index_select`]'s rule, shared by the backends.
+pub fn select_top(scores: &[f32], seen: usize, top: usize, order: &mut Vec<u32>, out: &mut [u32]) {
     out.fill(u32::MAX);
     if seen <= top {
         for (o, j) in out.iter_mut().zip(0..seen as u32) {
@@ -117,6 +124,56 @@ pub fn select_top(scores: &[f32], p: usize, top: usize, order: &mut Vec<u32>, ou
     let kept = &mut order[..top];
     kept.sort_unstable();
     out[..top].copy_from_slice(kept);
+}
+
+/// One [`Backend::attention_compressed`] call (DeepSeek-V4): the sliding window and what lies
+/// beyond it.
+#[derive(Clone, Copy, Debug)]
+pub struct CompressedParams<'a> {
+    /// Query heads, each attending with the one shared key=value row.
+    pub q_heads: usize,
+    /// Softmax scale applied to q·k.
+    pub scale: f32,
+    /// Positions of the sliding window, the query's own included.
+    pub window: usize,
+    /// One sink logit per query head.
+    pub sinks: &'a [f32],
+    /// The cache layer of compressed entries and the positions per entry; `None` for a layer
+    /// that only slides.
+    pub entries: Option<(usize, usize)>,
+    /// The entries each query attends to (compressed sparse attention's indexer); `None`:
+    /// every entry whose window has closed.
+    pub selected: Option<Selection<'a>>,
+}
+
+/// One compression of closed windows (DeepSeek-V4's compressor), see
+/// [`Backend::compress_windows`].
+#[derive(Clone, Copy, Debug)]
+pub struct CompressWindows<'a> {
+    /// The cache layer of per-position `[kv | gate]` rows (each `c × dim`, `c` 2 when
+    /// overlapping).
+    pub raw_layer: usize,
+    /// The cache layer of entries (one `dim` row per window).
+    pub entry_layer: usize,
+    /// The first window to compress and how many.
+    pub first: usize,
+    /// Windows to compress.
+    pub count: usize,
+    /// Positions per window.
+    pub rate: usize,
+    /// Entry width.
+    pub dim: usize,
+    /// Each entry pools its window's second halves with the previous window's first halves.
+    pub overlap: bool,
+    /// `[rate, c × dim]`: added to the gate of the window's `i`-th position.
+    pub bias: &'a [f32],
+    /// `[dim]`: the RMSNorm of each entry.
+    pub norm: &'a [f32],
+    /// RMSNorm epsilon.
+    pub eps: f32,
+    /// Per window, the RoPE tables at its first position (interleaved pairs), rotating the last
+    /// `2 × cos.len() / count` dimensions of the entry.
+    pub rope: RopeTables<'a>,
 }
 
 impl AttnParams<'_> {
@@ -291,6 +348,12 @@ pub trait Backend: Send + Sync {
     fn attends_selected(&self) -> bool {
         false
     }
+    /// Whether the backend runs DeepSeek-V4's compressed attention:
+    /// [`Self::compress_windows`], [`Self::attention_compressed`] and [`Self::index_select`]
+    /// with a rate. A model that needs them is refused at load where it answers `false`.
+    fn attends_compressed(&self) -> bool {
+        false
+    }
     /// Most tokens a prefill step should run at once: [`PREFILL_CHUNK`](crate::PREFILL_CHUNK)
     /// (what keeps the CPU's working set in its caches) unless the backend fills wider steps
     /// better, as a GPU does.
@@ -455,6 +518,78 @@ pub trait Backend: Send + Sync {
         _out: &mut [u32],
     ) {
         panic!("index_select: this backend does not run sparse attention (attends_selected is false)");
+    }
+    /// DeepSeek-V4's compressor over closed windows: for each window `w` of `c.first..c.first
+    /// + c.count`, each channel of its entry is the softmax-weighted sum (over the window's
+    /// positions, and with `overlap` the previous window's too) of the raw `kv` values, weighed
+    /// by `gate + bias`; the entry is RMS-normed and its last dimensions rotated, then stored as
+    /// row `w` of `c.entry_layer`. With overlap, position `i` of window `w` contributes its
+    /// second-half channels to entry `w` and its first-half channels to entry `w + 1` (window 0
+    /// has no predecessor). Only called where [`Self::attends_compressed`].
+    fn compress_windows(&self, _cache: &mut Self::KvCache, _c: CompressWindows<'_>) {
+        panic!("compress_windows: this backend does not run compressed attention (attends_compressed is false)");
+    }
+    /// DeepSeek-V4's attention of `n` queries at positions `pos0..` (rows of `q`, `q_heads`
+    /// heads of the layer's `k_dim`): each over its sliding window of `layer` and the
+    /// compressed entries `p` names, one softmax with the head's sink, values equal to keys;
+    /// `out` rows hold `q_heads × k_dim`. Only called where [`Self::attends_compressed`].
+    #[allow(clippy::too_many_arguments)]
+    fn attention_compressed(
+        &self,
+        _cache: &Self::KvCache,
+        _layer: usize,
+        _q: &Self::Buf,
+        _n: usize,
+        _pos0: usize,
+        _p: CompressedParams<'_>,
+        _out: &mut Self::Buf,
+    ) {
+        panic!("attention_compressed: this backend does not run compressed attention (attends_compressed is false)");
+    }
+    /// Hyper-connections' collapse: `out[t] = Σ_j pre[t × mult + j] · x[t, j]` over the `mult`
+    /// streams of `dim` of each of `n` rows of `x`. The default runs on the host.
+    fn hc_collapse(&self, x: &Self::Buf, n: usize, mult: usize, dim: usize, pre: &[f32], out: &mut Self::Buf) {
+        let mut xs = vec![0f32; n * mult * dim];
+        self.download(x, 0, &mut xs);
+        let mut o = vec![0f32; n * dim];
+        crate::hyper::collapse(&xs, n, mult, dim, pre, &mut o);
+        self.upload(out, &o);
+    }
+    /// Hyper-connections' expansion in place: `x[t, k] = post[t × mult + k] · y[t] + Σ_j
+    /// comb[(t × mult + j) × mult + k] · x[t, j]`. The default runs on the host.
+    #[allow(clippy::too_many_arguments)]
+    fn hc_expand(&self, x: &mut Self::Buf, y: &Self::Buf, n: usize, mult: usize, dim: usize, post: &[f32], comb: &[f32]) {
+        let mut xs = vec![0f32; n * mult * dim];
+        let mut ys = vec![0f32; n * dim];
+        self.download(x, 0, &mut xs);
+        self.download(y, 0, &mut ys);
+        crate::hyper::expand(&mut xs, &ys, n, mult, dim, post, comb);
+        self.upload(x, &xs);
+    }
+    /// DeepSeek-V4's clipped SwiGLU: `g[i] = silu(min(g[i], limit)) · clamp(u[i], -limit,
+    /// limit)` for the first `len` floats. The default runs on the host.
+    fn silu_mul_clamped(&self, g: &mut Self::Buf, u: &Self::Buf, len: usize, limit: f32) {
+        let (mut gs, mut us) = (vec![0f32; len], vec![0f32; len]);
+        self.download(g, 0, &mut gs);
+        self.download(u, 0, &mut us);
+        for (a, &b) in gs.iter_mut().zip(&us) {
+            *a = crate::hyper::clamped_silu(*a, b, limit);
+        }
+        self.upload(g, &gs);
+    }
+    /// [`Self::silu_mul_clamped`] within rows `row0..row0 + n` of `stride`, gate `x[0..w]`
+    /// and up `x[w..2w]`. The default runs on the host.
+    #[allow(clippy::too_many_arguments)]
+    fn silu_clamped_halves(&self, x: &mut Self::Buf, row0: usize, n: usize, stride: usize, w: usize, limit: f32) {
+        let mut xs = vec![0f32; (row0 + n) * stride];
+        self.download(x, 0, &mut xs);
+        for row in xs[row0 * stride..].chunks_exact_mut(stride) {
+            let (g, u) = row.split_at_mut(w);
+            for (a, &b) in g.iter_mut().zip(&u[..w]) {
+                *a = crate::hyper::clamped_silu(*a, b, limit);
+            }
+        }
+        self.upload(x, &xs);
     }
     /// `x[t * stride + off..][..b.len()] += b` for `n` rows.
     fn add_bias(&self, x: &mut Self::Buf, n: usize, stride: usize, off: usize, b: &Self::Vector);

@@ -577,6 +577,7 @@ impl<B: Backend> Suite<'_, B> {
                 router_logit_bias: false,
                 expert_bias: false,
                 expert_act: Default::default(),
+                hash_layers: vec![],
             };
             let rule = RouterRule::new(&moe);
             let n = 5;
@@ -867,7 +868,7 @@ impl<B: Backend> Suite<'_, B> {
             let (qb, wb) = (self.buf(q.len(), &q), self.buf(wts.len(), &wts));
             let mut out = vec![0u32; n * top];
             let pos0 = positions - n;
-            self.b.index_select(&cache, 0, &qb, &wb, IndexQueries { row0, n, pos0, heads, top }, &mut out);
+            self.b.index_select(&cache, 0, &qb, &wb, IndexQueries { row0, n, pos0, heads, top, rate: 1 }, &mut out);
             self.cases += 1;
             for t in 0..n {
                 let p = pos0 + t;

@@ -24,9 +24,14 @@
 //!   (generation, scoring and the benchmark do);
 //! - with instrumentation on, one [`StepRecord`] per call.
 
-use crate::backend::{AttnParams, Backend, ExpertPart, IndexQueries, MatJob, QkvRows, RopeTables, Selection, WeightRef};
+use crate::backend::{
+    AttnParams, Backend, CompressWindows, CompressedParams, ExpertPart, IndexQueries, MatJob, QkvRows, RopeTables, Selection, WeightRef,
+};
 use crate::instrument::{Instrument, StepRecord};
-use crate::model::{Attention, ExpertBias, FeedForward, Indexer, LatentAttention, Layer, Mlp, Model, MoeBlock, StandardAttention};
+use crate::model::{
+    Attention, CompressedAttn, Compressor, ExpertBias, FeedForward, HyperMix, Indexer, LatentAttention, Layer, Mlp, Model, MoeBlock,
+    StandardAttention,
+};
 use crate::routing::RouteScratch;
 use crate::widths::Widths;
 use crate::EngineError;
@@ -144,6 +149,18 @@ pub(crate) struct Buffers<B: Backend> {
     idx_k: B::Buf,
     /// DSA only: `[n, index heads]`, each indexer head's weight for the token.
     idx_w: B::Buf,
+    /// DeepSeek-V4 only: `[n, mult × hidden]`, the hyper-connection streams (the residual; `x`
+    /// then holds a block's collapsed input, or the MoE block's output).
+    hc: B::Buf,
+    /// DeepSeek-V4 only: `[n, mult × hidden]`, the streams RMS-normed, input of the mixing
+    /// projections.
+    hcn: B::Buf,
+    /// DeepSeek-V4 only: `[n, (2 + mult) × mult]`, a mixing projection's output.
+    mix: B::Buf,
+    /// DeepSeek-V4 only: `[n, 2 × c × dim]`, a compressor's `[kv | gate]` rows.
+    raw: B::Buf,
+    /// DeepSeek-V4 only: `[n, o_groups × o_lora_rank]`, the grouped output projection.
+    grp: B::Buf,
     /// Batches only (width 0 in a sequence's own buffers): `[n, q width]`, one sequence's rows of
     /// `q` moved to row 0, because attention reads its queries from row 0 (see
     /// [`Model::attend`]).
@@ -243,6 +260,26 @@ pub(crate) struct HostScratch {
     selection: Vec<Vec<u32>>,
     /// `[n]`: the DSA indexer's weight scale, one per row (what [`Backend::scale_rows`] takes).
     index_scale: Vec<f32>,
+    /// `[n]`: the step's token ids (DeepSeek-V4's hash routing reads them).
+    tokens: Vec<u32>,
+    /// DeepSeek-V4: the negated sines (turning the attention output back), and the compressed
+    /// layers' RoPE tables at the rows' positions (`ccos`, `csin`, `ncsin`).
+    nsin: Vec<f32>,
+    ccos: Vec<f32>,
+    csin: Vec<f32>,
+    ncsin: Vec<f32>,
+    /// DeepSeek-V4: the compressed RoPE at the first position of each window being compressed.
+    wcos: Vec<f32>,
+    wsin: Vec<f32>,
+    /// DeepSeek-V4: the windows' first positions.
+    wpos: Vec<usize>,
+    /// DeepSeek-V4: a hyper-connection mixing projection, downloaded, and the weights from it.
+    mixes: Vec<f32>,
+    pre: Vec<f32>,
+    post: Vec<f32>,
+    comb: Vec<f32>,
+    /// `[n]` zeros (clearing `x` before an MoE block accumulates into it).
+    zeros: Vec<f32>,
 }
 
 /// The memory a forward step works in: activation buffers of `chunk` rows and host scratch. A
@@ -413,6 +450,11 @@ impl<B: Backend> Model<B> {
                 idx_q: mk("idx_q", w.idx_q),
                 idx_k: mk("idx_k", w.idx_k),
                 idx_w: mk("idx_w", w.idx_w),
+                hc: mk("hc", w.hc),
+                hcn: mk("hcn", w.hcn),
+                mix: mk("mix", w.mix),
+                raw: mk("raw", w.raw),
+                grp: mk("grp", w.grp),
                 seg_q: mk("seg_q", if batch { w.q } else { 0 }),
                 seg_att: mk("seg_att", if batch { w.att } else { 0 }),
             },
@@ -496,12 +538,35 @@ impl<B: Backend> Model<B> {
             h.streams.extend(std::iter::repeat_n(seg.stream, seg.n));
         }
         self.rope.fill(&h.positions, &mut h.cos, &mut h.sin);
+        h.tokens.clear();
+        h.tokens.extend_from_slice(tokens);
+        if let Some(cr) = &self.compress_rope {
+            cr.fill(&h.positions, &mut h.ccos, &mut h.csin);
+            h.nsin.clear();
+            h.nsin.extend(h.sin.iter().map(|v| -v));
+            h.ncsin.clear();
+            h.ncsin.extend(h.csin.iter().map(|v| -v));
+        }
+        if let Some(hc) = &self.arch.hyper_connections {
+            // Every stream starts as the token's embedding.
+            let b = &mut *s.buf;
+            for j in 0..hc.mult {
+                be.copy_strided(&b.x, hd, 0, &mut b.hc, hc.mult * hd, j * hd, hd, n);
+            }
+        }
         let mut routed_kept = false;
         for (li, layer) in self.layers.iter().enumerate() {
             routed_kept |= self.layer(li, layer, s, n, obs)?;
         }
         if routed_kept && s.instrument.is_some() {
             self.instrument_kept_routes(s, n);
+        }
+        if let (Some(hc), Some(head)) = (&self.arch.hyper_connections, &self.hc_head) {
+            // The streams collapse into one before the final norm.
+            self.hc_project(head, s, n);
+            let hs = &mut *s.host;
+            crate::hyper::head_weights(&hs.mixes, n, hc.mult, &head.base, head.scale[0], hc.eps as f32, &mut hs.pre);
+            be.hc_collapse(&s.buf.hc, n, hc.mult, hd, &hs.pre, &mut s.buf.x);
         }
         let b = &mut *s.buf;
         be.rms_norm(&b.x, n, hd, &self.final_norm, self.eps, &mut b.h);
@@ -545,6 +610,9 @@ impl<B: Backend> Model<B> {
     /// when on) the feed-forward block of `h = norm(x)` added into `x`. Returns whether its
     /// experts were routed on the backend.
     fn layer(&self, li: usize, layer: &Layer<B>, s: &mut Step<'_, '_, B>, n: usize, obs: &mut dyn Observer) -> Result<bool, EngineError> {
+        if layer.hc.is_some() {
+            return self.hyper_layer(li, layer, s, n, obs);
+        }
         let be = &self.backend;
         let hd = self.arch.hidden_size;
         let t = Instant::now();
@@ -552,6 +620,7 @@ impl<B: Backend> Model<B> {
         match &layer.attn {
             Attention::Standard(a) => self.standard_attention(li, a, s, n),
             Attention::Latent(a) => self.latent_attention(li, a, s, n, obs),
+            Attention::Compressed(a) => self.compressed_attention(li, a, s, n, obs),
         }
         let b = &mut *s.buf;
         be.add_rms_norm(&mut b.x, &b.d, n, hd, &layer.ffn_norm, self.eps, &mut b.h);
@@ -571,6 +640,213 @@ impl<B: Backend> Model<B> {
         Ok(false)
     }
 
+    /// A decoder layer over DeepSeek-V4's hyper-connection streams (`hc`): before each block the
+    /// streams are mixed ([`hc_weights`](Self::hc_weights)) and collapsed into the block's input
+    /// (in `x`, normed into `h`), after it the block's output spreads back over them
+    /// ([`Backend::hc_expand`]). The MoE block accumulates its output into a cleared `x`.
+    fn hyper_layer(
+        &self,
+        li: usize,
+        layer: &Layer<B>,
+        s: &mut Step<'_, '_, B>,
+        n: usize,
+        obs: &mut dyn Observer,
+    ) -> Result<bool, EngineError> {
+        let (be, hd) = (&self.backend, self.arch.hidden_size);
+        let mult = self.arch.hyper_connections.as_ref().map_or(1, |h| h.mult);
+        let [attn_mix, ffn_mix] = layer.hc.as_ref().expect("a hyper-connection layer without its mixings");
+        let t = Instant::now();
+        self.hc_weights(attn_mix, s, n);
+        be.hc_collapse(&s.buf.hc, n, mult, hd, &s.host.pre, &mut s.buf.x);
+        be.rms_norm(&s.buf.x, n, hd, &layer.attn_norm, self.eps, &mut s.buf.h);
+        match &layer.attn {
+            Attention::Standard(a) => self.standard_attention(li, a, s, n),
+            Attention::Latent(a) => self.latent_attention(li, a, s, n, obs),
+            Attention::Compressed(a) => self.compressed_attention(li, a, s, n, obs),
+        }
+        be.hc_expand(&mut s.buf.hc, &s.buf.d, n, mult, hd, &s.host.post, &s.host.comb);
+        self.hc_weights(ffn_mix, s, n);
+        be.hc_collapse(&s.buf.hc, n, mult, hd, &s.host.pre, &mut s.buf.x);
+        be.rms_norm(&s.buf.x, n, hd, &layer.ffn_norm, self.eps, &mut s.buf.h);
+        s.charge(t, |r| &mut r.attention_ms);
+        s.host.zeros.resize(n, 0.0);
+        be.scale_rows(&mut s.buf.x, hd, &s.host.zeros);
+        let kept = match &layer.ffn {
+            FeedForward::Dense(m) => {
+                let t = Instant::now();
+                self.mlp(m, s, n);
+                be.add(&mut s.buf.x, &s.buf.d, n * hd);
+                s.charge(t, |r| &mut r.expert_ms);
+                false
+            }
+            FeedForward::Moe(m) => self.moe(li, m, s, n, obs)?,
+        };
+        be.hc_expand(&mut s.buf.hc, &s.buf.x, n, mult, hd, &s.host.post, &s.host.comb);
+        Ok(kept)
+    }
+
+    /// `mix`'s projection of the RMS-normed streams, on the host in `host.mixes`.
+    fn hc_project(&self, mix: &HyperMix<B>, s: &mut Step<'_, '_, B>, n: usize) {
+        let (be, hd) = (&self.backend, self.arch.hidden_size);
+        let mult = self.arch.hyper_connections.as_ref().map_or(1, |h| h.mult);
+        let ones = self.ones_streams.as_ref().expect("hyper-connections without their norm");
+        let b = &mut *s.buf;
+        be.rms_norm(&b.hc, n, mult * hd, ones, self.eps, &mut b.hcn);
+        be.matmul(&mix.proj, None, &b.hcn, n, &mut b.mix);
+        let width = mix.base.len();
+        s.host.mixes.resize(n * width, 0.0);
+        be.download(&b.mix, 0, &mut s.host.mixes);
+    }
+
+    /// One block's hyper-connection weights (`host.pre`, `host.post`, `host.comb`), see
+    /// [`crate::hyper::block_weights`].
+    fn hc_weights(&self, mix: &HyperMix<B>, s: &mut Step<'_, '_, B>, n: usize) {
+        let hc = self.arch.hyper_connections.as_ref().expect("hyper-connections");
+        self.hc_project(mix, s, n);
+        let h = &mut *s.host;
+        crate::hyper::block_weights(
+            &h.mixes,
+            n,
+            hc.mult,
+            &mix.base,
+            &mix.scale,
+            hc.sinkhorn_iters,
+            hc.eps as f32,
+            &mut h.pre,
+            &mut h.post,
+            &mut h.comb,
+        );
+    }
+
+    /// DeepSeek-V4's attention of `h`; leaves the projected output in `d`. Queries from the
+    /// normalised latent (`k`) through `q_b`, each head RMS-normed and its last dimensions
+    /// rotated; the shared key=value row normed, rotated and cached; a compressed layer's
+    /// compressor (and a CSA layer's indexer, which picks each query's entries) run; then the
+    /// attention over window and entries, the output's rotation undone, and the grouped output
+    /// projection.
+    fn compressed_attention(&self, li: usize, a: &CompressedAttn<B>, s: &mut Step<'_, '_, B>, n: usize, obs: &mut dyn Observer) {
+        let (be, ar) = (&self.backend, &self.arch);
+        let ca = ar.compressed_attention.as_ref().expect("compressed attention without its description");
+        let (nh, hd, r, rd) = (ar.num_heads, ar.head_dim, ca.q_lora_rank, ar.rope.rotary_dim);
+        let compressed = ca.compression[li].rate() > 0;
+        let b = &mut *s.buf;
+        be.matmul(&a.q_a, None, &b.h, n, &mut b.k);
+        be.rms_norm_strided(&mut b.k, n, r, 0, r, &a.q_a_norm, self.eps);
+        be.matmul(&a.q_b, None, &b.k, n, &mut b.q);
+        be.rms_norm_heads(&mut b.q, n, nh * hd, 0, nh, hd, self.ones_head.as_ref().expect("unweighted norm"), self.eps);
+        let h = &*s.host;
+        let (cos, sin) = if compressed { (&h.ccos, &h.csin) } else { (&h.cos, &h.sin) };
+        be.rope(&mut b.q, n, nh * hd, hd - rd, nh, hd, cos, sin, true);
+        be.matmul(&a.kv, None, &b.h, n, &mut b.v);
+        be.rms_norm_strided(&mut b.v, n, hd, 0, hd, &a.kv_norm, self.eps);
+        be.rope(&mut b.v, n, hd, hd - rd, 1, hd, cos, sin, true);
+        for seg in s.segs.iter_mut() {
+            be.kv_store(seg.kv, li, seg.pos, seg.n, &b.v, hd, seg.row * hd, None);
+        }
+        if let Some(c) = &a.compressor {
+            self.compress(c, s, n);
+        }
+        if let Some(ix) = &a.indexer {
+            self.compress(&ix.compressor, s, n);
+            let (ih, id, top) = (ca.index_heads, ca.index_head_dim, ca.index_top_k);
+            let (b, h) = (&mut *s.buf, &mut *s.host);
+            be.matmul(&ix.q, None, &b.k, n, &mut b.idx_q);
+            be.rope(&mut b.idx_q, n, ih * id, id - rd, ih, id, &h.ccos, &h.csin, true);
+            be.matmul(&ix.weights, None, &b.h, n, &mut b.idx_w);
+            // transformers scales the scores by 1/sqrt(head_dim) and the head weights by
+            // 1/sqrt(heads); through the ReLU both are one positive factor on the weights.
+            h.index_scale.clear();
+            h.index_scale.resize(n, 1.0 / ((ih * id) as f32).sqrt());
+            be.scale_rows(&mut b.idx_w, ih, &h.index_scale);
+            h.selection.resize_with(s.segs.len(), Vec::new);
+            let rate = ix.compressor.rate;
+            for (seg, sel) in s.segs.iter_mut().zip(h.selection.iter_mut()) {
+                sel.clear();
+                sel.resize(seg.n * top, u32::MAX);
+                let at = IndexQueries { row0: seg.row, n: seg.n, pos0: seg.pos, heads: ih, top, rate };
+                be.index_select(seg.kv, ix.compressor.entry_layer, &b.idx_q, &b.idx_w, at, sel);
+                for (t, row) in sel.chunks(top).enumerate().filter(|(t, _)| at.seen(seg.pos + t) > 0) {
+                    obs.selected(li, seg.pos + t, row);
+                }
+            }
+        }
+        let (b, host) = (&mut *s.buf, &*s.host);
+        let w = nh * hd;
+        for (i, seg) in s.segs.iter_mut().enumerate() {
+            let selected = match (&a.indexer, host.selection.get(i)) {
+                (Some(_), Some(sel)) => Some(Selection { positions: sel, per_query: ca.index_top_k }),
+                _ => None,
+            };
+            let p = CompressedParams {
+                q_heads: nh,
+                scale: self.attn_scale,
+                window: ca.window,
+                sinks: &a.sinks,
+                entries: a.compressor.as_ref().map(|c| (c.entry_layer, c.rate)),
+                selected,
+            };
+            if seg.row == 0 {
+                be.attention_compressed(seg.kv, li, &b.q, seg.n, seg.pos, p, &mut b.att);
+            } else {
+                be.copy_strided(&b.q, w, seg.row * w, &mut b.seg_q, w, 0, w, seg.n);
+                be.attention_compressed(seg.kv, li, &b.seg_q, seg.n, seg.pos, p, &mut b.seg_att);
+                be.copy_strided(&b.seg_att, w, 0, &mut b.att, w, seg.row * w, w, seg.n);
+            }
+        }
+        // Keys are values, so the output carries the keys' rotation: turned back by the query's
+        // own position.
+        let nsin = if compressed { &host.ncsin } else { &host.nsin };
+        let cos = if compressed { &host.ccos } else { &host.cos };
+        be.rope(&mut b.att, n, w, hd - rd, nh, hd, cos, nsin, true);
+        let (g, olr) = (ca.o_groups, ca.o_lora_rank);
+        let gw = w / g;
+        for grp in 0..g {
+            be.copy_strided(&b.att, w, grp * gw, &mut b.tmp, gw, 0, gw, n);
+            be.matmul(&a.o_a, Some((grp * olr, olr)), &b.tmp, n, &mut b.tmp2);
+            be.copy_strided(&b.tmp2, olr, 0, &mut b.grp, g * olr, grp * olr, olr, n);
+        }
+        be.matmul(&a.o_b, None, &b.grp, n, &mut b.d);
+    }
+
+    /// One DeepSeek-V4 compressor over `h`: each sequence's `[kv | gate]` rows cached, and the
+    /// windows its new positions close compressed into entries ([`Backend::compress_windows`],
+    /// each entry rotated at its window's first position).
+    fn compress(&self, c: &Compressor<B>, s: &mut Step<'_, '_, B>, n: usize) {
+        let be = &self.backend;
+        let width = if c.overlap { 2 * c.dim } else { c.dim };
+        let jobs = [
+            MatJob { w: WeightRef::Resident(&c.kv, None), x_row: 0, n, out_row: 0, out_col: 0 },
+            MatJob { w: WeightRef::Resident(&c.gate, None), x_row: 0, n, out_row: 0, out_col: width },
+        ];
+        let (b, h) = (&mut *s.buf, &mut *s.host);
+        be.matmul_many(&jobs, &b.h, self.arch.hidden_size, &mut b.raw, 2 * width);
+        let rope = self.compress_rope.as_ref().expect("a compressor without its RoPE");
+        for seg in s.segs.iter_mut() {
+            be.kv_store(seg.kv, c.raw_layer, seg.pos, seg.n, &b.raw, 2 * width, seg.row * 2 * width, None);
+            let (first, end) = (seg.pos / c.rate, (seg.pos + seg.n) / c.rate);
+            if end == first {
+                continue;
+            }
+            h.wpos.clear();
+            h.wpos.extend((first..end).map(|w| w * c.rate));
+            rope.fill(&h.wpos, &mut h.wcos, &mut h.wsin);
+            let windows = CompressWindows {
+                raw_layer: c.raw_layer,
+                entry_layer: c.entry_layer,
+                first,
+                count: end - first,
+                rate: c.rate,
+                dim: c.dim,
+                overlap: c.overlap,
+                bias: &c.bias,
+                norm: &c.norm,
+                eps: self.eps,
+                rope: RopeTables { cos: &h.wcos, sin: &h.wsin, interleaved: true },
+            };
+            be.compress_windows(seg.kv, windows);
+        }
+    }
+
     /// Predicts the next MoE layer's experts by routing the current hidden state (after this
     /// layer's attention, normed with the next layer's FFN norm into `xe`) through the next
     /// layer's router, and asks the store to start reading them, in the order the tokens first
@@ -585,7 +861,7 @@ impl<B: Backend> Model<B> {
         self.backend.rms_norm(&b.x, n, self.arch.hidden_size, &next.ffn_norm, self.eps, &mut b.xe);
         let predicted = &mut hs.predicted;
         predicted.clear();
-        self.route_tokens(m, None, &b.xe, &mut b.router, &mut hs.routes, n, |_, experts, _, _| {
+        self.route_tokens(m, &hs.tokens, None, &b.xe, &mut b.router, &mut hs.routes, n, |_, experts, _, _| {
             for &e in experts {
                 if !predicted.contains(&e) {
                     predicted.push(e);
@@ -758,7 +1034,7 @@ impl<B: Backend> Model<B> {
             sel.clear();
             if seg.pos + seg.n > sa.top_k {
                 sel.resize(seg.n * sa.top_k, u32::MAX);
-                let at = IndexQueries { row0: seg.row, n: seg.n, pos0: seg.pos, heads, top: sa.top_k };
+                let at = IndexQueries { row0: seg.row, n: seg.n, pos0: seg.pos, heads, top: sa.top_k, rate: 1 };
                 be.index_select(seg.kv, ix.cache_layer, &b.idx_q, &b.idx_w, at, sel);
                 for (t, row) in sel.chunks(sa.top_k).enumerate().filter(|(t, _)| seg.pos + t >= sa.top_k) {
                     obs.selected(li, seg.pos + t, row);
@@ -773,7 +1049,11 @@ impl<B: Backend> Model<B> {
         let b = &mut *s.buf;
         be.matmul(&m.gate, None, &b.h, n, &mut b.g);
         be.matmul(&m.up, None, &b.h, n, &mut b.u);
-        be.silu_mul(&mut b.g, &b.u, n * m.width);
+        match self.arch.moe.expert_act {
+            // DeepSeek-V4 clips its shared expert as its routed ones.
+            ExpertAct::ClampedSilu { limit } => be.silu_mul_clamped(&mut b.g, &b.u, n * m.width, limit as f32),
+            _ => be.silu_mul(&mut b.g, &b.u, n * m.width),
+        }
         be.matmul(&m.down, None, &b.g, n, &mut b.d);
     }
 
@@ -785,17 +1065,19 @@ impl<B: Backend> Model<B> {
     /// they did.
     fn moe(&self, li: usize, m: &MoeBlock<B>, s: &mut Step<'_, '_, B>, n: usize, obs: &mut dyn Observer) -> Result<bool, EngineError> {
         let t = Instant::now();
-        if self.kept[li] && n <= KEPT_TOKENS && self.routing_trace.is_none() && !obs.wants_routes() {
+        let kept = self.kept[li] && m.tid2eid.is_none();
+        if kept && n <= KEPT_TOKENS && self.routing_trace.is_none() && !obs.wants_routes() {
             self.kept_moe(li, m, s, n);
             s.charge(t, |r| &mut r.expert_ms);
             return Ok(true);
         }
-        if self.kept[li] && self.routing_trace.is_none() && !obs.wants_routes() {
+        if kept && self.routing_trace.is_none() && !obs.wants_routes() {
             self.route_on_backend(li, m, s, n);
         } else {
             let (ins, positions) = (&mut s.instrument, &s.host.positions);
             self.route_tokens(
                 m,
+                &s.host.tokens,
                 Some((li, &s.host.streams)),
                 &s.buf.h,
                 &mut s.buf.router,
@@ -884,6 +1166,7 @@ impl<B: Backend> Model<B> {
     fn route_tokens(
         &self,
         m: &MoeBlock<B>,
+        tokens: &[u32],
         layer: Option<(usize, &[usize])>,
         input: &B::Buf,
         logits: &mut B::Buf,
@@ -899,7 +1182,15 @@ impl<B: Backend> Model<B> {
         r.weights.resize(n * k, 0.0);
         for t in 0..n {
             let (ids, w) = (&mut r.ids[t * k..(t + 1) * k], &mut r.weights[t * k..(t + 1) * k]);
-            self.router.route(&r.logits[t * e_count..(t + 1) * e_count], m.router_bias.as_deref(), ids, w, &mut r.scratch);
+            let logits = &r.logits[t * e_count..(t + 1) * e_count];
+            match &m.tid2eid {
+                // Hash routing: the token's experts from the table, weighed by their scores.
+                Some(table) => {
+                    ids.copy_from_slice(&table[tokens[t] as usize * k..][..k]);
+                    self.router.route_given(logits, ids, w, &mut r.scratch);
+                }
+                None => self.router.route(logits, m.router_bias.as_deref(), ids, w, &mut r.scratch),
+            }
             if let (Some(trace), Some((li, streams))) = (&self.routing_trace, layer) {
                 trace.replace_in(li, streams[t], ids);
             }
@@ -980,6 +1271,7 @@ impl<B: Backend> Model<B> {
             ExpertAct::ClampedSwiglu { alpha, limit } => {
                 be.swiglu_clamped_halves(gu, r0, rows, 2 * width, width, alpha as f32, limit as f32)
             }
+            ExpertAct::ClampedSilu { limit } => be.silu_clamped_halves(gu, r0, rows, 2 * width, width, limit as f32),
         };
         let (lo, hi, total) =
             batch.clone().map(|(j, _)| groups.rows(j)).fold((usize::MAX, 0, 0), |(lo, hi, t), (r0, n)| (lo.min(r0), hi.max(r0 + n), t + n));

@@ -21,6 +21,7 @@ pub mod conformance;
 pub mod cpu;
 mod forward;
 mod generate;
+mod hyper;
 pub mod instrument;
 mod loaded;
 mod model;

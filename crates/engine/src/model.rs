@@ -56,9 +56,61 @@ pub(crate) struct Indexer<B: Backend> {
     pub cache_layer: usize,
 }
 
+/// One of DeepSeek-V4's compressors (the attention's or its indexer's), see
+/// [`smoe_vault::CompressedAttention`]: projections of the layer input into per-position
+/// `[kv | gate]` rows, cached, from which each closed window's entry is pooled.
+pub(crate) struct Compressor<B: Backend> {
+    pub kv: B::Matrix,
+    pub gate: B::Matrix,
+    /// `[rate, c × dim]`, on the host (the pooling reads it there).
+    pub bias: Vec<f32>,
+    /// `[dim]`: the entries' RMSNorm.
+    pub norm: Vec<f32>,
+    pub dim: usize,
+    pub rate: usize,
+    pub overlap: bool,
+    /// The cache layer of raw rows (`2 × c × dim` per position).
+    pub raw_layer: usize,
+    /// The cache layer of entries (`dim` per window).
+    pub entry_layer: usize,
+}
+
+/// DeepSeek-V4's lightning indexer of a compressed sparse attention layer: queries from the
+/// normalised query latent, per-head weights from the layer input, keys from its compressor.
+pub(crate) struct CompressedIndexer<B: Backend> {
+    pub q: B::Matrix,
+    pub weights: B::Matrix,
+    pub compressor: Compressor<B>,
+}
+
+/// DeepSeek-V4's attention of one layer.
+pub(crate) struct CompressedAttn<B: Backend> {
+    pub q_a: B::Matrix,
+    pub q_a_norm: B::Vector,
+    pub q_b: B::Matrix,
+    pub kv: B::Matrix,
+    pub kv_norm: B::Vector,
+    pub o_a: B::Matrix,
+    pub o_b: B::Matrix,
+    pub sinks: Vec<f32>,
+    /// The compressor of a CSA or HCA layer.
+    pub compressor: Option<Compressor<B>>,
+    /// The indexer of a CSA layer.
+    pub indexer: Option<CompressedIndexer<B>>,
+}
+
 pub(crate) enum Attention<B: Backend> {
     Standard(StandardAttention<B>),
     Latent(LatentAttention<B>),
+    Compressed(CompressedAttn<B>),
+}
+
+/// One hyper-connection mixing (DeepSeek-V4): the projection of the normed streams and, on the
+/// host, its base and scales.
+pub(crate) struct HyperMix<B: Backend> {
+    pub proj: B::Matrix,
+    pub base: Vec<f32>,
+    pub scale: Vec<f32>,
 }
 
 /// A SwiGLU MLP.
@@ -71,6 +123,8 @@ pub(crate) struct Mlp<B: Backend> {
 
 pub(crate) struct MoeBlock<B: Backend> {
     pub router: B::Matrix,
+    /// DeepSeek-V4's hash routing: each token id's experts (`[vocab, top_k]`), on the host.
+    pub tid2eid: Option<Vec<u32>>,
     /// `e_score_correction_bias`, on the host: routing happens there...
     pub router_bias: Option<Vec<f32>>,
     /// ...or on the backend, for layers whose experts it keeps ([`Backend::route`]).
@@ -99,6 +153,9 @@ pub(crate) enum FeedForward<B: Backend> {
 }
 
 pub(crate) struct Layer<B: Backend> {
+    /// DeepSeek-V4's hyper-connection mixings before attention and before the feed-forward
+    /// block.
+    pub hc: Option<[HyperMix<B>; 2]>,
     pub attn_norm: B::Vector,
     pub attn: Attention<B>,
     pub ffn_norm: B::Vector,
@@ -115,6 +172,14 @@ pub struct Model<B: Backend> {
     pub(crate) lm_head: Option<B::Matrix>,
     pub(crate) experts: Arc<dyn ExpertSource>,
     pub(crate) rope: RopeTable,
+    /// DeepSeek-V4's RoPE of compressed layers.
+    pub(crate) compress_rope: Option<RopeTable>,
+    /// DeepSeek-V4's final collapse of the hyper-connection streams.
+    pub(crate) hc_head: Option<HyperMix<B>>,
+    /// Ones for the unweighted RMSNorms (DeepSeek-V4's per-head query norm, `head_dim`, and
+    /// the hyper-connections' norm of the streams, `mult × hidden`).
+    pub(crate) ones_head: Option<B::Vector>,
+    pub(crate) ones_streams: Option<B::Vector>,
     pub(crate) router: RouterRule,
     pub(crate) eps: f32,
     pub(crate) attn_scale: f32,
@@ -172,6 +237,20 @@ impl<B: Backend> Loader<'_, B> {
             })
             .collect())
     }
+    /// A table of expert ids stored as f32 (DeepSeek-V4's `tid2eid`), each checked to name one
+    /// of `experts` experts.
+    fn expert_table(&self, name: &str, experts: usize) -> Result<Vec<u32>, EngineError> {
+        self.f32s(name)?
+            .into_iter()
+            .map(|v| {
+                if v >= 0.0 && v.fract() == 0.0 && (v as usize) < experts {
+                    Ok(v as u32)
+                } else {
+                    Err(EngineError::Model(format!("{name} names expert {v} of {experts}")))
+                }
+            })
+            .collect()
+    }
     fn mlp(&self, l: usize, prefix: &str, width: usize) -> Result<Mlp<B>, EngineError> {
         let n = |p: &str| names::layer(l, &format!("{prefix}.{p}"));
         Ok(Mlp { gate: self.matrix(&n("gate"))?, up: self.matrix(&n("up"))?, down: self.matrix(&n("down"))?, width })
@@ -207,53 +286,108 @@ impl<B: Backend> Model<B> {
         let region = Arc::new(region);
         let ld = Loader { entries: dense.iter().map(|d| (d.name.as_str(), d)).collect(), region: region.clone(), backend: &backend };
         let mut layers = Vec::with_capacity(arch.num_layers);
+        let compressed_caches = compressed_cache_layers(&arch);
         for l in 0..arch.num_layers {
             let t = |w: &str| names::layer(l, w);
-            let attn = match &arch.mla {
-                Some(m) => Attention::Latent(LatentAttention {
-                    q_a: match m.q_lora_rank {
-                        Some(_) => Some((ld.matrix(&t("attn.q_a"))?, ld.vector(&t("attn.q_a_norm"))?)),
+            let hc = match &arch.hyper_connections {
+                Some(_) => {
+                    let mix = |b: &str| -> Result<HyperMix<B>, EngineError> {
+                        Ok(HyperMix {
+                            proj: ld.matrix(&t(&format!("hc_{b}_fn")))?,
+                            base: ld.f32s(&t(&format!("hc_{b}_base")))?,
+                            scale: ld.f32s(&t(&format!("hc_{b}_scale")))?,
+                        })
+                    };
+                    Some([mix("attn")?, mix("ffn")?])
+                }
+                None => None,
+            };
+            let attn = if let Some(ca) = &arch.compressed_attention {
+                let kind = ca.compression[l];
+                let caches = compressed_caches.get(&l);
+                let compressor = |prefix: &str, dim: usize, raw_layer: usize, entry_layer: usize| -> Result<Compressor<B>, EngineError> {
+                    Ok(Compressor {
+                        kv: ld.matrix(&t(&format!("{prefix}_kv")))?,
+                        gate: ld.matrix(&t(&format!("{prefix}_gate")))?,
+                        bias: ld.f32s(&t(&format!("{prefix}_bias")))?,
+                        norm: ld.f32s(&t(&format!("{prefix}_norm")))?,
+                        dim,
+                        rate: kind.rate(),
+                        overlap: kind.overlaps(),
+                        raw_layer,
+                        entry_layer,
+                    })
+                };
+                Attention::Compressed(CompressedAttn {
+                    q_a: ld.matrix(&t("attn.q_a"))?,
+                    q_a_norm: ld.vector(&t("attn.q_a_norm"))?,
+                    q_b: ld.matrix(&t("attn.q_b"))?,
+                    kv: ld.matrix(&t("attn.kv"))?,
+                    kv_norm: ld.vector(&t("attn.kv_norm"))?,
+                    o_a: ld.matrix(&t("attn.o_a"))?,
+                    o_b: ld.matrix(&t("attn.o_b"))?,
+                    sinks: ld.f32s(&t("attn.sinks"))?,
+                    compressor: match caches {
+                        Some(c) => Some(compressor("attn.cmp", arch.head_dim, c[0], c[1])?),
                         None => None,
                     },
-                    q_b: ld.matrix(&t(if m.q_lora_rank.is_some() { "attn.q_b" } else { "attn.q" }))?,
-                    kv_a: ld.matrix(&t("attn.kv_a"))?,
-                    kv_a_norm: ld.vector(&t("attn.kv_a_norm"))?,
-                    kv_b: ld.matrix(&t("attn.kv_b"))?,
-                    o: ld.matrix(&t("attn.o"))?,
-                    indexer: match arch.indexer_layers().iter().position(|&i| i == l) {
-                        Some(j) => Some(Indexer {
+                    indexer: match caches {
+                        Some(c) if kind.overlaps() => Some(CompressedIndexer {
                             q: ld.matrix(&t("attn.idx_q"))?,
-                            k: ld.matrix(&t("attn.idx_k"))?,
-                            k_norm: (ld.vector(&t("attn.idx_k_norm"))?, ld.vector(&t("attn.idx_k_norm_bias"))?),
                             weights: ld.matrix(&t("attn.idx_weights"))?,
-                            cache_layer: arch.num_layers + j,
+                            compressor: compressor("attn.idx_cmp", ca.index_head_dim, c[2], c[3])?,
                         }),
-                        None => None,
+                        _ => None,
                     },
-                }),
-                None => Attention::Standard(StandardAttention {
-                    q: ld.matrix(&t("attn.q"))?,
-                    k: ld.matrix(&t("attn.k"))?,
-                    v: ld.matrix(&t("attn.v"))?,
-                    o: ld.matrix(&t("attn.o"))?,
-                    bias: if arch.qkv_bias {
-                        Some([ld.vector(&t("attn.q_bias"))?, ld.vector(&t("attn.k_bias"))?, ld.vector(&t("attn.v_bias"))?])
-                    } else {
-                        None
-                    },
-                    qk_norm: match arch.qk_norm {
-                        QkNorm::None => None,
-                        kind => Some((kind, ld.vector(&t("attn.q_norm"))?, ld.vector(&t("attn.k_norm"))?)),
-                    },
-                    o_bias: if arch.o_bias { Some(ld.vector(&t("attn.o_bias"))?) } else { None },
-                    sinks: if arch.attn_sinks { Some(ld.f32s(&t("attn.sinks"))?) } else { None },
-                    window: arch.attention_window(l),
-                }),
+                })
+            } else {
+                match &arch.mla {
+                    Some(m) => Attention::Latent(LatentAttention {
+                        q_a: match m.q_lora_rank {
+                            Some(_) => Some((ld.matrix(&t("attn.q_a"))?, ld.vector(&t("attn.q_a_norm"))?)),
+                            None => None,
+                        },
+                        q_b: ld.matrix(&t(if m.q_lora_rank.is_some() { "attn.q_b" } else { "attn.q" }))?,
+                        kv_a: ld.matrix(&t("attn.kv_a"))?,
+                        kv_a_norm: ld.vector(&t("attn.kv_a_norm"))?,
+                        kv_b: ld.matrix(&t("attn.kv_b"))?,
+                        o: ld.matrix(&t("attn.o"))?,
+                        indexer: match arch.indexer_layers().iter().position(|&i| i == l) {
+                            Some(j) => Some(Indexer {
+                                q: ld.matrix(&t("attn.idx_q"))?,
+                                k: ld.matrix(&t("attn.idx_k"))?,
+                                k_norm: (ld.vector(&t("attn.idx_k_norm"))?, ld.vector(&t("attn.idx_k_norm_bias"))?),
+                                weights: ld.matrix(&t("attn.idx_weights"))?,
+                                cache_layer: arch.num_layers + j,
+                            }),
+                            None => None,
+                        },
+                    }),
+                    None => Attention::Standard(StandardAttention {
+                        q: ld.matrix(&t("attn.q"))?,
+                        k: ld.matrix(&t("attn.k"))?,
+                        v: ld.matrix(&t("attn.v"))?,
+                        o: ld.matrix(&t("attn.o"))?,
+                        bias: if arch.qkv_bias {
+                            Some([ld.vector(&t("attn.q_bias"))?, ld.vector(&t("attn.k_bias"))?, ld.vector(&t("attn.v_bias"))?])
+                        } else {
+                            None
+                        },
+                        qk_norm: match arch.qk_norm {
+                            QkNorm::None => None,
+                            kind => Some((kind, ld.vector(&t("attn.q_norm"))?, ld.vector(&t("attn.k_norm"))?)),
+                        },
+                        o_bias: if arch.o_bias { Some(ld.vector(&t("attn.o_bias"))?) } else { None },
+                        sinks: if arch.attn_sinks { Some(ld.f32s(&t("attn.sinks"))?) } else { None },
+                        window: arch.attention_window(l),
+                    }),
+                }
             };
             let ffn = match arch.layers[l] {
                 LayerKind::Dense => FeedForward::Dense(ld.mlp(l, "mlp", arch.dense_intermediate_size)?),
                 LayerKind::Moe => FeedForward::Moe(MoeBlock {
                     router: ld.matrix(&t("moe.router"))?,
+                    tid2eid: if arch.moe.hash_routed(l) { Some(ld.expert_table(&t("moe.tid2eid"), arch.moe.num_experts)?) } else { None },
                     router_bias: if ld.entries.contains_key(t("moe.router_bias").as_str()) {
                         Some(ld.f32s(&t("moe.router_bias"))?)
                     } else {
@@ -284,7 +418,7 @@ impl<B: Backend> Model<B> {
                     },
                 }),
             };
-            layers.push(Layer { attn_norm: ld.vector(&t("attn_norm"))?, attn, ffn_norm: ld.vector(&t("ffn_norm"))?, ffn });
+            layers.push(Layer { hc, attn_norm: ld.vector(&t("attn_norm"))?, attn, ffn_norm: ld.vector(&t("ffn_norm"))?, ffn });
         }
         let attn_scale = match &arch.mla {
             Some(m) => {
@@ -300,6 +434,12 @@ impl<B: Backend> Model<B> {
             }
             None => 1.0 / (arch.head_dim as f32).sqrt(),
         };
+        let hc_head = match &arch.hyper_connections {
+            Some(_) => Some(HyperMix { proj: ld.matrix("hc_head_fn")?, base: ld.f32s("hc_head_base")?, scale: ld.f32s("hc_head_scale")? }),
+            None => None,
+        };
+        let ones_head = arch.compressed_attention.as_ref().map(|_| backend.vector(&vec![1.0; arch.head_dim]));
+        let ones_streams = arch.hyper_connections.as_ref().map(|h| backend.vector(&vec![1.0; h.mult * arch.hidden_size]));
         let (embed, final_norm) = (ld.matrix("embed")?, ld.vector("final_norm")?);
         let lm_head = if arch.tie_word_embeddings { None } else { Some(ld.matrix("lm_head")?) };
         if let Some(fault) = backend.fault() {
@@ -317,6 +457,10 @@ impl<B: Backend> Model<B> {
             final_norm,
             lm_head,
             rope: RopeTable::new(&arch),
+            compress_rope: arch.compressed_attention.as_ref().map(|c| RopeTable::of(&c.compress_rope)),
+            hc_head,
+            ones_head,
+            ones_streams,
             router: RouterRule::new(&arch.moe),
             eps: arch.norm_eps as f32,
             attn_scale,
@@ -399,6 +543,9 @@ pub fn backend_lacks<B: Backend>(arch: &Architecture, backend: &B) -> Option<Str
     if arch.sparse_attention.is_some() && !backend.attends_selected() {
         return lacks("DeepSeek Sparse Attention");
     }
+    if arch.compressed_attention.is_some() && !backend.attends_compressed() {
+        return lacks("DeepSeek-V4's compressed attention");
+    }
     None
 }
 
@@ -408,6 +555,21 @@ pub fn backend_lacks<B: Backend>(arch: &Architecture, backend: &B) -> Option<Str
 /// caches (one `index_head_dim` key per position for each layer that runs its own indexer), so
 /// that whatever handles a sequence's cache (prefix copies, truncation, sizes) handles them too.
 pub fn kv_shapes(arch: &Architecture) -> Vec<KvShape> {
+    if let Some(c) = &arch.compressed_attention {
+        // The sliding branch keeps one shared key=value row per position; then each compressed
+        // layer's raw rows and entries (and its indexer's), as `compressed_cache_layers` numbers
+        // them.
+        let row = |w: usize| KvShape { heads: 1, k_dim: w, v_dim: 0, values_in_keys: true };
+        let mut shapes = vec![KvShape { heads: 1, k_dim: arch.head_dim, v_dim: arch.head_dim, values_in_keys: true }; arch.num_layers];
+        for kind in c.compression.iter().filter(|k| k.rate() > 0) {
+            let c_of = |dim: usize| if kind.overlaps() { 2 * dim } else { dim };
+            shapes.extend([row(2 * c_of(arch.head_dim)), row(arch.head_dim)]);
+            if kind.overlaps() {
+                shapes.extend([row(2 * c_of(c.index_head_dim)), row(c.index_head_dim)]);
+            }
+        }
+        return shapes;
+    }
     let mut shapes: Vec<KvShape> = (0..arch.num_layers)
         .map(|_| match &arch.mla {
             Some(m) => KvShape { heads: 1, k_dim: m.kv_lora_rank + m.qk_rope_head_dim, v_dim: m.kv_lora_rank, values_in_keys: true },
@@ -419,6 +581,20 @@ pub fn kv_shapes(arch: &Architecture) -> Vec<KvShape> {
         shapes.extend(arch.indexer_layers().iter().map(|_| index_keys));
     }
     shapes
+}
+
+/// DeepSeek-V4: per compressed layer, its cache layers after the decoder's (see
+/// [`kv_shapes`]): raw rows, entries, and for CSA layers the indexer's raw rows and entries.
+pub(crate) fn compressed_cache_layers(arch: &Architecture) -> HashMap<usize, Vec<usize>> {
+    let mut out = HashMap::new();
+    let Some(c) = &arch.compressed_attention else { return out };
+    let mut next = arch.num_layers;
+    for (l, kind) in c.compression.iter().enumerate().filter(|(_, k)| k.rate() > 0) {
+        let count = if kind.overlaps() { 4 } else { 2 };
+        out.insert(l, (next..next + count).collect());
+        next += count;
+    }
+    out
 }
 
 /// Values cached per token, summed over layers, as this engine stores them.

@@ -1,7 +1,7 @@
 //! Rotary position embedding tables, computed as transformers computes them (frequencies and
 //! angles in f32, YaRN's ramp and attention factor from `_compute_yarn_parameters`).
 
-use smoe_vault::{Architecture, RopeScaling};
+use smoe_vault::{Architecture, Rope, RopeScaling};
 
 /// Frequencies and scaling of one model's RoPE.
 #[derive(Clone, Debug)]
@@ -27,7 +27,11 @@ pub fn yarn_mscale(scale: f64, m: f64) -> f64 {
 impl RopeTable {
     /// The table for `arch`.
     pub fn new(arch: &Architecture) -> RopeTable {
-        let r = &arch.rope;
+        RopeTable::of(&arch.rope)
+    }
+
+    /// The table of one set of RoPE parameters (DeepSeek-V4 has two).
+    pub fn of(r: &Rope) -> RopeTable {
         let dim = r.rotary_dim;
         let base = r.theta as f32;
         let pos_freqs: Vec<f32> = (0..dim).step_by(2).map(|i| base.powf(i as f32 / dim as f32)).collect();

@@ -121,6 +121,7 @@ impl RouterRule {
                 }
                 s.weights_src.copy_from_slice(&s.choice);
             }
+            Router::SqrtSoftplus { .. } => self.scores(logits, bias, s),
             Router::SigmoidGrouped { n_group, topk_group, .. } => {
                 for i in 0..e {
                     let score = 1.0 / (1.0 + (-logits[i]).exp());
@@ -151,11 +152,41 @@ impl RouterRule {
             }
         }
         top_k_indices(&s.choice, self.top_k, ids);
+        self.mix(ids, weights, s);
+    }
+
+    /// DeepSeek-V4's hash-routed layers: the experts are `ids` (the token's row of `tid2eid`),
+    /// weighted by their scores as [`route`](Self::route) weighs the experts it chooses.
+    /// `s.choice` holds the scores.
+    pub fn route_given(&self, logits: &[f32], ids: &[u32], weights: &mut [f32], s: &mut RouteScratch) {
+        self.scores(logits, None, s);
+        self.mix(ids, weights, s);
+    }
+
+    /// Each expert's score into `s.weights_src` and what the choice is made on into `s.choice`
+    /// (for the sqrt-softplus router; the other rules fill both in [`route`](Self::route)).
+    fn scores(&self, logits: &[f32], bias: Option<&[f32]>, s: &mut RouteScratch) {
+        let e = self.num_experts;
+        s.choice.resize(e, 0.0);
+        s.weights_src.resize(e, 0.0);
+        for i in 0..e {
+            // softplus as torch computes it: linear above 20, where exp would lose nothing.
+            let l = logits[i];
+            let sp = if l > 20.0 { l } else { l.exp().ln_1p() };
+            let score = sp.sqrt();
+            s.weights_src[i] = score;
+            s.choice[i] = score + bias.map_or(0.0, |b| b[i]);
+        }
+    }
+
+    /// The mixing weights of experts `ids` from `s.weights_src`: renormalised and scaled as
+    /// the rule says.
+    fn mix(&self, ids: &[u32], weights: &mut [f32], s: &RouteScratch) {
         for (w, &i) in weights.iter_mut().zip(ids.iter()) {
             *w = s.weights_src[i as usize];
         }
         if self.norm_topk_prob {
-            let eps = if matches!(self.kind, Router::SigmoidGrouped { .. }) { 1e-20 } else { 0.0 };
+            let eps = if matches!(self.kind, Router::Softmax) { 0.0 } else { 1e-20 };
             let sum: f32 = weights.iter().sum::<f32>() + eps;
             for w in weights.iter_mut() {
                 *w /= sum;
@@ -196,6 +227,7 @@ mod tests {
             router_logit_bias: false,
             expert_bias: false,
             expert_act: Default::default(),
+            hash_layers: vec![],
         };
         let r = RouterRule::new(&moe);
         // Group 1 (experts 2, 3) wins on corrected scores; expert 0 is masked to 0 even though

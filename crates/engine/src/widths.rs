@@ -34,6 +34,11 @@ pub(crate) struct Widths {
     pub idx_q: usize,
     pub idx_k: usize,
     pub idx_w: usize,
+    pub hc: usize,
+    pub hcn: usize,
+    pub mix: usize,
+    pub raw: usize,
+    pub grp: usize,
 }
 
 /// The largest of a buffer's writes (0 if it has none).
@@ -48,9 +53,21 @@ impl Widths {
         let any_dense = a.layers.contains(&LayerKind::Dense);
         let dense_mlp = if any_dense { a.dense_intermediate_size } else { 0 };
         let shared_mlp = a.moe.shared_experts.as_ref().map_or(0, |s| s.intermediate_size);
+        let v4 = Widths::deepseek_v4(a);
         // Attention's writes differ by kind; unused buffers of a kind get width 0.
-        let attn = match &a.mla {
-            Some(m) => {
+        let attn = match (&a.mla, &a.compressed_attention) {
+            (_, Some(c)) => {
+                let (q, hd) = (a.num_heads * a.head_dim, a.head_dim);
+                Attn {
+                    q: widest(&[q]),                // q_b output: every head
+                    k: widest(&[c.q_lora_rank]),    // q_a output: the normalised query latent
+                    v: widest(&[hd]),               // the shared key=value row
+                    att: widest(&[q]),              // attention output, every head
+                    tmp: widest(&[q / c.o_groups]), // one output group's heads
+                    tmp2: widest(&[c.o_lora_rank]), // one group's projection
+                }
+            }
+            (Some(m), None) => {
                 let (nh, rank, vdim) = (a.num_heads, m.kv_lora_rank, m.v_head_dim);
                 let (qk, lat) = (m.qk_nope_head_dim + m.qk_rope_head_dim, rank + m.qk_rope_head_dim);
                 Attn {
@@ -62,7 +79,7 @@ impl Widths {
                     tmp2: widest(&[rank]),                               // one head's absorbed query / latent
                 }
             }
-            None => {
+            (None, None) => {
                 let (q, kv) = (a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim);
                 Attn {
                     q: widest(&[q + 2 * kv]), // [q | k | v] from one dispatch
@@ -96,9 +113,53 @@ impl Widths {
             router: a.moe.num_experts,
             logits: a.vocab_size,
             // The DSA indexer's queries, key and head weights (GLM-5 only).
-            idx_q: a.sparse_attention.as_ref().map_or(0, |s| s.heads * s.head_dim),
+            idx_q: a.sparse_attention.as_ref().map_or(v4.idx_q, |s| s.heads * s.head_dim),
             idx_k: a.sparse_attention.as_ref().map_or(0, |s| s.head_dim),
-            idx_w: a.sparse_attention.as_ref().map_or(0, |s| s.heads),
+            idx_w: a.sparse_attention.as_ref().map_or(v4.idx_w, |s| s.heads),
+            ..v4
+        }
+    }
+
+    /// DeepSeek-V4's buffers: the hyper-connection streams (and their normed copy), the mixing
+    /// projections, a compressor's raw `[kv | gate]` rows, the grouped output projection; the
+    /// indexer's queries and weights. Zero for every other family.
+    fn deepseek_v4(a: &Architecture) -> Widths {
+        let streams = a.hyper_connections.as_ref().map_or(0, |h| h.mult * a.hidden_size);
+        let mix = a.hyper_connections.as_ref().map_or(0, |h| (2 + h.mult) * h.mult);
+        let (mut raw, mut grp, mut idx_q, mut idx_w) = (0, 0, 0, 0);
+        if let Some(c) = &a.compressed_attention {
+            // [kv | gate], each two entries wide when windows overlap.
+            raw = widest(&[4 * a.head_dim, 4 * c.index_head_dim]);
+            grp = c.o_groups * c.o_lora_rank;
+            idx_q = c.index_heads * c.index_head_dim;
+            idx_w = c.index_heads;
+        }
+        Widths {
+            x: 0,
+            h: 0,
+            q: 0,
+            k: 0,
+            v: 0,
+            att: 0,
+            tmp: 0,
+            tmp2: 0,
+            g: 0,
+            u: 0,
+            d: 0,
+            xe: 0,
+            gu: 0,
+            dd: 0,
+            slots: 0,
+            router: 0,
+            logits: 0,
+            idx_q,
+            idx_k: 0,
+            idx_w,
+            hc: streams,
+            hcn: streams,
+            mix,
+            raw,
+            grp,
         }
     }
 }

@@ -338,3 +338,45 @@ fn yarn_past_the_original_context_matches_transformers() {
         }
     }
 }
+
+/// DeepSeek-V4 (`deepseek_v4`) from the hub layout: every attention kind (sliding only,
+/// compressed sparse with the lightning indexer keeping 8 entries, heavily compressed),
+/// hyper-connections, hash-routed then sqrt-softplus-routed layers, the clipped SwiGLU. Beyond
+/// the logits, routing and greedy checks, the entries each CSA query attends to equal
+/// transformers' picks, in one prefill and in chunks of 7 tokens (windows then close across
+/// chunks).
+#[test]
+fn deepseek_v4_matches_transformers() {
+    let name = "deepseek_v4";
+    check_fixture(name);
+    let model = load(&vault(name, Format::BF16, Format::BF16));
+    let ca = model.arch().compressed_attention.clone().unwrap();
+    let r = read_safetensors(&fixture(name).join("reference.safetensors"));
+    let csa: Vec<usize> = (0..ca.compression.len()).filter(|&l| ca.compression[l].overlaps()).collect();
+    for tag in ["chat", "long"] {
+        let input = ids(&r[&format!("{tag}.input_ids")]);
+        for chunk in [input.len(), 7] {
+            let mut seen = Selections::default();
+            let mut st = model.new_state(chunk);
+            for piece in input.chunks(chunk) {
+                model.forward(&mut st, piece, Logits::Last, &mut seen).unwrap();
+            }
+            for &layer in &csa {
+                let rate = ca.compression[layer].rate();
+                let t = &r[&format!("{tag}.index.model.layers.{layer}.self_attn.compressor.indexer")];
+                let k = t.shape()[1];
+                let theirs = t.i32();
+                for p in 0..input.len() {
+                    if (p + 1) / rate == 0 {
+                        assert!(!seen.0.contains_key(&(layer, p)), "{tag} layer {layer} position {p} sees no entry");
+                        continue;
+                    }
+                    let mut want: Vec<u32> = theirs[p * k..(p + 1) * k].iter().filter(|&&j| j >= 0).map(|&j| j as u32).collect();
+                    want.sort_unstable();
+                    let mine: Vec<u32> = seen.0[&(layer, p)].iter().copied().filter(|&j| j != u32::MAX).collect();
+                    assert_eq!(mine, want, "{tag} layer {layer} position {p} (chunks of {chunk})");
+                }
+            }
+        }
+    }
+}

@@ -4,8 +4,8 @@
 use crate::FormatError;
 use serde_json::Value;
 use smoe_vault::{
-    names, Architecture, ExpertAct, Family, GenerationDefaults, LayerKind, Mla, Moe, QkNorm, Rope, RopeScaling, Router, SharedExperts,
-    SparseAttention, TextAssets,
+    names, Architecture, CompressedAttention, Compression, ExpertAct, Family, GenerationDefaults, HyperConnections, LayerKind, Mla, Moe,
+    QkNorm, Rope, RopeScaling, Router, SharedExperts, SparseAttention, TextAssets,
 };
 use std::path::Path;
 
@@ -80,7 +80,7 @@ pub fn architecture_from_config(cfg: &Value) -> Result<Architecture, FormatError
 
     let num_experts_key = match family {
         Family::Mixtral | Family::MinimaxM2 | Family::GptOss => "num_local_experts",
-        Family::Glm4Moe | Family::DeepseekV3 | Family::GlmMoeDsa => "n_routed_experts",
+        Family::Glm4Moe | Family::DeepseekV3 | Family::GlmMoeDsa | Family::DeepseekV4 => "n_routed_experts",
         _ => "num_experts",
     };
     // transformers 5.2x saves every family's expert count as `num_local_experts` (its attribute
@@ -103,6 +103,7 @@ pub fn architecture_from_config(cfg: &Value) -> Result<Architecture, FormatError
         router_logit_bias: false,
         expert_bias: false,
         expert_act: Default::default(),
+        hash_layers: vec![],
     };
     let mut arch = Architecture {
         family,
@@ -126,6 +127,8 @@ pub fn architecture_from_config(cfg: &Value) -> Result<Architecture, FormatError
         attn_sinks: false,
         o_bias: false,
         sparse_attention: None,
+        compressed_attention: None,
+        hyper_connections: None,
     };
     match family {
         Family::Qwen3Moe | Family::Qwen2Moe => {
@@ -196,6 +199,7 @@ pub fn architecture_from_config(cfg: &Value) -> Result<Architecture, FormatError
             }
         }
         Family::GptOss => gpt_oss(&c, &mut arch, &mut moe)?,
+        Family::DeepseekV4 => deepseek_v4(&c, &mut arch, &mut moe)?,
         Family::Glm4Moe | Family::DeepseekV3 | Family::GlmMoeDsa => {
             moe.intermediate_size = c.usize("moe_intermediate_size")?;
             moe.norm_topk_prob = c.bool_or("norm_topk_prob", true)?;
@@ -317,6 +321,135 @@ fn sparse_attention(c: &Cfg<'_>, layers: usize) -> Result<SparseAttention, Forma
     })
 }
 
+/// DeepSeek-V4 as the hub's config.json spells it (`compress_ratios` per layer,
+/// `num_hash_layers`, `qk_rope_head_dim`, `rope_theta` and `compress_rope_theta` with a
+/// `rope_scaling` for the compressed layers) or as transformers writes it back (`layer_types`
+/// with `compress_rates`, `mlp_layer_types`, `partial_rotary_factor`, `rope_parameters` keyed
+/// `main` and `compress`). Sliding layers rotate with the plain `rope_theta`; compressed layers
+/// with `compress_rope_theta` and the scaling, whose YaRN never scales cos/sin (transformers
+/// forces `attention_factor` 1, as DeepSeek's reference does).
+fn deepseek_v4(c: &Cfg<'_>, arch: &mut Architecture, moe: &mut Moe) -> Result<(), FormatError> {
+    let layers = arch.num_layers;
+    moe.intermediate_size = c.usize("moe_intermediate_size")?;
+    moe.norm_topk_prob = true;
+    moe.routed_scaling_factor = c.f64_or("routed_scaling_factor", 1.5)?;
+    match c.get("scoring_func").and_then(|v| v.as_str()).unwrap_or("sqrtsoftplus") {
+        "sqrtsoftplus" => moe.router = Router::SqrtSoftplus { correction_bias: true },
+        other => return Err(FormatError::Unsupported(format!("deepseek_v4 scoring_func '{other}' (only sqrtsoftplus)"))),
+    }
+    let n_shared = c.opt_usize("n_shared_experts")?.unwrap_or(1);
+    if n_shared > 0 {
+        moe.shared_experts = Some(SharedExperts { intermediate_size: moe.intermediate_size * n_shared, sigmoid_gate: false });
+    }
+    moe.expert_act = ExpertAct::ClampedSilu { limit: c.f64_or("swiglu_limit", 10.0)? };
+    moe.hash_layers = match string_list(c, "mlp_layer_types")? {
+        Some(types) => per_layer(&types, layers, "mlp_layer_types", |t| match t {
+            "hash_moe" => Some(true),
+            "moe" => Some(false),
+            _ => None,
+        })?,
+        None => {
+            let n = c.opt_usize("num_hash_layers")?.unwrap_or(3);
+            (0..layers).map(|l| l < n).collect()
+        }
+    };
+    arch.dense_intermediate_size = 0;
+    arch.layers = vec![LayerKind::Moe; layers];
+    if c.bool_or("attention_bias", false)? {
+        return Err(FormatError::Unsupported("deepseek_v4 attention_bias".into()));
+    }
+    // Compression per layer.
+    let rates = c.get("compress_rates");
+    let rate_of = |kind: &str, default: usize| -> Result<usize, FormatError> {
+        match rates.and_then(|r| r.get(kind)) {
+            Some(v) => v.as_u64().map(|x| x as usize).ok_or_else(|| FormatError::BadInput(format!("config.json: compress_rates.{kind}"))),
+            None => {
+                Ok(c.opt_usize(if kind.starts_with("compressed") { "compress_rate_csa" } else { "compress_rate_hca" })?.unwrap_or(default))
+            }
+        }
+    };
+    let (csa, hca) = (rate_of("compressed_sparse_attention", 4)?, rate_of("heavily_compressed_attention", 128)?);
+    let compression = if let Some(types) = string_list(c, "layer_types")? {
+        per_layer(&types, layers, "layer_types", |t| match t {
+            "sliding_attention" => Some(Compression::None),
+            "compressed_sparse_attention" => Some(Compression::Sparse { rate: csa }),
+            "heavily_compressed_attention" => Some(Compression::Heavy { rate: hca }),
+            _ => None,
+        })?
+    } else if let Some(list) = c.get("compress_ratios").and_then(|v| v.as_array()) {
+        // The hub's per-layer ratios: 0 slides only, 4 is CSA, 128 HCA (transformers' mapping).
+        let kinds = list
+            .iter()
+            .map(|r| match r.as_u64() {
+                Some(0) => Ok(Compression::None),
+                Some(4) => Ok(Compression::Sparse { rate: csa }),
+                Some(128) => Ok(Compression::Heavy { rate: hca }),
+                _ => Err(FormatError::Unsupported(format!("deepseek_v4 compress ratio {r} (only 0, 4, 128)"))),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        if kinds.len() < layers {
+            return Err(FormatError::BadInput(format!("config.json: {} compress_ratios for {layers} layers", kinds.len())));
+        }
+        // The hub lists the multi-token-prediction layer's too.
+        kinds[..layers].to_vec()
+    } else {
+        // transformers' default: two HCA layers, then CSA and HCA alternating.
+        (0..layers)
+            .map(|l| if l >= 2 && l % 2 == 1 { Compression::Sparse { rate: csa } } else { Compression::Heavy { rate: hca } })
+            .collect()
+    };
+    // RoPE: rotated dims from `qk_rope_head_dim` (hub) or the partial factor (transformers).
+    let head_dim = arch.head_dim;
+    let rp = c.get("rope_parameters").cloned().unwrap_or(Value::Null);
+    let (main, compress) = match (rp.get("main"), rp.get("compress")) {
+        (Some(m), Some(cmp)) => (m.clone(), cmp.clone()),
+        _ => {
+            let mut m = serde_json::json!({"rope_theta": c.f64_or("rope_theta", 10000.0)?});
+            let mut cmp = c.get("rope_scaling").filter(|v| v.is_object()).cloned().unwrap_or(serde_json::json!({}));
+            if rp.is_object() {
+                // transformers' flat form before it nests: the scaling keys with the main theta.
+                cmp = rp.clone();
+                m["rope_theta"] = rp.get("rope_theta").cloned().unwrap_or(m["rope_theta"].clone());
+            }
+            cmp["rope_theta"] = serde_json::json!(c.f64_or("compress_rope_theta", 160000.0)?);
+            (m, cmp)
+        }
+    };
+    let rotary = match c.opt_usize("qk_rope_head_dim")? {
+        Some(r) => r,
+        None => {
+            let f = Cfg(&main).f64_or("partial_rotary_factor", c.f64_or("partial_rotary_factor", 64.0 / 512.0)?)?;
+            (head_dim as f64 * f).round() as usize
+        }
+    };
+    let rope = |v: &Value| -> Result<Rope, FormatError> {
+        let theta = Cfg(v).f64_or("rope_theta", 10000.0)?;
+        let mut scaling = rope_scaling(Some(v), c.opt_usize("max_position_embeddings")?)?;
+        if let RopeScaling::Yarn { attention_factor, .. } = &mut scaling {
+            attention_factor.get_or_insert(1.0);
+        }
+        Ok(Rope { theta, rotary_dim: rotary, partial_rotary_factor: rotary as f64 / head_dim as f64, interleaved: true, scaling })
+    };
+    arch.rope = rope(&main)?;
+    arch.compressed_attention = Some(CompressedAttention {
+        q_lora_rank: c.usize("q_lora_rank")?,
+        o_groups: c.opt_usize("o_groups")?.unwrap_or(8),
+        o_lora_rank: c.opt_usize("o_lora_rank")?.unwrap_or(1024),
+        window: c.opt_usize("sliding_window")?.unwrap_or(128),
+        compression,
+        index_heads: c.opt_usize("index_n_heads")?.unwrap_or(64),
+        index_head_dim: c.opt_usize("index_head_dim")?.unwrap_or(128),
+        index_top_k: c.opt_usize("index_topk")?.unwrap_or(512),
+        compress_rope: rope(&compress)?,
+    });
+    arch.hyper_connections = Some(HyperConnections {
+        mult: c.opt_usize("hc_mult")?.unwrap_or(4),
+        sinkhorn_iters: c.opt_usize("hc_sinkhorn_iters")?.unwrap_or(20),
+        eps: c.f64_or("hc_eps", 1e-6)?,
+    });
+    Ok(())
+}
+
 /// gpt-oss: softmax over the top-k of biased router logits (a softmax over all experts,
 /// renormalised over the chosen: the same weights), biased experts with the clamped SwiGLU,
 /// biases on all four attention projections, a sink per head, and sliding-window layers as
@@ -387,8 +520,65 @@ fn rope_scaling(v: Option<&Value>, max_pos: Option<usize>) -> Result<RopeScaling
     }
 }
 
+/// DeepSeek-V4's hub name of a canonical dense tensor (deepseek-ai's own layout: no `model.`
+/// prefix, `attn`/`ffn`, `wq_a`, `wkv`, `compressor.ape`, `hc_attn_fn`, ...).
+fn deepseek_v4_name(canonical: &str) -> String {
+    let top = match canonical {
+        "embed" => "embed.weight",
+        "final_norm" => "norm.weight",
+        "lm_head" => "head.weight",
+        "hc_head_fn" | "hc_head_base" | "hc_head_scale" => canonical,
+        _ => "",
+    };
+    if !top.is_empty() {
+        return top.into();
+    }
+    let rest = canonical.strip_prefix("layers.").expect("canonical layer tensor");
+    let (layer, what) = rest.split_once('.').expect("layer index");
+    let mapped = match what {
+        "attn_norm" | "ffn_norm" => format!("{what}.weight"),
+        w if w.starts_with("hc_") => w.to_string(),
+        "attn.q_a" => "attn.wq_a.weight".into(),
+        "attn.q_a_norm" => "attn.q_norm.weight".into(),
+        "attn.q_b" => "attn.wq_b.weight".into(),
+        "attn.kv" => "attn.wkv.weight".into(),
+        "attn.kv_norm" => "attn.kv_norm.weight".into(),
+        "attn.o_a" => "attn.wo_a.weight".into(),
+        "attn.o_b" => "attn.wo_b.weight".into(),
+        "attn.sinks" => "attn.attn_sink".into(),
+        "attn.idx_q" => "attn.indexer.wq_b.weight".into(),
+        "attn.idx_weights" => "attn.indexer.weights_proj.weight".into(),
+        "moe.router" => "ffn.gate.weight".into(),
+        "moe.router_bias" => "ffn.gate.bias".into(),
+        "moe.tid2eid" => "ffn.gate.tid2eid".into(),
+        "moe.shared.gate" => "ffn.shared_experts.w1.weight".into(),
+        "moe.shared.up" => "ffn.shared_experts.w3.weight".into(),
+        "moe.shared.down" => "ffn.shared_experts.w2.weight".into(),
+        w => {
+            let (owner, part) = if let Some(p) = w.strip_prefix("attn.idx_cmp_") {
+                ("attn.indexer.compressor", p)
+            } else if let Some(p) = w.strip_prefix("attn.cmp_") {
+                ("attn.compressor", p)
+            } else {
+                panic!("unmapped canonical tensor {canonical}")
+            };
+            match part {
+                "kv" => format!("{owner}.wkv.weight"),
+                "gate" => format!("{owner}.wgate.weight"),
+                "bias" => format!("{owner}.ape"),
+                "norm" => format!("{owner}.norm.weight"),
+                _ => panic!("unmapped canonical tensor {canonical}"),
+            }
+        }
+    };
+    format!("layers.{layer}.{mapped}")
+}
+
 /// The checkpoint name of a canonical dense tensor.
 pub fn hf_name(family: Family, canonical: &str) -> String {
+    if family == Family::DeepseekV4 {
+        return deepseek_v4_name(canonical);
+    }
     let simple = match canonical {
         "embed" => return "model.embed_tokens.weight".into(),
         "final_norm" => return "model.norm.weight".into(),
@@ -448,6 +638,10 @@ pub fn hf_name(family: Family, canonical: &str) -> String {
 
 /// The checkpoint names of expert `e`'s `[gate, up, down]` in decoder layer `layer`.
 pub fn hf_expert_names(family: Family, layer: usize, e: usize) -> [String; 3] {
+    if family == Family::DeepseekV4 {
+        let p = format!("layers.{layer}.ffn.experts.{e}");
+        return [format!("{p}.w1.weight"), format!("{p}.w3.weight"), format!("{p}.w2.weight")];
+    }
     if matches!(family, Family::Mixtral | Family::MinimaxM2) {
         let p = format!("model.layers.{layer}.block_sparse_moe.experts.{e}");
         return [format!("{p}.w1.weight"), format!("{p}.w3.weight"), format!("{p}.w2.weight")];
@@ -462,7 +656,15 @@ pub fn is_ignored(name: &str, arch: &Architecture) -> bool {
     if name.ends_with("rotary_emb.inv_freq") || name.ends_with("_scale_inv") {
         return true;
     }
-    if let Some(rest) = name.strip_prefix("model.layers.") {
+    // DeepSeek-V4's multi-token-prediction module (`mtp.*`). Its FP8/FP4 scales (`*.scale`)
+    // are not read yet, so a quantized checkpoint reports them as unexpected rather than
+    // converting its codes as if they were values.
+    if arch.family == Family::DeepseekV4 && name.starts_with("mtp.") {
+        return true;
+    }
+    if let Some(rest) =
+        name.strip_prefix("model.layers.").or_else(|| name.strip_prefix("layers.").filter(|_| arch.family == Family::DeepseekV4))
+    {
         if let Some(Ok(l)) = rest.split('.').next().map(str::parse::<usize>) {
             return l >= arch.num_layers;
         }

@@ -22,6 +22,10 @@ pub enum DType {
     BF16,
     /// float8 e4m3 (DeepSeek-V3's published weights), with a `_scale_inv` companion.
     F8E4M3,
+    /// Integers (DeepSeek-V4's `tid2eid`), read as f32: exact below 2^24.
+    I64,
+    /// 32-bit integers, as [`DType::I64`].
+    I32,
     /// Bytes: gpt-oss's packed MXFP4 `_blocks` and their e8m0 `_scales`, read as they are
     /// (as f32 each byte is its value, 0..=255).
     U8,
@@ -35,13 +39,16 @@ impl DType {
             "BF16" => DType::BF16,
             "F8_E4M3" => DType::F8E4M3,
             "U8" => DType::U8,
+            "I64" => DType::I64,
+            "I32" => DType::I32,
             _ => return None,
         })
     }
     /// Bytes per element.
     pub fn size(self) -> usize {
         match self {
-            DType::F32 => 4,
+            DType::I64 => 8,
+            DType::F32 | DType::I32 => 4,
             DType::F16 | DType::BF16 => 2,
             DType::F8E4M3 | DType::U8 => 1,
         }
@@ -105,6 +112,16 @@ impl TensorInfo {
             DType::F8E4M3 => {
                 for (o, &b) in out.iter_mut().zip(raw.iter()) {
                     *o = f8e4m3_to_f32(b);
+                }
+            }
+            DType::I64 => {
+                for (o, c) in out.iter_mut().zip(raw.chunks_exact(8)) {
+                    *o = i64::from_le_bytes(c.try_into().unwrap()) as f32;
+                }
+            }
+            DType::I32 => {
+                for (o, c) in out.iter_mut().zip(raw.chunks_exact(4)) {
+                    *o = i32::from_le_bytes(c.try_into().unwrap()) as f32;
                 }
             }
             // Bytes (MXFP4 blocks and scales), read as stored by read_rows_raw: not numbers.

@@ -31,6 +31,8 @@ pub enum Family {
     /// GLM-5 (`glm_moe_dsa`): DeepSeek-V3's latent attention and routing with DeepSeek Sparse
     /// Attention.
     GlmMoeDsa,
+    /// DeepSeek-V4 (Flash, Pro): compressed attentions, hyper-connections, hash routing.
+    DeepseekV4,
 }
 
 impl Family {
@@ -46,11 +48,12 @@ impl Family {
             Family::MinimaxM2 => "minimax_m2",
             Family::GptOss => "gpt_oss",
             Family::GlmMoeDsa => "glm_moe_dsa",
+            Family::DeepseekV4 => "deepseek_v4",
         }
     }
 
     /// All supported families.
-    pub const ALL: [Family; 9] = [
+    pub const ALL: [Family; 10] = [
         Family::Qwen3Moe,
         Family::Qwen2Moe,
         Family::Mixtral,
@@ -60,6 +63,7 @@ impl Family {
         Family::MinimaxM2,
         Family::GptOss,
         Family::GlmMoeDsa,
+        Family::DeepseekV4,
     ];
 
     /// The family with this `model_type`.
@@ -167,6 +171,97 @@ pub struct SparseAttention {
     pub indexer: Vec<bool>,
 }
 
+/// What a DeepSeek-V4 layer's attention sees beyond its sliding window.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Compression {
+    /// The sliding window only ("sliding_attention").
+    None,
+    /// Compressed sparse attention ("compressed_sparse_attention", CSA): every `rate`
+    /// positions close a window whose entry pools it with the window before (overlapping
+    /// windows of `2 × rate`), and a lightning indexer picks each query's `top_k` entries.
+    Sparse {
+        /// Positions per compressed entry (4).
+        rate: usize,
+    },
+    /// Heavily compressed attention ("heavily_compressed_attention", HCA): one entry per
+    /// `rate` positions, no overlap, every entry attended.
+    Heavy {
+        /// Positions per compressed entry (128).
+        rate: usize,
+    },
+}
+
+impl Compression {
+    /// Positions per compressed entry (0: no compression).
+    pub fn rate(self) -> usize {
+        match self {
+            Compression::None => 0,
+            Compression::Sparse { rate } | Compression::Heavy { rate } => rate,
+        }
+    }
+    /// Whether an entry pools two windows (CSA): its compressor projects `2 × head_dim`.
+    pub fn overlaps(self) -> bool {
+        matches!(self, Compression::Sparse { .. })
+    }
+}
+
+/// DeepSeek-V4's attention: one shared key=value head of `head_dim` per position (MQA), queries
+/// through a low-rank `q_a`/`q_b` with an RMSNorm between and an unweighted RMSNorm per head,
+/// RoPE (interleaved pairs) on each head's *last* `rotary_dim` dimensions, a sink logit per
+/// head, a sliding window over the recent positions plus, per layer, compressed entries of the
+/// past ([`Compression`]); the output's rotated part turned back by its own position, then a
+/// grouped low-rank output projection (`o_groups` groups of heads each projected to
+/// `o_lora_rank`, then one `o_b` to the hidden size).
+///
+/// Tensors of layer `l`: `attn.q_a` `[q_lora_rank, hidden]`, `attn.q_a_norm`, `attn.q_b`
+/// `[heads × head_dim, q_lora_rank]`, `attn.kv` `[head_dim, hidden]`, `attn.kv_norm`,
+/// `attn.o_a` `[o_groups × o_lora_rank, heads × head_dim / o_groups]`, `attn.o_b`, `attn.sinks`;
+/// compressed layers add `attn.cmp_kv` and `attn.cmp_gate` (`[c × head_dim, hidden]`, `c` 2 when
+/// overlapping), `attn.cmp_bias` `[rate, c × head_dim]` (exact) and `attn.cmp_norm`; CSA layers
+/// add the indexer's `attn.idx_q` `[heads × head_dim, q_lora_rank]`, `attn.idx_weights`
+/// `[heads, hidden]` (exact) and its own compressor `attn.idx_cmp_kv`, `attn.idx_cmp_gate`,
+/// `attn.idx_cmp_bias`, `attn.idx_cmp_norm` at the indexer's head dimension.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CompressedAttention {
+    /// Rank of the query compression.
+    pub q_lora_rank: usize,
+    /// Head groups of the output projection.
+    pub o_groups: usize,
+    /// Each group's projected width.
+    pub o_lora_rank: usize,
+    /// Positions of the sliding window, the query's own included.
+    pub window: usize,
+    /// Per layer, what it attends beyond the window.
+    pub compression: Vec<Compression>,
+    /// The lightning indexer of CSA layers: heads, head dimension, entries kept per query.
+    pub index_heads: usize,
+    /// Indexer head dimension.
+    pub index_head_dim: usize,
+    /// Compressed entries each CSA query attends to.
+    pub index_top_k: usize,
+    /// The RoPE of compressed layers (their attention, compressors and indexer); sliding layers
+    /// use [`Architecture::rope`].
+    pub compress_rope: Rope,
+}
+
+/// Manifold-constrained hyper-connections (DeepSeek-V4): the residual stream is `mult` streams
+/// of `hidden` values. Before each attention and feed-forward block, a projection of the
+/// RMS-normed streams (`fn` `[(2 + mult) × mult, mult × hidden]`, `base`, three `scale`s; all
+/// exact) gives per token `pre` (sigmoid, how the streams collapse into the block's input),
+/// `post` (2·sigmoid, how the block's output spreads back) and `comb` (a softmax made doubly
+/// stochastic by `sinkhorn_iters` Sinkhorn steps, how the streams mix); after the last layer a
+/// head (`hc_head_fn` `[mult, mult × hidden]`, `hc_head_base`, `hc_head_scale`) collapses them.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct HyperConnections {
+    /// Streams.
+    pub mult: usize,
+    /// Sinkhorn-Knopp iterations.
+    pub sinkhorn_iters: usize,
+    /// Floor added to `pre` and `comb`, and to Sinkhorn's denominators.
+    pub eps: f64,
+}
+
 /// How the router turns logits into expert choices and mixing weights.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
@@ -182,6 +277,13 @@ pub enum Router {
         /// Groups each token may choose from.
         topk_group: usize,
         /// Whether `e_score_correction_bias` exists.
+        correction_bias: bool,
+    },
+    /// DeepSeek-V4: scores `sqrt(softplus(logit))`, experts chosen on scores plus the
+    /// correction bias, mixing weights from the uncorrected scores. In hash-routed layers
+    /// ([`Moe::hash_layers`]) the experts come from the token id instead.
+    SqrtSoftplus {
+        /// Whether `e_score_correction_bias` exists (in the learned layers).
         correction_bias: bool,
     },
 }
@@ -208,6 +310,12 @@ pub enum ExpertAct {
         /// Slope inside the sigmoid (1.702).
         alpha: f64,
         /// Clamp bound (7.0).
+        limit: f64,
+    },
+    /// DeepSeek-V4: `silu(min(gate, limit)) · clamp(up, -limit, limit)`, in the routed and the
+    /// shared experts.
+    ClampedSilu {
+        /// Clamp bound (`swiglu_limit`, 10.0).
         limit: f64,
     },
 }
@@ -252,6 +360,18 @@ pub struct Moe {
     /// The routed experts' activation.
     #[serde(default, skip_serializing_if = "ExpertAct::is_silu")]
     pub expert_act: ExpertAct,
+    /// Per layer, whether its experts are chosen by token id (DeepSeek-V4's first layers,
+    /// tensor `moe.tid2eid` `[vocab, top_k]`, exact) rather than by the router; empty when no
+    /// layer is.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub hash_layers: Vec<bool>,
+}
+
+impl Moe {
+    /// Whether layer `l`'s experts come from the token id.
+    pub fn hash_routed(&self, l: usize) -> bool {
+        self.hash_layers.get(l).copied().unwrap_or(false)
+    }
 }
 
 /// What a decoder layer's feed-forward part is.
@@ -316,6 +436,12 @@ pub struct Architecture {
     /// DeepSeek Sparse Attention over the latent attention (GLM-5), if the model has it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sparse_attention: Option<SparseAttention>,
+    /// DeepSeek-V4's attention, in place of standard or latent attention.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compressed_attention: Option<CompressedAttention>,
+    /// DeepSeek-V4's widened residual stream.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hyper_connections: Option<HyperConnections>,
 }
 
 impl Architecture {
@@ -399,6 +525,53 @@ impl Architecture {
             }
             if s.indexer.first() != Some(&true) {
                 return Err("the first layer shares an indexer selection no layer before it made".into());
+            }
+        }
+        if let Some(c) = &self.compressed_attention {
+            if self.mla.is_some() || self.sparse_attention.is_some() {
+                return Err("compressed attention with latent or sparse attention".into());
+            }
+            if self.num_kv_heads != 1 {
+                return Err(format!("compressed attention shares one key/value head, not {}", self.num_kv_heads));
+            }
+            pos(c.q_lora_rank, "q_lora_rank")?;
+            pos(c.o_groups, "o_groups")?;
+            pos(c.o_lora_rank, "o_lora_rank")?;
+            pos(c.window, "sliding_window")?;
+            if !self.num_heads.is_multiple_of(c.o_groups) {
+                return Err(format!("{} heads in {} output groups", self.num_heads, c.o_groups));
+            }
+            if c.compression.len() != self.num_layers {
+                return Err(format!("{} compression kinds for {} layers", c.compression.len(), self.num_layers));
+            }
+            if c.compression.iter().any(|k| *k != Compression::None && k.rate() == 0) {
+                return Err("a compression rate of 0".into());
+            }
+            if c.compression.iter().any(|k| k.overlaps()) {
+                pos(c.index_heads, "index_n_heads")?;
+                pos(c.index_top_k, "index_topk")?;
+                if c.index_head_dim < c.compress_rope.rotary_dim {
+                    return Err(format!("index_head_dim {} below the {} rotated dimensions", c.index_head_dim, c.compress_rope.rotary_dim));
+                }
+            }
+            let r = c.compress_rope.rotary_dim;
+            if r == 0 || r > self.head_dim || !r.is_multiple_of(2) || r != self.rope.rotary_dim {
+                return Err(format!("bad rotary dims {} / {} for head dim {}", self.rope.rotary_dim, r, self.head_dim));
+            }
+        }
+        if let Some(h) = &self.hyper_connections {
+            pos(h.mult, "hc_mult")?;
+            pos(h.sinkhorn_iters, "hc_sinkhorn_iters")?;
+            if !h.eps.is_finite() || h.eps < 0.0 {
+                return Err(format!("bad hc_eps {}", h.eps));
+            }
+        }
+        if !self.moe.hash_layers.is_empty() && self.moe.hash_layers.len() != self.num_layers {
+            return Err(format!("{} hash-routing flags for {} layers", self.moe.hash_layers.len(), self.num_layers));
+        }
+        if let ExpertAct::ClampedSilu { limit } = self.moe.expert_act {
+            if !limit.is_finite() || limit <= 0.0 {
+                return Err(format!("bad swiglu_limit {limit}"));
             }
         }
         if let ExpertAct::ClampedSwiglu { alpha, limit } = self.moe.expert_act {

@@ -22,7 +22,10 @@ mod reader;
 mod stacked;
 mod writer;
 
-pub use arch::{Architecture, ExpertAct, Family, LayerKind, Mla, Moe, QkNorm, Rope, RopeScaling, Router, SharedExperts, SparseAttention};
+pub use arch::{
+    Architecture, CompressedAttention, Compression, ExpertAct, Family, HyperConnections, LayerKind, Mla, Moe, QkNorm, Rope, RopeScaling,
+    Router, SharedExperts, SparseAttention,
+};
 pub use header::Header;
 pub use manifest::{DenseEntry, ExpertIndex, ExpertLayer, GenerationDefaults, Manifest, PartEntry, TextAssets};
 pub use reader::{BlobLocation, Vault};

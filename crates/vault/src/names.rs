@@ -5,7 +5,7 @@
 //! [`Architecture`] alone, so a converter can report missing and unexpected tensors and a reader
 //! can reject a manifest that does not match its own architecture.
 
-use crate::arch::{Architecture, LayerKind, QkNorm, Router};
+use crate::arch::{Architecture, Compression, LayerKind, QkNorm, Router};
 
 /// Shape and role of one dense tensor.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -51,6 +51,15 @@ pub fn dense_tensors(arch: &Architecture) -> Vec<TensorSpec> {
     let mut v = vec![TensorSpec::matrix("embed".into(), arch.vocab_size, h)];
     for l in 0..arch.num_layers {
         v.push(TensorSpec::vector(layer(l, "attn_norm"), h));
+        if let Some(hc) = &arch.hyper_connections {
+            // The mixing weights decide how the residual streams combine: exact, as routers.
+            let (n, mixes) = (hc.mult, (2 + hc.mult) * hc.mult);
+            for block in ["attn", "ffn"] {
+                v.push(TensorSpec::exact_matrix(layer(l, &format!("hc_{block}_fn")), mixes, n * h));
+                v.push(TensorSpec::vector(layer(l, &format!("hc_{block}_base")), mixes));
+                v.push(TensorSpec::vector(layer(l, &format!("hc_{block}_scale")), 3));
+            }
+        }
         attention_tensors(arch, l, &mut v);
         v.push(TensorSpec::vector(layer(l, "ffn_norm"), h));
         match arch.layers[l] {
@@ -58,8 +67,15 @@ pub fn dense_tensors(arch: &Architecture) -> Vec<TensorSpec> {
             LayerKind::Moe => {
                 let e = arch.moe.num_experts;
                 v.push(TensorSpec::exact_matrix(layer(l, "moe.router"), e, h));
-                if let Router::SigmoidGrouped { correction_bias: true, .. } = arch.moe.router {
-                    v.push(TensorSpec::vector(layer(l, "moe.router_bias"), e));
+                let hashed = arch.moe.hash_routed(l);
+                match arch.moe.router {
+                    Router::SigmoidGrouped { correction_bias: true, .. } => v.push(TensorSpec::vector(layer(l, "moe.router_bias"), e)),
+                    Router::SqrtSoftplus { correction_bias: true } if !hashed => v.push(TensorSpec::vector(layer(l, "moe.router_bias"), e)),
+                    _ => {}
+                }
+                if hashed {
+                    // Token id -> experts, as f32 (exact below 2^24).
+                    v.push(TensorSpec::exact_matrix(layer(l, "moe.tid2eid"), arch.vocab_size, arch.moe.top_k));
                 }
                 if arch.moe.router_logit_bias {
                     v.push(TensorSpec::vector(layer(l, "moe.router_logit_bias"), e));
@@ -79,6 +95,11 @@ pub fn dense_tensors(arch: &Architecture) -> Vec<TensorSpec> {
             }
         }
     }
+    if let Some(hc) = &arch.hyper_connections {
+        v.push(TensorSpec::exact_matrix("hc_head_fn".into(), hc.mult, hc.mult * h));
+        v.push(TensorSpec::vector("hc_head_base".into(), hc.mult));
+        v.push(TensorSpec::vector("hc_head_scale".into(), 1));
+    }
     v.push(TensorSpec::vector("final_norm".into(), h));
     if !arch.tie_word_embeddings {
         v.push(TensorSpec::matrix("lm_head".into(), arch.vocab_size, h));
@@ -92,9 +113,43 @@ fn mlp_tensors(v: &mut Vec<TensorSpec>, l: usize, prefix: &str, h: usize, i: usi
     v.push(TensorSpec::matrix(layer(l, &format!("{prefix}.down")), h, i));
 }
 
+/// DeepSeek-V4's attention tensors of layer `l` (see [`crate::CompressedAttention`]).
+fn compressed_attention_tensors(arch: &Architecture, l: usize, v: &mut Vec<TensorSpec>) {
+    let c = arch.compressed_attention.as_ref().expect("compressed attention");
+    let (h, nh, hd, r) = (arch.hidden_size, arch.num_heads, arch.head_dim, c.q_lora_rank);
+    v.push(TensorSpec::matrix(layer(l, "attn.q_a"), r, h));
+    v.push(TensorSpec::vector(layer(l, "attn.q_a_norm"), r));
+    v.push(TensorSpec::matrix(layer(l, "attn.q_b"), nh * hd, r));
+    v.push(TensorSpec::matrix(layer(l, "attn.kv"), hd, h));
+    v.push(TensorSpec::vector(layer(l, "attn.kv_norm"), hd));
+    v.push(TensorSpec::matrix(layer(l, "attn.o_a"), c.o_groups * c.o_lora_rank, nh * hd / c.o_groups));
+    v.push(TensorSpec::matrix(layer(l, "attn.o_b"), h, c.o_groups * c.o_lora_rank));
+    v.push(TensorSpec::vector(layer(l, "attn.sinks"), nh));
+    let kind = c.compression[l];
+    if kind == Compression::None {
+        return;
+    }
+    let compressor = |v: &mut Vec<TensorSpec>, prefix: &str, dim: usize| {
+        let width = if kind.overlaps() { 2 * dim } else { dim };
+        v.push(TensorSpec::matrix(layer(l, &format!("{prefix}_kv")), width, h));
+        v.push(TensorSpec::matrix(layer(l, &format!("{prefix}_gate")), width, h));
+        v.push(TensorSpec::exact_matrix(layer(l, &format!("{prefix}_bias")), kind.rate(), width));
+        v.push(TensorSpec::vector(layer(l, &format!("{prefix}_norm")), dim));
+    };
+    compressor(v, "attn.cmp", hd);
+    if kind.overlaps() {
+        v.push(TensorSpec::matrix(layer(l, "attn.idx_q"), c.index_heads * c.index_head_dim, r));
+        v.push(TensorSpec::exact_matrix(layer(l, "attn.idx_weights"), c.index_heads, h));
+        compressor(v, "attn.idx_cmp", c.index_head_dim);
+    }
+}
+
 fn attention_tensors(arch: &Architecture, l: usize, v: &mut Vec<TensorSpec>) {
     let h = arch.hidden_size;
     let nh = arch.num_heads;
+    if arch.compressed_attention.is_some() {
+        return compressed_attention_tensors(arch, l, v);
+    }
     if let Some(m) = &arch.mla {
         let qk = m.qk_nope_head_dim + m.qk_rope_head_dim;
         match m.q_lora_rank {

@@ -31,6 +31,7 @@ pub(crate) fn tiny_arch() -> Architecture {
             router_logit_bias: false,
             expert_bias: false,
             expert_act: Default::default(),
+            hash_layers: vec![],
         },
         layers: vec![LayerKind::Moe; 2],
         tie_word_embeddings: false,
@@ -38,6 +39,8 @@ pub(crate) fn tiny_arch() -> Architecture {
         attn_sinks: false,
         o_bias: false,
         sparse_attention: None,
+        compressed_attention: None,
+        hyper_connections: None,
     }
 }
 

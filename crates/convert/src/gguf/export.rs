@@ -36,6 +36,12 @@ fn file_type(f: Format) -> u32 {
 fn metadata(v: &Vault) -> Result<Vec<(String, Value)>, ConvertError> {
     let a = v.architecture();
     let m = v.manifest();
+    if a.compressed_attention.is_some() || a.hyper_connections.is_some() {
+        return Err(ConvertError::Format(smoe_formats::FormatError::Unsupported(format!(
+            "{} has no GGUF layout yet (llama.cpp's converter does not write it), so there is nothing to match",
+            a.family.model_type()
+        ))));
+    }
     let arch = arch_name(a.family);
     let mut kv: Vec<(String, Value)> = Vec::new();
     let mut put = |k: &str, val: Value| {

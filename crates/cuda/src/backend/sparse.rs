@@ -61,10 +61,13 @@ impl CudaBackend {
         at: IndexQueries,
         out: &mut [u32],
     ) {
-        let IndexQueries { row0, n, pos0, heads, top } = at;
+        let IndexQueries { row0, n, pos0, heads, top, rate } = at;
         if self.faulted() || n == 0 {
             return;
         }
+        // A key per position (GLM-5); compressed keys (DeepSeek-V4) are the CPU's alone
+        // (`attends_compressed` is false here).
+        assert_eq!(rate, 1, "index_select: compressed indexer keys on CUDA");
         let l = &cache.layers[layer];
         let d = l.shape.k_dim;
         at.check(q, weights, d, out);
@@ -100,7 +103,7 @@ impl CudaBackend {
         }
         let mut order = Vec::new();
         for (t, o) in out[..n * top].chunks_mut(top).enumerate() {
-            select_top(&scores[t * total..][..pos0 + t + 1], pos0 + t, top, &mut order, o);
+            select_top(&scores[t * total..][..pos0 + t + 1], pos0 + t + 1, top, &mut order, o);
         }
     }
 

@@ -5,12 +5,13 @@
 //! when an op is big enough to be worth it.
 
 mod attention;
+mod compressed;
 mod fast;
 mod matmul;
 pub mod pool;
 mod sparse;
 
-use crate::backend::{check, check_rows, AttnParams, Backend, IndexQueries, KvShape, MatJob, WeightRef};
+use crate::backend::{check, check_rows, AttnParams, Backend, CompressWindows, CompressedParams, IndexQueries, KvShape, MatJob, WeightRef};
 use crate::routing::{RouteScratch, RouterRule};
 use smoe_quant::{Format, QMatrix};
 use std::sync::Arc;
@@ -187,6 +188,10 @@ impl Backend for CpuBackend {
         true
     }
 
+    fn attends_compressed(&self) -> bool {
+        true
+    }
+
     fn interleaved_expert_formats(&self) -> Vec<Format> {
         let fast = self.precision == Precision::Fast;
         [Format::Q4_K, Format::Q8_0].into_iter().filter(|&f| fast && self.kernels.has_group8(f)).collect()
@@ -350,11 +355,63 @@ impl Backend for CpuBackend {
     }
     fn index_select(&self, cache: &CpuKvCache, layer: usize, q: &CpuBuf, weights: &CpuBuf, at: IndexQueries, out: &mut [u32]) {
         let l = &cache.layers[layer];
-        let (d, end) = (l.shape.k_dim, at.pos0 + at.n);
+        let (d, end) = (l.shape.k_dim, at.seen(at.pos0 + at.n.max(1) - 1));
         at.check(q, weights, d, out);
         assert!(l.k.len() >= end * d, "index_select: layer {layer} holds {} positions, not {end}", l.k.len() / d.max(1));
         let kernels = (self.precision == Precision::Fast).then_some(self.kernels);
         sparse::index_select(l, q, weights, at, out, kernels);
+    }
+    fn compress_windows(&self, cache: &mut CpuKvCache, c: CompressWindows<'_>) {
+        compressed::compress_windows(&mut cache.layers, c);
+    }
+    fn attention_compressed(
+        &self,
+        cache: &CpuKvCache,
+        layer: usize,
+        q: &CpuBuf,
+        n: usize,
+        pos0: usize,
+        p: CompressedParams<'_>,
+        out: &mut CpuBuf,
+    ) {
+        let d = cache.layers[layer].shape.k_dim;
+        check("attention_compressed queries", q, n, p.q_heads * d);
+        check("attention_compressed", out, n, p.q_heads * d);
+        assert!(cache.layers[layer].k.len() >= (pos0 + n) * d, "attention_compressed: layer {layer} lacks positions up to {}", pos0 + n);
+        let attend = |gl: &KvLayer, q: &[f32], p: AttnParams<'_>, o: &mut [f32]| {
+            let last = gl.k.len() / d - 1;
+            match self.precision {
+                Precision::Reference => attention::attention_ref(gl, q, q.len(), 1, last, p, o),
+                Precision::Fast => {
+                    attention::attention_fast(gl, q, q.len(), 1, last, p, o, self.kernels, &self.pool, attention::POSITIONS_PER_BLOCK)
+                }
+            }
+        };
+        compressed::attention_compressed(&cache.layers, layer, q, n, pos0, p, out, &attend);
+    }
+    fn hc_collapse(&self, x: &CpuBuf, n: usize, mult: usize, dim: usize, pre: &[f32], out: &mut CpuBuf) {
+        check("hc_collapse streams", x, n, mult * dim);
+        check("hc_collapse", out, n, dim);
+        crate::hyper::collapse(x, n, mult, dim, pre, out);
+    }
+    fn hc_expand(&self, x: &mut CpuBuf, y: &CpuBuf, n: usize, mult: usize, dim: usize, post: &[f32], comb: &[f32]) {
+        check("hc_expand streams", x, n, mult * dim);
+        check("hc_expand", y, n, dim);
+        crate::hyper::expand(x, y, n, mult, dim, post, comb);
+    }
+    fn silu_mul_clamped(&self, g: &mut CpuBuf, u: &CpuBuf, len: usize, limit: f32) {
+        for (a, &b) in g[..len].iter_mut().zip(&u[..len]) {
+            *a = crate::hyper::clamped_silu(*a, b, limit);
+        }
+    }
+    fn silu_clamped_halves(&self, x: &mut CpuBuf, row0: usize, n: usize, stride: usize, w: usize, limit: f32) {
+        check_rows("silu_clamped_halves", x, row0, n, stride, 0, 2 * w);
+        for row in x[row0 * stride..(row0 + n) * stride].chunks_exact_mut(stride) {
+            let (g, u) = row.split_at_mut(w);
+            for (a, &b) in g.iter_mut().zip(&u[..w]) {
+                *a = crate::hyper::clamped_silu(*a, b, limit);
+            }
+        }
     }
     fn add_bias(&self, x: &mut CpuBuf, n: usize, stride: usize, off: usize, b: &Vec<f32>) {
         check_rows("add_bias", x, 0, n, stride, off, b.len());
@@ -510,9 +567,11 @@ impl Backend for CpuBackend {
     fn kv_copy(&self, src: &CpuKvCache, dst: &mut CpuKvCache, positions: usize) -> bool {
         for (d, s) in dst.layers.iter_mut().zip(&src.layers) {
             let (kw, vw) = (s.shape.heads * s.shape.k_dim, s.shape.heads * s.shape.v_dim);
-            assert!(s.k.len() >= positions * kw, "kv_copy: {positions} positions of a cache holding {}", s.k.len() / kw.max(1));
+            // A layer indexed by window (DeepSeek-V4's compressed entries) holds fewer rows than
+            // positions; the entries past the prefix's closed windows are recomputed before use.
+            let rows = positions.min(s.k.len() / kw.max(1));
             d.k.clear();
-            d.k.extend_from_slice(&s.k[..positions * kw]);
+            d.k.extend_from_slice(&s.k[..rows * kw]);
             d.v.clear();
             if !s.v.is_empty() {
                 d.v.extend_from_slice(&s.v[..positions * vw]);

@@ -100,21 +100,21 @@ fn score_keys(q: &[f32], w: &[f32], keys: &[f32], d: usize, kernels: Option<&smo
 /// `w` rows `heads`; `out` is `[n, top]`. `kernels`: the SIMD scores of the fast path (`None`:
 /// the reference path's plain dot products).
 pub(super) fn index_select(l: &KvLayer, q: &[f32], w: &[f32], at: IndexQueries, out: &mut [u32], kernels: Option<&smoe_kernels::Kernels>) {
-    let IndexQueries { row0, n, pos0, heads, top } = at;
+    let IndexQueries { row0, n, pos0, heads, top, .. } = at;
     let d = l.shape.k_dim;
     let one = |t: usize, o: &mut [u32]| {
-        let p = pos0 + t;
+        let seen = at.seen(pos0 + t);
         let (qt, wt) = (&q[(row0 + t) * heads * d..][..heads * d], &w[(row0 + t) * heads..][..heads]);
         SCRATCH.with(|s| {
             let (scores, order) = &mut *s.borrow_mut();
-            if p < top {
-                // Every position it sees is kept: no scores needed.
-                return select_top(&[], p, top, order, o);
+            if seen <= top {
+                // Every key it sees is kept: no scores needed.
+                return select_top(&[], seen, top, order, o);
             }
             scores.clear();
-            scores.resize(p + 1, 0.0);
-            let keys = &l.k[..(p + 1) * d];
-            if n == 1 && p + 1 >= 2 * POSITIONS_PER_TASK {
+            scores.resize(seen, 0.0);
+            let keys = &l.k[..seen * d];
+            if n == 1 && seen >= 2 * POSITIONS_PER_TASK {
                 scores
                     .par_chunks_mut(POSITIONS_PER_TASK)
                     .zip(keys.par_chunks(POSITIONS_PER_TASK * d))
@@ -122,7 +122,7 @@ pub(super) fn index_select(l: &KvLayer, q: &[f32], w: &[f32], at: IndexQueries, 
             } else {
                 score_keys(qt, wt, keys, d, kernels, scores);
             }
-            select_top(scores, p, top, order, o);
+            select_top(scores, seen, top, order, o);
         })
     };
     let out = &mut out[..n * top];

@@ -15,6 +15,8 @@ pub fn arch_name(f: Family) -> &'static str {
         Family::MinimaxM2 => "minimax-m2",
         Family::GptOss => "gpt-oss",
         Family::GlmMoeDsa => "glm-dsa",
+        // No GGUF converter writes DeepSeek-V4 yet; export refuses it (see `smoe_convert`).
+        Family::DeepseekV4 => "deepseek4",
     }
 }
 

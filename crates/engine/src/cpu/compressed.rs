@@ -1,0 +1,125 @@
+//! DeepSeek-V4's compressed attention on the CPU: the compressor that turns closed windows of
+//! raw rows into entries, and the attention of each query over its sliding window and the
+//! entries it sees. The attention gathers each query's rows (window and entries, keys equal to
+//! values) into a layer of its own and runs [`super::attention`]'s dense attention over it, as
+//! [`super::sparse`] does for DeepSeek Sparse Attention.
+
+use super::{rms_scale, KvLayer};
+use crate::backend::{AttnParams, CompressWindows, CompressedParams, KvShape};
+use std::cell::RefCell;
+
+thread_local! {
+    /// One query's gathered rows.
+    static GATHERED: RefCell<Option<KvLayer>> = const { RefCell::new(None) };
+}
+
+/// [`crate::Backend::compress_windows`] over the cache's layers.
+pub(super) fn compress_windows(layers: &mut [KvLayer], c: CompressWindows<'_>) {
+    let CompressWindows { raw_layer, entry_layer, first, count, rate, dim, overlap, bias, norm, eps, rope } = c;
+    if count == 0 {
+        return;
+    }
+    let cw = if overlap { 2 * dim } else { dim };
+    let raw = &layers[raw_layer];
+    let row = 2 * cw;
+    assert!(
+        raw.k.len() >= (first + count) * rate * row,
+        "compress_windows: windows up to {} of a raw cache holding {} positions",
+        first + count,
+        raw.k.len() / row
+    );
+    assert!(bias.len() >= rate * cw && norm.len() >= dim, "compress_windows: {} biases, {} norm weights", bias.len(), norm.len());
+    let half = rope.cos.len() / count;
+    let rot = 2 * half;
+    assert!(rot <= dim, "compress_windows: {rot} rotated dimensions of {dim}");
+    let mut entries = vec![0f32; count * dim];
+    // Per channel: each slot's (gate + bias, kv); at most two windows' positions.
+    let mut slots: Vec<(f32, f32)> = Vec::with_capacity(2 * rate);
+    for (wi, e) in entries.chunks_exact_mut(dim).enumerate() {
+        let w = first + wi;
+        for (ch, out) in e.iter_mut().enumerate() {
+            slots.clear();
+            let mut push = |pos: usize, i: usize, col: usize| {
+                let r = &raw.k[pos * row..][..row];
+                slots.push((r[cw + col] + bias[i * cw + col], r[col]));
+            };
+            if overlap && w > 0 {
+                // The previous window's first halves.
+                for i in 0..rate {
+                    push((w - 1) * rate + i, i, ch);
+                }
+            }
+            let col = if overlap { dim + ch } else { ch };
+            for i in 0..rate {
+                push(w * rate + i, i, col);
+            }
+            let max = slots.iter().fold(f32::NEG_INFINITY, |m, s| m.max(s.0));
+            let (mut num, mut den) = (0f32, 0f32);
+            for &(g, v) in &slots {
+                let p = (g - max).exp();
+                num += p * v;
+                den += p;
+            }
+            *out = num / den;
+        }
+        let scale = rms_scale(e, eps);
+        for (v, &g) in e.iter_mut().zip(norm) {
+            *v *= scale * g;
+        }
+        // Interleaved pairs over the last `rot` dimensions, at the window's first position.
+        let (cs, sn) = (&rope.cos[wi * half..][..half], &rope.sin[wi * half..][..half]);
+        let tail = &mut e[dim - rot..];
+        for i in 0..half {
+            let (a, b) = (tail[2 * i], tail[2 * i + 1]);
+            tail[2 * i] = a * cs[i] - b * sn[i];
+            tail[2 * i + 1] = b * cs[i] + a * sn[i];
+        }
+    }
+    let out = &mut layers[entry_layer];
+    assert_eq!(out.shape.heads * out.shape.k_dim, dim, "compress_windows: entries of {dim} into a layer of {}", out.shape.k_dim);
+    out.k.resize((first + count) * dim, 0.0);
+    out.k[first * dim..].copy_from_slice(&entries);
+}
+
+/// [`crate::Backend::attention_compressed`]: `attend(gathered, q row, params, out row)` runs one
+/// query over its gathered rows (the backend's dense attention, at the query's precision).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn attention_compressed(
+    layers: &[KvLayer],
+    layer: usize,
+    q: &[f32],
+    n: usize,
+    pos0: usize,
+    p: CompressedParams<'_>,
+    out: &mut [f32],
+    attend: &dyn Fn(&KvLayer, &[f32], AttnParams<'_>, &mut [f32]),
+) {
+    let window = &layers[layer];
+    let d = window.shape.k_dim;
+    let shape = KvShape { heads: 1, k_dim: d, v_dim: d, values_in_keys: true };
+    let dense = AttnParams { q_heads: p.q_heads, scale: p.scale, window: None, sinks: Some(p.sinks), selected: None };
+    let row = p.q_heads * d;
+    GATHERED.with(|g| {
+        let mut g = g.borrow_mut();
+        let gl = g.get_or_insert_with(|| KvLayer { shape, k: Vec::new(), v: Vec::new() });
+        gl.shape = shape;
+        for t in 0..n {
+            let pos = pos0 + t;
+            gl.k.clear();
+            let first = (pos + 1).saturating_sub(p.window);
+            gl.k.extend_from_slice(&window.k[first * d..(pos + 1) * d]);
+            if let Some((entry_layer, rate)) = p.entries {
+                let (entries, seen) = (&layers[entry_layer].k, (pos + 1) / rate);
+                match p.selected {
+                    Some(sel) => {
+                        for j in sel.of(t).filter(|&j| j < seen) {
+                            gl.k.extend_from_slice(&entries[j * d..][..d]);
+                        }
+                    }
+                    None => gl.k.extend_from_slice(&entries[..seen * d]),
+                }
+            }
+            attend(gl, &q[t * row..][..row], dense, &mut out[t * row..][..row]);
+        }
+    })
+}
