@@ -46,6 +46,8 @@ pub fn shape_names() -> Vec<&'static str> {
         "gpt-oss-120b",
         "glm-5",
         "glm-5.2",
+        "deepseek-v4-flash",
+        "deepseek-v4-pro",
     ]
 }
 
@@ -217,6 +219,42 @@ pub fn shape_config(name: &str) -> Result<Value, ConvertError> {
             c["index_skip_topk_offset"] = 3.into();
             c
         }
+        // DeepSeek-V4-Pro as its hub config gives it (1.6T, 49B active): 61 layers, two
+        // heavily compressed then CSA and HCA alternating (transformers' default schedule), 384
+        // experts, the first three hash-routed. V4-Flash (284B, 13B active) is transformers'
+        // default configuration; its layers follow the same schedule here.
+        "deepseek-v4-pro" => json!({
+            "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "bos_token_id": 0, "eos_token_id": 1,
+            "vocab_size": 129280, "hidden_size": 7168, "moe_intermediate_size": 3072, "num_hidden_layers": 61,
+            "num_attention_heads": 128, "num_key_value_heads": 1, "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 1536,
+            "num_experts_per_tok": 6, "n_routed_experts": 384, "n_shared_experts": 1, "scoring_func": "sqrtsoftplus",
+            "norm_topk_prob": true, "routed_scaling_factor": 2.5, "max_position_embeddings": 1048576, "rope_theta": 10000,
+            "compress_rope_theta": 160000, "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
+                                                            "beta_fast": 32, "beta_slow": 1},
+            "compress_ratios": (0..62).map(|l| if l < 2 || l % 2 == 0 { 128 } else { 4 }).collect::<Vec<_>>(),
+            "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "num_hash_layers": 3, "swiglu_limit": 10.0,
+            "sliding_window": 128, "o_groups": 16, "o_lora_rank": 1024, "index_n_heads": 64, "index_head_dim": 128,
+            "index_topk": 1024, "num_nextn_predict_layers": 1, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+            "tie_word_embeddings": false, "torch_dtype": "bfloat16"
+        }),
+        "deepseek-v4-flash" => {
+            let mut c = shape_config("deepseek-v4-pro")?;
+            for (k, v) in [
+                ("hidden_size", json!(4096)),
+                ("moe_intermediate_size", json!(2048)),
+                ("num_hidden_layers", json!(43)),
+                ("num_attention_heads", json!(64)),
+                ("q_lora_rank", json!(1024)),
+                ("n_routed_experts", json!(256)),
+                ("routed_scaling_factor", json!(1.5)),
+                ("o_groups", json!(8)),
+                ("index_topk", json!(512)),
+                ("compress_ratios", json!((0..44).map(|l| if l < 2 || l % 2 == 0 { 128 } else { 4 }).collect::<Vec<_>>())),
+            ] {
+                c[k] = v;
+            }
+            c
+        }
         "deepseek-v3" => json!({
             "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "attention_bias": false,
             "bos_token_id": 0, "eos_token_id": 1, "first_k_dense_replace": 3, "hidden_act": "silu",
@@ -262,10 +300,21 @@ impl Rng {
 
 #[derive(Clone, Copy)]
 enum Init {
-    Matrix { cols: usize },
-    Router { hidden: usize, cols: usize, spread: f32 },
+    Matrix {
+        cols: usize,
+    },
+    Router {
+        hidden: usize,
+        cols: usize,
+        spread: f32,
+    },
     Norm,
     Small(f32),
+    /// Expert ids, `top_k` distinct ones per row of `experts` (DeepSeek-V4's `tid2eid`).
+    ExpertIds {
+        experts: usize,
+        top_k: usize,
+    },
 }
 
 struct Planned {
@@ -278,7 +327,9 @@ fn plan(cfg: &Value, router_spread: f32) -> Result<Vec<Planned>, ConvertError> {
     let arch = hf::architecture_from_config(cfg)?;
     let mut v = Vec::new();
     for spec in names::dense_tensors(&arch) {
-        let init = if spec.name.ends_with("moe.router") {
+        let init = if spec.name.ends_with("moe.tid2eid") {
+            Init::ExpertIds { experts: arch.moe.num_experts, top_k: arch.moe.top_k }
+        } else if spec.name.ends_with("moe.router") {
             Init::Router { hidden: arch.hidden_size, cols: spec.shape[1], spread: router_spread }
         } else if spec.name.ends_with("norm") {
             Init::Norm
@@ -328,6 +379,11 @@ fn gen_chunk(t: &Planned, idx: u64, seed: u64, c: usize, out: &mut [f32]) {
             }
             Init::Norm => 1.0 + 0.05 * g,
             Init::Small(s) => s * g,
+            Init::ExpertIds { experts, top_k } => {
+                // Row r's ids: a per-row offset plus the slot times a stride, so distinct.
+                let (row, slot) = ((c * CHUNK + i) / top_k, (c * CHUNK + i) % top_k);
+                ((row.wrapping_mul(2_654_435_761) % experts + slot * (experts / top_k).max(1)) % experts) as f32
+            }
         };
         *o = smoe_quant::half::bf16_bits_to_f32(smoe_quant::half::f32_to_bf16_bits(v));
     }
@@ -420,7 +476,7 @@ impl crate::TensorProvider for SynthProvider {
             Init::Matrix { cols } => 1.0 / (cols as f32).sqrt(),
             Init::Router { hidden, .. } => 1.0 / (hidden as f32).sqrt(),
             Init::Small(s) => s,
-            Init::Norm => return None,
+            Init::Norm | Init::ExpertIds { .. } => return None,
         };
         crate::random_blocks::fill_rows(format, cols, sigma, self.seed, i as u64, start, &mut dst[..n * format.row_bytes(cols).ok()?]);
         Some(Ok(()))
@@ -674,6 +730,10 @@ mod tests {
             // (wq_b 4096 x 2048, wk 128 x 6144, weights_proj 32 x 6144, k_norm 2 x 128 each).
             ("glm-5", 744e9),
             ("glm-5.2", 743_911_218_432.0 - 57.0 * (4096.0 * 2048.0 + 128.0 * 6144.0 + 32.0 * 6144.0 + 256.0)),
+            // DeepSeek: 284B and 1.6T. Pro's 1.6T counts its multi-token-prediction layer (one
+            // more layer of 384 experts of 3 x 7168 x 3072, about 25.4B), not converted.
+            ("deepseek-v4-flash", 284e9),
+            ("deepseek-v4-pro", 1.6e12 - 384.0 * 3.0 * 7168.0 * 3072.0),
         ];
         assert_eq!(published.len(), shape_names().len());
         for (shape, want) in published {

@@ -8,7 +8,9 @@
 //! the case and the element. Weights are quantized here and compared against their dequantized
 //! values, so the suite measures the backend's arithmetic, not the format's rounding.
 
-use crate::backend::{AttnParams, Backend, ExpertPart, IndexQueries, KvShape, MatJob, QkvRows, RopeTables, Selection, WeightRef};
+use crate::backend::{
+    AttnParams, Backend, CompressedParams, ExpertPart, IndexQueries, KvShape, MatJob, QkvRows, RopeTables, Selection, WeightRef,
+};
 use crate::routing::{RouteScratch, RouterRule};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -53,6 +55,10 @@ pub fn check_backend<B: Backend>(b: &B, tol: &Tolerance) -> Result<usize, Vec<St
     s.attention_inputs();
     if b.attends_selected() {
         s.sparse_attention();
+    }
+    s.hyper_connections();
+    if b.attends_compressed() {
+        s.compressed_attention();
     }
     s.normed_products();
     s.routing();
@@ -832,6 +838,111 @@ impl<B: Backend> Suite<'_, B> {
     /// DeepSeek Sparse Attention's ops: the indexer key's LayerNorm, the indexer's selection
     /// (checked as a valid top-k of f64 scores: the positions it keeps score at least as well as
     /// those it drops, up to rounding) and attention over selected positions.
+    /// DeepSeek-V4's stream ops and clipped SwiGLU against [`crate::hyper`]'s plain loops.
+    fn hyper_connections(&mut self) {
+        let (n, m, d) = (5, 4, 24);
+        let (x, y) = (self.values(n * m * d), self.values(n * d));
+        let (pre, post, comb) = (self.values(n * m), self.values(n * m), self.values(n * m * m));
+        let mut out = self.buf(n * d, &vec![0.0; n * d]);
+        self.b.hc_collapse(&self.buf(x.len(), &x), n, m, d, &pre, &mut out);
+        let mut want = vec![0f32; n * d];
+        crate::hyper::collapse(&x, n, m, d, &pre, &mut want);
+        let got = self.read(&out, n * d);
+        self.compare_elementwise("hc_collapse", "5 rows of 4 streams of 24", &got, &want);
+        let mut xb = self.buf(x.len(), &x);
+        self.b.hc_expand(&mut xb, &self.buf(y.len(), &y), n, m, d, &post, &comb);
+        let mut want = x.clone();
+        crate::hyper::expand(&mut want, &y, n, m, d, &post, &comb);
+        let got = self.read(&xb, x.len());
+        self.compare_elementwise("hc_expand", "5 rows of 4 streams of 24", &got, &want);
+        // Values up to 3 in magnitude against a limit of 1: most are clipped.
+        let (g, u): (Vec<f32>, Vec<f32>) =
+            (self.values(60).iter().map(|v| 3.0 * v).collect(), self.values(60).iter().map(|v| 3.0 * v).collect());
+        let mut gb = self.buf(60, &g);
+        self.b.silu_mul_clamped(&mut gb, &self.buf(60, &u), 60, 1.0);
+        let want: Vec<f32> = g.iter().zip(&u).map(|(&a, &b)| crate::hyper::clamped_silu(a, b, 1.0)).collect();
+        let got = self.read(&gb, 60);
+        self.compare_elementwise("silu_mul_clamped", "60 values, limit 1", &got, &want);
+        let (rows, stride, w) = (4, 20, 8);
+        let xs: Vec<f32> = self.values(rows * stride).iter().map(|v| 3.0 * v).collect();
+        let mut xb = self.buf(xs.len(), &xs);
+        self.b.silu_clamped_halves(&mut xb, 1, 3, stride, w, 1.0);
+        let mut want = xs.clone();
+        for r in 1..rows {
+            for c in 0..w {
+                want[r * stride + c] = crate::hyper::clamped_silu(xs[r * stride + c], xs[r * stride + w + c], 1.0);
+            }
+        }
+        let got = self.read(&xb, xs.len());
+        self.compare_elementwise("silu_clamped_halves", "rows 1..4 of 20, halves of 8", &got, &want);
+    }
+
+    /// DeepSeek-V4's attention over a sliding window and compressed entries (stored directly,
+    /// as the compressor would), every entry or a selection, with sinks; keys are values. The
+    /// reference is a plain f64 softmax over the same rows.
+    fn compressed_attention(&mut self) {
+        // (what, positions, queries at the end, heads, dim, window, rate, selected)
+        let cases = [
+            ("decode after 300, window 16, every entry of rate 8", 300, 1, 4, 32, 16, 8, false),
+            ("12 queries, window 5, selected entries of rate 4", 60, 12, 3, 16, 5, 4, true),
+            ("prefill from 0, window 40 beyond the positions", 20, 20, 2, 16, 40, 4, false),
+        ];
+        for (what, positions, n, heads, dim, window, rate, selected) in cases {
+            let shape = KvShape { heads: 1, k_dim: dim, v_dim: dim, values_in_keys: true };
+            let entries_n = positions / rate;
+            let (keys, entries) = (self.values(positions * dim), self.values(entries_n.max(1) * dim));
+            let mut cache = self.b.kv_cache(&[shape, KvShape { v_dim: 0, ..shape }]);
+            self.b.kv_store(&mut cache, 0, 0, positions, &self.buf(keys.len(), &keys), dim, 0, None);
+            self.b.kv_store(&mut cache, 1, 0, entries_n.max(1), &self.buf(entries.len(), &entries), dim, 0, None);
+            let q = self.values(n * heads * dim);
+            let sinks = self.values(heads);
+            let pos0 = positions - n;
+            // Every other visible entry, for the selected case.
+            let top = entries_n.max(1);
+            let mut sel = vec![u32::MAX; n * top];
+            for t in 0..n {
+                let seen = (pos0 + t + 1) / rate;
+                for (slot, j) in (0..seen).step_by(2).enumerate() {
+                    sel[t * top + slot] = j as u32;
+                }
+            }
+            let p = CompressedParams {
+                q_heads: heads,
+                scale: 1.0 / (dim as f32).sqrt(),
+                window,
+                sinks: &sinks,
+                entries: Some((1, rate)),
+                selected: selected.then_some(Selection { positions: &sel, per_query: top }),
+            };
+            let mut out = self.buf(n * heads * dim, &vec![0.0; n * heads * dim]);
+            self.b.attention_compressed(&cache, 0, &self.buf(q.len(), &q), n, pos0, p, &mut out);
+            let got = self.read(&out, n * heads * dim);
+            let mut want = vec![0f32; n * heads * dim];
+            for t in 0..n {
+                let pos = pos0 + t;
+                let mut rows: Vec<&[f32]> = ((pos + 1).saturating_sub(window)..=pos).map(|j| &keys[j * dim..][..dim]).collect();
+                let seen = (pos + 1) / rate;
+                let picked: Vec<usize> = if selected { (0..seen).step_by(2).collect() } else { (0..seen).collect() };
+                rows.extend(picked.iter().map(|&j| &entries[j * dim..][..dim]));
+                for h in 0..heads {
+                    let qh = &q[(t * heads + h) * dim..][..dim];
+                    let scores: Vec<f64> = rows
+                        .iter()
+                        .map(|r| qh.iter().zip(*r).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() / (dim as f64).sqrt())
+                        .collect();
+                    let max = scores.iter().fold(sinks[h] as f64, |a, &b| a.max(b));
+                    let den: f64 = scores.iter().map(|s| (s - max).exp()).sum::<f64>() + (sinks[h] as f64 - max).exp();
+                    for c in 0..dim {
+                        let v: f64 = scores.iter().zip(&rows).map(|(s, r)| (s - max).exp() * r[c] as f64).sum();
+                        want[(t * heads + h) * dim + c] = (v / den) as f32;
+                    }
+                }
+            }
+            let tol = self.tol.attention;
+            self.compare("attention_compressed", what, &got, &want, |_| tol);
+        }
+    }
+
     fn sparse_attention(&mut self) {
         // LayerNorm: segments of 24 at offset 10 of rows of 50.
         let (n, stride, off, dim, eps) = (5, 50, 10, 24, 1e-6f32);

@@ -597,8 +597,20 @@ pub(crate) fn compressed_cache_layers(arch: &Architecture) -> HashMap<usize, Vec
     out
 }
 
-/// Values cached per token, summed over layers, as this engine stores them.
+/// Values cached per token, summed over layers, as this engine stores them. DeepSeek-V4's
+/// entries count a `1 / rate` share each (rounded up per layer).
 pub fn kv_values_per_token(arch: &Architecture) -> usize {
+    if let Some(c) = &arch.compressed_attention {
+        let mut v = arch.num_layers * arch.head_dim;
+        for kind in c.compression.iter().filter(|k| k.rate() > 0) {
+            let c_of = |dim: usize| if kind.overlaps() { 2 * dim } else { dim };
+            v += 2 * c_of(arch.head_dim) + arch.head_dim.div_ceil(kind.rate());
+            if kind.overlaps() {
+                v += 2 * c_of(c.index_head_dim) + c.index_head_dim.div_ceil(kind.rate());
+            }
+        }
+        return v;
+    }
     kv_shapes(arch).iter().map(|s| s.heads * (s.k_dim + if s.values_in_keys { 0 } else { s.v_dim })).sum()
 }
 

@@ -28,4 +28,12 @@ fn kv_cache_values_per_token_for_published_shapes() {
     // layers that run an indexer; GLM-5.2 runs 21.
     assert_eq!(kv_values_per_token(&arch("glm-5")), 78 * 576 + 78 * 128);
     assert_eq!(kv_values_per_token(&arch("glm-5.2")), 78 * 576 + 21 * 128);
+    // DeepSeek-V4-Flash: 43 layers, 23 heavily compressed (every 128 positions) and 20
+    // compressed-sparse (every 4, with the indexer). Stored per position today: the 512-value
+    // key=value row of every layer's sliding branch, each compressor's raw [kv | gate] rows
+    // (2 x 512 for HCA, 2 x 1024 for CSA plus the indexer's 2 x 256), and each entry's share.
+    let flash = arch("deepseek-v4-flash");
+    let ca = flash.compressed_attention.as_ref().unwrap();
+    assert_eq!(ca.compression.iter().filter(|k| k.overlaps()).count(), 20);
+    assert_eq!(kv_values_per_token(&flash), 43 * 512 + 23 * (2 * 512 + 4) + 20 * (2 * 1024 + 128 + 2 * 256 + 32));
 }
