@@ -13,6 +13,7 @@ This crate writes only: reading model files (GGUF, config.json, safetensors) is
 // The published configs in `synth` are long `json!` literals.
 #![recursion_limit = "256"]
 
+pub mod deepseek_v4;
 mod expert_formats;
 pub mod gguf;
 pub mod gpt_oss;

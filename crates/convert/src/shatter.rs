@@ -221,6 +221,10 @@ fn shatter_in_pool(hf_dir: &Path, out: &Path, opts: &ShatterOptions, progress: &
         // Fused (and maybe MXFP4) experts, read as per-expert tensors.
         return convert(&crate::gpt_oss::FusedExperts::new(&ckpt, &arch)?, assets, out, opts, progress);
     }
+    if arch.family == smoe_vault::Family::DeepseekV4 && crate::deepseek_v4::HubQuantized::applies(&ckpt) {
+        // FP8 linear layers and FP4 experts with their `.scale`s.
+        return convert(&crate::deepseek_v4::HubQuantized::new(&ckpt), assets, out, opts, progress);
+    }
     convert(&ckpt, assets, out, opts, progress)
 }
 

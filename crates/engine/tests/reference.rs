@@ -380,3 +380,15 @@ fn deepseek_v4_matches_transformers() {
         }
     }
 }
+
+/// DeepSeek-V4 as deepseek-ai ships it: float8 e4m3 linear layers with a ue8m0 scale per
+/// 128x128 block, FP4 routed experts (int8-packed e2m1, a ue8m0 scale per 32 columns). The
+/// reference is transformers in float32 on the weights the codes stand for (which
+/// transformers' own FP8/FP4 dequantization gives exactly). Read into an F32 vault, and into an
+/// MXFP4 expert vault with bf16 dense weights, which hold those values exactly: the FP4 blocks
+/// go in as they are, no detour through another format, and both match to the usual tolerance.
+#[test]
+fn deepseek_v4_fp8_fp4_checkpoint_matches_transformers() {
+    check_vault("deepseek_v4_fp4", Format::F32.into(), Format::F32);
+    check_vault("deepseek_v4_fp4", Format::MXFP4.into(), Format::BF16);
+}

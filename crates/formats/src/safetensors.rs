@@ -22,6 +22,11 @@ pub enum DType {
     BF16,
     /// float8 e4m3 (DeepSeek-V3's published weights), with a `_scale_inv` companion.
     F8E4M3,
+    /// Power-of-two scales (`float8_e8m0fnu`, DeepSeek-V4's ue8m0 `.scale`): byte `b` is
+    /// `2^(b - 127)`, 255 NaN.
+    F8E8M0,
+    /// Signed bytes: DeepSeek-V4's FP4 experts, two e2m1 codes per byte, read as stored.
+    I8,
     /// Integers (DeepSeek-V4's `tid2eid`), read as f32: exact below 2^24.
     I64,
     /// 32-bit integers, as [`DType::I64`].
@@ -40,6 +45,8 @@ impl DType {
             "F8_E4M3" => DType::F8E4M3,
             "U8" => DType::U8,
             "I64" => DType::I64,
+            "F8_E8M0" => DType::F8E8M0,
+            "I8" => DType::I8,
             "I32" => DType::I32,
             _ => return None,
         })
@@ -50,7 +57,7 @@ impl DType {
             DType::I64 => 8,
             DType::F32 | DType::I32 => 4,
             DType::F16 | DType::BF16 => 2,
-            DType::F8E4M3 | DType::U8 => 1,
+            DType::F8E4M3 | DType::F8E8M0 | DType::U8 | DType::I8 => 1,
         }
     }
 }
@@ -114,6 +121,12 @@ impl TensorInfo {
                     *o = f8e4m3_to_f32(b);
                 }
             }
+            DType::F8E8M0 => {
+                for (o, &b) in out.iter_mut().zip(raw.iter()) {
+                    *o = if b == 255 { f32::NAN } else { (b as f32 - 127.0).exp2() };
+                }
+            }
+            DType::I8 => return Err(FormatError::BadInput(format!("{}: an I8 tensor holds packed codes, not weights", self.name))),
             DType::I64 => {
                 for (o, c) in out.iter_mut().zip(raw.chunks_exact(8)) {
                     *o = i64::from_le_bytes(c.try_into().unwrap()) as f32;
