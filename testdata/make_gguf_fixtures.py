@@ -66,10 +66,14 @@ def glm_moe_dsa_quirks(family):
 
 FAMILY_QUIRKS = {"glm4_moe": glm4_moe_quirks, "glm_moe_dsa": glm_moe_dsa_quirks}
 
+# DeepSeek-V4 as deepseek-ai ships it (FP8 layers, FP4 experts): the converter always writes the
+# experts as MXFP4 blocks and the dequantized FP8 layers as Q8_0 (its tensor_force_quant), the rest
+# as stored, whatever --outtype says; its reference is made by v4_reference below.
+#
 # gpt-oss from the hub's MXFP4 layout: `--outtype bf16` keeps the experts' MXFP4 blocks (repacked
 # to ggml's nibble order) and writes the rest bf16, so the fixture's own reference applies; no
 # q8_0 file (its reference would need transformers on MXFP4 experts plus Q8_0 round trips).
-BF16_ONLY = {"gpt_oss_mxfp4"}
+BF16_ONLY = {"gpt_oss_mxfp4", "deepseek_v4_fp4"}
 
 
 OUT = "gguf"
@@ -174,6 +178,88 @@ def q8_0_reference(family, q8_path):
     return path
 
 
+def v4_reference(family, path):
+    """The reference of a DeepSeek-V4 GGUF: transformers in float32 on the weights the hub's codes
+    stand for (FP8 blocks times their ue8m0 scales, FP4 codes times theirs), each layer the GGUF
+    stores as Q8_0 replaced by its Q8_0 round trip, checked equal to the GGUF's own data; the
+    MXFP4 experts checked equal to the FP4 weights (the same values, repacked)."""
+    import glob, json, shutil, tempfile
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+    d = os.path.join("hf", family)
+    sd = {}
+    for f in sorted(glob.glob(os.path.join(d, "model-*.safetensors"))):
+        sd.update(load_file(f))
+    lut = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+    w32 = {}
+    for k, v in sd.items():
+        if k.endswith(".scale") and k[:-6] + ".weight" in sd:
+            continue
+        s = sd.get(k[: -len("weight")] + "scale") if k.endswith(".weight") else None
+        if s is None:
+            w32[k] = v.float()
+        elif v.dtype == torch.int8:
+            u = v.view(torch.uint8).long()
+            codes = torch.stack([u & 15, u >> 4], -1).reshape(v.shape[0], -1)
+            w32[k] = lut[codes] * s.float().repeat_interleave(32, 1)
+        else:
+            w32[k] = v.float() * s.float().repeat_interleave(128, 0)[: v.shape[0]].repeat_interleave(128, 1)[:, : v.shape[1]]
+    reader = GGUFReader(path)
+    gg = {t.name: t for t in reader.tensors}
+    arch = reader.fields["general.architecture"].contents()
+    tmap = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), reader.fields[f"{arch}.block_count"].contents())
+    from conversion.deepseek import DeepseekV4Model
+    names = DeepseekV4Model._map_dsv4_tensor_name
+    q8 = 0
+    for k in list(w32):
+        if ".ffn.experts." in k or k.endswith("tid2eid"):
+            continue
+        bid = int(k.split(".")[1]) if k.startswith("layers.") else None
+        key, suffix = names(None, k, bid)
+        gname = gguf.TENSOR_NAMES[key].format(bid=bid) + suffix
+        t = gg[gname]
+        if t.tensor_type == GGMLQuantizationType.Q8_0:
+            rt = q8_0_roundtrip(w32[k])
+            theirs = torch.from_numpy(dequantize(t.data, t.tensor_type).reshape(rt.shape).astype(np.float32))
+            if not torch.equal(rt, theirs):
+                raise AssertionError(f"{gname}: Q8_0 round trip differs from the GGUF's own data")
+            w32[k] = rt
+            q8 += 1
+    for l in range(reader.fields[f"{arch}.block_count"].contents()):
+        for proj, part in (("w1", "gate"), ("w2", "down"), ("w3", "up")):
+            t = gg[f"blk.{l}.ffn_{part}_exps.weight"]
+            theirs = dequantize(t.data, t.tensor_type).reshape(t.data.shape[0], -1).astype(np.float32)
+            mine = torch.stack([w32[f"layers.{l}.ffn.experts.{e}.{proj}.weight"] for e in range(t.data.shape[0])])
+            if not np.array_equal(mine.numpy().reshape(theirs.shape), theirs):
+                raise AssertionError(f"blk.{l}.ffn_{part}_exps: MXFP4 blocks differ from the FP4 weights")
+    print(f"{family}: {q8} Q8_0 tensors round-tripped and checked, MXFP4 experts equal to the FP4 weights")
+    ref = load_file(os.path.join(d, "reference.safetensors"))
+    out = {}
+    with tempfile.TemporaryDirectory() as f32:
+        for f in os.listdir(d):
+            if not f.startswith("model") and not f.startswith("reference"):
+                shutil.copy(os.path.join(d, f), f32)
+        cfg = json.load(open(os.path.join(d, "config.json")))
+        cfg.pop("quantization_config", None)
+        cfg["dtype"] = "float32"
+        json.dump(cfg, open(os.path.join(f32, "config.json"), "w"), indent=2)
+        save_file({k: v.contiguous() for k, v in w32.items()}, os.path.join(f32, "model.safetensors"))
+        model = AutoModelForCausalLM.from_pretrained(f32, dtype=torch.float32).eval()
+        with torch.no_grad():
+            for tag in ("chat", "long"):
+                ids = ref[f"{tag}.input_ids"]
+                out[f"{tag}.input_ids"] = ids.to(torch.int32).contiguous()
+                out[f"{tag}.logits"] = model(ids.long().unsqueeze(0), use_cache=False).logits[0].float().contiguous()
+                b = ref[f"{tag}.logits"]
+                err = float((out[f"{tag}.logits"] - b).abs().max() / b.abs().max())
+                top1 = float((out[f"{tag}.logits"].argmax(-1) == b.argmax(-1)).float().mean())
+                print(f"{family} {tag}: GGUF (Q8_0 layers) vs the checkpoint's reference: max rel err {err:.4f}, top-1 agreement {top1:.3f}")
+    path = os.path.join(OUT, f"{family}.bf16.reference.safetensors")
+    save_file(out, path)
+    os.chmod(path, 0o644)
+    return path
+
+
 def main():
     global OUT
     args = sys.argv[1:]
@@ -182,7 +268,9 @@ def main():
     os.chdir(HERE)
     os.makedirs(OUT, exist_ok=True)
     for family in args:
-        convert(family, "bf16")
+        bf16 = convert(family, "bf16")
+        if family == "deepseek_v4_fp4":
+            print("wrote", v4_reference(family, bf16))
         if family in BF16_ONLY:
             continue
         q8 = convert(family, "q8_0")

@@ -332,3 +332,33 @@ fn llama_cpp_k_quants_import_and_match_llama_cpp() {
         }
     }
 }
+
+/// DeepSeek-V4 as llama.cpp's converter writes deepseek-ai's checkpoint (`deepseek4`): its FP4
+/// experts repacked as MXFP4 blocks, its FP8 layers dequantized and requantized to Q8_0, the
+/// hash tables as I32, the rest as stored. In place and shattered against transformers on the
+/// same weights (`make_gguf_fixtures.py deepseek_v4_fp4`: the Q8_0 round trips checked equal to
+/// the file's data), and its expert blocks byte for byte those smoe takes from the checkpoint.
+#[test]
+fn llama_cpp_deepseek_v4_gguf_imports_and_runs_in_place() {
+    let file = gguf("deepseek_v4_fp4.bf16.gguf");
+    let r = read_safetensors(&gguf("deepseek_v4_fp4.bf16.reference.safetensors"));
+    check(&engine(&file, CacheSize::Experts(4)).model, &r, "deepseek_v4_fp4.bf16 in place");
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("deepseek_v4.smoe");
+    smoe_convert::gguf::import::shatter_gguf(&file, &out, &smoe_formats::Silent).unwrap();
+    check(&engine(&out, CacheSize::Resident).model, &r, "deepseek_v4_fp4.bf16 shattered");
+    let (from_gguf, from_hub) =
+        (smoe_vault::Vault::open(&out).unwrap(), smoe_vault::Vault::open(vault("deepseek_v4_fp4", Format::MXFP4, Format::BF16)).unwrap());
+    assert_eq!(from_gguf.architecture(), from_hub.architecture());
+    let blob = |v: &smoe_vault::Vault, l: usize, e: usize| {
+        let mut b = vec![0u8; v.manifest().experts.blob_size as usize];
+        v.read_blob(l, e, &mut b).unwrap();
+        b
+    };
+    let a = from_gguf.architecture();
+    for l in a.moe_layers() {
+        for e in 0..a.moe.num_experts {
+            assert_eq!(blob(&from_gguf, l, e), blob(&from_hub, l, e), "layer {l} expert {e}");
+        }
+    }
+}

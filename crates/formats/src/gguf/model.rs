@@ -26,7 +26,15 @@ enum Source {
     /// DeepSeek's `kv_b_proj`, rebuilt from llama.cpp's split `attn_k_b` (per head, W_uk
     /// transposed) and `attn_v_b` (W_uv).
     KvB { k: usize, v: usize },
+    /// An integer tensor (ggml I32) held as F32: DeepSeek-V4's hash-routing table.
+    Ints(usize),
+    /// A tensor that must stay exact (a router's, a hyper-connection's mixing) stored in a
+    /// lower-precision type, dequantized to F32 as a vault holds it.
+    Exact(usize),
 }
+
+/// ggml's type id of 32-bit integers.
+const GGML_I32: u32 = 26;
 
 /// One dense tensor of the model.
 #[derive(Clone, Debug)]
@@ -102,10 +110,11 @@ fn config_from_metadata(g: &Gguf) -> Result<Json, FormatError> {
         "glm-dsa" => "glm_moe_dsa",
         "minimax-m2" => "minimax_m2",
         "gpt-oss" => "gpt_oss",
+        "deepseek4" => "deepseek_v4",
         "llama" => return Err(FormatError::Unsupported("a llama GGUF without experts is a dense model; smoe runs MoE models".into())),
         other => {
             return Err(FormatError::Unsupported(format!(
-                "GGUF architecture '{other}' is not supported; supported: qwen3moe, qwen2moe, llama (Mixtral), olmoe, glm4moe, deepseek2, glm-dsa, minimax-m2, gpt-oss"
+                "GGUF architecture '{other}' is not supported; supported: qwen3moe, qwen2moe, llama (Mixtral), olmoe, glm4moe, deepseek2, glm-dsa, minimax-m2, gpt-oss, deepseek4"
             )))
         }
     };
@@ -206,6 +215,7 @@ fn config_from_metadata(g: &Gguf) -> Result<Json, FormatError> {
                 s.insert("truncate".into(), false.into());
             }
         }
+        "deepseek_v4" => deepseek_v4_config(g, &arch, layers, experts, expert_ff, &mut c)?,
         "olmoe" => {
             c.insert("num_experts".into(), experts.into());
             c.insert("intermediate_size".into(), expert_ff.into());
@@ -270,6 +280,69 @@ fn config_from_metadata(g: &Gguf) -> Result<Json, FormatError> {
         }
     }
     Ok(Json::Object(c))
+}
+
+/// DeepSeek-V4's config.json keys (the hub's spellings) from llama.cpp's `deepseek4` metadata.
+fn deepseek_v4_config(
+    g: &Gguf,
+    arch: &str,
+    layers: usize,
+    experts: usize,
+    expert_ff: Option<usize>,
+    c: &mut Map<String, Json>,
+) -> Result<(), FormatError> {
+    let key = |k: &str| format!("{arch}.{k}");
+    let u = |k: &str| meta_u(g, &key(k));
+    let f = |k: &str| meta_f(g, &key(k));
+    let req = |k: &str| u(k).ok_or_else(|| FormatError::BadInput(format!("GGUF metadata has no {}", key(k))));
+    // llama.cpp's gating kinds: 1 softmax, 2 sigmoid, 3 softmax weights, 4 sqrt(softplus).
+    match u("expert_gating_func") {
+        Some(4) | None => {}
+        Some(other) => return Err(FormatError::Unsupported(format!("{arch} expert_gating_func {other} (only 4, sqrt-softplus)"))),
+    }
+    c.insert("n_routed_experts".into(), experts.into());
+    c.insert("moe_intermediate_size".into(), expert_ff.into());
+    c.insert("n_shared_experts".into(), u("expert_shared_count").unwrap_or(1).into());
+    c.insert("routed_scaling_factor".into(), f("expert_weights_scale").unwrap_or(1.0).into());
+    c.insert("scoring_func".into(), "sqrtsoftplus".into());
+    c.insert("qk_rope_head_dim".into(), req("rope.dimension_count")?.into());
+    c.insert("q_lora_rank".into(), req("attention.q_lora_rank")?.into());
+    c.insert("sliding_window".into(), req("attention.sliding_window")?.into());
+    c.insert("index_n_heads".into(), req("attention.indexer.head_count")?.into());
+    c.insert("index_head_dim".into(), req("attention.indexer.key_length")?.into());
+    c.insert("index_topk".into(), req("attention.indexer.top_k")?.into());
+    c.insert("o_groups".into(), req("attention.output_group_count")?.into());
+    c.insert("o_lora_rank".into(), req("attention.output_lora_rank")?.into());
+    c.insert("compress_rope_theta".into(), f("attention.compress_rope_freq_base").unwrap_or(160000.0).into());
+    c.insert("hc_mult".into(), req("hyper_connection.count")?.into());
+    c.insert("hc_sinkhorn_iters".into(), req("hyper_connection.sinkhorn_iterations")?.into());
+    c.insert("hc_eps".into(), f("hyper_connection.epsilon").unwrap_or(1e-6).into());
+    c.insert("num_hash_layers".into(), u("hash_layer_count").unwrap_or(0).into());
+    let ratios = match g.get(&key("attention.compress_ratios")) {
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|v| v.as_u64().ok_or_else(|| FormatError::BadInput(format!("{}: {v:?}", key("attention.compress_ratios")))))
+            .collect::<Result<Vec<_>, _>>()?,
+        _ => return Err(FormatError::BadInput(format!("GGUF metadata has no {}", key("attention.compress_ratios")))),
+    };
+    if ratios.len() < layers {
+        return Err(FormatError::BadInput(format!("{} lists {} layers of {layers}", key("attention.compress_ratios"), ratios.len())));
+    }
+    c.insert("compress_ratios".into(), ratios.into());
+    // One clamp for every layer, routed and shared alike, is all the family has.
+    let clamps: Vec<f64> = match g.get(&key("swiglu_clamp_exp")) {
+        Some(Value::Array(a)) => a.iter().filter_map(|v| v.as_f64()).collect(),
+        _ => vec![],
+    };
+    let limit = clamps.first().copied().unwrap_or(10.0);
+    if clamps.iter().any(|&x| x != limit) {
+        return Err(FormatError::Unsupported(format!("{arch}: per-layer SwiGLU clamps {clamps:?} (one limit for all layers only)")));
+    }
+    c.insert("swiglu_limit".into(), limit.into());
+    // The generic path wrote the YaRN of the compressed layers as `rope_scaling`; V4's main RoPE
+    // is plain (`rope_theta`), as its config.json says.
+    c.remove("partial_rotary_factor");
+    Ok(())
 }
 
 /// Which of `layers` decoder layers run their own DSA indexer (GLM-5), from
@@ -404,7 +477,7 @@ impl GgufModel {
                 if unused.len() > 4 { format!("{} and {} more", unused[..4].join(", "), unused.len() - 4) } else { unused.join(", ") };
             notes.push(format!("GGUF tensors not used: {shown}"));
         }
-        if let Some(t) = gguf.tensors.iter().zip(&used).find(|(t, u)| **u && t.format().is_err()) {
+        if let Some(t) = gguf.tensors.iter().zip(&used).find(|(t, u)| **u && t.ggml_type != GGML_I32 && t.format().is_err()) {
             t.0.format()?;
         }
         Ok(GgufModel { gguf, arch, config, text, generation, dense, experts, notes })
@@ -425,6 +498,20 @@ impl GgufModel {
                 Ok(out)
             }
             Source::KvB { k, v } => self.rebuild_kv_b(d, *k, *v),
+            Source::Exact(t) => {
+                let t = &self.gguf.tensors[*t];
+                let data = self.read_tensor(t)?;
+                let mut out = vec![0f32; t.rows() * t.cols()];
+                smoe_quant::dequantize(t.format()?, &data, &mut out).map_err(|e| FormatError::BadInput(format!("{}: {e}", t.name)))?;
+                Ok(out.iter().flat_map(|v| v.to_le_bytes()).collect())
+            }
+            Source::Ints(t) => {
+                let t = &self.gguf.tensors[*t];
+                let path = &self.gguf.paths[t.file];
+                let mut data = vec![0u8; t.rows() * t.cols() * 4];
+                File::open(path).and_then(|f| f.read_exact_at(&mut data, t.offset)).map_err(|e| FormatError::io(path, e))?;
+                Ok(data.chunks_exact(4).flat_map(|c| (i32::from_le_bytes(c.try_into().unwrap()) as f32).to_le_bytes()).collect())
+            }
         }
     }
 
@@ -531,10 +618,16 @@ impl GgufModel {
 
 fn dense_spec(g: &Gguf, spec: &names::TensorSpec, source: Source) -> Result<DenseSpec, FormatError> {
     let t = match &source {
-        Source::Copy(t) | Source::Rows { tensor: t, .. } => &g.tensors[*t],
+        Source::Copy(t) | Source::Rows { tensor: t, .. } | Source::Ints(t) | Source::Exact(t) => &g.tensors[*t],
         Source::KvB { .. } => unreachable!("kv_b is built separately"),
     };
-    let format = t.format()?;
+    // Integer tables (DeepSeek-V4's tid2eid, I32) are held as F32, exact below 2^24.
+    let source = match source {
+        Source::Copy(i) if t.ggml_type == GGML_I32 => Source::Ints(i),
+        Source::Copy(i) if spec.keep_f32 && spec.shape.len() == 2 && t.format()? != Format::F32 => Source::Exact(i),
+        s => s,
+    };
+    let format = if matches!(source, Source::Ints(_) | Source::Exact(_)) { Format::F32 } else { t.format()? };
     let elems: usize = spec.shape.iter().product();
     if t.rows() * t.cols() != elems || t.cols() != *spec.shape.last().unwrap_or(&0) {
         return Err(FormatError::BadInput(format!("{} has dims {:?}, expected {:?} for {}", t.name, t.dims, spec.shape, spec.name)));

@@ -23,6 +23,9 @@ pub fn arch_name(f: Family) -> &'static str {
 /// The GGUF tensor name of a canonical dense tensor of `family` (`None` for `attn.kv_b`, which
 /// GGUF stores split into `attn_k_b` and `attn_v_b`).
 pub fn tensor_name(family: Family, canonical: &str) -> Option<String> {
+    if family == Family::DeepseekV4 {
+        return deepseek_v4_tensor_name(canonical);
+    }
     let fixed = match canonical {
         "embed" => "token_embd.weight",
         "final_norm" => "output_norm.weight",
@@ -75,6 +78,57 @@ pub fn tensor_name(family: Family, canonical: &str) -> Option<String> {
         "attn.idx_k_norm" => "indexer.k_norm.weight",
         "attn.idx_k_norm_bias" => "indexer.k_norm.bias",
         "attn.idx_weights" => "indexer.proj.weight",
+        _ => return None,
+    };
+    Some(format!("blk.{layer}.{g}"))
+}
+
+/// llama.cpp's `deepseek4` name of a canonical DeepSeek-V4 tensor (its converter's
+/// `_map_dsv4_tensor_name`).
+fn deepseek_v4_tensor_name(canonical: &str) -> Option<String> {
+    let fixed = match canonical {
+        "embed" => "token_embd.weight",
+        "final_norm" => "output_norm.weight",
+        "lm_head" => "output.weight",
+        "hc_head_fn" => "output_hc_fn.weight",
+        "hc_head_base" => "output_hc_base.weight",
+        "hc_head_scale" => "output_hc_scale.weight",
+        _ => "",
+    };
+    if !fixed.is_empty() {
+        return Some(fixed.into());
+    }
+    let (layer, what) = canonical.strip_prefix("layers.")?.split_once('.')?;
+    let g = match what {
+        "attn_norm" => "attn_norm.weight",
+        "ffn_norm" => "ffn_norm.weight",
+        "hc_attn_fn" | "hc_attn_base" | "hc_attn_scale" | "hc_ffn_fn" | "hc_ffn_base" | "hc_ffn_scale" => {
+            return Some(format!("blk.{layer}.{what}.weight"))
+        }
+        "attn.sinks" => "attn_sinks.weight",
+        "attn.q_a" => "attn_q_a.weight",
+        "attn.q_a_norm" => "attn_q_a_norm.weight",
+        "attn.q_b" => "attn_q_b.weight",
+        "attn.kv" => "attn_kv.weight",
+        "attn.kv_norm" => "attn_kv_a_norm.weight",
+        "attn.o_a" => "attn_output_a.weight",
+        "attn.o_b" => "attn_output_b.weight",
+        "attn.cmp_kv" => "attn_compressor_kv.weight",
+        "attn.cmp_gate" => "attn_compressor_gate.weight",
+        "attn.cmp_bias" => "attn_compressor_ape.weight",
+        "attn.cmp_norm" => "attn_compressor_norm.weight",
+        "attn.idx_q" => "indexer.attn_q_b.weight",
+        "attn.idx_weights" => "indexer.proj.weight",
+        "attn.idx_cmp_kv" => "indexer_compressor_kv.weight",
+        "attn.idx_cmp_gate" => "indexer_compressor_gate.weight",
+        "attn.idx_cmp_bias" => "indexer_compressor_ape.weight",
+        "attn.idx_cmp_norm" => "indexer_compressor_norm.weight",
+        "moe.router" => "ffn_gate_inp.weight",
+        "moe.router_bias" => "exp_probs_b.bias",
+        "moe.tid2eid" => "ffn_gate_tid2eid.weight",
+        "moe.shared.gate" => "ffn_gate_shexp.weight",
+        "moe.shared.up" => "ffn_up_shexp.weight",
+        "moe.shared.down" => "ffn_down_shexp.weight",
         _ => return None,
     };
     Some(format!("blk.{layer}.{g}"))
