@@ -32,6 +32,10 @@ pub struct KvShape {
     /// Values are the first `v_dim` dimensions of each key row (multi-head latent attention
     /// caches one latent per position for both).
     pub values_in_keys: bool,
+    /// Only the last `keep` positions are ever read again (DeepSeek-V4's sliding window and
+    /// raw compressor rows, with a margin for truncation): a backend may drop older rows
+    /// once it holds more. `None`: every position is kept.
+    pub keep: Option<usize>,
 }
 
 /// Parameters of one attention call.

@@ -715,18 +715,30 @@ impl<B: Backend> Suite<'_, B> {
 
     fn attention(&mut self) {
         let cases = [
-            ("GQA 6 query heads on 2", KvShape { heads: 2, k_dim: 24, v_dim: 16, values_in_keys: false }, 6, 12, 5),
-            ("MLA 5 query heads on 1 latent", KvShape { heads: 1, k_dim: 40, v_dim: 32, values_in_keys: true }, 5, 12, 5),
-            ("GQA over 700 positions", KvShape { heads: 2, k_dim: 32, v_dim: 32, values_in_keys: false }, 4, 700, 3),
-            ("GQA, one query after 300 positions", KvShape { heads: 2, k_dim: 64, v_dim: 64, values_in_keys: false }, 4, 301, 1),
-            ("GQA, 45 queries after 30 positions", KvShape { heads: 2, k_dim: 40, v_dim: 24, values_in_keys: false }, 6, 75, 45),
-            ("GQA, 70 queries from the start", KvShape { heads: 1, k_dim: 128, v_dim: 128, values_in_keys: false }, 3, 70, 70),
+            ("GQA 6 query heads on 2", KvShape { heads: 2, k_dim: 24, v_dim: 16, values_in_keys: false, keep: None }, 6, 12, 5),
+            ("MLA 5 query heads on 1 latent", KvShape { heads: 1, k_dim: 40, v_dim: 32, values_in_keys: true, keep: None }, 5, 12, 5),
+            ("GQA over 700 positions", KvShape { heads: 2, k_dim: 32, v_dim: 32, values_in_keys: false, keep: None }, 4, 700, 3),
+            (
+                "GQA, one query after 300 positions",
+                KvShape { heads: 2, k_dim: 64, v_dim: 64, values_in_keys: false, keep: None },
+                4,
+                301,
+                1,
+            ),
+            (
+                "GQA, 45 queries after 30 positions",
+                KvShape { heads: 2, k_dim: 40, v_dim: 24, values_in_keys: false, keep: None },
+                6,
+                75,
+                45,
+            ),
+            ("GQA, 70 queries from the start", KvShape { heads: 1, k_dim: 128, v_dim: 128, values_in_keys: false, keep: None }, 3, 70, 70),
         ];
         // gpt-oss: sliding windows and per-head sinks, alone and together.
         let windowed = [
             (
                 "GQA, window 64 over 700 positions, sinks",
-                KvShape { heads: 2, k_dim: 32, v_dim: 32, values_in_keys: false },
+                KvShape { heads: 2, k_dim: 32, v_dim: 32, values_in_keys: false, keep: None },
                 4,
                 700,
                 3,
@@ -735,7 +747,7 @@ impl<B: Backend> Suite<'_, B> {
             ),
             (
                 "GQA, 45 queries in a window of 7",
-                KvShape { heads: 2, k_dim: 40, v_dim: 24, values_in_keys: false },
+                KvShape { heads: 2, k_dim: 40, v_dim: 24, values_in_keys: false, keep: None },
                 6,
                 75,
                 45,
@@ -744,7 +756,7 @@ impl<B: Backend> Suite<'_, B> {
             ),
             (
                 "GQA, 70 queries from the start, sinks",
-                KvShape { heads: 1, k_dim: 64, v_dim: 64, values_in_keys: false },
+                KvShape { heads: 1, k_dim: 64, v_dim: 64, values_in_keys: false, keep: None },
                 3,
                 70,
                 70,
@@ -758,7 +770,7 @@ impl<B: Backend> Suite<'_, B> {
             let (kw, vw) = (shape.heads * shape.k_dim, shape.heads * shape.v_dim);
             let keys = self.values(positions * kw);
             let values = self.values(positions * vw);
-            let mut cache = self.b.kv_cache(&[KvShape { heads: 1, k_dim: 8, v_dim: 8, values_in_keys: false }, shape]);
+            let mut cache = self.b.kv_cache(&[KvShape { heads: 1, k_dim: 8, v_dim: 8, values_in_keys: false, keep: None }, shape]);
             self.b.kv_reserve(&mut cache, positions);
             self.cases += 1;
             if self.b.kv_capacity(&cache) < positions {
@@ -825,7 +837,7 @@ impl<B: Backend> Suite<'_, B> {
             // (Every layer of a sequence holds its positions: layer 0's too.)
             let zeros = self.buf(positions * 8, &[]);
             self.b.kv_store(&mut cache, 0, 0, positions, &zeros, 8, 0, Some((&zeros, 8, 0)));
-            let mut copy = self.b.kv_cache(&[KvShape { heads: 1, k_dim: 8, v_dim: 8, values_in_keys: false }, shape]);
+            let mut copy = self.b.kv_cache(&[KvShape { heads: 1, k_dim: 8, v_dim: 8, values_in_keys: false, keep: None }, shape]);
             if self.b.kv_copy(&cache, &mut copy, positions) {
                 let mut out = self.buf(n * q_heads * shape.v_dim, &[]);
                 self.b.attention(&copy, 1, &qb, q_stride, n, first, params, &mut out);
@@ -888,7 +900,7 @@ impl<B: Backend> Suite<'_, B> {
             ("prefill from 0, window 40 beyond the positions", 20, 20, 2, 16, 40, 4, false),
         ];
         for (what, positions, n, heads, dim, window, rate, selected) in cases {
-            let shape = KvShape { heads: 1, k_dim: dim, v_dim: dim, values_in_keys: true };
+            let shape = KvShape { heads: 1, k_dim: dim, v_dim: dim, values_in_keys: true, keep: None };
             let entries_n = positions / rate;
             let (keys, entries) = (self.values(positions * dim), self.values(entries_n.max(1) * dim));
             let mut cache = self.b.kv_cache(&[shape, KvShape { v_dim: 0, ..shape }]);
@@ -968,7 +980,7 @@ impl<B: Backend> Suite<'_, B> {
             ("5 queries after 295 positions, from row 2", 300, 5, 2, 3, 32, 40),
             ("40 queries from the start, 16 kept", 40, 40, 0, 2, 8, 16),
         ];
-        let index_keys = KvShape { heads: 1, k_dim: 0, v_dim: 0, values_in_keys: true };
+        let index_keys = KvShape { heads: 1, k_dim: 0, v_dim: 0, values_in_keys: true, keep: None };
         for (what, positions, n, row0, heads, dim, top) in cases {
             let shape = KvShape { k_dim: dim, ..index_keys };
             let keys = self.values(positions * dim);
@@ -1012,7 +1024,8 @@ impl<B: Backend> Suite<'_, B> {
 
         // Attention over selected positions: MLA's shape (values in the keys), four queries at
         // the end of 200 positions, each keeping its own 24 of them (one keeps only 5).
-        let (shape, q_heads, positions, n, per) = (KvShape { heads: 1, k_dim: 40, v_dim: 32, values_in_keys: true }, 5, 200, 4, 24);
+        let (shape, q_heads, positions, n, per) =
+            (KvShape { heads: 1, k_dim: 40, v_dim: 32, values_in_keys: true, keep: None }, 5, 200, 4, 24);
         let keys = self.values(positions * shape.k_dim);
         let mut cache = self.b.kv_cache(&[shape]);
         self.b.kv_store(&mut cache, 0, 0, positions, &self.buf(keys.len(), &keys), shape.k_dim, 0, None);
@@ -1090,7 +1103,7 @@ impl<B: Backend> Suite<'_, B> {
                     want[at..at + hd].copy_from_slice(&o);
                 }
             }
-            let shape = KvShape { heads: kvh, k_dim: hd, v_dim: hd, values_in_keys: false };
+            let shape = KvShape { heads: kvh, k_dim: hd, v_dim: hd, values_in_keys: false, keep: None };
             // Positions 0..pos0 hold the same random rows in both caches.
             let prefix = self.values(pos0 * stride);
             let mut caches = Vec::new();

@@ -345,6 +345,9 @@ pub struct State<B: Backend> {
     pub(crate) kv: B::KvCache,
     /// Tokens in the cache.
     pub(crate) pos: usize,
+    /// How far back the cache can be truncated and continued (DeepSeek-V4 drops older rows,
+    /// [`Model::set_kv_rewind`]); `None`: any distance.
+    pub(crate) rewind: Option<usize>,
     /// Which stream of a routing trace it replays ([`Self::set_trace_stream`]).
     pub(crate) stream: usize,
     /// Buffers for this sequence's own forward calls (`work.chunk` rows; unused when it runs in a
@@ -368,13 +371,25 @@ impl<B: Backend> State<B> {
         self.work.chunk
     }
     /// Forgets everything after the first `pos` tokens (prefix reuse keeps the rest).
+    ///
+    /// Where the model drops old rows ([`Model::set_kv_rewind`]), going back further than it
+    /// keeps starts the sequence over: [`pos`](Self::pos) is then 0 and the whole prefix runs
+    /// again. Callers continue from `pos()`, not from what they asked for.
     pub fn truncate(&mut self, pos: usize) {
-        self.pos = self.pos.min(pos);
+        let p = self.pos.min(pos);
+        self.pos = match self.rewind {
+            Some(m) if self.pos - p > m => 0,
+            _ => p,
+        };
     }
     /// Starts this state from positions `0..positions` of `other` (same model): their keys and
     /// values are copied, not recomputed. False where the backend cannot copy a KV cache.
     pub fn copy_prefix(&mut self, model: &Model<B>, other: &State<B>, positions: usize) -> bool {
         let positions = positions.min(other.pos);
+        if other.rewind.is_some_and(|m| other.pos - positions > m) {
+            // The rows before the prefix's end are no longer all there.
+            return false;
+        }
         if !model.backend().kv_copy(&other.kv, &mut self.kv, positions) {
             return false;
         }
@@ -412,6 +427,7 @@ impl<B: Backend> Model<B> {
         State {
             kv: self.backend.kv_cache(&self.kv_shapes()),
             pos: 0,
+            rewind: self.kv_rewind(),
             stream: 0,
             work: self.work(chunk, false),
             logits: Vec::new(),
@@ -504,7 +520,7 @@ impl<B: Backend> Model<B> {
         if let Some(ins) = st.instrument.as_mut() {
             ins.begin(n, self.experts.stats());
         }
-        let State { kv, pos, stream, work, logits, instrument } = st;
+        let State { kv, pos, stream, work, logits, instrument, .. } = st;
         let mut one = [Seg { kv, pos: *pos, stream: *stream, row: 0, n }];
         let mut s = Step { buf: &mut work.buf, host: &mut work.host, instrument, segs: &mut one };
         self.layers_of_step(&mut s, tokens, obs)?;

@@ -187,6 +187,8 @@ pub struct Model<B: Backend> {
     /// Bytes of the embedding table (read one row per token, unless it doubles as the LM head).
     pub(crate) embed_bytes: u64,
     pub(crate) lookahead: bool,
+    /// See [`Model::set_kv_rewind`].
+    pub(crate) kv_rewind: usize,
     /// Per decoder layer: the backend keeps its routed experts ([`Backend::keep_experts`]), so
     /// they are routed and run there, not fetched from the store.
     pub(crate) kept: Vec<bool>,
@@ -467,6 +469,7 @@ impl<B: Backend> Model<B> {
             dense_bytes: region.len() as u64,
             embed_bytes: ld.entry("embed")?.len,
             lookahead: false,
+            kv_rewind: DEFAULT_KV_REWIND,
             routing_trace: None,
             layers,
             experts,
@@ -525,7 +528,20 @@ impl<B: Backend> Model<B> {
 
     /// The shape of each layer's KV cache.
     pub fn kv_shapes(&self) -> Vec<KvShape> {
-        kv_shapes(&self.arch)
+        kv_shapes_rewinding(&self.arch, self.kv_rewind)
+    }
+
+    /// DeepSeek-V4: how many positions a sequence can go back (truncation, prefix copies) and
+    /// continue from its cache; going back further starts it over. Its sliding and raw rows are
+    /// kept this far back beyond what attention reads, older ones dropped: memory against the
+    /// cost of re-running a prefix. Applies to states made after the call.
+    pub fn set_kv_rewind(&mut self, positions: usize) {
+        self.kv_rewind = positions;
+    }
+
+    /// What [`set_kv_rewind`](Self::set_kv_rewind) set, where the model drops old rows.
+    pub fn kv_rewind(&self) -> Option<usize> {
+        self.arch.compressed_attention.as_ref().map(|_| self.kv_rewind)
     }
 }
 
@@ -555,29 +571,43 @@ pub fn backend_lacks<B: Backend>(arch: &Architecture, backend: &B) -> Option<Str
 /// caches (one `index_head_dim` key per position for each layer that runs its own indexer), so
 /// that whatever handles a sequence's cache (prefix copies, truncation, sizes) handles them too.
 pub fn kv_shapes(arch: &Architecture) -> Vec<KvShape> {
+    kv_shapes_rewinding(arch, DEFAULT_KV_REWIND)
+}
+
+/// Positions a DeepSeek-V4 sequence can go back by default (see [`Model::set_kv_rewind`]):
+/// enough for a chat's regenerated reply or a client's edited last message.
+pub const DEFAULT_KV_REWIND: usize = 512;
+
+/// [`kv_shapes`] with DeepSeek-V4's rows kept `rewind` positions beyond what attention reads.
+pub fn kv_shapes_rewinding(arch: &Architecture, rewind: usize) -> Vec<KvShape> {
     if let Some(c) = &arch.compressed_attention {
-        // The sliding branch keeps one shared key=value row per position; then each compressed
-        // layer's raw rows and entries (and its indexer's), as `compressed_cache_layers` numbers
-        // them.
-        let row = |w: usize| KvShape { heads: 1, k_dim: w, v_dim: 0, values_in_keys: true };
-        let mut shapes = vec![KvShape { heads: 1, k_dim: arch.head_dim, v_dim: arch.head_dim, values_in_keys: true }; arch.num_layers];
+        // The sliding branch keeps one shared key=value row per position, read `window - 1`
+        // back; then each compressed layer's raw rows (read one window back, two when windows
+        // overlap) and entries (and its indexer's), as `compressed_cache_layers` numbers them.
+        let row = |w: usize, keep: Option<usize>| KvShape { heads: 1, k_dim: w, v_dim: 0, values_in_keys: true, keep };
+        let window = Some(c.window - 1 + rewind);
+        let mut shapes =
+            vec![KvShape { heads: 1, k_dim: arch.head_dim, v_dim: arch.head_dim, values_in_keys: true, keep: window }; arch.num_layers];
         for kind in c.compression.iter().filter(|k| k.rate() > 0) {
             let c_of = |dim: usize| if kind.overlaps() { 2 * dim } else { dim };
-            shapes.extend([row(2 * c_of(arch.head_dim)), row(arch.head_dim)]);
+            let raw = Some(if kind.overlaps() { 2 } else { 1 } * kind.rate() + rewind);
+            shapes.extend([row(2 * c_of(arch.head_dim), raw), row(arch.head_dim, None)]);
             if kind.overlaps() {
-                shapes.extend([row(2 * c_of(c.index_head_dim)), row(c.index_head_dim)]);
+                shapes.extend([row(2 * c_of(c.index_head_dim), raw), row(c.index_head_dim, None)]);
             }
         }
         return shapes;
     }
     let mut shapes: Vec<KvShape> = (0..arch.num_layers)
         .map(|_| match &arch.mla {
-            Some(m) => KvShape { heads: 1, k_dim: m.kv_lora_rank + m.qk_rope_head_dim, v_dim: m.kv_lora_rank, values_in_keys: true },
-            None => KvShape { heads: arch.num_kv_heads, k_dim: arch.head_dim, v_dim: arch.head_dim, values_in_keys: false },
+            Some(m) => {
+                KvShape { heads: 1, k_dim: m.kv_lora_rank + m.qk_rope_head_dim, v_dim: m.kv_lora_rank, values_in_keys: true, keep: None }
+            }
+            None => KvShape { heads: arch.num_kv_heads, k_dim: arch.head_dim, v_dim: arch.head_dim, values_in_keys: false, keep: None },
         })
         .collect();
     if let Some(s) = &arch.sparse_attention {
-        let index_keys = KvShape { heads: 1, k_dim: s.head_dim, v_dim: 0, values_in_keys: true };
+        let index_keys = KvShape { heads: 1, k_dim: s.head_dim, v_dim: 0, values_in_keys: true, keep: None };
         shapes.extend(arch.indexer_layers().iter().map(|_| index_keys));
     }
     shapes
@@ -597,21 +627,27 @@ pub(crate) fn compressed_cache_layers(arch: &Architecture) -> HashMap<usize, Vec
     out
 }
 
-/// Values cached per token, summed over layers, as this engine stores them. DeepSeek-V4's
-/// entries count a `1 / rate` share each (rounded up per layer).
+/// Values cached per token, summed over layers, as this engine stores them. DeepSeek-V4 keeps
+/// its sliding and raw rows for a bounded span only ([`kv_fixed_values`]): per token it adds
+/// the compressed entries, a `1 / rate` share of a row each (rounded up per layer).
 pub fn kv_values_per_token(arch: &Architecture) -> usize {
     if let Some(c) = &arch.compressed_attention {
-        let mut v = arch.num_layers * arch.head_dim;
+        let mut v = 0;
         for kind in c.compression.iter().filter(|k| k.rate() > 0) {
-            let c_of = |dim: usize| if kind.overlaps() { 2 * dim } else { dim };
-            v += 2 * c_of(arch.head_dim) + arch.head_dim.div_ceil(kind.rate());
+            v += arch.head_dim.div_ceil(kind.rate());
             if kind.overlaps() {
-                v += 2 * c_of(c.index_head_dim) + c.index_head_dim.div_ceil(kind.rate());
+                v += c.index_head_dim.div_ceil(kind.rate());
             }
         }
         return v;
     }
     kv_shapes(arch).iter().map(|s| s.heads * (s.k_dim + if s.values_in_keys { 0 } else { s.v_dim })).sum()
+}
+
+/// Values a sequence's cache holds whatever its length, at most (DeepSeek-V4's bounded rows,
+/// with the default rewind and the CPU backend's slack of 64 rows): 0 for other families.
+pub fn kv_fixed_values(arch: &Architecture) -> usize {
+    kv_shapes(arch).iter().filter_map(|s| s.keep.map(|k| (k + 64) * s.heads * s.k_dim)).sum()
 }
 
 /// Values per token of a naive cache: full keys and values for every query head.

@@ -246,7 +246,7 @@ pub fn open<B: Backend>(path: &Path, opts: &OpenOptions, backend: B) -> Result<(
             CacheSize::Experts(n) => (n, "--cache-experts".to_string()),
             CacheSize::Bytes(b) => ((b / blob) as usize, format!("{} MiB requested", b >> 20)),
             _ => {
-                let kv = (crate::kv_values_per_token(&arch) * 4 * ctx) as u64;
+                let kv = ((crate::kv_values_per_token(&arch) * ctx + crate::kv_fixed_values(&arch)) * 4) as u64;
                 let (bytes, why) = auto_cache_bytes(file.dense_len(), kv);
                 ((bytes / blob) as usize, format!("auto: {why}"))
             }

@@ -75,7 +75,8 @@ impl<B: Backend> Session<B> {
     pub fn start(&mut self, engine: &Engine<B>, prompt: &[u32], opts: &GenOptions) -> Result<Stepwise, EngineError> {
         let keep = self.common_prefix(prompt);
         self.state.truncate(keep);
-        self.cached.truncate(keep);
+        // A model that drops old rows may have started over.
+        self.cached.truncate(self.state.pos());
         Stepwise::start(engine, &mut self.state, prompt, opts)
     }
 
@@ -86,7 +87,7 @@ impl<B: Backend> Session<B> {
         let pos = self.state.pos().min(context.len());
         self.state.truncate(pos);
         self.cached.clear();
-        self.cached.extend_from_slice(&context[..pos]);
+        self.cached.extend_from_slice(&context[..self.state.pos()]);
     }
 
     /// Generates after `prompt`, reusing the cached prefix it shares with earlier turns.
@@ -100,7 +101,9 @@ impl<B: Backend> Session<B> {
     ) -> Result<Generation, EngineError> {
         let keep = self.common_prefix(prompt);
         self.state.truncate(keep);
-        self.cached.truncate(keep);
+        // A model that drops old rows may have started over.
+        self.cached.truncate(self.state.pos());
+        let keep = self.state.pos();
         let result = engine.generate(&mut self.state, prompt, opts, obs, on_token);
         // Whatever happened, the cache holds the first `pos` tokens of prompt + generated.
         let pos = self.state.pos();
@@ -111,7 +114,7 @@ impl<B: Backend> Session<B> {
             Err(_) => {
                 // A failed forward leaves the cache in an unknown state past the reused prefix.
                 self.state.truncate(keep);
-                self.cached.truncate(keep);
+                self.cached.truncate(self.state.pos());
             }
         }
         result

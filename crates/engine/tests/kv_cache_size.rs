@@ -29,11 +29,22 @@ fn kv_cache_values_per_token_for_published_shapes() {
     assert_eq!(kv_values_per_token(&arch("glm-5")), 78 * 576 + 78 * 128);
     assert_eq!(kv_values_per_token(&arch("glm-5.2")), 78 * 576 + 21 * 128);
     // DeepSeek-V4-Flash: 43 layers, 23 heavily compressed (every 128 positions) and 20
-    // compressed-sparse (every 4, with the indexer). Stored per position today: the 512-value
-    // key=value row of every layer's sliding branch, each compressor's raw [kv | gate] rows
-    // (2 x 512 for HCA, 2 x 1024 for CSA plus the indexer's 2 x 256), and each entry's share.
+    // compressed-sparse (every 4, with the indexer). Per position it keeps the entries' share:
+    // 512 / 128 for HCA, 512 / 4 + 128 / 4 for CSA; its sliding rows (512 per layer) and the
+    // compressors' raw rows are held for a bounded span only.
     let flash = arch("deepseek-v4-flash");
     let ca = flash.compressed_attention.as_ref().unwrap();
     assert_eq!(ca.compression.iter().filter(|k| k.overlaps()).count(), 20);
-    assert_eq!(kv_values_per_token(&flash), 43 * 512 + 23 * (2 * 512 + 4) + 20 * (2 * 1024 + 128 + 2 * 256 + 32));
+    assert_eq!(kv_values_per_token(&flash), 23 * 4 + 20 * (128 + 32));
+    // Bounded: window 127 + rewind 512 (+ 64 slack) sliding rows of 512 in 43 layers; raw rows of
+    // 2 x 512 over 128 + 512 (+ 64) positions in 23 HCA layers, of 2 x 1024 and 2 x 256 over
+    // 8 + 512 (+ 64) in 20 CSA layers.
+    let fixed = 43 * (127 + 512 + 64) * 512 + 23 * (128 + 512 + 64) * 1024 + 20 * (8 + 512 + 64) * (2048 + 512);
+    assert_eq!(smoe_engine::kv_fixed_values(&flash), fixed);
+    println!("KV-fixed|deepseek-v4-flash|{fixed}|{} MiB", (fixed * 4) >> 20);
+    println!(
+        "KV-fixed|deepseek-v4-pro|{}|{} MiB",
+        smoe_engine::kv_fixed_values(&arch("deepseek-v4-pro")),
+        (smoe_engine::kv_fixed_values(&arch("deepseek-v4-pro")) * 4) >> 20
+    );
 }

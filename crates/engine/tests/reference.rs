@@ -5,7 +5,7 @@
 mod common;
 use common::*;
 use smoe_convert::ExpertFormats;
-use smoe_engine::{score, Logits, NoObserver, ScoreMode};
+use smoe_engine::{score, Backend, Logits, NoObserver, ScoreMode};
 use smoe_quant::Format;
 
 const ENGINE_FIXTURES: [&str; 5] = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen3_moe_yarn"];
@@ -391,4 +391,46 @@ fn deepseek_v4_matches_transformers() {
 fn deepseek_v4_fp8_fp4_checkpoint_matches_transformers() {
     check_vault("deepseek_v4_fp4", Format::F32.into(), Format::F32);
     check_vault("deepseek_v4_fp4", Format::MXFP4.into(), Format::BF16);
+}
+
+/// DeepSeek-V4 drops its sliding and raw rows beyond what attention reads plus the rewind
+/// margin. With a margin of 8 positions (rows dropped after a few dozen), the 300-token text in
+/// chunks of 7 still matches transformers at every position; the cache ends up smaller than
+/// one that keeps every row; truncating back within the margin continues from the cache (the
+/// logits of the re-run tail equal the reference), further back starts over from 0 (and still
+/// matches), and a prefix copy from further back than the margin is refused.
+#[test]
+fn deepseek_v4_drops_old_rows_and_still_matches() {
+    let name = "deepseek_v4";
+    let path = vault(name, Format::BF16, Format::BF16);
+    let r = read_safetensors(&fixture(name).join("reference.safetensors"));
+    let (input, expect) = (ids(&r["long.input_ids"]), r["long.logits"].f32());
+    let full_bytes = {
+        let model = load(&path);
+        let mut st = model.new_state(7);
+        model.forward(&mut st, &input, Logits::Last, &mut NoObserver).unwrap();
+        model.backend().kv_bytes(st.kv())
+    };
+    let mut model = load(&path);
+    model.set_kv_rewind(8);
+    let vocab = model.arch().vocab_size;
+    let run = |st: &mut smoe_engine::State<_>, from: usize| {
+        let logits = model.forward(st, &input[from..], Logits::All, &mut NoObserver).unwrap().to_vec();
+        let e = rel_err(&logits, &expect[from * vocab..]);
+        assert!(e < 1e-4, "from {from}: logits rel err {e:.2e}");
+    };
+    let mut st = model.new_state(7);
+    run(&mut st, 0);
+    let bytes = model.backend().kv_bytes(st.kv());
+    assert!(bytes * 2 < full_bytes, "{bytes} bytes with rows dropped, {full_bytes} with every row");
+    st.truncate(295);
+    assert_eq!(st.pos(), 295, "5 back is within the margin");
+    run(&mut st, 295);
+    let mut copy = model.new_state(7);
+    assert!(copy.copy_prefix(&model, &st, 296));
+    run(&mut copy, 296);
+    assert!(!copy.copy_prefix(&model, &st, 200), "100 back is beyond the margin");
+    st.truncate(200);
+    assert_eq!(st.pos(), 0, "100 back is beyond the margin: start over");
+    run(&mut st, 0);
 }

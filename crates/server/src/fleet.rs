@@ -379,7 +379,7 @@ impl Fleet {
         let ctx = self.cfg.ctx.unwrap_or_else(|| smoe_engine::default_context(&arch));
         // The budget as the memory watch last found it, if it has fallen since the start.
         let budget = self.budget.min(self.ceiling.load(Ordering::Relaxed));
-        let kv = ((smoe_engine::kv_values_per_token(&arch) * 4 * ctx) as u64).min(budget / 8);
+        let kv = (((smoe_engine::kv_values_per_token(&arch) * ctx + smoe_engine::kv_fixed_values(&arch)) * 4) as u64).min(budget / 8);
         let base = dense + kv;
         let used = |l: &BTreeMap<String, Loaded>| l.values().map(|m| m.bytes_now()).sum::<u64>();
         // The cache this model should get, and the least it accepts before others are unloaded.

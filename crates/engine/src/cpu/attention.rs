@@ -412,7 +412,7 @@ mod tests {
         let v = |n: usize, seed: usize| (0..n).map(|i| (((i * 7919 + seed * 104729) % 1999) as f32 / 1999.0 - 0.5) * 3.0).collect();
         let kw = shape.heads * shape.k_dim;
         let vw = if shape.values_in_keys { 0 } else { shape.heads * shape.v_dim };
-        KvLayer { shape, k: v(positions * kw, 1), v: v(positions * vw, 2) }
+        KvLayer { shape, k: v(positions * kw, 1), v: v(positions * vw, 2), base: 0 }
     }
 
     /// Attention in blocks of positions equals one softmax over all of them (to rounding), and
@@ -423,8 +423,8 @@ mod tests {
         let kernels = smoe_kernels::best();
         let pool = crate::cpu::pool::Pool::new(2);
         for (shape, q_heads) in [
-            (KvShape { heads: 2, k_dim: 16, v_dim: 16, values_in_keys: false }, 6),
-            (KvShape { heads: 1, k_dim: 24, v_dim: 16, values_in_keys: true }, 3),
+            (KvShape { heads: 2, k_dim: 16, v_dim: 16, values_in_keys: false, keep: None }, 6),
+            (KvShape { heads: 1, k_dim: 24, v_dim: 16, values_in_keys: true, keep: None }, 3),
         ] {
             let (n, pos0) = (19, 40);
             let l = layer(shape, pos0 + n);
@@ -466,12 +466,12 @@ mod speed {
     #[test]
     #[ignore]
     fn attention_speed() {
-        let shape = KvShape { heads: 4, k_dim: 128, v_dim: 128, values_in_keys: false };
+        let shape = KvShape { heads: 4, k_dim: 128, v_dim: 128, values_in_keys: false, keep: None };
         let (q_heads, positions) = (32, 1536);
         let kw = shape.heads * shape.k_dim;
         let v = |n: usize| (0..n).map(|i| ((i * 7919 % 1999) as f32 / 1999.0 - 0.5) * 3.0).collect::<Vec<f32>>();
         // Twelve layers' caches (80 MB), visited in turn as decode does: from memory, not cache.
-        let layers: Vec<KvLayer> = (0..12).map(|_| KvLayer { shape, k: v(positions * kw), v: v(positions * kw) }).collect();
+        let layers: Vec<KvLayer> = (0..12).map(|_| KvLayer { shape, k: v(positions * kw), v: v(positions * kw), base: 0 }).collect();
         let q = v(q_heads * 128);
         let p = AttnParams { q_heads, scale: 0.088, window: None, sinks: None, selected: None };
         let mut out = vec![0f32; q_heads * 128];

@@ -22,11 +22,13 @@ pub(super) fn compress_windows(layers: &mut [KvLayer], c: CompressWindows<'_>) {
     let cw = if overlap { 2 * dim } else { dim };
     let raw = &layers[raw_layer];
     let row = 2 * cw;
+    let earliest = if overlap { first.saturating_sub(1) * rate } else { first * rate };
     assert!(
-        raw.k.len() >= (first + count) * rate * row,
-        "compress_windows: windows up to {} of a raw cache holding {} positions",
+        raw.base <= earliest && raw.base + raw.k.len() / row >= (first + count) * rate,
+        "compress_windows: windows {first}..{} of a raw cache holding positions {}..{}",
         first + count,
-        raw.k.len() / row
+        raw.base,
+        raw.base + raw.k.len() / row
     );
     assert!(bias.len() >= rate * cw && norm.len() >= dim, "compress_windows: {} biases, {} norm weights", bias.len(), norm.len());
     let half = rope.cos.len() / count;
@@ -40,7 +42,7 @@ pub(super) fn compress_windows(layers: &mut [KvLayer], c: CompressWindows<'_>) {
         for (ch, out) in e.iter_mut().enumerate() {
             slots.clear();
             let mut push = |pos: usize, i: usize, col: usize| {
-                let r = &raw.k[pos * row..][..row];
+                let r = &raw.k[(pos - raw.base) * row..][..row];
                 slots.push((r[cw + col] + bias[i * cw + col], r[col]));
             };
             if overlap && w > 0 {
@@ -99,18 +101,19 @@ pub(super) fn attention_compressed(
 ) {
     let window = &layers[layer];
     let d = window.shape.k_dim;
-    let shape = KvShape { heads: 1, k_dim: d, v_dim: d, values_in_keys: true };
+    let shape = KvShape { heads: 1, k_dim: d, v_dim: d, values_in_keys: true, keep: None };
     let dense = AttnParams { q_heads: p.q_heads, scale: p.scale, window: None, sinks: Some(p.sinks), selected: None };
     let row = p.q_heads * d;
     GATHERED.with(|g| {
         let mut g = g.borrow_mut();
-        let gl = g.get_or_insert_with(|| KvLayer { shape, k: Vec::new(), v: Vec::new() });
+        let gl = g.get_or_insert_with(|| KvLayer { shape, k: Vec::new(), v: Vec::new(), base: 0 });
         gl.shape = shape;
         for t in 0..n {
             let pos = pos0 + t;
             gl.k.clear();
             let first = (pos + 1).saturating_sub(p.window);
-            gl.k.extend_from_slice(&window.k[first * d..(pos + 1) * d]);
+            assert!(first >= window.base, "attention_compressed: position {first} was dropped (held from {})", window.base);
+            gl.k.extend_from_slice(&window.k[(first - window.base) * d..(pos + 1 - window.base) * d]);
             if let Some((entry_layer, rate)) = p.entries {
                 let (entries, seen) = (&layers[entry_layer].k, (pos + 1) / rate);
                 match p.selected {
@@ -200,10 +203,10 @@ mod tests {
             let norm: Vec<f32> = (0..dim).map(|i| 1.0 + val(i + 5) * 0.1).collect();
             let half = 2;
             let (cs, sn): (Vec<f32>, Vec<f32>) = (0..count * half).map(|i| ((i as f32 * 0.3).cos(), (i as f32 * 0.3).sin())).unzip();
-            let shape = |w: usize| KvShape { heads: 1, k_dim: w, v_dim: 0, values_in_keys: true };
+            let shape = |w: usize| KvShape { heads: 1, k_dim: w, v_dim: 0, values_in_keys: true, keep: None };
             let mut layers = vec![
-                KvLayer { shape: shape(2 * cw), k: raw.clone(), v: vec![] },
-                KvLayer { shape: shape(dim), k: vec![f32::NAN; first * dim], v: vec![] },
+                KvLayer { shape: shape(2 * cw), k: raw.clone(), v: vec![], base: 0 },
+                KvLayer { shape: shape(dim), k: vec![f32::NAN; first * dim], v: vec![], base: 0 },
             ];
             let c = CompressWindows {
                 raw_layer: 0,

@@ -140,12 +140,18 @@ impl CpuMatrix {
     }
 }
 
-/// One layer's cache: keys `[pos, heads, k_dim]`, values `[pos, heads, v_dim]`.
+/// One layer's cache: keys `[pos, heads, k_dim]`, values `[pos, heads, v_dim]`, from position
+/// `base` on (0 unless the layer's shape lets old rows go, see [`KvShape::keep`]).
 struct KvLayer {
     shape: KvShape,
     k: Vec<f32>,
     v: Vec<f32>,
+    base: usize,
 }
+
+/// Rows a layer with [`KvShape::keep`] may hold beyond it before the oldest are dropped (each
+/// drop moves the kept rows, so it is done this many rows at a time).
+const DROP_SLACK: usize = 64;
 
 /// The KV cache of one sequence.
 pub struct CpuKvCache {
@@ -233,10 +239,11 @@ impl Backend for CpuBackend {
         CpuBuf { name, data: vec![0.0; len] }
     }
     fn kv_cache(&self, layers: &[KvShape]) -> CpuKvCache {
-        CpuKvCache { layers: layers.iter().map(|&shape| KvLayer { shape, k: Vec::new(), v: Vec::new() }).collect() }
+        CpuKvCache { layers: layers.iter().map(|&shape| KvLayer { shape, k: Vec::new(), v: Vec::new(), base: 0 }).collect() }
     }
     fn kv_reserve(&self, cache: &mut CpuKvCache, positions: usize) {
         for l in &mut cache.layers {
+            let positions = l.shape.keep.map_or(positions, |k| positions.min(k + DROP_SLACK));
             let kw = l.shape.heads * l.shape.k_dim;
             l.k.reserve_exact((positions * kw).saturating_sub(l.k.len()));
             if !l.shape.values_in_keys {
@@ -246,7 +253,14 @@ impl Backend for CpuBackend {
         }
     }
     fn kv_capacity(&self, cache: &CpuKvCache) -> usize {
-        cache.layers.iter().map(|l| l.k.capacity() / (l.shape.heads * l.shape.k_dim).max(1)).min().unwrap_or(0)
+        // A layer that drops old rows never runs out of room.
+        cache
+            .layers
+            .iter()
+            .filter(|l| l.shape.keep.is_none())
+            .map(|l| l.k.capacity() / (l.shape.heads * l.shape.k_dim).max(1))
+            .min()
+            .unwrap_or(usize::MAX)
     }
     fn kv_bytes(&self, cache: &CpuKvCache) -> usize {
         cache.layers.iter().map(|l| (l.k.len() + l.v.len()) * 4).sum()
@@ -377,7 +391,8 @@ impl Backend for CpuBackend {
         let d = cache.layers[layer].shape.k_dim;
         check("attention_compressed queries", q, n, p.q_heads * d);
         check("attention_compressed", out, n, p.q_heads * d);
-        assert!(cache.layers[layer].k.len() >= (pos0 + n) * d, "attention_compressed: layer {layer} lacks positions up to {}", pos0 + n);
+        let l = &cache.layers[layer];
+        assert!(l.base + l.k.len() / d.max(1) >= pos0 + n, "attention_compressed: layer {layer} lacks positions up to {}", pos0 + n);
         let attend = |gl: &KvLayer, q: &[f32], p: AttnParams<'_>, o: &mut [f32]| {
             let last = gl.k.len() / d - 1;
             match self.precision {
@@ -569,12 +584,14 @@ impl Backend for CpuBackend {
             let (kw, vw) = (s.shape.heads * s.shape.k_dim, s.shape.heads * s.shape.v_dim);
             // A layer indexed by window (DeepSeek-V4's compressed entries) holds fewer rows than
             // positions; the entries past the prefix's closed windows are recomputed before use.
-            let rows = positions.min(s.k.len() / kw.max(1));
+            // A layer that dropped old rows copies what it holds of the prefix.
+            let rows = positions.saturating_sub(s.base).min(s.k.len() / kw.max(1));
+            d.base = s.base.min(positions);
             d.k.clear();
             d.k.extend_from_slice(&s.k[..rows * kw]);
             d.v.clear();
             if !s.v.is_empty() {
-                d.v.extend_from_slice(&s.v[..positions * vw]);
+                d.v.extend_from_slice(&s.v[..rows * vw]);
             }
         }
         true
@@ -592,17 +609,36 @@ impl Backend for CpuBackend {
     ) {
         let l = &mut cache.layers[layer];
         let kw = l.shape.heads * l.shape.k_dim;
+        let vw = l.shape.heads * l.shape.v_dim;
         check_rows("kv_store keys", k, 0, n, k_stride, k_off, kw);
-        l.k.resize((pos0 + n) * kw, 0.0);
+        if pos0 < l.base {
+            // Rows before `base` were dropped: the sequence starts over (the state only goes
+            // back this far by going back to 0).
+            l.k.clear();
+            l.v.clear();
+            l.base = pos0;
+        }
+        let at = pos0 - l.base;
+        l.k.resize((at + n) * kw, 0.0);
         for t in 0..n {
-            l.k[(pos0 + t) * kw..(pos0 + t + 1) * kw].copy_from_slice(&k[t * k_stride + k_off..][..kw]);
+            l.k[(at + t) * kw..(at + t + 1) * kw].copy_from_slice(&k[t * k_stride + k_off..][..kw]);
         }
         if let Some((v, v_stride, v_off)) = v {
-            let vw = l.shape.heads * l.shape.v_dim;
             check_rows("kv_store values", v, 0, n, v_stride, v_off, vw);
-            l.v.resize((pos0 + n) * vw, 0.0);
+            l.v.resize((at + n) * vw, 0.0);
             for t in 0..n {
-                l.v[(pos0 + t) * vw..(pos0 + t + 1) * vw].copy_from_slice(&v[t * v_stride + v_off..][..vw]);
+                l.v[(at + t) * vw..(at + t + 1) * vw].copy_from_slice(&v[t * v_stride + v_off..][..vw]);
+            }
+        }
+        if let Some(keep) = l.shape.keep {
+            let held = at + n;
+            if held > keep + DROP_SLACK {
+                let drop = held - keep;
+                l.k.drain(..drop * kw);
+                if !l.v.is_empty() {
+                    l.v.drain(..drop * vw);
+                }
+                l.base += drop;
             }
         }
     }
@@ -670,8 +706,8 @@ mod tests {
     fn a_reserved_kv_cache_never_moves() {
         let be = CpuBackend::with_threads(Precision::Reference, 1);
         let shapes = [
-            KvShape { heads: 2, k_dim: 8, v_dim: 8, values_in_keys: false },
-            KvShape { heads: 1, k_dim: 12, v_dim: 8, values_in_keys: true },
+            KvShape { heads: 2, k_dim: 8, v_dim: 8, values_in_keys: false, keep: None },
+            KvShape { heads: 1, k_dim: 12, v_dim: 8, values_in_keys: true, keep: None },
         ];
         let mut cache = be.kv_cache(&shapes);
         be.kv_reserve(&mut cache, 1000);

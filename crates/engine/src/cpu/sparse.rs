@@ -39,7 +39,7 @@ pub(super) fn attention_selected(
     let row_out = p.q_heads * s.v_dim;
     GATHERED.with(|g| {
         let mut g = g.borrow_mut();
-        let gl = g.get_or_insert_with(|| KvLayer { shape: s, k: Vec::new(), v: Vec::new() });
+        let gl = g.get_or_insert_with(|| KvLayer { shape: s, k: Vec::new(), v: Vec::new(), base: 0 });
         gl.shape = s;
         for t in 0..n {
             gl.k.clear();
