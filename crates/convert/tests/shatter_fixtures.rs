@@ -412,3 +412,53 @@ fn interrupted_conversion_leaves_no_vault() {
     assert!(!out.exists());
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "temporary file left behind");
 }
+
+/// DeepSeek-V4's config.json in the hub's spellings, field by field: per-layer compression
+/// from `compress_ratios`, hash routing from `num_hash_layers`, the rotated dims from
+/// `qk_rope_head_dim`, the compressed layers' YaRN from `rope_scaling` (the sliding layers'
+/// RoPE stays plain), and every dense tensor bit for bit, the I64 hash table included.
+#[test]
+fn deepseek_v4_manifest_matches_config_and_tensors() {
+    use smoe_vault::Compression;
+    let dir = tempfile::tempdir().unwrap();
+    let name = "deepseek_v4";
+    let v = shatter_to(name, &bf16_opts(), dir.path());
+    let c: Value = serde_json::from_str(&std::fs::read_to_string(fixture(name).join("config.json")).unwrap()).unwrap();
+    let a = v.architecture();
+    let ca = a.compressed_attention.as_ref().unwrap();
+    let kinds: Vec<Compression> = c["compress_ratios"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| match r.as_u64().unwrap() {
+            0 => Compression::None,
+            4 => Compression::Sparse { rate: 4 },
+            _ => Compression::Heavy { rate: 128 },
+        })
+        .collect();
+    assert_eq!(ca.compression, kinds);
+    let hashed = cfg_usize(&c, "num_hash_layers");
+    assert_eq!(a.moe.hash_layers, (0..a.num_layers).map(|l| l < hashed).collect::<Vec<_>>());
+    assert_eq!((ca.window, ca.o_groups, ca.o_lora_rank, ca.q_lora_rank), (16, 2, 16, 32));
+    assert_eq!((ca.index_heads, ca.index_head_dim, ca.index_top_k), (8, 16, 8));
+    assert_eq!((a.rope.rotary_dim, ca.compress_rope.rotary_dim), (8, 8));
+    assert_eq!((a.rope.theta, ca.compress_rope.theta), (10000.0, 160000.0));
+    assert_eq!(a.rope.scaling, RopeScaling::None);
+    match &ca.compress_rope.scaling {
+        RopeScaling::Yarn { factor, original_max_position_embeddings, attention_factor, .. } => {
+            assert_eq!((*factor, *original_max_position_embeddings, *attention_factor), (4.0, 64, Some(1.0)));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(a.hyper_connections.as_ref().unwrap().mult, 4);
+    assert_eq!(a.moe.router, Router::SqrtSoftplus { correction_bias: true });
+    assert_eq!(a.moe.expert_act, ExpertAct::ClampedSilu { limit: 1.0 });
+    let ckpt = Checkpoint::open(&fixture(name)).unwrap();
+    for spec in names::dense_tensors(a) {
+        let expect = ckpt.tensors[&hf::hf_name(a.family, &spec.name)].read_f32().unwrap();
+        let entry = v.dense(&spec.name).unwrap();
+        let mut got = vec![0f32; expect.len()];
+        smoe_quant::dequantize(entry.format, &v.read_dense(&spec.name).unwrap(), &mut got).unwrap();
+        assert_eq!(got, expect, "{}", spec.name);
+    }
+}

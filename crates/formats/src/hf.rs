@@ -784,4 +784,46 @@ mod tests {
         assert!(cfg(serde_json::json!({"index_topk_pattern": "SFFFFFFF"})).is_err());
         assert!(cfg(serde_json::json!({"index_topk_pattern": "FXFFFFFF"})).is_err());
     }
+
+    /// DeepSeek-V4 from the hub's spellings and from transformers' own give the same
+    /// architecture; what the engine cannot run is refused with the setting named.
+    #[test]
+    fn deepseek_v4_configs_in_either_spelling_and_refusals() {
+        let hub = serde_json::json!({"model_type": "deepseek_v4", "hidden_size": 64, "num_hidden_layers": 3,
+            "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 1024, "moe_intermediate_size": 32,
+            "n_routed_experts": 8, "num_experts_per_tok": 2, "q_lora_rank": 32, "o_groups": 2, "o_lora_rank": 16,
+            "index_n_heads": 4, "index_head_dim": 16, "index_topk": 8, "sliding_window": 16, "qk_rope_head_dim": 8,
+            "compress_ratios": [0, 4, 128, 4], "num_hash_layers": 1, "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
+            "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}});
+        let a = architecture_from_config(&hub).unwrap();
+        let mut tf = hub.clone();
+        let o = tf.as_object_mut().unwrap();
+        for k in ["compress_ratios", "num_hash_layers", "qk_rope_head_dim", "rope_theta", "compress_rope_theta", "rope_scaling"] {
+            o.remove(k);
+        }
+        o.insert(
+            "layer_types".into(),
+            serde_json::json!(["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]),
+        );
+        o.insert("mlp_layer_types".into(), serde_json::json!(["hash_moe", "moe", "moe"]));
+        o.insert("partial_rotary_factor".into(), serde_json::json!(0.25));
+        o.insert(
+            "rope_parameters".into(),
+            serde_json::json!({
+            "main": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+            "compress": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 160000.0,
+                         "partial_rotary_factor": 0.25, "attention_factor": 1.0}}),
+        );
+        assert_eq!(architecture_from_config(&tf).unwrap(), a);
+        let refused = |k: &str, v: serde_json::Value| {
+            let mut c = hub.clone();
+            c[k] = v;
+            architecture_from_config(&c).unwrap_err().to_string()
+        };
+        assert!(refused("compress_ratios", serde_json::json!([0, 7, 4])).contains("compress ratio 7"));
+        assert!(refused("compress_ratios", serde_json::json!([0, 4])).contains("2 compress_ratios for 3 layers"));
+        assert!(refused("scoring_func", serde_json::json!("softmax")).contains("scoring_func 'softmax'"));
+        assert!(refused("num_key_value_heads", serde_json::json!(2)).contains("one key/value head"));
+        assert!(refused("o_groups", serde_json::json!(3)).contains("output groups"));
+    }
 }

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 /// Every fixture family's directory under testdata/hf (one per model type, plus the YaRN and
 /// K-quant variants).
-pub const ALL_FIXTURES: [&str; 12] = [
+pub const ALL_FIXTURES: [&str; 13] = [
     "qwen3_moe",
     "qwen2_moe",
     "mixtral",
@@ -23,6 +23,7 @@ pub const ALL_FIXTURES: [&str; 12] = [
     "minimax_m2",
     "gpt_oss",
     "glm_moe_dsa",
+    "deepseek_v4",
 ];
 
 pub fn fixture(name: &str) -> PathBuf {
