@@ -89,6 +89,34 @@ fn bad_scale(name: &str, scale: &TensorInfo, t: &TensorInfo, what: &str) -> Conv
     FormatError::BadInput(format!("{name}.scale has shape {:?}, not {what} of {:?}", scale.shape, t.shape)).into()
 }
 
+impl HubQuantized<'_> {
+    /// Rows `start..start + n` of a float8 layer as MXFP8 blocks: each 32 codes of a row as
+    /// stored, with the e8m0 exponent of the 128x128 block they lie in (the same number:
+    /// DeepSeek-V4's ue8m0 scale is `2^(byte − 127)`, as MXFP8's).
+    fn fp8_blocks(&self, name: &str, scale: &TensorInfo, start: usize, n: usize, dst: &mut [u8]) -> Result<(), ConvertError> {
+        let t = self.info(name)?;
+        let cols = t.cols();
+        let bytes = std::mem::size_of::<smoe_quant::blocks::BlockMxfp8>();
+        if !cols.is_multiple_of(32) || dst.len() != n * cols / 32 * bytes {
+            return Err(FormatError::Internal(format!("{name}: {} bytes for {n} MXFP8 rows of {cols}", dst.len())).into());
+        }
+        let mut codes = vec![0u8; n * cols];
+        t.read_rows_raw(start, n, &mut codes)?;
+        let first = start / 128;
+        let srows = (start + n - 1) / 128 - first + 1;
+        let mut exps = vec![0u8; srows * scale.cols()];
+        scale.read_rows_raw(first, srows, &mut exps)?;
+        for (r, (row, out)) in codes.chunks_exact(cols).zip(dst.chunks_exact_mut(cols / 32 * bytes)).enumerate() {
+            let srow = &exps[((start + r) / 128 - first) * scale.cols()..];
+            for (g, (src, blk)) in row.chunks_exact(32).zip(out.chunks_exact_mut(bytes)).enumerate() {
+                blk[0] = srow[g * 32 / 128];
+                blk[1..].copy_from_slice(src);
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Rows `start..start + n` of a scale tensor as f32 (ue8m0 or f32).
 fn scale_rows(s: &TensorInfo, start: usize, n: usize) -> Result<Vec<f32>, ConvertError> {
     let mut out = vec![0f32; n * s.cols()];
@@ -148,7 +176,21 @@ impl TensorProvider for HubQuantized<'_> {
             }
         }
     }
+    fn native_format(&self, name: &str) -> Option<Format> {
+        match self.stored(name).ok()? {
+            Stored::Fp8 { scale } if scale.dtype == DType::F8E8M0 => Some(Format::MXFP8),
+            Stored::Fp4 { scale } if scale.dtype == DType::F8E8M0 => Some(Format::MXFP4),
+            _ => None,
+        }
+    }
     fn read_quantized(&self, name: &str, format: Format, start: usize, n: usize, dst: &mut [u8]) -> Option<Result<(), ConvertError>> {
+        if format == Format::MXFP8 {
+            let Ok(Stored::Fp8 { scale }) = self.stored(name) else { return None };
+            if scale.dtype != DType::F8E8M0 {
+                return None;
+            }
+            return Some(self.fp8_blocks(name, scale, start, n, dst));
+        }
         if format != Format::MXFP4 {
             return None;
         }
@@ -206,6 +248,29 @@ mod tests {
         assert!(values.iter().any(|&v| v != 0.0));
         // Other formats are made from the values.
         assert!(p.read_quantized(name, Format::Q8_0, 0, rows, &mut blocks).is_none());
+    }
+
+    /// A float8 layer goes into MXFP8 blocks code for code: decoded, they are the values the
+    /// codes and scales stand for; a bf16 tensor has no native MXFP8 form.
+    #[test]
+    fn fp8_layers_become_mxfp8_blocks_unchanged() {
+        let ckpt = fixture();
+        let p = HubQuantized::new(&ckpt);
+        let name = "layers.1.attn.wq_b.weight";
+        assert_eq!(p.native_format(name), Some(Format::MXFP8));
+        assert_eq!(p.native_format("layers.1.attn.compressor.wkv.weight"), None);
+        let [rows, cols] = p.shape(name).unwrap()[..] else { panic!() };
+        let mut values = vec![0f32; rows * cols];
+        p.read_rows(name, 0, rows, &mut values).unwrap();
+        let mut blocks = vec![0u8; Format::MXFP8.row_bytes(cols).unwrap() * rows];
+        p.read_quantized(name, Format::MXFP8, 0, rows, &mut blocks).unwrap().unwrap();
+        let mut decoded = vec![0f32; rows * cols];
+        smoe_quant::dequantize(Format::MXFP8, &blocks, &mut decoded).unwrap();
+        assert_eq!(decoded, values);
+        // Rows from the middle (another 128-row block of scales where the layer has one).
+        let mut tail = vec![0u8; Format::MXFP8.row_bytes(cols).unwrap() * (rows - 3)];
+        p.read_quantized(name, Format::MXFP8, 3, rows - 3, &mut tail).unwrap().unwrap();
+        assert_eq!(&blocks[Format::MXFP8.row_bytes(cols).unwrap() * 3..], &tail[..]);
     }
 
     /// A float8 layer's values are its codes times its block's power of two: rows read in two

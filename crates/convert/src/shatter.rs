@@ -85,6 +85,11 @@ pub trait TensorProvider: Sync {
     fn read_quantized(&self, _name: &str, _format: Format, _start: usize, _n: usize, _dst: &mut [u8]) -> Option<Result<(), ConvertError>> {
         None
     }
+    /// The vault format that holds a tensor exactly as the source stores it, where the source
+    /// says (DeepSeek-V4's float8 layers: [`Format::MXFP8`]); `None`: not known.
+    fn native_format(&self, _name: &str) -> Option<Format> {
+        None
+    }
 }
 
 thread_local! {
@@ -275,7 +280,11 @@ fn convert(
         let src_name = hf_name(arch.family, &spec.name);
         let cols = *spec.shape.last().unwrap();
         let rows: usize = spec.shape[..spec.shape.len() - 1].iter().product::<usize>().max(1);
-        let format = if spec.keep_f32 { Format::F32 } else { choose_format(opts.dense, cols, &spec.name, &mut notes) };
+        // MXFP8 holds float8 layers as published; it does not requantize the others, which
+        // keep 16 bits (a bf16 checkpoint's exactly).
+        let requested =
+            if opts.dense == Format::MXFP8 && ckpt.native_format(&src_name) != Some(Format::MXFP8) { Format::BF16 } else { opts.dense };
+        let format = if spec.keep_f32 { Format::F32 } else { choose_format(requested, cols, &spec.name, &mut notes) };
         w.begin_tensor(&spec.name, format, &spec.shape, &src_name)?;
         let chunk_rows = (CHUNK_ELEMS / cols).max(1);
         let row_bytes = format.row_bytes(cols).map_err(|e| FormatError::Internal(e.to_string()))?;

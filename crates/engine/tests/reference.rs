@@ -434,3 +434,15 @@ fn deepseek_v4_drops_old_rows_and_still_matches() {
     assert_eq!(st.pos(), 0, "100 back is beyond the margin: start over");
     run(&mut st, 0);
 }
+
+/// DeepSeek-V4's float8 layers held as published, in MXFP8 (each 32 e4m3 codes with their
+/// block's e8m0 exponent, copied), its FP4 experts in MXFP4: the vault's weights are the
+/// checkpoint's exactly (other dense layers stay bf16), so the reference holds to the usual
+/// tolerance on the f32 path.
+#[test]
+fn deepseek_v4_in_mxfp8_and_mxfp4_as_published() {
+    check_vault("deepseek_v4_fp4", Format::MXFP4.into(), Format::MXFP8);
+    let v = smoe_vault::Vault::open(vault("deepseek_v4_fp4", Format::MXFP4, Format::MXFP8)).unwrap();
+    assert_eq!(v.dense("layers.1.attn.q_b").unwrap().format, Format::MXFP8);
+    assert_eq!(v.dense("layers.1.attn.cmp_kv").unwrap().format, Format::BF16);
+}

@@ -68,6 +68,20 @@ pub fn dot_mxfp4(w: &[u8], a: &[Block32]) -> f32 {
         .sum()
 }
 
+/// MXFP8 weights: each e4m3 code as its value times 512, an integer
+/// ([`smoe_quant::e4m3_times_512`], |v| < 2^18, so 32 products with int8 activations stay within
+/// i32), times the block's e8m0 scale and 2^−9 (half the scale times 2^−8).
+pub fn dot_mxfp8(w: &[u8], a: &[Block32]) -> f32 {
+    blocks::<BlockMxfp8>(w)
+        .iter()
+        .zip(a)
+        .map(|(b, a)| {
+            let s = isum(b.qs.iter().zip(&a.qs).map(|(&q, &p)| smoe_quant::e4m3_times_512(q) * p as i32));
+            smoe_quant::e8m0_to_f32_half(b.e) * (1.0 / 256.0) * a.d * s as f32
+        })
+        .sum()
+}
+
 /// Q4_1 weights (value = q·d + m).
 pub fn dot_q4_1(w: &[u8], a: &[Block32]) -> f32 {
     blocks::<BlockQ4_1>(w)

@@ -36,6 +36,32 @@ pub struct BlockMxfp4 {
 }
 const _: () = assert!(std::mem::size_of::<BlockMxfp4>() == 17);
 
+/// 8.25 bits per weight (OCP MXFP8 with e4m3 elements): `x = e4m3(q) · 2^(e − 127)`.
+#[repr(C)]
+#[derive(Clone, Copy, Pod, Zeroable)]
+pub struct BlockMxfp8 {
+    /// Shared exponent (e8m0).
+    pub e: u8,
+    /// float8 e4m3 codes (sign in bit 7, exponent bits 6–3 with bias 7, mantissa bits 2–0), in
+    /// element order.
+    pub qs: [u8; QK],
+}
+const _: () = assert!(std::mem::size_of::<BlockMxfp8>() == 33);
+
+/// A float8 e4m3 code's value times 512, an integer (|v| ≤ 448 · 512): `m` for the subnormals
+/// (exponent field 0), `(8 + m) << (E − 1)` above, signed. The dot products multiply these
+/// with int8 activations and scale by `2^−9` once per block. The NaN codes (0x7f, 0xff) are
+/// never written by the quantizer; they read as 480 · 512 here.
+pub fn e4m3_times_512(q: u8) -> i32 {
+    let (e, m) = (((q >> 3) & 15) as i32, (q & 7) as i32);
+    let v = if e == 0 { m } else { (8 + m) << (e - 1) };
+    if q & 0x80 != 0 {
+        -v
+    } else {
+        v
+    }
+}
+
 /// The e2m1 values of MXFP4's codes, doubled so that they are integers (ggml's
 /// `kvalues_mxfp4`); the scale is halved to match ([`e8m0_to_f32_half`]).
 pub const KVALUES_MXFP4: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];

@@ -19,11 +19,12 @@ pub mod interleave;
 mod kquants;
 mod matrix;
 mod simple;
+pub use simple::{e4m3_to_f32, f32_to_e4m3};
 
 use std::fmt;
 use std::str::FromStr;
 
-pub use blocks::{e8m0_to_f32_half, KVALUES_MXFP4, QK, QK_K};
+pub use blocks::{e4m3_times_512, e8m0_to_f32_half, KVALUES_MXFP4, QK, QK_K};
 pub use kquants::{scale_min_k4, unpack_q3_scales};
 pub use matrix::{Layout, QMatrix};
 
@@ -60,10 +61,14 @@ pub enum Format {
     BF16 = 30,
     /// OCP MXFP4: 32 e2m1 values sharing an e8m0 scale (gpt-oss's experts).
     MXFP4 = 39,
+    /// OCP MXFP8: 32 float8 e4m3 values sharing an e8m0 scale (DeepSeek-V4's FP8 layers held as
+    /// published: e4m3 codes times a power of two). Not a ggml type: the id is smoe's own, and
+    /// GGUF export refuses it.
+    MXFP8 = 200,
 }
 
 /// Every format this crate can encode and decode.
-pub const ALL_FORMATS: [Format; 14] = [
+pub const ALL_FORMATS: [Format; 15] = [
     Format::F32,
     Format::F16,
     Format::BF16,
@@ -78,13 +83,16 @@ pub const ALL_FORMATS: [Format; 14] = [
     Format::Q5_K,
     Format::Q6_K,
     Format::MXFP4,
+    Format::MXFP8,
 ];
 
 /// Errors from format parsing and row coding.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum QuantError {
     /// A format name that is not known.
-    #[error("unknown tensor format '{0}' (known: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4)")]
+    #[error(
+        "unknown tensor format '{0}' (known: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4, MXFP8)"
+    )]
     UnknownName(String),
     /// A ggml type id that is not supported.
     #[error("unsupported ggml type id {0}")]
@@ -127,6 +135,7 @@ impl Format {
             Format::Q5_K => "Q5_K",
             Format::Q6_K => "Q6_K",
             Format::MXFP4 => "MXFP4",
+            Format::MXFP8 => "MXFP8",
         }
     }
 
@@ -144,7 +153,7 @@ impl Format {
     pub fn block_elems(self) -> usize {
         match self {
             Format::F32 | Format::F16 | Format::BF16 => 1,
-            Format::Q8_0 | Format::Q4_0 | Format::Q4_1 | Format::Q5_0 | Format::Q5_1 | Format::MXFP4 => QK,
+            Format::Q8_0 | Format::Q4_0 | Format::Q4_1 | Format::Q5_0 | Format::Q5_1 | Format::MXFP4 | Format::MXFP8 => QK,
             Format::Q2_K | Format::Q3_K | Format::Q4_K | Format::Q5_K | Format::Q6_K => QK_K,
         }
     }
@@ -166,6 +175,7 @@ impl Format {
             Format::Q5_K => size_of::<blocks::BlockQ5K>(),
             Format::Q6_K => size_of::<blocks::BlockQ6K>(),
             Format::MXFP4 => size_of::<blocks::BlockMxfp4>(),
+            Format::MXFP8 => size_of::<blocks::BlockMxfp8>(),
         }
     }
 
@@ -201,7 +211,7 @@ impl Format {
             Format::Q4_K => Format::Q5_0,
             Format::Q5_K => Format::Q5_1,
             Format::Q6_K => Format::Q8_0,
-            Format::Q8_0 | Format::Q4_0 | Format::Q4_1 | Format::Q5_0 | Format::Q5_1 | Format::MXFP4 => Format::BF16,
+            Format::Q8_0 | Format::Q4_0 | Format::Q4_1 | Format::Q5_0 | Format::Q5_1 | Format::MXFP4 | Format::MXFP8 => Format::BF16,
             f => f,
         }
     }
@@ -268,6 +278,7 @@ pub fn quantize(format: Format, src: &[f32], dst: &mut [u8]) -> Result<(), Quant
         Format::Q5_K => kquants::quantize_q5_k(src, bytemuck::cast_slice_mut(dst)),
         Format::Q6_K => kquants::quantize_q6_k(src, bytemuck::cast_slice_mut(dst)),
         Format::MXFP4 => simple::quantize_mxfp4(src, bytemuck::cast_slice_mut(dst)),
+        Format::MXFP8 => simple::quantize_mxfp8(src, bytemuck::cast_slice_mut(dst)),
     }
     Ok(())
 }
@@ -302,6 +313,7 @@ pub fn dequantize(format: Format, src: &[u8], dst: &mut [f32]) -> Result<(), Qua
         Format::Q5_K => kquants::dequantize_q5_k(bytemuck::cast_slice(src), dst),
         Format::Q6_K => kquants::dequantize_q6_k(bytemuck::cast_slice(src), dst),
         Format::MXFP4 => simple::dequantize_mxfp4(bytemuck::cast_slice(src), dst),
+        Format::MXFP8 => simple::dequantize_mxfp8(bytemuck::cast_slice(src), dst),
     }
     Ok(())
 }

@@ -3,7 +3,9 @@
 //! Encoders mirror ggml's `quantize_row_*_ref` (including its truncating casts), decoders
 //! mirror `dequantize_row_*`.
 
-use crate::blocks::{e8m0_to_f32_half, BlockMxfp4, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0, KVALUES_MXFP4, QK};
+use crate::blocks::{
+    e4m3_times_512, e8m0_to_f32_half, BlockMxfp4, BlockMxfp8, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0, KVALUES_MXFP4, QK,
+};
 use crate::half::F16Bytes;
 
 /// The value of largest magnitude, with its sign.
@@ -99,6 +101,82 @@ pub(crate) fn dequantize_mxfp4(x: &[BlockMxfp4], y: &mut [f32]) {
         for j in 0..QK / 2 {
             y[j] = KVALUES_MXFP4[(b.qs[j] & 0x0f) as usize] as f32 * d;
             y[j + QK / 2] = KVALUES_MXFP4[(b.qs[j] >> 4) as usize] as f32 * d;
+        }
+    }
+}
+
+/// `2^(e − 127)`, the e8m0 scale (exact; subnormal for `e` 0).
+fn e8m0(e: u8) -> f32 {
+    e8m0_to_f32_half(e) * 2.0
+}
+
+/// The float8 e4m3 code nearest `x` (ties to the even code), saturating at ±448.
+pub fn f32_to_e4m3(x: f32) -> u8 {
+    let sign = if x.is_sign_negative() { 0x80 } else { 0 };
+    let a = x.abs();
+    if a.is_nan() {
+        return sign | 0x7f;
+    }
+    if a >= 448.0 {
+        return sign | 0x7e;
+    }
+    // The subnormal binade (and zero): steps of 2^−9.
+    if a < 2f32.powi(-6) {
+        let m = crate::nearest_int(a * 512.0) as u8;
+        // m == 8 is the smallest normal, code 0x08: the same bits.
+        return sign | m;
+    }
+    let k = a.log2().floor() as i32;
+    let k = if 2f32.powi(k) > a {
+        k - 1
+    } else if 2f32.powi(k + 1) <= a {
+        k + 1
+    } else {
+        k
+    };
+    let mut m = crate::nearest_int((a / 2f32.powi(k) - 1.0) * 8.0);
+    let mut e = k + 7;
+    if m == 8 {
+        m = 0;
+        e += 1;
+    }
+    if e > 15 || (e == 15 && m > 6) {
+        return sign | 0x7e;
+    }
+    sign | ((e as u8) << 3) | m as u8
+}
+
+/// The value of a float8 e4m3 code (NaN for 0x7f and 0xff).
+pub fn e4m3_to_f32(q: u8) -> f32 {
+    if q & 0x7f == 0x7f {
+        return f32::NAN;
+    }
+    e4m3_times_512(q) as f32 / 512.0
+}
+
+/// MXFP8: the smallest e8m0 scale that brings the block's largest magnitude within e4m3's 448,
+/// each value the nearest code.
+pub(crate) fn quantize_mxfp8(x: &[f32], y: &mut [BlockMxfp8]) {
+    for (b, x) in y.iter_mut().zip(x.chunks_exact(QK)) {
+        let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+        b.e = if amax > 0.0 { ((amax / 448.0).log2().ceil() + 127.0).clamp(0.0, 254.0) as u8 } else { 0 };
+        // A scale rounded up by log2's last bit could still leave amax above 448: step down
+        // only if the value fits one binade lower.
+        if b.e > 0 && amax / e8m0(b.e - 1) <= 448.0 {
+            b.e -= 1;
+        }
+        let inv = 1.0 / e8m0(b.e);
+        for (q, &v) in b.qs.iter_mut().zip(x) {
+            *q = f32_to_e4m3(v * inv);
+        }
+    }
+}
+
+pub(crate) fn dequantize_mxfp8(x: &[BlockMxfp8], y: &mut [f32]) {
+    for (b, y) in x.iter().zip(y.chunks_exact_mut(QK)) {
+        let d = e8m0(b.e);
+        for (o, &q) in y.iter_mut().zip(&b.qs) {
+            *o = e4m3_to_f32(q) * d;
         }
     }
 }

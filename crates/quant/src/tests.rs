@@ -156,3 +156,36 @@ fn size_mismatch_is_an_error_not_a_panic() {
     let mut y = vec![0f32; 100];
     assert!(matches!(dequantize(Format::Q4_K, &q, &mut y), Err(QuantError::RowLength { .. })));
 }
+
+/// Every finite float8 e4m3 code survives the trip to f32 and back, its value is its
+/// "times 512" integer over 512, and the quantizer rounds to the nearest code (ties to even),
+/// saturating at 448. MXFP8 blocks of codes times a power of two (DeepSeek-V4's float8 layers)
+/// quantize back to themselves.
+#[test]
+fn e4m3_codes_round_trip_and_mxfp8_holds_float8_exactly() {
+    use crate::{e4m3_times_512, e4m3_to_f32, f32_to_e4m3};
+    for q in 0..=255u8 {
+        if q & 0x7f == 0x7f {
+            assert!(e4m3_to_f32(q).is_nan());
+            continue;
+        }
+        let v = e4m3_to_f32(q);
+        assert_eq!(v, e4m3_times_512(q) as f32 / 512.0, "code {q:#x}");
+        let back = f32_to_e4m3(v);
+        assert!(back == q || (v == 0.0 && back & 0x7f == 0), "code {q:#x} ({v}) came back as {back:#x}");
+    }
+    assert_eq!(e4m3_to_f32(f32_to_e4m3(1000.0)), 448.0);
+    assert_eq!(e4m3_to_f32(f32_to_e4m3(-1e9)), -448.0);
+    // Halfway between 1.0 (mantissa 0) and 1.125 (mantissa 1): to the even mantissa.
+    assert_eq!(e4m3_to_f32(f32_to_e4m3(1.0625)), 1.0);
+    assert_eq!(e4m3_to_f32(f32_to_e4m3(1.1875)), 1.25);
+    assert_eq!(e4m3_to_f32(f32_to_e4m3(1.1)), 1.125);
+    // A block of float8 values scaled by 2^-5 is held exactly.
+    let codes: Vec<u8> = (0..64u8).map(|i| i.wrapping_mul(37) & 0x7e).collect();
+    let x: Vec<f32> = codes.iter().map(|&q| e4m3_to_f32(q) / 32.0).collect();
+    let mut b = vec![0u8; Format::MXFP8.row_bytes(64).unwrap()];
+    crate::quantize(Format::MXFP8, &x, &mut b).unwrap();
+    let mut y = vec![0f32; 64];
+    crate::dequantize(Format::MXFP8, &b, &mut y).unwrap();
+    assert_eq!(x, y);
+}

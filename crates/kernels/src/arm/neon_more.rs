@@ -5,7 +5,7 @@
 
 use super::neon::mla16;
 use crate::act::{Block256, Block32};
-use smoe_quant::blocks::{BlockMxfp4, BlockQ2K, BlockQ3K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1};
+use smoe_quant::blocks::{BlockMxfp4, BlockMxfp8, BlockQ2K, BlockQ3K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1};
 use smoe_quant::{scale_min_k4, unpack_q3_scales};
 use std::arch::aarch64::*;
 
@@ -70,6 +70,47 @@ pub fn dot_mxfp4(w: &[u8], a: &[Block32]) -> f32 {
         // SAFETY: register-only table lookups (indices < 16).
         let (lo, hi) = unsafe { (vqtbl1q_s8(table, vreinterpretq_u8_s8(lo)), vqtbl1q_s8(table, vreinterpretq_u8_s8(hi))) };
         s += smoe_quant::e8m0_to_f32_half(b.e) * a.d * dot32(lo, hi, a) as f32;
+    }
+    s
+}
+
+/// MXFP8 weights: the e4m3 codes widened to 32-bit lanes four at a time and turned into
+/// their values times 512 (`m` below the normal range, `(8 + m) << (E − 1)` above), signed,
+/// multiplied with the widened int8 activations and summed per block in i32, as the scalar
+/// kernel; then the block's e8m0 scale times 2^−9.
+pub fn dot_mxfp8(w: &[u8], a: &[Block32]) -> f32 {
+    let wb: &[BlockMxfp8] = bytemuck::cast_slice(w);
+    let mut s = 0f32;
+    for (b, a) in wb.iter().zip(a) {
+        // SAFETY: 16-byte loads at offsets 0 and 16 of 32-byte arrays; the rest is register
+        // arithmetic.
+        let total = unsafe {
+            let mut acc = vdupq_n_s32(0);
+            for c in 0..2 {
+                let q = vld1q_u8(b.qs.as_ptr().add(16 * c));
+                let x = vld1q_s8(a.qs.as_ptr().add(16 * c));
+                let (q16, x16) =
+                    ([vmovl_u8(vget_low_u8(q)), vmovl_u8(vget_high_u8(q))], [vmovl_s8(vget_low_s8(x)), vmovl_s8(vget_high_s8(x))]);
+                for h in 0..2 {
+                    let quads = [
+                        (vmovl_u16(vget_low_u16(q16[h])), vmovl_s16(vget_low_s16(x16[h]))),
+                        (vmovl_u16(vget_high_u16(q16[h])), vmovl_s16(vget_high_s16(x16[h]))),
+                    ];
+                    for (qq, xx) in quads {
+                        let qi = vreinterpretq_s32_u32(qq);
+                        let e = vandq_s32(vshrq_n_s32::<3>(qi), vdupq_n_s32(15));
+                        let m = vandq_s32(qi, vdupq_n_s32(7));
+                        // A shift by −1 (e = 0) shifts right; those lanes take `m` below.
+                        let normal = vshlq_s32(vaddq_s32(m, vdupq_n_s32(8)), vsubq_s32(e, vdupq_n_s32(1)));
+                        let mag = vbslq_s32(vceqq_s32(e, vdupq_n_s32(0)), m, normal);
+                        let v = vbslq_s32(vcgtq_s32(qi, vdupq_n_s32(127)), vnegq_s32(mag), mag);
+                        acc = vmlaq_s32(acc, v, xx);
+                    }
+                }
+            }
+            vaddvq_s32(acc)
+        };
+        s += smoe_quant::e8m0_to_f32_half(b.e) * (1.0 / 256.0) * a.d * total as f32;
     }
     s
 }

@@ -6,7 +6,7 @@
 use super::avx2::{hsum, mul_sum_i8};
 use super::{f16x8, k4_scales};
 use crate::act::{Block256, Block32};
-use smoe_quant::blocks::{BlockMxfp4, BlockQ2K, BlockQ3K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1};
+use smoe_quant::blocks::{BlockMxfp4, BlockMxfp8, BlockQ2K, BlockQ3K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1};
 use std::arch::x86_64::*;
 
 fn f16(b: [u8; 2]) -> f32 {
@@ -110,6 +110,46 @@ pub unsafe fn dot_mxfp4(w: &[u8], a: &[Block32]) -> f32 {
         acc[i % 2] = _mm256_fmadd_ps(_mm256_set1_ps(d), p, acc[i % 2]);
     }
     hsum(_mm256_add_ps(acc[0], acc[1]))
+}
+
+/// MXFP8 weights: eight e4m3 codes at a time widened to 32-bit lanes and turned into their
+/// values times 512 (`m` below the normal range, `(8 + m) << (E − 1)` above, by a variable
+/// shift), signed, multiplied with the widened int8 activations and summed per block in i32
+/// (as the scalar kernel: |v| < 2^18); then the block's e8m0 scale times 2^−9.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn dot_mxfp8(w: &[u8], a: &[Block32]) -> f32 {
+    let wb: &[BlockMxfp8] = bytemuck::cast_slice(w);
+    let (seven, eight, fifteen, one) = (_mm256_set1_epi32(7), _mm256_set1_epi32(8), _mm256_set1_epi32(15), _mm256_set1_epi32(1));
+    let mut s = 0f32;
+    for (b, a) in wb.iter().zip(a) {
+        let mut sum = _mm256_setzero_si256();
+        for c in 0..4 {
+            // SAFETY: 8 bytes at offset 8c of the blocks' 32-byte arrays.
+            let (q, x) = unsafe {
+                (
+                    _mm256_cvtepu8_epi32(_mm_loadl_epi64(b.qs.as_ptr().add(8 * c) as *const __m128i)),
+                    _mm256_cvtepi8_epi32(_mm_loadl_epi64(a.qs.as_ptr().add(8 * c) as *const __m128i)),
+                )
+            };
+            let e = _mm256_and_si256(_mm256_srli_epi32(q, 3), fifteen);
+            let m = _mm256_and_si256(q, seven);
+            // A shift count of −1 (e = 0) gives 0 here; those lanes take `m` below.
+            let normal = _mm256_sllv_epi32(_mm256_add_epi32(m, eight), _mm256_sub_epi32(e, one));
+            let mag = _mm256_blendv_epi8(normal, m, _mm256_cmpeq_epi32(e, _mm256_setzero_si256()));
+            let neg = _mm256_srai_epi32(_mm256_slli_epi32(q, 24), 31);
+            let v = _mm256_sub_epi32(_mm256_xor_si256(mag, neg), neg);
+            sum = _mm256_add_epi32(sum, _mm256_mullo_epi32(v, x));
+        }
+        // The block's integer sum, exact as the scalar kernel's.
+        let lo = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        let lo = _mm_add_epi32(lo, _mm_shuffle_epi32(lo, 0b01_00_11_10));
+        let total = _mm_cvtsi128_si32(_mm_add_epi32(lo, _mm_shuffle_epi32(lo, 0b10_11_00_01)));
+        s += smoe_quant::e8m0_to_f32_half(b.e) * (1.0 / 256.0) * a.d * total as f32;
+    }
+    s
 }
 
 /// Q4_1 weights: `d · q + m`; the minimum meets the activation block sum.
