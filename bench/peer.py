@@ -226,16 +226,34 @@ def one_shape(shape, args, smoe, llama_bin):
     res = {"shape": shape, "layers": args.layers, "tokens": args.prompt_tokens, "gen": args.gen}
     log(f"{shape}: {shutil.disk_usage(args.work).free / 2**30:.1f} GiB free in {args.work}")
     try:
-        if not (args.keep and os.path.exists(vault)):
-            remove(vault)
-            t = time.monotonic()
-            sh([smoe, "synth", "--shape", shape, "--layers", args.layers, "--vault", vault])
-            log(f"synthesised {vault} in {time.monotonic() - t:.0f} s")
-        if not (args.keep and os.path.exists(gguf)):
-            remove(gguf)
-            sh([smoe, "export-gguf", vault, "-o", gguf])
-        res["vault_bytes"], res["gguf_bytes"] = os.path.getsize(vault), os.path.getsize(gguf)
-        vocab = json.loads(sh([smoe, "inspect", vault, "--json"]).stdout)["architecture"]["vocab_size"]
+        if shape.startswith("deepseek-v4"):
+            # llama.cpp takes DeepSeek-V4 only from deepseek-ai's own checkpoint (FP8 layers, FP4
+            # experts) through its converter: bench/v4_hub.py writes one of the shape, the
+            # converter makes the GGUF, and both engines run that file (smoe in place).
+            hub = w(".hub")
+            if not (args.keep and os.path.exists(gguf)):
+                t = time.monotonic()
+                sh([sys.executable, os.path.join(ROOT, "bench/v4_hub.py"), hub, "--shape", shape, "--layers", args.layers])
+                log(f"wrote the hub checkpoint {hub} in {time.monotonic() - t:.0f} s")
+                t = time.monotonic()
+                remove(gguf)
+                sh([sys.executable, os.path.join(ROOT, "bench/llama_convert.py"), hub, "--outtype", "bf16", "--outfile", gguf])
+                log(f"llama.cpp's converter wrote {gguf} in {time.monotonic() - t:.0f} s")
+                shutil.rmtree(hub, ignore_errors=True)
+            vault = gguf
+            res["vault_bytes"] = res["gguf_bytes"] = os.path.getsize(gguf)
+            vocab = 129280
+        else:
+            if not (args.keep and os.path.exists(vault)):
+                remove(vault)
+                t = time.monotonic()
+                sh([smoe, "synth", "--shape", shape, "--layers", args.layers, "--vault", vault])
+                log(f"synthesised {vault} in {time.monotonic() - t:.0f} s")
+            if not (args.keep and os.path.exists(gguf)):
+                remove(gguf)
+                sh([smoe, "export-gguf", vault, "-o", gguf])
+            res["vault_bytes"], res["gguf_bytes"] = os.path.getsize(vault), os.path.getsize(gguf)
+            vocab = json.loads(sh([smoe, "inspect", vault, "--json"]).stdout)["architecture"]["vocab_size"]
         res["vocab"] = vocab
         ids = np.random.default_rng(IDS_SEED).integers(0, vocab, size=args.prompt_tokens)
         with open(ids_file, "w") as f:
@@ -249,7 +267,7 @@ def one_shape(shape, args, smoe, llama_bin):
             # their activation quantization (and summation order), and nothing else.
             res["ref_s"], _ = timed([smoe, "score", vault, "--ids-file", ids_file, "--out", ref_file, "--greedy", args.gen,
                                      "--threads", args.threads, "--cache", "resident"])
-        if not args.keep:
+        if not args.keep and vault != gguf:
             remove(vault)  # before llama.cpp runs: less disk and page cache in use
         res["llama_s"], err = timed([os.path.join(llama_bin, "llama_logits"), gguf, ids_file, theirs_file, args.threads, args.gen])
         res["llama_prefill_s"] = seconds(r"prefill \d+ tokens in ([0-9.]+) s", err)
