@@ -14,10 +14,13 @@ pub struct MemoryInfo {
     pub source: String,
 }
 
+// Linux reads /proc and the cgroup files; other systems only test these.
+#[cfg_attr(not(target_os = "linux"), allow(dead_code))]
 fn read_u64(p: &Path) -> Option<u64> {
     std::fs::read_to_string(p).ok()?.trim().parse().ok()
 }
 
+#[cfg_attr(not(target_os = "linux"), allow(dead_code))]
 fn stat_field(stat: &str, field: &str) -> u64 {
     stat.lines()
         .find_map(|l| {
@@ -31,12 +34,14 @@ fn stat_field(stat: &str, field: &str) -> u64 {
 /// allocation: file pages, inactive or active (reclaim deactivates active ones), less those
 /// mapped into a process, dirty or under writeback. `keys`: the inactive, active, mapped, dirty
 /// and writeback fields of the cgroup version.
+#[cfg_attr(not(target_os = "linux"), allow(dead_code))]
 fn reclaimable_cache(stat: &str, keys: [&str; 5]) -> u64 {
     let f = |i: usize| stat_field(stat, keys[i]);
     (f(0) + f(1)).saturating_sub(f(2) + f(3) + f(4))
 }
 
 /// `MemAvailable` from a meminfo file, in bytes.
+#[cfg_attr(not(target_os = "linux"), allow(dead_code))]
 pub(crate) fn meminfo_available(text: &str) -> Option<u64> {
     text.lines()
         .find_map(|l| l.strip_prefix("MemAvailable:"))
@@ -48,6 +53,7 @@ pub(crate) fn meminfo_available(text: &str) -> Option<u64> {
 /// kernel would reclaim before failing an allocation ([`reclaimable_cache`]). The limit is v1's
 /// `memory.limit_in_bytes`, or the lower of v2's `memory.max` and `memory.high` (above `high`
 /// the kernel throttles and reclaims: lowering it is how a v2 cgroup is asked to shrink).
+#[cfg_attr(not(target_os = "linux"), allow(dead_code))]
 fn cgroup_headroom(cgroup_file: &str, root: &Path) -> Option<(u64, String)> {
     const V1_STAT: [&str; 5] = ["total_inactive_file", "total_active_file", "total_mapped_file", "total_dirty", "total_writeback"];
     const V2_STAT: [&str; 5] = ["inactive_file", "active_file", "file_mapped", "file_dirty", "file_writeback"];
