@@ -117,6 +117,22 @@ def hf_pieces(name, t):
     return [(name, t)]
 
 
+def prompt_logits(model, ref, what):
+    """`model`'s logits for the `chat` and `long` prompts of a fixture's reference, with how far
+    they are from the reference's (`what` names the comparison; `{tag}` is the prompt)."""
+    out = {}
+    with torch.no_grad():
+        for tag in ("chat", "long"):
+            ids = ref[f"{tag}.input_ids"]
+            out[f"{tag}.input_ids"] = ids.to(torch.int32).contiguous()
+            out[f"{tag}.logits"] = model(ids.long().unsqueeze(0), use_cache=False).logits[0].float().contiguous()
+            b = ref[f"{tag}.logits"]
+            err = float((out[f"{tag}.logits"] - b).abs().max() / b.abs().max())
+            top1 = float((out[f"{tag}.logits"].argmax(-1) == b.argmax(-1)).float().mean())
+            print(f"{what.format(tag=tag)}: max rel err {err:.4f}, top-1 agreement {top1:.3f}")
+    return out
+
+
 def q8_0_reference(family, q8_path):
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
@@ -162,16 +178,7 @@ def q8_0_reference(family, q8_path):
     if missing:
         raise AssertionError(f"Q8_0 tensors not matched to a transformers parameter: {sorted(missing)}")
     print(f"{family}: {len(done)} Q8_0 tensors round-tripped and checked; kept as stored: {sorted(set(k.split(':', 1)[1] for k in kept))}")
-    out = {}
-    with torch.no_grad():
-        for tag in ("chat", "long"):
-            ids = ref[f"{tag}.input_ids"]
-            out[f"{tag}.input_ids"] = ids.to(torch.int32).contiguous()
-            out[f"{tag}.logits"] = model(ids.long().unsqueeze(0), use_cache=False).logits[0].float().contiguous()
-            b = ref[f"{tag}.logits"]
-            err = float((out[f"{tag}.logits"] - b).abs().max() / b.abs().max())
-            top1 = float((out[f"{tag}.logits"].argmax(-1) == b.argmax(-1)).float().mean())
-            print(f"{family} {tag}: q8_0 vs bf16 reference: max rel err {err:.4f}, top-1 agreement {top1:.3f}")
+    out = prompt_logits(model, ref, f"{family} {{tag}}: q8_0 vs bf16 reference")
     path = os.path.join(OUT, f"{family}.q8_0.reference.safetensors")
     save_file(out, path)
     os.chmod(path, 0o644)  # safetensors writes 0600
@@ -234,7 +241,6 @@ def v4_reference(family, path):
                 raise AssertionError(f"blk.{l}.ffn_{part}_exps: MXFP4 blocks differ from the FP4 weights")
     print(f"{family}: {q8} Q8_0 tensors round-tripped and checked, MXFP4 experts equal to the FP4 weights")
     ref = load_file(os.path.join(d, "reference.safetensors"))
-    out = {}
     with tempfile.TemporaryDirectory() as f32:
         for f in os.listdir(d):
             if not f.startswith("model") and not f.startswith("reference"):
@@ -245,15 +251,7 @@ def v4_reference(family, path):
         json.dump(cfg, open(os.path.join(f32, "config.json"), "w"), indent=2)
         save_file({k: v.contiguous() for k, v in w32.items()}, os.path.join(f32, "model.safetensors"))
         model = AutoModelForCausalLM.from_pretrained(f32, dtype=torch.float32).eval()
-        with torch.no_grad():
-            for tag in ("chat", "long"):
-                ids = ref[f"{tag}.input_ids"]
-                out[f"{tag}.input_ids"] = ids.to(torch.int32).contiguous()
-                out[f"{tag}.logits"] = model(ids.long().unsqueeze(0), use_cache=False).logits[0].float().contiguous()
-                b = ref[f"{tag}.logits"]
-                err = float((out[f"{tag}.logits"] - b).abs().max() / b.abs().max())
-                top1 = float((out[f"{tag}.logits"].argmax(-1) == b.argmax(-1)).float().mean())
-                print(f"{family} {tag}: GGUF (Q8_0 layers) vs the checkpoint's reference: max rel err {err:.4f}, top-1 agreement {top1:.3f}")
+        out = prompt_logits(model, ref, f"{family} {{tag}}: GGUF (Q8_0 layers) vs the checkpoint's reference")
     path = os.path.join(OUT, f"{family}.bf16.reference.safetensors")
     save_file(out, path)
     os.chmod(path, 0o644)
