@@ -656,16 +656,20 @@ pub fn is_ignored(name: &str, arch: &Architecture) -> bool {
     if name.ends_with("rotary_emb.inv_freq") || name.ends_with("_scale_inv") {
         return true;
     }
-    // DeepSeek-V4's multi-token-prediction module (`mtp.*`). Its FP8/FP4 scales (`*.scale`)
-    // are not read yet, so a quantized checkpoint reports them as unexpected rather than
-    // converting its codes as if they were values.
-    if arch.family == Family::DeepseekV4 && name.starts_with("mtp.") {
+    // DeepSeek-V4: its multi-token-prediction module (`mtp.*`); the vision variants' encoder
+    // (`aligner.*`, `image_*`) and their hash layers' image-token bias (`ffn.gate.bias_vl`);
+    // and the `ffn.gate.bias` a hash-routed layer carries but never uses (its experts come from
+    // the token id; llama.cpp's converter drops it too). Its FP8/FP4 `.scale`s are read with
+    // their weights (`smoe_convert`), not ignored.
+    let v4 = arch.family == Family::DeepseekV4;
+    if v4 && (name.starts_with("mtp.") || name.starts_with("aligner.") || name.starts_with("image_") || name.ends_with(".gate.bias_vl")) {
         return true;
     }
-    if let Some(rest) =
-        name.strip_prefix("model.layers.").or_else(|| name.strip_prefix("layers.").filter(|_| arch.family == Family::DeepseekV4))
-    {
+    if let Some(rest) = name.strip_prefix("model.layers.").or_else(|| name.strip_prefix("layers.").filter(|_| v4)) {
         if let Some(Ok(l)) = rest.split('.').next().map(str::parse::<usize>) {
+            if v4 && l < arch.num_layers && arch.moe.hash_routed(l) && rest.ends_with(".ffn.gate.bias") {
+                return true;
+            }
             return l >= arch.num_layers;
         }
     }
@@ -825,5 +829,12 @@ mod tests {
         assert!(refused("scoring_func", serde_json::json!("softmax")).contains("scoring_func 'softmax'"));
         assert!(refused("num_key_value_heads", serde_json::json!(2)).contains("one key/value head"));
         assert!(refused("o_groups", serde_json::json!(3)).contains("output groups"));
+        // What a published checkpoint carries and the model does not use.
+        for n in ["mtp.0.ffn.experts.0.w1.weight", "layers.0.ffn.gate.bias", "layers.1.ffn.gate.bias_vl", "aligner.proj.weight"] {
+            assert!(is_ignored(n, &a), "{n}");
+        }
+        for n in ["layers.1.ffn.gate.bias", "layers.0.ffn.gate.weight", "layers.0.attn.wq_a.scale"] {
+            assert!(!is_ignored(n, &a), "{n}");
+        }
     }
 }
