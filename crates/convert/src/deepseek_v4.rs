@@ -5,18 +5,12 @@
 //! vault block for block, unconverted (an e2m1 code times a power of two is what MXFP4 holds),
 //! and float8 times a power of two is exact in bf16, so a bf16 dense vault loses nothing either.
 
-use crate::gpt_oss::repack_hub_block;
+use crate::gpt_oss::{repack_hub_block, BLOCK_BYTES};
 use crate::shatter::TensorProvider;
 use crate::ConvertError;
 use smoe_formats::safetensors::{Checkpoint, DType, TensorInfo};
 use smoe_formats::FormatError;
 use smoe_quant::Format;
-
-/// e2m1 values by code (sign in bit 3).
-const E2M1: [f32; 16] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
-
-/// Bytes of one ggml `block_mxfp4`.
-const BLOCK_BYTES: usize = std::mem::size_of::<smoe_quant::blocks::BlockMxfp4>();
 
 /// A DeepSeek-V4 checkpoint with its `.scale` companions applied (see the module
 /// documentation). The scales themselves are not listed as tensors.
@@ -96,7 +90,7 @@ impl HubQuantized<'_> {
     fn fp8_blocks(&self, name: &str, scale: &TensorInfo, start: usize, n: usize, dst: &mut [u8]) -> Result<(), ConvertError> {
         let t = self.info(name)?;
         let cols = t.cols();
-        let bytes = std::mem::size_of::<smoe_quant::blocks::BlockMxfp8>();
+        let bytes = Format::MXFP8.block_bytes();
         if !cols.is_multiple_of(32) || dst.len() != n * cols / 32 * bytes {
             return Err(FormatError::Internal(format!("{name}: {} bytes for {n} MXFP8 rows of {cols}", dst.len())).into());
         }
@@ -169,7 +163,8 @@ impl TensorProvider for HubQuantized<'_> {
                 for (r, row) in out.chunks_exact_mut(cols).enumerate() {
                     for (c, v) in row.iter_mut().enumerate() {
                         let code = (codes[r * packed + c / 2] >> (4 * (c % 2))) & 0x0f;
-                        *v = E2M1[code as usize] * scales[r * scale.cols() + c / 32];
+                        // MXFP4's table holds the e2m1 values doubled (exact).
+                        *v = smoe_quant::KVALUES_MXFP4[code as usize] as f32 * 0.5 * scales[r * scale.cols() + c / 32];
                     }
                 }
                 Ok(())

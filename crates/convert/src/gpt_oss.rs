@@ -202,7 +202,7 @@ impl<'a> FusedExperts<'a> {
 }
 
 /// Bytes of one ggml `block_mxfp4`: a scale byte and sixteen bytes of nibbles.
-const BLOCK_BYTES: usize = std::mem::size_of::<smoe_quant::blocks::BlockMxfp4>();
+pub(crate) const BLOCK_BYTES: usize = std::mem::size_of::<smoe_quant::blocks::BlockMxfp4>();
 
 /// The hub's sixteen bytes (element `2j` low, `2j + 1` high in byte `j`) as ggml's (element `j`
 /// low, `j + 16` high).

@@ -801,13 +801,8 @@ impl<B: Backend> Model<B> {
                 entries: a.compressor.as_ref().map(|c| (c.entry_layer, c.rate)),
                 selected,
             };
-            if seg.row == 0 {
-                be.attention_compressed(seg.kv, li, &b.q, seg.n, seg.pos, p, &mut b.att);
-            } else {
-                be.copy_strided(&b.q, w, seg.row * w, &mut b.seg_q, w, 0, w, seg.n);
-                be.attention_compressed(seg.kv, li, &b.seg_q, seg.n, seg.pos, p, &mut b.seg_att);
-                be.copy_strided(&b.seg_att, w, 0, &mut b.att, w, seg.row * w, w, seg.n);
-            }
+            let (n, pos) = (seg.n, seg.pos);
+            self.attend(seg, b, w, w, |_, _| {}, |kv, q, out| be.attention_compressed(kv, li, q, n, pos, p, out));
         }
         // Keys are values, so the output carries the keys' rotation: turned back by the query's
         // own position.
@@ -923,7 +918,8 @@ impl<B: Backend> Model<B> {
             let span = seg.row * half..(seg.row + seg.n) * half;
             let rope = RopeTables { cos: &host.cos[span.clone()], sin: &host.sin[span], interleaved: self.rope.interleaved };
             let (n, pos) = (seg.n, seg.pos);
-            self.attend(li, seg, b, w, qw, params, |q, kv| be.qk_rope_store(q, n, rows, per_head, rope, kv, li, pos));
+            let prepare = |q: &mut B::Buf, kv: &mut B::KvCache| be.qk_rope_store(q, n, rows, per_head, rope, kv, li, pos);
+            self.attend(seg, b, w, qw, prepare, |kv, q, out| be.attention(kv, li, q, w, n, pos, params, out));
         }
         be.matmul(&a.o, None, &b.att, n, &mut b.d);
         if let Some(ob) = &a.o_bias {
@@ -934,30 +930,30 @@ impl<B: Backend> Model<B> {
     /// Attention of one sequence of the step over its own KV cache: its queries are rows
     /// `seg.row..seg.row + seg.n` of `q` (`q_stride` apart), its output goes to the same rows
     /// of `att` (`att_w` wide). `prepare` runs first on the buffer the queries are read from
-    /// (standard attention's norms, RoPE and KV store). The attention op reads queries from row
-    /// 0 of a buffer and writes from row 0, so a sequence after the first of a batch moves its
-    /// rows to `seg_q` and its output back from `seg_att`: it then runs exactly the ops it runs
-    /// alone, on the same values (a copy of a few rows per sequence and layer; the first
-    /// sequence, and a sequence alone, copies nothing).
+    /// (standard attention's norms, RoPE and KV store), then `run` (the attention op: cache,
+    /// queries, output). The attention ops read queries from row 0 of a buffer and write from
+    /// row 0, so a sequence after the first of a batch moves its rows to `seg_q` and its output
+    /// back from `seg_att`: it then runs exactly the ops it runs alone, on the same values (a
+    /// copy of a few rows per sequence and layer; the first sequence, and a sequence alone,
+    /// copies nothing).
     fn attend(
         &self,
-        li: usize,
         seg: &mut Seg<'_, B>,
         b: &mut Buffers<B>,
         q_stride: usize,
         att_w: usize,
-        p: AttnParams<'_>,
         prepare: impl FnOnce(&mut B::Buf, &mut B::KvCache),
+        run: impl FnOnce(&B::KvCache, &B::Buf, &mut B::Buf),
     ) {
         let be = &self.backend;
         if seg.row == 0 {
             prepare(&mut b.q, seg.kv);
-            be.attention(seg.kv, li, &b.q, q_stride, seg.n, seg.pos, p, &mut b.att);
+            run(seg.kv, &b.q, &mut b.att);
             return;
         }
         be.copy_strided(&b.q, q_stride, seg.row * q_stride, &mut b.seg_q, q_stride, 0, q_stride, seg.n);
         prepare(&mut b.seg_q, seg.kv);
-        be.attention(seg.kv, li, &b.seg_q, q_stride, seg.n, seg.pos, p, &mut b.seg_att);
+        run(seg.kv, &b.seg_q, &mut b.seg_att);
         be.copy_strided(&b.seg_att, att_w, 0, &mut b.att, att_w, seg.row * att_w, att_w, seg.n);
     }
 
@@ -1005,7 +1001,8 @@ impl<B: Backend> Model<B> {
                 _ => None,
             };
             let params = AttnParams { q_heads: nh, scale: self.attn_scale, window: None, sinks: None, selected };
-            self.attend(li, seg, b, nh * lat, nh * rank, params, |_, _| {});
+            let (n, pos) = (seg.n, seg.pos);
+            self.attend(seg, b, nh * lat, nh * rank, |_, _| {}, |kv, q, out| be.attention(kv, li, q, nh * lat, n, pos, params, out));
         }
         // Expand each head's attended latent through W_uv[h].
         for h in 0..nh {

@@ -106,22 +106,24 @@ pub fn collapse(x: &[f32], n: usize, mult: usize, dim: usize, pre: &[f32], out: 
     }
 }
 
-/// `x[t, k] = post[t × mult + k] · y[t] + Σ_j comb[t, j, k] · x[t, j]`, in place.
+/// Most streams [`expand`] mixes (DeepSeek-V4 has 4; the architecture check refuses more).
+pub const MAX_STREAMS: usize = 16;
+
+/// `x[t, k] = post[t × mult + k] · y[t] + Σ_j comb[t, j, k] · x[t, j]`, in place: each
+/// position's `mult` old values are read before any is written, so nothing is allocated.
 pub fn expand(x: &mut [f32], y: &[f32], n: usize, mult: usize, dim: usize, post: &[f32], comb: &[f32]) {
-    let mut old = vec![0f32; mult * dim];
+    assert!(mult <= MAX_STREAMS, "{mult} hyper-connection streams (at most {MAX_STREAMS})");
+    let mut old = [0f32; MAX_STREAMS];
     for t in 0..n {
         let row = &mut x[t * mult * dim..][..mult * dim];
-        old.copy_from_slice(row);
         let c = &comb[t * mult * mult..][..mult * mult];
-        for k in 0..mult {
-            let o = &mut row[k * dim..][..dim];
-            let p = post[t * mult + k];
-            for (d, (a, &b)) in o.iter_mut().zip(&y[t * dim..][..dim]).enumerate() {
-                let mut v = p * b;
-                for j in 0..mult {
-                    v += c[j * mult + k] * old[j * dim + d];
-                }
-                *a = v;
+        let p = &post[t * mult..][..mult];
+        for (d, &yd) in y[t * dim..][..dim].iter().enumerate() {
+            for (j, o) in old[..mult].iter_mut().enumerate() {
+                *o = row[j * dim + d];
+            }
+            for k in 0..mult {
+                row[k * dim + d] = (0..mult).fold(p[k] * yd, |v, j| v + c[j * mult + k] * old[j]);
             }
         }
     }

@@ -645,9 +645,10 @@ pub fn kv_values_per_token(arch: &Architecture) -> usize {
 }
 
 /// Values a sequence's cache holds whatever its length, at most (DeepSeek-V4's bounded rows,
-/// with the default rewind and the CPU backend's slack of 64 rows): 0 for other families.
+/// with the default rewind and the CPU backend's slack): 0 for other families.
 pub fn kv_fixed_values(arch: &Architecture) -> usize {
-    kv_shapes(arch).iter().filter_map(|s| s.keep.map(|k| (k + 64) * s.heads * s.k_dim)).sum()
+    let slack = crate::cpu::DROP_SLACK;
+    kv_shapes(arch).iter().filter_map(|s| s.keep.map(|k| (k + slack) * s.heads * s.k_dim)).sum()
 }
 
 /// Values per token of a naive cache: full keys and values for every query head.

@@ -120,22 +120,40 @@ fn glm5_sparse_attention_matches_transformers() {
     for tag in ["chat", "long"] {
         let input = ids(&r[&format!("{tag}.input_ids")]);
         for chunk in [input.len(), 7] {
-            let mut seen = Selections::default();
-            let mut st = model.new_state(chunk);
-            for piece in input.chunks(chunk) {
-                model.forward(&mut st, piece, Logits::Last, &mut seen).unwrap();
-            }
+            let seen = run_selections(&model, &input, chunk);
             for layer in model.arch().indexer_layers() {
-                let theirs = r[&format!("{tag}.index.model.layers.{layer}.self_attn.indexer")].i32();
+                let theirs = &r[&format!("{tag}.index.model.layers.{layer}.self_attn.indexer")];
                 for p in top..input.len() {
-                    let mut want: Vec<u32> = theirs[p * top..(p + 1) * top].iter().map(|&j| j as u32).collect();
-                    want.sort_unstable();
-                    assert_eq!(seen.0[&(layer, p)], want, "{tag} layer {layer} position {p} (chunks of {chunk})");
+                    assert_eq!(kept(&seen.0[&(layer, p)]), picks(theirs, p), "{tag} layer {layer} position {p} (chunks of {chunk})");
                 }
             }
             assert_eq!(seen.0.len(), model.arch().indexer_layers().len() * (input.len() - top), "{tag}");
         }
     }
+}
+
+/// `model`'s indexer picks over `input`, run in chunks of `chunk` tokens.
+fn run_selections(model: &smoe_engine::Model<smoe_engine::CpuBackend>, input: &[u32], chunk: usize) -> Selections {
+    let mut seen = Selections::default();
+    let mut st = model.new_state(chunk);
+    for piece in input.chunks(chunk) {
+        model.forward(&mut st, piece, Logits::Last, &mut seen).unwrap();
+    }
+    seen
+}
+
+/// A query's picks as the engine reports them, without the unused (`u32::MAX`) tail.
+fn kept(row: &[u32]) -> Vec<u32> {
+    row.iter().copied().filter(|&j| j != u32::MAX).collect()
+}
+
+/// Row `p` of a reference's indexer picks (`[positions, k]`; -1 where a query sees fewer than
+/// `k`), ascending.
+fn picks(t: &Tensor, p: usize) -> Vec<u32> {
+    let k = t.shape()[1];
+    let mut want: Vec<u32> = t.i32()[p * k..(p + 1) * k].iter().filter(|&&j| j >= 0).map(|&j| j as u32).collect();
+    want.sort_unstable();
+    want
 }
 
 /// GLM-5 as GLM-5-FP8 ships (DeepSeek-V3's layout): float8 e4m3 linear layers with a
@@ -356,27 +374,19 @@ fn deepseek_v4_matches_transformers() {
     for tag in ["chat", "long"] {
         let input = ids(&r[&format!("{tag}.input_ids")]);
         for chunk in [input.len(), 7] {
-            let mut seen = Selections::default();
-            let mut st = model.new_state(chunk);
-            for piece in input.chunks(chunk) {
-                model.forward(&mut st, piece, Logits::Last, &mut seen).unwrap();
-            }
+            let seen = run_selections(&model, &input, chunk);
+            let mut queries = 0;
             for &layer in &csa {
                 let rate = ca.compression[layer].rate();
-                let t = &r[&format!("{tag}.index.model.layers.{layer}.self_attn.compressor.indexer")];
-                let k = t.shape()[1];
-                let theirs = t.i32();
-                for p in 0..input.len() {
-                    if (p + 1) / rate == 0 {
-                        assert!(!seen.0.contains_key(&(layer, p)), "{tag} layer {layer} position {p} sees no entry");
-                        continue;
-                    }
-                    let mut want: Vec<u32> = theirs[p * k..(p + 1) * k].iter().filter(|&&j| j >= 0).map(|&j| j as u32).collect();
-                    want.sort_unstable();
-                    let mine: Vec<u32> = seen.0[&(layer, p)].iter().copied().filter(|&j| j != u32::MAX).collect();
-                    assert_eq!(mine, want, "{tag} layer {layer} position {p} (chunks of {chunk})");
+                let theirs = &r[&format!("{tag}.index.model.layers.{layer}.self_attn.compressor.indexer")];
+                // A query sees the entries of the windows closed by its position; before the
+                // first closes there is nothing to pick.
+                for p in (rate - 1)..input.len() {
+                    assert_eq!(kept(&seen.0[&(layer, p)]), picks(theirs, p), "{tag} layer {layer} position {p} (chunks of {chunk})");
                 }
+                queries += input.len() - (rate - 1);
             }
+            assert_eq!(seen.0.len(), queries, "{tag}: picks reported for queries that see no entry");
         }
     }
 }

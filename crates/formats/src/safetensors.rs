@@ -123,7 +123,7 @@ impl TensorInfo {
             }
             DType::F8E8M0 => {
                 for (o, &b) in out.iter_mut().zip(raw.iter()) {
-                    *o = if b == 255 { f32::NAN } else { (b as f32 - 127.0).exp2() };
+                    *o = if b == 255 { f32::NAN } else { smoe_quant::e8m0_to_f32_half(b) * 2.0 };
                 }
             }
             DType::I8 => return Err(FormatError::BadInput(format!("{}: an I8 tensor holds packed codes, not weights", self.name))),

@@ -561,6 +561,9 @@ impl Architecture {
         }
         if let Some(h) = &self.hyper_connections {
             pos(h.mult, "hc_mult")?;
+            if h.mult > 16 {
+                return Err(format!("hc_mult {} (at most 16 streams)", h.mult));
+            }
             pos(h.sinkhorn_iters, "hc_sinkhorn_iters")?;
             if !h.eps.is_finite() || h.eps < 0.0 {
                 return Err(format!("bad hc_eps {}", h.eps));

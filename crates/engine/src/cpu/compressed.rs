@@ -20,7 +20,15 @@ pub(super) fn compress_windows(layers: &mut [KvLayer], c: CompressWindows<'_>) {
         return;
     }
     let cw = if overlap { 2 * dim } else { dim };
-    let raw = &layers[raw_layer];
+    assert_ne!(raw_layer, entry_layer, "compress_windows: raw rows and entries in one layer");
+    // The raw rows are read while the entries are written, in place: two layers of the slice.
+    let (raw, out) = if raw_layer < entry_layer {
+        let (lo, hi) = layers.split_at_mut(entry_layer);
+        (&lo[raw_layer], &mut hi[0])
+    } else {
+        let (lo, hi) = layers.split_at_mut(raw_layer);
+        (&hi[0], &mut lo[entry_layer])
+    };
     let row = 2 * cw;
     let earliest = if overlap { first.saturating_sub(1) * rate } else { first * rate };
     assert!(
@@ -31,56 +39,41 @@ pub(super) fn compress_windows(layers: &mut [KvLayer], c: CompressWindows<'_>) {
         raw.base + raw.k.len() / row
     );
     assert!(bias.len() >= rate * cw && norm.len() >= dim, "compress_windows: {} biases, {} norm weights", bias.len(), norm.len());
+    assert_eq!(out.shape.heads * out.shape.k_dim, dim, "compress_windows: entries of {dim} into a layer of {}", out.shape.k_dim);
     let half = rope.cos.len() / count;
     let rot = 2 * half;
     assert!(rot <= dim, "compress_windows: {rot} rotated dimensions of {dim}");
-    let mut entries = vec![0f32; count * dim];
-    // Per channel: each slot's (gate + bias, kv); at most two windows' positions.
-    let mut slots: Vec<(f32, f32)> = Vec::with_capacity(2 * rate);
-    for (wi, e) in entries.chunks_exact_mut(dim).enumerate() {
+    out.k.resize((first + count) * dim, 0.0);
+    // One slot of a channel: (gate + bias, kv) of position `pos`, the window's `i`-th, column `col`.
+    let slot = |pos: usize, i: usize, col: usize| {
+        let r = &raw.k[(pos - raw.base) * row..][..row];
+        (r[cw + col] + bias[i * cw + col], r[col])
+    };
+    for (wi, e) in out.k[first * dim..].chunks_exact_mut(dim).enumerate() {
         let w = first + wi;
-        for (ch, out) in e.iter_mut().enumerate() {
-            slots.clear();
-            let mut push = |pos: usize, i: usize, col: usize| {
-                let r = &raw.k[(pos - raw.base) * row..][..row];
-                slots.push((r[cw + col] + bias[i * cw + col], r[col]));
-            };
-            if overlap && w > 0 {
-                // The previous window's first halves.
-                for i in 0..rate {
-                    push((w - 1) * rate + i, i, ch);
-                }
-            }
+        // With overlap, the previous window's first halves come first (window 0 has none).
+        let prev = (overlap && w > 0).then_some((w - 1) * rate);
+        for (ch, o) in e.iter_mut().enumerate() {
             let col = if overlap { dim + ch } else { ch };
-            for i in 0..rate {
-                push(w * rate + i, i, col);
-            }
-            let max = slots.iter().fold(f32::NEG_INFINITY, |m, s| m.max(s.0));
+            let slots = || {
+                (0..rate).filter_map(move |i| prev.map(|p0| slot(p0 + i, i, ch))).chain((0..rate).map(move |i| slot(w * rate + i, i, col)))
+            };
+            let max = slots().fold(f32::NEG_INFINITY, |m, s| m.max(s.0));
             let (mut num, mut den) = (0f32, 0f32);
-            for &(g, v) in &slots {
+            for (g, v) in slots() {
                 let p = (g - max).exp();
                 num += p * v;
                 den += p;
             }
-            *out = num / den;
+            *o = num / den;
         }
         let scale = rms_scale(e, eps);
         for (v, &g) in e.iter_mut().zip(norm) {
             *v *= scale * g;
         }
         // Interleaved pairs over the last `rot` dimensions, at the window's first position.
-        let (cs, sn) = (&rope.cos[wi * half..][..half], &rope.sin[wi * half..][..half]);
-        let tail = &mut e[dim - rot..];
-        for i in 0..half {
-            let (a, b) = (tail[2 * i], tail[2 * i + 1]);
-            tail[2 * i] = a * cs[i] - b * sn[i];
-            tail[2 * i + 1] = b * cs[i] + a * sn[i];
-        }
+        super::rotate_pairs(&mut e[dim - rot..], &rope.cos[wi * half..][..half], &rope.sin[wi * half..][..half]);
     }
-    let out = &mut layers[entry_layer];
-    assert_eq!(out.shape.heads * out.shape.k_dim, dim, "compress_windows: entries of {dim} into a layer of {}", out.shape.k_dim);
-    out.k.resize((first + count) * dim, 0.0);
-    out.k[first * dim..].copy_from_slice(&entries);
 }
 
 /// Dense attention of one query (its row of `q`) over a gathered layer into its output row.

@@ -151,7 +151,7 @@ struct KvLayer {
 
 /// Rows a layer with [`KvShape::keep`] may hold beyond it before the oldest are dropped (each
 /// drop moves the kept rows, so it is done this many rows at a time).
-const DROP_SLACK: usize = 64;
+pub(crate) const DROP_SLACK: usize = 64;
 
 /// The KV cache of one sequence.
 pub struct CpuKvCache {
@@ -497,8 +497,12 @@ impl Backend for CpuBackend {
             let (c, s) = (&cos[t * half..(t + 1) * half], &sin[t * half..(t + 1) * half]);
             for h in 0..heads {
                 let base = t * stride + off + h * head_stride;
+                if interleaved {
+                    rotate_pairs(&mut x[base..base + 2 * half], c, s);
+                    continue;
+                }
                 for i in 0..half {
-                    let (ia, ib) = if interleaved { (base + 2 * i, base + 2 * i + 1) } else { (base + i, base + i + half) };
+                    let (ia, ib) = (base + i, base + i + half);
                     let (a, b) = (x[ia], x[ib]);
                     x[ia] = a * c[i] - b * s[i];
                     x[ib] = b * c[i] + a * s[i];
@@ -669,6 +673,16 @@ impl Backend for CpuBackend {
                 attention::attention_fast(l, q, q_stride, n, pos0, p, out, self.kernels, &self.pool, attention::POSITIONS_PER_BLOCK)
             }
         }
+    }
+}
+
+/// RoPE on adjacent pairs: `(x[2i], x[2i + 1])` rotated by the angle whose cosine and sine are
+/// `cos[i]`, `sin[i]` (DeepSeek's interleaved layout; also the compressed entries').
+fn rotate_pairs(x: &mut [f32], cos: &[f32], sin: &[f32]) {
+    for (p, (&c, &s)) in x.chunks_exact_mut(2).zip(cos.iter().zip(sin)) {
+        let (a, b) = (p[0], p[1]);
+        p[0] = a * c - b * s;
+        p[1] = b * c + a * s;
     }
 }
 
