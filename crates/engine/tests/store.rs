@@ -106,6 +106,30 @@ fn injected_read_error_fails_one_request_and_the_engine_recovers() {
     assert!(again == want, "the next request is unaffected");
 }
 
+/// A prefetch whose read fails costs nothing but the read: the request that next reaps it is
+/// not failed for an expert it may not need (it used to be), and the expert is read again when
+/// a request does need it.
+#[test]
+fn a_failed_prefetch_fails_no_request() {
+    let path = vault("mixtral", Format::Q8_0, Format::Q8_0);
+    let input = input_ids("mixtral", "chat");
+    let (reference, _) = streaming(&path, 4);
+    let want = score(&reference, &input, ScoreMode::Decode, 64, false).unwrap();
+    // A fixed depth: the measured one starts at 1, which leaves no room for prefetches.
+    let v = Vault::open(&path).unwrap();
+    let opts = StoreOptions { queue_depth: smoe_store::depth::QueueDepth::Fixed(8), ..StoreOptions::with_slots(4) };
+    let store = Arc::new(ExpertStore::open(&v, &opts).unwrap());
+    let model = Model::load(&v, CpuBackend::new(Precision::Reference), store.clone()).unwrap();
+    let victim = want.routes[&1].experts[0] as usize;
+    store.inject_read_error(1, victim);
+    smoe_store::ExpertSource::prefetch(&*store, 1, &[victim as u32]);
+    assert_eq!(store.stats().prefetch_issued, 1, "the prefetch was issued");
+    let got = score(&model, &input, ScoreMode::Decode, 64, false).expect("a failed prefetch fails no request");
+    assert!(got.logits == want.logits, "the expert was read again on demand");
+    let s = store.stats();
+    assert_eq!((s.prefetch_issued, s.prefetch_failed), (1, 1));
+}
+
 /// Forwards to a store and records what the model asked for, in order.
 struct Recorder {
     store: Arc<ExpertStore>,

@@ -114,6 +114,9 @@ pub struct StoreStats {
     pub prefetch_wasted: u64,
     /// Prefetched experts demanded while their read was still in flight (counted as misses).
     pub prefetch_late: u64,
+    /// Prefetch reads that failed before any request asked for the expert (read again on
+    /// demand; only a demanded read's error fails a request).
+    pub prefetch_failed: u64,
     /// Reads allowed in flight when the counters were taken (a gauge, not a counter: the
     /// measured choice under `--queue-depth auto`).
     pub queue_depth: u32,
@@ -135,6 +138,7 @@ impl StoreStats {
             prefetch_used: self.prefetch_used - before.prefetch_used,
             prefetch_wasted: self.prefetch_wasted - before.prefetch_wasted,
             prefetch_late: self.prefetch_late - before.prefetch_late,
+            prefetch_failed: self.prefetch_failed - before.prefetch_failed,
             queue_depth: self.queue_depth,
         }
     }

@@ -57,9 +57,10 @@ enum FaultAt {
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum SlotState {
     Empty,
-    /// A read is in flight; `demand` if a request waits for it, else a prefetch.
+    /// A read is in flight; `prefetch` if it was issued as one (a request may since have
+    /// joined it).
     Loading {
-        demand: bool,
+        prefetch: bool,
     },
     Ready,
 }
@@ -393,7 +394,7 @@ impl ExpertStore {
         }
         inner.slots[s] = Slot {
             key: Some(key),
-            state: SlotState::Loading { demand },
+            state: SlotState::Loading { prefetch: !demand },
             pins: 0,
             prefetched: !demand,
             reads: reads.len() as u8,
@@ -472,12 +473,22 @@ impl ExpertStore {
                     done.push((s, true));
                 }
                 Err(e) => {
+                    // A failed prefetch fails nobody: a request that joined it reads the
+                    // expert again itself (`with_experts`), and only a demand read's error is
+                    // reported. Reporting it here would fail whichever request reaped it,
+                    // whether or not it needed that expert.
+                    let prefetch = matches!(inner.slots[s].state, SlotState::Loading { prefetch: true });
                     let ki = self.key_index(key);
                     inner.map[ki] = NONE;
                     inner.slots[s] = Slot::empty();
                     inner.free.push(s);
                     done.push((s, false));
-                    first_err.get_or_insert(e);
+                    if !prefetch {
+                        first_err.get_or_insert(e);
+                    } else {
+                        inner.stats.prefetch_failed += 1;
+                        tracing::warn!("a prefetch failed; the expert is read again when a request needs it: {e}");
+                    }
                 }
             }
         }
@@ -556,7 +567,6 @@ impl ExpertSource for ExpertStore {
                     // A prefetch still in flight: a miss whose read started early.
                     inner.stats.misses += 1;
                     inner.stats.prefetch_late += 1;
-                    slot.state = SlotState::Loading { demand: true };
                     wait.push((s as usize, i));
                 }
                 false
@@ -602,6 +612,7 @@ impl ExpertSource for ExpertStore {
             // 4. Compute each missing expert as it lands, in completion order. Every read this
             // wave waits on is drained, even after an error, before the slots are let go.
             let waited_for = !wait.is_empty();
+            let mut retry = Vec::new();
             while !wait.is_empty() {
                 landed.clear();
                 if let Err(e) = self.reap(inner, &mut landed) {
@@ -613,6 +624,11 @@ impl ExpertSource for ExpertStore {
                     let (_, i) = wait.swap_remove(pos);
                     if ok {
                         arrived.push((i, s));
+                    } else {
+                        // A demand read's failure is in `first_err`; a joined prefetch's is
+                        // not, and the expert is read again in the next wave. Either way it
+                        // is never computed on.
+                        retry.push(i);
                     }
                 }
                 if first_err.is_none() && !arrived.is_empty() {
@@ -631,6 +647,7 @@ impl ExpertSource for ExpertStore {
                     inner.slots[s].pins -= 1;
                 }
             }
+            todo.extend(retry);
             if waited_for {
                 let busy = issued.elapsed().as_secs_f64();
                 inner.stats.busy_seconds += busy;
