@@ -412,14 +412,25 @@ def proc_sample(pid):
     try:
         with open(f"/proc/{pid}/status") as f:
             st = dict(line.split(":", 1) for line in f if ":" in line)
-        return {
+        sample = {
             "t": round(time.time() - started, 1),
             "rss_kib": int(st["VmRSS"].split()[0]),
+            # Anonymous memory is the heap (what could leak); file-backed is mapped weights.
+            "rss_anon_kib": int(st["RssAnon"].split()[0]),
+            "rss_file_kib": int(st["RssFile"].split()[0]),
             "threads": int(st["Threads"]),
             "fds": len(os.listdir(f"/proc/{pid}/fd")),
         }
     except (OSError, KeyError):
         return None
+    # What the server holds by design and lets grow to a budget: its sessions' KV caches.
+    try:
+        stats = json.loads(raw("GET", "/v1/smoe/stats", b"")[1])
+        sample["session_kv_kib"] = sum(m.get("session_kv_bytes", 0) for m in stats["models"]) // 1024
+        sample["session_kv_budget_kib"] = sum(m.get("session_kv_budget_bytes", 0) for m in stats["models"]) // 1024
+    except Exception:  # a sample without it is still a sample
+        pass
+    return sample
 
 
 def main():
@@ -443,7 +454,8 @@ def main():
             if len(samples) % 12 == 0:
                 with lock:
                     n = sum(outcome.values())
-                print(f"  {s['t']:7.1f} s  served {n}  rss {s['rss_kib'] / 1024:.1f} MiB  fds {s['fds']}  threads {s['threads']}", flush=True)
+                print(f"  {s['t']:7.1f} s  served {n}  rss {s['rss_kib'] / 1024:.1f} MiB (anon {s['rss_anon_kib'] / 1024:.1f}, "
+                      f"session KV {s.get('session_kv_kib', 0) / 1024:.1f})  fds {s['fds']}  threads {s['threads']}", flush=True)
     for t in threads:
         t.join(timeout=130)
     time.sleep(2)
@@ -474,6 +486,9 @@ def main():
                     "end": round(end["rss_kib"] / 1024, 1), "max": round(max(s["rss_kib"] for s in samples) / 1024, 1),
                     "idle_after": round(idle["rss_kib"] / 1024, 1) if idle else None},
         "rss_drift_pct": round(drift, 2),
+        "rss_anon_mib": {"after_warmup": round(warm["rss_anon_kib"] / 1024, 1), "end": round(end["rss_anon_kib"] / 1024, 1)},
+        "session_kv_mib": {"after_warmup": round(warm.get("session_kv_kib", 0) / 1024, 1), "end": round(end.get("session_kv_kib", 0) / 1024, 1),
+                           "budget": round(end.get("session_kv_budget_kib", 0) / 1024, 1)},
         "fds": {"first": samples[0]["fds"], "last": end["fds"], "max": max(s["fds"] for s in samples), "idle_after": idle and idle["fds"]},
         "threads": {"first": samples[0]["threads"], "last": end["threads"], "max": max(s["threads"] for s in samples),
                     "idle_after": idle and idle["threads"]},
@@ -489,6 +504,9 @@ def main():
     r = summary["rss_mib"]
     print(f"  RSS MiB: start {r['start']}, after warm-up ({warm['t']} s) {r['after_warmup']}, end {r['end']}, "
           f"max {r['max']}, idle after {r['idle_after']}; drift {summary['rss_drift_pct']}%")
+    a, kv = summary["rss_anon_mib"], summary["session_kv_mib"]
+    print(f"  anonymous RSS MiB after warm-up {a['after_warmup']}, end {a['end']}; sessions' KV MiB after warm-up "
+          f"{kv['after_warmup']}, end {kv['end']} (budget {kv['budget']})")
     print(f"  fds first/last/max {summary['fds']['first']}/{summary['fds']['last']}/{summary['fds']['max']} "
           f"(idle after {summary['fds']['idle_after']}); threads first/last/max {summary['threads']['first']}/"
           f"{summary['threads']['last']}/{summary['threads']['max']} (idle after {summary['threads']['idle_after']})")

@@ -417,6 +417,12 @@ pub trait Backend: Send + Sync {
     fn kv_reserve(&self, cache: &mut Self::KvCache, positions: usize);
     /// Positions the cache has room for without growing.
     fn kv_capacity(&self, cache: &Self::KvCache) -> usize;
+    /// Gives back the memory of positions from `positions` on and the room reserved beyond
+    /// them: a session parked for prefix reuse then holds what [`kv_bytes`](Self::kv_bytes)
+    /// counts, not what its last request reserved. (In a long-running server that reserved room
+    /// does not stay untouched address space: glibc serves later blocks of that size from its
+    /// heap, and the server's RSS grew past its session budget.) The default keeps it.
+    fn kv_shrink(&self, _cache: &mut Self::KvCache, _positions: usize) {}
     /// Bytes the cache holds now.
     fn kv_bytes(&self, cache: &Self::KvCache) -> usize;
     /// Copies positions `0..positions` of every layer of `src` into `dst` (whose later positions

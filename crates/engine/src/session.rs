@@ -53,6 +53,13 @@ impl<B: Backend> Session<B> {
         model.backend().kv_bytes(self.state.kv())
     }
 
+    /// Gives back the KV memory beyond the positions held (see [`Backend::kv_shrink`]): for a
+    /// session kept for a later turn, whose last request reserved room for its whole reply.
+    pub fn shrink(&mut self, model: &Model<B>) {
+        let pos = self.state.pos();
+        model.backend().kv_shrink(&mut self.state.kv, pos);
+    }
+
     /// How many leading tokens of `prompt` are already cached.
     pub fn common_prefix(&self, prompt: &[u32]) -> usize {
         self.cached.iter().zip(prompt).take_while(|(a, b)| a == b).count()

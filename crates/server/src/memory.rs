@@ -134,6 +134,9 @@ pub fn spawn_watch(fleet: Arc<Fleet>, interval: Duration) {
             None => std::thread::sleep(interval),
         }
         fleet.fit_to_memory();
+        // Memory freed by finished requests goes back to the kernel, not only to the
+        // allocator: what the caches shrink to should be what the process holds.
+        smoe_store::release_free_heap();
     });
     if let Err(e) = spawned {
         tracing::warn!("no memory watch: cannot start its thread: {e}");

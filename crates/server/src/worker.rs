@@ -448,6 +448,9 @@ impl<B: Backend> Loop<B> {
             }
             Event::Done(Box::new(Finished { generation: g, store }))
         };
+        // Parked, it keeps the positions it holds (what the budget counts), not the room its
+        // request reserved for a whole reply.
+        session.shrink(&self.engine.model);
         sessions.push(Cached { session, used: Instant::now() });
         // The session just finished is kept for a follow-up even over the budget, unless the
         // memory watch has lowered the budget: then the budget holds.

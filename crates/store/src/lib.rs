@@ -22,7 +22,7 @@ mod streaming;
 
 pub use map::ExpertMap;
 pub use resident::ResidentExperts;
-pub use sizing::{auto_cache_bytes, available_memory, MemoryInfo, PressureEvents, TEST_CGROUP_ROOT_ENV};
+pub use sizing::{auto_cache_bytes, available_memory, release_free_heap, MemoryInfo, PressureEvents, TEST_CGROUP_ROOT_ENV};
 pub use streaming::{ExpertStore, StoreOptions};
 
 use smoe_quant::QMatrix;

@@ -252,9 +252,46 @@ pub fn auto_cache_bytes(dense_bytes: u64, kv_bytes: u64) -> (u64, String) {
     (cache, why)
 }
 
+/// Hands the allocator's free memory back to the kernel; true where it did (glibc only).
+///
+/// glibc keeps freed memory in its per-thread arenas, and a server whose requests come and go
+/// on a dozen threads holds, a few minutes in, megabytes of it that no request uses: a soak
+/// saw resident memory swing by 15% with nothing retained. The server's memory watch calls
+/// this every few seconds (a walk over the arenas, well under a millisecond at that size).
+pub fn release_free_heap() -> bool {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: malloc_trim takes no pointers; it locks each arena while it walks it, so it is
+        // safe beside allocations on other threads.
+        unsafe { libc::malloc_trim(0) == 1 }
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    false
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Freed memory between blocks still held stays resident until trimmed; trimming gives
+    /// most of it back.
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    #[test]
+    fn released_heap_leaves_resident_memory() {
+        let anon = || {
+            let s = std::fs::read_to_string("/proc/self/status").unwrap();
+            s.lines().find_map(|l| l.strip_prefix("RssAnon:")).unwrap().trim().trim_end_matches(" kB").parse::<u64>().unwrap() << 10
+        };
+        // 64 MiB in 4 KiB blocks, every block written; keep one in 16, free the rest.
+        let mut blocks: Vec<Vec<u8>> = (0..16384).map(|i| vec![i as u8 | 1; 4096]).collect();
+        let kept: Vec<Vec<u8>> = blocks.iter_mut().step_by(16).map(std::mem::take).collect();
+        drop(blocks);
+        let before = anon();
+        assert!(release_free_heap(), "malloc_trim released nothing");
+        let after = anon();
+        assert!(before.saturating_sub(after) > 16 << 20, "resident anonymous memory {before} -> {after} bytes");
+        assert!(kept.iter().enumerate().all(|(i, b)| b.len() == 4096 && b[0] == (i * 16) as u8 | 1), "kept blocks unchanged");
+    }
 
     #[test]
     fn meminfo_parses() {

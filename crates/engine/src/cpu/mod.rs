@@ -252,6 +252,15 @@ impl Backend for CpuBackend {
             }
         }
     }
+    fn kv_shrink(&self, cache: &mut CpuKvCache, positions: usize) {
+        for l in &mut cache.layers {
+            let at = positions.saturating_sub(l.base);
+            l.k.truncate(at * l.shape.heads * l.shape.k_dim);
+            l.v.truncate(at * l.shape.heads * l.shape.v_dim);
+            l.k.shrink_to_fit();
+            l.v.shrink_to_fit();
+        }
+    }
     fn kv_capacity(&self, cache: &CpuKvCache) -> usize {
         // A layer that drops old rows never runs out of room.
         cache
@@ -715,7 +724,7 @@ mod tests {
         assert!(err.downcast_ref::<String>().unwrap().starts_with("rms_norm: buffer `att` holds 10 floats"));
     }
 
-    /// A reserved cache fills without moving.
+    /// A reserved cache fills without moving, and a shrunk one keeps what it holds.
     #[test]
     fn a_reserved_kv_cache_never_moves() {
         let be = CpuBackend::with_threads(Precision::Reference, 1);
@@ -737,6 +746,15 @@ mod tests {
         let end: Vec<_> = cache.layers.iter().map(|l| (l.k.as_ptr(), l.v.as_ptr())).collect();
         assert_eq!(start, end);
         assert_eq!(be.kv_bytes(&cache), 999 * (2 * 8 * 2 + 12) * 4);
+        // Shrunk to 500 positions (a parked session): the first 500 rows unchanged, the rest and
+        // the reserved room given back.
+        let first: Vec<Vec<f32>> = cache.layers.iter().map(|l| l.k[..500 * l.shape.heads * l.shape.k_dim].to_vec()).collect();
+        be.kv_shrink(&mut cache, 500);
+        assert_eq!(be.kv_bytes(&cache), 500 * (2 * 8 * 2 + 12) * 4);
+        assert!(be.kv_capacity(&cache) < 1000);
+        for (l, f) in cache.layers.iter().zip(&first) {
+            assert_eq!(&l.k, f);
+        }
     }
 
     /// Row-wise ops large enough to go to the pool (prefill's expert rows) give what one
