@@ -61,6 +61,13 @@ pub fn architecture_from_config(cfg: &Value) -> Result<Architecture, FormatError
     }
     let hidden = c.usize("hidden_size")?;
     let num_layers = c.usize("num_hidden_layers")?;
+    if num_layers > smoe_vault::arch::MAX_LAYERS {
+        // Checked before anything is sized per layer (a fuzzed config asked for 45 billion).
+        return Err(FormatError::BadInput(format!(
+            "config.json: num_hidden_layers {num_layers} (at most {})",
+            smoe_vault::arch::MAX_LAYERS
+        )));
+    }
     let num_heads = c.usize("num_attention_heads")?;
     let num_kv_heads = c.opt_usize("num_key_value_heads")?.unwrap_or(num_heads);
     let head_dim = c.opt_usize("head_dim")?.unwrap_or(hidden / num_heads.max(1));
@@ -761,6 +768,21 @@ mod tests {
         assert_eq!(a.moe.num_experts, 8);
         let e = architecture_from_config(&cfg("experts")).unwrap_err().to_string();
         assert!(e.contains("missing num_experts"), "{e}");
+    }
+
+    /// A layer count no model has is refused before anything is sized per layer (the `config`
+    /// fuzz target asked for 45 billion layers and hit its allocation limit).
+    #[test]
+    fn absurd_layer_counts_are_refused_before_allocation() {
+        let mut c = serde_json::json!({"model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": 45_555_555_555u64,
+            "num_attention_heads": 4, "vocab_size": 1024, "moe_intermediate_size": 32, "num_experts_per_tok": 2, "num_experts": 8});
+        let e = architecture_from_config(&c).unwrap_err().to_string();
+        assert!(e.contains("num_hidden_layers 45555555555 (at most 4096)"), "{e}");
+        c["num_hidden_layers"] = 4096.into();
+        assert!(architecture_from_config(&c).is_ok());
+        let found = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus/config/layers-45-billion");
+        let v: Value = serde_json::from_slice(&std::fs::read(found).unwrap()).unwrap();
+        assert!(architecture_from_config(&v).is_err());
     }
 
     /// GLM-5's indexer layers from `indexer_types`, from `index_topk_pattern` as a string or a

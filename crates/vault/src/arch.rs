@@ -384,6 +384,10 @@ pub enum LayerKind {
     Moe,
 }
 
+/// The most decoder layers a model may have. The largest published MoEs have under 100; a
+/// header or config.json claiming billions would otherwise size per-layer tables from it.
+pub const MAX_LAYERS: usize = 4096;
+
 /// Everything the forward pass needs to know about a model.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Architecture {
@@ -472,6 +476,9 @@ impl Architecture {
         pos(self.vocab_size, "vocab_size")?;
         pos(self.hidden_size, "hidden_size")?;
         pos(self.num_layers, "num_layers")?;
+        if self.num_layers > MAX_LAYERS {
+            return Err(format!("{} layers (at most {MAX_LAYERS})", self.num_layers));
+        }
         pos(self.num_heads, "num_heads")?;
         pos(self.num_kv_heads, "num_kv_heads")?;
         pos(self.head_dim, "head_dim")?;
