@@ -24,6 +24,8 @@ fn seeds(target: &str, dir: &Path) -> Vec<Vec<u8>> {
             read("testdata/gguf/qwen3_moe.q8_0.gguf"),
             read("testdata/gguf/minimax_m2.bf16.gguf"),
             read("testdata/gguf/glm_moe_dsa.bf16.gguf"),
+            read("testdata/gguf/gpt_oss_mxfp4.bf16.gguf"),
+            read("testdata/gguf/deepseek_v4_fp4.bf16.gguf"),
         ],
         "vault" => {
             let out = dir.join("seed.smoe");
@@ -101,6 +103,26 @@ fn mutations(seed: &[u8], count: usize) -> Vec<Vec<u8>> {
         out.push(m);
     }
     out
+}
+
+/// `SMOE_FUZZ_SEEDS=DIR cargo test --release -p smoe-fuzzing -- write_seeds` writes each
+/// target's seeds to `DIR/<target>/`: the starting corpora of a libFuzzer campaign
+/// (docs/fuzzing.md). Without the variable it only checks that every target has seeds.
+#[test]
+fn write_seeds() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = std::env::var_os("SMOE_FUZZ_SEEDS").map(PathBuf::from);
+    for (target, _) in TARGETS {
+        let seeds = seeds(target, dir.path());
+        assert!(!seeds.is_empty(), "{target} has no seeds");
+        if let Some(out) = &out {
+            let d = out.join(target);
+            std::fs::create_dir_all(&d).unwrap();
+            for (i, s) in seeds.iter().enumerate() {
+                std::fs::write(d.join(format!("seed-{i}")), s).unwrap();
+            }
+        }
+    }
 }
 
 #[test]
