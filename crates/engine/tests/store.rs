@@ -11,8 +11,12 @@ use std::path::Path;
 use std::sync::Arc;
 
 fn streaming(path: &Path, slots: usize) -> (Model<CpuBackend>, Arc<ExpertStore>) {
+    streaming_with(path, &StoreOptions::with_slots(slots))
+}
+
+fn streaming_with(path: &Path, opts: &StoreOptions) -> (Model<CpuBackend>, Arc<ExpertStore>) {
     let v = Vault::open(path).unwrap();
-    let store = Arc::new(ExpertStore::open(&v, &StoreOptions::with_slots(slots)).unwrap());
+    let store = Arc::new(ExpertStore::open(&v, opts).unwrap());
     let model = Model::load(&v, CpuBackend::new(Precision::Reference), store.clone()).unwrap();
     (model, store)
 }
@@ -116,10 +120,8 @@ fn a_failed_prefetch_fails_no_request() {
     let (reference, _) = streaming(&path, 4);
     let want = score(&reference, &input, ScoreMode::Decode, 64, false).unwrap();
     // A fixed depth: the measured one starts at 1, which leaves no room for prefetches.
-    let v = Vault::open(&path).unwrap();
     let opts = StoreOptions { queue_depth: smoe_store::depth::QueueDepth::Fixed(8), ..StoreOptions::with_slots(4) };
-    let store = Arc::new(ExpertStore::open(&v, &opts).unwrap());
-    let model = Model::load(&v, CpuBackend::new(Precision::Reference), store.clone()).unwrap();
+    let (model, store) = streaming_with(&path, &opts);
     let victim = want.routes[&1].experts[0] as usize;
     store.inject_read_error(1, victim);
     smoe_store::ExpertSource::prefetch(&*store, 1, &[victim as u32]);
