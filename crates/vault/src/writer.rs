@@ -30,6 +30,13 @@ fn round_up(v: u64, a: u64) -> u64 {
 /// it (same directory, so the final rename is atomic).
 pub fn temp_path(path: &Path) -> Result<PathBuf, VaultError> {
     let file_name = path.file_name().ok_or_else(|| VaultError::Corrupt(format!("bad output path {}", path.display())))?;
+    // Said up front: creating the temporary file would otherwise fail naming only itself.
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty() && !d.is_dir()) {
+        return Err(VaultError::Io {
+            path: dir.display().to_string(),
+            source: std::io::Error::new(std::io::ErrorKind::NotFound, "the output directory does not exist"),
+        });
+    }
     Ok(path.with_file_name(format!("{}.tmp-{}", file_name.to_string_lossy(), std::process::id())))
 }
 
@@ -362,5 +369,20 @@ impl Drop for VaultWriter {
             self.out = None;
             let _ = std::fs::remove_file(&self.tmp_path);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_output_directory_that_does_not_exist_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = temp_path(&dir.path().join("missing/m.smoe")).unwrap_err().to_string();
+        assert!(e.contains("missing") && e.contains("output directory does not exist"), "{e}");
+        let ok = temp_path(&dir.path().join("m.smoe")).unwrap();
+        assert!(ok.to_string_lossy().contains("m.smoe.tmp-"));
+        assert!(temp_path(Path::new("m.smoe")).is_ok(), "a bare name is in the current directory");
     }
 }
