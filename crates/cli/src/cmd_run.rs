@@ -72,6 +72,18 @@ pub struct ModelArgs {
     /// runs the others) or `auto` (whichever has measured faster on this machine).
     #[arg(long, default_value = "auto")]
     pub gpu_misses: smoe_cuda::MissMode,
+    /// A Jinja chat template file used instead of the one the model ships (every model, for
+    /// `serve`): a missing or broken template, or another variant of it.
+    #[arg(long, value_name = "FILE", value_parser = read_chat_template)]
+    pub chat_template: Option<String>,
+}
+
+/// Reads a `--chat-template` file when the arguments are parsed, so that a bad path is an
+/// argument error before any model is opened.
+fn read_chat_template(path: &str) -> Result<String, String> {
+    let src = std::fs::read_to_string(path).map_err(|e| format!("cannot read the chat template {path}: {e}"))?;
+    smoe_text::ChatTemplate::new(&src, None, None).map_err(|e| format!("{path} is not a usable chat template: {e}"))?;
+    Ok(src)
 }
 
 impl ModelArgs {
@@ -89,6 +101,7 @@ impl ModelArgs {
             device: crate::device::Device::Cpu,
             gpu_cache: None,
             gpu_misses: smoe_cuda::MissMode::Auto,
+            chat_template: None,
         }
     }
 
@@ -101,6 +114,7 @@ impl ModelArgs {
             queue_depth: self.queue_depth,
             threads: self.threads,
             ctx,
+            chat_template: self.chat_template.clone(),
         }
     }
 
@@ -263,6 +277,8 @@ impl GenArgs {
             stop_ids: None,
             ctx: self.ctx.unwrap_or(engine.ctx),
             keep_prompt_logits: false,
+            grammar: None,
+            grammar_after: None,
         }
     }
 }

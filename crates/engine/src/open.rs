@@ -67,6 +67,10 @@ pub struct OpenOptions {
     /// Context limit in tokens; `None` picks [`default_context`]. The KV cache for this many
     /// tokens is reserved when the expert cache is sized automatically.
     pub ctx: Option<usize>,
+    /// A chat template (Jinja source) used instead of the one the model ships (llama.cpp's
+    /// `--chat-template-file`): for a model whose template is missing, wrong, or not the
+    /// variant wanted (a thinking variant, say).
+    pub chat_template: Option<String>,
 }
 
 impl Default for OpenOptions {
@@ -79,6 +83,7 @@ impl Default for OpenOptions {
             queue_depth: smoe_store::depth::QueueDepth::AUTO,
             threads: None,
             ctx: None,
+            chat_template: None,
         }
     }
 }
@@ -273,7 +278,10 @@ pub fn open<B: Backend>(path: &Path, opts: &OpenOptions, backend: B) -> Result<(
         };
         (Arc::new(store), rep)
     };
-    let (manifest, region) = file.load_dense()?;
+    let (mut manifest, region) = file.load_dense()?;
+    if let Some(src) = &opts.chat_template {
+        manifest.text.chat_template = Some(src.clone());
+    }
     let model = Model::load_parts(&arch, &manifest.dense, region, backend, experts)?;
     let mut engine = Engine::from_manifest(&manifest, model)?;
     engine.ctx = ctx;
