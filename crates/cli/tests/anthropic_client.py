@@ -47,6 +47,19 @@ history = [
 r = client.messages.create(model="qwen3", max_tokens=8, messages=history, tools=tools, extra_body={"temperature": 0})
 check("tool_result turn answers", r.usage.output_tokens > 0, r)
 
+# A required tool use (tool_choice any, or the tool named): a tool_use block with input that
+# matches the schema, stop_reason tool_use (the schema's string bounded so random weights end it).
+bounded = [{"name": "get_weather", "description": "Weather for a city",
+            "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}}]
+for choice in ({"type": "any"}, {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True}):
+    u = client.messages.create(model="qwen3", max_tokens=160, messages=[{"role": "user", "content": "Weather in Oslo?"}],
+                               tools=bounded, tool_choice=choice, extra_body={"temperature": 0})
+    uses = [b for b in u.content if b.type == "tool_use"]
+    check(f"tool_choice {choice['type']} gives a tool_use", u.stop_reason == "tool_use" and len(uses) >= 1, u)
+    check(f"tool_choice {choice['type']} input matches", uses[0].name == "get_weather" and isinstance(uses[0].input.get("city"), str), uses)
+    if choice.get("disable_parallel_tool_use"):
+        check("disable_parallel_tool_use gives one tool_use", len(uses) == 1, uses)
+
 # Stop sequences report which one matched.
 if len(text) > 3:
     stop = text[2:4]

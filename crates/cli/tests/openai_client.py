@@ -107,6 +107,77 @@ check("tool results accepted", h.usage.prompt_tokens > t.usage.prompt_tokens, (h
 none = client.chat.completions.create(model="qwen3", messages=msgs, tools=tools, tool_choice="none", max_tokens=4, temperature=0)
 check("tool_choice none hides tools", none.usage.prompt_tokens == g1.usage.prompt_tokens, none.usage)
 
+# Structured output: the fixture's random weights would write anything, but a JSON schema holds
+# the reply; the client's own parse() reads it into a pydantic model; a required tool call
+# names an offered tool with arguments that match its parameters, streamed or not. The string
+# fields are bounded so that a random model must end them.
+schema = {
+    "type": "object",
+    "properties": {"colour": {"type": "string", "maxLength": 8}, "count": {"type": "integer", "minimum": 1, "maximum": 9}},
+    "required": ["colour", "count"],
+    "additionalProperties": False,
+}
+js = client.chat.completions.create(
+    model="qwen3", messages=msgs, max_tokens=160, temperature=0,
+    response_format={"type": "json_schema", "json_schema": {"name": "pick", "schema": schema, "strict": True}},
+)
+obj = json.loads(js.choices[0].message.content)
+check("json_schema reply matches its schema", set(obj) == {"colour", "count"} and len(obj["colour"]) <= 8 and 1 <= obj["count"] <= 9, obj)
+check("json_schema reply ends by itself", js.choices[0].finish_reason == "stop", js.choices[0])
+jo = client.chat.completions.create(model="qwen3", messages=msgs, max_tokens=48, temperature=0.8, seed=7, response_format={"type": "json_object"})
+if jo.choices[0].finish_reason == "stop":
+    check("json_object reply is an object", isinstance(json.loads(jo.choices[0].message.content), dict), jo.choices[0])
+
+from pydantic import BaseModel, Field
+
+
+class Pick(BaseModel):
+    colour: str = Field(max_length=8)
+    count: int = Field(ge=1, le=9)
+
+
+parsed = client.chat.completions.parse(model="qwen3", messages=msgs, max_tokens=160, temperature=0, response_format=Pick)
+check("parse() gives the pydantic model", isinstance(parsed.choices[0].message.parsed, Pick), parsed.choices[0])
+
+bounded = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather for a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]},
+        },
+    },
+    {"type": "function", "function": {"name": "get_time", "description": "The time now", "parameters": {"type": "object", "properties": {}}}},
+]
+rq = client.chat.completions.create(model="qwen3", messages=msgs, tools=bounded, tool_choice="required", max_tokens=160, temperature=0)
+calls = rq.choices[0].message.tool_calls or []
+check("tool_choice required calls a tool", rq.choices[0].finish_reason == "tool_calls" and len(calls) >= 1, rq.choices[0])
+for call in calls:
+    args = json.loads(call.function.arguments)
+    check("the call names an offered tool", call.function.name in ("get_weather", "get_time"), call)
+    check("its arguments match the parameters", isinstance(args.get("city"), str) if call.function.name == "get_weather" else args == {}, call)
+one = client.chat.completions.create(
+    model="qwen3", messages=msgs, tools=bounded, tool_choice="required", parallel_tool_calls=False, max_tokens=160, temperature=0
+)
+check("parallel_tool_calls false gives one call", len(one.choices[0].message.tool_calls or []) == 1, one.choices[0])
+named = client.chat.completions.create(
+    model="qwen3", messages=msgs, tools=bounded, max_tokens=160, temperature=0,
+    tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True,
+)
+deltas = [tc for chunk in named for c in chunk.choices if c.delta.tool_calls for tc in c.delta.tool_calls]
+check("a named tool_choice calls that tool, streamed", [d.function.name for d in deltas if d.function.name][:1] == ["get_weather"], deltas)
+try:
+    client.chat.completions.create(model="qwen3", messages=msgs, tools=bounded, tool_choice={"type": "function", "function": {"name": "nope"}}, max_tokens=4)
+    check("an unknown named tool is refused", False)
+except openai.BadRequestError as e:
+    check("an unknown named tool is refused", "nope" in str(e), e)
+try:
+    client.chat.completions.create(model="qwen3", messages=msgs, max_tokens=4, response_format={"type": "json_schema", "json_schema": {"name": "x"}})
+    check("a json_schema without a schema is refused", False)
+except openai.BadRequestError as e:
+    check("a json_schema without a schema is refused", "schema" in str(e), e)
+
 # Content as an array of text parts, and template kwargs.
 parts_msg = [{"role": "user", "content": [{"type": "text", "text": "Name three "}, {"type": "text", "text": "colours."}]}]
 p1 = client.chat.completions.create(model="qwen3", messages=parts_msg, max_tokens=4, temperature=0)

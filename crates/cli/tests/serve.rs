@@ -502,6 +502,47 @@ fn tool_schemas_that_do_not_fit_are_dropped() {
     let (status, _, body) = post(server.addr, "/v1/chat/completions", &req);
     assert_eq!(status, 400, "{body}");
     assert!(body.contains("context_length_exceeded"), "{body}");
+    // A reply that must call a tool cannot do without the schemas: said, not dropped.
+    let req = format!(
+        r#"{{"model": "qwen3", "max_tokens": 4, "messages": [{{"role": "user", "content": "hello"}}], "tools": [{tools}], "tool_choice": "required"}}"#
+    );
+    let (status, _, body) = post(server.addr, "/v1/chat/completions", &req);
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(error_json(&body)["error"]["param"], "tool_choice", "{body}");
+    assert!(body.contains("36 tool schemas"), "{body}");
+}
+
+/// `--chat-template FILE` replaces every served model's template: a thinking variant opens
+/// each reply in reasoning, which comes back as `reasoning_content`; a JSON response_format
+/// then waits for the reasoning to end. A template that does not parse stops the server
+/// before it listens, with the file named.
+#[test]
+fn a_chat_template_file_replaces_the_models_own() {
+    let dir = vault_dir();
+    let thinking = root().join("bench/templates/qwen3-thinking.jinja");
+    let server = Server::start(dir.path(), &["--api-key", KEY, "--chat-template", thinking.to_str().unwrap()]);
+    let req = r#"{"model": "qwen3", "max_tokens": 12, "temperature": 0, "messages": [{"role": "user", "content": "hello"}]}"#;
+    let (status, _, body) = post(server.addr, "/v1/chat/completions", req);
+    assert_eq!(status, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let reasoning = v["choices"][0]["message"]["reasoning_content"].as_str().unwrap_or_default();
+    assert!(!reasoning.is_empty(), "the reply opens in reasoning: {v}");
+    let req = r#"{"model": "qwen3", "max_tokens": 12, "temperature": 0, "messages": [{"role": "user", "content": "hello"}],
+        "response_format": {"type": "json_object"}}"#;
+    let (status, _, body) = post(server.addr, "/v1/chat/completions", req);
+    assert_eq!(status, 200, "{body}");
+    let v2: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v2["choices"][0]["message"]["reasoning_content"], reasoning, "held only after </think>: {v2}");
+    drop(server);
+
+    let bad = dir.path().join("broken.jinja");
+    std::fs::write(&bad, "{% if %}").unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_smoe"))
+        .args(["serve", "--models", dir.path().to_str().unwrap(), "--port", "0", "--chat-template", bad.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("broken.jinja") && err.contains("not a usable chat template"), "{err}");
 }
 
 /// Continuous batching: concurrent requests are advanced together in batched steps (the

@@ -7,8 +7,9 @@ use crate::sampler::{SamplingParams, SamplingRequest};
 use crate::stepwise::Stepwise;
 use crate::{EngineError, Model};
 use serde_json::Value as Json;
-use smoe_text::{ChatTemplate, Tokenizer};
+use smoe_text::{ChatTemplate, ConstraintVocab, OutputGrammar, Tokenizer};
 use smoe_vault::{GenerationDefaults, Manifest, Vault};
+use std::sync::{Arc, OnceLock};
 
 /// Why generation ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
@@ -37,6 +38,10 @@ pub struct GenOptions {
     pub ctx: usize,
     /// Return the logits after the prompt (those the first token is sampled from).
     pub keep_prompt_logits: bool,
+    /// A grammar the reply is held to (structured output, required tool calls).
+    pub grammar: Option<OutputGrammar>,
+    /// Text after which the grammar applies (`</think>` for a reply that starts in reasoning).
+    pub grammar_after: Option<String>,
 }
 
 /// Timings and counts of one generation.
@@ -98,6 +103,8 @@ pub struct Engine<B: Backend> {
     pub defaults: GenerationDefaults,
     /// The context limit it was opened for (tokens).
     pub ctx: usize,
+    /// Its vocabulary indexed for constrained output, built by the first request that needs it.
+    constraint_vocab: OnceLock<Result<Arc<ConstraintVocab>, String>>,
 }
 
 impl<B: Backend> Engine<B> {
@@ -117,7 +124,7 @@ impl<B: Backend> Engine<B> {
             None => None,
         };
         let ctx = manifest.architecture.max_position_embeddings;
-        Ok(Engine { model, tokenizer, template, defaults: manifest.generation.clone(), ctx })
+        Ok(Engine { model, tokenizer, template, defaults: manifest.generation.clone(), ctx, constraint_vocab: OnceLock::new() })
     }
 
     /// Renders a conversation with the chat template (generation prompt added).
@@ -154,6 +161,19 @@ impl<B: Backend> Engine<B> {
             }
         }
         ids
+    }
+
+    /// The vocabulary indexed for constrained output (built once, on first use: a trie of
+    /// every token, tens of milliseconds for a 150K vocabulary). Its end is the first default
+    /// stop id.
+    pub fn constraint_vocab(&self) -> Result<Arc<ConstraintVocab>, EngineError> {
+        self.constraint_vocab
+            .get_or_init(|| {
+                let eos = *self.default_stop_ids().first().ok_or("this model has no end-of-sequence token to end a constrained reply")?;
+                ConstraintVocab::new(&self.tokenizer, self.model.arch().vocab_size, eos).map(Arc::new).map_err(|e| e.to_string())
+            })
+            .clone()
+            .map_err(|e| EngineError::Input(format!("constrained output is not available for this model: {e}")))
     }
 
     /// The tool-call syntax the chat template teaches its model (the default without one).

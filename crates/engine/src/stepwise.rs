@@ -10,7 +10,7 @@ use crate::forward::State;
 use crate::generate::{Engine, FinishReason, GenOptions, GenStats, Generation};
 use crate::sampler::Sampler;
 use crate::EngineError;
-use smoe_text::{Detokenizer, StopStrings};
+use smoe_text::{Constraint, Detokenizer, StopStrings};
 use std::time::Instant;
 
 /// One generation between forward steps: [`input`](Self::input) says which tokens the next
@@ -21,6 +21,8 @@ pub struct Stepwise {
     stop_ids: Vec<u32>,
     detok: Detokenizer,
     stops: StopStrings,
+    /// The grammar the reply is held to, with the id that ends it.
+    constraint: Option<(Constraint, u32)>,
     /// Prompt, then the generated tokens.
     context: Vec<u32>,
     prompt_len: usize,
@@ -57,7 +59,17 @@ impl Stepwise {
         if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
             return Err(EngineError::Input(format!("token id {bad} is outside the vocabulary of {vocab}")));
         }
+        // From here: a first constrained request's time to first token includes indexing
+        // the vocabulary.
         let t0 = Instant::now();
+        let constraint = match &opts.grammar {
+            Some(g) => {
+                let vocab = engine.constraint_vocab()?;
+                let c = vocab.start(g, opts.grammar_after.as_deref()).map_err(|e| EngineError::Input(e.to_string()))?;
+                Some((c, vocab.eos()))
+            }
+            None => None,
+        };
         let cached = st.pos().min(prompt.len() - 1);
         st.truncate(cached);
         engine.model.reserve(st, prompt.len().saturating_add(opts.max_tokens).min(opts.ctx));
@@ -66,6 +78,7 @@ impl Stepwise {
             stop_ids: opts.stop_ids.clone().unwrap_or_else(|| engine.default_stop_ids()),
             detok: Detokenizer::new(engine.tokenizer.clone(), !engine.harmony()),
             stops: StopStrings::new(&opts.stop),
+            constraint,
             opts: opts.clone(),
             context: prompt.to_vec(),
             prompt_len: prompt.len(),
@@ -139,16 +152,26 @@ impl Stepwise {
         self.logits.clear();
         self.logits.extend_from_slice(logits);
         let ts = Instant::now();
+        // A grammar that allows nothing more (it cannot, once complete) ends the reply.
+        let held = match &mut self.constraint {
+            Some((c, eos)) if c.active() => Some((c.mask(&mut self.logits).is_ok(), *eos)),
+            _ => None,
+        };
         let id = self.sampler.sample(&mut self.logits, &self.context, self.tokens.len());
         self.sampling_ms = ts.elapsed().as_secs_f64() * 1e3;
         self.ttft.get_or_insert_with(|| self.t0.elapsed().as_secs_f64());
-        if self.stop_ids.contains(&id) {
+        if self.stop_ids.contains(&id) || held.is_some_and(|(ok, eos)| !ok || id == eos) {
             self.finish = Some(FinishReason::Stop);
             return true;
         }
         self.tokens.push(id);
         self.context.push(id);
         let piece = self.detok.push(id);
+        if let Some((c, _)) = &mut self.constraint {
+            if c.commit(id, &piece).is_err() {
+                self.finish = Some(FinishReason::Stop);
+            }
+        }
         let (out, stopped) = self.stops.push(&piece);
         self.text.push_str(&out);
         if !on_token(id, &out) {

@@ -25,6 +25,8 @@ fn thousand_token_sampled_generation_repeats_with_the_same_seed() {
             stop_ids: Some(vec![]),
             ctx: 4096,
             keep_prompt_logits: false,
+            grammar: None,
+            grammar_after: None,
         };
         let mut pieces = String::new();
         let g = engine
@@ -63,6 +65,8 @@ fn a_forked_session_reuses_the_shared_prefix() {
         stop_ids: Some(vec![]),
         ctx: 4096,
         keep_prompt_logits: false,
+        grammar: None,
+        grammar_after: None,
     };
     let cat = |x: &[u32]| shared.iter().chain(x).copied().collect::<Vec<u32>>();
     let mut one = Session::new(&engine.model);
@@ -118,6 +122,8 @@ fn harmony_replies_keep_their_markers_and_stop_at_return_and_call() {
         stop_ids: None,
         ctx: 256,
         keep_prompt_logits: false,
+        grammar: None,
+        grammar_after: None,
     };
     // Runs the reply `text` (then `end`) through Stepwise, each step's logits picking the next id.
     let run = |text: &str, end: &str, tools: bool| {

@@ -4,7 +4,7 @@
 use crate::error::ApiError;
 use crate::openai::text_parts;
 use crate::params::{gen_options, opt_bool, opt_u64, req_str, ANTHROPIC};
-use crate::run::{prepare, random_id, submit, PromptSpec, Running, Step};
+use crate::run::{prepare, random_id, submit, ChatParts, PromptSpec, Running, Shape, Step};
 use crate::worker::Finished;
 use crate::AppState;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
@@ -120,8 +120,25 @@ fn tool_input(arguments: &str) -> Json {
 
 /// A messages request's messages (system prompt first) and tools, as the chat template takes
 /// them: what needs no model (the fuzz target's entry).
-pub fn messages_request(v: &Json) -> Result<(Vec<Json>, Option<Vec<Json>>), ApiError> {
-    Ok((to_template_messages(v)?, tools(v)?))
+pub fn messages_request(v: &Json) -> Result<ChatParts, ApiError> {
+    Ok(ChatParts { messages: to_template_messages(v)?, tools: tools(v)?, shape: tool_choice(v)? })
+}
+
+/// `tool_choice` `any` (some tool) or `tool` (the one named) requires a call; one call only
+/// with `disable_parallel_tool_use`.
+fn tool_choice(v: &Json) -> Result<Shape, ApiError> {
+    let c = &v["tool_choice"];
+    let parallel = c["disable_parallel_tool_use"] != true;
+    match c["type"].as_str() {
+        None if c.is_null() => Ok(Shape::Free),
+        Some("auto" | "none") => Ok(Shape::Free),
+        Some("any") => Ok(Shape::Call { name: None, parallel }),
+        Some("tool") => match c["name"].as_str() {
+            Some(n) => Ok(Shape::Call { name: Some(n.to_string()), parallel }),
+            None => Err(ApiError::bad_param("tool_choice", "tool_choice of type tool needs a name")),
+        },
+        _ => Err(ApiError::bad_param("tool_choice", format!("tool_choice type must be auto, any, tool or none, got {c}"))),
+    }
 }
 
 /// `POST /v1/messages`.
@@ -131,7 +148,7 @@ pub async fn messages(state: AppState, body: axum::body::Bytes) -> Result<Respon
     if opt_u64(&v, "max_tokens", 1)?.is_none() {
         return Err(ApiError::bad_param("max_tokens", "'max_tokens' is required"));
     }
-    let (messages, tools) = messages_request(&v)?;
+    let ChatParts { messages, tools, shape } = messages_request(&v)?;
     let mut kwargs = Map::new();
     match v["thinking"]["type"].as_str() {
         Some("enabled") => {
@@ -144,7 +161,7 @@ pub async fn messages(state: AppState, body: axum::body::Bytes) -> Result<Respon
     }
     let stream = opt_bool(&v, "stream")?.unwrap_or(false);
     let vv = v.clone();
-    let p = prepare(state.fleet.clone(), model.clone(), PromptSpec::Chat { messages, tools, kwargs }, move |e| {
+    let p = prepare(state.fleet.clone(), model.clone(), PromptSpec::Chat { messages, tools, kwargs, shape }, move |e| {
         gen_options(&vv, &ANTHROPIC, e, None)
     })
     .await?;

@@ -2,7 +2,7 @@
 
 use crate::error::ApiError;
 use crate::params::{gen_options, opt_bool, opt_u64, req_str, OPENAI};
-use crate::run::{now, prepare, random_id, submit, PromptSpec, Running, Step};
+use crate::run::{now, prepare, random_id, submit, ChatParts, PromptSpec, Running, Shape, Step};
 use crate::worker::Finished;
 use crate::AppState;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
@@ -104,12 +104,40 @@ fn refuse_unsupported(v: &Json) -> Result<(), ApiError> {
     if opt_bool(v, "logprobs")? == Some(true) {
         return Err(ApiError::bad_param("logprobs", "logprobs are not supported"));
     }
-    match v.get("response_format").map(|r| &r["type"]) {
-        None | Some(Json::Null) => {}
-        Some(t) if t == "text" => {}
-        Some(t) => return Err(ApiError::bad_param("response_format", format!("response_format {t} is not supported"))),
-    }
     Ok(())
+}
+
+/// What the reply must be: `response_format` (`json_object`, `json_schema`) or a `tool_choice`
+/// that requires a call (`required`, or a named function). Both at once are refused.
+fn shape(v: &Json) -> Result<Shape, ApiError> {
+    let format = match v.get("response_format").filter(|r| !r.is_null()) {
+        None => Shape::Free,
+        Some(r) => match r["type"].as_str() {
+            Some("text") => Shape::Free,
+            Some("json_object") => Shape::Json(json!({"type": "object"})),
+            Some("json_schema") => match &r["json_schema"]["schema"] {
+                s @ (Json::Object(_) | Json::Bool(true)) => Shape::Json(s.clone()),
+                _ => return Err(ApiError::bad_param("response_format", "response_format json_schema needs json_schema.schema, an object")),
+            },
+            _ => {
+                return Err(ApiError::bad_param(
+                    "response_format",
+                    format!("response_format type must be text, json_object or json_schema, got {}", r["type"]),
+                ))
+            }
+        },
+    };
+    let parallel = opt_bool(v, "parallel_tool_calls")?.unwrap_or(true);
+    let call = match v.get("tool_choice") {
+        Some(Json::String(s)) if s == "required" => Shape::Call { name: None, parallel },
+        Some(Json::Object(o)) => Shape::Call { name: o.get("function").and_then(|f| f["name"].as_str()).map(str::to_string), parallel },
+        _ => Shape::Free,
+    };
+    match (format, call) {
+        (f, Shape::Free) => Ok(f),
+        (Shape::Free, c) => Ok(c),
+        _ => Err(ApiError::bad_param("response_format", "a JSON response_format and a tool_choice that requires a call cannot both hold")),
+    }
 }
 
 fn include_usage(v: &Json) -> Result<bool, ApiError> {
@@ -146,18 +174,18 @@ fn tool_call_json(index: usize, c: &ToolCall) -> Json {
 
 /// The parts of a chat request that need no model: its messages as the chat template takes
 /// them, its tools, and the refusal of what smoe does not do (the fuzz target's entry).
-pub fn chat_request(v: &Json) -> Result<(Vec<Json>, Option<Vec<Json>>), ApiError> {
+pub fn chat_request(v: &Json) -> Result<ChatParts, ApiError> {
     let messages = normalize_messages(v)?;
     let tools = tools(v)?;
     refuse_unsupported(v)?;
-    Ok((messages, tools))
+    Ok(ChatParts { messages, tools, shape: shape(v)? })
 }
 
 /// `POST /v1/chat/completions`.
 pub async fn chat(state: AppState, body: axum::body::Bytes) -> Result<Response, ApiError> {
     let v = crate::params::parse_body(&body)?;
     let model = req_str(&v, "model")?.to_string();
-    let (messages, tools) = chat_request(&v)?;
+    let ChatParts { messages, tools, shape } = chat_request(&v)?;
     let stream = opt_bool(&v, "stream")?.unwrap_or(false);
     let usage_chunk = include_usage(&v)?;
     let kwargs: Map<String, Json> = match v.get("chat_template_kwargs") {
@@ -165,7 +193,7 @@ pub async fn chat(state: AppState, body: axum::body::Bytes) -> Result<Response, 
         Some(Json::Object(o)) => o.clone(),
         Some(_) => return Err(ApiError::bad_param("chat_template_kwargs", "'chat_template_kwargs' must be an object")),
     };
-    let spec = PromptSpec::Chat { messages, tools, kwargs };
+    let spec = PromptSpec::Chat { messages, tools, kwargs, shape };
     let vv = v.clone();
     let default_max = state.fleet.default_max_tokens();
     let p = prepare(state.fleet.clone(), model.clone(), spec, move |e| gen_options(&vv, &OPENAI, e, default_max)).await?;

@@ -132,6 +132,8 @@ pub fn gen_options(v: &Json, names: &Names, engine: &dyn LoadedModel, default_ma
         stop_ids: None,
         ctx: engine.context(),
         keep_prompt_logits: false,
+        grammar: None,
+        grammar_after: None,
     })
 }
 

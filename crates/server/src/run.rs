@@ -8,7 +8,7 @@ use crate::worker::{Event, Finished, Job, Worker};
 use rand::Rng;
 use serde_json::{Map, Value as Json};
 use smoe_engine::{GenOptions, LoadedModel};
-use smoe_text::{Piece, Reply, ReplyParser};
+use smoe_text::{OutputGrammar, Piece, Reply, ReplyParser};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -24,11 +24,71 @@ pub enum PromptSpec {
         tools: Option<Vec<Json>>,
         /// Template kwargs.
         kwargs: Map<String, Json>,
+        /// What the reply must be.
+        shape: Shape,
     },
     /// Raw text, no template.
     Text(String),
     /// Token ids.
     Ids(Vec<u32>),
+}
+
+/// The parts of a chat request that need no model (what the fuzz targets parse).
+pub struct ChatParts {
+    /// Messages as the chat template takes them.
+    pub messages: Vec<Json>,
+    /// Tools offered, if any (none when `tool_choice` is none).
+    pub tools: Option<Vec<Json>>,
+    /// What the reply must be.
+    pub shape: Shape,
+}
+
+/// What a chat reply must be, when the request says (structured output).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub enum Shape {
+    /// Whatever the model writes.
+    #[default]
+    Free,
+    /// JSON matching this schema (`response_format`).
+    Json(Json),
+    /// A tool call: to any offered tool (`None`: OpenAI's `required`, Anthropic's `any`) or to
+    /// the one named; several in a row unless `parallel` is false (OpenAI's
+    /// `parallel_tool_calls`, Anthropic's `disable_parallel_tool_use`).
+    Call {
+        /// The tool that must be called, if one is named.
+        name: Option<String>,
+        /// Whether several calls may follow one another.
+        parallel: bool,
+    },
+}
+
+impl Shape {
+    /// The grammar for a reply in `syntax`, given the tools the prompt kept (OpenAI-style
+    /// `{"type": "function", "function": …}` objects).
+    fn grammar(self, tools: Option<&[Json]>, syntax: smoe_text::CallSyntax) -> Result<Option<OutputGrammar>, ApiError> {
+        Ok(match self {
+            Shape::Free => None,
+            Shape::Json(schema) => Some(OutputGrammar::Json(schema)),
+            Shape::Call { name, parallel } => {
+                let functions: Vec<Json> = tools
+                    .unwrap_or_default()
+                    .iter()
+                    .map(|t| t["function"].clone())
+                    .filter(|f| name.as_ref().is_none_or(|n| f["name"] == n.as_str()))
+                    .collect();
+                if functions.is_empty() {
+                    return Err(ApiError::bad_param(
+                        "tool_choice",
+                        match name {
+                            Some(n) => format!("tool_choice names {n:?}, which is not among the tools"),
+                            None => "tool_choice requires a tool call but no tools were given".into(),
+                        },
+                    ));
+                }
+                Some(OutputGrammar::ToolCalls { tools: functions, syntax, parallel })
+            }
+        })
+    }
 }
 
 /// A request ready to run.
@@ -62,11 +122,11 @@ pub async fn prepare(
         // by shrinking first (see `crate::memory`).
         fleet.fit_to_memory();
         let engine = &*worker.engine;
-        let opts = options(engine)?;
+        let mut opts = options(engine)?;
         let bad = |e: smoe_engine::EngineError| ApiError::bad_request(e.to_string());
         let chat = matches!(spec, PromptSpec::Chat { .. });
         let (prompt_text, prompt, tools) = match spec {
-            PromptSpec::Chat { messages, tools, kwargs } => {
+            PromptSpec::Chat { messages, tools, kwargs, shape } => {
                 let known = |c: &str| worker.recent.get(c);
                 let (t, ids) = engine.tokenize_chat(&messages, tools.as_deref(), &kwargs, &known).map_err(bad)?;
                 // Tool schemas that crowd out the conversation (Open WebUI sends ~36 of them, 13K
@@ -74,7 +134,7 @@ pub async fn prepare(
                 // fits: a reply without tools rather than an error. Said in the log.
                 let room = |n: usize| opts.ctx.saturating_sub(n);
                 let enough = opts.ctx / 8;
-                match &tools {
+                let kept = match &tools {
                     Some(list) if room(ids.len()) < enough => {
                         let (t2, ids2) = engine.tokenize_chat(&messages, None, &kwargs, &known).map_err(bad)?;
                         if room(ids2.len()) >= enough {
@@ -85,13 +145,31 @@ pub async fn prepare(
                                 opts.ctx,
                                 ids2.len()
                             );
+                            // A reply that must call a tool cannot do without them.
+                            if matches!(shape, Shape::Call { .. }) {
+                                return Err(ApiError::bad_param(
+                                    "tool_choice",
+                                    format!(
+                                        "tool_choice requires a tool call, but with the {} tool schemas the prompt is {} tokens of this model's {}-token context",
+                                        list.len(),
+                                        ids.len(),
+                                        opts.ctx
+                                    ),
+                                ));
+                            }
                             (t2, ids2, false)
                         } else {
                             (t, ids, true)
                         }
                     }
                     _ => (t, ids, tools.is_some()),
+                };
+                opts.grammar = shape.grammar(kept.2.then_some(tools.as_deref()).flatten(), engine.call_syntax())?;
+                // A reply that opens in reasoning is held to the grammar after it.
+                if opts.grammar.is_some() && kept.0.trim_end().ends_with("<think>") {
+                    opts.grammar_after = Some("</think>".into());
                 }
+                kept
             }
             PromptSpec::Text(t) => {
                 let ids = engine.encode(&t).map_err(bad)?;

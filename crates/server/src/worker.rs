@@ -139,8 +139,8 @@ pub struct Worker {
 
 /// What reaches the generation thread.
 enum Msg {
-    /// A generation to run.
-    Job(Job),
+    /// A generation to run (boxed: a job is hundreds of bytes, a trim none).
+    Job(Box<Job>),
     /// The session budget changed: apply it now, even when idle.
     Trim,
 }
@@ -193,7 +193,7 @@ impl Worker {
             self.pending.fetch_sub(1, Ordering::SeqCst);
             return Err(ApiError::busy(&self.name, self.limits.max_queue));
         }
-        if self.tx.as_ref().expect("set until drop").send(Msg::Job(job)).is_err() {
+        if self.tx.as_ref().expect("set until drop").send(Msg::Job(Box::new(job))).is_err() {
             self.pending.fetch_sub(1, Ordering::SeqCst);
             return Err(ApiError::internal(format!("the worker of '{}' has stopped", self.name)));
         }
@@ -307,13 +307,13 @@ impl<B: Backend> Loop<B> {
             if active.is_empty() && waiting.is_empty() {
                 // Closing the channel ends the loop once queued jobs are done.
                 match rx.recv() {
-                    Ok(Msg::Job(job)) => waiting.push_back(job),
+                    Ok(Msg::Job(job)) => waiting.push_back(*job),
                     Ok(Msg::Trim) => {}
                     Err(_) => return,
                 }
             }
             waiting.extend(rx.try_iter().filter_map(|m| match m {
-                Msg::Job(job) => Some(job),
+                Msg::Job(job) => Some(*job),
                 Msg::Trim => None,
             }));
             // A budget lowered by the memory watch: drop cached sessions now (the running
@@ -538,8 +538,16 @@ mod tests {
 
     fn job(streamed: bool, waited: Duration, now: Instant, tag: usize) -> Job {
         let (events, _) = tokio::sync::mpsc::unbounded_channel();
-        let opts =
-            GenOptions { max_tokens: tag, sampling: Default::default(), stop: vec![], stop_ids: None, ctx: 16, keep_prompt_logits: false };
+        let opts = GenOptions {
+            max_tokens: tag,
+            sampling: Default::default(),
+            stop: vec![],
+            stop_ids: None,
+            ctx: 16,
+            keep_prompt_logits: false,
+            grammar: None,
+            grammar_after: None,
+        };
         Job { prompt: vec![], opts, events, cancel: Arc::default(), streamed, queued: now - waited }
     }
 

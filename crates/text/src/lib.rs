@@ -13,11 +13,14 @@ Text in and out of the model.
   streamed text.
 - [`ReplyParser`] and [`parse_reply`]: a model's reply (streamed or whole) split into
   reasoning, content and tool calls, in the formats of the supported chat templates.
+- [`ConstraintVocab`] and [`Constraint`]: the reply held to a JSON schema or to calls of the
+  offered tools (structured output), token by token through llguidance.
 
-This crate knows nothing about model weights or sampling.
+This crate knows nothing about model weights or sampling (a constraint only masks logits).
 */
 #![deny(missing_docs)]
 
+mod constrain;
 mod detok;
 mod reply;
 mod sections;
@@ -25,9 +28,10 @@ mod stop;
 mod template;
 mod tokenizer;
 
+pub use constrain::{Constraint, ConstraintError, ConstraintVocab, OutputGrammar};
 pub use detok::Detokenizer;
 pub use reply::{parse_reply, parse_tool_call, CallSyntax, Piece, Reply, ReplyParser, ToolCall};
 pub use sections::{Section, SectionSplitter};
 pub use stop::StopStrings;
 pub use template::{ChatTemplate, TemplateError};
-pub use tokenizer::{Tokenizer, TokenizerError};
+pub use tokenizer::{TokenBytes, Tokenizer, TokenizerError};

@@ -1,5 +1,6 @@
 //! tokenizer.json through the `tokenizers` crate.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 /// Tokenizer errors.
@@ -111,6 +112,85 @@ impl Tokenizer {
     pub fn is_special(&self, id: u32) -> bool {
         self.inner.get_added_tokens_decoder().get(&id).is_some_and(|t| t.special)
     }
+
+    /// The bytes each token id stands for (empty for ids with no token), as constrained
+    /// output needs them: byte-level BPE (GPT-2, Qwen, Llama 3) maps its alphabet back to
+    /// bytes; SentencePiece-style vocabularies turn `▁` into a space and `<0xNN>` into a byte.
+    /// Special added tokens start with llguidance's marker byte 0xFF (never text) and are also
+    /// returned by content, for grammars that name them.
+    pub fn token_bytes(&self) -> Result<TokenBytes, TokenizerError> {
+        let decoder = serde_json::to_value(self.inner.get_decoder()).unwrap_or_default();
+        let parts: Vec<&serde_json::Value> = match decoder["decoders"].as_array() {
+            Some(list) => list.iter().collect(),
+            None => vec![&decoder],
+        };
+        let has = |t: &str| parts.iter().any(|d| d["type"] == t);
+        let space = parts
+            .iter()
+            .find_map(|d| match d["type"].as_str() {
+                Some("Replace") if d["content"] == " " => d["pattern"]["String"].as_str().map(str::to_string),
+                Some("Metaspace") => d["replacement"].as_str().map(str::to_string),
+                _ => None,
+            })
+            .unwrap_or_else(|| "\u{2581}".to_string());
+        let byte_level = has("ByteLevel");
+        if !byte_level && !has("ByteFallback") && !has("Metaspace") {
+            return Err(TokenizerError(format!("constrained output does not support this tokenizer's decoder ({decoder})")));
+        }
+        let alphabet = byte_level_alphabet();
+        let added = self.inner.get_added_tokens_decoder();
+        let vocab = self.inner.get_vocab(true);
+        let n = vocab.values().map(|&id| id as usize + 1).max().unwrap_or(0);
+        let mut words = vec![Vec::new(); n];
+        let mut specials = HashMap::new();
+        for (text, &id) in &vocab {
+            let bytes = match added.get(&id) {
+                Some(t) if t.special => {
+                    specials.insert(t.content.clone(), id);
+                    [&[0xFF][..], t.content.as_bytes()].concat()
+                }
+                Some(t) => t.content.as_bytes().to_vec(),
+                None if byte_level => text
+                    .chars()
+                    .map(|c| alphabet.get(&c).copied())
+                    .collect::<Option<Vec<u8>>>()
+                    .ok_or_else(|| TokenizerError(format!("token {id} ({text:?}) is not in the byte-level alphabet")))?,
+                None => match text.strip_prefix("<0x").and_then(|h| h.strip_suffix('>')).filter(|h| h.len() == 2) {
+                    Some(hex) => {
+                        vec![u8::from_str_radix(hex, 16).map_err(|_| TokenizerError(format!("token {id} ({text:?}) is not a byte")))?]
+                    }
+                    None => text.replace(space.as_str(), " ").into_bytes(),
+                },
+            };
+            words[id as usize] = bytes;
+        }
+        Ok(TokenBytes { words, specials })
+    }
+}
+
+/// What each token id spells ([`Tokenizer::token_bytes`]).
+pub struct TokenBytes {
+    /// The bytes of each id (empty for ids with no token); special tokens start with 0xFF.
+    pub words: Vec<Vec<u8>>,
+    /// The special tokens by content.
+    pub specials: HashMap<String, u32>,
+}
+
+/// GPT-2's byte-level alphabet, reversed: the printable bytes stand for themselves, the rest
+/// were shifted to U+0100 and up, in byte order.
+fn byte_level_alphabet() -> HashMap<char, u8> {
+    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+    let mut next = 0x100u32;
+    (0..=255u8)
+        .map(|b| {
+            if printable(b) {
+                (b as char, b)
+            } else {
+                next += 1;
+                (char::from_u32(next - 1).expect("below the surrogates"), b)
+            }
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -147,5 +227,35 @@ mod tests {
         assert!(e.contains("longer than any"), "{e}");
         let e = Tokenizer::from_json(&bpe("##", r#"[["a","é"]]"#)).err().expect("refused").to_string();
         assert!(e.contains("lacks the continuing-subword prefix"), "{e}");
+    }
+
+    /// Each token's bytes, concatenated over an encoding, give back the text: byte-level BPE
+    /// (every fixture) and a SentencePiece-style vocabulary with byte fallback.
+    #[test]
+    fn token_bytes_spell_the_text() {
+        let tok = Tokenizer::from_json(include_str!("../../../testdata/hf/qwen3_moe/tokenizer.json")).unwrap();
+        let TokenBytes { words, specials } = tok.token_bytes().unwrap();
+        let text = "def f(x):\n    return {\"é\": x}  # ünïcode, 中文";
+        let spelled: Vec<u8> = tok.encode(text).unwrap().iter().flat_map(|&id| words[id as usize].clone()).collect();
+        assert_eq!(String::from_utf8(spelled).unwrap(), text);
+        let end = tok.token_id("<|im_end|>").unwrap();
+        assert_eq!(specials.get("<|im_end|>"), Some(&end));
+        assert_eq!(words[end as usize], b"\xff<|im_end|>");
+
+        let spm = r#"{"version": "1.0", "added_tokens": [{"id": 0, "content": "<s>", "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": true}],
+            "normalizer": null, "pre_tokenizer": null, "post_processor": null,
+            "decoder": {"type": "Sequence", "decoders": [{"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+                {"type": "ByteFallback"}, {"type": "Fuse"}]},
+            "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true,
+                "vocab": {"<s>": 0, "<0x0A>": 1, "▁hi": 2, "h": 3, "i": 4, "▁": 5}, "merges": []}}"#;
+        let TokenBytes { words, specials } = Tokenizer::from_json(spm).unwrap().token_bytes().unwrap();
+        assert_eq!(words, vec![b"\xff<s>".to_vec(), b"\n".to_vec(), b" hi".to_vec(), b"h".to_vec(), b"i".to_vec(), b" ".to_vec()]);
+        assert_eq!(specials.len(), 1);
+        let mut wordpiece: serde_json::Value = serde_json::from_str(spm).unwrap();
+        wordpiece["decoder"] = serde_json::json!({"type": "WordPiece", "prefix": "##", "cleanup": true});
+        let e = Tokenizer::from_json(&wordpiece.to_string()).unwrap().token_bytes().err().expect("refused");
+        assert!(e.to_string().contains("does not support this tokenizer's decoder"), "{e}");
     }
 }
