@@ -235,6 +235,30 @@ pub struct GenArgs {
     /// cache takes at most an eighth of available memory).
     #[arg(long)]
     pub ctx: Option<usize>,
+    /// Hold the reply to JSON matching this JSON schema (inline, or `@FILE`); `{}` for any JSON
+    /// (llama.cpp's `--json-schema`). After the reasoning, for a reply that opens in `<think>`.
+    #[arg(long, value_name = "SCHEMA", value_parser = read_json_schema)]
+    pub json_schema: Option<serde_json::Value>,
+}
+
+/// A `--json-schema` value: inline JSON or `@FILE`. `{}` means any JSON value.
+fn read_json_schema(arg: &str) -> Result<serde_json::Value, String> {
+    let text = match arg.strip_prefix('@') {
+        Some(path) => std::fs::read_to_string(path).map_err(|e| format!("cannot read {path}: {e}"))?,
+        None => arg.to_string(),
+    };
+    match serde_json::from_str(&text).map_err(|e| format!("the schema is not JSON: {e}"))? {
+        serde_json::Value::Object(o) if o.is_empty() => Ok(serde_json::json!(true)),
+        v @ (serde_json::Value::Object(_) | serde_json::Value::Bool(true)) => Ok(v),
+        v => Err(format!("a JSON schema is an object, got {v}")),
+    }
+}
+
+/// `</think>` when the prompt `ids` end inside an opened `<think>` (the reply starts in
+/// reasoning, and a grammar applies after it).
+pub fn reasoning_end<B: Backend>(engine: &Engine<B>, ids: &[u32]) -> Option<String> {
+    let tail = engine.tokenizer.decode(&ids[ids.len().saturating_sub(8)..], false);
+    tail.trim_end().ends_with("<think>").then(|| "</think>".to_string())
 }
 
 impl GenArgs {
@@ -252,6 +276,7 @@ impl GenArgs {
             seed: None,
             stop: vec![],
             ctx: None,
+            json_schema: None,
         }
     }
 
@@ -277,7 +302,7 @@ impl GenArgs {
             stop_ids: None,
             ctx: self.ctx.unwrap_or(engine.ctx),
             keep_prompt_logits: false,
-            grammar: None,
+            grammar: self.json_schema.clone().map(smoe_text::OutputGrammar::Json),
             grammar_after: None,
         }
     }
@@ -362,7 +387,8 @@ pub fn print_summaries(i: &Instrument, prefill_steps: usize) {
 
 pub fn generate_and_report<B: Backend>(engine: &Engine<B>, p: &Prompt, json: bool, gen: &GenArgs, instrument: bool) -> Result<()> {
     let ids = prompt_ids(engine, p)?;
-    let opts = gen.options(engine);
+    let mut opts = gen.options(engine);
+    opts.grammar_after = opts.grammar.as_ref().and_then(|_| reasoning_end(engine, &ids));
     let mut stdout = std::io::stdout().lock();
     let mut on_token = |_id: u32, text: &str| {
         if !json {

@@ -194,6 +194,38 @@ fn run_is_reproducible_with_a_seed() {
     assert!(o.status.success() && err.contains("prefill") && err.contains("decode") && err.contains("tok/s"), "{err}");
 }
 
+/// `run --json-schema`: a random-weight fixture writes JSON that matches the schema, inline or
+/// from `@FILE`; a schema that is not an object is an argument error.
+#[test]
+fn run_holds_the_reply_to_a_json_schema() {
+    let dir = tempfile::tempdir().unwrap();
+    let v = shatter(dir.path(), "qwen3_moe", &[]);
+    let schema = r#"{"type": "object", "properties": {"sea": {"type": "string", "maxLength": 6},
+        "deep": {"type": "boolean"}}, "required": ["sea", "deep"], "additionalProperties": false}"#;
+    let file = dir.path().join("schema.json");
+    std::fs::write(&file, schema).unwrap();
+    for arg in [schema.to_string(), format!("@{}", file.display())] {
+        let out = ok(&smoe(&[
+            "run",
+            &v,
+            "-p",
+            "Tell me about the sea.",
+            "--seed",
+            "3",
+            "--temperature",
+            "0.9",
+            "--max-tokens",
+            "120",
+            "--json-schema",
+            &arg,
+        ]));
+        let reply: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{out:?}: {e}"));
+        assert!(reply["sea"].as_str().is_some_and(|s| s.chars().count() <= 6) && reply["deep"].is_boolean(), "{reply}");
+    }
+    let o = smoe(&["run", &v, "-p", "x", "--json-schema", "[1]"]);
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("a JSON schema is an object"));
+}
+
 /// `smoe bench --json`: the fields the harness reads, consistent with each other, and a cache
 /// of top-k experts that streams (bytes read = misses × blob size, as the store counts them).
 #[test]
