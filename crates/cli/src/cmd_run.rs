@@ -248,7 +248,6 @@ fn read_json_schema(arg: &str) -> Result<serde_json::Value, String> {
         None => arg.to_string(),
     };
     match serde_json::from_str(&text).map_err(|e| format!("the schema is not JSON: {e}"))? {
-        serde_json::Value::Object(o) if o.is_empty() => Ok(serde_json::json!(true)),
         v @ (serde_json::Value::Object(_) | serde_json::Value::Bool(true)) => Ok(v),
         v => Err(format!("a JSON schema is an object, got {v}")),
     }
@@ -258,7 +257,7 @@ fn read_json_schema(arg: &str) -> Result<serde_json::Value, String> {
 /// reasoning, and a grammar applies after it).
 pub fn reasoning_end<B: Backend>(engine: &Engine<B>, ids: &[u32]) -> Option<String> {
     let tail = engine.tokenizer.decode(&ids[ids.len().saturating_sub(8)..], false);
-    tail.trim_end().ends_with("<think>").then(|| "</think>".to_string())
+    smoe_text::opens_in_reasoning(&tail).then(|| smoe_text::REASONING_END.to_string())
 }
 
 impl GenArgs {

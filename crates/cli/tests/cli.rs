@@ -222,6 +222,10 @@ fn run_holds_the_reply_to_a_json_schema() {
         let reply: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{out:?}: {e}"));
         assert!(reply["sea"].as_str().is_some_and(|s| s.chars().count() <= 6) && reply["deep"].is_boolean(), "{reply}");
     }
+    // `{}`: any JSON value (random weights pick numbers like 0.098E+845514068252582924, valid
+    // JSON that serde cannot hold in an f64, so only its start is checked).
+    let out = ok(&smoe(&["run", &v, "-p", "x", "--seed", "1", "--temperature", "0.9", "--max-tokens", "200", "--json-schema", "{}"]));
+    assert!(out.trim_start().starts_with(|c: char| "{[\"-0123456789tfn".contains(c)), "{out:?}");
     let o = smoe(&["run", &v, "-p", "x", "--json-schema", "[1]"]);
     assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("a JSON schema is an object"));
 }

@@ -173,6 +173,11 @@ try:
 except openai.BadRequestError as e:
     check("an unknown named tool is refused", "nope" in str(e), e)
 try:
+    client.completions.create(model="qwen3", prompt="x", max_tokens=4, extra_body={"response_format": {"type": "json_object"}})
+    check("a JSON response_format on completions is refused", False)
+except openai.BadRequestError as e:
+    check("a JSON response_format on completions is refused", "chat/completions" in str(e), e)
+try:
     client.chat.completions.create(model="qwen3", messages=msgs, max_tokens=4, response_format={"type": "json_schema", "json_schema": {"name": "x"}})
     check("a json_schema without a schema is refused", False)
 except openai.BadRequestError as e:

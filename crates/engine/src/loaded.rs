@@ -30,6 +30,10 @@ pub trait LoadedModel: Send + Sync {
     fn sampling(&self, request: &SamplingRequest) -> SamplingParams;
     /// How the model writes tool calls (its chat template's syntax; the default without one).
     fn call_syntax(&self) -> smoe_text::CallSyntax;
+    /// Compiles `grammar` for this model (applying after `after`), to refuse one that cannot
+    /// be held before a request runs; the first call indexes the vocabulary
+    /// ([`Engine::constraint`]).
+    fn check_grammar(&self, grammar: &smoe_text::OutputGrammar, after: Option<&str>) -> Result<(), EngineError>;
 }
 
 impl<B: Backend> LoadedModel for Engine<B> {
@@ -59,5 +63,8 @@ impl<B: Backend> LoadedModel for Engine<B> {
     }
     fn call_syntax(&self) -> smoe_text::CallSyntax {
         Engine::call_syntax(self)
+    }
+    fn check_grammar(&self, grammar: &smoe_text::OutputGrammar, after: Option<&str>) -> Result<(), EngineError> {
+        self.constraint(grammar, after).map(drop)
     }
 }

@@ -21,8 +21,8 @@ pub struct Stepwise {
     stop_ids: Vec<u32>,
     detok: Detokenizer,
     stops: StopStrings,
-    /// The grammar the reply is held to, with the id that ends it.
-    constraint: Option<(Constraint, u32)>,
+    /// The grammar the reply is held to, with the ids that end it.
+    constraint: Option<(Constraint, Vec<u32>)>,
     /// Prompt, then the generated tokens.
     context: Vec<u32>,
     prompt_len: usize,
@@ -63,11 +63,7 @@ impl Stepwise {
         // the vocabulary.
         let t0 = Instant::now();
         let constraint = match &opts.grammar {
-            Some(g) => {
-                let vocab = engine.constraint_vocab()?;
-                let c = vocab.start(g, opts.grammar_after.as_deref()).map_err(|e| EngineError::Input(e.to_string()))?;
-                Some((c, vocab.eos()))
-            }
+            Some(g) => Some((engine.constraint(g, opts.grammar_after.as_deref())?, engine.constraint_vocab()?.eos().to_vec())),
             None => None,
         };
         let cached = st.pos().min(prompt.len() - 1);
@@ -152,15 +148,23 @@ impl Stepwise {
         self.logits.clear();
         self.logits.extend_from_slice(logits);
         let ts = Instant::now();
-        // A grammar that allows nothing more (it cannot, once complete) ends the reply.
-        let held = match &mut self.constraint {
-            Some((c, eos)) if c.active() => Some((c.mask(&mut self.logits).is_ok(), *eos)),
-            _ => None,
-        };
+        // A constrained reply ends at any of its end ids, which the grammar allows only once
+        // it is complete. A grammar that fails (it allows no token: llguidance gave up) ends
+        // it too, said in the log: the reply is returned as far as it got.
+        let mut held = false;
+        if let Some((c, _)) = self.constraint.as_mut().filter(|(c, _)| c.active()) {
+            if let Err(e) = c.mask(&mut self.logits) {
+                tracing::warn!("constrained reply ended after {} tokens: {e}", self.tokens.len());
+                self.finish = Some(FinishReason::Stop);
+                return true;
+            }
+            held = true;
+        }
         let id = self.sampler.sample(&mut self.logits, &self.context, self.tokens.len());
         self.sampling_ms = ts.elapsed().as_secs_f64() * 1e3;
         self.ttft.get_or_insert_with(|| self.t0.elapsed().as_secs_f64());
-        if self.stop_ids.contains(&id) || held.is_some_and(|(ok, eos)| !ok || id == eos) {
+        let ends_grammar = held && self.constraint.as_ref().is_some_and(|(_, eos)| eos.contains(&id));
+        if self.stop_ids.contains(&id) || ends_grammar {
             self.finish = Some(FinishReason::Stop);
             return true;
         }
@@ -168,7 +172,8 @@ impl Stepwise {
         self.context.push(id);
         let piece = self.detok.push(id);
         if let Some((c, _)) = &mut self.constraint {
-            if c.commit(id, &piece).is_err() {
+            if let Err(e) = c.commit(id, &piece) {
+                tracing::warn!("constrained reply ended after {} tokens: {e}", self.tokens.len());
                 self.finish = Some(FinishReason::Stop);
             }
         }

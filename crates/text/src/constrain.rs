@@ -43,7 +43,9 @@ pub enum OutputGrammar {
 /// JSON written the way Python's `json.dumps` writes it (what chat templates render and
 /// models are trained on), with no room for runs of whitespace: an undertrained or random
 /// model could otherwise pad forever.
-fn compact(mut schema: Json) -> Json {
+fn compact(schema: Json) -> Json {
+    // `true` (any JSON value) as the empty schema, so that it takes the options too.
+    let mut schema = if schema == Json::Bool(true) { json!({}) } else { schema };
     if let Json::Object(o) = &mut schema {
         o.insert(
             "x-guidance".into(),
@@ -73,11 +75,14 @@ impl OutputGrammar {
                 if tools.is_empty() {
                     return Err(ConstraintError("a tool call was required but no tools were given".into()));
                 }
+                let mut defs = serde_json::Map::new();
                 let calls: Vec<Json> = tools
                     .iter()
-                    .map(|t| {
-                        let mut params =
+                    .enumerate()
+                    .map(|(i, t)| {
+                        let params =
                             t.get("parameters").filter(|p| p.is_object()).cloned().unwrap_or(json!({"type": "object", "properties": {}}));
+                        let mut params = hoist_definitions(params, &format!("tool{i}"), &mut defs);
                         // The arguments hold the declared parameters only (as OpenAI's strict
                         // mode requires): an invented name would fail at the tool anyway.
                         if params.get("properties").is_some() && params.get("additionalProperties").is_none() {
@@ -91,7 +96,7 @@ impl OutputGrammar {
                         })
                     })
                     .collect();
-                let call = compact(json!({"anyOf": calls}));
+                let call = compact(json!({"anyOf": calls, "$defs": defs}));
                 let tag = |t: &str| special(t).map_or_else(|| lark_string(t), |id| format!("<[{id}]>"));
                 let lark = format!(
                     "start: {}\ncall: {} \"\\n\" %json {} \"\\n\" {}\n",
@@ -106,6 +111,46 @@ impl OutputGrammar {
     }
 }
 
+/// A tool's parameter schema made to live inside the call grammar's schema: the `$ref`s it
+/// makes to its own root or definitions (`#`, `#/$defs/X`, `#/definitions/X`: what pydantic and
+/// zod write) would otherwise resolve against the wrapper around every tool. Its definitions
+/// move to `defs` under `PREFIX.X` (its root, when referenced, under `PREFIX`) and its `$ref`s
+/// follow them.
+fn hoist_definitions(mut schema: Json, prefix: &str, defs: &mut serde_json::Map<String, Json>) -> Json {
+    fn rewrite(v: &mut Json, prefix: &str, root_used: &mut bool) {
+        match v {
+            Json::Object(o) => {
+                if let Some(Json::String(r)) = o.get_mut("$ref") {
+                    if r == "#" {
+                        *root_used = true;
+                        *r = format!("#/$defs/{prefix}");
+                    } else if let Some(name) = r.strip_prefix("#/$defs/").or_else(|| r.strip_prefix("#/definitions/")) {
+                        *r = format!("#/$defs/{prefix}.{name}");
+                    }
+                }
+                o.values_mut().for_each(|x| rewrite(x, prefix, root_used));
+            }
+            Json::Array(a) => a.iter_mut().for_each(|x| rewrite(x, prefix, root_used)),
+            _ => {}
+        }
+    }
+    let mut root_used = false;
+    rewrite(&mut schema, prefix, &mut root_used);
+    if let Json::Object(o) = &mut schema {
+        for key in ["$defs", "definitions"] {
+            if let Some(Json::Object(d)) = o.remove(key) {
+                for (name, def) in d {
+                    defs.insert(format!("{prefix}.{name}"), def);
+                }
+            }
+        }
+    }
+    if root_used {
+        defs.insert(prefix.to_string(), schema.clone());
+    }
+    schema
+}
+
 /// `text` as a Lark string literal.
 fn lark_string(text: &str) -> String {
     serde_json::to_string(text).expect("a string serializes")
@@ -116,13 +161,13 @@ fn lark_string(text: &str) -> String {
 pub struct ConstraintVocab {
     factory: Arc<ParserFactory>,
     specials: std::collections::HashMap<String, u32>,
-    eos: u32,
+    eos: Vec<u32>,
 }
 
 impl ConstraintVocab {
     /// Indexes `tokenizer` for a model whose logits have `vocab_size` entries (ids beyond the
-    /// tokenizer's are never allowed) and whose end-of-sequence id is `eos`.
-    pub fn new(tokenizer: &Tokenizer, vocab_size: usize, eos: u32) -> Result<ConstraintVocab, ConstraintError> {
+    /// tokenizer's are never allowed) and that ends a reply with any of `eos` (at least one).
+    pub fn new(tokenizer: &Tokenizer, vocab_size: usize, eos: &[u32]) -> Result<ConstraintVocab, ConstraintError> {
         let crate::TokenBytes { mut words, specials } = tokenizer.token_bytes().map_err(|e| ConstraintError(e.to_string()))?;
         if words.len() > vocab_size {
             return Err(ConstraintError(format!("the tokenizer has {} tokens but the model only {vocab_size} logits", words.len())));
@@ -137,19 +182,20 @@ impl ConstraintVocab {
         for id in words.len()..vocab_size {
             words.push([&[TokTrie::SPECIAL_TOKEN_MARKER][..], format!("<[unused {id}]>").as_bytes()].concat());
         }
-        if eos as usize >= vocab_size {
-            return Err(ConstraintError(format!("end-of-sequence id {eos} is outside the vocabulary of {vocab_size}")));
+        let Some(&first) = eos.first() else { return Err(ConstraintError("no end-of-sequence token to end a reply".into())) };
+        if let Some(bad) = eos.iter().find(|&&e| e as usize >= vocab_size) {
+            return Err(ConstraintError(format!("end-of-sequence id {bad} is outside the vocabulary of {vocab_size}")));
         }
-        let info = TokRxInfo::new(vocab_size as u32, eos);
-        let env = Arc::new(ApproximateTokEnv::new(TokTrie::from(&info, &words)));
+        let info = TokRxInfo::new(vocab_size as u32, first);
+        let env = Arc::new(ApproximateTokEnv::new(TokTrie::from(&info, &words).with_eos_tokens(eos)));
         let mut factory = ParserFactory::new_simple(&(env as llguidance::toktrie::TokEnv)).map_err(|e| ConstraintError(e.to_string()))?;
         factory.quiet();
-        Ok(ConstraintVocab { factory: Arc::new(factory), specials, eos })
+        Ok(ConstraintVocab { factory: Arc::new(factory), specials, eos: eos.to_vec() })
     }
 
-    /// The id that ends a constrained reply (allowed once its grammar is complete).
-    pub fn eos(&self) -> u32 {
-        self.eos
+    /// The ids that end a constrained reply (allowed once its grammar is complete).
+    pub fn eos(&self) -> &[u32] {
+        &self.eos
     }
 
     /// A constraint holding a reply to `grammar`. With `after` set (`</think>` for a reply
@@ -210,6 +256,11 @@ impl Constraint {
             if self.seen.contains(after.as_str()) {
                 self.waiting_for = None;
                 self.seen = String::new();
+            } else {
+                // Only a tail that could still begin `after` is kept (the reasoning may be long).
+                let keep = self.seen.len().saturating_sub(after.len());
+                let cut = (keep..=self.seen.len()).find(|&i| self.seen.is_char_boundary(i)).unwrap_or(self.seen.len());
+                self.seen.drain(..cut);
             }
             return Ok(());
         }
@@ -259,7 +310,7 @@ mod tests {
         let tok = fixture_tokenizer();
         let eos = tok.token_id("<|im_end|>").unwrap();
         let n = tok.vocab_size() + 5;
-        let vocab = ConstraintVocab::new(&tok, n, eos).unwrap();
+        let vocab = ConstraintVocab::new(&tok, n, &[eos]).unwrap();
         let schema = json!({"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}, "days": {"type": "integer", "minimum": 1, "maximum": 30}},
                             "required": ["city", "days"], "additionalProperties": false});
         // A model that wants to write prose gets a JSON object anyway.
@@ -276,7 +327,7 @@ mod tests {
         let tok = fixture_tokenizer();
         let eos = tok.token_id("<|im_end|>").unwrap();
         let n = tok.vocab_size();
-        let vocab = ConstraintVocab::new(&tok, n, eos).unwrap();
+        let vocab = ConstraintVocab::new(&tok, n, &[eos]).unwrap();
         let tools = vec![
             json!({"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"]}}),
             json!({"name": "get_time", "parameters": {"type": "object", "properties": {}}}),
@@ -300,11 +351,55 @@ mod tests {
         assert_eq!(drive(&vocab, &tok, &single, &two, n, eos), wanted);
     }
 
+    /// Tool parameters that refer to their own definitions (as pydantic writes nested models)
+    /// still compile and are followed inside the call grammar; control tokens such as
+    /// `<tool_call>` (an added, non-special token in Qwen's vocabulary) never appear inside a
+    /// string; and a reply may end with any of the model's end ids.
+    #[test]
+    fn tool_definitions_control_tokens_and_end_ids() {
+        let tok = fixture_tokenizer();
+        let (eos, endoftext) = (tok.token_id("<|im_end|>").unwrap(), tok.token_id("<|endoftext|>").unwrap());
+        let n = tok.vocab_size();
+        let vocab = ConstraintVocab::new(&tok, n, &[eos, endoftext]).unwrap();
+        let pydantic = json!({
+            "$defs": {"Place": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+                                "required": ["city"], "additionalProperties": false}},
+            "type": "object", "properties": {"place": {"$ref": "#/$defs/Place"}}, "required": ["place"],
+        });
+        let tools = vec![
+            json!({"name": "weather", "parameters": pydantic}),
+            json!({"name": "other", "parameters": {"$ref": "#/definitions/X", "definitions": {"X": {"type": "object", "properties": {}}}}}),
+        ];
+        let g = OutputGrammar::ToolCalls { tools, syntax: CallSyntax::ToolCallTags, parallel: false };
+        let wanted = "<tool_call>\n{\"name\": \"weather\", \"arguments\": {\"place\": {\"city\": \"Oslo\"}}}\n</tool_call>";
+        assert_eq!(drive(&vocab, &tok, &g, wanted, n, eos), wanted);
+
+        let mut c = vocab.start(&OutputGrammar::Json(json!({"type": "object", "properties": {"a": {"type": "string"}}})), None).unwrap();
+        for id in tok.encode("{\"a\": \"x").unwrap() {
+            let mut logits = vec![0.0f32; n];
+            c.mask(&mut logits).unwrap();
+            assert!(logits[id as usize].is_finite());
+            c.commit(id, "").unwrap();
+        }
+        let mut logits = vec![0.0f32; n];
+        c.mask(&mut logits).unwrap();
+        for control in ["<tool_call>", "</think>", "<|im_end|>"] {
+            assert_eq!(logits[tok.token_id(control).unwrap() as usize], f32::NEG_INFINITY, "{control} inside a string");
+        }
+        let mut done = vocab.start(&OutputGrammar::Json(json!({"const": 1})), None).unwrap();
+        let one = tok.encode("1").unwrap();
+        done.commit(one[0], "").unwrap();
+        let mut logits = vec![0.0f32; n];
+        done.mask(&mut logits).unwrap();
+        let allowed: Vec<usize> = (0..n).filter(|&i| logits[i].is_finite()).collect();
+        assert_eq!(allowed, vec![endoftext as usize, eos as usize], "either end id, nothing else");
+    }
+
     #[test]
     fn a_reply_in_reasoning_is_free_until_it_ends() {
         let tok = fixture_tokenizer();
         let eos = tok.token_id("<|im_end|>").unwrap();
-        let vocab = ConstraintVocab::new(&tok, tok.vocab_size(), eos).unwrap();
+        let vocab = ConstraintVocab::new(&tok, tok.vocab_size(), &[eos]).unwrap();
         let mut c = vocab.start(&OutputGrammar::Json(json!({"type": "object"})), Some("</think>")).unwrap();
         let mut logits = vec![1.0f32; tok.vocab_size()];
         c.mask(&mut logits).unwrap();
@@ -323,14 +418,14 @@ mod tests {
     fn bad_grammars_are_refused_with_a_reason() {
         let tok = fixture_tokenizer();
         let eos = tok.token_id("<|im_end|>").unwrap();
-        let vocab = ConstraintVocab::new(&tok, tok.vocab_size(), eos).unwrap();
+        let vocab = ConstraintVocab::new(&tok, tok.vocab_size(), &[eos]).unwrap();
         let e = |g: OutputGrammar| vocab.start(&g, None).err().expect("refused").to_string();
         assert!(e(OutputGrammar::Json(json!([1, 2]))).contains("must be an object"));
         assert!(e(OutputGrammar::ToolCalls { tools: vec![], syntax: CallSyntax::ToolCallTags, parallel: true }).contains("no tools"));
         assert!(e(OutputGrammar::ToolCalls { tools: vec![json!({"name": "f"})], syntax: CallSyntax::MiniMax, parallel: true })
             .contains("MiniMax"));
         assert!(e(OutputGrammar::Json(json!({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}))).contains("refused"));
-        assert!(ConstraintVocab::new(&tok, 10, eos).is_err(), "a tokenizer larger than the logits");
+        assert!(ConstraintVocab::new(&tok, 10, &[eos]).is_err(), "a tokenizer larger than the logits");
     }
 
     /// Schemas a hostile client might send compile or are refused, quickly, and a constraint
@@ -339,7 +434,7 @@ mod tests {
     fn hostile_schemas_are_bounded() {
         let tok = fixture_tokenizer();
         let eos = tok.token_id("<|im_end|>").unwrap();
-        let vocab = ConstraintVocab::new(&tok, tok.vocab_size(), eos).unwrap();
+        let vocab = ConstraintVocab::new(&tok, tok.vocab_size(), &[eos]).unwrap();
         let mut deep = json!({"type": "integer"});
         for _ in 0..100 {
             deep = json!({"type": "array", "items": deep});

@@ -151,6 +151,15 @@ pub struct ReplyParser {
     harmony: Option<Harmony>,
 }
 
+/// Whether a reply to `prompt` starts inside reasoning: the template ended the prompt with
+/// `<think>` (a thinking template, or `enable_thinking` left on where the template opens it).
+pub fn opens_in_reasoning(prompt: &str) -> bool {
+    prompt.trim_end().ends_with(THINK_OPEN)
+}
+
+/// The text that ends reasoning (`</think>`), after which a constrained reply's grammar applies.
+pub const REASONING_END: &str = THINK_CLOSE;
+
 impl ReplyParser {
     /// A parser for a chat reply to `prompt` (a prompt ending in `<think>` starts in reasoning);
     /// tool calls are parsed only when the request offered `tools`.
@@ -168,7 +177,7 @@ impl ReplyParser {
         }
         let (open, close) = syntax.tags();
         ReplyParser {
-            think: Some(SectionSplitter::new(THINK_OPEN, THINK_CLOSE, prompt.trim_end().ends_with(THINK_OPEN))),
+            think: Some(SectionSplitter::new(THINK_OPEN, THINK_CLOSE, opens_in_reasoning(prompt))),
             tools: tools.then(|| SectionSplitter::new(open, close, false)),
             call: String::new(),
             blank: String::new(),

@@ -116,8 +116,11 @@ impl Tokenizer {
     /// The bytes each token id stands for (empty for ids with no token), as constrained
     /// output needs them: byte-level BPE (GPT-2, Qwen, Llama 3) maps its alphabet back to
     /// bytes; SentencePiece-style vocabularies turn `▁` into a space and `<0xNN>` into a byte.
-    /// Special added tokens start with llguidance's marker byte 0xFF (never text) and are also
-    /// returned by content, for grammars that name them.
+    /// Added tokens, special or not (`<|im_end|>`, but also `<tool_call>` and `<think>`, which
+    /// some vocabularies leave non-special), start with llguidance's marker byte 0xFF: control
+    /// tokens, never text a grammar matches (a `<tool_call>` token inside a JSON string would
+    /// split the call when the reply is parsed). They are also returned by content, for
+    /// grammars that name them.
     pub fn token_bytes(&self) -> Result<TokenBytes, TokenizerError> {
         let decoder = serde_json::to_value(self.inner.get_decoder()).unwrap_or_default();
         let parts: Vec<&serde_json::Value> = match decoder["decoders"].as_array() {
@@ -145,11 +148,10 @@ impl Tokenizer {
         let mut specials = HashMap::new();
         for (text, &id) in &vocab {
             let bytes = match added.get(&id) {
-                Some(t) if t.special => {
+                Some(t) => {
                     specials.insert(t.content.clone(), id);
                     [&[0xFF][..], t.content.as_bytes()].concat()
                 }
-                Some(t) => t.content.as_bytes().to_vec(),
                 None if byte_level => text
                     .chars()
                     .map(|c| alphabet.get(&c).copied())
@@ -170,9 +172,9 @@ impl Tokenizer {
 
 /// What each token id spells ([`Tokenizer::token_bytes`]).
 pub struct TokenBytes {
-    /// The bytes of each id (empty for ids with no token); special tokens start with 0xFF.
+    /// The bytes of each id (empty for ids with no token); added tokens start with 0xFF.
     pub words: Vec<Vec<u8>>,
-    /// The special tokens by content.
+    /// The added tokens by content.
     pub specials: HashMap<String, u32>,
 }
 

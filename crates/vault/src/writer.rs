@@ -34,7 +34,7 @@ pub fn temp_path(path: &Path) -> Result<PathBuf, VaultError> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty() && !d.is_dir()) {
         return Err(VaultError::Io {
             path: dir.display().to_string(),
-            source: std::io::Error::new(std::io::ErrorKind::NotFound, "the output directory does not exist"),
+            source: std::io::Error::new(std::io::ErrorKind::NotFound, "the output directory does not exist (or is not a directory)"),
         });
     }
     Ok(path.with_file_name(format!("{}.tmp-{}", file_name.to_string_lossy(), std::process::id())))
