@@ -295,14 +295,9 @@ impl GenArgs {
 
     pub fn options<B: Backend>(&self, engine: &Engine<B>) -> GenOptions {
         GenOptions {
-            max_tokens: self.max_tokens,
-            sampling: engine.sampling(&self.sampling()),
             stop: self.stop.clone(),
-            stop_ids: None,
-            ctx: self.ctx.unwrap_or(engine.ctx),
-            keep_prompt_logits: false,
             grammar: self.json_schema.clone().map(smoe_text::OutputGrammar::Json),
-            grammar_after: None,
+            ..GenOptions::new(self.max_tokens, engine.sampling(&self.sampling()), self.ctx.unwrap_or(engine.ctx))
         }
     }
 }

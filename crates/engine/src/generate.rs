@@ -44,6 +44,23 @@ pub struct GenOptions {
     pub grammar_after: Option<String>,
 }
 
+impl GenOptions {
+    /// Up to `max_tokens` with `sampling` in a context of `ctx`: the model's stop ids, no stop
+    /// strings, no grammar. The other fields are set by struct update where needed.
+    pub fn new(max_tokens: usize, sampling: SamplingParams, ctx: usize) -> GenOptions {
+        GenOptions {
+            max_tokens,
+            sampling,
+            stop: Vec::new(),
+            stop_ids: None,
+            ctx,
+            keep_prompt_logits: false,
+            grammar: None,
+            grammar_after: None,
+        }
+    }
+}
+
 /// Timings and counts of one generation.
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct GenStats {

@@ -19,14 +19,8 @@ fn thousand_token_sampled_generation_repeats_with_the_same_seed() {
     let prompt = engine.encode("import os\n\ndef main(argv):\n").unwrap();
     let gen = |seed| {
         let opts = GenOptions {
-            max_tokens: 1000,
-            sampling: SamplingParams { temperature: 1.0, top_p: 0.95, seed: Some(seed), ..Default::default() },
-            stop: vec![],
             stop_ids: Some(vec![]),
-            ctx: 4096,
-            keep_prompt_logits: false,
-            grammar: None,
-            grammar_after: None,
+            ..GenOptions::new(1000, SamplingParams { temperature: 1.0, top_p: 0.95, seed: Some(seed), ..Default::default() }, 4096)
         };
         let mut pieces = String::new();
         let g = engine
@@ -58,16 +52,8 @@ fn a_forked_session_reuses_the_shared_prefix() {
         .encode("\"\"\"Helpers for lists, dicts and sets: the system prompt every conversation shares.\"\"\"\n\nimport os\n")
         .unwrap();
     let (a, b) = (engine.encode("def first(xs):\n").unwrap(), engine.encode("class Stack:\n").unwrap());
-    let opts = GenOptions {
-        max_tokens: 24,
-        sampling: SamplingParams { temperature: 0.0, ..Default::default() },
-        stop: vec![],
-        stop_ids: Some(vec![]),
-        ctx: 4096,
-        keep_prompt_logits: false,
-        grammar: None,
-        grammar_after: None,
-    };
+    let opts =
+        GenOptions { stop_ids: Some(vec![]), ..GenOptions::new(24, SamplingParams { temperature: 0.0, ..Default::default() }, 4096) };
     let cat = |x: &[u32]| shared.iter().chain(x).copied().collect::<Vec<u32>>();
     let mut one = Session::new(&engine.model);
     one.generate(&engine, &cat(&a), &opts, &mut NoObserver, &mut |_, _| true).unwrap();
@@ -115,16 +101,7 @@ fn harmony_replies_keep_their_markers_and_stop_at_return_and_call() {
         engine.render_chat(&[serde_json::json!({"role": "user", "content": "Weather in Paris?"})], None, &Default::default()).unwrap();
     assert_eq!(prompt_text, "<|start|>user<|message|>Weather in Paris?<|end|><|start|>assistant");
     let prompt = engine.encode(&prompt_text).unwrap();
-    let opts = GenOptions {
-        max_tokens: 100,
-        sampling: SamplingParams { temperature: 0.0, ..Default::default() },
-        stop: vec![],
-        stop_ids: None,
-        ctx: 256,
-        keep_prompt_logits: false,
-        grammar: None,
-        grammar_after: None,
-    };
+    let opts = GenOptions::new(100, SamplingParams { temperature: 0.0, ..Default::default() }, 256);
     // Runs the reply `text` (then `end`) through Stepwise, each step's logits picking the next id.
     let run = |text: &str, end: &str, tools: bool| {
         let mut ids = engine.encode(text).unwrap();

@@ -16,7 +16,7 @@ use std::sync::OnceLock;
 pub type Target = (&'static str, fn(&[u8]));
 
 /// Every target.
-pub const TARGETS: [Target; 9] = [
+pub const TARGETS: [Target; 10] = [
     ("gguf", gguf),
     ("vault", vault),
     ("safetensors", safetensors),
@@ -26,6 +26,7 @@ pub const TARGETS: [Target; 9] = [
     ("chat_template", chat_template),
     ("openai_request", openai_request),
     ("anthropic_request", anthropic_request),
+    ("output_grammar", output_grammar),
 ];
 
 /// `data` as a file the file-reading parsers can open (one per thread and target, rewritten
@@ -139,4 +140,36 @@ pub fn anthropic_request(data: &[u8]) {
     let _ = smoe_server::anthropic::messages_request(&v);
     let _ = params::sampling_request(&v);
     let _ = params::stop_list(&v, "stop_sequences");
+}
+
+/// A client's JSON schema or tool list (`{"tools": [...]}`) compiled into the grammar that holds
+/// a reply (llguidance, over the fixtures' vocabulary), then a few tokens masked and fed to it:
+/// the lowest id it allows each time.
+pub fn output_grammar(data: &[u8]) {
+    use smoe_text::{CallSyntax, ConstraintVocab, OutputGrammar, Tokenizer};
+    static V: OnceLock<(ConstraintVocab, usize)> = OnceLock::new();
+    let (vocab, n) = V.get_or_init(|| {
+        let t = Tokenizer::from_json(include_str!("../../../testdata/hf/qwen3_moe/tokenizer.json")).expect("the fixture tokenizer");
+        let end = t.token_id("<|im_end|>").expect("an end token");
+        (ConstraintVocab::new(&t, t.vocab_size(), &[end]).expect("the fixture vocabulary indexes"), t.vocab_size())
+    });
+    let Ok(v) = serde_json::from_slice::<Json>(data) else { return };
+    let grammar = match v.get("tools").and_then(Json::as_array) {
+        Some(tools) => {
+            OutputGrammar::ToolCalls { tools: tools.clone(), syntax: CallSyntax::ToolCallTags, parallel: v["parallel"] != false }
+        }
+        None => OutputGrammar::Json(v),
+    };
+    let Ok(mut c) = vocab.start(&grammar, None) else { return };
+    let mut logits = vec![0f32; *n];
+    for _ in 0..16 {
+        logits.fill(0.0);
+        if c.mask(&mut logits).is_err() || c.complete() {
+            return;
+        }
+        let Some(id) = logits.iter().position(|l| l.is_finite()) else { panic!("a mask that allows nothing was not an error") };
+        if c.commit(id as u32, "").is_err() {
+            return;
+        }
+    }
 }

@@ -67,6 +67,13 @@ fn seeds(target: &str, dir: &Path) -> Vec<Vec<u8>> {
         ]
         .map(|s| s.as_bytes().to_vec())
         .to_vec(),
+        "output_grammar" => [
+            r#"{"type":"object","properties":{"city":{"type":"string","maxLength":8},"days":{"type":"integer","minimum":1,"maximum":9}},"required":["city"],"additionalProperties":false}"#,
+            r##"{"$defs":{"P":{"type":"object","properties":{"a":{"$ref":"#/$defs/P"}}}},"anyOf":[{"$ref":"#/$defs/P"},{"type":"array","items":{"enum":["x",1,null]}}]}"##,
+            r#"{"tools":[{"name":"f","parameters":{"type":"object","properties":{"q":{"type":"string","pattern":"^[a-z]+$"}}}},{"name":"g"}],"parallel":false}"#,
+        ]
+        .map(|s| s.as_bytes().to_vec())
+        .to_vec(),
         other => panic!("no seeds for {other}"),
     }
 }

@@ -125,16 +125,7 @@ pub fn gen_options(v: &Json, names: &Names, engine: &dyn LoadedModel, default_ma
         }
     }
     let stop = stop_list(v, names.stop)?;
-    Ok(GenOptions {
-        max_tokens: max.or(default_max).unwrap_or(usize::MAX),
-        sampling,
-        stop,
-        stop_ids: None,
-        ctx: engine.context(),
-        keep_prompt_logits: false,
-        grammar: None,
-        grammar_after: None,
-    })
+    Ok(GenOptions { stop, ..GenOptions::new(max.or(default_max).unwrap_or(usize::MAX), sampling, engine.context()) })
 }
 
 /// Refuses a prompt that leaves no room to generate.

@@ -538,16 +538,7 @@ mod tests {
 
     fn job(streamed: bool, waited: Duration, now: Instant, tag: usize) -> Job {
         let (events, _) = tokio::sync::mpsc::unbounded_channel();
-        let opts = GenOptions {
-            max_tokens: tag,
-            sampling: Default::default(),
-            stop: vec![],
-            stop_ids: None,
-            ctx: 16,
-            keep_prompt_logits: false,
-            grammar: None,
-            grammar_after: None,
-        };
+        let opts = GenOptions::new(tag, Default::default(), 16);
         Job { prompt: vec![], opts, events, cancel: Arc::default(), streamed, queued: now - waited }
     }
 
