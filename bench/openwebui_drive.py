@@ -57,11 +57,15 @@ def click_text(text):
     return False
 
 
-def assistant_text():
+def last_reply(prop="innerText"):
     # The reply bubbles of Open WebUI 0.12 carry their text in elements under #response-content-container.
     # Read in one script: the bubble is re-rendered as tokens arrive.
     return d.execute_script(
-        "const e = document.querySelectorAll('#response-content-container'); return e.length ? e[e.length - 1].innerText : ''")
+        f"const e = document.querySelectorAll('#response-content-container'); return e.length ? e[e.length - 1].{prop} : ''")
+
+
+def assistant_text():
+    return last_reply()
 
 
 def send(text):
@@ -105,11 +109,6 @@ def shot_as(suffix):
     return f"{stem}-{suffix}.{ext}" if dot else f"{shot}-{suffix}"
 
 
-def last_reply_html():
-    return d.execute_script(
-        "const e = document.querySelectorAll('#response-content-container'); return e.length ? e[e.length - 1].innerHTML : ''")
-
-
 def set_custom_params(model_id, custom):
     # What Workspace → Models → (model) → Advanced Params → custom parameter does: a model entry
     # over the connection's model, saved through Open WebUI's API with the page's own token.
@@ -144,13 +143,13 @@ def tool():
     t0 = send("What time is it?")
     got, html = None, ""
     while time.time() - t0 < 900 and got is None:
-        html = last_reply_html()
+        html = last_reply("innerHTML")
         # Open WebUI renders a call it ran as a <details type="tool_calls"> block.
         if 'type="tool_calls"' in html or "get_current_timestamp" in html:
             got = time.time() - t0
         time.sleep(0.2)
     wait_done()
-    html = last_reply_html()
+    html = last_reply("innerHTML")
     with open(shot_as("tool") + ".html", "w") as f:
         f.write(html)
     for e in d.find_elements(By.XPATH, "//*[contains(text(), 'get_current_timestamp')]"):
@@ -163,12 +162,14 @@ def tool():
     d.save_screenshot(shot_as("tool"))
     recent = stats()["recent"][n0:]
     show("tool call", recent)
-    text = d.execute_script("const e = document.querySelectorAll('#response-content-container'); return e.length ? e[e.length - 1].innerText : ''")
-    report("a tool call shows in Open WebUI", got is not None, f"after {got:.1f} s: {text[:200]!r}" if got else html[:400])
-    report("per-model custom parameter removed", set_custom_params_delete(model))
+    text = assistant_text()
+    # Shown means run: Open WebUI lists the call with its result.
+    report("a tool call shows in Open WebUI", got is not None and "View Result from get_current_timestamp" in text,
+           f"after {got:.1f} s: {text[:200]!r}" if got else html[:400])
+    report("per-model custom parameter removed", delete_model_entry(model))
 
 
-def set_custom_params_delete(model_id):
+def delete_model_entry(model_id):
     r = d.execute_async_script("""
         const [id, done] = arguments;
         fetch('/api/v1/models/model/delete', {method: 'POST', headers: {'Content-Type': 'application/json',
@@ -184,12 +185,12 @@ def reasoning():
     t0 = send("Why is the sky blue?")
     got = None
     while time.time() - t0 < 600 and got is None:
-        html = last_reply_html()
+        html = last_reply("innerHTML")
         if 'type="reasoning"' in html or "Thinking" in html or "Thought for" in html:
             got = time.time() - t0
         time.sleep(0.1)
     wait_done()
-    html = last_reply_html()
+    html = last_reply("innerHTML")
     for b in d.find_elements(By.TAG_NAME, "button"):
         if "Thought for" in b.text or "Thinking" in b.text:
             b.click()  # unfold it for the screenshot
@@ -197,8 +198,10 @@ def reasoning():
             break
     d.save_screenshot(shot_as("reasoning"))
     show("reasoning", stats()["recent"][n0:])
-    text = d.execute_script("const e = document.querySelectorAll('#response-content-container'); return e.length ? e[e.length - 1].innerText : ''")
-    report("a reply's reasoning shows folded in Open WebUI", got is not None, f"after {got:.1f} s: {text[:200]!r}" if got else html[:400])
+    text = assistant_text()
+    # Folded means Open WebUI's block, which says how long the model thought.
+    report("a reply's reasoning shows folded in Open WebUI", got is not None and "Thought for" in text,
+           f"after {got:.1f} s: {text[:200]!r}" if got else html[:400])
 
 
 def defaults():

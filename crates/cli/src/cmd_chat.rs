@@ -238,8 +238,8 @@ impl<B: Backend> Chat<'_, B> {
         let mut transcript = self.conv.transcript();
         transcript.push(json!({"role": "user", "content": text}));
         let prompt = self.engine.render_chat(&transcript, None, &self.conv.kwargs)?;
-        if opts.grammar.is_some() && smoe_text::opens_in_reasoning(&prompt) {
-            opts.grammar_after = Some(smoe_text::REASONING_END.into());
+        if opts.grammar.is_some() {
+            opts.grammar_after = smoe_text::grammar_starts_after(&prompt, self.engine.call_syntax()).map(str::to_string);
         }
         let mut parser = ReplyParser::with_syntax(&prompt, false, self.engine.call_syntax());
         let (dim, plain) = if self.color { ("\x1b[2m", "\x1b[0m") } else { ("", "") };

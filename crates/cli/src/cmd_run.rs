@@ -253,13 +253,6 @@ fn read_json_schema(arg: &str) -> Result<serde_json::Value, String> {
     }
 }
 
-/// `</think>` when the prompt `ids` end inside an opened `<think>` (the reply starts in
-/// reasoning, and a grammar applies after it).
-pub fn reasoning_end<B: Backend>(engine: &Engine<B>, ids: &[u32]) -> Option<String> {
-    let tail = engine.tokenizer.decode(&ids[ids.len().saturating_sub(8)..], false);
-    smoe_text::opens_in_reasoning(&tail).then(|| smoe_text::REASONING_END.to_string())
-}
-
 impl GenArgs {
     /// Defaults: 512 tokens, the model's sampling defaults.
     pub fn new(max_tokens: usize) -> GenArgs {
@@ -322,9 +315,9 @@ pub struct RunArgs {
 }
 
 /// Builds the prompt ids: the chat template around the text unless `raw`.
-pub fn prompt_ids<B: Backend>(engine: &Engine<B>, p: &Prompt) -> Result<Vec<u32>> {
+pub fn prompt_text<B: Backend>(engine: &Engine<B>, p: &Prompt) -> Result<String> {
     if p.raw || engine.template.is_none() {
-        return Ok(engine.encode(p.text)?);
+        return Ok(p.text.to_string());
     }
     let mut messages = Vec::new();
     if let Some(s) = p.system {
@@ -335,7 +328,7 @@ pub fn prompt_ids<B: Backend>(engine: &Engine<B>, p: &Prompt) -> Result<Vec<u32>
     if let Some(t) = p.think {
         kwargs.insert("enable_thinking".into(), t.into());
     }
-    Ok(engine.encode(&engine.render_chat(&messages, None, &kwargs)?)?)
+    Ok(engine.render_chat(&messages, None, &kwargs)?)
 }
 
 pub fn run_run(a: RunArgs) -> Result<()> {
@@ -380,9 +373,12 @@ pub fn print_summaries(i: &Instrument, prefill_steps: usize) {
 }
 
 pub fn generate_and_report<B: Backend>(engine: &Engine<B>, p: &Prompt, json: bool, gen: &GenArgs, instrument: bool) -> Result<()> {
-    let ids = prompt_ids(engine, p)?;
+    let text = prompt_text(engine, p)?;
+    let ids = engine.encode(&text)?;
     let mut opts = gen.options(engine);
-    opts.grammar_after = opts.grammar.as_ref().and_then(|_| reasoning_end(engine, &ids));
+    if opts.grammar.is_some() {
+        opts.grammar_after = smoe_text::grammar_starts_after(&text, engine.call_syntax()).map(str::to_string);
+    }
     let mut stdout = std::io::stdout().lock();
     let mut on_token = |_id: u32, text: &str| {
         if !json {

@@ -124,9 +124,13 @@ js = client.chat.completions.create(
 obj = json.loads(js.choices[0].message.content)
 check("json_schema reply matches its schema", set(obj) == {"colour", "count"} and len(obj["colour"]) <= 8 and 1 <= obj["count"] <= 9, obj)
 check("json_schema reply ends by itself", js.choices[0].finish_reason == "stop", js.choices[0])
+# An unbounded object may outrun max_tokens on random weights: whole, it parses as an object;
+# cut, it is still the start of one.
 jo = client.chat.completions.create(model="qwen3", messages=msgs, max_tokens=48, temperature=0.8, seed=7, response_format={"type": "json_object"})
-if jo.choices[0].finish_reason == "stop":
-    check("json_object reply is an object", isinstance(json.loads(jo.choices[0].message.content), dict), jo.choices[0])
+jc = jo.choices[0]
+check("json_object reply opens an object", jc.message.content.startswith("{") and jc.finish_reason in ("stop", "length"), jc)
+if jc.finish_reason == "stop":
+    check("json_object reply is an object", isinstance(json.loads(jc.message.content), dict), jc)
 
 from pydantic import BaseModel, Field
 

@@ -21,8 +21,8 @@ pub struct Stepwise {
     stop_ids: Vec<u32>,
     detok: Detokenizer,
     stops: StopStrings,
-    /// The grammar the reply is held to, with the ids that end it.
-    constraint: Option<(Constraint, Vec<u32>)>,
+    /// The grammar the reply is held to.
+    constraint: Option<Constraint>,
     /// Prompt, then the generated tokens.
     context: Vec<u32>,
     prompt_len: usize,
@@ -59,13 +59,10 @@ impl Stepwise {
         if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
             return Err(EngineError::Input(format!("token id {bad} is outside the vocabulary of {vocab}")));
         }
-        // From here: a first constrained request's time to first token includes indexing
-        // the vocabulary.
+        // From here: the time to first token includes compiling the grammar (and, where the
+        // server has not done it while preparing, indexing the vocabulary).
         let t0 = Instant::now();
-        let constraint = match &opts.grammar {
-            Some(g) => Some((engine.constraint(g, opts.grammar_after.as_deref())?, engine.constraint_vocab()?.eos().to_vec())),
-            None => None,
-        };
+        let constraint = opts.grammar.as_ref().map(|g| engine.constraint(g, opts.grammar_after.as_deref())).transpose()?;
         let cached = st.pos().min(prompt.len() - 1);
         st.truncate(cached);
         engine.model.reserve(st, prompt.len().saturating_add(opts.max_tokens).min(opts.ctx));
@@ -151,27 +148,22 @@ impl Stepwise {
         // A constrained reply ends at any of its end ids, which the grammar allows only once
         // it is complete. A grammar that fails (it allows no token: llguidance gave up) ends
         // it too, said in the log: the reply is returned as far as it got.
-        let mut held = false;
-        if let Some((c, _)) = self.constraint.as_mut().filter(|(c, _)| c.active()) {
-            if let Err(e) = c.mask(&mut self.logits) {
-                tracing::warn!("constrained reply ended after {} tokens: {e}", self.tokens.len());
-                self.finish = Some(FinishReason::Stop);
-                return true;
-            }
-            held = true;
+        if let Some(Err(e)) = self.constraint.as_mut().map(|c| c.mask(&mut self.logits)) {
+            tracing::warn!("constrained reply ended after {} tokens: {e}", self.tokens.len());
+            self.finish = Some(FinishReason::Stop);
+            return true;
         }
         let id = self.sampler.sample(&mut self.logits, &self.context, self.tokens.len());
         self.sampling_ms = ts.elapsed().as_secs_f64() * 1e3;
         self.ttft.get_or_insert_with(|| self.t0.elapsed().as_secs_f64());
-        let ends_grammar = held && self.constraint.as_ref().is_some_and(|(_, eos)| eos.contains(&id));
-        if self.stop_ids.contains(&id) || ends_grammar {
+        if self.stop_ids.contains(&id) || self.constraint.as_ref().is_some_and(|c| c.ends_with(id)) {
             self.finish = Some(FinishReason::Stop);
             return true;
         }
         self.tokens.push(id);
         self.context.push(id);
         let piece = self.detok.push(id);
-        if let Some((c, _)) = &mut self.constraint {
+        if let Some(c) = &mut self.constraint {
             if let Err(e) = c.commit(id, &piece) {
                 tracing::warn!("constrained reply ended after {} tokens: {e}", self.tokens.len());
                 self.finish = Some(FinishReason::Stop);

@@ -330,7 +330,7 @@ pub async fn completions(state: AppState, body: axum::body::Bytes) -> Result<Res
     let model = req_str(&v, "model")?.to_string();
     let spec = completion_prompt(&v)?;
     refuse_unsupported(&v)?;
-    if v.get("response_format").is_some_and(|r| !r.is_null() && r["type"] != "text") {
+    if let Shape::Json(_) = shape(&v)? {
         return Err(ApiError::bad_param("response_format", "a JSON response_format is supported on /v1/chat/completions, not here"));
     }
     if opt_u64(&v, "best_of", 1)?.is_some_and(|b| b > 1) {

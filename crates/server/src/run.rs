@@ -91,9 +91,6 @@ impl Shape {
     }
 }
 
-/// Where a harmony model's answer starts (its analysis channel comes before it).
-const HARMONY_FINAL: &str = "<|channel|>final<|message|>";
-
 /// A request ready to run.
 pub struct Prepared {
     /// The model's worker.
@@ -170,13 +167,7 @@ pub async fn prepare(
                 let param = if matches!(shape, Shape::Json(_)) { "response_format" } else { "tool_choice" };
                 opts.grammar = shape.grammar(kept.2.then_some(tools.as_deref()).flatten(), engine.call_syntax())?;
                 if let Some(g) = &opts.grammar {
-                    // Held after the reasoning when the reply opens in it: after `</think>`, or
-                    // for a harmony model (gpt-oss) once it opens its final channel.
-                    opts.grammar_after = if engine.call_syntax() == smoe_text::CallSyntax::Harmony {
-                        (!kept.0.trim_end().ends_with(HARMONY_FINAL)).then(|| HARMONY_FINAL.into())
-                    } else {
-                        smoe_text::opens_in_reasoning(&kept.0).then(|| smoe_text::REASONING_END.into())
-                    };
+                    opts.grammar_after = smoe_text::grammar_starts_after(&kept.0, engine.call_syntax()).map(str::to_string);
                     engine.check_grammar(g, opts.grammar_after.as_deref()).map_err(|e| ApiError::bad_param(param, e.to_string()))?;
                 }
                 kept

@@ -174,13 +174,10 @@ impl ConstraintVocab {
         }
         // Ids with no token (padding rows) become unnamed special tokens: never text, so never
         // allowed unless a grammar names them.
-        for (id, w) in words.iter_mut().enumerate() {
-            if w.is_empty() {
-                *w = [&[TokTrie::SPECIAL_TOKEN_MARKER][..], format!("<[unused {id}]>").as_bytes()].concat();
-            }
-        }
-        for id in words.len()..vocab_size {
-            words.push([&[TokTrie::SPECIAL_TOKEN_MARKER][..], format!("<[unused {id}]>").as_bytes()].concat());
+        let unused = |id: usize| [&[TokTrie::SPECIAL_TOKEN_MARKER][..], format!("<[unused {id}]>").as_bytes()].concat();
+        words.resize(vocab_size, Vec::new());
+        for (id, w) in words.iter_mut().enumerate().filter(|(_, w)| w.is_empty()) {
+            *w = unused(id);
         }
         let Some(&first) = eos.first() else { return Err(ConstraintError("no end-of-sequence token to end a reply".into())) };
         if let Some(bad) = eos.iter().find(|&&e| e as usize >= vocab_size) {
@@ -191,11 +188,6 @@ impl ConstraintVocab {
         let mut factory = ParserFactory::new_simple(&(env as llguidance::toktrie::TokEnv)).map_err(|e| ConstraintError(e.to_string()))?;
         factory.quiet();
         Ok(ConstraintVocab { factory: Arc::new(factory), specials, eos: eos.to_vec() })
-    }
-
-    /// The ids that end a constrained reply (allowed once its grammar is complete).
-    pub fn eos(&self) -> &[u32] {
-        &self.eos
     }
 
     /// A constraint holding a reply to `grammar`. With `after` set (`</think>` for a reply
@@ -211,13 +203,15 @@ impl ConstraintVocab {
         if let Some(e) = matcher.get_error() {
             return Err(ConstraintError(format!("the grammar was refused: {e}")));
         }
-        Ok(Constraint { matcher, waiting_for: after.map(str::to_string), seen: String::new() })
+        Ok(Constraint { matcher, eos: self.eos.clone(), waiting_for: after.map(str::to_string), seen: String::new() })
     }
 }
 
 /// One reply held to a grammar.
 pub struct Constraint {
     matcher: Matcher,
+    /// The ids that end the reply (allowed once the grammar is complete).
+    eos: Vec<u32>,
     /// Text that must be generated before the grammar applies.
     waiting_for: Option<String>,
     /// Text generated while waiting.
@@ -265,6 +259,12 @@ impl Constraint {
             return Ok(());
         }
         self.matcher.consume_token(token).map_err(|e| ConstraintError(e.to_string()))
+    }
+
+    /// Whether `id` ends a reply held to the grammar (the mask allows it only once the grammar
+    /// is complete).
+    pub fn ends_with(&self, id: u32) -> bool {
+        self.active() && self.eos.contains(&id)
     }
 
     /// Whether the grammar is complete (only the end of the reply may follow).

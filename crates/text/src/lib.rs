@@ -30,7 +30,7 @@ mod tokenizer;
 
 pub use constrain::{Constraint, ConstraintError, ConstraintVocab, OutputGrammar};
 pub use detok::Detokenizer;
-pub use reply::{opens_in_reasoning, parse_reply, parse_tool_call, CallSyntax, Piece, Reply, ReplyParser, ToolCall, REASONING_END};
+pub use reply::{grammar_starts_after, parse_reply, parse_tool_call, CallSyntax, Piece, Reply, ReplyParser, ToolCall};
 pub use sections::{Section, SectionSplitter};
 pub use stop::StopStrings;
 pub use template::{ChatTemplate, TemplateError};

@@ -153,12 +153,19 @@ pub struct ReplyParser {
 
 /// Whether a reply to `prompt` starts inside reasoning: the template ended the prompt with
 /// `<think>` (a thinking template, or `enable_thinking` left on where the template opens it).
-pub fn opens_in_reasoning(prompt: &str) -> bool {
+fn opens_in_reasoning(prompt: &str) -> bool {
     prompt.trim_end().ends_with(THINK_OPEN)
 }
 
-/// The text that ends reasoning (`</think>`), after which a constrained reply's grammar applies.
-pub const REASONING_END: &str = THINK_CLOSE;
+/// The text after which a constrained reply to `prompt` is held to its grammar, if the reply
+/// opens with something else: `</think>` when the prompt opens the reasoning, and for a
+/// harmony model (gpt-oss) the header of its final channel, unless the prompt already wrote it.
+pub fn grammar_starts_after(prompt: &str, syntax: CallSyntax) -> Option<&'static str> {
+    match syntax {
+        CallSyntax::Harmony => (!prompt.trim_end().ends_with(H_FINAL)).then_some(H_FINAL),
+        _ => opens_in_reasoning(prompt).then_some(THINK_CLOSE),
+    }
+}
 
 impl ReplyParser {
     /// A parser for a chat reply to `prompt` (a prompt ending in `<think>` starts in reasoning);
@@ -305,6 +312,8 @@ impl ReplyParser {
 
 const H_CHANNEL: &str = "<|channel|>";
 const H_MESSAGE: &str = "<|message|>";
+/// Where a harmony reply's answer starts (its analysis channel comes before it).
+const H_FINAL: &str = "<|channel|>final<|message|>";
 const H_START: &str = "<|start|>";
 /// Markers that end a harmony message (consumed).
 const H_ENDS: [&str; 3] = ["<|end|>", "<|return|>", "<|call|>"];
@@ -626,6 +635,19 @@ mod tests {
         let r = p.parse("plan</think>answer");
         assert_eq!((r.reasoning.as_str(), r.content.as_str()), ("plan", "answer"));
         assert!(!ReplyParser::new("<|im_start|>assistant\n", false).in_reasoning());
+    }
+
+    /// A constrained reply is held after what opens it: the reasoning a prompt opened, a
+    /// harmony model's analysis before its final channel (unless the prompt wrote the header).
+    #[test]
+    fn grammars_start_after_the_reasoning() {
+        let t = CallSyntax::ToolCallTags;
+        assert_eq!(grammar_starts_after("<|im_start|>assistant\n<think>\n", t), Some("</think>"));
+        assert_eq!(grammar_starts_after("<|im_start|>assistant\n", t), None);
+        assert_eq!(grammar_starts_after("<|im_start|>assistant\n<think>\n\n</think>\n\n", t), None);
+        let h = CallSyntax::Harmony;
+        assert_eq!(grammar_starts_after(HARMONY_PROMPT, h), Some("<|channel|>final<|message|>"));
+        assert_eq!(grammar_starts_after(&format!("{HARMONY_PROMPT}<|channel|>final<|message|>"), h), None);
     }
 
     #[test]
