@@ -48,16 +48,25 @@ impl TraceRouting {
         if moe.is_empty() {
             return Err(EngineError::Model("a routing trace needs a model with MoE layers".into()));
         }
-        let (experts, top_k) = (arch.moe.num_experts, arch.moe.top_k);
-        if top_k > experts || top_k == 0 {
-            return Err(EngineError::Model(format!("top-{top_k} of {experts} experts")));
-        }
         let mut ordinal = vec![None; arch.num_layers];
         for (m, &l) in moe.iter().enumerate() {
             ordinal[l] = Some(m);
         }
-        let next = moe.iter().map(|_| AtomicUsize::new(0)).collect();
+        let mut r = TraceRouting::for_shape(trace, name, moe.len(), arch.moe.num_experts, arch.moe.top_k)?;
+        r.ordinal = ordinal;
+        Ok(r)
+    }
+
+    /// `trace` mapped onto `layers` MoE layers of `experts` experts, top-`top_k`, with no
+    /// model: decoder layer `m` is MoE layer `m` (for replaying a shape's routing through the
+    /// cache policies without opening a model, as `smoe replay --shape` does).
+    pub fn for_shape(trace: RoutingTrace, name: &str, layers: usize, experts: usize, top_k: usize) -> Result<TraceRouting, EngineError> {
+        if top_k > experts || top_k == 0 || layers == 0 {
+            return Err(EngineError::Model(format!("top-{top_k} of {experts} experts on {layers} MoE layers")));
+        }
+        let next = (0..layers).map(|_| AtomicUsize::new(0)).collect();
         let trace_experts = trace.num_experts().max(1);
+        let ordinal = (0..layers).map(Some).collect();
         Ok(TraceRouting { trace, name: name.to_string(), ordinal, experts, top_k, trace_experts, next, streams: Mutex::default() })
     }
 
@@ -86,15 +95,34 @@ impl TraceRouting {
     /// than taking turns at one.
     pub fn replace_in(&self, layer: usize, stream: usize, ids: &mut [u32]) {
         let Some(m) = self.ordinal.get(layer).copied().flatten() else { return };
-        let j = if stream == 0 {
+        let token = if stream == 0 {
             self.next[m].fetch_add(1, Ordering::Relaxed)
         } else {
             let mut counts = self.streams.lock().unwrap_or_else(|e| e.into_inner());
             let c = counts.entry((m, stream)).or_default();
             *c += 1;
-            stream * self.trace.shape[1] + *c - 1
+            *c - 1
         };
-        self.fill(m, j, ids);
+        self.fill(m, self.stream_token(stream, token), ids);
+    }
+
+    /// The experts of stream `stream`'s `token`-th token at MoE layer `m` (the model's
+    /// top-k long), as [`replace_in`](Self::replace_in) would give them.
+    pub fn experts_of(&self, m: usize, stream: usize, token: usize) -> Vec<u32> {
+        let mut ids = vec![0; self.top_k];
+        self.fill(m, self.stream_token(stream, token), &mut ids);
+        ids
+    }
+
+    /// Where stream `s`'s `token`-th token lies in the trace: `s` texts in, and streams past
+    /// the trace's texts start part-way through theirs (half-way on the second pass over
+    /// the texts, two thirds on the third, ...), so that no two of a batch replay the same
+    /// tokens in lockstep.
+    fn stream_token(&self, s: usize, token: usize) -> usize {
+        let [texts, positions, _, _] = self.trace.shape;
+        let pass = s / texts.max(1);
+        let offset = positions * pass / (pass + 1);
+        s * positions + offset + token
     }
 
     /// The experts of model MoE layer `m` at its `j`-th token.
@@ -184,6 +212,19 @@ mod tests {
                 assert_eq!(ids, t.experts_at(j / 1024, j % 1024, m));
             }
         }
+    }
+
+    /// Streams past the trace's texts do not replay another stream's tokens.
+    #[test]
+    fn streams_beyond_the_texts_start_elsewhere() {
+        let r = routing(48, 128, 8);
+        let texts = trace().shape[0];
+        for s in 0..texts {
+            for t in [0, 7, 100] {
+                assert_ne!(r.experts_of(5, s, t), r.experts_of(5, s + texts, t), "stream {s} token {t}");
+            }
+        }
+        assert_eq!(r.stream_token(0, 3), 3);
     }
 
     /// Stream 0 is the plain count; stream `s` counts its own tokens from text `s`.
