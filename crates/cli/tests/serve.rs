@@ -551,11 +551,14 @@ fn a_chat_template_file_replaces_the_models_own() {
 #[test]
 fn concurrent_requests_are_batched_and_answer_as_alone() {
     let dir = vault_dir();
-    let server =
-        Server::start(dir.path(), &["--api-key", KEY, "--max-batch", "4", "--max-queue", "8", "--batch-tokens", "16", "--ctx", "65536"]);
+    let server = Server::start(
+        dir.path(),
+        &["--api-key", KEY, "--max-batch", "4", "--max-queue", "8", "--batch-tokens", "48", "--max-stall-ms", "1", "--ctx", "65536"],
+    );
     let a = server.addr;
     // The second prompt is several steps' worth of tokens: it is prefilled in chunks between
-    // the others' decode tokens (--batch-tokens 16).
+    // the others' decode tokens (beside them, a stall limit of 1 ms leaves it the least chunk
+    // a step, 32 tokens, of --batch-tokens 48).
     let long = "a longer prompt, of several more words than the first one has, ".repeat(8);
     let prompts = ["one two three", long.as_str(), "x", "the fourth prompt"];
     let body = |p: &str| format!(r#"{{"model": "qwen3", "prompt": "{p}", "max_tokens": 40, "temperature": 0}}"#);

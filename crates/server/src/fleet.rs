@@ -67,6 +67,9 @@ pub struct FleetConfig {
     pub max_batch: usize,
     /// Tokens of one batched step; `None`: the backend's prefill chunk.
     pub step_tokens: Option<usize>,
+    /// How long a step may take with prompt tokens beside streaming generations; `None`: no
+    /// limit ([`crate::pace`]).
+    pub max_stall: Option<std::time::Duration>,
     /// Tokens generated for a chat request that does not say (`--max-tokens`); `None`: until
     /// the context or a stop.
     pub default_max_tokens: Option<usize>,
@@ -93,6 +96,7 @@ impl std::fmt::Debug for FleetConfig {
             .field("max_sessions", &self.max_sessions)
             .field("max_batch", &self.max_batch)
             .field("step_tokens", &self.step_tokens)
+            .field("max_stall", &self.max_stall)
             .field("open", &self.open)
             .field("memory", &self.memory)
             .field("memory_watch", &self.memory_watch)
@@ -411,6 +415,7 @@ impl Fleet {
             session_bytes: kv as usize,
             max_batch: self.cfg.max_batch,
             step_tokens: self.cfg.step_tokens,
+            max_stall: self.cfg.max_stall,
             before_step: self.cfg.memory_watch.map(|_| {
                 let fleet = self.me.clone();
                 StepHook(Arc::new(move || {
@@ -488,6 +493,7 @@ impl FleetConfig {
             max_sessions: 8,
             max_batch: default_max_batch(16),
             step_tokens: None,
+            max_stall: Some(crate::pace::DEFAULT_STALL),
             default_max_tokens: None,
             open: OpenOptions { precision: Precision::Fast, ..Default::default() },
             memory: None,

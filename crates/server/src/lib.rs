@@ -17,6 +17,7 @@ pub mod fleet;
 pub mod memory;
 pub mod metrics;
 pub mod openai;
+pub mod pace;
 pub mod params;
 pub mod run;
 pub mod worker;

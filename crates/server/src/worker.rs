@@ -15,6 +15,7 @@
 
 use crate::error::ApiError;
 use crate::metrics::Metrics;
+use crate::pace::Pace;
 use smoe_engine::{
     Backend, Batch, BatchItem, Engine, EngineError, FinishReason, GenOptions, Generation, LoadedModel, NoObserver, Session, Stepwise,
 };
@@ -79,6 +80,10 @@ pub struct WorkerLimits {
     /// prefill chunk (256 tokens on the CPU), which bounds the step's buffers as a lone
     /// sequence's chunk does.
     pub step_tokens: Option<usize>,
+    /// How long a step that reads prompt tokens may take while generations are streaming
+    /// (`--max-stall-ms`; see [`crate::pace`]). `None`: prompts always take what is left of
+    /// the step's tokens, however long the streams then pause.
+    pub max_stall: Option<Duration>,
     /// Called on the generation thread before each batched step (the memory watch's check, so
     /// that what a long request adds between two requests' checks is seen step by step).
     pub before_step: Option<StepHook>,
@@ -302,6 +307,7 @@ impl<B: Backend> Loop<B> {
         let max_batch = self.limits.max_batch.max(1);
         let step_tokens = self.limits.step_tokens.unwrap_or_else(|| self.engine.model.prefill_chunk());
         let mut batch = self.engine.model.new_batch(step_tokens.max(max_batch));
+        let mut pace = Pace::default();
         let mut budget = self.pool.budget.load(Ordering::Relaxed);
         loop {
             if active.is_empty() && waiting.is_empty() {
@@ -339,7 +345,7 @@ impl<B: Backend> Loop<B> {
             if let (Some(hook), false) = (&self.limits.before_step, active.is_empty()) {
                 (hook.0)();
             }
-            self.step(&mut batch, &mut active);
+            self.step(&mut batch, &mut active, &mut pace);
             let mut i = 0;
             while i < active.len() {
                 if active[i].gen.finished() || active[i].failed.is_some() {
@@ -382,17 +388,29 @@ impl<B: Backend> Loop<B> {
     }
 
     /// One batched forward step over the active generations: one token of each that is past
-    /// its prompt, then prompt chunks in admission order while the step's token budget lasts.
+    /// its prompt, then prompt chunks in admission order while the step's token budget lasts
+    /// (beside streaming generations, only what fits in the stall limit: [`crate::pace`]).
     /// Each generation then samples from its own logits and streams its text.
-    fn step(&self, batch: &mut Batch<B>, active: &mut [Active<B>]) {
+    fn step(&self, batch: &mut Batch<B>, active: &mut [Active<B>], pace: &mut Pace) {
         let mut left = batch.tokens();
         let mut take = vec![0usize; active.len()];
-        for prefill in [false, true] {
-            for (t, a) in take.iter_mut().zip(active.iter()) {
-                if !a.gen.finished() && a.gen.prefilling() == prefill {
-                    *t = a.gen.input().len().min(left);
-                    left -= *t;
-                }
+        let mut decoding = 0;
+        for (t, a) in take.iter_mut().zip(active.iter()) {
+            if !a.gen.finished() && !a.gen.prefilling() {
+                *t = a.gen.input().len().min(left);
+                left -= *t;
+                decoding += *t;
+            }
+        }
+        if let Some(stall) = self.limits.max_stall {
+            left = pace.prompt_budget(decoding, left, stall);
+        }
+        let mut prompt = 0;
+        for (t, a) in take.iter_mut().zip(active.iter()) {
+            if !a.gen.finished() && a.gen.prefilling() {
+                *t = a.gen.input().len().min(left);
+                left -= *t;
+                prompt += *t;
             }
         }
         if take.iter().all(|&t| t == 0) {
@@ -406,7 +424,9 @@ impl<B: Backend> Loop<B> {
             .filter(|(_, &t)| t > 0)
             .map(|(a, &t)| BatchItem { state: a.session.state_mut(), tokens: &a.gen.input()[..t] })
             .collect();
+        let started = Instant::now();
         let result = model.forward_batch(batch, &mut items, &mut NoObserver);
+        pace.observe(decoding, prompt, started.elapsed().as_secs_f64());
         drop(items);
         self.metrics.record_store(&model.experts().stats().since(&store0));
         self.metrics.record_step(take.iter().filter(|&&t| t > 0).count());
