@@ -241,6 +241,11 @@ enum Command {
         /// one, then chunks of new prompts [default: the backend's prefill chunk, 256 on the CPU].
         #[arg(long)]
         batch_tokens: Option<usize>,
+        /// How long a step that reads new prompts may pause the streaming generations: beside
+        /// them, prompts take only the tokens that fit (learned from the steps' measured cost;
+        /// at least 32 a step). 0: no limit, prompts take all of --batch-tokens [default: 1000].
+        #[arg(long, value_name = "MS")]
+        max_stall_ms: Option<u64>,
         /// Context limit per model (default: each model's, capped by memory).
         #[arg(long)]
         ctx: Option<usize>,
@@ -312,6 +317,16 @@ enum Command {
         /// Cache size: a percentage of every (layer, expert) in the trace, or a number of slots.
         #[arg(long, default_value = "25%")]
         cache: String,
+        /// Sequences decoded together (continuous batching): each step's layer visit is the
+        /// union of their experts, each read once. Sequence `s` replays text `s mod texts`,
+        /// starting half-way through it for the second pass over the texts, and so on.
+        #[arg(long, default_value_t = 1)]
+        batch: usize,
+        /// Map the trace onto a model's MoE shape, `LAYERSxEXPERTSxTOPK` (e.g. 48x128x8 for
+        /// Qwen3-30B-A3B), as `smoe bench --routing-trace` does; the cache size is then a share
+        /// of that shape's experts.
+        #[arg(long)]
+        shape: Option<String>,
         /// Print one JSON object.
         #[arg(long)]
         json: bool,
@@ -463,6 +478,7 @@ fn run(cli: Cli) -> Result<()> {
             sessions,
             max_batch,
             batch_tokens,
+            max_stall_ms,
             ctx,
             max_tokens,
             body_limit_mib,
@@ -482,6 +498,9 @@ fn run(cli: Cli) -> Result<()> {
                 anyhow::bail!("--max-batch and --batch-tokens must be at least 1");
             }
             fleet.step_tokens = batch_tokens;
+            if let Some(ms) = max_stall_ms {
+                fleet.max_stall = (ms > 0).then(|| std::time::Duration::from_millis(ms));
+            }
             fleet.default_max_tokens = max_tokens;
             fleet.open = model.options(smoe_engine::Precision::Fast, ctx);
             // The device is chosen once at start; each model then opens its own backend on it.
@@ -524,7 +543,7 @@ fn run(cli: Cli) -> Result<()> {
             cmd_bench::run_bench(&vault, job)
         }
         Command::MemBandwidth { threads, mib } => cmd_bench::mem_bandwidth(threads, mib),
-        Command::Replay { trace, cache, json } => cmd_replay::run(&trace, &cache, json),
+        Command::Replay { trace, cache, batch, shape, json } => cmd_replay::run(&trace, &cache, batch, shape.as_deref(), json),
         Command::Demo { model, prompt } => demo(model, &prompt),
     }
 }

@@ -373,3 +373,31 @@ fn replay_prints_each_policy_against_belady() {
     let o = smoe(&["replay", &trace, "--cache", "0%"]);
     assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("percentage"), "{o:?}");
 }
+
+/// `smoe replay --batch N --shape LxExK`: a batch's steps read each expert once, so no token
+/// costs more reads than its own top-k per layer; Belady's optimum bounds every policy; a
+/// malformed shape, no sequences or a cache narrower than one batched step are refused.
+#[test]
+fn replay_a_batch_on_a_model_shape() {
+    let trace = root().join("testdata/traces/trained_moe_48x6.safetensors").display().to_string();
+    let run = |batch: &str, cache: &str| -> serde_json::Value {
+        serde_json::from_str(&ok(&smoe(&["replay", &trace, "--shape", "12x64x8", "--batch", batch, "--cache", cache, "--json"]))).unwrap()
+    };
+    let (alone, batch) = (run("1", "64"), run("16", "64"));
+    assert_eq!((alone["batch"].as_u64(), batch["batch"].as_u64(), batch["cache_slots"].as_u64()), (Some(1), Some(16), Some(64)));
+    let reads = |v: &serde_json::Value| v["reads_per_token"]["belady"].as_f64().unwrap();
+    assert!(reads(&batch) > 0.0 && reads(&batch) <= 12.0 * 8.0, "{batch}");
+    for v in [&alone, &batch] {
+        let best = v["belady"].as_f64().unwrap();
+        for (name, h) in v["policies"].as_object().unwrap() {
+            assert!(h.as_f64().unwrap() <= best + 1e-9, "{name} above belady: {v}");
+            assert!(v["reads_per_token"]["policies"][name].as_f64().unwrap() >= reads(v) - 1e-9, "{name}: {v}");
+        }
+    }
+    let o = smoe(&["replay", &trace, "--shape", "12x64"]);
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("LAYERSxEXPERTSxTOPK"), "{o:?}");
+    let o = smoe(&["replay", &trace, "--shape", "12x64x8", "--batch", "16", "--cache", "8"]);
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("fewer slots"), "{o:?}");
+    let o = smoe(&["replay", &trace, "--batch", "0"]);
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("at least one"), "{o:?}");
+}

@@ -71,3 +71,49 @@ pub fn belady(capacity: usize, visits: &[Visit]) -> (u64, u64) {
     }
     (hits, seq.len() as u64)
 }
+
+/// The visits of several sequences decoded together (continuous batching): step by step, each
+/// layer's visit is the union of the sequences' experts there, since a batched step reads each
+/// expert once for every token that chose it. Each stream is one sequence's visits, all in the
+/// same layer order; the batch runs for as many visits as the shortest stream.
+pub fn batched(streams: &[Vec<Visit>]) -> Vec<Visit> {
+    let len = streams.iter().map(Vec::len).min().unwrap_or(0);
+    (0..len)
+        .map(|i| {
+            let layer = streams[0][i].0;
+            let mut experts: Vec<u32> = streams
+                .iter()
+                .flat_map(|s| {
+                    debug_assert_eq!(s[i].0, layer, "streams visit layers in the same order");
+                    s[i].1.iter().copied()
+                })
+                .collect();
+            experts.sort_unstable();
+            experts.dedup();
+            (layer, experts)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::Lru;
+
+    #[test]
+    fn a_batch_visits_each_layer_once_with_the_union_of_its_experts() {
+        let a = vec![(0, vec![1, 2]), (1, vec![3, 4]), (0, vec![1, 5])];
+        let b = vec![(0, vec![2, 7]), (1, vec![4, 3])];
+        assert_eq!(batched(&[a, b]), vec![(0, vec![1, 2, 7]), (1, vec![3, 4])]);
+    }
+
+    #[test]
+    fn belady_is_an_upper_bound_on_the_policies() {
+        // Three layers cycling over six experts with a cache of four: LRU thrashes on the loop.
+        let visits: Vec<Visit> = (0..60u32).map(|i| (i % 3, vec![(i / 3) % 2, 2 + (i / 3) % 2])).collect();
+        let (h_lru, u) = replay(&mut Lru::new(3, 4), 4, &visits);
+        let (h_opt, u_opt) = belady(4, &visits);
+        assert_eq!(u, u_opt);
+        assert!(h_opt >= h_lru, "belady {h_opt} < lru {h_lru}");
+    }
+}
