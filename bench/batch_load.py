@@ -13,6 +13,8 @@ chunk one token as both servers stream them). Prompts are random words, differen
 request, so prefix caches do not shortcut the prefill; greedy (temperature 0) so that both
 servers decode the same kind of text, and `max_tokens` is what they generate unless a stop
 comes first (counted from each reply's `usage`, or chunks where a server sends none).
+Where the server exposes smoe's `/metrics`, also the expert bytes it read from disk per
+completion token (prompt reads included: the clients' prompts are read in the same steps).
 """
 
 import argparse
@@ -21,6 +23,7 @@ import random
 import statistics
 import threading
 import time
+import urllib.request
 
 from openai import OpenAI
 
@@ -65,6 +68,19 @@ def one_request(client, model, prompt, max_tokens):
     return tokens, (first or end) - t0, gaps, end - t0, (end - (first or end))
 
 
+def read_bytes(base, key):
+    """smoe's `smoe_read_bytes_total` from /metrics, or None (another server, or none there)."""
+    req = urllib.request.Request(base.rstrip("/") + "/metrics", headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith("smoe_read_bytes_total "):
+                    return float(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 def run(base, key, model, clients, rounds, max_tokens, prompt_words, seed):
     client = OpenAI(base_url=base.rstrip("/") + "/v1", api_key=key or "none", max_retries=0, timeout=3600)
     rng = random.Random(seed)
@@ -83,6 +99,7 @@ def run(base, key, model, clients, rounds, max_tokens, prompt_words, seed):
             with lock:
                 results.append(res)
 
+    bytes0 = read_bytes(base, key)
     t0 = time.perf_counter()
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(clients)]
     for t in threads:
@@ -90,7 +107,9 @@ def run(base, key, model, clients, rounds, max_tokens, prompt_words, seed):
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    bytes1 = read_bytes(base, key)
     tokens = sum(r[0] for r in results)
+    read_mib = (bytes1 - bytes0) / 2**20 / max(tokens, 1) if bytes0 is not None and bytes1 is not None else None
     ttft = [r[1] for r in results]
     gaps = [g for r in results for g in r[2]]
     per_stream = [(r[0] - 1) / r[4] for r in results if r[0] > 1 and r[4] > 0]
@@ -106,6 +125,7 @@ def run(base, key, model, clients, rounds, max_tokens, prompt_words, seed):
         "ttft_p99_ms": percentile(ttft, 99) * 1e3,
         "itl_p50_ms": percentile(gaps, 50) * 1e3,
         "itl_p99_ms": percentile(gaps, 99) * 1e3,
+        "read_mib_per_token": read_mib,
     }
 
 
@@ -132,6 +152,7 @@ def main():
             f"{n:>3} clients: {r['aggregate_tok_s']:.2f} tok/s aggregate, {r['per_stream_tok_s']:.2f} per stream; "
             f"ttft p50/p99 {r['ttft_p50_ms']:.0f}/{r['ttft_p99_ms']:.0f} ms; itl p50/p99 {r['itl_p50_ms']:.0f}/{r['itl_p99_ms']:.0f} ms; "
             f"{r['requests']} requests, {len(r['errors'])} errors"
+            + (f"; {r['read_mib_per_token']:.1f} MiB read per token" if r["read_mib_per_token"] is not None else "")
         )
         for e in r["errors"][:5]:
             print("   ", e)
