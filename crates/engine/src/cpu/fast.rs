@@ -84,15 +84,17 @@ fn dot_rows(k: &Kernels, w: &QMatrix<'_>, r0: usize, r1: usize, a: smoe_kernels:
 /// activations), not the one-token kernels once per token. Interleaved Q8_0 (dense matrices,
 /// [`crate::Backend::prepare_dense`]) takes its eight-row group kernel, four tokens at a time,
 /// up to [`GROUP_TOKENS`] tokens: a batch of decode steps then gets the bits each sequence gets
-/// alone. Prefill's longer steps take the tiled kernels on the group's rows taken apart: on the
-/// H200 host (Sapphire Rapids) the group kernel cost 23% of prefill at 2 threads.
+/// alone, and on the 2-core EPYC it is also the faster kernel there (a 16- or 32-sequence batch
+/// decoded 5-10% faster than through the tiles; docs/benchmarks.md). Prefill's longer steps
+/// take the tiled kernels on the group's rows taken apart: on the H200 host (Sapphire Rapids)
+/// the group kernel cost 23% of prefill(512) at 2 threads.
 fn many_tokens(k: &Kernels, w: &QMatrix<'_>, n: usize) -> bool {
     let group_kernel = w.layout == Layout::Interleaved8 && w.format == smoe_quant::Format::Q8_0;
     n >= if group_kernel { GROUP_TOKENS } else { 4 } && k.has_gemm(w.format)
 }
 
 /// Tokens from which interleaved Q8_0 takes the tiled kernels (see [`many_tokens`]).
-const GROUP_TOKENS: usize = 16;
+const GROUP_TOKENS: usize = 64;
 
 /// Rows `r0..r1` of `w` against tokens `0..n` of `act` through the one-token kernels, token
 /// `t`'s outputs into `dest(t, first row, rows)`. An interleaved matrix with a four-token group
