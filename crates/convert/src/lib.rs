@@ -17,6 +17,7 @@ pub mod deepseek_v4;
 mod expert_formats;
 pub mod gguf;
 pub mod gpt_oss;
+pub mod qwen3_next;
 pub mod random_blocks;
 mod shatter;
 pub mod synth;

@@ -48,6 +48,7 @@ pub fn shape_names() -> Vec<&'static str> {
         "glm-5.2",
         "deepseek-v4-flash",
         "deepseek-v4-pro",
+        "qwen3-next-80b-a3b",
     ]
 }
 
@@ -133,6 +134,21 @@ pub fn shape_config(name: &str) -> Result<Value, ConvertError> {
             }
             c
         }
+        // Qwen/Qwen3-Next-80B-A3B-Instruct's config.json.
+        "qwen3-next-80b-a3b" => json!({
+            "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "attention_bias": false,
+            "attention_dropout": 0.0, "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645,
+            "full_attention_interval": 4, "head_dim": 256, "hidden_act": "silu", "hidden_size": 2048,
+            "initializer_range": 0.02, "intermediate_size": 5120, "linear_conv_kernel_dim": 4,
+            "linear_key_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+            "linear_value_head_dim": 128, "max_position_embeddings": 262144, "mlp_only_layers": [],
+            "moe_intermediate_size": 512, "norm_topk_prob": true, "num_attention_heads": 16, "num_experts": 512,
+            "num_experts_per_tok": 10, "num_hidden_layers": 48, "num_key_value_heads": 2,
+            "output_router_logits": false, "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-6,
+            "rope_scaling": null, "rope_theta": 10000000, "router_aux_loss_coef": 0.001,
+            "shared_expert_intermediate_size": 512, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+            "use_cache": true, "use_sliding_window": false, "vocab_size": 151936
+        }),
         "minimax-m2" => json!({
             "architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2", "attention_dropout": 0.0,
             "bos_token_id": 200034, "eos_token_id": 200020, "head_dim": 128, "hidden_act": "silu",
@@ -331,6 +347,9 @@ fn plan(cfg: &Value, router_spread: f32) -> Result<Vec<Planned>, ConvertError> {
             Init::ExpertIds { experts: arch.moe.num_experts, top_k: arch.moe.top_k }
         } else if spec.name.ends_with("moe.router") {
             Init::Router { hidden: arch.hidden_size, cols: spec.shape[1], spread: router_spread }
+        } else if spec.name.ends_with("norm") && arch.family == smoe_vault::Family::Qwen3Next && !spec.name.ends_with("lin.norm") {
+            // Qwen3-Next stores its RMSNorm weights as offsets from one.
+            Init::Small(0.05)
         } else if spec.name.ends_with("norm") {
             Init::Norm
         } else if spec.shape.len() == 1 {
@@ -536,7 +555,13 @@ pub fn synth_vault_from_config(
         add_bos_token: false,
     };
     let generation = hf_generation(&cfg);
-    crate::shatter_from(&provider, crate::SourceAssets { config: cfg, text, generation }, out, shatter, progress)
+    let arch = hf::architecture_from_config(&cfg)?;
+    let assets = crate::SourceAssets { config: cfg, text, generation };
+    if arch.family == smoe_vault::Family::Qwen3Next {
+        // As `shatter` reads a Qwen3-Next checkpoint: its norms are offsets from one.
+        return crate::shatter_from(&crate::qwen3_next::Qwen3NextParts::new(&provider, &arch)?, assets, out, shatter, progress);
+    }
+    crate::shatter_from(&provider, assets, out, shatter, progress)
 }
 
 /// Writes a synthetic checkpoint of `shape` straight into the GGUF file `out`, in the formats
@@ -734,6 +759,7 @@ mod tests {
             // more layer of 384 experts of 3 x 7168 x 3072, about 25.4B), not converted.
             ("deepseek-v4-flash", 284e9),
             ("deepseek-v4-pro", 1.6e12 - 384.0 * 3.0 * 7168.0 * 3072.0),
+            ("qwen3-next-80b-a3b", 80e9),
         ];
         assert_eq!(published.len(), shape_names().len());
         for (shape, want) in published {

@@ -187,6 +187,48 @@ impl AttnParams<'_> {
     }
 }
 
+/// One Gated DeltaNet layer's parameters (Qwen3-Next, see [`smoe_vault::LinearAttention`]),
+/// for [`Backend::gated_delta_net`]. Its input rows hold `[q | k | v]` (`channels` values, before
+/// the convolution), then `z` (`value_heads × value_dim`), then `b` and `a` (`value_heads`
+/// each), `stride` floats a row.
+#[derive(Clone, Copy, Debug)]
+pub struct DeltaNetParams<'a> {
+    /// Key (and query) heads.
+    pub key_heads: usize,
+    /// Value heads; value head `j` reads key head `j / (value_heads / key_heads)`.
+    pub value_heads: usize,
+    /// Dimensions of a key head.
+    pub key_dim: usize,
+    /// Dimensions of a value head.
+    pub value_dim: usize,
+    /// Taps of the causal convolution.
+    pub taps: usize,
+    /// `[channels, taps]`: the convolution's weights, the last tap on the current token.
+    pub conv: &'a [f32],
+    /// `-exp(A_log)` per value head.
+    pub neg_a: &'a [f32],
+    /// `dt_bias` per value head.
+    pub dt_bias: &'a [f32],
+    /// `[value_dim]`: the gated RMSNorm's weights.
+    pub norm: &'a [f32],
+    /// The gated RMSNorm's epsilon.
+    pub eps: f32,
+    /// Floats per input row.
+    pub stride: usize,
+}
+
+impl DeltaNetParams<'_> {
+    /// Channels of `[q | k | v]`.
+    pub fn channels(&self) -> usize {
+        2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+    }
+    /// Floats of one sequence's state for the layer: the last `taps - 1` inputs of every
+    /// channel, oldest first, then each value head's `key_dim × value_dim` matrix.
+    pub fn state_floats(&self) -> usize {
+        (self.taps - 1) * self.channels() + self.value_heads * self.key_dim * self.value_dim
+    }
+}
+
 /// Rows of `[q | k | v]` as [`Backend::qk_rope_store`] takes them: each row holds `q_heads`
 /// query heads, then `kv_heads` key heads, then `kv_heads` value heads, each `head_dim` wide.
 #[derive(Clone, Copy, Debug)]
@@ -356,6 +398,12 @@ pub trait Backend: Send + Sync {
     /// [`Self::compress_windows`], [`Self::attention_compressed`] and [`Self::index_select`]
     /// with a rate. A model that needs them is refused at load where it answers `false`.
     fn attends_compressed(&self) -> bool {
+        false
+    }
+    /// Whether the backend runs Gated DeltaNet layers and gated attention outputs
+    /// ([`Self::gated_delta_net`], [`Self::sigmoid_gate`]; Qwen3-Next). A model that needs them
+    /// is refused at load where it answers `false`.
+    fn runs_linear_attention(&self) -> bool {
         false
     }
     /// Most tokens a prefill step should run at once: [`PREFILL_CHUNK`](crate::PREFILL_CHUNK)
@@ -555,6 +603,34 @@ pub trait Backend: Send + Sync {
         _out: &mut Self::Buf,
     ) {
         panic!("attention_compressed: this backend does not run compressed attention (attends_compressed is false)");
+    }
+    /// Gated DeltaNet over one sequence's tokens, rows `row0..row0 + n` of `x` (see
+    /// [`DeltaNetParams`] for their layout), in order: the causal convolution with SiLU over
+    /// `[q | k | v]` (continuing from the inputs `state` keeps), q and k heads L2-normalised and
+    /// q scaled by `1/sqrt(key_dim)`, then per token and value head the decayed delta-rule
+    /// update of its state and its output `Sᵀq`, RMS-normed with `p.norm` and multiplied by
+    /// `silu(z)`, into the same rows of `out` (`value_heads × value_dim` wide). `state` (of
+    /// [`DeltaNetParams::state_floats`]) carries the sequence from one call to the next;
+    /// `fresh`: the sequence starts here (its state is taken as zeros, whatever it holds). Only
+    /// called where [`Self::runs_linear_attention`].
+    #[allow(clippy::too_many_arguments)]
+    fn gated_delta_net(
+        &self,
+        _p: DeltaNetParams<'_>,
+        _x: &Self::Buf,
+        _row0: usize,
+        _n: usize,
+        _state: &mut Self::Buf,
+        _fresh: bool,
+        _out: &mut Self::Buf,
+    ) {
+        panic!("gated_delta_net: this backend does not run linear attention (runs_linear_attention is false)");
+    }
+    /// `x[t, i] *= sigmoid(gate[t × gate_stride + gate_off + i])` for `i < width`, `n` rows of
+    /// `x` `width` wide (Qwen3-Next's gated attention output). Only called where
+    /// [`Self::runs_linear_attention`].
+    fn sigmoid_gate(&self, _x: &mut Self::Buf, _n: usize, _width: usize, _gate: &Self::Buf, _gate_stride: usize, _gate_off: usize) {
+        panic!("sigmoid_gate: this backend does not run linear attention (runs_linear_attention is false)");
     }
     /// Hyper-connections' collapse: `out[t] = Σ_j pre[t × mult + j] · x[t, j]` over the `mult`
     /// streams of `dim` of each of `n` rows of `x`. The default runs on the host.

@@ -101,7 +101,8 @@ impl<B: Backend> Model<B> {
             .iter_mut()
             .map(|it| {
                 let n = it.tokens.len();
-                let seg = Seg { kv: &mut it.state.kv, pos: it.state.pos, stream: it.state.stream, row, n };
+                let st = &mut *it.state;
+                let seg = Seg { kv: &mut st.kv, rec: &mut st.recurrent, pos: st.pos, stream: st.stream, row, n };
                 row += n;
                 seg
             })
@@ -118,6 +119,9 @@ impl<B: Backend> Model<B> {
         }
         for it in items.iter_mut() {
             it.state.pos += it.tokens.len();
+            if it.tokens.len() > 1 {
+                it.state.save_checkpoint(&self.backend, self.recurrent_floats());
+            }
         }
         if let Some(ins) = instrument.as_mut() {
             ins.end(t0.elapsed().as_secs_f64() * 1e3, self.experts.stats());

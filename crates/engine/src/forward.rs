@@ -29,8 +29,8 @@ use crate::backend::{
 };
 use crate::instrument::{Instrument, StepRecord};
 use crate::model::{
-    Attention, CompressedAttn, Compressor, ExpertBias, FeedForward, HyperMix, Indexer, LatentAttention, Layer, Mlp, Model, MoeBlock,
-    StandardAttention,
+    Attention, CompressedAttn, Compressor, ExpertBias, FeedForward, HyperMix, Indexer, LatentAttention, Layer, LinearAttn, Mlp, Model,
+    MoeBlock, StandardAttention,
 };
 use crate::routing::RouteScratch;
 use crate::widths::Widths;
@@ -296,6 +296,8 @@ pub(crate) struct Work<B: Backend> {
 /// at positions `pos..pos + n`, their keys and values going into `kv`.
 pub(crate) struct Seg<'k, B: Backend> {
     pub(crate) kv: &'k mut B::KvCache,
+    /// Its Gated DeltaNet layers' states, by [`LinearAttn::slot`](crate::model::LinearAttn).
+    pub(crate) rec: &'k mut [B::Buf],
     pub(crate) pos: usize,
     /// Its routing-trace stream (benchmarks only).
     pub(crate) stream: usize,
@@ -343,6 +345,13 @@ impl<'a, 'k, B: Backend> Step<'a, 'k, B> {
 pub struct State<B: Backend> {
     /// Keys and values of positions `0..pos`, every layer.
     pub(crate) kv: B::KvCache,
+    /// Gated DeltaNet layers' states after position `pos - 1` (Qwen3-Next; see
+    /// [`Backend::gated_delta_net`]), one per linear layer.
+    pub(crate) recurrent: Vec<B::Buf>,
+    /// The recurrent states as the latest multi-token step (a prompt's prefill) left them, and
+    /// the position they hold: where [`truncate`](Self::truncate) can go back to without
+    /// starting over (a chat's next turn resumes after the previous prompt).
+    pub(crate) checkpoint: Option<(usize, Vec<B::Buf>)>,
     /// Tokens in the cache.
     pub(crate) pos: usize,
     /// How far back the cache can be truncated and continued (DeepSeek-V4 drops older rows,
@@ -374,13 +383,42 @@ impl<B: Backend> State<B> {
     ///
     /// Where the model drops old rows ([`Model::set_kv_rewind`]), going back further than it
     /// keeps starts the sequence over: [`pos`](Self::pos) is then 0 and the whole prefix runs
-    /// again. Callers continue from `pos()`, not from what they asked for.
+    /// again. A model with recurrent states (Qwen3-Next) goes back to where its latest prefill
+    /// ended if the kept prefix reaches that far, else to 0. Callers continue from `pos()`, not
+    /// from what they asked for.
     pub fn truncate(&mut self, pos: usize) {
         let p = self.pos.min(pos);
+        if !self.recurrent.is_empty() && p < self.pos {
+            // A recurrent state holds the sequence at its last position only: back to the
+            // checkpoint if the kept prefix covers it, else start over.
+            self.pos = match self.checkpoint.take() {
+                Some((c, mut saved)) if c <= p => {
+                    std::mem::swap(&mut self.recurrent, &mut saved);
+                    c
+                }
+                _ => 0,
+            };
+            return;
+        }
         self.pos = match self.rewind {
             Some(m) if self.pos - p > m => 0,
             _ => p,
         };
+    }
+    /// Keeps a copy of the recurrent states at the current position (see
+    /// [`checkpoint`](Self::checkpoint)); nothing for a model without them.
+    pub(crate) fn save_checkpoint(&mut self, be: &B, floats: usize) {
+        if self.recurrent.is_empty() {
+            return;
+        }
+        let (_, saved) =
+            self.checkpoint.get_or_insert_with(|| (0, (0..self.recurrent.len()).map(|_| be.buf("recurrent checkpoint", floats)).collect()));
+        for (dst, src) in saved.iter_mut().zip(&self.recurrent) {
+            be.copy_strided(src, floats, 0, dst, floats, 0, floats, 1);
+        }
+        if let Some(c) = self.checkpoint.as_mut() {
+            c.0 = self.pos;
+        }
     }
     /// Starts this state from positions `0..positions` of `other` (same model): their keys and
     /// values are copied, not recomputed. False where the backend cannot copy a KV cache.
@@ -392,6 +430,11 @@ impl<B: Backend> State<B> {
         }
         if !model.backend().kv_copy(&other.kv, &mut self.kv, positions) {
             return false;
+        }
+        // (A model with recurrent states copies only at `other.pos`: its rewind is 0.)
+        for (dst, src) in self.recurrent.iter_mut().zip(&other.recurrent) {
+            let len = model.recurrent_floats();
+            model.backend().copy_strided(src, len, 0, dst, len, 0, len, 1);
         }
         self.pos = positions;
         true
@@ -426,6 +469,8 @@ impl<B: Backend> Model<B> {
     pub fn new_state(&self, chunk: usize) -> State<B> {
         State {
             kv: self.backend.kv_cache(&self.kv_shapes()),
+            recurrent: (0..self.linear_layers().len()).map(|_| self.backend.buf("recurrent state", self.recurrent_floats())).collect(),
+            checkpoint: None,
             pos: 0,
             rewind: self.kv_rewind(),
             stream: 0,
@@ -520,8 +565,8 @@ impl<B: Backend> Model<B> {
         if let Some(ins) = st.instrument.as_mut() {
             ins.begin(n, self.experts.stats());
         }
-        let State { kv, pos, stream, work, logits, instrument, .. } = st;
-        let mut one = [Seg { kv, pos: *pos, stream: *stream, row: 0, n }];
+        let State { kv, recurrent, pos, stream, work, logits, instrument, .. } = st;
+        let mut one = [Seg { kv, rec: recurrent, pos: *pos, stream: *stream, row: 0, n }];
         let mut s = Step { buf: &mut work.buf, host: &mut work.host, instrument, segs: &mut one };
         self.layers_of_step(&mut s, tokens, obs)?;
         match want {
@@ -535,6 +580,9 @@ impl<B: Backend> Model<B> {
             Logits::Last => self.last_logits(&mut s, logits),
         }
         st.pos += n;
+        if n > 1 {
+            st.save_checkpoint(be, self.recurrent_floats());
+        }
         if let Some(ins) = st.instrument.as_mut() {
             ins.end(ms(t0), self.experts.stats());
         }
@@ -635,6 +683,7 @@ impl<B: Backend> Model<B> {
         be.rms_norm(&s.buf.x, n, hd, &layer.attn_norm, self.eps, &mut s.buf.h);
         match &layer.attn {
             Attention::Standard(a) => self.standard_attention(li, a, s, n),
+            Attention::Linear(a) => self.linear_attention(a, s, n),
             Attention::Latent(a) => self.latent_attention(li, a, s, n, obs),
             Attention::Compressed(a) => self.compressed_attention(li, a, s, n, obs),
         }
@@ -677,6 +726,7 @@ impl<B: Backend> Model<B> {
         be.rms_norm(&s.buf.x, n, hd, &layer.attn_norm, self.eps, &mut s.buf.h);
         match &layer.attn {
             Attention::Standard(a) => self.standard_attention(li, a, s, n),
+            Attention::Linear(a) => self.linear_attention(a, s, n),
             Attention::Latent(a) => self.latent_attention(li, a, s, n, obs),
             Attention::Compressed(a) => self.compressed_attention(li, a, s, n, obs),
         }
@@ -889,12 +939,16 @@ impl<B: Backend> Model<B> {
         let b = &mut *s.buf;
         let (nh, nkv, hdim) = (ar.num_heads, ar.num_kv_heads, ar.head_dim);
         let (qw, kvw) = (nh * hdim, nkv * hdim);
-        let w = qw + 2 * kvw;
-        let jobs = [
+        // Qwen3-Next's output gate rides after [q | k | v] in the same rows.
+        let w = qw + 2 * kvw + if a.gate.is_some() { qw } else { 0 };
+        let mut jobs = vec![
             MatJob { w: WeightRef::Resident(&a.q, None), x_row: 0, n, out_row: 0, out_col: 0 },
             MatJob { w: WeightRef::Resident(&a.k, None), x_row: 0, n, out_row: 0, out_col: qw },
             MatJob { w: WeightRef::Resident(&a.v, None), x_row: 0, n, out_row: 0, out_col: qw + kvw },
         ];
+        if let Some(g) = &a.gate {
+            jobs.push(MatJob { w: WeightRef::Resident(g, None), x_row: 0, n, out_row: 0, out_col: qw + 2 * kvw });
+        }
         be.matmul_many(&jobs, &b.h, ar.hidden_size, &mut b.q, w);
         if let Some([qb, kb, vb]) = &a.bias {
             be.add_bias(&mut b.q, n, w, 0, qb);
@@ -921,10 +975,34 @@ impl<B: Backend> Model<B> {
             let prepare = |q: &mut B::Buf, kv: &mut B::KvCache| be.qk_rope_store(q, n, rows, per_head, rope, kv, li, pos);
             self.attend(seg, b, w, qw, prepare, |kv, q, out| be.attention(kv, li, q, w, n, pos, params, out));
         }
+        if a.gate.is_some() {
+            be.sigmoid_gate(&mut b.att, n, qw, &b.q, w, qw + 2 * kvw);
+        }
         be.matmul(&a.o, None, &b.att, n, &mut b.d);
         if let Some(ob) = &a.o_bias {
             be.add_bias(&mut b.d, n, ar.hidden_size, 0, ob);
         }
+    }
+
+    /// Gated DeltaNet (Qwen3-Next); leaves the projected output in `d`. The four input
+    /// projections go into one row per token, `[q | k | v | z | b | a]`; each sequence of the
+    /// step then runs the recurrence over its own rows and state.
+    fn linear_attention(&self, a: &LinearAttn<B>, s: &mut Step<'_, '_, B>, n: usize) {
+        let be = &self.backend;
+        let p = self.delta_params(a);
+        let (c, vw, vh) = (p.channels(), p.value_heads * p.value_dim, p.value_heads);
+        let b = &mut *s.buf;
+        let jobs = [
+            MatJob { w: WeightRef::Resident(&a.qkv, None), x_row: 0, n, out_row: 0, out_col: 0 },
+            MatJob { w: WeightRef::Resident(&a.z, None), x_row: 0, n, out_row: 0, out_col: c },
+            MatJob { w: WeightRef::Resident(&a.b, None), x_row: 0, n, out_row: 0, out_col: c + vw },
+            MatJob { w: WeightRef::Resident(&a.a, None), x_row: 0, n, out_row: 0, out_col: c + vw + vh },
+        ];
+        be.matmul_many(&jobs, &b.h, self.arch.hidden_size, &mut b.q, p.stride);
+        for seg in s.segs.iter_mut() {
+            be.gated_delta_net(p, &b.q, seg.row, seg.n, &mut seg.rec[a.slot], seg.pos == 0, &mut b.att);
+        }
+        be.matmul(&a.out, None, &b.att, n, &mut b.d);
     }
 
     /// Attention of one sequence of the step over its own KV cache: its queries are rows

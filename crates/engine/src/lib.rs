@@ -19,6 +19,7 @@ mod batch;
 pub mod bench;
 pub mod conformance;
 pub mod cpu;
+mod delta;
 mod forward;
 mod generate;
 mod hyper;

@@ -26,6 +26,28 @@ pub(crate) struct StandardAttention<B: Backend> {
     pub sinks: Option<Vec<f32>>,
     /// This layer's sliding window, if it has one (gpt-oss's sliding layers).
     pub window: Option<usize>,
+    /// The output gate's projection (Qwen3-Next): the attention output is multiplied by its
+    /// sigmoid.
+    pub gate: Option<B::Matrix>,
+}
+
+/// Gated DeltaNet linear attention (Qwen3-Next), see [`smoe_vault::LinearAttention`].
+pub(crate) struct LinearAttn<B: Backend> {
+    pub qkv: B::Matrix,
+    pub z: B::Matrix,
+    pub b: B::Matrix,
+    pub a: B::Matrix,
+    pub out: B::Matrix,
+    /// `[channels, taps]`, on the host (as [`crate::backend::DeltaNetParams`] takes them).
+    pub conv: Vec<f32>,
+    /// `-exp(A_log)` per value head.
+    pub neg_a: Vec<f32>,
+    pub dt_bias: Vec<f32>,
+    /// The gated RMSNorm's weights, `[value_dim]`.
+    pub norm: Vec<f32>,
+    /// Which of a sequence's recurrent states this layer carries (its rank among the linear
+    /// layers).
+    pub slot: usize,
 }
 
 /// Multi-head latent attention (DeepSeek-V3), decoded in absorbed form.
@@ -101,6 +123,7 @@ pub(crate) struct CompressedAttn<B: Backend> {
 
 pub(crate) enum Attention<B: Backend> {
     Standard(StandardAttention<B>),
+    Linear(LinearAttn<B>),
     Latent(LatentAttention<B>),
     Compressed(CompressedAttn<B>),
 }
@@ -342,6 +365,20 @@ impl<B: Backend> Model<B> {
                         _ => None,
                     },
                 })
+            } else if arch.is_linear(l) {
+                let slot = (0..l).filter(|&i| arch.is_linear(i)).count();
+                Attention::Linear(LinearAttn {
+                    qkv: ld.matrix(&t("lin.qkv"))?,
+                    z: ld.matrix(&t("lin.z"))?,
+                    b: ld.matrix(&t("lin.b"))?,
+                    a: ld.matrix(&t("lin.a"))?,
+                    out: ld.matrix(&t("lin.out"))?,
+                    conv: ld.f32s(&t("lin.conv"))?,
+                    neg_a: ld.f32s(&t("lin.a_log"))?.into_iter().map(|v| -v.exp()).collect(),
+                    dt_bias: ld.f32s(&t("lin.dt_bias"))?,
+                    norm: ld.f32s(&t("lin.norm"))?,
+                    slot,
+                })
             } else {
                 match &arch.mla {
                     Some(m) => Attention::Latent(LatentAttention {
@@ -382,6 +419,7 @@ impl<B: Backend> Model<B> {
                         o_bias: if arch.o_bias { Some(ld.vector(&t("attn.o_bias"))?) } else { None },
                         sinks: if arch.attn_sinks { Some(ld.f32s(&t("attn.sinks"))?) } else { None },
                         window: arch.attention_window(l),
+                        gate: if arch.attn_output_gate { Some(ld.matrix(&t("attn.q_gate"))?) } else { None },
                     }),
                 }
             };
@@ -541,7 +579,47 @@ impl<B: Backend> Model<B> {
 
     /// What [`set_kv_rewind`](Self::set_kv_rewind) set, where the model drops old rows.
     pub fn kv_rewind(&self) -> Option<usize> {
+        if self.arch.linear_attention.is_some() {
+            // A recurrent state holds the sequence up to its last token only.
+            return Some(0);
+        }
         self.arch.compressed_attention.as_ref().map(|_| self.kv_rewind)
+    }
+
+    /// Gated DeltaNet layers' parameters, by the slot of their state in a sequence (see
+    /// [`LinearAttn::slot`]); empty for a model without them.
+    pub(crate) fn linear_layers(&self) -> Vec<&LinearAttn<B>> {
+        self.layers
+            .iter()
+            .filter_map(|l| match &l.attn {
+                Attention::Linear(a) => Some(a),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Floats of one Gated DeltaNet layer's state per sequence (0 without them).
+    pub(crate) fn recurrent_floats(&self) -> usize {
+        self.arch.linear_attention.as_ref().map_or(0, |la| la.state_floats())
+    }
+
+    /// The parameters [`Backend::gated_delta_net`] takes for `a`.
+    pub(crate) fn delta_params<'m>(&'m self, a: &'m LinearAttn<B>) -> crate::backend::DeltaNetParams<'m> {
+        let la = self.arch.linear_attention.as_ref().expect("a linear layer without linear attention");
+        let stride = la.conv_channels() + la.value_heads * la.value_dim + 2 * la.value_heads;
+        crate::backend::DeltaNetParams {
+            key_heads: la.key_heads,
+            value_heads: la.value_heads,
+            key_dim: la.key_dim,
+            value_dim: la.value_dim,
+            taps: la.conv_kernel,
+            conv: &a.conv,
+            neg_a: &a.neg_a,
+            dt_bias: &a.dt_bias,
+            norm: &a.norm,
+            eps: self.eps,
+            stride,
+        }
     }
 }
 
@@ -561,6 +639,9 @@ pub fn backend_lacks<B: Backend>(arch: &Architecture, backend: &B) -> Option<Str
     }
     if arch.compressed_attention.is_some() && !backend.attends_compressed() {
         return lacks("DeepSeek-V4's compressed attention");
+    }
+    if (arch.linear_attention.is_some() || arch.attn_output_gate) && !backend.runs_linear_attention() {
+        return lacks("Gated DeltaNet linear attention");
     }
     None
 }
@@ -599,7 +680,11 @@ pub fn kv_shapes_rewinding(arch: &Architecture, rewind: usize) -> Vec<KvShape> {
         return shapes;
     }
     let mut shapes: Vec<KvShape> = (0..arch.num_layers)
-        .map(|_| match &arch.mla {
+        .map(|l| match &arch.mla {
+            // A Gated DeltaNet layer caches nothing per position: its state is fixed-size.
+            None if arch.is_linear(l) => {
+                KvShape { heads: 0, k_dim: arch.head_dim, v_dim: arch.head_dim, values_in_keys: false, keep: None }
+            }
             Some(m) => {
                 KvShape { heads: 1, k_dim: m.kv_lora_rank + m.qk_rope_head_dim, v_dim: m.kv_lora_rank, values_in_keys: true, keep: None }
             }
@@ -645,10 +730,12 @@ pub fn kv_values_per_token(arch: &Architecture) -> usize {
 }
 
 /// Values a sequence's cache holds whatever its length, at most (DeepSeek-V4's bounded rows,
-/// with the default rewind and the CPU backend's slack): 0 for other families.
+/// with the default rewind and the CPU backend's slack; Qwen3-Next's recurrent states): 0 for
+/// other families.
 pub fn kv_fixed_values(arch: &Architecture) -> usize {
     let slack = crate::cpu::DROP_SLACK;
-    kv_shapes(arch).iter().filter_map(|s| s.keep.map(|k| (k + slack) * s.heads * s.k_dim)).sum()
+    let linear = arch.linear_attention.as_ref().map_or(0, |la| la.state_floats() * la.layers.iter().filter(|&&l| l).count());
+    linear + kv_shapes(arch).iter().filter_map(|s| s.keep.map(|k| (k + slack) * s.heads * s.k_dim)).sum::<usize>()
 }
 
 /// Values per token of a naive cache: full keys and values for every query head.

@@ -48,9 +48,10 @@ impl<B: Backend> Session<B> {
         &self.cached
     }
 
-    /// Bytes of KV cache this session holds.
+    /// Bytes of KV cache this session holds (with Gated DeltaNet layers' states, which are
+    /// the same size at any length).
     pub fn kv_bytes(&self, model: &Model<B>) -> usize {
-        model.backend().kv_bytes(self.state.kv())
+        model.backend().kv_bytes(self.state.kv()) + self.state.recurrent.len() * model.recurrent_floats() * 4
     }
 
     /// Gives back the KV memory beyond the positions held (see [`Backend::kv_shrink`]): for a

@@ -81,11 +81,17 @@ impl Widths {
             }
             (None, None) => {
                 let (q, kv) = (a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim);
+                let gate = if a.attn_output_gate { q } else { 0 };
+                // Gated DeltaNet: [q | k | v | z | b | a] in, one row of value heads out.
+                let (lin_in, lin_out) = a.linear_attention.as_ref().map_or((0, 0), |la| {
+                    let vw = la.value_heads * la.value_dim;
+                    (la.conv_channels() + vw + 2 * la.value_heads, vw)
+                });
                 Attn {
-                    q: widest(&[q + 2 * kv]), // [q | k | v] from one dispatch
+                    q: widest(&[q + 2 * kv + gate, lin_in]), // [q | k | v (| gate)] from one dispatch; linear layers' inputs
                     k: 0,
                     v: 0,
-                    att: widest(&[q]), // attention output, every head
+                    att: widest(&[q, lin_out]), // attention output, every head; linear layers' outputs
                     tmp: 0,
                     tmp2: 0,
                 }

@@ -46,8 +46,8 @@ impl Rng {
     }
 }
 
-const FAMILIES: [&str; 9] =
-    ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3", "minimax_m2", "gpt_oss", "glm_moe_dsa"];
+const FAMILIES: [&str; 10] =
+    ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3", "minimax_m2", "gpt_oss", "glm_moe_dsa", "qwen3_next"];
 
 /// A random valid config.json of `family`. Widths are drawn around `hidden` so that every
 /// product is sometimes wider and sometimes narrower than the residual stream.
@@ -59,7 +59,7 @@ fn random_config(family: &str, r: &mut Rng) -> Value {
         let divisors: Vec<usize> = (1..=heads).filter(|&d| heads.is_multiple_of(d)).collect();
         r.pick(&divisors)
     };
-    let head_dim = r.pick(&[4, 8, 12, 16, 24, 32]);
+    let head_dim: usize = r.pick(&[4, 8, 12, 16, 24, 32]);
     let experts = r.range(2, 12);
     let top_k = r.range(1, experts.min(4));
     let rope_scaling = match r.range(0, 2) {
@@ -97,6 +97,24 @@ fn random_config(family: &str, r: &mut Rng) -> Value {
             } else {
                 c["attention_bias"] = r.coin().into();
             }
+        }
+        "qwen3_next" => {
+            c["num_experts"] = experts.into();
+            c["moe_intermediate_size"] = inter(r).into();
+            c["intermediate_size"] = inter(r).into();
+            c["norm_topk_prob"] = r.coin().into();
+            if r.coin() {
+                c["shared_expert_intermediate_size"] = inter(r).into();
+            }
+            c["partial_rotary_factor"] = (if head_dim.is_multiple_of(8) { 0.25 } else { 0.5 }).into();
+            // Gated DeltaNet layers at random among full ones, value heads a multiple of keys.
+            let key_heads = r.range(1, 3);
+            c["linear_num_key_heads"] = key_heads.into();
+            c["linear_num_value_heads"] = (key_heads * r.range(1, 3)).into();
+            c["linear_key_head_dim"] = r.pick(&[4, 8, 12, 16]).into();
+            c["linear_value_head_dim"] = r.pick(&[4, 8, 12]).into();
+            c["linear_conv_kernel_dim"] = r.range(2, 4).into();
+            c["layer_types"] = (0..layers).map(|_| if r.coin() { "linear_attention" } else { "full_attention" }).collect::<Vec<_>>().into();
         }
         "mixtral" => {
             c["num_local_experts"] = experts.into();
@@ -247,6 +265,11 @@ fn check_model(m: &Model<CpuBackend>, ids: &[u32], chunk: usize, tol: Tolerance,
     m.forward(&mut st, &ids[..(2 * t / 3).max(split + 1)], Logits::Last, &mut seen).unwrap();
     st.truncate(split);
     seen.0.retain(|&(_, pos), _| pos < split);
+    // A model that cannot go back that far (recurrent states) starts over or from a checkpoint.
+    let at = st.pos();
+    if at < split {
+        m.forward(&mut st, &ids[at..split], Logits::Last, &mut seen).unwrap();
+    }
     let resumed = m.forward(&mut st, &ids[split..], Logits::All, &mut seen).unwrap().to_vec();
     check(&resumed, split, &seen, format!("prefix reuse from {split}"));
     (whole, routes)

@@ -4,8 +4,8 @@
 use crate::FormatError;
 use serde_json::Value;
 use smoe_vault::{
-    names, Architecture, CompressedAttention, Compression, ExpertAct, Family, GenerationDefaults, HyperConnections, LayerKind, Mla, Moe,
-    QkNorm, Rope, RopeScaling, Router, SharedExperts, SparseAttention, TextAssets,
+    names, Architecture, CompressedAttention, Compression, ExpertAct, Family, GenerationDefaults, HyperConnections, LayerKind,
+    LinearAttention, Mla, Moe, QkNorm, Rope, RopeScaling, Router, SharedExperts, SparseAttention, TextAssets,
 };
 use std::path::Path;
 
@@ -136,6 +136,8 @@ pub fn architecture_from_config(cfg: &Value) -> Result<Architecture, FormatError
         sparse_attention: None,
         compressed_attention: None,
         hyper_connections: None,
+        linear_attention: None,
+        attn_output_gate: false,
     };
     match family {
         Family::Qwen3Moe | Family::Qwen2Moe => {
@@ -205,6 +207,7 @@ pub fn architecture_from_config(cfg: &Value) -> Result<Architecture, FormatError
                 arch.rope.partial_rotary_factor = r as f64 / head_dim as f64;
             }
         }
+        Family::Qwen3Next => qwen3_next(&c, &mut arch, &mut moe)?,
         Family::GptOss => gpt_oss(&c, &mut arch, &mut moe)?,
         Family::DeepseekV4 => deepseek_v4(&c, &mut arch, &mut moe)?,
         Family::Glm4Moe | Family::DeepseekV3 | Family::GlmMoeDsa => {
@@ -275,6 +278,54 @@ pub fn architecture_from_config(cfg: &Value) -> Result<Architecture, FormatError
     arch.moe = moe;
     arch.validate().map_err(|e| FormatError::BadInput(format!("config.json: {e}")))?;
     Ok(arch)
+}
+
+/// Qwen3-Next: Qwen2-MoE's experts (softmax top-k, a shared expert behind a sigmoid gate),
+/// Gated DeltaNet layers between full attention layers whose output is gated, q/k norms per
+/// head. Its RMSNorms scale by `1 + w` (the checkpoint's weights are offsets from one); the
+/// converter adds the one, so the vault holds plain norm weights.
+fn qwen3_next(c: &Cfg<'_>, arch: &mut Architecture, moe: &mut Moe) -> Result<(), FormatError> {
+    let layers = arch.num_layers;
+    moe.intermediate_size = c.usize("moe_intermediate_size")?;
+    moe.norm_topk_prob = c.bool_or("norm_topk_prob", true)?;
+    let shared = c.opt_usize("shared_expert_intermediate_size")?.unwrap_or(0);
+    if shared > 0 {
+        moe.shared_experts = Some(SharedExperts { intermediate_size: shared, sigmoid_gate: true });
+    }
+    let step = c.opt_usize("decoder_sparse_step")?.unwrap_or(1).max(1);
+    let mlp_only: Vec<usize> = c
+        .get("mlp_only_layers")
+        .and_then(|v| v.as_array())
+        .map(|a| a.iter().filter_map(|x| x.as_u64().map(|x| x as usize)).collect())
+        .unwrap_or_default();
+    for (l, kind) in arch.layers.iter_mut().enumerate() {
+        let sparse = !mlp_only.contains(&l) && (l + 1) % step == 0;
+        *kind = if sparse { LayerKind::Moe } else { LayerKind::Dense };
+    }
+    arch.qk_norm = QkNorm::PerHead;
+    arch.qkv_bias = c.bool_or("attention_bias", false)?;
+    arch.attn_output_gate = true;
+    // transformers writes `layer_types`; the hub's configs give the interval of full layers.
+    let linear = match string_list(c, "layer_types")? {
+        Some(types) => per_layer(&types, layers, "layer_types", |t| match t {
+            "linear_attention" => Some(true),
+            "full_attention" => Some(false),
+            _ => None,
+        })?,
+        None => {
+            let every = c.opt_usize("full_attention_interval")?.unwrap_or(4).max(1);
+            (0..layers).map(|l| (l + 1) % every != 0).collect()
+        }
+    };
+    arch.linear_attention = Some(LinearAttention {
+        layers: linear,
+        key_heads: c.usize("linear_num_key_heads")?,
+        value_heads: c.usize("linear_num_value_heads")?,
+        key_dim: c.usize("linear_key_head_dim")?,
+        value_dim: c.usize("linear_value_head_dim")?,
+        conv_kernel: c.opt_usize("linear_conv_kernel_dim")?.unwrap_or(4),
+    });
+    Ok(())
 }
 
 fn string_list(c: &Cfg<'_>, key: &str) -> Result<Option<Vec<String>>, FormatError> {
@@ -595,7 +646,7 @@ pub fn hf_name(family: Family, canonical: &str) -> String {
     let rest = simple.strip_prefix("layers.").expect("canonical layer tensor");
     let (layer, what) = rest.split_once('.').expect("layer index");
     let moe_block = if matches!(family, Family::Mixtral | Family::MinimaxM2) { "block_sparse_moe" } else { "mlp" };
-    let shared = if family == Family::Qwen2Moe { "shared_expert" } else { "shared_experts" };
+    let shared = if matches!(family, Family::Qwen2Moe | Family::Qwen3Next) { "shared_expert" } else { "shared_experts" };
     let mapped = match what {
         "attn_norm" => "input_layernorm.weight".to_string(),
         "ffn_norm" => "post_attention_layernorm.weight".to_string(),
@@ -610,6 +661,17 @@ pub fn hf_name(family: Family, canonical: &str) -> String {
         "moe.router" if family == Family::GptOss => "mlp.router.weight".into(),
         "moe.router_logit_bias" => "mlp.router.bias".into(),
         "attn.sinks" => "self_attn.sinks".into(),
+        // Qwen3-Next's Gated DeltaNet, under the names `smoe_convert`'s provider gives the
+        // parts of its fused projections.
+        "lin.qkv" => "linear_attn.in_proj_qkv.weight".into(),
+        "lin.z" => "linear_attn.in_proj_z.weight".into(),
+        "lin.b" => "linear_attn.in_proj_b.weight".into(),
+        "lin.a" => "linear_attn.in_proj_a.weight".into(),
+        "lin.conv" => "linear_attn.conv1d.weight".into(),
+        "lin.dt_bias" => "linear_attn.dt_bias".into(),
+        "lin.a_log" => "linear_attn.A_log".into(),
+        "lin.norm" => "linear_attn.norm.weight".into(),
+        "lin.out" => "linear_attn.out_proj.weight".into(),
         "attn.idx_q" => "self_attn.indexer.wq_b.weight".into(),
         "attn.idx_k" => "self_attn.indexer.wk.weight".into(),
         "attn.idx_k_norm" => "self_attn.indexer.k_norm.weight".into(),

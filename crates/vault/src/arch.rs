@@ -33,6 +33,9 @@ pub enum Family {
     GlmMoeDsa,
     /// DeepSeek-V4 (Flash, Pro): compressed attentions, hyper-connections, hash routing.
     DeepseekV4,
+    /// Qwen3-Next (`qwen3_next`): Gated DeltaNet linear attention between gated full
+    /// attention layers, a gated shared expert.
+    Qwen3Next,
 }
 
 impl Family {
@@ -49,11 +52,12 @@ impl Family {
             Family::GptOss => "gpt_oss",
             Family::GlmMoeDsa => "glm_moe_dsa",
             Family::DeepseekV4 => "deepseek_v4",
+            Family::Qwen3Next => "qwen3_next",
         }
     }
 
     /// All supported families.
-    pub const ALL: [Family; 10] = [
+    pub const ALL: [Family; 11] = [
         Family::Qwen3Moe,
         Family::Qwen2Moe,
         Family::Mixtral,
@@ -64,6 +68,7 @@ impl Family {
         Family::GptOss,
         Family::GlmMoeDsa,
         Family::DeepseekV4,
+        Family::Qwen3Next,
     ];
 
     /// The family with this `model_type`.
@@ -262,6 +267,47 @@ pub struct HyperConnections {
     pub eps: f64,
 }
 
+/// Gated DeltaNet linear attention (Qwen3-Next) on some layers, in place of full attention.
+///
+/// A linear layer projects the normed input into `[q | k | v]` (`lin.qkv`, `2 × key_heads ×
+/// key_dim + value_heads × value_dim` channels, heads one after another), `z` (`lin.z`, one
+/// `value_dim` gate per value head), and per value head `b` and `a` (`lin.b`, `lin.a`, exact).
+/// The `[q | k | v]` channels pass a causal depthwise convolution over the last `conv_kernel`
+/// positions (`lin.conv` `[channels, conv_kernel]`, exact) and SiLU; q and k heads are
+/// L2-normalised, q scaled by `1/sqrt(key_dim)`, and value head `j` reads key head
+/// `j / (value_heads / key_heads)`. Each value head keeps a `key_dim × value_dim` state `S`:
+/// per token `S ← exp(g)·S`, then `S ← S + k ⊗ β(v − Sᵀk)`, output `Sᵀq`, with `β =
+/// sigmoid(b)` and `g = −exp(A_log)·softplus(a + dt_bias)` (`lin.a_log`, `lin.dt_bias`, per value
+/// head). The output heads are RMS-normed (`lin.norm` `[value_dim]`), multiplied by `silu(z)`,
+/// and projected back (`lin.out`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LinearAttention {
+    /// Per layer: whether it runs linear attention (`layer_types` "linear_attention").
+    pub layers: Vec<bool>,
+    /// Key (and query) heads.
+    pub key_heads: usize,
+    /// Value heads, a multiple of the key heads.
+    pub value_heads: usize,
+    /// Dimensions of a key head.
+    pub key_dim: usize,
+    /// Dimensions of a value head.
+    pub value_dim: usize,
+    /// Taps of the causal convolution.
+    pub conv_kernel: usize,
+}
+
+impl LinearAttention {
+    /// Channels of `[q | k | v]`, the convolution's width.
+    pub fn conv_channels(&self) -> usize {
+        2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+    }
+    /// Floats of one layer's state: the last `conv_kernel - 1` inputs of every channel, then
+    /// every value head's `key_dim × value_dim` matrix.
+    pub fn state_floats(&self) -> usize {
+        (self.conv_kernel - 1) * self.conv_channels() + self.value_heads * self.key_dim * self.value_dim
+    }
+}
+
 /// How the router turns logits into expert choices and mixing weights.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
@@ -446,6 +492,14 @@ pub struct Architecture {
     /// DeepSeek-V4's widened residual stream.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hyper_connections: Option<HyperConnections>,
+    /// Gated DeltaNet layers (Qwen3-Next), if the model has them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub linear_attention: Option<LinearAttention>,
+    /// Standard attention's output is multiplied by `sigmoid(gate)`, the gate projected from the
+    /// layer input per query dimension (Qwen3-Next; tensor `attn.q_gate` `[heads × head_dim,
+    /// hidden]`).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub attn_output_gate: bool,
 }
 
 impl Architecture {
@@ -457,6 +511,11 @@ impl Architecture {
     /// The layers that run their own DSA indexer, in order (empty without sparse attention).
     pub fn indexer_layers(&self) -> Vec<usize> {
         self.sparse_attention.as_ref().map_or(vec![], |s| (0..self.num_layers).filter(|&l| s.indexer[l]).collect())
+    }
+
+    /// Whether layer `l` runs Gated DeltaNet linear attention.
+    pub fn is_linear(&self, l: usize) -> bool {
+        self.linear_attention.as_ref().is_some_and(|la| la.layers.get(l).copied().unwrap_or(false))
     }
 
     /// Indices of the MoE layers, in order.
@@ -587,6 +646,27 @@ impl Architecture {
         if let ExpertAct::ClampedSwiglu { alpha, limit } = self.moe.expert_act {
             if !alpha.is_finite() || !limit.is_finite() || limit <= 0.0 {
                 return Err(format!("bad clamped SwiGLU: alpha {alpha}, limit {limit}"));
+            }
+        }
+        if let Some(la) = &self.linear_attention {
+            if self.mla.is_some() || self.compressed_attention.is_some() || self.hyper_connections.is_some() {
+                return Err("linear attention beside latent or compressed attention".into());
+            }
+            pos(la.key_heads, "linear_num_key_heads")?;
+            pos(la.value_heads, "linear_num_value_heads")?;
+            pos(la.key_dim, "linear_key_head_dim")?;
+            pos(la.value_dim, "linear_value_head_dim")?;
+            if !(2..=16).contains(&la.conv_kernel) {
+                return Err(format!("linear_conv_kernel_dim {} (2 to 16)", la.conv_kernel));
+            }
+            if !la.value_heads.is_multiple_of(la.key_heads) {
+                return Err(format!("{} linear value heads for {} key heads", la.value_heads, la.key_heads));
+            }
+            if la.layers.len() != self.num_layers {
+                return Err(format!("{} linear-attention layer types for {} layers", la.layers.len(), self.num_layers));
+            }
+            if la.layers.iter().any(|&l| l) && !self.attention_windows.is_empty() {
+                return Err("linear attention beside sliding windows".into());
             }
         }
         if self.layers.contains(&LayerKind::Dense) && self.dense_intermediate_size == 0 {

@@ -23,8 +23,8 @@ mod stacked;
 mod writer;
 
 pub use arch::{
-    Architecture, CompressedAttention, Compression, ExpertAct, Family, HyperConnections, LayerKind, Mla, Moe, QkNorm, Rope, RopeScaling,
-    Router, SharedExperts, SparseAttention,
+    Architecture, CompressedAttention, Compression, ExpertAct, Family, HyperConnections, LayerKind, LinearAttention, Mla, Moe, QkNorm,
+    Rope, RopeScaling, Router, SharedExperts, SparseAttention,
 };
 pub use header::Header;
 pub use manifest::{DenseEntry, ExpertIndex, ExpertLayer, GenerationDefaults, Manifest, PartEntry, TextAssets};

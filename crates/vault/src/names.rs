@@ -150,6 +150,20 @@ fn attention_tensors(arch: &Architecture, l: usize, v: &mut Vec<TensorSpec>) {
     if arch.compressed_attention.is_some() {
         return compressed_attention_tensors(arch, l, v);
     }
+    if let Some(la) = arch.linear_attention.as_ref().filter(|_| arch.is_linear(l)) {
+        let (vw, c) = (la.value_heads * la.value_dim, la.conv_channels());
+        v.push(TensorSpec::matrix(layer(l, "lin.qkv"), c, h));
+        v.push(TensorSpec::matrix(layer(l, "lin.z"), vw, h));
+        // β and the decay set how much of the state each token keeps: exact, as routers.
+        v.push(TensorSpec::exact_matrix(layer(l, "lin.b"), la.value_heads, h));
+        v.push(TensorSpec::exact_matrix(layer(l, "lin.a"), la.value_heads, h));
+        v.push(TensorSpec::exact_matrix(layer(l, "lin.conv"), c, la.conv_kernel));
+        v.push(TensorSpec::vector(layer(l, "lin.dt_bias"), la.value_heads));
+        v.push(TensorSpec::vector(layer(l, "lin.a_log"), la.value_heads));
+        v.push(TensorSpec::vector(layer(l, "lin.norm"), la.value_dim));
+        v.push(TensorSpec::matrix(layer(l, "lin.out"), h, vw));
+        return;
+    }
     if let Some(m) = &arch.mla {
         let qk = m.qk_nope_head_dim + m.qk_rope_head_dim;
         match m.q_lora_rank {
@@ -181,6 +195,9 @@ fn attention_tensors(arch: &Architecture, l: usize, v: &mut Vec<TensorSpec>) {
     v.push(TensorSpec::matrix(layer(l, "attn.k"), kv, h));
     v.push(TensorSpec::matrix(layer(l, "attn.v"), kv, h));
     v.push(TensorSpec::matrix(layer(l, "attn.o"), h, q));
+    if arch.attn_output_gate {
+        v.push(TensorSpec::matrix(layer(l, "attn.q_gate"), q, h));
+    }
     if arch.qkv_bias {
         v.push(TensorSpec::vector(layer(l, "attn.q_bias"), q));
         v.push(TensorSpec::vector(layer(l, "attn.k_bias"), kv));

@@ -41,6 +41,8 @@ pub(crate) fn tiny_arch() -> Architecture {
         sparse_attention: None,
         compressed_attention: None,
         hyper_connections: None,
+        linear_attention: None,
+        attn_output_gate: false,
     }
 }
 

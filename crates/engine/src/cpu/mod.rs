@@ -11,7 +11,9 @@ mod matmul;
 pub mod pool;
 mod sparse;
 
-use crate::backend::{check, check_rows, AttnParams, Backend, CompressWindows, CompressedParams, IndexQueries, KvShape, MatJob, WeightRef};
+use crate::backend::{
+    check, check_rows, AttnParams, Backend, CompressWindows, CompressedParams, DeltaNetParams, IndexQueries, KvShape, MatJob, WeightRef,
+};
 use crate::routing::{RouteScratch, RouterRule};
 use smoe_quant::{Format, QMatrix};
 use std::sync::Arc;
@@ -195,6 +197,10 @@ impl Backend for CpuBackend {
     }
 
     fn attends_compressed(&self) -> bool {
+        true
+    }
+
+    fn runs_linear_attention(&self) -> bool {
         true
     }
 
@@ -383,6 +389,29 @@ impl Backend for CpuBackend {
         assert!(l.k.len() >= end * d, "index_select: layer {layer} holds {} positions, not {end}", l.k.len() / d.max(1));
         let kernels = (self.precision == Precision::Fast).then_some(self.kernels);
         sparse::index_select(l, q, weights, at, out, kernels);
+    }
+    fn gated_delta_net(&self, p: DeltaNetParams<'_>, x: &CpuBuf, row0: usize, n: usize, state: &mut CpuBuf, fresh: bool, out: &mut CpuBuf) {
+        let vw = p.value_heads * p.value_dim;
+        check_rows("gated_delta_net", x, row0, n, p.stride, 0, p.stride);
+        check_rows("gated_delta_net output", out, row0, n, vw, 0, vw);
+        check("gated_delta_net state", state, 1, p.state_floats());
+        assert!(
+            p.conv.len() == p.channels() * p.taps
+                && p.neg_a.len() == p.value_heads
+                && p.dt_bias.len() == p.value_heads
+                && p.norm.len() == p.value_dim,
+            "gated_delta_net: parameters of the wrong lengths"
+        );
+        let st = &mut state[..p.state_floats()];
+        crate::delta::gated_delta_net(&p, &x[row0 * p.stride..(row0 + n) * p.stride], n, st, fresh, &mut out[row0 * vw..(row0 + n) * vw]);
+    }
+    fn sigmoid_gate(&self, x: &mut CpuBuf, n: usize, width: usize, gate: &CpuBuf, gate_stride: usize, gate_off: usize) {
+        check("sigmoid_gate", x, n, width);
+        check_rows("sigmoid_gate gate", gate, 0, n, gate_stride, gate_off, width);
+        for (t, row) in x[..n * width].chunks_exact_mut(width).enumerate() {
+            let g = &gate[t * gate_stride + gate_off..][..width];
+            row.iter_mut().zip(g).for_each(|(a, &b)| *a /= 1.0 + (-b).exp());
+        }
     }
     fn compress_windows(&self, cache: &mut CpuKvCache, c: CompressWindows<'_>) {
         compressed::compress_windows(&mut cache.layers, c);

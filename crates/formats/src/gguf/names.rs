@@ -17,6 +17,8 @@ pub fn arch_name(f: Family) -> &'static str {
         Family::GlmMoeDsa => "glm-dsa",
         // No GGUF converter writes DeepSeek-V4 yet; export refuses it (see `smoe_convert`).
         Family::DeepseekV4 => "deepseek4",
+        // Its linear-attention tensors have no GGUF names here yet: import and export refuse it.
+        Family::Qwen3Next => "qwen3next",
     }
 }
 

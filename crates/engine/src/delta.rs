@@ -1,0 +1,170 @@
+//! Gated DeltaNet (Qwen3-Next's linear attention) on the host: the recurrence, token by token,
+//! as transformers' `torch_recurrent_gated_delta_rule` runs it, which its chunked form
+//! (`torch_chunk_gated_delta_rule`, used for prefill) computes the same values as up to
+//! rounding. See [`crate::backend::DeltaNetParams`] for the rows and the state.
+
+use crate::backend::DeltaNetParams;
+
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// torch's `softplus` (beta 1, threshold 20).
+fn softplus(x: f32) -> f32 {
+    if x > 20.0 {
+        x
+    } else {
+        x.exp().ln_1p()
+    }
+}
+
+/// Scales `x` to unit L2 norm as transformers' `l2norm` (epsilon 1e-6 under the root), times
+/// `scale`.
+fn l2_normalise(x: &mut [f32], scale: f32) {
+    let ss: f32 = x.iter().map(|v| v * v).sum();
+    let inv = scale / (ss + 1e-6).sqrt();
+    x.iter_mut().for_each(|v| *v *= inv);
+}
+
+/// The causal convolution with SiLU over rows `0..n` of `x` (`p.stride` apart, `[q | k | v]`
+/// first), continuing from the inputs `conv_state` holds (`taps - 1` rows of `channels`, oldest
+/// first; zeros where `fresh`), which it leaves holding the last inputs. Returns `[n, channels]`.
+fn convolve(p: &DeltaNetParams<'_>, x: &[f32], n: usize, conv_state: &mut [f32], fresh: bool) -> Vec<f32> {
+    let (c, taps) = (p.channels(), p.taps);
+    if fresh {
+        conv_state.fill(0.0);
+    }
+    // The window of inputs a token sees: the kept ones, then the call's.
+    let mut window = Vec::with_capacity((taps - 1 + n) * c);
+    window.extend_from_slice(conv_state);
+    for t in 0..n {
+        window.extend_from_slice(&x[t * p.stride..][..c]);
+    }
+    let mut y = vec![0f32; n * c];
+    for (t, row) in y.chunks_exact_mut(c).enumerate() {
+        for (ch, out) in row.iter_mut().enumerate() {
+            let w = &p.conv[ch * taps..][..taps];
+            let acc: f32 = (0..taps).map(|j| w[j] * window[(t + j) * c + ch]).sum();
+            *out = silu(acc);
+        }
+    }
+    conv_state.copy_from_slice(&window[n * c..]);
+    y
+}
+
+/// Runs one Gated DeltaNet layer over rows `0..n` of `x` (one sequence's tokens, in order),
+/// writing rows `0..n` of `out` (`value_heads × value_dim` wide); see
+/// [`crate::Backend::gated_delta_net`].
+pub fn gated_delta_net(p: &DeltaNetParams<'_>, x: &[f32], n: usize, state: &mut [f32], fresh: bool, out: &mut [f32]) {
+    let (kh, vh, kd, vd) = (p.key_heads, p.value_heads, p.key_dim, p.value_dim);
+    let (c, vw) = (p.channels(), vh * vd);
+    let group = vh / kh;
+    let (conv_state, mats) = state.split_at_mut((p.taps - 1) * c);
+    let mut y = convolve(p, x, n, conv_state, fresh);
+    if fresh {
+        mats.fill(0.0);
+    }
+    let q_scale = 1.0 / (kd as f32).sqrt();
+    for row in y.chunks_exact_mut(c) {
+        let (qk, _) = row.split_at_mut(2 * kh * kd);
+        for (i, head) in qk.chunks_exact_mut(kd).enumerate() {
+            l2_normalise(head, if i < kh { q_scale } else { 1.0 });
+        }
+    }
+    let mut kv_mem = vec![0f32; vd];
+    for (j, s) in mats.chunks_exact_mut(kd * vd).enumerate() {
+        let kh_of = j / group;
+        for t in 0..n {
+            let (row, xin) = (&y[t * c..][..c], &x[t * p.stride..][..p.stride]);
+            let q = &row[kh_of * kd..][..kd];
+            let k = &row[(kh + kh_of) * kd..][..kd];
+            let v = &row[2 * kh * kd + j * vd..][..vd];
+            let beta = sigmoid(xin[c + vw + j]);
+            let decay = (p.neg_a[j] * softplus(xin[c + vw + vh + j] + p.dt_bias[j])).exp();
+            s.iter_mut().for_each(|e| *e *= decay);
+            // kv_mem = Sᵀk, then S += k ⊗ β(v − kv_mem).
+            kv_mem.fill(0.0);
+            for (ki, srow) in k.iter().zip(s.chunks_exact(vd)) {
+                kv_mem.iter_mut().zip(srow).for_each(|(m, &e)| *m += e * ki);
+            }
+            kv_mem.iter_mut().zip(v).for_each(|(m, &vv)| *m = (vv - *m) * beta);
+            for (&ki, srow) in k.iter().zip(s.chunks_exact_mut(vd)) {
+                srow.iter_mut().zip(&kv_mem).for_each(|(e, &d)| *e += ki * d);
+            }
+            // o = Sᵀq, RMS-normed per head, times silu(z).
+            let o = &mut out[t * vw + j * vd..][..vd];
+            o.fill(0.0);
+            for (&qi, srow) in q.iter().zip(s.chunks_exact(vd)) {
+                o.iter_mut().zip(srow).for_each(|(a, &e)| *a += e * qi);
+            }
+            let ms = o.iter().map(|a| a * a).sum::<f32>() / vd as f32;
+            let inv = 1.0 / (ms + p.eps).sqrt();
+            let z = &xin[c + j * vd..][..vd];
+            for ((a, &w), &zz) in o.iter_mut().zip(p.norm).zip(z) {
+                *a = *a * inv * w * silu(zz);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params<'a>(conv: &'a [f32], neg_a: &'a [f32], dt: &'a [f32], norm: &'a [f32], stride: usize) -> DeltaNetParams<'a> {
+        DeltaNetParams {
+            key_heads: 2,
+            value_heads: 4,
+            key_dim: 4,
+            value_dim: 3,
+            taps: 4,
+            conv,
+            neg_a,
+            dt_bias: dt,
+            norm,
+            eps: 1e-6,
+            stride,
+        }
+    }
+
+    fn noise(n: usize, seed: u32) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(2654435761).max(1);
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 17;
+                s ^= s << 5;
+                (s % 2001) as f32 / 1000.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// A prompt run in one call equals the same tokens run one call each (the state carries
+    /// the sequence), and `fresh` ignores whatever the state held.
+    #[test]
+    fn one_call_equals_token_by_token() {
+        let (conv, neg_a, dt, norm) = (noise(28 * 4, 1), noise(4, 2), noise(4, 3), noise(3, 4));
+        let p0 = params(&conv, &neg_a, &dt, &norm, 0);
+        let stride = p0.channels() + 12 + 8;
+        let p = params(&conv, &neg_a, &dt, &norm, stride);
+        let n = 7;
+        let x = noise(n * stride, 5);
+        let mut whole = vec![0f32; n * 12];
+        let mut st = noise(p.state_floats(), 6);
+        gated_delta_net(&p, &x, n, &mut st, true, &mut whole);
+        let mut step = vec![0f32; n * 12];
+        let mut st2 = vec![0f32; p.state_floats()];
+        for t in 0..n {
+            gated_delta_net(&p, &x[t * stride..], 1, &mut st2, t == 0, &mut step[t * 12..]);
+        }
+        for (a, b) in whole.iter().zip(&step) {
+            assert!((a - b).abs() <= 1e-6 * a.abs().max(1.0), "{a} vs {b}");
+        }
+        assert_eq!(st, st2);
+        assert!(whole.iter().all(|v| v.is_finite()) && whole.iter().any(|&v| v != 0.0));
+    }
+}
