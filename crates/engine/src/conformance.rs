@@ -60,6 +60,9 @@ pub fn check_backend<B: Backend>(b: &B, tol: &Tolerance) -> Result<usize, Vec<St
     if b.attends_compressed() {
         s.compressed_attention();
     }
+    if b.runs_linear_attention() {
+        s.linear_attention();
+    }
     s.normed_products();
     s.routing();
     s.kept();
@@ -887,6 +890,60 @@ impl<B: Backend> Suite<'_, B> {
         }
         let got = self.read(&xb, xs.len());
         self.compare_elementwise("silu_clamped_halves", "rows 1..4 of 20, halves of 8", &got, &want);
+    }
+
+    /// Gated DeltaNet (Qwen3-Next) against the host's head-by-head run: a 9-token prompt at
+    /// rows 2.. of a step, then three decode steps continuing its state, with two key heads
+    /// serving six value heads; and the gated attention output.
+    fn linear_attention(&mut self) {
+        let (kh, vh, kd, vd, taps) = (2, 6, 16, 8, 4);
+        let (conv, neg_a, dt, norm) = (self.values((2 * kh * kd + vh * vd) * taps), self.values(vh), self.values(vh), self.values(vd));
+        let neg_a: Vec<f32> = neg_a.iter().map(|v| -v.abs() - 0.1).collect();
+        let mut p = crate::backend::DeltaNetParams {
+            key_heads: kh,
+            value_heads: vh,
+            key_dim: kd,
+            value_dim: vd,
+            taps,
+            conv: &conv,
+            neg_a: &neg_a,
+            dt_bias: &dt,
+            norm: &norm,
+            eps: 1e-6,
+            stride: 0,
+        };
+        p.stride = p.channels() + vh * vd + 2 * vh;
+        let (rows, vw, sf) = (14, vh * vd, p.state_floats());
+        let x = self.values(rows * p.stride);
+        let xb = self.buf(x.len(), &x);
+        let mut state = self.buf(sf, &vec![7.0; sf]);
+        let mut out = self.buf(rows * vw, &vec![0.0; rows * vw]);
+        self.b.gated_delta_net(p, &xb, 2, 9, &mut state, true, &mut out);
+        for t in 11..rows {
+            self.b.gated_delta_net(p, &xb, t, 1, &mut state, false, &mut out);
+        }
+        let (mut want_state, mut want) = (vec![0f32; sf], vec![0f32; rows * vw]);
+        crate::delta::gated_delta_net(&p, &x[2 * p.stride..], 9, &mut want_state, true, &mut want[2 * vw..]);
+        for t in 11..rows {
+            crate::delta::gated_delta_net(&p, &x[t * p.stride..], 1, &mut want_state, false, &mut want[t * vw..]);
+        }
+        let got = self.read(&out, rows * vw);
+        self.compare_elementwise(
+            "gated_delta_net",
+            "9 prompt tokens at row 2, 3 decode steps, 2 key heads for 6",
+            &got[2 * vw..],
+            &want[2 * vw..],
+        );
+        let got = self.read(&state, sf);
+        self.compare_elementwise("gated_delta_net state", "after 12 tokens", &got, &want_state);
+        // The gated output: rows of 10 against gates at offset 3 of rows of 16.
+        let (n, w, gs) = (4, 10, 16);
+        let (a, g) = (self.values(n * w), self.values(n * gs));
+        let mut ab = self.buf(a.len(), &a);
+        self.b.sigmoid_gate(&mut ab, n, w, &self.buf(g.len(), &g), gs, 3);
+        let want: Vec<f32> = (0..n * w).map(|i| a[i] / (1.0 + (-g[(i / w) * gs + 3 + i % w]).exp())).collect();
+        let got = self.read(&ab, n * w);
+        self.compare_elementwise("sigmoid_gate", "4 rows of 10, gates at 3 of 16", &got, &want);
     }
 
     /// DeepSeek-V4's attention over a sliding window and compressed entries (stored directly,

@@ -56,57 +56,78 @@ fn convolve(p: &DeltaNetParams<'_>, x: &[f32], n: usize, conv_state: &mut [f32],
     y
 }
 
-/// Runs one Gated DeltaNet layer over rows `0..n` of `x` (one sequence's tokens, in order),
-/// writing rows `0..n` of `out` (`value_heads × value_dim` wide); see
-/// [`crate::Backend::gated_delta_net`].
-pub fn gated_delta_net(p: &DeltaNetParams<'_>, x: &[f32], n: usize, state: &mut [f32], fresh: bool, out: &mut [f32]) {
-    let (kh, vh, kd, vd) = (p.key_heads, p.value_heads, p.key_dim, p.value_dim);
-    let (c, vw) = (p.channels(), vh * vd);
-    let group = vh / kh;
-    let (conv_state, mats) = state.split_at_mut((p.taps - 1) * c);
-    let mut y = convolve(p, x, n, conv_state, fresh);
-    if fresh {
-        mats.fill(0.0);
-    }
+/// The convolution (see [`convolve`]) of rows `0..n` of `x`, with q and k heads
+/// L2-normalised and q scaled by `1/sqrt(key_dim)`: `[n, channels]`, what every value head
+/// reads. `state`'s first `(taps - 1) × channels` floats are the convolution's.
+pub fn prepare(p: &DeltaNetParams<'_>, x: &[f32], n: usize, state: &mut [f32], fresh: bool) -> Vec<f32> {
+    let (c, kh, kd) = (p.channels(), p.key_heads, p.key_dim);
+    let mut y = convolve(p, x, n, &mut state[..(p.taps - 1) * c], fresh);
     let q_scale = 1.0 / (kd as f32).sqrt();
     for row in y.chunks_exact_mut(c) {
-        let (qk, _) = row.split_at_mut(2 * kh * kd);
-        for (i, head) in qk.chunks_exact_mut(kd).enumerate() {
+        for (i, head) in row[..2 * kh * kd].chunks_exact_mut(kd).enumerate() {
             l2_normalise(head, if i < kh { q_scale } else { 1.0 });
         }
     }
+    y
+}
+
+/// Value head `j` over the `n` tokens [`prepare`] made `y` of (rows of `x` give its `z`, `b`
+/// and `a`): its `key_dim × value_dim` state `s` decayed and updated by the delta rule token by
+/// token, each token's output `Sᵀq` RMS-normed and gated by `silu(z)` into row `t` of `out`
+/// (`[n, value_dim]`). `fresh`: the state starts from zeros.
+#[allow(clippy::too_many_arguments)]
+pub fn run_head(p: &DeltaNetParams<'_>, y: &[f32], x: &[f32], n: usize, j: usize, s: &mut [f32], fresh: bool, out: &mut [f32]) {
+    let (kh, vh, kd, vd) = (p.key_heads, p.value_heads, p.key_dim, p.value_dim);
+    let (c, vw) = (p.channels(), vh * vd);
+    let kh_of = j / (vh / kh);
+    if fresh {
+        s.fill(0.0);
+    }
     let mut kv_mem = vec![0f32; vd];
-    for (j, s) in mats.chunks_exact_mut(kd * vd).enumerate() {
-        let kh_of = j / group;
-        for t in 0..n {
-            let (row, xin) = (&y[t * c..][..c], &x[t * p.stride..][..p.stride]);
-            let q = &row[kh_of * kd..][..kd];
-            let k = &row[(kh + kh_of) * kd..][..kd];
-            let v = &row[2 * kh * kd + j * vd..][..vd];
-            let beta = sigmoid(xin[c + vw + j]);
-            let decay = (p.neg_a[j] * softplus(xin[c + vw + vh + j] + p.dt_bias[j])).exp();
-            s.iter_mut().for_each(|e| *e *= decay);
-            // kv_mem = Sᵀk, then S += k ⊗ β(v − kv_mem).
-            kv_mem.fill(0.0);
-            for (ki, srow) in k.iter().zip(s.chunks_exact(vd)) {
-                kv_mem.iter_mut().zip(srow).for_each(|(m, &e)| *m += e * ki);
-            }
-            kv_mem.iter_mut().zip(v).for_each(|(m, &vv)| *m = (vv - *m) * beta);
-            for (&ki, srow) in k.iter().zip(s.chunks_exact_mut(vd)) {
-                srow.iter_mut().zip(&kv_mem).for_each(|(e, &d)| *e += ki * d);
-            }
-            // o = Sᵀq, RMS-normed per head, times silu(z).
-            let o = &mut out[t * vw + j * vd..][..vd];
-            o.fill(0.0);
-            for (&qi, srow) in q.iter().zip(s.chunks_exact(vd)) {
-                o.iter_mut().zip(srow).for_each(|(a, &e)| *a += e * qi);
-            }
-            let ms = o.iter().map(|a| a * a).sum::<f32>() / vd as f32;
-            let inv = 1.0 / (ms + p.eps).sqrt();
-            let z = &xin[c + j * vd..][..vd];
-            for ((a, &w), &zz) in o.iter_mut().zip(p.norm).zip(z) {
-                *a = *a * inv * w * silu(zz);
-            }
+    for (t, o) in out.chunks_exact_mut(vd).take(n).enumerate() {
+        let (row, xin) = (&y[t * c..][..c], &x[t * p.stride..][..p.stride]);
+        let q = &row[kh_of * kd..][..kd];
+        let k = &row[(kh + kh_of) * kd..][..kd];
+        let v = &row[2 * kh * kd + j * vd..][..vd];
+        let beta = sigmoid(xin[c + vw + j]);
+        let decay = (p.neg_a[j] * softplus(xin[c + vw + vh + j] + p.dt_bias[j])).exp();
+        s.iter_mut().for_each(|e| *e *= decay);
+        // kv_mem = Sᵀk, then S += k ⊗ β(v − kv_mem).
+        kv_mem.fill(0.0);
+        for (ki, srow) in k.iter().zip(s.chunks_exact(vd)) {
+            kv_mem.iter_mut().zip(srow).for_each(|(m, &e)| *m += e * ki);
+        }
+        kv_mem.iter_mut().zip(v).for_each(|(m, &vv)| *m = (vv - *m) * beta);
+        for (&ki, srow) in k.iter().zip(s.chunks_exact_mut(vd)) {
+            srow.iter_mut().zip(&kv_mem).for_each(|(e, &d)| *e += ki * d);
+        }
+        // o = Sᵀq, RMS-normed per head, times silu(z).
+        o.fill(0.0);
+        for (&qi, srow) in q.iter().zip(s.chunks_exact(vd)) {
+            o.iter_mut().zip(srow).for_each(|(a, &e)| *a += e * qi);
+        }
+        let ms = o.iter().map(|a| a * a).sum::<f32>() / vd as f32;
+        let inv = 1.0 / (ms + p.eps).sqrt();
+        let z = &xin[c + j * vd..][..vd];
+        for ((a, &w), &zz) in o.iter_mut().zip(p.norm).zip(z) {
+            *a = *a * inv * w * silu(zz);
+        }
+    }
+}
+
+/// Runs one Gated DeltaNet layer over rows `0..n` of `x` (one sequence's tokens, in order),
+/// writing rows `0..n` of `out` (`value_heads × value_dim` wide), one head after another; see
+/// [`crate::Backend::gated_delta_net`]. (The CPU backend runs the heads of [`run_head`] in
+/// parallel.)
+pub fn gated_delta_net(p: &DeltaNetParams<'_>, x: &[f32], n: usize, state: &mut [f32], fresh: bool, out: &mut [f32]) {
+    let (vd, vw) = (p.value_dim, p.value_heads * p.value_dim);
+    let y = prepare(p, x, n, state, fresh);
+    let mats = &mut state[(p.taps - 1) * p.channels()..];
+    let mut o = vec![0f32; n * vd];
+    for (j, s) in mats.chunks_exact_mut(p.key_dim * vd).enumerate() {
+        run_head(p, &y, x, n, j, s, fresh, &mut o);
+        for (t, row) in o.chunks_exact(vd).enumerate() {
+            out[t * vw + j * vd..][..vd].copy_from_slice(row);
         }
     }
 }

@@ -42,6 +42,13 @@ fn kv_cache_values_per_token_for_published_shapes() {
     let fixed = 43 * (127 + 512 + 64) * 512 + 23 * (128 + 512 + 64) * 1024 + 20 * (8 + 512 + 64) * (2048 + 512);
     assert_eq!(smoe_engine::kv_fixed_values(&flash), fixed);
     println!("KV-fixed|deepseek-v4-flash|{fixed}|{} MiB", (fixed * 4) >> 20);
+    // Qwen3-Next-80B-A3B: 12 full attention layers of 2 kv heads x 256 (k + v); 36 Gated
+    // DeltaNet layers hold no per-position state but a fixed one each: 3 convolution taps of
+    // 8192 channels and 32 value heads' 128 x 128 matrices.
+    let next = arch("qwen3-next-80b-a3b");
+    assert_eq!(kv_values_per_token(&next), 12 * 2 * 256 * 2);
+    assert_eq!(smoe_engine::kv_fixed_values(&next), 36 * (3 * 8192 + 32 * 128 * 128));
+    println!("KV-fixed|qwen3-next-80b-a3b|{}|{} MiB", smoe_engine::kv_fixed_values(&next), (smoe_engine::kv_fixed_values(&next) * 4) >> 20);
     println!(
         "KV-fixed|deepseek-v4-pro|{}|{} MiB",
         smoe_engine::kv_fixed_values(&arch("deepseek-v4-pro")),

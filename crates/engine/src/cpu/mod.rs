@@ -402,8 +402,21 @@ impl Backend for CpuBackend {
                 && p.norm.len() == p.value_dim,
             "gated_delta_net: parameters of the wrong lengths"
         );
+        let (x, vd, mat) = (&x[row0 * p.stride..(row0 + n) * p.stride], p.value_dim, p.key_dim * p.value_dim);
         let st = &mut state[..p.state_floats()];
-        crate::delta::gated_delta_net(&p, &x[row0 * p.stride..(row0 + n) * p.stride], n, st, fresh, &mut out[row0 * vw..(row0 + n) * vw]);
+        let y = crate::delta::prepare(&p, x, n, st, fresh);
+        let mats = DisjointOut::new(&mut st[(p.taps - 1) * p.channels()..]);
+        let outs = DisjointOut::new(&mut out[row0 * vw..(row0 + n) * vw]);
+        // Value heads are independent: one task each.
+        self.pool.run(p.value_heads, &|j| {
+            let mut o = vec![0f32; n * vd];
+            // SAFETY: head j alone touches its state matrix.
+            crate::delta::run_head(&p, &y, x, n, j, unsafe { mats.range(j * mat, mat) }, fresh, &mut o);
+            for (t, row) in o.chunks_exact(vd).enumerate() {
+                // SAFETY: head j alone writes its value_dim columns of each output row.
+                unsafe { outs.range(t * vw + j * vd, vd) }.copy_from_slice(row);
+            }
+        });
     }
     fn sigmoid_gate(&self, x: &mut CpuBuf, n: usize, width: usize, gate: &CpuBuf, gate_stride: usize, gate_off: usize) {
         check("sigmoid_gate", x, n, width);
