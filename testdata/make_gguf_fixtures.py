@@ -64,7 +64,16 @@ def glm_moe_dsa_quirks(family):
     return []
 
 
-FAMILY_QUIRKS = {"glm4_moe": glm4_moe_quirks, "glm_moe_dsa": glm_moe_dsa_quirks}
+def qwen3_next_quirks(family):
+    """The converter's Qwen3-Next / Qwen3.5 classes (_QwenMtpMixin) count the MTP layers from the
+    checkpoint's `mtp.*` tensors and assert there is at least one unless `--no-mtp` is given; the
+    fixtures, like what transformers saves, have no MTP layer. `--no-mtp`, the converter's own flag,
+    gives 4 blocks and no nextn_predict_layers."""
+    return ["--no-mtp"]
+
+
+FAMILY_QUIRKS = {"glm4_moe": glm4_moe_quirks, "glm_moe_dsa": glm_moe_dsa_quirks, "qwen3_next": qwen3_next_quirks,
+                 "qwen3_5_moe": qwen3_next_quirks}
 
 # DeepSeek-V4 as deepseek-ai ships it (FP8 layers, FP4 experts): the converter always writes the
 # experts as MXFP4 blocks and the dequantized FP8 layers as Q8_0 (its tensor_force_quant), the rest
@@ -73,7 +82,12 @@ FAMILY_QUIRKS = {"glm4_moe": glm4_moe_quirks, "glm_moe_dsa": glm_moe_dsa_quirks}
 # gpt-oss from the hub's MXFP4 layout: `--outtype bf16` keeps the experts' MXFP4 blocks (repacked
 # to ggml's nibble order) and writes the rest bf16, so the fixture's own reference applies; no
 # q8_0 file (its reference would need transformers on MXFP4 experts plus Q8_0 round trips).
-BF16_ONLY = {"gpt_oss_mxfp4", "deepseek_v4_fp4"}
+#
+# Qwen3-Next / Qwen3.5-MoE: bf16 only for now. The converter rewrites the Gated DeltaNet's tensors
+# (A_log -> -exp(A_log), the zero-centred norms +1, in_proj_qkvz regrouped into attn_qkv + attn_gate,
+# Qwen3.5's V heads reordered from grouped to tiled), which q8_0_reference's name-by-name check
+# does not follow.
+BF16_ONLY = {"gpt_oss_mxfp4", "deepseek_v4_fp4", "qwen3_next", "qwen3_5_moe"}
 
 
 OUT = "gguf"

@@ -792,8 +792,10 @@ fn keep_all_experts<B: Backend>(backend: &B, experts: &dyn ExpertSource, arch: &
 fn product_matrices(arch: &Architecture, dense: &[DenseEntry]) -> Vec<(usize, smoe_quant::Format, usize, usize)> {
     let mut names: Vec<String> = Vec::new();
     for l in 0..arch.num_layers {
-        if arch.mla.is_none() {
-            names.extend(["attn.q", "attn.k", "attn.v", "attn.o"].map(|w| names::layer(l, w)));
+        if arch.is_linear(l) {
+            names.extend(["lin.qkv", "lin.z", "lin.out"].map(|w| names::layer(l, w)));
+        } else if arch.mla.is_none() {
+            names.extend(["attn.q", "attn.k", "attn.v", "attn.o", "attn.q_gate"].map(|w| names::layer(l, w)));
         }
         let prefix = match arch.layers[l] {
             LayerKind::Dense => Some("mlp"),

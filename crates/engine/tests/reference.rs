@@ -30,6 +30,7 @@ fn check_vault(name: &str, experts: ExpertFormats, dense: Format) {
         for mode in [ScoreMode::Prefill, ScoreMode::Decode] {
             let out = score(&model, &input, mode, 64, false).unwrap();
             let e = rel_err(&out.logits, expect);
+            eprintln!("{name} {tag} {mode:?}: logits rel err {e:.2e}");
             assert!(e < 1e-4, "{name} {tag} {mode:?}: logits rel err {e:.2e}");
             // Routing, layer by layer: same expert sets except at near-ties, same weights.
             let mut near_ties = 0;
@@ -175,6 +176,13 @@ fn minimax_m2_matches_transformers() {
 /// gpt-oss: sliding-window and full layers, attention sinks, biases on every projection and
 /// expert, the clamped SwiGLU over interleaved gate/up columns, softmax over the top-k of
 /// biased router logits, YaRN.
+/// Qwen3-Next: Gated DeltaNet layers (their recurrent state carried through prefill chunks and
+/// step decode) between gated full attention layers, as transformers computes them.
+#[test]
+fn qwen3_next_matches_transformers() {
+    check_fixture("qwen3_next");
+}
+
 #[test]
 fn gpt_oss_matches_transformers() {
     check_fixture("gpt_oss");

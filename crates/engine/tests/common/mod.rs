@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 /// Every fixture family's directory under testdata/hf (one per model type, plus the YaRN and
 /// K-quant variants).
-pub const ALL_FIXTURES: [&str; 13] = [
+pub const ALL_FIXTURES: [&str; 14] = [
     "qwen3_moe",
     "qwen2_moe",
     "mixtral",
@@ -24,6 +24,7 @@ pub const ALL_FIXTURES: [&str; 13] = [
     "gpt_oss",
     "glm_moe_dsa",
     "deepseek_v4",
+    "qwen3_next",
 ];
 
 pub fn fixture(name: &str) -> PathBuf {
