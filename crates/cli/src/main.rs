@@ -48,7 +48,8 @@ enum Command {
     Synth {
         /// qwen3-30b-a3b, qwen3-235b-a22b, qwen2-57b-a14b, mixtral-8x7b, mixtral-8x22b,
         /// olmoe-1b-7b, glm-4.5-air, glm-4.5, deepseek-v3, kimi-k2, minimax-m2, gpt-oss-20b,
-        /// gpt-oss-120b, glm-5, glm-5.2, deepseek-v4-flash, deepseek-v4-pro or qwen3-next-80b-a3b.
+        /// gpt-oss-120b, glm-5, glm-5.2, deepseek-v4-flash, deepseek-v4-pro, qwen3-next-80b-a3b or
+        /// qwen3.5-397b-a17b.
         #[arg(long)]
         shape: String,
         /// Output directory (a Hugging Face checkpoint).

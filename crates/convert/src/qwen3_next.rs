@@ -12,6 +12,10 @@
 //! - `linear_attn.conv1d.weight` `[channels, 1, taps]` as `[channels, taps]`.
 //! - `self_attn.q_proj` holds per head `[query | gate]` (`head_dim` each): presented as
 //!   `q_proj` (the queries) and `q_gate_proj` (the output gate).
+//! - Qwen3.5-MoE keeps each layer's experts fused: `mlp.experts.gate_up_proj` `[experts, 2 ×
+//!   width, hidden]` (gate rows, then up rows) and `mlp.experts.down_proj` `[experts, hidden,
+//!   width]`, rows = outputs. They are presented as the per-expert tensors
+//!   (`mlp.experts.E.{gate,up,down}_proj.weight`) the converter reads for every family.
 //! - The RMSNorms (`input_layernorm`, `post_attention_layernorm`, `model.norm`, `q_norm`,
 //!   `k_norm`) compute `x̂ · (1 + w)`: presented with the one added, as the plain weights the
 //!   vault holds. The linear attention's gated norm (`linear_attn.norm`) multiplies by `w`
@@ -33,6 +37,15 @@ pub struct Qwen3NextParts<'a> {
     /// Query heads and their dimensions (full attention).
     heads: usize,
     head_dim: usize,
+    /// Routed experts per layer.
+    experts: usize,
+}
+
+/// A per-expert name's rows within a fused expert tensor: the tensor, its first row, how many.
+struct ExpertRows {
+    src: String,
+    first: usize,
+    rows: usize,
 }
 
 /// Which fused tensor a presented name reads, and how its rows map.
@@ -55,7 +68,8 @@ const SPLITS: [(&str, &str, Split); 6] = [
     ("self_attn.q_gate_proj.weight", "self_attn.q_proj.weight", Split::Gate),
 ];
 
-/// Norms stored as offsets from one.
+/// Norms stored as offsets from one (the final one is `model.norm` or, in Qwen3.5's multimodal
+/// checkpoints, `model.language_model.norm`, which ends the same way).
 const OFFSET_NORMS: [&str; 5] = [
     "input_layernorm.weight",
     "post_attention_layernorm.weight",
@@ -76,7 +90,37 @@ impl<'a> Qwen3NextParts<'a> {
             value_dim: la.value_dim,
             heads: arch.num_heads,
             head_dim: arch.head_dim,
+            experts: arch.moe.num_experts,
         })
+    }
+
+    /// Where a per-expert name `...mlp.experts.E.{gate,up,down}_proj.weight` lies in its layer's
+    /// fused tensors, if the checkpoint fuses them.
+    fn expert_rows(&self, name: &str) -> Option<ExpertRows> {
+        let (prefix, rest) = name.split_at(name.find("mlp.experts.")? + "mlp.experts.".len());
+        let (e, part) = rest.split_once('.')?;
+        let e: usize = e.parse().ok().filter(|&e| e < self.experts)?;
+        let (fused, half) = match part {
+            "gate_proj.weight" => ("gate_up_proj", Some(0)),
+            "up_proj.weight" => ("gate_up_proj", Some(1)),
+            "down_proj.weight" => ("down_proj", None),
+            _ => return None,
+        };
+        let src = format!("{prefix}{fused}");
+        let shape = self.inner.shape(&src)?;
+        let [experts, outs, _] = shape[..] else { return None };
+        if experts != self.experts {
+            return None;
+        }
+        Some(match half {
+            Some(h) => ExpertRows { src, first: e * outs + h * outs / 2, rows: outs / 2 },
+            None => ExpertRows { src, first: e * outs, rows: outs },
+        })
+    }
+
+    /// Whether `name` is a fused expert tensor (presented per expert instead).
+    fn is_fused_experts(name: &str) -> bool {
+        name.ends_with("mlp.experts.gate_up_proj") || name.ends_with("mlp.experts.down_proj")
     }
 
     /// The fused tensor behind a presented name, the split, and the layer prefix.
@@ -136,6 +180,12 @@ impl<'a> Qwen3NextParts<'a> {
 
 impl TensorProvider for Qwen3NextParts<'_> {
     fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        if let Some(x) = self.expert_rows(name) {
+            return Some(vec![x.rows, *self.inner.shape(&x.src)?.last()?]);
+        }
+        if Self::is_fused_experts(name) {
+            return None;
+        }
         if let Some((src, split)) = self.split(name) {
             let cols = *self.inner.shape(&src)?.last()?;
             return Some(vec![self.rows_of(split), cols]);
@@ -151,6 +201,14 @@ impl TensorProvider for Qwen3NextParts<'_> {
     fn names(&self) -> Vec<String> {
         let mut v = Vec::new();
         for n in self.inner.names() {
+            if Self::is_fused_experts(&n) {
+                let prefix = &n[..n.rfind("mlp.experts.").expect("suffix matched") + "mlp.experts.".len()];
+                let parts: &[&str] = if n.ends_with("gate_up_proj") { &["gate", "up"] } else { &["down"] };
+                for e in 0..self.experts {
+                    v.extend(parts.iter().map(|p| format!("{prefix}{e}.{p}_proj.weight")));
+                }
+                continue;
+            }
             let fused: Vec<_> = SPLITS.iter().filter(|(_, f, _)| n.ends_with(f)).collect();
             if fused.is_empty() {
                 v.push(n);
@@ -168,6 +226,12 @@ impl TensorProvider for Qwen3NextParts<'_> {
     }
 
     fn read_rows(&self, name: &str, start: usize, n: usize, out: &mut [f32]) -> Result<(), ConvertError> {
+        if let Some(x) = self.expert_rows(name) {
+            if start + n > x.rows {
+                return Err(FormatError::Internal(format!("{name}: rows {start}..{} of {}", start + n, x.rows)).into());
+            }
+            return self.inner.read_rows(&x.src, x.first + start, n, out);
+        }
         if let Some((src, split)) = self.split(name) {
             let cols = self.inner.shape(&src).and_then(|s| s.last().copied()).ok_or_else(|| ConvertError::Missing(vec![src.clone()]))?;
             if start + n > self.rows_of(split) || out.len() != n * cols {
@@ -195,20 +259,24 @@ impl TensorProvider for Qwen3NextParts<'_> {
     ) -> Option<Result<(), ConvertError>> {
         // Only what is read as it is (a synthetic source's expert blocks); parts and norms are
         // made from values.
-        if self.split(name).is_some() || Self::is_offset_norm(name) {
+        if self.split(name).is_some() || self.expert_rows(name).is_some() || Self::is_offset_norm(name) {
             return None;
         }
         self.inner.read_quantized(name, format, start, n, dst)
     }
 
     fn native_format(&self, name: &str) -> Option<smoe_quant::Format> {
-        if self.split(name).is_some() || Self::is_offset_norm(name) {
+        if self.split(name).is_some() || self.expert_rows(name).is_some() || Self::is_offset_norm(name) {
             return None;
         }
         self.inner.native_format(name)
     }
 
     fn source_bytes(&self, name: &str) -> u64 {
+        if let Some(x) = self.expert_rows(name) {
+            let rows = self.inner.shape(&x.src).map_or(1, |s| s[..s.len() - 1].iter().product::<usize>().max(1));
+            return self.inner.source_bytes(&x.src) * x.rows as u64 / rows as u64;
+        }
         match self.split(name) {
             // Each part counts its share of the fused tensor.
             Some((src, split)) => {
@@ -235,6 +303,7 @@ mod tests {
             value_dim: 5,
             heads: 3,
             head_dim: 6,
+            experts: 0,
         };
         for parts in [[Split::Qkv, Split::Z].as_slice(), &[Split::B, Split::A], &[Split::Query, Split::Gate]] {
             let mut seen: Vec<usize> =

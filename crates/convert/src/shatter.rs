@@ -230,7 +230,7 @@ fn shatter_in_pool(hf_dir: &Path, out: &Path, opts: &ShatterOptions, progress: &
         // FP8 linear layers and FP4 experts with their `.scale`s.
         return convert(&crate::deepseek_v4::HubQuantized::new(&ckpt), assets, out, opts, progress);
     }
-    if arch.family == smoe_vault::Family::Qwen3Next {
+    if matches!(arch.family, smoe_vault::Family::Qwen3Next | smoe_vault::Family::Qwen35Moe) {
         // Fused projections taken apart, norms as plain weights.
         return convert(&crate::qwen3_next::Qwen3NextParts::new(&ckpt, &arch)?, assets, out, opts, progress);
     }

@@ -49,6 +49,7 @@ pub fn shape_names() -> Vec<&'static str> {
         "deepseek-v4-flash",
         "deepseek-v4-pro",
         "qwen3-next-80b-a3b",
+        "qwen3.5-397b-a17b",
     ]
 }
 
@@ -148,6 +149,20 @@ pub fn shape_config(name: &str) -> Result<Value, ConvertError> {
             "rope_scaling": null, "rope_theta": 10000000, "router_aux_loss_coef": 0.001,
             "shared_expert_intermediate_size": 512, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
             "use_cache": true, "use_sliding_window": false, "vocab_size": 151936
+        }),
+        // Qwen/Qwen3.5-397B-A17B's text_config, written flat (the decoder alone: synth makes no
+        // vision tower); token ids are the synth tokenizer's (Qwen3's), not Qwen3.5's.
+        "qwen3.5-397b-a17b" => json!({
+            "architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+            "attention_bias": false, "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645,
+            "full_attention_interval": 4, "head_dim": 256, "hidden_act": "silu", "hidden_size": 4096,
+            "initializer_range": 0.02, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+            "linear_num_key_heads": 16, "linear_num_value_heads": 64, "linear_value_head_dim": 128,
+            "max_position_embeddings": 262144, "moe_intermediate_size": 1024, "num_attention_heads": 32,
+            "num_experts": 512, "num_experts_per_tok": 10, "num_hidden_layers": 60, "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-6, "rope_parameters": {"rope_theta": 10000000, "partial_rotary_factor": 0.25,
+            "rope_type": "default"}, "shared_expert_intermediate_size": 1024, "tie_word_embeddings": false,
+            "torch_dtype": "bfloat16", "use_cache": true, "vocab_size": 248320
         }),
         "minimax-m2" => json!({
             "architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2", "attention_dropout": 0.0,
@@ -347,7 +362,10 @@ fn plan(cfg: &Value, router_spread: f32) -> Result<Vec<Planned>, ConvertError> {
             Init::ExpertIds { experts: arch.moe.num_experts, top_k: arch.moe.top_k }
         } else if spec.name.ends_with("moe.router") {
             Init::Router { hidden: arch.hidden_size, cols: spec.shape[1], spread: router_spread }
-        } else if spec.name.ends_with("norm") && arch.family == smoe_vault::Family::Qwen3Next && !spec.name.ends_with("lin.norm") {
+        } else if spec.name.ends_with("norm")
+            && matches!(arch.family, smoe_vault::Family::Qwen3Next | smoe_vault::Family::Qwen35Moe)
+            && !spec.name.ends_with("lin.norm")
+        {
             // Qwen3-Next stores its RMSNorm weights as offsets from one.
             Init::Small(0.05)
         } else if spec.name.ends_with("norm") {
@@ -557,7 +575,7 @@ pub fn synth_vault_from_config(
     let generation = hf_generation(&cfg);
     let arch = hf::architecture_from_config(&cfg)?;
     let assets = crate::SourceAssets { config: cfg, text, generation };
-    if arch.family == smoe_vault::Family::Qwen3Next {
+    if matches!(arch.family, smoe_vault::Family::Qwen3Next | smoe_vault::Family::Qwen35Moe) {
         // As `shatter` reads a Qwen3-Next checkpoint: its norms are offsets from one.
         return crate::shatter_from(&crate::qwen3_next::Qwen3NextParts::new(&provider, &arch)?, assets, out, shatter, progress);
     }
@@ -760,11 +778,14 @@ mod tests {
             ("deepseek-v4-flash", 284e9),
             ("deepseek-v4-pro", 1.6e12 - 384.0 * 3.0 * 7168.0 * 3072.0),
             ("qwen3-next-80b-a3b", 80e9),
+            // Qwen: 397B, counting the vision encoder and the MTP layer, which are not converted.
+            ("qwen3.5-397b-a17b", 397e9),
         ];
         assert_eq!(published.len(), shape_names().len());
         for (shape, want) in published {
             let n: usize = plan(&shape_config(shape).unwrap(), 0.0).unwrap().iter().map(|t| t.shape.iter().product::<usize>()).sum();
             let off = (n as f64 - want).abs() / want;
+            println!("{shape}: {n} parameters ({:+.2}% of the published {want:e})", 100.0 * (n as f64 - want) / want);
             assert!(off < 0.01, "{shape}: {n} parameters, published {want:e}");
         }
     }

@@ -183,6 +183,13 @@ fn qwen3_next_matches_transformers() {
     check_fixture("qwen3_next");
 }
 
+/// Qwen3.5-MoE: the same decoder from its multimodal checkpoint (text_config, the
+/// `model.language_model.` prefix, split projections, fused experts, a vision tower left out).
+#[test]
+fn qwen3_5_moe_matches_transformers() {
+    check_fixture("qwen3_5_moe");
+}
+
 #[test]
 fn gpt_oss_matches_transformers() {
     check_fixture("gpt_oss");

@@ -49,6 +49,19 @@ impl Cfg<'_> {
 
 /// Maps a config.json onto the architecture description.
 pub fn architecture_from_config(cfg: &Value) -> Result<Architecture, FormatError> {
+    // Qwen3.5-MoE's checkpoints are multimodal: the decoder's settings are its `text_config`.
+    let text;
+    let cfg = match (cfg.get("model_type").and_then(|v| v.as_str()), cfg.get("text_config")) {
+        (Some("qwen3_5_moe"), Some(t)) if t.is_object() => {
+            text = {
+                let mut t = t.clone();
+                t["model_type"] = "qwen3_5_moe".into();
+                t
+            };
+            &text
+        }
+        _ => cfg,
+    };
     let c = Cfg(cfg);
     let model_type = c.get("model_type").and_then(|v| v.as_str()).unwrap_or("<missing>");
     let family = Family::from_model_type(model_type).ok_or_else(|| {
@@ -207,7 +220,7 @@ pub fn architecture_from_config(cfg: &Value) -> Result<Architecture, FormatError
                 arch.rope.partial_rotary_factor = r as f64 / head_dim as f64;
             }
         }
-        Family::Qwen3Next => qwen3_next(&c, &mut arch, &mut moe)?,
+        Family::Qwen3Next | Family::Qwen35Moe => qwen3_next(&c, &mut arch, &mut moe)?,
         Family::GptOss => gpt_oss(&c, &mut arch, &mut moe)?,
         Family::DeepseekV4 => deepseek_v4(&c, &mut arch, &mut moe)?,
         Family::Glm4Moe | Family::DeepseekV3 | Family::GlmMoeDsa => {
@@ -280,14 +293,15 @@ pub fn architecture_from_config(cfg: &Value) -> Result<Architecture, FormatError
     Ok(arch)
 }
 
-/// Qwen3-Next: Qwen2-MoE's experts (softmax top-k, a shared expert behind a sigmoid gate),
+/// Qwen3-Next and Qwen3.5-MoE: Qwen2-MoE's experts (softmax top-k, a shared expert behind a sigmoid gate),
 /// Gated DeltaNet layers between full attention layers whose output is gated, q/k norms per
 /// head. Its RMSNorms scale by `1 + w` (the checkpoint's weights are offsets from one); the
 /// converter adds the one, so the vault holds plain norm weights.
 fn qwen3_next(c: &Cfg<'_>, arch: &mut Architecture, moe: &mut Moe) -> Result<(), FormatError> {
     let layers = arch.num_layers;
     moe.intermediate_size = c.usize("moe_intermediate_size")?;
-    moe.norm_topk_prob = c.bool_or("norm_topk_prob", true)?;
+    // Qwen3.5 always renormalises the top-k (its config has no switch).
+    moe.norm_topk_prob = arch.family == Family::Qwen35Moe || c.bool_or("norm_topk_prob", true)?;
     let shared = c.opt_usize("shared_expert_intermediate_size")?.unwrap_or(0);
     if shared > 0 {
         moe.shared_experts = Some(SharedExperts { intermediate_size: shared, sigmoid_gate: true });
@@ -637,16 +651,19 @@ pub fn hf_name(family: Family, canonical: &str) -> String {
     if family == Family::DeepseekV4 {
         return deepseek_v4_name(canonical);
     }
+    // Qwen3.5-MoE's decoder lies under its multimodal model's `language_model`.
+    let model = if family == Family::Qwen35Moe { "model.language_model" } else { "model" };
     let simple = match canonical {
-        "embed" => return "model.embed_tokens.weight".into(),
-        "final_norm" => return "model.norm.weight".into(),
+        "embed" => return format!("{model}.embed_tokens.weight"),
+        "final_norm" => return format!("{model}.norm.weight"),
         "lm_head" => return "lm_head.weight".into(),
         s => s,
     };
     let rest = simple.strip_prefix("layers.").expect("canonical layer tensor");
     let (layer, what) = rest.split_once('.').expect("layer index");
     let moe_block = if matches!(family, Family::Mixtral | Family::MinimaxM2) { "block_sparse_moe" } else { "mlp" };
-    let shared = if matches!(family, Family::Qwen2Moe | Family::Qwen3Next) { "shared_expert" } else { "shared_experts" };
+    let shared =
+        if matches!(family, Family::Qwen2Moe | Family::Qwen3Next | Family::Qwen35Moe) { "shared_expert" } else { "shared_experts" };
     let mapped = match what {
         "attn_norm" => "input_layernorm.weight".to_string(),
         "ffn_norm" => "post_attention_layernorm.weight".to_string(),
@@ -702,7 +719,7 @@ pub fn hf_name(family: Family, canonical: &str) -> String {
             }
         }
     };
-    format!("model.layers.{layer}.{mapped}")
+    format!("{model}.layers.{layer}.{mapped}")
 }
 
 /// The checkpoint names of expert `e`'s `[gate, up, down]` in decoder layer `layer`.
@@ -715,7 +732,8 @@ pub fn hf_expert_names(family: Family, layer: usize, e: usize) -> [String; 3] {
         let p = format!("model.layers.{layer}.block_sparse_moe.experts.{e}");
         return [format!("{p}.w1.weight"), format!("{p}.w3.weight"), format!("{p}.w2.weight")];
     }
-    let p = format!("model.layers.{layer}.mlp.experts.{e}");
+    let model = if family == Family::Qwen35Moe { "model.language_model" } else { "model" };
+    let p = format!("{model}.layers.{layer}.mlp.experts.{e}");
     names::EXPERT_PARTS.map(|part| format!("{p}.{part}_proj.weight"))
 }
 
@@ -730,11 +748,16 @@ pub fn is_ignored(name: &str, arch: &Architecture) -> bool {
     // and the `ffn.gate.bias` a hash-routed layer carries but never uses (its experts come from
     // the token id; llama.cpp's converter drops it too). Its FP8/FP4 `.scale`s are read with
     // their weights (`smoe_convert`), not ignored.
+    // Qwen3.5-MoE: the vision tower and the multi-token-prediction layer.
+    if arch.family == Family::Qwen35Moe && (name.starts_with("model.visual.") || name.starts_with("mtp.")) {
+        return true;
+    }
     let v4 = arch.family == Family::DeepseekV4;
     if v4 && (name.starts_with("mtp.") || name.starts_with("aligner.") || name.starts_with("image_") || name.ends_with(".gate.bias_vl")) {
         return true;
     }
-    if let Some(rest) = name.strip_prefix("model.layers.").or_else(|| name.strip_prefix("layers.").filter(|_| v4)) {
+    let layers = name.strip_prefix("model.layers.").or_else(|| name.strip_prefix("model.language_model.layers."));
+    if let Some(rest) = layers.or_else(|| name.strip_prefix("layers.").filter(|_| v4)) {
         if let Some(Ok(l)) = rest.split('.').next().map(str::parse::<usize>) {
             if v4 && l < arch.num_layers && arch.moe.hash_routed(l) && rest.ends_with(".ffn.gate.bias") {
                 return true;

@@ -36,6 +36,9 @@ pub enum Family {
     /// Qwen3-Next (`qwen3_next`): Gated DeltaNet linear attention between gated full
     /// attention layers, a gated shared expert.
     Qwen3Next,
+    /// Qwen3.5-MoE (`qwen3_5_moe`, Qwen3.5-397B-A17B): Qwen3-Next's decoder in a multimodal
+    /// checkpoint (its text model is read; the vision tower is not).
+    Qwen35Moe,
 }
 
 impl Family {
@@ -53,11 +56,12 @@ impl Family {
             Family::GlmMoeDsa => "glm_moe_dsa",
             Family::DeepseekV4 => "deepseek_v4",
             Family::Qwen3Next => "qwen3_next",
+            Family::Qwen35Moe => "qwen3_5_moe",
         }
     }
 
     /// All supported families.
-    pub const ALL: [Family; 11] = [
+    pub const ALL: [Family; 12] = [
         Family::Qwen3Moe,
         Family::Qwen2Moe,
         Family::Mixtral,
@@ -69,6 +73,7 @@ impl Family {
         Family::GlmMoeDsa,
         Family::DeepseekV4,
         Family::Qwen3Next,
+        Family::Qwen35Moe,
     ];
 
     /// The family with this `model_type`.

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 /// Every fixture family's directory under testdata/hf (one per model type, plus the YaRN and
 /// K-quant variants).
-pub const ALL_FIXTURES: [&str; 14] = [
+pub const ALL_FIXTURES: [&str; 15] = [
     "qwen3_moe",
     "qwen2_moe",
     "mixtral",
@@ -25,6 +25,7 @@ pub const ALL_FIXTURES: [&str; 14] = [
     "glm_moe_dsa",
     "deepseek_v4",
     "qwen3_next",
+    "qwen3_5_moe",
 ];
 
 pub fn fixture(name: &str) -> PathBuf {

@@ -19,6 +19,7 @@ pub fn arch_name(f: Family) -> &'static str {
         Family::DeepseekV4 => "deepseek4",
         // Its linear-attention tensors have no GGUF names here yet: import and export refuse it.
         Family::Qwen3Next => "qwen3next",
+        Family::Qwen35Moe => "qwen35moe",
     }
 }
 
