@@ -143,3 +143,46 @@ fn harmony_replies_keep_their_markers_and_stop_at_return_and_call() {
     assert_eq!((r.reasoning.as_str(), r.content.as_str(), r.tool_calls.len()), ("Use the tool.", "", 1));
     assert_eq!((r.tool_calls[0].name.as_str(), r.tool_calls[0].arguments.as_str()), ("get_weather", "{\"city\":\"Paris\"}"));
 }
+
+/// A model with recurrent states (Qwen3-Next's Gated DeltaNet) cannot cut its state back, so a
+/// session resumes where its latest prefill ended: a next turn that keeps the previous prompt
+/// but not the reply (as chat templates that drop reasoning do) computes only what follows that
+/// prompt; one that keeps everything computes only its new tokens; a prefix shorter than the
+/// checkpoint starts over. Each generates what a fresh session generates, and a fork is taken
+/// only at the other session's end.
+#[test]
+fn a_recurrent_model_resumes_from_its_last_prompt() {
+    use smoe_engine::{NoObserver, Session};
+    let (_dir, engine) = shattered("testdata/hf/qwen3_next");
+    let opts = GenOptions { stop_ids: Some(vec![]), ..GenOptions::new(8, SamplingParams { temperature: 0.0, ..Default::default() }, 4096) };
+    let enc = |s: &str| engine.encode(s).unwrap();
+    let fresh = |prompt: &[u32]| Session::new(&engine.model).generate(&engine, prompt, &opts, &mut NoObserver, &mut |_, _| true).unwrap();
+    let cat = |a: &[u32], b: &[u32]| a.iter().chain(b).copied().collect::<Vec<u32>>();
+    let p1 = enc("The quick brown fox jumps over the lazy dog, and then the dog");
+    let mut s = Session::new(&engine.model);
+    let first = s.generate(&engine, &p1, &opts, &mut NoObserver, &mut |_, _| true).unwrap();
+    assert_eq!(first.tokens, fresh(&p1).tokens);
+    // The previous prompt, then other text than the reply.
+    let p2 = cat(&p1, &enc(" sleeps. Hello, world! Then"));
+    let second = s.generate(&engine, &p2, &opts, &mut NoObserver, &mut |_, _| true).unwrap();
+    assert_eq!(second.stats.prefilled_tokens, p2.len() - p1.len(), "resumed after the previous prompt");
+    assert_eq!(second.tokens, fresh(&p2).tokens);
+    // Everything so far, then more: nothing to go back to.
+    let p3 = cat(&cat(&p2, &second.tokens[..7]), &enc(" and so"));
+    let third = s.generate(&engine, &p3, &opts, &mut NoObserver, &mut |_, _| true).unwrap();
+    assert_eq!(third.stats.prefilled_tokens, p3.len() - (p2.len() + 7));
+    assert_eq!(third.tokens, fresh(&p3).tokens);
+    // A prefix that ends before the checkpoint: the sequence starts over.
+    let p4 = cat(&p1[..5], &enc(" cat"));
+    let fourth = s.generate(&engine, &p4, &opts, &mut NoObserver, &mut |_, _| true).unwrap();
+    assert_eq!(fourth.stats.prefilled_tokens, p4.len());
+    assert_eq!(fourth.tokens, fresh(&p4).tokens);
+    // Forks: at the end of the cached tokens, not inside them.
+    let at = s.cached_tokens().len();
+    assert!(Session::fork(&engine.model, &s, at - 1).is_none(), "no recurrent state inside the sequence");
+    let mut forked = Session::fork(&engine.model, &s, at).expect("a fork at the end copies the states");
+    let p5 = cat(s.cached_tokens(), &enc(" more"));
+    let fifth = forked.generate(&engine, &p5, &opts, &mut NoObserver, &mut |_, _| true).unwrap();
+    assert_eq!(fifth.stats.prefilled_tokens, p5.len() - at);
+    assert_eq!(fifth.tokens, fresh(&p5).tokens);
+}
