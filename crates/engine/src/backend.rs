@@ -195,8 +195,11 @@ impl AttnParams<'_> {
 pub struct DeltaNetParams<'a> {
     /// Key (and query) heads.
     pub key_heads: usize,
-    /// Value heads; value head `j` reads key head `j / (value_heads / key_heads)`.
+    /// Value heads; value head `j` reads key head `j / (value_heads / key_heads)`, or `j %
+    /// key_heads` where `tiled`.
     pub value_heads: usize,
+    /// Value heads numbered across key heads (see [`smoe_vault::LinearAttention::tiled_value_heads`]).
+    pub tiled: bool,
     /// Dimensions of a key head.
     pub key_dim: usize,
     /// Dimensions of a value head.

@@ -902,6 +902,7 @@ impl<B: Backend> Suite<'_, B> {
         let mut p = crate::backend::DeltaNetParams {
             key_heads: kh,
             value_heads: vh,
+            tiled: false,
             key_dim: kd,
             value_dim: vd,
             taps,

@@ -126,7 +126,7 @@ const COLUMNS: usize = 64;
 fn run_head_body(p: &DeltaNetParams<'_>, y: &[f32], x: &[f32], n: usize, j: usize, s: &mut [f32], fresh: bool, out: &mut [f32]) {
     let (kh, vh, kd, vd) = (p.key_heads, p.value_heads, p.key_dim, p.value_dim);
     let (c, vw) = (p.channels(), vh * vd);
-    let kh_of = j / (vh / kh);
+    let kh_of = if p.tiled { j % kh } else { j / (vh / kh) };
     if fresh {
         s.fill(0.0);
     }
@@ -195,6 +195,7 @@ mod tests {
         DeltaNetParams {
             key_heads: 2,
             value_heads: 4,
+            tiled: false,
             key_dim: 4,
             value_dim: 3,
             taps: 4,
@@ -281,6 +282,7 @@ mod timing {
         let p = DeltaNetParams {
             key_heads: kh,
             value_heads: vh,
+            tiled: false,
             key_dim: kd,
             value_dim: vd,
             taps,

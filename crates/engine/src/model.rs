@@ -610,6 +610,7 @@ impl<B: Backend> Model<B> {
         crate::backend::DeltaNetParams {
             key_heads: la.key_heads,
             value_heads: la.value_heads,
+            tiled: la.tiled_value_heads,
             key_dim: la.key_dim,
             value_dim: la.value_dim,
             taps: la.conv_kernel,

@@ -87,6 +87,29 @@ fn llama_cpp_ggufs_import_and_run_in_place() {
     }
 }
 
+/// Qwen3-Next and Qwen3.5-MoE as llama.cpp's converter writes them (bf16 only: see the
+/// fixtures README): its fused `attn_q` (query and gate per head) and qwen3next's `ssm_ba`
+/// taken apart, `ssm_a` (`-exp(A_log)`) turned back into `A_log`, the layer kinds from
+/// `recurrent_layers` (qwen3_next's file says `full_attention_interval` 4, which is wrong for
+/// it), and qwen35moe's value heads numbered across key heads; in place and shattered, against
+/// transformers.
+#[test]
+fn llama_cpp_qwen3_next_and_qwen3_5_ggufs_import_and_run_in_place() {
+    let dir = tempfile::tempdir().unwrap();
+    for family in ["qwen3_next", "qwen3_5_moe"] {
+        let file = gguf(&format!("{family}.bf16.gguf"));
+        let r = reference(family, "bf16");
+        let e = engine(&file, CacheSize::Experts(4));
+        let la = e.model.arch().linear_attention.clone().unwrap();
+        assert_eq!(la.layers, [true, false, true, false], "{family}");
+        assert_eq!(la.tiled_value_heads, family == "qwen3_5_moe");
+        check(&e.model, &r, &format!("{family}.bf16 in place"));
+        let out = dir.path().join(format!("{family}.smoe"));
+        smoe_convert::gguf::import::shatter_gguf(&file, &out, &smoe_formats::Silent).unwrap();
+        check(&engine(&out, CacheSize::Resident).model, &r, &format!("{family}.bf16 shattered"));
+    }
+}
+
 /// gpt-oss as llama.cpp's converter writes the hub's MXFP4 checkpoint (`--outtype bf16`: the
 /// experts' MXFP4 blocks repacked to ggml's nibble order, the rest bf16): in place and
 /// shattered against transformers, and its expert blocks byte for byte those smoe's own

@@ -338,6 +338,8 @@ fn qwen3_next(c: &Cfg<'_>, arch: &mut Architecture, moe: &mut Moe) -> Result<(),
         key_dim: c.usize("linear_key_head_dim")?,
         value_dim: c.usize("linear_value_head_dim")?,
         conv_kernel: c.opt_usize("linear_conv_kernel_dim")?.unwrap_or(4),
+        // smoe's own key, written by its GGUF reader for llama.cpp's qwen35moe files.
+        tiled_value_heads: c.bool_or("smoe_tiled_value_heads", false)?,
     });
     Ok(())
 }

@@ -299,6 +299,11 @@ pub struct LinearAttention {
     pub value_dim: usize,
     /// Taps of the causal convolution.
     pub conv_kernel: usize,
+    /// Value heads numbered across key heads (value head `i` reads key head `i % key_heads`, as
+    /// llama.cpp's `qwen35moe` files order them) instead of grouped by key head (`i /
+    /// (value_heads / key_heads)`, as the Hugging Face checkpoints do).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub tiled_value_heads: bool,
 }
 
 impl LinearAttention {

@@ -193,6 +193,11 @@ fn check_supported(a: &Architecture) -> Result<(), ConvertError> {
         // Not yet: its metadata (sliding window, expert widths) and tensor names are imported
         // but not written.
         Family::GptOss => bad("exporting gpt-oss is not implemented yet (importing llama.cpp's gpt-oss GGUFs is)"),
+        // Not yet: llama.cpp fuses tensors the vault keeps apart (attn_q with its gate, ssm_ba)
+        // and stores ssm_a as -exp(A_log).
+        Family::Qwen3Next | Family::Qwen35Moe => {
+            bad("exporting Qwen3-Next and Qwen3.5 is not implemented yet (importing llama.cpp's qwen3next and qwen35moe GGUFs is)")
+        }
         _ => Ok(()),
     }
 }

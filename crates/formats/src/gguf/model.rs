@@ -31,6 +31,8 @@ enum Source {
     /// A tensor that must stay exact (a router's, a hyper-connection's mixing) stored in a
     /// lower-precision type, dequantized to F32 as a vault holds it.
     Exact(usize),
+    /// `ln(-v)` of an F32 vector: `A_log` from llama.cpp's `ssm_a` (which holds `-exp(A_log)`).
+    LogNeg(usize),
 }
 
 /// ggml's type id of 32-bit integers.
@@ -111,10 +113,12 @@ fn config_from_metadata(g: &Gguf) -> Result<Json, FormatError> {
         "minimax-m2" => "minimax_m2",
         "gpt-oss" => "gpt_oss",
         "deepseek4" => "deepseek_v4",
+        "qwen3next" => "qwen3_next",
+        "qwen35moe" => "qwen3_5_moe",
         "llama" => return Err(FormatError::Unsupported("a llama GGUF without experts is a dense model; smoe runs MoE models".into())),
         other => {
             return Err(FormatError::Unsupported(format!(
-                "GGUF architecture '{other}' is not supported; supported: qwen3moe, qwen2moe, llama (Mixtral), olmoe, glm4moe, deepseek2, glm-dsa, minimax-m2, gpt-oss, deepseek4"
+                "GGUF architecture '{other}' is not supported; supported: qwen3moe, qwen2moe, llama (Mixtral), olmoe, glm4moe, deepseek2, glm-dsa, minimax-m2, gpt-oss, deepseek4, qwen3next, qwen35moe"
             )))
         }
     };
@@ -216,6 +220,36 @@ fn config_from_metadata(g: &Gguf) -> Result<Json, FormatError> {
             }
         }
         "deepseek_v4" => deepseek_v4_config(g, &arch, layers, experts, expert_ff, &mut c)?,
+        "qwen3_next" | "qwen3_5_moe" => {
+            c.insert("num_experts".into(), experts.into());
+            c.insert("moe_intermediate_size".into(), expert_ff.into());
+            c.insert("intermediate_size".into(), u("feed_forward_length").unwrap_or(0).into());
+            c.insert("shared_expert_intermediate_size".into(), u("expert_shared_feed_forward_length").unwrap_or(0).into());
+            c.insert("norm_topk_prob".into(), true.into());
+            let mlp_only: Vec<usize> = (0..layers).filter(|&l| !moe_layer(l)).collect();
+            c.insert("mlp_only_layers".into(), mlp_only.into());
+            let (groups, heads, inner) = (req("ssm.group_count")?, req("ssm.time_step_rank")?, req("ssm.inner_size")?);
+            c.insert("linear_num_key_heads".into(), groups.into());
+            c.insert("linear_num_value_heads".into(), heads.into());
+            c.insert("linear_key_head_dim".into(), req("ssm.state_size")?.into());
+            c.insert("linear_value_head_dim".into(), (inner / heads.max(1)).into());
+            c.insert("linear_conv_kernel_dim".into(), req("ssm.conv_kernel")?.into());
+            // The per-layer kinds: llama.cpp reads `recurrent_layers` first (its converter's
+            // `full_attention_interval` can be a default that does not describe the model).
+            let recurrent = match g.get(&key("attention.recurrent_layers")) {
+                Some(Value::Array(a)) if a.len() == layers => a.iter().map(|v| v.as_bool()).collect::<Option<Vec<bool>>>(),
+                Some(_) => None,
+                None => {
+                    let every = u("full_attention_interval").unwrap_or(4).max(1);
+                    Some((0..layers).map(|l| (l + 1) % every != 0).collect())
+                }
+            }
+            .ok_or_else(|| FormatError::BadInput(format!("{} is not one flag per layer", key("attention.recurrent_layers"))))?;
+            let types: Vec<&str> = recurrent.iter().map(|&r| if r { "linear_attention" } else { "full_attention" }).collect();
+            c.insert("layer_types".into(), types.into());
+            // llama.cpp's qwen35moe converter numbers value heads across key heads.
+            c.insert("smoe_tiled_value_heads".into(), (model_type == "qwen3_5_moe").into());
+        }
         "olmoe" => {
             c.insert("num_experts".into(), experts.into());
             c.insert("intermediate_size".into(), expert_ff.into());
@@ -443,7 +477,11 @@ impl GgufModel {
             };
             used[t] = true;
             let qk = arch.family == Family::Mixtral && (spec.name.ends_with("attn.q") || spec.name.ends_with("attn.k"));
-            let source = if qk {
+            let source = if let Some(rows) = qwen3_next_rows(&arch, &spec.name) {
+                Source::Rows { tensor: t, rows }
+            } else if spec.name.ends_with("lin.a_log") {
+                Source::LogNeg(t)
+            } else if qk {
                 let heads = if spec.name.ends_with("attn.q") { arch.num_heads } else { arch.num_kv_heads };
                 Source::Rows { tensor: t, rows: invert(&llama_qk_permutation(heads, arch.head_dim)) }
             } else {
@@ -491,11 +529,17 @@ impl GgufModel {
                 let t = &self.gguf.tensors[*tensor];
                 let data = self.read_tensor(t)?;
                 let rb = t.format()?.row_bytes(t.cols()).map_err(|e| FormatError::BadInput(format!("{}: {e}", t.name)))?;
-                let mut out = vec![0u8; data.len()];
+                let mut out = vec![0u8; rows.len() * rb];
                 for (dst, &src) in rows.iter().enumerate() {
                     out[dst * rb..(dst + 1) * rb].copy_from_slice(&data[src * rb..(src + 1) * rb]);
                 }
-                Ok(out)
+                if d.format == t.format()? {
+                    return Ok(out);
+                }
+                // Rows of a tensor that must stay exact, stored in a lower-precision type.
+                let mut v = vec![0f32; rows.len() * t.cols()];
+                smoe_quant::dequantize(t.format()?, &out, &mut v).map_err(|e| FormatError::BadInput(format!("{}: {e}", t.name)))?;
+                Ok(v.iter().flat_map(|x| x.to_le_bytes()).collect())
             }
             Source::KvB { k, v } => self.rebuild_kv_b(d, *k, *v),
             Source::Exact(t) => {
@@ -504,6 +548,16 @@ impl GgufModel {
                 let mut out = vec![0f32; t.rows() * t.cols()];
                 smoe_quant::dequantize(t.format()?, &data, &mut out).map_err(|e| FormatError::BadInput(format!("{}: {e}", t.name)))?;
                 Ok(out.iter().flat_map(|v| v.to_le_bytes()).collect())
+            }
+            Source::LogNeg(t) => {
+                let t = &self.gguf.tensors[*t];
+                let data = self.read_tensor(t)?;
+                let mut v = vec![0f32; t.rows() * t.cols()];
+                smoe_quant::dequantize(t.format()?, &data, &mut v).map_err(|e| FormatError::BadInput(format!("{}: {e}", t.name)))?;
+                if let Some(bad) = v.iter().find(|x| !(**x < 0.0 && x.is_finite())) {
+                    return Err(FormatError::BadInput(format!("{} holds {bad}, not -exp(A_log) < 0", t.name)));
+                }
+                Ok(v.iter().flat_map(|x| (-x).ln().to_le_bytes()).collect())
             }
             Source::Ints(t) => {
                 let t = &self.gguf.tensors[*t];
@@ -616,9 +670,27 @@ impl GgufModel {
     }
 }
 
+/// Qwen3-Next's tensors that llama.cpp keeps fused, as the source rows of the canonical one:
+/// `attn.q` and `attn.q_gate` from `attn_q` (per head its query, then its gate), and in
+/// qwen3next files `lin.b` and `lin.a` from `ssm_ba` (per key head the `b`s of its value heads,
+/// then their `a`s).
+fn qwen3_next_rows(arch: &Architecture, name: &str) -> Option<Vec<usize>> {
+    let hd = arch.head_dim;
+    if arch.attn_output_gate && (name.ends_with("attn.q") || name.ends_with("attn.q_gate")) {
+        let half = usize::from(name.ends_with("attn.q_gate"));
+        return Some((0..arch.num_heads * hd).map(|r| (r / hd) * 2 * hd + half * hd + r % hd).collect());
+    }
+    let la = arch.linear_attention.as_ref()?;
+    if arch.family == Family::Qwen3Next && (name.ends_with("lin.b") || name.ends_with("lin.a")) {
+        let (g, half) = (la.value_heads / la.key_heads, usize::from(name.ends_with("lin.a")));
+        return Some((0..la.value_heads).map(|r| (r / g) * 2 * g + half * g + r % g).collect());
+    }
+    None
+}
+
 fn dense_spec(g: &Gguf, spec: &names::TensorSpec, source: Source) -> Result<DenseSpec, FormatError> {
     let t = match &source {
-        Source::Copy(t) | Source::Rows { tensor: t, .. } | Source::Ints(t) | Source::Exact(t) => &g.tensors[*t],
+        Source::Copy(t) | Source::Rows { tensor: t, .. } | Source::Ints(t) | Source::Exact(t) | Source::LogNeg(t) => &g.tensors[*t],
         Source::KvB { .. } => unreachable!("kv_b is built separately"),
     };
     // Integer tables (DeepSeek-V4's tid2eid, I32) are held as F32, exact below 2^24.
@@ -627,9 +699,21 @@ fn dense_spec(g: &Gguf, spec: &names::TensorSpec, source: Source) -> Result<Dens
         Source::Copy(i) if spec.keep_f32 && spec.shape.len() == 2 && t.format()? != Format::F32 => Source::Exact(i),
         s => s,
     };
-    let format = if matches!(source, Source::Ints(_) | Source::Exact(_)) { Format::F32 } else { t.format()? };
+    let exact_rows = spec.keep_f32 && matches!(source, Source::Rows { .. }) && t.format()? != Format::F32;
+    let format =
+        if exact_rows || matches!(source, Source::Ints(_) | Source::Exact(_) | Source::LogNeg(_)) { Format::F32 } else { t.format()? };
     let elems: usize = spec.shape.iter().product();
-    if t.rows() * t.cols() != elems || t.cols() != *spec.shape.last().unwrap_or(&0) {
+    // A tensor taken apart by rows holds some of the source's rows.
+    let rows = match &source {
+        Source::Rows { rows, .. } => {
+            if let Some(&bad) = rows.iter().find(|&&r| r >= t.rows()) {
+                return Err(FormatError::BadInput(format!("{} has {} rows, not the {} {} reads", t.name, t.rows(), bad + 1, spec.name)));
+            }
+            rows.len()
+        }
+        _ => t.rows(),
+    };
+    if rows * t.cols() != elems || t.cols() != *spec.shape.last().unwrap_or(&0) {
         return Err(FormatError::BadInput(format!("{} has dims {:?}, expected {:?} for {}", t.name, t.dims, spec.shape, spec.name)));
     }
     if spec.keep_f32 && format != Format::F32 && spec.shape.len() == 1 {

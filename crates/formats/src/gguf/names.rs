@@ -43,7 +43,9 @@ pub fn tensor_name(family: Family, canonical: &str) -> Option<String> {
     let g = match what {
         "attn_norm" => "attn_norm.weight",
         // llama.cpp's glm4moe and gpt-oss keep Hugging Face's name for the norm before the FFN.
-        "ffn_norm" if matches!(family, Family::Glm4Moe | Family::GptOss) => "post_attention_norm.weight",
+        "ffn_norm" if matches!(family, Family::Glm4Moe | Family::GptOss | Family::Qwen3Next | Family::Qwen35Moe) => {
+            "post_attention_norm.weight"
+        }
         "ffn_norm" => "ffn_norm.weight",
         "attn.q" => "attn_q.weight",
         "attn.k" => "attn_k.weight",
@@ -81,6 +83,20 @@ pub fn tensor_name(family: Family, canonical: &str) -> Option<String> {
         "attn.idx_k_norm" => "indexer.k_norm.weight",
         "attn.idx_k_norm_bias" => "indexer.k_norm.bias",
         "attn.idx_weights" => "indexer.proj.weight",
+        // Qwen3-Next's and Qwen3.5's Gated DeltaNet. `lin.b`/`lin.a` are rows of qwen3next's
+        // `ssm_ba`, `attn.q_gate` rows of `attn_q`, `lin.a_log` the log of `-ssm_a` (the
+        // reader takes them apart: `smoe_formats::gguf::model`).
+        "attn.q_gate" => "attn_q.weight",
+        "lin.qkv" => "attn_qkv.weight",
+        "lin.z" => "attn_gate.weight",
+        "lin.b" if family == Family::Qwen35Moe => "ssm_beta.weight",
+        "lin.a" if family == Family::Qwen35Moe => "ssm_alpha.weight",
+        "lin.b" | "lin.a" => "ssm_ba.weight",
+        "lin.conv" => "ssm_conv1d.weight",
+        "lin.dt_bias" => "ssm_dt.bias",
+        "lin.a_log" => return Some(format!("blk.{layer}.ssm_a")),
+        "lin.norm" => "ssm_norm.weight",
+        "lin.out" => "ssm_out.weight",
         _ => return None,
     };
     Some(format!("blk.{layer}.{g}"))
@@ -174,10 +190,11 @@ mod tests {
     #[test]
     fn glm4moe_names_the_pre_ffn_norm_as_llama_cpp_loads_it() {
         // llama.cpp's glm4moe loader requires `post_attention_norm` and has no `ffn_norm`.
-        for f in [Family::Glm4Moe, Family::GptOss] {
+        let post = [Family::Glm4Moe, Family::GptOss, Family::Qwen3Next, Family::Qwen35Moe];
+        for f in post {
             assert_eq!(tensor_name(f, "layers.3.ffn_norm").unwrap(), "blk.3.post_attention_norm.weight", "{f:?}");
         }
-        for f in Family::ALL.into_iter().filter(|&f| f != Family::Glm4Moe && f != Family::GptOss) {
+        for f in Family::ALL.into_iter().filter(|f| !post.contains(f)) {
             assert_eq!(tensor_name(f, "layers.3.ffn_norm").unwrap(), "blk.3.ffn_norm.weight", "{f:?}");
         }
     }
