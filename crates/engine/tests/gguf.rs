@@ -276,6 +276,39 @@ fn export_then_import_gives_identical_tensors() {
     }
 }
 
+/// Qwen3-Next exported for llama.cpp (`attn_q` and `ssm_ba` fused back, `ssm_a` as
+/// `-exp(A_log)`, `recurrent_layers`) imports back to the same tensors (`A_log` through exp
+/// and log: within a few ulps) and, from a BF16 vault, runs in place as transformers does.
+#[test]
+fn qwen3_next_exports_for_llama_cpp_and_imports_back() {
+    let dir = tempfile::tempdir().unwrap();
+    for (experts, dense) in [(Format::Q8_0, Format::Q8_0), (Format::BF16, Format::BF16)] {
+        let src = vault("qwen3_next", experts, dense);
+        let g = dir.path().join(format!("qwen3_next.{dense}.gguf"));
+        smoe_convert::gguf::export::export(&src, &g, &smoe_formats::Silent).unwrap();
+        let back = dir.path().join(format!("qwen3_next.{dense}.back.smoe"));
+        smoe_convert::gguf::import::shatter_gguf(&g, &back, &smoe_formats::Silent).unwrap();
+        let (a, b) = (smoe_vault::Vault::open(&src).unwrap(), smoe_vault::Vault::open(&back).unwrap());
+        assert_eq!(a.architecture(), b.architecture());
+        for d in &a.manifest().dense {
+            let e = b.dense(&d.name).unwrap_or_else(|| panic!("{} missing", d.name));
+            assert_eq!((d.format, &d.shape), (e.format, &e.shape), "{}", d.name);
+            let (x, y) = (a.read_dense(&d.name).unwrap(), b.read_dense(&d.name).unwrap());
+            if d.name.ends_with("lin.a_log") {
+                let f = |b: &[u8]| b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect::<Vec<_>>();
+                for (p, q) in f(&x).iter().zip(f(&y)) {
+                    assert!((p - q).abs() <= 4.0 * f32::EPSILON * p.abs().max(1.0), "{}: {p} vs {q}", d.name);
+                }
+            } else {
+                assert!(x == y, "{} differs", d.name);
+            }
+        }
+        if dense == Format::BF16 {
+            check(&engine(&g, CacheSize::Experts(4)).model, &reference("qwen3_next", "bf16"), "qwen3_next exported, in place");
+        }
+    }
+}
+
 #[test]
 fn bad_ggufs_are_refused_clearly() {
     let dir = tempfile::tempdir().unwrap();

@@ -93,6 +93,20 @@ fn metadata(v: &Vault) -> Result<Vec<(String, Value)>, ConvertError> {
             put("attention.value_length", u(a.head_dim));
         }
     }
+    if let Some(la) = &a.linear_attention {
+        // llama.cpp's qwen3next: its converter's names for the Gated DeltaNet's sizes.
+        put("ssm.conv_kernel", u(la.conv_kernel));
+        put("ssm.state_size", u(la.key_dim));
+        put("ssm.group_count", u(la.key_heads));
+        put("ssm.time_step_rank", u(la.value_heads));
+        put("ssm.inner_size", u(la.value_heads * la.value_dim));
+        put("attention.recurrent_layers", Value::Array(la.layers.iter().map(|&l| Value::Bool(l)).collect()));
+        // Also the interval, where the layers follow one (the converter writes both).
+        let every = la.layers.iter().position(|l| !l).map_or(0, |f| f + 1);
+        if every > 0 && la.layers.iter().enumerate().all(|(l, &lin)| lin == ((l + 1) % every != 0)) {
+            put("full_attention_interval", u(every));
+        }
+    }
     if let Some(s) = &a.moe.shared_experts {
         if s.sigmoid_gate {
             put("expert_shared_feed_forward_length", u(s.intermediate_size));
@@ -168,6 +182,12 @@ enum Plan {
     Permute { canonical: String, src_rows: Vec<usize> },
     /// DeepSeek's kv_b: per head, W_uk transposed into `attn_k_b`, or W_uv into `attn_v_b`.
     KvB { canonical: String, key: bool },
+    /// Two tensors of one format and row length fused by rows, `block` rows of the first then
+    /// `block` of the second, in turn (Qwen3-Next's `attn_q`: each head's query then its gate;
+    /// `ssm_ba`: each key head's `b`s then its `a`s).
+    Interleave { canonicals: [String; 2], block: usize },
+    /// `-exp(v)` of an F32 vector (Qwen3-Next's `ssm_a` from `A_log`).
+    NegExp { canonical: String },
 }
 
 /// What [`export`] wrote.
@@ -177,6 +197,25 @@ pub struct ExportReport {
     pub tensors: usize,
     /// Bytes of the file.
     pub bytes: u64,
+}
+
+/// Qwen3-Next: the tensor fused after `name` in llama.cpp's layout, and the rows each takes in
+/// turn (`attn.q` with `attn.q_gate` per head; `lin.b` with `lin.a` per key head).
+fn fused_with(a: &Architecture, name: &str) -> Option<(String, usize)> {
+    let layer = name.strip_suffix("attn.q").or_else(|| name.strip_suffix("lin.b"))?;
+    if a.family != Family::Qwen3Next {
+        return None;
+    }
+    if name.ends_with("attn.q") {
+        return a.attn_output_gate.then(|| (format!("{layer}attn.q_gate"), a.head_dim));
+    }
+    let la = a.linear_attention.as_ref()?;
+    Some((format!("{layer}lin.a"), la.value_heads / la.key_heads))
+}
+
+/// Whether `name` is written by [`fused_with`]'s first tensor.
+fn fused_second(a: &Architecture, name: &str) -> bool {
+    a.family == Family::Qwen3Next && (name.ends_with("attn.q_gate") || name.ends_with("lin.a"))
 }
 
 fn check_supported(a: &Architecture) -> Result<(), ConvertError> {
@@ -193,10 +232,11 @@ fn check_supported(a: &Architecture) -> Result<(), ConvertError> {
         // Not yet: its metadata (sliding window, expert widths) and tensor names are imported
         // but not written.
         Family::GptOss => bad("exporting gpt-oss is not implemented yet (importing llama.cpp's gpt-oss GGUFs is)"),
-        // Not yet: llama.cpp fuses tensors the vault keeps apart (attn_q with its gate, ssm_ba)
-        // and stores ssm_a as -exp(A_log).
-        Family::Qwen3Next | Family::Qwen35Moe => {
-            bad("exporting Qwen3-Next and Qwen3.5 is not implemented yet (importing llama.cpp's qwen3next and qwen35moe GGUFs is)")
+        // Not yet: llama.cpp's qwen35moe numbers value heads across key heads and splits
+        // ssm_beta/ssm_alpha; the vault would have to be reordered.
+        Family::Qwen35Moe => bad("exporting Qwen3.5 is not implemented yet (importing llama.cpp's qwen35moe GGUFs is)"),
+        Family::Qwen3Next if a.linear_attention.as_ref().is_some_and(|la| la.tiled_value_heads) => {
+            bad("its value heads are numbered across key heads, which llama.cpp's qwen3next does not read")
         }
         _ => Ok(()),
     }
@@ -248,7 +288,30 @@ pub fn export_with(vault: &Path, out: &Path, progress: &dyn Progress, experts: O
             plans.push(Plan::KvB { canonical: spec.name.clone(), key: false });
             continue;
         }
+        if let Some((second, block)) = fused_with(&a, &spec.name) {
+            // The first of a fused pair declares the pair; the second is written with it.
+            let (e2, layer) = (v.dense(&second).unwrap(), spec.name.split('.').nth(1).unwrap());
+            if e2.format != e.format || e2.shape[1] != e.shape[1] {
+                return Err(FormatError::Unsupported(format!("{} and {second} differ in format or width", spec.name)).into());
+            }
+            let name = if spec.name.ends_with("attn.q") { "attn_q.weight" } else { "ssm_ba.weight" };
+            let rows = (e.shape[0] + e2.shape[0]) as u64;
+            decls.push((format!("blk.{layer}.{name}"), vec![e.shape[1] as u64, rows], e.format.ggml_id(), e.len + e2.len));
+            plans.push(Plan::Interleave { canonicals: [spec.name.clone(), second], block });
+            continue;
+        }
+        if fused_second(&a, &spec.name) {
+            continue;
+        }
         let name = tensor_name(a.family, &spec.name).ok_or_else(|| FormatError::Internal(format!("no GGUF name for {}", spec.name)))?;
+        if spec.name.ends_with("lin.a_log") {
+            if e.format != Format::F32 {
+                return Err(FormatError::Internal(format!("{} is {}, not F32", spec.name, e.format)).into());
+            }
+            decls.push((name, dims, e.format.ggml_id(), e.len));
+            plans.push(Plan::NegExp { canonical: spec.name.clone() });
+            continue;
+        }
         // GGUF stores Qwen2-MoE's shared gate as [hidden] x 1; our [1, hidden] is the same bytes.
         decls.push((name, dims, e.format.ggml_id(), e.len));
         let permute = a.family == Family::Mixtral && (spec.name.ends_with("attn.q") || spec.name.ends_with("attn.k"));
@@ -282,6 +345,25 @@ pub fn export_with(vault: &Path, out: &Path, progress: &dyn Progress, experts: O
                     outb[dst * rb..(dst + 1) * rb].copy_from_slice(&bytes[src * rb..(src + 1) * rb]);
                 }
                 w.write_at(i, 0, &outb)?
+            }
+            Plan::Interleave { canonicals: [first, second], block } => {
+                let (x, y) = (v.read_dense(first)?, v.read_dense(second)?);
+                let e = v.dense(first).unwrap();
+                let rb = x.len() / e.shape[0];
+                let mut outb = Vec::with_capacity(x.len() + y.len());
+                for (xs, ys) in x.chunks(block * rb).zip(y.chunks(block * rb)) {
+                    outb.extend_from_slice(xs);
+                    outb.extend_from_slice(ys);
+                }
+                w.write_at(i, 0, &outb)?
+            }
+            Plan::NegExp { canonical } => {
+                let bytes: Vec<u8> = v
+                    .read_dense(canonical)?
+                    .chunks_exact(4)
+                    .flat_map(|c| (-f32::from_le_bytes(c.try_into().unwrap()).exp()).to_le_bytes())
+                    .collect();
+                w.write_at(i, 0, &bytes)?
             }
             Plan::KvB { canonical, key } => {
                 let e = v.dense(canonical).unwrap();
