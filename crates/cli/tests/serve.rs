@@ -477,6 +477,51 @@ fn new_conversations_share_a_cached_system_prompt() {
     assert!(c3 >= p1, "the first conversation's follow-up found {c3} cached of {p3}, its first prompt was {p1}");
 }
 
+/// A model with recurrent states (Qwen3-Next) behind the server: a conversation's next turn
+/// resumes where its previous prompt's prefill ended (the state's checkpoint), so only the
+/// reply and the new message are computed; a different conversation sharing only the system
+/// prompt computes everything (a recurrent state exists only where a prefill ended, not inside
+/// a prompt), and answers as a fresh request does.
+#[test]
+fn a_recurrent_model_resumes_a_conversation_after_its_last_prompt() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("next.smoe");
+    let src = root().join("testdata/hf/qwen3_next");
+    let o =
+        Command::new(env!("CARGO_BIN_EXE_smoe")).args(["shatter", src.to_str().unwrap(), "-o", out.to_str().unwrap()]).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let server = Server::start(dir.path(), &["--api-key", KEY]);
+    let system = "You are a careful assistant. ".repeat(20);
+    let chat = |messages: &str| {
+        let req = format!(
+            r#"{{"model": "next", "max_tokens": 6, "temperature": 0, "messages": [{{"role": "system", "content": "{system}"}}, {messages}]}}"#
+        );
+        let (status, _, body) = post(server.addr, "/v1/chat/completions", &req);
+        assert_eq!(status, 200, "{body}");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        let u = &v["usage"];
+        let reply = v["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+        (u["prompt_tokens"].as_u64().unwrap(), u["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap(), reply)
+    };
+    let first = r#"{"role": "user", "content": "first conversation"}"#;
+    let (p1, c1, r1) = chat(first);
+    assert_eq!(c1, 0, "nothing cached yet");
+    let (_, c2, _) = chat(r#"{"role": "user", "content": "a second, different conversation"}"#);
+    assert_eq!(c2, 0, "no state inside another conversation's prompt");
+    let follow = format!(
+        r#"{first}, {{"role": "assistant", "content": {}}}, {{"role": "user", "content": "and a follow-up"}}"#,
+        serde_json::Value::String(r1.clone())
+    );
+    let (p3, c3, r3) = chat(&follow);
+    // The checkpoint lies where the first prompt's last multi-token step ended: its end, or one
+    // short of it where that prompt's last chunk was a single token.
+    assert!(c3 + 1 >= p1 && c3 < p3, "the follow-up found {c3} cached of {p3}, its first prompt was {p1}");
+    // Asked again, the first conversation answers as it did (from scratch or not).
+    assert_eq!(chat(first).2, r1);
+    let again = chat(&follow);
+    assert_eq!(again.2, r3, "a follow-up answers the same however much was cached");
+}
+
 /// Tool schemas that would crowd the conversation out of the context (Open WebUI's defaults on
 /// the 4096-token demo) are dropped and the chat is answered; a conversation that does not fit
 /// by itself is still refused with the context error.

@@ -387,23 +387,30 @@ impl<B: Backend> State<B> {
     /// ended if the kept prefix reaches that far, else to 0. Callers continue from `pos()`, not
     /// from what they asked for.
     pub fn truncate(&mut self, pos: usize) {
-        let p = self.pos.min(pos);
+        let p = self.truncate_point(pos);
         if !self.recurrent.is_empty() && p < self.pos {
             // A recurrent state holds the sequence at its last position only: back to the
-            // checkpoint if the kept prefix covers it, else start over.
-            self.pos = match self.checkpoint.take() {
-                Some((c, mut saved)) if c <= p => {
-                    std::mem::swap(&mut self.recurrent, &mut saved);
-                    c
-                }
+            // checkpoint if the kept prefix covers it (swapped in), else start over.
+            if let Some((_, mut saved)) = self.checkpoint.take().filter(|&(c, _)| c == p && c > 0) {
+                std::mem::swap(&mut self.recurrent, &mut saved);
+            }
+        }
+        self.pos = p;
+    }
+
+    /// Where [`truncate`](Self::truncate)`(pos)` would leave the sequence, without doing it.
+    pub fn truncate_point(&self, pos: usize) -> usize {
+        let p = self.pos.min(pos);
+        if !self.recurrent.is_empty() && p < self.pos {
+            return match &self.checkpoint {
+                Some((c, _)) if *c <= p => *c,
                 _ => 0,
             };
-            return;
         }
-        self.pos = match self.rewind {
+        match self.rewind {
             Some(m) if self.pos - p > m => 0,
             _ => p,
-        };
+        }
     }
     /// Keeps a copy of the recurrent states at the current position (see
     /// [`checkpoint`](Self::checkpoint)); nothing for a model without them.

@@ -66,6 +66,13 @@ impl<B: Backend> Session<B> {
         self.cached.iter().zip(prompt).take_while(|(a, b)| a == b).count()
     }
 
+    /// How many leading tokens of `prompt` this session would continue from: its
+    /// [`common_prefix`](Self::common_prefix), or less where its cache cannot be cut back that
+    /// far (a model that drops old rows, or keeps recurrent states: see [`State::truncate`]).
+    pub fn resumable_prefix(&self, prompt: &[u32]) -> usize {
+        self.state.truncate_point(self.common_prefix(prompt))
+    }
+
     /// Forgets everything.
     pub fn reset(&mut self) {
         self.state.truncate(0);

@@ -63,8 +63,10 @@ impl Stepwise {
         // server has not done it while preparing, indexing the vocabulary).
         let t0 = Instant::now();
         let constraint = opts.grammar.as_ref().map(|g| engine.constraint(g, opts.grammar_after.as_deref())).transpose()?;
-        let cached = st.pos().min(prompt.len() - 1);
-        st.truncate(cached);
+        // Where the state resumes: a model that cannot cut its cache back that far (recurrent
+        // states, dropped rows) starts earlier, and the rest of the prompt runs from there.
+        st.truncate(st.pos().min(prompt.len() - 1));
+        let cached = st.pos();
         engine.model.reserve(st, prompt.len().saturating_add(opts.max_tokens).min(opts.ctx));
         Ok(Stepwise {
             sampler: Sampler::new(opts.sampling.clone()),

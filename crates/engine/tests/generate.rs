@@ -177,6 +177,12 @@ fn a_recurrent_model_resumes_from_its_last_prompt() {
     let fourth = s.generate(&engine, &p4, &opts, &mut NoObserver, &mut |_, _| true).unwrap();
     assert_eq!(fourth.stats.prefilled_tokens, p4.len());
     assert_eq!(fourth.tokens, fresh(&p4).tokens);
+    // The same prompt again: its last token must run again for its logits, which lies before
+    // the checkpoint at its end, so the whole prompt runs (it once ran only that last token, at
+    // position 0, and answered something else).
+    let again = s.generate(&engine, &p4, &opts, &mut NoObserver, &mut |_, _| true).unwrap();
+    assert_eq!(again.stats.prefilled_tokens, p4.len());
+    assert_eq!(again.tokens, fourth.tokens);
     // Forks: at the end of the cached tokens, not inside them.
     let at = s.cached_tokens().len();
     assert!(Session::fork(&engine.model, &s, at - 1).is_none(), "no recurrent state inside the sequence");

@@ -505,8 +505,12 @@ impl<B: Backend> Loop<B> {
         }
         if let Some(i) = best {
             // No copy (no room, or a backend that cannot copy): continue when the prompt shares
-            // most of it, truncating a little rather than recomputing everything.
-            if common > 0 && 2 * common >= sessions[i].session.cached_tokens().len() {
+            // most of it, truncating a little rather than recomputing everything. What counts is
+            // where the session can resume: a model with recurrent states goes back only to
+            // where its last prefill ended, and taking over a conversation it cannot resume
+            // would only wipe it.
+            let resume = sessions[i].session.resumable_prefix(prompt);
+            if resume > 0 && 2 * resume >= sessions[i].session.cached_tokens().len() {
                 return i;
             }
         }
