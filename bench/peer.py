@@ -56,7 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import run as harness  # noqa: E402
 
 ROOT = harness.ROOT
-SHAPES = "qwen3-30b-a3b,qwen3-235b-a22b,qwen2-57b-a14b,mixtral-8x7b,mixtral-8x22b,olmoe-1b-7b,glm-4.5,glm-4.5-air,deepseek-v3,glm-5"
+SHAPES = "qwen3-30b-a3b,qwen3-235b-a22b,qwen2-57b-a14b,mixtral-8x7b,mixtral-8x22b,olmoe-1b-7b,glm-4.5,glm-4.5-air,deepseek-v3,glm-5,qwen3-next-80b-a3b"
 IDS_SEED = 7
 # CPU features both the build machine and the one the comparison runs on have (Zen 4 and
 # Sapphire Rapids): no -march=native, so the binaries travel.
