@@ -446,6 +446,20 @@ fn the_page_and_its_stats_endpoint() {
     assert!(!body.contains(secret), "the stats leak the prompt");
 }
 
+/// A greedy chat completion of `model` with `system` then `messages` (JSON objects, comma
+/// separated): `(prompt tokens, of them cached, reply)`.
+fn chat_usage(server: &Server, model: &str, max_tokens: usize, system: &str, messages: &str) -> (u64, u64, String) {
+    let req = format!(
+        r#"{{"model": "{model}", "max_tokens": {max_tokens}, "temperature": 0, "messages": [{{"role": "system", "content": "{system}"}}, {messages}]}}"#
+    );
+    let (status, _, body) = post(server.addr, "/v1/chat/completions", &req);
+    assert_eq!(status, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let u = &v["usage"];
+    let reply = v["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    (u["prompt_tokens"].as_u64().unwrap(), u["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap(), reply)
+}
+
 /// Two new conversations with the same long system prompt (as Open WebUI sends its tool
 /// schemas with every chat): the second computes only its own message, and the first, asked a
 /// follow-up afterwards, still finds its whole history cached.
@@ -454,17 +468,7 @@ fn new_conversations_share_a_cached_system_prompt() {
     let dir = vault_dir();
     let server = Server::start(dir.path(), &["--api-key", KEY]);
     let system = "You are a careful assistant. ".repeat(40);
-    let chat = |messages: &str| {
-        let req = format!(
-            r#"{{"model": "qwen3", "max_tokens": 4, "temperature": 0, "messages": [{{"role": "system", "content": "{system}"}}, {messages}]}}"#
-        );
-        let (status, _, body) = post(server.addr, "/v1/chat/completions", &req);
-        assert_eq!(status, 200, "{body}");
-        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
-        let u = &v["usage"];
-        let reply = v["choices"][0]["message"]["content"].as_str().unwrap().to_string();
-        (u["prompt_tokens"].as_u64().unwrap(), u["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap(), reply)
-    };
+    let chat = |messages: &str| chat_usage(&server, "qwen3", 4, &system, messages);
     let (p1, c1, r1) = chat(r#"{"role": "user", "content": "first conversation"}"#);
     assert_eq!(c1, 0, "nothing cached yet");
     let (p2, c2, _) = chat(r#"{"role": "user", "content": "a second, different conversation"}"#);
@@ -492,17 +496,7 @@ fn a_recurrent_model_resumes_a_conversation_after_its_last_prompt() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let server = Server::start(dir.path(), &["--api-key", KEY]);
     let system = "You are a careful assistant. ".repeat(20);
-    let chat = |messages: &str| {
-        let req = format!(
-            r#"{{"model": "next", "max_tokens": 6, "temperature": 0, "messages": [{{"role": "system", "content": "{system}"}}, {messages}]}}"#
-        );
-        let (status, _, body) = post(server.addr, "/v1/chat/completions", &req);
-        assert_eq!(status, 200, "{body}");
-        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
-        let u = &v["usage"];
-        let reply = v["choices"][0]["message"]["content"].as_str().unwrap().to_string();
-        (u["prompt_tokens"].as_u64().unwrap(), u["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap(), reply)
-    };
+    let chat = |messages: &str| chat_usage(&server, "next", 6, &system, messages);
     let first = r#"{"role": "user", "content": "first conversation"}"#;
     let (p1, c1, r1) = chat(first);
     assert_eq!(c1, 0, "nothing cached yet");

@@ -156,16 +156,7 @@ pub fn architecture_from_config(cfg: &Value) -> Result<Architecture, FormatError
         Family::Qwen3Moe | Family::Qwen2Moe => {
             moe.intermediate_size = c.usize("moe_intermediate_size")?;
             moe.norm_topk_prob = c.bool_or("norm_topk_prob", false)?;
-            let step = c.opt_usize("decoder_sparse_step")?.unwrap_or(1).max(1);
-            let mlp_only: Vec<usize> = c
-                .get("mlp_only_layers")
-                .and_then(|v| v.as_array())
-                .map(|a| a.iter().filter_map(|x| x.as_u64().map(|x| x as usize)).collect())
-                .unwrap_or_default();
-            for (l, kind) in arch.layers.iter_mut().enumerate() {
-                let sparse = !mlp_only.contains(&l) && num_experts > 0 && (l + 1) % step == 0;
-                *kind = if sparse { LayerKind::Moe } else { LayerKind::Dense };
-            }
+            qwen_layer_kinds(&c, &mut arch, num_experts > 0)?;
             if family == Family::Qwen3Moe {
                 arch.qk_norm = QkNorm::PerHead;
                 arch.qkv_bias = c.bool_or("attention_bias", false)?;
@@ -293,6 +284,22 @@ pub fn architecture_from_config(cfg: &Value) -> Result<Architecture, FormatError
     Ok(arch)
 }
 
+/// The Qwen families' layer kinds: MoE every `decoder_sparse_step` layers (with `experts`),
+/// except the `mlp_only_layers`.
+fn qwen_layer_kinds(c: &Cfg<'_>, arch: &mut Architecture, experts: bool) -> Result<(), FormatError> {
+    let step = c.opt_usize("decoder_sparse_step")?.unwrap_or(1).max(1);
+    let mlp_only: Vec<usize> = c
+        .get("mlp_only_layers")
+        .and_then(|v| v.as_array())
+        .map(|a| a.iter().filter_map(|x| x.as_u64().map(|x| x as usize)).collect())
+        .unwrap_or_default();
+    for (l, kind) in arch.layers.iter_mut().enumerate() {
+        let sparse = !mlp_only.contains(&l) && experts && (l + 1) % step == 0;
+        *kind = if sparse { LayerKind::Moe } else { LayerKind::Dense };
+    }
+    Ok(())
+}
+
 /// Qwen3-Next and Qwen3.5-MoE: Qwen2-MoE's experts (softmax top-k, a shared expert behind a sigmoid gate),
 /// Gated DeltaNet layers between full attention layers whose output is gated, q/k norms per
 /// head. Its RMSNorms scale by `1 + w` (the checkpoint's weights are offsets from one); the
@@ -306,16 +313,7 @@ fn qwen3_next(c: &Cfg<'_>, arch: &mut Architecture, moe: &mut Moe) -> Result<(),
     if shared > 0 {
         moe.shared_experts = Some(SharedExperts { intermediate_size: shared, sigmoid_gate: true });
     }
-    let step = c.opt_usize("decoder_sparse_step")?.unwrap_or(1).max(1);
-    let mlp_only: Vec<usize> = c
-        .get("mlp_only_layers")
-        .and_then(|v| v.as_array())
-        .map(|a| a.iter().filter_map(|x| x.as_u64().map(|x| x as usize)).collect())
-        .unwrap_or_default();
-    for (l, kind) in arch.layers.iter_mut().enumerate() {
-        let sparse = !mlp_only.contains(&l) && (l + 1) % step == 0;
-        *kind = if sparse { LayerKind::Moe } else { LayerKind::Dense };
-    }
+    qwen_layer_kinds(c, arch, true)?;
     arch.qk_norm = QkNorm::PerHead;
     arch.qkv_bias = c.bool_or("attention_bias", false)?;
     arch.attn_output_gate = true;
