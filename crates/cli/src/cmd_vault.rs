@@ -120,6 +120,24 @@ pub fn run_inspect(path: &Path, json: bool) -> Result<()> {
         let per_layer = if windows.is_empty() { String::new() } else { format!(", windows per layer [{}]", windows.join(" ")) };
         println!("              sinks {}, output bias {}{per_layer}", a.attn_sinks, a.o_bias);
     }
+    // Qwen3-Next's Gated DeltaNet layers and gated full attention.
+    if let Some(la) = &a.linear_attention {
+        let linear: Vec<String> = (0..a.num_layers).filter(|&l| a.is_linear(l)).map(|l| l.to_string()).collect();
+        println!(
+            "linear attn   Gated DeltaNet in layers [{}]: {} key heads x {}, {} value heads x {}{}, conv {}; a {} KiB state per layer and sequence",
+            linear.join(" "),
+            la.key_heads,
+            la.key_dim,
+            la.value_heads,
+            la.value_dim,
+            if la.tiled_value_heads { " (numbered across key heads)" } else { "" },
+            la.conv_kernel,
+            la.state_floats() * 4 / 1024
+        );
+    }
+    if a.attn_output_gate {
+        println!("              full attention output gated (sigmoid)");
+    }
     println!(
         "rope          theta {}, rotary dim {}{}, scaling {:?}",
         a.rope.theta,

@@ -50,6 +50,27 @@ fn gpt_oss_keeps_its_mxfp4_experts_by_default() {
     assert!(!run.is_empty());
 }
 
+/// `inspect` shows Qwen3-Next's linear layers and gated attention, `run` generates from it, and
+/// a CUDA request for it is refused with the reason (on a machine without a GPU: that there is
+/// none), never a crash.
+#[test]
+fn qwen3_next_inspects_and_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let v = shatter(dir.path(), "qwen3_next", &[]);
+    let text = ok(&smoe(&["inspect", &v]));
+    assert!(text.contains("Gated DeltaNet in layers [0 2]: 2 key heads x 16, 4 value heads x 16, conv 4"), "{text}");
+    assert!(text.contains("full attention output gated"), "{text}");
+    let j: serde_json::Value = serde_json::from_str(&ok(&smoe(&["inspect", &v, "--json"]))).unwrap();
+    assert_eq!(j["architecture"]["linear_attention"]["layers"], serde_json::json!([true, false, true, false]));
+    let run = ok(&smoe(&["run", &v, "-p", "Hello", "--max-tokens", "8", "--temperature", "0"]));
+    assert!(!run.is_empty());
+    let cuda = smoe(&["run", &v, "-p", "Hello", "--max-tokens", "2", "--device", "cuda"]);
+    assert!(!cuda.status.success());
+    let err = String::from_utf8_lossy(&cuda.stderr);
+    assert!(err.contains("Gated DeltaNet") || err.contains("GPU") || err.contains("CUDA") || err.contains("cuda"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
 #[test]
 fn shatter_inspect_verify_and_a_flipped_byte() {
     let dir = tempfile::tempdir().unwrap();
