@@ -67,7 +67,8 @@ fn qwen3_next_inspects_and_runs() {
     let cuda = smoe(&["run", &v, "-p", "Hello", "--max-tokens", "2", "--device", "cuda"]);
     assert!(!cuda.status.success());
     let err = String::from_utf8_lossy(&cuda.stderr);
-    assert!(err.contains("Gated DeltaNet") || err.contains("GPU") || err.contains("CUDA") || err.contains("cuda"), "{err}");
+    // With a GPU: the backend lacks the layers; without one: there is no driver to use.
+    assert!(err.contains("Gated DeltaNet linear attention") || err.contains("--device cuda"), "{err}");
     assert!(!err.contains("panicked"), "{err}");
 }
 

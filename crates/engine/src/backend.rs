@@ -216,14 +216,16 @@ pub struct DeltaNetParams<'a> {
     pub norm: &'a [f32],
     /// The gated RMSNorm's epsilon.
     pub eps: f32,
-    /// Floats per input row.
-    pub stride: usize,
 }
 
 impl DeltaNetParams<'_> {
     /// Channels of `[q | k | v]`.
     pub fn channels(&self) -> usize {
         2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+    }
+    /// Floats per input row: `[q | k | v | z | b | a]`.
+    pub fn stride(&self) -> usize {
+        self.channels() + self.value_heads * self.value_dim + 2 * self.value_heads
     }
     /// Floats of one sequence's state for the layer: the last `taps - 1` inputs of every
     /// channel, oldest first, then each value head's `key_dim × value_dim` matrix.

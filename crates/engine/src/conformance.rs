@@ -899,7 +899,7 @@ impl<B: Backend> Suite<'_, B> {
         let (kh, vh, kd, vd, taps) = (2, 6, 16, 8, 4);
         let (conv, neg_a, dt, norm) = (self.values((2 * kh * kd + vh * vd) * taps), self.values(vh), self.values(vh), self.values(vd));
         let neg_a: Vec<f32> = neg_a.iter().map(|v| -v.abs() - 0.1).collect();
-        let mut p = crate::backend::DeltaNetParams {
+        let p = crate::backend::DeltaNetParams {
             key_heads: kh,
             value_heads: vh,
             tiled: false,
@@ -911,11 +911,10 @@ impl<B: Backend> Suite<'_, B> {
             dt_bias: &dt,
             norm: &norm,
             eps: 1e-6,
-            stride: 0,
         };
-        p.stride = p.channels() + vh * vd + 2 * vh;
+        let stride = p.stride();
         let (rows, vw, sf) = (14, vh * vd, p.state_floats());
-        let x = self.values(rows * p.stride);
+        let x = self.values(rows * stride);
         let xb = self.buf(x.len(), &x);
         let mut state = self.buf(sf, &vec![7.0; sf]);
         let mut out = self.buf(rows * vw, &vec![0.0; rows * vw]);
@@ -924,9 +923,9 @@ impl<B: Backend> Suite<'_, B> {
             self.b.gated_delta_net(p, &xb, t, 1, &mut state, false, &mut out);
         }
         let (mut want_state, mut want) = (vec![0f32; sf], vec![0f32; rows * vw]);
-        crate::delta::gated_delta_net(&p, &x[2 * p.stride..], 9, &mut want_state, true, &mut want[2 * vw..]);
+        crate::delta::gated_delta_net(&p, &x[2 * stride..], 9, &mut want_state, true, &mut want[2 * vw..]);
         for t in 11..rows {
-            crate::delta::gated_delta_net(&p, &x[t * p.stride..], 1, &mut want_state, false, &mut want[t * vw..]);
+            crate::delta::gated_delta_net(&p, &x[t * stride..], 1, &mut want_state, false, &mut want[t * vw..]);
         }
         let got = self.read(&out, rows * vw);
         self.compare_elementwise(

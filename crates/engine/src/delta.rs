@@ -30,29 +30,41 @@ fn l2_normalise(x: &mut [f32], scale: f32) {
     x.iter_mut().for_each(|v| *v *= inv);
 }
 
-/// The causal convolution with SiLU over rows `0..n` of `x` (`p.stride` apart, `[q | k | v]`
+/// The causal convolution with SiLU over rows `0..n` of `x` (`p.stride()` apart, `[q | k | v]`
 /// first), continuing from the inputs `conv_state` holds (`taps - 1` rows of `channels`, oldest
 /// first; zeros where `fresh`), which it leaves holding the last inputs. Returns `[n, channels]`.
 fn convolve(p: &DeltaNetParams<'_>, x: &[f32], n: usize, conv_state: &mut [f32], fresh: bool) -> Vec<f32> {
-    let (c, taps) = (p.channels(), p.taps);
+    let (c, taps, stride) = (p.channels(), p.taps, p.stride());
+    let kept = taps - 1;
     if fresh {
         conv_state.fill(0.0);
     }
-    // The window of inputs a token sees: the kept ones, then the call's.
-    let mut window = Vec::with_capacity((taps - 1 + n) * c);
-    window.extend_from_slice(conv_state);
-    for t in 0..n {
-        window.extend_from_slice(&x[t * p.stride..][..c]);
+    // Input `i` of the window the call sees: the kept ones, then the call's rows.
+    fn input<'a>(state: &'a [f32], x: &'a [f32], i: usize, kept: usize, c: usize, stride: usize) -> &'a [f32] {
+        if i < kept {
+            &state[i * c..][..c]
+        } else {
+            &x[(i - kept) * stride..][..c]
+        }
     }
     let mut y = vec![0f32; n * c];
     for (t, row) in y.chunks_exact_mut(c).enumerate() {
-        for (ch, out) in row.iter_mut().enumerate() {
-            let w = &p.conv[ch * taps..][..taps];
-            let acc: f32 = (0..taps).map(|j| w[j] * window[(t + j) * c + ch]).sum();
-            *out = silu(acc);
+        for (j, w) in (0..taps).map(|j| (j, input(conv_state, x, t + j, kept, c, stride))) {
+            for (ch, acc) in row.iter_mut().enumerate() {
+                *acc += p.conv[ch * taps + j] * w[ch];
+            }
+        }
+        row.iter_mut().for_each(|a| *a = silu(*a));
+    }
+    // The last `kept` inputs of the window, oldest first.
+    for i in 0..kept {
+        let src = n + i;
+        if src < kept {
+            conv_state.copy_within(src * c..(src + 1) * c, i * c);
+        } else {
+            conv_state[i * c..(i + 1) * c].copy_from_slice(&x[(src - kept) * stride..][..c]);
         }
     }
-    conv_state.copy_from_slice(&window[n * c..]);
     y
 }
 
@@ -131,7 +143,8 @@ fn run_head_body(p: &DeltaNetParams<'_>, y: &[f32], x: &[f32], n: usize, j: usiz
         s.fill(0.0);
     }
     for (t, o) in out.chunks_exact_mut(vd).take(n).enumerate() {
-        let (row, xin) = (&y[t * c..][..c], &x[t * p.stride..][..p.stride]);
+        let stride = p.stride();
+        let (row, xin) = (&y[t * c..][..c], &x[t * stride..][..stride]);
         let q = &row[kh_of * kd..][..kd];
         let k = &row[(kh + kh_of) * kd..][..kd];
         let v = &row[2 * kh * kd + j * vd..][..vd];
@@ -191,7 +204,7 @@ pub fn gated_delta_net(p: &DeltaNetParams<'_>, x: &[f32], n: usize, state: &mut 
 mod tests {
     use super::*;
 
-    fn params<'a>(conv: &'a [f32], neg_a: &'a [f32], dt: &'a [f32], norm: &'a [f32], stride: usize) -> DeltaNetParams<'a> {
+    fn params<'a>(conv: &'a [f32], neg_a: &'a [f32], dt: &'a [f32], norm: &'a [f32]) -> DeltaNetParams<'a> {
         DeltaNetParams {
             key_heads: 2,
             value_heads: 4,
@@ -204,7 +217,6 @@ mod tests {
             dt_bias: dt,
             norm,
             eps: 1e-6,
-            stride,
         }
     }
 
@@ -224,9 +236,8 @@ mod tests {
     #[test]
     fn every_build_of_a_head_gives_the_same_bits() {
         let (conv, neg_a, dt, norm) = (noise(28 * 4, 11), noise(4, 12), noise(4, 13), noise(3, 14));
-        let p0 = params(&conv, &neg_a, &dt, &norm, 0);
-        let stride = p0.channels() + 12 + 8;
-        let p = params(&conv, &neg_a, &dt, &norm, stride);
+        let p = params(&conv, &neg_a, &dt, &norm);
+        let stride = p.stride();
         let n = 9;
         let x = noise(n * stride, 15);
         let mut st = vec![0f32; p.state_floats()];
@@ -245,9 +256,8 @@ mod tests {
     #[test]
     fn one_call_equals_token_by_token() {
         let (conv, neg_a, dt, norm) = (noise(28 * 4, 1), noise(4, 2), noise(4, 3), noise(3, 4));
-        let p0 = params(&conv, &neg_a, &dt, &norm, 0);
-        let stride = p0.channels() + 12 + 8;
-        let p = params(&conv, &neg_a, &dt, &norm, stride);
+        let p = params(&conv, &neg_a, &dt, &norm);
+        let stride = p.stride();
         let n = 7;
         let x = noise(n * stride, 5);
         let mut whole = vec![0f32; n * 12];
@@ -278,7 +288,6 @@ mod timing {
         let (kh, vh, kd, vd, taps) = (16, 32, 128, 128, 4);
         let c = 2 * kh * kd + vh * vd;
         let (conv, neg_a, dt, norm) = (vec![0.1f32; c * taps], vec![-0.5f32; vh], vec![0.5f32; vh], vec![1.0f32; vd]);
-        let stride = c + vh * vd + 2 * vh;
         let p = DeltaNetParams {
             key_heads: kh,
             value_heads: vh,
@@ -291,9 +300,8 @@ mod timing {
             dt_bias: &dt,
             norm: &norm,
             eps: 1e-6,
-            stride,
         };
-        let mut state = vec![0f32; p.state_floats()];
+        let (stride, mut state) = (p.stride(), vec![0f32; p.state_floats()]);
         for n in [1, 256] {
             let x: Vec<f32> = (0..n * stride).map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5).collect();
             let mut out = vec![0f32; n * vh * vd];

@@ -418,14 +418,12 @@ impl<B: Backend> State<B> {
         if self.recurrent.is_empty() {
             return;
         }
-        let (_, saved) =
+        let (at, saved) =
             self.checkpoint.get_or_insert_with(|| (0, (0..self.recurrent.len()).map(|_| be.buf("recurrent checkpoint", floats)).collect()));
         for (dst, src) in saved.iter_mut().zip(&self.recurrent) {
             be.copy_strided(src, floats, 0, dst, floats, 0, floats, 1);
         }
-        if let Some(c) = self.checkpoint.as_mut() {
-            c.0 = self.pos;
-        }
+        *at = self.pos;
     }
     /// Starts this state from positions `0..positions` of `other` (same model): their keys and
     /// values are copied, not recomputed. False where the backend cannot copy a KV cache.
@@ -439,8 +437,8 @@ impl<B: Backend> State<B> {
             return false;
         }
         // (A model with recurrent states copies only at `other.pos`: its rewind is 0.)
+        let len = model.recurrent_floats();
         for (dst, src) in self.recurrent.iter_mut().zip(&other.recurrent) {
-            let len = model.recurrent_floats();
             model.backend().copy_strided(src, len, 0, dst, len, 0, len, 1);
         }
         self.pos = positions;
@@ -948,15 +946,13 @@ impl<B: Backend> Model<B> {
         let (qw, kvw) = (nh * hdim, nkv * hdim);
         // Qwen3-Next's output gate rides after [q | k | v] in the same rows.
         let w = qw + 2 * kvw + if a.gate.is_some() { qw } else { 0 };
-        let mut jobs = vec![
+        let jobs = [
             MatJob { w: WeightRef::Resident(&a.q, None), x_row: 0, n, out_row: 0, out_col: 0 },
             MatJob { w: WeightRef::Resident(&a.k, None), x_row: 0, n, out_row: 0, out_col: qw },
             MatJob { w: WeightRef::Resident(&a.v, None), x_row: 0, n, out_row: 0, out_col: qw + kvw },
+            MatJob { w: WeightRef::Resident(a.gate.as_ref().unwrap_or(&a.q), None), x_row: 0, n, out_row: 0, out_col: qw + 2 * kvw },
         ];
-        if let Some(g) = &a.gate {
-            jobs.push(MatJob { w: WeightRef::Resident(g, None), x_row: 0, n, out_row: 0, out_col: qw + 2 * kvw });
-        }
-        be.matmul_many(&jobs, &b.h, ar.hidden_size, &mut b.q, w);
+        be.matmul_many(&jobs[..if a.gate.is_some() { 4 } else { 3 }], &b.h, ar.hidden_size, &mut b.q, w);
         if let Some([qb, kb, vb]) = &a.bias {
             be.add_bias(&mut b.q, n, w, 0, qb);
             be.add_bias(&mut b.q, n, w, qw, kb);
@@ -1005,7 +1001,7 @@ impl<B: Backend> Model<B> {
             MatJob { w: WeightRef::Resident(&a.b, None), x_row: 0, n, out_row: 0, out_col: c + vw },
             MatJob { w: WeightRef::Resident(&a.a, None), x_row: 0, n, out_row: 0, out_col: c + vw + vh },
         ];
-        be.matmul_many(&jobs, &b.h, self.arch.hidden_size, &mut b.q, p.stride);
+        be.matmul_many(&jobs, &b.h, self.arch.hidden_size, &mut b.q, p.stride());
         for seg in s.segs.iter_mut() {
             be.gated_delta_net(p, &b.q, seg.row, seg.n, &mut seg.rec[a.slot], seg.pos == 0, &mut b.att);
         }

@@ -606,7 +606,6 @@ impl<B: Backend> Model<B> {
     /// The parameters [`Backend::gated_delta_net`] takes for `a`.
     pub(crate) fn delta_params<'m>(&'m self, a: &'m LinearAttn<B>) -> crate::backend::DeltaNetParams<'m> {
         let la = self.arch.linear_attention.as_ref().expect("a linear layer without linear attention");
-        let stride = la.conv_channels() + la.value_heads * la.value_dim + 2 * la.value_heads;
         crate::backend::DeltaNetParams {
             key_heads: la.key_heads,
             value_heads: la.value_heads,
@@ -619,7 +618,6 @@ impl<B: Backend> Model<B> {
             dt_bias: &a.dt_bias,
             norm: &a.norm,
             eps: self.eps,
-            stride,
         }
     }
 }

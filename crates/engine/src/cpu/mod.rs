@@ -392,7 +392,8 @@ impl Backend for CpuBackend {
     }
     fn gated_delta_net(&self, p: DeltaNetParams<'_>, x: &CpuBuf, row0: usize, n: usize, state: &mut CpuBuf, fresh: bool, out: &mut CpuBuf) {
         let vw = p.value_heads * p.value_dim;
-        check_rows("gated_delta_net", x, row0, n, p.stride, 0, p.stride);
+        let stride = p.stride();
+        check_rows("gated_delta_net", x, row0, n, stride, 0, stride);
         check_rows("gated_delta_net output", out, row0, n, vw, 0, vw);
         check("gated_delta_net state", state, 1, p.state_floats());
         assert!(
@@ -402,7 +403,7 @@ impl Backend for CpuBackend {
                 && p.norm.len() == p.value_dim,
             "gated_delta_net: parameters of the wrong lengths"
         );
-        let (x, vd, mat) = (&x[row0 * p.stride..(row0 + n) * p.stride], p.value_dim, p.key_dim * p.value_dim);
+        let (x, vd, mat) = (&x[row0 * stride..(row0 + n) * stride], p.value_dim, p.key_dim * p.value_dim);
         let st = &mut state[..p.state_floats()];
         let y = crate::delta::prepare(&p, x, n, st, fresh);
         let mats = DisjointOut::new(&mut st[(p.taps - 1) * p.channels()..]);
