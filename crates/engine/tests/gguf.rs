@@ -309,6 +309,36 @@ fn qwen3_next_exports_for_llama_cpp_and_imports_back() {
     }
 }
 
+/// gpt-oss (MXFP4 experts, as the hub ships them) and Qwen3.5 (value heads reordered into
+/// llama.cpp's tiled order on the way out) exported for llama.cpp run in place with the vault's
+/// logits: the same blocks, the heads only renumbered (Qwen3.5's output projection then sums
+/// its inputs in another order, hence a tolerance, not bits).
+#[test]
+fn gpt_oss_and_qwen3_5_export_and_run_as_their_vaults() {
+    let dir = tempfile::tempdir().unwrap();
+    // The fixture's 16-wide value heads are narrower than a Q8_0 block, which a column reorder
+    // cannot split: Qwen3.5's dense part stays 16-bit here (at the real 128 it can be Q8_0).
+    for (family, experts, dense) in [("gpt_oss_mxfp4", Format::MXFP4, Format::Q8_0), ("qwen3_5_moe", Format::Q8_0, Format::BF16)] {
+        let src = vault(family, experts, dense);
+        let g = dir.path().join(format!("{family}.gguf"));
+        smoe_convert::gguf::export::export(&src, &g, &smoe_formats::Silent).unwrap();
+        let (a, b) = (engine(&src, CacheSize::Resident), engine(&g, CacheSize::Experts(4)));
+        let ids = input_ids(family, "long");
+        for mode in [ScoreMode::Prefill, ScoreMode::Decode] {
+            let x = score(&a.model, &ids, mode, 64, false).unwrap();
+            let y = score(&b.model, &ids, mode, 64, false).unwrap();
+            let e = rel_err(&y.logits, &x.logits);
+            assert!(e < 1e-5, "{family} {mode:?}: exported logits rel err {e:.2e}");
+        }
+    }
+    // A column reorder that would split blocks is refused with the reason, nothing written.
+    let src = vault("qwen3_5_moe", Format::Q8_0, Format::Q8_0);
+    let g = dir.path().join("q8.gguf");
+    let e = smoe_convert::gguf::export::export(&src, &g, &smoe_formats::Silent).unwrap_err().to_string();
+    assert!(e.contains("lin.out") && e.contains("straddle"), "{e}");
+    assert!(!g.exists() && std::fs::read_dir(dir.path()).unwrap().all(|f| !f.unwrap().file_name().to_string_lossy().starts_with("q8")));
+}
+
 #[test]
 fn bad_ggufs_are_refused_clearly() {
     let dir = tempfile::tempdir().unwrap();

@@ -135,7 +135,14 @@ pub fn architecture_from_config(cfg: &Value) -> Result<Architecture, FormatError
         head_dim,
         max_position_embeddings: c.opt_usize("max_position_embeddings")?.unwrap_or(4096),
         norm_eps: c.f64_or("rms_norm_eps", 1e-6)?,
-        rope: Rope { theta, rotary_dim: (head_dim as f64 * partial) as usize, partial_rotary_factor: partial, interleaved: false, scaling },
+        rope: Rope {
+            theta,
+            rotary_dim: (head_dim as f64 * partial) as usize,
+            partial_rotary_factor: partial,
+            interleaved: false,
+            scaling,
+            sections: mrope_section(rp.get("mrope_section").or(c.get("mrope_section")))?,
+        },
         qk_norm: QkNorm::None,
         qkv_bias: false,
         mla: None,
@@ -342,6 +349,20 @@ fn qwen3_next(c: &Cfg<'_>, arch: &mut Architecture, moe: &mut Moe) -> Result<(),
     Ok(())
 }
 
+/// `rope_parameters.mrope_section` (Qwen3.5; smoe's GGUF reader writes it top-level), empty
+/// when absent.
+fn mrope_section(v: Option<&Value>) -> Result<Vec<usize>, FormatError> {
+    match v {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|v| v.as_u64().map(|x| x as usize))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| FormatError::BadInput("rope_parameters.mrope_section is not a list of counts".into())),
+        Some(_) => Err(FormatError::BadInput("rope_parameters.mrope_section is not a list".into())),
+    }
+}
+
 fn string_list(c: &Cfg<'_>, key: &str) -> Result<Option<Vec<String>>, FormatError> {
     match c.get(key) {
         None => Ok(None),
@@ -500,7 +521,14 @@ fn deepseek_v4(c: &Cfg<'_>, arch: &mut Architecture, moe: &mut Moe) -> Result<()
         if let RopeScaling::Yarn { attention_factor, .. } = &mut scaling {
             attention_factor.get_or_insert(1.0);
         }
-        Ok(Rope { theta, rotary_dim: rotary, partial_rotary_factor: rotary as f64 / head_dim as f64, interleaved: true, scaling })
+        Ok(Rope {
+            theta,
+            rotary_dim: rotary,
+            partial_rotary_factor: rotary as f64 / head_dim as f64,
+            interleaved: true,
+            scaling,
+            sections: Vec::new(),
+        })
     };
     arch.rope = rope(&main)?;
     arch.compressed_attention = Some(CompressedAttention {

@@ -141,6 +141,12 @@ pub struct Rope {
     pub interleaved: bool,
     /// Frequency scaling.
     pub scaling: RopeScaling,
+    /// Qwen3.5's multimodal RoPE sections (`mrope_section`: rotated pairs per temporal, height
+    /// and width position). A text's three positions are equal, so the sections change no
+    /// number here; they are kept so `export-gguf` can write them (llama.cpp's qwen35moe needs
+    /// `rope.dimension_sections`). Empty for every other family.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sections: Vec<usize>,
 }
 
 /// Multi-head latent attention (DeepSeek-V2/V3).

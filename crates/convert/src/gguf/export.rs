@@ -9,7 +9,7 @@ use smoe_formats::gguf::vocab::gguf_tokenizer;
 use smoe_formats::gguf::Value;
 use smoe_formats::FormatError;
 use smoe_quant::Format;
-use smoe_vault::{names, Architecture, Family, LayerKind, QkNorm, RopeScaling, Router, Vault};
+use smoe_vault::{names, Architecture, ExpertAct, Family, LayerKind, LinearAttention, QkNorm, RopeScaling, Router, Vault};
 use std::path::Path;
 
 /// llama.cpp's `general.file_type` for a vault whose experts are `f`.
@@ -107,6 +107,22 @@ fn metadata(v: &Vault) -> Result<Vec<(String, Value)>, ConvertError> {
             put("full_attention_interval", u(every));
         }
     }
+    if a.family == Family::Qwen35Moe {
+        // llama.cpp's qwen35moe requires the sections (four, the last for its own use); a vault
+        // without them gets the upstream split of the rotated pairs (11/11/10 of 32).
+        let mut sec = a.rope.sections.clone();
+        if sec.is_empty() {
+            let pairs = a.rope.rotary_dim / 2;
+            let third = pairs.div_ceil(3);
+            sec = vec![third, third, pairs.saturating_sub(2 * third)];
+        }
+        sec.resize(4, 0);
+        put("rope.dimension_sections", Value::Array(sec.into_iter().map(|x| Value::I32(x as i32)).collect()));
+    }
+    if let Some(w) = a.attention_windows.iter().flatten().next().filter(|_| a.family == Family::GptOss) {
+        // gpt-oss: llama.cpp slides every other layer, from the first (`check_supported`).
+        put("attention.sliding_window", u(*w));
+    }
     if let Some(s) = &a.moe.shared_experts {
         if s.sigmoid_gate {
             put("expert_shared_feed_forward_length", u(s.intermediate_size));
@@ -186,8 +202,12 @@ enum Plan {
     /// `block` of the second, in turn (Qwen3-Next's `attn_q`: each head's query then its gate;
     /// `ssm_ba`: each key head's `b`s then its `a`s).
     Interleave { canonicals: [String; 2], block: usize },
-    /// `-exp(v)` of an F32 vector (Qwen3-Next's `ssm_a` from `A_log`).
-    NegExp { canonical: String },
+    /// `-exp(v)` of an F32 vector (Qwen3-Next's `ssm_a` from `A_log`), element `i` from
+    /// `src[i]`.
+    NegExp { canonical: String, src: Vec<usize> },
+    /// Each row's columns moved in groups of `group` columns, group `i` from group `src[i]`
+    /// (Qwen3.5's `ssm_out`, whose inputs are the value heads).
+    PermuteColumns { canonical: String, src: Vec<usize>, group: usize },
 }
 
 /// What [`export`] wrote.
@@ -203,11 +223,15 @@ pub struct ExportReport {
 /// turn (`attn.q` with `attn.q_gate` per head; `lin.b` with `lin.a` per key head).
 fn fused_with(a: &Architecture, name: &str) -> Option<(String, usize)> {
     let layer = name.strip_suffix("attn.q").or_else(|| name.strip_suffix("lin.b"))?;
-    if a.family != Family::Qwen3Next {
+    if !matches!(a.family, Family::Qwen3Next | Family::Qwen35Moe) {
         return None;
     }
     if name.ends_with("attn.q") {
         return a.attn_output_gate.then(|| (format!("{layer}attn.q_gate"), a.head_dim));
+    }
+    // Qwen3.5's are separate tensors (`ssm_beta`, `ssm_alpha`).
+    if a.family == Family::Qwen35Moe {
+        return None;
     }
     let la = a.linear_attention.as_ref()?;
     Some((format!("{layer}lin.a"), la.value_heads / la.key_heads))
@@ -215,7 +239,38 @@ fn fused_with(a: &Architecture, name: &str) -> Option<(String, usize)> {
 
 /// Whether `name` is written by [`fused_with`]'s first tensor.
 fn fused_second(a: &Architecture, name: &str) -> bool {
-    a.family == Family::Qwen3Next && (name.ends_with("attn.q_gate") || name.ends_with("lin.a"))
+    match a.family {
+        Family::Qwen3Next => name.ends_with("attn.q_gate") || name.ends_with("lin.a"),
+        Family::Qwen35Moe => name.ends_with("attn.q_gate"),
+        _ => false,
+    }
+}
+
+/// Qwen3.5: llama.cpp's qwen35moe numbers the value heads across key heads ("tiled": value head
+/// `r` of key head `g` at `r × key_heads + g`), where the hub groups them by key head
+/// (`g × per + r`). For a vault in the hub's order, the source of each destination row of
+/// `canonical` (`None`: nothing to move), and for `lin.out` the source of each `value_dim`
+/// group of columns.
+fn tiled_sources(a: &Architecture, canonical: &str) -> Option<Vec<usize>> {
+    let la: &LinearAttention = a.linear_attention.as_ref()?;
+    if a.family != Family::Qwen35Moe || la.tiled_value_heads || la.key_heads == la.value_heads {
+        return None;
+    }
+    let (kh, vh) = (la.key_heads, la.value_heads);
+    let per = vh / kh;
+    let heads =
+        |unit: usize| -> Vec<usize> { (0..vh).flat_map(|p| (0..unit).map(move |u| ((p % kh) * per + p / kh) * unit + u)).collect() };
+    let what = canonical.rsplit_once(".lin.").map(|(_, w)| w)?;
+    match what {
+        // [q | k | v] rows (and the convolution's channels): only v's move.
+        "qkv" | "conv" => {
+            let qk = 2 * kh * la.key_dim;
+            Some((0..qk).chain(heads(la.value_dim).into_iter().map(|r| qk + r)).collect())
+        }
+        "z" => Some(heads(la.value_dim)),
+        "b" | "a" | "dt_bias" | "a_log" | "out" => Some(heads(1)),
+        _ => None,
+    }
 }
 
 fn check_supported(a: &Architecture) -> Result<(), ConvertError> {
@@ -229,17 +284,31 @@ fn check_supported(a: &Architecture) -> Result<(), ConvertError> {
         Family::MinimaxM2 if a.qk_norm != QkNorm::WholeProjection || !a.moe.norm_topk_prob => {
             bad("llama.cpp's minimax-m2 assumes its published settings")
         }
-        // Not yet: its metadata (sliding window, expert widths) and tensor names are imported
-        // but not written.
-        Family::GptOss => bad("exporting gpt-oss is not implemented yet (importing llama.cpp's gpt-oss GGUFs is)"),
-        // Not yet: llama.cpp's qwen35moe numbers value heads across key heads and splits
-        // ssm_beta/ssm_alpha; the vault would have to be reordered.
-        Family::Qwen35Moe => bad("exporting Qwen3.5 is not implemented yet (importing llama.cpp's qwen35moe GGUFs is)"),
+        Family::GptOss => check_gpt_oss(a).map_or(Ok(()), |m| bad(&m)),
         Family::Qwen3Next if a.linear_attention.as_ref().is_some_and(|la| la.tiled_value_heads) => {
             bad("its value heads are numbered across key heads, which llama.cpp's qwen3next does not read")
         }
         _ => Ok(()),
     }
+}
+
+/// What llama.cpp's gpt-oss hard-codes and a gpt-oss vault must therefore match, or why not.
+fn check_gpt_oss(a: &Architecture) -> Option<String> {
+    let w = a.attention_windows.iter().flatten().next().copied();
+    let alternate = (0..a.num_layers).all(|l| a.attention_window(l) == if l % 2 == 0 { w } else { None });
+    if w.is_none() || !alternate {
+        return Some("llama.cpp's gpt-oss slides every other layer from the first, with one window".into());
+    }
+    if !matches!(a.moe.expert_act, ExpertAct::ClampedSwiglu { alpha, limit } if alpha == 1.702 && limit == 7.0) {
+        return Some("llama.cpp's gpt-oss fixes the clamped SwiGLU at alpha 1.702, limit 7".into());
+    }
+    if !(a.attn_sinks && a.o_bias && a.qkv_bias && a.moe.expert_bias && a.moe.router_logit_bias && a.moe.norm_topk_prob) {
+        return Some("llama.cpp's gpt-oss needs sinks, every bias and the softmax over the top-k logits".into());
+    }
+    if matches!(a.rope.scaling, RopeScaling::Yarn { truncate: true, .. }) {
+        return Some("llama.cpp's YaRN does not truncate the correction range as this config asks".into());
+    }
+    None
 }
 
 /// Writes `vault` as a GGUF file at `out`.
@@ -309,7 +378,27 @@ pub fn export_with(vault: &Path, out: &Path, progress: &dyn Progress, experts: O
                 return Err(FormatError::Internal(format!("{} is {}, not F32", spec.name, e.format)).into());
             }
             decls.push((name, dims, e.format.ggml_id(), e.len));
-            plans.push(Plan::NegExp { canonical: spec.name.clone() });
+            let src = tiled_sources(&a, &spec.name).unwrap_or_else(|| (0..e.shape[0]).collect());
+            plans.push(Plan::NegExp { canonical: spec.name.clone(), src });
+            continue;
+        }
+        if let Some(src) = tiled_sources(&a, &spec.name) {
+            decls.push((name, dims, e.format.ggml_id(), e.len));
+            if spec.name.ends_with("lin.out") {
+                let group = a.linear_attention.as_ref().unwrap().value_dim;
+                if group % e.format.block_elems() != 0 {
+                    return Err(FormatError::Unsupported(format!(
+                        "{} is {}, whose {}-wide blocks straddle the {group}-wide value heads llama.cpp's qwen35moe reorders; shatter the dense part as Q8_0 or 16-bit",
+                        spec.name,
+                        e.format,
+                        e.format.block_elems()
+                    ))
+                    .into());
+                }
+                plans.push(Plan::PermuteColumns { canonical: spec.name.clone(), src, group });
+            } else {
+                plans.push(Plan::Permute { canonical: spec.name.clone(), src_rows: src });
+            }
             continue;
         }
         // GGUF stores Qwen2-MoE's shared gate as [hidden] x 1; our [1, hidden] is the same bytes.
@@ -357,13 +446,22 @@ pub fn export_with(vault: &Path, out: &Path, progress: &dyn Progress, experts: O
                 }
                 w.write_at(i, 0, &outb)?
             }
-            Plan::NegExp { canonical } => {
-                let bytes: Vec<u8> = v
-                    .read_dense(canonical)?
-                    .chunks_exact(4)
-                    .flat_map(|c| (-f32::from_le_bytes(c.try_into().unwrap()).exp()).to_le_bytes())
-                    .collect();
+            Plan::NegExp { canonical, src } => {
+                let vals: Vec<f32> = v.read_dense(canonical)?.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+                let bytes: Vec<u8> = src.iter().flat_map(|&j| (-vals[j].exp()).to_le_bytes()).collect();
                 w.write_at(i, 0, &bytes)?
+            }
+            Plan::PermuteColumns { canonical, src, group } => {
+                let e = v.dense(canonical).unwrap();
+                let bytes = v.read_dense(canonical)?;
+                let gb = e.format.row_bytes(*group).map_err(|err| FormatError::Internal(err.to_string()))?;
+                let mut outb = Vec::with_capacity(bytes.len());
+                for row in bytes.chunks_exact(bytes.len() / e.shape[0]) {
+                    for &g in src {
+                        outb.extend_from_slice(&row[g * gb..(g + 1) * gb]);
+                    }
+                }
+                w.write_at(i, 0, &outb)?
             }
             Plan::KvB { canonical, key } => {
                 let e = v.dense(canonical).unwrap();

@@ -249,6 +249,14 @@ fn config_from_metadata(g: &Gguf) -> Result<Json, FormatError> {
             c.insert("layer_types".into(), types.into());
             // llama.cpp's qwen35moe converter numbers value heads across key heads.
             c.insert("smoe_tiled_value_heads".into(), (model_type == "qwen3_5_moe").into());
+            // Its multimodal RoPE sections (a fourth, zero, entry added by llama.cpp's writer).
+            if let Some(Value::Array(a)) = g.get(&key("rope.dimension_sections")) {
+                let mut s: Vec<usize> = a.iter().filter_map(|v| v.as_u64().map(|x| x as usize)).collect();
+                if s.len() == 4 && s[3] == 0 {
+                    s.pop();
+                }
+                c.insert("mrope_section".into(), s.into());
+            }
         }
         "olmoe" => {
             c.insert("num_experts".into(), experts.into());
