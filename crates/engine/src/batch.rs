@@ -96,6 +96,9 @@ impl<B: Backend> Model<B> {
             ins.begin(total, self.experts.stats());
         }
         // One small list per step: the sequences' caches, borrowed for the step.
+        for it in items.iter_mut() {
+            it.state.before_step(&self.backend, self.recurrent_floats());
+        }
         let mut row = 0;
         let mut segs: Vec<Seg<'_, B>> = items
             .iter_mut()
@@ -119,9 +122,7 @@ impl<B: Backend> Model<B> {
         }
         for it in items.iter_mut() {
             it.state.pos += it.tokens.len();
-            if it.tokens.len() > 1 {
-                it.state.save_checkpoint(&self.backend, self.recurrent_floats());
-            }
+            it.state.after_step(&self.backend, self.recurrent_floats(), it.tokens.len());
         }
         if let Some(ins) = instrument.as_mut() {
             ins.end(t0.elapsed().as_secs_f64() * 1e3, self.experts.stats());

@@ -352,6 +352,16 @@ pub struct State<B: Backend> {
     /// the position they hold: where [`truncate`](Self::truncate) can go back to without
     /// starting over (a chat's next turn resumes after the previous prompt).
     pub(crate) checkpoint: Option<(usize, Vec<B::Buf>)>,
+    /// The recurrent states at a position the caller marked ([`Model::keep_state_at`]): where
+    /// a prefix other prompts share ends (a system prompt and its tools), so that other
+    /// conversations can start there. Unlike `checkpoint`, going back to it copies it and keeps
+    /// it; it is dropped only when the sequence goes back before it.
+    pub(crate) pinned: Option<(usize, Vec<B::Buf>)>,
+    /// The marked position: the step that ends there saves `pinned`.
+    pub(crate) pin: Option<usize>,
+    /// Set by [`truncate`](Self::truncate) going back to `pinned`: the next step copies it into
+    /// `recurrent` before it runs (truncating has no backend to copy with).
+    pub(crate) restore_pinned: bool,
     /// Tokens in the cache.
     pub(crate) pos: usize,
     /// How far back the cache can be truncated and continued (DeepSeek-V4 drops older rows,
@@ -390,9 +400,19 @@ impl<B: Backend> State<B> {
         let p = self.truncate_point(pos);
         if !self.recurrent.is_empty() && p < self.pos {
             // A recurrent state holds the sequence at its last position only: back to the
-            // checkpoint if the kept prefix covers it (swapped in), else start over.
+            // latest checkpoint (swapped in) or the pinned one (copied at the next step) if the
+            // kept prefix covers it, else start over.
+            self.restore_pinned = false;
             if let Some((_, mut saved)) = self.checkpoint.take().filter(|&(c, _)| c == p && c > 0) {
                 std::mem::swap(&mut self.recurrent, &mut saved);
+            } else if p > 0 && self.pinned.as_ref().is_some_and(|(c, _)| *c == p) {
+                self.restore_pinned = true;
+            }
+            if self.pinned.as_ref().is_some_and(|(c, _)| *c > p) {
+                self.pinned = None;
+            }
+            if self.pin.is_some_and(|m| m < p) {
+                self.pin = None;
             }
         }
         self.pos = p;
@@ -402,47 +422,78 @@ impl<B: Backend> State<B> {
     pub fn truncate_point(&self, pos: usize) -> usize {
         let p = self.pos.min(pos);
         if !self.recurrent.is_empty() && p < self.pos {
-            return match &self.checkpoint {
-                Some((c, _)) if *c <= p => *c,
-                _ => 0,
-            };
+            let at = |saved: &Option<(usize, Vec<B::Buf>)>| saved.as_ref().map(|(c, _)| *c).filter(|&c| c <= p);
+            return at(&self.checkpoint).max(at(&self.pinned)).unwrap_or(0);
         }
         match self.rewind {
             Some(m) if self.pos - p > m => 0,
             _ => p,
         }
     }
-    /// Keeps a copy of the recurrent states at the current position (see
-    /// [`checkpoint`](Self::checkpoint)); nothing for a model without them.
-    pub(crate) fn save_checkpoint(&mut self, be: &B, floats: usize) {
+    /// Before a step: the pinned recurrent states copied in, where [`truncate`](Self::truncate)
+    /// went back to them.
+    pub(crate) fn before_step(&mut self, be: &B, floats: usize) {
+        if std::mem::take(&mut self.restore_pinned) {
+            let (_, saved) = self.pinned.as_ref().expect("restore_pinned is set only with a pinned state");
+            for (dst, src) in self.recurrent.iter_mut().zip(saved) {
+                be.copy_strided(src, floats, 0, dst, floats, 0, floats, 1);
+            }
+        }
+    }
+
+    /// After a step of `n` tokens (its position already advanced): the recurrent states kept
+    /// as the latest [`checkpoint`](Self::checkpoint) after a multi-token step (a prompt's
+    /// prefill), and as the [`pinned`](Self::pinned) ones where the step ended at the mark.
+    /// Nothing for a model without them.
+    pub(crate) fn after_step(&mut self, be: &B, floats: usize, n: usize) {
         if self.recurrent.is_empty() {
             return;
         }
-        let (at, saved) =
-            self.checkpoint.get_or_insert_with(|| (0, (0..self.recurrent.len()).map(|_| be.buf("recurrent checkpoint", floats)).collect()));
-        for (dst, src) in saved.iter_mut().zip(&self.recurrent) {
-            be.copy_strided(src, floats, 0, dst, floats, 0, floats, 1);
+        if n > 1 {
+            save(be, floats, &self.recurrent, &mut self.checkpoint, self.pos);
         }
-        *at = self.pos;
+        match self.pin {
+            Some(m) if m == self.pos => save(be, floats, &self.recurrent, &mut self.pinned, m),
+            // A step that ran past the mark (its caller did not stop there) keeps nothing.
+            Some(m) if m < self.pos => {}
+            _ => return,
+        }
+        self.pin = None;
     }
     /// Starts this state from positions `0..positions` of `other` (same model): their keys and
-    /// values are copied, not recomputed. False where the backend cannot copy a KV cache.
+    /// values are copied, not recomputed. A model with recurrent states starts at the nearest
+    /// point at or before `positions` where `other` holds them (its end, its pinned prefix, its
+    /// latest checkpoint): [`pos`](Self::pos) says where. False where the backend cannot copy a
+    /// KV cache, or `other` holds no such point but the start.
     pub fn copy_prefix(&mut self, model: &Model<B>, other: &State<B>, positions: usize) -> bool {
-        let positions = positions.min(other.pos);
-        if other.rewind.is_some_and(|m| other.pos - positions > m) {
+        let mut positions = positions.min(other.pos);
+        let mut source = &other.recurrent;
+        if !other.recurrent.is_empty() {
+            let end = (!other.restore_pinned).then_some((other.pos, &other.recurrent));
+            let saved = [&other.pinned, &other.checkpoint].into_iter().flatten().map(|(c, b)| (*c, b));
+            match end.into_iter().chain(saved).filter(|&(c, _)| c > 0 && c <= positions).max_by_key(|&(c, _)| c) {
+                Some((c, b)) => (positions, source) = (c, b),
+                None => return false,
+            }
+        } else if other.rewind.is_some_and(|m| other.pos - positions > m) {
             // The rows before the prefix's end are no longer all there.
             return false;
         }
         if !model.backend().kv_copy(&other.kv, &mut self.kv, positions) {
             return false;
         }
-        // (A model with recurrent states copies only at `other.pos`: its rewind is 0.)
         let len = model.recurrent_floats();
-        for (dst, src) in self.recurrent.iter_mut().zip(&other.recurrent) {
+        for (dst, src) in self.recurrent.iter_mut().zip(source) {
             model.backend().copy_strided(src, len, 0, dst, len, 0, len, 1);
         }
         self.pos = positions;
         true
+    }
+
+    /// Bytes of recurrent state this sequence holds: the live states and the saved copies.
+    pub fn recurrent_bytes(&self, floats: usize) -> usize {
+        let copies = usize::from(self.checkpoint.is_some()) + usize::from(self.pinned.is_some());
+        (1 + copies) * self.recurrent.len() * floats * 4
     }
 
     /// With a routing trace set on the model (benchmarks only, see
@@ -463,7 +514,32 @@ impl<B: Backend> State<B> {
     }
 }
 
+/// Copies `recurrent` into `slot` (made on first use), marked as holding position `pos`.
+fn save<B: Backend>(be: &B, floats: usize, recurrent: &[B::Buf], slot: &mut Option<(usize, Vec<B::Buf>)>, pos: usize) {
+    let (at, saved) = slot.get_or_insert_with(|| (0, recurrent.iter().map(|_| be.buf("recurrent checkpoint", floats)).collect()));
+    for (dst, src) in saved.iter_mut().zip(recurrent) {
+        be.copy_strided(src, floats, 0, dst, floats, 0, floats, 1);
+    }
+    *at = pos;
+}
+
 impl<B: Backend> Model<B> {
+    /// Marks `pos` on `st`, a sequence of a model with recurrent states (nothing otherwise):
+    /// the step that ends there keeps a copy of its states ([`State::truncate`] and
+    /// [`State::copy_prefix`] can then resume there), at once if the sequence is there now. The
+    /// caller makes a step end there (see [`Stepwise::keep_state_at`](crate::Stepwise::keep_state_at)).
+    pub fn keep_state_at(&self, st: &mut State<B>, pos: usize) {
+        if st.recurrent.is_empty() || pos == 0 || st.pinned.as_ref().is_some_and(|(c, _)| *c == pos) {
+            return;
+        }
+        if st.pos == pos {
+            st.before_step(&self.backend, self.recurrent_floats());
+            save(&self.backend, self.recurrent_floats(), &st.recurrent, &mut st.pinned, pos);
+        } else if pos > st.pos {
+            st.pin = Some(pos);
+        }
+    }
+
     /// The prefill chunk this model's backend prefers ([`Backend::prefill_chunk`]).
     pub fn prefill_chunk(&self) -> usize {
         self.backend.prefill_chunk()
@@ -476,6 +552,9 @@ impl<B: Backend> Model<B> {
             kv: self.backend.kv_cache(&self.kv_shapes()),
             recurrent: (0..self.linear_layers().len()).map(|_| self.backend.buf("recurrent state", self.recurrent_floats())).collect(),
             checkpoint: None,
+            pinned: None,
+            pin: None,
+            restore_pinned: false,
             pos: 0,
             rewind: self.kv_rewind(),
             stream: 0,
@@ -570,6 +649,7 @@ impl<B: Backend> Model<B> {
         if let Some(ins) = st.instrument.as_mut() {
             ins.begin(n, self.experts.stats());
         }
+        st.before_step(be, self.recurrent_floats());
         let State { kv, recurrent, pos, stream, work, logits, instrument, .. } = st;
         let mut one = [Seg { kv, rec: recurrent, pos: *pos, stream: *stream, row: 0, n }];
         let mut s = Step { buf: &mut work.buf, host: &mut work.host, instrument, segs: &mut one };
@@ -585,9 +665,7 @@ impl<B: Backend> Model<B> {
             Logits::Last => self.last_logits(&mut s, logits),
         }
         st.pos += n;
-        if n > 1 {
-            st.save_checkpoint(be, self.recurrent_floats());
-        }
+        st.after_step(be, self.recurrent_floats(), n);
         if let Some(ins) = st.instrument.as_mut() {
             ins.end(ms(t0), self.experts.stats());
         }

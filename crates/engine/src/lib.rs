@@ -50,7 +50,7 @@ pub use model::{
 pub use open::{default_context, is_gguf, model_sizes, open, open_cpu, CacheSize, ModelSizes, OpenOptions, OpenReport};
 pub use sampler::{Sampler, SamplingParams, SamplingRequest};
 pub use score::{score, score_and_continue, ScoreMode, ScoreOutput};
-pub use session::{tokenize_chat, Conversation, Overflow, Session, Turn, TOKEN_IDS_KEY};
+pub use session::{shared_chat_prefix, tokenize_chat, Conversation, Overflow, Session, Turn, TOKEN_IDS_KEY};
 pub use stepwise::Stepwise;
 
 /// Engine errors.

@@ -2,7 +2,7 @@
 //! server can hold models on different backends side by side and only the code that runs
 //! generations names the backend type.
 
-use crate::{tokenize_chat, Backend, Engine, EngineError, SamplingParams, SamplingRequest};
+use crate::{shared_chat_prefix, tokenize_chat, Backend, Engine, EngineError, SamplingParams, SamplingRequest};
 use serde_json::{Map, Value as Json};
 use smoe_vault::Architecture;
 
@@ -26,6 +26,9 @@ pub trait LoadedModel: Send + Sync {
         kwargs: &Map<String, Json>,
         known: &dyn Fn(&str) -> Option<Vec<u32>>,
     ) -> Result<(String, Vec<u32>), EngineError>;
+    /// Where the part of a chat prompt that other conversations share ends (see
+    /// [`shared_chat_prefix`]).
+    fn shared_chat_prefix(&self, messages: &[Json], text: &str, ids: &[u32]) -> Option<usize>;
     /// A request's sampling settings over the model's generation defaults.
     fn sampling(&self, request: &SamplingRequest) -> SamplingParams;
     /// How the model writes tool calls (its chat template's syntax; the default without one).
@@ -57,6 +60,9 @@ impl<B: Backend> LoadedModel for Engine<B> {
         known: &dyn Fn(&str) -> Option<Vec<u32>>,
     ) -> Result<(String, Vec<u32>), EngineError> {
         tokenize_chat(self, messages, tools, kwargs, known)
+    }
+    fn shared_chat_prefix(&self, messages: &[Json], text: &str, ids: &[u32]) -> Option<usize> {
+        shared_chat_prefix(self, messages, text, ids)
     }
     fn sampling(&self, request: &SamplingRequest) -> SamplingParams {
         Engine::sampling(self, request)

@@ -31,14 +31,15 @@ impl<B: Backend> Session<B> {
         Session { state: model.new_state(1), cached: Vec::new() }
     }
 
-    /// A session holding the first `positions` tokens of `other`'s cache, copied (see
-    /// [`State::copy_prefix`]), with buffers for `other`'s prefill chunk; `None` where the
-    /// backend cannot copy a KV cache.
+    /// A session holding the first `positions` tokens of `other`'s cache (or fewer, for a model
+    /// with recurrent states: see [`State::copy_prefix`]), copied, with buffers for `other`'s
+    /// prefill chunk; `None` where the backend cannot copy a KV cache.
     pub fn fork(model: &Model<B>, other: &Session<B>, positions: usize) -> Option<Session<B>> {
         let positions = positions.min(other.cached.len());
         let mut s = Session { state: model.new_state(other.state.chunk()), cached: Vec::new() };
+        // A model with recurrent states may start short of `positions` (see `copy_prefix`).
         s.state.copy_prefix(model, &other.state, positions).then(|| {
-            s.cached.extend_from_slice(&other.cached[..positions]);
+            s.cached.extend_from_slice(&other.cached[..s.state.pos()]);
             s
         })
     }
@@ -49,9 +50,9 @@ impl<B: Backend> Session<B> {
     }
 
     /// Bytes of KV cache this session holds (with Gated DeltaNet layers' states, which are
-    /// the same size at any length).
+    /// the same size at any length, and their saved copies).
     pub fn kv_bytes(&self, model: &Model<B>) -> usize {
-        model.backend().kv_bytes(self.state.kv()) + self.state.recurrent.len() * model.recurrent_floats() * 4
+        model.backend().kv_bytes(self.state.kv()) + self.state.recurrent_bytes(model.recurrent_floats())
     }
 
     /// Gives back the KV memory beyond the positions held (see [`Backend::kv_shrink`]): for a
@@ -180,6 +181,31 @@ pub fn tokenize_chat<B: Backend>(
     }
     ids.extend(engine.encode(&text[pos..])?);
     Ok((text, ids))
+}
+
+/// Where the part of a chat prompt that other conversations share ends: the tokens before the
+/// first message that is not the system's (or developer's) content — the system prompt, the
+/// tool schemas and the next turn's header — as a count of leading `ids` (the prompt
+/// [`tokenize_chat`] made of `text`). `None` when the chat opens with no such message. A
+/// model with recurrent states keeps its states there ([`Stepwise::keep_state_at`]), so that a
+/// new conversation with the same system prompt starts from them.
+pub fn shared_chat_prefix<B: Backend>(engine: &Engine<B>, messages: &[Json], text: &str, ids: &[u32]) -> Option<usize> {
+    let mut seen = 0;
+    for m in messages {
+        let content = m["content"].as_str().filter(|c| !c.is_empty());
+        let at = content.and_then(|c| text[seen..].find(c).map(|a| a + seen));
+        if !matches!(m["role"].as_str(), Some("system" | "developer")) {
+            // Tokenized alone, the text before it may end in another token than inside the
+            // whole prompt: only the tokens both agree on count.
+            let head = engine.encode(&text[..at?]).ok()?;
+            let n = head.iter().zip(ids).take_while(|(a, b)| a == b).count();
+            return (n > 0).then_some(n);
+        }
+        if let (Some(a), Some(c)) = (at, content) {
+            seen = a + c.len();
+        }
+    }
+    None
 }
 
 /// What a conversation does when its next prompt would not fit the context.

@@ -41,6 +41,8 @@ pub struct Stepwise {
     t_decode: Option<Instant>,
     /// Milliseconds the latest [`advance`](Self::advance) spent sampling.
     pub sampling_ms: f64,
+    /// A prompt position a prefill step must stop at ([`keep_state_at`](Self::keep_state_at)).
+    stop_at: Option<usize>,
 }
 
 impl Stepwise {
@@ -89,6 +91,7 @@ impl Stepwise {
             ttft: None,
             t_decode: None,
             sampling_ms: 0.0,
+            stop_at: None,
         })
     }
 
@@ -99,7 +102,24 @@ impl Stepwise {
         if self.finish.is_some() {
             &[]
         } else {
-            &self.context[self.fed..]
+            let end = self.stop_at.filter(|&p| p > self.fed).unwrap_or(self.context.len());
+            &self.context[self.fed..end]
+        }
+    }
+
+    /// Keeps the sequence's recurrent states at prompt position `pos` (a model with Gated
+    /// DeltaNet layers; nothing for others): a prefill step stops there, and the states are
+    /// copied as it ends ([`Model::keep_state_at`](crate::Model::keep_state_at)), so that
+    /// other prompts sharing the first `pos` tokens (the same system prompt and tools) can start
+    /// from them instead of from nothing. A position outside what is left of the prompt is
+    /// ignored (one already run is kept only if the sequence stands there now).
+    pub fn keep_state_at<B: Backend>(&mut self, engine: &Engine<B>, st: &mut State<B>, pos: usize) {
+        if st.recurrent.is_empty() || pos < self.fed || pos >= self.prompt_len {
+            return;
+        }
+        engine.model.keep_state_at(st, pos);
+        if pos > self.fed {
+            self.stop_at = Some(pos);
         }
     }
 

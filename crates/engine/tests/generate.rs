@@ -183,12 +183,78 @@ fn a_recurrent_model_resumes_from_its_last_prompt() {
     let again = s.generate(&engine, &p4, &opts, &mut NoObserver, &mut |_, _| true).unwrap();
     assert_eq!(again.stats.prefilled_tokens, p4.len());
     assert_eq!(again.tokens, fourth.tokens);
-    // Forks: at the end of the cached tokens, not inside them.
+    // Forks: where the states are kept (the end of the cached tokens, the end of the latest
+    // prefill), not anywhere else inside them.
     let at = s.cached_tokens().len();
-    assert!(Session::fork(&engine.model, &s, at - 1).is_none(), "no recurrent state inside the sequence");
+    let inside = Session::fork(&engine.model, &s, at - 1).expect("a fork back at the prefill's end");
+    assert_eq!(inside.cached_tokens(), &s.cached_tokens()[..p4.len()], "the nearest kept point");
+    assert!(Session::fork(&engine.model, &s, p4.len() - 1).is_none(), "no recurrent state before it");
     let mut forked = Session::fork(&engine.model, &s, at).expect("a fork at the end copies the states");
     let p5 = cat(s.cached_tokens(), &enc(" more"));
     let fifth = forked.generate(&engine, &p5, &opts, &mut NoObserver, &mut |_, _| true).unwrap();
     assert_eq!(fifth.stats.prefilled_tokens, p5.len() - at);
     assert_eq!(fifth.tokens, fresh(&p5).tokens);
+}
+
+/// A Qwen3-Next sequence keeps its states where a shared prefix ends (a system prompt:
+/// `Stepwise::keep_state_at`, as the server asks): its prefill stops there, and a prompt with
+/// the same prefix then starts from them, in the same session (more than once) or in a fork,
+/// and replies as it does run from nothing.
+#[test]
+fn a_recurrent_model_keeps_its_states_at_a_shared_prefix() {
+    use smoe_engine::{BatchItem, NoObserver, Session};
+    let (_dir, engine) = shattered("testdata/hf/qwen3_next");
+    let model = &engine.model;
+    let opts = GenOptions { stop_ids: Some(vec![]), ..GenOptions::new(6, SamplingParams { temperature: 0.0, ..Default::default() }, 4096) };
+    let enc = |s: &str| engine.encode(s).unwrap();
+    let cat = |a: &[u32], b: &[u32]| a.iter().chain(b).copied().collect::<Vec<u32>>();
+    // As the server runs a generation: batched steps of what `input` asks for. Returns the
+    // reply, where the sequence started and where each step ended.
+    let run = |session: &mut Session<CpuBackend>, prompt: &[u32], keep: Option<usize>| {
+        let mut gen = session.start(&engine, prompt, &opts).unwrap();
+        let start = session.state_mut().pos();
+        if let Some(k) = keep {
+            gen.keep_state_at(&engine, session.state_mut(), k);
+        }
+        let mut batch = model.new_batch(256);
+        let (mut reply, mut ends) = (Vec::new(), Vec::new());
+        while !gen.finished() {
+            let input = gen.input().to_vec();
+            let logits = model
+                .forward_batch(&mut batch, &mut [BatchItem { state: session.state_mut(), tokens: &input }], &mut NoObserver)
+                .unwrap()
+                .to_vec();
+            ends.push(session.state_mut().pos());
+            gen.advance(input.len(), &logits, &mut |t, _| {
+                reply.push(t);
+                true
+            });
+        }
+        session.record(gen.context());
+        (reply, start, ends)
+    };
+    let fresh = |prompt: &[u32]| run(&mut Session::batched(model), prompt, None).0;
+    let sys = enc("You are a careful assistant. Answer in one short sentence, and never guess.");
+    let (p1, p2) = (cat(&sys, &enc(" What is the capital of France?")), cat(&sys, &enc(" Name three colours, please.")));
+    let n = sys.len();
+    let mut s = Session::batched(model);
+    let (r1, start, ends) = run(&mut s, &p1, Some(n));
+    assert_eq!((start, ends[0], ends[1]), (0, n, p1.len()), "the prefill stops where the states are kept");
+    assert_eq!(r1, fresh(&p1));
+    // Another conversation with the same system prompt, from a fork of this one.
+    let mut f = Session::fork(model, &s, p2.len() - 1).expect("a fork at the kept states");
+    assert_eq!(f.cached_tokens(), &sys[..]);
+    let (r2, start, _) = run(&mut f, &p2, Some(n));
+    assert_eq!((start, &r2), (n, &fresh(&p2)));
+    // And in the same session, twice: going back to the kept states keeps them.
+    for (p, r) in [(&p2, &r2), (&p1, &r1)] {
+        let (got, start, _) = run(&mut s, p, Some(n));
+        assert_eq!((start, &got), (n, r));
+    }
+    // Without them, a session goes back to its start.
+    let mut plain = Session::batched(model);
+    run(&mut plain, &p1, None);
+    assert_eq!(run(&mut plain, &p2, None).1, 0);
+    // Kept states count in the session's memory.
+    assert!(s.kv_bytes(model) > plain.kv_bytes(model));
 }

@@ -107,6 +107,9 @@ pub struct Prepared {
     pub chat: bool,
     /// How the model writes tool calls.
     pub calls: smoe_text::CallSyntax,
+    /// For a model with recurrent states: the prompt position where the part other chats share
+    /// ends (system prompt and tools), where its states are kept for them.
+    pub keep_at: Option<usize>,
 }
 
 /// Loads the model, builds the options with `options(engine)` and tokenizes the prompt.
@@ -125,6 +128,7 @@ pub async fn prepare(
         let mut opts = options(engine)?;
         let bad = |e: smoe_engine::EngineError| ApiError::bad_request(e.to_string());
         let chat = matches!(spec, PromptSpec::Chat { .. });
+        let mut keep_at = None;
         let (prompt_text, prompt, tools) = match spec {
             PromptSpec::Chat { messages, tools, kwargs, shape } => {
                 let known = |c: &str| worker.recent.get(c);
@@ -164,6 +168,9 @@ pub async fn prepare(
                     }
                     _ => (t, ids, tools.is_some()),
                 };
+                if engine.architecture().linear_attention.is_some() {
+                    keep_at = engine.shared_chat_prefix(&messages, &kept.0, &kept.1);
+                }
                 let param = if matches!(shape, Shape::Json(_)) { "response_format" } else { "tool_choice" };
                 opts.grammar = shape.grammar(kept.2.then_some(tools.as_deref()).flatten(), engine.call_syntax())?;
                 if let Some(g) = &opts.grammar {
@@ -188,7 +195,7 @@ pub async fn prepare(
             return Err(ApiError::bad_param("prompt", "the prompt is empty"));
         }
         check_length(prompt.len(), opts.ctx)?;
-        Ok(Prepared { worker: worker.clone(), prompt, prompt_text, opts, tools, chat, calls: engine.call_syntax() })
+        Ok(Prepared { worker: worker.clone(), prompt, prompt_text, opts, tools, chat, calls: engine.call_syntax(), keep_at })
     })
     .await
     .map_err(|e| ApiError::internal(format!("request task failed: {e}")))?
@@ -218,7 +225,15 @@ pub struct Running {
 pub fn submit(p: &Prepared, streamed: bool) -> Result<Running, ApiError> {
     let (tx, rx) = unbounded_channel();
     let cancel = Arc::new(AtomicBool::new(false));
-    let job = Job { prompt: p.prompt.clone(), opts: p.opts.clone(), events: tx, cancel: cancel.clone(), streamed, queued: Instant::now() };
+    let job = Job {
+        prompt: p.prompt.clone(),
+        opts: p.opts.clone(),
+        events: tx,
+        cancel: cancel.clone(),
+        streamed,
+        queued: Instant::now(),
+        keep_at: p.keep_at,
+    };
     p.worker.submit(job)?;
     let parser = if p.chat { ReplyParser::with_syntax(&p.prompt_text, p.tools, p.calls) } else { ReplyParser::raw() };
     Ok(Running { rx, guard: CancelOnDrop(cancel), parser })

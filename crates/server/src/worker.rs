@@ -61,6 +61,9 @@ pub struct Job {
     pub streamed: bool,
     /// When it was queued.
     pub queued: Instant,
+    /// Where the prompt's part other chats share ends, for a model with recurrent states
+    /// ([`crate::run::Prepared::keep_at`]).
+    pub keep_at: Option<usize>,
 }
 
 /// Limits of a worker.
@@ -372,11 +375,26 @@ impl<B: Backend> Loop<B> {
             self.pending.fetch_sub(1, Ordering::SeqCst);
             return;
         }
+        // A model with recurrent states can resume only where a sequence kept them: keep them
+        // where this prompt's shared part ends (its system prompt), or else where it leaves a
+        // cached conversation it shares a long prefix with (a regenerated reply, an edit).
+        let branch = sessions
+            .iter()
+            .map(|c| (c.session.common_prefix(&job.prompt), c.session.cached_tokens().len()))
+            .filter(|&(common, len)| common < len && common >= SHARED_PREFIX_MIN)
+            .map(|(common, _)| common)
+            .max();
+        let keep_at = job.keep_at.or(branch);
         let i = self.pick(sessions, &job.prompt);
         let mut cached = sessions.remove(i);
         let store0 = self.engine.model.experts().stats();
         match cached.session.start(&self.engine, &job.prompt, &job.opts) {
-            Ok(gen) => active.push(Active { job, session: cached.session, gen, store0, failed: None }),
+            Ok(mut gen) => {
+                if let Some(p) = keep_at {
+                    gen.keep_state_at(&self.engine, cached.session.state_mut(), p);
+                }
+                active.push(Active { job, session: cached.session, gen, store0, failed: None })
+            }
             Err(e) => {
                 // Refused before any step: the session still holds the prefix it shares.
                 sessions.push(cached);
@@ -563,7 +581,7 @@ mod tests {
     fn job(streamed: bool, waited: Duration, now: Instant, tag: usize) -> Job {
         let (events, _) = tokio::sync::mpsc::unbounded_channel();
         let opts = GenOptions::new(tag, Default::default(), 16);
-        Job { prompt: vec![], opts, events, cancel: Arc::default(), streamed, queued: now - waited }
+        Job { prompt: vec![], opts, events, cancel: Arc::default(), streamed, queued: now - waited, keep_at: None }
     }
 
     #[test]
