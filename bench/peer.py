@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """smoe and llama.cpp as peers: random-weight models of published shapes, the same tokens, both engines.
 
-For each shape, `smoe synth` writes a vault of its first --layers layers (Q4_K experts, Q8_0 dense,
+For each shape, `smoe synth` writes a vault of its first --layers layers (Q4_K experts — gpt-oss's
+MXFP4, as published —, Q8_0 dense,
 synth's small byte-level BPE tokenizer padded to the shape's vocabulary) and `smoe export-gguf`
 writes the same quantized blocks as a GGUF. --prompt-tokens ids, drawn uniformly from the
 vocabulary with a fixed seed, go through each engine in one prefill that keeps the logits of every
@@ -58,6 +59,8 @@ import run as harness  # noqa: E402
 ROOT = harness.ROOT
 SHAPES = "qwen3-30b-a3b,qwen3-235b-a22b,qwen2-57b-a14b,mixtral-8x7b,mixtral-8x22b,olmoe-1b-7b,glm-4.5,glm-4.5-air,deepseek-v3,glm-5,qwen3-next-80b-a3b"
 IDS_SEED = 7
+# Expert formats other than synth's Q4_K default: gpt-oss as its hub checkpoints ship it.
+EXPERTS = {"gpt-oss-20b": "MXFP4", "gpt-oss-120b": "MXFP4"}
 # CPU features both the build machine and the one the comparison runs on have (Zen 4 and
 # Sapphire Rapids): no -march=native, so the binaries travel.
 LLAMA_CMAKE_FLAGS = [
@@ -247,7 +250,8 @@ def one_shape(shape, args, smoe, llama_bin):
             if not (args.keep and os.path.exists(vault)):
                 remove(vault)
                 t = time.monotonic()
-                sh([smoe, "synth", "--shape", shape, "--layers", args.layers, "--vault", vault])
+                sh([smoe, "synth", "--shape", shape, "--layers", args.layers, "--vault", vault,
+                    "--experts", EXPERTS.get(shape, "Q4_K")])
                 log(f"synthesised {vault} in {time.monotonic() - t:.0f} s")
             if not (args.keep and os.path.exists(gguf)):
                 remove(gguf)

@@ -537,6 +537,10 @@ fn config_with_layers(shape: &str, layers: Option<usize>) -> Result<Value, Conve
         if cfg.get("max_window_layers").is_some() {
             cfg["max_window_layers"] = n.into();
         }
+        // One entry per layer (gpt-oss's sliding and full layers): the kept layers' entries.
+        if let Some(types) = cfg.get_mut("layer_types").and_then(|t| t.as_array_mut()) {
+            types.truncate(n);
+        }
     }
     Ok(cfg)
 }
@@ -787,6 +791,16 @@ mod tests {
             let off = (n as f64 - want).abs() / want;
             println!("{shape}: {n} parameters ({:+.2}% of the published {want:e})", 100.0 * (n as f64 - want) / want);
             assert!(off < 0.01, "{shape}: {n} parameters, published {want:e}");
+        }
+    }
+
+    /// `--layers` cuts every shape to a model its reader takes (per-layer lists cut with it).
+    #[test]
+    fn every_shape_cuts_to_two_layers() {
+        for s in shape_names() {
+            let cfg = config_with_layers(s, Some(2)).unwrap();
+            let arch = hf::architecture_from_config(&cfg).unwrap_or_else(|e| panic!("{s}: {e}"));
+            assert_eq!(arch.num_layers, 2, "{s}");
         }
     }
 
