@@ -240,6 +240,9 @@ fn truncated_and_corrupted_vaults_are_reported_not_computed_on() {
     let (model2, _s2) = streaming(&path, 2);
     let e = score(&model2, &input, ScoreMode::Prefill, 64, false).unwrap_err().to_string();
     assert!(e.contains("expert 5 of layer 2 failed its checksum"), "{e}");
+    // Loaded whole (`--cache resident`, read by several workers), the same blob is refused.
+    let e = ResidentExperts::load(&Vault::open(&path).unwrap()).err().expect("a corrupt blob loaded").to_string();
+    assert!(e.contains("expert 5 of layer 2 failed its checksum"), "{e}");
     std::fs::write(&path, &original).unwrap();
     assert!(score(&model2, &input, ScoreMode::Prefill, 64, false).unwrap().logits == want);
 }
