@@ -52,7 +52,7 @@ pub(super) fn compress_windows(layers: &mut [KvLayer], c: CompressWindows<'_>) {
     for (wi, e) in out.k[first * dim..].chunks_exact_mut(dim).enumerate() {
         let w = first + wi;
         // With overlap, the previous window's first halves come first (window 0 has none).
-        let prev = (overlap && w > 0).then_some((w - 1) * rate);
+        let prev = w.checked_sub(1).filter(|_| overlap).map(|p| p * rate);
         for (ch, o) in e.iter_mut().enumerate() {
             let col = if overlap { dim + ch } else { ch };
             let slots = || {
