@@ -32,9 +32,9 @@ pub struct KvShape {
     /// Values are the first `v_dim` dimensions of each key row (multi-head latent attention
     /// caches one latent per position for both).
     pub values_in_keys: bool,
-    /// Only the last `keep` positions are ever read again (DeepSeek-V4's sliding window and
-    /// raw compressor rows, with a margin for truncation): a backend may drop older rows
-    /// once it holds more. `None`: every position is kept.
+    /// Only the `keep` positions before a call's first one are ever read again (DeepSeek-V4's
+    /// sliding window and raw compressor rows, gpt-oss's sliding layers, with a margin for
+    /// truncation): a backend may drop older rows. `None`: every position is kept.
     pub keep: Option<usize>,
 }
 

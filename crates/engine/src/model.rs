@@ -569,10 +569,11 @@ impl<B: Backend> Model<B> {
         kv_shapes_rewinding(&self.arch, self.kv_rewind)
     }
 
-    /// DeepSeek-V4: how many positions a sequence can go back (truncation, prefix copies) and
-    /// continue from its cache; going back further starts it over. Its sliding and raw rows are
-    /// kept this far back beyond what attention reads, older ones dropped: memory against the
-    /// cost of re-running a prefix. Applies to states made after the call.
+    /// DeepSeek-V4, and gpt-oss's sliding layers: how many positions a sequence can go back
+    /// (truncation, prefix copies) and continue from its cache; going back further starts it
+    /// over. Sliding and raw rows are kept this far back beyond what attention reads, older ones
+    /// dropped: memory against the cost of re-running a prefix. Applies to states made after the
+    /// call.
     pub fn set_kv_rewind(&mut self, positions: usize) {
         self.kv_rewind = positions;
     }
@@ -583,7 +584,8 @@ impl<B: Backend> Model<B> {
             // A recurrent state holds the sequence up to its last token only.
             return Some(0);
         }
-        self.arch.compressed_attention.as_ref().map(|_| self.kv_rewind)
+        let windowed = (0..self.arch.num_layers).any(|l| self.arch.attention_window(l).is_some());
+        (self.arch.compressed_attention.is_some() || windowed).then_some(self.kv_rewind)
     }
 
     /// Gated DeltaNet layers' parameters, by the slot of their state in a sequence (see
@@ -654,11 +656,13 @@ pub fn kv_shapes(arch: &Architecture) -> Vec<KvShape> {
     kv_shapes_rewinding(arch, DEFAULT_KV_REWIND)
 }
 
-/// Positions a DeepSeek-V4 sequence can go back by default (see [`Model::set_kv_rewind`]):
-/// enough for a chat's regenerated reply or a client's edited last message.
+/// Positions a DeepSeek-V4 or gpt-oss sequence can go back by default (see
+/// [`Model::set_kv_rewind`]): enough for a chat's regenerated reply or a client's edited last
+/// message.
 pub const DEFAULT_KV_REWIND: usize = 512;
 
-/// [`kv_shapes`] with DeepSeek-V4's rows kept `rewind` positions beyond what attention reads.
+/// [`kv_shapes`] with the bounded rows (DeepSeek-V4's, gpt-oss's sliding layers') kept `rewind`
+/// positions beyond what attention reads.
 pub fn kv_shapes_rewinding(arch: &Architecture, rewind: usize) -> Vec<KvShape> {
     if let Some(c) = &arch.compressed_attention {
         // The sliding branch keeps one shared key=value row per position, read `window - 1`
@@ -687,7 +691,14 @@ pub fn kv_shapes_rewinding(arch: &Architecture, rewind: usize) -> Vec<KvShape> {
             Some(m) => {
                 KvShape { heads: 1, k_dim: m.kv_lora_rank + m.qk_rope_head_dim, v_dim: m.kv_lora_rank, values_in_keys: true, keep: None }
             }
-            None => KvShape { heads: arch.num_kv_heads, k_dim: arch.head_dim, v_dim: arch.head_dim, values_in_keys: false, keep: None },
+            // A sliding-window layer (gpt-oss) reads `window - 1` rows back, kept with the rewind.
+            None => KvShape {
+                heads: arch.num_kv_heads,
+                k_dim: arch.head_dim,
+                v_dim: arch.head_dim,
+                values_in_keys: false,
+                keep: arch.attention_window(l).map(|w| w - 1 + rewind),
+            },
         })
         .collect();
     if let Some(s) = &arch.sparse_attention {
@@ -725,16 +736,22 @@ pub fn kv_values_per_token(arch: &Architecture) -> usize {
         }
         return v;
     }
-    kv_shapes(arch).iter().map(|s| s.heads * (s.k_dim + if s.values_in_keys { 0 } else { s.v_dim })).sum()
+    // Layers that keep a bounded span (gpt-oss's sliding windows) are in `kv_fixed_values`.
+    kv_shapes(arch).iter().filter(|s| s.keep.is_none()).map(row_values).sum()
 }
 
-/// Values a sequence's cache holds whatever its length, at most (DeepSeek-V4's bounded rows,
-/// with the default rewind and the CPU backend's slack; Qwen3-Next's recurrent states): 0 for
-/// other families.
+/// Values one position adds to a cache layer of `shape`.
+fn row_values(shape: &KvShape) -> usize {
+    shape.heads * (shape.k_dim + if shape.values_in_keys { 0 } else { shape.v_dim })
+}
+
+/// Values a sequence's cache holds whatever its length, at most (the bounded rows of DeepSeek-V4
+/// and of gpt-oss's sliding layers, with the default rewind and the CPU backend's slack;
+/// Qwen3-Next's recurrent states): 0 for other families.
 pub fn kv_fixed_values(arch: &Architecture) -> usize {
     let slack = crate::cpu::DROP_SLACK;
     let linear = arch.linear_attention.as_ref().map_or(0, |la| la.state_floats() * la.layers.iter().filter(|&&l| l).count());
-    linear + kv_shapes(arch).iter().filter_map(|s| s.keep.map(|k| (k + slack) * s.heads * s.k_dim)).sum::<usize>()
+    linear + kv_shapes(arch).iter().filter_map(|s| s.keep.map(|k| (k + slack) * row_values(s))).sum::<usize>()
 }
 
 /// Values per token of a naive cache: full keys and values for every query head.

@@ -36,12 +36,18 @@ fn kv_cache_values_per_token_for_published_shapes() {
     let ca = flash.compressed_attention.as_ref().unwrap();
     assert_eq!(ca.compression.iter().filter(|k| k.overlaps()).count(), 20);
     assert_eq!(kv_values_per_token(&flash), 23 * 4 + 20 * (128 + 32));
-    // Bounded: window 127 + rewind 512 (+ 64 slack) sliding rows of 512 in 43 layers; raw rows of
-    // 2 x 512 over 128 + 512 (+ 64) positions in 23 HCA layers, of 2 x 1024 and 2 x 256 over
-    // 8 + 512 (+ 64) in 20 CSA layers.
-    let fixed = 43 * (127 + 512 + 64) * 512 + 23 * (128 + 512 + 64) * 1024 + 20 * (8 + 512 + 64) * (2048 + 512);
+    // Bounded: window 127 + rewind 512 (+ 128 slack) sliding rows of 512 in 43 layers; raw rows
+    // of 2 x 512 over 128 + 512 (+ 128) positions in 23 HCA layers, of 2 x 1024 and 2 x 256 over
+    // 8 + 512 (+ 128) in 20 CSA layers.
+    let fixed = 43 * (127 + 512 + 128) * 512 + 23 * (128 + 512 + 128) * 1024 + 20 * (8 + 512 + 128) * (2048 + 512);
     assert_eq!(smoe_engine::kv_fixed_values(&flash), fixed);
     println!("KV-fixed|deepseek-v4-flash|{fixed}|{} MiB", (fixed * 4) >> 20);
+    // gpt-oss-120b: 18 full attention layers of 8 kv heads x 64 (k + v) per position; its 18
+    // sliding layers (window 128) hold 127 + rewind 512 (+ 128 slack) positions.
+    let oss = arch("gpt-oss-120b");
+    assert_eq!(kv_values_per_token(&oss), 18 * 8 * 64 * 2);
+    assert_eq!(smoe_engine::kv_fixed_values(&oss), 18 * (127 + 512 + 128) * 8 * 64 * 2);
+    println!("KV-fixed|gpt-oss-120b|{}|{} MiB", smoe_engine::kv_fixed_values(&oss), (smoe_engine::kv_fixed_values(&oss) * 4) >> 20);
     // Qwen3-Next-80B-A3B: 12 full attention layers of 2 kv heads x 256 (k + v); 36 Gated
     // DeltaNet layers hold no per-position state but a fixed one each: 3 convolution taps of
     // 8192 channels and 32 value heads' 128 x 128 matrices.

@@ -460,6 +460,74 @@ fn deepseek_v4_drops_old_rows_and_still_matches() {
     run(&mut st, 0);
 }
 
+/// gpt-oss's sliding layers (window 8 in the fixture) read `window - 1` rows back: with a
+/// rewind margin of 8 their cache keeps that and drops older rows a block of 128 at a time
+/// (full attention layers keep every row). The 300-token text still matches transformers from
+/// a smaller cache; the fast path gives the same bits as a cache that keeps every
+/// row, in prefill and in decode (whole blocks are dropped, so every row's arithmetic is the
+/// same); truncation within and beyond the margin and prefix copies behave as DeepSeek-V4's.
+#[test]
+fn gpt_oss_sliding_layers_drop_old_rows_and_still_match() {
+    let name = "gpt_oss";
+    let path = vault(name, Format::BF16, Format::BF16);
+    let r = read_safetensors(&fixture(name).join("reference.safetensors"));
+    let (input, expect) = (ids(&r["long.input_ids"]), r["long.logits"].f32());
+    let kv_bytes = |model: &smoe_engine::Model<smoe_engine::CpuBackend>, chunk: usize| {
+        let mut st = model.new_state(chunk);
+        model.forward(&mut st, &input, Logits::Last, &mut NoObserver).unwrap();
+        model.backend().kv_bytes(st.kv())
+    };
+    let mut keep_all = load(&path);
+    keep_all.set_kv_rewind(1 << 20);
+    let mut model = load(&path);
+    model.set_kv_rewind(8);
+    let (full, dropped) = (kv_bytes(&keep_all, 7), kv_bytes(&model, 7));
+    // 2 of 4 layers slide: at most 15 + 128 + 7 of their 300 rows stay.
+    eprintln!("KV cache after 300 tokens: {dropped} bytes with old rows dropped, {full} with every row");
+    assert!(dropped * 10 < full * 8, "{dropped} bytes with rows dropped, {full} with every row");
+    let vocab = model.arch().vocab_size;
+    let run = |st: &mut smoe_engine::State<_>, from: usize| {
+        let logits = model.forward(st, &input[from..], Logits::All, &mut NoObserver).unwrap().to_vec();
+        let e = rel_err(&logits, &expect[from * vocab..]);
+        assert!(e < 1e-4, "from {from}: logits rel err {e:.2e}");
+    };
+    let mut st = model.new_state(7);
+    run(&mut st, 0);
+    st.truncate(295);
+    assert_eq!(st.pos(), 295, "5 back is within the margin");
+    run(&mut st, 295);
+    let mut copy = model.new_state(7);
+    assert!(copy.copy_prefix(&model, &st, 296));
+    run(&mut copy, 296);
+    assert!(!copy.copy_prefix(&model, &st, 200), "100 back is beyond the margin");
+    st.truncate(200);
+    assert_eq!(st.pos(), 0, "100 back is beyond the margin: start over");
+    run(&mut st, 0);
+
+    // The fast path: bit for bit with every row kept, prefill in chunks of 64 and step decode.
+    let fast = |rewind: usize| {
+        let v = smoe_vault::Vault::open(&path).unwrap();
+        let ex = std::sync::Arc::new(smoe_store::ResidentExperts::load(&v).unwrap());
+        let mut m = smoe_engine::Model::load(&v, smoe_engine::CpuBackend::new(smoe_engine::Precision::Fast), ex).unwrap();
+        m.set_kv_rewind(rewind);
+        m
+    };
+    let (all_rows, some_rows) = (fast(1 << 20), fast(0));
+    for chunk in [64, 1] {
+        let logits = |m: &smoe_engine::Model<smoe_engine::CpuBackend>| {
+            let mut st = m.new_state(chunk);
+            let mut out = Vec::new();
+            for piece in input.chunks(chunk) {
+                out.extend_from_slice(m.forward(&mut st, piece, Logits::All, &mut NoObserver).unwrap());
+            }
+            (out, m.backend().kv_bytes(st.kv()))
+        };
+        let ((want, full), (got, dropped)) = (logits(&all_rows), logits(&some_rows));
+        assert!(got == want, "chunks of {chunk}: logits differ when rows are dropped");
+        assert!(dropped < full, "chunks of {chunk}: {dropped} bytes, {full} with every row");
+    }
+}
+
 /// DeepSeek-V4's float8 layers held as published, in MXFP8 (each 32 e4m3 codes with their
 /// block's e8m0 exponent, copied), its FP4 experts in MXFP4: the vault's weights are the
 /// checkpoint's exactly (other dense layers stay bf16), so the reference holds to the usual

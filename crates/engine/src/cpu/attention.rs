@@ -57,6 +57,7 @@ fn one_over(
         sc.clear();
         let mut max = f32::NEG_INFINITY;
         for j in positions.clone() {
+            let j = l.row(j);
             let sj = dotf(qv, &l.k[j * k_row + g * kd..][..kd]) * p.scale;
             max = max.max(sj);
             sc.push(sj);
@@ -73,7 +74,7 @@ fn one_over(
         }
         o.fill(0.0);
         for (j, &w) in positions.zip(sc.iter()) {
-            let v = &values[j * v_row + g * v_stride..][..vd];
+            let v = &values[l.row(j) * v_row + g * v_stride..][..vd];
             for (a, &b) in o.iter_mut().zip(v) {
                 *a += w * b;
             }
@@ -205,7 +206,10 @@ impl Call<'_> {
         let nb = self.block.min(self.pos0 + r.t1 - j0);
         // Scores, position-major: pr[j * rows + r] for positions j0 + j.
         pr.resize(nb * rows, 0.0);
-        self.k.attn_scores(qb, kd, &self.l.k[j0 * k_row + r.g * kd..], k_row, nb, pr);
+        // Rows before the cache's base were dropped; bases are block-aligned, so a block is
+        // held whole or not at all, and no row sees a dropped one (`KvShape::keep`).
+        let at = self.l.row(j0);
+        self.k.attn_scores(qb, kd, &self.l.k[at * k_row + r.g * kd..], k_row, nb, pr);
         m[..rows].fill(f32::NEG_INFINITY);
         s[..rows].fill(0.0);
         // A token's heads side by side (scores are position-major: one row at a time would
@@ -234,7 +238,7 @@ impl Call<'_> {
         }
         let o = &mut o[..rows * vd];
         o.fill(0.0);
-        self.k.attn_weighted_sum(o, vd, &pr[..nb * rows], &self.values[j0 * self.v_row + r.g * self.v_stride..], self.v_row, nb);
+        self.k.attn_weighted_sum(o, vd, &pr[..nb * rows], &self.values[at * self.v_row + r.g * self.v_stride..], self.v_row, nb);
     }
 
     /// Ends rows `r`: each row's sink (gpt-oss) joins its denominator, then the outputs are
@@ -320,6 +324,7 @@ pub(super) fn attention_fast(
     let group = p.q_heads / kvh;
     let chunk = group.min(HEADS_PER_TASK);
     let (values, v_row, v_stride) = if s.values_in_keys { (&l.k, kvh * kd, kd) } else { (&l.v, kvh * vd, vd) };
+    assert!(l.base.is_multiple_of(block), "attention_fast: a cache held from position {} in blocks of {block}", l.base);
     let call = Call { l, k, p, q, q_stride, pos0, block, group, chunk, chunks_per_group: group.div_ceil(chunk), values, v_row, v_stride };
     let tasks = n.div_ceil(TOKENS_PER_TASK) * kvh * call.chunks_per_group;
     let sink = super::DisjointOut::new(&mut out[..n * p.q_heads * vd]);

@@ -151,9 +151,19 @@ struct KvLayer {
     base: usize,
 }
 
+impl KvLayer {
+    /// The row of position `pos`, which must not have been dropped.
+    fn row(&self, pos: usize) -> usize {
+        assert!(pos >= self.base, "KV cache: position {pos} was dropped (rows held from {})", self.base);
+        pos - self.base
+    }
+}
+
 /// Rows a layer with [`KvShape::keep`] may hold beyond it before the oldest are dropped (each
-/// drop moves the kept rows, so it is done this many rows at a time).
-pub(crate) const DROP_SLACK: usize = 64;
+/// drop moves the kept rows, so it is done this many rows at a time). Bases stay multiples of
+/// it: attention reads aligned blocks of [`attention::POSITIONS_PER_BLOCK`] positions (the
+/// same for prefill and decode), so a block is held whole or dropped whole.
+pub(crate) const DROP_SLACK: usize = attention::POSITIONS_PER_BLOCK;
 
 /// The KV cache of one sequence.
 pub struct CpuKvCache {
@@ -687,14 +697,16 @@ impl Backend for CpuBackend {
             }
         }
         if let Some(keep) = l.shape.keep {
-            let held = at + n;
-            if held > keep + DROP_SLACK {
-                let drop = held - keep;
+            // Keep `keep` rows before this call's first position (its first query may read
+            // that far back), rounded down to a block, and every row it stored.
+            if at > keep + DROP_SLACK && l.base.is_multiple_of(DROP_SLACK) {
+                let base = (pos0 - keep) / DROP_SLACK * DROP_SLACK;
+                let drop = base - l.base;
                 l.k.drain(..drop * kw);
                 if !l.v.is_empty() {
                     l.v.drain(..drop * vw);
                 }
-                l.base += drop;
+                l.base = base;
             }
         }
     }
