@@ -419,35 +419,44 @@ fn deepseek_v4_fp8_fp4_checkpoint_matches_transformers() {
 }
 
 /// DeepSeek-V4 drops its sliding and raw rows beyond what attention reads plus the rewind
-/// margin. With a margin of 8 positions (rows dropped after a few dozen), the 300-token text in
+/// margin. With a margin of 8 positions (rows dropped a block of 128 at a time), the 300-token text in
 /// chunks of 7 still matches transformers at every position; the cache ends up smaller than
 /// one that keeps every row; truncating back within the margin continues from the cache (the
 /// logits of the re-run tail equal the reference), further back starts over from 0 (and still
 /// matches), and a prefix copy from further back than the margin is refused.
 #[test]
 fn deepseek_v4_drops_old_rows_and_still_matches() {
-    let name = "deepseek_v4";
+    let (full, dropped) = bounded_cache_matches("deepseek_v4");
+    assert!(dropped * 2 < full, "{dropped} bytes with rows dropped, {full} with every row");
+}
+
+/// Runs fixture `name`'s 300-token text with a rewind margin of 8 against transformers: from
+/// scratch, after a truncation 5 back (within the margin: continues), on a prefix copy, and
+/// after a truncation 100 back (beyond it: starts over; a copy from there is refused). Returns
+/// the KV bytes after the text with every row kept and with old rows dropped.
+fn bounded_cache_matches(name: &str) -> (usize, usize) {
     let path = vault(name, Format::BF16, Format::BF16);
     let r = read_safetensors(&fixture(name).join("reference.safetensors"));
     let (input, expect) = (ids(&r["long.input_ids"]), r["long.logits"].f32());
-    let full_bytes = {
-        let model = load(&path);
+    let kv_bytes = |model: &smoe_engine::Model<smoe_engine::CpuBackend>| {
         let mut st = model.new_state(7);
         model.forward(&mut st, &input, Logits::Last, &mut NoObserver).unwrap();
         model.backend().kv_bytes(st.kv())
     };
+    let mut keep_all = load(&path);
+    keep_all.set_kv_rewind(1 << 20);
     let mut model = load(&path);
     model.set_kv_rewind(8);
+    let (full, dropped) = (kv_bytes(&keep_all), kv_bytes(&model));
+    eprintln!("{name}: KV cache after 300 tokens: {dropped} bytes with old rows dropped, {full} with every row");
     let vocab = model.arch().vocab_size;
     let run = |st: &mut smoe_engine::State<_>, from: usize| {
         let logits = model.forward(st, &input[from..], Logits::All, &mut NoObserver).unwrap().to_vec();
         let e = rel_err(&logits, &expect[from * vocab..]);
-        assert!(e < 1e-4, "from {from}: logits rel err {e:.2e}");
+        assert!(e < 1e-4, "{name} from {from}: logits rel err {e:.2e}");
     };
     let mut st = model.new_state(7);
     run(&mut st, 0);
-    let bytes = model.backend().kv_bytes(st.kv());
-    assert!(bytes * 2 < full_bytes, "{bytes} bytes with rows dropped, {full_bytes} with every row");
     st.truncate(295);
     assert_eq!(st.pos(), 295, "5 back is within the margin");
     run(&mut st, 295);
@@ -458,6 +467,7 @@ fn deepseek_v4_drops_old_rows_and_still_matches() {
     st.truncate(200);
     assert_eq!(st.pos(), 0, "100 back is beyond the margin: start over");
     run(&mut st, 0);
+    (full, dropped)
 }
 
 /// gpt-oss's sliding layers (window 8 in the fixture) read `window - 1` rows back: with a
@@ -468,41 +478,12 @@ fn deepseek_v4_drops_old_rows_and_still_matches() {
 /// same); truncation within and beyond the margin and prefix copies behave as DeepSeek-V4's.
 #[test]
 fn gpt_oss_sliding_layers_drop_old_rows_and_still_match() {
-    let name = "gpt_oss";
-    let path = vault(name, Format::BF16, Format::BF16);
-    let r = read_safetensors(&fixture(name).join("reference.safetensors"));
-    let (input, expect) = (ids(&r["long.input_ids"]), r["long.logits"].f32());
-    let kv_bytes = |model: &smoe_engine::Model<smoe_engine::CpuBackend>, chunk: usize| {
-        let mut st = model.new_state(chunk);
-        model.forward(&mut st, &input, Logits::Last, &mut NoObserver).unwrap();
-        model.backend().kv_bytes(st.kv())
-    };
-    let mut keep_all = load(&path);
-    keep_all.set_kv_rewind(1 << 20);
-    let mut model = load(&path);
-    model.set_kv_rewind(8);
-    let (full, dropped) = (kv_bytes(&keep_all, 7), kv_bytes(&model, 7));
+    let (full, dropped) = bounded_cache_matches("gpt_oss");
     // 2 of 4 layers slide: at most 15 + 128 + 7 of their 300 rows stay.
-    eprintln!("KV cache after 300 tokens: {dropped} bytes with old rows dropped, {full} with every row");
     assert!(dropped * 10 < full * 8, "{dropped} bytes with rows dropped, {full} with every row");
-    let vocab = model.arch().vocab_size;
-    let run = |st: &mut smoe_engine::State<_>, from: usize| {
-        let logits = model.forward(st, &input[from..], Logits::All, &mut NoObserver).unwrap().to_vec();
-        let e = rel_err(&logits, &expect[from * vocab..]);
-        assert!(e < 1e-4, "from {from}: logits rel err {e:.2e}");
-    };
-    let mut st = model.new_state(7);
-    run(&mut st, 0);
-    st.truncate(295);
-    assert_eq!(st.pos(), 295, "5 back is within the margin");
-    run(&mut st, 295);
-    let mut copy = model.new_state(7);
-    assert!(copy.copy_prefix(&model, &st, 296));
-    run(&mut copy, 296);
-    assert!(!copy.copy_prefix(&model, &st, 200), "100 back is beyond the margin");
-    st.truncate(200);
-    assert_eq!(st.pos(), 0, "100 back is beyond the margin: start over");
-    run(&mut st, 0);
+    let path = vault("gpt_oss", Format::BF16, Format::BF16);
+    let r = read_safetensors(&fixture("gpt_oss").join("reference.safetensors"));
+    let input = ids(&r["long.input_ids"]);
 
     // The fast path: bit for bit with every row kept, prefill in chunks of 64 and step decode.
     let fast = |rewind: usize| {
