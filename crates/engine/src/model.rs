@@ -584,7 +584,7 @@ impl<B: Backend> Model<B> {
             // A recurrent state holds the sequence up to its last token only.
             return Some(0);
         }
-        let windowed = (0..self.arch.num_layers).any(|l| self.arch.attention_window(l).is_some());
+        let windowed = self.arch.attention_windows.iter().any(Option::is_some);
         (self.arch.compressed_attention.is_some() || windowed).then_some(self.kv_rewind)
     }
 

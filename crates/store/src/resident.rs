@@ -6,6 +6,7 @@ use crate::{ExpertBatch, ExpertSource, SlotHandle, StoreError, StoreStats};
 use smoe_vault::Vault;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 /// Every expert, read once (and verified where the file has checksums).
@@ -30,7 +31,7 @@ impl ResidentExperts {
             .iter()
             .map(|p| File::open(p).map_err(|e| StoreError::Config(format!("{}: {e}", p.display()))))
             .collect::<Result<Vec<_>, _>>()?;
-        let (n, size) = (map.num_experts, map.slot_size());
+        let size = map.slot_size();
         let mut data = vec![0u8; map.total_experts() * size];
         smoe_vault::hugepages::advise(data.as_ptr(), data.len());
         let mut moe_index = vec![None; map.moe_layers.iter().max().map_or(0, |m| m + 1)];
@@ -42,38 +43,31 @@ impl ResidentExperts {
         // cache the copy, checksum and first-touch page faults spread over the cores (one thread
         // read 16 GB at about 0.7 GB/s, bound by them).
         let workers = std::thread::available_parallelism().map_or(4, |n| n.get()).clamp(4, 32);
-        let next = Mutex::new(data.chunks_mut(size.max(1)).enumerate());
-        let failed = std::sync::atomic::AtomicBool::new(false);
-        let results: Vec<Result<u64, StoreError>> = std::thread::scope(|s| {
-            let handles: Vec<_> = (0..workers)
-                .map(|_| {
-                    s.spawn(|| {
-                        let (mut reads, mut scratch, mut bytes_read) = (Vec::new(), Vec::new(), 0u64);
-                        loop {
-                            if failed.load(std::sync::atomic::Ordering::Relaxed) {
-                                return Ok(bytes_read);
-                            }
-                            let Some((i, slot)) = next.lock().unwrap().next() else { return Ok(bytes_read) };
-                            let r = load_slot(&map, &files, i / n, i % n, slot, &mut reads, &mut scratch);
-                            match r {
-                                Ok(got) => bytes_read += got,
-                                Err(e) => {
-                                    failed.store(true, std::sync::atomic::Ordering::Relaxed);
-                                    return Err(e);
-                                }
-                            }
-                        }
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().expect("a resident-load worker panicked")).collect()
-        });
-        let mut bytes_read = 0;
-        for r in results {
-            bytes_read += r?;
-        }
+        let slots = Mutex::new(data.chunks_mut(size.max(1)).enumerate());
+        let failed = AtomicBool::new(false);
+        let bytes_read = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..workers).map(|_| s.spawn(|| load_slots(&map, &files, &slots, &failed))).collect();
+            handles.into_iter().map(|h| h.join().expect("a resident-load worker panicked")).sum::<Result<u64, StoreError>>()
+        })?;
         Ok(ResidentExperts { map, data, moe_index, stats: Mutex::new(StoreStats { bytes_read, ..Default::default() }) })
     }
+}
+
+/// One worker of [`ResidentExperts::load_map`]: takes slots (numbered MoE ordinal × experts +
+/// expert) until none is left or a worker has failed; returns the bytes it read.
+fn load_slots<'a>(
+    map: &ExpertMap,
+    files: &[File],
+    slots: &Mutex<impl Iterator<Item = (usize, &'a mut [u8])>>,
+    failed: &AtomicBool,
+) -> Result<u64, StoreError> {
+    let (mut reads, mut scratch, mut bytes_read) = (Vec::new(), Vec::new(), 0);
+    while !failed.load(Ordering::Relaxed) {
+        let Some((i, slot)) = slots.lock().unwrap().next() else { break };
+        let got = load_slot(map, files, i / map.num_experts, i % map.num_experts, slot, &mut reads, &mut scratch);
+        bytes_read += got.inspect_err(|_| failed.store(true, Ordering::Relaxed))?;
+    }
+    Ok(bytes_read)
 }
 
 /// Reads expert `e` of MoE ordinal `ord` into its slot, verifies its checksum and interleaves

@@ -206,8 +206,8 @@ impl Call<'_> {
         let nb = self.block.min(self.pos0 + r.t1 - j0);
         // Scores, position-major: pr[j * rows + r] for positions j0 + j.
         pr.resize(nb * rows, 0.0);
-        // Rows before the cache's base were dropped; bases are block-aligned, so a block is
-        // held whole or not at all, and no row sees a dropped one (`KvShape::keep`).
+        // Rows before the cache's base were dropped: bases are block-aligned, so a block is
+        // held whole or not at all (`KvLayer::row` stops a read of a dropped one).
         let at = self.l.row(j0);
         self.k.attn_scores(qb, kd, &self.l.k[at * k_row + r.g * kd..], k_row, nb, pr);
         m[..rows].fill(f32::NEG_INFINITY);
@@ -324,7 +324,6 @@ pub(super) fn attention_fast(
     let group = p.q_heads / kvh;
     let chunk = group.min(HEADS_PER_TASK);
     let (values, v_row, v_stride) = if s.values_in_keys { (&l.k, kvh * kd, kd) } else { (&l.v, kvh * vd, vd) };
-    assert!(l.base.is_multiple_of(block), "attention_fast: a cache held from position {} in blocks of {block}", l.base);
     let call = Call { l, k, p, q, q_stride, pos0, block, group, chunk, chunks_per_group: group.div_ceil(chunk), values, v_row, v_stride };
     let tasks = n.div_ceil(TOKENS_PER_TASK) * kvh * call.chunks_per_group;
     let sink = super::DisjointOut::new(&mut out[..n * p.q_heads * vd]);

@@ -698,9 +698,9 @@ impl Backend for CpuBackend {
         }
         if let Some(keep) = l.shape.keep {
             // Keep `keep` rows before this call's first position (its first query may read
-            // that far back), rounded down to a block, and every row it stored.
-            if at > keep + DROP_SLACK && l.base.is_multiple_of(DROP_SLACK) {
-                let base = (pos0 - keep) / DROP_SLACK * DROP_SLACK;
+            // that far back), from a block boundary, and every row it stored.
+            let base = pos0.saturating_sub(keep) / DROP_SLACK * DROP_SLACK;
+            if base >= l.base + DROP_SLACK {
                 let drop = base - l.base;
                 l.k.drain(..drop * kw);
                 if !l.v.is_empty() {
