@@ -165,6 +165,7 @@ struct Kernels {
     scale_rows: CudaFunction,
     copy_strided: CudaFunction,
     move_rows: CudaFunction,
+    gather_quant_rows: CudaFunction,
     add_weighted_slots: CudaFunction,
     rope: CudaFunction,
     attention: CudaFunction,
@@ -175,6 +176,9 @@ struct Kernels {
     silu_quantize: CudaFunction,
     mvs_f32: CudaFunction,
     attention_tiles: CudaFunction,
+    attention_mma: CudaFunction,
+    mmt_split_f32: CudaFunction,
+    sum_slices: CudaFunction,
     layer_norm: CudaFunction,
     index_scores: CudaFunction,
     gather_rows: CudaFunction,
@@ -248,6 +252,7 @@ impl Kernels {
             scale_rows: f("scale_rows")?,
             copy_strided: f("copy_strided")?,
             move_rows: f("move_rows")?,
+            gather_quant_rows: f("gather_quant_rows")?,
             add_weighted_slots: f("add_weighted_slots")?,
             rope: f("rope")?,
             attention: f("attention")?,
@@ -258,6 +263,9 @@ impl Kernels {
             silu_quantize: f("silu_quantize")?,
             mvs_f32: f("mvs_f32")?,
             attention_tiles: f("attention_tiles")?,
+            attention_mma: f("attention_mma")?,
+            mmt_split_f32: f("mmt_split_f32")?,
+            sum_slices: f("sum_slices")?,
             layer_norm: f("layer_norm")?,
             index_scores: f("index_scores")?,
             gather_rows: f("gather_rows")?,
@@ -357,6 +365,11 @@ pub struct CudaBackend {
     attention_part: Mutex<Option<CudaSlice<f32>>>,
     /// Sparse attention's scratch: the indexer's scores, a query's gathered keys and values.
     sparse_part: Mutex<Option<CudaSlice<f32>>>,
+    /// Prefill attention on tensor cores (3xTF32), unless `SMOE_CUDA_ATTENTION=f32` (the f32
+    /// tiles, for comparison).
+    attention_mma: bool,
+    /// Split products' partial sums (see `mmt_split_f32` in kernels.cu).
+    split_part: Mutex<Option<CudaSlice<f32>>>,
     /// The rotary tables of the chunk being run (see [`fused::RopeOnDevice`]).
     rope: Mutex<fused::RopeOnDevice>,
     /// Many-token products on tensor cores (compute 8.0+, unless `SMOE_CUDA_PREFILL=simt`).
@@ -429,6 +442,8 @@ impl CudaBackend {
             rope: Mutex::new(Default::default()),
             attention_part: Mutex::new(None),
             sparse_part: Mutex::new(None),
+            split_part: Mutex::new(None),
+            attention_mma: tensor_cores && std::env::var("SMOE_CUDA_ATTENTION").as_deref() != Ok("f32"),
             int8,
             kept_fused: std::env::var("SMOE_CUDA_FUSED_KEPT").as_deref() != Ok("off"),
             int8_tiles: int8 && tensor_cores && prefill.as_deref() != Ok("tf32"),
@@ -645,7 +660,7 @@ impl CudaBackend {
                 };
                 let (qx, qstride, lo) = match (quantized, xq) {
                     (Some((k, q)), _) if k == k0 => q,
-                    (_, Some(q)) if q.cols == cols && xs == cols && q.rows >= run_rows().1 => (q.ptr, q.stride, 0),
+                    (_, Some(q)) if q.cols == cols && q.src_stride == xs && q.rows >= run_rows().1 => (q.ptr, q.stride, 0),
                     _ => {
                         // Rows the op before left quantized need no launch of their own;
                         // else every row of the key's jobs, once.
@@ -664,6 +679,10 @@ impl CudaBackend {
                     ((max_rows.div_ceil(64) as u32, max_n.div_ceil(64) as u32, (end - start) as u32), "products, int8 tensor cores")
                 };
                 self.launch(a, LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: 0 }, op);
+                start = end;
+                continue;
+            }
+            if k0.1 == 2 && k0.0 == Format::F32 && self.tensor_cores && self.split_f32(&table, batch, x, xs, out, os) {
                 start = end;
                 continue;
             }
@@ -697,6 +716,38 @@ impl CudaBackend {
         }
     }
 
+    /// Many-token f32 products (3xTF32) split over their columns when their tiles alone are
+    /// too few to fill the GPU (a prefill chunk's router: 16 tiles), see `mmt_split_f32`;
+    /// false: not worth it, nothing launched.
+    fn split_f32(&self, table: &Jobs, batch: &[Job], x: u64, xs: usize, out: u64, os: usize) -> bool {
+        // About two waves of an H200's 132 SMs.
+        const BLOCKS: usize = 256;
+        let tiles: usize = batch.iter().map(|j| (j.rows as usize).div_ceil(64) * (j.n as usize).div_ceil(64)).sum();
+        let groups = batch.iter().map(|j| (j.cols as usize).div_ceil(32)).max().unwrap_or(0);
+        if tiles == 0 || tiles * 2 > BLOCKS || groups < 8 {
+            return false;
+        }
+        // Slices of an even number of groups (the kernel's step is two), at least four.
+        let slices = BLOCKS.div_ceil(tiles).min(groups / 4);
+        let slice_groups = groups.div_ceil(slices).next_multiple_of(2);
+        let slices = groups.div_ceil(slice_groups);
+        let plane = batch.iter().map(|j| (j.out_row + j.n) as usize).max().unwrap_or(0) * os;
+        let Some(part) = self.float_scratch(&self.split_part, slices * plane, "split products scratch") else { return true };
+        let max_rows = batch.iter().map(|j| j.rows as usize).max().unwrap_or(0);
+        let max_n = batch.iter().map(|j| j.n as usize).max().unwrap_or(0);
+        let (sl, sg, xs_i, pl, os_i) = (slices as i32, slice_groups as i32, xs as i32, plane as i32, os as i32);
+        let mut a = Launch::new(&self.k.mmt_split_f32);
+        a.arg(table).arg(&sl).arg(&sg).arg(&x).arg(&xs_i).arg(&part).arg(&pl).arg(&os_i);
+        let grid = (max_rows.div_ceil(64) as u32, max_n.div_ceil(64) as u32, (batch.len() * slices) as u32);
+        self.launch(a, LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: 0 }, "products, 3xTF32 split");
+        let mut a = Launch::new(&self.k.sum_slices);
+        a.arg(table).arg(&sl).arg(&sg).arg(&part).arg(&pl).arg(&out).arg(&os_i);
+        let per_job = batch.iter().map(|j| (j.rows * j.n) as usize).max().unwrap_or(0);
+        let grid = (per_job.div_ceil(256).min(1024) as u32, batch.len() as u32, 1);
+        self.launch(a, LaunchConfig { grid_dim: grid, block_dim: (256, 1, 1), shared_mem_bytes: 0 }, "sum_slices");
+        true
+    }
+
     /// Quantizes rows `lo..lo + rows` of `x` (`cols` values each, rows `xs` apart) for the int8
     /// mat-vec; returns the scratch's address and its row stride in bytes.
     fn quantize(&self, x: u64, xs: usize, lo: usize, rows: usize, cols: usize) -> Option<(u64, usize)> {
@@ -727,14 +778,20 @@ impl CudaBackend {
         Some(dptr(scratch.as_ref().expect("allocated above"), &self.stream))
     }
 
-    /// The scratch of split attention, at least `floats` long (one stream orders its uses).
-    fn attention_scratch(&self, floats: usize) -> Option<u64> {
-        let mut part = self.attention_part.lock().expect("attention scratch lock");
+    /// A scratch of f32 values at least `floats` long, kept in `slot` and grown (zeroed) when
+    /// short; one stream orders its uses, and the old buffer's frees come after them.
+    pub(super) fn float_scratch(&self, slot: &Mutex<Option<CudaSlice<f32>>>, floats: usize, what: &str) -> Option<u64> {
+        let mut part = slot.lock().expect("scratch lock");
         if part.as_ref().is_none_or(|p| p.len() < floats) {
             self.settle();
-            *part = Some(self.ok("attention scratch", self.stream.alloc_zeros::<f32>((2 * floats).max(1 << 14)))?);
+            *part = Some(self.ok(what, self.stream.alloc_zeros::<f32>((2 * floats).max(1 << 14)))?);
         }
         Some(dptr(part.as_ref().expect("allocated above"), &self.stream))
+    }
+
+    /// The scratch of split attention, at least `floats` long.
+    fn attention_scratch(&self, floats: usize) -> Option<u64> {
+        self.float_scratch(&self.attention_part, floats, "attention scratch")
     }
 
     /// Computes `missing` expert products with the CPU backend on their host copies: reads
@@ -888,6 +945,18 @@ impl CudaBackend {
         let mut a = Launch::new(&self.k.move_rows);
         a.arg(&s).arg(&d).arg(&dim_i).arg(&ip).arg(&count).arg(&sc);
         self.launch(a, cfg_elems(rows.len() * dim), "move rows");
+        // A gather of rows whose int8 copy the op that wrote them left: the copy's rows too, so
+        // that the products reading the gathered rows need not quantize them again.
+        let max_row = rows.iter().copied().max().unwrap_or(0);
+        let Some(q) = src.quantized().filter(|q| !scatter && q.cols == dim && q.rows > max_row) else { return };
+        if !dst.quant_fits(rows.len(), dim) {
+            self.settle(); // an allocation: not in a step's graph
+        }
+        let Some(dq) = self.ok("gathering int8 rows", dst.quantize_into(&self.stream, rows.len(), dim)) else { return };
+        let (stride, words) = (q.stride as i32, rows.len() * q.stride / 16);
+        let mut a = Launch::new(&self.k.gather_quant_rows);
+        a.arg(&q.ptr).arg(&dq.ptr).arg(&stride).arg(&ip).arg(&count);
+        self.launch(a, cfg_elems(words), "gather int8 rows");
     }
 }
 
@@ -1335,6 +1404,19 @@ impl Backend for CudaBackend {
         }
         check_rows("silu_mul_halves", x, row0, n, stride, 0, 2 * w);
         let xp = x.at_mut(&self.stream);
+        if row0 == 0 && n > MV_TOKENS && self.int8_tiles && w.is_multiple_of(32) {
+            // Many rows for the int8 tiles of the down products: quantized on the way, into
+            // the buffer's int8 copy (a launch of `quantize_rows` fewer, and one pass).
+            if !x.quant_fits(n, w) {
+                self.settle(); // an allocation: not in a step's graph
+            }
+            let Some(q) = self.ok("quantizing outputs", x.quantize_strided_into(&self.stream, n, w, stride)) else { return };
+            let (s, r, w_i, qs) = (stride as i32, n as i32, w as i32, q.stride as i32);
+            let mut a = Launch::new(&self.k.silu_quantize);
+            a.arg(&xp).arg(&s).arg(&r).arg(&w_i).arg(&q.ptr).arg(&qs);
+            self.launch(a, cfg_elems(n * w), "silu_quantize");
+            return;
+        }
         let (r, n_i, s, w_i) = (row0 as i32, n as i32, stride as i32, w as i32);
         let mut a = Launch::new(&self.k.silu_mul_halves);
         a.arg(&xp).arg(&r).arg(&n_i).arg(&s).arg(&w_i);
@@ -1696,18 +1778,32 @@ impl Backend for CudaBackend {
             (dptr(l.v.as_ref().expect("values stored before attention"), &self.stream), l.v_width(), s.v_dim)
         };
         let (qp, op) = (q.at(&self.stream), out.at_mut(&self.stream));
-        let quant = if s.v_dim.is_multiple_of(32) { self.quant_out(out, n, p.q_heads * s.v_dim) } else { (0, 0) };
         if n > MV_TOKENS && s.k_dim <= 128 && s.v_dim <= 128 {
             // Many queries: key tiles shared by 32 queries of a head (attention_tiles).
             let (heads, kd, vd, vr, vh) = (s.heads as i32, s.k_dim as i32, s.v_dim as i32, v_row as i32, v_head as i32);
             let (qs, qh, p0, n_i) = (q_stride as i32, p.q_heads as i32, pos0 as i32, n as i32);
-            let mut a = Launch::new(&self.k.attention_tiles);
+            // On tensor cores (3xTF32) where the heads are whole k-steps of 8: 64 queries a block.
+            // (rows staged four floats at a time: value rows and heads at multiples of 4).
+            let mma = self.attention_mma
+                && s.k_dim.is_multiple_of(8)
+                && s.v_dim.is_multiple_of(8)
+                && v_row.is_multiple_of(4)
+                && v_head.is_multiple_of(4);
+            let (func, per_block, threads, what) = if mma {
+                (&self.k.attention_mma, 64, 128, "attention, tensor cores")
+            } else {
+                (&self.k.attention_tiles, 32, 256, "attention, tiled")
+            };
+            let mut a = Launch::new(func);
             a.arg(&kp).arg(&vp).arg(&heads).arg(&kd).arg(&vd).arg(&vr).arg(&vh).arg(&qp).arg(&qs).arg(&qh);
             a.arg(&n_i).arg(&p0).arg(&p.scale).arg(&op);
-            let cfg = LaunchConfig { grid_dim: (n.div_ceil(32) as u32, p.q_heads as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-            self.launch(a, cfg, "attention, tiled");
+            let grid = (n.div_ceil(per_block) as u32, p.q_heads as u32, 1);
+            self.launch(a, LaunchConfig { grid_dim: grid, block_dim: (threads, 1, 1), shared_mem_bytes: 0 }, what);
             return;
         }
+        // The decode kernel leaves an int8 copy of its output; the tiled ones do not.
+        let few = n <= MV_TOKENS && s.v_dim.is_multiple_of(32);
+        let quant = if few { self.quant_out(out, n, p.q_heads * s.v_dim) } else { (0, 0) };
         self.attention_decode(kp, vp, s, v_row, v_head, qp, q_stride, n, pos0, p, op, quant);
     }
 }

@@ -22,14 +22,15 @@ struct Quantized {
     valid: Option<QuantRows>,
 }
 
-/// Where a buffer's rows `0..rows` (`cols` floats each, back to back) lie quantized: `stride`
-/// bytes per row from `ptr`.
+/// Where a buffer's rows `0..rows` (the first `cols` floats of rows `src_stride` floats apart)
+/// lie quantized: `stride` bytes per row from `ptr`.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct QuantRows {
     pub ptr: u64,
     pub rows: usize,
     pub cols: usize,
     pub stride: usize,
+    pub src_stride: usize,
 }
 
 /// Bytes of one quantized row of `cols` values: the int8 values, a scale and a scaled sum per
@@ -81,16 +82,27 @@ impl CudaBuf {
         self.quant.mem.as_ref().is_some_and(|m| m.len() >= rows * quant_stride(cols))
     }
 
-    /// Room for the int8 copy of rows `0..rows` of `cols` floats, which the op about to be
-    /// queued writes with them (call it after [`Self::at_mut`]).
+    /// Room for the int8 copy of rows `0..rows` of `cols` floats, back to back, which the op
+    /// about to be queued writes with them (call it after [`Self::at_mut`]).
     pub(crate) fn quantize_into(&mut self, stream: &Arc<CudaStream>, rows: usize, cols: usize) -> Result<QuantRows, DriverError> {
+        self.quantize_strided_into(stream, rows, cols, cols)
+    }
+
+    /// [`Self::quantize_into`] for the first `cols` floats of rows `src_stride` apart.
+    pub(crate) fn quantize_strided_into(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        rows: usize,
+        cols: usize,
+        src_stride: usize,
+    ) -> Result<QuantRows, DriverError> {
         let stride = quant_stride(cols);
         if self.quant.mem.as_ref().is_none_or(|m| m.len() < rows * stride) {
             // The old copy's free is stream-ordered after the products that read it.
             self.quant.mem = Some(stream.alloc_zeros::<u8>((rows * stride).max(1 << 12))?);
         }
         let ptr = dptr(self.quant.mem.as_ref().expect("allocated above"), stream);
-        let q = QuantRows { ptr, rows, cols, stride };
+        let q = QuantRows { ptr, rows, cols, stride, src_stride };
         self.quant.valid = Some(q);
         Ok(q)
     }

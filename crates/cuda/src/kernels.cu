@@ -480,12 +480,14 @@ __device__ __forceinline__ void store_tile(const Job& j, int ra, int t0, const f
 // values per step, each warp 16 rows by 64 tokens as eight m16n8k8 TF32 products. Each f32 operand is split into a TF32 value and its TF32 remainder and
 // three products are summed (big·big + big·small + small·big), which keeps f32 accuracy
 // ("3xTF32") at a third of the tensor cores' TF32 rate.
+// Job jb over groups g_lo .. g_hi of its rows (g_lo even): the whole row, or one slice of a
+// split product (`mmt_split_f32`).
 template <int F>
-__device__ void mm_tc(const Jobs& js, const float* x, int xs, float* out, int os) {
+__device__ void mm_tc(const Jobs& js, int jb, int g_lo, int g_hi, const float* x, int xs, float* out, int os) {
 #if __CUDA_ARCH__ >= 800
     __shared__ float ws[64][68];
     __shared__ float xt[64][68];
-    const Job& j = js.job[blockIdx.z];
+    const Job& j = js.job[jb];
     int r0 = blockIdx.x * 64, t0 = blockIdx.y * 64;
     if (r0 >= j.rows || t0 >= j.n) return;
     int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gid = lane >> 2, tig = lane & 3;
@@ -494,9 +496,9 @@ __device__ void mm_tc(const Jobs& js, const float* x, int xs, float* out, int os
     for (int a = 0; a < 8; a++)
 #pragma unroll
         for (int b = 0; b < 4; b++) c[a][b] = 0.0f;
-    int groups = (j.cols + 31) / 32;
+    int groups = min((j.cols + 31) / 32, g_hi);
     const float* xr = x + (size_t)(j.x_row + t0) * xs;
-    for (int g0 = 0; g0 < groups; g0 += 2) {
+    for (int g0 = g_lo; g0 < groups; g0 += 2) {
         {
             int r = tid % 64, half = tid / 64, gg = g0 + half;
             float y[32];
@@ -802,7 +804,7 @@ INT8_KERNELS(q4_k, 12)
         mm<id>(js, x, xs, out, os);                                                                   \
     }                                                                                                 \
     extern "C" __global__ void mmt_##name(const Jobs js, const float* x, int xs, float* out, int os) { PDL_START; \
-        mm_tc<id>(js, x, xs, out, os);                                                                \
+        mm_tc<id>(js, blockIdx.z, 0, 1 << 30, x, xs, out, os);                                        \
     }                                                                                                 \
     extern "C" __global__ void embed_##name(const u8* t, u64 rb, int cols, const int* ids, float* o) { PDL_START; \
         embed<id>(t, rb, cols, ids, o);                                                               \
@@ -825,6 +827,31 @@ FORMAT_KERNELS(q4_k, 12)
 FORMAT_KERNELS(q5_k, 13)
 FORMAT_KERNELS(q6_k, 14)
 FORMAT_KERNELS(bf16, 30)
+
+// f32 products split over their columns (the router of a prefill chunk: 128 rows by 512 tokens
+// made 16 tiles of 2048 columns each, 16 blocks on 132 SMs, 0.23 ms a layer): block z takes
+// slice z % slices (`slice_groups` groups of 32 columns) of job z / slices into its own plane
+// of `part` (`plane` floats apart, laid out as the output), and `sum_slices` adds the planes in
+// order, so the result does not depend on the schedule.
+extern "C" __global__ void mmt_split_f32(const Jobs js, int slices, int slice_groups, const float* x, int xs, float* part,
+                                         int plane, int os) { PDL_START;
+    int s = blockIdx.z % slices, lo = s * slice_groups;
+    mm_tc<0>(js, blockIdx.z / slices, lo, lo + slice_groups, x, xs, part + (size_t)s * plane, os);
+}
+
+// The planes of `mmt_split_f32` summed into each job's outputs: grid (blocks, jobs).
+extern "C" __global__ void sum_slices(const Jobs js, int slices, int slice_groups, const float* part, int plane, float* out,
+                                      int os) { PDL_START;
+    const Job& j = js.job[blockIdx.y];
+    int used = min(slices, ((j.cols + 31) / 32 + slice_groups - 1) / slice_groups);
+    for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < j.n * j.rows; e += gridDim.x * blockDim.x) {
+        int t = e / j.rows, r = e % j.rows;
+        size_t i = (size_t)(j.out_row + t) * os + j.out_col + r;
+        float a = 0.0f;
+        for (int k = 0; k < used; k++) a += part[(size_t)k * plane + i];
+        out[i] = a;
+    }
+}
 
 // Sum of v over the block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
 __device__ float block_sum(float v) {
@@ -934,6 +961,18 @@ extern "C" __global__ void move_rows(const float* src, float* dst, int dim, cons
     int k = i / dim, c = i % dim;
     if (scatter) dst[(size_t)rows[k] * dim + c] = src[(size_t)k * dim + c];
     else dst[(size_t)k * dim + c] = src[(size_t)rows[k] * dim + c];
+}
+
+// The int8 copies of gathered rows (`stride` bytes each, a multiple of 16) beside `move_rows`'s
+// floats: quantizing a MoE layer's gathered inputs (each token's row once per chosen expert,
+// 4,096 rows of 2,048 for a 512-token chunk of the 30B shape) cost more than moving the int8
+// rows its norm already wrote.
+extern "C" __global__ void gather_quant_rows(const u8* src, u8* dst, int stride, const int* rows, int count) { PDL_START;
+    int words = stride / 16;
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= count * words) return;
+    int k = i / words, c = i % words;
+    ((uint4*)(dst + (size_t)k * stride))[c] = ((const uint4*)(src + (size_t)rows[k] * stride))[c];
 }
 
 // out[t] += sum_s weights[t ws + wo + s] src[t k + s] in slot order.

@@ -225,8 +225,10 @@ impl<B: Backend> Suite<'_, B> {
             }
         }
         // Prefill-sized products: several tiles of rows and of tokens (a GPU's 64 × 64), with
-        // remainders of each, more groups of 32 than one step of a tile takes and an odd count.
-        for (f, cols) in [(Format::Q4_K, 768usize), (Format::Q8_0, 288), (Format::F32, 72)] {
+        // remainders of each, more groups of 32 than one step of a tile takes and an odd count;
+        // and a router's shape, few tiles of long rows (a GPU splits them over the columns),
+        // ending in part of a group.
+        for (f, cols) in [(Format::Q4_K, 768usize), (Format::Q8_0, 288), (Format::F32, 72), (Format::F32, 1000)] {
             self.matmul_shape(f, 130, cols, &[70], (5, 125));
         }
     }
@@ -736,6 +738,16 @@ impl<B: Backend> Suite<'_, B> {
                 45,
             ),
             ("GQA, 70 queries from the start", KvShape { heads: 1, k_dim: 128, v_dim: 128, values_in_keys: false, keep: None }, 3, 70, 70),
+            // Prefill kernels' tiles: several query tiles after a prefix, and a latent head
+            // whose values are its keys' first columns.
+            (
+                "GQA, 150 queries after 100 positions",
+                KvShape { heads: 2, k_dim: 64, v_dim: 64, values_in_keys: false, keep: None },
+                8,
+                250,
+                150,
+            ),
+            ("MLA, 20 queries after 20 positions", KvShape { heads: 1, k_dim: 40, v_dim: 32, values_in_keys: true, keep: None }, 5, 40, 20),
         ];
         // gpt-oss: sliding windows and per-head sinks, alone and together.
         let windowed = [

@@ -19,10 +19,12 @@ pub(super) struct RopeOnDevice {
 
 impl CudaBackend {
     /// Room for the int8 copy that an op writing rows `0..rows` of `cols` into `out` leaves
-    /// beside them, when one-token products will read those rows on int8 activations (few
-    /// rows, whole groups of 32): its address and row stride, or `(0, 0)`: none.
+    /// beside them, when products will read those rows on int8 activations (whole groups of
+    /// 32; a few rows for the one-token mat-vec, many for the int8 tiles): its address and row
+    /// stride, or `(0, 0)`: none.
     pub(super) fn quant_out(&self, out: &mut CudaBuf, rows: usize, cols: usize) -> (u64, i32) {
-        if !self.int8 || rows > MV_TOKENS || !cols.is_multiple_of(32) || self.faulted() {
+        let read_as_int8 = if rows > MV_TOKENS { self.int8_tiles } else { self.int8 };
+        if !read_as_int8 || !cols.is_multiple_of(32) || self.faulted() {
             return (0, 0);
         }
         if !out.quant_fits(rows, cols) {

@@ -6,22 +6,16 @@
 use super::{norm_threads, CudaBackend, CudaBuf, CudaKvCache, CudaVector};
 use crate::buf::dptr;
 use crate::launch::Launch;
-use cudarc::driver::{CudaSlice, LaunchConfig};
+use cudarc::driver::LaunchConfig;
 use smoe_engine::backend::{check_rows, select_top, AttnParams, IndexQueries};
 
 /// Threads of a block of `index_scores`: positions scored per block.
 const SCORE_THREADS: usize = 128;
 
 impl CudaBackend {
-    /// The scratch of sparse attention (scores, gathered rows), at least `floats` long; one
-    /// stream orders its uses.
+    /// The scratch of sparse attention (scores, gathered rows), at least `floats` long.
     fn sparse_scratch(&self, floats: usize) -> Option<u64> {
-        let mut part = self.sparse_part.lock().expect("sparse scratch lock");
-        if part.as_ref().is_none_or(|p: &CudaSlice<f32>| p.len() < floats) {
-            self.settle();
-            *part = Some(self.ok("sparse attention scratch", self.stream.alloc_zeros::<f32>((2 * floats).max(1 << 14)))?);
-        }
-        Some(dptr(part.as_ref().expect("allocated above"), &self.stream))
+        self.float_scratch(&self.sparse_part, floats, "sparse attention scratch")
     }
 
     #[allow(clippy::too_many_arguments)]
