@@ -742,7 +742,7 @@ impl CudaBackend {
         self.launch(a, LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: 0 }, "products, 3xTF32 split");
         let mut a = Launch::new(&self.k.sum_slices);
         a.arg(table).arg(&sl).arg(&sg).arg(&part).arg(&pl).arg(&out).arg(&os_i);
-        let per_job = batch.iter().map(|j| (j.rows * j.n) as usize).max().unwrap_or(0);
+        let per_job = batch.iter().map(|j| j.rows as usize * j.n as usize).max().unwrap_or(0);
         let grid = (per_job.div_ceil(256).min(1024) as u32, batch.len() as u32, 1);
         self.launch(a, LaunchConfig { grid_dim: grid, block_dim: (256, 1, 1), shared_mem_bytes: 0 }, "sum_slices");
         true
@@ -948,7 +948,7 @@ impl CudaBackend {
         // A gather of rows whose int8 copy the op that wrote them left: the copy's rows too, so
         // that the products reading the gathered rows need not quantize them again.
         let max_row = rows.iter().copied().max().unwrap_or(0);
-        let Some(q) = src.quantized().filter(|q| !scatter && q.cols == dim && q.rows > max_row) else { return };
+        let Some(q) = src.quantized().filter(|q| !scatter && q.cols == dim && q.src_stride == dim && q.rows > max_row) else { return };
         if !dst.quant_fits(rows.len(), dim) {
             self.settle(); // an allocation: not in a step's graph
         }
