@@ -10,7 +10,12 @@ makes one for a machine with no network, such as the GPU machine's host) — syn
 Qwen3-30B-A3B-shape model cut to --layers (Q4_K experts, Q8_0 dense, random valid blocks, the
 real Qwen2 vocabulary) and exports the same blocks as a GGUF; then, for each thread count:
 the RAM read bandwidth (`smoe mem-bandwidth`), `smoe bench --cache resident --prompt-tokens 512
---gen-tokens 64 --reps R` and `llama-bench -p 512 -n 64 -r R`, each the best of its repetitions.
+--gen-tokens 64 --reps R` and `llama-bench -p 512 -n 64 -r R` plus `llama-bench -p 0 -n 64 -d 512
+-r R`, each the best of its repetitions. smoe decodes after its 512-token prompt (positions
+512-575), so the decode ratio is taken against llama.cpp's tg64 at depth 512, the same positions;
+llama.cpp's tg64 from an empty context is printed beside it (until 2026-12-04 the ratio was
+taken against that one, which left out the attention over the prompt: on the 2-core EPYC at 48
+layers, 11.2 tok/s empty against 8.7 at depth 512).
 Prints the table (ratios, decode as a share of the bandwidth limit, prefill scaling from the
 smallest thread count) and writes cpu_threads.json and cpu_threads.md into the work directory.
 `--variant` adds a smoe column run with extra environment variables (e.g. `avx2:SMOE_ISA=avx2`).
@@ -73,28 +78,32 @@ def smoe_row(smoe, vault, threads, reps, env):
 
 
 def llama_row(binary, gguf, threads, reps):
-    rows = json.loads(run([binary, "-m", gguf, "-t", threads, "-p", "512", "-n", "64", "-r", reps, "-o", "json"]).stdout)
+    """prefill(512), decode of 64 at depth 512 (smoe's positions), and decode of 64 from an
+    empty context ("decode_empty")."""
     out = {}
-    for r in rows:
-        kind = "prefill" if r["n_prompt"] > 0 else "decode"
-        samples = r.get("samples_ts", [r["avg_ts"]])
-        out[kind], out[kind + "_samples"] = max(samples), samples
+    for depth, args in ((0, ["-p", "512", "-n", "64"]), (512, ["-p", "0", "-n", "64", "-d", "512"])):
+        rows = json.loads(run([binary, "-m", gguf, "-t", threads, *args, "-r", reps, "-o", "json"]).stdout)
+        for r in rows:
+            kind = "prefill" if r["n_prompt"] > 0 else ("decode" if depth else "decode_empty")
+            samples = r.get("samples_ts", [r["avg_ts"]])
+            out[kind], out[kind + "_samples"] = max(samples), samples
     return out
 
 
 def table(res):
     lines = [f"CPU: {res['cpu']} ({res['cores']} logical CPUs); {res['layers']}-layer Qwen3-30B-A3B shape, Q4_K experts, "
              f"Q8_0 dense; best of {res['reps']}; decode limit = RAM read bandwidth / active bytes per token", "",
-             "| threads | smoe prefill | llama.cpp prefill | ratio | smoe decode | llama.cpp decode | ratio | RAM GB/s | "
-             "decode / limit | prefill scaling |" + "".join(f" {v} prefill | {v} decode |" for v in res["variants"]),
-             "|---" * (10 + 2 * len(res["variants"])) + "|"]
+             "| threads | smoe prefill | llama.cpp prefill | ratio | smoe decode | llama.cpp decode at depth 512 | ratio | "
+             "llama.cpp decode, empty context | RAM GB/s | decode / limit | prefill scaling |"
+             + "".join(f" {v} prefill | {v} decode |" for v in res["variants"]),
+             "|---" * (11 + 2 * len(res["variants"])) + "|"]
     base = res["rows"][0]
     for r in res["rows"]:
         s, l = r["smoe"], r["llama"]
         limit = r["ram_bytes_per_s"] / s["active_bytes_per_token"]
         scale = (s["prefill"] / base["smoe"]["prefill"]) / (int(r["threads"]) / int(base["threads"]))
         lines.append(f"| {r['threads']} | {s['prefill']:.1f} | {l['prefill']:.1f} | {s['prefill'] / l['prefill']:.2f} | "
-                     f"{s['decode']:.1f} | {l['decode']:.1f} | {s['decode'] / l['decode']:.2f} | "
+                     f"{s['decode']:.1f} | {l['decode']:.1f} | {s['decode'] / l['decode']:.2f} | {l.get('decode_empty', 0):.1f} | "
                      f"{r['ram_bytes_per_s'] / 1e9:.1f} | {s['decode'] / limit:.2f} | {scale:.2f} |"
                      + "".join(f" {r[v]['prefill']:.1f} | {r[v]['decode']:.1f} |" for v in res["variants"]))
     return "\n".join(lines)
