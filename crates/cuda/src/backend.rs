@@ -367,7 +367,7 @@ pub struct CudaBackend {
     sparse_part: Mutex<Option<CudaSlice<f32>>>,
     /// Prefill attention on tensor cores (3xTF32), unless `SMOE_CUDA_ATTENTION=f32` (the f32
     /// tiles, for comparison).
-    attention_mma: bool,
+    tensor_core_attention: bool,
     /// Split products' partial sums (see `mmt_split_f32` in kernels.cu).
     split_part: Mutex<Option<CudaSlice<f32>>>,
     /// The rotary tables of the chunk being run (see [`fused::RopeOnDevice`]).
@@ -443,7 +443,7 @@ impl CudaBackend {
             attention_part: Mutex::new(None),
             sparse_part: Mutex::new(None),
             split_part: Mutex::new(None),
-            attention_mma: tensor_cores && std::env::var("SMOE_CUDA_ATTENTION").as_deref() != Ok("f32"),
+            tensor_core_attention: tensor_cores && std::env::var("SMOE_CUDA_ATTENTION").as_deref() != Ok("f32"),
             int8,
             kept_fused: std::env::var("SMOE_CUDA_FUSED_KEPT").as_deref() != Ok("off"),
             int8_tiles: int8 && tensor_cores && prefill.as_deref() != Ok("tf32"),
@@ -741,7 +741,7 @@ impl CudaBackend {
         let grid = (max_rows.div_ceil(64) as u32, max_n.div_ceil(64) as u32, (batch.len() * slices) as u32);
         self.launch(a, LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: 0 }, "products, 3xTF32 split");
         let mut a = Launch::new(&self.k.sum_slices);
-        a.arg(table).arg(&sl).arg(&sg).arg(&part).arg(&pl).arg(&out).arg(&os_i);
+        a.arg(table).arg(&sl).arg(&part).arg(&pl).arg(&out).arg(&os_i);
         let per_job = batch.iter().map(|j| j.rows as usize * j.n as usize).max().unwrap_or(0);
         let grid = (per_job.div_ceil(256).min(1024) as u32, batch.len() as u32, 1);
         self.launch(a, LaunchConfig { grid_dim: grid, block_dim: (256, 1, 1), shared_mem_bytes: 0 }, "sum_slices");
@@ -1406,7 +1406,9 @@ impl Backend for CudaBackend {
         let xp = x.at_mut(&self.stream);
         if row0 == 0 && n > MV_TOKENS && self.int8_tiles && w.is_multiple_of(32) {
             // Many rows for the int8 tiles of the down products: quantized on the way, into
-            // the buffer's int8 copy (a launch of `quantize_rows` fewer, and one pass).
+            // the buffer's int8 copy (a launch of `quantize_rows` fewer, and one pass). The copy
+            // holds rows from 0, so a later batch of a streamed layer (row0 > 0) quantizes in
+            // its products instead.
             if !x.quant_fits(n, w) {
                 self.settle(); // an allocation: not in a step's graph
             }
@@ -1784,7 +1786,7 @@ impl Backend for CudaBackend {
             let (qs, qh, p0, n_i) = (q_stride as i32, p.q_heads as i32, pos0 as i32, n as i32);
             // On tensor cores (3xTF32) where the heads are whole k-steps of 8: 64 queries a block.
             // (rows staged four floats at a time: value rows and heads at multiples of 4).
-            let mma = self.attention_mma
+            let mma = self.tensor_core_attention
                 && s.k_dim.is_multiple_of(8)
                 && s.v_dim.is_multiple_of(8)
                 && v_row.is_multiple_of(4)

@@ -839,16 +839,15 @@ extern "C" __global__ void mmt_split_f32(const Jobs js, int slices, int slice_gr
     mm_tc<0>(js, blockIdx.z / slices, lo, lo + slice_groups, x, xs, part + (size_t)s * plane, os);
 }
 
-// The planes of `mmt_split_f32` summed into each job's outputs: grid (blocks, jobs).
-extern "C" __global__ void sum_slices(const Jobs js, int slices, int slice_groups, const float* part, int plane, float* out,
-                                      int os) { PDL_START;
+// The planes of `mmt_split_f32` summed into each job's outputs: grid (blocks, jobs). A slice
+// past a job's columns left zeros in its plane.
+extern "C" __global__ void sum_slices(const Jobs js, int slices, const float* part, int plane, float* out, int os) { PDL_START;
     const Job& j = js.job[blockIdx.y];
-    int used = min(slices, ((j.cols + 31) / 32 + slice_groups - 1) / slice_groups);
     for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < j.n * j.rows; e += gridDim.x * blockDim.x) {
         int t = e / j.rows, r = e % j.rows;
         size_t i = (size_t)(j.out_row + t) * os + j.out_col + r;
         float a = 0.0f;
-        for (int k = 0; k < used; k++) a += part[(size_t)k * plane + i];
+        for (int k = 0; k < slices; k++) a += part[(size_t)k * plane + i];
         out[i] = a;
     }
 }

@@ -162,6 +162,13 @@ fn experts_kept_in_vram_route_on_the_gpu_as_the_host_does() {
     let (ek, eh) = (rel_err(&a, r["chat.logits"].f32()), rel_err(&a, &b));
     eprintln!("qwen3_moe Q4_K/Q8_0 on int8 activations: {ek:.2e} from transformers (quantized weights), {eh:.2e} from host routing");
     assert!(eh < 1e-5, "int8 kept experts moved the logits by {eh:.2e}");
+    // Prefill on the int8 tiles, whose inputs are the int8 rows the norms, the gather of the
+    // experts' rows and SiLU leave: step decode quantizes the same values the same way, so the
+    // two differ only in summation order.
+    let prefill = score(&kept, &input, ScoreMode::Prefill, 64, false).unwrap();
+    let same = rel_err(&a, &prefill.logits);
+    eprintln!("qwen3_moe Q4_K/Q8_0: prefill on the int8 tiles {same:.2e} from step decode");
+    assert!(same < 1e-4, "int8 prefill differs from step decode by {same:.2e}");
 }
 
 /// Decoded tokens recorded and launched as CUDA graphs give the logits of the same kernels
