@@ -139,19 +139,11 @@ extern "C" __global__ void attention_mma(const float* k, const float* v, int hea
     int warp_last = pos0 + min(t0 + 16 * warp + 15, n - 1);
     int last = pos0 + min(t0 + AM_Q, n) - 1;
     // Queries as A fragments, a k-step of 8 dims each: (gid, tig), (gid + 8, tig), (gid, tig + 4),
-    // (gid + 8, tig + 4).
-    float qa[AT_D / 8][4];
-#pragma unroll
-    for (int s = 0; s < AT_D / 8; s++) {
-        int d0 = 8 * s + tig, d1 = d0 + 4;
-        bool in = 8 * s < kd;
-        const float* qr = q + (size_t)ra * q_stride + h * kd;
-        const float* qb = q + (size_t)rb * q_stride + h * kd;
-        qa[s][0] = in && ra < n ? qr[d0] : 0.0f;
-        qa[s][1] = in && rb < n ? qb[d0] : 0.0f;
-        qa[s][2] = in && ra < n ? qr[d1] : 0.0f;
-        qa[s][3] = in && rb < n ? qb[d1] : 0.0f;
-    }
+    // (gid + 8, tig + 4), read from global memory (L1) at every tile: held in registers for the
+    // whole head they took 64 of them, and the kernel spilled. Rows past the last query read
+    // the last one (finite scores; their outputs are not stored).
+    const float* qra = q + (size_t)min(ra, n - 1) * q_stride + h * kd + tig;
+    const float* qrb = q + (size_t)min(rb, n - 1) * q_stride + h * kd + tig;
     float o[AT_D / 8][4];
 #pragma unroll
     for (int j = 0; j < AT_D / 8; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
@@ -159,15 +151,16 @@ extern "C" __global__ void attention_mma(const float* k, const float* v, int hea
     float* pw = ps[warp];
     for (int k0 = 0; k0 <= last; k0 += AM_K) {
         __syncthreads();  // the previous tile is used up
-        // A warp per key row, four floats a lane (the f32 kernel's element-wise staging, with a
-        // division by the head size per element, took most of its time).
+        // A warp per key row, four floats a lane, copied asynchronously: with loads, each of a
+        // lane's sixteen rows waited out its own trip to memory.
         for (int r = warp; r < AM_K; r += 4) {
             bool live = k0 + r <= last;
-            const float4* kr = (const float4*)(k + (size_t)(k0 + r) * k_row + g * kd);
-            const float4* vr = (const float4*)(v + (size_t)(k0 + r) * v_row + g * v_head);
-            for (int c = lane; c < kd / 4; c += 32) *(float4*)(ks + r * AM_KS + 4 * c) = live ? kr[c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            for (int c = lane; c < vd / 4; c += 32) *(float4*)(vs + r * AM_VS + 4 * c) = live ? vr[c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            const float* kr = k + (size_t)(live ? k0 + r : 0) * k_row + g * kd;
+            const float* vr = v + (size_t)(live ? k0 + r : 0) * v_row + g * v_head;
+            for (int c = lane; c < kd / 4; c += 32) copy16_async(ks + r * AM_KS + 4 * c, kr + 4 * c, live);
+            for (int c = lane; c < vd / 4; c += 32) copy16_async(vs + r * AM_VS + 4 * c, vr + 4 * c, live);
         }
+        copies_wait();
         __syncthreads();
         if (k0 > warp_last) continue;  // every key of the tile is in the warp's future
         // Scores: s[nt] holds (row gid, keys k0 + 8 nt + 2 tig, + 1) and (row gid + 8, the same).
@@ -177,8 +170,9 @@ extern "C" __global__ void attention_mma(const float* k, const float* v, int hea
 #pragma unroll
         for (int st = 0; st < AT_D / 8; st++) {
             if (8 * st >= kd) break;
+            float qf[4] = {__ldg(qra + 8 * st), __ldg(qrb + 8 * st), __ldg(qra + 8 * st + 4), __ldg(qrb + 8 * st + 4)};
             u32 ab[4], as[4];
-            split_a(qa[st], ab, as);
+            split_a(qf, ab, as);
 #pragma unroll
             for (int nt = 0; nt < AM_K / 8; nt++) {
                 const float* kr = ks + (8 * nt + gid) * AM_KS + 8 * st + tig;

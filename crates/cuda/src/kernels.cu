@@ -453,6 +453,24 @@ __device__ __forceinline__ void mma_tf32(float* d, const u32* a, const u32* b) {
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
+
+// Asynchronous copies into shared memory (compute 8.0 and later). Staging a tile with plain
+// loads, each thread's loop of load-then-store waited out one round trip to L2 per element (the
+// loop's bounds are known only at run time, so nothing was hoisted): a dozen trips a step. These
+// are issued together and waited for once. `live` false: the bytes are zeros and nothing is
+// read (`src` must still be a valid address).
+__device__ __forceinline__ void copy16_async(void* dst, const void* src, bool live) {
+    u32 d = (u32)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(live ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void copy4_async(void* dst, const void* src, bool live) {
+    u32 d = (u32)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(d), "l"(src), "r"(live ? 4 : 0) : "memory");
+}
+// Waits for every copy this thread issued (a __syncthreads after it publishes them to the block).
+__device__ __forceinline__ void copies_wait() {
+    asm volatile("cp.async.commit_group;\n\tcp.async.wait_group 0;" ::: "memory");
+}
 #endif
 
 // A warp's m16n8 accumulators of NJ tiles of eight tokens into job j's output: c[jn] holds rows

@@ -10,10 +10,11 @@
 //
 // with w_i = a_w q_i - b_w in every group of 32 (Q8_0: a_w the block's scale, b_w 0; Q4_K: a_w
 // d · scale of the sub-block, b_w dmin · its minimum), the arithmetic of the int8 mat-vec
-// (`mvq_task`) in another order. A block computes 64 weight rows by 32 or 64 tokens; each of its four
-// warps 16 rows by all the tokens, an m16n8k32 product per 8 tokens and group. The weights of eight groups
-// (a Q4_K super-block) and the inputs' are staged in shared memory per step, rows 272 bytes apart
-// so that a warp's fragment loads (eight rows by four words) fall in 32 different banks.
+// (`mvq_task`) in another order. A block computes 64 weight rows by 64 tokens; each of its four
+// warps 16 rows by all the tokens, an m16n8k32 product per 8 tokens and group. The weights of
+// eight groups (a Q4_K super-block) and the inputs' are staged in shared memory per step, rows
+// 272 bytes apart so that a warp's fragment loads (eight rows by four words) fall in 32
+// different banks.
 
 #define MMQ_TILE 64
 #define MMQ_GROUPS 8
@@ -21,78 +22,181 @@
 
 #if __CUDA_ARCH__ >= 800
 __device__ __forceinline__ void mma_s8(int* d, const u32* a, const u32* b) {
-    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
                  : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 #endif
 
-// Groups g and g + 1 of a row of format F as 64 small integers (dst: 16 words) and each group's
-// a_w, b_w (see above); `two` false: group g only (an odd count of groups, Q8_0 alone).
+// Byte l (< 12, known only at run time) of three words, by selection rather than indexing, which
+// would put the words in local memory.
+__device__ __forceinline__ u32 byte_of3(const u32* s, int l) {
+    u32 w = l < 4 ? s[0] : (l < 8 ? s[1] : s[2]);
+    return (w >> (8 * (l & 3))) & 0xFF;
+}
+
+// Words of raw bytes a thread stages per step (see `mmq`): its four groups of a row.
+#define MMQ_RAW(F) ((F) == 8 ? 34 : 20)
+
+// The raw bytes of groups g .. g + 3 of a row of format F (g a multiple of 4), read with loads
+// that do not depend on each other, so that they are in flight together; zeros for groups past
+// `groups` or when the row is not `live`. Q8_0: four 34-byte blocks as 34 words (16 bits at a
+// time where the row is not 4-byte aligned or ends inside them). Q4_K: the super-block's head (f16
+// d and dmin, 12 bytes of 6-bit scales and minimums) and the 64 bytes of quants of pairs
+// 2h and 2h + 1 (h = g % 8 / 4; a pair is sub-blocks 2p and 2p + 1, low and high nibbles).
 template <int F>
-__device__ __forceinline__ void mmq_pair(const u8* row, int g, bool two, u32* dst, float* a, float* b) {
+__device__ __forceinline__ void mmq_load(const u8* row, int g, int groups, bool live, u32* raw) {
     if (F == 8) {
-        // Two 34-byte blocks from an even group start 4-byte aligned where the row does (row
-        // lengths are multiples of 68 bytes but for odd group counts): 17 words, the first
-        // block's quants two bytes into them. Two-byte loads (load_i32_u16) made the dense
-        // products' weight staging the slowest part of a chunk.
         const u8* blk = row + (size_t)g * 34;
-        if (two && ((size_t)blk & 3) == 0) {
-            u32 w[17];
+        int bytes = live ? 34 * max(0, min(4, groups - g)) : 0;
+        if (((size_t)blk & 3) == 0 && bytes % 4 == 0) {
 #pragma unroll
-            for (int k = 0; k < 17; k++) w[k] = ((const u32*)blk)[k];
+            for (int k = 0; k < 34; k++) raw[k] = 4 * k < bytes ? ((const u32*)blk)[k] : 0u;
+        } else {
+            const u16* h = (const u16*)blk;
 #pragma unroll
-            for (int k = 0; k < 8; k++) dst[k] = __funnelshift_r(w[k], w[k + 1], 16);
-#pragma unroll
-            for (int k = 0; k < 8; k++) dst[8 + k] = w[9 + k];
-            a[0] = half_bits((u16)(w[0] & 0xFFFF));
-            a[1] = half_bits((u16)(w[8] >> 16));
-            b[0] = b[1] = 0.0f;
-            return;
+            for (int k = 0; k < 34; k++) {
+                u32 lo = 4 * k < bytes ? h[2 * k] : 0u, hi = 4 * k + 2 < bytes ? h[2 * k + 1] : 0u;
+                raw[k] = lo | (hi << 16);
+            }
         }
+    } else {
+        bool in = live && g < groups;
+        const uint4* b = (const uint4*)(row + (size_t)(g >> 3) * 144);
+        int h = (g & 7) >> 2;
+        uint4 v[5];
+        v[0] = in ? b[0] : make_uint4(0, 0, 0, 0);
 #pragma unroll
-        for (int h = 0; h < 2; h++) {
-            if (h == 1 && !two) break;
-            const u8* bh = blk + h * 34;
-            a[h] = f16(bh);
-            b[h] = 0.0f;
+        for (int k = 0; k < 4; k++) v[1 + k] = in ? b[1 + 4 * h + k] : make_uint4(0, 0, 0, 0);
 #pragma unroll
-            for (int k = 0; k < 8; k++) dst[8 * h + k] = (u32)load_i32_u16(bh + 2 + 4 * k);
+        for (int k = 0; k < 5; k++) {
+            raw[4 * k] = v[k].x;
+            raw[4 * k + 1] = v[k].y;
+            raw[4 * k + 2] = v[k].z;
+            raw[4 * k + 3] = v[k].w;
         }
-    } else {  // Q4_K: groups g, g + 1 are sub-blocks 2p, 2p + 1 of super-block g / 8 (g even)
-        int sb = g >> 3, p = (g & 7) >> 1;
-        const u8* blk = row + (size_t)sb * 144;
-        uint4 qa = *(const uint4*)(blk + 16 + 32 * p), qb = *(const uint4*)(blk + 32 + 32 * p);
-        u32 q[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
-#pragma unroll
-        for (int k = 0; k < 8; k++) {
-            dst[k] = q[k] & 0x0F0F0F0F;
-            dst[8 + k] = (q[k] >> 4) & 0x0F0F0F0F;
-        }
-        float sc0, mn0, sc1, mn1;
-        scale_min_k4(2 * p, blk + 4, &sc0, &mn0);
-        scale_min_k4(2 * p + 1, blk + 4, &sc1, &mn1);
-        float d = f16(blk), dmin = f16(blk + 2);
-        a[0] = d * sc0;
-        b[0] = dmin * mn0;
-        a[1] = d * sc1;
-        b[1] = dmin * mn1;
     }
+}
+
+// `mmq_load`'s four groups as small integers into dst (32 words, a group's 32 values 8 words
+// apart) and each group's a_w, b_w (see above); `first`: the first of the four in its Q4_K
+// super-block (0 or 4). Zero bytes give zero scales, so missing groups add nothing.
+template <int F>
+__device__ __forceinline__ void mmq_decode(const u32* raw, int first, u32* dst, float* a, float* b) {
+    if (F == 8) {
+#pragma unroll
+        for (int q = 0; q < 2; q++) {
+            // Blocks 2q and 2q + 1 start at words 17q and 17q + 8, two bytes in.
+            const u32* w = raw + 17 * q;
+#pragma unroll
+            for (int k = 0; k < 8; k++) dst[16 * q + k] = __funnelshift_r(w[k], w[k + 1], 16);
+#pragma unroll
+            for (int k = 0; k < 8; k++) dst[16 * q + 8 + k] = w[9 + k];
+            a[2 * q] = half_bits((u16)(w[0] & 0xFFFF));
+            a[2 * q + 1] = half_bits((u16)(w[8] >> 16));
+            b[2 * q] = b[2 * q + 1] = 0.0f;
+        }
+    } else {
+        float d = half_bits((u16)(raw[0] & 0xFFFF)), dmin = half_bits((u16)(raw[0] >> 16));
+        const u32* s = raw + 1;
+#pragma unroll
+        for (int q = 0; q < 2; q++) {
+            const u32* qs = raw + 4 + 8 * q;
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                dst[16 * q + k] = qs[k] & 0x0F0F0F0F;
+                dst[16 * q + 8 + k] = (qs[k] >> 4) & 0x0F0F0F0F;
+            }
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                int jj = first + 2 * q + e;  // the sub-block, 0..7
+                u32 sc, mn;
+                if (jj < 4) {
+                    sc = byte_of3(s, jj) & 63;
+                    mn = byte_of3(s, jj + 4) & 63;
+                } else {
+                    sc = (byte_of3(s, jj + 4) & 0xF) | ((byte_of3(s, jj - 4) >> 6) << 4);
+                    mn = (byte_of3(s, jj + 4) >> 4) | ((byte_of3(s, jj) >> 6) << 4);
+                }
+                a[2 * q + e] = d * (float)sc;
+                b[2 * q + e] = dmin * (float)mn;
+            }
+        }
+    }
+}
+
+// One step's products of `steps` groups, for NJ tiles of eight tokens, all of which the job
+// has: a group's NJ products are issued back to back and scaled after, so that each waits out
+// its latency behind the others. (With a test for the job's end between products, each one's
+// scaling waited for it: "stall wait" and "short scoreboard" led the kernel's stalls, and the
+// tensor pipe was busy 6% of the time.)
+template <int F, int NT, int NJ>
+__device__ __forceinline__ void mmq_step(const u8* ws, const u8* xq, const float (*wa)[MMQ_GROUPS + 1],
+                                         const float (*wb)[MMQ_GROUPS + 1], const float (*xd)[NT + 4],
+                                         const float (*xm)[NT + 4], int steps, int ra, int gid, int tig, float (*c)[4]) {
+#if __CUDA_ARCH__ >= 800
+    for (int gl = 0; gl < steps; gl++) {
+        const u8* wr = ws + ra * MMQ_STRIDE + 32 * gl + 4 * tig;
+        u32 a[4] = {*(const u32*)wr, *(const u32*)(wr + 8 * MMQ_STRIDE), *(const u32*)(wr + 16),
+                    *(const u32*)(wr + 8 * MMQ_STRIDE + 16)};
+        float a0 = wa[ra][gl], a1 = wa[ra + 8][gl];
+        int s[NJ][4];
+#pragma unroll
+        for (int jn = 0; jn < NJ; jn++) {
+            const u8* xr = xq + (8 * jn + gid) * MMQ_STRIDE + 32 * gl + 4 * tig;
+            u32 bq[2] = {*(const u32*)xr, *(const u32*)(xr + 16)};
+            s[jn][0] = s[jn][1] = s[jn][2] = s[jn][3] = 0;
+            mma_s8(s[jn], a, bq);
+        }
+        // The sums as floats by `itof` (|s| < 32 · 127 · 127 < 2^22): the conversion
+        // instruction runs at a quarter of the float rate.
+#pragma unroll
+        for (int jn = 0; jn < NJ; jn++) {
+            int t = 8 * jn + 2 * tig;
+            float2 d = *(const float2*)&xd[gl][t];
+            c[jn][0] += a0 * d.x * itof(s[jn][0]);
+            c[jn][1] += a0 * d.y * itof(s[jn][1]);
+            c[jn][2] += a1 * d.x * itof(s[jn][2]);
+            c[jn][3] += a1 * d.y * itof(s[jn][3]);
+        }
+        if (F != 8) {
+            float b0 = wb[ra][gl], b1 = wb[ra + 8][gl];
+#pragma unroll
+            for (int jn = 0; jn < NJ; jn++) {
+                float2 m = *(const float2*)&xm[gl][8 * jn + 2 * tig];
+                c[jn][0] -= b0 * m.x;
+                c[jn][1] -= b0 * m.y;
+                c[jn][2] -= b1 * m.x;
+                c[jn][3] -= b1 * m.y;
+            }
+        }
+    }
+#endif
 }
 
 // Job blockIdx.z's rows r0.. (64) by tokens t0.. (NT) against its input rows,
 // quantized at qx + (j.x_row - lo) * qstride. Grid (row tiles, token tiles, jobs), 128 threads.
-// Tiles of 32 tokens (NT = 32) fit an expert's few dozen tokens of a prefill chunk better (with
-// 64, half of each tile's products and scalings are of padding), yet measured 8% slower on the
-// 30B shape than 64, the only size built.
+// Tiles of 32 tokens (NT = 32) would fit an expert's few dozen tokens of a prefill chunk better,
+// yet measured 15% slower over the whole prefill of the 30B shape than 64, the only size built
+// (2026-12-04: 6,973–7,146 tok/s against 8,017–8,376, at 80 registers and six blocks an SM;
+// 32 for the experts' launches and 64 for the dense ones, 8,046–8,200): each tile of weights
+// staged serves half the tokens.
+//
+// Staging: a step's inputs are copied asynchronously (`copy16_async`), its weights read into
+// registers with independent loads and decoded into shared memory. Reading the next step's
+// weights while this step's products run measured 4–6% slower (more live registers), so the
+// weights are read after them.
 template <int F, int NT>
 __device__ void mmq(const Jobs& js, const u8* qx, int qstride, int lo, float* out, int os) {
 #if __CUDA_ARCH__ >= 800
     __shared__ __align__(16) u8 ws[MMQ_TILE * MMQ_STRIDE];
     __shared__ __align__(16) u8 xq[NT * MMQ_STRIDE];
-    // Odd row lengths: the four tokens a warp's lanes read at once fall in different banks.
+    // Odd row lengths: the rows a warp's lanes read at once fall in different banks. The inputs'
+    // scales by group, a lane's two tokens side by side (one 8-byte load); rows NT + 4 apart so
+    // that the copies of eight groups by four tokens land in 32 banks.
     __shared__ float wa[MMQ_TILE][MMQ_GROUPS + 1], wb[MMQ_TILE][MMQ_GROUPS + 1];
-    __shared__ float xd[NT][MMQ_GROUPS + 1], xm[NT][MMQ_GROUPS + 1];
+    __shared__ __align__(8) float xd[MMQ_GROUPS][NT + 4];
+    __shared__ __align__(8) float xm[F == 8 ? 1 : MMQ_GROUPS][NT + 4];
     const Job& j = js.job[blockIdx.z];
     int r0 = blockIdx.x * MMQ_TILE, t0 = blockIdx.y * NT;
     if (r0 >= j.rows || t0 >= j.n) return;
@@ -104,79 +208,66 @@ __device__ void mmq(const Jobs& js, const u8* qx, int qstride, int lo, float* ou
         for (int b = 0; b < 4; b++) c[a][b] = 0.0f;
     int groups = j.cols / 32;
     const u8* xrows = qx + (size_t)(j.x_row - lo + t0) * qstride;
+    // Weights: two threads a row, four groups each.
+    int wr_ = tid % MMQ_TILE, half = tid / MMQ_TILE;
+    const u8* wrow = (const u8*)j.w + (size_t)(r0 + wr_) * j.row_bytes;
+    bool wlive = r0 + wr_ < j.rows;
+    u32 raw[MMQ_RAW(F)];
+    mmq_load<F>(wrow, 4 * half, groups, wlive, raw);
     for (int g0 = 0; g0 < groups; g0 += MMQ_GROUPS) {
-        // Weights: two threads a row, two pairs of groups each.
-        {
-            int r = tid % MMQ_TILE, half = tid / MMQ_TILE;
-            const u8* row = (const u8*)j.w + (size_t)(r0 + r) * j.row_bytes;
-            u32* dst = (u32*)(ws + r * MMQ_STRIDE);
-#pragma unroll
-            for (int q = 0; q < 2; q++) {
-                int gl = 4 * half + 2 * q, g = g0 + gl;
-                float a[2] = {0.0f, 0.0f}, b[2] = {0.0f, 0.0f};
-                if (r0 + r < j.rows && g < groups) mmq_pair<F>(row, g, g + 1 < groups, dst + 8 * gl, a, b);
-                wa[r][gl] = a[0];
-                wa[r][gl + 1] = a[1];
-                wb[r][gl] = b[0];
-                wb[r][gl + 1] = b[1];
-            }
-        }
         // Inputs: 16-byte pieces (rows and column offsets are multiples of 16 bytes), then
         // each group's scale and scaled sum; zeros past the job's tokens or the row's end.
-        for (int e = tid; e < NT * 16; e += blockDim.x) {
-            int t = e / 16, piece = e % 16, col = 32 * g0 + 16 * piece;
-            uint4 v = make_uint4(0, 0, 0, 0);
-            if (t0 + t < j.n && col < j.cols) v = *(const uint4*)(xrows + (size_t)t * qstride + col);
-            *(uint4*)(xq + t * MMQ_STRIDE + 16 * piece) = v;
-        }
-        for (int e = tid; e < NT * MMQ_GROUPS; e += blockDim.x) {
-            int t = e / MMQ_GROUPS, gl = e % MMQ_GROUPS, g = g0 + gl;
-            bool ok = t0 + t < j.n && g < groups;
-            const float* s = (const float*)(xrows + (size_t)t * qstride + j.cols);
-            xd[t][gl] = ok ? s[g] : 0.0f;
-            xm[t][gl] = ok ? s[groups + g] : 0.0f;
-        }
-        __syncthreads();
-        int ra = 16 * warp + gid;
-        int steps = min(MMQ_GROUPS, groups - g0);
-        for (int gl = 0; gl < steps; gl++) {
-            const u8* wr = ws + ra * MMQ_STRIDE + 32 * gl + 4 * tig;
-            u32 a[4] = {*(const u32*)wr, *(const u32*)(wr + 8 * MMQ_STRIDE), *(const u32*)(wr + 16),
-                        *(const u32*)(wr + 8 * MMQ_STRIDE + 16)};
-            float a0 = wa[ra][gl], a1 = wa[ra + 8][gl], b0 = wb[ra][gl], b1 = wb[ra + 8][gl];
 #pragma unroll
-            for (int jn = 0; jn < NT / 8; jn++) {
-                // Past the job's tokens (an expert's few dozen in a tile of 64): no product, no
-                // scaling (the same for the whole block).
-                if (t0 + 8 * jn >= j.n) break;
-                const u8* xr = xq + (8 * jn + gid) * MMQ_STRIDE + 32 * gl + 4 * tig;
-                u32 bq[2] = {*(const u32*)xr, *(const u32*)(xr + 16)};
-                int s[4] = {0, 0, 0, 0};
-                mma_s8(s, a, bq);
-                int t = 8 * jn + 2 * tig;
-                float d0 = xd[t][gl], d1 = xd[t + 1][gl];
-                c[jn][0] += a0 * d0 * (float)s[0];
-                c[jn][1] += a0 * d1 * (float)s[1];
-                c[jn][2] += a1 * d0 * (float)s[2];
-                c[jn][3] += a1 * d1 * (float)s[3];
-                if (F != 8) {
-                    float m0 = xm[t][gl], m1 = xm[t + 1][gl];
-                    c[jn][0] -= b0 * m0;
-                    c[jn][1] -= b0 * m1;
-                    c[jn][2] -= b1 * m0;
-                    c[jn][3] -= b1 * m1;
-                }
+        for (int i = 0; i < NT * 16 / 128; i++) {
+            int e = tid + 128 * i, t = e / 16, piece = e % 16, col = 32 * g0 + 16 * piece;
+            bool live = t0 + t < j.n && col < j.cols;
+            copy16_async(xq + t * MMQ_STRIDE + 16 * piece, live ? xrows + (size_t)t * qstride + col : qx, live);
+        }
+#pragma unroll
+        for (int i = 0; i < NT * MMQ_GROUPS / 128; i++) {
+            int e = tid + 128 * i, t = e / MMQ_GROUPS, gl = e % MMQ_GROUPS, g = g0 + gl;
+            bool live = t0 + t < j.n && g < groups;
+            const float* s = (const float*)(xrows + (size_t)t * qstride + j.cols);
+            copy4_async(&xd[gl][t], live ? s + g : (const float*)qx, live);
+            if (F != 8) copy4_async(&xm[gl][t], live ? s + groups + g : (const float*)qx, live);
+        }
+        {
+            // Decoded in registers, stored 16 bytes at a time: word by word, the lanes' rows
+            // (68 words apart) met four to a bank.
+            float a[4], b[4];
+            u32 dq[32];
+            mmq_decode<F>(raw, 4 * half, dq, a, b);
+            uint4* dst = (uint4*)(ws + wr_ * MMQ_STRIDE + 128 * half);
+#pragma unroll
+            for (int k = 0; k < 8; k++) dst[k] = make_uint4(dq[4 * k], dq[4 * k + 1], dq[4 * k + 2], dq[4 * k + 3]);
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                wa[wr_][4 * half + e] = a[e];
+                wb[wr_][4 * half + e] = b[e];
             }
         }
+        copies_wait();
         __syncthreads();
+        // Only the tiles of eight tokens the job has (an expert's few dozen in a tile of 64),
+        // each in every step: the count fixed per block, so nothing branches between products.
+        int steps = min(MMQ_GROUPS, groups - g0), nj = min(NT / 8, (j.n - t0 + 7) / 8);
+        int ra = 16 * warp + gid;
+        switch (nj) {
+#define MMQ_CASE(k) \
+    case k: mmq_step<F, NT, (k <= NT / 8 ? k : NT / 8)>(ws, xq, wa, wb, xd, xm, steps, ra, gid, tig, c); break;
+            MMQ_CASE(1) MMQ_CASE(2) MMQ_CASE(3) MMQ_CASE(4) MMQ_CASE(5) MMQ_CASE(6) MMQ_CASE(7) MMQ_CASE(8)
+#undef MMQ_CASE
+        }
+        __syncthreads();
+        mmq_load<F>(wrow, g0 + MMQ_GROUPS + 4 * half, groups, wlive, raw);
     }
     store_tile<NT / 8>(j, r0 + 16 * warp + gid, t0 + 2 * tig, c, out, os);
 #endif
 }
 
 #define MMQ_KERNELS(name, id)                                                                         \
-    extern "C" __global__ void mmq_##name(const Jobs js, const u8* qx, int qstride, int lo, float* out, \
-                                          int os) { PDL_START;                                        \
+    extern "C" __global__ void __launch_bounds__(128, 4) mmq_##name(const Jobs js, const u8* qx, int qstride, \
+                                                                    int lo, float* out, int os) { PDL_START; \
         mmq<id, 64>(js, qx, qstride, lo, out, os);                                                    \
     }
 
