@@ -165,6 +165,7 @@ struct Kernels {
     scale_rows: CudaFunction,
     copy_strided: CudaFunction,
     move_rows: CudaFunction,
+    move_rows4: CudaFunction,
     gather_quant_rows: CudaFunction,
     add_weighted_slots: CudaFunction,
     rope: CudaFunction,
@@ -252,6 +253,7 @@ impl Kernels {
             scale_rows: f("scale_rows")?,
             copy_strided: f("copy_strided")?,
             move_rows: f("move_rows")?,
+            move_rows4: f("move_rows4")?,
             gather_quant_rows: f("gather_quant_rows")?,
             add_weighted_slots: f("add_weighted_slots")?,
             rope: f("rope")?,
@@ -942,9 +944,17 @@ impl CudaBackend {
         let Some(ip) = self.stage_i32("move rows", rows.iter().copied()) else { return };
         let (s, d) = (src.at(&self.stream), dst.at_mut(&self.stream));
         let (dim_i, count, sc) = (dim as i32, rows.len() as i32, scatter as i32);
-        let mut a = Launch::new(&self.k.move_rows);
-        a.arg(&s).arg(&d).arg(&dim_i).arg(&ip).arg(&count).arg(&sc);
-        self.launch(a, cfg_elems(rows.len() * dim), "move rows");
+        if dim.is_multiple_of(4) {
+            let dim4 = (dim / 4) as i32;
+            let mut a = Launch::new(&self.k.move_rows4);
+            a.arg(&s).arg(&d).arg(&dim4).arg(&ip).arg(&count).arg(&sc);
+            let grid = ((dim / 4).div_ceil(128) as u32, rows.len().min(65_535) as u32, 1);
+            self.launch(a, LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: 0 }, "move rows");
+        } else {
+            let mut a = Launch::new(&self.k.move_rows);
+            a.arg(&s).arg(&d).arg(&dim_i).arg(&ip).arg(&count).arg(&sc);
+            self.launch(a, cfg_elems(rows.len() * dim), "move rows");
+        }
         // A gather of rows whose int8 copy the op that wrote them left: the copy's rows too, so
         // that the products reading the gathered rows need not quantize them again.
         let max_row = rows.iter().copied().max().unwrap_or(0);

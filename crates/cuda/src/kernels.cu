@@ -972,6 +972,18 @@ extern "C" __global__ void copy_strided(const float* src, int ss, int so, float*
 }
 
 // dst[i] = src[rows[i]] (gather) or dst[rows[i]] = src[i] (scatter), rows of dim.
+// As `move_rows`, four floats a thread (dim4 = dim / 4; rows 16-byte aligned), a block row per
+// moved row (grid y, striding past 65,535): no division per element. The per-float kernel took
+// 49 µs per gather or scatter of a MoE layer's 4,096 rows of 2,048.
+extern "C" __global__ void move_rows4(const float4* src, float4* dst, int dim4, const int* rows, int count, int scatter) { PDL_START;
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= dim4) return;
+    for (int k = blockIdx.y; k < count; k += gridDim.y) {
+        if (scatter) dst[(size_t)rows[k] * dim4 + c] = src[(size_t)k * dim4 + c];
+        else dst[(size_t)k * dim4 + c] = src[(size_t)rows[k] * dim4 + c];
+    }
+}
+
 extern "C" __global__ void move_rows(const float* src, float* dst, int dim, const int* rows, int count, int scatter) { PDL_START;
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= count * dim) return;

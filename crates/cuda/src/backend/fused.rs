@@ -141,9 +141,9 @@ impl CudaBackend {
             .arg(&kp)
             .arg(&vp)
             .arg(&p0);
-        let blocks = n * (q_heads + 2 * kv_heads);
-        let threads = head_dim.next_multiple_of(32).min(256) as u32;
-        self.launch(a, LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }, "qk_rope_store");
+        // A warp per (token, head), four a block.
+        let blocks = (n * (q_heads + 2 * kv_heads)).div_ceil(4);
+        self.launch(a, LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 }, "qk_rope_store");
     }
 
     /// SiLU(gate) · up over rows `0..rows` of `gu` (`[gate | up]`, `width` each), quantized for
