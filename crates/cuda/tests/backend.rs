@@ -163,12 +163,15 @@ fn experts_kept_in_vram_route_on_the_gpu_as_the_host_does() {
     eprintln!("qwen3_moe Q4_K/Q8_0 on int8 activations: {ek:.2e} from transformers (quantized weights), {eh:.2e} from host routing");
     assert!(eh < 1e-5, "int8 kept experts moved the logits by {eh:.2e}");
     // Prefill on the int8 tiles, whose inputs are the int8 rows the norms, the gather of the
-    // experts' rows and SiLU leave: step decode quantizes the same values the same way, so the
-    // two differ only in summation order.
+    // experts' rows and SiLU leave. Step decode quantizes the same rows the same way, but its
+    // floats come from other kernels (attention above all), and a value a rounding away from a
+    // step of its group's int8 grid moves a whole step: on the H200, 7.27e-3, the same with the
+    // f32 prefill attention, against the int8 path's 1.8e-1 from transformers. A wrong tile (a
+    // scale, a row, a group) moves the logits by order one.
     let prefill = score(&kept, &input, ScoreMode::Prefill, 64, false).unwrap();
     let same = rel_err(&a, &prefill.logits);
     eprintln!("qwen3_moe Q4_K/Q8_0: prefill on the int8 tiles {same:.2e} from step decode");
-    assert!(same < 1e-4, "int8 prefill differs from step decode by {same:.2e}");
+    assert!(same < 2e-2 && same < ek / 10.0, "int8 prefill differs from step decode by {same:.2e} ({ek:.2e} from transformers)");
 }
 
 /// Decoded tokens recorded and launched as CUDA graphs give the logits of the same kernels
