@@ -121,6 +121,12 @@ pub struct CudaOptions {
     /// kernel (also `SMOE_CUDA_GRAPHS=on`). Off by default: on the H200 the graphs decoded
     /// slower than the stream's overlapped launches (docs/benchmarks.md).
     pub graphs: bool,
+    /// Prefill products and attention on CUDA cores even where there are tensor cores (what
+    /// GPUs before compute 8.0 run; also `SMOE_CUDA_PREFILL=simt`). An option, not only the
+    /// variable, so that a test can ask for it without changing what every other backend the
+    /// process opens meanwhile reads: a test that set the variable around its own backend's
+    /// opening made another test's two backends prefill with different kernels now and then.
+    pub simt_prefill: bool,
 }
 
 /// The one-token int8-activation kernels of a format (kernels.cu, kept.cu).
@@ -421,7 +427,7 @@ impl CudaBackend {
         let pinned = PinnedHost::new(ctx.clone());
         let experts = ExpertCache::new(opts.expert_bytes);
         let prefill = std::env::var("SMOE_CUDA_PREFILL");
-        let tensor_cores = info.compute_capability.0 >= 8 && prefill.as_deref() != Ok("simt");
+        let tensor_cores = info.compute_capability.0 >= 8 && !opts.simt_prefill && prefill.as_deref() != Ok("simt");
         let int8 = opts.precision.unwrap_or(Precision::Fast) == Precision::Fast && std::env::var("SMOE_CUDA_INT8").as_deref() != Ok("off");
         let pdl = info.compute_capability.0 >= 9 && std::env::var("SMOE_CUDA_PDL").as_deref() != Ok("off");
         Ok(CudaBackend {

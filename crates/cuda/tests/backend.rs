@@ -49,6 +49,7 @@ const REFERENCE: CudaOptions = CudaOptions {
     precision: Some(Precision::Reference),
     no_keep: false,
     graphs: false,
+    simt_prefill: false,
 };
 
 #[test]
@@ -263,10 +264,8 @@ fn misses_computed_on_the_cpu_match_the_gpu() {
 /// selects) passes the suite too.
 #[test]
 fn every_op_matches_with_prefill_on_cuda_cores() {
-    std::env::set_var("SMOE_CUDA_PREFILL", "simt");
-    let b = backend(&REFERENCE);
-    std::env::remove_var("SMOE_CUDA_PREFILL");
-    let Some(b) = b else { return };
+    // An option, not the variable: the process's other tests open backends meanwhile.
+    let Some(b) = backend(&CudaOptions { simt_prefill: true, ..REFERENCE }) else { return };
     let cases = check_backend(&b, &Tolerance::F32).unwrap_or_else(|f| panic!("{} mismatches:\n{}", f.len(), f.join("\n")));
     eprintln!("{cases} cases passed on {}", smoe_engine::Backend::describe(&b));
 }
