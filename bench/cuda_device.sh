@@ -1,0 +1,80 @@
+#!/bin/bash
+# The GPU tests and the CUDA benchmarks on a lent device machine that has a GPU but no Rust and
+# no network (docs/benchmarks.md, GPU section). Three steps:
+#
+#   bench/cuda_device.sh pack       # here: build, strip into target/peercarry, trim testdata
+#   (device) bash target/peercarry/cuda_device.sh run   # there, carrying target/peercarry
+#   bench/cuda_device.sh restore    # here: put the full testdata back
+#
+# `pack` moves testdata/ aside (to $SMOE_TESTDATA_ASIDE, default /tmp/smoe-testdata-aside) and
+# leaves only the fixtures the GPU tests read, so that the working tree and the binaries fit
+# in what a device call carries; `restore` undoes it (a build needs the full testdata: traces
+# and templates are compiled in). `run` writes at most five files under $OUT, as a device call
+# returns only a few: tests.txt, bench.txt, profile.txt, log.txt, gpu.txt.
+set -euo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+aside=${SMOE_TESTDATA_ASIDE:-/tmp/smoe-testdata-aside}
+fixtures="qwen3_moe qwen2_moe mixtral olmoe qwen3_moe_yarn glm4_moe deepseek_v3 deepseek_v3_yarn glm_moe_dsa gpt_oss"
+
+case "${1:-}" in
+pack)
+    cd "$here"
+    [ -d "$aside" ] && { echo "testdata is already aside in $aside: run restore first" >&2; exit 1; }
+    cargo build --release -p smoe
+    bins=$(cargo test --release -p smoe-cuda --no-run --message-format=json 2>/dev/null |
+        python3 -c 'import json,sys
+for l in sys.stdin:
+    m=json.loads(l)
+    if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["kind"]==["test"]:
+        print(m["target"]["name"], m["executable"])')
+    mkdir -p target/peercarry
+    cp target/release/smoe target/peercarry/smoe
+    while read -r name exe; do cp "$exe" "target/peercarry/$name"; done <<<"$bins"
+    strip target/peercarry/*
+    cp bench/cuda_device.sh target/peercarry/
+    mv testdata "$aside"
+    mkdir -p testdata/hf
+    for f in $fixtures; do cp -r "$aside/hf/$f" testdata/hf/; done
+    du -sh target/peercarry testdata
+    ;;
+restore)
+    cd "$here"
+    [ -d "$aside" ] || { echo "nothing aside in $aside" >&2; exit 1; }
+    rm -rf testdata
+    mv "$aside" testdata
+    git status --short testdata | head -3
+    ;;
+run)
+    # On the device, from the repository root: the test binaries look for fixtures at the path
+    # they were built in (/work/main).
+    mkdir -p /work
+    [ -e /work/main ] || ln -sfn "$PWD" /work/main
+    b=$PWD/target/peercarry
+    out=${OUT:?the device call sets OUT}
+    nvidia-smi --query-gpu=name,driver_version --format=csv >"$out/gpu.txt" 2>&1 || true
+    lscpu | grep -E "Model name|^CPU\(s\)" >>"$out/gpu.txt" || true
+    log=$out/log.txt
+    date >"$log"
+    ( cd crates/cuda
+      for t in backend gpu; do
+          timeout 300 "$b/$t" >>"$out/tests.txt" 2>&1; echo "$t rc=$? $(date +%T)" >>"$log"
+      done )
+    vault=/tmp/q30.smoe
+    [ -e "$vault" ] || "$b/smoe" synth --shape qwen3-30b-a3b --vault "$vault" --experts Q4_K --dense Q8_0 --random-blocks >/dev/null
+    bench() {
+        echo "=== $*" >>"$out/bench.txt"
+        timeout 120 "$b/smoe" bench "$vault" --device cuda --cache resident "$@" >>"$out/bench.txt" 2>&1
+        echo "bench $* rc=$? $(date +%T)" >>"$log"
+    }
+    bench --prompt-tokens 512 --gen-tokens 64 --reps 3
+    bench --prompt-tokens 2048 --gen-tokens 1 --reps 2
+    bench --prompt-tokens 1 --gen-tokens 128 --reps 3
+    SMOE_CUDA_PROFILE=1 timeout 120 "$b/smoe" bench "$vault" --device cuda --cache resident \
+        --prompt-tokens 512 --gen-tokens 1 --reps 1 >"$out/profile.txt" 2>&1 || true
+    date >>"$log"
+    ;;
+*)
+    echo "usage: $0 pack | run | restore" >&2
+    exit 2
+    ;;
+esac
