@@ -172,7 +172,6 @@ struct Kernels {
     copy_strided: CudaFunction,
     move_rows: CudaFunction,
     move_rows4: CudaFunction,
-    gather_quant_rows: CudaFunction,
     add_weighted_slots: CudaFunction,
     rope: CudaFunction,
     attention: CudaFunction,
@@ -260,7 +259,6 @@ impl Kernels {
             copy_strided: f("copy_strided")?,
             move_rows: f("move_rows")?,
             move_rows4: f("move_rows4")?,
-            gather_quant_rows: f("gather_quant_rows")?,
             add_weighted_slots: f("add_weighted_slots")?,
             rope: f("rope")?,
             attention: f("attention")?,
@@ -949,14 +947,10 @@ impl CudaBackend {
         }
         let Some(ip) = self.stage_i32("move rows", rows.iter().copied()) else { return };
         let (s, d) = (src.at(&self.stream), dst.at_mut(&self.stream));
-        let (dim_i, count, sc) = (dim as i32, rows.len() as i32, scatter as i32);
         if dim.is_multiple_of(4) {
-            let dim4 = (dim / 4) as i32;
-            let mut a = Launch::new(&self.k.move_rows4);
-            a.arg(&s).arg(&d).arg(&dim4).arg(&ip).arg(&count).arg(&sc);
-            let grid = ((dim / 4).div_ceil(128) as u32, rows.len().min(65_535) as u32, 1);
-            self.launch(a, LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: 0 }, "move rows");
+            self.move_units16(s, d, dim / 4, ip, rows.len(), scatter, "move rows");
         } else {
+            let (dim_i, count, sc) = (dim as i32, rows.len() as i32, scatter as i32);
             let mut a = Launch::new(&self.k.move_rows);
             a.arg(&s).arg(&d).arg(&dim_i).arg(&ip).arg(&count).arg(&sc);
             self.launch(a, cfg_elems(rows.len() * dim), "move rows");
@@ -965,14 +959,19 @@ impl CudaBackend {
         // that the products reading the gathered rows need not quantize them again.
         let max_row = rows.iter().copied().max().unwrap_or(0);
         let Some(q) = src.quantized().filter(|q| !scatter && q.cols == dim && q.src_stride == dim && q.rows > max_row) else { return };
-        if !dst.quant_fits(rows.len(), dim) {
-            self.settle(); // an allocation: not in a step's graph
-        }
-        let Some(dq) = self.ok("gathering int8 rows", dst.quantize_into(&self.stream, rows.len(), dim)) else { return };
-        let (stride, words) = (q.stride as i32, rows.len() * q.stride / 16);
-        let mut a = Launch::new(&self.k.gather_quant_rows);
-        a.arg(&q.ptr).arg(&dq.ptr).arg(&stride).arg(&ip).arg(&count);
-        self.launch(a, cfg_elems(words), "gather int8 rows");
+        let Some(dq) = self.int8_copy(dst, rows.len(), dim, dim) else { return };
+        self.move_units16(q.ptr, dq.ptr, q.stride / 16, ip, rows.len(), false, "gather int8 rows");
+    }
+
+    /// `move_rows4`: rows of `units` 16-byte units (16-byte aligned), gathered from `rows` of
+    /// `src` or scattered to them.
+    #[allow(clippy::too_many_arguments)]
+    fn move_units16(&self, src: u64, dst: u64, units: usize, ip: u64, count: usize, scatter: bool, what: &'static str) {
+        let (u, c, sc) = (units as i32, count as i32, scatter as i32);
+        let mut a = Launch::new(&self.k.move_rows4);
+        a.arg(&src).arg(&dst).arg(&u).arg(&ip).arg(&c).arg(&sc);
+        let grid = (units.div_ceil(128) as u32, count.min(65_535) as u32, 1);
+        self.launch(a, LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: 0 }, what);
     }
 }
 
@@ -1425,10 +1424,7 @@ impl Backend for CudaBackend {
             // the buffer's int8 copy (a launch of `quantize_rows` fewer, and one pass). The copy
             // holds rows from 0, so a later batch of a streamed layer (row0 > 0) quantizes in
             // its products instead.
-            if !x.quant_fits(n, w) {
-                self.settle(); // an allocation: not in a step's graph
-            }
-            let Some(q) = self.ok("quantizing outputs", x.quantize_strided_into(&self.stream, n, w, stride)) else { return };
+            let Some(q) = self.int8_copy(x, n, w, stride) else { return };
             let (s, r, w_i, qs) = (stride as i32, n as i32, w as i32, q.stride as i32);
             let mut a = Launch::new(&self.k.silu_quantize);
             a.arg(&xp).arg(&s).arg(&r).arg(&w_i).arg(&q.ptr).arg(&qs);

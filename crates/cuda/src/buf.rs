@@ -82,14 +82,9 @@ impl CudaBuf {
         self.quant.mem.as_ref().is_some_and(|m| m.len() >= rows * quant_stride(cols))
     }
 
-    /// Room for the int8 copy of rows `0..rows` of `cols` floats, back to back, which the op
-    /// about to be queued writes with them (call it after [`Self::at_mut`]).
-    pub(crate) fn quantize_into(&mut self, stream: &Arc<CudaStream>, rows: usize, cols: usize) -> Result<QuantRows, DriverError> {
-        self.quantize_strided_into(stream, rows, cols, cols)
-    }
-
-    /// [`Self::quantize_into`] for the first `cols` floats of rows `src_stride` apart.
-    pub(crate) fn quantize_strided_into(
+    /// Room for the int8 copy of rows `0..rows` (the first `cols` floats of rows `src_stride`
+    /// apart), which the op about to be queued writes with them (call it after [`Self::at_mut`]).
+    pub(crate) fn quantize_into(
         &mut self,
         stream: &Arc<CudaStream>,
         rows: usize,

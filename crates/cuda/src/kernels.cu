@@ -972,18 +972,6 @@ extern "C" __global__ void copy_strided(const float* src, int ss, int so, float*
 }
 
 // dst[i] = src[rows[i]] (gather) or dst[rows[i]] = src[i] (scatter), rows of dim.
-// As `move_rows`, four floats a thread (dim4 = dim / 4; rows 16-byte aligned), a block row per
-// moved row (grid y, striding past 65,535): no division per element. The per-float kernel took
-// 49 µs per gather or scatter of a MoE layer's 4,096 rows of 2,048.
-extern "C" __global__ void move_rows4(const float4* src, float4* dst, int dim4, const int* rows, int count, int scatter) { PDL_START;
-    int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= dim4) return;
-    for (int k = blockIdx.y; k < count; k += gridDim.y) {
-        if (scatter) dst[(size_t)rows[k] * dim4 + c] = src[(size_t)k * dim4 + c];
-        else dst[(size_t)k * dim4 + c] = src[(size_t)rows[k] * dim4 + c];
-    }
-}
-
 extern "C" __global__ void move_rows(const float* src, float* dst, int dim, const int* rows, int count, int scatter) { PDL_START;
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= count * dim) return;
@@ -992,16 +980,17 @@ extern "C" __global__ void move_rows(const float* src, float* dst, int dim, cons
     else dst[(size_t)k * dim + c] = src[(size_t)rows[k] * dim + c];
 }
 
-// The int8 copies of gathered rows (`stride` bytes each, a multiple of 16) beside `move_rows`'s
-// floats: quantizing a MoE layer's gathered inputs (each token's row once per chosen expert,
-// 4,096 rows of 2,048 for a 512-token chunk of the 30B shape) cost more than moving the int8
-// rows its norm already wrote.
-extern "C" __global__ void gather_quant_rows(const u8* src, u8* dst, int stride, const int* rows, int count) { PDL_START;
-    int words = stride / 16;
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= count * words) return;
-    int k = i / words, c = i % words;
-    ((uint4*)(dst + (size_t)k * stride))[c] = ((const uint4*)(src + (size_t)rows[k] * stride))[c];
+// As `move_rows`, 16 bytes a thread (rows of dim4 such units, 16-byte aligned), a block row per
+// moved row (grid y, striding past 65,535): no division per element. The per-float kernel took
+// 49 µs per gather or scatter of a MoE layer's 4,096 rows of 2,048 floats. Bits are copied as
+// they are, so it also moves the int8 copies of gathered rows.
+extern "C" __global__ void move_rows4(const uint4* src, uint4* dst, int dim4, const int* rows, int count, int scatter) { PDL_START;
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= dim4) return;
+    for (int k = blockIdx.y; k < count; k += gridDim.y) {
+        if (scatter) dst[(size_t)rows[k] * dim4 + c] = src[(size_t)k * dim4 + c];
+        else dst[(size_t)k * dim4 + c] = src[(size_t)rows[k] * dim4 + c];
+    }
 }
 
 // out[t] += sum_s weights[t ws + wo + s] src[t k + s] in slot order.

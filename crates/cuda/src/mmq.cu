@@ -209,9 +209,9 @@ __device__ void mmq(const Jobs& js, const u8* qx, int qstride, int lo, float* ou
     int groups = j.cols / 32;
     const u8* xrows = qx + (size_t)(j.x_row - lo + t0) * qstride;
     // Weights: two threads a row, four groups each.
-    int wr_ = tid % MMQ_TILE, half = tid / MMQ_TILE;
-    const u8* wrow = (const u8*)j.w + (size_t)(r0 + wr_) * j.row_bytes;
-    bool wlive = r0 + wr_ < j.rows;
+    int wi = tid % MMQ_TILE, half = tid / MMQ_TILE;
+    const u8* wrow = (const u8*)j.w + (size_t)(r0 + wi) * j.row_bytes;
+    bool wlive = r0 + wi < j.rows;
     u32 raw[MMQ_RAW(F)];
     mmq_load<F>(wrow, 4 * half, groups, wlive, raw);
     for (int g0 = 0; g0 < groups; g0 += MMQ_GROUPS) {
@@ -237,13 +237,13 @@ __device__ void mmq(const Jobs& js, const u8* qx, int qstride, int lo, float* ou
             float a[4], b[4];
             u32 dq[32];
             mmq_decode<F>(raw, 4 * half, dq, a, b);
-            uint4* dst = (uint4*)(ws + wr_ * MMQ_STRIDE + 128 * half);
+            uint4* dst = (uint4*)(ws + wi * MMQ_STRIDE + 128 * half);
 #pragma unroll
             for (int k = 0; k < 8; k++) dst[k] = make_uint4(dq[4 * k], dq[4 * k + 1], dq[4 * k + 2], dq[4 * k + 3]);
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                wa[wr_][4 * half + e] = a[e];
-                wb[wr_][4 * half + e] = b[e];
+                wa[wi][4 * half + e] = a[e];
+                wb[wi][4 * half + e] = b[e];
             }
         }
         copies_wait();

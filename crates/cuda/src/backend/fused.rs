@@ -3,6 +3,7 @@
 //! the ops that write a product's input, and the rotary tables kept on the device.
 
 use super::{cfg_elems, norm_threads, CudaBackend, CudaBuf, CudaKvCache, CudaVector, MV_TOKENS};
+use crate::buf::QuantRows;
 use crate::launch::Launch;
 use cudarc::driver::LaunchConfig;
 use smoe_engine::backend::{check, check_rows, qk_rope_store_composed, QkvRows, RopeTables};
@@ -27,13 +28,16 @@ impl CudaBackend {
         if !read_as_int8 || !cols.is_multiple_of(32) || self.faulted() {
             return (0, 0);
         }
-        if !out.quant_fits(rows, cols) {
+        self.int8_copy(out, rows, cols, cols).map_or((0, 0), |q| (q.ptr, q.stride as i32))
+    }
+
+    /// Room in `buf` for the int8 copy of its rows `0..rows` (the first `cols` floats of rows
+    /// `src_stride` apart), which the op about to be queued writes (call it after `at_mut`).
+    pub(super) fn int8_copy(&self, buf: &mut CudaBuf, rows: usize, cols: usize, src_stride: usize) -> Option<QuantRows> {
+        if !buf.quant_fits(rows, cols) {
             self.settle(); // an allocation: not in a step's graph
         }
-        match self.ok("quantizing outputs", out.quantize_into(&self.stream, rows, cols)) {
-            Some(q) => (q.ptr, q.stride as i32),
-            None => (0, 0),
-        }
+        self.ok("quantizing outputs", buf.quantize_into(&self.stream, rows, cols, src_stride))
     }
 
     /// `cos` then `sin` on the device, staged (page-locked, so that a step's graph records the
