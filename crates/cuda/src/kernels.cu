@@ -65,15 +65,20 @@ __device__ __forceinline__ void load32(const u8* p, u32* w) {
 // Byte l of words w (l a compile-time constant after unrolling, so w stays in registers).
 #define BYTE(w, l) (((w)[(l) >> 2] >> (8 * ((l) & 3))) & 0xFF)
 
-// Q4_K / Q5_K: 6-bit scale and minimum of sub-block j from the 12 packed bytes.
-__device__ __forceinline__ void scale_min_k4(int j, const u8* q, float* sc, float* mn) {
+// Q4_K / Q5_K: 6-bit scale and minimum of sub-block j from the 12 packed bytes, byte(l) giving
+// byte l (from memory, or from words already in registers).
+template <class Byte>
+__device__ __forceinline__ void scale_min_k4_of(int j, Byte byte, float* sc, float* mn) {
     if (j < 4) {
-        *sc = (float)(q[j] & 63);
-        *mn = (float)(q[j + 4] & 63);
+        *sc = (float)(byte(j) & 63);
+        *mn = (float)(byte(j + 4) & 63);
     } else {
-        *sc = (float)((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
-        *mn = (float)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+        *sc = (float)((byte(j + 4) & 0xF) | ((byte(j - 4) >> 6) << 4));
+        *mn = (float)((byte(j + 4) >> 4) | ((byte(j) >> 6) << 4));
     }
+}
+__device__ __forceinline__ void scale_min_k4(int j, const u8* q, float* sc, float* mn) {
+    scale_min_k4_of(j, [q](int l) { return (u32)q[l]; }, sc, mn);
 }
 
 // Q3_K: signed 6-bit scale s (of 16) from the 12 packed bytes.

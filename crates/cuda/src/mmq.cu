@@ -109,17 +109,10 @@ __device__ __forceinline__ void mmq_decode(const u32* raw, int first, u32* dst, 
             }
 #pragma unroll
             for (int e = 0; e < 2; e++) {
-                int jj = first + 2 * q + e;  // the sub-block, 0..7
-                u32 sc, mn;
-                if (jj < 4) {
-                    sc = byte_of3(s, jj) & 63;
-                    mn = byte_of3(s, jj + 4) & 63;
-                } else {
-                    sc = (byte_of3(s, jj + 4) & 0xF) | ((byte_of3(s, jj - 4) >> 6) << 4);
-                    mn = (byte_of3(s, jj + 4) >> 4) | ((byte_of3(s, jj) >> 6) << 4);
-                }
-                a[2 * q + e] = d * (float)sc;
-                b[2 * q + e] = dmin * (float)mn;
+                float sc, mn;  // of sub-block first + 2q + e
+                scale_min_k4_of(first + 2 * q + e, [s](int l) { return byte_of3(s, l); }, &sc, &mn);
+                a[2 * q + e] = d * sc;
+                b[2 * q + e] = dmin * mn;
             }
         }
     }
