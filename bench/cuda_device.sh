@@ -27,6 +27,7 @@ for l in sys.stdin:
     m=json.loads(l)
     if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["kind"]==["test"]:
         print(m["target"]["name"], m["executable"])')
+    rm -rf target/peercarry  # what an earlier pack left there (scripts strip would refuse)
     mkdir -p target/peercarry
     cp target/release/smoe target/peercarry/smoe
     while read -r name exe; do cp "$exe" "target/peercarry/$name"; done <<<"$bins"
