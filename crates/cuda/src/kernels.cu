@@ -446,11 +446,16 @@ __device__ void mm(const Jobs& js, const float* x, int xs, float* out, int os) {
 }
 
 #if __CUDA_ARCH__ >= 800
-// f32 as a tf32 value (the top 19 bits, rounded) and the tf32 value of what it leaves out.
+// f32 as a tf32 value (the top 19 bits, rounded half away from zero) and what it leaves out,
+// exact in f32. The tensor cores read a .tf32 operand's top 19 bits and ignore the rest, so
+// the remainder goes in as it is (truncated there: at most 2^-21 of v lost). Three
+// instructions: two cvt.rna.tf32 took nine (their SASS also handles infinities and NaNs, which
+// these finite products never see), and in the prefill attention, which splits every key and
+// value a warp reads, those were most of the instructions issued.
 __device__ __forceinline__ void split_tf32(float v, u32* big, u32* small) {
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(*big) : "f"(v));
-    float rest = v - __uint_as_float(*big);
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(*small) : "f"(rest));
+    u32 b = (__float_as_uint(v) + 0x1000u) & 0xffffe000u;
+    *big = b;
+    *small = __float_as_uint(v - __uint_as_float(b));
 }
 
 __device__ __forceinline__ void mma_tf32(float* d, const u32* a, const u32* b) {
