@@ -94,8 +94,18 @@ extern "C" __global__ void attention_tiles(const float* k, const float* v, int h
 // tiles of AM_K staged in shared memory. Each warp keeps its queries as A fragments in
 // registers, scores a tile (16 × AM_K), runs the online softmax on the fragments (a row's
 // values lie in the four lanes of one group), writes the probabilities to its own shared rows
-// to reload them as A fragments, and adds P · V into its output fragments. Grid (query tiles,
-// query heads), 128 threads. Layout as `attention`.
+// to reload them as A fragments, and adds P · V into its output fragments. 128 threads.
+// Layout as `attention`.
+//
+// A query tile's keys are split in runs of `chunk` (a multiple of AM_K) over blocks, as
+// flash-decoding splits a decoded row's: unsplit, a 512-token prefill took 243 µs a layer,
+// bound by the chain of dependent instructions of its last tile's warps (16 key tiles one
+// after another, two warps per scheduler) while the GPU could issue the whole layer's work in
+// about 20 µs. Grid (work items, query heads): item 0 is the last query tile's first run (the
+// heaviest tiles start first), then its other runs, then the tile before. A tile of one run
+// writes its output; one of several leaves each run's maxima, sums and unnormalised outputs in
+// `part` ([AM_Q rows][vd + 2] a run, the runs of a head's tiles one after another in item
+// order), and the run that finishes last merges them (a ticket per tile, left at 0).
 #define AM_Q 64
 #define AM_K 32
 // Row strides in floats, chosen so that a warp's fragment loads fall in 32 different banks:
@@ -122,14 +132,29 @@ __device__ __forceinline__ void mma3(float* c, const u32* ab, const u32* as, flo
 }
 #endif
 
-extern "C" __global__ void attention_mma(const float* k, const float* v, int heads, int kd, int vd, int v_row, int v_head,
-                                         const float* q, int q_stride, int q_heads, int n, int pos0, float scale,
-                                         float* out) { PDL_START;
+//
+// D: the head size when known at compile time (128, both keys and values), else 0 (kd, vd at
+// run time, up to AT_D): with it the k-steps need no test for the head's end, and their loads
+// can be issued ahead of the products.
+template <int D>
+__device__ __forceinline__ void attention_mma_body(const float* k, const float* v, int heads, int kd, int vd, int v_row,
+                                                   int v_head, const float* q, int q_stride, int q_heads, int n, int pos0,
+                                                   float scale, float* out, int chunk, float* part, int* tickets) {
 #if __CUDA_ARCH__ >= 800
+    if (D) kd = vd = D;
     __shared__ __align__(16) float ks[AM_K * AM_KS];
     __shared__ __align__(16) float vs[AM_K * AM_VS];
     __shared__ float ps[4][16 * AM_PS];
-    int h = blockIdx.y, t0 = blockIdx.x * AM_Q;
+    // This item's query tile qt and run c; `before`: the head's runs ahead of it.
+    int tiles = (n + AM_Q - 1) / AM_Q, qt = tiles - 1, item = blockIdx.x, before = 0, runs = 0;
+    for (;; qt--) {
+        runs = (pos0 + min((qt + 1) * AM_Q, n) - 1) / chunk + 1;
+        if (item < runs || qt == 0) break;
+        item -= runs;
+        before += runs;
+    }
+    if (item >= runs) return;  // past the head's last item (the grid is the largest head's count)
+    int h = blockIdx.y, t0 = qt * AM_Q, c = item;
     int g = h / (q_heads / heads), k_row = heads * kd;
     int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gid = lane >> 2, tig = lane & 3;
     // This lane's two query rows (fragment rows gid and gid + 8) and the last key each sees.
@@ -149,12 +174,13 @@ extern "C" __global__ void attention_mma(const float* k, const float* v, int hea
     for (int j = 0; j < AT_D / 8; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
     float* pw = ps[warp];
-    for (int k0 = 0; k0 <= last; k0 += AM_K) {
+    int k_end = min(last, (c + 1) * chunk - 1);
+    for (int k0 = c * chunk; k0 <= k_end; k0 += AM_K) {
         __syncthreads();  // the previous tile is used up
         // A warp per key row, four floats a lane, copied asynchronously: with loads, each of a
         // lane's sixteen rows waited out its own trip to memory.
         for (int r = warp; r < AM_K; r += 4) {
-            bool live = k0 + r <= last;
+            bool live = k0 + r <= k_end;
             const float* kr = k + (size_t)(live ? k0 + r : 0) * k_row + g * kd;
             const float* vr = v + (size_t)(live ? k0 + r : 0) * v_row + g * v_head;
             for (int c = lane; c < kd / 4; c += 32) copy16_async(ks + r * AM_KS + 4 * c, kr + 4 * c, live);
@@ -194,9 +220,10 @@ extern "C" __global__ void attention_mma(const float* k, const float* v, int hea
         for (int r = 0; r < 2; r++) {
             mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 1));
             mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 2));
-            // Finite: key 0 is in every row's first tile.
+            // Minus infinity only while none of the row's keys has been seen (a run that
+            // starts past some of the warp's rows): then its output and sum are zeros.
             float m_new = fmaxf(m[r], mx[r]);
-            alpha[r] = expf(m[r] - m_new);
+            alpha[r] = m_new == NEG_INF ? 1.0f : expf(m[r] - m_new);
             m[r] = m_new;
         }
 #pragma unroll
@@ -238,6 +265,55 @@ extern "C" __global__ void attention_mma(const float* k, const float* v, int hea
         }
         __syncwarp();  // the probabilities are read before the next tile rewrites them
     }
+    if (runs > 1) {
+        // This run's rows: maximum, sum, then the unnormalised outputs.
+        float* pp = part + ((size_t)h * gridDim.x + before + c) * AM_Q * (vd + 2);
+        float* pa = pp + (16 * warp + gid) * (vd + 2);
+        float* pb = pa + 8 * (vd + 2);
+        if (tig == 0) pa[0] = m[0], pa[1] = l[0], pb[0] = m[1], pb[1] = l[1];
+#pragma unroll
+        for (int nt = 0; nt < AT_D / 8; nt++) {
+            if (8 * nt >= vd) break;
+            int d = 2 + 8 * nt + 2 * tig;
+            pa[d] = o[nt][0], pa[d + 1] = o[nt][1], pb[d] = o[nt][2], pb[d + 1] = o[nt][3];
+        }
+        __shared__ int is_last;
+        __shared__ float row_max[AM_Q], row_inv[AM_Q];
+        __threadfence();
+        __syncthreads();
+        int* ticket = tickets + (size_t)h * tiles + qt;
+        if (tid == 0) is_last = atomicAdd(ticket, 1) == runs - 1;
+        __syncthreads();
+        if (!is_last) return;
+        __threadfence();
+        // The tile's runs merged: every row's largest maximum (finite: run 0 holds key 0)
+        // and total, then each output rescaled and summed in run order.
+        const float* p0 = part + ((size_t)h * gridDim.x + before) * AM_Q * (vd + 2);
+        size_t run_len = (size_t)AM_Q * (vd + 2);
+        if (tid < AM_Q) {
+            float mm = NEG_INF, ll = 0.0f;
+            for (int i = 0; i < runs; i++) mm = fmaxf(mm, __ldcg(p0 + i * run_len + tid * (vd + 2)));
+            for (int i = 0; i < runs; i++) {
+                const float* pr = p0 + i * run_len + tid * (vd + 2);
+                ll += __ldcg(pr + 1) * expf(__ldcg(pr) - mm);
+            }
+            row_max[tid] = mm;
+            row_inv[tid] = 1.0f / ll;
+        }
+        __syncthreads();
+        for (int e = tid; e < AM_Q * vd; e += blockDim.x) {
+            int r = e / vd, d = e % vd;
+            if (t0 + r >= n) break;
+            float a = 0.0f;
+            for (int i = 0; i < runs; i++) {
+                const float* pr = p0 + i * run_len + r * (vd + 2);
+                a += __ldcg(pr + 2 + d) * expf(__ldcg(pr) - row_max[r]);
+            }
+            out[((size_t)(t0 + r) * q_heads + h) * vd + d] = a * row_inv[r];
+        }
+        if (tid == 0) *ticket = 0;
+        return;
+    }
     float inv[2] = {1.0f / l[0], 1.0f / l[1]};
 #pragma unroll
     for (int nt = 0; nt < AT_D / 8; nt++) {
@@ -255,4 +331,21 @@ extern "C" __global__ void attention_mma(const float* k, const float* v, int hea
         }
     }
 #endif
+}
+
+#define ATTENTION_MMA_ARGS                                                                                   \
+    const float *k, const float *v, int heads, int kd, int vd, int v_row, int v_head, const float *q, int q_stride, \
+        int q_heads, int n, int pos0, float scale, float *out, int chunk, float *part, int *tickets
+#define ATTENTION_MMA_PASS k, v, heads, kd, vd, v_row, v_head, q, q_stride, q_heads, n, pos0, scale, out, chunk, part, tickets
+
+extern "C" __global__ void attention_mma(ATTENTION_MMA_ARGS) {
+    PDL_START;
+    attention_mma_body<0>(ATTENTION_MMA_PASS);
+}
+
+// Heads of 128 (keys and values), the common size. Four blocks an SM: unbounded it took 138
+// registers (three blocks, 1.6 waves of 640 blocks for 512 tokens); at 128 it spills 8 bytes.
+extern "C" __global__ void __launch_bounds__(128, 4) attention_mma_d128(ATTENTION_MMA_ARGS) {
+    PDL_START;
+    attention_mma_body<128>(ATTENTION_MMA_PASS);
 }

@@ -183,6 +183,7 @@ struct Kernels {
     mvs_f32: CudaFunction,
     attention_tiles: CudaFunction,
     attention_mma: CudaFunction,
+    attention_mma_d128: CudaFunction,
     mmt_split_f32: CudaFunction,
     sum_slices: CudaFunction,
     layer_norm: CudaFunction,
@@ -270,6 +271,7 @@ impl Kernels {
             mvs_f32: f("mvs_f32")?,
             attention_tiles: f("attention_tiles")?,
             attention_mma: f("attention_mma")?,
+            attention_mma_d128: f("attention_mma_d128")?,
             mmt_split_f32: f("mmt_split_f32")?,
             sum_slices: f("sum_slices")?,
             layer_norm: f("layer_norm")?,
@@ -371,6 +373,13 @@ pub struct CudaBackend {
     attention_part: Mutex<Option<CudaSlice<f32>>>,
     /// Sparse attention's scratch: the indexer's scores, a query's gathered keys and values.
     sparse_part: Mutex<Option<CudaSlice<f32>>>,
+    /// Prefill attention's split runs (see `attention_mma` in attention.cu): their partial
+    /// results, and apart from them (so that nothing but tickets is ever written there) a
+    /// ticket per query tile.
+    tile_part: Mutex<Option<CudaSlice<f32>>>,
+    tile_tickets: Mutex<Option<CudaSlice<f32>>>,
+    /// Keys per run of that split: 128 unless `SMOE_CUDA_ATTENTION_RUN` says (0: unsplit).
+    attention_run: usize,
     /// Prefill attention on tensor cores (3xTF32), unless `SMOE_CUDA_ATTENTION=f32` (the f32
     /// tiles, for comparison).
     tensor_core_attention: bool,
@@ -448,6 +457,9 @@ impl CudaBackend {
             rope: Mutex::new(Default::default()),
             attention_part: Mutex::new(None),
             sparse_part: Mutex::new(None),
+            tile_part: Mutex::new(None),
+            tile_tickets: Mutex::new(None),
+            attention_run: std::env::var("SMOE_CUDA_ATTENTION_RUN").ok().and_then(|r| r.parse().ok()).unwrap_or(128),
             split_part: Mutex::new(None),
             tensor_core_attention: tensor_cores && std::env::var("SMOE_CUDA_ATTENTION").as_deref() != Ok("f32"),
             int8,
@@ -1804,14 +1816,35 @@ impl Backend for CudaBackend {
                 && v_row.is_multiple_of(4)
                 && v_head.is_multiple_of(4);
             let (func, per_block, threads, what) = if mma {
-                (&self.k.attention_mma, 64, 128, "attention, tensor cores")
+                let d128 = s.k_dim == 128 && s.v_dim == 128;
+                (if d128 { &self.k.attention_mma_d128 } else { &self.k.attention_mma }, 64, 128, "attention, tensor cores")
             } else {
                 (&self.k.attention_tiles, 32, 256, "attention, tiled")
             };
             let mut a = Launch::new(func);
             a.arg(&kp).arg(&vp).arg(&heads).arg(&kd).arg(&vd).arg(&vr).arg(&vh).arg(&qp).arg(&qs).arg(&qh);
             a.arg(&n_i).arg(&p0).arg(&p.scale).arg(&op);
-            let grid = (n.div_ceil(per_block) as u32, p.q_heads as u32, 1);
+            let mut grid = (n.div_ceil(per_block) as u32, p.q_heads as u32, 1);
+            // The tensor-core kernel splits each query tile's keys in runs (see attention.cu).
+            let (chunk, part, tickets);
+            if mma {
+                let (c, items) = attention_runs(n, pos0, p.q_heads, self.attention_run);
+                let split = items > n.div_ceil(per_block);
+                (part, tickets) = if split {
+                    let floats = p.q_heads * items * per_block * (s.v_dim + 2);
+                    let part = self.float_scratch(&self.tile_part, floats, "attention scratch");
+                    let tickets = self.float_scratch(&self.tile_tickets, p.q_heads * n.div_ceil(per_block), "attention tickets");
+                    match (part, tickets) {
+                        (Some(p), Some(t)) => (p, t),
+                        _ => return,
+                    }
+                } else {
+                    (0, 0)
+                };
+                chunk = c as i32;
+                a.arg(&chunk).arg(&part).arg(&tickets);
+                grid.0 = items as u32;
+            }
             self.launch(a, LaunchConfig { grid_dim: grid, block_dim: (threads, 1, 1), shared_mem_bytes: 0 }, what);
             return;
         }
@@ -1820,6 +1853,24 @@ impl Backend for CudaBackend {
         let quant = if few { self.quant_out(out, n, p.q_heads * s.v_dim) } else { (0, 0) };
         self.attention_decode(kp, vp, s, v_row, v_head, qp, q_stride, n, pos0, p, op, quant);
     }
+}
+
+/// Keys per run of the tensor-core prefill attention for `n` queries after `pos0` positions,
+/// and the runs of one head (its blocks). Runs of `run` keys (128: four tiles, 20 blocks a
+/// head for 512 queries, whose last ones wait out 4 tiles one after another rather than 16;
+/// 0: unsplit). Longer runs where that would take more than 2,048 blocks (a long context),
+/// which bounds the partial results at 2,048 × 64 rows × (v_dim + 2) floats (68 MiB for heads
+/// of 128).
+fn attention_runs(n: usize, pos0: usize, q_heads: usize, run: usize) -> (usize, usize) {
+    let items = |chunk: usize| (0..n.div_ceil(64)).map(|qt| (pos0 + ((qt + 1) * 64).min(n) - 1) / chunk + 1).sum::<usize>();
+    if run == 0 {
+        return (pos0 + n, n.div_ceil(64));
+    }
+    let mut chunk = run.next_multiple_of(32);
+    while items(chunk) * q_heads > 2048 && chunk < pos0 + n {
+        chunk *= 2;
+    }
+    (chunk, items(chunk))
 }
 
 impl CudaBackend {
@@ -1881,5 +1932,27 @@ impl Drop for CudaBackend {
                 eprintln!("  {op:<24} {n:>9} {secs:>9.3} {:>9.1}", secs * 1e6 / n.max(1) as f64);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::attention_runs;
+
+    /// The prefill attention's runs: 128 keys each while that takes at most 2,048 blocks,
+    /// longer past that; unsplit on request.
+    #[test]
+    fn attention_runs_split_long_tiles_and_stay_bounded() {
+        // 512 queries from the start: tiles of 64 see 64..512 keys, 1+1+2+2+3+3+4+4 runs.
+        assert_eq!(attention_runs(512, 0, 32, 128), (128, 20));
+        // Short prompts stay one run a tile.
+        assert_eq!(attention_runs(100, 0, 32, 128), (128, 2));
+        // After a long context the runs grow until 32 heads take at most 2,048 blocks.
+        let (chunk, items) = attention_runs(512, 32_768, 32, 128);
+        assert!(items * 32 <= 2048 && chunk % 32 == 0 && chunk > 128, "{chunk} {items}");
+        // Runs of 64 for 512 queries: 1 + 2 + ... + 8 a head.
+        assert_eq!(attention_runs(512, 0, 32, 64), (64, 36));
+        // Unsplit: one run of every key per tile.
+        assert_eq!(attention_runs(300, 200, 8, 0), (500, 5));
     }
 }
