@@ -369,8 +369,10 @@ pub struct CudaBackend {
     /// Their quantized inputs (see `quantize_rows` in kernels.cu), reused launch after launch:
     /// one stream orders each product's reads before the next quantization.
     qscratch: Mutex<Option<CudaSlice<u8>>>,
-    /// Split attention's tickets and partial results (see `merge_splits` in kernels.cu).
+    /// Split attention's partial results (see `merge_splits` in kernels.cu).
     attention_part: Mutex<Option<CudaSlice<f32>>>,
+    /// Their tickets, apart (nothing but tickets is ever written there).
+    attention_tickets: Mutex<Option<CudaSlice<f32>>>,
     /// Sparse attention's scratch: the indexer's scores, a query's gathered keys and values.
     sparse_part: Mutex<Option<CudaSlice<f32>>>,
     /// Prefill attention's split runs (see `attention_mma` in attention.cu): their partial
@@ -456,6 +458,7 @@ impl CudaBackend {
             qscratch: Mutex::new(None),
             rope: Mutex::new(Default::default()),
             attention_part: Mutex::new(None),
+            attention_tickets: Mutex::new(None),
             sparse_part: Mutex::new(None),
             tile_part: Mutex::new(None),
             tile_tickets: Mutex::new(None),
@@ -999,9 +1002,9 @@ impl Backend for CudaBackend {
         512
     }
 
-    /// Not yet: the attention kernels know neither windows nor sinks (gpt-oss runs on the CPU).
+    /// gpt-oss's sliding windows and sinks, in the one-block-per-row kernel (`attention`).
     fn attends_windows_and_sinks(&self) -> bool {
-        false
+        true
     }
 
     /// DeepSeek Sparse Attention (GLM-5): `backend/sparse.rs`.
@@ -1779,15 +1782,6 @@ impl Backend for CudaBackend {
         if self.faulted() || n == 0 {
             return;
         }
-        if p.window.is_some() || p.sinks.is_some() {
-            // gpt-oss's sliding windows and sinks have no CUDA kernel yet: fail the call
-            // (Model::forward reports it) rather than attend over the wrong positions.
-            self.record(
-                "attention",
-                "sliding-window attention and attention sinks (gpt-oss) are not implemented on CUDA yet; use --device cpu",
-            );
-            return;
-        }
         let l = &cache.layers[layer];
         let s = l.shape;
         check_rows("attention queries", q, 0, n, q_stride, 0, p.q_heads * s.k_dim);
@@ -1804,7 +1798,10 @@ impl Backend for CudaBackend {
             (dptr(l.v.as_ref().expect("values stored before attention"), &self.stream), l.v_width(), s.v_dim)
         };
         let (qp, op) = (q.at(&self.stream), out.at_mut(&self.stream));
-        if n > MV_TOKENS && s.k_dim <= 128 && s.v_dim <= 128 {
+        // Windows and sinks (gpt-oss) go to the one-block-per-row kernel, whatever the count
+        // of queries: a sliding layer's row sees at most its window.
+        let plain = p.window.is_none() && p.sinks.is_none();
+        if plain && n > MV_TOKENS && s.k_dim <= 128 && s.v_dim <= 128 {
             // Many queries: key tiles shared by 32 queries of a head (attention_tiles).
             let (heads, kd, vd, vr, vh) = (s.heads as i32, s.k_dim as i32, s.v_dim as i32, v_row as i32, v_head as i32);
             let (qs, qh, p0, n_i) = (q_stride as i32, p.q_heads as i32, pos0 as i32, n as i32);
@@ -1874,10 +1871,10 @@ fn attention_runs(n: usize, pos0: usize, q_heads: usize, run: usize) -> (usize, 
 }
 
 impl CudaBackend {
-    /// The one-block-per-row attention kernel (flash-decoding splits past 32 positions) over
-    /// keys at `kp` and values at `vp` (rows of `v_row` floats, a head every `v_head`) for
-    /// positions `0..pos0 + n`: queries at `qp`, outputs at `op`, their int8 copy at `quant`
-    /// (`(0, 0)`: none).
+    /// The one-block-per-row attention kernel (flash-decoding splits past 32 positions for a
+    /// few queries) over keys at `kp` and values at `vp` (rows of `v_row` floats, a head every
+    /// `v_head`) for positions `0..pos0 + n`, or the window of `p`, with its sinks: queries at
+    /// `qp`, outputs at `op`, their int8 copy at `quant` (`(0, 0)`: none).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn attention_decode(
         &self,
@@ -1901,18 +1898,41 @@ impl CudaBackend {
         // The context is split in runs of `split` positions over blocks, merged by the last
         // of each row (flash-decoding): one block per query head left most SMs idle (32
         // blocks on 132 SMs), and a decoded token's attention grew with every position.
+        // Positions before the first query's window are seen by no row: the splits start at
+        // `first`. Many queries fill the GPU by themselves and are not split.
         let len = pos0 + n;
-        let split = if len <= 1024 { 32 } else { 128 };
-        let splits = if len > split { len.div_ceil(split) } else { 1 };
+        let first = p.first_seen(pos0);
+        let span = len - first;
+        let split = if span <= 1024 { 32 } else { 128 };
+        let splits = if span > split && n <= MV_TOKENS { span.div_ceil(split) } else { 1 };
         let rows = n * p.q_heads;
-        // Tickets (one int a row, left at 0 by each launch), then the partial results.
-        let tickets = rows.next_multiple_of(4);
-        let part = if splits > 1 { self.attention_scratch(tickets + rows * splits * (s.v_dim + 2)) } else { None };
-        let (split_i, tp) = (split as i32, part.unwrap_or(0));
-        let pp = part.map_or(0, |t| t + 4 * tickets as u64);
+        let sinks = match p.sinks {
+            Some(s) => match self.stage_f32("attention sinks", &[s]) {
+                Some(ptr) => ptr,
+                None => return,
+            },
+            None => 0,
+        };
+        let (first_i, window) = (first as i32, p.window.unwrap_or(0) as i32);
+        // The partial results, and the tickets (one int a row, left at 0 by each launch) in a
+        // buffer of their own: when they shared one, a call of more rows than the one before
+        // found that call's partial results where its own tickets lay, never counted to its
+        // last split and left those rows unwritten (seen on the H200 as zeros for the second
+        // and third queries of a windowed case).
+        let (part, tickets) = if splits > 1 {
+            let part = self.attention_scratch(rows * splits * (s.v_dim + 2));
+            match (part, self.float_scratch(&self.attention_tickets, rows, "attention tickets")) {
+                (Some(p), Some(t)) => (Some(p), t),
+                _ => return,
+            }
+        } else {
+            (None, 0)
+        };
+        let (split_i, tp, pp) = (split as i32, tickets, part.unwrap_or(0));
         let mut a = Launch::new(&self.k.attention);
         a.arg(&kp).arg(&vp).arg(&heads).arg(&kd).arg(&vd).arg(&vr).arg(&vh).arg(&qp).arg(&qs).arg(&qh);
         a.arg(&p0).arg(&p.scale).arg(&op).arg(&qx).arg(&qstride).arg(&split_i).arg(&pp).arg(&tp);
+        a.arg(&first_i).arg(&window).arg(&sinks);
         let grid = (rows as u32, if part.is_some() { splits as u32 } else { 1 }, 1);
         self.launch(a, LaunchConfig { grid_dim: grid, block_dim: (threads, 1, 1), shared_mem_bytes: shared }, "attention");
     }

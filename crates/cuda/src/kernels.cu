@@ -1168,13 +1168,16 @@ extern "C" __global__ void rope(float* x, int n, int stride, int off, int heads,
 
 // The splits of one (token, query head) row of `attention` merged (row blockIdx.x): their
 // maxima, sums and outputs rescaled to the largest maximum and summed in split order, the
-// output written (and, with qx, quantized) as an unsplit row is. Split 0 always holds position
-// 0, so the largest maximum is finite. Read through L2 (`__ldcg`): other blocks wrote them.
-__device__ void merge_splits(const float* pp, int splits, int vd, int q_heads, float* out, u8* qx, int qstride) {
+// output written (and, with qx, quantized) as an unsplit row is. Some split holds a position
+// the row sees, so the largest maximum is finite (a split wholly outside the row's window
+// left minus infinity). `sink`: the head's sink logit, which joins the sum and the maximum
+// (minus infinity: none). Read through L2 (`__ldcg`): other blocks wrote them.
+__device__ void merge_splits(const float* pp, int splits, int vd, int q_heads, float* out, u8* qx, int qstride,
+                             float sink) {
     int t = blockIdx.x / q_heads, h = blockIdx.x % q_heads;
-    float m = NEG_INF;
+    float m = sink;
     for (int s = 0; s < splits; s++) m = fmaxf(m, __ldcg(pp + (size_t)s * (vd + 2)));
-    float l = 0.0f;
+    float l = expf(sink - m);
     for (int s = 0; s < splits; s++) l += __ldcg(pp + (size_t)s * (vd + 2) + 1) * expf(__ldcg(pp + (size_t)s * (vd + 2)) - m);
     float inv = 1.0f / l;
     for (int d = threadIdx.x; d < vd; d += blockDim.x) {
@@ -1187,23 +1190,29 @@ __device__ void merge_splits(const float* pp, int splits, int vd, int q_heads, f
 }
 
 // Causal attention, one block per (token, query head), online softmax over chunks of
-// blockDim.x positions (a multiple of 32). With `part`, the positions are split in runs of
-// `split` over blockIdx.y (flash-decoding: a long context's few queries still fill the GPU),
-// each block leaving its partial softmax in `part`, the last one merging them (merge_splits). Keys: [pos][heads * kd]; values: [pos][v_row] with head g at g * v_head
-// (values_in_keys: the keys themselves, v_head = kd). Dynamic shared memory: kd + blockDim.x + vd
-// floats.
+// blockDim.x positions (a multiple of 32). With `part`, the positions from `first` on are
+// split in runs of `split` over blockIdx.y (flash-decoding: a long context's few queries
+// still fill the GPU), each block leaving its partial softmax in `part`, the last one merging
+// them (merge_splits). Keys: [pos][heads * kd]; values: [pos][v_row] with head g at g * v_head
+// (values_in_keys: the keys themselves, v_head = kd). `window` > 0: the query at position p
+// sees p + 1 - window..=p only; `first` is then the first position the first query sees.
+// `sinks` (or null): a logit per query head that joins the softmax's sum and contributes no
+// value (gpt-oss). Dynamic shared memory: kd + blockDim.x + vd floats.
 extern "C" __global__ void attention(const float* k, const float* v, int heads, int kd, int vd, int v_row,
                                      int v_head, const float* q, int q_stride, int q_heads, int pos0, float scale,
-                                     float* out, u8* qx, int qstride, int split, float* part, int* tickets) { PDL_START;
+                                     float* out, u8* qx, int qstride, int split, float* part, int* tickets, int first,
+                                     int window, const float* sinks) { PDL_START;
     extern __shared__ float sh[];
     float* qs = sh;
     float* sc = sh + kd;
     float* acc = sc + blockDim.x;
     int t = blockIdx.x / q_heads, h = blockIdx.x % q_heads, g = h / (q_heads / heads);
     int len = pos0 + t + 1, k_row = heads * kd;
+    float sink = sinks ? sinks[h] : NEG_INF;
     // With part: only positions lo..len of split blockIdx.y (see merge_splits).
-    int lo = part ? blockIdx.y * split : 0;
+    int lo = part ? first + blockIdx.y * split : 0;
     if (part) len = min(len, lo + split);
+    if (window > 0) lo = max(lo, pos0 + t + 1 - window);
     for (int i = threadIdx.x; i < kd; i += blockDim.x) qs[i] = q[(size_t)t * q_stride + h * kd + i];
     for (int i = threadIdx.x; i < vd; i += blockDim.x) acc[i] = 0.0f;
     __syncthreads();
@@ -1252,11 +1261,13 @@ extern "C" __global__ void attention(const float* k, const float* v, int heads, 
         __syncthreads();
         if (!last) return;
         __threadfence();
-        merge_splits(part + (size_t)blockIdx.x * gridDim.y * (vd + 2), gridDim.y, vd, q_heads, out, qx, qstride);
+        merge_splits(part + (size_t)blockIdx.x * gridDim.y * (vd + 2), gridDim.y, vd, q_heads, out, qx, qstride, sink);
         if (threadIdx.x == 0) tickets[blockIdx.x] = 0;
         return;
     }
-    float inv = 1.0f / l;
+    // Unsplit, the row saw a position (m finite); the sink joins the sum at the larger maximum.
+    float mm = fmaxf(m, sink), rescale = expf(m - mm);
+    float inv = rescale / (l * rescale + expf(sink - mm));
     for (int d = threadIdx.x; d < vd; d += blockDim.x) {
         float o = acc[d] * inv;
         out[((size_t)t * q_heads + h) * vd + d] = o;

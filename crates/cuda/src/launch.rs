@@ -13,8 +13,8 @@ use cudarc::driver::{sys, CudaFunction, CudaStream, DeviceRepr, DriverError, Lau
 use std::ffi::c_void;
 use std::marker::PhantomData;
 
-/// Parameters of the kernel that takes the most (attention: 17).
-const MAX_ARGS: usize = 20;
+/// Parameters of the kernel that takes the most (attention: 21).
+const MAX_ARGS: usize = 24;
 
 /// One launch's kernel and arguments, as the driver takes them: a pointer to each value, which
 /// the borrow keeps alive until the launch. On the stack: a decoded token makes some 600

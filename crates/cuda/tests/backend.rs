@@ -81,25 +81,35 @@ fn ids(t: &Tensor) -> Vec<u32> {
     t.i32().iter().map(|&x| x as u32).collect()
 }
 
-/// A model whose mechanisms the GPU backend lacks (gpt-oss's windows and sinks) is refused at
+/// A model whose mechanisms the GPU backend lacks (Qwen3-Next's Gated DeltaNet) is refused at
 /// load with the reason and the way out, never run wrong; `--device auto` asks the same
 /// question first and runs it on the CPU.
 #[test]
 fn models_the_gpu_cannot_run_are_refused_with_the_reason() {
     let Some(b) = backend(&CudaOptions::default()) else { return };
-    let v = smoe_vault::Vault::open(vault("gpt_oss", Format::BF16, Format::BF16)).unwrap();
-    assert!(smoe_engine::backend_lacks(v.architecture(), &b).is_some_and(|w| w.contains("sliding windows")));
+    let v = smoe_vault::Vault::open(vault("qwen3_next", Format::BF16, Format::BF16)).unwrap();
+    assert!(smoe_engine::backend_lacks(v.architecture(), &b).is_some_and(|w| w.contains("Gated DeltaNet")));
     let ex = Arc::new(ResidentExperts::load(&v).unwrap());
-    let e = Model::load(&v, b, ex).err().expect("gpt-oss loaded on CUDA").to_string();
-    assert!(e.contains("sliding windows") && e.contains("--device cpu"), "{e}");
+    let e = Model::load(&v, b, ex).err().expect("qwen3-next loaded on CUDA").to_string();
+    assert!(e.contains("Gated DeltaNet") && e.contains("--device cpu"), "{e}");
 }
 
 /// Every fixture family within 1e-3 (relative to the largest logit) of transformers in prefill
 /// and in step decode, and step decode equal to prefill up to summation order.
 #[test]
 fn every_fixture_family_matches_transformers_on_the_gpu() {
-    let families =
-        ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen3_moe_yarn", "glm4_moe", "deepseek_v3", "deepseek_v3_yarn", "glm_moe_dsa"];
+    let families = [
+        "qwen3_moe",
+        "qwen2_moe",
+        "mixtral",
+        "olmoe",
+        "qwen3_moe_yarn",
+        "glm4_moe",
+        "deepseek_v3",
+        "deepseek_v3_yarn",
+        "glm_moe_dsa",
+        "gpt_oss",
+    ];
     for name in families {
         let Some(model) = gpu_model(name, &CudaOptions::default()) else { return };
         let r = read_safetensors(&fixture(name).join("reference.safetensors"));
