@@ -135,8 +135,8 @@ impl ModelArgs {
             self.device.choose(&crate::device::cuda_options(self.gpu_cache, self.gpu_misses, Some(vault), precision)?)?;
         // `auto` runs a model the GPU backend cannot (Qwen3-Next or DeepSeek-V4 for now) on the CPU.
         if let (crate::device::Device::Auto, crate::device::Chosen::Cuda(b)) = (&self.device, &chosen) {
-            let arch = smoe_engine::model_sizes(vault).with_context(|| format!("open {}", vault.display()))?.arch;
-            if let Some(why) = smoe_engine::backend_lacks(&arch, &**b) {
+            let sizes = smoe_engine::model_sizes(vault).with_context(|| format!("open {}", vault.display()))?;
+            if let Some(why) = smoe_engine::backend_lacks(&sizes.arch, &sizes.formats, &**b) {
                 (chosen, line) = (crate::device::Chosen::Cpu, format!("device: cpu ({why})"));
             }
         }

@@ -130,7 +130,8 @@ impl smoe_server::Opener for CudaOpener {
     ) -> Result<(smoe_server::worker::Worker, OpenReport), smoe_engine::EngineError> {
         let b = smoe_cuda::CudaBackend::open(self.ordinal, &self.opts).map_err(smoe_engine::EngineError::Backend)?;
         if self.auto {
-            if let Some(why) = smoe_engine::backend_lacks(&smoe_engine::model_sizes(path)?.arch, &b) {
+            let sizes = smoe_engine::model_sizes(path)?;
+            if let Some(why) = smoe_engine::backend_lacks(&sizes.arch, &sizes.formats, &b) {
                 eprintln!("{name}: on the CPU ({why})");
                 drop(b);
                 return smoe_server::Opener::open(&smoe_server::CpuOpener, name, path, opts, limits, metrics);

@@ -1002,6 +1002,12 @@ impl Backend for CudaBackend {
         512
     }
 
+    /// The formats of [`FORMAT_NAMES`]: not MXFP4 yet, so gpt-oss as published (MXFP4
+    /// experts) is refused at load, and `--device auto` runs it on the CPU.
+    fn decodes(&self, format: Format) -> bool {
+        has_kernels(format)
+    }
+
     /// gpt-oss's sliding windows and sinks, in the one-block-per-row kernel (`attention`).
     fn attends_windows_and_sinks(&self) -> bool {
         true

@@ -81,17 +81,25 @@ fn ids(t: &Tensor) -> Vec<u32> {
     t.i32().iter().map(|&x| x as u32).collect()
 }
 
-/// A model whose mechanisms the GPU backend lacks (Qwen3-Next's Gated DeltaNet) is refused at
-/// load with the reason and the way out, never run wrong; `--device auto` asks the same
-/// question first and runs it on the CPU.
+/// A model whose mechanisms or weight formats the GPU backend lacks (Qwen3-Next's Gated
+/// DeltaNet, gpt-oss's MXFP4 experts) is refused at load with the reason and the way out, never
+/// run wrong; `--device auto` asks the same question first and runs it on the CPU.
 #[test]
 fn models_the_gpu_cannot_run_are_refused_with_the_reason() {
     let Some(b) = backend(&CudaOptions::default()) else { return };
     let v = smoe_vault::Vault::open(vault("qwen3_next", Format::BF16, Format::BF16)).unwrap();
-    assert!(smoe_engine::backend_lacks(v.architecture(), &b).is_some_and(|w| w.contains("Gated DeltaNet")));
+    assert!(smoe_engine::backend_lacks(v.architecture(), &[], &b).is_some_and(|w| w.contains("Gated DeltaNet")));
     let ex = Arc::new(ResidentExperts::load(&v).unwrap());
     let e = Model::load(&v, b, ex).err().expect("qwen3-next loaded on CUDA").to_string();
     assert!(e.contains("Gated DeltaNet") && e.contains("--device cpu"), "{e}");
+    // gpt-oss as published: MXFP4 experts, which no CUDA kernel reads yet (the BF16 fixture
+    // runs, see below).
+    let path = vault("gpt_oss_mxfp4", Format::MXFP4, Format::BF16);
+    let b = backend(&CudaOptions::default()).unwrap();
+    let sizes = smoe_engine::model_sizes(&path).unwrap();
+    assert!(smoe_engine::backend_lacks(&sizes.arch, &sizes.formats, &b).is_some_and(|w| w.contains("MXFP4")));
+    let e = smoe_engine::open(&path, &smoe_engine::OpenOptions::default(), b).err().expect("MXFP4 experts opened on CUDA").to_string();
+    assert!(e.contains("MXFP4") && e.contains("--device cpu"), "{e}");
 }
 
 /// Every fixture family within 1e-3 (relative to the largest logit) of transformers in prefill

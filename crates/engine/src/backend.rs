@@ -393,6 +393,12 @@ pub trait Backend: Send + Sync {
     fn attends_windows_and_sinks(&self) -> bool {
         true
     }
+    /// Whether this backend's products read weights stored as `format` (every format unless it
+    /// says otherwise). A model with weights it cannot read is refused at load, and
+    /// `--device auto` runs it on the CPU instead.
+    fn decodes(&self, _format: Format) -> bool {
+        true
+    }
     /// Whether the backend runs DeepSeek Sparse Attention: [`Self::layer_norm_strided`],
     /// [`Self::index_select`] and [`AttnParams::selected`] (GLM-5). A model that needs them is
     /// refused at load on a backend that answers `false`, and the conformance suite skips them.

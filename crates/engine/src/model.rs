@@ -5,6 +5,7 @@ use crate::backend::{Backend, KvShape};
 use crate::rope::{yarn_mscale, RopeTable};
 use crate::routing::RouterRule;
 use crate::EngineError;
+use smoe_quant::Format;
 use smoe_store::ExpertSource;
 use smoe_vault::{names, Architecture, DenseEntry, LayerKind, QkNorm, RopeScaling, Vault};
 use std::collections::HashMap;
@@ -300,7 +301,8 @@ impl<B: Backend> Model<B> {
         experts: Arc<dyn ExpertSource>,
     ) -> Result<Model<B>, EngineError> {
         let arch = arch.clone();
-        if let Some(why) = backend_lacks(&arch, &backend) {
+        let formats: Vec<Format> = dense.iter().map(|d| d.format).collect();
+        if let Some(why) = backend_lacks(&arch, &formats, &backend) {
             return Err(EngineError::Model(format!("{why}; run it on the CPU (--device cpu)")));
         }
         if let Some(d) = dense.iter().find(|d| d.offset.checked_add(d.len).is_none_or(|end| end > region.len() as u64)) {
@@ -624,14 +626,18 @@ impl<B: Backend> Model<B> {
     }
 }
 
-/// What `backend` lacks to run `arch`, said as the error a load fails with (`None`: nothing).
-/// `--device auto` asks before opening, to run such a model on the CPU instead of failing.
-pub fn backend_lacks<B: Backend>(arch: &Architecture, backend: &B) -> Option<String> {
+/// What `backend` lacks to run `arch` with weights stored as `formats`, said as the error a
+/// load fails with (`None`: nothing). `--device auto` asks before opening, to run such a model
+/// on the CPU instead of failing.
+pub fn backend_lacks<B: Backend>(arch: &Architecture, formats: &[Format], backend: &B) -> Option<String> {
     let lacks = |what: &str| {
         // The backend's name without its details ("cuda:0 NVIDIA H200", "cpu avx512-vnni int8").
         let name = backend.describe().split(" (").next().unwrap_or_default().to_string();
         Some(format!("{} uses {what}, which the {name} backend does not implement yet", arch.family.model_type()))
     };
+    if let Some(f) = formats.iter().find(|f| !backend.decodes(**f)) {
+        return lacks(&format!("{f} weights"));
+    }
     if (arch.attn_sinks || !arch.attention_windows.is_empty()) && !backend.attends_windows_and_sinks() {
         return lacks("attention sinks and sliding windows");
     }

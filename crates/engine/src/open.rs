@@ -200,6 +200,21 @@ pub struct ModelSizes {
     pub slot_bytes: u64,
     /// Experts in all MoE layers.
     pub total_experts: usize,
+    /// The storage formats of its weights, dense and routed experts, each once.
+    pub formats: Vec<smoe_quant::Format>,
+}
+
+/// The storage formats of `file`'s weights (dense ones and the routed experts of `map`), each
+/// once: what a backend is asked whether it can read ([`crate::backend_lacks`]).
+fn weight_formats(file: &ModelFile, map: &ExpertMap) -> Vec<smoe_quant::Format> {
+    let dense: Vec<smoe_quant::Format> = match file {
+        ModelFile::Vault(v) => v.manifest().dense.iter().map(|d| d.format).collect(),
+        ModelFile::Gguf(g) => g.dense.iter().map(|d| d.format).collect(),
+    };
+    let mut formats: Vec<_> = dense.into_iter().chain(map.layers.iter().flat_map(|l| l.parts.iter().map(|p| p.format))).collect();
+    formats.sort_by_key(|f| *f as u32);
+    formats.dedup();
+    formats
 }
 
 /// Sizes of a vault or GGUF, without loading it.
@@ -211,6 +226,7 @@ pub fn model_sizes(path: &Path) -> Result<ModelSizes, EngineError> {
         dense_bytes: file.dense_len(),
         slot_bytes: map.slot_size() as u64,
         total_experts: map.total_experts(),
+        formats: weight_formats(&file, &map),
     })
 }
 
@@ -231,6 +247,10 @@ pub fn open<B: Backend>(path: &Path, opts: &OpenOptions, backend: B) -> Result<(
     let arch = file.architecture().clone();
     let ctx = opts.ctx.unwrap_or_else(|| default_context(&arch));
     let map = file.expert_map()?.interleaved(&backend.interleaved_expert_formats());
+    // Refused before any weight is read: the routed experts' formats are known only here.
+    if let Some(why) = crate::backend_lacks(&arch, &weight_formats(&file, &map), &backend) {
+        return Err(EngineError::Model(format!("{why}; run it on the CPU (--device cpu)")));
+    }
     let total = map.total_experts();
     let blob = map.slot_size() as u64;
     let where_from = if matches!(file, ModelFile::Gguf(_)) { "; experts read in place from the GGUF" } else { "" };

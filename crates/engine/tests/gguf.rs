@@ -123,6 +123,15 @@ fn llama_cpp_gpt_oss_mxfp4_gguf_imports_and_runs_in_place() {
     let out = dir.path().join("gpt_oss.smoe");
     smoe_convert::gguf::import::shatter_gguf(&file, &out, &smoe_formats::Silent).unwrap();
     check(&engine(&out, CacheSize::Resident).model, &r, "gpt_oss_mxfp4.bf16 shattered");
+    // The weight formats a backend is asked about before a load (`backend_lacks`): the experts'
+    // MXFP4 as stored, each format once; the CPU reads them all.
+    for path in [&file, &out] {
+        let sizes = smoe_engine::model_sizes(path).unwrap();
+        let f = &sizes.formats;
+        assert!(f.contains(&Format::MXFP4) && f.contains(&Format::F32), "{f:?}");
+        assert!(f.windows(2).all(|w| w[0] != w[1]), "{f:?}");
+        assert_eq!(smoe_engine::backend_lacks(&sizes.arch, f, &smoe_engine::CpuBackend::new(Precision::Reference)), None);
+    }
     let (from_gguf, from_hub) =
         (smoe_vault::Vault::open(&out).unwrap(), smoe_vault::Vault::open(vault("gpt_oss_mxfp4", Format::MXFP4, Format::BF16)).unwrap());
     let parts = &from_gguf.manifest().experts.parts;
