@@ -1792,7 +1792,15 @@ impl Backend for CudaBackend {
         let s = l.shape;
         check_rows("attention queries", q, 0, n, q_stride, 0, p.q_heads * s.k_dim);
         check("attention", out, n, p.q_heads * s.v_dim);
+        if let Some(sinks) = p.sinks {
+            assert!(sinks.len() >= p.q_heads, "attention: {} sinks for {} query heads", sinks.len(), p.q_heads);
+        }
         if p.selected.is_some() {
+            if p.window.is_some() || p.sinks.is_some() {
+                // No model combines them; the selected kernels would apply neither.
+                self.record("attention", "sliding windows and sinks with sparse attention are not implemented on CUDA; use --device cpu");
+                return;
+            }
             return self.attention_selected(cache, layer, q, q_stride, n, p, out);
         }
         assert!(pos0 + n <= l.len, "attention: positions up to {} but {} cached", pos0 + n, l.len);
@@ -1863,7 +1871,7 @@ impl Backend for CudaBackend {
 /// head for 512 queries, whose last ones wait out 4 tiles one after another rather than 16;
 /// 0: unsplit). Longer runs where that would take more than 2,048 blocks (a long context),
 /// which bounds the partial results at 2,048 × 64 rows × (v_dim + 2) floats (68 MiB for heads
-/// of 128).
+/// of 128; the scratch holding them grows to twice what is asked, and does not shrink).
 fn attention_runs(n: usize, pos0: usize, q_heads: usize, run: usize) -> (usize, usize) {
     let items = |chunk: usize| (0..n.div_ceil(64)).map(|qt| (pos0 + ((qt + 1) * 64).min(n) - 1) / chunk + 1).sum::<usize>();
     if run == 0 {

@@ -748,6 +748,14 @@ impl<B: Backend> Suite<'_, B> {
                 150,
             ),
             ("MLA, 20 queries after 20 positions", KvShape { heads: 1, k_dim: 40, v_dim: 32, values_in_keys: true, keep: None }, 5, 40, 20),
+            // Heads of 128 (CUDA's own instance) whose query tiles' keys are split over blocks.
+            (
+                "GQA, 200 queries of 128 after 150 positions",
+                KvShape { heads: 1, k_dim: 128, v_dim: 128, values_in_keys: false, keep: None },
+                2,
+                350,
+                200,
+            ),
         ];
         // gpt-oss: sliding windows and per-head sinks, alone and together.
         let windowed = [
