@@ -371,13 +371,12 @@ pub struct CudaBackend {
     qscratch: Mutex<Option<CudaSlice<u8>>>,
     /// Split attention's partial results (see `merge_splits` in kernels.cu).
     attention_part: Mutex<Option<CudaSlice<f32>>>,
-    /// Their tickets, apart (nothing but tickets is ever written there).
+    /// Their tickets (see `split_scratch`).
     attention_tickets: Mutex<Option<CudaSlice<f32>>>,
     /// Sparse attention's scratch: the indexer's scores, a query's gathered keys and values.
     sparse_part: Mutex<Option<CudaSlice<f32>>>,
     /// Prefill attention's split runs (see `attention_mma` in attention.cu): their partial
-    /// results, and apart from them (so that nothing but tickets is ever written there) a
-    /// ticket per query tile.
+    /// results and a ticket per query tile (see `split_scratch`).
     tile_part: Mutex<Option<CudaSlice<f32>>>,
     tile_tickets: Mutex<Option<CudaSlice<f32>>>,
     /// Keys per run of that split: 128 unless `SMOE_CUDA_ATTENTION_RUN` says (0: unsplit).
@@ -810,9 +809,20 @@ impl CudaBackend {
         Some(dptr(part.as_ref().expect("allocated above"), &self.stream))
     }
 
-    /// The scratch of split attention, at least `floats` long.
-    fn attention_scratch(&self, floats: usize) -> Option<u64> {
-        self.float_scratch(&self.attention_part, floats, "attention scratch")
+    /// A split attention's scratch: `floats` of partial results in `part`, and `tickets` ints
+    /// in `tickets`, a slot of their own that only ever holds tickets (each launch leaves its
+    /// own at 0), so growing either never leaves old data where a ticket is read. The decode
+    /// and the prefill kernels keep separate slots: a decode step recorded as a CUDA graph
+    /// holds its scratch's address, which a prefill growing a shared slot would free.
+    fn split_scratch(
+        &self,
+        part: &Mutex<Option<CudaSlice<f32>>>,
+        tickets: &Mutex<Option<CudaSlice<f32>>>,
+        floats: usize,
+        count: usize,
+    ) -> Option<(u64, u64)> {
+        let p = self.float_scratch(part, floats, "attention scratch")?;
+        Some((p, self.float_scratch(tickets, count, "attention tickets")?))
     }
 
     /// Computes `missing` expert products with the CPU backend on their host copies: reads
@@ -1835,25 +1845,20 @@ impl Backend for CudaBackend {
             let mut a = Launch::new(func);
             a.arg(&kp).arg(&vp).arg(&heads).arg(&kd).arg(&vd).arg(&vr).arg(&vh).arg(&qp).arg(&qs).arg(&qh);
             a.arg(&n_i).arg(&p0).arg(&p.scale).arg(&op);
-            let mut grid = (n.div_ceil(per_block) as u32, p.q_heads as u32, 1);
+            let tiles = n.div_ceil(per_block);
+            let mut grid = (tiles as u32, p.q_heads as u32, 1);
             // The tensor-core kernel splits each query tile's keys in runs (see attention.cu).
-            let (chunk, part, tickets);
+            let (chunk, items) = attention_runs(n, pos0, p.q_heads, self.attention_run);
+            let floats = p.q_heads * items * per_block * (s.v_dim + 2);
+            let scratch = if !mma || items == tiles {
+                Some((0, 0))
+            } else {
+                self.split_scratch(&self.tile_part, &self.tile_tickets, floats, p.q_heads * tiles)
+            };
+            let Some(scratch) = scratch else { return };
+            let chunk = chunk as i32;
             if mma {
-                let (c, items) = attention_runs(n, pos0, p.q_heads, self.attention_run);
-                let split = items > n.div_ceil(per_block);
-                (part, tickets) = if split {
-                    let floats = p.q_heads * items * per_block * (s.v_dim + 2);
-                    let part = self.float_scratch(&self.tile_part, floats, "attention scratch");
-                    let tickets = self.float_scratch(&self.tile_tickets, p.q_heads * n.div_ceil(per_block), "attention tickets");
-                    match (part, tickets) {
-                        (Some(p), Some(t)) => (p, t),
-                        _ => return,
-                    }
-                } else {
-                    (0, 0)
-                };
-                chunk = c as i32;
-                a.arg(&chunk).arg(&part).arg(&tickets);
+                a.arg(&chunk).arg(&scratch.0).arg(&scratch.1);
                 grid.0 = items as u32;
             }
             self.launch(a, LaunchConfig { grid_dim: grid, block_dim: (threads, 1, 1), shared_mem_bytes: 0 }, what);
@@ -1874,10 +1879,7 @@ impl Backend for CudaBackend {
 /// of 128; the scratch holding them grows to twice what is asked, and does not shrink).
 fn attention_runs(n: usize, pos0: usize, q_heads: usize, run: usize) -> (usize, usize) {
     let items = |chunk: usize| (0..n.div_ceil(64)).map(|qt| (pos0 + ((qt + 1) * 64).min(n) - 1) / chunk + 1).sum::<usize>();
-    if run == 0 {
-        return (pos0 + n, n.div_ceil(64));
-    }
-    let mut chunk = run.next_multiple_of(32);
+    let mut chunk = if run == 0 { pos0 + n } else { run.next_multiple_of(32) };
     while items(chunk) * q_heads > 2048 && chunk < pos0 + n {
         chunk *= 2;
     }
@@ -1933,21 +1935,18 @@ impl CudaBackend {
         // found that call's partial results where its own tickets lay, never counted to its
         // last split and left those rows unwritten (seen on the H200 as zeros for the second
         // and third queries of a windowed case).
-        let (part, tickets) = if splits > 1 {
-            let part = self.attention_scratch(rows * splits * (s.v_dim + 2));
-            match (part, self.float_scratch(&self.attention_tickets, rows, "attention tickets")) {
-                (Some(p), Some(t)) => (Some(p), t),
-                _ => return,
-            }
+        let scratch = if splits > 1 {
+            self.split_scratch(&self.attention_part, &self.attention_tickets, rows * splits * (s.v_dim + 2), rows)
         } else {
-            (None, 0)
+            Some((0, 0))
         };
-        let (split_i, tp, pp) = (split as i32, tickets, part.unwrap_or(0));
+        let Some((pp, tp)) = scratch else { return };
+        let split_i = split as i32;
         let mut a = Launch::new(&self.k.attention);
         a.arg(&kp).arg(&vp).arg(&heads).arg(&kd).arg(&vd).arg(&vr).arg(&vh).arg(&qp).arg(&qs).arg(&qh);
         a.arg(&p0).arg(&p.scale).arg(&op).arg(&qx).arg(&qstride).arg(&split_i).arg(&pp).arg(&tp);
         a.arg(&first_i).arg(&window).arg(&sinks);
-        let grid = (rows as u32, if part.is_some() { splits as u32 } else { 1 }, 1);
+        let grid = (rows as u32, splits as u32, 1);
         self.launch(a, LaunchConfig { grid_dim: grid, block_dim: (threads, 1, 1), shared_mem_bytes: shared }, "attention");
     }
 }
