@@ -7,7 +7,7 @@
 #   bench/cuda_device.sh restore    # here: put the full testdata back
 #
 # `pack` moves testdata/ aside (to $SMOE_TESTDATA_ASIDE, default /tmp/smoe-testdata-aside) and
-# leaves only the fixtures the GPU tests read, so that the working tree and the binaries fit
+# leaves only the fixtures the GPU tests read (models/ goes aside too), so that the working tree and the binaries fit
 # in what a device call carries; `restore` undoes it (a build needs the full testdata: traces
 # and templates are compiled in). `run` writes at most five files under $OUT, as a device call
 # returns only a few: tests.txt, bench.txt, profile.txt, log.txt, gpu.txt.
@@ -25,7 +25,7 @@ pack)
         python3 -c 'import json,sys
 for l in sys.stdin:
     m=json.loads(l)
-    if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["kind"]==["test"]:
+    if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["kind"] in (["test"], ["lib"]):
         print(m["target"]["name"], m["executable"])')
     rm -rf target/peercarry  # what an earlier pack left there (scripts strip would refuse)
     mkdir -p target/peercarry
@@ -34,6 +34,7 @@ for l in sys.stdin:
     strip target/peercarry/*
     cp bench/cuda_device.sh target/peercarry/
     mv testdata "$aside"
+    mv models "$aside.models"  # the bundled trained model: no GPU test reads it
     mkdir -p testdata/hf
     for f in $fixtures; do cp -r "$aside/hf/$f" testdata/hf/; done
     du -sh target/peercarry testdata
@@ -43,6 +44,7 @@ restore)
     [ -d "$aside" ] || { echo "nothing aside in $aside" >&2; exit 1; }
     rm -rf testdata
     mv "$aside" testdata
+    [ -d "$aside.models" ] && mv "$aside.models" models
     git status --short testdata | head -3
     ;;
 run)
@@ -57,7 +59,7 @@ run)
     log=$out/log.txt
     date >"$log"
     ( cd crates/cuda
-      for t in backend gpu; do
+      for t in smoe_cuda backend gpu; do  # the library's own tests, then tests/
           timeout 300 "$b/$t" >>"$out/tests.txt" 2>&1; echo "$t rc=$? $(date +%T)" >>"$log"
       done )
     vault=/tmp/q30.smoe
