@@ -889,13 +889,11 @@ impl CudaBackend {
         let timed = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
         self.ok("expert upload", self.copy_stream.wait(after))?;
         let start = self.ok("expert upload", self.copy_stream.record_event(timed))?;
-        for &(dst, src) in copies {
-            // SAFETY: `dst` is a VRAM buffer of at least `src.len()` bytes that the expert cache
-            // allocated for this copy and keeps (pinned for this call); `src` stays valid until
-            // `matmul_many` returns, and it waits for the copy stream first.
-            let r = unsafe { cudarc::driver::result::memcpy_htod_async(dst, src, self.copy_stream.cu_stream()) };
-            self.ok("expert upload", r)?;
-        }
+        // SAFETY: each address is a VRAM buffer of at least its source's length that the
+        // expert cache allocated for this copy and keeps (pinned for this call); the sources
+        // stay valid until `matmul_many` returns, and it waits for the copy stream first.
+        let r = unsafe { crate::copies::host_to_device(&self.copy_stream, copies) };
+        self.ok("expert upload", r)?;
         let end = self.ok("expert upload", self.copy_stream.record_event(timed))?;
         Some((start, end))
     }

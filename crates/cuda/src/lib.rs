@@ -14,6 +14,7 @@ bandwidth probe kernel (`examples/matvec_bandwidth.rs`).
 
 pub mod backend;
 mod buf;
+mod copies;
 mod experts;
 mod graph;
 mod kept;
