@@ -1724,7 +1724,8 @@ impl Backend for CudaBackend {
                 let (xp, xs) = (x.at_mut(&self.stream), hidden as i32);
                 let mut a = Launch::new(&dk.mix);
                 a.arg(&dj).arg(&rp).arg(&dq).arg(&ds).arg(&xp).arg(&xs);
-                let cfg = LaunchConfig { grid_dim: (hidden.div_ceil(8) as u32, n as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+                // A warp a row (kept.cu's mvq_mix), four a block.
+                let cfg = LaunchConfig { grid_dim: (hidden.div_ceil(4) as u32, n as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
                 self.launch(a, cfg, "kept experts: down, mixed");
                 return;
             }

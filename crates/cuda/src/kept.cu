@@ -7,7 +7,6 @@
 // order, so the results are the same bits.
 
 #define SWIGLU_WARPS 8  // a block: one group of 32 outputs, four per warp
-#define MIX_ROWS 2      // output rows of a down-and-mix warp
 
 // Gate and up rows [32 b, 32 b + 32) of pair blockIdx.y's expert (kp.parts 2: gate, up; rows
 // the intermediate width, a multiple of 32), against the token's input quantized at
@@ -78,55 +77,74 @@ __device__ void mvq_swiglu(const Kept& kp, const float* routes, const u8* qx, in
     }
 }
 
-// Rows [r0, r0 + MIX_ROWS) of token blockIdx.y: x[t][r] += sum over its k slots, in slot order,
-// of the slot's weight times the row of its expert's down matrix (kp.parts 1) against the
-// pair's input quantized at qx + pair * qstride. For rows of at most 16 tasks (a down
-// projection from 768: 12) half a warp takes a slot, two slots at once; else the warp. Each
-// slot's sum as mvq's (split 1) and the mixing as add_weighted_slots's: the same bits.
+// Row r of token blockIdx.y, a warp's: x[t][r] += sum over its k slots, in slot order, of the
+// slot's weight times the row of its expert's down matrix (kp.parts 1) against the pair's input
+// quantized at qx + pair * qstride. For rows of at most 16 tasks (a down projection from 768:
+// 12) half a warp takes a slot, two slots at once, and every lane issues the loads of MIX_CHUNK
+// pairs of slots before it sums any: one pair at a time, a lane had a single task's loads in
+// flight between reductions, and the launch took 15 µs for 7 MB (a warp per two rows, 8 warps
+// an SM). Longer rows take a warp per slot. Each slot's sum as mvq's (split 1) and the mixing as
+// add_weighted_slots's: the same bits.
+#define MIX_CHUNK 4
 template <int F>
 __device__ void mvq_mix(const Kept& kp, const float* routes, const u8* qx, int qstride, float* x, int xs) {
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     int t = blockIdx.y;
-    int r0 = (blockIdx.x * MVQ_WARPS + warp) * MIX_ROWS;
-    if (r0 >= kp.rows) return;
+    int r = blockIdx.x * MVQ_WARPS + warp;
+    if (r >= kp.rows) return;
     int tasks = F == 8 ? kp.cols / 32 : kp.cols / 64;
-    bool half = tasks <= 16;
-    int per = half ? 2 : 1, width = half ? 16 : 32, tl = lane % width;
     const float* rt = routes + (size_t)t * 2 * kp.k;
-    float acc[MIX_ROWS];
+    float acc = x[(size_t)t * xs + r];
+    if (tasks <= 16) {
+        int tl = lane % 16, h = lane / 16;
+        for (int c0 = 0; c0 < kp.k; c0 += 2 * MIX_CHUNK) {
+            // Loads first: every lane reads a valid task (idle ones the first task of their
+            // slot's row, or of slot 0) and drops it, so nothing branches around the loads.
+            MvqW<F> w[MIX_CHUNK];
+            const u8* qrow[MIX_CHUNK];
+            bool live[MIX_CHUNK];
 #pragma unroll
-    for (int i = 0; i < MIX_ROWS; i++) acc[i] = r0 + i < kp.rows ? x[(size_t)t * xs + r0 + i] : 0.0f;
-#pragma unroll 4
-    for (int s0 = 0; s0 < kp.k; s0 += per) {
-        int s = s0 + (half ? lane / 16 : 0);
-        bool live = s < kp.k;
-        float id = live ? rt[s] : 0.0f;
-        int e = id >= 0.0f && id < (float)kp.experts ? (int)id : 0;
-        const u8* w = (const u8*)(kp.base[0] + (u64)e * kp.expert_bytes[0]);
-        const u8* qrow = qx + (size_t)(t * kp.k + (live ? s : 0)) * qstride;
-        const signed char* xq = (const signed char*)qrow;
-        const float* xd = (const float*)(qrow + kp.cols);
-        const float* xsum = xd + kp.cols / 32;
-        float d[MIX_ROWS];
+            for (int c = 0; c < MIX_CHUNK; c++) {
+                int s = c0 + 2 * c + h;
+                live[c] = s < kp.k && tl < tasks;
+                int sv = s < kp.k ? s : 0;
+                float id = rt[sv];
+                int e = id >= 0.0f && id < (float)kp.experts ? (int)id : 0;
+                w[c] = mvq_load<F>((const u8*)(kp.base[0] + (u64)e * kp.expert_bytes[0]) + (size_t)r * kp.row_bytes, live[c] ? tl : 0);
+                qrow[c] = qx + (size_t)(t * kp.k + sv) * qstride;
+            }
+            float d[MIX_CHUNK];
 #pragma unroll
-        for (int i = 0; i < MIX_ROWS; i++) d[i] = 0.0f;
-        if (live)
-            for (int tk = tl; tk < tasks; tk += width)
+            for (int c = 0; c < MIX_CHUNK; c++) {
+                const float* xd = (const float*)(qrow[c] + kp.cols);
+                float v = mvq_dot<F>(w[c], live[c] ? tl : 0, (const signed char*)qrow[c], xd, xd + kp.cols / 32);
+                d[c] = live[c] ? v : 0.0f;
+            }
 #pragma unroll
-                for (int i = 0; i < MIX_ROWS; i++)
-                    if (r0 + i < kp.rows) d[i] += mvq_task<F>(w + (size_t)(r0 + i) * kp.row_bytes, tk, xq, xd, xsum);
-#pragma unroll
-        for (int i = 0; i < MIX_ROWS; i++) {
-            for (int o = width / 2; o > 0; o >>= 1) d[i] += __shfl_down_sync(0xffffffff, d[i], o, width);
-            float d1 = __shfl_sync(0xffffffff, d[i], 16);
-            acc[i] += rt[kp.k + s0] * d[i];
-            if (half && s0 + 1 < kp.k) acc[i] += rt[kp.k + s0 + 1] * d1;
+            for (int c = 0; c < MIX_CHUNK; c++) {
+                int s0 = c0 + 2 * c;
+                if (s0 >= kp.k) break;  // the same for the whole warp
+                float v = d[c];
+                for (int o = 8; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffff, v, o, 16);
+                float v1 = __shfl_sync(0xffffffff, v, 16);
+                acc += rt[kp.k + s0] * v;
+                if (s0 + 1 < kp.k) acc += rt[kp.k + s0 + 1] * v1;
+            }
+        }
+    } else {
+        for (int s = 0; s < kp.k; s++) {
+            float id = rt[s];
+            int e = id >= 0.0f && id < (float)kp.experts ? (int)id : 0;
+            const u8* w = (const u8*)(kp.base[0] + (u64)e * kp.expert_bytes[0]) + (size_t)r * kp.row_bytes;
+            const u8* qrow = qx + (size_t)(t * kp.k + s) * qstride;
+            const float* xd = (const float*)(qrow + kp.cols);
+            float v = 0.0f;
+            for (int tk = lane; tk < tasks; tk += 32) v += mvq_task<F>(w, tk, (const signed char*)qrow, xd, xd + kp.cols / 32);
+            for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffff, v, o);
+            acc += rt[kp.k + s] * __shfl_sync(0xffffffff, v, 0);
         }
     }
-    if (lane == 0)
-#pragma unroll
-        for (int i = 0; i < MIX_ROWS; i++)
-            if (r0 + i < kp.rows) x[(size_t)t * xs + r0 + i] = acc[i];
+    if (lane == 0) x[(size_t)t * xs + r] = acc;
 }
 
 #define KEPT_FUSED_KERNELS(name, id)                                                                          \

@@ -690,40 +690,90 @@ __device__ __forceinline__ int load_i32_u16(const u8* p) {
 
 // Lane task t of a row of format F against the quantized input. Q8_0: group t (34 bytes: f16
 // scale, 32 int8). Q4_K: pair t % 4 of super-block t / 4 (sub-blocks 2p and 2p + 1 share 32
-// bytes of quants: low and high nibbles).
+// bytes of quants: low and high nibbles). In two halves: `mvq_load` reads the task's weights
+// into registers and `mvq_dot` uses them, so that a kernel can issue several tasks' loads
+// before it waits for any (see mvq_mix in kept.cu).
+template <int F>
+struct MvqW;
+template <>
+struct MvqW<8> {
+    u16 d;
+    int q[8];
+};
+template <>
+struct MvqW<12> {
+    uint4 h, qa, qb;  // the super-block's scales, the pair's low and high quants
+};
+
+template <int F>
+__device__ __forceinline__ MvqW<F> mvq_load(const u8* row, int t);
+template <>
+__device__ __forceinline__ MvqW<8> mvq_load<8>(const u8* row, int t) {
+    const u8* b = row + (size_t)t * 34;
+    MvqW<8> w;
+    w.d = *(const u16*)b;
+#pragma unroll
+    for (int k = 0; k < 8; k++) w.q[k] = load_i32_u16(b + 2 + 4 * k);
+    return w;
+}
+template <>
+__device__ __forceinline__ MvqW<12> mvq_load<12>(const u8* row, int t) {
+    const u8* b = row + (size_t)(t >> 2) * 144;
+    int p = t & 3;
+    return MvqW<12>{*(const uint4*)b, *(const uint4*)(b + 16 + 32 * p), *(const uint4*)(b + 32 + 32 * p)};
+}
+
+// scale_min_k4 for a sub-block j known only at run time, from the super-block's first 16 bytes
+// in registers (the 12 packed scales are bytes 4-15), by selects: a branch on j < 4 between
+// tasks kept the compiler from issuing a later task's loads before an earlier task's sums.
+__device__ __forceinline__ void scale_min_k4_sel(int j, uint4 h, float* sc, float* mn) {
+    auto byte = [&h](int l) {
+        u32 word = l < 4 ? h.y : l < 8 ? h.z : h.w;
+        return (word >> (8 * (l & 3))) & 0xFF;
+    };
+    u32 bj = byte(j), b4 = byte(j + 4), lo = byte(j & 3);  // lo: byte j - 4 where j >= 4
+    bool first = j < 4;
+    *sc = (float)(first ? bj & 63 : (b4 & 0xF) | ((lo >> 6) << 4));
+    *mn = (float)(first ? b4 & 63 : (b4 >> 4) | ((bj >> 6) << 4));
+}
+
+template <int F>
+__device__ __forceinline__ float mvq_dot(const MvqW<F>& w, int t, const signed char* xq, const float* xd, const float* xs);
+template <>
+__device__ __forceinline__ float mvq_dot<8>(const MvqW<8>& w, int t, const signed char* xq, const float* xd, const float* xs) {
+    const int4* xv = (const int4*)(xq + 32 * t);
+    int4 xa = xv[0], xb = xv[1];
+    int xw[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+    int s = 0;
+#pragma unroll
+    for (int k = 0; k < 8; k++) s = __dp4a(w.q[k], xw[k], s);
+    return half_bits(w.d) * xd[t] * (float)s;
+}
+template <>
+__device__ __forceinline__ float mvq_dot<12>(const MvqW<12>& w, int t, const signed char* xq, const float* xd, const float* xs) {
+    int sb = t >> 2, p = t & 3;
+    u32 q[8] = {w.qa.x, w.qa.y, w.qa.z, w.qa.w, w.qb.x, w.qb.y, w.qb.z, w.qb.w};
+    int g0 = 8 * sb + 2 * p;
+    const int4* x0 = (const int4*)(xq + 32 * g0);
+    int4 xa = x0[0], xb = x0[1], xc = x0[2], xe = x0[3];
+    int lo[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+    int hi[8] = {xc.x, xc.y, xc.z, xc.w, xe.x, xe.y, xe.z, xe.w};
+    int s0 = 0, s1 = 0;
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        s0 = __dp4a((int)(q[k] & 0x0F0F0F0F), lo[k], s0);
+        s1 = __dp4a((int)((q[k] >> 4) & 0x0F0F0F0F), hi[k], s1);
+    }
+    float sc0, mn0, sc1, mn1;
+    scale_min_k4_sel(2 * p, w.h, &sc0, &mn0);
+    scale_min_k4_sel(2 * p + 1, w.h, &sc1, &mn1);
+    float d = half_bits((u16)(w.h.x & 0xFFFF)), dmin = half_bits((u16)(w.h.x >> 16));
+    return d * (sc0 * xd[g0] * (float)s0 + sc1 * xd[g0 + 1] * (float)s1) - dmin * (mn0 * xs[g0] + mn1 * xs[g0 + 1]);
+}
+
 template <int F>
 __device__ __forceinline__ float mvq_task(const u8* row, int t, const signed char* xq, const float* xd, const float* xs) {
-    if (F == 8) {
-        const u8* b = row + (size_t)t * 34;
-        const int4* xv = (const int4*)(xq + 32 * t);
-        int4 xa = xv[0], xb = xv[1];
-        int xw[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
-        int s = 0;
-#pragma unroll
-        for (int k = 0; k < 8; k++) s = __dp4a(load_i32_u16(b + 2 + 4 * k), xw[k], s);
-        return f16(b) * xd[t] * (float)s;
-    } else {  // Q4_K
-        int sb = t >> 2, p = t & 3;
-        const u8* b = row + (size_t)sb * 144;
-        uint4 qa = *(const uint4*)(b + 16 + 32 * p), qb = *(const uint4*)(b + 32 + 32 * p);
-        u32 q[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
-        int g0 = 8 * sb + 2 * p;
-        const int4* x0 = (const int4*)(xq + 32 * g0);
-        int4 xa = x0[0], xb = x0[1], xc = x0[2], xe = x0[3];
-        int lo[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
-        int hi[8] = {xc.x, xc.y, xc.z, xc.w, xe.x, xe.y, xe.z, xe.w};
-        int s0 = 0, s1 = 0;
-#pragma unroll
-        for (int k = 0; k < 8; k++) {
-            s0 = __dp4a((int)(q[k] & 0x0F0F0F0F), lo[k], s0);
-            s1 = __dp4a((int)((q[k] >> 4) & 0x0F0F0F0F), hi[k], s1);
-        }
-        float sc0, mn0, sc1, mn1;
-        scale_min_k4(2 * p, b + 4, &sc0, &mn0);
-        scale_min_k4(2 * p + 1, b + 4, &sc1, &mn1);
-        float d = f16(b), dmin = f16(b + 2);
-        return d * (sc0 * xd[g0] * (float)s0 + sc1 * xd[g0 + 1] * (float)s1) - dmin * (mn0 * xs[g0] + mn1 * xs[g0 + 1]);
-    }
+    return mvq_dot<F>(mvq_load<F>(row, t), t, xq, xd, xs);
 }
 
 // Warps that share a pair of rows, each taking every split-th task: about one task per lane
