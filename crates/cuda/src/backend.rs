@@ -192,7 +192,7 @@ struct Kernels {
 }
 
 /// The kernels' name for each weight format.
-pub(crate) const FORMAT_NAMES: [(Format, &str); 13] = [
+pub(crate) const FORMAT_NAMES: [(Format, &str); 15] = [
     (Format::F32, "f32"),
     (Format::F16, "f16"),
     (Format::BF16, "bf16"),
@@ -206,10 +206,11 @@ pub(crate) const FORMAT_NAMES: [(Format, &str); 13] = [
     (Format::Q4_K, "q4_k"),
     (Format::Q5_K, "q5_k"),
     (Format::Q6_K, "q6_k"),
+    (Format::MXFP4, "mxfp4"),
+    (Format::MXFP8, "mxfp8"),
 ];
 
-/// Whether the kernels decode `f` (MXFP4 does not yet: its 17-byte blocks leave rows only
-/// byte-aligned, which the staged loads do not handle).
+/// Whether the kernels decode `f` (every format the CPU path runs).
 fn has_kernels(f: Format) -> bool {
     FORMAT_NAMES.iter().any(|(g, _)| *g == f)
 }
@@ -1010,8 +1011,7 @@ impl Backend for CudaBackend {
         512
     }
 
-    /// The formats of [`FORMAT_NAMES`]: not MXFP4 yet, so gpt-oss as published (MXFP4
-    /// experts) is refused at load, and `--device auto` runs it on the CPU.
+    /// The formats of [`FORMAT_NAMES`]: all of them.
     fn decodes(&self, format: Format) -> bool {
         has_kernels(format)
     }

@@ -88,6 +88,28 @@ __device__ __forceinline__ float scale_q3_k(int s, const u8* sc) {
     return (float)((lo | (hi << 4)) - 32);
 }
 
+// Half the e8m0 scale 2^(e - 127), exactly (subnormal for e 0 and 1), as the CPU's
+// e8m0_to_f32_half: MXFP4's codes are doubled e2m1 values.
+__device__ __forceinline__ float e8m0_half(u32 e) {
+    return __uint_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);
+}
+
+// The doubled e2m1 value of an MXFP4 code (ggml's kvalues_mxfp4: 0 1 2 3 4 6 8 12, sign in bit
+// 3), from a table of nibbles held in one word.
+__device__ __forceinline__ float mxfp4_value(u32 q) {
+    float v = itof((int)((0xC8643210u >> (4 * (q & 7))) & 0xF));
+    return q & 8 ? -v : v;
+}
+
+// A float8 e4m3 code's value (NaN for 0x7f and 0xff), as the CPU's e4m3_to_f32: the code times
+// 512 is an integer (subnormals m, above (8 + m) << (e - 1)), divided by 512 exactly.
+__device__ __forceinline__ float e4m3_value(u32 q) {
+    if ((q & 0x7F) == 0x7F) return __uint_as_float(0x7FC00000u);
+    int e = (q >> 3) & 15, m = q & 7;
+    int v = e == 0 ? m : (8 + m) << (e - 1);
+    return (float)(q & 0x80 ? -v : v) / 512.0f;
+}
+
 // Whether rows of format F may end inside a group of 32 (only the float formats).
 #define PARTIAL(F) ((F) == 0 || (F) == 1 || (F) == 30)
 
@@ -191,6 +213,21 @@ __device__ __forceinline__ void group(const u8* row, int g, int cols, float* y) 
             if (F == 13) v += (BYTE(h, l) >> sub) & 1 ? 16 : 0;
             y[l] = dl * itof(v) - ml;
         }
+    } else if (F == 39) {  // MXFP4: an e8m0 exponent, then 16 bytes of e2m1 codes (low nibbles first)
+        // Byte loads only: 17-byte blocks leave every other one at an odd address.
+        const u8* b = row + (size_t)g * 17;
+        float d = e8m0_half(b[0]);
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            u32 q = b[1 + i];
+            y[i] = mxfp4_value(q & 0xF) * d;
+            y[i + 16] = mxfp4_value(q >> 4) * d;
+        }
+    } else if (F == 200) {  // MXFP8: an e8m0 exponent, then 32 float8 e4m3 codes
+        const u8* b = row + (size_t)g * 33;
+        float d = 2.0f * e8m0_half(b[0]);
+#pragma unroll
+        for (int i = 0; i < 32; i++) y[i] = e4m3_value(b[1 + i]) * d;
     } else if (F == 14) {  // Q6_K: 128 low-nibble bytes, 64 high-bit bytes, 16 scales, d
         int sub = g & 7, n = sub >> 2, k = sub & 3;
         const u8* b = row + (size_t)(g >> 3) * 210;
@@ -240,13 +277,15 @@ __device__ constexpr int span32() {
          : F == 11 ? 4 * 110
          : F == 12 ? 4 * 144
          : F == 13 ? 4 * 176
+         : F == 39 ? 32 * 17
+         : F == 200 ? 32 * 33
          : 4 * 210;  // 14: Q6_K
 }
 
 // Starts copying `bytes` from global `src` into shared `dst` with the widest loads their
 // alignment allows. From compute 8.0 the copies are asynchronous (cp.async: no registers
 // held, the warp goes on decoding the previous span while they land; `mv_wait` waits);
-// before that, and for spans only 2-byte aligned, they are plain loads.
+// before that, and for spans only 2-byte (or byte) aligned, they are plain loads.
 __device__ __forceinline__ void mv_fetch(u8* dst, const u8* src, int bytes, int lane) {
 #if __CUDA_ARCH__ >= 800
     u32 d = (u32)__cvta_generic_to_shared(dst);
@@ -273,7 +312,12 @@ __device__ __forceinline__ void mv_fetch(u8* dst, const u8* src, int bytes, int 
         return;
     }
 #endif
-    for (int i = lane; i < bytes / 2; i += 32) ((u16*)dst)[i] = ((const u16*)src)[i];
+    if ((((size_t)src | bytes) & 1) == 0) {
+        for (int i = lane; i < bytes / 2; i += 32) ((u16*)dst)[i] = ((const u16*)src)[i];
+        return;
+    }
+    // Rows of an odd number of 17- or 33-byte blocks (MXFP4, MXFP8) start at odd addresses.
+    for (int i = lane; i < bytes; i += 32) dst[i] = src[i];
 }
 
 // Waits until at most `pending` of this thread's fetches are still in flight, then for the
@@ -905,6 +949,8 @@ FORMAT_KERNELS(q4_k, 12)
 FORMAT_KERNELS(q5_k, 13)
 FORMAT_KERNELS(q6_k, 14)
 FORMAT_KERNELS(bf16, 30)
+FORMAT_KERNELS(mxfp4, 39)
+FORMAT_KERNELS(mxfp8, 200)
 
 // f32 products split over their columns (the router of a prefill chunk: 128 rows by 512 tokens
 // made 16 tiles of 2048 columns each, 16 blocks on 132 SMs, 0.23 ms a layer): block z takes
