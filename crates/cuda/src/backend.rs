@@ -1026,6 +1026,25 @@ impl Backend for CudaBackend {
         true
     }
 
+    fn device_tier(&self) -> Option<smoe_engine::DeviceTier> {
+        let e = self.expert_stats();
+        // Experts kept by layer (all of them in VRAM) are a tier of their own size.
+        let kept = self.kept.lock().expect("kept experts lock").bytes;
+        let (free, total) = self.ctx.mem_get_info().unwrap_or((0, 0));
+        Some(smoe_engine::DeviceTier {
+            hits: e.hits,
+            copies: e.misses,
+            copied_bytes: e.uploaded_bytes,
+            copy_secs: e.upload_secs,
+            wait_secs: e.upload_wait_secs,
+            cpu_products: e.cpu_products,
+            cpu_bytes: e.cpu_bytes,
+            resident_bytes: e.resident_bytes + kept,
+            capacity_bytes: e.capacity_bytes + kept,
+            device_used_bytes: (total - free) as u64,
+        })
+    }
+
     fn describe(&self) -> String {
         let prefill = match (self.tensor_cores, self.int8_tiles) {
             (true, true) => ", prefill on tensor cores (int8 for Q8_0 and Q4_K, else 3xTF32)",

@@ -251,6 +251,10 @@ fn a_two_expert_vram_tier_is_identical_to_a_full_one() {
     eprintln!("two-expert tier: {s:?}\nfull tier: {f:?}");
     assert!(s.misses > f.misses, "the small tier must have copied experts again");
     assert!(s.resident_bytes <= f.resident_bytes);
+    // What `--instrument` reports: the same counters, and device memory in use.
+    let d = smoe_engine::Backend::device_tier(streamed.backend()).expect("a GPU has a tier");
+    assert_eq!((d.copies, d.copied_bytes, d.hits), (s.misses, s.uploaded_bytes, s.hits));
+    assert!(d.copy_secs > 0.0 && d.device_used_bytes >= d.resident_bytes, "{d:?}");
 }
 
 /// Decode steps whose experts all miss VRAM (a tier with room for none), computed by the CPU

@@ -369,6 +369,49 @@ pub fn check(op: &str, buf: &impl Extent, n: usize, width: usize) {
     check_rows(op, buf, 0, n, width, 0, width);
 }
 
+/// Counters of a backend's own expert tier (a GPU's VRAM copies of the host cache), for
+/// `--instrument`: what crossed the bus and what it cost. Counters only grow; [`Self::since`]
+/// gives a phase's share.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+pub struct DeviceTier {
+    /// Expert matrices found in the tier.
+    pub hits: u64,
+    /// Expert matrices copied up.
+    pub copies: u64,
+    /// Bytes copied host → device.
+    pub copied_bytes: u64,
+    /// Seconds the copies took on the device's copy engine.
+    pub copy_secs: f64,
+    /// Seconds the host waited for copies.
+    pub wait_secs: f64,
+    /// Missed products computed by the host CPU instead.
+    pub cpu_products: u64,
+    /// Bytes of weights those read.
+    pub cpu_bytes: u64,
+    /// Bytes of experts in the tier now (not a counter).
+    pub resident_bytes: u64,
+    /// The tier's capacity in bytes (not a counter).
+    pub capacity_bytes: u64,
+    /// Device memory in use now, by everything (not a counter).
+    pub device_used_bytes: u64,
+}
+
+impl DeviceTier {
+    /// The counters accumulated since `before`, with this snapshot's sizes.
+    pub fn since(&self, before: &DeviceTier) -> DeviceTier {
+        DeviceTier {
+            hits: self.hits - before.hits,
+            copies: self.copies - before.copies,
+            copied_bytes: self.copied_bytes - before.copied_bytes,
+            copy_secs: self.copy_secs - before.copy_secs,
+            wait_secs: self.wait_secs - before.wait_secs,
+            cpu_products: self.cpu_products - before.cpu_products,
+            cpu_bytes: self.cpu_bytes - before.cpu_bytes,
+            ..*self
+        }
+    }
+}
+
 /// A numeric backend. See the module documentation.
 ///
 /// Every op checks that the rows it reads and writes lie inside its buffers and, if not, fails
@@ -387,6 +430,10 @@ pub trait Backend: Send + Sync {
 
     /// Human-readable description (ISA, threads).
     fn describe(&self) -> String;
+    /// The counters of an expert tier of the backend's own (`None`: it has none, as the CPU).
+    fn device_tier(&self) -> Option<DeviceTier> {
+        None
+    }
     /// Whether [`Self::attention`] honours [`AttnParams::window`] and [`AttnParams::sinks`]
     /// (gpt-oss). A model that needs them is refused at load on a backend that answers `false`,
     /// and the conformance suite skips those cases there.

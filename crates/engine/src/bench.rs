@@ -86,20 +86,27 @@ pub fn bench<B: Backend>(engine: &Engine<B>, opts: &BenchOptions) -> Result<Benc
     engine.model.reserve(&mut st, prompt.len() + inputs.len() + 1);
     st.enable_instrument();
     let rss0 = resident_bytes();
+    let tier0 = engine.model.backend().device_tier();
     let t0 = std::time::Instant::now();
     let logits = engine.model.forward(&mut st, &prompt, Logits::Last, &mut NoObserver)?;
     // The first token (greedy) is part of the time to first token.
     std::hint::black_box(logits.iter().enumerate().fold(0, |b, (i, &v)| if v > logits[b] { i } else { b }));
     let ttft = t0.elapsed().as_secs_f64();
+    let tier1 = engine.model.backend().device_tier();
     let t1 = std::time::Instant::now();
     for &id in &inputs {
         engine.model.forward(&mut st, &[id], Logits::Last, &mut NoObserver)?;
     }
     let decode_s = t1.elapsed().as_secs_f64();
+    let tier2 = engine.model.backend().device_tier();
     let rss_growth_bytes = rss0.zip(resident_bytes()).map(|(a, b)| b - a);
     let ins = st.instrument.as_ref().expect("enabled above");
     let prefill_steps = opts.prompt_tokens.div_ceil(opts.chunk);
-    let (prefill, decode) = (ins.summary_range(0, prefill_steps), ins.summary(prefill_steps));
+    let (mut prefill, mut decode) = (ins.summary_range(0, prefill_steps), ins.summary(prefill_steps));
+    if let (Some(a), Some(b), Some(c)) = (tier0, tier1, tier2) {
+        prefill.device = Some(b.since(&a));
+        decode.device = Some(c.since(&b));
+    }
     let decoded = decode.tokens.max(1) as f64;
     Ok(BenchResult {
         prompt_tokens: opts.prompt_tokens,

@@ -198,6 +198,9 @@ pub struct Summary {
     pub inflight: f64,
     /// Reads allowed in flight at the end (the measured choice under `auto`).
     pub queue_depth: u32,
+    /// The backend's own expert tier over the same steps, where it has one (set by the
+    /// caller that knows the backend: see `bench`).
+    pub device: Option<crate::backend::DeviceTier>,
 }
 
 impl Summary {
@@ -249,6 +252,25 @@ impl std::fmt::Display for Summary {
                 self.prefetch_issued,
                 self.prefetch_used,
                 100.0 * self.prefetch_used as f64 / self.prefetch_issued as f64
+            )?;
+        }
+        if let Some(d) = &self.device {
+            let mib = |b: f64| b / (1 << 20) as f64;
+            write!(
+                f,
+                "\n  device tier: {} hits, {} copies, {:.1} MiB over the bus per token ({:.1} GB/s while copying), copies {:.2} ms per token on the copy engine (host waited {:.2} ms) of {:.2} ms; {} products of misses on the CPU ({:.1} MiB per token); experts in device memory {:.0} of {:.0} MiB, device memory in use {:.0} MiB",
+                d.hits,
+                d.copies,
+                mib(per(d.copied_bytes as f64)),
+                d.copied_bytes as f64 / d.copy_secs.max(1e-9) / 1e9,
+                per(d.copy_secs * 1e3),
+                per(d.wait_secs * 1e3),
+                per(self.total_ms),
+                d.cpu_products,
+                mib(per(d.cpu_bytes as f64)),
+                mib(d.resident_bytes as f64),
+                mib(d.capacity_bytes as f64),
+                mib(d.device_used_bytes as f64)
             )?;
         }
         Ok(())

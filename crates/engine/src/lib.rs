@@ -37,7 +37,7 @@ mod stepwise;
 pub mod trace_routing;
 mod widths;
 
-pub use backend::Backend;
+pub use backend::{Backend, DeviceTier};
 pub use batch::{Batch, BatchItem};
 pub use cpu::{CpuBackend, Precision};
 pub use forward::{Logits, NoObserver, Observer, State, PREFILL_CHUNK};
