@@ -14,6 +14,7 @@
 //! error is kept, later ops do nothing, and [`Backend::fault`] reports it, which the engine
 //! turns into an error after loading and after each forward call.
 
+mod delta;
 mod fused;
 mod sparse;
 
@@ -189,6 +190,10 @@ struct Kernels {
     layer_norm: CudaFunction,
     index_scores: CudaFunction,
     gather_rows: CudaFunction,
+    delta_conv: CudaFunction,
+    delta_l2norm: CudaFunction,
+    delta_heads: CudaFunction,
+    sigmoid_gate: CudaFunction,
 }
 
 /// The kernels' name for each weight format.
@@ -278,6 +283,10 @@ impl Kernels {
             layer_norm: f("layer_norm")?,
             index_scores: f("index_scores")?,
             gather_rows: f("gather_rows")?,
+            delta_conv: f("delta_conv")?,
+            delta_l2norm: f("delta_l2norm")?,
+            delta_heads: f("delta_heads")?,
+            sigmoid_gate: f("sigmoid_gate")?,
         })
     }
 
@@ -376,6 +385,8 @@ pub struct CudaBackend {
     attention_tickets: Mutex<Option<CudaSlice<f32>>>,
     /// Sparse attention's scratch: the indexer's scores, a query's gathered keys and values.
     sparse_part: Mutex<Option<CudaSlice<f32>>>,
+    /// Gated DeltaNet's convolved rows (see `backend/delta.rs`).
+    delta_part: Mutex<Option<CudaSlice<f32>>>,
     /// Prefill attention's split runs (see `attention_mma` in attention.cu): their partial
     /// results and a ticket per query tile (see `split_scratch`).
     tile_part: Mutex<Option<CudaSlice<f32>>>,
@@ -460,6 +471,7 @@ impl CudaBackend {
             attention_part: Mutex::new(None),
             attention_tickets: Mutex::new(None),
             sparse_part: Mutex::new(None),
+            delta_part: Mutex::new(None),
             tile_part: Mutex::new(None),
             tile_tickets: Mutex::new(None),
             attention_run: std::env::var("SMOE_CUDA_ATTENTION_RUN").ok().and_then(|r| r.parse().ok()).unwrap_or(128),
@@ -1398,6 +1410,25 @@ impl Backend for CudaBackend {
     }
     fn index_select(&self, cache: &CudaKvCache, layer: usize, q: &CudaBuf, weights: &CudaBuf, at: IndexQueries, out: &mut [u32]) {
         self.index_select_rows(cache, layer, q, weights, at, out);
+    }
+    /// Qwen3-Next's Gated DeltaNet: `backend/delta.rs`.
+    fn runs_linear_attention(&self) -> bool {
+        true
+    }
+    fn gated_delta_net(
+        &self,
+        p: smoe_engine::backend::DeltaNetParams<'_>,
+        x: &CudaBuf,
+        row0: usize,
+        n: usize,
+        state: &mut CudaBuf,
+        fresh: bool,
+        out: &mut CudaBuf,
+    ) {
+        self.delta_net(p, x, row0, n, state, fresh, out);
+    }
+    fn sigmoid_gate(&self, x: &mut CudaBuf, n: usize, width: usize, gate: &CudaBuf, gate_stride: usize, gate_off: usize) {
+        self.gate_rows(x, n, width, gate, gate_stride, gate_off);
     }
     fn rms_norm_heads(&self, x: &mut CudaBuf, n: usize, stride: usize, off: usize, heads: usize, dim: usize, w: &CudaVector, eps: f32) {
         if self.faulted() || n == 0 || heads == 0 {

@@ -114,7 +114,8 @@ const KERNELS: &str = concat!(
     include_str!("attention.cu"),
     include_str!("mmq.cu"),
     include_str!("kept.cu"),
-    include_str!("sparse.cu")
+    include_str!("sparse.cu"),
+    include_str!("delta.cu")
 );
 
 /// The kernels compiled for compute capability `cc`, from the per-user kernel cache

@@ -88,17 +88,18 @@ fn ids(t: &Tensor) -> Vec<u32> {
     t.i32().iter().map(|&x| x as u32).collect()
 }
 
-/// A model whose mechanisms the GPU backend lacks (Qwen3-Next's Gated DeltaNet) is refused at
-/// load with the reason and the way out, never run wrong; `--device auto` asks the same
-/// question first and runs it on the CPU. Weight formats: every one the CPU reads has kernels.
+/// A model whose mechanisms the GPU backend lacks (DeepSeek-V4's compressed attention) is
+/// refused at load with the reason and the way out, never run wrong; `--device auto` asks the
+/// same question first and runs it on the CPU. Weight formats: every one the CPU reads has
+/// kernels.
 #[test]
 fn models_the_gpu_cannot_run_are_refused_with_the_reason() {
     let Some(b) = backend(&CudaOptions::default()) else { return };
-    let v = smoe_vault::Vault::open(vault("qwen3_next", Format::BF16, Format::BF16)).unwrap();
-    assert!(smoe_engine::backend_lacks(v.architecture(), &[], &b).is_some_and(|w| w.contains("Gated DeltaNet")));
+    let v = smoe_vault::Vault::open(vault("deepseek_v4", Format::BF16, Format::BF16)).unwrap();
+    assert!(smoe_engine::backend_lacks(v.architecture(), &[], &b).is_some_and(|w| w.contains("compressed attention")));
     let ex = Arc::new(ResidentExperts::load(&v).unwrap());
-    let e = Model::load(&v, b, ex).err().expect("qwen3-next loaded on CUDA").to_string();
-    assert!(e.contains("Gated DeltaNet") && e.contains("--device cpu"), "{e}");
+    let e = Model::load(&v, b, ex).err().expect("deepseek-v4 loaded on CUDA").to_string();
+    assert!(e.contains("compressed attention") && e.contains("--device cpu"), "{e}");
     // gpt-oss as published (MXFP4 experts) opens, and runs below.
     let path = vault("gpt_oss_mxfp4", Format::MXFP4, Format::BF16);
     let b = backend(&CudaOptions::default()).unwrap();
@@ -111,9 +112,9 @@ fn models_the_gpu_cannot_run_are_refused_with_the_reason() {
 
 /// Every fixture family the GPU runs within 1e-3 (relative to the largest logit) of
 /// transformers in prefill and in step decode, and step decode equal to prefill up to
-/// summation order. Not here: the families refused above (Qwen3-Next and Qwen3.5's Gated
-/// DeltaNet, DeepSeek-V4's compressed attention and hyper-connections), and the K-quant
-/// fixture `qwen3_moe_k` (its formats are in the conformance suite).
+/// summation order. Not here: DeepSeek-V4 (refused above: compressed attention and
+/// hyper-connections), and the K-quant fixture `qwen3_moe_k` (its formats are in the
+/// conformance suite).
 #[test]
 fn every_fixture_family_matches_transformers_on_the_gpu() {
     let families = [
@@ -130,6 +131,8 @@ fn every_fixture_family_matches_transformers_on_the_gpu() {
         "gpt_oss_mxfp4",
         "minimax_m2",
         "glm_moe_dsa_fp8",
+        "qwen3_next",
+        "qwen3_5_moe",
     ];
     for name in families {
         let Some(model) = gpu_model(name, &CudaOptions::default()) else { return };
