@@ -51,7 +51,7 @@ fn gpt_oss_keeps_its_mxfp4_experts_by_default() {
 }
 
 /// `inspect` shows Qwen3-Next's linear layers and gated attention, `run` generates from it, and
-/// a CUDA request for it is refused with the reason (on a machine without a GPU: that there is
+/// a CUDA request for it runs on the GPU (on a machine without one: is refused, saying there is
 /// none), never a crash.
 #[test]
 fn qwen3_next_inspects_and_runs() {
@@ -65,10 +65,8 @@ fn qwen3_next_inspects_and_runs() {
     let run = ok(&smoe(&["run", &v, "-p", "Hello", "--max-tokens", "8", "--temperature", "0"]));
     assert!(!run.is_empty());
     let cuda = smoe(&["run", &v, "-p", "Hello", "--max-tokens", "2", "--device", "cuda"]);
-    assert!(!cuda.status.success());
     let err = String::from_utf8_lossy(&cuda.stderr);
-    // With a GPU: the backend lacks the layers; without one: there is no driver to use.
-    assert!(err.contains("Gated DeltaNet linear attention") || err.contains("--device cuda"), "{err}");
+    assert!(cuda.status.success() || err.contains("--device cuda"), "{err}");
     assert!(!err.contains("panicked"), "{err}");
 }
 
