@@ -133,7 +133,7 @@ impl ModelArgs {
         exists(vault)?;
         let (mut chosen, mut line) =
             self.device.choose(&crate::device::cuda_options(self.gpu_cache, self.gpu_misses, Some(vault), precision)?)?;
-        // `auto` runs a model the GPU backend cannot (Qwen3-Next or DeepSeek-V4 for now) on the CPU.
+        // `auto` runs a model the GPU backend cannot (DeepSeek-V4 for now) on the CPU.
         if let (crate::device::Device::Auto, crate::device::Chosen::Cuda(b)) = (&self.device, &chosen) {
             let sizes = smoe_engine::model_sizes(vault).with_context(|| format!("open {}", vault.display()))?;
             if let Some(why) = smoe_engine::backend_lacks(&sizes.arch, &sizes.formats, &**b) {

@@ -106,7 +106,7 @@ fn ready<B: Backend + 'static, W: OnEngine>((mut engine, report): (Engine<B>, Op
 }
 
 /// The server's models on a GPU: each opens on its own [`smoe_cuda::CudaBackend`] of the same
-/// device. Chosen by `--device auto`, a model the GPU backend cannot run (Qwen3-Next or DeepSeek-V4 for now)
+/// device. Chosen by `--device auto`, a model the GPU backend cannot run (DeepSeek-V4 for now)
 /// opens on the CPU instead, and the log says why; with an explicit `--device cuda` it fails
 /// to load with the reason.
 pub struct CudaOpener {
