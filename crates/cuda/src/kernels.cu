@@ -66,16 +66,15 @@ __device__ __forceinline__ void load32(const u8* p, u32* w) {
 #define BYTE(w, l) (((w)[(l) >> 2] >> (8 * ((l) & 3))) & 0xFF)
 
 // Q4_K / Q5_K: 6-bit scale and minimum of sub-block j from the 12 packed bytes, byte(l) giving
-// byte l (from memory, or from words already in registers).
+// byte l (from memory, or from words already in registers). By selects, not a branch on
+// j < 4: where j is known only at run time, a branch between two tasks' decodes kept the
+// compiler from issuing the later task's loads before the earlier one's sums.
 template <class Byte>
 __device__ __forceinline__ void scale_min_k4_of(int j, Byte byte, float* sc, float* mn) {
-    if (j < 4) {
-        *sc = (float)(byte(j) & 63);
-        *mn = (float)(byte(j + 4) & 63);
-    } else {
-        *sc = (float)((byte(j + 4) & 0xF) | ((byte(j - 4) >> 6) << 4));
-        *mn = (float)((byte(j + 4) >> 4) | ((byte(j) >> 6) << 4));
-    }
+    u32 bj = byte(j), b4 = byte(j + 4), lo = byte(j & 3);  // lo: byte j - 4 where j >= 4
+    bool first = j < 4;
+    *sc = (float)(first ? bj & 63 : (b4 & 0xF) | ((lo >> 6) << 4));
+    *mn = (float)(first ? b4 & 63 : (b4 >> 4) | ((bj >> 6) << 4));
 }
 __device__ __forceinline__ void scale_min_k4(int j, const u8* q, float* sc, float* mn) {
     scale_min_k4_of(j, [q](int l) { return (u32)q[l]; }, sc, mn);
@@ -767,20 +766,6 @@ __device__ __forceinline__ MvqW<12> mvq_load<12>(const u8* row, int t) {
     return MvqW<12>{*(const uint4*)b, *(const uint4*)(b + 16 + 32 * p), *(const uint4*)(b + 32 + 32 * p)};
 }
 
-// scale_min_k4 for a sub-block j known only at run time, from the super-block's first 16 bytes
-// in registers (the 12 packed scales are bytes 4-15), by selects: a branch on j < 4 between
-// tasks kept the compiler from issuing a later task's loads before an earlier task's sums.
-__device__ __forceinline__ void scale_min_k4_sel(int j, uint4 h, float* sc, float* mn) {
-    auto byte = [&h](int l) {
-        u32 word = l < 4 ? h.y : l < 8 ? h.z : h.w;
-        return (word >> (8 * (l & 3))) & 0xFF;
-    };
-    u32 bj = byte(j), b4 = byte(j + 4), lo = byte(j & 3);  // lo: byte j - 4 where j >= 4
-    bool first = j < 4;
-    *sc = (float)(first ? bj & 63 : (b4 & 0xF) | ((lo >> 6) << 4));
-    *mn = (float)(first ? b4 & 63 : (b4 >> 4) | ((bj >> 6) << 4));
-}
-
 template <int F>
 __device__ __forceinline__ float mvq_dot(const MvqW<F>& w, int t, const signed char* xq, const float* xd, const float* xs);
 template <>
@@ -808,9 +793,14 @@ __device__ __forceinline__ float mvq_dot<12>(const MvqW<12>& w, int t, const sig
         s0 = __dp4a((int)(q[k] & 0x0F0F0F0F), lo[k], s0);
         s1 = __dp4a((int)((q[k] >> 4) & 0x0F0F0F0F), hi[k], s1);
     }
+    // Byte l of the 12 packed scales (bytes 4-15 of the super-block), from registers.
+    auto byte = [&w](int l) {
+        u32 word = l < 4 ? w.h.y : l < 8 ? w.h.z : w.h.w;
+        return (word >> (8 * (l & 3))) & 0xFF;
+    };
     float sc0, mn0, sc1, mn1;
-    scale_min_k4_sel(2 * p, w.h, &sc0, &mn0);
-    scale_min_k4_sel(2 * p + 1, w.h, &sc1, &mn1);
+    scale_min_k4_of(2 * p, byte, &sc0, &mn0);
+    scale_min_k4_of(2 * p + 1, byte, &sc1, &mn1);
     float d = half_bits((u16)(w.h.x & 0xFFFF)), dmin = half_bits((u16)(w.h.x >> 16));
     return d * (sc0 * xd[g0] * (float)s0 + sc1 * xd[g0 + 1] * (float)s1) - dmin * (mn0 * xs[g0] + mn1 * xs[g0 + 1]);
 }
