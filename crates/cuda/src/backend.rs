@@ -1417,7 +1417,7 @@ impl Backend for CudaBackend {
     }
     fn gated_delta_net(
         &self,
-        p: smoe_engine::backend::DeltaNetParams<'_>,
+        p: smoe_engine::backend::DeltaNetParams<'_, CudaVector>,
         x: &CudaBuf,
         row0: usize,
         n: usize,

@@ -190,9 +190,10 @@ impl AttnParams<'_> {
 /// One Gated DeltaNet layer's parameters (Qwen3-Next, see [`smoe_vault::LinearAttention`]),
 /// for [`Backend::gated_delta_net`]. Its input rows hold `[q | k | v]` (`channels` values, before
 /// the convolution), then `z` (`value_heads × value_dim`), then `b` and `a` (`value_heads`
-/// each), `stride` floats a row.
-#[derive(Clone, Copy, Debug)]
-pub struct DeltaNetParams<'a> {
+/// each), `stride` floats a row. The four parameter vectors are `V`s: host slices for the
+/// host code (`crate::delta`), a backend's resident vectors through [`Backend::gated_delta_net`]
+/// (loaded once with the model, not copied with every call).
+pub struct DeltaNetParams<'a, V: ?Sized = [f32]> {
     /// Key (and query) heads.
     pub key_heads: usize,
     /// Value heads; value head `j` reads key head `j / (value_heads / key_heads)`, or `j %
@@ -207,18 +208,44 @@ pub struct DeltaNetParams<'a> {
     /// Taps of the causal convolution.
     pub taps: usize,
     /// `[channels, taps]`: the convolution's weights, the last tap on the current token.
-    pub conv: &'a [f32],
+    pub conv: &'a V,
     /// `-exp(A_log)` per value head.
-    pub neg_a: &'a [f32],
+    pub neg_a: &'a V,
     /// `dt_bias` per value head.
-    pub dt_bias: &'a [f32],
+    pub dt_bias: &'a V,
     /// `[value_dim]`: the gated RMSNorm's weights.
-    pub norm: &'a [f32],
+    pub norm: &'a V,
     /// The gated RMSNorm's epsilon.
     pub eps: f32,
 }
 
-impl DeltaNetParams<'_> {
+// By hand: derived, they would ask `V: Clone`, which a slice is not.
+impl<V: ?Sized> Clone for DeltaNetParams<'_, V> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<V: ?Sized> Copy for DeltaNetParams<'_, V> {}
+
+impl<V: ?Sized> DeltaNetParams<'_, V> {
+    /// The same layer with its parameter vectors held as `W`s (`conv`, `neg_a`, `dt_bias`,
+    /// `norm`, in that order).
+    pub fn with<'b, W: ?Sized>(&self, conv: &'b W, neg_a: &'b W, dt_bias: &'b W, norm: &'b W) -> DeltaNetParams<'b, W> {
+        DeltaNetParams {
+            key_heads: self.key_heads,
+            value_heads: self.value_heads,
+            tiled: self.tiled,
+            key_dim: self.key_dim,
+            value_dim: self.value_dim,
+            taps: self.taps,
+            conv,
+            neg_a,
+            dt_bias,
+            norm,
+            eps: self.eps,
+        }
+    }
+
     /// Channels of `[q | k | v]`.
     pub fn channels(&self) -> usize {
         2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
@@ -674,7 +701,7 @@ pub trait Backend: Send + Sync {
     #[allow(clippy::too_many_arguments)]
     fn gated_delta_net(
         &self,
-        _p: DeltaNetParams<'_>,
+        _p: DeltaNetParams<'_, Self::Vector>,
         _x: &Self::Buf,
         _row0: usize,
         _n: usize,

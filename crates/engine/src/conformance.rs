@@ -923,7 +923,7 @@ impl<B: Backend> Suite<'_, B> {
         let (kh, vh, kd, vd, taps) = (2, 6, 16, 8, 4);
         let (conv, neg_a, dt, norm) = (self.values((2 * kh * kd + vh * vd) * taps), self.values(vh), self.values(vh), self.values(vd));
         let neg_a: Vec<f32> = neg_a.iter().map(|v| -v.abs() - 0.1).collect();
-        let p = crate::backend::DeltaNetParams {
+        let p: crate::backend::DeltaNetParams<'_> = crate::backend::DeltaNetParams {
             key_heads: kh,
             value_heads: vh,
             tiled: false,
@@ -942,9 +942,11 @@ impl<B: Backend> Suite<'_, B> {
         let xb = self.buf(x.len(), &x);
         let mut state = self.buf(sf, &vec![7.0; sf]);
         let mut out = self.buf(rows * vw, &vec![0.0; rows * vw]);
-        self.b.gated_delta_net(p, &xb, 2, 9, &mut state, true, &mut out);
+        let vectors = [&conv, &neg_a, &dt, &norm].map(|v| self.b.vector(v));
+        let on_backend = p.with(&vectors[0], &vectors[1], &vectors[2], &vectors[3]);
+        self.b.gated_delta_net(on_backend, &xb, 2, 9, &mut state, true, &mut out);
         for t in 11..rows {
-            self.b.gated_delta_net(p, &xb, t, 1, &mut state, false, &mut out);
+            self.b.gated_delta_net(on_backend, &xb, t, 1, &mut state, false, &mut out);
         }
         let (mut want_state, mut want) = (vec![0f32; sf], vec![0f32; rows * vw]);
         crate::delta::gated_delta_net(&p, &x[2 * stride..], 9, &mut want_state, true, &mut want[2 * vw..]);

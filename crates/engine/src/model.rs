@@ -39,13 +39,13 @@ pub(crate) struct LinearAttn<B: Backend> {
     pub b: B::Matrix,
     pub a: B::Matrix,
     pub out: B::Matrix,
-    /// `[channels, taps]`, on the host (as [`crate::backend::DeltaNetParams`] takes them).
-    pub conv: Vec<f32>,
+    /// `[channels, taps]`.
+    pub conv: B::Vector,
     /// `-exp(A_log)` per value head.
-    pub neg_a: Vec<f32>,
-    pub dt_bias: Vec<f32>,
+    pub neg_a: B::Vector,
+    pub dt_bias: B::Vector,
     /// The gated RMSNorm's weights, `[value_dim]`.
-    pub norm: Vec<f32>,
+    pub norm: B::Vector,
     /// Which of a sequence's recurrent states this layer carries (its rank among the linear
     /// layers).
     pub slot: usize,
@@ -375,10 +375,10 @@ impl<B: Backend> Model<B> {
                     b: ld.matrix(&t("lin.b"))?,
                     a: ld.matrix(&t("lin.a"))?,
                     out: ld.matrix(&t("lin.out"))?,
-                    conv: ld.f32s(&t("lin.conv"))?,
-                    neg_a: ld.f32s(&t("lin.a_log"))?.into_iter().map(|v| -v.exp()).collect(),
-                    dt_bias: ld.f32s(&t("lin.dt_bias"))?,
-                    norm: ld.f32s(&t("lin.norm"))?,
+                    conv: ld.vector(&t("lin.conv"))?,
+                    neg_a: ld.backend.vector(&ld.f32s(&t("lin.a_log"))?.into_iter().map(|v| -v.exp()).collect::<Vec<_>>()),
+                    dt_bias: ld.vector(&t("lin.dt_bias"))?,
+                    norm: ld.vector(&t("lin.norm"))?,
                     slot,
                 })
             } else {
@@ -608,7 +608,7 @@ impl<B: Backend> Model<B> {
     }
 
     /// The parameters [`Backend::gated_delta_net`] takes for `a`.
-    pub(crate) fn delta_params<'m>(&'m self, a: &'m LinearAttn<B>) -> crate::backend::DeltaNetParams<'m> {
+    pub(crate) fn delta_params<'m>(&'m self, a: &'m LinearAttn<B>) -> crate::backend::DeltaNetParams<'m, B::Vector> {
         let la = self.arch.linear_attention.as_ref().expect("a linear layer without linear attention");
         crate::backend::DeltaNetParams {
             key_heads: la.key_heads,

@@ -3,10 +3,11 @@
 //! head), then the delta-rule recurrence with its gated RMSNorm (a block per value head, a
 //! thread per state column), token by token for every call. The CPU runs long calls in the
 //! chunked form instead; both give the same values up to rounding and continue each other's
-//! states. The layer's small parameters (convolution weights, decay, biases, norm) come as host
-//! slices through the seam and are staged with each call.
+//! states. The layer's small parameters (convolution weights, decay, biases, norm) are vectors
+//! in VRAM, loaded with the model.
 
-use super::{cfg_elems, CudaBackend, CudaBuf};
+use super::{cfg_elems, CudaBackend, CudaBuf, CudaVector};
+use crate::buf::dptr;
 use crate::launch::Launch;
 use cudarc::driver::LaunchConfig;
 use smoe_engine::backend::{check, check_rows, DeltaNetParams};
@@ -15,7 +16,7 @@ impl CudaBackend {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn delta_net(
         &self,
-        p: DeltaNetParams<'_>,
+        p: DeltaNetParams<'_, CudaVector>,
         x: &CudaBuf,
         row0: usize,
         n: usize,
@@ -32,13 +33,11 @@ impl CudaBackend {
         check_rows("gated_delta_net output", out, row0, n, vw, 0, vw);
         check("gated_delta_net state", state, 1, p.state_floats());
         assert!(
-            p.conv.len() == c * p.taps && p.neg_a.len() == vh && p.dt_bias.len() == vh && p.norm.len() == vd,
+            p.conv.len == c * p.taps && p.neg_a.len == vh && p.dt_bias.len == vh && p.norm.len == vd,
             "gated_delta_net: parameters of the wrong lengths"
         );
         assert!(p.taps >= 1 && vd <= 1024 && kh > 0 && vh % kh == 0, "gated_delta_net: {vd} value dims, {kh} key heads for {vh}");
-        let Some(params) = self.stage_f32("gated_delta_net", &[p.conv, p.neg_a, p.dt_bias, p.norm]) else { return };
-        let (conv, neg_a) = (params, params + 4 * p.conv.len() as u64);
-        let (dt_bias, norm) = (neg_a + 4 * vh as u64, neg_a + 8 * vh as u64);
+        let [conv, neg_a, dt_bias, norm] = [p.conv, p.neg_a, p.dt_bias, p.norm].map(|v| dptr(&v.data, &self.stream));
         let Some(y) = self.float_scratch(&self.delta_part, n * c, "gated_delta_net rows") else { return };
         let xp = x.at(&self.stream) + (4 * row0 * stride) as u64;
         let op = out.at_mut(&self.stream) + (4 * row0 * vw) as u64;

@@ -400,7 +400,17 @@ impl Backend for CpuBackend {
         let kernels = (self.precision == Precision::Fast).then_some(self.kernels);
         sparse::index_select(l, q, weights, at, out, kernels);
     }
-    fn gated_delta_net(&self, p: DeltaNetParams<'_>, x: &CpuBuf, row0: usize, n: usize, state: &mut CpuBuf, fresh: bool, out: &mut CpuBuf) {
+    fn gated_delta_net(
+        &self,
+        p: DeltaNetParams<'_, Vec<f32>>,
+        x: &CpuBuf,
+        row0: usize,
+        n: usize,
+        state: &mut CpuBuf,
+        fresh: bool,
+        out: &mut CpuBuf,
+    ) {
+        let p = p.with(&p.conv[..], &p.neg_a[..], &p.dt_bias[..], &p.norm[..]);
         let vw = p.value_heads * p.value_dim;
         let stride = p.stride();
         check_rows("gated_delta_net", x, row0, n, stride, 0, stride);
