@@ -652,7 +652,7 @@ mod tests {
         let (kh, vh, kd, vd, taps) = (2, 4, 32, 48, 4);
         let conv = noise((2 * kh * kd + vh * vd) * taps, 41);
         let (neg_a, dt, norm) = (vec![-0.1f32; vh], vec![0.0f32; vh], noise(vd, 42));
-        let p = DeltaNetParams {
+        let p: DeltaNetParams<'_> = DeltaNetParams {
             key_heads: kh,
             value_heads: vh,
             tiled: false,
@@ -727,7 +727,7 @@ mod tests {
                     let c = 2 * kh * kd + vh * vd;
                     let conv = noise(c * taps, 21);
                     let (neg_a, dt, norm) = (vec![neg_a; vh], vec![dt_bias; vh], noise(vd, 22));
-                    let p = DeltaNetParams {
+                    let p: DeltaNetParams<'_> = DeltaNetParams {
                         key_heads: kh,
                         value_heads: vh,
                         tiled,
@@ -802,7 +802,7 @@ mod timing {
         let (kh, vh, kd, vd, taps) = (16, 32, 128, 128, 4);
         let c = 2 * kh * kd + vh * vd;
         let (conv, neg_a, dt, norm) = (vec![0.1f32; c * taps], vec![-0.5f32; vh], vec![0.5f32; vh], vec![1.0f32; vd]);
-        let p = DeltaNetParams {
+        let p: DeltaNetParams<'_> = DeltaNetParams {
             key_heads: kh,
             value_heads: vh,
             tiled: false,
