@@ -151,9 +151,10 @@ pub struct CompressedParams<'a> {
 }
 
 /// One compression of closed windows (DeepSeek-V4's compressor), see
-/// [`Backend::compress_windows`].
-#[derive(Clone, Copy, Debug)]
-pub struct CompressWindows<'a> {
+/// [`Backend::compress_windows`]. `bias` and `norm` are `V`s: host slices for the host code, a
+/// backend's resident vectors through [`Backend::compress_windows`] (loaded once with the model,
+/// not copied with every call: a rate-128 compressor's bias is 64 K floats).
+pub struct CompressWindows<'a, V: ?Sized = [f32]> {
     /// The cache layer of per-position `[kv | gate]` rows (each `c × dim`, `c` 2 when
     /// overlapping).
     pub raw_layer: usize,
@@ -170,14 +171,33 @@ pub struct CompressWindows<'a> {
     /// Each entry pools its window's second halves with the previous window's first halves.
     pub overlap: bool,
     /// `[rate, c × dim]`: added to the gate of the window's `i`-th position.
-    pub bias: &'a [f32],
+    pub bias: &'a V,
     /// `[dim]`: the RMSNorm of each entry.
-    pub norm: &'a [f32],
+    pub norm: &'a V,
     /// RMSNorm epsilon.
     pub eps: f32,
     /// Per window, the RoPE tables at its first position (interleaved pairs), rotating the last
     /// `2 × cos.len() / count` dimensions of the entry.
     pub rope: RopeTables<'a>,
+}
+
+// By hand: derived, they would ask `V: Clone`, which a slice is not.
+impl<V: ?Sized> Clone for CompressWindows<'_, V> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<V: ?Sized> Copy for CompressWindows<'_, V> {}
+
+impl<V: ?Sized> CompressWindows<'_, V> {
+    /// The same compression with its bias and norm held as `W`s.
+    pub fn with<'b, W: ?Sized>(&self, bias: &'b W, norm: &'b W) -> CompressWindows<'b, W>
+    where
+        Self: 'b,
+    {
+        let CompressWindows { raw_layer, entry_layer, first, count, rate, dim, overlap, eps, rope, .. } = *self;
+        CompressWindows { raw_layer, entry_layer, first, count, rate, dim, overlap, bias, norm, eps, rope }
+    }
 }
 
 impl AttnParams<'_> {
@@ -669,7 +689,7 @@ pub trait Backend: Send + Sync {
     /// row `w` of `c.entry_layer`. With overlap, position `i` of window `w` contributes its
     /// second-half channels to entry `w` and its first-half channels to entry `w + 1` (window 0
     /// has no predecessor). Only called where [`Self::attends_compressed`].
-    fn compress_windows(&self, _cache: &mut Self::KvCache, _c: CompressWindows<'_>) {
+    fn compress_windows(&self, _cache: &mut Self::KvCache, _c: CompressWindows<'_, Self::Vector>) {
         panic!("compress_windows: this backend does not run compressed attention (attends_compressed is false)");
     }
     /// DeepSeek-V4's attention of `n` queries at positions `pos0..` (rows of `q`, `q_heads`

@@ -9,7 +9,8 @@
 //! values, so the suite measures the backend's arithmetic, not the format's rounding.
 
 use crate::backend::{
-    AttnParams, Backend, CompressedParams, ExpertPart, IndexQueries, KvShape, MatJob, QkvRows, RopeTables, Selection, WeightRef,
+    AttnParams, Backend, CompressWindows, CompressedParams, ExpertPart, IndexQueries, KvShape, MatJob, QkvRows, RopeTables, Selection,
+    WeightRef,
 };
 use crate::routing::{RouteScratch, RouterRule};
 use rand::rngs::StdRng;
@@ -579,6 +580,7 @@ impl<B: Backend> Suite<'_, B> {
             ("softmax", 33, 7, Router::Softmax, false, 1.0),
             ("sigmoid, 8 groups, best 3", 64, 6, Router::SigmoidGrouped { n_group: 8, topk_group: 3, correction_bias: true }, true, 2.5),
             ("sigmoid, groups of one", 16, 2, Router::SigmoidGrouped { n_group: 16, topk_group: 4, correction_bias: true }, false, 1.0),
+            ("sqrt-softplus, renormalised", 48, 6, Router::SqrtSoftplus { correction_bias: true }, true, 1.5),
         ];
         for (case, e, k, router, norm, scaling) in rules {
             let moe = Moe {
@@ -596,8 +598,10 @@ impl<B: Backend> Suite<'_, B> {
             };
             let rule = RouterRule::new(&moe);
             let n = 5;
-            let logits: Vec<f32> = self.values(n * e).iter().map(|v| 4.0 * v).collect();
-            let bias_host = matches!(router, Router::SigmoidGrouped { .. }).then(|| self.values(e));
+            // Sqrt-softplus is linear above 20: logits on both sides of it.
+            let spread = if matches!(router, Router::SqrtSoftplus { .. }) { 25.0 } else { 4.0 };
+            let logits: Vec<f32> = self.values(n * e).iter().map(|v| spread * v).collect();
+            let bias_host = matches!(router, Router::SigmoidGrouped { .. } | Router::SqrtSoftplus { .. }).then(|| self.values(e));
             let bias = bias_host.as_ref().map(|b| self.b.vector(b));
             let lb = self.buf(n * e, &logits);
             let at = 3;
@@ -1019,22 +1023,79 @@ impl<B: Backend> Suite<'_, B> {
                 let seen = (pos + 1) / rate;
                 let picked: Vec<usize> = if selected { (0..seen).step_by(2).collect() } else { (0..seen).collect() };
                 rows.extend(picked.iter().map(|&j| &entries[j * dim..][..dim]));
-                for h in 0..heads {
-                    let qh = &q[(t * heads + h) * dim..][..dim];
-                    let scores: Vec<f64> = rows
-                        .iter()
-                        .map(|r| qh.iter().zip(*r).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() / (dim as f64).sqrt())
-                        .collect();
-                    let max = scores.iter().fold(sinks[h] as f64, |a, &b| a.max(b));
-                    let den: f64 = scores.iter().map(|s| (s - max).exp()).sum::<f64>() + (sinks[h] as f64 - max).exp();
-                    for c in 0..dim {
-                        let v: f64 = scores.iter().zip(&rows).map(|(s, r)| (s - max).exp() * r[c] as f64).sum();
-                        want[(t * heads + h) * dim + c] = (v / den) as f32;
-                    }
-                }
+                let row = heads * dim;
+                attention_with_sinks(&q[t * row..][..row], heads, dim, &rows, &sinks, &mut want[t * row..][..row]);
             }
             let tol = self.tol.attention;
             self.compare("attention_compressed", what, &got, &want, |_| tol);
+        }
+        self.compressor();
+    }
+
+    /// DeepSeek-V4's compressor: closed windows pooled into entries in two calls (the second
+    /// starting where the first stopped, reading the previous window where windows overlap),
+    /// then read back through [`Backend::attention_compressed`] (a window of one position and
+    /// every entry), against [`compressed_entry`] and the plain attention over them.
+    fn compressor(&mut self) {
+        // (what, overlap, rate, dim, windows in the first call, windows)
+        let cases = [("overlapping windows of 4, entries of 24", true, 4, 24, 2, 5), ("windows of 8, entries of 20", false, 8, 20, 1, 3)];
+        for (what, overlap, rate, dim, split, count) in cases {
+            let cw = if overlap { 2 * dim } else { dim };
+            // Two positions more, in a window still open.
+            let positions = count * rate + 2;
+            let raw: Vec<f32> = self.values(positions * 2 * cw).iter().map(|v| 3.0 * v).collect();
+            let bias = self.values(rate * cw);
+            let norm: Vec<f32> = self.values(dim).iter().map(|v| 1.0 + 0.2 * v).collect();
+            let half = 3;
+            let angles = self.values(count * half);
+            let (cs, sn): (Vec<f32>, Vec<f32>) = angles.iter().map(|a| ((3.0 * a).cos(), (3.0 * a).sin())).unzip();
+            let keys = self.values(positions * dim);
+            let row = |w: usize| KvShape { heads: 1, k_dim: w, v_dim: 0, values_in_keys: true, keep: None };
+            let mut cache = self.b.kv_cache(&[KvShape { v_dim: dim, ..row(dim) }, row(2 * cw), row(dim)]);
+            self.b.kv_store(&mut cache, 0, 0, positions, &self.buf(keys.len(), &keys), dim, 0, None);
+            self.b.kv_store(&mut cache, 1, 0, positions, &self.buf(raw.len(), &raw), 2 * cw, 0, None);
+            let (bv, nv) = (self.b.vector(&bias), self.b.vector(&norm));
+            for (first, n) in [(0, split), (split, count - split)] {
+                let rope = RopeTables { cos: &cs[first * half..][..n * half], sin: &sn[first * half..][..n * half], interleaved: true };
+                let c = CompressWindows {
+                    raw_layer: 1,
+                    entry_layer: 2,
+                    first,
+                    count: n,
+                    rate,
+                    dim,
+                    overlap,
+                    bias: &bv,
+                    norm: &nv,
+                    eps: 1e-6,
+                    rope,
+                };
+                self.b.compress_windows(&mut cache, c);
+            }
+            let heads = 2;
+            let (q, sinks) = (self.values(heads * dim), self.values(heads));
+            let pos = positions - 1;
+            let p = CompressedParams {
+                q_heads: heads,
+                scale: 1.0 / (dim as f32).sqrt(),
+                window: 1,
+                sinks: &sinks,
+                entries: Some((2, rate)),
+                selected: None,
+            };
+            let mut out = self.buf(heads * dim, &[]);
+            self.b.attention_compressed(&cache, 0, &self.buf(q.len(), &q), 1, pos, p, &mut out);
+            let got = self.read(&out, heads * dim);
+            let entries: Vec<Vec<f32>> = (0..count)
+                .map(|w| compressed_entry(&raw, w, rate, dim, overlap, &bias, &norm, &cs[w * half..][..half], &sn[w * half..][..half]))
+                .collect();
+            let mut rows: Vec<&[f32]> = vec![&keys[pos * dim..][..dim]];
+            rows.extend(entries.iter().map(|e| &e[..]));
+            let mut want = vec![0f32; heads * dim];
+            attention_with_sinks(&q, heads, dim, &rows, &sinks, &mut want);
+            let largest = rows.iter().flat_map(|r| r.iter()).fold(0f32, |m, v| m.max(v.abs()));
+            let tol = self.tol.attention * largest.max(1.0);
+            self.compare("compress_windows", what, &got, &want, |_| tol);
         }
     }
 
@@ -1057,24 +1118,30 @@ impl<B: Backend> Suite<'_, B> {
         let got = self.read(&xb, n * stride);
         self.compare_elementwise("layer_norm_strided", "segments of 24 at 10 in rows of 50", &got, &want);
 
-        // Selection: (what, positions cached, queries at the end, first row, heads, dim, top).
+        // Selection: (what, positions, queries at the end, first row, heads, dim, top, positions
+        // per key). DeepSeek-V4's keys are compressed entries, one per `rate` positions.
         let cases = [
-            ("decode, one query after 1100 positions", 1100, 1, 0, 4, 16, 64),
-            ("5 queries after 295 positions, from row 2", 300, 5, 2, 3, 32, 40),
-            ("40 queries from the start, 16 kept", 40, 40, 0, 2, 8, 16),
+            ("decode, one query after 1100 positions", 1100, 1, 0, 4, 16, 64, 1),
+            ("5 queries after 295 positions, from row 2", 300, 5, 2, 3, 32, 40, 1),
+            ("40 queries from the start, 16 kept", 40, 40, 0, 2, 8, 16, 1),
+            ("30 queries from the start, a key per 4 positions, 5 kept", 30, 30, 1, 2, 16, 5, 4),
         ];
         let index_keys = KvShape { heads: 1, k_dim: 0, v_dim: 0, values_in_keys: true, keep: None };
-        for (what, positions, n, row0, heads, dim, top) in cases {
+        for (what, positions, n, row0, heads, dim, top, rate) in cases {
+            if rate > 1 && !self.b.attends_compressed() {
+                continue;
+            }
             let shape = KvShape { k_dim: dim, ..index_keys };
-            let keys = self.values(positions * dim);
+            let key_count = positions / rate;
+            let keys = self.values(key_count * dim);
             let mut cache = self.b.kv_cache(&[shape]);
-            self.b.kv_store(&mut cache, 0, 0, positions, &self.buf(keys.len(), &keys), dim, 0, None);
+            self.b.kv_store(&mut cache, 0, 0, key_count, &self.buf(keys.len(), &keys), dim, 0, None);
             let rows = row0 + n;
             let (q, wts) = (self.values(rows * heads * dim), self.values(rows * heads));
             let (qb, wb) = (self.buf(q.len(), &q), self.buf(wts.len(), &wts));
             let mut out = vec![0u32; n * top];
             let pos0 = positions - n;
-            self.b.index_select(&cache, 0, &qb, &wb, IndexQueries { row0, n, pos0, heads, top, rate: 1 }, &mut out);
+            self.b.index_select(&cache, 0, &qb, &wb, IndexQueries { row0, n, pos0, heads, top, rate }, &mut out);
             self.cases += 1;
             for t in 0..n {
                 let p = pos0 + t;
@@ -1089,11 +1156,12 @@ impl<B: Backend> Suite<'_, B> {
                 };
                 let row = &out[t * top..][..top];
                 let kept: Vec<usize> = row.iter().take_while(|&&j| j != u32::MAX).map(|&j| j as usize).collect();
-                let expect_len = top.min(p + 1);
+                let seen = (p + 1) / rate;
+                let expect_len = top.min(seen);
                 let ascending = kept.windows(2).all(|w| w[0] < w[1]);
-                let valid = kept.len() == expect_len && ascending && kept.iter().all(|&j| j <= p);
+                let valid = kept.len() == expect_len && ascending && kept.iter().all(|&j| j < seen);
                 let worst_kept = kept.iter().map(|&j| score(j)).fold(f64::MAX, f64::min);
-                let best_dropped = (0..=p).filter(|j| !kept.contains(j)).map(score).fold(f64::MIN, f64::max);
+                let best_dropped = (0..seen).filter(|j| !kept.contains(j)).map(score).fold(f64::MIN, f64::max);
                 let scale = (0..heads).map(|h| wts[(row0 + t) * heads + h].abs() as f64).sum::<f64>() * dim as f64;
                 if !valid || best_dropped > worst_kept + 1e-5 * scale {
                     self.failures.push(format!(
@@ -1222,6 +1290,81 @@ impl<B: Backend> Suite<'_, B> {
             }
             let tol = self.tol.attention * 4.0;
             self.compare("qk_rope_store", &format!("{what}: stored keys and values, through attention"), &outs[0], &outs[1], |_| tol);
+        }
+    }
+}
+
+/// Entry `w` as transformers' compressors build it, written out plainly in f64 (the reference
+/// of [`Backend::compress_windows`], RMSNorm epsilon 1e-6): from `raw`'s `[kv | gate]` rows
+/// (`2 × c × dim` a position), the window's `[2 × rate, dim]` slots (the previous window's
+/// first halves, -inf gates at window 0, then this window's second halves; or just the window
+/// without overlap), a softmax over slots per channel, the weighted sum, RMSNorm with `norm`,
+/// RoPE on the last `2 × cs.len()` dimensions.
+#[allow(clippy::too_many_arguments)]
+pub fn compressed_entry(
+    raw: &[f32],
+    w: usize,
+    rate: usize,
+    dim: usize,
+    overlap: bool,
+    bias: &[f32],
+    norm: &[f32],
+    cs: &[f32],
+    sn: &[f32],
+) -> Vec<f32> {
+    let cw = if overlap { 2 * dim } else { dim };
+    let row = |p: usize| &raw[p * 2 * cw..][..2 * cw];
+    let mut slots: Vec<(Vec<f64>, Vec<f64>)> = Vec::new(); // (kv, gate) per slot
+    if overlap {
+        for i in 0..rate {
+            if w == 0 {
+                slots.push((vec![0.0; dim], vec![f64::NEG_INFINITY; dim]));
+            } else {
+                let r = row((w - 1) * rate + i);
+                slots.push(((0..dim).map(|c| r[c] as f64).collect(), (0..dim).map(|c| (r[cw + c] + bias[i * cw + c]) as f64).collect()));
+            }
+        }
+    }
+    let off = if overlap { dim } else { 0 };
+    for i in 0..rate {
+        let r = row(w * rate + i);
+        slots.push((
+            (0..dim).map(|c| r[off + c] as f64).collect(),
+            (0..dim).map(|c| (r[cw + off + c] + bias[i * cw + off + c]) as f64).collect(),
+        ));
+    }
+    let mut e: Vec<f64> = (0..dim)
+        .map(|c| {
+            let max = slots.iter().fold(f64::NEG_INFINITY, |m, s| m.max(s.1[c]));
+            let den: f64 = slots.iter().map(|s| (s.1[c] - max).exp()).sum();
+            slots.iter().map(|s| (s.1[c] - max).exp() * s.0[c]).sum::<f64>() / den
+        })
+        .collect();
+    let rms = (e.iter().map(|v| v * v).sum::<f64>() / dim as f64 + 1e-6).sqrt();
+    for (v, &g) in e.iter_mut().zip(norm) {
+        *v = *v / rms * g as f64;
+    }
+    let half = cs.len();
+    for i in 0..half {
+        let (a, b) = (e[dim - 2 * half + 2 * i], e[dim - 2 * half + 2 * i + 1]);
+        e[dim - 2 * half + 2 * i] = a * cs[i] as f64 - b * sn[i] as f64;
+        e[dim - 2 * half + 2 * i + 1] = b * cs[i] as f64 + a * sn[i] as f64;
+    }
+    e.into_iter().map(|v| v as f32).collect()
+}
+
+/// One query's attention (`heads` heads of `dim` in `q`, scale `1/sqrt(dim)`) over `rows`
+/// (keys equal to values) in f64, each head's softmax with its sink: DeepSeek-V4's.
+fn attention_with_sinks(q: &[f32], heads: usize, dim: usize, rows: &[&[f32]], sinks: &[f32], out: &mut [f32]) {
+    for h in 0..heads {
+        let qh = &q[h * dim..][..dim];
+        let scores: Vec<f64> =
+            rows.iter().map(|r| qh.iter().zip(*r).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() / (dim as f64).sqrt()).collect();
+        let max = scores.iter().fold(sinks[h] as f64, |a, &b| a.max(b));
+        let den: f64 = scores.iter().map(|s| (s - max).exp()).sum::<f64>() + (sinks[h] as f64 - max).exp();
+        for c in 0..dim {
+            let v: f64 = scores.iter().zip(rows).map(|(s, r)| (s - max).exp() * r[c] as f64).sum();
+            out[h * dim + c] = (v / den) as f32;
         }
     }
 }

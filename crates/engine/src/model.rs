@@ -85,10 +85,10 @@ pub(crate) struct Indexer<B: Backend> {
 pub(crate) struct Compressor<B: Backend> {
     pub kv: B::Matrix,
     pub gate: B::Matrix,
-    /// `[rate, c × dim]`, on the host (the pooling reads it there).
-    pub bias: Vec<f32>,
+    /// `[rate, c × dim]`: added to the gates.
+    pub bias: B::Vector,
     /// `[dim]`: the entries' RMSNorm.
-    pub norm: Vec<f32>,
+    pub norm: B::Vector,
     pub dim: usize,
     pub rate: usize,
     pub overlap: bool,
@@ -336,8 +336,8 @@ impl<B: Backend> Model<B> {
                     Ok(Compressor {
                         kv: ld.matrix(&t(&format!("{prefix}_kv")))?,
                         gate: ld.matrix(&t(&format!("{prefix}_gate")))?,
-                        bias: ld.f32s(&t(&format!("{prefix}_bias")))?,
-                        norm: ld.f32s(&t(&format!("{prefix}_norm")))?,
+                        bias: ld.vector(&t(&format!("{prefix}_bias")))?,
+                        norm: ld.vector(&t(&format!("{prefix}_norm")))?,
                         dim,
                         rate: kind.rate(),
                         overlap: kind.overlaps(),

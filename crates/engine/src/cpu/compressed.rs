@@ -128,63 +128,6 @@ mod tests {
     use super::*;
     use crate::backend::RopeTables;
 
-    /// Entries as transformers' compressors build them, written out plainly: per window the
-    /// `[2 × rate, dim]` slots (the previous window's first halves, -inf gates at window 0,
-    /// then this window's second halves; or just the window without overlap), a softmax over
-    /// slots per channel, the weighted sum, RMSNorm, RoPE on the last dimensions.
-    fn reference(
-        raw: &[f32],
-        w: usize,
-        rate: usize,
-        dim: usize,
-        overlap: bool,
-        bias: &[f32],
-        norm: &[f32],
-        cs: &[f32],
-        sn: &[f32],
-    ) -> Vec<f32> {
-        let cw = if overlap { 2 * dim } else { dim };
-        let row = |p: usize| &raw[p * 2 * cw..][..2 * cw];
-        let mut slots: Vec<(Vec<f64>, Vec<f64>)> = Vec::new(); // (kv, gate) per slot
-        if overlap {
-            for i in 0..rate {
-                if w == 0 {
-                    slots.push((vec![0.0; dim], vec![f64::NEG_INFINITY; dim]));
-                } else {
-                    let r = row((w - 1) * rate + i);
-                    slots
-                        .push(((0..dim).map(|c| r[c] as f64).collect(), (0..dim).map(|c| (r[cw + c] + bias[i * cw + c]) as f64).collect()));
-                }
-            }
-        }
-        let off = if overlap { dim } else { 0 };
-        for i in 0..rate {
-            let r = row(w * rate + i);
-            slots.push((
-                (0..dim).map(|c| r[off + c] as f64).collect(),
-                (0..dim).map(|c| (r[cw + off + c] + bias[i * cw + off + c]) as f64).collect(),
-            ));
-        }
-        let mut e: Vec<f64> = (0..dim)
-            .map(|c| {
-                let max = slots.iter().fold(f64::NEG_INFINITY, |m, s| m.max(s.1[c]));
-                let den: f64 = slots.iter().map(|s| (s.1[c] - max).exp()).sum();
-                slots.iter().map(|s| (s.1[c] - max).exp() * s.0[c]).sum::<f64>() / den
-            })
-            .collect();
-        let rms = (e.iter().map(|v| v * v).sum::<f64>() / dim as f64 + 1e-6).sqrt();
-        for (v, &g) in e.iter_mut().zip(norm) {
-            *v = *v / rms * g as f64;
-        }
-        let half = cs.len();
-        for i in 0..half {
-            let (a, b) = (e[dim - 2 * half + 2 * i], e[dim - 2 * half + 2 * i + 1]);
-            e[dim - 2 * half + 2 * i] = a * cs[i] as f64 - b * sn[i] as f64;
-            e[dim - 2 * half + 2 * i + 1] = b * cs[i] as f64 + a * sn[i] as f64;
-        }
-        e.into_iter().map(|v| v as f32).collect()
-    }
-
     #[test]
     fn compressed_entries_equal_the_plain_formula() {
         let val = |i: usize| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 2.0;
@@ -209,15 +152,24 @@ mod tests {
                 rate,
                 dim,
                 overlap,
-                bias: &bias,
-                norm: &norm,
+                bias: &bias[..],
+                norm: &norm[..],
                 eps: 1e-6,
                 rope: RopeTables { cos: &cs, sin: &sn, interleaved: true },
             };
             compress_windows(&mut layers, c);
             for wi in 0..count {
-                let want =
-                    reference(&raw, first + wi, rate, dim, overlap, &bias, &norm, &cs[wi * half..][..half], &sn[wi * half..][..half]);
+                let want = crate::conformance::compressed_entry(
+                    &raw,
+                    first + wi,
+                    rate,
+                    dim,
+                    overlap,
+                    &bias,
+                    &norm,
+                    &cs[wi * half..][..half],
+                    &sn[wi * half..][..half],
+                );
                 let got = &layers[1].k[(first + wi) * dim..][..dim];
                 for (g, w) in got.iter().zip(&want) {
                     assert!((g - w).abs() < 1e-5 * (1.0 + w.abs()), "overlap {overlap} window {}: {got:?} vs {want:?}", first + wi);

@@ -447,8 +447,8 @@ impl Backend for CpuBackend {
             row.iter_mut().zip(g).for_each(|(a, &b)| *a /= 1.0 + (-b).exp());
         }
     }
-    fn compress_windows(&self, cache: &mut CpuKvCache, c: CompressWindows<'_>) {
-        compressed::compress_windows(&mut cache.layers, c);
+    fn compress_windows(&self, cache: &mut CpuKvCache, c: CompressWindows<'_, Vec<f32>>) {
+        compressed::compress_windows(&mut cache.layers, c.with(&c.bias[..], &c.norm[..]));
     }
     fn attention_compressed(
         &self,
