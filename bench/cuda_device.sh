@@ -14,7 +14,7 @@
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 aside=${SMOE_TESTDATA_ASIDE:-/tmp/smoe-testdata-aside}
-fixtures="qwen3_moe qwen2_moe mixtral olmoe qwen3_moe_yarn glm4_moe deepseek_v3 deepseek_v3_yarn glm_moe_dsa gpt_oss gpt_oss_mxfp4 qwen3_next minimax_m2 glm_moe_dsa_fp8 qwen3_5_moe deepseek_v4"
+fixtures="qwen3_moe qwen2_moe mixtral olmoe qwen3_moe_yarn glm4_moe deepseek_v3 deepseek_v3_yarn glm_moe_dsa gpt_oss gpt_oss_mxfp4 qwen3_next minimax_m2 glm_moe_dsa_fp8 qwen3_5_moe deepseek_v4 deepseek_v4_fp4"
 
 case "${1:-}" in
 pack)

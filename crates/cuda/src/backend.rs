@@ -14,6 +14,7 @@
 //! error is kept, later ops do nothing, and [`Backend::fault`] reports it, which the engine
 //! turns into an error after loading and after each forward call.
 
+mod compressed;
 mod delta;
 mod fused;
 mod sparse;
@@ -28,7 +29,10 @@ use crate::pinned::PinnedHost;
 use crate::staging::Staging;
 use crate::{compile_kernels, DeviceInfo};
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, DriverError, LaunchConfig};
-use smoe_engine::backend::{check, check_rows, AttnParams, Backend, IndexQueries, KvShape, MatJob, QkvRows, RopeTables, WeightRef};
+use smoe_engine::backend::{
+    check, check_rows, AttnParams, Backend, CompressWindows, CompressedParams, IndexQueries, KvShape, MatJob, QkvRows, RopeTables,
+    WeightRef,
+};
 use smoe_engine::routing::RouterRule;
 use smoe_engine::{CpuBackend, Precision};
 use smoe_quant::{Format, Layout, QMatrix};
@@ -194,6 +198,11 @@ struct Kernels {
     delta_l2norm: CudaFunction,
     delta_heads: CudaFunction,
     sigmoid_gate: CudaFunction,
+    compress_windows: CudaFunction,
+    attention_compressed: CudaFunction,
+    hc_collapse: CudaFunction,
+    hc_expand: CudaFunction,
+    silu_clamped: CudaFunction,
 }
 
 /// The kernels' name for each weight format.
@@ -287,6 +296,11 @@ impl Kernels {
             delta_l2norm: f("delta_l2norm")?,
             delta_heads: f("delta_heads")?,
             sigmoid_gate: f("sigmoid_gate")?,
+            compress_windows: f("compress_windows")?,
+            attention_compressed: f("attention_compressed")?,
+            hc_collapse: f("hc_collapse")?,
+            hc_expand: f("hc_expand")?,
+            silu_clamped: f("silu_clamped")?,
         })
     }
 
@@ -1038,6 +1052,11 @@ impl Backend for CudaBackend {
         true
     }
 
+    /// DeepSeek-V4's compressed attention: `backend/compressed.rs`.
+    fn attends_compressed(&self) -> bool {
+        true
+    }
+
     fn device_tier(&self) -> Option<smoe_engine::DeviceTier> {
         let e = self.expert_stats();
         // Experts kept by layer (all of them in VRAM) are a tier of their own size.
@@ -1157,15 +1176,18 @@ impl Backend for CudaBackend {
     fn kv_copy(&self, src: &CudaKvCache, dst: &mut CudaKvCache, positions: usize) -> bool {
         self.settle();
         for (d, s) in dst.layers.iter_mut().zip(&src.layers) {
-            assert!(positions <= s.len, "kv_copy: {positions} positions of a cache holding {}", s.len);
-            self.kv_grow(d, positions);
+            // A layer indexed by window (DeepSeek-V4's compressed entries) holds fewer rows than
+            // positions: what it holds of the prefix is copied, and the entries of windows the
+            // prefix leaves open are recomputed before they are read.
+            let rows = positions.min(s.len);
+            self.kv_grow(d, rows);
             if self.faulted() {
                 return false;
             }
-            d.len = positions;
+            d.len = rows;
             for (from, to, width) in [(&s.k, &mut d.k, s.k_width()), (&s.v, &mut d.v, s.v_width())] {
-                if let (Some(from), Some(to), true) = (from, to.as_mut(), positions * width > 0) {
-                    let r = self.stream.memcpy_dtod(&from.slice(..positions * width), &mut to.slice_mut(..positions * width));
+                if let (Some(from), Some(to), true) = (from, to.as_mut(), rows * width > 0) {
+                    let r = self.stream.memcpy_dtod(&from.slice(..rows * width), &mut to.slice_mut(..rows * width));
                     self.ok("kv_copy", r);
                 }
             }
@@ -1430,6 +1452,38 @@ impl Backend for CudaBackend {
     fn sigmoid_gate(&self, x: &mut CudaBuf, n: usize, width: usize, gate: &CudaBuf, gate_stride: usize, gate_off: usize) {
         self.gate_rows(x, n, width, gate, gate_stride, gate_off);
     }
+    fn compress_windows(&self, cache: &mut CudaKvCache, c: CompressWindows<'_, CudaVector>) {
+        self.compress(cache, c);
+    }
+    fn attention_compressed(
+        &self,
+        cache: &CudaKvCache,
+        layer: usize,
+        q: &CudaBuf,
+        n: usize,
+        pos0: usize,
+        p: CompressedParams<'_>,
+        out: &mut CudaBuf,
+    ) {
+        self.attend_compressed(cache, layer, q, n, pos0, p, out);
+    }
+    fn hc_collapse(&self, x: &CudaBuf, n: usize, mult: usize, dim: usize, pre: &[f32], out: &mut CudaBuf) {
+        self.collapse_streams(x, n, mult, dim, pre, out);
+    }
+    fn hc_expand(&self, x: &mut CudaBuf, y: &CudaBuf, n: usize, mult: usize, dim: usize, post: &[f32], comb: &[f32]) {
+        self.expand_streams(x, y, n, mult, dim, post, comb);
+    }
+    fn silu_mul_clamped(&self, g: &mut CudaBuf, u: &CudaBuf, len: usize, limit: f32) {
+        check("silu_mul_clamped", g, 1, len);
+        check("silu_mul_clamped input", u, 1, len);
+        let up = u.at(&self.stream);
+        self.clamped_silu_rows(g, 0, 0, up, 0, 1, len, limit);
+    }
+    fn silu_clamped_halves(&self, x: &mut CudaBuf, row0: usize, n: usize, stride: usize, w: usize, limit: f32) {
+        check_rows("silu_clamped_halves", x, row0, n, stride, 0, 2 * w);
+        let up = x.at(&self.stream) + (4 * (row0 * stride + w)) as u64;
+        self.clamped_silu_rows(x, row0 * stride, stride, up, stride, n, w, limit);
+    }
     fn rms_norm_heads(&self, x: &mut CudaBuf, n: usize, stride: usize, off: usize, heads: usize, dim: usize, w: &CudaVector, eps: f32) {
         if self.faulted() || n == 0 || heads == 0 {
             return;
@@ -1628,8 +1682,7 @@ impl Backend for CudaBackend {
         let (sigmoid, n_group, topk_group) = match *rule.kind() {
             Router::Softmax => (0i32, 1i32, 1i32),
             Router::SigmoidGrouped { n_group, topk_group, .. } => (1, n_group as i32, topk_group as i32),
-            // `backend_lacks` keeps DeepSeek-V4 (the only family with this router) off the GPU.
-            Router::SqrtSoftplus { .. } => unreachable!("route: the sqrt-softplus router on CUDA"),
+            Router::SqrtSoftplus { .. } => (2, 1, 1),
         };
         // The kernel scores one group per lane, and every expert must be choosable.
         assert!((1..=32).contains(&n_group) && k <= e, "route: {n_group} groups, top {k} of {e}");

@@ -1123,7 +1123,7 @@ __device__ __forceinline__ u32 warp_max_u32(u32 v) {
 }
 
 // Routing on the device, one warp per token, as RouterRule::route does on the host: softmax
-// (sigmoid = 0) or sigmoid scores plus correction bias restricted to the best `topk_group` of
+// (sigmoid = 0), or sigmoid (1) or sqrt-softplus (2, DeepSeek-V4) scores plus correction bias restricted to the best `topk_group` of
 // `n_group` groups (a group scores the sum of its two best); top-k, weights renormalised
 // (norm) and scaled. Sums run in the host's order. Out: routes[t][0..k] ids as floats,
 // [k..2k] weights. Dynamic shared memory: 2 e + 2 k floats.
@@ -1162,7 +1162,9 @@ extern "C" __global__ void route(const float* logits, int e, const float* bias, 
         for (int i = lane; i < e; i += 32) wsrc[i] = choice[i] = choice[i] / sum;
     } else {
         for (int i = lane; i < e; i += 32) {
-            float score = 1.0f / (1.0f + exp_rounded(-l[i]));
+            // 1: sigmoid; 2: sqrt(softplus), softplus linear above 20 as torch has it.
+            float score = sigmoid == 1 ? 1.0f / (1.0f + exp_rounded(-l[i]))
+                                       : sqrtf(l[i] > 20.0f ? l[i] : (float)log1p((double)exp_rounded(l[i])));
             wsrc[i] = score;
             choice[i] = score + (bias ? bias[i] : 0.0f);
         }

@@ -115,7 +115,8 @@ const KERNELS: &str = concat!(
     include_str!("mmq.cu"),
     include_str!("kept.cu"),
     include_str!("sparse.cu"),
-    include_str!("delta.cu")
+    include_str!("delta.cu"),
+    include_str!("compressed.cu")
 );
 
 /// The kernels compiled for compute capability `cc`, from the per-user kernel cache

@@ -14,12 +14,13 @@ extern "C" __global__ void layer_norm(float* x, int xs, int xo, int dim, const f
 }
 
 // The indexer's scores: out[t * total + j] = sum_h w[t, h] * relu(q[t, h, :] . keys[j, :]) for
-// the positions j <= pos0 + t that query t sees, -inf for the rest of its row. q rows are
+// the keys j < (pos0 + t + 1) / rate that query t sees (rate 1: a key per position, GLM-5;
+// DeepSeek-V4's keys are entries of `rate` positions), -inf for the rest of its row. q rows are
 // heads * d floats, w rows heads, both from the call's first row; keys are d floats a position.
 // Grid (queries, position blocks of blockDim); dynamic shared memory holds the query and its
 // weights (heads * (d + 1) floats).
 extern "C" __global__ void index_scores(const float* keys, int d, const float* q, const float* w, int heads, int pos0,
-                                        int total, float* out) { PDL_START;
+                                        int rate, int total, float* out) { PDL_START;
     extern __shared__ float qw[];
     int t = blockIdx.x, hd = heads * d;
     for (int e = threadIdx.x; e < hd; e += blockDim.x) qw[e] = q[(size_t)t * hd + e];
@@ -27,7 +28,7 @@ extern "C" __global__ void index_scores(const float* keys, int d, const float* q
     __syncthreads();
     int j = blockIdx.y * blockDim.x + threadIdx.x;
     if (j >= total) return;
-    if (j > pos0 + t) {
+    if (j >= (pos0 + t + 1) / rate) {
         out[(size_t)t * total + j] = NEG_INF;
         return;
     }

@@ -76,6 +76,8 @@ fn gpu_model(name: &str, opts: &CudaOptions) -> Option<Model<CudaBackend>> {
         "gpt_oss_mxfp4" => (Format::MXFP4, Format::BF16),
         // FP8 blocks times their f32 scales are not all bf16 values: f32, as on the CPU.
         "glm_moe_dsa_fp8" => (Format::F32, Format::F32),
+        // DeepSeek-V4 as the hub publishes it: MXFP4 experts, FP8 dense weights (MXFP8 here).
+        "deepseek_v4_fp4" => (Format::MXFP4, Format::MXFP8),
         _ => (Format::BF16, Format::BF16),
     };
     let b = backend(opts)?;
@@ -88,53 +90,55 @@ fn ids(t: &Tensor) -> Vec<u32> {
     t.i32().iter().map(|&x| x as u32).collect()
 }
 
-/// A model whose mechanisms the GPU backend lacks (DeepSeek-V4's compressed attention) is
-/// refused at load with the reason and the way out, never run wrong; `--device auto` asks the
-/// same question first and runs it on the CPU. Weight formats: every one the CPU reads has
-/// kernels.
+/// Every fixture family opens on the GPU (DeepSeek-V4's compressed attention, hyper-connections
+/// and sqrt-softplus router included): nothing the CPU runs is refused, in any weight format the
+/// CPU reads, as the checkpoints are published (gpt-oss's MXFP4 experts, DeepSeek-V4's MXFP4
+/// experts and MXFP8 dense weights) too. `backend_lacks` is what refuses a family a backend
+/// lacks, and what `--device auto` asks before choosing the GPU.
 #[test]
-fn models_the_gpu_cannot_run_are_refused_with_the_reason() {
+fn every_family_and_format_opens_on_the_gpu() {
     let Some(b) = backend(&CudaOptions::default()) else { return };
-    let v = smoe_vault::Vault::open(vault("deepseek_v4", Format::BF16, Format::BF16)).unwrap();
-    assert!(smoe_engine::backend_lacks(v.architecture(), &[], &b).is_some_and(|w| w.contains("compressed attention")));
-    let ex = Arc::new(ResidentExperts::load(&v).unwrap());
-    let e = Model::load(&v, b, ex).err().expect("deepseek-v4 loaded on CUDA").to_string();
-    assert!(e.contains("compressed attention") && e.contains("--device cpu"), "{e}");
-    // gpt-oss as published (MXFP4 experts) opens, and runs below.
-    let path = vault("gpt_oss_mxfp4", Format::MXFP4, Format::BF16);
-    let b = backend(&CudaOptions::default()).unwrap();
     for f in smoe_quant::ALL_FORMATS {
         assert!(smoe_engine::Backend::decodes(&b, f), "{f} has no CUDA kernels");
     }
-    let sizes = smoe_engine::model_sizes(&path).unwrap();
-    assert_eq!(smoe_engine::backend_lacks(&sizes.arch, &sizes.formats, &b), None);
+    for name in FAMILIES {
+        let sizes = smoe_engine::model_sizes(&vault(name, Format::BF16, Format::BF16)).unwrap();
+        assert_eq!(smoe_engine::backend_lacks(&sizes.arch, &sizes.formats, &b), None, "{name}");
+    }
+    for (name, experts, dense) in [("gpt_oss_mxfp4", Format::MXFP4, Format::BF16), ("deepseek_v4_fp4", Format::MXFP4, Format::MXFP8)] {
+        let sizes = smoe_engine::model_sizes(&vault(name, experts, dense)).unwrap();
+        assert_eq!(smoe_engine::backend_lacks(&sizes.arch, &sizes.formats, &b), None, "{name} as published");
+    }
 }
 
-/// Every fixture family the GPU runs within 1e-3 (relative to the largest logit) of
-/// transformers in prefill and in step decode, and step decode equal to prefill up to
-/// summation order. Not here: DeepSeek-V4 (refused above: compressed attention and
-/// hyper-connections), and the K-quant fixture `qwen3_moe_k` (its formats are in the
-/// conformance suite).
+/// The fixture families run on the GPU below (the K-quant fixture `qwen3_moe_k` is not: its
+/// formats are in the conformance suite).
+const FAMILIES: [&str; 17] = [
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+    "olmoe",
+    "qwen3_moe_yarn",
+    "glm4_moe",
+    "deepseek_v3",
+    "deepseek_v3_yarn",
+    "glm_moe_dsa",
+    "gpt_oss",
+    "gpt_oss_mxfp4",
+    "minimax_m2",
+    "glm_moe_dsa_fp8",
+    "qwen3_next",
+    "qwen3_5_moe",
+    "deepseek_v4",
+    "deepseek_v4_fp4",
+];
+
+/// Every fixture family the GPU runs ([`FAMILIES`]) within 1e-3 (relative to the largest
+/// logit) of transformers in prefill and in step decode, and step decode equal to prefill up to
+/// summation order.
 #[test]
 fn every_fixture_family_matches_transformers_on_the_gpu() {
-    let families = [
-        "qwen3_moe",
-        "qwen2_moe",
-        "mixtral",
-        "olmoe",
-        "qwen3_moe_yarn",
-        "glm4_moe",
-        "deepseek_v3",
-        "deepseek_v3_yarn",
-        "glm_moe_dsa",
-        "gpt_oss",
-        "gpt_oss_mxfp4",
-        "minimax_m2",
-        "glm_moe_dsa_fp8",
-        "qwen3_next",
-        "qwen3_5_moe",
-    ];
-    for name in families {
+    for name in FAMILIES {
         let Some(model) = gpu_model(name, &CudaOptions::default()) else { return };
         let r = read_safetensors(&fixture(name).join("reference.safetensors"));
         for tag in ["chat", "long"] {
@@ -162,13 +166,14 @@ fn decode_quietly<B: smoe_engine::Backend>(model: &Model<B>, ids: &[u32]) -> Vec
 }
 
 /// With every expert in VRAM the model keeps them by layer and decode routes on the GPU (no
-/// wait for the host per layer): softmax and grouped-sigmoid routers, shared experts with and
+/// wait for the host per layer): softmax, grouped-sigmoid and sqrt-softplus routers (DeepSeek-V4,
+/// whose hash-routed layers route on the host), shared experts with and
 /// without a gate, MLA. Logits within 1e-3 of transformers and within 1e-5 of the host's
 /// routing (the same products; only exp may round differently); how many tokens came out
 /// bit-identical is reported.
 #[test]
 fn experts_kept_in_vram_route_on_the_gpu_as_the_host_does() {
-    for name in ["qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3"] {
+    for name in ["qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3", "deepseek_v4"] {
         let Some(kept) = gpu_model(name, &CudaOptions::default()) else { return };
         let host = gpu_model(name, &CudaOptions { no_keep: true, ..Default::default() }).unwrap();
         let moe_layers = kept.arch().layers.iter().filter(|l| **l == smoe_vault::LayerKind::Moe).count();
@@ -319,7 +324,7 @@ fn every_op_matches_with_prefill_on_cuda_cores() {
 #[test]
 fn batched_steps_match_each_sequence_alone_on_the_gpu() {
     use smoe_engine::{BatchItem, Logits, NoObserver};
-    for name in ["qwen3_moe", "qwen2_moe", "deepseek_v3"] {
+    for name in ["qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v4"] {
         let Some(model) = gpu_model(name, &CudaOptions::default()) else { return };
         let long = input_ids(name, "long");
         let prompts = [long[..7].to_vec(), long[20..23].to_vec(), long[40..52].to_vec()];
@@ -348,6 +353,9 @@ fn batched_steps_match_each_sequence_alone_on_the_gpu() {
             }
         }
         eprintln!("{name}: batched vs alone on the GPU, largest relative logit error {worst:.2e} (kept layers: {})", model.kept_layers());
-        assert!(worst < 1e-4, "{name}: batched logits differ from alone by {worst:.2e}");
+        // DeepSeek-V4's CSA indexer keeps a top-k of compressed entries whose near-tied scores a
+        // last-bit difference can reorder (as on the CPU's int8 path, crates/engine/tests/batch.rs).
+        let bound = if name == "deepseek_v4" { 1e-2 } else { 1e-4 };
+        assert!(worst < bound, "{name}: batched logits differ from alone by {worst:.2e}");
     }
 }

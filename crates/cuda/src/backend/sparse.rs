@@ -1,5 +1,5 @@
 //! DeepSeek Sparse Attention (GLM-5) on the GPU (kernels in sparse.cu): the indexer key's
-//! LayerNorm, the indexer's scores (on the device; the top-k on the host, by the rule every
+//! LayerNorm, the indexer's scores (also DeepSeek-V4's, over compressed keys) (on the device; the top-k on the host, by the rule every
 //! backend shares, `smoe_engine::backend::select_top`), and attention over each query's kept
 //! positions, gathered into a scratch cache so that the dense decode kernel runs over them.
 
@@ -59,14 +59,18 @@ impl CudaBackend {
         if self.faulted() || n == 0 {
             return;
         }
-        // A key per position (GLM-5); compressed keys (DeepSeek-V4) are the CPU's alone
-        // (`attends_compressed` is false here).
-        assert_eq!(rate, 1, "index_select: compressed indexer keys on CUDA");
+        // A key per position (GLM-5), or per `rate` positions (DeepSeek-V4's compressed keys).
+        let rate = rate.max(1);
         let l = &cache.layers[layer];
         let d = l.shape.k_dim;
         at.check(q, weights, d, out);
-        let total = pos0 + n;
-        assert!(total <= l.len, "index_select: positions up to {total} but {} cached", l.len);
+        // The keys the last query sees; each query's row of scores holds that many.
+        let total = at.seen(pos0 + n - 1);
+        assert!(total <= l.len, "index_select: {total} keys seen but {} cached", l.len);
+        if total == 0 {
+            out[..n * top].fill(u32::MAX);
+            return;
+        }
         let shared = 4 * heads * (d + 1);
         if shared > 48 << 10 {
             self.record("index_select", format!("{heads} indexer heads of {d} exceed a block's shared memory"));
@@ -76,9 +80,9 @@ impl CudaBackend {
         let kp = dptr(l.k.as_ref().expect("index keys stored before selection"), &self.stream);
         let qp = q.at(&self.stream) + (row0 * heads * d * 4) as u64;
         let wp = weights.at(&self.stream) + (row0 * heads * 4) as u64;
-        let (di, hi, p0, ti) = (d as i32, heads as i32, pos0 as i32, total as i32);
+        let (di, hi, p0, ri, ti) = (d as i32, heads as i32, pos0 as i32, rate as i32, total as i32);
         let mut a = Launch::new(&self.k.index_scores);
-        a.arg(&kp).arg(&di).arg(&qp).arg(&wp).arg(&hi).arg(&p0).arg(&ti).arg(&sp);
+        a.arg(&kp).arg(&di).arg(&qp).arg(&wp).arg(&hi).arg(&p0).arg(&ri).arg(&ti).arg(&sp);
         let cfg = LaunchConfig {
             grid_dim: (n as u32, total.div_ceil(SCORE_THREADS) as u32, 1),
             block_dim: (SCORE_THREADS as u32, 1, 1),
@@ -97,7 +101,8 @@ impl CudaBackend {
         }
         let mut order = Vec::new();
         for (t, o) in out[..n * top].chunks_mut(top).enumerate() {
-            select_top(&scores[t * total..][..pos0 + t + 1], pos0 + t + 1, top, &mut order, o);
+            let seen = at.seen(pos0 + t);
+            select_top(&scores[t * total..][..seen], seen, top, &mut order, o);
         }
     }
 
