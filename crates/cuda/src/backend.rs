@@ -1739,6 +1739,7 @@ impl Backend for CudaBackend {
         gu: &mut CudaBuf,
         slots: &mut CudaBuf,
         x: &mut CudaBuf,
+        limit: Option<f32>,
     ) {
         if self.faulted() || n == 0 {
             return;
@@ -1812,7 +1813,8 @@ impl Backend for CudaBackend {
         // `h` as the norm before left it quantized, where it did.
         let hq = h.quantized().filter(|q| q.cols == hidden && q.rows >= n).map(|q| (q.ptr, q.stride));
         let (hp, gp) = (h.at(&self.stream), gu.at_mut(&self.stream));
-        if let Some(hq) = hq.filter(|_| self.kept_fused) {
+        // The fused kernels know plain SiLU only.
+        if let Some(hq) = hq.filter(|_| self.kept_fused && limit.is_none()) {
             let kernels = |p: &crate::kept::KeptPart| self.k.format(p.format).mvq.as_ref().filter(|_| self.int8);
             if let (Some(gk), Some(dk), true) = (kernels(gate), kernels(down), gate.format == up.format && width % 32 == 0) {
                 let (gj, dj) = (kept_jobs(&[(gate, 0), (up, width)], false), kept_jobs(&[(down, 0)], true));
@@ -1840,9 +1842,14 @@ impl Backend for CudaBackend {
             launch(&[(gate, 0)], hp, hq, hidden, false, gp, 2 * width);
             launch(&[(up, width)], hp, hq, hidden, false, gp, 2 * width);
         }
-        // SiLU(gate) · up, quantized on the way where the down products take int8.
-        let dq = match (self.int8 && self.k.format(down.format).mvq.is_some() && width % 32 == 0, self.faulted()) {
-            (true, false) => self.silu_quantize(gu, n * k, width),
+        // SiLU(gate) · up, quantized on the way where the down products take int8; clipped
+        // (DeepSeek-V4), then quantized by the down products' launch.
+        let dq = match (self.int8 && self.k.format(down.format).mvq.is_some() && width % 32 == 0, self.faulted(), limit) {
+            (_, _, Some(limit)) => {
+                self.silu_clamped_halves(gu, 0, n * k, 2 * width, width, limit);
+                None
+            }
+            (true, false, None) => self.silu_quantize(gu, n * k, width),
             _ => {
                 self.silu_mul_halves(gu, 0, n * k, 2 * width, width);
                 None

@@ -859,7 +859,9 @@ pub trait Backend: Send + Sync {
     /// (`2 × moe width` wide), SiLU(gate) · up in its gate half, the down product into the same
     /// row of `slots` (`hidden` wide) — then each token's slots added into `x` with their mixing
     /// weights in slot order: what the decoder computes from the store's views, without
-    /// the host seeing the routes. Only called after [`Self::keep_experts`] kept the layer.
+    /// the host seeing the routes. With `limit`, the activation is DeepSeek-V4's clipped SiLU
+    /// ([`Self::silu_clamped_halves`]) instead. Only called after [`Self::keep_experts`] kept
+    /// the layer.
     #[allow(clippy::too_many_arguments)]
     fn kept_experts(
         &self,
@@ -872,6 +874,7 @@ pub trait Backend: Send + Sync {
         _gu: &mut Self::Buf,
         _slots: &mut Self::Buf,
         _x: &mut Self::Buf,
+        _limit: Option<f32>,
     ) {
         panic!("kept_experts: this backend keeps no experts (keep_experts returned false)");
     }

@@ -660,11 +660,51 @@ impl<B: Backend> Suite<'_, B> {
         }
         let routes = self.buf(routes_host.len(), &routes_host);
         let x0 = self.values(n * hidden);
-        let mut x = self.buf(n * hidden, &x0);
-        let mut gu = self.buf(n * k * 2 * width, &[]);
-        let mut slots = self.buf(n * k * hidden, &[]);
-        self.b.kept_experts(layer, &routes, at, k, &hb, n, &mut gu, &mut slots, &mut x);
-        let got = self.read(&x, n * hidden);
+        // Plain SwiGLU, then DeepSeek-V4's clipped SiLU (a bound the gate and up products cross).
+        let mut want_gu = vec![0f32; n * k * 2 * width];
+        for limit in [None, Some(2.0f32)] {
+            let mut x = self.buf(n * hidden, &x0);
+            let mut gu = self.buf(n * k * 2 * width, &[]);
+            let mut slots = self.buf(n * k * hidden, &[]);
+            self.b.kept_experts(layer, &routes, at, k, &hb, n, &mut gu, &mut slots, &mut x, limit);
+            let got = self.read(&x, n * hidden);
+            let (mut want, mut bound) = (x0.clone(), vec![0f32; n * hidden]);
+            for t in 0..n {
+                let hr = &h[t * hidden..(t + 1) * hidden];
+                for s in 0..k {
+                    let r = &routes_host[at + t * 2 * k..];
+                    let (ex, w) = (r[s] as usize, r[k + s]);
+                    let [g, u, d] = &mats[ex];
+                    let dot = |m: &Weights, row: usize, v: &[f32]| -> f64 {
+                        m.values[row * m.cols..(row + 1) * m.cols].iter().zip(v).map(|(a, b)| *a as f64 * *b as f64).sum()
+                    };
+                    let p = t * k + s;
+                    let act: Vec<f32> = (0..width)
+                        .map(|i| {
+                            let (gv, uv) = (dot(g, i, hr) as f32, dot(u, i, hr) as f32);
+                            want_gu[p * 2 * width + i] = gv;
+                            want_gu[p * 2 * width + width + i] = uv;
+                            match limit {
+                                None => gv / (1.0 + (-gv).exp()) * uv,
+                                Some(l) => crate::hyper::clamped_silu(gv, uv, l),
+                            }
+                        })
+                        .collect();
+                    let amax = act.iter().fold(0f32, |a, v| a.max(v.abs()));
+                    for c in 0..hidden {
+                        want[t * hidden + c] += w * dot(d, c, &act) as f32;
+                        let l1: f32 = d.values[c * width..(c + 1) * width].iter().map(|v| v.abs()).sum();
+                        // The activations carry the gate/up products' rounding into the down product.
+                        bound[t * hidden + c] += w.abs() * (self.tol.products * 8.0 * l1 * amax.max(1.0)) + 1e-5;
+                    }
+                }
+            }
+            let case = match limit {
+                None => "Q4_K gate, Q5_K up, Q8_0 down; 3 tokens of 2 slots".to_string(),
+                Some(l) => format!("the same, SiLU clipped at {l}"),
+            };
+            self.compare("kept_experts", &case, &got, &want, |i| bound[i]);
+        }
         // The same through matmul_many jobs naming kept experts: pair p = t k + s on its own rows.
         let mut jobs = Vec::new();
         for t in 0..n {
@@ -683,35 +723,6 @@ impl<B: Backend> Suite<'_, B> {
         let mut gu2 = self.buf(n * k * 2 * width, &[]);
         self.b.matmul_many(&jobs, &hb, hidden, &mut gu2, 2 * width);
         let gu_got = self.read(&gu2, n * k * 2 * width);
-        let (mut want, mut want_gu, mut bound) = (x0.clone(), vec![0f32; n * k * 2 * width], vec![0f32; n * hidden]);
-        for t in 0..n {
-            let hr = &h[t * hidden..(t + 1) * hidden];
-            for s in 0..k {
-                let r = &routes_host[at + t * 2 * k..];
-                let (ex, w) = (r[s] as usize, r[k + s]);
-                let [g, u, d] = &mats[ex];
-                let dot = |m: &Weights, row: usize, v: &[f32]| -> f64 {
-                    m.values[row * m.cols..(row + 1) * m.cols].iter().zip(v).map(|(a, b)| *a as f64 * *b as f64).sum()
-                };
-                let p = t * k + s;
-                let act: Vec<f32> = (0..width)
-                    .map(|i| {
-                        let (gv, uv) = (dot(g, i, hr) as f32, dot(u, i, hr) as f32);
-                        want_gu[p * 2 * width + i] = gv;
-                        want_gu[p * 2 * width + width + i] = uv;
-                        gv / (1.0 + (-gv).exp()) * uv
-                    })
-                    .collect();
-                let amax = act.iter().fold(0f32, |a, v| a.max(v.abs()));
-                for c in 0..hidden {
-                    want[t * hidden + c] += w * dot(d, c, &act) as f32;
-                    let l1: f32 = d.values[c * width..(c + 1) * width].iter().map(|v| v.abs()).sum();
-                    // The activations carry the gate/up products' rounding into the down product.
-                    bound[t * hidden + c] += w.abs() * (self.tol.products * 8.0 * l1 * amax.max(1.0)) + 1e-5;
-                }
-            }
-        }
-        self.compare("kept_experts", "Q4_K gate, Q5_K up, Q8_0 down; 3 tokens of 2 slots", &got, &want, |i| bound[i]);
         let gub: Vec<f32> = (0..n * k * 2 * width)
             .map(|i| {
                 let (p, c) = (i / (2 * width), i % (2 * width));

@@ -1285,7 +1285,11 @@ impl<B: Backend> Model<B> {
         let at = li * n * 2 * k;
         self.router_logits(m, &b.h, n, &mut b.router);
         be.route(&self.router, &b.router, m.router_bias_kept.as_ref(), n, &mut b.routes, at);
-        be.kept_experts(li, &b.routes, at, k, &b.h, n, &mut b.gu, &mut b.slots, &mut b.x);
+        let limit = match self.arch.moe.expert_act {
+            ExpertAct::ClampedSilu { limit } => Some(limit as f32),
+            _ => None,
+        };
+        be.kept_experts(li, &b.routes, at, k, &b.h, n, &mut b.gu, &mut b.slots, &mut b.x, limit);
         if let Some(shared) = &m.shared {
             self.shared_experts(shared, m.shared_gate.as_ref(), s, n);
         }

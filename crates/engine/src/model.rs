@@ -778,8 +778,10 @@ fn keep_all_experts<B: Backend>(backend: &B, experts: &dyn ExpertSource, arch: &
     let room = backend.keep_room();
     let moe: Vec<usize> = (0..arch.num_layers).filter(|&l| arch.layers[l] == LayerKind::Moe).collect();
     let (Some(&first), true) = (moe.first(), room > 0) else { return Ok(kept) };
-    // A kept layer runs as `Backend::kept_experts`, which knows plain SwiGLU experts only.
-    if arch.moe.expert_bias || arch.moe.router_logit_bias || arch.moe.expert_act != smoe_vault::ExpertAct::Silu {
+    // A kept layer runs as `Backend::kept_experts`, which knows SwiGLU experts without biases,
+    // their SiLU plain or clipped (DeepSeek-V4), not gpt-oss's.
+    let act_kept = matches!(arch.moe.expert_act, smoe_vault::ExpertAct::Silu | smoe_vault::ExpertAct::ClampedSilu { .. });
+    if arch.moe.expert_bias || arch.moe.router_logit_bias || !act_kept {
         return Ok(kept);
     }
     let count = arch.moe.num_experts;
