@@ -324,13 +324,20 @@ pub struct CudaVector {
     len: usize,
 }
 
+/// Positions a layer with [`KvShape::keep`] drops at a time (at least): each drop moves the rows
+/// it keeps to the buffer's start, so dropping in steps amortises the copies.
+const KV_DROP_STEP: usize = 128;
+
 struct KvLayer {
     shape: KvShape,
     k: Option<CudaSlice<f32>>,
     v: Option<CudaSlice<f32>>,
-    /// Positions allocated.
+    /// Rows allocated.
     cap: usize,
-    /// Positions stored.
+    /// The first position held (rows before it dropped, see [`KvShape::keep`]): row `i` of
+    /// the buffers holds position `base + i`.
+    base: usize,
+    /// Positions stored (`base..len` held).
     len: usize,
 }
 
@@ -344,6 +351,26 @@ impl KvLayer {
         } else {
             self.shape.heads * self.shape.v_dim
         }
+    }
+    /// Rows a bounded layer ([`KvShape::keep`]) ever holds in steps of up to KV_DROP_STEP
+    /// tokens: `keep` before a step, up to KV_DROP_STEP more not yet dropped, the step's own
+    /// (unbounded layers: any number).
+    fn bounded_rows(&self) -> usize {
+        self.shape.keep.map_or(usize::MAX, |k| k + 2 * KV_DROP_STEP)
+    }
+    /// Rows held.
+    fn held(&self) -> usize {
+        self.len - self.base
+    }
+    /// The address of position 0's key row (0: none): the buffer's start less the dropped rows,
+    /// so that position `p` lies at `+ 4 p × k_width` as if none were dropped. Below `base` it
+    /// points before the buffer: the callers read held positions only (they check `base`).
+    fn keys(&self, stream: &CudaStream) -> u64 {
+        self.k.as_ref().map_or(0, |k| dptr(k, stream).wrapping_sub((4 * self.base * self.k_width()) as u64))
+    }
+    /// [`Self::keys`] for the values (0: none, or values in the keys).
+    fn values(&self, stream: &CudaStream) -> u64 {
+        self.v.as_ref().map_or(0, |v| dptr(v, stream).wrapping_sub((4 * self.base * self.v_width()) as u64))
     }
 }
 
@@ -938,25 +965,26 @@ impl CudaBackend {
         }
     }
 
-    fn kv_grow(&self, l: &mut KvLayer, positions: usize) {
-        if positions <= l.cap {
+    /// Makes `l` hold at least `rows` rows, keeping those it holds.
+    fn kv_grow(&self, l: &mut KvLayer, rows: usize) {
+        if rows <= l.cap {
             return;
         }
-        let (kw, vw) = (l.k_width(), l.v_width());
-        let cap = positions;
+        let (kw, vw, held) = (l.k_width(), l.v_width(), l.held());
+        let cap = rows;
         let Some(mut k) = self.alloc_f32("kv cache", cap * kw) else { return };
         let mut v = None;
         if vw > 0 {
             let Some(nv) = self.alloc_f32("kv cache", cap * vw) else { return };
             v = Some(nv);
         }
-        if l.len > 0 {
+        if held > 0 {
             if let Some(old) = &l.k {
-                let r = self.stream.memcpy_dtod(&old.slice(..l.len * kw), &mut k.slice_mut(..l.len * kw));
+                let r = self.stream.memcpy_dtod(&old.slice(..held * kw), &mut k.slice_mut(..held * kw));
                 self.ok("kv cache", r);
             }
             if let (Some(old), Some(nv)) = (&l.v, v.as_mut()) {
-                let r = self.stream.memcpy_dtod(&old.slice(..l.len * vw), &mut nv.slice_mut(..l.len * vw));
+                let r = self.stream.memcpy_dtod(&old.slice(..held * vw), &mut nv.slice_mut(..held * vw));
                 self.ok("kv cache", r);
             }
         }
@@ -965,22 +993,52 @@ impl CudaBackend {
         l.cap = cap;
     }
 
-    /// Makes room in `layer` of `cache` for positions up to `pos0 + n`, which it now holds;
-    /// returns the device addresses of its keys and values (0: none).
+    /// Drops the rows of a bounded layer ([`KvShape::keep`]) that no call from `pos0` on reads:
+    /// those more than `keep` positions before it, in steps of [`KV_DROP_STEP`] (the CPU
+    /// drops by the same rule in blocks of its own). The rows kept move to the buffer's start
+    /// in pieces no longer than the distance moved, so no piece overlaps its destination.
+    fn kv_drop(&self, l: &mut KvLayer, pos0: usize) {
+        let Some(keep) = l.shape.keep else { return };
+        let base = pos0.saturating_sub(keep) / KV_DROP_STEP * KV_DROP_STEP;
+        if base < l.base + KV_DROP_STEP {
+            return;
+        }
+        let (drop, kept) = (base - l.base, l.len.min(pos0).saturating_sub(base));
+        for (buf, width) in [(&l.k, l.k_width()), (&l.v, l.v_width())] {
+            let Some(p) = buf.as_ref().filter(|_| width > 0).map(|b| dptr(b, &self.stream)) else { continue };
+            let mut done = 0;
+            while done < kept {
+                let rows = drop.min(kept - done);
+                self.copy_rows(p + (4 * (drop + done) * width) as u64, width, 0, p + (4 * done * width) as u64, width, 0, width, rows);
+                done += rows;
+            }
+        }
+        l.base = base;
+        l.len = base + kept;
+    }
+
+    /// Makes room in `layer` of `cache` for positions up to `pos0 + n`, which it now holds
+    /// (dropping what a bounded layer no longer needs); returns the addresses of position 0's
+    /// key and value rows ([`KvLayer::keys`]; 0: none).
     fn kv_room(&self, cache: &mut CudaKvCache, layer: usize, pos0: usize, n: usize) -> Option<(u64, u64)> {
         let l = &mut cache.layers[layer];
-        if pos0 + n > l.cap {
+        if pos0 < l.base {
+            // Rows before `base` were dropped: the sequence starts over here.
+            l.base = pos0;
+            l.len = pos0;
+        }
+        self.kv_drop(l, pos0);
+        let rows = pos0 + n - l.base;
+        if rows > l.cap {
             // Doubling keeps an unreserved cache's copies amortised.
-            let want = (pos0 + n).max(2 * l.cap);
+            let want = rows.max(2 * l.cap);
             self.kv_grow(l, want);
             if self.faulted() {
                 return None;
             }
         }
         l.len = pos0 + n;
-        let kp = l.k.as_ref().map_or(0, |k| dptr(k, &self.stream));
-        let vp = l.v.as_ref().map_or(0, |v| dptr(v, &self.stream));
-        Some((kp, vp))
+        Some((l.keys(&self.stream), l.values(&self.stream)))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -1159,18 +1217,20 @@ impl Backend for CudaBackend {
         CudaBuf::new(name, data.unwrap_or_else(|| self.empty()))
     }
     fn kv_cache(&self, layers: &[KvShape]) -> CudaKvCache {
-        CudaKvCache { layers: layers.iter().map(|&shape| KvLayer { shape, k: None, v: None, cap: 0, len: 0 }).collect() }
+        CudaKvCache { layers: layers.iter().map(|&shape| KvLayer { shape, k: None, v: None, cap: 0, base: 0, len: 0 }).collect() }
     }
     fn kv_reserve(&self, cache: &mut CudaKvCache, positions: usize) {
         for l in &mut cache.layers {
-            self.kv_grow(l, positions);
+            self.kv_grow(l, positions.min(l.bounded_rows()));
         }
     }
     fn kv_capacity(&self, cache: &CudaKvCache) -> usize {
-        cache.layers.iter().map(|l| l.cap).min().unwrap_or(0)
+        // A bounded layer with its bounded rows allocated holds any length of steps of up to
+        // KV_DROP_STEP tokens.
+        cache.layers.iter().map(|l| if l.cap >= l.bounded_rows() { usize::MAX } else { l.base + l.cap }).min().unwrap_or(0)
     }
     fn kv_bytes(&self, cache: &CudaKvCache) -> usize {
-        cache.layers.iter().map(|l| l.len * (l.k_width() + l.v_width()) * 4).sum()
+        cache.layers.iter().map(|l| l.held() * (l.k_width() + l.v_width()) * 4).sum()
     }
 
     fn kv_copy(&self, src: &CudaKvCache, dst: &mut CudaKvCache, positions: usize) -> bool {
@@ -1178,13 +1238,15 @@ impl Backend for CudaBackend {
         for (d, s) in dst.layers.iter_mut().zip(&src.layers) {
             // A layer indexed by window (DeepSeek-V4's compressed entries) holds fewer rows than
             // positions: what it holds of the prefix is copied, and the entries of windows the
-            // prefix leaves open are recomputed before they are read.
-            let rows = positions.min(s.len);
+            // prefix leaves open are recomputed before they are read. A layer that dropped old
+            // rows copies what it holds of the prefix.
+            let rows = positions.saturating_sub(s.base).min(s.held());
             self.kv_grow(d, rows);
             if self.faulted() {
                 return false;
             }
-            d.len = rows;
+            d.base = s.base.min(positions);
+            d.len = d.base + rows;
             for (from, to, width) in [(&s.k, &mut d.k, s.k_width()), (&s.v, &mut d.v, s.v_width())] {
                 if let (Some(from), Some(to), true) = (from, to.as_mut(), rows * width > 0) {
                     let r = self.stream.memcpy_dtod(&from.slice(..rows * width), &mut to.slice_mut(..rows * width));
@@ -1923,13 +1985,11 @@ impl Backend for CudaBackend {
             return self.attention_selected(cache, layer, q, q_stride, n, p, out);
         }
         assert!(pos0 + n <= l.len, "attention: positions up to {} but {} cached", pos0 + n, l.len);
-        let kc = l.k.as_ref().expect("keys stored before attention");
-        let kp = dptr(kc, &self.stream);
-        let (vp, v_row, v_head) = if s.values_in_keys {
-            (kp, l.k_width(), s.k_dim)
-        } else {
-            (dptr(l.v.as_ref().expect("values stored before attention"), &self.stream), l.v_width(), s.v_dim)
-        };
+        assert!(p.first_seen(pos0) >= l.base, "attention: position {} was dropped (held from {})", p.first_seen(pos0), l.base);
+        assert!(l.k.is_some() && (s.values_in_keys || l.v.is_some()), "attention: keys and values stored before attention");
+        let kp = l.keys(&self.stream);
+        let (vp, v_row, v_head) =
+            if s.values_in_keys { (kp, l.k_width(), s.k_dim) } else { (l.values(&self.stream), l.v_width(), s.v_dim) };
         let (qp, op) = (q.at(&self.stream), out.at_mut(&self.stream));
         // Windows and sinks (gpt-oss) go to the one-block-per-row kernel, whatever the count
         // of queries: a sliding layer's row sees at most its window.

@@ -356,3 +356,45 @@ fn batched_steps_match_each_sequence_alone_on_the_gpu() {
         assert!(worst < 1e-4, "{name}: batched logits differ from alone by {worst:.2e}");
     }
 }
+
+/// DeepSeek-V4's sliding and raw rows and gpt-oss's sliding layers keep only what attention
+/// reads (plus a rewind margin, 8 here) on the GPU too: step decode over the 300-token text
+/// gives the logits of a cache that keeps every row, bit for bit, from a smaller cache;
+/// truncation within the margin continues, beyond it starts over, and a prefix copy within it
+/// continues as the original does.
+#[test]
+fn bounded_layers_drop_old_rows_on_the_gpu() {
+    use smoe_engine::{Backend, Logits, NoObserver, State};
+    for name in ["deepseek_v4", "gpt_oss"] {
+        let Some(mut all) = gpu_model(name, &CudaOptions::default()) else { return };
+        all.set_kv_rewind(1 << 20);
+        let mut some = gpu_model(name, &CudaOptions::default()).unwrap();
+        some.set_kv_rewind(8);
+        let r = read_safetensors(&fixture(name).join("reference.safetensors"));
+        let (input, expect) = (ids(&r["long.input_ids"]), r["long.logits"].f32());
+        let vocab = some.arch().vocab_size;
+        let step = |m: &Model<CudaBackend>, st: &mut State<CudaBackend>, from: usize| -> Vec<f32> {
+            let mut out = Vec::new();
+            for &t in &input[from..] {
+                out.extend_from_slice(m.forward(st, &[t], Logits::Last, &mut NoObserver).unwrap());
+            }
+            out
+        };
+        let (mut full_st, mut st) = (all.new_state(1), some.new_state(1));
+        let (a, b) = (step(&all, &mut full_st, 0), step(&some, &mut st, 0));
+        let (full, dropped) = (all.backend().kv_bytes(full_st.kv()), some.backend().kv_bytes(st.kv()));
+        let e = rel_err(&b, expect);
+        eprintln!("{name}: KV cache after 300 tokens on the GPU: {dropped} bytes with old rows dropped, {full} with every row; {e:.2e} from transformers");
+        assert!(a == b, "{name}: dropping rows moved the logits by {:.2e}", rel_err(&a, &b));
+        assert!(e < 1e-3 && dropped < full, "{name}: {e:.2e} from transformers, {dropped} of {full} bytes");
+        st.truncate(295);
+        assert_eq!(st.pos(), 295, "{name}: 5 back is within the margin");
+        assert!(step(&some, &mut st, 295) == a[295 * vocab..], "{name}: truncated within the margin");
+        let mut copy = some.new_state(1);
+        assert!(copy.copy_prefix(&some, &st, 296), "{name}: a prefix within the margin");
+        assert!(step(&some, &mut copy, 296) == a[296 * vocab..], "{name}: continued from a prefix copy");
+        assert!(!copy.copy_prefix(&some, &st, 200), "{name}: 100 back is beyond the margin");
+        st.truncate(200);
+        assert_eq!(st.pos(), 0, "{name}: 100 back is beyond the margin: start over");
+    }
+}

@@ -77,7 +77,8 @@ impl CudaBackend {
             return;
         }
         let Some(sp) = self.sparse_scratch(n * total) else { return };
-        let kp = dptr(l.k.as_ref().expect("index keys stored before selection"), &self.stream);
+        assert!(l.k.is_some() && l.base == 0, "index_select: every key stored before selection");
+        let kp = l.keys(&self.stream);
         let qp = q.at(&self.stream) + (row0 * heads * d * 4) as u64;
         let wp = weights.at(&self.stream) + (row0 * heads * 4) as u64;
         let (di, hi, p0, ri, ti) = (d as i32, heads as i32, pos0 as i32, rate as i32, total as i32);
@@ -139,8 +140,13 @@ impl CudaBackend {
         }) else {
             return;
         };
-        let kp = dptr(l.k.as_ref().expect("keys stored before attention"), &self.stream);
-        let vp = if s.values_in_keys { kp } else { dptr(l.v.as_ref().expect("values stored before attention"), &self.stream) };
+        assert!(l.k.is_some() && (s.values_in_keys || l.v.is_some()), "attention: keys and values stored before attention");
+        if let Some(&bad) = lists.iter().find(|&&j| j != u32::MAX && (j as usize) < l.base) {
+            self.record("attention", format!("selected position {bad} was dropped (held from {})", l.base));
+            return;
+        }
+        let kp = l.keys(&self.stream);
+        let vp = if s.values_in_keys { kp } else { l.values(&self.stream) };
         let (qp, op) = (q.at(&self.stream), out.at_mut(&self.stream));
         let dense = AttnParams { selected: None, ..p };
         let gv = gp + (per * kw * 4) as u64;
