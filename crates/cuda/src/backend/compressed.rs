@@ -27,7 +27,14 @@ impl CudaBackend {
         assert_ne!(raw_layer, entry_layer, "compress_windows: raw rows and entries in one layer");
         let raw = &cache.layers[raw_layer];
         assert_eq!(raw.k_width(), 2 * cw, "compress_windows: raw rows of {} for entries of {dim}", raw.k_width());
-        assert!(raw.len >= (first + count) * rate, "compress_windows: windows up to {} of {} raw positions", first + count, raw.len);
+        let earliest = if overlap { first.saturating_sub(1) * rate } else { first * rate };
+        assert!(
+            raw.base <= earliest && raw.len >= (first + count) * rate,
+            "compress_windows: windows {first}..{} of a raw cache holding positions {}..{}",
+            first + count,
+            raw.base,
+            raw.len
+        );
         assert!(bias.len >= rate * cw && norm.len >= dim, "compress_windows: {} biases, {} norm weights", bias.len, norm.len);
         let entries = &cache.layers[entry_layer];
         assert_eq!(entries.k_width(), dim, "compress_windows: entries of {dim} into a layer of {}", entries.k_width());
@@ -36,7 +43,8 @@ impl CudaBackend {
         let Some(tables) = self.stage_f32("compress_windows rope", &[&rope.cos[..count * half], &rope.sin[..count * half]]) else {
             return;
         };
-        let rp = dptr(cache.layers[raw_layer].k.as_ref().expect("raw rows stored before compression"), &self.stream);
+        assert!(raw.k.is_some(), "compress_windows: raw rows stored before compression");
+        let rp = raw.keys(&self.stream);
         let Some((ep, _)) = self.kv_room(cache, entry_layer, first, count) else { return };
         let (bp, np) = (dptr(&bias.data, &self.stream), dptr(&norm.data, &self.stream));
         let sp = tables + (4 * count * half) as u64;
@@ -70,6 +78,8 @@ impl CudaBackend {
             "attention_compressed: layer {layer} lacks positions up to {}",
             pos0 + n
         );
+        let first = (pos0 + 1).saturating_sub(p.window);
+        assert!(first >= window.base, "attention_compressed: position {first} was dropped (held from {})", window.base);
         assert!(p.sinks.len() >= p.q_heads, "attention_compressed: {} sinks for {} heads", p.sinks.len(), p.q_heads);
         if d > MAX_HEAD_DIM {
             self.record("attention_compressed", format!("heads of {d} dimensions (at most {MAX_HEAD_DIM} on CUDA)"));
@@ -80,7 +90,7 @@ impl CudaBackend {
                 let l = &cache.layers[el];
                 let seen = (pos0 + n) / rate;
                 assert!(l.k_width() == d && l.len >= seen, "attention_compressed: {seen} entries seen, {} held", l.len);
-                (l.k.as_ref().map_or(0, |k| dptr(k, &self.stream)), rate)
+                (l.keys(&self.stream), rate)
             }
             None => (0, 0),
         };
@@ -104,7 +114,8 @@ impl CudaBackend {
             None => (0, 0),
         };
         let Some(sinks) = self.stage_f32("attention sinks", &[&p.sinks[..p.q_heads]]) else { return };
-        let wp = dptr(window.k.as_ref().expect("keys stored before attention"), &self.stream);
+        assert!(window.k.is_some(), "attention_compressed: keys stored before attention");
+        let wp = window.keys(&self.stream);
         let (qp, op) = (q.at(&self.stream), out.at_mut(&self.stream));
         let (d_i, h_i, p0, w_i, r_i, top_i) = (d as i32, p.q_heads as i32, pos0 as i32, p.window as i32, rate as i32, top as i32);
         let mut a = Launch::new(&self.k.attention_compressed);
