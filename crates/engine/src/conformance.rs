@@ -53,6 +53,9 @@ pub fn check_backend<B: Backend>(b: &B, tol: &Tolerance) -> Result<usize, Vec<St
     s.rope();
     s.rows();
     s.attention();
+    if b.attends_windows_and_sinks() {
+        s.bounded_rows();
+    }
     s.attention_inputs();
     if b.attends_selected() {
         s.sparse_attention();
@@ -886,6 +889,41 @@ impl<B: Backend> Suite<'_, B> {
                 let again = self.read(&out, want.len());
                 self.compare("kv_copy", what, &again, &got, |_| 0.0);
             }
+        }
+    }
+
+    /// A bounded layer ([`KvShape::keep`]: gpt-oss's sliding layers, DeepSeek-V4's rows),
+    /// stored in steps of awkward sizes past several drops of old rows, each step's queries
+    /// attending their window with sinks: the outputs of a layer that keeps every row, to the
+    /// bit, from fewer bytes.
+    fn bounded_rows(&mut self) {
+        let (keep, window, q_heads, positions) = (20, 12, 4, 700);
+        let full = KvShape { heads: 2, k_dim: 16, v_dim: 16, values_in_keys: false, keep: None };
+        let (kw, qw) = (full.heads * full.k_dim, q_heads * full.k_dim);
+        let (keys, values) = (self.values(positions * kw), self.values(positions * kw));
+        let (mut all, mut some) = (self.b.kv_cache(&[full]), self.b.kv_cache(&[KvShape { keep: Some(keep), ..full }]));
+        let sinks = self.values(q_heads);
+        let params = AttnParams { q_heads, scale: 0.25, window: Some(window), sinks: Some(&sinks), selected: None };
+        let (mut p0, mut steps) = (0, [37, 1, 1, 90, 5, 128, 1, 200, 3].iter().cycle());
+        while p0 < positions {
+            let n = (*steps.next().expect("a cycle")).min(positions - p0);
+            let (kb, vb) = (self.buf(n * kw, &keys[p0 * kw..][..n * kw]), self.buf(n * kw, &values[p0 * kw..][..n * kw]));
+            let q = self.values(n * qw);
+            let qb = self.buf(n * qw, &q);
+            let mut outs = Vec::new();
+            for cache in [&mut all, &mut some] {
+                self.b.kv_store(cache, 0, p0, n, &kb, kw, 0, Some((&vb, kw, 0)));
+                let mut out = self.buf(n * qw, &[]);
+                self.b.attention(cache, 0, &qb, qw, n, p0, params, &mut out);
+                outs.push(self.read(&out, n * qw));
+            }
+            self.compare("kv_store, bounded rows", &format!("{n} positions from {p0}, keep {keep}"), &outs[1], &outs[0], |_| 0.0);
+            p0 += n;
+        }
+        let (a, b) = (self.b.kv_bytes(&all), self.b.kv_bytes(&some));
+        self.cases += 1;
+        if b >= a / 2 {
+            self.failures.push(format!("kv_store, bounded rows: {b} bytes held for {positions} positions, {a} keeping every row"));
         }
     }
 
