@@ -8,19 +8,26 @@
 //! valid block. The block scale `d` is chosen so that the dequantized values have the requested
 //! standard deviation (calibrated once per format by decoding blocks of unit scale), jittered by
 //! ±10% from block to block; where a format has a minimum (`dmin`, `m`) it is set to cancel the
-//! mean of the unsigned quants, so values centre on zero as trained weights do.
+//! mean of the unsigned quants, so values centre on zero as trained weights do. MXFP4's scale is
+//! a power of two (an e8m0 exponent): each block takes one of the two exponents around the
+//! wanted scale, the larger with the probability that makes the mean square the asked one.
 
 use smoe_quant::half::F16Bytes;
 use smoe_quant::Format;
 use std::sync::OnceLock;
 
-/// Where a format keeps its f16 scale and minimum, and the minimum that centres its values.
+/// Where a format keeps its scale and minimum, and the minimum that centres its values.
 struct Layout {
-    /// Byte offset of `d` in a block.
+    /// Byte offset of `d` in a block: an f16, or with `E8M0` the exponent byte of a power of two.
     d: usize,
     /// Byte offset of the minimum and its ratio to `d` (`None`: a signed format).
     min: Option<(usize, f32)>,
 }
+
+/// `Layout::d` of MXFP4: its first byte, an e8m0 exponent.
+const E8M0: usize = usize::MAX;
+/// The e8m0 exponent whose MXFP4 scale is 1 (`e8m0_to_f32_half`).
+const E8M0_ONE: i32 = 128;
 
 fn layout(format: Format) -> Option<Layout> {
     Some(match format {
@@ -34,6 +41,8 @@ fn layout(format: Format) -> Option<Layout> {
         Format::Q5_K => Layout { d: 0, min: Some((2, 15.5)) },
         Format::Q3_K => Layout { d: 108, min: None },
         Format::Q6_K => Layout { d: 208, min: None },
+        // Signed e2m1 codes, symmetric: random nibbles centre on zero.
+        Format::MXFP4 => Layout { d: E8M0, min: None },
         _ => return None,
     })
 }
@@ -109,7 +118,11 @@ fn unit_spread(format: Format) -> f32 {
     for b in bytes.chunks_exact_mut(bb) {
         rng.fill(b);
         centre_sub_blocks(format, b, &mut rng);
-        set_f16(b, l.d, 1.0);
+        if l.d == E8M0 {
+            b[0] = E8M0_ONE as u8;
+        } else {
+            set_f16(b, l.d, 1.0);
+        }
         if let Some((at, ratio)) = l.min {
             set_f16(b, at, ratio);
         }
@@ -130,11 +143,20 @@ pub fn fill_rows(format: Format, cols: usize, sigma: f32, seed: u64, tensor: u64
     let l = layout(format).expect("a supported format");
     let row_bytes = format.row_bytes(cols).expect("rows of whole blocks");
     let d0 = sigma / unit_spread(format);
+    // A power-of-two scale: 2^lo or 2^(lo + 1), the larger with probability `up`, so that the
+    // mean of d² is d0² ((1 - up)·4^lo + up·4^(lo + 1) = 4^log2(d0)).
+    let lo = d0.log2().floor();
+    let up = (4f32.powf(d0.log2() - lo) - 1.0) / 3.0;
     dst.par_chunks_mut(row_bytes).enumerate().for_each(|(i, row)| {
         let mut rng = Rng::new(seed, tensor, (row0 + i) as u64);
         rng.fill(row);
         for b in row.chunks_exact_mut(format.block_bytes()) {
             centre_sub_blocks(format, b, &mut rng);
+            if l.d == E8M0 {
+                let e = E8M0_ONE + lo as i32 + i32::from(rng.signed_unit() * 0.5 + 0.5 < up);
+                b[0] = e.clamp(1, 254) as u8;
+                continue;
+            }
             let d = d0 * (1.0 + 0.1 * rng.signed_unit());
             set_f16(b, l.d, d);
             if let Some((at, ratio)) = l.min {
@@ -153,7 +175,7 @@ mod tests {
     #[test]
     fn random_blocks_decode_to_the_requested_spread() {
         let formats: Vec<Format> = smoe_quant::ALL_FORMATS.into_iter().filter(|&f| supported(f)).collect();
-        assert_eq!(formats.len(), 10, "every block format but the float ones");
+        assert_eq!(formats.len(), 11, "every block format but the float ones and MXFP8");
         for f in formats {
             let (rows, cols, sigma) = (64, 512, 0.03f32);
             let mut a = vec![0u8; rows * f.row_bytes(cols).unwrap()];
