@@ -107,7 +107,7 @@ pub fn collapse(x: &[f32], n: usize, mult: usize, dim: usize, pre: &[f32], out: 
 }
 
 /// Most streams [`expand`] mixes (DeepSeek-V4 has 4; the architecture check refuses more).
-pub const MAX_STREAMS: usize = 16;
+const MAX_STREAMS: usize = smoe_vault::HyperConnections::MAX_STREAMS;
 
 /// `x[t, k] = post[t × mult + k] · y[t] + Σ_j comb[t, j, k] · x[t, j]`, in place: each
 /// position's `mult` old values are read before any is written, so nothing is allocated.

@@ -278,6 +278,12 @@ pub struct HyperConnections {
     pub eps: f64,
 }
 
+impl HyperConnections {
+    /// Most streams an architecture may have (DeepSeek-V4 has 4): the bound every backend's
+    /// stream mixing holds a position's old values within.
+    pub const MAX_STREAMS: usize = 16;
+}
+
 /// Gated DeltaNet linear attention (Qwen3-Next) on some layers, in place of full attention.
 ///
 /// A linear layer projects the normed input into `[q | k | v]` (`lin.qkv`, `2 × key_heads ×
@@ -643,8 +649,8 @@ impl Architecture {
         }
         if let Some(h) = &self.hyper_connections {
             pos(h.mult, "hc_mult")?;
-            if h.mult > 16 {
-                return Err(format!("hc_mult {} (at most 16 streams)", h.mult));
+            if h.mult > HyperConnections::MAX_STREAMS {
+                return Err(format!("hc_mult {} (at most {} streams)", h.mult, HyperConnections::MAX_STREAMS));
             }
             pos(h.sinkhorn_iters, "hc_sinkhorn_iters")?;
             if !h.eps.is_finite() || h.eps < 0.0 {

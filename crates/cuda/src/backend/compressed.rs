@@ -14,8 +14,9 @@ use smoe_engine::backend::{check, CompressWindows, CompressedParams};
 
 /// Widest head `attention_compressed` holds (CA_LANE_DIMS × 32 in compressed.cu).
 const MAX_HEAD_DIM: usize = 512;
-/// Most hyper-connection streams `hc_expand` mixes (HC_MAX_STREAMS in compressed.cu).
-const MAX_STREAMS: usize = 16;
+/// Most hyper-connection streams `hc_expand` mixes (HC_MAX_STREAMS in compressed.cu, the
+/// architecture's bound).
+const MAX_STREAMS: usize = smoe_vault::HyperConnections::MAX_STREAMS;
 
 impl CudaBackend {
     pub(super) fn compress(&self, cache: &mut CudaKvCache, c: CompressWindows<'_, CudaVector>) {
