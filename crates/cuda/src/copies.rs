@@ -69,16 +69,13 @@ pub(crate) unsafe fn host_to_device(stream: &CudaStream, copies: &[(u64, &[u8])]
 #[cfg(test)]
 mod tests {
     use super::*;
-    use cudarc::driver::{CudaContext, DevicePtr};
+    use cudarc::driver::DevicePtr;
 
     /// Several matrices from scattered host places, in one call (or one call each where the
     /// driver lacks the batch): each buffer holds its source's bytes.
     #[test]
     fn batched_copies_land_where_they_were_sent() {
-        let Ok(ctx) = crate::probe().and_then(|_| CudaContext::new(0).map_err(|e| e.to_string())) else {
-            eprintln!("skipped: no usable GPU");
-            return;
-        };
+        let Some(ctx) = crate::test_context() else { return };
         let stream = ctx.new_stream().unwrap();
         let host: Vec<u8> = (0..(3usize << 20)).map(|i| (i * 7 % 253) as u8).collect();
         let places = [(5usize, 1000usize), (1 << 20, 300_001), (2 << 20, 17), (123_457, 65_536)];

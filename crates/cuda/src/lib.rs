@@ -81,6 +81,19 @@ pub fn nvrtc_present() -> bool {
     unsafe { cudarc::nvrtc::sys::is_culib_present() }
 }
 
+/// The library's own GPU tests' context on GPU 0, or `None` (said on stderr) where no GPU is
+/// usable: they pass without running there, as CI has none.
+#[cfg(test)]
+pub(crate) fn test_context() -> Option<Arc<CudaContext>> {
+    match probe().and_then(|_| CudaContext::new(0).map_err(|e| e.to_string())) {
+        Ok(ctx) => Some(ctx),
+        Err(why) => {
+            eprintln!("skipped: no usable GPU ({why})");
+            None
+        }
+    }
+}
+
 /// The usable GPUs, or one line saying why there are none (no driver library, the driver
 /// failing to start, no device). Never panics: the driver is not touched unless it loads.
 pub fn probe() -> Result<Vec<DeviceInfo>, String> {

@@ -72,10 +72,7 @@ mod tests {
     /// Registering, copying from and unregistering a range: the copy reads what the host wrote.
     #[test]
     fn a_registered_range_copies_its_bytes() {
-        let Ok(ctx) = crate::probe().and_then(|_| CudaContext::new(0).map_err(|e| e.to_string())) else {
-            eprintln!("skipped: no usable GPU");
-            return;
-        };
+        let Some(ctx) = crate::test_context() else { return };
         let host: Vec<u8> = (0..(1usize << 20)).map(|i| (i % 251) as u8).collect();
         let mut p = PinnedHost::new(ctx.clone());
         p.register(&[(host.as_ptr() as usize, host.len())]);
