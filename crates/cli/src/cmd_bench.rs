@@ -136,6 +136,10 @@ fn bench_on<B: Backend>(engine: &Engine<B>, report: &OpenReport, job: &BenchJob,
         Some(g) => println!("{tag}kv cache {:.1} MiB   resident memory grew {:.1} MiB", r.kv_bytes as f64 / MIB, g as f64 / MIB),
         None => println!("{tag}kv cache {:.1} MiB", r.kv_bytes as f64 / MIB),
     }
+    if let Some([prefill, decode]) = r.pool {
+        println!("{tag}prefill {}", prefill.describe(r.ttft_ms));
+        println!("{tag}decode  {}", decode.describe(r.decode.total_ms));
+    }
     if model.instrument {
         println!("{tag}prefill: {}", r.prefill);
         println!("{tag}decode:  {}", r.decode);

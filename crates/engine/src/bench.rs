@@ -2,6 +2,7 @@
 //! rate on a deterministic random prompt, as llama-bench measures (random tokens, no stopping).
 
 use crate::backend::Backend;
+use crate::cpu::pool::profile::{self, Counters as PoolCounters};
 use crate::instrument::Summary;
 use crate::{Engine, EngineError, Logits, NoObserver};
 use rand::{Rng, SeedableRng};
@@ -49,6 +50,8 @@ pub struct BenchResult {
     /// Growth of the process's resident memory over the prefill and decode (Linux; `None`
     /// elsewhere): the KV cache and whatever else grows with the context.
     pub rss_growth_bytes: Option<i64>,
+    /// The CPU pool's time during prefill and decode, with `SMOE_POOL_PROFILE` set.
+    pub pool: Option<[PoolCounters; 2]>,
 }
 
 /// The process's resident memory in bytes (`VmRSS` of Linux's `/proc/self/status`), if known.
@@ -87,18 +90,21 @@ pub fn bench<B: Backend>(engine: &Engine<B>, opts: &BenchOptions) -> Result<Benc
     st.enable_instrument();
     let rss0 = resident_bytes();
     let tier0 = engine.model.backend().device_tier();
+    let pool0 = PoolCounters::read();
     let t0 = std::time::Instant::now();
     let logits = engine.model.forward(&mut st, &prompt, Logits::Last, &mut NoObserver)?;
     // The first token (greedy) is part of the time to first token.
     std::hint::black_box(logits.iter().enumerate().fold(0, |b, (i, &v)| if v > logits[b] { i } else { b }));
     let ttft = t0.elapsed().as_secs_f64();
     let tier1 = engine.model.backend().device_tier();
+    let pool1 = PoolCounters::read();
     let t1 = std::time::Instant::now();
     for &id in &inputs {
         engine.model.forward(&mut st, &[id], Logits::Last, &mut NoObserver)?;
     }
     let decode_s = t1.elapsed().as_secs_f64();
     let tier2 = engine.model.backend().device_tier();
+    let pool = profile::enabled().then(|| [pool1.since(&pool0), PoolCounters::read().since(&pool1)]);
     let rss_growth_bytes = rss0.zip(resident_bytes()).map(|(a, b)| b - a);
     let ins = st.instrument.as_ref().expect("enabled above");
     let prefill_steps = opts.prompt_tokens.div_ceil(opts.chunk);
@@ -122,6 +128,7 @@ pub fn bench<B: Backend>(engine: &Engine<B>, opts: &BenchOptions) -> Result<Benc
         decode,
         kv_bytes: engine.model.backend().kv_bytes(st.kv()),
         rss_growth_bytes,
+        pool,
     })
 }
 

@@ -8,7 +8,7 @@
 //! batch (a chunk's tokens × top-k rows), which the first full chunk reaches.
 
 use crate::act::{self, ActKind, Block256, Block32};
-use crate::gemm::{tile_len, ActTile, TileMut};
+use crate::gemm::{tile_len, ActTile, TileMut, TILE};
 use crate::{act_kind, ActRow};
 use smoe_quant::Format;
 
@@ -98,19 +98,34 @@ impl ActArena {
     /// Each input's part of the buffers, to be filled (in parallel if wished) by
     /// [`ArenaPart::fill`].
     pub fn parts(&mut self) -> Vec<ArenaPart<'_>> {
+        self.pieces(usize::MAX)
+    }
+
+    /// Like [`parts`](Self::parts), with inputs of more than `piece` rows cut into pieces of
+    /// `piece` rows (rounded up to whole tiles, whose layout is tile-major: a piece that starts
+    /// on a tile owns its tiles outright), so that one long input — prefill's attention input,
+    /// a chunk of 512 tokens — is quantized by several threads, not by the caller alone.
+    pub fn pieces(&mut self, piece: usize) -> Vec<ArenaPart<'_>> {
+        let piece = piece.max(1).div_ceil(TILE).saturating_mul(TILE);
         let (mut f, mut b32, mut b256) = (&mut self.f32[..], &mut self.b32[..], &mut self.b256[..]);
         let (mut qs, mut d, mut sums) = (&mut self.qs[..], &mut self.d[..], &mut self.sums[..]);
         let mut parts = Vec::with_capacity(self.spans.len());
-        for s in &self.spans {
-            let n = s.act_len();
-            let act = match s.kind {
-                ActKind::F32 => PartAct::F32(take(&mut f, n)),
-                ActKind::Q8x32 => PartAct::Q32(take(&mut b32, n)),
-                ActKind::Q8x256 => PartAct::Q256(take(&mut b256, n)),
-            };
-            let (nq, nd, ns) = s.tile_len();
-            let tile = TileMut { qs: take(&mut qs, nq), d: take(&mut d, nd), sums: take(&mut sums, ns) };
-            parts.push(ArenaPart { span: *s, act, tile });
+        for (input, whole) in self.spans.iter().enumerate() {
+            let mut first = 0;
+            // An empty input still gets its (empty) part, as `parts` always gave one per input.
+            while first < whole.rows || (first == 0 && whole.rows == 0) {
+                let s = Span { rows: piece.min(whole.rows - first), ..*whole };
+                let n = s.act_len();
+                let act = match s.kind {
+                    ActKind::F32 => PartAct::F32(take(&mut f, n)),
+                    ActKind::Q8x32 => PartAct::Q32(take(&mut b32, n)),
+                    ActKind::Q8x256 => PartAct::Q256(take(&mut b256, n)),
+                };
+                let (nq, nd, ns) = s.tile_len();
+                let tile = TileMut { qs: take(&mut qs, nq), d: take(&mut d, nd), sums: take(&mut sums, ns) };
+                parts.push(ArenaPart { span: s, act, tile, input, first });
+                first += s.rows.max(1);
+            }
         }
         parts
     }
@@ -128,7 +143,7 @@ impl ActArena {
         };
         let (nq, nd, ns) = s.tile_len();
         let tile = TileMut { qs: &mut self.qs[s.qs..s.qs + nq], d: &mut self.d[s.d..s.d + nd], sums: &mut self.sums[s.sums..s.sums + ns] };
-        ArenaPart { span: s, act, tile }.fill(row);
+        ArenaPart { span: s, act, tile, input: i, first: 0 }.fill(row);
     }
 
     /// Input `i`'s quantized rows.
@@ -172,11 +187,13 @@ fn take<'a, T>(rest: &mut &'a mut [T], n: usize) -> &'a mut [T] {
     head
 }
 
-/// One input's writable part of an [`ActArena`].
+/// One input's writable part of an [`ActArena`] (or a piece of its rows).
 pub struct ArenaPart<'a> {
     span: Span,
     act: PartAct<'a>,
     tile: TileMut<'a>,
+    input: usize,
+    first: usize,
 }
 
 enum PartAct<'a> {
@@ -186,10 +203,17 @@ enum PartAct<'a> {
 }
 
 impl ArenaPart<'_> {
-    /// Quantizes the input's rows, row `t` being `row(t)` (rows scattered through a larger
-    /// buffer are read where they lie), and interleaves them if it is tiled.
+    /// The input this part belongs to.
+    pub fn input(&self) -> usize {
+        self.input
+    }
+
+    /// Quantizes the part's rows of its input, input row `t` being `row(t)` (rows scattered
+    /// through a larger buffer are read where they lie), and interleaves them if it is tiled.
     pub fn fill<'x>(&mut self, row: impl Fn(usize) -> &'x [f32]) {
         let Span { rows, cols, .. } = self.span;
+        let first = self.first;
+        let row = |t: usize| row(first + t);
         match &mut self.act {
             PartAct::F32(out) => {
                 for (t, o) in out.chunks_exact_mut(cols.max(1)).enumerate() {
@@ -263,21 +287,27 @@ mod tests {
     use super::*;
 
     /// Inputs laid out together read back exactly as each quantized alone, whatever the
-    /// order and sizes of the batches before.
+    /// order and sizes of the batches before, and whether each input is filled whole or in
+    /// pieces of rows (by different threads, in any order).
     #[test]
     fn inputs_in_one_arena_equal_each_alone() {
         let data = |n: usize, seed: usize| -> Vec<f32> { (0..n).map(|i| (((i + seed) * 7919 % 1999) as f32 - 999.0) / 500.0).collect() };
         let mut arena = ActArena::default();
-        for (batch, inputs) in [
-            vec![(Format::Q4_K, 19usize, 512usize, true), (Format::Q8_0, 3, 256, false), (Format::BF16, 2, 64, true)],
-            vec![(Format::Q8_0, 9, 256, true), (Format::Q4_K, 1, 768, false), (Format::Q4_K, 40, 256, true)],
+        for (batch, (inputs, piece)) in [
+            (vec![(Format::Q4_K, 19usize, 512usize, true), (Format::Q8_0, 3, 256, false), (Format::BF16, 2, 64, true)], usize::MAX),
+            (vec![(Format::Q8_0, 9, 256, true), (Format::Q4_K, 1, 768, false), (Format::Q4_K, 40, 256, true)], usize::MAX),
+            (vec![(Format::Q4_K, 19, 512, true), (Format::Q8_0, 0, 256, true), (Format::BF16, 17, 64, true)], 8),
+            (vec![(Format::Q8_0, 41, 256, true), (Format::Q4_K, 9, 768, false), (Format::Q4_K, 40, 256, true)], 12),
         ]
         .into_iter()
         .enumerate()
         {
             let xs: Vec<Vec<f32>> = inputs.iter().enumerate().map(|(i, &(_, r, c, _))| data(r * c, 10 * batch + i)).collect();
             arena.layout(inputs.iter().copied());
-            for (i, p) in arena.parts().iter_mut().enumerate() {
+            let mut parts = arena.pieces(piece);
+            assert!(piece == usize::MAX || parts.len() > inputs.len(), "batch {batch}: inputs cut into pieces");
+            for p in parts.iter_mut().rev() {
+                let i = p.input();
                 let (x, c) = (&xs[i], inputs[i].2);
                 p.fill(|t| &x[t * c..(t + 1) * c]);
             }

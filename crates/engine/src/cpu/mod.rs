@@ -187,6 +187,24 @@ impl CpuBackend {
         let per = rows.div_ceil(threads);
         self.pool.run(rows.div_ceil(per), &|i| f(i * per, ((i + 1) * per).min(rows)));
     }
+
+    /// Runs `f(t, segment)` for each of `n` rows' segments `x[t * stride + off..][..width]`,
+    /// in parallel as [`rows_in_parallel`](Self::rows_in_parallel) decides when the segments
+    /// cannot overlap (`width <= stride`): prefill's per-head norms and rotations over a chunk's
+    /// projections had run on the caller while the other threads waited.
+    fn each_segment(&self, x: &mut [f32], n: usize, stride: usize, off: usize, width: usize, f: &(dyn Fn(usize, &mut [f32]) + Sync)) {
+        if width > stride {
+            return (0..n).for_each(|t| f(t, &mut x[t * stride + off..][..width]));
+        }
+        let sink = DisjointOut::new(x);
+        self.rows_in_parallel(n, width, &|t0, t1| {
+            for t in t0..t1 {
+                // SAFETY: segments of different rows are disjoint (width <= stride), and row t
+                // belongs to the one task that holds t0..t1.
+                f(t, unsafe { sink.range(t * stride + off, width) });
+            }
+        });
+    }
 }
 
 impl Backend for CpuBackend {
@@ -377,13 +395,12 @@ impl Backend for CpuBackend {
     }
     fn rms_norm_strided(&self, x: &mut CpuBuf, n: usize, stride: usize, off: usize, dim: usize, w: &Vec<f32>, eps: f32) {
         check_rows("rms_norm_strided", x, 0, n, stride, off, dim);
-        for t in 0..n {
-            let seg = &mut x[t * stride + off..t * stride + off + dim];
+        self.each_segment(x, n, stride, off, dim, &|_, seg| {
             let scale = rms_scale(seg, eps);
             for (v, &g) in seg.iter_mut().zip(w) {
                 *v = g * (*v * scale);
             }
-        }
+        });
     }
     fn layer_norm_strided(&self, x: &mut CpuBuf, n: usize, stride: usize, off: usize, dim: usize, w: &Vec<f32>, b: &Vec<f32>, eps: f32) {
         check_rows("layer_norm_strided", x, 0, n, stride, off, dim);
@@ -562,25 +579,27 @@ impl Backend for CpuBackend {
         interleaved: bool,
     ) {
         let half = cos.len() / n.max(1);
-        if heads > 0 {
-            check_rows("rope", x, 0, n, stride, off, (heads - 1) * head_stride + 2 * half);
+        if heads == 0 {
+            return;
         }
-        for t in 0..n {
+        let width = (heads - 1) * head_stride + 2 * half;
+        check_rows("rope", x, 0, n, stride, off, width);
+        self.each_segment(x, n, stride, off, width, &|t, row| {
             let (c, s) = (&cos[t * half..(t + 1) * half], &sin[t * half..(t + 1) * half]);
             for h in 0..heads {
-                let base = t * stride + off + h * head_stride;
+                let head = &mut row[h * head_stride..h * head_stride + 2 * half];
                 if interleaved {
-                    rotate_pairs(&mut x[base..base + 2 * half], c, s);
+                    rotate_pairs(head, c, s);
                     continue;
                 }
+                let (lo, hi) = head.split_at_mut(half);
                 for i in 0..half {
-                    let (ia, ib) = (base + i, base + i + half);
-                    let (a, b) = (x[ia], x[ib]);
-                    x[ia] = a * c[i] - b * s[i];
-                    x[ib] = b * c[i] + a * s[i];
+                    let (a, b) = (lo[i], hi[i]);
+                    lo[i] = a * c[i] - b * s[i];
+                    hi[i] = b * c[i] + a * s[i];
                 }
             }
-        }
+        });
     }
     fn copy_strided(
         &self,
@@ -615,8 +634,22 @@ impl Backend for CpuBackend {
     }
     fn scatter_rows(&self, src: &CpuBuf, dim: usize, rows: &[usize], dst: &mut CpuBuf) {
         check("scatter_rows input", src, rows.len(), dim);
-        if let Some(&last) = rows.iter().max() {
-            check("scatter_rows", dst, last + 1, dim);
+        let Some(&last) = rows.iter().max() else { return };
+        check("scatter_rows", dst, last + 1, dim);
+        // Prefill's expert rows back to slot order (a chunk's tokens × top-k rows) had been the
+        // largest copy left on the caller alone. On the pool only when no row is written twice
+        // (the engine's orders are permutations), so that which write lands is never a race.
+        let mut seen = vec![false; if rows.len() * dim >= PAR_ELEMENTS { last + 1 } else { 0 }];
+        if !seen.is_empty() && rows.iter().all(|&r| !std::mem::replace(&mut seen[r], true)) {
+            let sink = DisjointOut::new(&mut dst[..(last + 1) * dim]);
+            self.rows_in_parallel(rows.len(), dim, &|i0, i1| {
+                for (i, &r) in (i0..i1).zip(&rows[i0..i1]) {
+                    // SAFETY: rows are distinct (checked above), so destination row r is
+                    // written by the one task that holds source row i.
+                    unsafe { sink.range(r * dim, dim) }.copy_from_slice(&src[i * dim..(i + 1) * dim]);
+                }
+            });
+            return;
         }
         for (i, &r) in rows.iter().enumerate() {
             dst[r * dim..(r + 1) * dim].copy_from_slice(&src[i * dim..(i + 1) * dim]);
@@ -849,7 +882,23 @@ mod tests {
             let mut summed = be.buf("summed", rows * dim);
             be.upload(&mut summed, &v(rows * dim, 5));
             be.add_weighted_slots(&gathered, dim, rows, k, &v(rows * k, 6), &mut summed);
-            [gu, sw, normed, gathered, summed].map(|b| b.data)
+            // A permutation (the parallel path) and an order that writes rows twice (the last
+            // write wins, as on one thread).
+            let order: Vec<usize> = (0..rows * k).map(|i| i * 7 % (rows * k)).collect();
+            let mut scattered = be.buf("scattered", rows * k * dim);
+            be.scatter_rows(&gathered, dim, &order, &mut scattered);
+            let twice: Vec<usize> = (0..rows * k).map(|i| i % 100).collect();
+            let mut overwritten = be.buf("overwritten", 100 * dim);
+            be.scatter_rows(&gathered, dim, &twice, &mut overwritten);
+            assert_eq!(overwritten.data[..dim], gathered.data[(rows * k - 100) * dim..][..dim], "the last write of row 0 wins");
+            // Per-head norms and rotations of a chunk's projections: rows of three heads' room.
+            let mut qk = be.buf("qk", rows * 3 * dim);
+            be.upload(&mut qk, &v(rows * 3 * dim, 7));
+            be.rms_norm_strided(&mut qk, rows, 3 * dim, dim / 2, dim, &v(dim, 8), 1e-6);
+            let (cos, sin) = (v(rows * 32, 9), v(rows * 32, 10));
+            be.rope(&mut qk, rows, 3 * dim, 0, 4, 64, &cos, &sin, false);
+            be.rope(&mut qk, rows, 3 * dim, dim, 2, 128, &cos, &sin, true);
+            [gu, sw, normed, gathered, summed, scattered, overwritten, qk].map(|b| b.data)
         };
         assert!(rows * w >= PAR_ELEMENTS, "the test must reach the parallel path");
         assert_eq!(run(&one), run(&four));

@@ -15,6 +15,72 @@ use std::time::{Duration, Instant};
 /// How long an idle worker spins before parking.
 const SPIN: Duration = Duration::from_micros(200);
 
+/// `SMOE_POOL_PROFILE=1`: process-wide counters of where the pool's time goes, for finding
+/// serial stretches and idle threads at high thread counts (#23): how long callers spent
+/// inside jobs, and how much of that every thread spent running tasks. Off by default, so
+/// that the clock is not read per task.
+pub mod profile {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::OnceLock;
+
+    pub(super) static JOBS: AtomicU64 = AtomicU64::new(0);
+    pub(super) static JOB_NS: AtomicU64 = AtomicU64::new(0);
+    pub(super) static BUSY_NS: AtomicU64 = AtomicU64::new(0);
+    pub(super) static THREAD_NS: AtomicU64 = AtomicU64::new(0);
+
+    /// Whether the counters run (read once from the environment).
+    pub fn enabled() -> bool {
+        static ON: OnceLock<bool> = OnceLock::new();
+        *ON.get_or_init(|| std::env::var_os("SMOE_POOL_PROFILE").is_some_and(|v| v != "0"))
+    }
+
+    /// The counters since the process started.
+    #[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+    pub struct Counters {
+        /// Jobs run across threads.
+        pub jobs: u64,
+        /// Caller wall time inside those jobs, nanoseconds.
+        pub job_ns: u64,
+        /// Time the pool's threads spent running tasks, summed over threads, nanoseconds.
+        pub busy_ns: u64,
+        /// Job wall time times the threads of its pool: what `busy_ns` would be with no idle
+        /// thread.
+        pub thread_ns: u64,
+    }
+
+    impl Counters {
+        /// Now.
+        pub fn read() -> Counters {
+            let r = |c: &AtomicU64| c.load(Ordering::Relaxed);
+            Counters { jobs: r(&JOBS), job_ns: r(&JOB_NS), busy_ns: r(&BUSY_NS), thread_ns: r(&THREAD_NS) }
+        }
+
+        /// What happened between `earlier` and `self`.
+        pub fn since(&self, earlier: &Counters) -> Counters {
+            Counters {
+                jobs: self.jobs - earlier.jobs,
+                job_ns: self.job_ns - earlier.job_ns,
+                busy_ns: self.busy_ns - earlier.busy_ns,
+                thread_ns: self.thread_ns - earlier.thread_ns,
+            }
+        }
+
+        /// One line: of `wall_ms`, the share outside jobs (serial), and inside jobs the share
+        /// of thread time spent on tasks.
+        pub fn describe(&self, wall_ms: f64) -> String {
+            let job_ms = self.job_ns as f64 / 1e6;
+            format!(
+                "pool: {} jobs, {:.1} of {:.1} ms in jobs ({:.0}% serial outside them), threads busy {:.0}% of job time",
+                self.jobs,
+                job_ms,
+                wall_ms,
+                100.0 * (1.0 - job_ms / wall_ms.max(1e-9)).max(0.0),
+                100.0 * self.busy_ns as f64 / (self.thread_ns as f64).max(1.0)
+            )
+        }
+    }
+}
+
 /// The job of the current epoch: a type-erased `&(dyn Fn(usize) + Sync)`.
 type JobRef = *const (dyn Fn(usize) + Sync);
 
@@ -92,6 +158,7 @@ impl Pool {
         s.tasks.store(tasks, Ordering::Relaxed);
         s.next.store(0, Ordering::Relaxed);
         s.done.store(0, Ordering::Relaxed);
+        let started = profile::enabled().then(Instant::now);
         s.epoch.fetch_add(1, Ordering::SeqCst);
         {
             // Under the lock: a worker is either already waiting (and counted in `sleepers`), or
@@ -114,17 +181,27 @@ impl Pool {
             }
         }
         s.job.store(std::ptr::null_mut(), Ordering::Relaxed);
+        if let Some(t) = started {
+            let ns = t.elapsed().as_nanos() as u64;
+            profile::JOBS.fetch_add(1, Ordering::Relaxed);
+            profile::JOB_NS.fetch_add(ns, Ordering::Relaxed);
+            profile::THREAD_NS.fetch_add(ns * (workers as u64 + 1), Ordering::Relaxed);
+        }
     }
 }
 
 fn take_tasks(s: &Shared, f: &(dyn Fn(usize) + Sync)) {
     let n = s.tasks.load(Ordering::Relaxed);
+    let started = profile::enabled().then(Instant::now);
     loop {
         let i = s.next.fetch_add(1, Ordering::Relaxed);
         if i >= n {
             break;
         }
         f(i);
+    }
+    if let Some(t) = started {
+        profile::BUSY_NS.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
     }
 }
 
