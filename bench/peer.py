@@ -223,21 +223,23 @@ def remove(*paths):
 
 
 def one_shape(shape, args, smoe, llama_bin):
-    w = lambda suffix: os.path.join(args.work, f"{shape}-l{args.layers}{suffix}")
+    cut = f"l{args.layers}" + (f"from{args.first_layer}" if args.first_layer else "")
+    w = lambda suffix: os.path.join(args.work, f"{shape}-{cut}{suffix}")
     vault, gguf, ids_file, ours_file, theirs_file = w(".smoe"), w(".gguf"), w(".ids.txt"), w(".smoe.safetensors"), w(".llama.f32")
     greedy_file, ref_file = theirs_file + ".greedy", w(".ref.safetensors")
     files = (vault, gguf, ids_file, ours_file, theirs_file, greedy_file, ref_file)
-    res = {"shape": shape, "layers": args.layers, "tokens": args.prompt_tokens, "gen": args.gen}
+    res = {"shape": shape, "layers": args.layers, "first_layer": args.first_layer, "tokens": args.prompt_tokens, "gen": args.gen}
     log(f"{shape}: {shutil.disk_usage(args.work).free / 2**30:.1f} GiB free in {args.work}")
     try:
         if shape.startswith("deepseek-v4"):
             # llama.cpp takes DeepSeek-V4 only from deepseek-ai's own checkpoint (FP8 layers, FP4
             # experts) through its converter: bench/v4_hub.py writes one of the shape, the
             # converter makes the GGUF, and both engines run that file (smoe in place).
-            hub = w(".hub")
+            hub = os.path.join(args.hub_dir, os.path.basename(w(".hub"))) if args.hub_dir else w(".hub")
             if not (args.keep and os.path.exists(gguf)):
                 t = time.monotonic()
-                sh([sys.executable, os.path.join(ROOT, "bench/v4_hub.py"), hub, "--shape", shape, "--layers", args.layers])
+                sh([sys.executable, os.path.join(ROOT, "bench/v4_hub.py"), hub, "--shape", shape, "--layers", args.layers,
+                    "--first-layer", str(args.first_layer)])
                 log(f"wrote the hub checkpoint {hub} in {time.monotonic() - t:.0f} s")
                 t = time.monotonic()
                 remove(gguf)
@@ -340,6 +342,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default=SHAPES)
     ap.add_argument("--layers", default="2")
+    ap.add_argument("--first-layer", type=int, default=0,
+                    help="DeepSeek-V4 only: cut the published layers from this one on (bench/v4_hub.py --first-layer)")
+    ap.add_argument("--hub-dir", help="DeepSeek-V4 only: where the hub checkpoint is written before conversion (default WORK; "
+                    "/dev/shm keeps it off a disk that cannot hold it and the GGUF at once)")
     ap.add_argument("--prompt-tokens", type=int, default=2000)
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--threads", default=str(os.cpu_count() or 2))
@@ -357,6 +363,9 @@ def main():
     ap.add_argument("--out-json", help="default: WORK/peer.json")
     args = ap.parse_args()
     args.work = os.path.abspath(args.work)
+    shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    if args.first_layer and not all(s.startswith("deepseek-v4") for s in shapes):
+        raise SystemExit("--first-layer cuts only DeepSeek-V4 hub checkpoints (other shapes are synthesised from layer 0)")
     os.makedirs(args.work, exist_ok=True)
     llama_bin = args.llama_bin or build_llama_bin(args.work, args.jobs)
     if args.build_llama_only:
@@ -366,16 +375,17 @@ def main():
     smoe = os.path.abspath(args.smoe) if args.smoe else harness.build_smoe()
     out_json = args.out_json or os.path.join(args.work, "peer.json")
     head = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": harness.cpu_name(), "cores": os.cpu_count(), "threads": int(args.threads),
-            "layers": int(args.layers), "prompt_tokens": args.prompt_tokens, "gen": args.gen, "ids_seed": IDS_SEED,
+            "layers": int(args.layers), "first_layer": args.first_layer, "prompt_tokens": args.prompt_tokens, "gen": args.gen, "ids_seed": IDS_SEED,
             "llama_cpp": f"vendored in llama-cpp-python {harness.LLAMA_VERSION}", "llama_bin": os.path.abspath(llama_bin),
             "smoe": smoe, "results": []}
     print("\n".join(table([]).splitlines()[:2]), flush=True)
-    for shape in [s.strip() for s in args.shapes.split(",") if s.strip()]:
+    for shape in shapes:
         head["results"].append(one_shape(shape, args, smoe, llama_bin))
         with open(out_json, "w") as f:  # after every shape, so a long run that dies keeps what it did
             json.dump(head, f, indent=1)
         print(table(head["results"][-1:]).splitlines()[-1], flush=True)
-    print(f"\n{head['date']}, {head['cpu']}, {head['threads']} threads ({head['cores']} cores); {args.layers} layers, "
+    cut = f"{args.layers} layers" + (f" (published layers {args.first_layer}..{args.first_layer + int(args.layers) - 1})" if args.first_layer else "")
+    print(f"\n{head['date']}, {head['cpu']}, {head['threads']} threads ({head['cores']} cores); {cut}, "
           f"{args.prompt_tokens} random prompt tokens (seed {IDS_SEED}), {args.gen} greedy tokens; smoe --fast vs llama.cpp "
           f"(llama-cpp-python {harness.LLAMA_VERSION}'s); rel = max|smoe - llama.cpp| / max|llama.cpp| per position; "
           f"KL(llama.cpp || smoe) mean over positions; seconds are wall clock per command.\n")

@@ -7,9 +7,13 @@ hash layers' `tid2eid` as int32; config.json in the hub's spellings. What llama.
 takes (it writes the experts as MXFP4 blocks and requantizes the float8 layers to Q8_0), so that
 bench/peer.py can run both engines on the same GGUF.
 
-Usage: bench/v4_hub.py OUT_DIR [--shape deepseek-v4-flash|deepseek-v4-pro] [--layers 4]
+Usage: bench/v4_hub.py OUT_DIR [--shape deepseek-v4-flash|deepseek-v4-pro] [--layers 4] [--first-layer 0]
                        [--tokenizer DIR]   (tokenizer.json and tokenizer_config.json to copy;
                                             default testdata/hf/deepseek_v4)
+
+--first-layer F writes the published layers F..F+layers-1 (their compression ratios and hash or
+learned routing) as the checkpoint's layers 0..: a cut that holds a compressed-sparse layer
+without the heavy layers before it (V4-Pro's first is layer 3; four layers of it are ~53 GB).
 Needs torch (with float8 dtypes), numpy and safetensors.
 """
 import argparse
@@ -68,13 +72,14 @@ def main():
     ap.add_argument("out")
     ap.add_argument("--shape", default="deepseek-v4-flash")
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--first-layer", type=int, default=0)
     ap.add_argument("--tokenizer", default=os.path.join(HERE, "..", "testdata", "hf", "deepseek_v4"))
     args = ap.parse_args()
     cfg = dict({"deepseek-v4-flash": FLASH, "deepseek-v4-pro": PRO}[args.shape])
-    L = args.layers
+    L, F = args.layers, args.first_layer
     cfg["num_hidden_layers"] = L
-    cfg["compress_ratios"] = ratios(L)
-    cfg["num_hash_layers"] = min(cfg["num_hash_layers"], L)
+    cfg["compress_ratios"] = ratios(F + L)[F:]
+    cfg["num_hash_layers"] = max(0, min(cfg["num_hash_layers"] - F, L))
     cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "activation_scheme": "dynamic",
                                   "weight_block_size": [128, 128], "expert_dtype": "fp4"}
     os.makedirs(args.out, exist_ok=True)
@@ -136,7 +141,8 @@ def main():
             for name, (rows, cols) in {"w1": (I, H), "w3": (I, H), "w2": (H, I)}.items():
                 experts[p + f"ffn.experts.{e}.{name}.weight"], experts[p + f"ffn.experts.{e}.{name}.scale"] = fp4(rows, cols, rng)
         write(f"model-layer{l}-experts.safetensors", experts)
-        print(f"layer {l}: compress ratio {rate}, {'hash' if l < cfg['num_hash_layers'] else 'learned'} routing", flush=True)
+        print(f"layer {l} (published {F + l}): compress ratio {rate}, {'hash' if l < cfg['num_hash_layers'] else 'learned'} routing",
+              flush=True)
     json.dump({"metadata": {}, "weight_map": weight_map}, open(os.path.join(args.out, "model.safetensors.index.json"), "w"), indent=1)
 
 
