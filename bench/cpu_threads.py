@@ -18,7 +18,8 @@ taken against that one, which left out the attention over the prompt: on the 2-c
 layers, 11.2 tok/s empty against 8.7 at depth 512).
 Prints the table (ratios, decode as a share of the bandwidth limit, prefill scaling from the
 smallest thread count) and writes cpu_threads.json and cpu_threads.md into the work directory.
-`--variant` adds a smoe column run with extra environment variables (e.g. `avx2:SMOE_ISA=avx2`).
+`--variant` adds a smoe column run with extra environment variables (e.g. `avx2:SMOE_ISA=avx2`),
+or with another build (`before:SMOE_BIN=/path/to/smoe`), in the same run as the others.
 No GPU is used: on the GPU machine it can run while the GPU is idle.
 """
 
@@ -69,6 +70,8 @@ def model(smoe, llama_src, work, layers):
 
 
 def smoe_row(smoe, vault, threads, reps, env):
+    env = dict(env)
+    smoe = env.pop("SMOE_BIN", smoe)
     cmd = [smoe, "bench", vault, "--device", "cpu", "--cache", "resident", "--threads", threads, "--json",
            "--prompt-tokens", "512", "--gen-tokens", "64", "--reps", reps]
     j = json.loads(run(cmd, env={**os.environ, **env}).stdout.strip().splitlines()[-1])
@@ -117,7 +120,8 @@ def main():
     ap.add_argument("--work", default=os.path.join(ROOT, "target/bench"))
     ap.add_argument("--smoe", help="a built smoe binary (default: cargo build --release)")
     ap.add_argument("--llama-src", help="llama.cpp's source: a directory or a .tar.xz of it (default: the sdist from PyPI)")
-    ap.add_argument("--variant", action="append", default=[], help="NAME:VAR=VAL[,VAR=VAL]: another smoe column")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="NAME:VAR=VAL[,VAR=VAL]: another smoe column; SMOE_BIN=PATH runs another binary (an A/B of two builds)")
     args = ap.parse_args()
     os.makedirs(args.work, exist_ok=True)
     smoe = args.smoe or build_smoe()
