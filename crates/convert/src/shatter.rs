@@ -112,15 +112,7 @@ impl TensorProvider for Checkpoint {
         let info = self.tensors.get(name).ok_or_else(|| ConvertError::Missing(vec![name.to_string()]))?;
         RAW.with(|raw| info.read_rows_f32(start, n, &mut raw.borrow_mut(), out))?;
         if info.dtype == DType::F8E4M3 {
-            let sname = format!("{name}_scale_inv");
-            let s = self.tensors.get(&sname).ok_or_else(|| FormatError::BadInput(format!("{name} is float8 but {sname} is missing")))?;
-            let bpr = info.cols().div_ceil(128);
-            if s.rows() != info.rows().div_ceil(128) || s.cols() != bpr {
-                return Err(
-                    FormatError::BadInput(format!("{sname} has shape {:?}, not 128x128 blocks of {:?}", s.shape, info.shape)).into()
-                );
-            }
-            let scales = s.read_f32()?;
+            let (scales, bpr) = block_scales(self, name)?;
             let cols = info.cols();
             for (r, row) in out.chunks_exact_mut(cols).enumerate() {
                 let srow = &scales[((start + r) / 128) * bpr..];
@@ -130,6 +122,57 @@ impl TensorProvider for Checkpoint {
             }
         }
         Ok(())
+    }
+    /// A float8 tensor with its 128x128 block scales is [`Format::FP8`] as published.
+    fn native_format(&self, name: &str) -> Option<Format> {
+        let info = self.tensors.get(name)?;
+        let scaled = info.dtype == DType::F8E4M3 && self.tensors.contains_key(&format!("{name}_scale_inv"));
+        (scaled && Format::FP8.fits(info.cols())).then_some(Format::FP8)
+    }
+    /// FP8 blocks straight from the codes and their block's scale: each row's 128 codes of a
+    /// block beside the f32 scale of the 128 rows it belongs to, nothing decoded.
+    fn read_quantized(&self, name: &str, format: Format, start: usize, n: usize, dst: &mut [u8]) -> Option<Result<(), ConvertError>> {
+        if format != Format::FP8 || self.native_format(name) != Some(Format::FP8) {
+            return None;
+        }
+        let mut read = || -> Result<(), ConvertError> {
+            let info = &self.tensors[name];
+            let (scales, bpr) = block_scales(self, name)?;
+            let cols = info.cols();
+            let row_bytes = Format::FP8.row_bytes(cols).map_err(|e| FormatError::Internal(e.to_string()))?;
+            if dst.len() != n * row_bytes {
+                return Err(FormatError::Internal(format!("{name}: {} bytes for {n} FP8 rows of {cols}", dst.len())).into());
+            }
+            RAW.with(|raw| -> Result<(), ConvertError> {
+                let raw = &mut *raw.borrow_mut();
+                raw.resize(n * cols, 0);
+                info.read_rows_raw(start, n, raw)?;
+                for (r, (row, codes)) in dst.chunks_exact_mut(row_bytes).zip(raw.chunks_exact(cols)).enumerate() {
+                    let srow = &scales[((start + r) / 128) * bpr..];
+                    for ((block, codes), &d) in row.chunks_exact_mut(Format::FP8.block_bytes()).zip(codes.chunks_exact(128)).zip(srow) {
+                        block[..4].copy_from_slice(&d.to_le_bytes());
+                        block[4..].copy_from_slice(codes);
+                    }
+                }
+                Ok(())
+            })
+        };
+        Some(read())
+    }
+}
+
+/// The `_scale_inv` companion of float8 tensor `name`: one f32 per 128x128 block, and blocks
+/// per row.
+fn block_scales(ckpt: &Checkpoint, name: &str) -> Result<(Vec<f32>, usize), ConvertError> {
+    {
+        let info = &ckpt.tensors[name];
+        let sname = format!("{name}_scale_inv");
+        let s = ckpt.tensors.get(&sname).ok_or_else(|| FormatError::BadInput(format!("{name} is float8 but {sname} is missing")))?;
+        let bpr = info.cols().div_ceil(128);
+        if s.rows() != info.rows().div_ceil(128) || s.cols() != bpr {
+            return Err(FormatError::BadInput(format!("{sname} has shape {:?}, not 128x128 blocks of {:?}", s.shape, info.shape)).into());
+        }
+        Ok((s.read_f32()?, bpr))
     }
 }
 
@@ -284,10 +327,10 @@ fn convert(
         let src_name = hf_name(arch.family, &spec.name);
         let cols = *spec.shape.last().unwrap();
         let rows: usize = spec.shape[..spec.shape.len() - 1].iter().product::<usize>().max(1);
-        // MXFP8 holds float8 layers as published; it does not requantize the others, which
-        // keep 16 bits (a bf16 checkpoint's exactly).
-        let requested =
-            if opts.dense == Format::MXFP8 && ckpt.native_format(&src_name) != Some(Format::MXFP8) { Format::BF16 } else { opts.dense };
+        // MXFP8 and FP8 hold float8 layers as published; they do not requantize the others,
+        // which keep 16 bits (a bf16 checkpoint's exactly).
+        let float8 = matches!(opts.dense, Format::MXFP8 | Format::FP8);
+        let requested = if float8 && ckpt.native_format(&src_name) != Some(opts.dense) { Format::BF16 } else { opts.dense };
         let format = if spec.keep_f32 { Format::F32 } else { choose_format(requested, cols, &spec.name, &mut notes) };
         w.begin_tensor(&spec.name, format, &spec.shape, &src_name)?;
         let chunk_rows = (CHUNK_ELEMS / cols).max(1);
@@ -388,4 +431,64 @@ fn convert(
         notes,
         seconds: t0.elapsed().as_secs_f64(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A float8 tensor with its 128x128 block scales (rows past one block, a partial last block
+    /// of rows) goes into FP8 blocks code for code: decoded, any range of rows is exactly what
+    /// the f32 path makes of the checkpoint (float8 times its block's arbitrary f32 scale,
+    /// checked against transformers on the GLM-5-FP8 fixture); a bf16 tensor, or float8 rows
+    /// no 128-wide block fits, has no native FP8 form.
+    #[test]
+    fn block_scaled_float8_becomes_fp8_blocks_unchanged() {
+        let (rows, cols) = (200usize, 256usize);
+        let codes: Vec<u8> = (0..rows * cols).map(|i| (i * 37 % 251) as u8 & 0xf7).collect();
+        let scales: Vec<f32> = vec![0.0123, -0.000_456, 3.25e-5, 7.0];
+        let narrow: Vec<u8> = vec![0x38; 4 * 64];
+        let narrow_scale = 0.5f32;
+        let bf16: Vec<u8> = vec![0x3f; 4 * 256 * 2];
+        let mut data = Vec::new();
+        let mut header = serde_json::Map::new();
+        for (name, dtype, shape, bytes) in [
+            ("w.weight", "F8_E4M3", vec![rows, cols], codes.clone()),
+            ("w.weight_scale_inv", "F32", vec![2, 2], scales.iter().flat_map(|s| s.to_le_bytes()).collect()),
+            ("n.weight", "F8_E4M3", vec![4, 64], narrow),
+            ("n.weight_scale_inv", "F32", vec![1, 1], narrow_scale.to_le_bytes().to_vec()),
+            ("b.weight", "BF16", vec![4, 256], bf16),
+        ] {
+            header.insert(
+                name.into(),
+                serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [data.len(), data.len() + bytes.len()]}),
+            );
+            data.extend(bytes);
+        }
+        let head = serde_json::to_vec(&header).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let mut file = (head.len() as u64).to_le_bytes().to_vec();
+        file.extend(&head);
+        file.extend(&data);
+        std::fs::write(dir.path().join("model.safetensors"), file).unwrap();
+        let ckpt = Checkpoint::open(dir.path()).unwrap();
+        assert_eq!(ckpt.native_format("w.weight"), Some(Format::FP8));
+        assert_eq!(ckpt.native_format("n.weight"), None, "64 columns: no 128-wide block");
+        assert_eq!(ckpt.native_format("b.weight"), None);
+        assert!(ckpt.read_quantized("b.weight", Format::FP8, 0, 4, &mut vec![0u8; 4 * 264]).is_none());
+        assert!(ckpt.read_quantized("w.weight", Format::MXFP8, 0, 1, &mut vec![0u8; 264]).is_none());
+        let rb = Format::FP8.row_bytes(cols).unwrap();
+        for (start, n) in [(0, rows), (120, 17), (199, 1)] {
+            let mut values = vec![0f32; n * cols];
+            ckpt.read_rows("w.weight", start, n, &mut values).unwrap();
+            let mut blocks = vec![0u8; n * rb];
+            ckpt.read_quantized("w.weight", Format::FP8, start, n, &mut blocks).unwrap().unwrap();
+            let mut decoded = vec![0f32; n * cols];
+            smoe_quant::dequantize(Format::FP8, &blocks, &mut decoded).unwrap();
+            assert!(decoded == values, "rows {start}..{}: FP8 blocks decode to the f32 path's values", start + n);
+            let want = smoe_quant::e4m3_to_f32(codes[start * cols + 130]) * scales[if start < 128 { 1 } else { 3 }];
+            assert_eq!(decoded[130], want, "rows from {start}: column 130 takes its block's scale");
+        }
+        assert!(ckpt.read_quantized("w.weight", Format::FP8, 0, 2, &mut vec![0u8; rb]).unwrap().is_err(), "a short buffer");
+    }
 }

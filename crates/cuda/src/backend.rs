@@ -206,7 +206,7 @@ struct Kernels {
 }
 
 /// The kernels' name for each weight format.
-pub(crate) const FORMAT_NAMES: [(Format, &str); 15] = [
+pub(crate) const FORMAT_NAMES: [(Format, &str); 16] = [
     (Format::F32, "f32"),
     (Format::F16, "f16"),
     (Format::BF16, "bf16"),
@@ -222,6 +222,7 @@ pub(crate) const FORMAT_NAMES: [(Format, &str); 15] = [
     (Format::Q6_K, "q6_k"),
     (Format::MXFP4, "mxfp4"),
     (Format::MXFP8, "mxfp8"),
+    (Format::FP8, "fp8"),
 ];
 
 /// Whether the kernels decode `f` (every format the CPU path runs).

@@ -227,6 +227,12 @@ __device__ __forceinline__ void group(const u8* row, int g, int cols, float* y) 
         float d = 2.0f * e8m0_half(b[0]);
 #pragma unroll
         for (int i = 0; i < 32; i++) y[i] = e4m3_value(b[1 + i]) * d;
+    } else if (F == 201) {  // FP8: an f32 scale (4 bytes, little-endian), then 128 float8 e4m3 codes
+        const u8* b = row + (size_t)(g >> 2) * 132;
+        float d = __uint_as_float((u32)b[0] | ((u32)b[1] << 8) | ((u32)b[2] << 16) | ((u32)b[3] << 24));
+        const u8* q = b + 4 + 32 * (g & 3);
+#pragma unroll
+        for (int i = 0; i < 32; i++) y[i] = e4m3_value(q[i]) * d;
     } else if (F == 14) {  // Q6_K: 128 low-nibble bytes, 64 high-bit bytes, 16 scales, d
         int sub = g & 7, n = sub >> 2, k = sub & 3;
         const u8* b = row + (size_t)(g >> 3) * 210;
@@ -278,6 +284,7 @@ __device__ constexpr int span32() {
          : F == 13 ? 4 * 176
          : F == 39 ? 32 * 17
          : F == 200 ? 32 * 33
+         : F == 201 ? 8 * 132
          : 4 * 210;  // 14: Q6_K
 }
 
@@ -941,6 +948,7 @@ FORMAT_KERNELS(q6_k, 14)
 FORMAT_KERNELS(bf16, 30)
 FORMAT_KERNELS(mxfp4, 39)
 FORMAT_KERNELS(mxfp8, 200)
+FORMAT_KERNELS(fp8, 201)
 
 // f32 products split over their columns (the router of a prefill chunk: 128 rows by 512 tokens
 // made 16 tiles of 2048 columns each, 16 blocks on 132 SMs, 0.23 ms a layer): block z takes

@@ -79,8 +79,8 @@ pub fn check_backend<B: Backend>(b: &B, tol: &Tolerance) -> Result<usize, Vec<St
 
 /// Weight formats and a row length each accepts (K-quants need whole super-blocks of 256; an
 /// odd number of MXFP4's 17-byte and MXFP8's 33-byte blocks puts every other row at an odd
-/// address).
-const FORMATS: [(Format, usize); 15] = [
+/// address; FP8's 132-byte blocks of 128, three to a row, leave rows 4-byte aligned only).
+const FORMATS: [(Format, usize); 16] = [
     (Format::F32, 40),
     (Format::F16, 72),
     (Format::BF16, 104),
@@ -96,6 +96,7 @@ const FORMATS: [(Format, usize); 15] = [
     (Format::Q6_K, 256),
     (Format::MXFP4, 96),
     (Format::MXFP8, 160),
+    (Format::FP8, 384),
 ];
 
 /// Token counts: one (decode), fewer than a tile, a tile and a remainder, two tiles and one.

@@ -57,7 +57,9 @@ pub enum ActRow<'a> {
 pub fn act_kind(f: Format) -> ActKind {
     match f {
         Format::F32 | Format::F16 | Format::BF16 => ActKind::F32,
-        Format::Q8_0 | Format::Q4_0 | Format::Q4_1 | Format::Q5_0 | Format::Q5_1 | Format::MXFP4 | Format::MXFP8 => ActKind::Q8x32,
+        Format::Q8_0 | Format::Q4_0 | Format::Q4_1 | Format::Q5_0 | Format::Q5_1 | Format::MXFP4 | Format::MXFP8 | Format::FP8 => {
+            ActKind::Q8x32
+        }
         Format::Q2_K | Format::Q3_K | Format::Q4_K | Format::Q5_K | Format::Q6_K => ActKind::Q8x256,
     }
 }
@@ -129,6 +131,7 @@ impl Kernels {
                 Format::Q6_K => DotFn::Q256(scalar::dot_q6_k),
                 Format::MXFP4 => DotFn::Q32(scalar::dot_mxfp4),
                 Format::MXFP8 => DotFn::Q32(scalar::dot_mxfp8),
+                Format::FP8 => DotFn::Q32(scalar::dot_fp8),
             };
         }
         Kernels {

@@ -82,6 +82,24 @@ pub fn dot_mxfp8(w: &[u8], a: &[Block32]) -> f32 {
         .sum()
 }
 
+/// FP8 weights: each 32 codes against their activation block as in [`dot_mxfp8`] (values
+/// times 512, summed exactly in i32), the four sums weighted by their activation scales, times
+/// the block's f32 scale and 2^−9.
+pub fn dot_fp8(w: &[u8], a: &[Block32]) -> f32 {
+    blocks::<BlockFp8>(w)
+        .iter()
+        .zip(a.chunks_exact(4))
+        .map(|(b, a)| {
+            let s: f32 =
+                b.qs.chunks_exact(32)
+                    .zip(a)
+                    .map(|(q, a)| a.d * isum(q.iter().zip(&a.qs).map(|(&q, &p)| smoe_quant::e4m3_times_512(q) * p as i32)) as f32)
+                    .sum();
+            b.scale() * (1.0 / 512.0) * s
+        })
+        .sum()
+}
+
 /// Q4_1 weights (value = q·d + m).
 pub fn dot_q4_1(w: &[u8], a: &[Block32]) -> f32 {
     blocks::<BlockQ4_1>(w)

@@ -48,6 +48,31 @@ pub struct BlockMxfp8 {
 }
 const _: () = assert!(std::mem::size_of::<BlockMxfp8>() == 33);
 
+/// Values per [`BlockFp8`]: the 128 columns of one block of a 128×128 block-scaled float8
+/// checkpoint.
+pub const QK_FP8: usize = 128;
+
+/// 8.25 bits per weight: 128 float8 e4m3 codes sharing an f32 scale, `x = e4m3(q) · d` — a row's
+/// part of one 128×128 block of the FP8 checkpoints DeepSeek-V3, GLM-5-FP8 and Qwen3-FP8 ship
+/// (e4m3 codes with a `weight_scale_inv` per block, an arbitrary f32 that no e8m0 exponent or
+/// bf16 holds). Every row repeats its blocks' scales.
+#[repr(C)]
+#[derive(Clone, Copy, Pod, Zeroable)]
+pub struct BlockFp8 {
+    /// The scale, an f32 in little-endian bytes (bytes, so that blocks need no alignment).
+    pub d: [u8; 4],
+    /// float8 e4m3 codes, as in [`BlockMxfp8`].
+    pub qs: [u8; QK_FP8],
+}
+const _: () = assert!(std::mem::size_of::<BlockFp8>() == 132);
+
+impl BlockFp8 {
+    /// The block's scale.
+    pub fn scale(&self) -> f32 {
+        f32::from_le_bytes(self.d)
+    }
+}
+
 /// A float8 e4m3 code's value times 512, an integer (|v| ≤ 448 · 512): `m` for the subnormals
 /// (exponent field 0), `(8 + m) << (E − 1)` above, signed. The dot products multiply these
 /// with int8 activations and scale by `2^−9` once per block. The NaN codes (0x7f, 0xff) are

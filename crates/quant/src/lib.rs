@@ -65,10 +65,14 @@ pub enum Format {
     /// published: e4m3 codes times a power of two). Not a ggml type: the id is smoe's own, and
     /// GGUF export refuses it.
     MXFP8 = 200,
+    /// float8 e4m3 values sharing an f32 scale per 128 ([`blocks::BlockFp8`]): the 128×128
+    /// block-scaled FP8 of DeepSeek-V3, GLM-5-FP8 and Qwen3-FP8 checkpoints, held as published.
+    /// smoe's own id; GGUF export refuses it.
+    FP8 = 201,
 }
 
 /// Every format this crate can encode and decode.
-pub const ALL_FORMATS: [Format; 15] = [
+pub const ALL_FORMATS: [Format; 16] = [
     Format::F32,
     Format::F16,
     Format::BF16,
@@ -84,6 +88,7 @@ pub const ALL_FORMATS: [Format; 15] = [
     Format::Q6_K,
     Format::MXFP4,
     Format::MXFP8,
+    Format::FP8,
 ];
 
 /// Errors from format parsing and row coding.
@@ -91,7 +96,7 @@ pub const ALL_FORMATS: [Format; 15] = [
 pub enum QuantError {
     /// A format name that is not known.
     #[error(
-        "unknown tensor format '{0}' (known: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4, MXFP8)"
+        "unknown tensor format '{0}' (known: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4, MXFP8, FP8)"
     )]
     UnknownName(String),
     /// A ggml type id that is not supported.
@@ -136,6 +141,7 @@ impl Format {
             Format::Q6_K => "Q6_K",
             Format::MXFP4 => "MXFP4",
             Format::MXFP8 => "MXFP8",
+            Format::FP8 => "FP8",
         }
     }
 
@@ -155,6 +161,7 @@ impl Format {
             Format::F32 | Format::F16 | Format::BF16 => 1,
             Format::Q8_0 | Format::Q4_0 | Format::Q4_1 | Format::Q5_0 | Format::Q5_1 | Format::MXFP4 | Format::MXFP8 => QK,
             Format::Q2_K | Format::Q3_K | Format::Q4_K | Format::Q5_K | Format::Q6_K => QK_K,
+            Format::FP8 => blocks::QK_FP8,
         }
     }
 
@@ -176,6 +183,7 @@ impl Format {
             Format::Q6_K => size_of::<blocks::BlockQ6K>(),
             Format::MXFP4 => size_of::<blocks::BlockMxfp4>(),
             Format::MXFP8 => size_of::<blocks::BlockMxfp8>(),
+            Format::FP8 => size_of::<blocks::BlockFp8>(),
         }
     }
 
@@ -211,7 +219,9 @@ impl Format {
             Format::Q4_K => Format::Q5_0,
             Format::Q5_K => Format::Q5_1,
             Format::Q6_K => Format::Q8_0,
-            Format::Q8_0 | Format::Q4_0 | Format::Q4_1 | Format::Q5_0 | Format::Q5_1 | Format::MXFP4 | Format::MXFP8 => Format::BF16,
+            Format::Q8_0 | Format::Q4_0 | Format::Q4_1 | Format::Q5_0 | Format::Q5_1 | Format::MXFP4 | Format::MXFP8 | Format::FP8 => {
+                Format::BF16
+            }
             f => f,
         }
     }
@@ -279,6 +289,7 @@ pub fn quantize(format: Format, src: &[f32], dst: &mut [u8]) -> Result<(), Quant
         Format::Q6_K => kquants::quantize_q6_k(src, bytemuck::cast_slice_mut(dst)),
         Format::MXFP4 => simple::quantize_mxfp4(src, bytemuck::cast_slice_mut(dst)),
         Format::MXFP8 => simple::quantize_mxfp8(src, bytemuck::cast_slice_mut(dst)),
+        Format::FP8 => simple::quantize_fp8(src, bytemuck::cast_slice_mut(dst)),
     }
     Ok(())
 }
@@ -314,6 +325,7 @@ pub fn dequantize(format: Format, src: &[u8], dst: &mut [f32]) -> Result<(), Qua
         Format::Q6_K => kquants::dequantize_q6_k(bytemuck::cast_slice(src), dst),
         Format::MXFP4 => simple::dequantize_mxfp4(bytemuck::cast_slice(src), dst),
         Format::MXFP8 => simple::dequantize_mxfp8(bytemuck::cast_slice(src), dst),
+        Format::FP8 => simple::dequantize_fp8(bytemuck::cast_slice(src), dst),
     }
     Ok(())
 }

@@ -4,7 +4,8 @@
 //! mirror `dequantize_row_*`.
 
 use crate::blocks::{
-    e4m3_times_512, e8m0_to_f32_half, BlockMxfp4, BlockMxfp8, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0, KVALUES_MXFP4, QK,
+    e4m3_times_512, e8m0_to_f32_half, BlockFp8, BlockMxfp4, BlockMxfp8, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0,
+    KVALUES_MXFP4, QK, QK_FP8,
 };
 use crate::half::F16Bytes;
 
@@ -175,6 +176,29 @@ pub(crate) fn quantize_mxfp8(x: &[f32], y: &mut [BlockMxfp8]) {
 pub(crate) fn dequantize_mxfp8(x: &[BlockMxfp8], y: &mut [f32]) {
     for (b, y) in x.iter().zip(y.chunks_exact_mut(QK)) {
         let d = e8m0(b.e);
+        for (o, &q) in y.iter_mut().zip(&b.qs) {
+            *o = e4m3_to_f32(q) * d;
+        }
+    }
+}
+
+/// FP8: the scale that brings the block's largest magnitude to e4m3's 448 (any f32, as the
+/// checkpoints' `weight_scale_inv`), each value the nearest code.
+pub(crate) fn quantize_fp8(x: &[f32], y: &mut [BlockFp8]) {
+    for (b, x) in y.iter_mut().zip(x.chunks_exact(QK_FP8)) {
+        let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 448.0;
+        b.d = d.to_le_bytes();
+        let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+        for (q, &v) in b.qs.iter_mut().zip(x) {
+            *q = f32_to_e4m3(v * inv);
+        }
+    }
+}
+
+pub(crate) fn dequantize_fp8(x: &[BlockFp8], y: &mut [f32]) {
+    for (b, y) in x.iter().zip(y.chunks_exact_mut(QK_FP8)) {
+        let d = b.scale();
         for (o, &q) in y.iter_mut().zip(&b.qs) {
             *o = e4m3_to_f32(q) * d;
         }

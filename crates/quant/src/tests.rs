@@ -189,3 +189,29 @@ fn e4m3_codes_round_trip_and_mxfp8_holds_float8_exactly() {
     crate::dequantize(Format::MXFP8, &b, &mut y).unwrap();
     assert_eq!(x, y);
 }
+
+/// FP8 blocks hold float8 codes times an arbitrary f32 scale (a `weight_scale_inv` of a
+/// 128×128 block-scaled checkpoint) exactly: built from codes and scale, they decode to the
+/// products; quantized from those values they decode to them again when a code of the block
+/// is ±448 (the quantizer's scale is then the original one).
+#[test]
+fn fp8_holds_block_scaled_float8_exactly() {
+    use crate::blocks::{BlockFp8, QK_FP8};
+    use crate::{e4m3_to_f32, f32_to_e4m3};
+    let scale = 0.000_713_7_f32;
+    let codes: Vec<u8> =
+        (0..2 * QK_FP8).map(|i| if i % QK_FP8 == 5 { f32_to_e4m3(-448.0) } else { (i as u8).wrapping_mul(37) & 0xfe }).collect();
+    let codes: Vec<u8> = codes.into_iter().map(|q| if q & 0x7f == 0x7e && q != f32_to_e4m3(-448.0) { q & 0xf0 } else { q }).collect();
+    let want: Vec<f32> = codes.iter().map(|&q| e4m3_to_f32(q) * scale).collect();
+    let blocks: Vec<BlockFp8> = codes.chunks(QK_FP8).map(|c| BlockFp8 { d: scale.to_le_bytes(), qs: c.try_into().unwrap() }).collect();
+    let mut y = vec![0f32; 2 * QK_FP8];
+    crate::dequantize(Format::FP8, bytemuck::cast_slice(&blocks), &mut y).unwrap();
+    assert_eq!(y, want);
+    let mut b = vec![0u8; Format::FP8.row_bytes(2 * QK_FP8).unwrap()];
+    crate::quantize(Format::FP8, &want, &mut b).unwrap();
+    crate::dequantize(Format::FP8, &b, &mut y).unwrap();
+    let worst = y.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    assert!(worst <= scale * 1e-3, "requantized FP8 moved a value by {worst}");
+    assert_eq!(Format::FP8.row_bytes(256).unwrap(), 264);
+    assert!(!Format::FP8.fits(192));
+}

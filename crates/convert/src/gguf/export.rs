@@ -31,7 +31,7 @@ fn file_type(f: Format) -> u32 {
         // LLAMA_FTYPE_MOSTLY_MXFP4_MOE: MXFP4 experts, the rest as they are.
         Format::MXFP4 => 38,
         // Not a ggml type: `export_with` refuses vaults holding it before this is asked.
-        Format::MXFP8 => unreachable!("MXFP8 has no GGUF file type"),
+        Format::MXFP8 | Format::FP8 => unreachable!("{f} has no GGUF file type"),
     }
 }
 
@@ -326,7 +326,7 @@ pub fn export_with(vault: &Path, out: &Path, progress: &dyn Progress, experts: O
     let a = v.architecture().clone();
     check_supported(&a)?;
     let formats = v.manifest().dense.iter().map(|d| d.format).chain(v.manifest().experts.parts.iter().map(|p| p.format));
-    if let Some(f) = formats.into_iter().find(|f| *f == Format::MXFP8) {
+    if let Some(f) = formats.into_iter().find(|f| matches!(f, Format::MXFP8 | Format::FP8)) {
         return Err(FormatError::Unsupported(format!("the vault holds {f} tensors, which GGUF has no type for")).into());
     }
     let meta = metadata(&v)?;

@@ -5,7 +5,7 @@
 
 use super::neon::mla16;
 use crate::act::{Block256, Block32};
-use smoe_quant::blocks::{BlockMxfp4, BlockMxfp8, BlockQ2K, BlockQ3K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1};
+use smoe_quant::blocks::{BlockFp8, BlockMxfp4, BlockMxfp8, BlockQ2K, BlockQ3K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1};
 use smoe_quant::{scale_min_k4, unpack_q3_scales};
 use std::arch::aarch64::*;
 
@@ -82,37 +82,60 @@ pub fn dot_mxfp8(w: &[u8], a: &[Block32]) -> f32 {
     let wb: &[BlockMxfp8] = bytemuck::cast_slice(w);
     let mut s = 0f32;
     for (b, a) in wb.iter().zip(a) {
-        // SAFETY: 16-byte loads at offsets 0 and 16 of 32-byte arrays; the rest is register
-        // arithmetic.
-        let total = unsafe {
-            let mut acc = vdupq_n_s32(0);
-            for c in 0..2 {
-                let q = vld1q_u8(b.qs.as_ptr().add(16 * c));
-                let x = vld1q_s8(a.qs.as_ptr().add(16 * c));
-                let (q16, x16) =
-                    ([vmovl_u8(vget_low_u8(q)), vmovl_u8(vget_high_u8(q))], [vmovl_s8(vget_low_s8(x)), vmovl_s8(vget_high_s8(x))]);
-                for h in 0..2 {
-                    let quads = [
-                        (vmovl_u16(vget_low_u16(q16[h])), vmovl_s16(vget_low_s16(x16[h]))),
-                        (vmovl_u16(vget_high_u16(q16[h])), vmovl_s16(vget_high_s16(x16[h]))),
-                    ];
-                    for (qq, xx) in quads {
-                        let qi = vreinterpretq_s32_u32(qq);
-                        let e = vandq_s32(vshrq_n_s32::<3>(qi), vdupq_n_s32(15));
-                        let m = vandq_s32(qi, vdupq_n_s32(7));
-                        // A shift by −1 (e = 0) shifts right; those lanes take `m` below.
-                        let normal = vshlq_s32(vaddq_s32(m, vdupq_n_s32(8)), vsubq_s32(e, vdupq_n_s32(1)));
-                        let mag = vbslq_s32(vceqq_s32(e, vdupq_n_s32(0)), m, normal);
-                        let v = vbslq_s32(vcgtq_s32(qi, vdupq_n_s32(127)), vnegq_s32(mag), mag);
-                        acc = vmlaq_s32(acc, v, xx);
-                    }
-                }
-            }
-            vaddvq_s32(acc)
-        };
-        s += smoe_quant::e8m0_to_f32_half(b.e) * (1.0 / 256.0) * a.d * total as f32;
+        s += smoe_quant::e8m0_to_f32_half(b.e) * (1.0 / 256.0) * a.d * e4m3_isum(&b.qs, a) as f32;
     }
     s
+}
+
+/// FP8 weights: each 32 codes against their activation block summed exactly as in
+/// [`dot_mxfp8`], the four sums weighted by their activation scales, times the block's f32
+/// scale and 2^−9 (as the scalar kernel, in the same order).
+pub fn dot_fp8(w: &[u8], a: &[Block32]) -> f32 {
+    let wb: &[BlockFp8] = bytemuck::cast_slice(w);
+    let mut s = 0f32;
+    for (b, a) in wb.iter().zip(a.chunks_exact(4)) {
+        let mut part = 0f32;
+        for (j, a) in a.iter().enumerate() {
+            let q: &[u8; 32] = b.qs[32 * j..32 * (j + 1)].try_into().expect("32 codes");
+            part += a.d * e4m3_isum(q, a) as f32;
+        }
+        s += b.scale() * (1.0 / 512.0) * part;
+    }
+    s
+}
+
+/// 32 e4m3 codes times 512 against one int8 activation block, summed exactly in i32: the codes
+/// widened to 32-bit lanes four at a time and turned into their values times 512 (`m` below
+/// the normal range, `(8 + m) << (E − 1)` above), signed, multiplied with the widened
+/// activations.
+fn e4m3_isum(qs: &[u8; 32], a: &Block32) -> i32 {
+    // SAFETY: 16-byte loads at offsets 0 and 16 of 32-byte arrays; the rest is register
+    // arithmetic.
+    unsafe {
+        let mut acc = vdupq_n_s32(0);
+        for c in 0..2 {
+            let q = vld1q_u8(qs.as_ptr().add(16 * c));
+            let x = vld1q_s8(a.qs.as_ptr().add(16 * c));
+            let (q16, x16) = ([vmovl_u8(vget_low_u8(q)), vmovl_u8(vget_high_u8(q))], [vmovl_s8(vget_low_s8(x)), vmovl_s8(vget_high_s8(x))]);
+            for h in 0..2 {
+                let quads = [
+                    (vmovl_u16(vget_low_u16(q16[h])), vmovl_s16(vget_low_s16(x16[h]))),
+                    (vmovl_u16(vget_high_u16(q16[h])), vmovl_s16(vget_high_s16(x16[h]))),
+                ];
+                for (qq, xx) in quads {
+                    let qi = vreinterpretq_s32_u32(qq);
+                    let e = vandq_s32(vshrq_n_s32::<3>(qi), vdupq_n_s32(15));
+                    let m = vandq_s32(qi, vdupq_n_s32(7));
+                    // A shift by −1 (e = 0) shifts right; those lanes take `m` below.
+                    let normal = vshlq_s32(vaddq_s32(m, vdupq_n_s32(8)), vsubq_s32(e, vdupq_n_s32(1)));
+                    let mag = vbslq_s32(vceqq_s32(e, vdupq_n_s32(0)), m, normal);
+                    let v = vbslq_s32(vcgtq_s32(qi, vdupq_n_s32(127)), vnegq_s32(mag), mag);
+                    acc = vmlaq_s32(acc, v, xx);
+                }
+            }
+        }
+        vaddvq_s32(acc)
+    }
 }
 
 /// Q4_1 weights (value = q·d + m).

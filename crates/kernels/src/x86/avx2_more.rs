@@ -6,7 +6,7 @@
 use super::avx2::{hsum, mul_sum_i8};
 use super::{f16x8, k4_scales};
 use crate::act::{Block256, Block32};
-use smoe_quant::blocks::{BlockMxfp4, BlockMxfp8, BlockQ2K, BlockQ3K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1};
+use smoe_quant::blocks::{BlockFp8, BlockMxfp4, BlockMxfp8, BlockQ2K, BlockQ3K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1};
 use std::arch::x86_64::*;
 
 fn f16(b: [u8; 2]) -> f32 {
@@ -122,34 +122,62 @@ pub unsafe fn dot_mxfp4(w: &[u8], a: &[Block32]) -> f32 {
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn dot_mxfp8(w: &[u8], a: &[Block32]) -> f32 {
     let wb: &[BlockMxfp8] = bytemuck::cast_slice(w);
-    let (seven, eight, fifteen, one) = (_mm256_set1_epi32(7), _mm256_set1_epi32(8), _mm256_set1_epi32(15), _mm256_set1_epi32(1));
     let mut s = 0f32;
     for (b, a) in wb.iter().zip(a) {
-        let mut sum = _mm256_setzero_si256();
-        for c in 0..4 {
-            // SAFETY: 8 bytes at offset 8c of the blocks' 32-byte arrays.
-            let (q, x) = unsafe {
-                (
-                    _mm256_cvtepu8_epi32(_mm_loadl_epi64(b.qs.as_ptr().add(8 * c) as *const __m128i)),
-                    _mm256_cvtepi8_epi32(_mm_loadl_epi64(a.qs.as_ptr().add(8 * c) as *const __m128i)),
-                )
-            };
-            let e = _mm256_and_si256(_mm256_srli_epi32(q, 3), fifteen);
-            let m = _mm256_and_si256(q, seven);
-            // A shift count of −1 (e = 0) gives 0 here; those lanes take `m` below.
-            let normal = _mm256_sllv_epi32(_mm256_add_epi32(m, eight), _mm256_sub_epi32(e, one));
-            let mag = _mm256_blendv_epi8(normal, m, _mm256_cmpeq_epi32(e, _mm256_setzero_si256()));
-            let neg = _mm256_srai_epi32(_mm256_slli_epi32(q, 24), 31);
-            let v = _mm256_sub_epi32(_mm256_xor_si256(mag, neg), neg);
-            sum = _mm256_add_epi32(sum, _mm256_mullo_epi32(v, x));
-        }
-        // The block's integer sum, exact as the scalar kernel's.
-        let lo = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-        let lo = _mm_add_epi32(lo, _mm_shuffle_epi32(lo, 0b01_00_11_10));
-        let total = _mm_cvtsi128_si32(_mm_add_epi32(lo, _mm_shuffle_epi32(lo, 0b10_11_00_01)));
-        s += smoe_quant::e8m0_to_f32_half(b.e) * (1.0 / 256.0) * a.d * total as f32;
+        s += smoe_quant::e8m0_to_f32_half(b.e) * (1.0 / 256.0) * a.d * e4m3_isum(&b.qs, a) as f32;
     }
     s
+}
+
+/// FP8 weights: each 32 codes against their activation block summed exactly as in
+/// [`dot_mxfp8`], the four sums weighted by their activation scales, times the block's f32
+/// scale and 2^−9 (as the scalar kernel, in the same order).
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn dot_fp8(w: &[u8], a: &[Block32]) -> f32 {
+    let wb: &[BlockFp8] = bytemuck::cast_slice(w);
+    let mut s = 0f32;
+    for (b, a) in wb.iter().zip(a.chunks_exact(4)) {
+        let mut part = 0f32;
+        for (j, a) in a.iter().enumerate() {
+            let q: &[u8; 32] = b.qs[32 * j..32 * (j + 1)].try_into().expect("32 codes");
+            part += a.d * e4m3_isum(q, a) as f32;
+        }
+        s += b.scale() * (1.0 / 512.0) * part;
+    }
+    s
+}
+
+/// 32 e4m3 codes times 512 against one int8 activation block, summed exactly in i32: the
+/// codes widened to 32-bit lanes eight at a time and turned into their values times 512 (`m`
+/// below the normal range, `(8 + m) << (E − 1)` above, by a variable shift), signed,
+/// multiplied with the widened activations (|v| < 2^18, so 32 products stay within i32).
+#[target_feature(enable = "avx2,fma")]
+fn e4m3_isum(qs: &[u8; 32], a: &Block32) -> i32 {
+    let (seven, eight, fifteen, one) = (_mm256_set1_epi32(7), _mm256_set1_epi32(8), _mm256_set1_epi32(15), _mm256_set1_epi32(1));
+    let mut sum = _mm256_setzero_si256();
+    for c in 0..4 {
+        // SAFETY: 8 bytes at offset 8c of two 32-byte arrays.
+        let (q, x) = unsafe {
+            (
+                _mm256_cvtepu8_epi32(_mm_loadl_epi64(qs.as_ptr().add(8 * c) as *const __m128i)),
+                _mm256_cvtepi8_epi32(_mm_loadl_epi64(a.qs.as_ptr().add(8 * c) as *const __m128i)),
+            )
+        };
+        let e = _mm256_and_si256(_mm256_srli_epi32(q, 3), fifteen);
+        let m = _mm256_and_si256(q, seven);
+        // A shift count of −1 (e = 0) gives 0 here; those lanes take `m` below.
+        let normal = _mm256_sllv_epi32(_mm256_add_epi32(m, eight), _mm256_sub_epi32(e, one));
+        let mag = _mm256_blendv_epi8(normal, m, _mm256_cmpeq_epi32(e, _mm256_setzero_si256()));
+        let neg = _mm256_srai_epi32(_mm256_slli_epi32(q, 24), 31);
+        let v = _mm256_sub_epi32(_mm256_xor_si256(mag, neg), neg);
+        sum = _mm256_add_epi32(sum, _mm256_mullo_epi32(v, x));
+    }
+    let lo = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    let lo = _mm_add_epi32(lo, _mm_shuffle_epi32(lo, 0b01_00_11_10));
+    _mm_cvtsi128_si32(_mm_add_epi32(lo, _mm_shuffle_epi32(lo, 0b10_11_00_01)))
 }
 
 /// Q4_1 weights: `d · q + m`; the minimum meets the activation block sum.

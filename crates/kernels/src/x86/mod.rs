@@ -67,6 +67,7 @@ pub fn avx2_table() -> Option<Kernels> {
     k.set(Format::Q4_0, DotFn::Q32(avx2_more::dot_q4_0));
     k.set(Format::MXFP4, DotFn::Q32(avx2_more::dot_mxfp4));
     k.set(Format::MXFP8, DotFn::Q32(avx2_more::dot_mxfp8));
+    k.set(Format::FP8, DotFn::Q32(avx2_more::dot_fp8));
     k.set(Format::Q4_1, DotFn::Q32(avx2_more::dot_q4_1));
     k.set(Format::Q5_0, DotFn::Q32(avx2_more::dot_q5_0));
     k.set(Format::Q5_1, DotFn::Q32(avx2_more::dot_q5_1));
