@@ -284,6 +284,17 @@ fn low_bit_expert_mixes_match_their_dequantized_reference() {
     check_quantized("qwen3_moe_k", &LOW_BIT_CONFIGS);
 }
 
+/// FP8 experts (each row's 128-value blocks of e4m3 codes with an f32 scale, the form of the
+/// block-scaled FP8 checkpoints) in a whole model: on the fixture whose rows hold 128-wide blocks
+/// the experts are stored as asked, and prefill and step decode match the model on their
+/// dequantized weights.
+#[test]
+fn fp8_experts_match_their_dequantized_reference() {
+    let parts = smoe_vault::Vault::open(vault("qwen3_moe_k", all(Format::FP8), Format::BF16)).unwrap().manifest().experts.parts.clone();
+    assert!(parts.iter().all(|p| p.format == Format::FP8), "{parts:?}");
+    check_quantized("qwen3_moe_k", &[(all(Format::FP8), Format::BF16)]);
+}
+
 #[test]
 fn quantized_vaults_match_their_dequantized_reference() {
     for name in ENGINE_FIXTURES {
