@@ -86,18 +86,24 @@ pub fn dot_mxfp8(w: &[u8], a: &[Block32]) -> f32 {
 /// times 512, summed exactly in i32), the four sums weighted by their activation scales, times
 /// the block's f32 scale and 2^−9.
 pub fn dot_fp8(w: &[u8], a: &[Block32]) -> f32 {
-    blocks::<BlockFp8>(w)
-        .iter()
-        .zip(a.chunks_exact(4))
-        .map(|(b, a)| {
-            let s: f32 =
-                b.qs.chunks_exact(32)
-                    .zip(a)
-                    .map(|(q, a)| a.d * isum(q.iter().zip(&a.qs).map(|(&q, &p)| smoe_quant::e4m3_times_512(q) * p as i32)) as f32)
-                    .sum();
-            b.scale() * (1.0 / 512.0) * s
-        })
-        .sum()
+    fp8_blocks(w, a, |q, a| isum(q.iter().zip(&a.qs).map(|(&q, &p)| smoe_quant::e4m3_times_512(q) * p as i32)))
+}
+
+/// FP8's arithmetic around a table's own exact sum `isum` of 32 codes times 512 against one
+/// activation block: the four sums of a block weighted by their activation scales, in order,
+/// times the block's f32 scale and 2^−9 — one order of operations for every table.
+#[inline(always)]
+pub(crate) fn fp8_blocks(w: &[u8], a: &[Block32], isum: impl Fn(&[u8; 32], &Block32) -> i32) -> f32 {
+    let mut s = 0f32;
+    for (b, a) in blocks::<BlockFp8>(w).iter().zip(a.chunks_exact(4)) {
+        let mut part = 0f32;
+        for (j, a) in a.iter().enumerate() {
+            let q: &[u8; 32] = b.qs[32 * j..32 * (j + 1)].try_into().expect("32 codes");
+            part += a.d * isum(q, a) as f32;
+        }
+        s += b.scale() * (1.0 / 512.0) * part;
+    }
+    s
 }
 
 /// Q4_1 weights (value = q·d + m).

@@ -5,7 +5,7 @@
 
 use super::neon::mla16;
 use crate::act::{Block256, Block32};
-use smoe_quant::blocks::{BlockFp8, BlockMxfp4, BlockMxfp8, BlockQ2K, BlockQ3K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1};
+use smoe_quant::blocks::{BlockMxfp4, BlockMxfp8, BlockQ2K, BlockQ3K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1};
 use smoe_quant::{scale_min_k4, unpack_q3_scales};
 use std::arch::aarch64::*;
 
@@ -91,17 +91,7 @@ pub fn dot_mxfp8(w: &[u8], a: &[Block32]) -> f32 {
 /// [`dot_mxfp8`], the four sums weighted by their activation scales, times the block's f32
 /// scale and 2^−9 (as the scalar kernel, in the same order).
 pub fn dot_fp8(w: &[u8], a: &[Block32]) -> f32 {
-    let wb: &[BlockFp8] = bytemuck::cast_slice(w);
-    let mut s = 0f32;
-    for (b, a) in wb.iter().zip(a.chunks_exact(4)) {
-        let mut part = 0f32;
-        for (j, a) in a.iter().enumerate() {
-            let q: &[u8; 32] = b.qs[32 * j..32 * (j + 1)].try_into().expect("32 codes");
-            part += a.d * e4m3_isum(q, a) as f32;
-        }
-        s += b.scale() * (1.0 / 512.0) * part;
-    }
-    s
+    crate::scalar::fp8_blocks(w, a, e4m3_isum)
 }
 
 /// 32 e4m3 codes times 512 against one int8 activation block, summed exactly in i32: the codes

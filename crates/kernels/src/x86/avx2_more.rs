@@ -6,7 +6,7 @@
 use super::avx2::{hsum, mul_sum_i8};
 use super::{f16x8, k4_scales};
 use crate::act::{Block256, Block32};
-use smoe_quant::blocks::{BlockFp8, BlockMxfp4, BlockMxfp8, BlockQ2K, BlockQ3K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1};
+use smoe_quant::blocks::{BlockMxfp4, BlockMxfp8, BlockQ2K, BlockQ3K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1};
 use std::arch::x86_64::*;
 
 fn f16(b: [u8; 2]) -> f32 {
@@ -137,17 +137,8 @@ pub unsafe fn dot_mxfp8(w: &[u8], a: &[Block32]) -> f32 {
 /// The CPU must support AVX2 and FMA.
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn dot_fp8(w: &[u8], a: &[Block32]) -> f32 {
-    let wb: &[BlockFp8] = bytemuck::cast_slice(w);
-    let mut s = 0f32;
-    for (b, a) in wb.iter().zip(a.chunks_exact(4)) {
-        let mut part = 0f32;
-        for (j, a) in a.iter().enumerate() {
-            let q: &[u8; 32] = b.qs[32 * j..32 * (j + 1)].try_into().expect("32 codes");
-            part += a.d * e4m3_isum(q, a) as f32;
-        }
-        s += b.scale() * (1.0 / 512.0) * part;
-    }
-    s
+    // The closure inherits this function's AVX2 and FMA, all `e4m3_isum` needs.
+    crate::scalar::fp8_blocks(w, a, |q, a| e4m3_isum(q, a))
 }
 
 /// 32 e4m3 codes times 512 against one int8 activation block, summed exactly in i32: the
