@@ -132,7 +132,7 @@ def main():
         name, _, assigns = v.partition(":")
         variants[name] = dict(a.split("=", 1) for a in assigns.split(",") if a)
     res = {"cpu": cpu_name(), "cores": os.cpu_count(), "layers": int(args.layers), "reps": int(args.reps),
-           "date": time.strftime("%Y-%m-%d %H:%M"), "variants": list(variants), "rows": []}
+           "date": time.strftime("%Y-%m-%d %H:%M"), "variants": list(variants), "variant_settings": variants, "rows": []}
     for t in args.threads.split(","):
         row = {"threads": t, "ram_bytes_per_s": mem_bandwidth(smoe, t)}
         row["smoe"] = smoe_row(smoe, vault, t, args.reps, {})

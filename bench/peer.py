@@ -228,6 +228,7 @@ def one_shape(shape, args, smoe, llama_bin):
     vault, gguf, ids_file, ours_file, theirs_file = w(".smoe"), w(".gguf"), w(".ids.txt"), w(".smoe.safetensors"), w(".llama.f32")
     greedy_file, ref_file = theirs_file + ".greedy", w(".ref.safetensors")
     files = (vault, gguf, ids_file, ours_file, theirs_file, greedy_file, ref_file)
+    hub = None
     res = {"shape": shape, "layers": args.layers, "first_layer": args.first_layer, "tokens": args.prompt_tokens, "gen": args.gen}
     log(f"{shape}: {shutil.disk_usage(args.work).free / 2**30:.1f} GiB free in {args.work}")
     try:
@@ -306,6 +307,8 @@ def one_shape(shape, args, smoe, llama_bin):
     finally:
         if not args.keep:
             remove(*files)
+        if hub:  # a conversion that failed leaves the checkpoint (30 GB in /dev/shm, maybe)
+            shutil.rmtree(hub, ignore_errors=True)
     return res
 
 
@@ -363,6 +366,7 @@ def main():
     ap.add_argument("--out-json", help="default: WORK/peer.json")
     args = ap.parse_args()
     args.work = os.path.abspath(args.work)
+    args.hub_dir = args.hub_dir and os.path.abspath(args.hub_dir)
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     if args.first_layer and not all(s.startswith("deepseek-v4") for s in shapes):
         raise SystemExit("--first-layer cuts only DeepSeek-V4 hub checkpoints (other shapes are synthesised from layer 0)")

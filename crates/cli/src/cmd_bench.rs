@@ -138,7 +138,7 @@ fn bench_on<B: Backend>(engine: &Engine<B>, report: &OpenReport, job: &BenchJob,
     }
     if let Some([prefill, decode]) = r.pool {
         println!("{tag}prefill {}", prefill.describe(r.ttft_ms));
-        println!("{tag}decode  {}", decode.describe(r.decode.total_ms));
+        println!("{tag}decode  {}", decode.describe(r.decode_ms));
     }
     if model.instrument {
         println!("{tag}prefill: {}", r.prefill);

@@ -96,6 +96,7 @@ impl HubQuantized<'_> {
         }
         let mut codes = vec![0u8; n * cols];
         t.read_rows_raw(start, n, &mut codes)?;
+        crate::shatter::refuse_nan_codes(name, &codes, start * cols)?;
         let first = start / 128;
         let srows = (start + n - 1) / 128 - first + 1;
         let mut exps = vec![0u8; srows * scale.cols()];

@@ -147,6 +147,7 @@ impl TensorProvider for Checkpoint {
                 let raw = &mut *raw.borrow_mut();
                 raw.resize(n * cols, 0);
                 info.read_rows_raw(start, n, raw)?;
+                refuse_nan_codes(name, raw, start * cols)?;
                 for (r, (row, codes)) in dst.chunks_exact_mut(row_bytes).zip(raw.chunks_exact(cols)).enumerate() {
                     let srow = &scales[((start + r) / 128) * bpr..];
                     for ((block, codes), &d) in row.chunks_exact_mut(Format::FP8.block_bytes()).zip(codes.chunks_exact(128)).zip(srow) {
@@ -164,15 +165,23 @@ impl TensorProvider for Checkpoint {
 /// The `_scale_inv` companion of float8 tensor `name`: one f32 per 128x128 block, and blocks
 /// per row.
 fn block_scales(ckpt: &Checkpoint, name: &str) -> Result<(Vec<f32>, usize), ConvertError> {
-    {
-        let info = &ckpt.tensors[name];
-        let sname = format!("{name}_scale_inv");
-        let s = ckpt.tensors.get(&sname).ok_or_else(|| FormatError::BadInput(format!("{name} is float8 but {sname} is missing")))?;
-        let bpr = info.cols().div_ceil(128);
-        if s.rows() != info.rows().div_ceil(128) || s.cols() != bpr {
-            return Err(FormatError::BadInput(format!("{sname} has shape {:?}, not 128x128 blocks of {:?}", s.shape, info.shape)).into());
-        }
-        Ok((s.read_f32()?, bpr))
+    let info = &ckpt.tensors[name];
+    let sname = format!("{name}_scale_inv");
+    let s = ckpt.tensors.get(&sname).ok_or_else(|| FormatError::BadInput(format!("{name} is float8 but {sname} is missing")))?;
+    let bpr = info.cols().div_ceil(128);
+    if s.rows() != info.rows().div_ceil(128) || s.cols() != bpr {
+        return Err(FormatError::BadInput(format!("{sname} has shape {:?}, not 128x128 blocks of {:?}", s.shape, info.shape)).into());
+    }
+    Ok((s.read_f32()?, bpr))
+}
+
+/// float8 e4m3 codes copied into blocks (FP8, MXFP8) are refused where they are NaN (`S.1111.111`),
+/// as the f32 path refuses a non-finite weight: a backend would otherwise read one as a number.
+/// `first` is the flat index of `codes[0]` in its tensor.
+pub(crate) fn refuse_nan_codes(name: &str, codes: &[u8], first: usize) -> Result<(), ConvertError> {
+    match codes.iter().position(|&q| q & 0x7f == 0x7f) {
+        Some(bad) => Err(FormatError::NonFinite { tensor: name.to_string(), index: (first + bad) as u64 }.into()),
+        None => Ok(()),
     }
 }
 
@@ -458,6 +467,8 @@ mod tests {
             ("n.weight", "F8_E4M3", vec![4, 64], narrow),
             ("n.weight_scale_inv", "F32", vec![1, 1], narrow_scale.to_le_bytes().to_vec()),
             ("b.weight", "BF16", vec![4, 256], bf16),
+            ("x.weight", "F8_E4M3", vec![1, 128], (0..128u8).map(|i| if i == 5 { 0xff } else { i & 0x70 }).collect()),
+            ("x.weight_scale_inv", "F32", vec![1, 1], 1f32.to_le_bytes().to_vec()),
         ] {
             header.insert(
                 name.into(),
@@ -490,5 +501,9 @@ mod tests {
             assert_eq!(decoded[130], want, "rows from {start}: column 130 takes its block's scale");
         }
         assert!(ckpt.read_quantized("w.weight", Format::FP8, 0, 2, &mut vec![0u8; rb]).unwrap().is_err(), "a short buffer");
+        // A NaN code is refused in blocks as in values, at the same element.
+        let nan = |e: ConvertError| matches!(e, ConvertError::Format(FormatError::NonFinite { index: 5, .. }));
+        assert!(nan(ckpt.read_quantized("x.weight", Format::FP8, 0, 1, &mut [0u8; 132]).unwrap().unwrap_err()));
+        assert!(nan(ckpt.read_rows("x.weight", 0, 1, &mut [0f32; 128]).unwrap_err()));
     }
 }

@@ -52,6 +52,9 @@ pub struct BenchResult {
     pub rss_growth_bytes: Option<i64>,
     /// The CPU pool's time during prefill and decode, with `SMOE_POOL_PROFILE` set.
     pub pool: Option<[PoolCounters; 2]>,
+    /// Wall time of the decode loop, milliseconds (the instrument's step times leave out what
+    /// happens between steps).
+    pub decode_ms: f64,
 }
 
 /// The process's resident memory in bytes (`VmRSS` of Linux's `/proc/self/status`), if known.
@@ -129,6 +132,7 @@ pub fn bench<B: Backend>(engine: &Engine<B>, opts: &BenchOptions) -> Result<Benc
         kv_bytes: engine.model.backend().kv_bytes(st.kv()),
         rss_growth_bytes,
         pool,
+        decode_ms: decode_s * 1e3,
     })
 }
 

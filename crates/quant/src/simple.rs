@@ -187,7 +187,8 @@ pub(crate) fn dequantize_mxfp8(x: &[BlockMxfp8], y: &mut [f32]) {
 pub(crate) fn quantize_fp8(x: &[f32], y: &mut [BlockFp8]) {
     for (b, x) in y.iter_mut().zip(x.chunks_exact(QK_FP8)) {
         let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let d = amax / 448.0;
+        // Not below the smallest normal f32: 1 / d must stay finite (else 0 · inf is NaN).
+        let d = if amax > 0.0 { (amax / 448.0).max(f32::MIN_POSITIVE) } else { 0.0 };
         b.d = d.to_le_bytes();
         let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
         for (q, &v) in b.qs.iter_mut().zip(x) {

@@ -213,5 +213,12 @@ fn fp8_holds_block_scaled_float8_exactly() {
     let worst = y.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
     assert!(worst <= scale * 1e-3, "requantized FP8 moved a value by {worst}");
     assert_eq!(Format::FP8.row_bytes(256).unwrap(), 264);
+    // A block of values near the bottom of f32 (and zeros) quantizes to finite codes.
+    let tiny: Vec<f32> = (0..QK_FP8).map(|i| if i % 3 == 0 { 0.0 } else { 1e-38 * (i % 7) as f32 }).collect();
+    let mut b = vec![0u8; Format::FP8.row_bytes(QK_FP8).unwrap()];
+    crate::quantize(Format::FP8, &tiny, &mut b).unwrap();
+    let mut y = vec![0f32; QK_FP8];
+    crate::dequantize(Format::FP8, &b, &mut y).unwrap();
+    assert!(y.iter().zip(&tiny).all(|(a, b)| a.is_finite() && (a - b).abs() <= 1e-38), "{y:?}");
     assert!(!Format::FP8.fits(192));
 }

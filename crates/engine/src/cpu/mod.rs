@@ -897,10 +897,11 @@ mod tests {
             be.rms_norm_strided(&mut qk, rows, 3 * dim, dim / 2, dim, &v(dim, 8), 1e-6);
             let (cos, sin) = (v(rows * 32, 9), v(rows * 32, 10));
             be.rope(&mut qk, rows, 3 * dim, 0, 4, 64, &cos, &sin, false);
-            be.rope(&mut qk, rows, 3 * dim, dim, 2, 128, &cos, &sin, true);
+            be.rope(&mut qk, rows, 3 * dim, dim, 2, 192, &cos, &sin, true);
             [gu, sw, normed, gathered, summed, scattered, overwritten, qk].map(|b| b.data)
         };
         assert!(rows * w >= PAR_ELEMENTS, "the test must reach the parallel path");
+        assert!(rows * (192 + 64) >= PAR_ELEMENTS, "the interleaved rotation too");
         assert_eq!(run(&one), run(&four));
     }
 }

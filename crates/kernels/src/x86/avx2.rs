@@ -21,7 +21,7 @@ pub(crate) fn hsum(v: __m256) -> f32 {
 
 /// Horizontal sum of 8 i32.
 #[target_feature(enable = "avx2")]
-fn hsum_i32(v: __m256i) -> i32 {
+pub(crate) fn hsum_i32(v: __m256i) -> i32 {
     let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
     let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
     let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));

@@ -3,7 +3,7 @@
 //! tricks as the main kernels (`avx2.rs`): unsigned × signed `maddubs`, the sign trick for
 //! signed × signed, group minimums through the activation sums.
 
-use super::avx2::{hsum, mul_sum_i8};
+use super::avx2::{hsum, hsum_i32, mul_sum_i8};
 use super::{f16x8, k4_scales};
 use crate::act::{Block256, Block32};
 use smoe_quant::blocks::{BlockMxfp4, BlockMxfp8, BlockQ2K, BlockQ3K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1};
@@ -166,9 +166,7 @@ fn e4m3_isum(qs: &[u8; 32], a: &Block32) -> i32 {
         let v = _mm256_sub_epi32(_mm256_xor_si256(mag, neg), neg);
         sum = _mm256_add_epi32(sum, _mm256_mullo_epi32(v, x));
     }
-    let lo = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-    let lo = _mm_add_epi32(lo, _mm_shuffle_epi32(lo, 0b01_00_11_10));
-    _mm_cvtsi128_si32(_mm_add_epi32(lo, _mm_shuffle_epi32(lo, 0b10_11_00_01)))
+    hsum_i32(sum)
 }
 
 /// Q4_1 weights: `d · q + m`; the minimum meets the activation block sum.
