@@ -18,31 +18,38 @@ use std::sync::OnceLock;
 
 /// Where a format keeps its scale and minimum, and the minimum that centres its values.
 struct Layout {
-    /// Byte offset of `d` in a block: an f16, or with `E8M0` the exponent byte of a power of two.
-    d: usize,
-    /// Byte offset of the minimum and its ratio to `d` (`None`: a signed format).
+    /// The block's scale `d`.
+    d: Scale,
+    /// Byte offset of the minimum (an f16) and its ratio to `d` (`None`: a signed format).
     min: Option<(usize, f32)>,
 }
 
-/// `Layout::d` of MXFP4: its first byte, an e8m0 exponent.
-const E8M0: usize = usize::MAX;
+/// Where and how a block keeps its scale.
+#[derive(Clone, Copy)]
+enum Scale {
+    /// An f16 at this byte offset.
+    F16(usize),
+    /// The first byte, an e8m0 exponent: the scale is a power of two (MXFP4).
+    E8M0,
+}
+
 /// The e8m0 exponent whose MXFP4 scale is 1 (`e8m0_to_f32_half`).
 const E8M0_ONE: i32 = 128;
 
 fn layout(format: Format) -> Option<Layout> {
     Some(match format {
-        Format::Q8_0 | Format::Q4_0 | Format::Q5_0 => Layout { d: 0, min: None },
+        Format::Q8_0 | Format::Q4_0 | Format::Q5_0 => Layout { d: Scale::F16(0), min: None },
         // value = d·q + m: centred by m = -d·mean(q).
-        Format::Q4_1 => Layout { d: 0, min: Some((2, -7.5)) },
-        Format::Q5_1 => Layout { d: 0, min: Some((2, -15.5)) },
+        Format::Q4_1 => Layout { d: Scale::F16(0), min: Some((2, -7.5)) },
+        Format::Q5_1 => Layout { d: Scale::F16(0), min: Some((2, -15.5)) },
         // value = d·sc·q − dmin·mn with sc, mn of the same range: centred by dmin = d·mean(q).
-        Format::Q2_K => Layout { d: 80, min: Some((82, 1.5)) },
-        Format::Q4_K => Layout { d: 0, min: Some((2, 7.5)) },
-        Format::Q5_K => Layout { d: 0, min: Some((2, 15.5)) },
-        Format::Q3_K => Layout { d: 108, min: None },
-        Format::Q6_K => Layout { d: 208, min: None },
+        Format::Q2_K => Layout { d: Scale::F16(80), min: Some((82, 1.5)) },
+        Format::Q4_K => Layout { d: Scale::F16(0), min: Some((2, 7.5)) },
+        Format::Q5_K => Layout { d: Scale::F16(0), min: Some((2, 15.5)) },
+        Format::Q3_K => Layout { d: Scale::F16(108), min: None },
+        Format::Q6_K => Layout { d: Scale::F16(208), min: None },
         // Signed e2m1 codes, symmetric: random nibbles centre on zero.
-        Format::MXFP4 => Layout { d: E8M0, min: None },
+        Format::MXFP4 => Layout { d: Scale::E8M0, min: None },
         _ => return None,
     })
 }
@@ -118,10 +125,9 @@ fn unit_spread(format: Format) -> f32 {
     for b in bytes.chunks_exact_mut(bb) {
         rng.fill(b);
         centre_sub_blocks(format, b, &mut rng);
-        if l.d == E8M0 {
-            b[0] = E8M0_ONE as u8;
-        } else {
-            set_f16(b, l.d, 1.0);
+        match l.d {
+            Scale::F16(at) => set_f16(b, at, 1.0),
+            Scale::E8M0 => b[0] = E8M0_ONE as u8,
         }
         if let Some((at, ratio)) = l.min {
             set_f16(b, at, ratio);
@@ -152,13 +158,13 @@ pub fn fill_rows(format: Format, cols: usize, sigma: f32, seed: u64, tensor: u64
         rng.fill(row);
         for b in row.chunks_exact_mut(format.block_bytes()) {
             centre_sub_blocks(format, b, &mut rng);
-            if l.d == E8M0 {
+            let Scale::F16(d_at) = l.d else {
                 let e = E8M0_ONE + lo as i32 + i32::from(rng.signed_unit() * 0.5 + 0.5 < up);
                 b[0] = e.clamp(1, 254) as u8;
                 continue;
-            }
+            };
             let d = d0 * (1.0 + 0.1 * rng.signed_unit());
-            set_f16(b, l.d, d);
+            set_f16(b, d_at, d);
             if let Some((at, ratio)) = l.min {
                 set_f16(b, at, ratio * d);
             }

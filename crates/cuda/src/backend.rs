@@ -359,6 +359,10 @@ impl KvLayer {
     fn bounded_rows(&self) -> usize {
         self.shape.keep.map_or(usize::MAX, |k| k + 2 * KV_DROP_STEP)
     }
+    /// Whether keys, and values where they are apart, have been stored (what attention reads).
+    fn stored(&self) -> bool {
+        self.k.is_some() && (self.shape.values_in_keys || self.v.is_some())
+    }
     /// Rows held.
     fn held(&self) -> usize {
         self.len - self.base
@@ -1987,7 +1991,7 @@ impl Backend for CudaBackend {
         }
         assert!(pos0 + n <= l.len, "attention: positions up to {} but {} cached", pos0 + n, l.len);
         assert!(p.first_seen(pos0) >= l.base, "attention: position {} was dropped (held from {})", p.first_seen(pos0), l.base);
-        assert!(l.k.is_some() && (s.values_in_keys || l.v.is_some()), "attention: keys and values stored before attention");
+        assert!(l.stored(), "attention: keys and values stored before attention");
         let kp = l.keys(&self.stream);
         let (vp, v_row, v_head) =
             if s.values_in_keys { (kp, l.k_width(), s.k_dim) } else { (l.values(&self.stream), l.v_width(), s.v_dim) };

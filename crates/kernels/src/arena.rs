@@ -96,15 +96,10 @@ impl ActArena {
     }
 
     /// Each input's part of the buffers, to be filled (in parallel if wished) by
-    /// [`ArenaPart::fill`].
-    pub fn parts(&mut self) -> Vec<ArenaPart<'_>> {
-        self.pieces(usize::MAX)
-    }
-
-    /// Like [`parts`](Self::parts), with inputs of more than `piece` rows cut into pieces of
-    /// `piece` rows (rounded up to whole tiles, whose layout is tile-major: a piece that starts
-    /// on a tile owns its tiles outright), so that one long input — prefill's attention input,
-    /// a chunk of 256 tokens — is quantized by several threads, not by the caller alone.
+    /// [`ArenaPart::fill`]: inputs of more than `piece` rows cut into pieces of `piece` rows
+    /// (rounded up to whole tiles, whose layout is tile-major: a piece that starts on a tile
+    /// owns its tiles outright), so that one long input — prefill's attention input, a chunk of
+    /// 256 tokens — is quantized by several threads, not by the caller alone.
     pub fn pieces(&mut self, piece: usize) -> Vec<ArenaPart<'_>> {
         let piece = piece.max(1).div_ceil(TILE).saturating_mul(TILE);
         let (mut f, mut b32, mut b256) = (&mut self.f32[..], &mut self.b32[..], &mut self.b256[..]);

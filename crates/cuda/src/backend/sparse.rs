@@ -140,7 +140,7 @@ impl CudaBackend {
         }) else {
             return;
         };
-        assert!(l.k.is_some() && (s.values_in_keys || l.v.is_some()), "attention: keys and values stored before attention");
+        assert!(l.stored(), "attention: keys and values stored before attention");
         if let Some(&bad) = lists.iter().find(|&&j| j != u32::MAX && (j as usize) < l.base) {
             self.record("attention", format!("selected position {bad} was dropped (held from {})", l.base));
             return;
