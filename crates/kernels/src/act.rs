@@ -58,8 +58,19 @@ fn round_i8(x: f32) -> i8 {
     ((x + MAGIC) - MAGIC) as i8
 }
 
-/// Quantizes `x` to [`Block32`]s: per block, scale `amax / 127`, round to nearest.
+/// Quantizes `x` to [`Block32`]s: per block, scale `amax / 127`, round to nearest. With AVX2
+/// where the CPU has it (the same bits).
 pub fn quantize_32(x: &[f32], out: &mut [Block32]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2 (checked just above; the check is a cached flag).
+        return unsafe { crate::x86::act_avx2::quantize_32(x, out) };
+    }
+    quantize_32_scalar(x, out)
+}
+
+/// [`quantize_32`] in plain Rust.
+pub fn quantize_32_scalar(x: &[f32], out: &mut [Block32]) {
     for (b, x) in out.iter_mut().zip(x.chunks_exact(32)) {
         let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
         let d = amax / 127.0;
@@ -75,8 +86,19 @@ pub fn quantize_32(x: &[f32], out: &mut [Block32]) {
     }
 }
 
-/// Quantizes `x` to [`Block256`]s: per super-block, scale `amax / 127`.
+/// Quantizes `x` to [`Block256`]s: per super-block, scale `amax / 127`. With AVX2 where the
+/// CPU has it (the same bits).
 pub fn quantize_256(x: &[f32], out: &mut [Block256]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2 (checked just above; the check is a cached flag).
+        return unsafe { crate::x86::act_avx2::quantize_256(x, out) };
+    }
+    quantize_256_scalar(x, out)
+}
+
+/// [`quantize_256`] in plain Rust.
+pub fn quantize_256_scalar(x: &[f32], out: &mut [Block256]) {
     for (b, x) in out.iter_mut().zip(x.chunks_exact(256)) {
         let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
         let d = amax / 127.0;

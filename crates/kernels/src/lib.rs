@@ -82,6 +82,7 @@ pub struct Kernels {
     pub(crate) attn_scores: Option<attn::Scores>,
     pub(crate) attn_sum: Option<attn::WeightedSum>,
     pub(crate) softmax_terms: attn::SoftmaxTerms,
+    pub(crate) silu_mul: unsafe fn(&mut [f32], &[f32]),
     dots: [DotFn; FORMATS],
     gemms: [Option<gemm::GemmRow>; FORMATS],
     gemms4: [Option<gemm::GemmRows>; FORMATS],
@@ -142,6 +143,7 @@ impl Kernels {
             attn_scores: None,
             attn_sum: None,
             softmax_terms: attn::softmax_terms,
+            silu_mul: scalar_silu_mul,
             dots,
             gemms: [None; FORMATS],
             gemms4: [None; FORMATS],
@@ -398,10 +400,25 @@ impl Kernels {
         unsafe { (self.softmax_terms)(v, m, sum) }
     }
 
+    /// SwiGLU's `g[i] = silu(g[i]) · u[i] = g[i] / (1 + exp(-g[i])) · u[i]`. The SIMD tables
+    /// use a polynomial `exp` (within 2 ulp; see [`Kernels::softmax_terms`]) that gives a value
+    /// the same result wherever it lies in the slice.
+    pub fn silu_mul(&self, g: &mut [f32], u: &[f32]) {
+        assert_eq!(g.len(), u.len(), "silu_mul: lengths differ");
+        // SAFETY: as for `dot`.
+        unsafe { (self.silu_mul)(g, u) }
+    }
+
     /// `a · b` in f32 (attention, f32 weights).
     pub fn dot_f32(&self, a: &[f32], b: &[f32]) -> f32 {
         // SAFETY: as for `dot`.
         unsafe { (self.f32_dot)(a, b) }
+    }
+}
+
+fn scalar_silu_mul(g: &mut [f32], u: &[f32]) {
+    for (a, &b) in g.iter_mut().zip(u) {
+        *a = *a / (1.0 + (-*a).exp()) * b;
     }
 }
 

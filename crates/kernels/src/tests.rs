@@ -400,3 +400,87 @@ fn softmax_terms_are_exp_to_two_ulp_wherever_a_value_sits() {
         }
     }
 }
+
+/// The AVX2 quantizers give exactly the scalar ones' blocks: scales, quants, sums, on ordinary
+/// activations and on the edges (all zero, ties at .5 steps, a block's largest value, ±inf,
+/// NaN, denormals).
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn simd_quantizers_give_the_scalar_bits() {
+    if !std::arch::is_x86_feature_detected!("avx2") {
+        eprintln!("no AVX2 on this CPU: nothing to compare");
+        return;
+    }
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let mut inputs: Vec<Vec<f32>> = (0..40).map(|_| data(1024, &mut rng)).collect();
+    inputs.push(vec![0.0; 1024]);
+    // Values on exact half steps of a block whose largest value is 127: every tie rounds.
+    inputs.push((0..1024).map(|i| if i % 256 == 0 { 127.0 } else { ((i % 255) as f32 - 127.0) + 0.5 }).collect());
+    let mut edge = data(1024, &mut rng);
+    for (i, v) in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 1e-40, -0.0, f32::MAX].into_iter().enumerate() {
+        edge[300 * i % 1024] = v;
+    }
+    inputs.push(edge);
+    inputs.push((0..1024).map(|i| if i % 3 == 0 { f32::NAN } else { 1e-39 * i as f32 }).collect());
+    let bits32 = |b: &[act::Block32]| b.iter().map(|b| (b.d.to_bits(), b.s.to_bits(), b.isum, b.qs)).collect::<Vec<_>>();
+    let bits256 = |b: &[act::Block256]| b.iter().map(|b| (b.d.to_bits(), b.qs, b.bsums)).collect::<Vec<_>>();
+    for x in &inputs {
+        let (mut a, mut b) = (vec![act::Block32::ZERO; 32], vec![act::Block32::ZERO; 32]);
+        act::quantize_32_scalar(x, &mut a);
+        // SAFETY: AVX2 checked above.
+        unsafe { x86::act_avx2::quantize_32(x, &mut b) };
+        assert_eq!(bits32(&a), bits32(&b));
+        let (mut a, mut b) = (vec![act::Block256::ZERO; 4], vec![act::Block256::ZERO; 4]);
+        act::quantize_256_scalar(x, &mut a);
+        // SAFETY: AVX2 checked above.
+        unsafe { x86::act_avx2::quantize_256(x, &mut b) };
+        assert_eq!(bits256(&a), bits256(&b));
+    }
+}
+
+/// Every table's `silu(g) · u` is within a few ulp of the libm formula, NaN stays NaN, the
+/// limits hold far out, and a value gives the same bits in a SIMD lane and in the tail.
+#[test]
+fn silu_mul_matches_the_formula_wherever_a_value_sits() {
+    let mut gs: Vec<f32> = (0..4001).map(|i| -100.0 + 200.0 * i as f32 / 4000.0).collect();
+    gs.extend([0.0, -0.0, 1e-30, -1e-30, 87.5, 88.5, 88.8, -88.0, -88.9, -150.0, 150.0, f32::INFINITY]);
+    for k in available() {
+        for len in [1usize, 7, 8, 13] {
+            for start in 0..gs.len() - len {
+                let g0 = &gs[start..start + len];
+                let u: Vec<f32> = (0..len).map(|i| 0.75 - 0.1 * i as f32).collect();
+                let mut g = g0.to_vec();
+                k.silu_mul(&mut g, &u);
+                for i in 0..len {
+                    let want = (g0[i] as f64 / (1.0 + (-g0[i] as f64).exp()) * u[i] as f64) as f32;
+                    let tol = (want.abs() * 6e-7).max(1e-36);
+                    assert!((g[i] - want).abs() <= tol, "{} silu({})·{} = {} want {want}", k.isa, g0[i], u[i], g[i]);
+                }
+                let mut one = [g0[0]];
+                k.silu_mul(&mut one, &u[..1]);
+                assert_eq!(one[0].to_bits(), g[0].to_bits(), "{}: lane and tail differ at {}", k.isa, g0[0]);
+            }
+        }
+        let mut nan = [f32::NAN; 9];
+        k.silu_mul(&mut nan, &[1.0; 9]);
+        assert!(nan.iter().all(|v| v.is_nan()), "{}: NaN in, NaN out", k.isa);
+    }
+}
+
+/// A prefetch past the end of a buffer (the kernels prefetch a fixed distance ahead of the
+/// block they read, beyond the matrix at its end) neither faults nor changes memory; Intel
+/// CPUs get a distance, others none unless `SMOE_PREFETCH_BYTES` says.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn prefetches_past_a_buffer_are_harmless() {
+    let buf = [7u8; 100];
+    for dist in [0, 64, 2304, 1 << 20, 1 << 40] {
+        x86::prefetch_ahead(buf.as_ptr(), dist, 1152);
+    }
+    x86::prefetch_ahead(std::ptr::null(), 2304, 1152);
+    assert!(buf.iter().all(|&b| b == 7));
+    if std::env::var_os("SMOE_PREFETCH_BYTES").is_none() {
+        let intel = std::arch::x86_64::__cpuid(0).ebx == u32::from_le_bytes(*b"Genu");
+        assert_eq!(x86::prefetch_distance() > 0, intel);
+    }
+}

@@ -229,7 +229,7 @@ fn weighted_sum_chunk(acc: &mut [f32], d: usize, rows: usize, p: &[f32], values:
 /// bits. Below -87.3 the result is 0. Lane by lane the same operations as [`exp_one`].
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-fn exp8(x: __m256) -> __m256 {
+pub(super) fn exp8(x: __m256) -> __m256 {
     let x = _mm256_max_ps(x, _mm256_set1_ps(EXP_MIN));
     let k =
         _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)));

@@ -19,9 +19,11 @@ fn body(w: &[u8], a: &[Block256], out: &mut [f32; 8], acc: impl Fn(__m256i, __m2
     let m30 = _mm256_set1_epi8(0x30);
     let m63 = _mm256_set1_epi8(63);
     let (mut total, mut totalm) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    let dist = super::prefetch_distance();
     for (b, ab) in a.iter().enumerate().take(blocks) {
         let g = &w[b * GROUP_BLOCK..(b + 1) * GROUP_BLOCK];
         let p = g.as_ptr();
+        super::prefetch_ahead(p, dist, GROUP_BLOCK);
         let aq = ab.qs.as_ptr() as *const u8;
         // SAFETY: every offset below lies inside the 1152-byte group block `g` (asserted by
         // its slicing) and the activation block (256 quants).
