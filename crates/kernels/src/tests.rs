@@ -484,3 +484,14 @@ fn prefetches_past_a_buffer_are_harmless() {
         assert_eq!(x86::prefetch_distance() > 0, intel);
     }
 }
+
+/// Asking for rows of a buffer ahead of use reads nothing that is not there: rows past its
+/// end or longer than it are cut, and the buffer is unchanged.
+#[test]
+fn prefetch_rows_stays_inside_its_buffer() {
+    let buf = vec![1.5f32; 1000];
+    prefetch_rows(&buf, 512, 8, 128);
+    prefetch_rows(&buf, 100, 3, 5000);
+    prefetch_rows(&[], 4, 4, 4);
+    assert!(buf.iter().all(|&v| v == 1.5));
+}

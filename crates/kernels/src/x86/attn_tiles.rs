@@ -81,6 +81,11 @@ pub unsafe fn scores(q: &[f32], d: usize, keys: &[f32], stride: usize, n: usize,
     assert!(out.len() >= n * rows && (n == 0 || (n - 1) * stride + d <= keys.len()), "scores: buffers too short");
     let key = |j: usize| &keys[j * stride..j * stride + d];
     let qrow = |r: usize| &q[r * d..(r + 1) * d];
+    // The first keys too: each decode task starts on a block of positions that nothing has
+    // asked for yet, and waited on its first keys one miss at a time.
+    for f in 0..(8 * KS).min(n) {
+        prefetch_row(key(f));
+    }
     let mut j = 0;
     while j < n {
         let ks = KS.min(n - j);
@@ -172,6 +177,10 @@ pub unsafe fn weighted_sum(acc: &mut [f32], d: usize, p: &[f32], values: &[f32],
     // (decode reads one head's slice of each cached row, 2 KB apart, where the hardware
     // prefetchers help little); the next chunk is prefetched meanwhile. Each output element
     // still sums its terms in position order.
+    // The first two chunks as well, for the same reason as the first keys in `scores`.
+    for j in 0..(2 * SUM_CHUNK).min(n) {
+        prefetch_row(&values[j * stride..][..d]);
+    }
     for j0 in (0..n).step_by(SUM_CHUNK) {
         let jn = SUM_CHUNK.min(n - j0);
         for j in j0 + 2 * SUM_CHUNK..(j0 + 3 * SUM_CHUNK).min(n) {
