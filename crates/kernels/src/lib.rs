@@ -88,6 +88,9 @@ pub struct Kernels {
     gemms4: [Option<gemm::GemmRows>; FORMATS],
     /// Eight interleaved Q4_K rows against one token ([`Kernels::dot_group8`]).
     q4k_group8: Option<Group8Fn>,
+    /// The same for two and for three tokens at once.
+    q4k_group8x2: Option<Group8x2Fn>,
+    q4k_group8x3: Option<Group8x3Fn>,
     /// Eight interleaved Q8_0 rows against one token, and against four.
     q8_0_group8: Option<Group8Q32Fn>,
     q8_0_group8x4: Option<Group8x4Q32Fn>,
@@ -99,6 +102,10 @@ pub struct Kernels {
 
 /// Eight interleaved rows against one token: `out[r]` (see [`smoe_quant::interleave`]).
 pub type Group8Fn = unsafe fn(&[u8], &[Block256], &mut [f32; 8]);
+/// [`Group8Fn`] for two tokens at once.
+pub type Group8x2Fn = unsafe fn(&[u8], [&[Block256]; 2], [&mut [f32; 8]; 2]);
+/// [`Group8Fn`] for three tokens at once.
+pub type Group8x3Fn = unsafe fn(&[u8], [&[Block256]; 3], [&mut [f32; 8]; 3]);
 /// [`Group8Fn`] for formats with 32-element blocks (Q8_0).
 pub type Group8Q32Fn = unsafe fn(&[u8], &[Block32], &mut [f32; 8]);
 /// [`Group8Q32Fn`] for four tokens at once.
@@ -148,6 +155,8 @@ impl Kernels {
             gemms: [None; FORMATS],
             gemms4: [None; FORMATS],
             q4k_group8: None,
+            q4k_group8x2: None,
+            q4k_group8x3: None,
             q8_0_group8: None,
             q8_0_group8x4: None,
             q4k_gemm_group8: None,
@@ -261,8 +270,35 @@ impl Kernels {
     }
 
     #[allow(dead_code)]
-    pub(crate) fn set_group8(&mut self, g: Group8Fn) {
+    pub(crate) fn set_group8(&mut self, g: Group8Fn, two: Group8x2Fn, three: Group8x3Fn) {
         self.q4k_group8 = Some(g);
+        self.q4k_group8x2 = Some(two);
+        self.q4k_group8x3 = Some(three);
+    }
+
+    /// [`Kernels::dot_group8`] for two or three tokens at once (`a.len() == out.len()`), each
+    /// token's bits what it gets alone: the weights are read and unpacked once for all of
+    /// them (a batch's experts are mostly chosen by one to three of its tokens). `false`
+    /// (nothing written) where this table has no such kernel for `f` and that many tokens.
+    pub fn dot_group8_few(&self, f: Format, group: &[u8], cols: usize, a: &[ActRow<'_>], out: &mut [&mut [f32; 8]]) -> bool {
+        let rb = f.row_bytes(cols).expect("a valid shape");
+        assert!(group.len() >= 8 * rb && a.len() == out.len(), "dot_group8_few: group too short or counts differ");
+        let q = |i: usize| match a[i] {
+            ActRow::Q256(x) => Some(x),
+            _ => None,
+        };
+        if f != Format::Q4_K || (0..a.len()).any(|i| q(i).is_none()) {
+            return false;
+        }
+        let g = &group[..8 * rb];
+        match (out, self.q4k_group8x2, self.q4k_group8x3) {
+            // SAFETY: as for `dot`.
+            ([o0, o1], Some(k), _) => unsafe { k(g, [q(0).unwrap(), q(1).unwrap()], [&mut **o0, &mut **o1]) },
+            // SAFETY: as for `dot`.
+            ([o0, o1, o2], _, Some(k)) => unsafe { k(g, [q(0).unwrap(), q(1).unwrap(), q(2).unwrap()], [&mut **o0, &mut **o1, &mut **o2]) },
+            _ => return false,
+        }
+        true
     }
 
     #[allow(dead_code)]

@@ -279,6 +279,21 @@ fn interleaved_group_kernels_match_row_dots() {
                     assert_eq!(*got, alone, "{} {f} cols {cols}: token {t} of four", k.isa);
                 }
             }
+            // Two and three tokens at once (Q4_K): each token's bits as alone.
+            for n in [2usize, 3] {
+                let acts: Vec<_> = (0..n).map(|t| q4.row(t)).collect();
+                let mut few = [[0f32; 8]; 3];
+                let mut outs: Vec<&mut [f32; 8]> = few.iter_mut().take(n).collect();
+                if k.dot_group8_few(f, &inter[..8 * rb], cols, &acts, &mut outs) {
+                    for (t, got) in few.iter().take(n).enumerate() {
+                        let mut alone = [0f32; 8];
+                        k.dot_group8(f, &inter[..8 * rb], cols, q4.row(t), &mut alone);
+                        assert_eq!(*got, alone, "{} {f} cols {cols}: token {t} of {n}", k.isa);
+                    }
+                } else {
+                    assert!(f != Format::Q4_K || !k.has_group8(f), "{} has a Q4_K group kernel but none for {n} tokens", k.isa);
+                }
+            }
             for g in 0..2 {
                 let mut out = [0f32; 8];
                 k.dot_group8(f, &inter[g * 8 * rb..(g + 1) * 8 * rb], cols, qa.row(0), &mut out);

@@ -98,8 +98,10 @@ const GROUP_TOKENS: usize = 64;
 
 /// Rows `r0..r1` of `w` against tokens `0..n` of `act` through the one-token kernels, token
 /// `t`'s outputs into `dest(t, first row, rows)`. An interleaved matrix with a four-token group
-/// kernel goes group by group, four tokens per call (the same bits as one at a time); others
-/// by blocks of rows, every token against each block while it is in cache.
+/// kernel goes group by group, four tokens per call (the same bits as one at a time), and one
+/// with a two- or three-token kernel (Q4_K: a batch's experts, mostly chosen by one to three
+/// of its tokens) likewise; others by blocks of rows, every token against each block while it
+/// is in cache.
 fn dot_tokens<'o>(
     k: &Kernels,
     w: &QMatrix<'_>,
@@ -126,6 +128,26 @@ fn dot_tokens<'o>(
             }
         }
         return;
+    }
+    if w.layout == Layout::Interleaved8 && (2..=3).contains(&n) {
+        // Two or three tokens on one group (a batch's experts): the weights unpacked once.
+        let rb = w.row_bytes();
+        let acts = [act.row(0), act.row(1), act.row(n - 1)];
+        let mut done = true;
+        for g in (r0..r1).step_by(8) {
+            let o = |t: usize| -> &mut [f32; 8] { dest(t, g, 8).try_into().expect("eight rows") };
+            let group = &w.data[g * rb..(g + 8) * rb];
+            done = match n {
+                2 => k.dot_group8_few(w.format, group, w.cols, &acts[..2], &mut [o(0), o(1)]),
+                _ => k.dot_group8_few(w.format, group, w.cols, &acts, &mut [o(0), o(1), o(2)]),
+            };
+            if !done {
+                break; // no such kernel: nothing was written
+            }
+        }
+        if done {
+            return;
+        }
     }
     for (b0, b1) in row_blocks(r0, r1, n) {
         for t in 0..n {

@@ -116,7 +116,7 @@ pub fn avx2_table() -> Option<Kernels> {
     // Q8_0 with AVX2 measured slower four rows at a time (44 vs 52 GMAC/s: `sign`/`maddubs`
     // for four rows exhaust the registers), so it keeps the one-row kernel.
     k.set_gemm4(Format::Q4_K, gemm::q4_k_avx2_rows);
-    k.set_group8(q4kx8::dot8_avx2);
+    k.set_group8(q4kx8::dot8_avx2, q4kx8::dot8x2_avx2, q4kx8::dot8x3_avx2);
     k.set_gemm_group8(gemm::q4_k_avx2_group);
     Some(k)
 }
@@ -141,7 +141,7 @@ pub fn avx512_table() -> Option<Kernels> {
     k.set_gemm(Format::Q4_K, gemm::q4_k_vnni);
     k.set_gemm4(Format::Q8_0, gemm::q8_0_vnni_rows);
     k.set_gemm4(Format::Q4_K, gemm::q4_k_vnni_rows);
-    k.set_group8(q4kx8::dot8_vnni);
+    k.set_group8(q4kx8::dot8_vnni, q4kx8::dot8x2_vnni, q4kx8::dot8x3_vnni);
     k.set_q8_0_group8(q8x8::dot8_vnni, q8x8::dot8x4_vnni);
     k.set_gemm_group8(gemm::q4_k_vnni_group);
     Some(k)
