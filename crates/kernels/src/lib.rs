@@ -437,8 +437,9 @@ impl Kernels {
     }
 
     /// SwiGLU's `g[i] = silu(g[i]) · u[i] = g[i] / (1 + exp(-g[i])) · u[i]`. The SIMD tables
-    /// use a polynomial `exp` (within 2 ulp; see [`Kernels::softmax_terms`]) that gives a value
-    /// the same result wherever it lies in the slice.
+    /// use a polynomial `exp` (within 2 ulp where the output is a normal f32; see
+    /// [`Kernels::softmax_terms`]) that gives a value the same result wherever it lies in the
+    /// slice; NaN in, NaN out.
     pub fn silu_mul(&self, g: &mut [f32], u: &[f32]) {
         assert_eq!(g.len(), u.len(), "silu_mul: lengths differ");
         // SAFETY: as for `dot`.

@@ -131,6 +131,8 @@ fn dot_tokens<'o>(
     }
     if w.layout == Layout::Interleaved8 && (2..=3).contains(&n) {
         // Two or three tokens on one group (a batch's experts): the weights unpacked once.
+        // Tasks start and end on whole groups (TASK_ROWS): `dest` hands out rows r0..r1 only.
+        assert!(r0.is_multiple_of(8) && (r1 - r0).is_multiple_of(8), "rows {r0}..{r1} are not whole groups");
         let rb = w.row_bytes();
         let acts = [act.row(0), act.row(1), act.row(n - 1)];
         let mut done = true;
@@ -335,6 +337,34 @@ mod tests {
         let work = |&(ji, r0, r1): &(usize, usize, usize)| (r1 - r0) * jobs[ji].1;
         let (first, last) = (work(&tasks[0]), work(tasks.last().unwrap()));
         assert!(last * 8 < first, "the last task ({last}) is much smaller than the first ({first})");
+    }
+
+    /// Two or three tokens on an interleaved Q4_K matrix (a batch's expert) take the few-token
+    /// group kernel; each token gets exactly the outputs it gets alone.
+    #[test]
+    fn two_or_three_tokens_on_interleaved_q4k_give_each_token_its_bits_alone() {
+        let (k, pool) = (smoe_kernels::best(), Pool::new(2));
+        let (rows, cols) = (64, 512);
+        let w: Vec<f32> = (0..rows * cols).map(|i| ((i * 7 % 53) as f32 - 26.0) / 9.0).collect();
+        let rb = Format::Q4_K.row_bytes(cols).unwrap();
+        let mut plain = vec![0u8; rb * rows];
+        for (d, s) in plain.chunks_mut(rb).zip(w.chunks(cols)) {
+            smoe_quant::quantize(Format::Q4_K, s, d).unwrap();
+        }
+        let mut inter = vec![0u8; plain.len()];
+        smoe_quant::interleave::interleave(Format::Q4_K, &plain, rows, cols, &mut inter);
+        let mut m = QMatrix::new(Format::Q4_K, rows, cols, &inter).unwrap();
+        m.layout = Layout::Interleaved8;
+        for n in [2usize, 3] {
+            let x: Vec<f32> = (0..n * cols).map(|i| ((i * 31 % 97) as f32 - 48.0) / 17.0).collect();
+            let mut together = vec![0f32; n * rows];
+            matmul(k, &pool, &m, &x, n, &mut together);
+            for t in 0..n {
+                let mut alone = vec![0f32; rows];
+                matmul(k, &pool, &m, &x[t * cols..(t + 1) * cols], 1, &mut alone);
+                assert_eq!(&together[t * rows..(t + 1) * rows], &alone[..], "token {t} of {n}");
+            }
+        }
     }
 
     const SLOT: smoe_store::SlotHandle = smoe_store::SlotHandle { slot: 0, load: 0 };

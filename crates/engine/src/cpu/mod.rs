@@ -535,9 +535,7 @@ impl Backend for CpuBackend {
     fn silu_mul(&self, g: &mut CpuBuf, u: &CpuBuf, len: usize) {
         check("silu_mul", g, 1, len);
         check("silu_mul input", u, 1, len);
-        for (a, &b) in g[..len].iter_mut().zip(&u[..len]) {
-            *a = *a / (1.0 + (-*a).exp()) * b;
-        }
+        self.kernels.silu_mul(&mut g[..len], &u[..len]);
     }
     fn silu_mul_halves(&self, x: &mut CpuBuf, row0: usize, n: usize, stride: usize, w: usize) {
         check_rows("silu_mul_halves", x, row0, n, stride, 0, 2 * w);

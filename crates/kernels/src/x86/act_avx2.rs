@@ -113,12 +113,13 @@ pub unsafe fn quantize_256(x: &[f32], out: &mut [Block256]) {
 }
 
 /// `exp(x)` for any `x`, eight at a time: [`super::attn_tiles`]' softmax exponential (within
-/// 2 ulp) with the argument also clamped above at 88 (`2^127` is the largest power the
-/// exponent bits hold) and infinity beyond `ln(f32::MAX)`; 0 below -87.3; NaN stays NaN.
+/// 2 ulp) up to 88, where `2^127` is the largest power its exponent bits hold: in (88, 88.72]
+/// it stays at `exp(88)` (up to 2× low; SwiGLU's outputs there are ~1e-37), infinity beyond
+/// `ln(f32::MAX)`, 0 below -87.3 and for NaN (the softmax's clamp drops it; `silu_mul` still
+/// gives NaN for NaN through its numerator).
 #[target_feature(enable = "avx2,fma")]
 #[inline]
 fn exp8_any(x: __m256) -> __m256 {
-    // `min_ps(c, x)`/`max_ps(c, x)` return `x` when it is NaN, so a NaN goes through.
     let clamped = _mm256_min_ps(_mm256_set1_ps(88.0), x);
     let e = super::attn_tiles::exp8(clamped);
     let over = _mm256_cmp_ps::<_CMP_GT_OQ>(x, _mm256_set1_ps(88.722_84));

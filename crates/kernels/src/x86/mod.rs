@@ -26,8 +26,9 @@ pub(crate) fn f16x8(h: &[u16; 8]) -> __m256 {
 /// fetch from DRAM with too few misses in flight for the hardware prefetchers to keep up:
 /// on the 16-core Sapphire Rapids host one core's Q4_K group kernel streamed 6.1 GB/s against
 /// 9.3 GB/s that a plain summing loop reads, and 2,304 bytes ahead (two Q4_K group blocks)
-/// took decode from 19.8 to 26.6 tok/s at 2 threads and from 36.8 to 48.6 at 4
-/// (docs/benchmarks.md, #23). On the AMD EPYC (Zen 4) the same prefetches cost a few percent,
+/// took decode from 19.1 to 26.6 tok/s at 2 threads and from 36.8 to 48.6 at 4 (means of two
+/// rounds; docs/benchmarks.md, #23). On the AMD EPYC (Zen 4) the same prefetches cost decode
+/// (13% on average over four noisy pairs; 11-13% when earlier ones were removed on 2026-11-30),
 /// so other vendors get none. `SMOE_PREFETCH_BYTES` overrides the choice (to measure it).
 pub fn prefetch_distance() -> usize {
     static D: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
@@ -51,7 +52,7 @@ pub fn prefetch_ahead(p: *const u8, dist: usize, len: usize) {
     let mut o = 0;
     while o < len {
         // SAFETY: a prefetch is a hint: it never faults and changes no memory.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(dist + o) as *const i8) };
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(dist.wrapping_add(o)) as *const i8) };
         o += 64;
     }
 }

@@ -1,5 +1,5 @@
-//! Q4_K matrices interleaved by eight rows ([`smoe_quant::interleave`]) against one token:
-//! eight rows per call, one row per 32-bit lane. Group scales and minimums then apply as
+//! Q4_K matrices interleaved by eight rows ([`smoe_quant::interleave`]) against one to three
+//! tokens: eight rows per call, one row per 32-bit lane. Group scales and minimums then apply as
 //! vectors of eight rows, and there is no per-row reduction; ggml's repacked Q4_K kernels work
 //! the same way. In cache this is ~2.2x the row kernel; decode, which streams weights from
 //! DRAM, gains what the memory system allows.
@@ -8,8 +8,9 @@ use crate::act::Block256;
 use smoe_quant::interleave::GROUP_BLOCK;
 use std::arch::x86_64::*;
 
-/// One group of eight interleaved rows (`blocks` super-blocks) against activations `a`:
-/// `out[r]` for the group's row `r`. `acc(p, w, a)` adds the products of 32 weight bytes (eight
+/// One group of eight interleaved rows (`blocks` super-blocks) against `T` tokens' activations
+/// `a`: `out[t][r]` for the group's row `r` and token `t`, each token's arithmetic the same
+/// whatever `T` is. `acc(p, w, a)` adds the products of 32 weight bytes (eight
 /// rows' dwords, unsigned) with one activation dword broadcast, as i32 per row.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
@@ -24,6 +25,11 @@ fn body<const T: usize>(w: &[u8], a: [&[Block256]; T], out: [&mut [f32; 8]; T], 
         let g = &w[b * GROUP_BLOCK..(b + 1) * GROUP_BLOCK];
         let p = g.as_ptr();
         super::prefetch_ahead(p, dist, GROUP_BLOCK);
+        // Each token's block `b` (b < blocks <= every a[t].len()), indexed once per block.
+        let mut ab = [&a[0][b]; T];
+        for (t, x) in ab.iter_mut().enumerate() {
+            *x = &a[t][b];
+        }
         // SAFETY: every offset below lies inside the 1152-byte group block `g` (asserted by
         // its slicing) and the activation block (256 quants).
         unsafe {
@@ -55,8 +61,8 @@ fn body<const T: usize>(w: &[u8], a: [&[Block256]; T], out: [&mut [f32; 8]; T], 
                     let v = _mm256_loadu_si256(q.add((c * 8 + k) * 32) as *const __m256i);
                     let lo = _mm256_and_si256(v, m4);
                     let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4);
-                    for t in 0..T {
-                        let aq = a[t][b].qs.as_ptr() as *const u8;
+                    for (t, ab) in ab.iter().enumerate() {
+                        let aq = ab.qs.as_ptr() as *const u8;
                         plo[t] = acc(plo[t], lo, _mm256_set1_epi32((aq.add(64 * c + 4 * k) as *const i32).read_unaligned()));
                         phi[t] = acc(phi[t], hi, _mm256_set1_epi32((aq.add(64 * c + 32 + 4 * k) as *const i32).read_unaligned()));
                     }
@@ -64,8 +70,7 @@ fn body<const T: usize>(w: &[u8], a: [&[Block256]; T], out: [&mut [f32; 8]; T], 
                 let lanes = |t: &[u8; 64], i: usize| _mm256_cvtepu8_epi32(_mm_loadl_epi64(t.as_ptr().add(8 * i) as *const __m128i));
                 let (sc0, sc1) = (lanes(&sc, 2 * c), lanes(&sc, 2 * c + 1));
                 let (mn0, mn1) = (lanes(&mn, 2 * c), lanes(&mn, 2 * c + 1));
-                for t in 0..T {
-                    let ab = &a[t][b];
+                for (t, ab) in ab.iter().enumerate() {
                     sumi[t] = _mm256_add_epi32(sumi[t], _mm256_add_epi32(_mm256_mullo_epi32(plo[t], sc0), _mm256_mullo_epi32(phi[t], sc1)));
                     // Minimums against the activation sums of the two groups of 32.
                     let s0 = ab.bsums[4 * c] as i32 + ab.bsums[4 * c + 1] as i32;
@@ -78,8 +83,8 @@ fn body<const T: usize>(w: &[u8], a: [&[Block256]; T], out: [&mut [f32; 8]; T], 
             }
             let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
             let dmin = _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i));
-            for t in 0..T {
-                let ad = _mm256_set1_ps(a[t][b].d);
+            for (t, ab) in ab.iter().enumerate() {
+                let ad = _mm256_set1_ps(ab.d);
                 total[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[t]), _mm256_mul_ps(d, ad), total[t]);
                 totalm[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins[t]), _mm256_mul_ps(dmin, ad), totalm[t]);
             }
