@@ -283,19 +283,14 @@ impl Kernels {
     pub fn dot_group8_few(&self, f: Format, group: &[u8], cols: usize, a: &[ActRow<'_>], out: &mut [&mut [f32; 8]]) -> bool {
         let rb = f.row_bytes(cols).expect("a valid shape");
         assert!(group.len() >= 8 * rb && a.len() == out.len(), "dot_group8_few: group too short or counts differ");
-        let q = |i: usize| match a[i] {
-            ActRow::Q256(x) => Some(x),
-            _ => None,
-        };
-        if f != Format::Q4_K || (0..a.len()).any(|i| q(i).is_none()) {
-            return false;
-        }
         let g = &group[..8 * rb];
-        match (out, self.q4k_group8x2, self.q4k_group8x3) {
+        match (f, a, out, self.q4k_group8x2, self.q4k_group8x3) {
             // SAFETY: as for `dot`.
-            ([o0, o1], Some(k), _) => unsafe { k(g, [q(0).unwrap(), q(1).unwrap()], [&mut **o0, &mut **o1]) },
-            // SAFETY: as for `dot`.
-            ([o0, o1, o2], _, Some(k)) => unsafe { k(g, [q(0).unwrap(), q(1).unwrap(), q(2).unwrap()], [&mut **o0, &mut **o1, &mut **o2]) },
+            (Format::Q4_K, [ActRow::Q256(a0), ActRow::Q256(a1)], [o0, o1], Some(k), _) => unsafe { k(g, [a0, a1], [&mut **o0, &mut **o1]) },
+            (Format::Q4_K, [ActRow::Q256(a0), ActRow::Q256(a1), ActRow::Q256(a2)], [o0, o1, o2], _, Some(k)) => {
+                // SAFETY: as for `dot`.
+                unsafe { k(g, [a0, a1, a2], [&mut **o0, &mut **o1, &mut **o2]) }
+            }
             _ => return false,
         }
         true

@@ -60,6 +60,19 @@ fn sums16(q: __m256i) -> [i32; 2] {
     [_mm256_extract_epi32::<0>(s), _mm256_extract_epi32::<4>(s)]
 }
 
+/// The first `8 N` floats of `x` as `N` vectors.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn load<const N: usize>(x: &[f32]) -> [__m256; N] {
+    let x = &x[..8 * N];
+    let mut v = [_mm256_setzero_ps(); N];
+    for (i, v) in v.iter_mut().enumerate() {
+        // SAFETY: `x` holds 8N floats (sliced above): a load of eight at 8i < 8N.
+        *v = unsafe { _mm256_loadu_ps(x.as_ptr().add(8 * i)) };
+    }
+    v
+}
+
 /// [`crate::act::quantize_32`] with AVX2 (the same bits).
 ///
 /// # Safety
@@ -67,11 +80,7 @@ fn sums16(q: __m256i) -> [i32; 2] {
 #[target_feature(enable = "avx2")]
 pub unsafe fn quantize_32(x: &[f32], out: &mut [Block32]) {
     for (b, x) in out.iter_mut().zip(x.chunks_exact(32)) {
-        let mut v = [_mm256_setzero_ps(); 4];
-        for (i, v) in v.iter_mut().enumerate() {
-            // SAFETY: `x` holds 32 floats (chunks_exact): loads of eight at 8i < 32.
-            *v = unsafe { _mm256_loadu_ps(x.as_ptr().add(8 * i)) };
-        }
+        let v = load::<4>(x);
         let d = amax(&v) / 127.0;
         let id = if d > 0.0 { 1.0 / d } else { 0.0 };
         let q = round_pack(v, id);
@@ -92,11 +101,7 @@ pub unsafe fn quantize_32(x: &[f32], out: &mut [Block32]) {
 #[target_feature(enable = "avx2")]
 pub unsafe fn quantize_256(x: &[f32], out: &mut [Block256]) {
     for (b, x) in out.iter_mut().zip(x.chunks_exact(256)) {
-        let mut v = [_mm256_setzero_ps(); 32];
-        for (i, v) in v.iter_mut().enumerate() {
-            // SAFETY: `x` holds 256 floats (chunks_exact): loads of eight at 8i < 256.
-            *v = unsafe { _mm256_loadu_ps(x.as_ptr().add(8 * i)) };
-        }
+        let v = load::<32>(x);
         let d = amax(&v) / 127.0;
         let id = if d > 0.0 { 1.0 / d } else { 0.0 };
         for g in 0..8 {

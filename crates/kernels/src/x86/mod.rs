@@ -36,10 +36,10 @@ pub fn prefetch_distance() -> usize {
 }
 
 /// Whether the CPU's vendor string is Intel's.
-fn is_intel() -> bool {
+pub fn is_intel() -> bool {
     let id = __cpuid(0);
-    let bytes: Vec<u8> = [id.ebx, id.edx, id.ecx].iter().flat_map(|r| r.to_le_bytes()).collect();
-    bytes == b"GenuineIntel"
+    let word = |s: &[u8; 4]| u32::from_le_bytes(*s);
+    (id.ebx, id.edx, id.ecx) == (word(b"Genu"), word(b"ineI"), word(b"ntel"))
 }
 
 /// Prefetches the lines of `len` bytes from `p + dist` (none when `dist` is 0). A prefetch
