@@ -35,6 +35,20 @@ pub fn prefetch_distance() -> usize {
     *D.get_or_init(|| std::env::var("SMOE_PREFETCH_BYTES").ok().and_then(|v| v.parse().ok()).unwrap_or(if is_intel() { 2304 } else { 0 }))
 }
 
+/// Which cache level [`prefetch_ahead`] fetches into: 0 = L1 (`T0`, the default), 1 = `T1`,
+/// 2 = `T2`, 3 = `NTA`. `SMOE_PREFETCH_HINT` (`t0`, `t1`, `t2`, `nta`) picks another, to
+/// measure whether a core streams more with its prefetches held in L2 rather than L1's fill
+/// buffers.
+pub fn prefetch_hint() -> u8 {
+    static H: std::sync::OnceLock<u8> = std::sync::OnceLock::new();
+    *H.get_or_init(|| match std::env::var("SMOE_PREFETCH_HINT").as_deref() {
+        Ok("t1") => 1,
+        Ok("t2") => 2,
+        Ok("nta") => 3,
+        _ => 0,
+    })
+}
+
 /// Whether the CPU's vendor string is Intel's.
 pub fn is_intel() -> bool {
     let id = __cpuid(0);
@@ -49,10 +63,19 @@ pub fn prefetch_ahead(p: *const u8, dist: usize, len: usize) {
     if dist == 0 {
         return;
     }
+    let hint = prefetch_hint();
     let mut o = 0;
     while o < len {
+        let a = p.wrapping_add(dist.wrapping_add(o)) as *const i8;
         // SAFETY: a prefetch is a hint: it never faults and changes no memory.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(dist.wrapping_add(o)) as *const i8) };
+        unsafe {
+            match hint {
+                1 => _mm_prefetch::<_MM_HINT_T1>(a),
+                2 => _mm_prefetch::<_MM_HINT_T2>(a),
+                3 => _mm_prefetch::<_MM_HINT_NTA>(a),
+                _ => _mm_prefetch::<_MM_HINT_T0>(a),
+            }
+        }
         o += 64;
     }
 }
