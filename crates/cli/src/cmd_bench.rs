@@ -104,7 +104,7 @@ fn bench_on<B: Backend>(engine: &Engine<B>, report: &OpenReport, job: &BenchJob,
         v["decode_tok_s_samples"] = samples.iter().map(|s| s.1).collect::<Vec<_>>().into();
         v["backend"] = engine.model.backend().describe().into();
         v["routing"] = engine.model.routing_trace().map_or("router".to_string(), |t| t.describe()).into();
-        v["threads"] = model.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())).into();
+        v["threads"] = model.threads.unwrap_or_else(smoe_engine::default_threads).into();
         v["dense_bytes"] = engine.model.dense_bytes().into();
         let arch = engine.model.arch();
         let experts_per_token = (arch.moe.top_k * arch.moe_layers().len()) as u64 * report.blob_bytes;
@@ -118,7 +118,7 @@ fn bench_on<B: Backend>(engine: &Engine<B>, report: &OpenReport, job: &BenchJob,
     println!(
         "{tag}loaded in {load_s:.1} s on {}, {} threads",
         engine.model.backend().describe(),
-        model.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+        model.threads.unwrap_or_else(smoe_engine::default_threads)
     );
     println!(
         "{tag}prefill {} tok: {:.2} tok/s   ttft {:.0} ms   expert hit rate {:.3}",
@@ -169,7 +169,7 @@ fn batch_on<B: Backend>(engine: &Engine<B>, report: &OpenReport, job: &BenchJob,
             }
         }
     }
-    let threads = model.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let threads = model.threads.unwrap_or_else(smoe_engine::default_threads);
     if !json {
         println!("{tag}loaded in {load_s:.1} s on {}, {threads} threads", engine.model.backend().describe());
         println!("{tag}expert cache {} of {} experts", report.cache_experts, report.total_experts);

@@ -55,7 +55,7 @@ pub struct ModelArgs {
     /// Print per-token timing, bytes read, hit rate and expert reuse.
     #[arg(long)]
     pub instrument: bool,
-    /// Compute threads (default: every core).
+    /// Compute threads (default: one per physical core this process may use).
     #[arg(long)]
     pub threads: Option<usize>,
     /// Where the model runs: `cpu`, `cuda` (`cuda:N` for GPU N), or `auto` (a GPU when one is

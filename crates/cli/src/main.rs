@@ -446,8 +446,13 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Devices => {
             let tables: Vec<&str> = smoe_kernels::available().iter().map(|k| k.isa).collect();
-            let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-            println!("cpu: {threads} threads; kernel tables {} (using {})", tables.join(", "), smoe_kernels::best().isa);
+            let logical = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+            let threads = smoe_engine::default_threads();
+            println!(
+                "cpu: {logical} logical CPUs, {threads} compute threads by default (one per core); kernel tables {} (using {})",
+                tables.join(", "),
+                smoe_kernels::best().isa
+            );
             match smoe_cuda::probe() {
                 Ok(gpus) => gpus.iter().for_each(|g| println!("{g}")),
                 Err(why) => println!("cuda: none usable: {why}"),

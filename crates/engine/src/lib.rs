@@ -39,7 +39,7 @@ mod widths;
 
 pub use backend::{Backend, DeviceTier};
 pub use batch::{Batch, BatchItem};
-pub use cpu::{CpuBackend, Precision};
+pub use cpu::{default_threads, CpuBackend, Precision};
 pub use forward::{Logits, NoObserver, Observer, State, PREFILL_CHUNK};
 pub use generate::{Engine, FinishReason, GenOptions, GenStats, Generation};
 pub use loaded::LoadedModel;

@@ -478,7 +478,7 @@ fn split_part(stem: &str) -> Option<(&str, usize)> {
 /// products and attention grow with it, and on a CPU they share the cores), 4 to 64, and no
 /// more than the queue admits.
 pub fn default_max_batch(max_queue: usize) -> usize {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let cores = smoe_engine::default_threads();
     (4 * cores).clamp(4, 64).min(max_queue.max(1))
 }
 

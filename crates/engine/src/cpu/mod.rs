@@ -6,6 +6,7 @@
 
 mod attention;
 mod compressed;
+mod cores;
 mod fast;
 mod matmul;
 pub mod pool;
@@ -17,6 +18,8 @@ use crate::backend::{
 use crate::routing::{RouteScratch, RouterRule};
 use smoe_quant::{Format, QMatrix};
 use std::sync::Arc;
+
+pub use cores::default_threads;
 
 /// An output buffer shared by pool tasks that write disjoint parts of it (output rows of a
 /// product, (token, head) rows of attention), so that no task needs a lock or a copy.
@@ -95,10 +98,10 @@ pub struct CpuBackend {
 }
 
 impl CpuBackend {
-    /// A backend computing at `precision` on all cores.
+    /// A backend computing at `precision` with one thread per physical core
+    /// ([`default_threads`]).
     pub fn new(precision: Precision) -> CpuBackend {
-        let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-        CpuBackend::with_threads(precision, threads)
+        CpuBackend::with_threads(precision, default_threads())
     }
 
     /// A backend computing at `precision` with `threads` compute threads.
