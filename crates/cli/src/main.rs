@@ -354,6 +354,7 @@ enum Command {
 }
 
 fn main() {
+    quiet_on_closed_stdout();
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("SMOE_LOG").unwrap_or_else(|_| "warn,smoe_server=info".into()))
         .with_writer(std::io::stderr)
@@ -362,6 +363,20 @@ fn main() {
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }
+}
+
+/// A reader that stops early (`smoe devices | head -1`) closes stdout; `println!` then panics
+/// with a broken pipe. Like ripgrep, end quietly and successfully instead: the reader chose to
+/// stop. Other panics keep the default report.
+fn quiet_on_closed_stdout() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let msg = info.payload().downcast_ref::<String>().map_or("", String::as_str);
+        if msg.starts_with("failed printing to stdout") && msg.contains("Broken pipe") {
+            std::process::exit(0);
+        }
+        default(info)
+    }));
 }
 
 fn run(cli: Cli) -> Result<()> {

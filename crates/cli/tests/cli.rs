@@ -425,3 +425,15 @@ fn replay_a_batch_on_a_model_shape() {
     let o = smoe(&["replay", &trace, "--batch", "0"]);
     assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("at least one"), "{o:?}");
 }
+
+/// A reader that closes the pipe before smoe prints (`smoe devices | head -0`) ends it quietly
+/// and successfully, without a panic report.
+#[test]
+fn a_closed_stdout_ends_quietly() {
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let o = Command::new(env!("CARGO_BIN_EXE_smoe")).arg("devices").stdout(writer).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{:?}: {err}", o.status);
+    assert!(!err.contains("panicked"), "{err}");
+}
