@@ -32,12 +32,15 @@ pub fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/hf").join(name)
 }
 
-/// Shatters a fixture once per test process into a shared temporary directory.
+/// Shatters a fixture once per test process into a shared temporary directory. The directory
+/// lives under cargo's per-target temporary folder (`target/tmp`), not the system's: a static
+/// is never dropped, so it outlives the process, and in `/tmp` these vaults piled up by the
+/// hundred (14 GB after a few days of test runs); under `target/` they go with it.
 pub fn vault(name: &str, experts: impl Into<ExpertFormats>, dense: Format) -> PathBuf {
     let experts: ExpertFormats = experts.into();
     static DIR: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
     static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let dir = DIR.get_or_init(|| tempfile::tempdir().unwrap());
+    let dir = DIR.get_or_init(|| tempfile::Builder::new().prefix("fixture-vaults-").tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap());
     let out = dir.path().join(format!("{name}-{experts}-{dense}.smoe"));
     let _g = LOCK.lock().unwrap();
     if !out.exists() {
