@@ -101,7 +101,8 @@ def best(row, got):
     row["ram_bytes_per_s"] = max(row.get("ram_bytes_per_s", 0), got["ram_bytes_per_s"])
     for name, figs in got.items():
         if isinstance(figs, dict):
-            b = row.setdefault(name, dict(figs))
+            # The per-repetition samples stay in each round's record, beside the figures they gave.
+            b = row.setdefault(name, {k: v for k, v in figs.items() if not k.endswith("_samples")})
             for k in ("prefill", "decode", "decode_empty"):
                 if k in figs:
                     b[k] = max(b.get(k, 0), figs[k])
@@ -138,6 +139,8 @@ def main():
     ap.add_argument("--variant", action="append", default=[],
                     help="NAME:VAR=VAL[,VAR=VAL]: another smoe column; SMOE_BIN=PATH runs another binary (an A/B of two builds)")
     args = ap.parse_args()
+    if int(args.rounds) < 1:
+        ap.error("--rounds must be at least 1")
     os.makedirs(args.work, exist_ok=True)
     smoe = args.smoe or build_smoe()
     llama_src, binary = llama_bench_bin(args.llama_src, args.work)
@@ -160,9 +163,12 @@ def main():
                 got[name] = measure()
             row["rounds"].append(got)
             best(row, got)
-            # Written as it goes: a run cut short by a time limit keeps what it measured.
-            with open(os.path.join(args.work, "cpu_threads.json"), "w") as f:
+            # Written as it goes (whole, through a rename): a run cut short by a time limit keeps
+            # what it measured.
+            path = os.path.join(args.work, "cpu_threads.json")
+            with open(path + ".tmp", "w") as f:
                 json.dump({**res, "rows": [r for r in rows.values() if r["rounds"]]}, f, indent=1)
+            os.replace(path + ".tmp", path)
             log(f"round {rnd + 1}, {t} threads: smoe {got['smoe']['prefill']:.1f}/{got['smoe']['decode']:.1f}, "
                 f"llama.cpp {got['llama']['prefill']:.1f}/{got['llama']['decode']:.1f} (prefill/decode tok/s; ratios "
                 f"{got['smoe']['prefill'] / got['llama']['prefill']:.2f}/{got['smoe']['decode'] / got['llama']['decode']:.2f})")

@@ -367,12 +367,13 @@ fn main() {
 
 /// A reader that stops early (`smoe devices | head -1`) closes stdout; `println!` then panics
 /// with a broken pipe. Like ripgrep, end quietly and successfully instead: the reader chose to
-/// stop. Other panics keep the default report.
+/// stop. Other panics keep the default report. Process-wide, so a server whose stdout is a
+/// closed pipe also ends at its next print (its logs and progress go to stderr).
 fn quiet_on_closed_stdout() {
     let default = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
-        let msg = info.payload().downcast_ref::<String>().map_or("", String::as_str);
-        if msg.starts_with("failed printing to stdout") && msg.contains("Broken pipe") {
+        let msg = info.payload_as_str().unwrap_or("");
+        if msg.starts_with("failed printing to stdout") && (msg.contains("Broken pipe") || msg.contains("(os error 32)")) {
             std::process::exit(0);
         }
         default(info)
@@ -464,7 +465,7 @@ fn run(cli: Cli) -> Result<()> {
             let logical = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
             let threads = smoe_engine::default_threads();
             println!(
-                "cpu: {logical} logical CPUs, {threads} compute threads by default (one per core); kernel tables {} (using {})",
+                "cpu: {logical} logical CPUs, {threads} compute threads by default (one per physical core where the topology is readable); kernel tables {} (using {})",
                 tables.join(", "),
                 smoe_kernels::best().isa
             );

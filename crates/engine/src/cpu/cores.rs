@@ -16,6 +16,11 @@ use std::path::Path;
 /// `available_parallelism` (which also honours a cgroup's CPU quota); elsewhere, or when the
 /// topology cannot be read, `available_parallelism`.
 pub fn default_threads() -> usize {
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(count_default_threads)
+}
+
+fn count_default_threads() -> usize {
     let logical = std::thread::available_parallelism().map_or(1, |n| n.get());
     let allowed = std::fs::read_to_string("/proc/self/status")
         .ok()
@@ -44,14 +49,14 @@ pub fn parse_cpu_list(list: &str) -> Option<Vec<usize>> {
     (!cpus.is_empty()).then_some(cpus)
 }
 
-/// Distinct (package, core) pairs among `cpus`, from `root/cpuN/topology`; `None` if any CPU's
-/// topology is missing or unreadable.
+/// Cores among `cpus`: distinct sets of hardware threads sharing a core
+/// (`root/cpuN/topology/thread_siblings_list`, as llama.cpp counts them; `core_id` alone can
+/// repeat across the dies of one package); `None` if any CPU's topology is missing.
 pub fn physical_cores(root: &Path, cpus: &[usize]) -> Option<usize> {
     let mut cores = HashSet::new();
     for cpu in cpus {
-        let topo = root.join(format!("cpu{cpu}/topology"));
-        let read = |name: &str| std::fs::read_to_string(topo.join(name)).ok()?.trim().parse::<i64>().ok();
-        cores.insert((read("physical_package_id")?, read("core_id")?));
+        let siblings = std::fs::read_to_string(root.join(format!("cpu{cpu}/topology/thread_siblings_list"))).ok()?;
+        cores.insert(siblings.trim().to_string());
     }
     (!cores.is_empty()).then_some(cores.len())
 }
@@ -69,16 +74,15 @@ mod tests {
         }
     }
 
-    /// A topology tree written to disk the way sysfs lays it out: 2 packages × 2 cores × 2
-    /// SMT threads (CPUs 0-7, siblings n and n + 4).
+    /// A topology tree written to disk the way sysfs lays it out: 4 cores × 2 SMT threads
+    /// (CPUs 0-7, siblings n and n + 4).
     #[test]
     fn smt_siblings_count_once_and_the_affinity_list_is_honoured() {
         let root = std::env::temp_dir().join(format!("smoe-topology-{}", std::process::id()));
         for cpu in 0..8usize {
             let dir = root.join(format!("cpu{cpu}/topology"));
             std::fs::create_dir_all(&dir).unwrap();
-            std::fs::write(dir.join("physical_package_id"), format!("{}\n", (cpu % 4) / 2)).unwrap();
-            std::fs::write(dir.join("core_id"), format!("{}\n", cpu % 2)).unwrap();
+            std::fs::write(dir.join("thread_siblings_list"), format!("{},{}\n", cpu % 4, cpu % 4 + 4)).unwrap();
         }
         assert_eq!(physical_cores(&root, &(0..8).collect::<Vec<_>>()), Some(4));
         assert_eq!(physical_cores(&root, &[0, 4]), Some(1), "two siblings are one core");

@@ -10,8 +10,8 @@
 //! A job does not wait for workers that have not joined it: with as many threads as cores, a
 //! worker that the OS (or a hypervisor) has descheduled, or one waking from its park, would
 //! otherwise hold up every job until it ran, though the others had already taken its tasks. On
-//! the 16-core Sapphire Rapids host one such run decoded at 34 tok/s where the next managed 110
-//! (#23). A late worker joins whatever job is current, or none.
+//! the 16-core Sapphire Rapids host one such run decoded at 34 tok/s where other runs there
+//! managed 95-112 (#23). A late worker joins whatever job is current, or none.
 
 use crossbeam_utils::CachePadded;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
@@ -158,7 +158,9 @@ impl Pool {
             (0..tasks).for_each(f);
             return;
         }
-        let _one_job = self.run_lock.lock().unwrap();
+        // A panic in an earlier job poisons the lock but leaves nothing half-done (see
+        // `ClearOnUnwind`).
+        let _one_job = self.run_lock.lock().unwrap_or_else(|e| e.into_inner());
         let s = &*self.shared;
         // SAFETY: the erased lifetime is restored by clearing `job` and then waiting below for
         // every worker that may have read it to leave, so the closure outlives every call
@@ -181,7 +183,11 @@ impl Pool {
                 s.wake.notify_all();
             }
         }
+        // If a task panics on this thread, the unwind must not leave the pointer to `f` (about
+        // to be dropped) where workers can reach it: the guard clears it and waits for them.
+        let guard = ClearOnUnwind(s);
         take_tasks(s, f);
+        std::mem::forget(guard);
         let workers = self.workers.len();
         // Every task has run (a worker descheduled inside one is waited for: its results are
         // part of the job) ...
@@ -197,6 +203,17 @@ impl Pool {
             profile::JOB_NS.fetch_add(ns, Ordering::Relaxed);
             profile::THREAD_NS.fetch_add(ns * (workers as u64 + 1), Ordering::Relaxed);
         }
+    }
+}
+
+/// Dropped only while a panic unwinds out of [`Pool::run`]: clears the job and waits until no
+/// worker is inside it, so none calls the closure after its frame is gone.
+struct ClearOnUnwind<'a>(&'a Shared);
+
+impl Drop for ClearOnUnwind<'_> {
+    fn drop(&mut self) {
+        self.0.job.store(std::ptr::null_mut(), Ordering::SeqCst);
+        spin_until(|| self.0.active.load(Ordering::SeqCst) == 0);
     }
 }
 
@@ -269,7 +286,13 @@ fn worker(s: &Shared) {
             // job than the epoch it woke for: it runs that one's tasks); its caller clears it
             // only after every task has run and then waits for `active` to fall to zero, so the
             // closure outlives this use; the closure is `Sync`.
-            take_tasks(s, unsafe { &**job });
+            let job = unsafe { &**job };
+            // A task that panics on a worker would leave its job unfinished (and its caller
+            // spinning) and this worker counted inside it: a bug in a kernel, so stop the process
+            // with the panic's report rather than hang.
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| take_tasks(s, job))).is_err() {
+                std::process::abort();
+            }
         }
         s.active.fetch_sub(1, Ordering::Release);
     }
@@ -318,7 +341,8 @@ mod tests {
     /// in the same stack slot, so it cannot be caught deterministically.)
     #[test]
     fn late_workers_run_only_the_current_job() {
-        let pool = Pool::new(12);
+        // Three threads per CPU, whatever the machine.
+        let pool = Pool::new(3 * std::thread::available_parallelism().map_or(2, |n| n.get()).max(2));
         let (rounds, most) = (1000usize, 97usize);
         let hits: Vec<AtomicU64> = (0..rounds * most).map(|_| AtomicU64::new(0)).collect();
         let current = AtomicUsize::new(usize::MAX);
@@ -352,6 +376,28 @@ mod tests {
                 assert_eq!(hits[round * most + i].load(Ordering::Relaxed), want, "round {round} task {i}");
             }
         }
+    }
+
+    /// A task that panics on the calling thread unwinds out of `run` with the job cleared: the
+    /// pool keeps working for the next job, whose closure is a different one.
+    #[test]
+    fn a_panicking_task_on_the_caller_leaves_the_pool_usable() {
+        let pool = Pool::new(4);
+        let caller = std::thread::current().id();
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            pool.run(64, &|_| {
+                if std::thread::current().id() == caller {
+                    panic!("a task on the caller");
+                }
+                std::thread::sleep(Duration::from_micros(200));
+            })
+        }));
+        assert!(r.is_err());
+        let hits: Vec<AtomicU64> = (0..50).map(|_| AtomicU64::new(0)).collect();
+        pool.run(50, &|i| {
+            hits[i].fetch_add(1, Ordering::Relaxed);
+        });
+        assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
     }
 
     #[test]

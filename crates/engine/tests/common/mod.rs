@@ -32,15 +32,20 @@ pub fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/hf").join(name)
 }
 
-/// Shatters a fixture once per test process into a shared temporary directory. The directory
-/// lives under cargo's per-target temporary folder (`target/tmp`), not the system's: a static
-/// is never dropped, so it outlives the process, and in `/tmp` these vaults piled up by the
-/// hundred (14 GB after a few days of test runs); under `target/` they go with it.
+/// Shatters a fixture once per test process into a shared temporary directory, under cargo's
+/// per-target temporary folder (`target/tmp`). A static is never dropped, so the directory
+/// outlives its process: in `/tmp` these vaults piled up by the hundred (14 GB after a few days
+/// of test runs). Each directory is named after its process, and a new process removes those
+/// of processes that have ended (where `/proc` says which).
 pub fn vault(name: &str, experts: impl Into<ExpertFormats>, dense: Format) -> PathBuf {
     let experts: ExpertFormats = experts.into();
     static DIR: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
     static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let dir = DIR.get_or_init(|| tempfile::Builder::new().prefix("fixture-vaults-").tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap());
+    let dir = DIR.get_or_init(|| {
+        let root = Path::new(env!("CARGO_TARGET_TMPDIR"));
+        remove_ended_processes_vaults(root);
+        tempfile::Builder::new().prefix(&format!("fixture-vaults-{}-", std::process::id())).tempdir_in(root).unwrap()
+    });
     let out = dir.path().join(format!("{name}-{experts}-{dense}.smoe"));
     let _g = LOCK.lock().unwrap();
     if !out.exists() {
@@ -48,6 +53,24 @@ pub fn vault(name: &str, experts: impl Into<ExpertFormats>, dense: Format) -> Pa
         shatter(&fixture(name), &out, &opts, &Silent).unwrap();
     }
     out
+}
+
+/// Removes `fixture-vaults-PID-*` folders under `root` whose process no longer runs (Linux only:
+/// elsewhere there is no `/proc` to ask, and they stay until `target/` goes).
+fn remove_ended_processes_vaults(root: &Path) {
+    if !Path::new("/proc/self").exists() {
+        return;
+    }
+    let Ok(entries) = std::fs::read_dir(root) else { return };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let pid = name.strip_prefix("fixture-vaults-").and_then(|r| r.split('-').next()).and_then(|p| p.parse::<u32>().ok());
+        if let Some(pid) = pid {
+            if !Path::new(&format!("/proc/{pid}")).exists() {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+    }
 }
 
 /// A fixture's `{tag}.input_ids` (`chat` or `long`) from its reference.safetensors.

@@ -41,11 +41,19 @@ pub fn prefetch_distance() -> usize {
 /// buffers.
 pub fn prefetch_hint() -> u8 {
     static H: std::sync::OnceLock<u8> = std::sync::OnceLock::new();
-    *H.get_or_init(|| match std::env::var("SMOE_PREFETCH_HINT").as_deref() {
-        Ok("t1") => 1,
-        Ok("t2") => 2,
-        Ok("nta") => 3,
-        _ => 0,
+    *H.get_or_init(|| {
+        let v = std::env::var("SMOE_PREFETCH_HINT").unwrap_or_default().to_ascii_lowercase();
+        match v.as_str() {
+            "" | "t0" => 0,
+            "t1" => 1,
+            "t2" => 2,
+            "nta" => 3,
+            _ => {
+                // A measurement of the wrong setting would go unnoticed otherwise.
+                eprintln!("warning: SMOE_PREFETCH_HINT={v:?} is none of t0, t1, t2, nta; using t0");
+                0
+            }
+        }
     })
 }
 
