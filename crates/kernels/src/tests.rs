@@ -514,3 +514,39 @@ fn prefetch_rows_stays_inside_its_buffer() {
     prefetch_rows(&[], 4, 4, 4);
     assert!(buf.iter().all(|&v| v == 1.5));
 }
+
+/// Four tokens against Q2_K and Q3_K rows at once give each token the bits of the one-token
+/// kernel, on every table that has the four-token kernel (x86 tables must); tables without it
+/// write nothing and say so.
+#[test]
+fn four_token_row_kernels_give_each_token_its_bits_alone() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(29);
+    for f in [Format::Q2_K, Format::Q3_K] {
+        for k in available() {
+            for cols in [256usize, 1536, 4096] {
+                let (rows, rb) = (5, f.row_bytes(cols).unwrap());
+                let mut w = vec![0u8; rows * rb];
+                for r in 0..rows {
+                    smoe_quant::quantize(f, &data(cols, &mut rng), &mut w[r * rb..(r + 1) * rb]).unwrap();
+                }
+                let mut q4 = QuantAct::default();
+                q4.quantize(f, &data(4 * cols, &mut rng), 4, cols);
+                let mut four = vec![vec![f32::NAN; rows]; 4];
+                let [o0, o1, o2, o3] = &mut four[..] else { unreachable!() };
+                let done = k.dot_rows_x4(f, &w, rb, [q4.row(0), q4.row(1), q4.row(2), q4.row(3)], [o0, o1, o2, o3]);
+                if !done {
+                    assert!(k.isa == "scalar" || !cfg!(target_arch = "x86_64"), "{} has no four-token {f} kernel", k.isa);
+                    assert!(four.iter().flatten().all(|v| v.is_nan()), "{} wrote without a kernel", k.isa);
+                    continue;
+                }
+                for (t, got) in four.iter().enumerate() {
+                    let mut alone = vec![0f32; rows];
+                    k.dot_rows(f, &w, rb, q4.row(t), &mut alone);
+                    let (g, a): (Vec<u32>, Vec<u32>) =
+                        (got.iter().map(|v| v.to_bits()).collect(), alone.iter().map(|v| v.to_bits()).collect());
+                    assert_eq!(g, a, "{} {f} cols {cols}: token {t} of four", k.isa);
+                }
+            }
+        }
+    }
+}

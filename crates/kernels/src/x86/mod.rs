@@ -142,6 +142,8 @@ pub fn avx2_table() -> Option<Kernels> {
     k.set(Format::Q5_1, DotFn::Q32(avx2_more::dot_q5_1));
     k.set(Format::Q2_K, DotFn::Q256(avx2_more::dot_q2_k));
     k.set(Format::Q3_K, DotFn::Q256(avx2_more::dot_q3_k));
+    k.set_dot_x4(Format::Q2_K, avx2_more::dot_q2_k_x4);
+    k.set_dot_x4(Format::Q3_K, avx2_more::dot_q3_k_x4);
     k.set(Format::Q5_K, DotFn::Q256(avx2_more::dot_q5_k));
     k.set_gemm(Format::Q8_0, gemm::q8_0_avx2);
     k.set_gemm(Format::Q4_K, gemm::q4_k_avx2);
