@@ -73,9 +73,16 @@ try:
     Select(driver.find_element(By.ID, "model")).select_by_value("demo")
 
     # A short reply, streamed: the reply grows over several DOM updates and ends with its stats.
+    # The tiny demo model writes 48 tokens in well under a frame's worth of milliseconds on a
+    # fast machine, and the browser may take the whole stream in one or two reads (a CI run
+    # saw 3 DOM updates): the network is throttled (~10 KB of events at 8 KB/s) so the stream
+    # arrives in pieces however fast the model is.
     driver.find_element(By.ID, "toggle-settings").click()
     set_field("max_tokens", 48)
     set_field("temperature", 0)
+    driver.execute_cdp_cmd("Network.enable", {})
+    driver.execute_cdp_cmd("Network.emulateNetworkConditions",
+                           {"offline": False, "latency": 0, "downloadThroughput": 8000, "uploadThroughput": 100000})
     watch_last_reply()
     send("What does the len function return?")
     wait.until(lambda d: "tokens in" in d.find_element(By.CSS_SELECTOR, ".msg.assistant:last-child .meta").text

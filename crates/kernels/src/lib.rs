@@ -172,8 +172,11 @@ impl Kernels {
         }
     }
 
+    /// Sets `f`'s one-token kernel, and drops its four-token kernel (which must give the
+    /// one-token kernel's bits: set it again after this, with one made to match).
     pub(crate) fn set(&mut self, f: Format, d: DotFn) {
         self.dots[slot(f)] = d;
+        self.dots_x4[slot(f)] = None;
     }
 
     #[allow(dead_code)]
@@ -261,6 +264,7 @@ impl Kernels {
         let (Some(k), [ActRow::Q256(a0), ActRow::Q256(a1), ActRow::Q256(a2), ActRow::Q256(a3)]) = (self.dots_x4[slot(f)], a) else {
             return false;
         };
+        assert!([a1.len(), a2.len(), a3.len()].iter().all(|&l| l == a0.len()), "dot_rows_x4: activation rows differ in length");
         let [o0, o1, o2, o3] = out;
         for i in 0..rows {
             // SAFETY: as for `dot`.

@@ -101,7 +101,8 @@ const GROUP_TOKENS: usize = 64;
 /// kernel goes group by group, four tokens per call (the same bits as one at a time), and one
 /// with a two- or three-token kernel (Q4_K: a batch's experts, mostly chosen by one to three
 /// of its tokens) likewise; others by blocks of rows, every token against each block while it
-/// is in cache.
+/// is in cache, four tokens per pass over a row where the format has such a kernel (Q2_K,
+/// Q3_K).
 fn dot_tokens<'o>(
     k: &Kernels,
     w: &QMatrix<'_>,
@@ -376,6 +377,33 @@ mod tests {
                 let mut alone = vec![0f32; rows];
                 matmul(k, &pool, &m, &x[t * cols..(t + 1) * cols], 1, &mut alone);
                 assert_eq!(&together[t * rows..(t + 1) * rows], &alone[..], "token {t} of {n}");
+            }
+        }
+    }
+
+    /// Q2_K and Q3_K rows against 4 to 9 tokens (the four-token row kernel, then the rest one
+    /// at a time): each token's outputs, in its own place, are the bits it gets alone.
+    #[test]
+    fn low_bit_rows_against_several_tokens_give_each_its_bits_alone() {
+        let (k, pool) = (smoe_kernels::best(), Pool::new(2));
+        let (rows, cols) = (40, 512);
+        let w: Vec<f32> = (0..rows * cols).map(|i| ((i * 7 % 53) as f32 - 26.0) / 9.0).collect();
+        for f in [Format::Q2_K, Format::Q3_K] {
+            let rb = f.row_bytes(cols).unwrap();
+            let mut q = vec![0u8; rb * rows];
+            for (d, s) in q.chunks_mut(rb).zip(w.chunks(cols)) {
+                smoe_quant::quantize(f, s, d).unwrap();
+            }
+            let m = QMatrix::new(f, rows, cols, &q).unwrap();
+            for n in [4usize, 6, 9] {
+                let x: Vec<f32> = (0..n * cols).map(|i| ((i * 31 % 97) as f32 - 48.0) / 17.0).collect();
+                let mut together = vec![0f32; n * rows];
+                matmul(k, &pool, &m, &x, n, &mut together);
+                for t in 0..n {
+                    let mut alone = vec![0f32; rows];
+                    matmul(k, &pool, &m, &x[t * cols..(t + 1) * cols], 1, &mut alone);
+                    assert_eq!(&together[t * rows..(t + 1) * rows], &alone[..], "{f} token {t} of {n}");
+                }
             }
         }
     }
