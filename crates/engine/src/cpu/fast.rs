@@ -370,14 +370,20 @@ mod tests {
         let mut m = QMatrix::new(Format::Q4_K, rows, cols, &inter).unwrap();
         m.layout = Layout::Interleaved8;
         for n in [2usize, 3] {
-            let x: Vec<f32> = (0..n * cols).map(|i| ((i * 31 % 97) as f32 - 48.0) / 17.0).collect();
-            let mut together = vec![0f32; n * rows];
-            matmul(k, &pool, &m, &x, n, &mut together);
-            for t in 0..n {
-                let mut alone = vec![0f32; rows];
-                matmul(k, &pool, &m, &x[t * cols..(t + 1) * cols], 1, &mut alone);
-                assert_eq!(&together[t * rows..(t + 1) * rows], &alone[..], "token {t} of {n}");
-            }
+            assert_each_token_alone(k, &pool, &m, n);
+        }
+    }
+
+    /// `n` tokens through `m` at once give each token, in its own place, the bits it gets alone.
+    fn assert_each_token_alone(k: &Kernels, pool: &Pool, m: &QMatrix<'_>, n: usize) {
+        let (rows, cols) = (m.rows, m.cols);
+        let x: Vec<f32> = (0..n * cols).map(|i| ((i * 31 % 97) as f32 - 48.0) / 17.0).collect();
+        let mut together = vec![0f32; n * rows];
+        matmul(k, pool, m, &x, n, &mut together);
+        for t in 0..n {
+            let mut alone = vec![0f32; rows];
+            matmul(k, pool, m, &x[t * cols..(t + 1) * cols], 1, &mut alone);
+            assert_eq!(&together[t * rows..(t + 1) * rows], &alone[..], "{} token {t} of {n}", m.format);
         }
     }
 
@@ -396,14 +402,7 @@ mod tests {
             }
             let m = QMatrix::new(f, rows, cols, &q).unwrap();
             for n in [4usize, 6, 9] {
-                let x: Vec<f32> = (0..n * cols).map(|i| ((i * 31 % 97) as f32 - 48.0) / 17.0).collect();
-                let mut together = vec![0f32; n * rows];
-                matmul(k, &pool, &m, &x, n, &mut together);
-                for t in 0..n {
-                    let mut alone = vec![0f32; rows];
-                    matmul(k, &pool, &m, &x[t * cols..(t + 1) * cols], 1, &mut alone);
-                    assert_eq!(&together[t * rows..(t + 1) * rows], &alone[..], "{f} token {t} of {n}");
-                }
+                assert_each_token_alone(k, &pool, &m, n);
             }
         }
     }
