@@ -254,6 +254,11 @@ impl Kernels {
         self.dots_x4[slot(f)] = Some(k);
     }
 
+    /// Whether [`Kernels::dot_rows_x4`] has a kernel for `f` here.
+    pub fn has_dot_x4(&self, f: Format) -> bool {
+        self.dots_x4[slot(f)].is_some()
+    }
+
     /// [`Kernels::dot_rows`] for four tokens at once: `out[t][i]` = row `i` · token `t`, each
     /// row's weights unpacked once for the four (a Q2_K/Q3_K expert's prefill, which has no
     /// many-token kernel), each value what `dot_rows` gives that token. `false` (nothing

@@ -494,13 +494,13 @@ fn silu_mul_matches_the_formula_wherever_a_value_sits() {
 #[test]
 fn prefetches_past_a_buffer_are_harmless() {
     let buf = [7u8; 100];
-    for dist in [0, 64, 2304, 1 << 20, 1 << 40] {
-        x86::prefetch_ahead(buf.as_ptr(), dist, 1152);
+    for (dist, hint) in [0, 64, 2304, 1 << 20, 1 << 40].into_iter().flat_map(|d| (0..4).map(move |h| (d, h))) {
+        x86::prefetch_ahead(buf.as_ptr(), x86::Prefetch { bytes: dist, hint }, 1152);
     }
-    x86::prefetch_ahead(std::ptr::null(), 2304, 1152);
+    x86::prefetch_ahead(std::ptr::null(), x86::Prefetch { bytes: 2304, hint: 3 }, 1152);
     assert!(buf.iter().all(|&b| b == 7));
     if std::env::var_os("SMOE_PREFETCH_BYTES").is_none() {
-        assert_eq!(x86::prefetch_distance() > 0, x86::is_intel());
+        assert_eq!(x86::prefetch().bytes > 0, x86::is_intel());
     }
 }
 
@@ -534,6 +534,7 @@ fn four_token_row_kernels_give_each_token_its_bits_alone() {
                 let mut four = vec![vec![f32::NAN; rows]; 4];
                 let [o0, o1, o2, o3] = &mut four[..] else { unreachable!() };
                 let done = k.dot_rows_x4(f, &w, rb, [q4.row(0), q4.row(1), q4.row(2), q4.row(3)], [o0, o1, o2, o3]);
+                assert_eq!(done, k.has_dot_x4(f), "{}: has_dot_x4 disagrees with dot_rows_x4", k.isa);
                 if !done {
                     assert!(k.isa == "scalar" || !cfg!(target_arch = "x86_64"), "{} has no four-token {f} kernel", k.isa);
                     assert!(four.iter().flatten().all(|v| v.is_nan()), "{} wrote without a kernel", k.isa);

@@ -152,21 +152,17 @@ fn dot_tokens<'o>(
             return;
         }
     }
+    // Four tokens per row pass where the format has such a kernel (Q2_K, Q3_K: their prefill
+    // has no many-token kernel), the same bits as one at a time.
+    let fours = if w.layout == Layout::Rows && k.has_dot_x4(w.format) { n / 4 * 4 } else { 0 };
+    let rb = w.row_bytes();
     for (b0, b1) in row_blocks(r0, r1, n) {
-        let mut t = 0;
-        if w.layout == Layout::Rows {
-            // Four tokens per row pass where the format has such a kernel (Q2_K, Q3_K: their
-            // prefill has no many-token kernel), the same bits as one at a time.
-            let rb = w.row_bytes();
-            while t + 4 <= n {
-                let out: [&mut [f32]; 4] = std::array::from_fn(|i| dest(t + i, b0, b1 - b0));
-                if !k.dot_rows_x4(w.format, &w.data[b0 * rb..b1 * rb], rb, std::array::from_fn(|i| act.row(t + i)), out) {
-                    break;
-                }
-                t += 4;
-            }
+        for t in (0..fours).step_by(4) {
+            let out: [&mut [f32]; 4] = std::array::from_fn(|i| dest(t + i, b0, b1 - b0));
+            let done = k.dot_rows_x4(w.format, &w.data[b0 * rb..b1 * rb], rb, std::array::from_fn(|i| act.row(t + i)), out);
+            assert!(done, "has_dot_x4 said {} has a four-token kernel", w.format);
         }
-        for t in t..n {
+        for t in fours..n {
             dot_rows(k, w, b0, b1, act.row(t), dest(t, b0, b1 - b0));
         }
     }

@@ -159,7 +159,7 @@ impl Pool {
             return;
         }
         // A panic in an earlier job poisons the lock but leaves nothing half-done (see
-        // `ClearOnUnwind`).
+        // `ReleaseJob`).
         let _one_job = self.run_lock.lock().unwrap_or_else(|e| e.into_inner());
         let s = &*self.shared;
         // SAFETY: the erased lifetime is restored by clearing `job` and then waiting below for
@@ -183,20 +183,15 @@ impl Pool {
                 s.wake.notify_all();
             }
         }
-        // If a task panics on this thread, the unwind must not leave the pointer to `f` (about
-        // to be dropped) where workers can reach it: the guard clears it and waits for them.
-        let guard = ClearOnUnwind(s);
+        // Dropped at the end of the job, or while a panic in one of this thread's tasks unwinds
+        // (then without waiting for the other tasks): either way `f` is out of reach first.
+        let release = ReleaseJob(s);
         take_tasks(s, f);
-        std::mem::forget(guard);
-        let workers = self.workers.len();
         // Every task has run (a worker descheduled inside one is waited for: its results are
-        // part of the job) ...
+        // part of the job).
         spin_until(|| s.finished.load(Ordering::Acquire) >= tasks);
-        // ... then no worker can still reach the closure: one that joins after this store reads
-        // null (or the next job's pointer); one that joined before is counted in `active`
-        // (both SeqCst: the store comes before the load below in their single order).
-        s.job.store(std::ptr::null_mut(), Ordering::SeqCst);
-        spin_until(|| s.active.load(Ordering::SeqCst) == 0);
+        drop(release);
+        let workers = self.workers.len();
         if let Some(t) = started {
             let ns = t.elapsed().as_nanos() as u64;
             profile::JOBS.fetch_add(1, Ordering::Relaxed);
@@ -206,11 +201,13 @@ impl Pool {
     }
 }
 
-/// Dropped only while a panic unwinds out of [`Pool::run`]: clears the job and waits until no
-/// worker is inside it, so none calls the closure after its frame is gone.
-struct ClearOnUnwind<'a>(&'a Shared);
+/// Ends a job's reach: clears its pointer and waits until no worker is inside it, so none
+/// calls the closure after [`Pool::run`] returns or unwinds. A worker that joins after the
+/// store reads null (or the next job's pointer); one that joined before is counted in `active`
+/// (both SeqCst: the store comes before the load in their single order).
+struct ReleaseJob<'a>(&'a Shared);
 
-impl Drop for ClearOnUnwind<'_> {
+impl Drop for ReleaseJob<'_> {
     fn drop(&mut self) {
         self.0.job.store(std::ptr::null_mut(), Ordering::SeqCst);
         spin_until(|| self.0.active.load(Ordering::SeqCst) == 0);

@@ -178,9 +178,9 @@ pub unsafe fn dot_q4_k(w: &[u8], a: &[Block256]) -> f32 {
     let mask = _mm256_set1_epi8(0x0f);
     let mut acc = _mm256_setzero_ps();
     let mut acc_m = _mm_setzero_ps();
-    let dist = super::prefetch_distance();
+    let pf = super::prefetch();
     for (b, a) in wb.iter().zip(a) {
-        super::prefetch_ahead(b as *const BlockQ4K as *const u8, dist, 144);
+        super::prefetch_ahead(b as *const BlockQ4K as *const u8, pf, 144);
         let sm = k4_scales(&b.scales);
         // SAFETY: `sm` has 16 bytes (scales then mins); bsums has 16 i16.
         let (scales16, mins) = unsafe {

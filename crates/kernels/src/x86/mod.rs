@@ -21,29 +21,31 @@ pub(crate) fn f16x8(h: &[u16; 8]) -> __m256 {
     _mm256_cvtph_ps(unsafe { _mm_loadu_si128(h.as_ptr() as *const __m128i) })
 }
 
-/// How many bytes ahead of the weights being read the one-token kernels (the row and
-/// interleaved-group kernels decode uses) prefetch into L1; 0 = none. On Intel these cores
-/// fetch from DRAM with too few misses in flight for the hardware prefetchers to keep up:
-/// on the 16-core Sapphire Rapids host one core's Q4_K group kernel streamed 6.1 GB/s against
-/// 9.3 GB/s that a plain summing loop reads, and 2,304 bytes ahead (two Q4_K group blocks)
-/// took decode from 19.1 to 26.6 tok/s at 2 threads and from 36.8 to 48.6 at 4 (means of two
-/// rounds; docs/benchmarks.md, #23). On the AMD EPYC (Zen 4) the same prefetches cost decode
-/// (13% on average over four noisy pairs; 11-13% when earlier ones were removed on 2026-11-30),
-/// so other vendors get none. `SMOE_PREFETCH_BYTES` overrides the choice (to measure it).
-pub fn prefetch_distance() -> usize {
-    static D: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *D.get_or_init(|| std::env::var("SMOE_PREFETCH_BYTES").ok().and_then(|v| v.parse().ok()).unwrap_or(if is_intel() { 2304 } else { 0 }))
+/// How the one-token kernels (the row and interleaved-group kernels decode uses) prefetch the
+/// weights ahead of the ones being read: read once per kernel call, so the loops only test it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Prefetch {
+    /// How many bytes ahead; 0 = none.
+    pub bytes: usize,
+    /// Into which cache: 0 = L1 (`T0`), 1 = `T1`, 2 = `T2`, 3 = `NTA`.
+    pub hint: u8,
 }
 
-/// Which cache level [`prefetch_ahead`] fetches into: 0 = L1 (`T0`, the default), 1 = `T1`,
-/// 2 = `T2`, 3 = `NTA`. `SMOE_PREFETCH_HINT` (`t0`, `t1`, `t2`, `nta`) picks another, to
-/// measure whether a core streams more with its prefetches held in L2 rather than L1's fill
-/// buffers.
-pub fn prefetch_hint() -> u8 {
-    static H: std::sync::OnceLock<u8> = std::sync::OnceLock::new();
-    *H.get_or_init(|| {
+/// This CPU's [`Prefetch`]. On Intel these cores fetch from DRAM with too few misses in flight
+/// for the hardware prefetchers to keep up: on the 16-core Sapphire Rapids host one core's Q4_K
+/// group kernel streamed 6.1 GB/s against 9.3 GB/s that a plain summing loop reads, and 2,304
+/// bytes ahead (two Q4_K group blocks) into L1 took decode from 19.1 to 26.6 tok/s at 2 threads
+/// and from 36.8 to 48.6 at 4 (means of two rounds; docs/benchmarks.md, #23). On the AMD EPYC
+/// (Zen 4) the same prefetches cost decode (13% on average over four noisy pairs; 11-13% when
+/// earlier ones were removed on 2026-11-30), so other vendors get none. `SMOE_PREFETCH_BYTES`
+/// overrides the distance and `SMOE_PREFETCH_HINT` (`t0`, `t1`, `t2`, `nta`) the cache level,
+/// to measure them (held in L2, one core's group kernels streamed faster, decode did not).
+pub fn prefetch() -> Prefetch {
+    static P: std::sync::OnceLock<Prefetch> = std::sync::OnceLock::new();
+    *P.get_or_init(|| {
+        let bytes = std::env::var("SMOE_PREFETCH_BYTES").ok().and_then(|v| v.parse().ok()).unwrap_or(if is_intel() { 2304 } else { 0 });
         let v = std::env::var("SMOE_PREFETCH_HINT").unwrap_or_default().to_ascii_lowercase();
-        match v.as_str() {
+        let hint = match v.as_str() {
             "" | "t0" => 0,
             "t1" => 1,
             "t2" => 2,
@@ -53,7 +55,8 @@ pub fn prefetch_hint() -> u8 {
                 eprintln!("warning: SMOE_PREFETCH_HINT={v:?} is none of t0, t1, t2, nta; using t0");
                 0
             }
-        }
+        };
+        Prefetch { bytes, hint }
     })
 }
 
@@ -64,20 +67,19 @@ pub fn is_intel() -> bool {
     (id.ebx, id.edx, id.ecx) == (word(b"Genu"), word(b"ineI"), word(b"ntel"))
 }
 
-/// Prefetches the lines of `len` bytes from `p + dist` (none when `dist` is 0). A prefetch
+/// Prefetches the lines of `len` bytes from `p + pf.bytes` (none when that is 0). A prefetch
 /// never faults, so the address may lie past the slice being read.
 #[inline(always)]
-pub fn prefetch_ahead(p: *const u8, dist: usize, len: usize) {
-    if dist == 0 {
+pub fn prefetch_ahead(p: *const u8, pf: Prefetch, len: usize) {
+    if pf.bytes == 0 {
         return;
     }
-    let hint = prefetch_hint();
     let mut o = 0;
     while o < len {
-        let a = p.wrapping_add(dist.wrapping_add(o)) as *const i8;
+        let a = p.wrapping_add(pf.bytes.wrapping_add(o)) as *const i8;
         // SAFETY: a prefetch is a hint: it never faults and changes no memory.
         unsafe {
-            match hint {
+            match pf.hint {
                 1 => _mm_prefetch::<_MM_HINT_T1>(a),
                 2 => _mm_prefetch::<_MM_HINT_T2>(a),
                 3 => _mm_prefetch::<_MM_HINT_NTA>(a),

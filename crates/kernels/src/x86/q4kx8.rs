@@ -20,16 +20,13 @@ fn body<const T: usize>(w: &[u8], a: [&[Block256]; T], out: [&mut [f32; 8]; T], 
     let m30 = _mm256_set1_epi8(0x30);
     let m63 = _mm256_set1_epi8(63);
     let (mut total, mut totalm) = ([_mm256_setzero_ps(); T], [_mm256_setzero_ps(); T]);
-    let dist = super::prefetch_distance();
+    let pf = super::prefetch();
     for b in 0..blocks {
         let g = &w[b * GROUP_BLOCK..(b + 1) * GROUP_BLOCK];
         let p = g.as_ptr();
-        super::prefetch_ahead(p, dist, GROUP_BLOCK);
+        super::prefetch_ahead(p, pf, GROUP_BLOCK);
         // Each token's block `b` (b < blocks <= every a[t].len()), indexed once per block.
-        let mut ab = [&a[0][b]; T];
-        for (t, x) in ab.iter_mut().enumerate() {
-            *x = &a[t][b];
-        }
+        let ab: [&Block256; T] = std::array::from_fn(|t| &a[t][b]);
         // SAFETY: every offset below lies inside the 1152-byte group block `g` (asserted by
         // its slicing) and the activation block (256 quants).
         unsafe {
