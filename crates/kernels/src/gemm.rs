@@ -41,7 +41,10 @@ pub struct ActTile<'a> {
     pub qs: &'a [i8],
     /// Scale per tile, block (of 32 or 256) and token.
     pub d: &'a [f32],
-    /// Sum of quants per tile, block of 32 and token (the whole row's blocks of 32).
+    /// Sums of quants per tile, 32 elements and token (the whole row's runs of 32). Tiles of
+    /// 32-element blocks hold each block's sum; tiles of 256-element super-blocks hold the sums
+    /// of the run's two 16-element groups as two i16 (first in the low half), which the K-quant
+    /// kernels need per 16 (Q2_K, Q3_K) and per 32 (Q4_K: one `madd` adds them).
     pub sums: &'a [i32],
     /// Block size of `d`.
     pub block: usize,
@@ -93,7 +96,8 @@ impl TileMut<'_> {
             |t, g| {
                 let b = &rows[t * per + g / 8];
                 let j = g % 8;
-                b.bsums[2 * j] as i32 + b.bsums[2 * j + 1] as i32
+                // Each sum of 16 quants lies within ±16·127: an i16 holds it.
+                (b.bsums[2 * j] as u16 as i32) | ((b.bsums[2 * j + 1] as i32) << 16)
             },
         );
     }

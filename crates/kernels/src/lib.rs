@@ -96,9 +96,6 @@ pub struct Kernels {
     q8_0_group8x4: Option<Group8x4Q32Fn>,
     /// Eight interleaved Q4_K rows against many tokens ([`Kernels::gemm_group8`]).
     q4k_gemm_group8: Option<gemm::GemmGroup>,
-    /// One row against four tokens, for formats without many-token kernels
-    /// ([`Kernels::dot_rows_x4`]).
-    dots_x4: [Option<Dot256x4Fn>; FORMATS],
     /// Products to token rows eight tokens at a time ([`Kernels::scatter_tokens`]).
     pub(crate) transpose8: Option<gemm::Transpose8>,
 }
@@ -113,10 +110,6 @@ pub type Group8x3Fn = unsafe fn(&[u8], [&[Block256]; 3], [&mut [f32; 8]; 3]);
 pub type Group8Q32Fn = unsafe fn(&[u8], &[Block32], &mut [f32; 8]);
 /// [`Group8Q32Fn`] for four tokens at once.
 pub type Group8x4Q32Fn = unsafe fn(&[u8], [&[Block32]; 4], [&mut [f32; 8]; 4]);
-
-/// One row against four tokens' activations (256-element blocks), each token's value what the
-/// one-token kernel gives it.
-pub type Dot256x4Fn = unsafe fn(&[u8], [&[Block256]; 4]) -> [f32; 4];
 
 /// Formats in a kernel table.
 const FORMATS: usize = smoe_quant::ALL_FORMATS.len();
@@ -167,16 +160,13 @@ impl Kernels {
             q8_0_group8: None,
             q8_0_group8x4: None,
             q4k_gemm_group8: None,
-            dots_x4: [None; FORMATS],
             transpose8: None,
         }
     }
 
-    /// Sets `f`'s one-token kernel, and drops its four-token kernel (which must give the
-    /// one-token kernel's bits: set it again after this, with one made to match).
+    /// Sets `f`'s one-token kernel.
     pub(crate) fn set(&mut self, f: Format, d: DotFn) {
         self.dots[slot(f)] = d;
-        self.dots_x4[slot(f)] = None;
     }
 
     #[allow(dead_code)]
@@ -247,36 +237,6 @@ impl Kernels {
                 _ => panic!("activation form does not match {f}"),
             }
         }
-    }
-
-    #[allow(dead_code)]
-    pub(crate) fn set_dot_x4(&mut self, f: Format, k: Dot256x4Fn) {
-        self.dots_x4[slot(f)] = Some(k);
-    }
-
-    /// Whether [`Kernels::dot_rows_x4`] has a kernel for `f` here.
-    pub fn has_dot_x4(&self, f: Format) -> bool {
-        self.dots_x4[slot(f)].is_some()
-    }
-
-    /// [`Kernels::dot_rows`] for four tokens at once: `out[t][i]` = row `i` · token `t`, each
-    /// row's weights unpacked once for the four (a Q2_K/Q3_K expert's prefill, which has no
-    /// many-token kernel), each value what `dot_rows` gives that token. `false` (nothing
-    /// written) where this table has no such kernel for `f`.
-    pub fn dot_rows_x4(&self, f: Format, w: &[u8], rb: usize, a: [ActRow<'_>; 4], out: [&mut [f32]; 4]) -> bool {
-        let rows = out[0].len();
-        assert!(out.iter().all(|o| o.len() == rows) && w.len() >= rb * rows, "dot_rows_x4: outputs differ or weights too short");
-        let (Some(k), [ActRow::Q256(a0), ActRow::Q256(a1), ActRow::Q256(a2), ActRow::Q256(a3)]) = (self.dots_x4[slot(f)], a) else {
-            return false;
-        };
-        assert!([a1.len(), a2.len(), a3.len()].iter().all(|&l| l == a0.len()), "dot_rows_x4: activation rows differ in length");
-        let [o0, o1, o2, o3] = out;
-        for i in 0..rows {
-            // SAFETY: as for `dot`.
-            let v = unsafe { k(&w[i * rb..(i + 1) * rb], [a0, a1, a2, a3]) };
-            (o0[i], o1[i], o2[i], o3[i]) = (v[0], v[1], v[2], v[3]);
-        }
-        true
     }
 
     /// Whether matrices of `f` interleaved by eight rows have a kernel here: the engine

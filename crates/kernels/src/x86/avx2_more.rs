@@ -208,7 +208,7 @@ fn load256(a: &Block256, at: usize) -> __m256i {
 
 /// Shifts each 16-bit lane right by a run-time count.
 #[target_feature(enable = "avx2")]
-fn srl(x: __m256i, n: i32) -> __m256i {
+pub(super) fn srl(x: __m256i, n: i32) -> __m256i {
     _mm256_srl_epi16(x, _mm_cvtsi32_si128(n))
 }
 
@@ -219,17 +219,6 @@ fn srl(x: __m256i, n: i32) -> __m256i {
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_q2_k(w: &[u8], a: &[Block256]) -> f32 {
     q2_k_tokens::<1>(w, [a])[0]
-}
-
-/// [`dot_q2_k`] for four tokens: each block's weights are unpacked once for all of them (the
-/// prefill of a Q2_K expert), and each token's arithmetic is the one-token kernel's, in the
-/// same order, so it gets the same bits.
-///
-/// # Safety
-/// As for [`dot_q2_k`].
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_q2_k_x4(w: &[u8], a: [&[Block256]; 4]) -> [f32; 4] {
-    q2_k_tokens::<4>(w, a)
 }
 
 /// The Q2_K dot of one weight row against `T` tokens.
@@ -281,15 +270,6 @@ fn q2_k_tokens<const T: usize>(w: &[u8], a: [&[Block256]; T]) -> [f32; T] {
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_q3_k(w: &[u8], a: &[Block256]) -> f32 {
     q3_k_tokens::<1>(w, [a])[0]
-}
-
-/// [`dot_q3_k`] for four tokens, each with the one-token kernel's bits (see [`dot_q2_k_x4`]).
-///
-/// # Safety
-/// As for [`dot_q3_k`].
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_q3_k_x4(w: &[u8], a: [&[Block256]; 4]) -> [f32; 4] {
-    q3_k_tokens::<4>(w, a)
 }
 
 /// The Q3_K dot of one weight row against `T` tokens.

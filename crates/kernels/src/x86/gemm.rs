@@ -83,7 +83,7 @@ pub(super) struct Unpacked {
 /// `p` must be valid for 4 bytes.
 #[target_feature(enable = "avx2")]
 #[inline]
-unsafe fn bcast(p: *const u8) -> __m256i {
+pub(super) unsafe fn bcast(p: *const u8) -> __m256i {
     // SAFETY: the caller guarantees 4 readable bytes.
     _mm256_set1_epi32(unsafe { (p as *const i32).read_unaligned() })
 }
@@ -94,7 +94,7 @@ unsafe fn bcast(p: *const u8) -> __m256i {
 /// `p` must be valid for 32 bytes.
 #[target_feature(enable = "avx2")]
 #[inline]
-unsafe fn load(p: *const i8) -> __m256i {
+pub(super) unsafe fn load(p: *const i8) -> __m256i {
     // SAFETY: the caller guarantees 32 readable bytes.
     unsafe { _mm256_loadu_si256(p as *const __m256i) }
 }
@@ -183,7 +183,7 @@ fn q8_0_body<const R: usize>(
 /// `x` valid for 4 bytes, `y` for 32; the CPU must support AVX-512VL and AVX-512 VNNI.
 #[target_feature(enable = "avx2,avx512f,avx512vl,avx512vnni")]
 #[inline]
-unsafe fn dot4_vnni(p: __m256i, x: *const u8, y: *const i8) -> __m256i {
+pub(super) unsafe fn dot4_vnni(p: __m256i, x: *const u8, y: *const i8) -> __m256i {
     // SAFETY: as the caller guarantees.
     unsafe { _mm256_dpbusd_epi32(p, bcast(x), load(y)) }
 }
@@ -201,7 +201,11 @@ unsafe fn dot4_avx2(p: __m256i, x: *const u8, y: *const i8) -> __m256i {
 }
 
 /// Unpacks `w`'s rows into the thread's buffers with `unpack` and runs `body` on them.
-fn with_unpacked<const R: usize, T>(w: [&[u8]; R], unpack: impl Fn(&[u8], &mut Unpacked) -> T, body: impl FnOnce(&[Unpacked], T)) {
+pub(super) fn with_unpacked<const R: usize, T>(
+    w: [&[u8]; R],
+    unpack: impl Fn(&[u8], &mut Unpacked) -> T,
+    body: impl FnOnce(&[Unpacked], T),
+) {
     UNPACKED.with(|u| {
         let u = &mut *u.borrow_mut();
         let mut last = None;
@@ -430,7 +434,8 @@ fn q4_k_body<const R: usize, const K: usize>(
                 for r in 0..R {
                     let (sc, m) = v.scale_min(r, 8 * s + j);
                     sumi[r] = _mm256_add_epi32(sumi[r], scale(p[r], sc));
-                    mins[r] = _mm256_add_epi32(mins[r], _mm256_mullo_epi32(gs, _mm256_set1_epi32(m)));
+                    // The two 16-element sums (i16 pairs in `gs`) times the min, added.
+                    mins[r] = _mm256_add_epi32(mins[r], _mm256_madd_epi16(gs, _mm256_set1_epi16(m as i16)));
                 }
             }
             // SAFETY: s < sbs, so TILE values end within tiles * sbs * TILE <= d.len() (third

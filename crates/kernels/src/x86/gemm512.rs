@@ -122,7 +122,8 @@ pub(super) fn q4_k_pairs<const R: usize, const K: usize>(v: &Q4kRows<'_, R, K>, 
                 for r in 0..R {
                     let (sc, m) = v.scale_min(r, 8 * s + j);
                     sumi[r] = _mm512_add_epi32(sumi[r], _mm512_mullo_epi32(p[r], _mm512_set1_epi32(sc)));
-                    mins[r] = _mm512_add_epi32(mins[r], _mm512_mullo_epi32(gs, _mm512_set1_epi32(m)));
+                    // The two 16-element sums (i16 pairs in `gs`) times the min, added.
+                    mins[r] = _mm512_add_epi32(mins[r], _mm512_madd_epi16(gs, _mm512_set1_epi16(m as i16)));
                 }
             }
             // SAFETY: `d` holds TILE values per (tile, super-block), asserted above.

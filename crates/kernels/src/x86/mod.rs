@@ -7,6 +7,7 @@ pub mod avx2_more;
 pub mod avx512;
 pub mod gemm;
 mod gemm512;
+pub mod gemm_k23;
 pub mod q4kx8;
 pub mod q8x8;
 
@@ -144,14 +145,16 @@ pub fn avx2_table() -> Option<Kernels> {
     k.set(Format::Q5_1, DotFn::Q32(avx2_more::dot_q5_1));
     k.set(Format::Q2_K, DotFn::Q256(avx2_more::dot_q2_k));
     k.set(Format::Q3_K, DotFn::Q256(avx2_more::dot_q3_k));
-    k.set_dot_x4(Format::Q2_K, avx2_more::dot_q2_k_x4);
-    k.set_dot_x4(Format::Q3_K, avx2_more::dot_q3_k_x4);
     k.set(Format::Q5_K, DotFn::Q256(avx2_more::dot_q5_k));
     k.set_gemm(Format::Q8_0, gemm::q8_0_avx2);
     k.set_gemm(Format::Q4_K, gemm::q4_k_avx2);
     // Q8_0 with AVX2 measured slower four rows at a time (44 vs 52 GMAC/s: `sign`/`maddubs`
     // for four rows exhaust the registers), so it keeps the one-row kernel.
     k.set_gemm4(Format::Q4_K, gemm::q4_k_avx2_rows);
+    k.set_gemm(Format::Q2_K, gemm_k23::q2_k_avx2);
+    k.set_gemm4(Format::Q2_K, gemm_k23::q2_k_avx2_rows);
+    k.set_gemm(Format::Q3_K, gemm_k23::q3_k_avx2);
+    k.set_gemm4(Format::Q3_K, gemm_k23::q3_k_avx2_rows);
     k.set_group8(q4kx8::dot8_avx2, q4kx8::dot8x2_avx2, q4kx8::dot8x3_avx2);
     k.set_gemm_group8(gemm::q4_k_avx2_group);
     Some(k)
@@ -177,6 +180,10 @@ pub fn avx512_table() -> Option<Kernels> {
     k.set_gemm(Format::Q4_K, gemm::q4_k_vnni);
     k.set_gemm4(Format::Q8_0, gemm::q8_0_vnni_rows);
     k.set_gemm4(Format::Q4_K, gemm::q4_k_vnni_rows);
+    k.set_gemm(Format::Q2_K, gemm_k23::q2_k_vnni);
+    k.set_gemm4(Format::Q2_K, gemm_k23::q2_k_vnni_rows);
+    k.set_gemm(Format::Q3_K, gemm_k23::q3_k_vnni);
+    k.set_gemm4(Format::Q3_K, gemm_k23::q3_k_vnni_rows);
     k.set_group8(q4kx8::dot8_vnni, q4kx8::dot8x2_vnni, q4kx8::dot8x3_vnni);
     k.set_q8_0_group8(q8x8::dot8_vnni, q8x8::dot8x4_vnni);
     k.set_gemm_group8(gemm::q4_k_vnni_group);
