@@ -7,6 +7,7 @@
 //! bodies finish an odd last tile.
 
 use super::gemm::{store, Q4kRows, Unpacked};
+use super::gemm_k23::{check, i16_scale};
 use crate::gemm::{ActTile, TILE};
 use std::arch::x86_64::*;
 
@@ -136,6 +137,107 @@ pub(super) fn q4_k_pairs<const R: usize, const K: usize>(v: &Q4kRows<'_, R, K>, 
         }
         for r in 0..R {
             store2(&mut out[r * n..(r + 1) * n], g, n, _mm512_sub_ps(total[r], totalm[r]));
+        }
+    }
+    2 * pairs
+}
+
+/// `R` Q2_K rows (unpacked as `gemm_k23` does) × whole pairs of tiles; see the module notes.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+#[inline]
+pub(super) fn q2_k_pairs<const R: usize>(u: &[Unpacked], sbs: usize, tile: &ActTile<'_>, out: &mut [f32]) -> usize {
+    check::<R>(u, sbs, tile, out, false);
+    let (dwords, runs, n) = (tile.cols / 4, tile.cols / 32, tile.n);
+    let (pairs, tile_ints) = (tile.tiles() / 2, dwords * TILE);
+    for gp in 0..pairs {
+        let g = 2 * gp;
+        let qs = tile.qs[g * dwords * TILE * 4..].as_ptr() as *const i32;
+        let (mut total, mut totalm) = ([_mm512_setzero_ps(); R], [_mm512_setzero_ps(); R]);
+        for s in 0..sbs {
+            let (mut p0, mut p1) = ([_mm512_setzero_si512(); R], [_mm512_setzero_si512(); R]);
+            for k in (0..64).step_by(2) {
+                // SAFETY: dwords 64s + k + 1 < 64 * sbs <= dwords of tiles g and g + 1 (8 i32
+                // each, `tile_ints` apart), which `qs` holds (`check`); weight bytes
+                // 256s + 4k + 8 <= u[r].q.len() (`check`).
+                unsafe {
+                    let y0 = pair(qs.add((64 * s + k) * TILE), tile_ints);
+                    let y1 = pair(qs.add((64 * s + k + 1) * TILE), tile_ints);
+                    for r in 0..R {
+                        let w = u[r].q.as_ptr().add(256 * s + 4 * k);
+                        p0[r] = _mm512_dpbusd_epi32(p0[r], bcast(w), y0);
+                        p1[r] = _mm512_dpbusd_epi32(p1[r], bcast(w.add(4)), y1);
+                    }
+                }
+            }
+            let mut mins = [_mm512_setzero_si512(); R];
+            for j in 0..8 {
+                // SAFETY: `sums` holds TILE values per (tile, run of 32), `check`ed.
+                let gs = unsafe { pair(tile.sums.as_ptr().add((g * runs + 8 * s + j) * TILE), runs * TILE) };
+                for r in 0..R {
+                    mins[r] = _mm512_add_epi32(mins[r], _mm512_madd_epi16(gs, _mm512_set1_epi32(u[r].mins[8 * s + j])));
+                }
+            }
+            // SAFETY: `d` holds TILE values per (tile, super-block), `check`ed.
+            let da = _mm512_castsi512_ps(unsafe { pair(tile.d.as_ptr().add((g * sbs + s) * TILE) as *const i32, sbs * TILE) });
+            for r in 0..R {
+                let p = _mm512_add_epi32(p0[r], p1[r]);
+                total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(_mm512_set1_ps(u[r].d[s]), da), total[r]);
+                totalm[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mins[r]), _mm512_mul_ps(_mm512_set1_ps(u[r].dmin[s]), da), totalm[r]);
+            }
+        }
+        for r in 0..R {
+            store2(&mut out[r * n..(r + 1) * n], g, n, _mm512_sub_ps(total[r], totalm[r]));
+        }
+    }
+    2 * pairs
+}
+
+/// `R` Q3_K rows (unpacked as `gemm_k23` does) × whole pairs of tiles; see the module notes.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+#[inline]
+pub(super) fn q3_k_pairs<const R: usize>(u: &[Unpacked], sbs: usize, tile: &ActTile<'_>, out: &mut [f32]) -> usize {
+    check::<R>(u, sbs, tile, out, true);
+    let (dwords, runs, n) = (tile.cols / 4, tile.cols / 32, tile.n);
+    let (pairs, tile_ints) = (tile.tiles() / 2, dwords * TILE);
+    for gp in 0..pairs {
+        let g = 2 * gp;
+        let qs = tile.qs[g * dwords * TILE * 4..].as_ptr() as *const i32;
+        let mut total = [_mm512_setzero_ps(); R];
+        for s in 0..sbs {
+            let mut sumi = [_mm512_setzero_si512(); R];
+            for grp in 0..16 {
+                let mut p = [_mm512_setzero_si512(); R];
+                for k in 0..4 {
+                    let e = 256 * s + 16 * grp + 4 * k;
+                    // SAFETY: dword e / 4 < 64 * sbs <= dwords of tiles g and g + 1, which `qs`
+                    // holds; weight bytes e + 4 <= u[r].q.len() (`check`).
+                    unsafe {
+                        let y = pair(qs.add(e / 4 * TILE), tile_ints);
+                        for r in 0..R {
+                            p[r] = _mm512_dpbusd_epi32(p[r], bcast(u[r].q.as_ptr().add(e)), y);
+                        }
+                    }
+                }
+                for r in 0..R {
+                    let sc = _mm512_set1_epi32(i16_scale(u[r].sc[16 * s + grp]));
+                    sumi[r] = _mm512_add_epi32(sumi[r], _mm512_madd_epi16(p[r], sc));
+                }
+            }
+            for j in 0..8 {
+                // SAFETY: as in `q2_k_pairs`.
+                let gs = unsafe { pair(tile.sums.as_ptr().add((g * runs + 8 * s + j) * TILE), runs * TILE) };
+                for r in 0..R {
+                    sumi[r] = _mm512_sub_epi32(sumi[r], _mm512_madd_epi16(gs, _mm512_set1_epi32(u[r].mins[8 * s + j])));
+                }
+            }
+            // SAFETY: as in `q2_k_pairs`.
+            let da = _mm512_castsi512_ps(unsafe { pair(tile.d.as_ptr().add((g * sbs + s) * TILE) as *const i32, sbs * TILE) });
+            for r in 0..R {
+                total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[r]), _mm512_mul_ps(_mm512_set1_ps(u[r].d[s]), da), total[r]);
+            }
+        }
+        for r in 0..R {
+            store2(&mut out[r * n..(r + 1) * n], g, n, total[r]);
         }
     }
     2 * pairs

@@ -94,7 +94,7 @@ fn unpack_q3_k(w: &[u8], u: &mut Unpacked) -> usize {
 
 /// Asserts what both bodies read: `R` rows of `sbs` super-blocks, outputs for every token,
 /// and a tile of as many super-blocks.
-fn check<const R: usize>(u: &[Unpacked], sbs: usize, tile: &ActTile<'_>, out: &[f32], scales: bool) {
+pub(super) fn check<const R: usize>(u: &[Unpacked], sbs: usize, tile: &ActTile<'_>, out: &[f32], scales: bool) {
     let (dwords, runs) = (tile.cols / 4, tile.cols / 32);
     assert!(tile.block == 256 && 8 * sbs <= runs && out.len() >= R * tile.n, "Q2_K/Q3_K tile and rows differ");
     assert!(u.len() >= R);
@@ -106,20 +106,21 @@ fn check<const R: usize>(u: &[Unpacked], sbs: usize, tile: &ActTile<'_>, out: &[
     assert!(tile.sums.len() >= tile.tiles() * runs * TILE && tile.d.len() >= tile.tiles() * sbs * TILE);
 }
 
-/// `R` Q2_K rows (unpacked) × tokens: `out[r * n + t]`. `acc(p, w, a)` adds one weight
+/// `R` Q2_K rows (unpacked) × the tiles from `first` on: `out[r * n + t]`. `acc(p, w, a)` adds one weight
 /// dword's products with the 8 tokens' dwords at `a` to the i32 lanes `p`.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 fn q2_k_body<const R: usize>(
     u: &[Unpacked],
     sbs: usize,
+    first: usize,
     tile: &ActTile<'_>,
     out: &mut [f32],
     acc: impl Fn(__m256i, *const u8, *const i8) -> __m256i,
 ) {
     check::<R>(u, sbs, tile, out, false);
     let (dwords, runs, n) = (tile.cols / 4, tile.cols / 32, tile.n);
-    for g in 0..tile.tiles() {
+    for g in first..tile.tiles() {
         let qs = tile.qs[g * dwords * TILE * 4..].as_ptr();
         let (mut total, mut totalm) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
         for s in 0..sbs {
@@ -160,7 +161,7 @@ fn q2_k_body<const R: usize>(
     }
 }
 
-/// `R` Q3_K rows (unpacked) × tokens: `out[r * n + t]`. Per group of 16, `acc` adds one
+/// `R` Q3_K rows (unpacked) × the tiles from `first` on: `out[r * n + t]`. Per group of 16, `acc` adds one
 /// weight dword's products to `p` and `scale(p, s)` turns the group's four into i32 lanes
 /// times its scale.
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -168,6 +169,7 @@ fn q2_k_body<const R: usize>(
 fn q3_k_body<const R: usize>(
     u: &[Unpacked],
     sbs: usize,
+    first: usize,
     tile: &ActTile<'_>,
     out: &mut [f32],
     acc: impl Fn(__m256i, *const u8, *const i8) -> __m256i,
@@ -175,7 +177,7 @@ fn q3_k_body<const R: usize>(
 ) {
     check::<R>(u, sbs, tile, out, true);
     let (dwords, runs, n) = (tile.cols / 4, tile.cols / 32, tile.n);
-    for g in 0..tile.tiles() {
+    for g in first..tile.tiles() {
         let qs = tile.qs[g * dwords * TILE * 4..].as_ptr();
         let mut total = [_mm256_setzero_ps(); R];
         for s in 0..sbs {
@@ -269,23 +271,37 @@ macro_rules! kernels {
     };
 }
 
+/// `p · s` for i32 lanes `p` that fit in i16 (a Q3_K group's sum: at most 16·7·127), as one
+/// `madd` of each lane's low half with `s` (its high half, 0 or −1, meets a zero).
+pub(super) fn i16_scale(s: i32) -> i32 {
+    s as i16 as u16 as i32
+}
+
 kernels!(
-    /// Q2_K rows × tokens with VNNI (`vpdpbusd` per weight dword).
-    q2_k_vnni, q2_k_vnni_rows, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", unpack_q2_k,
-    |u, sbs, tile, out, R| q2_k_body::<R>(u, sbs, tile, out, |p, x, y| dot4_vnni(p, x, y))
+    /// Q2_K rows × tokens with VNNI (`vpdpbusd` per weight dword; pairs of tiles in 512-bit
+    /// registers, then a last odd tile).
+    q2_k_vnni, q2_k_vnni_rows, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", unpack_q2_k,
+    |u, sbs, tile, out, R| {
+        let done = super::gemm512::q2_k_pairs::<R>(u, sbs, tile, out);
+        q2_k_body::<R>(u, sbs, done, tile, out, |p, x, y| dot4_vnni(p, x, y))
+    }
 );
 kernels!(
     /// Q2_K rows × tokens with AVX2.
     q2_k_avx2, q2_k_avx2_rows, "avx2,fma,f16c", unpack_q2_k,
-    |u, sbs, tile, out, R| q2_k_body::<R>(u, sbs, tile, out, |p, x, y| acc32_avx2(p, x, y))
+    |u, sbs, tile, out, R| q2_k_body::<R>(u, sbs, 0, tile, out, |p, x, y| acc32_avx2(p, x, y))
 );
 kernels!(
-    /// Q3_K rows × tokens with VNNI (`vpdpbusd` per weight dword, the scale as an i32 multiply).
-    q3_k_vnni, q3_k_vnni_rows, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", unpack_q3_k,
-    |u, sbs, tile, out, R| q3_k_body::<R>(u, sbs, tile, out, |p, x, y| dot4_vnni(p, x, y), |p, s| _mm256_mullo_epi32(p, _mm256_set1_epi32(s)))
+    /// Q3_K rows × tokens with VNNI (`vpdpbusd` per weight dword, the scale through `madd`;
+    /// pairs of tiles in 512-bit registers, then a last odd tile).
+    q3_k_vnni, q3_k_vnni_rows, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", unpack_q3_k,
+    |u, sbs, tile, out, R| {
+        let done = super::gemm512::q3_k_pairs::<R>(u, sbs, tile, out);
+        q3_k_body::<R>(u, sbs, done, tile, out, |p, x, y| dot4_vnni(p, x, y), |p, s| _mm256_madd_epi16(p, _mm256_set1_epi32(i16_scale(s))))
+    }
 );
 kernels!(
     /// Q3_K rows × tokens with AVX2 (the scale through `madd`).
     q3_k_avx2, q3_k_avx2_rows, "avx2,fma,f16c", unpack_q3_k,
-    |u, sbs, tile, out, R| q3_k_body::<R>(u, sbs, tile, out, |p, x, y| acc16_avx2(p, x, y), |p, s| _mm256_madd_epi16(p, _mm256_set1_epi16(s as i16)))
+    |u, sbs, tile, out, R| q3_k_body::<R>(u, sbs, 0, tile, out, |p, x, y| acc16_avx2(p, x, y), |p, s| _mm256_madd_epi16(p, _mm256_set1_epi16(s as i16)))
 );
