@@ -285,7 +285,8 @@ enum Command {
         /// Tokens to generate.
         #[arg(long, default_value_t = 128)]
         gen_tokens: usize,
-        /// Prefill chunk size [default: the backend's: 256 tokens on the CPU, 512 on CUDA].
+        /// Prefill chunk size [default: the backend's: 256 tokens on the CPU, 512 on CUDA; at
+        /// least 1024 when the expert cache is smaller than the model's experts].
         #[arg(long)]
         chunk: Option<usize>,
         /// Runs; the best is reported (after a short warm-up run when > 1), every run's figures too.

@@ -45,6 +45,16 @@ use std::time::Instant;
 /// tokens at a time, which bounds the activation buffers a [`State`] holds.
 pub const PREFILL_CHUNK: usize = 256;
 
+/// The shortest prefill chunk of a model whose expert cache is smaller than its routed experts
+/// ([`Model::prefill_chunk`]). Every chunk needs most of each layer's experts again, and a
+/// cache that cannot hold them reads them again: longer chunks read fewer bytes per prompt
+/// token. A 2,048-token prompt on a 12-layer cut of the Qwen3-235B-A22B shape with a quarter
+/// of its experts cached read 3.3 MiB per token in chunks of 1,024 against 6.0 MiB in chunks
+/// of 256 (1,049 against 1,867 expert reads; docs/benchmarks.md). The activation buffers of
+/// 1,024 tokens of that shape take 0.57 GB more than 256's, inside the reserve the cache's
+/// automatic size leaves free.
+pub const STREAMING_PREFILL_CHUNK: usize = 1024;
+
 fn ms(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
 }
@@ -540,9 +550,17 @@ impl<B: Backend> Model<B> {
         }
     }
 
-    /// The prefill chunk this model's backend prefers ([`Backend::prefill_chunk`]).
+    /// The prefill chunk: the backend's ([`Backend::prefill_chunk`]), or at least
+    /// [`STREAMING_PREFILL_CHUNK`] when the expert cache cannot hold every routed expert.
     pub fn prefill_chunk(&self) -> usize {
-        self.backend.prefill_chunk()
+        let routed = self.layers.iter().filter(|l| matches!(l.ffn, crate::model::FeedForward::Moe(_))).count() * self.arch.moe.num_experts;
+        let streams = self.experts.cache_capacity().is_some_and(|c| c.slots < routed);
+        let chunk = self.backend.prefill_chunk();
+        if streams {
+            chunk.max(STREAMING_PREFILL_CHUNK)
+        } else {
+            chunk
+        }
     }
     /// A fresh sequence that runs prefill in chunks of up to `chunk` tokens
     /// ([`prefill_chunk`](Self::prefill_chunk) unless there is a reason to differ). A sequence

@@ -40,7 +40,7 @@ mod widths;
 pub use backend::{Backend, DeviceTier};
 pub use batch::{Batch, BatchItem};
 pub use cpu::{default_threads, CpuBackend, Precision};
-pub use forward::{Logits, NoObserver, Observer, State, PREFILL_CHUNK};
+pub use forward::{Logits, NoObserver, Observer, State, PREFILL_CHUNK, STREAMING_PREFILL_CHUNK};
 pub use generate::{Engine, FinishReason, GenOptions, GenStats, Generation};
 pub use loaded::LoadedModel;
 pub use model::{

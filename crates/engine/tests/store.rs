@@ -93,6 +93,20 @@ fn a_big_enough_cache_stops_reading() {
     assert_eq!(second.misses, 0, "the cache persists across requests");
 }
 
+/// A cache smaller than the routed experts prefills in longer chunks (each chunk reads what
+/// it misses again); one that holds them all, or resident experts, keeps the backend's chunk.
+#[test]
+fn a_cache_smaller_than_the_experts_prefills_in_longer_chunks() {
+    use smoe_engine::{PREFILL_CHUNK, STREAMING_PREFILL_CHUNK};
+    let path = vault("qwen3_moe", Format::Q8_0, Format::Q8_0);
+    let v = Vault::open(&path).unwrap();
+    let total = v.architecture().moe_layers().len() * v.architecture().moe.num_experts;
+    assert_eq!(streaming(&path, total / 2).0.prefill_chunk(), STREAMING_PREFILL_CHUNK);
+    assert_eq!(streaming(&path, total).0.prefill_chunk(), PREFILL_CHUNK);
+    let resident = Model::load(&v, CpuBackend::new(Precision::Reference), Arc::new(ResidentExperts::load(&v).unwrap())).unwrap();
+    assert_eq!(resident.prefill_chunk(), PREFILL_CHUNK);
+}
+
 #[test]
 fn injected_read_error_fails_one_request_and_the_engine_recovers() {
     let path = vault("mixtral", Format::Q8_0, Format::Q8_0);

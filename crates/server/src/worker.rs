@@ -79,8 +79,9 @@ pub struct WorkerLimits {
     /// Generations advanced together, at most (`--max-batch`).
     pub max_batch: usize,
     /// Tokens one step runs, at most, all generations together (`--batch-tokens`): each
-    /// decoding generation's token, then prompt chunks in what is left. `None`: the backend's
-    /// prefill chunk (256 tokens on the CPU), which bounds the step's buffers as a lone
+    /// decoding generation's token, then prompt chunks in what is left. `None`: the model's
+    /// prefill chunk (256 tokens on the CPU; 1,024 when the expert cache is smaller than the
+    /// experts, see `STREAMING_PREFILL_CHUNK`), which bounds the step's buffers as a lone
     /// sequence's chunk does.
     pub step_tokens: Option<usize>,
     /// How long a step that reads prompt tokens may take while generations are streaming
