@@ -239,7 +239,8 @@ enum Command {
         #[arg(long)]
         max_batch: Option<usize>,
         /// Tokens one batched step runs, all generations together: a token of each decoding
-        /// one, then chunks of new prompts [default: the backend's prefill chunk, 256 on the CPU].
+        /// one, then chunks of new prompts [default: the model's prefill chunk: 256 on the CPU, at
+        /// least 1024 when the expert cache is smaller than the experts].
         #[arg(long)]
         batch_tokens: Option<usize>,
         /// How long a step that reads new prompts may pause the streaming generations: beside

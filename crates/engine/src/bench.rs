@@ -16,7 +16,7 @@ pub struct BenchOptions {
     pub gen_tokens: usize,
     /// Seed of the random prompt.
     pub seed: u64,
-    /// Prefill chunk size (the CLI's default is [`PREFILL_CHUNK`](crate::PREFILL_CHUNK)).
+    /// Prefill chunk size (the CLI's default is [`Model::prefill_chunk`](crate::Model::prefill_chunk)).
     pub chunk: usize,
 }
 

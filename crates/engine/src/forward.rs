@@ -1,8 +1,8 @@
 //! The forward pass: one loop over layers for any family, any number of tokens.
 //!
 //! Prefill and decode are the same code: `n` new tokens at positions `pos..pos + n` (decode is
-//! `n = 1`). Long inputs run in chunks of at most the state's chunk size ([`PREFILL_CHUNK`] for
-//! the engine's own sequences), so the buffers stay bounded.
+//! `n = 1`). Long inputs run in chunks of at most the state's chunk size
+//! ([`Model::prefill_chunk`] for the engine's own sequences), so the buffers stay bounded.
 //!
 //! A layer is attention then a feed-forward block; an MoE block is four steps, each a function
 //! below: [`route_tokens`](Model::route_tokens) (router logits and each token's experts, shared
@@ -39,10 +39,10 @@ use smoe_store::ExpertBatch;
 use smoe_vault::ExpertAct;
 use std::time::Instant;
 
-/// Tokens per prefill chunk of the engine's own sequences ([`Session`](crate::Session),
-/// [`Engine::generate_fresh`](crate::Engine::generate_fresh)) and the default for callers that
-/// make their own ([`Model::new_state`]): a longer input runs through the layers this many
-/// tokens at a time, which bounds the activation buffers a [`State`] holds.
+/// Tokens per prefill chunk on the CPU ([`Backend::prefill_chunk`]'s default; the model's
+/// chunk, [`Model::prefill_chunk`], is at least [`STREAMING_PREFILL_CHUNK`] when its experts
+/// stream): a longer input runs through the layers this many tokens at a time, which bounds
+/// the activation buffers a [`State`] holds.
 pub const PREFILL_CHUNK: usize = 256;
 
 /// The shortest prefill chunk of a model whose expert cache is smaller than its routed experts
@@ -50,9 +50,9 @@ pub const PREFILL_CHUNK: usize = 256;
 /// cache that cannot hold them reads them again: longer chunks read fewer bytes per prompt
 /// token. A 2,048-token prompt on a 12-layer cut of the Qwen3-235B-A22B shape with a quarter
 /// of its experts cached read 3.3 MiB per token in chunks of 1,024 against 6.0 MiB in chunks
-/// of 256 (1,049 against 1,867 expert reads; docs/benchmarks.md). The activation buffers of
-/// 1,024 tokens of that shape take 0.57 GB more than 256's, inside the reserve the cache's
-/// automatic size leaves free.
+/// of 256 (1,049 against 1,867 expert reads; docs/benchmarks.md). On that cut a 1,024-token
+/// chunk grew the process by 0.57 GB more than a 256-token one (measured), inside the reserve
+/// the cache's automatic size leaves free.
 pub const STREAMING_PREFILL_CHUNK: usize = 1024;
 
 fn ms(t: Instant) -> f64 {
@@ -553,8 +553,12 @@ impl<B: Backend> Model<B> {
     /// The prefill chunk: the backend's ([`Backend::prefill_chunk`]), or at least
     /// [`STREAMING_PREFILL_CHUNK`] when the expert cache cannot hold every routed expert.
     pub fn prefill_chunk(&self) -> usize {
-        let routed = self.layers.iter().filter(|l| matches!(l.ffn, crate::model::FeedForward::Moe(_))).count() * self.arch.moe.num_experts;
-        let streams = self.experts.cache_capacity().is_some_and(|c| c.slots < routed);
+        // Layers whose experts the backend keeps (in VRAM) never ask the store.
+        let streamed_layers =
+            self.layers.iter().zip(&self.kept).filter(|(l, &kept)| !kept && matches!(l.ffn, crate::model::FeedForward::Moe(_))).count();
+        let routed = streamed_layers * self.arch.moe.num_experts;
+        // The cache's current size (the memory watch may shrink it; a server reads this once).
+        let streams = routed > 0 && self.experts.cache_capacity().is_some_and(|c| c.slots < routed);
         let chunk = self.backend.prefill_chunk();
         if streams {
             chunk.max(STREAMING_PREFILL_CHUNK)

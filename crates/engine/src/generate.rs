@@ -247,8 +247,8 @@ impl<B: Backend> Engine<B> {
         Ok(g.finish(on_token))
     }
 
-    /// [`generate`](Self::generate) from an empty state (prefilling the backend's chunk of tokens at a
-    /// time), observing nothing.
+    /// [`generate`](Self::generate) from an empty state (prefilling the model's chunk of tokens at a
+    /// time, [`Model::prefill_chunk`]), observing nothing.
     pub fn generate_fresh(
         &self,
         prompt: &[u32],

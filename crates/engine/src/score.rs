@@ -58,7 +58,7 @@ impl Observer for Recorder<'_> {
 }
 
 /// Runs `ids` as one prompt and records logits and routing. [`ScoreMode::Prefill`] runs `chunk`
-/// tokens per forward step (the CLI passes [`PREFILL_CHUNK`](crate::PREFILL_CHUNK)).
+/// tokens per forward step (the CLI passes [`Model::prefill_chunk`] unless told otherwise).
 pub fn score<B: Backend>(
     model: &Model<B>,
     ids: &[u32],

@@ -17,7 +17,8 @@ pub struct Session<B: Backend> {
 }
 
 impl<B: Backend> Session<B> {
-    /// An empty session for `model`, prefilling its backend's chunk of tokens at a time.
+    /// An empty session for `model`, prefilling its chunk of tokens at a time
+    /// ([`Model::prefill_chunk`]).
     pub fn new(model: &Model<B>) -> Session<B> {
         Session { state: model.new_state(model.prefill_chunk()), cached: Vec::new() }
     }

@@ -109,7 +109,7 @@ impl TileMut<'_> {
         block: usize,
         q: impl Fn(usize, usize) -> i8,
         d: impl Fn(usize, usize) -> f32,
-        sum32: impl Fn(usize, usize) -> i32,
+        sums: impl Fn(usize, usize) -> i32,
     ) {
         assert_eq!((self.qs.len(), self.d.len(), self.sums.len()), tile_len(n, cols, block), "tile buffers");
         let dwords = cols / 4;
@@ -129,7 +129,7 @@ impl TileMut<'_> {
                 self.d[(g * (cols / block) + b) * TILE + lane] = d(t, b);
             }
             for b in 0..cols / 32 {
-                self.sums[(g * (cols / 32) + b) * TILE + lane] = sum32(t, b);
+                self.sums[(g * (cols / 32) + b) * TILE + lane] = sums(t, b);
             }
         }
     }

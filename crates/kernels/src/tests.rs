@@ -172,9 +172,6 @@ fn many_token_kernels_match_single_dots() {
     }
 }
 
-/// Many keys and values at once give, bit for bit, what one key or value at a time gives on
-/// the same table (so prefill and decode attention agree exactly): row counts around the
-/// tiles' four, key counts around their three, widths with and without a tail.
 /// The low-bit many-token kernels at the ends of their ranges, where a narrower sum would
 /// overflow: every Q2_K quant 3 with scale and min 15, every Q3_K quant −4 with scale −32 (and
 /// the opposite corners), against activations of ±127 agreeing in sign with the weights or not.
@@ -219,6 +216,9 @@ fn low_bit_many_token_kernels_hold_extreme_blocks() {
     }
 }
 
+/// Many keys and values at once give, bit for bit, what one key or value at a time gives on
+/// the same table (so prefill and decode attention agree exactly): row counts around the
+/// tiles' four, key counts around their three, widths with and without a tail.
 #[test]
 fn attention_tiles_match_one_key_at_a_time() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(31);

@@ -65,7 +65,7 @@ pub struct FleetConfig {
     pub max_sessions: usize,
     /// Generations a model advances together (see [`default_max_batch`]).
     pub max_batch: usize,
-    /// Tokens of one batched step; `None`: the backend's prefill chunk.
+    /// Tokens of one batched step; `None`: the model's prefill chunk (`Model::prefill_chunk`).
     pub step_tokens: Option<usize>,
     /// How long a step may take with prompt tokens beside streaming generations; `None`: no
     /// limit ([`crate::pace`]).

@@ -221,7 +221,8 @@ pub unsafe fn dot_q2_k(w: &[u8], a: &[Block256]) -> f32 {
     q2_k_tokens::<1>(w, [a])[0]
 }
 
-/// The Q2_K dot of one weight row against `T` tokens.
+/// The Q2_K dot of one weight row against `T` tokens, each with its own arithmetic in the
+/// one-token order (one today: prefill takes the many-token kernels in `gemm_k23`).
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 fn q2_k_tokens<const T: usize>(w: &[u8], a: [&[Block256]; T]) -> [f32; T] {
@@ -272,7 +273,7 @@ pub unsafe fn dot_q3_k(w: &[u8], a: &[Block256]) -> f32 {
     q3_k_tokens::<1>(w, [a])[0]
 }
 
-/// The Q3_K dot of one weight row against `T` tokens.
+/// The Q3_K dot of one weight row against `T` tokens (one today; see `q2_k_tokens`).
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 fn q3_k_tokens<const T: usize>(w: &[u8], a: [&[Block256]; T]) -> [f32; T] {

@@ -7,7 +7,7 @@
 //! bodies finish an odd last tile.
 
 use super::gemm::{store, Q4kRows, Unpacked};
-use super::gemm_k23::{check, i16_scale};
+use super::gemm_k23::{check_k23, i16_scale};
 use crate::gemm::{ActTile, TILE};
 use std::arch::x86_64::*;
 
@@ -146,7 +146,7 @@ pub(super) fn q4_k_pairs<const R: usize, const K: usize>(v: &Q4kRows<'_, R, K>, 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
 #[inline]
 pub(super) fn q2_k_pairs<const R: usize>(u: &[Unpacked], sbs: usize, tile: &ActTile<'_>, out: &mut [f32]) -> usize {
-    check::<R>(u, sbs, tile, out, false);
+    check_k23::<R>(u, sbs, tile, out, false);
     let (dwords, runs, n) = (tile.cols / 4, tile.cols / 32, tile.n);
     let (pairs, tile_ints) = (tile.tiles() / 2, dwords * TILE);
     for gp in 0..pairs {
@@ -157,8 +157,8 @@ pub(super) fn q2_k_pairs<const R: usize>(u: &[Unpacked], sbs: usize, tile: &ActT
             let (mut p0, mut p1) = ([_mm512_setzero_si512(); R], [_mm512_setzero_si512(); R]);
             for k in (0..64).step_by(2) {
                 // SAFETY: dwords 64s + k + 1 < 64 * sbs <= dwords of tiles g and g + 1 (8 i32
-                // each, `tile_ints` apart), which `qs` holds (`check`); weight bytes
-                // 256s + 4k + 8 <= u[r].q.len() (`check`).
+                // each, `tile_ints` apart), which `qs` holds (`check_k23`); weight bytes
+                // 256s + 4k + 8 <= u[r].q.len() (`check_k23`).
                 unsafe {
                     let y0 = pair(qs.add((64 * s + k) * TILE), tile_ints);
                     let y1 = pair(qs.add((64 * s + k + 1) * TILE), tile_ints);
@@ -171,13 +171,13 @@ pub(super) fn q2_k_pairs<const R: usize>(u: &[Unpacked], sbs: usize, tile: &ActT
             }
             let mut mins = [_mm512_setzero_si512(); R];
             for j in 0..8 {
-                // SAFETY: `sums` holds TILE values per (tile, run of 32), `check`ed.
+                // SAFETY: `sums` holds TILE values per (tile, run of 32), `check_k23`ed.
                 let gs = unsafe { pair(tile.sums.as_ptr().add((g * runs + 8 * s + j) * TILE), runs * TILE) };
                 for r in 0..R {
                     mins[r] = _mm512_add_epi32(mins[r], _mm512_madd_epi16(gs, _mm512_set1_epi32(u[r].mins[8 * s + j])));
                 }
             }
-            // SAFETY: `d` holds TILE values per (tile, super-block), `check`ed.
+            // SAFETY: `d` holds TILE values per (tile, super-block), `check_k23`ed.
             let da = _mm512_castsi512_ps(unsafe { pair(tile.d.as_ptr().add((g * sbs + s) * TILE) as *const i32, sbs * TILE) });
             for r in 0..R {
                 let p = _mm512_add_epi32(p0[r], p1[r]);
@@ -196,7 +196,7 @@ pub(super) fn q2_k_pairs<const R: usize>(u: &[Unpacked], sbs: usize, tile: &ActT
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
 #[inline]
 pub(super) fn q3_k_pairs<const R: usize>(u: &[Unpacked], sbs: usize, tile: &ActTile<'_>, out: &mut [f32]) -> usize {
-    check::<R>(u, sbs, tile, out, true);
+    check_k23::<R>(u, sbs, tile, out, true);
     let (dwords, runs, n) = (tile.cols / 4, tile.cols / 32, tile.n);
     let (pairs, tile_ints) = (tile.tiles() / 2, dwords * TILE);
     for gp in 0..pairs {
@@ -210,7 +210,7 @@ pub(super) fn q3_k_pairs<const R: usize>(u: &[Unpacked], sbs: usize, tile: &ActT
                 for k in 0..4 {
                     let e = 256 * s + 16 * grp + 4 * k;
                     // SAFETY: dword e / 4 < 64 * sbs <= dwords of tiles g and g + 1, which `qs`
-                    // holds; weight bytes e + 4 <= u[r].q.len() (`check`).
+                    // holds; weight bytes e + 4 <= u[r].q.len() (`check_k23`).
                     unsafe {
                         let y = pair(qs.add(e / 4 * TILE), tile_ints);
                         for r in 0..R {

@@ -1,5 +1,5 @@
 //! Many-token kernels for Q2_K and Q3_K (see [`crate::gemm`]): the low-bit experts of the
-//! 235B-class runs, whose prefill had only the four-token row kernels. Each weight row is
+//! 235B-class runs, which had no many-token kernel before (prefill went a row at a time). Each weight row is
 //! unpacked once into bytes, then every broadcast weight dword multiplies 8 tokens at once, as
 //! for Q8_0 and Q4_K.
 //!
@@ -94,9 +94,10 @@ fn unpack_q3_k(w: &[u8], u: &mut Unpacked) -> usize {
 
 /// Asserts what both bodies read: `R` rows of `sbs` super-blocks, outputs for every token,
 /// and a tile of as many super-blocks.
-pub(super) fn check<const R: usize>(u: &[Unpacked], sbs: usize, tile: &ActTile<'_>, out: &[f32], scales: bool) {
+pub(super) fn check_k23<const R: usize>(u: &[Unpacked], sbs: usize, tile: &ActTile<'_>, out: &[f32], scales: bool) {
     let (dwords, runs) = (tile.cols / 4, tile.cols / 32);
-    assert!(tile.block == 256 && 8 * sbs <= runs && out.len() >= R * tile.n, "Q2_K/Q3_K tile and rows differ");
+    // Equal lengths: `d` is laid out per super-block of the tile's rows.
+    assert!(tile.block == 256 && 8 * sbs == runs && out.len() >= R * tile.n, "Q2_K/Q3_K tile and rows differ");
     assert!(u.len() >= R);
     for u in &u[..R] {
         assert!(u.q.len() >= 256 * sbs && u.d.len() >= sbs && u.mins.len() >= 8 * sbs);
@@ -118,7 +119,7 @@ fn q2_k_body<const R: usize>(
     out: &mut [f32],
     acc: impl Fn(__m256i, *const u8, *const i8) -> __m256i,
 ) {
-    check::<R>(u, sbs, tile, out, false);
+    check_k23::<R>(u, sbs, tile, out, false);
     let (dwords, runs, n) = (tile.cols / 4, tile.cols / 32, tile.n);
     for g in first..tile.tiles() {
         let qs = tile.qs[g * dwords * TILE * 4..].as_ptr();
@@ -128,7 +129,7 @@ fn q2_k_body<const R: usize>(
             let (mut p0, mut p1) = ([_mm256_setzero_si256(); R], [_mm256_setzero_si256(); R]);
             for k in (0..64).step_by(2) {
                 // SAFETY: dwords 64s + k + 1 < 64 * sbs <= 8 * runs = dwords of tile g, which
-                // `qs` holds (`check`); weight bytes 256s + 4k + 8 <= u[r].q.len() (`check`).
+                // `qs` holds (`check_k23`); weight bytes 256s + 4k + 8 <= u[r].q.len() (`check_k23`).
                 unsafe {
                     let (y0, y1) = (qs.add((64 * s + k) * TILE * 4), qs.add((64 * s + k + 1) * TILE * 4));
                     for r in 0..R {
@@ -141,13 +142,13 @@ fn q2_k_body<const R: usize>(
             let mut mins = [_mm256_setzero_si256(); R];
             for j in 0..8 {
                 // SAFETY: run 8s + j < runs, so TILE values end within tiles * runs * TILE <=
-                // sums.len() (`check`).
+                // sums.len() (`check_k23`).
                 let gs = unsafe { _mm256_loadu_si256(tile.sums.as_ptr().add((g * runs + 8 * s + j) * TILE) as *const __m256i) };
                 for r in 0..R {
                     mins[r] = _mm256_add_epi32(mins[r], _mm256_madd_epi16(gs, _mm256_set1_epi32(u[r].mins[8 * s + j])));
                 }
             }
-            // SAFETY: s < sbs, so TILE values end within tiles * sbs * TILE <= d.len() (`check`).
+            // SAFETY: s < sbs, so TILE values end within tiles * sbs * TILE <= d.len() (`check_k23`).
             let da = unsafe { _mm256_loadu_ps(tile.d.as_ptr().add((g * sbs + s) * TILE)) };
             for r in 0..R {
                 let p = _mm256_add_epi32(p0[r], p1[r]);
@@ -175,7 +176,7 @@ fn q3_k_body<const R: usize>(
     acc: impl Fn(__m256i, *const u8, *const i8) -> __m256i,
     scale: impl Fn(__m256i, i32) -> __m256i,
 ) {
-    check::<R>(u, sbs, tile, out, true);
+    check_k23::<R>(u, sbs, tile, out, true);
     let (dwords, runs, n) = (tile.cols / 4, tile.cols / 32, tile.n);
     for g in first..tile.tiles() {
         let qs = tile.qs[g * dwords * TILE * 4..].as_ptr();
@@ -187,7 +188,7 @@ fn q3_k_body<const R: usize>(
                 for k in 0..4 {
                     let e = 256 * s + 16 * grp + 4 * k;
                     // SAFETY: dword e / 4 < 64 * sbs <= dwords of tile g, which `qs` holds;
-                    // weight bytes e + 4 <= 256 * sbs <= u[r].q.len() (`check`).
+                    // weight bytes e + 4 <= 256 * sbs <= u[r].q.len() (`check_k23`).
                     unsafe {
                         let y = qs.add(e / 4 * TILE * 4);
                         for r in 0..R {
