@@ -142,12 +142,30 @@ pub(super) fn q4_k_pairs<const R: usize, const K: usize>(v: &Q4kRows<'_, R, K>, 
     2 * pairs
 }
 
+/// [`super::gemm_k23`]'s group terms (Q2_K's mins, Q3_K's offsets) for tiles `g` and `g + 1`.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+fn group_terms<const R: usize>(u: &[Unpacked], tile: &ActTile<'_>, g: usize, s: usize) -> [__m512i; R] {
+    let runs = tile.cols / 32;
+    let mut acc = [_mm512_setzero_si512(); R];
+    for j in 0..8 {
+        let at = (g * runs + 8 * s + j) * TILE;
+        assert!(at + runs * TILE + TILE <= tile.sums.len(), "group sums out of range");
+        // SAFETY: TILE i32 at `at` and at `at + runs * TILE` (tile g + 1), asserted in range.
+        let gs = unsafe { pair(tile.sums.as_ptr().add(at), runs * TILE) };
+        for r in 0..R {
+            acc[r] = _mm512_add_epi32(acc[r], _mm512_madd_epi16(gs, _mm512_set1_epi32(u[r].mins[8 * s + j])));
+        }
+    }
+    acc
+}
+
 /// `R` Q2_K rows (unpacked as `gemm_k23` does) × whole pairs of tiles; see the module notes.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
 #[inline]
 pub(super) fn q2_k_pairs<const R: usize>(u: &[Unpacked], sbs: usize, tile: &ActTile<'_>, out: &mut [f32]) -> usize {
     check_k23::<R>(u, sbs, tile, out, false);
-    let (dwords, runs, n) = (tile.cols / 4, tile.cols / 32, tile.n);
+    let (dwords, n) = (tile.cols / 4, tile.n);
     let (pairs, tile_ints) = (tile.tiles() / 2, dwords * TILE);
     for gp in 0..pairs {
         let g = 2 * gp;
@@ -169,14 +187,7 @@ pub(super) fn q2_k_pairs<const R: usize>(u: &[Unpacked], sbs: usize, tile: &ActT
                     }
                 }
             }
-            let mut mins = [_mm512_setzero_si512(); R];
-            for j in 0..8 {
-                // SAFETY: `sums` holds TILE values per (tile, run of 32), `check_k23`ed.
-                let gs = unsafe { pair(tile.sums.as_ptr().add((g * runs + 8 * s + j) * TILE), runs * TILE) };
-                for r in 0..R {
-                    mins[r] = _mm512_add_epi32(mins[r], _mm512_madd_epi16(gs, _mm512_set1_epi32(u[r].mins[8 * s + j])));
-                }
-            }
+            let mins = group_terms::<R>(u, tile, g, s);
             // SAFETY: `d` holds TILE values per (tile, super-block), `check_k23`ed.
             let da = _mm512_castsi512_ps(unsafe { pair(tile.d.as_ptr().add((g * sbs + s) * TILE) as *const i32, sbs * TILE) });
             for r in 0..R {
@@ -197,7 +208,7 @@ pub(super) fn q2_k_pairs<const R: usize>(u: &[Unpacked], sbs: usize, tile: &ActT
 #[inline]
 pub(super) fn q3_k_pairs<const R: usize>(u: &[Unpacked], sbs: usize, tile: &ActTile<'_>, out: &mut [f32]) -> usize {
     check_k23::<R>(u, sbs, tile, out, true);
-    let (dwords, runs, n) = (tile.cols / 4, tile.cols / 32, tile.n);
+    let (dwords, n) = (tile.cols / 4, tile.n);
     let (pairs, tile_ints) = (tile.tiles() / 2, dwords * TILE);
     for gp in 0..pairs {
         let g = 2 * gp;
@@ -223,12 +234,9 @@ pub(super) fn q3_k_pairs<const R: usize>(u: &[Unpacked], sbs: usize, tile: &ActT
                     sumi[r] = _mm512_add_epi32(sumi[r], _mm512_madd_epi16(p[r], sc));
                 }
             }
-            for j in 0..8 {
-                // SAFETY: as in `q2_k_pairs`.
-                let gs = unsafe { pair(tile.sums.as_ptr().add((g * runs + 8 * s + j) * TILE), runs * TILE) };
-                for r in 0..R {
-                    sumi[r] = _mm512_sub_epi32(sumi[r], _mm512_madd_epi16(gs, _mm512_set1_epi32(u[r].mins[8 * s + j])));
-                }
+            let offsets = group_terms::<R>(u, tile, g, s);
+            for r in 0..R {
+                sumi[r] = _mm512_sub_epi32(sumi[r], offsets[r]);
             }
             // SAFETY: as in `q2_k_pairs`.
             let da = _mm512_castsi512_ps(unsafe { pair(tile.d.as_ptr().add((g * sbs + s) * TILE) as *const i32, sbs * TILE) });

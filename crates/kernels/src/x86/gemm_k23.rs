@@ -107,6 +107,25 @@ pub(super) fn check_k23<const R: usize>(u: &[Unpacked], sbs: usize, tile: &ActTi
     assert!(tile.sums.len() >= tile.tiles() * runs * TILE && tile.d.len() >= tile.tiles() * sbs * TILE);
 }
 
+/// Per row, Σ over super-block `s`'s sixteen groups of the row's `mins` term (i16 pairs) times
+/// the tokens' group sums of tile `g` (i16 pairs): Q2_K's mins, Q3_K's −4 offsets.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn group_terms<const R: usize>(u: &[Unpacked], tile: &ActTile<'_>, g: usize, s: usize) -> [__m256i; R] {
+    let runs = tile.cols / 32;
+    let mut acc = [_mm256_setzero_si256(); R];
+    for j in 0..8 {
+        let at = (g * runs + 8 * s + j) * TILE;
+        assert!(at + TILE <= tile.sums.len(), "group sums out of range");
+        // SAFETY: TILE i32 at `at`, asserted in range.
+        let gs = unsafe { _mm256_loadu_si256(tile.sums.as_ptr().add(at) as *const __m256i) };
+        for r in 0..R {
+            acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(gs, _mm256_set1_epi32(u[r].mins[8 * s + j])));
+        }
+    }
+    acc
+}
+
 /// `R` Q2_K rows (unpacked) × the tiles from `first` on: `out[r * n + t]`. `acc(p, w, a)` adds one weight
 /// dword's products with the 8 tokens' dwords at `a` to the i32 lanes `p`.
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -120,7 +139,7 @@ fn q2_k_body<const R: usize>(
     acc: impl Fn(__m256i, *const u8, *const i8) -> __m256i,
 ) {
     check_k23::<R>(u, sbs, tile, out, false);
-    let (dwords, runs, n) = (tile.cols / 4, tile.cols / 32, tile.n);
+    let (dwords, n) = (tile.cols / 4, tile.n);
     for g in first..tile.tiles() {
         let qs = tile.qs[g * dwords * TILE * 4..].as_ptr();
         let (mut total, mut totalm) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
@@ -139,15 +158,7 @@ fn q2_k_body<const R: usize>(
                     }
                 }
             }
-            let mut mins = [_mm256_setzero_si256(); R];
-            for j in 0..8 {
-                // SAFETY: run 8s + j < runs, so TILE values end within tiles * runs * TILE <=
-                // sums.len() (`check_k23`).
-                let gs = unsafe { _mm256_loadu_si256(tile.sums.as_ptr().add((g * runs + 8 * s + j) * TILE) as *const __m256i) };
-                for r in 0..R {
-                    mins[r] = _mm256_add_epi32(mins[r], _mm256_madd_epi16(gs, _mm256_set1_epi32(u[r].mins[8 * s + j])));
-                }
-            }
+            let mins = group_terms::<R>(u, tile, g, s);
             // SAFETY: s < sbs, so TILE values end within tiles * sbs * TILE <= d.len() (`check_k23`).
             let da = unsafe { _mm256_loadu_ps(tile.d.as_ptr().add((g * sbs + s) * TILE)) };
             for r in 0..R {
@@ -177,7 +188,7 @@ fn q3_k_body<const R: usize>(
     scale: impl Fn(__m256i, i32) -> __m256i,
 ) {
     check_k23::<R>(u, sbs, tile, out, true);
-    let (dwords, runs, n) = (tile.cols / 4, tile.cols / 32, tile.n);
+    let (dwords, n) = (tile.cols / 4, tile.n);
     for g in first..tile.tiles() {
         let qs = tile.qs[g * dwords * TILE * 4..].as_ptr();
         let mut total = [_mm256_setzero_ps(); R];
@@ -200,12 +211,9 @@ fn q3_k_body<const R: usize>(
                     sumi[r] = _mm256_add_epi32(sumi[r], scale(p[r], u[r].sc[16 * s + grp]));
                 }
             }
-            for j in 0..8 {
-                // SAFETY: as in `q2_k_body`.
-                let gs = unsafe { _mm256_loadu_si256(tile.sums.as_ptr().add((g * runs + 8 * s + j) * TILE) as *const __m256i) };
-                for r in 0..R {
-                    sumi[r] = _mm256_sub_epi32(sumi[r], _mm256_madd_epi16(gs, _mm256_set1_epi32(u[r].mins[8 * s + j])));
-                }
+            let offsets = group_terms::<R>(u, tile, g, s);
+            for r in 0..R {
+                sumi[r] = _mm256_sub_epi32(sumi[r], offsets[r]);
             }
             // SAFETY: as in `q2_k_body`.
             let da = unsafe { _mm256_loadu_ps(tile.d.as_ptr().add((g * sbs + s) * TILE)) };
