@@ -1,7 +1,7 @@
 //! Many-token kernels for Q2_K and Q3_K (see [`crate::gemm`]): the low-bit experts of the
-//! 235B-class runs, which had no many-token kernel before (prefill went a row at a time). Each weight row is
-//! unpacked once into bytes, then every broadcast weight dword multiplies 8 tokens at once, as
-//! for Q8_0 and Q4_K.
+//! 235B-class runs, which had no many-token kernel before. Each weight row is unpacked once
+//! into bytes, then every broadcast weight dword multiplies 8 tokens at once, as for Q8_0 and
+//! Q4_K.
 //!
 //! - Q2_K: each 2-bit quant is stored times its group's 4-bit scale (0..45, still a byte), so
 //!   a super-block's products sum in one accumulator with no per-group scaling; the mins come
@@ -126,8 +126,8 @@ fn group_terms<const R: usize>(u: &[Unpacked], tile: &ActTile<'_>, g: usize, s: 
     acc
 }
 
-/// `R` Q2_K rows (unpacked) × the tiles from `first` on: `out[r * n + t]`. `acc(p, w, a)` adds one weight
-/// dword's products with the 8 tokens' dwords at `a` to the i32 lanes `p`.
+/// `R` Q2_K rows (unpacked) × the tiles from `first` on: `out[r * n + t]`. `acc(p, w, a)`
+/// adds one weight dword's products with the 8 tokens' dwords at `a` to the i32 lanes `p`.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 fn q2_k_body<const R: usize>(
@@ -173,9 +173,9 @@ fn q2_k_body<const R: usize>(
     }
 }
 
-/// `R` Q3_K rows (unpacked) × the tiles from `first` on: `out[r * n + t]`. Per group of 16, `acc` adds one
-/// weight dword's products to `p` and `scale(p, s)` turns the group's four into i32 lanes
-/// times its scale.
+/// `R` Q3_K rows (unpacked) × the tiles from `first` on: `out[r * n + t]`. Per group of 16,
+/// `acc` adds one weight dword's products to `p` and `scale(p, s)` turns the group's four into
+/// i32 lanes times its scale.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 fn q3_k_body<const R: usize>(
