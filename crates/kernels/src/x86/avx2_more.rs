@@ -218,50 +218,34 @@ pub(super) fn srl(x: __m256i, n: i32) -> __m256i {
 /// The CPU must support AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_q2_k(w: &[u8], a: &[Block256]) -> f32 {
-    q2_k_tokens::<1>(w, [a])[0]
-}
-
-/// The Q2_K dot of one weight row against `T` tokens, each with its own arithmetic in the
-/// one-token order (one today: prefill takes the many-token kernels in `gemm_k23`).
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-fn q2_k_tokens<const T: usize>(w: &[u8], a: [&[Block256]; T]) -> [f32; T] {
     let wb: &[BlockQ2K] = bytemuck::cast_slice(w);
-    let blocks = a.iter().fold(wb.len(), |n, a| n.min(a.len()));
     let (m3, m4) = (_mm256_set1_epi8(3), _mm_set1_epi8(15));
-    let (mut acc, mut accm) = ([_mm256_setzero_ps(); T], [_mm256_setzero_ps(); T]);
-    for (bi, b) in wb[..blocks].iter().enumerate() {
+    let (mut acc, mut accm) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    for (b, a) in wb.iter().zip(a) {
         // SAFETY: scales holds 16 bytes.
         let sm = unsafe { _mm_loadu_si128(b.scales.as_ptr() as *const __m128i) };
+        // SAFETY: bsums holds 16 i16, 32 bytes.
+        let bsums = unsafe { _mm256_loadu_si256(a.bsums.as_ptr() as *const __m256i) };
         let s16 = _mm256_cvtepu8_epi16(_mm_and_si128(sm, m4));
-        let m16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(sm), m4));
-        let mut sumi = [_mm256_setzero_si256(); T];
+        let mins = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(sm), m4)), bsums);
+        let mut sumi = _mm256_setzero_si256();
         for h in 0..2 {
             // SAFETY: qs holds 64 bytes, 32 per half.
             let q = unsafe { _mm256_loadu_si256(b.qs.as_ptr().add(32 * h) as *const __m256i) };
             let sh = if h == 0 { _mm256_permute2x128_si256::<0x00>(s16, s16) } else { _mm256_permute2x128_si256::<0x11>(s16, s16) };
             for j in 0..4 {
                 let x = _mm256_and_si256(srl(q, 2 * j as i32), m3);
-                let sc = _mm256_shuffle_epi8(sh, PAIR_SCALES[j]);
-                for t in 0..T {
-                    let p = _mm256_maddubs_epi16(x, load256(&a[t][bi], 128 * h + 32 * j));
-                    sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(p, sc));
-                }
+                let p = _mm256_maddubs_epi16(x, load256(a, 128 * h + 32 * j));
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, _mm256_shuffle_epi8(sh, PAIR_SCALES[j])));
             }
         }
         // d and dmin are adjacent f16s: both converted in one instruction.
         let dd = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from_le_bytes([b.d.0[0], b.d.0[1], b.dmin.0[0], b.dmin.0[1]])));
-        for t in 0..T {
-            let at = &a[t][bi];
-            // SAFETY: bsums holds 16 i16, 32 bytes.
-            let bsums = unsafe { _mm256_loadu_si256(at.bsums.as_ptr() as *const __m256i) };
-            let mins = _mm256_madd_epi16(m16, bsums);
-            let ad = _mm_mul_ps(dd, _mm_set1_ps(at.d));
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[t]), _mm256_broadcastss_ps(ad), acc[t]);
-            accm[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_broadcastss_ps(_mm_movehdup_ps(ad)), accm[t]);
-        }
+        let ad = _mm_mul_ps(dd, _mm_set1_ps(a.d));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_broadcastss_ps(ad), acc);
+        accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_broadcastss_ps(_mm_movehdup_ps(ad)), accm);
     }
-    std::array::from_fn(|t| hsum(acc[t]) - hsum(accm[t]))
+    hsum(acc) - hsum(accm)
 }
 
 /// Q3_K weights: 2 low bits plus a high bit (clear means −4), sixteen signed 6-bit scales.
@@ -270,29 +254,20 @@ fn q2_k_tokens<const T: usize>(w: &[u8], a: [&[Block256]; T]) -> [f32; T] {
 /// The CPU must support AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_q3_k(w: &[u8], a: &[Block256]) -> f32 {
-    q3_k_tokens::<1>(w, [a])[0]
-}
-
-/// The Q3_K dot of one weight row against `T` tokens (one today; see `q2_k_tokens`).
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-fn q3_k_tokens<const T: usize>(w: &[u8], a: [&[Block256]; T]) -> [f32; T] {
     let wb: &[BlockQ3K] = bytemuck::cast_slice(w);
-    let blocks = a.iter().fold(wb.len(), |n, a| n.min(a.len()));
     let (m3, four) = (_mm256_set1_epi8(3), _mm256_set1_epi8(4));
-    let mut acc = [_mm256_setzero_ps(); T];
-    for (bi, b) in wb[..blocks].iter().enumerate() {
+    let mut acc = _mm256_setzero_ps();
+    for (b, a) in wb.iter().zip(a) {
         // A quant is low + 4·high − 4 (high: its hmask bit). The products take the unsigned
         // low + 4·high (0..7) in one maddubs; the −4 comes off once per block through the
         // activation sums of each 16-element group: Σ_g s_g·(Σ (low + 4 high)·y − 4·bsum_g).
         let s16 = q3_scales(&b.scales);
+        // SAFETY: bsums holds 16 i16, 32 bytes.
+        let bsums = unsafe { _mm256_loadu_si256(a.bsums.as_ptr() as *const __m256i) };
         // SAFETY: hmask holds 32 bytes.
         let hm = unsafe { _mm256_loadu_si256(b.hmask.as_ptr() as *const __m256i) };
-        let mut sumi: [__m256i; T] = std::array::from_fn(|t| {
-            // SAFETY: bsums holds 16 i16, 32 bytes.
-            let bsums = unsafe { _mm256_loadu_si256(a[t][bi].bsums.as_ptr() as *const __m256i) };
-            _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32::<2>(_mm256_madd_epi16(s16, bsums)))
-        });
+        let mut sumi = _mm256_slli_epi32::<2>(_mm256_madd_epi16(s16, bsums));
+        sumi = _mm256_sub_epi32(_mm256_setzero_si256(), sumi);
         for h in 0..2 {
             // SAFETY: qs holds 64 bytes, 32 per half.
             let q = unsafe { _mm256_loadu_si256(b.qs.as_ptr().add(32 * h) as *const __m256i) };
@@ -305,20 +280,15 @@ fn q3_k_tokens<const T: usize>(w: &[u8], a: [&[Block256]; T]) -> [f32; T] {
                 let bit = 4 * h as i32 + j as i32;
                 let hb = if bit >= 2 { srl(hm, bit - 2) } else { _mm256_sll_epi16(hm, _mm_cvtsi32_si128(2 - bit)) };
                 let x = _mm256_or_si256(low, _mm256_and_si256(hb, four));
+                let p = _mm256_maddubs_epi16(x, load256(a, 128 * h + 32 * j));
                 // Groups 2j and 2j + 1 of this half: the low lane's 16 elements, the high lane's.
                 let sc = _mm256_shuffle_epi8(sh, PAIR_SCALES[j]);
-                for t in 0..T {
-                    let p = _mm256_maddubs_epi16(x, load256(&a[t][bi], 128 * h + 32 * j));
-                    sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(p, sc));
-                }
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, sc));
             }
         }
-        let dw = f16(b.d.0);
-        for t in 0..T {
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[t]), _mm256_set1_ps(a[t][bi].d * dw), acc[t]);
-        }
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(a.d * f16(b.d.0)), acc);
     }
-    std::array::from_fn(|t| hsum(acc[t]))
+    hsum(acc)
 }
 
 /// Shuffle controls broadcasting, for pair `j` of a half's eight 16-element groups (Q2_K,

@@ -479,14 +479,15 @@ unsafe fn body_vnni<const R: usize, const K: usize>(v: &Q4kRows<'_, R, K>, sbs: 
     q4_k_body::<R, K>(v, sbs, first, tile, out, acc, |p, sc| _mm256_mullo_epi32(p, _mm256_set1_epi32(sc)))
 }
 
-/// AVX2 Q4_K accumulation: `maddubs` products summed in i16 (eight of them: at most
-/// 8·2·15·127 < 2¹⁵), then one `madd` that applies the group's scale.
+/// AVX2 accumulation of unsigned weight bytes for a scale group: `maddubs` products summed in
+/// i16, then one `madd` that applies the group's scale. Q4_K: eight per group, at most
+/// 8·2·15·127 < 2¹⁵; Q3_K (`gemm_k23`): four, at most 4·2·7·127.
 ///
 /// # Safety
 /// `x` valid for 4 bytes, `y` for 32; the CPU must support AVX2.
 #[target_feature(enable = "avx2")]
 #[inline]
-unsafe fn acc_avx2(p: __m256i, x: *const u8, y: *const i8) -> __m256i {
+pub(super) unsafe fn acc_avx2(p: __m256i, x: *const u8, y: *const i8) -> __m256i {
     // SAFETY: the caller guarantees 4 readable bytes at `x` and 32 at `y`, and AVX2.
     let (x, y) = unsafe { (bcast(x), load(y)) };
     _mm256_add_epi16(p, _mm256_maddubs_epi16(x, y))

@@ -14,7 +14,7 @@
 //! kernels to float rounding of the per-block scales.
 
 use super::avx2_more::srl;
-use super::gemm::{bcast, dot4_vnni, load, store, with_unpacked, Unpacked};
+use super::gemm::{acc_avx2, bcast, dot4_vnni, load, store, with_unpacked, Unpacked};
 use crate::gemm::{ActTile, ROWS, TILE};
 use smoe_quant::blocks::{BlockQ2K, BlockQ3K};
 use std::arch::x86_64::*;
@@ -240,19 +240,6 @@ unsafe fn acc32_avx2(p: __m256i, x: *const u8, y: *const i8) -> __m256i {
     _mm256_add_epi32(p, _mm256_madd_epi16(_mm256_maddubs_epi16(x, y), _mm256_set1_epi16(1)))
 }
 
-/// AVX2 products of Q3_K's weight bytes (0..7) summed in i16 over a group's four dwords (at
-/// most 4·2·7·127 < 2¹⁵), scaled by `madd` afterwards.
-///
-/// # Safety
-/// As [`acc32_avx2`].
-#[target_feature(enable = "avx2")]
-#[inline]
-unsafe fn acc16_avx2(p: __m256i, x: *const u8, y: *const i8) -> __m256i {
-    // SAFETY: as the caller guarantees.
-    let (x, y) = unsafe { (bcast(x), load(y)) };
-    _mm256_add_epi16(p, _mm256_maddubs_epi16(x, y))
-}
-
 macro_rules! kernels {
     ($(#[$doc:meta])* $one:ident, $rows:ident, $features:literal, $unpack:ident, |$u:ident, $sbs:ident, $tile:ident, $out:ident, $r:ident| $body:expr) => {
         $(#[$doc])*
@@ -312,5 +299,5 @@ kernels!(
 kernels!(
     /// Q3_K rows × tokens with AVX2 (the scale through `madd`).
     q3_k_avx2, q3_k_avx2_rows, "avx2,fma,f16c", unpack_q3_k,
-    |u, sbs, tile, out, R| q3_k_body::<R>(u, sbs, 0, tile, out, |p, x, y| acc16_avx2(p, x, y), |p, s| _mm256_madd_epi16(p, _mm256_set1_epi16(s as i16)))
+    |u, sbs, tile, out, R| q3_k_body::<R>(u, sbs, 0, tile, out, |p, x, y| acc_avx2(p, x, y), |p, s| _mm256_madd_epi16(p, _mm256_set1_epi16(s as i16)))
 );
