@@ -77,6 +77,18 @@ pub(super) struct Unpacked {
     pub(super) mins: Vec<i32>,
 }
 
+impl Unpacked {
+    /// Ready for a row of `sbs` super-blocks of 256: room for its quants, the per-block and
+    /// per-group lists emptied for the unpacker to fill.
+    pub(super) fn start_k(&mut self, sbs: usize) {
+        self.q.resize(256 * sbs, 0);
+        self.d.clear();
+        self.dmin.clear();
+        self.sc.clear();
+        self.mins.clear();
+    }
+}
+
 /// Four bytes at `p` as one i32, broadcast to all 8 lanes.
 ///
 /// # Safety
@@ -269,11 +281,7 @@ pub unsafe fn q8_0_avx2(w: &[u8], tile: &ActTile<'_>, out: &mut [f32]) {
 #[target_feature(enable = "avx2,f16c")]
 fn unpack_q4_k(w: &[u8], u: &mut Unpacked) -> usize {
     let wb: &[BlockQ4K] = bytemuck::cast_slice(w);
-    u.q.resize(256 * wb.len(), 0);
-    u.d.clear();
-    u.dmin.clear();
-    u.sc.clear();
-    u.mins.clear();
+    u.start_k(wb.len());
     let mask = _mm256_set1_epi8(0x0f);
     for (i, b) in wb.iter().enumerate() {
         for c in 0..4 {

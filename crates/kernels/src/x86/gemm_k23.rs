@@ -25,10 +25,7 @@ use std::arch::x86_64::*;
 #[target_feature(enable = "avx2,f16c")]
 fn unpack_q2_k(w: &[u8], u: &mut Unpacked) -> usize {
     let wb: &[BlockQ2K] = bytemuck::cast_slice(w);
-    u.q.resize(256 * wb.len(), 0);
-    u.d.clear();
-    u.dmin.clear();
-    u.mins.clear();
+    u.start_k(wb.len());
     let (one, two, three) = (_mm256_set1_epi8(1), _mm256_set1_epi8(2), _mm256_set1_epi8(3));
     for (i, b) in wb.iter().enumerate() {
         for h in 0..2 {
@@ -62,10 +59,7 @@ fn unpack_q2_k(w: &[u8], u: &mut Unpacked) -> usize {
 #[target_feature(enable = "avx2,f16c")]
 fn unpack_q3_k(w: &[u8], u: &mut Unpacked) -> usize {
     let wb: &[BlockQ3K] = bytemuck::cast_slice(w);
-    u.q.resize(256 * wb.len(), 0);
-    u.d.clear();
-    u.sc.clear();
-    u.mins.clear();
+    u.start_k(wb.len());
     let (three, four) = (_mm256_set1_epi8(3), _mm256_set1_epi8(4));
     for (i, b) in wb.iter().enumerate() {
         // SAFETY: hmask holds 32 bytes.
