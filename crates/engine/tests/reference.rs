@@ -323,7 +323,8 @@ fn k_quants_on_256_wide_rows_match_their_dequantized_reference() {
 fn fast_path_against_reference_per_fixture() {
     let fast = |path: &std::path::Path| {
         let v = smoe_vault::Vault::open(path).unwrap();
-        // As `smoe score --fast` opens it: Q4_K experts interleaved where the kernels read them so.
+        // As `smoe score --fast` opens it: Q4_K, Q2_K and Q3_K experts interleaved where the
+        // kernels read them so.
         let backend = smoe_engine::CpuBackend::new(smoe_engine::Precision::Fast);
         let map = smoe_store::ExpertMap::of_vault(&v).unwrap().interleaved(&smoe_engine::Backend::interleaved_expert_formats(&backend));
         let ex = std::sync::Arc::new(smoe_store::ResidentExperts::load_map(map).unwrap());
@@ -334,10 +335,15 @@ fn fast_path_against_reference_per_fixture() {
         let r = read_safetensors(&fixture(name).join("reference.safetensors"));
         let input = ids(&r["long.input_ids"]);
         // The hub's MXFP4 experts run as they are, on the MXFP4 kernels.
-        let configs = if name == "gpt_oss_mxfp4" {
-            vec![(Format::MXFP4, Format::BF16), (Format::MXFP4, Format::Q8_0)]
+        let configs: Vec<(ExpertFormats, Format)> = if name == "gpt_oss_mxfp4" {
+            vec![(ExpertFormats::all(Format::MXFP4), Format::BF16), (ExpertFormats::all(Format::MXFP4), Format::Q8_0)]
+        } else if name == "qwen3_moe_k" {
+            // Its 256-wide rows hold K-quants: Q2_K and Q3_K experts too, interleaved for
+            // their group kernels as Q4_K's are.
+            let mix = ExpertFormats { gate: Format::Q2_K, up: Format::Q2_K, down: Format::Q3_K };
+            vec![(ExpertFormats::all(Format::BF16), Format::BF16), (ExpertFormats::all(Format::Q4_K), Format::Q8_0), (mix, Format::Q8_0)]
         } else {
-            vec![(Format::BF16, Format::BF16), (Format::Q4_K, Format::Q8_0)]
+            vec![(ExpertFormats::all(Format::BF16), Format::BF16), (ExpertFormats::all(Format::Q4_K), Format::Q8_0)]
         };
         for (experts, dense) in configs {
             let path = vault(name, experts, dense);

@@ -86,16 +86,17 @@ pub struct Kernels {
     dots: [DotFn; FORMATS],
     gemms: [Option<gemm::GemmRow>; FORMATS],
     gemms4: [Option<gemm::GemmRows>; FORMATS],
-    /// Eight interleaved Q4_K rows against one token ([`Kernels::dot_group8`]).
-    q4k_group8: Option<Group8Fn>,
+    /// Eight interleaved rows of a 256-element-block format (Q4_K, Q2_K, Q3_K) against one
+    /// token ([`Kernels::dot_group8`]).
+    group8: [Option<Group8Fn>; FORMATS],
     /// The same for two and for three tokens at once.
     q4k_group8x2: Option<Group8x2Fn>,
     q4k_group8x3: Option<Group8x3Fn>,
     /// Eight interleaved Q8_0 rows against one token, and against four.
     q8_0_group8: Option<Group8Q32Fn>,
     q8_0_group8x4: Option<Group8x4Q32Fn>,
-    /// Eight interleaved Q4_K rows against many tokens ([`Kernels::gemm_group8`]).
-    q4k_gemm_group8: Option<gemm::GemmGroup>,
+    /// Eight interleaved rows against many tokens, read as they lie ([`Kernels::gemm_group8`]).
+    gemm_group8: [Option<gemm::GemmGroup>; FORMATS],
     /// Products to token rows eight tokens at a time ([`Kernels::scatter_tokens`]).
     pub(crate) transpose8: Option<gemm::Transpose8>,
 }
@@ -154,12 +155,12 @@ impl Kernels {
             dots,
             gemms: [None; FORMATS],
             gemms4: [None; FORMATS],
-            q4k_group8: None,
+            group8: [None; FORMATS],
             q4k_group8x2: None,
             q4k_group8x3: None,
             q8_0_group8: None,
             q8_0_group8x4: None,
-            q4k_gemm_group8: None,
+            gemm_group8: [None; FORMATS],
             transpose8: None,
         }
     }
@@ -243,9 +244,8 @@ impl Kernels {
     /// interleaves only then.
     pub fn has_group8(&self, f: Format) -> bool {
         match f {
-            Format::Q4_K => self.q4k_group8.is_some(),
             Format::Q8_0 => self.q8_0_group8.is_some(),
-            _ => false,
+            _ => self.group8[slot(f)].is_some(),
         }
     }
 
@@ -272,9 +272,17 @@ impl Kernels {
 
     #[allow(dead_code)]
     pub(crate) fn set_group8(&mut self, g: Group8Fn, two: Group8x2Fn, three: Group8x3Fn) {
-        self.q4k_group8 = Some(g);
+        self.group8[slot(Format::Q4_K)] = Some(g);
         self.q4k_group8x2 = Some(two);
         self.q4k_group8x3 = Some(three);
+    }
+
+    /// Sets the one-token group kernel of a 256-element-block format other than Q4_K (whose
+    /// few-token kernels come with it, [`Kernels::set_group8`]).
+    #[allow(dead_code)]
+    pub(crate) fn set_group8_one(&mut self, f: Format, g: Group8Fn) {
+        assert!(matches!(f, Format::Q2_K | Format::Q3_K), "{f} has no group kernel of this kind");
+        self.group8[slot(f)] = Some(g);
     }
 
     /// [`Kernels::dot_group8`] for two or three tokens at once (`a.len() == out.len()`), each
@@ -298,8 +306,8 @@ impl Kernels {
     }
 
     #[allow(dead_code)]
-    pub(crate) fn set_gemm_group8(&mut self, g: gemm::GemmGroup) {
-        self.q4k_gemm_group8 = Some(g);
+    pub(crate) fn set_gemm_group8(&mut self, f: Format, g: gemm::GemmGroup) {
+        self.gemm_group8[slot(f)] = Some(g);
     }
 
     /// `out[r * n + t]` = row `r` of a group of eight interleaved `f` rows (see
@@ -307,17 +315,15 @@ impl Kernels {
     /// taken apart and go through [`Kernels::gemm_block`]; `false` if `f` has no many-token
     /// kernel at all.
     pub fn gemm_group8(&self, f: Format, group: &[u8], tile: &gemm::ActTile<'_>, out: &mut [f32]) -> bool {
-        match self.q4k_gemm_group8 {
+        match self.gemm_group8[slot(f)] {
             // SAFETY: as for `dot`.
-            Some(g) if f == Format::Q4_K => unsafe { g(group, tile, out) },
+            Some(g) => unsafe { g(group, tile, out) },
             _ => {
                 let rb = f.row_bytes(tile.cols).expect("a valid shape");
                 return GROUP_ROWS.with(|rows| {
                     let rows = &mut *rows.borrow_mut();
                     rows.resize(8 * rb, 0);
-                    for (r, row) in rows.chunks_exact_mut(rb).enumerate() {
-                        smoe_quant::interleave::row(f, group, tile.cols, r, row);
-                    }
+                    smoe_quant::interleave::rows_of_group(f, group, tile.cols, rows);
                     self.gemm_block(f, rows, rb, tile, out)
                 });
             }
@@ -344,9 +350,9 @@ impl Kernels {
     pub fn dot_group8(&self, f: Format, group: &[u8], cols: usize, a: ActRow<'_>, out: &mut [f32; 8]) {
         let rb = f.row_bytes(cols).expect("a valid shape");
         assert!(group.len() >= 8 * rb, "dot_group8: group too short");
-        match (self.q4k_group8, self.q8_0_group8, a) {
+        match (self.group8[slot(f)], self.q8_0_group8, a) {
             // SAFETY: as for `dot`.
-            (Some(k), _, ActRow::Q256(x)) if f == Format::Q4_K => unsafe { k(&group[..8 * rb], x, out) },
+            (Some(k), _, ActRow::Q256(x)) => unsafe { k(&group[..8 * rb], x, out) },
             // SAFETY: as for `dot`.
             (_, Some(k), ActRow::Q32(x)) if f == Format::Q8_0 => unsafe { k(&group[..8 * rb], x, out) },
             _ => {

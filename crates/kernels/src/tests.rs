@@ -172,8 +172,8 @@ fn many_token_kernels_match_single_dots() {
     }
 }
 
-/// The low-bit many-token kernels at the ends of their ranges, where a narrower sum would
-/// overflow: every Q2_K quant 3 with scale and min 15, every Q3_K quant −4 with scale −32 (and
+/// The low-bit many-token and group kernels at the ends of their ranges, where a narrower sum
+/// would overflow: every Q2_K quant 3 with scale and min 15, every Q3_K quant −4 with scale −32 (and
 /// the opposite corners), against activations of ±127 agreeing in sign with the weights or not.
 #[test]
 fn low_bit_many_token_kernels_hold_extreme_blocks() {
@@ -208,11 +208,24 @@ fn low_bit_many_token_kernels_hold_extreme_blocks() {
                 assert!(k.gemm_row(*f, w, &qa.tile(), &mut out));
                 let mut many = vec![0f32; gemm::ROWS * n];
                 let has_rows = k.gemm_rows(*f, [w.as_slice(); gemm::ROWS], &qa.tile(), &mut many);
+                // The one-token group kernel on eight rows alternating this corner and the
+                // other of the same format.
+                let other = &rows.iter().find(|(g, v)| g == f && v != w).expect("two corners per format").1;
+                let eight: Vec<u8> = (0..8).flat_map(|r| if r % 2 == 0 { w.clone() } else { other.clone() }).collect();
+                let mut inter = vec![0u8; eight.len()];
+                smoe_quant::interleave::interleave(*f, &eight, 8, cols, &mut inter);
+                assert!(k.has_group8(*f) || !cfg!(target_arch = "x86_64") || k.isa == "scalar", "{} has no {f} group kernel", k.isa);
                 for t in 0..n {
                     let want = scalar.dot(*f, w, qa.row(t));
                     assert!((out[t] - want).abs() <= 1e-5 * want.abs().max(1.0), "{} {f} token {t}: {} vs {want}", k.isa, out[t]);
                     for r in 0..gemm::ROWS {
                         assert!(!has_rows || many[r * n + t] == out[t], "{} {f} rows: row {r} token {t}", k.isa);
+                    }
+                    let mut group = [0f32; 8];
+                    k.dot_group8(*f, &inter, cols, qa.row(t), &mut group);
+                    for (r, &got) in group.iter().enumerate() {
+                        let want = scalar.dot(*f, if r % 2 == 0 { w } else { other }, qa.row(t));
+                        assert!((got - want).abs() <= 1e-5 * want.abs().max(1.0), "{} {f} group row {r} token {t}: {got} vs {want}", k.isa);
                     }
                 }
             }
@@ -304,15 +317,16 @@ fn interleaved(f: Format, cols: usize, rng: &mut rand::rngs::StdRng) -> (Vec<u8>
     (rows, inter, rb)
 }
 
-/// Eight interleaved Q4_K or Q8_0 rows at once give each row's own dot product, on every
+/// Eight interleaved Q4_K, Q8_0, Q2_K or Q3_K rows at once give each row's own dot product, on every
 /// table (x86 tables through their group kernels, the others through the de-interleaving
 /// fallback).
 #[test]
 fn interleaved_group_kernels_match_row_dots() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(23);
     let scalar = Kernels::scalar_table();
-    for (f, k) in [Format::Q4_K, Format::Q8_0].into_iter().flat_map(|f| available().into_iter().map(move |k| (f, k))) {
-        let must = f == Format::Q4_K || k.isa == "avx512-vnni";
+    let formats = [Format::Q4_K, Format::Q8_0, Format::Q2_K, Format::Q3_K];
+    for (f, k) in formats.into_iter().flat_map(|f| available().into_iter().map(move |k| (f, k))) {
+        let must = f != Format::Q8_0 || k.isa == "avx512-vnni";
         assert!(k.has_group8(f) || !must || k.isa == "scalar" || !cfg!(target_arch = "x86_64"), "{} has no {f} group kernel", k.isa);
         for cols in [256usize, 768, 2048] {
             let (rows, inter, rb) = interleaved(f, cols, &mut rng);
@@ -369,15 +383,17 @@ fn interleaved_group_gemm_matches_rows_taken_apart() {
     // kernel: the rows are then taken apart and go through the plain many-token kernels.
     let tables = available().into_iter().flat_map(|k| {
         assert!(
-            k.q4k_gemm_group8.is_some() || k.isa == "scalar" || !cfg!(target_arch = "x86_64"),
+            [Format::Q4_K, Format::Q2_K, Format::Q3_K].iter().all(|&f| k.gemm_group8[crate::slot(f)].is_some())
+                || k.isa == "scalar"
+                || !cfg!(target_arch = "x86_64"),
             "{} has no many-token group kernel",
             k.isa
         );
         let mut plain = k.clone();
-        plain.q4k_gemm_group8 = None;
+        plain.gemm_group8 = Default::default();
         [k, plain]
     });
-    for (f, k) in tables.flat_map(|k| [Format::Q4_K, Format::Q8_0].map(|f| (f, k.clone()))) {
+    for (f, k) in tables.flat_map(|k| [Format::Q4_K, Format::Q8_0, Format::Q2_K, Format::Q3_K].map(|f| (f, k.clone()))) {
         for (cols, n) in [(256usize, 3usize), (768, 19), (2048, 16), (512, 35), (768, 8)] {
             let (rows, inter, rb) = interleaved(f, cols, &mut rng);
             let mut qa = QuantAct::default();
@@ -411,7 +427,7 @@ fn interleaved_group_gemm_matches_rows_taken_apart() {
 fn dot_rows_match_row_dots() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(29);
     let scalar = Kernels::scalar_table();
-    for f in [Format::Q8_0, Format::Q4_0, Format::Q4_K] {
+    for f in [Format::Q8_0, Format::Q4_0, Format::Q4_K, Format::Q2_K, Format::Q3_K] {
         for k in available() {
             for cols in [256usize, 352, 2048] {
                 let Ok(rb) = f.row_bytes(cols) else { continue };

@@ -237,7 +237,7 @@ impl Backend for CpuBackend {
 
     fn interleaved_expert_formats(&self) -> Vec<Format> {
         let fast = self.precision == Precision::Fast;
-        [Format::Q4_K, Format::Q8_0].into_iter().filter(|&f| fast && self.kernels.has_group8(f)).collect()
+        [Format::Q4_K, Format::Q8_0, Format::Q2_K, Format::Q3_K].into_iter().filter(|&f| fast && self.kernels.has_group8(f)).collect()
     }
 
     fn prepare_dense(&self, region: &mut [u8], products: &[(usize, Format, usize, usize)]) {

@@ -575,6 +575,34 @@ pub unsafe fn q4_k_vnni_group(w: &[u8], tile: &ActTile<'_>, out: &mut [f32]) {
     })
 }
 
+/// An 8 × 8 matrix of 32-bit values (`r[i]`: row `i`) transposed in registers: `out[k]` is
+/// column `k`.
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) fn transpose8x8(r: &[__m256; 8]) -> [__m256; 8] {
+    let mut t = [_mm256_setzero_ps(); 8];
+    for k in 0..4 {
+        let (a, b) = (r[2 * k], r[2 * k + 1]);
+        t[2 * k] = _mm256_unpacklo_ps(a, b);
+        t[2 * k + 1] = _mm256_unpackhi_ps(a, b);
+    }
+    // s[j] (j < 4): rows 0..4 of column j in its low half and of column j + 4 in its high
+    // half; s[4 + j]: the same for rows 4..8.
+    let mut s = [_mm256_setzero_ps(); 8];
+    for q in 0..2 {
+        for h in 0..2 {
+            let (a, b) = (t[4 * q + h], t[4 * q + 2 + h]);
+            s[4 * q + 2 * h] = _mm256_shuffle_ps::<0x44>(a, b);
+            s[4 * q + 2 * h + 1] = _mm256_shuffle_ps::<0xEE>(a, b);
+        }
+    }
+    let mut out = [_mm256_setzero_ps(); 8];
+    for (k, o) in out.iter_mut().enumerate() {
+        *o = if k < 4 { _mm256_permute2f128_ps::<0x20>(s[k], s[4 + k]) } else { _mm256_permute2f128_ps::<0x31>(s[k - 4], s[k]) };
+    }
+    out
+}
+
 /// AVX2 [`crate::gemm::Transpose8`]: 8 × 8 blocks transposed in registers.
 ///
 /// # Safety
@@ -592,26 +620,10 @@ pub unsafe fn transpose8(src: &[f32], m: usize, n: usize, t0: usize, out: &mut [
             // SAFETY: row i0 + k's tokens t0..t0 + 8 end at (i0 + k) * n + t0 + 8 <= m * n.
             *r = unsafe { _mm256_loadu_ps(src.as_ptr().add((i0 + k) * n + t0)) };
         }
-        let mut t = [_mm256_setzero_ps(); 8];
-        for k in 0..4 {
-            let (a, b) = (r[2 * k], r[2 * k + 1]);
-            t[2 * k] = _mm256_unpacklo_ps(a, b);
-            t[2 * k + 1] = _mm256_unpackhi_ps(a, b);
-        }
-        // s[j] (j < 4): rows 0..4 of token j in its low half and of token j + 4 in its high
-        // half; s[4 + j]: the same for rows 4..8.
-        let mut s = [_mm256_setzero_ps(); 8];
-        for q in 0..2 {
-            for h in 0..2 {
-                let (a, b) = (t[4 * q + h], t[4 * q + 2 + h]);
-                s[4 * q + 2 * h] = _mm256_shuffle_ps::<0x44>(a, b);
-                s[4 * q + 2 * h + 1] = _mm256_shuffle_ps::<0xEE>(a, b);
-            }
-        }
-        for (k, o) in out.iter_mut().enumerate() {
-            let v = if k < 4 { _mm256_permute2f128_ps::<0x20>(s[k], s[4 + k]) } else { _mm256_permute2f128_ps::<0x31>(s[k - 4], s[k]) };
+        let v = transpose8x8(&r);
+        for (v, o) in v.iter().zip(out.iter_mut()) {
             // SAFETY: 8 floats at i0 < full <= m <= o.len().
-            unsafe { _mm256_storeu_ps(o.as_mut_ptr().add(i0), v) };
+            unsafe { _mm256_storeu_ps(o.as_mut_ptr().add(i0), *v) };
         }
     }
     for i in full..m {

@@ -8,6 +8,7 @@ pub mod avx512;
 pub mod gemm;
 mod gemm512;
 pub mod gemm_k23;
+pub mod k23x8;
 pub mod q4kx8;
 pub mod q8x8;
 
@@ -156,7 +157,11 @@ pub fn avx2_table() -> Option<Kernels> {
     k.set_gemm(Format::Q3_K, gemm_k23::q3_k_avx2);
     k.set_gemm4(Format::Q3_K, gemm_k23::q3_k_avx2_rows);
     k.set_group8(q4kx8::dot8_avx2, q4kx8::dot8x2_avx2, q4kx8::dot8x3_avx2);
-    k.set_gemm_group8(gemm::q4_k_avx2_group);
+    k.set_group8_one(Format::Q2_K, k23x8::q2_k_avx2);
+    k.set_group8_one(Format::Q3_K, k23x8::q3_k_avx2);
+    k.set_gemm_group8(Format::Q4_K, gemm::q4_k_avx2_group);
+    k.set_gemm_group8(Format::Q2_K, gemm_k23::q2_k_avx2_group);
+    k.set_gemm_group8(Format::Q3_K, gemm_k23::q3_k_avx2_group);
     Some(k)
 }
 
@@ -185,7 +190,11 @@ pub fn avx512_table() -> Option<Kernels> {
     k.set_gemm(Format::Q3_K, gemm_k23::q3_k_vnni);
     k.set_gemm4(Format::Q3_K, gemm_k23::q3_k_vnni_rows);
     k.set_group8(q4kx8::dot8_vnni, q4kx8::dot8x2_vnni, q4kx8::dot8x3_vnni);
+    k.set_group8_one(Format::Q2_K, k23x8::q2_k_vnni);
+    k.set_group8_one(Format::Q3_K, k23x8::q3_k_vnni);
     k.set_q8_0_group8(q8x8::dot8_vnni, q8x8::dot8x4_vnni);
-    k.set_gemm_group8(gemm::q4_k_vnni_group);
+    k.set_gemm_group8(Format::Q4_K, gemm::q4_k_vnni_group);
+    k.set_gemm_group8(Format::Q2_K, gemm_k23::q2_k_vnni_group);
+    k.set_gemm_group8(Format::Q3_K, gemm_k23::q3_k_vnni_group);
     Some(k)
 }
