@@ -3,6 +3,7 @@
 
 use crate::cpu::{CpuBackend, Precision};
 use crate::{Backend, Engine, EngineError, Model};
+use smoe_quant::Format;
 use smoe_store::policy::PolicyKind;
 use smoe_store::{auto_cache_bytes, ExpertMap, ExpertSource, ExpertStore, ResidentExperts, StoreOptions};
 use smoe_vault::{Manifest, Vault};
@@ -201,13 +202,13 @@ pub struct ModelSizes {
     /// Experts in all MoE layers.
     pub total_experts: usize,
     /// The storage formats of its weights, dense and routed experts, each once.
-    pub formats: Vec<smoe_quant::Format>,
+    pub formats: Vec<Format>,
 }
 
 /// The storage formats of `file`'s weights (dense ones and the routed experts of `map`), each
 /// once: what a backend is asked whether it can read ([`crate::backend_lacks`]).
-fn weight_formats(file: &ModelFile, map: &ExpertMap) -> Vec<smoe_quant::Format> {
-    let dense: Vec<smoe_quant::Format> = match file {
+fn weight_formats(file: &ModelFile, map: &ExpertMap) -> Vec<Format> {
+    let dense: Vec<Format> = match file {
         ModelFile::Vault(v) => v.manifest().dense.iter().map(|d| d.format).collect(),
         ModelFile::Gguf(g) => g.dense.iter().map(|d| d.format).collect(),
     };
@@ -240,13 +241,24 @@ pub fn open_cpu(path: &Path, opts: &OpenOptions) -> Result<(Engine<CpuBackend>, 
     open(path, opts, backend)
 }
 
+/// The formats a streaming store interleaves as experts land ([`ExpertMap::interleaved`]): all
+/// the backend reads so when the cache holds every expert (each is read once), otherwise not
+/// Q2_K and Q3_K. Their interleaving pass (~10 GB/s from memory on one core of the 2-core
+/// EPYC) on every miss cost more than their group kernels saved on the hits that followed: a
+/// 12-layer 235B-shape cut with a quarter cached and the trace's routing decoded at 118-122
+/// ms/token interleaving on landing, 117-126 interleaving later only what was used again,
+/// against 107-114 left in rows (docs/benchmarks.md).
+fn streamed_interleave(formats: Vec<Format>, holds_all: bool) -> Vec<Format> {
+    formats.into_iter().filter(|f| holds_all || !matches!(f, Format::Q2_K | Format::Q3_K)).collect()
+}
+
 /// Opens `path` (a vault, or a GGUF run in place) on `backend`: the dense weights on the
 /// backend, the routed experts behind a store sized by `opts.cache`.
 pub fn open<B: Backend>(path: &Path, opts: &OpenOptions, backend: B) -> Result<(Engine<B>, OpenReport), EngineError> {
     let file = ModelFile::open(path)?;
     let arch = file.architecture().clone();
     let ctx = opts.ctx.unwrap_or_else(|| default_context(&arch));
-    let map = file.expert_map()?.interleaved(&backend.interleaved_expert_formats());
+    let map = file.expert_map()?;
     // Refused before any weight is read: the routed experts' formats are known only here.
     if let Some(why) = crate::backend_lacks(&arch, &weight_formats(&file, &map), &backend) {
         return Err(EngineError::Model(format!("{why}; run it on the CPU (--device cpu)")));
@@ -255,7 +267,7 @@ pub fn open<B: Backend>(path: &Path, opts: &OpenOptions, backend: B) -> Result<(
     let blob = map.slot_size() as u64;
     let where_from = if matches!(file, ModelFile::Gguf(_)) { "; experts read in place from the GGUF" } else { "" };
     let (experts, report): (Arc<dyn ExpertSource>, OpenReport) = if opts.cache == CacheSize::Resident {
-        let r = ResidentExperts::load_map(map)?;
+        let r = ResidentExperts::load_map(map.interleaved(&backend.interleaved_expert_formats()))?;
         let rep = OpenReport {
             cache_experts: total,
             cache_bytes: total as u64 * blob,
@@ -277,7 +289,7 @@ pub fn open<B: Backend>(path: &Path, opts: &OpenOptions, backend: B) -> Result<(
             }
         };
         let store = ExpertStore::open_map(
-            map,
+            map.interleaved(&streamed_interleave(backend.interleaved_expert_formats(), slots >= total)),
             &StoreOptions {
                 slots,
                 policy: opts.policy,
