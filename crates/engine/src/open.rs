@@ -241,15 +241,19 @@ pub fn open_cpu(path: &Path, opts: &OpenOptions) -> Result<(Engine<CpuBackend>, 
     open(path, opts, backend)
 }
 
-/// The formats a streaming store interleaves as experts land ([`ExpertMap::interleaved`]): all
-/// the backend reads so when the cache holds every expert (each is read once), otherwise not
-/// Q2_K and Q3_K. Their interleaving pass (~10 GB/s from memory on one core of the 2-core
-/// EPYC) on every miss cost more than their group kernels saved on the hits that followed: a
-/// 12-layer 235B-shape cut with a quarter cached and the trace's routing decoded at 118-122
-/// ms/token interleaving on landing, 117-126 interleaving later only what was used again,
-/// against 107-114 left in rows (docs/benchmarks.md).
+/// The formats a streaming store interleaves as experts land ([`ExpertMap::interleaved`]): what
+/// the backend reads so when the cache holds every expert (each is read once), else none.
+/// Interleaving is a read and a write of the whole expert on one core (~10-15 GB/s) on every
+/// miss, and on the 2-core EPYC it cost more than the group kernels then saved (12-layer cuts,
+/// a quarter of the experts cached, 2 threads; docs/benchmarks.md): Q2_K/Q3_K 235B shape with
+/// the trace's routing 118-122 ms/token against 107-114 in rows; Q4_K 30B shape 59.3-63.7
+/// against 54.9-60.1, and with the router's routing (hit rate 0.98) no better either.
 fn streamed_interleave(formats: Vec<Format>, holds_all: bool) -> Vec<Format> {
-    formats.into_iter().filter(|f| holds_all || !matches!(f, Format::Q2_K | Format::Q3_K)).collect()
+    if holds_all {
+        formats
+    } else {
+        Vec::new()
+    }
 }
 
 /// Opens `path` (a vault, or a GGUF run in place) on `backend`: the dense weights on the

@@ -276,13 +276,16 @@ fn lookahead_prefetch_changes_no_numbers() {
     assert!(s.hits + s.misses == (input.len() * 2 * 2) as u64);
 }
 
-/// The fast path reads Q4_K (and, with AVX-512 VNNI, Q8_0) experts interleaved by eight rows:
+/// The fast path reads Q4_K, Q2_K, Q3_K (and, with AVX-512 VNNI, Q8_0) experts interleaved by
+/// eight rows where the store lays them out so:
 /// a streaming store through a small cache gives exactly the resident interleaved run's logits,
 /// and both agree with plain rows up to float summation order (measured here for Q4_K: mean
 /// |diff| 1e-8 to 4e-3 against the int8 path's own 1e-2 to 2e-2 from the f32 reference).
 #[test]
 fn interleaved_experts_match_plain_rows() {
-    for (name, experts) in [("qwen3_moe_k", Format::Q4_K), ("qwen3_moe", Format::Q8_0)] {
+    for (name, experts) in
+        [("qwen3_moe_k", Format::Q4_K), ("qwen3_moe", Format::Q8_0), ("qwen3_moe_k", Format::Q2_K), ("qwen3_moe_k", Format::Q3_K)]
+    {
         interleaved_experts_match(name, experts);
     }
 }
