@@ -56,7 +56,8 @@ fn pair(lo: __m256i, hi: __m256i) -> __m256i {
 /// The activation's 16-element sums of groups `2p` and `2p + 1` in every 32-bit lane.
 #[inline]
 fn bsum_pair(a: &Block256, p: usize) -> __m256i {
-    // SAFETY: p < 8, so the two i16 at 2p lie inside the 16 sums.
+    assert!(p < 8);
+    // SAFETY: p < 8 (asserted), so the two i16 at 2p lie inside the 16 sums.
     unsafe { _mm256_set1_epi32((a.bsums.as_ptr().add(2 * p) as *const i32).read_unaligned()) }
 }
 
@@ -78,32 +79,32 @@ unsafe fn load(p: *const u8, at: usize) -> __m256i {
     unsafe { _mm256_loadu_si256(p.add(at) as *const __m256i) }
 }
 
-/// Groups `8H + 2J` and `8H + 2J + 1` of eight Q2_K rows (group block at `p`): their sums
+/// Groups `8H + 2J` and `8H + 2J + 1` of eight Q2_K rows (group block `g`): their sums
 /// times their scales added to `sm[0]`, their minimums times the activation's group sums to
 /// `sm[1]`. Generic in the half `H` and bit pair `J`, so that every shift is a constant
 /// whether or not the compiler unrolls the caller.
 #[target_feature(enable = "avx2")]
 #[inline]
 fn q2_pair<const H: usize, const J: usize>(
-    p: *const u8,
+    g: &[u8; Q2_GROUP_BLOCK],
     ab: &Block256,
     acc: &impl Fn(__m256i, __m256i, __m256i) -> __m256i,
     sm: &mut [__m256i; 2],
 ) {
-    let m3 = _mm256_set1_epi8(3);
+    let (m3, p) = (_mm256_set1_epi8(3), g.as_ptr());
     // Dword k = 8H + kk of each row's quants holds, at bits 2J, elements 128H + 32J + 4kk +
     // 0..3: group 8H + 2J for kk < 4, the next for kk ≥ 4.
     let (mut s0, mut s1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
     for kk in 0..4 {
-        // SAFETY: the quants start 160 bytes into the 672-byte group block at `p` and hold 16
-        // dwords of eight rows (8H + kk + 4 < 16).
+        // SAFETY: the quants start 160 bytes into the 672-byte group block `g` and hold 16
+        // dwords of eight rows (8H + kk + 4 < 16, as H < 2 and kk < 4).
         let (v0, v1) = unsafe { (load(p, 160 + (8 * H + kk) * 32), load(p, 160 + (8 * H + kk + 4) * 32)) };
         s0 = acc(s0, _mm256_and_si256(shr2(v0, J), m3), act4(ab, 128 * H + 32 * J + 4 * kk));
         s1 = acc(s1, _mm256_and_si256(shr2(v1, J), m3), act4(ab, 128 * H + 32 * J + 4 * kk + 16));
     }
     let pr = 4 * H + J;
     // Scale (low nibble) and min (high) of groups 2pr, 2pr + 1, per row.
-    // SAFETY: the scale pairs lie at 32..160 of the group block, 16 bytes each (pr < 8).
+    // SAFETY: the scale pairs lie at 32..160 of the group block `g`, 16 bytes each (pr < 8).
     let sc = _mm256_cvtepu8_epi16(unsafe { _mm_loadu_si128(p.add(32 + 16 * pr) as *const __m128i) });
     sm[0] = _mm256_add_epi32(sm[0], _mm256_madd_epi16(pair(s0, s1), _mm256_and_si256(sc, _mm256_set1_epi16(15))));
     sm[1] = _mm256_add_epi32(sm[1], _mm256_madd_epi16(_mm256_srli_epi16::<4>(sc), bsum_pair(ab, pr)));
@@ -118,17 +119,18 @@ fn q2_body(w: &[u8], a: &[Block256], out: &mut [f32; 8], acc: impl Fn(__m256i, _
     let (mut total, mut totalm) = (_mm256_setzero_ps(), _mm256_setzero_ps());
     let pf = super::prefetch();
     for (g, ab) in w.chunks_exact(Q2_GROUP_BLOCK).zip(a) {
+        let g: &[u8; Q2_GROUP_BLOCK] = g.try_into().expect("a whole group block");
         let p = g.as_ptr();
         super::prefetch_ahead(p, pf, Q2_GROUP_BLOCK);
         let mut sm = [_mm256_setzero_si256(); 2];
-        q2_pair::<0, 0>(p, ab, &acc, &mut sm);
-        q2_pair::<0, 1>(p, ab, &acc, &mut sm);
-        q2_pair::<0, 2>(p, ab, &acc, &mut sm);
-        q2_pair::<0, 3>(p, ab, &acc, &mut sm);
-        q2_pair::<1, 0>(p, ab, &acc, &mut sm);
-        q2_pair::<1, 1>(p, ab, &acc, &mut sm);
-        q2_pair::<1, 2>(p, ab, &acc, &mut sm);
-        q2_pair::<1, 3>(p, ab, &acc, &mut sm);
+        q2_pair::<0, 0>(g, ab, &acc, &mut sm);
+        q2_pair::<0, 1>(g, ab, &acc, &mut sm);
+        q2_pair::<0, 2>(g, ab, &acc, &mut sm);
+        q2_pair::<0, 3>(g, ab, &acc, &mut sm);
+        q2_pair::<1, 0>(g, ab, &acc, &mut sm);
+        q2_pair::<1, 1>(g, ab, &acc, &mut sm);
+        q2_pair::<1, 2>(g, ab, &acc, &mut sm);
+        q2_pair::<1, 3>(g, ab, &acc, &mut sm);
         let [sumi, mins] = sm;
         // SAFETY: d[8] and dmin[8] are the group block's first 32 bytes.
         let (d, dmin) = unsafe {
@@ -152,6 +154,7 @@ fn q3_body(w: &[u8], a: &[Block256], out: &mut [f32; 8], acc: impl Fn(__m256i, _
     let mut total = _mm256_setzero_ps();
     let pf = super::prefetch();
     for (g, ab) in w.chunks_exact(Q3_GROUP_BLOCK).zip(a) {
+        let g: &[u8; Q3_GROUP_BLOCK] = g.try_into().expect("a whole group block");
         let p = g.as_ptr();
         super::prefetch_ahead(p, pf, Q3_GROUP_BLOCK);
         // The sixteen scales of eight rows, `[scale i][row]` as i8: scale i's low four bits
@@ -169,14 +172,14 @@ fn q3_body(w: &[u8], a: &[Block256], out: &mut [f32; 8], acc: impl Fn(__m256i, _
             _mm256_storeu_si256(sp.add(3), q3_scale(_mm256_and_si256(_mm256_srli_epi16::<4>(y1), m15), _mm256_srli_epi16::<6>(y2)));
         }
         let mut sf = [_mm256_setzero_si256(); 2];
-        q3_pair::<0, 0>(p, ab, &scales, &acc, &mut sf);
-        q3_pair::<0, 1>(p, ab, &scales, &acc, &mut sf);
-        q3_pair::<0, 2>(p, ab, &scales, &acc, &mut sf);
-        q3_pair::<0, 3>(p, ab, &scales, &acc, &mut sf);
-        q3_pair::<1, 0>(p, ab, &scales, &acc, &mut sf);
-        q3_pair::<1, 1>(p, ab, &scales, &acc, &mut sf);
-        q3_pair::<1, 2>(p, ab, &scales, &acc, &mut sf);
-        q3_pair::<1, 3>(p, ab, &scales, &acc, &mut sf);
+        q3_pair::<0, 0>(g, ab, &scales, &acc, &mut sf);
+        q3_pair::<0, 1>(g, ab, &scales, &acc, &mut sf);
+        q3_pair::<0, 2>(g, ab, &scales, &acc, &mut sf);
+        q3_pair::<0, 3>(g, ab, &scales, &acc, &mut sf);
+        q3_pair::<1, 0>(g, ab, &scales, &acc, &mut sf);
+        q3_pair::<1, 1>(g, ab, &scales, &acc, &mut sf);
+        q3_pair::<1, 2>(g, ab, &scales, &acc, &mut sf);
+        q3_pair::<1, 3>(g, ab, &scales, &acc, &mut sf);
         let [mut sumi, fours] = sf;
         sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32::<2>(fours));
         // SAFETY: d[8] is the group block's first 16 bytes.
@@ -196,20 +199,20 @@ fn q3_scale(lo: __m256i, hi: __m256i) -> __m256i {
     _mm256_sub_epi8(_mm256_or_si256(lo, top), _mm256_set1_epi8(32))
 }
 
-/// Groups `8H + 2J` and `8H + 2J + 1` of eight Q3_K rows (group block at `p`, its scales
+/// Groups `8H + 2J` and `8H + 2J + 1` of eight Q3_K rows (group block `g`, its scales
 /// unpacked as `[scale][row]`): their sums of `(low + 4·high)·y` times their scales added to
 /// `sf[0]`, their scales times the activation's group sums (the −4's share) to `sf[1]`.
 /// Generic in `H` and `J` as [`q2_pair`].
 #[target_feature(enable = "avx2")]
 #[inline]
 fn q3_pair<const H: usize, const J: usize>(
-    p: *const u8,
+    g: &[u8; Q3_GROUP_BLOCK],
     ab: &Block256,
     scales: &[i8; 128],
     acc: &impl Fn(__m256i, __m256i, __m256i) -> __m256i,
     sf: &mut [__m256i; 2],
 ) {
-    let (m3, m4) = (_mm256_set1_epi8(3), _mm256_set1_epi8(4));
+    let (m3, m4, p) = (_mm256_set1_epi8(3), _mm256_set1_epi8(4), g.as_ptr());
     // As in Q2_K; the high bit of element 128H + 32J + i is bit 4H + J of high-bit byte i, so
     // dword kk of the high bits goes with dword 8H + kk of the lows. The two groups' chains
     // alternate (measured: 22.5 against 19.2 GB/s a core with VNNI than one after the other).
@@ -217,8 +220,8 @@ fn q3_pair<const H: usize, const J: usize>(
     for kk in 0..4 {
         for (i, si) in s.iter_mut().enumerate() {
             let kk = kk + 4 * i;
-            // SAFETY: the high bits lie at 112..368 of the 880-byte group block (8 dwords of
-            // eight rows), the low bits at 368..880 (16 dwords); kk < 8.
+            // SAFETY: the high bits lie at 112..368 of the 880-byte group block `g` (8 dwords
+            // of eight rows), the low bits at 368..880 (16 dwords); kk < 8 and H < 2.
             let (v, hb) = unsafe { (load(p, 368 + (8 * H + kk) * 32), load(p, 112 + kk * 32)) };
             let x = _mm256_or_si256(_mm256_and_si256(shr2(v, J), m3), _mm256_and_si256(bit_to_2(hb, 4 * H + J), m4));
             *si = acc(*si, x, act4(ab, 128 * H + 32 * J + 4 * kk));
