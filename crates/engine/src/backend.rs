@@ -518,8 +518,9 @@ pub trait Backend: Send + Sync {
         crate::PREFILL_CHUNK
     }
     /// The formats whose routed experts this backend's products read interleaved eight rows
-    /// at a time ([`smoe_quant::Layout::Interleaved8`]): the store then lays them out so as they
-    /// load. None by default.
+    /// at a time ([`smoe_quant::Layout::Interleaved8`]): a store that holds every expert
+    /// (resident, or a streaming cache as large as the experts) lays them out so as they load;
+    /// a smaller streaming cache keeps rows (`open`'s `streamed_interleave`). None by default.
     fn interleaved_expert_formats(&self) -> Vec<Format> {
         Vec::new()
     }

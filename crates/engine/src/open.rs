@@ -248,6 +248,8 @@ pub fn open_cpu(path: &Path, opts: &OpenOptions) -> Result<(Engine<CpuBackend>, 
 /// a quarter of the experts cached, 2 threads; docs/benchmarks.md): Q2_K/Q3_K 235B shape with
 /// the trace's routing 118-122 ms/token against 107-114 in rows; Q4_K 30B shape 59.3-63.7
 /// against 54.9-60.1, and with the router's routing (hit rate 0.98) no better either.
+/// Decided at open: a cache that holds every expert and is shrunk later (a server under
+/// memory pressure, `resize_cache`) keeps interleaving what it reads again.
 fn streamed_interleave(formats: Vec<Format>, holds_all: bool) -> Vec<Format> {
     if holds_all {
         formats

@@ -305,7 +305,7 @@ fn f16_kv_helpers_match_scalar() {
     }
 }
 
-/// Sixteen random Q4_K rows of `cols`: as rows, interleaved (two groups), and bytes per row.
+/// Sixteen random rows of `f` and `cols`: as rows, interleaved (two groups), and bytes per row.
 fn interleaved(f: Format, cols: usize, rng: &mut rand::rngs::StdRng) -> (Vec<u8>, Vec<u8>, usize) {
     let rb = f.row_bytes(cols).unwrap();
     let mut rows = vec![0u8; 16 * rb];

@@ -23,7 +23,8 @@ pub enum Layout {
     /// One row after another (every file's layout).
     #[default]
     Rows,
-    /// Q4_K or Q8_0 rows interleaved in groups of eight, in memory only ([`crate::interleave`]).
+    /// Rows of a block format (Q4_K, Q8_0, Q2_K, Q3_K) interleaved in groups of eight, in
+    /// memory only ([`crate::interleave`]).
     Interleaved8,
 }
 

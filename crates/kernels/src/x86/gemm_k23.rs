@@ -111,8 +111,8 @@ fn unpack_q3_k_block(b: &BlockQ3K, i: usize, u: &mut Unpacked) {
 /// to `dst + r · stride`. 8 × 8 transposes in registers.
 ///
 /// # Safety
-/// `src` must be readable for `32 · count` bytes, each row's destination writable for
-/// `4 · count`; `count` a multiple of 8.
+/// The CPU must support AVX2; `src` must be readable for `32 · count` bytes, each row's
+/// destination writable for `4 · count`; `count` a multiple of 8.
 #[target_feature(enable = "avx2")]
 #[inline]
 unsafe fn rows_of_dwords(src: *const u8, count: usize, dst: *mut u8, stride: usize) {

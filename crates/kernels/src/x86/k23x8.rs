@@ -54,6 +54,7 @@ fn pair(lo: __m256i, hi: __m256i) -> __m256i {
 }
 
 /// The activation's 16-element sums of groups `2p` and `2p + 1` in every 32-bit lane.
+#[target_feature(enable = "avx2")]
 #[inline]
 fn bsum_pair(a: &Block256, p: usize) -> __m256i {
     assert!(p < 8);
@@ -62,6 +63,7 @@ fn bsum_pair(a: &Block256, p: usize) -> __m256i {
 }
 
 /// Activation quants `at..at + 4` as one dword in every lane.
+#[target_feature(enable = "avx2")]
 #[inline]
 fn act4(a: &Block256, at: usize) -> __m256i {
     assert!(at + 4 <= 256);
@@ -72,7 +74,7 @@ fn act4(a: &Block256, at: usize) -> __m256i {
 /// The 32 bytes at `p + at` (a load of eight rows' dwords).
 ///
 /// # Safety
-/// `p + at .. p + at + 32` must be readable.
+/// `p + at .. p + at + 32` must be readable, and the CPU must support AVX.
 #[inline(always)]
 unsafe fn load(p: *const u8, at: usize) -> __m256i {
     // SAFETY: the caller's.
@@ -242,7 +244,7 @@ fn q3_pair<const H: usize, const J: usize>(
 /// stand-in for VNNI's `dpbusd`.
 #[target_feature(enable = "avx2")]
 #[inline]
-fn acc_avx2(p: __m256i, x: __m256i, y: __m256i) -> __m256i {
+fn acc32_avx2(p: __m256i, x: __m256i, y: __m256i) -> __m256i {
     _mm256_add_epi32(p, _mm256_madd_epi16(_mm256_maddubs_epi16(x, y), _mm256_set1_epi16(1)))
 }
 
@@ -261,7 +263,7 @@ pub unsafe fn q2_k_vnni(w: &[u8], a: &[Block256], out: &mut [f32; 8]) {
 /// The CPU must support AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn q2_k_avx2(w: &[u8], a: &[Block256], out: &mut [f32; 8]) {
-    q2_body(w, a, out, |p, x, y| acc_avx2(p, x, y))
+    q2_body(w, a, out, |p, x, y| acc32_avx2(p, x, y))
 }
 
 /// Eight interleaved Q3_K rows against one token, with VNNI.
@@ -279,5 +281,5 @@ pub unsafe fn q3_k_vnni(w: &[u8], a: &[Block256], out: &mut [f32; 8]) {
 /// As for [`q2_k_avx2`].
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn q3_k_avx2(w: &[u8], a: &[Block256], out: &mut [f32; 8]) {
-    q3_body(w, a, out, |p, x, y| acc_avx2(p, x, y))
+    q3_body(w, a, out, |p, x, y| acc32_avx2(p, x, y))
 }
