@@ -131,7 +131,10 @@ unsafe fn rows_of_dwords(src: *const u8, count: usize, dst: *mut u8, stride: usi
 
 /// Unpacks the eight rows of an interleaved Q2_K group (see [`smoe_quant::interleave`]) into
 /// `u[0..8]`, as [`unpack_q2_k`] unpacks a row: each super-block's rows are gathered in L1
-/// and unpacked at once, so the weights are read from memory once, by the unpacking.
+/// and unpacked at once, so the weights are read from memory once, by the unpacking. (The
+/// portable [`smoe_quant::interleave::rows_of_group`] on one super-block gives the same bytes
+/// but cost 3-5% of prefill(512) on the 12-layer 235B cut: 66.0 / 67.2 against 69.4 / 69.3
+/// tok/s.)
 #[target_feature(enable = "avx2,f16c")]
 fn unpack_q2_k_group(w: &[u8], u: &mut [Unpacked]) -> usize {
     let sbs = w.len() / Q2_GROUP_BLOCK;
