@@ -723,7 +723,10 @@ fn caches_follow_a_memory_limit_lowered_and_raised() {
 
     // Lowered while a long generation runs, and nothing else: the check before its batched
     // steps shrinks the caches (the thread's tick is an hour away, and no request starts).
-    let server = Server::start_with_env(dir.path(), &["--memory-watch", "3600"], &env);
+    // The context is raised past the fixture's 4,096 so that the generation outlasts the test's
+    // wait: 4,094 tokens take a quarter of a second here, and on a busy CI runner the whole
+    // reply once ended before the limit was lowered. It is cancelled when the server drops.
+    let server = Server::start_with_env(dir.path(), &["--memory-watch", "3600", "--ctx", "16384"], &env);
     assert_eq!(ask(&server, "a conversation under pressure"), first);
     let hog = open_stream(server.addr, "/v1/completions", r#"{"model": "qwen3", "prompt": "hog", "max_tokens": 60000, "stream": true}"#);
     limit(1 << 30);

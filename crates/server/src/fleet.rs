@@ -329,8 +329,11 @@ impl Fleet {
 
     /// Every model with its state.
     pub fn list(&self) -> Vec<ModelInfo> {
-        let loaded = self.loaded.lock().unwrap();
-        self.models()
+        // The directory is read before the lock is taken, and the lock is held only to copy the
+        // workers out: the memory check before a generation's batched steps only tries this
+        // lock, and a client polling the stats kept it from its turn while files were read.
+        let files: Vec<(String, u64, u64)> = self
+            .models()
             .into_iter()
             .map(|(id, path)| {
                 let meta = std::fs::metadata(&path).ok();
@@ -339,18 +342,27 @@ impl Fleet {
                     .and_then(|m| m.modified().ok())
                     .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
                     .map_or(0, |d| d.as_secs());
+                (id, size_bytes, created)
+            })
+            .collect();
+        let loaded: BTreeMap<String, (Arc<Worker>, u64)> =
+            self.loaded.lock().unwrap().iter().map(|(n, l)| (n.clone(), (l.worker.clone(), l.cache_bytes))).collect();
+        files
+            .into_iter()
+            .map(|(id, size_bytes, created)| {
                 let l = loaded.get(&id);
-                let cap = l.and_then(|l| l.worker.cache_capacity());
+                let cap = l.and_then(|(w, _)| w.cache_capacity());
+                let at_load = l.map_or(0, |&(_, bytes)| bytes);
                 ModelInfo {
                     created,
                     size_bytes,
                     loaded: l.is_some(),
-                    cache_bytes: cap.map_or(l.map_or(0, |l| l.cache_bytes), |c| c.bytes()),
-                    cache_max_bytes: cap.map_or(l.map_or(0, |l| l.cache_bytes), |c| c.max_bytes()),
-                    cache_resident_bytes: cap.map_or(l.map_or(0, |l| l.cache_bytes), |c| c.resident_bytes()),
-                    session_budget_bytes: l.map_or(0, |l| l.worker.session_budget() as u64),
-                    session_kv_bytes: l.map_or(0, |l| l.worker.session_kv_bytes() as u64),
-                    queue_depth: l.map_or(0, |l| l.worker.queue_depth()),
+                    cache_bytes: cap.map_or(at_load, |c| c.bytes()),
+                    cache_max_bytes: cap.map_or(at_load, |c| c.max_bytes()),
+                    cache_resident_bytes: cap.map_or(at_load, |c| c.resident_bytes()),
+                    session_budget_bytes: l.map_or(0, |(w, _)| w.session_budget() as u64),
+                    session_kv_bytes: l.map_or(0, |(w, _)| w.session_kv_bytes() as u64),
+                    queue_depth: l.map_or(0, |(w, _)| w.queue_depth()),
                     id,
                 }
             })
