@@ -499,6 +499,7 @@ pub fn available() -> Vec<Kernels> {
     let mut v = Vec::new();
     #[cfg(target_arch = "x86_64")]
     {
+        v.extend(x86::amx_table());
         v.extend(x86::avx512_table());
         v.extend(x86::avx2_table());
     }

@@ -420,6 +420,45 @@ fn interleaved_group_gemm_matches_rows_taken_apart() {
     }
 }
 
+/// The AMX kernels' layouts, offsets and float order on any CPU with AVX-512: run on scalar
+/// tile operations, the Q4_K and Q8_0 group products give the bits of the VNNI kernels on the
+/// rows taken apart (where AMX is, `interleaved_group_gemm_matches_rows_taken_apart` checks
+/// the instructions themselves through the `avx512-amx` table). Token counts with partial and
+/// whole tiles; Q8_0 widths whose blocks are and are not a multiple of the four in flight.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn amx_kernels_on_emulated_tiles_match_vnni() {
+    let Some(vnni) = crate::x86::avx512_table() else {
+        eprintln!("no AVX-512 VNNI here: the AMX kernels' emulation is not run");
+        return;
+    };
+    let mut rng = rand::rngs::StdRng::seed_from_u64(31);
+    let mut ran = 0;
+    for f in [Format::Q4_K, Format::Q8_0] {
+        for (cols, n) in [(256usize, 3usize), (768, 19), (2048, 16), (512, 35), (352, 9)] {
+            let Ok(rb) = f.row_bytes(cols) else { continue };
+            if f == Format::Q4_K && cols % 256 != 0 {
+                continue;
+            }
+            let (rows, inter, _) = interleaved(f, cols, &mut rng);
+            let mut qa = QuantAct::default();
+            qa.quantize(f, &data(n * cols, &mut rng), n, cols);
+            let tile = qa.tile();
+            for g in 0..2 {
+                let mut got = vec![0f32; 8 * n];
+                if !crate::x86::amx::emulated(f, &inter[g * 8 * rb..(g + 1) * 8 * rb], &tile, &mut got) {
+                    continue;
+                }
+                let mut want = vec![0f32; 8 * n];
+                assert!(vnni.gemm_block(f, &rows[8 * g * rb..(8 * g + 8) * rb], rb, &tile, &mut want));
+                assert_eq!(got, want, "{f} cols {cols} n {n} group {g}");
+                ran += 1;
+            }
+        }
+    }
+    assert!(ran > 0, "AVX-512 VNNI without the features the AMX kernels use");
+}
+
 /// `dot_rows` gives each row's own dot product, whatever kernel it runs (the four-row Q8_0
 /// kernel where a table has one): row counts that are and are not multiples of four, and
 /// widths with a tail of fewer than eight blocks.

@@ -18,7 +18,22 @@ fn isas() -> Vec<&'static str> {
 mod x86 {
     /// Each table after the scalar one, best first, with the features its kernels use: as
     /// `is_x86_feature_detected!` names them and as `/proc/cpuinfo` does.
-    const TABLES: [(&str, &[(&str, &str)]); 2] = [
+    const TABLES: [(&str, &[(&str, &str)]); 3] = [
+        (
+            "avx512-amx",
+            &[
+                ("avx2", "avx2"),
+                ("fma", "fma"),
+                ("f16c", "f16c"),
+                ("avx512f", "avx512f"),
+                ("avx512bw", "avx512bw"),
+                ("avx512vl", "avx512vl"),
+                ("avx512vnni", "avx512_vnni"),
+                ("avx512dq", "avx512dq"),
+                ("amx-tile", "amx_tile"),
+                ("amx-int8", "amx_int8"),
+            ],
+        ),
         (
             "avx512-vnni",
             &[
@@ -44,6 +59,10 @@ mod x86 {
             "avx512bw" => is_x86_feature_detected!("avx512bw"),
             "avx512vl" => is_x86_feature_detected!("avx512vl"),
             "avx512vnni" => is_x86_feature_detected!("avx512vnni"),
+            "avx512dq" => is_x86_feature_detected!("avx512dq"),
+            // std's detection of AMX is not stable yet: CPUID leaf 7's EDX bits 24 and 25.
+            "amx-tile" => (std::arch::x86_64::__cpuid_count(7, 0).edx >> 24) & 1 == 1,
+            "amx-int8" => (std::arch::x86_64::__cpuid_count(7, 0).edx >> 25) & 1 == 1,
             _ => panic!("no detection for {feature}: add it to std_detects"),
         }
     }

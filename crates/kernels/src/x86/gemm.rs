@@ -322,7 +322,7 @@ fn row_view<const R: usize>(u: &[Unpacked]) -> Q4kRows<'_, R, 1> {
 /// runs of bytes, and the scale bytes (`[byte][row]`) unpack for all eight rows at once, eight
 /// bytes to a `u64`. Returns the super-blocks per row.
 #[target_feature(enable = "avx2,f16c")]
-fn unpack_q4_k_group(w: &[u8], g: &mut Unpacked) -> usize {
+pub(super) fn unpack_q4_k_group(w: &[u8], g: &mut Unpacked) -> usize {
     assert!(w.len().is_multiple_of(GROUP_BLOCK), "unpack_q4_k_group: not whole super-blocks");
     let sbs = w.len() / GROUP_BLOCK;
     g.q.resize(GROUP * 256 * sbs, 0);

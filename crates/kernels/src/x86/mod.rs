@@ -1,6 +1,7 @@
 //! x86-64 kernel tables, chosen by CPU feature detection.
 
 pub mod act_avx2;
+pub mod amx;
 mod attn_tiles;
 pub mod avx2;
 pub mod avx2_more;
@@ -196,5 +197,19 @@ pub fn avx512_table() -> Option<Kernels> {
     k.set_gemm_group8(Format::Q4_K, gemm::q4_k_vnni_group);
     k.set_gemm_group8(Format::Q2_K, gemm_k23::q2_k_vnni_group);
     k.set_gemm_group8(Format::Q3_K, gemm_k23::q3_k_vnni_group);
+    Some(k)
+}
+
+/// The AMX table (on top of AVX-512 VNNI), if this CPU has AMX-INT8 and the OS lets this
+/// process use it: the same kernels, with Q4_K and Q8_0 groups against many tokens on the
+/// tiles ([`amx::q4_k_group`], [`amx::q8_0_group`]).
+pub fn amx_table() -> Option<Kernels> {
+    let mut k = avx512_table()?;
+    if !(is_x86_feature_detected!("avx512dq") && amx::usable()) {
+        return None;
+    }
+    k.isa = "avx512-amx";
+    k.set_gemm_group8(Format::Q4_K, amx::q4_k_group);
+    k.set_gemm_group8(Format::Q8_0, amx::q8_0_group);
     Some(k)
 }
