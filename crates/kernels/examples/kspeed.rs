@@ -1,14 +1,17 @@
 //! Kernel throughput on one core over a matrix larger than the caches:
-//! `cargo run --release -p smoe-kernels --example kspeed`.
+//! `cargo run --release -p smoe-kernels --example kspeed`. `KSPEED_KIB=N` sizes the matrix
+//! instead (e.g. 512: in L2, the instructions' speed without memory's), passes repeated to
+//! read 256 MiB in all.
 use smoe_kernels::{available, QuantAct};
 
 fn main() {
-    let cols = 2048;
+    let cols: usize = std::env::var("KSPEED_COLS").ok().and_then(|v| v.parse().ok()).unwrap_or(2048);
     // Optional arguments: the formats to measure (all by default).
     let only: Vec<String> = std::env::args().skip(1).collect();
     for f in smoe_quant::ALL_FORMATS.into_iter().filter(|f| only.is_empty() || only.contains(&f.to_string())) {
         let rb = f.row_bytes(cols).unwrap();
-        let rows = (256 << 20) / rb;
+        let bytes = std::env::var("KSPEED_KIB").ok().and_then(|v| v.parse::<usize>().ok()).map_or(256 << 20, |k| k << 10);
+        let (rows, passes) = (bytes / rb, (256 << 20) / bytes.max(1));
         let x: Vec<f32> = (0..cols).map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 300.0).collect();
         let row: Vec<f32> = (0..cols).map(|i| ((i * 104729 % 997) as f32 - 498.0) / 400.0).collect();
         let mut one = vec![0u8; rb];
@@ -20,11 +23,14 @@ fn main() {
         for k in available() {
             let t = std::time::Instant::now();
             let mut s = 0f32;
-            for r in 0..rows {
-                s += k.dot(f, &w[r * rb..(r + 1) * rb], act.row(0));
+            for _ in 0..passes {
+                for r in 0..rows {
+                    s += k.dot(f, &w[r * rb..(r + 1) * rb], act.row(0));
+                }
             }
             let secs = t.elapsed().as_secs_f64();
-            println!("{f} {:12}: {:6.1} GB/s  ({:.1} Mrows/s) [{s:.1}]", k.isa, (rows * rb) as f64 / secs / 1e9, rows as f64 / secs / 1e6);
+            let done = rows * passes;
+            println!("{f} {:12}: {:6.1} GB/s  ({:.1} Mrows/s) [{s:.1}]", k.isa, (done * rb) as f64 / secs / 1e9, done as f64 / secs / 1e6);
             if k.has_group8(f) && smoe_quant::interleave::supported(f, rows / 8 * 8, cols) {
                 // The same rows interleaved by eight, as the engine lays out dense and expert
                 // matrices for these kernels.
@@ -34,16 +40,18 @@ fn main() {
                 let t = std::time::Instant::now();
                 let mut out = [0f32; 8];
                 let mut s = 0f32;
-                for g in 0..rows / 8 {
-                    k.dot_group8(f, &inter[g * 8 * rb..(g + 1) * 8 * rb], cols, act.row(0), &mut out);
-                    s += out[0];
+                for _ in 0..passes {
+                    for g in 0..rows / 8 {
+                        k.dot_group8(f, &inter[g * 8 * rb..(g + 1) * 8 * rb], cols, act.row(0), &mut out);
+                        s += out[0];
+                    }
                 }
                 let secs = t.elapsed().as_secs_f64();
                 println!(
                     "{f} {:12}: {:6.1} GB/s  ({:.1} Mrows/s) [{s:.1}] eight interleaved rows at a time",
                     k.isa,
-                    (rows * rb) as f64 / secs / 1e9,
-                    rows as f64 / secs / 1e6
+                    (rows * passes * rb) as f64 / secs / 1e9,
+                    (rows * passes) as f64 / secs / 1e6
                 );
             }
         }
