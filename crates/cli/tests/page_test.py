@@ -9,7 +9,10 @@ conversation; a keyed server makes the page ask for the key, and with it the mod
 Saves a screenshot of the page after a reply. Prints one line per check.
 """
 
+import atexit
+import shutil
 import sys
+import tempfile
 import time
 
 from selenium import webdriver
@@ -24,6 +27,10 @@ base, keyed, key, shot = sys.argv[1:5]
 opts = Options()
 for a in ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1280,860"]:
     opts.add_argument(a)
+# A profile of our own, removed at exit: Chromium's default one stays behind in /tmp.
+profile = tempfile.mkdtemp(prefix="smoe-page-")
+atexit.register(shutil.rmtree, profile, True)
+opts.add_argument("--user-data-dir=" + profile)
 driver = webdriver.Chrome(options=opts, service=Service("/usr/bin/chromedriver"))
 wait = WebDriverWait(driver, 60)
 

@@ -30,38 +30,51 @@ pub const TARGETS: [Target; 10] = [
 ];
 
 /// `data` as a file the file-reading parsers can open (one per thread and target, rewritten
-/// for each input).
-fn as_file(target: &str, data: &[u8]) -> PathBuf {
+/// for each input), removed when the input is done with.
+fn as_file(target: &str, data: &[u8]) -> InputFile {
     let p = std::env::temp_dir().join(format!("smoe-fuzz-{}-{:?}-{target}", std::process::id(), std::thread::current().id()));
     let mut f = std::fs::File::create(&p).expect("the temporary directory is writable");
     f.write_all(data).expect("the temporary directory has room");
-    p
+    InputFile(p)
+}
+
+/// A fuzz input written to the temporary directory; dropping it deletes the file, so a run
+/// (or CI) leaves nothing behind.
+struct InputFile(PathBuf);
+
+impl Drop for InputFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
 }
 
 /// A GGUF file: the header, then everything smoe derives from it (architecture, tokenizer,
 /// chat template, tensor views) as `GgufModel::open` does.
 pub fn gguf(data: &[u8]) {
-    let p = as_file("gguf", data);
-    if let Ok(g) = smoe_formats::gguf::Gguf::open(&p) {
+    let input = as_file("gguf", data);
+    let p = &input.0;
+    if let Ok(g) = smoe_formats::gguf::Gguf::open(p) {
         for t in &g.tensors {
             let _ = (t.len(), t.rows(), t.cols());
         }
     }
-    let _ = smoe_formats::gguf::GgufModel::open(&p);
+    let _ = smoe_formats::gguf::GgufModel::open(p);
 }
 
 /// A vault: header, manifest and architecture description, then a checksum pass over it.
 pub fn vault(data: &[u8]) {
-    let p = as_file("vault", data);
-    if let Ok(v) = smoe_vault::Vault::open(&p) {
+    let input = as_file("vault", data);
+    let p = &input.0;
+    if let Ok(v) = smoe_vault::Vault::open(p) {
         let _ = v.verify(&mut |_| {});
     }
 }
 
 /// A safetensors file's header.
 pub fn safetensors(data: &[u8]) {
-    let p = as_file("safetensors", data);
-    let _ = smoe_formats::safetensors::read_header(&p);
+    let input = as_file("safetensors", data);
+    let p = &input.0;
+    let _ = smoe_formats::safetensors::read_header(p);
 }
 
 /// A config.json into the architecture description.

@@ -161,4 +161,13 @@ fn every_fuzz_target_survives_its_corpus() {
         eprintln!("{target}: {} inputs in {:.1} s", inputs.len(), t.elapsed().as_secs_f64());
     }
     assert!(failed.is_empty(), "inputs that panicked (replay with `cargo +nightly fuzz run TARGET FILE`): {failed:?}");
+    // Each input's temporary file goes with it (a CI machine's /tmp once kept one per target
+    // and run).
+    let ours = format!("smoe-fuzz-{}-", std::process::id());
+    let left: Vec<_> = std::fs::read_dir(std::env::temp_dir())
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.starts_with(&ours))
+        .collect();
+    assert!(left.is_empty(), "fuzz inputs left in the temporary directory: {left:?}");
 }
