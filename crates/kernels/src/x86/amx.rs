@@ -36,8 +36,67 @@ pub fn usable() -> bool {
         }
         let leaf7 = __cpuid_count(7, 0);
         let (tile, int8) = ((leaf7.edx >> 24) & 1 == 1, (leaf7.edx >> 25) & 1 == 1);
-        tile && int8 && permitted()
+        if !(tile && int8 && permitted()) {
+            return false;
+        }
+        // SAFETY: AMX-TILE and AMX-INT8 reported and the tile state granted, just above.
+        let same = unsafe { tiles_agree::<Amx, Emulated>(0x5eed) };
+        if !same {
+            eprintln!("smoe: this CPU's AMX tile products differ from their definition; using AVX-512 VNNI instead");
+        }
+        same
     })
+}
+
+/// Whether `A` and `B` give the same sums for both kernels' tile products, on bytes that
+/// cover every sign case (unsigned weights above 127, negative tokens). Run once before the
+/// AMX table is offered: the kernels' layouts are tested on [`Emulated`] tiles anywhere, and
+/// this ties the instructions to that emulation on the CPU at hand, so a misreading of their
+/// operands or shapes falls back to VNNI instead of giving wrong products.
+///
+/// # Safety
+/// Where `A` or `B` is [`Amx`], AMX must be usable.
+unsafe fn tiles_agree<A: Tiles, B: Tiles>(seed: u64) -> bool {
+    let mut x = seed;
+    let mut byte = move || {
+        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (x >> 56) as u8
+    };
+    // Q4_K: three weight arrays of 8 rows × 256, rows 256 apart; 64 dwords of 8 tokens.
+    #[repr(C, align(64))]
+    struct Buf<const N: usize>([u8; N]);
+    let mut w = [Buf([0u8; 8 * 256]), Buf([0u8; 8 * 256]), Buf([0u8; 8 * 256])];
+    let mut b = Buf([0u8; 64 * 32]);
+    for v in w.iter_mut().flat_map(|w| w.0.iter_mut()).chain(b.0.iter_mut()) {
+        *v = byte();
+    }
+    let (mut ca, mut cb) = (Buf([0u8; 4 * 3 * 64 * 4]), Buf([0u8; 4 * 3 * 64 * 4]));
+    let wp = [w[0].0.as_ptr(), w[1].0.as_ptr(), w[2].0.as_ptr()];
+    // SAFETY: the reads and writes each call documents lie in the buffers above (weights 8 ×
+    // 256 bytes with rows 256 apart, 2,048 token bytes, 3 × 64 i32 of sums); AMX as the caller
+    // guarantees.
+    unsafe {
+        A::begin(q4_k_config());
+        A::q4_k_superblock(wp, 256, b.0.as_ptr() as *const i8, ca.0.as_mut_ptr() as *mut i32);
+        A::end();
+        B::begin(q4_k_config());
+        B::q4_k_superblock(wp, 256, b.0.as_ptr() as *const i8, cb.0.as_mut_ptr() as *mut i32);
+        B::end();
+    }
+    let q4k = ca.0[..3 * 64 * 4] == cb.0[..3 * 64 * 4];
+    // Q8_0: four blocks of 8 rows × 32, rows 128 apart; four tiles of 8 dwords × 8 tokens.
+    let (a, y) = (w[0].0.as_ptr() as *const i8, b.0.as_ptr() as *const i8);
+    // SAFETY: weights 8 rows of 128 bytes (2,048 here), tokens 4 × 256 bytes (2,048 here),
+    // 4 × 64 i32 of sums (768 i32 here); AMX as the caller guarantees.
+    unsafe {
+        A::begin(q8_0_config());
+        A::q8_0_blocks::<4>(a, 128, y, ca.0.as_mut_ptr() as *mut i32);
+        A::end();
+        B::begin(q8_0_config());
+        B::q8_0_blocks::<4>(a, 128, y, cb.0.as_mut_ptr() as *mut i32);
+        B::end();
+    }
+    q4k && ca.0[..4 * 64 * 4] == cb.0[..4 * 64 * 4]
 }
 
 /// Asks Linux for the tile data state (`ARCH_REQ_XCOMP_PERM` for `XFEATURE_XTILEDATA`), then
@@ -261,8 +320,8 @@ impl Tiles for Amx {
     }
 }
 
-/// The tile operations in scalar code, for tests on CPUs without AMX.
-#[cfg_attr(not(test), allow(dead_code))]
+/// The tile operations in scalar code: the definition the AMX instructions are checked
+/// against at start ([`tiles_agree`]), and the kernels' tiles in tests on CPUs without AMX.
 struct Emulated;
 
 /// `C[r][t] += Σ_k Σ_i A[r][4k + i] · B[k][t][i]` for `k < kd` dwords, 8 rows and 8 tokens:
@@ -270,7 +329,6 @@ struct Emulated;
 ///
 /// # Safety
 /// `a`: 8 rows of 4·kd bytes, `ws` apart; `b`: kd × 32 bytes; `c`: 64 i32.
-#[cfg_attr(not(test), allow(dead_code))]
 unsafe fn dot_tile(a: *const u8, ws: usize, signed: bool, b: *const i8, kd: usize, c: *mut i32) {
     for r in 0..8 {
         for t in 0..8 {
@@ -609,4 +667,46 @@ pub(crate) fn emulated(f: smoe_quant::Format, w: &[u8], tile: &ActTile<'_>, out:
         }
     }
     true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The emulation with one sum off by one (the kind of slip a misread operand gives).
+    struct OffByOne;
+
+    impl Tiles for OffByOne {
+        unsafe fn begin(_: &TileConfig) {}
+
+        unsafe fn end() {}
+
+        unsafe fn q4_k_superblock(w: [*const u8; 3], ws: usize, b: *const i8, c: *mut i32) {
+            // SAFETY: as the caller guarantees.
+            unsafe {
+                Emulated::q4_k_superblock(w, ws, b, c);
+                *c.add(64 + 9) += 1;
+            }
+        }
+
+        unsafe fn q8_0_blocks<const N: usize>(a: *const i8, ws: usize, y: *const i8, c: *mut i32) {
+            // SAFETY: as the caller guarantees.
+            unsafe { Emulated::q8_0_blocks::<N>(a, ws, y, c) }
+        }
+    }
+
+    /// The start-up check passes identical tile operations and catches one wrong sum; where
+    /// the CPU offers AMX, `usable()` has run it on the instructions themselves.
+    #[test]
+    fn the_start_up_check_compares_the_instructions_with_their_definition() {
+        // SAFETY: neither side uses AMX.
+        unsafe {
+            assert!(tiles_agree::<Emulated, Emulated>(7));
+            assert!(!tiles_agree::<Emulated, OffByOne>(7));
+        }
+        let leaf7 = __cpuid_count(7, 0);
+        if (leaf7.edx >> 24) & 3 == 3 && std::env::var_os("SMOE_AMX").is_none() {
+            assert!(usable(), "this CPU has AMX-TILE and AMX-INT8, but the tiles were refused or disagree");
+        }
+    }
 }
