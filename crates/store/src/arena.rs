@@ -4,6 +4,9 @@
 use crate::StoreError;
 use std::alloc::{alloc, dealloc, Layout};
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
 
 /// `slots` slots of `slot_size` bytes, each aligned to `align`.
 pub struct Arena {
@@ -11,6 +14,16 @@ pub struct Arena {
     layout: Layout,
     slot_size: usize,
     slots: usize,
+    /// The background thread that faults the pages in ahead of use, and what it shares.
+    prefault: Mutex<Option<(Arc<Prefault>, JoinHandle<()>)>>,
+}
+
+/// What the prefaulting thread shares with the arena.
+struct Prefault {
+    /// Bytes from the arena's start that the thread may still fault in; held while it faults
+    /// a piece, so that [`Arena::release`] can lower it and know no piece above is in progress.
+    limit: Mutex<usize>,
+    stop: AtomicBool,
 }
 
 // SAFETY: the arena owns its allocation (freed only in `Drop`) and holds no thread-bound state,
@@ -23,7 +36,7 @@ unsafe impl Sync for Arena {}
 
 impl Arena {
     /// Allocates the arena. Pages are touched only when read into, so an unused arena costs
-    /// address space, not memory.
+    /// address space, not memory (see [`Arena::prefault`]).
     pub fn new(slots: usize, slot_size: usize, align: usize) -> Result<Arena, StoreError> {
         if slots == 0 || slot_size == 0 || !slot_size.is_multiple_of(align) {
             return Err(StoreError::Config(format!("bad arena: {slots} slots of {slot_size} bytes, alignment {align}")));
@@ -35,7 +48,31 @@ impl Arena {
         let ptr = NonNull::new(ptr).ok_or_else(|| StoreError::Config(format!("cannot allocate a {size}-byte expert cache")))?;
         // Before any read touches the pages, so that they are huge from the start.
         smoe_vault::hugepages::advise(ptr.as_ptr(), size);
-        Ok(Arena { ptr, layout, slot_size, slots })
+        Ok(Arena { ptr, layout, slot_size, slots, prefault: Mutex::new(None) })
+    }
+
+    /// Starts faulting the arena's pages in on a background thread at the lowest CPU priority,
+    /// from slot 0 up (the order the store fills slots), in pieces of 64 MiB through
+    /// `MADV_POPULATE_WRITE` (Linux 5.14; elsewhere, or where the kernel refuses it, nothing
+    /// happens). A page the kernel hands out must be zeroed first, and where that happens
+    /// inside a read's submission it stalls the read and the thread that issued it: a cold
+    /// 235B-shape decode on the 2-core VM spent 62% of its CPU time zeroing the cache's huge
+    /// pages as reads landed in them (`perf`, docs/benchmarks.md). Faulting them in while the
+    /// engine loads its dense weights (waiting on the disk) or waits for reads moves that work
+    /// off the reads' path. It never changes a byte a read has written: pages already present
+    /// are left as they are. The thread stops at the arena's drop and at [`Arena::release`]'s
+    /// range, so a shrunk cache's memory stays given back.
+    pub fn prefault(&self) {
+        let mut slot = self.prefault.lock().unwrap_or_else(|e| e.into_inner());
+        if slot.is_some() || !cfg!(target_os = "linux") {
+            return;
+        }
+        let shared = Arc::new(Prefault { limit: Mutex::new(self.layout.size()), stop: AtomicBool::new(false) });
+        let (base, theirs) = (self.ptr.as_ptr() as usize, shared.clone());
+        let spawned = std::thread::Builder::new().name("smoe-prefault".into()).spawn(move || prefault_pages(base, &theirs));
+        if let Ok(handle) = spawned {
+            *slot = Some((shared, handle));
+        }
     }
 
     /// Number of slots.
@@ -85,6 +122,14 @@ impl Arena {
         if first >= last {
             return;
         }
+        // The prefaulting thread stops below the released range (waiting for a piece it may be
+        // faulting in), so it cannot fault the range in again after the madvise below.
+        let prefault = self.prefault.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|(p, _)| p.clone());
+        let _limit = prefault.as_ref().map(|p| {
+            let mut limit = p.limit.lock().unwrap_or_else(|e| e.into_inner());
+            *limit = (*limit).min(first * self.slot_size);
+            limit
+        });
         #[cfg(target_os = "linux")]
         {
             // SAFETY: sysconf has no preconditions.
@@ -114,14 +159,120 @@ impl Arena {
 
 impl Drop for Arena {
     fn drop(&mut self) {
+        // The prefaulting thread must be done with the memory before it is freed.
+        if let Some((p, handle)) = self.prefault.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
+            p.stop.store(true, Ordering::Relaxed);
+            let _ = handle.join();
+        }
         // SAFETY: allocated in `new` with this layout.
         unsafe { dealloc(self.ptr.as_ptr(), self.layout) }
+    }
+}
+
+/// The prefaulting thread's body ([`Arena::prefault`]): the arena at `base`, up to the
+/// shared limit, 64 MiB at a time.
+fn prefault_pages(base: usize, p: &Prefault) {
+    #[cfg(target_os = "linux")]
+    {
+        // The lowest priority for this thread only (on Linux a thread id names one thread):
+        // it should run where the engine's threads wait, not take their time.
+        // SAFETY: gettid and setpriority read and write no memory of ours.
+        unsafe {
+            let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+            libc::setpriority(libc::PRIO_PROCESS, tid, 19);
+        }
+        #[cfg(test)]
+        while tests::HOLD.load(Ordering::Relaxed) {
+            std::thread::yield_now();
+        }
+        const PIECE: usize = 64 << 20;
+        let mut at = 0;
+        while !p.stop.load(Ordering::Relaxed) {
+            let limit = p.limit.lock().unwrap_or_else(|e| e.into_inner());
+            if at >= *limit {
+                break;
+            }
+            let end = (at + PIECE).min(*limit);
+            // SAFETY: [base + at, base + end) lies inside the arena, which outlives this thread
+            // (its drop joins it first); MADV_POPULATE_WRITE only maps pages that are not
+            // present yet (zeroed, as any first touch would) and writes no byte of a present
+            // one, so a read landing in the range concurrently keeps its bytes; the range is
+            // below the released slots (the limit, held while faulting).
+            let rc = unsafe { libc::madvise((base + at) as *mut libc::c_void, end - at, libc::MADV_POPULATE_WRITE) };
+            drop(limit);
+            if rc != 0 {
+                break; // an older kernel (EINVAL), or no memory for it (the reads will fault)
+            }
+            at = end;
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (base, p);
+}
+
+#[cfg(test)]
+impl Arena {
+    /// Waits for the prefaulting thread to finish (tests).
+    fn wait_prefault(&self) {
+        let taken = self.prefault.lock().unwrap().take();
+        if let Some((p, handle)) = taken {
+            handle.join().unwrap();
+            // Kept, so that `release` still lowers the (finished) thread's limit.
+            drop(p);
+        }
+    }
+
+    /// How many of the 4 KiB pages of slots `first..last` are resident (Linux's `mincore`).
+    #[cfg(target_os = "linux")]
+    fn resident_pages(&self, first: usize, last: usize) -> usize {
+        let (start, len) = (self.slot_ptr(first), (last - first) * self.slot_size);
+        let mut v = vec![0u8; len.div_ceil(4096)];
+        // SAFETY: [start, start + len) lies in the arena's mapping and start is page-aligned
+        // (the tests use 4 KiB alignment); `v` has a byte per page.
+        let rc = unsafe { libc::mincore(start as *mut libc::c_void, len, v.as_mut_ptr()) };
+        assert_eq!(rc, 0);
+        v.iter().filter(|&&b| b & 1 == 1).count()
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Holds a prefaulting thread before its first piece (one test at a time uses it).
+    pub(super) static HOLD: AtomicBool = AtomicBool::new(false);
+
+    /// Prefaulting makes every page resident without changing a byte written before or while
+    /// it runs, and a released range stays given back (the thread stops below it).
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn prefault_keeps_bytes_and_released_slots_stay_released() {
+        const SLOT: usize = 1 << 20;
+        let a = Arena::new(96, SLOT, 4096).unwrap();
+        // SAFETY: nothing else touches slot 5 yet.
+        unsafe { std::ptr::write_bytes(a.slot_ptr(5), 0xa5, SLOT) };
+        // The thread waits until the range is released, as a cache shrunk early would be.
+        HOLD.store(true, Ordering::Relaxed);
+        a.prefault();
+        // SAFETY: as above, for slot 60.
+        unsafe { std::ptr::write_bytes(a.slot_ptr(60), 0x5a, SLOT) };
+        // SAFETY: no reads in flight and no references into slots 64..96.
+        unsafe { a.release(64, 96) };
+        HOLD.store(false, Ordering::Relaxed);
+        a.wait_prefault();
+        let pages = 64 * SLOT / 4096;
+        assert_eq!(a.resident_pages(0, 64), pages, "the kept slots are faulted in");
+        // At most the huge page that straddles slot 64's start (faulted in for slot 63).
+        let back = a.resident_pages(64, 96);
+        assert!(back <= 512, "the released slots stay given back: {back} of {} pages resident", 32 * SLOT / 4096);
+        // SAFETY: no reads in flight.
+        let (s5, s60, s7) = unsafe { (a.slot(5), a.slot(60), a.slot(7)) };
+        assert!(s5.iter().all(|&b| b == 0xa5) && s60.iter().all(|&b| b == 0x5a) && s7.iter().all(|&b| b == 0));
+        // A second arena dropped while its thread runs frees nothing under it (the drop joins).
+        let b = Arena::new(256, SLOT, 4096).unwrap();
+        b.prefault();
+        drop(b);
+    }
 
     #[test]
     fn slots_are_aligned_and_disjoint() {

@@ -214,6 +214,11 @@ pub trait ExpertSource: Send + Sync {
     /// read from disk may start reading them; the default ignores the hint.
     fn prefetch(&self, _layer: usize, _experts: &[u32]) {}
 
+    /// Hint, given once the model has loaded: fault the cache's memory in ahead of use, in the
+    /// background, so that reads do not wait for fresh pages to be zeroed. The default does
+    /// nothing.
+    fn prefault_cache(&self) {}
+
     /// The host memory every view this source hands out lies in, as `(address, bytes)`
     /// ranges that stay allocated for the source's lifetime: a backend that copies experts to
     /// a device page-locks them, so that its copies run at the bus's speed and asynchronously.

@@ -675,6 +675,14 @@ impl ExpertSource for ExpertStore {
         self.prefetch_reads(layer, experts)
     }
 
+    /// The arena's pages, faulted in on a background thread ([`Arena::prefault`]);
+    /// `SMOE_PREFAULT=off` leaves them to the reads (to measure the difference).
+    fn prefault_cache(&self) {
+        if !std::env::var("SMOE_PREFAULT").is_ok_and(|v| matches!(v.as_str(), "off" | "0" | "no")) {
+            self.arena.prefault();
+        }
+    }
+
     fn host_memory_locked(&self) {
         self.locked.store(true, Ordering::Relaxed);
     }
