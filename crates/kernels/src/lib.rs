@@ -509,13 +509,17 @@ pub fn available() -> Vec<Kernels> {
     v
 }
 
-/// The best table for this CPU, chosen once (override with `SMOE_ISA=scalar|avx2|...`).
+/// The best table for this CPU, chosen once (override with `SMOE_ISA=scalar|avx2|...`). The
+/// AMX table is chosen only when asked for (`SMOE_ISA=avx512-amx` or `SMOE_AMX=on`): on the
+/// Sapphire Rapids host it was no faster than VNNI (docs/benchmarks.md, issue #23).
 pub fn best() -> &'static Kernels {
     static BEST: OnceLock<Kernels> = OnceLock::new();
     BEST.get_or_init(|| {
         let all = available();
         let want = std::env::var("SMOE_ISA").ok();
-        let k = want.as_deref().and_then(|w| all.iter().find(|k| k.isa == w).cloned()).unwrap_or_else(|| all[0].clone());
+        let amx = std::env::var("SMOE_AMX").is_ok_and(|v| matches!(v.as_str(), "on" | "1" | "yes"));
+        let default = all.iter().find(|k| amx || k.isa != "avx512-amx").unwrap_or(&all[0]);
+        let k = want.as_deref().and_then(|w| all.iter().find(|k| k.isa == w)).unwrap_or(default).clone();
         tracing::info!("kernels: chose {} (available: {})", k.isa, all.iter().map(|k| k.isa).collect::<Vec<_>>().join(", "));
         k
     })
