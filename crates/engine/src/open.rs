@@ -320,8 +320,9 @@ pub fn open<B: Backend>(path: &Path, opts: &OpenOptions, backend: B) -> Result<(
     if let Some(src) = &opts.chat_template {
         manifest.text.chat_template = Some(src.clone());
     }
-    // After the dense weights: faulting the cache in while they load slowed the load (2.4 →
-    // 9.9 s on the 2-core VM, which backs fresh memory slowly) more than it saved.
+    // Once the dense weights are in: the hint is that the model is ready. (On the 2-core VM,
+    // which backs fresh memory slowly, the load was slower with the thread running either way;
+    // docs/benchmarks.md.)
     let cache = experts.clone();
     let model = Model::load_parts(&arch, &manifest.dense, region, backend, experts)?;
     cache.prefault_cache();

@@ -423,3 +423,28 @@ fn a_cache_resized_mid_run_changes_no_numbers() {
         assert!(store.capacity().resident_slots > k);
     }
 }
+
+/// The prefault hint faults the cache in before any read, and the pages it faulted count as
+/// held (the server's memory watch compares them with what memory went); numbers stay those of
+/// a resident run.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_prefaulted_cache_counts_as_held_and_changes_no_numbers() {
+    let path = vault("qwen3_moe", Format::Q8_0, Format::Q8_0);
+    let (model, store) = streaming(&path, 10_000);
+    let cap = store.cache_capacity().unwrap();
+    assert_eq!(cap.resident_slots, 0, "nothing read or faulted yet");
+    store.prefault_cache();
+    let t = std::time::Instant::now();
+    while store.cache_capacity().unwrap().resident_slots < cap.slots && t.elapsed().as_secs() < 60 {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert_eq!(store.cache_capacity().unwrap().resident_slots, cap.slots, "every slot faulted in counts as held");
+    assert_eq!(store.stats().misses, 0, "faulting pages in reads no expert");
+    let input = input_ids("qwen3_moe", "long");
+    let v = Vault::open(&path).unwrap();
+    let resident = Model::load(&v, CpuBackend::new(Precision::Reference), Arc::new(ResidentExperts::load(&v).unwrap())).unwrap();
+    let (a, b) =
+        (score(&model, &input, ScoreMode::Decode, 64, false).unwrap(), score(&resident, &input, ScoreMode::Decode, 64, false).unwrap());
+    assert_eq!(a.logits, b.logits, "the same numbers as resident experts");
+}

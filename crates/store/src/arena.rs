@@ -4,7 +4,7 @@
 use crate::StoreError;
 use std::alloc::{alloc, dealloc, Layout};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
@@ -16,6 +16,9 @@ pub struct Arena {
     slots: usize,
     /// The background thread that faults the pages in ahead of use, and what it shares.
     prefault: Mutex<Option<(Arc<Prefault>, JoinHandle<()>)>>,
+    /// Bytes from the start below the lowest range [`Arena::release`] gave back: a prefaulting
+    /// thread started later stops there.
+    released_from: AtomicUsize,
 }
 
 /// What the prefaulting thread shares with the arena.
@@ -23,6 +26,9 @@ struct Prefault {
     /// Bytes from the arena's start that the thread may still fault in; held while it faults
     /// a piece, so that [`Arena::release`] can lower it and know no piece above is in progress.
     limit: Mutex<usize>,
+    /// Bytes from the arena's start faulted in (whole pieces, lowered with the limit), read
+    /// without the lock by [`Arena::prefaulted_slots`].
+    done: AtomicUsize,
     stop: AtomicBool,
 }
 
@@ -48,11 +54,11 @@ impl Arena {
         let ptr = NonNull::new(ptr).ok_or_else(|| StoreError::Config(format!("cannot allocate a {size}-byte expert cache")))?;
         // Before any read touches the pages, so that they are huge from the start.
         smoe_vault::hugepages::advise(ptr.as_ptr(), size);
-        Ok(Arena { ptr, layout, slot_size, slots, prefault: Mutex::new(None) })
+        Ok(Arena { ptr, layout, slot_size, slots, prefault: Mutex::new(None), released_from: AtomicUsize::new(size) })
     }
 
     /// Starts faulting the arena's pages in on a background thread at the lowest CPU priority,
-    /// from slot 0 up (the order the store fills slots), in pieces of 64 MiB through
+    /// from slot 0 up (the order the store fills slots), in pieces of 8 MiB through
     /// `MADV_POPULATE_WRITE` (Linux 5.14; elsewhere, or where the kernel refuses it, nothing
     /// happens). A page the kernel hands out must be zeroed first, and where that happens
     /// inside a read's submission it stalls the read and the thread that issued it: a cold
@@ -60,19 +66,29 @@ impl Arena {
     /// pages as reads landed in them (`perf`, docs/benchmarks.md). Faulting them in while the
     /// engine loads its dense weights (waiting on the disk) or waits for reads moves that work
     /// off the reads' path. It never changes a byte a read has written: pages already present
-    /// are left as they are. The thread stops at the arena's drop and at [`Arena::release`]'s
-    /// range, so a shrunk cache's memory stays given back.
+    /// are left as they are. The thread stops at the arena's drop and below [`Arena::release`]'s
+    /// range, so a shrunk cache's memory stays given back (but for a huge page that straddles
+    /// the range's start). [`Arena::prefaulted_slots`] says how far it got, for the memory
+    /// accounting: those pages are held whether or not a read has landed in them yet.
     pub fn prefault(&self) {
         let mut slot = self.prefault.lock().unwrap_or_else(|e| e.into_inner());
         if slot.is_some() || !cfg!(target_os = "linux") {
             return;
         }
-        let shared = Arc::new(Prefault { limit: Mutex::new(self.layout.size()), stop: AtomicBool::new(false) });
+        let limit = self.released_from.load(Ordering::Relaxed);
+        let shared = Arc::new(Prefault { limit: Mutex::new(limit), done: AtomicUsize::new(0), stop: AtomicBool::new(false) });
         let (base, theirs) = (self.ptr.as_ptr() as usize, shared.clone());
         let spawned = std::thread::Builder::new().name("smoe-prefault".into()).spawn(move || prefault_pages(base, &theirs));
         if let Ok(handle) = spawned {
             *slot = Some((shared, handle));
         }
+    }
+
+    /// Slots from 0 whose pages the prefaulting thread has faulted in (0 without one). Takes
+    /// no lock the thread holds while it works, so the store may ask under its own.
+    pub fn prefaulted_slots(&self) -> usize {
+        let p = self.prefault.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|(p, _)| p.clone());
+        p.map_or(0, |p| p.done.load(Ordering::Relaxed) / self.slot_size)
     }
 
     /// Number of slots.
@@ -125,9 +141,11 @@ impl Arena {
         // The prefaulting thread stops below the released range (waiting for a piece it may be
         // faulting in), so it cannot fault the range in again after the madvise below.
         let prefault = self.prefault.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|(p, _)| p.clone());
+        self.released_from.fetch_min(first * self.slot_size, Ordering::Relaxed);
         let _limit = prefault.as_ref().map(|p| {
             let mut limit = p.limit.lock().unwrap_or_else(|e| e.into_inner());
             *limit = (*limit).min(first * self.slot_size);
+            p.done.fetch_min(*limit, Ordering::Relaxed);
             limit
         });
         #[cfg(target_os = "linux")]
@@ -185,7 +203,9 @@ fn prefault_pages(base: usize, p: &Prefault) {
         while tests::HOLD.load(Ordering::Relaxed) {
             std::thread::yield_now();
         }
-        const PIECE: usize = 64 << 20;
+        // Small, so that a `release` waiting for the piece under way (the store's lock held)
+        // waits briefly.
+        const PIECE: usize = 8 << 20;
         let mut at = 0;
         while !p.stop.load(Ordering::Relaxed) {
             let limit = p.limit.lock().unwrap_or_else(|e| e.into_inner());
@@ -199,10 +219,11 @@ fn prefault_pages(base: usize, p: &Prefault) {
             // one, so a read landing in the range concurrently keeps its bytes; the range is
             // below the released slots (the limit, held while faulting).
             let rc = unsafe { libc::madvise((base + at) as *mut libc::c_void, end - at, libc::MADV_POPULATE_WRITE) };
-            drop(limit);
             if rc != 0 {
                 break; // an older kernel (EINVAL), or no memory for it (the reads will fault)
             }
+            p.done.store(end, Ordering::Relaxed);
+            drop(limit);
             at = end;
         }
     }
@@ -210,20 +231,18 @@ fn prefault_pages(base: usize, p: &Prefault) {
     let _ = (base, p);
 }
 
-#[cfg(test)]
+#[cfg(all(test, target_os = "linux"))]
 impl Arena {
-    /// Waits for the prefaulting thread to finish (tests).
+    /// Waits for the prefaulting thread to finish (tests); what it shares stays in place.
     fn wait_prefault(&self) {
-        let taken = self.prefault.lock().unwrap().take();
-        if let Some((p, handle)) = taken {
+        let mut slot = self.prefault.lock().unwrap();
+        if let Some((p, handle)) = slot.take() {
             handle.join().unwrap();
-            // Kept, so that `release` still lowers the (finished) thread's limit.
-            drop(p);
+            *slot = Some((p, std::thread::spawn(|| {})));
         }
     }
 
     /// How many of the 4 KiB pages of slots `first..last` are resident (Linux's `mincore`).
-    #[cfg(target_os = "linux")]
     fn resident_pages(&self, first: usize, last: usize) -> usize {
         let (start, len) = (self.slot_ptr(first), (last - first) * self.slot_size);
         let mut v = vec![0u8; len.div_ceil(4096)];
@@ -240,6 +259,7 @@ mod tests {
     use super::*;
 
     /// Holds a prefaulting thread before its first piece (one test at a time uses it).
+    #[cfg(target_os = "linux")]
     pub(super) static HOLD: AtomicBool = AtomicBool::new(false);
 
     /// Prefaulting makes every page resident without changing a byte written before or while
@@ -260,6 +280,7 @@ mod tests {
         unsafe { a.release(64, 96) };
         HOLD.store(false, Ordering::Relaxed);
         a.wait_prefault();
+        assert_eq!(a.prefaulted_slots(), 64, "counted as held: the kept slots");
         let pages = 64 * SLOT / 4096;
         assert_eq!(a.resident_pages(0, 64), pages, "the kept slots are faulted in");
         // At most the huge page that straddles slot 64's start (faulted in for slot 63).

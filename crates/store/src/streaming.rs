@@ -223,8 +223,15 @@ impl ExpertStore {
             max_slots: self.arena.slots(),
             min_slots: self.min_slots,
             slot_bytes: self.arena.slot_size() as u64,
-            // A locked arena is resident whole: the driver touched every page when locking.
-            resident_slots: if locked { self.arena.slots() } else { inner.touched.iter().filter(|&&t| t).count() },
+            // A locked arena is resident whole: the driver touched every page when locking. The
+            // prefaulting thread's slots are held too, read into or not (without them the
+            // server's memory watch saw memory gone and the cache not grown, and shrank it).
+            resident_slots: if locked {
+                self.arena.slots()
+            } else {
+                let pre = self.arena.prefaulted_slots().min(inner.capacity);
+                pre + inner.touched[pre..].iter().filter(|&&t| t).count()
+            },
             locked,
         }
     }
