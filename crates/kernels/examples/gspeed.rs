@@ -71,6 +71,39 @@ fn main() {
             }
             let secs = t.elapsed().as_secs_f64();
             println!("{f} {:12} group:  {:6.1} GMAC/s [{s:.0}]", k.isa, macs / secs / 1e9);
+            // The one-token group kernels as batched decode calls them: Q8_0 four tokens a
+            // call, Q4_K two or three, the rest one at a time.
+            let mut o8 = vec![[0f32; 8]; n];
+            let t = std::time::Instant::now();
+            for _ in 0..reps {
+                for g in (0..rows).step_by(8) {
+                    let grp = &inter[g * rb..(g + 8) * rb];
+                    let mut tk = 0;
+                    while f == Format::Q8_0 && tk + 4 <= n {
+                        let (a4, o4) = (std::array::from_fn(|i| qa.row(tk + i)), o8[tk..tk + 4].iter_mut().collect::<Vec<_>>());
+                        let o4: [&mut [f32; 8]; 4] = o4.try_into().unwrap();
+                        if !k.dot_group8_x4(f, grp, cols, a4, o4) {
+                            break;
+                        }
+                        tk += 4;
+                    }
+                    while f == Format::Q4_K && tk + 2 <= n {
+                        let m = if n - tk == 2 || n - tk == 4 { 2 } else { 3 };
+                        let a: Vec<_> = (tk..tk + m).map(|i| qa.row(i)).collect();
+                        let mut o: Vec<&mut [f32; 8]> = o8[tk..tk + m].iter_mut().collect();
+                        if !k.dot_group8_few(f, grp, cols, &a, &mut o) {
+                            break;
+                        }
+                        tk += m;
+                    }
+                    for tk in tk..n {
+                        k.dot_group8(f, grp, cols, qa.row(tk), &mut o8[tk]);
+                    }
+                    s += o8[0][0];
+                }
+            }
+            let secs = t.elapsed().as_secs_f64();
+            println!("{f} {:12} decode-group: {:6.1} GMAC/s [{s:.0}]", k.isa, macs / secs / 1e9);
         }
     }
 }

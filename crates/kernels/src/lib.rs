@@ -92,6 +92,8 @@ pub struct Kernels {
     /// The same for two and for three tokens at once.
     q4k_group8x2: Option<Group8x2Fn>,
     q4k_group8x3: Option<Group8x3Fn>,
+    /// Tokens from which the many-token tiles beat those two- and three-token kernels.
+    q4k_tiles_from: usize,
     /// Eight interleaved Q8_0 rows against one token, and against four.
     q8_0_group8: Option<Group8Q32Fn>,
     q8_0_group8x4: Option<Group8x4Q32Fn>,
@@ -158,6 +160,7 @@ impl Kernels {
             group8: [None; FORMATS],
             q4k_group8x2: None,
             q4k_group8x3: None,
+            q4k_tiles_from: 4,
             q8_0_group8: None,
             q8_0_group8x4: None,
             gemm_group8: [None; FORMATS],
@@ -271,10 +274,11 @@ impl Kernels {
     }
 
     #[allow(dead_code)]
-    pub(crate) fn set_group8(&mut self, g: Group8Fn, two: Group8x2Fn, three: Group8x3Fn) {
+    pub(crate) fn set_group8(&mut self, g: Group8Fn, two: Group8x2Fn, three: Group8x3Fn, tiles_from: usize) {
         self.group8[slot(Format::Q4_K)] = Some(g);
         self.q4k_group8x2 = Some(two);
         self.q4k_group8x3 = Some(three);
+        self.q4k_tiles_from = tiles_from;
     }
 
     /// Sets the one-token group kernel of a 256-element-block format other than Q4_K (whose
@@ -283,6 +287,22 @@ impl Kernels {
     pub(crate) fn set_group8_one(&mut self, f: Format, g: Group8Fn) {
         assert!(matches!(f, Format::Q2_K | Format::Q3_K), "{f} has no group kernel of this kind");
         self.group8[slot(f)] = Some(g);
+    }
+
+    /// Whether [`Kernels::dot_group8_few`] has two- and three-token kernels for `f`.
+    pub fn has_group8_few(&self, f: Format) -> bool {
+        f == Format::Q4_K && self.q4k_group8x2.is_some() && self.q4k_group8x3.is_some()
+    }
+
+    /// Tokens from which eight interleaved `f` rows are multiplied faster through the
+    /// many-token tiles ([`Kernels::gemm_group8`]) than through [`Kernels::dot_group8_few`] in
+    /// threes and twos, as this table measured on its CPUs; 4 where `f` has no few-token kernels.
+    pub fn group8_tiles_from(&self, f: Format) -> usize {
+        if self.has_group8_few(f) {
+            self.q4k_tiles_from
+        } else {
+            4
+        }
     }
 
     /// [`Kernels::dot_group8`] for two or three tokens at once (`a.len() == out.len()`), each

@@ -81,27 +81,40 @@ fn dot_rows(k: &Kernels, w: &QMatrix<'_>, r0: usize, r1: usize, a: smoe_kernels:
 }
 
 /// Whether `n` tokens against `w` take the many-token kernels (an interleaved tile of
-/// activations), not the one-token kernels once per token. Interleaved Q8_0 (dense matrices,
-/// [`crate::Backend::prepare_dense`]) takes its eight-row group kernel, four tokens at a time,
-/// up to [`GROUP_TOKENS`] tokens: a batch of decode steps then gets the bits each sequence gets
-/// alone, and on the 2-core EPYC it is also the faster kernel there (a 16- or 32-sequence batch
-/// decoded 5-10% faster than through the tiles; docs/benchmarks.md). Prefill's longer steps
-/// take the tiled kernels on the group's rows taken apart: on the H200 host (Sapphire Rapids)
-/// the group kernel cost 23% of prefill(512) at 2 threads.
+/// activations), not the one-token kernels once per token. An interleaved matrix with group
+/// kernels for several tokens keeps them for more tokens, since they read and unpack a group's
+/// weights once for all of them and give each token the bits it gets alone:
+/// - Q8_0 (dense matrices, [`crate::Backend::prepare_dense`]), four tokens a call, up to
+///   [`GROUP_TOKENS`]: on the 2-core EPYC a 16- or 32-sequence batch decoded 5-10% faster
+///   than through the tiles; prefill's longer steps take the tiled kernels on the group's rows
+///   taken apart (on the H200 host the group kernel cost 23% of prefill(512) at 2 threads).
+/// - Q4_K (experts), three or two tokens a call, below the table's
+///   [`Kernels::group8_tiles_from`] (16 tokens with VNNI, 8 with AVX2): a batch's experts and
+///   prefill's less chosen ones. `SMOE_TILES_FROM=N` overrides it (read once; 4 was the rule
+///   before, to compare).
 fn many_tokens(k: &Kernels, w: &QMatrix<'_>, n: usize) -> bool {
-    let group_kernel = w.layout == Layout::Interleaved8 && w.format == smoe_quant::Format::Q8_0;
-    n >= if group_kernel { GROUP_TOKENS } else { 4 } && k.has_gemm(w.format)
+    let from = match (w.layout, w.format) {
+        (Layout::Interleaved8, smoe_quant::Format::Q8_0) => GROUP_TOKENS,
+        (Layout::Interleaved8, f) if k.has_group8_few(f) => tiles_from_override().unwrap_or(k.group8_tiles_from(f)),
+        _ => 4,
+    };
+    n >= from && k.has_gemm(w.format)
 }
 
 /// Tokens from which interleaved Q8_0 takes the tiled kernels (see [`many_tokens`]).
 const GROUP_TOKENS: usize = 64;
 
+/// `SMOE_TILES_FROM`, read once (see [`many_tokens`]).
+fn tiles_from_override() -> Option<usize> {
+    static FROM: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *FROM.get_or_init(|| std::env::var("SMOE_TILES_FROM").ok().and_then(|v| v.parse().ok()).filter(|&n| n >= 2))
+}
+
 /// Rows `r0..r1` of `w` against tokens `0..n` of `act` through the one-token kernels, token
-/// `t`'s outputs into `dest(t, first row, rows)`. An interleaved matrix with a four-token group
-/// kernel goes group by group, four tokens per call (the same bits as one at a time), and one
-/// with a two- or three-token kernel (Q4_K: a batch's experts, mostly chosen by one to three
-/// of its tokens) likewise; others by blocks of rows, every token against each block while it
-/// is in cache.
+/// `t`'s outputs into `dest(t, first row, rows)`. An interleaved matrix goes group by group,
+/// each group's tokens four at a time where it has a four-token kernel (Q8_0), then three or
+/// two at a time where it has those (Q4_K), then one by one: the same bits as one at a time.
+/// Others go by blocks of rows, every token against each block while it is in cache.
 fn dot_tokens<'o>(
     k: &Kernels,
     w: &QMatrix<'_>,
@@ -111,45 +124,35 @@ fn dot_tokens<'o>(
     n: usize,
     dest: impl Fn(usize, usize, usize) -> &'o mut [f32],
 ) {
-    if w.layout == Layout::Interleaved8 && n >= 4 {
-        let rb = w.row_bytes();
+    if w.layout == Layout::Interleaved8 && n >= 2 {
+        // Tasks start and end on whole groups (TASK_ROWS): `dest` hands out rows r0..r1 only.
+        assert!(r0.is_multiple_of(8) && (r1 - r0).is_multiple_of(8), "rows {r0}..{r1} are not whole groups");
+        let (rb, few) = (w.row_bytes(), k.has_group8_few(w.format));
         for g in (r0..r1).step_by(8) {
             let group = &w.data[g * rb..(g + 8) * rb];
+            let o = |t: usize| -> &mut [f32; 8] { dest(t, g, 8).try_into().expect("eight rows") };
             let mut t = 0;
-            while t + 4 <= n {
-                let out: [&mut [f32; 8]; 4] = std::array::from_fn(|i| dest(t + i, g, 8).try_into().expect("eight rows"));
-                if !k.dot_group8_x4(w.format, group, w.cols, std::array::from_fn(|i| act.row(t + i)), out) {
-                    break;
-                }
+            while n - t >= 4
+                && k.dot_group8_x4(w.format, group, w.cols, std::array::from_fn(|i| act.row(t + i)), std::array::from_fn(|i| o(t + i)))
+            {
                 t += 4;
+            }
+            // Threes, and twos where a three would leave one alone (4 = 2 + 2, 7 = 3 + 2 + 2).
+            while few && n - t >= 2 {
+                let m = if n - t == 2 || n - t == 4 { 2 } else { 3 };
+                let a = [act.row(t), act.row(t + 1), act.row(t + m - 1)];
+                let done = match m {
+                    2 => k.dot_group8_few(w.format, group, w.cols, &a[..2], &mut [o(t), o(t + 1)]),
+                    _ => k.dot_group8_few(w.format, group, w.cols, &a, &mut [o(t), o(t + 1), o(t + 2)]),
+                };
+                assert!(done, "{} has few-token group kernels", w.format);
+                t += m;
             }
             for t in t..n {
                 dot_rows(k, w, g, g + 8, act.row(t), dest(t, g, 8));
             }
         }
         return;
-    }
-    if w.layout == Layout::Interleaved8 && (2..=3).contains(&n) {
-        // Two or three tokens on one group (a batch's experts): the weights unpacked once.
-        // Tasks start and end on whole groups (TASK_ROWS): `dest` hands out rows r0..r1 only.
-        assert!(r0.is_multiple_of(8) && (r1 - r0).is_multiple_of(8), "rows {r0}..{r1} are not whole groups");
-        let rb = w.row_bytes();
-        let acts = [act.row(0), act.row(1), act.row(n - 1)];
-        let mut done = true;
-        for g in (r0..r1).step_by(8) {
-            let o = |t: usize| -> &mut [f32; 8] { dest(t, g, 8).try_into().expect("eight rows") };
-            let group = &w.data[g * rb..(g + 8) * rb];
-            done = match n {
-                2 => k.dot_group8_few(w.format, group, w.cols, &acts[..2], &mut [o(0), o(1)]),
-                _ => k.dot_group8_few(w.format, group, w.cols, &acts, &mut [o(0), o(1), o(2)]),
-            };
-            if !done {
-                break; // no such kernel: nothing was written
-            }
-        }
-        if done {
-            return;
-        }
     }
     for (b0, b1) in row_blocks(r0, r1, n) {
         for t in 0..n {
@@ -339,10 +342,11 @@ mod tests {
         assert!(last * 8 < first, "the last task ({last}) is much smaller than the first ({first})");
     }
 
-    /// Two or three tokens on an interleaved Q4_K matrix (a batch's expert) take the few-token
-    /// group kernel; each token gets exactly the outputs it gets alone.
+    /// Two to fifteen tokens on an interleaved Q4_K matrix (a batch's expert, or one prefill
+    /// chose less often) take the few-token group kernels, in threes and twos; each token gets
+    /// exactly the outputs it gets alone.
     #[test]
-    fn two_or_three_tokens_on_interleaved_q4k_give_each_token_its_bits_alone() {
+    fn two_to_fifteen_tokens_on_interleaved_q4k_give_each_token_its_bits_alone() {
         let (k, pool) = (smoe_kernels::best(), Pool::new(2));
         let (rows, cols) = (64, 512);
         let w: Vec<f32> = (0..rows * cols).map(|i| ((i * 7 % 53) as f32 - 26.0) / 9.0).collect();
@@ -355,8 +359,13 @@ mod tests {
         smoe_quant::interleave::interleave(Format::Q4_K, &plain, rows, cols, &mut inter);
         let mut m = QMatrix::new(Format::Q4_K, rows, cols, &inter).unwrap();
         m.layout = Layout::Interleaved8;
-        for n in [2usize, 3] {
-            assert_each_token_alone(k, &pool, &m, n, 0.0);
+        // This CPU's best table and, where it is another, AVX2 (tiles from 8 tokens).
+        let avx2 = smoe_kernels::available().into_iter().find(|t| t.isa == "avx2");
+        for t in avx2.iter().chain([k]) {
+            for n in 2..t.group8_tiles_from(Format::Q4_K) {
+                assert!(!many_tokens(t, &m, n) || tiles_from_override().is_some(), "{n} tokens take the few-token kernels");
+                assert_each_token_alone(t, &pool, &m, n, 0.0);
+            }
         }
     }
 
