@@ -80,18 +80,23 @@ fn main() {
                     let grp = &inter[g * rb..(g + 8) * rb];
                     let mut tk = 0;
                     while f == Format::Q8_0 && tk + 4 <= n {
-                        let (a4, o4) = (std::array::from_fn(|i| qa.row(tk + i)), o8[tk..tk + 4].iter_mut().collect::<Vec<_>>());
-                        let o4: [&mut [f32; 8]; 4] = o4.try_into().unwrap();
-                        if !k.dot_group8_x4(f, grp, cols, a4, o4) {
+                        let [o0, o1, o2, o3, ..] = &mut o8[tk..] else { unreachable!() };
+                        if !k.dot_group8_x4(f, grp, cols, std::array::from_fn(|i| qa.row(tk + i)), [o0, o1, o2, o3]) {
                             break;
                         }
                         tk += 4;
                     }
                     while f == Format::Q4_K && tk + 2 <= n {
-                        let m = if n - tk == 2 || n - tk == 4 { 2 } else { 3 };
-                        let a: Vec<_> = (tk..tk + m).map(|i| qa.row(i)).collect();
-                        let mut o: Vec<&mut [f32; 8]> = o8[tk..tk + m].iter_mut().collect();
-                        if !k.dot_group8_few(f, grp, cols, &a, &mut o) {
+                        // Arrays, not vectors: no allocation inside the timed loop.
+                        let m = smoe_kernels::Kernels::group8_few_next(n - tk);
+                        let a = [qa.row(tk), qa.row(tk + 1), qa.row(tk + m - 1)];
+                        let done = match &mut o8[tk..] {
+                            [o0, o1] => k.dot_group8_few(f, grp, cols, &a[..2], &mut [o0, o1]),
+                            [o0, o1, o2, ..] if m == 3 => k.dot_group8_few(f, grp, cols, &a, &mut [o0, o1, o2]),
+                            [o0, o1, ..] => k.dot_group8_few(f, grp, cols, &a[..2], &mut [o0, o1]),
+                            _ => unreachable!(),
+                        };
+                        if !done {
                             break;
                         }
                         tk += m;

@@ -289,6 +289,16 @@ impl Kernels {
         self.group8[slot(f)] = Some(g);
     }
 
+    /// How many of `left` tokens (at least 2) the next [`Kernels::dot_group8_few`] call takes:
+    /// threes, and twos where a three would leave one alone (4 = 2 + 2, 7 = 3 + 2 + 2).
+    pub fn group8_few_next(left: usize) -> usize {
+        if left == 2 || left == 4 {
+            2
+        } else {
+            3
+        }
+    }
+
     /// Whether [`Kernels::dot_group8_few`] has two- and three-token kernels for `f`.
     pub fn has_group8_few(&self, f: Format) -> bool {
         f == Format::Q4_K && self.q4k_group8x2.is_some() && self.q4k_group8x3.is_some()

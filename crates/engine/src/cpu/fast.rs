@@ -137,9 +137,8 @@ fn dot_tokens<'o>(
             {
                 t += 4;
             }
-            // Threes, and twos where a three would leave one alone (4 = 2 + 2, 7 = 3 + 2 + 2).
             while few && n - t >= 2 {
-                let m = if n - t == 2 || n - t == 4 { 2 } else { 3 };
+                let m = Kernels::group8_few_next(n - t);
                 let a = [act.row(t), act.row(t + 1), act.row(t + m - 1)];
                 let done = match m {
                     2 => k.dot_group8_few(w.format, group, w.cols, &a[..2], &mut [o(t), o(t + 1)]),
