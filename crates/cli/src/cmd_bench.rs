@@ -140,11 +140,36 @@ fn bench_on<B: Backend>(engine: &Engine<B>, report: &OpenReport, job: &BenchJob,
         println!("{tag}prefill {}", prefill.describe(r.ttft_ms));
         println!("{tag}decode  {}", decode.describe(r.decode_ms));
     }
+    if let Some(sites) = &r.pool_sites {
+        for (phase, sites) in ["prefill", "decode "].iter().zip(sites) {
+            print_pool_sites(&format!("{tag}{phase}"), sites, model.threads.unwrap_or_else(smoe_engine::default_threads));
+        }
+    }
     if model.instrument {
         println!("{tag}prefill: {}", r.prefill);
         println!("{tag}decode:  {}", r.decode);
     }
     Ok(())
+}
+
+/// With `SMOE_POOL_PROFILE`: the call sites that left the most thread time idle (serial time
+/// before their jobs on every other thread, plus idle threads inside them), most first.
+fn print_pool_sites(tag: &str, sites: &[smoe_engine::cpu::pool::profile::Site], threads: usize) {
+    let threads = threads as u64;
+    let mut by_idle: Vec<_> = sites.iter().collect();
+    by_idle.sort_by_key(|s| std::cmp::Reverse(s.idle_ns(threads)));
+    let ms = |ns: u64| ns as f64 / 1e6;
+    for s in by_idle.iter().take(12) {
+        println!(
+            "{tag} site {:<34} {:>6} jobs  serial before {:>7.2} ms  in jobs {:>7.2} ms  busy {:>3.0}%  idle {:>8.2} thread-ms",
+            s.at.rsplit("src/").next().unwrap_or(&s.at),
+            s.jobs,
+            ms(s.gap_ns),
+            ms(s.job_ns),
+            100.0 * s.busy_ns as f64 / (s.thread_ns as f64).max(1.0),
+            ms(s.idle_ns(threads))
+        );
+    }
 }
 
 /// `smoe bench --batch N[,N...]`: each batch size in turn on the one loaded model, the sizes

@@ -52,6 +52,8 @@ pub struct BenchResult {
     pub rss_growth_bytes: Option<i64>,
     /// The CPU pool's time during prefill and decode, with `SMOE_POOL_PROFILE` set.
     pub pool: Option<[PoolCounters; 2]>,
+    /// The same per call site (see [`profile::Site`]), prefill then decode.
+    pub pool_sites: Option<[Vec<profile::Site>; 2]>,
     /// Wall time of the decode loop, milliseconds (the instrument's step times leave out what
     /// happens between steps).
     pub decode_ms: f64,
@@ -94,6 +96,7 @@ pub fn bench<B: Backend>(engine: &Engine<B>, opts: &BenchOptions) -> Result<Benc
     let rss0 = resident_bytes();
     let tier0 = engine.model.backend().device_tier();
     let pool0 = PoolCounters::read();
+    let sites0 = profile::sites();
     let t0 = std::time::Instant::now();
     let logits = engine.model.forward(&mut st, &prompt, Logits::Last, &mut NoObserver)?;
     // The first token (greedy) is part of the time to first token.
@@ -101,6 +104,7 @@ pub fn bench<B: Backend>(engine: &Engine<B>, opts: &BenchOptions) -> Result<Benc
     let ttft = t0.elapsed().as_secs_f64();
     let tier1 = engine.model.backend().device_tier();
     let pool1 = PoolCounters::read();
+    let sites1 = profile::sites();
     let t1 = std::time::Instant::now();
     for &id in &inputs {
         engine.model.forward(&mut st, &[id], Logits::Last, &mut NoObserver)?;
@@ -108,6 +112,7 @@ pub fn bench<B: Backend>(engine: &Engine<B>, opts: &BenchOptions) -> Result<Benc
     let decode_s = t1.elapsed().as_secs_f64();
     let tier2 = engine.model.backend().device_tier();
     let pool = profile::enabled().then(|| [pool1.since(&pool0), PoolCounters::read().since(&pool1)]);
+    let pool_sites = profile::enabled().then(|| [profile::sites_since(&sites1, &sites0), profile::sites_since(&profile::sites(), &sites1)]);
     let rss_growth_bytes = rss0.zip(resident_bytes()).map(|(a, b)| b - a);
     let ins = st.instrument.as_ref().expect("enabled above");
     let prefill_steps = opts.prompt_tokens.div_ceil(opts.chunk);
@@ -132,6 +137,7 @@ pub fn bench<B: Backend>(engine: &Engine<B>, opts: &BenchOptions) -> Result<Benc
         kv_bytes: engine.model.backend().kv_bytes(st.kv()),
         rss_growth_bytes,
         pool,
+        pool_sites,
         decode_ms: decode_s * 1e3,
     })
 }

@@ -35,6 +35,24 @@ impl DisjointOut {
         DisjointOut { ptr: out.as_mut_ptr(), len: out.len() }
     }
 
+    /// Over memory not yet initialised (a vector's spare capacity), written only through
+    /// [`write_from`](Self::write_from).
+    fn new_uninit(out: &mut [std::mem::MaybeUninit<f32>]) -> DisjointOut {
+        DisjointOut { ptr: out.as_mut_ptr().cast(), len: out.len() }
+    }
+
+    /// Copies `src` to `start..`, which no other task touches.
+    ///
+    /// # Safety
+    /// No other task may touch `start..start + src.len()` meanwhile.
+    unsafe fn write_from(&self, start: usize, src: &[f32]) {
+        assert!(start + src.len() <= self.len);
+        // SAFETY: in bounds (checked), exclusive by the caller's guarantee; `src` is a shared
+        // borrow of other memory, so the two cannot overlap. No reference to the (possibly
+        // uninitialised) destination is made.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.add(start), src.len()) }
+    }
+
     /// Writes element `i`, which no other task writes.
     fn write(&self, i: usize, v: f32) {
         assert!(i < self.len);
@@ -210,6 +228,33 @@ impl CpuBackend {
     }
 }
 
+impl CpuBackend {
+    /// Rows `at..at + n` of `width` floats in `cache` become `row(0..n)`, and rows after them
+    /// are dropped (as a `resize` and copies would leave it). A prefill chunk's rows are
+    /// written on the pool: they are the cache's first touch of fresh pages, whose faults
+    /// (about 0.6 ms a 256-token chunk and layer, on one Zen 4 core) then run in parallel too.
+    fn store_rows<'a>(&self, cache: &mut Vec<f32>, at: usize, n: usize, width: usize, row: &(dyn Fn(usize) -> &'a [f32] + Sync)) {
+        if cache.len() < at * width {
+            cache.resize(at * width, 0.0);
+        }
+        cache.truncate(at * width);
+        cache.reserve(n * width);
+        let spare = &mut cache.spare_capacity_mut()[..n * width];
+        let sink = DisjointOut::new_uninit(spare);
+        self.rows_in_parallel(n, width, &|t0, t1| {
+            for t in t0..t1 {
+                let src = row(t);
+                assert_eq!(src.len(), width, "kv_store: a row of {} values for {width}", src.len());
+                // SAFETY: row t of the spare capacity belongs to the one task that holds t0..t1.
+                unsafe { sink.write_from(t * width, src) };
+            }
+        });
+        // SAFETY: every element of the `n * width` after `at * width` was written above (each
+        // row by its task; a panicking task would have unwound out of `rows_in_parallel`).
+        unsafe { cache.set_len((at + n) * width) };
+    }
+}
+
 impl Backend for CpuBackend {
     type Buf = CpuBuf;
     type Matrix = CpuMatrix;
@@ -328,7 +373,9 @@ impl Backend for CpuBackend {
             v.dequantize_row(id as usize, &mut out[t * v.cols..(t + 1) * v.cols]);
         }
     }
+    #[track_caller]
     fn matmul(&self, w: &CpuMatrix, rows: Option<(usize, usize)>, x: &CpuBuf, n: usize, out: &mut CpuBuf) {
+        let _site = pool::profile::site(std::panic::Location::caller());
         let v = w.view();
         let v = match rows {
             Some((r0, m)) => v.slice_rows(r0, m),
@@ -338,7 +385,9 @@ impl Backend for CpuBackend {
         check("matmul", out, n, v.rows);
         self.product(&v, x, n, out);
     }
+    #[track_caller]
     fn matmul_many(&self, jobs: &[MatJob<'_, CpuMatrix>], x: &CpuBuf, x_stride: usize, out: &mut CpuBuf, out_stride: usize) {
+        let _site = pool::profile::site(std::panic::Location::caller());
         let views: Vec<(QMatrix<'_>, &MatJob<'_, CpuMatrix>)> = jobs
             .iter()
             .map(|j| {
@@ -380,7 +429,9 @@ impl Backend for CpuBackend {
         matmul::matmul_t_ref(&v, x, x_stride, x_off, n, out);
     }
 
+    #[track_caller]
     fn rms_norm(&self, x: &CpuBuf, n: usize, dim: usize, w: &Vec<f32>, eps: f32, out: &mut CpuBuf) {
+        let _site = pool::profile::site(std::panic::Location::caller());
         check("rms_norm input", x, n, dim);
         check("rms_norm", out, n, dim);
         let sink = DisjointOut::new(&mut out[..n * dim]);
@@ -396,12 +447,34 @@ impl Backend for CpuBackend {
             }
         });
     }
+    #[track_caller]
     fn rms_norm_strided(&self, x: &mut CpuBuf, n: usize, stride: usize, off: usize, dim: usize, w: &Vec<f32>, eps: f32) {
+        let _site = pool::profile::site(std::panic::Location::caller());
         check_rows("rms_norm_strided", x, 0, n, stride, off, dim);
         self.each_segment(x, n, stride, off, dim, &|_, seg| {
             let scale = rms_scale(seg, eps);
             for (v, &g) in seg.iter_mut().zip(w) {
                 *v = g * (*v * scale);
+            }
+        });
+    }
+    /// Every head of a row in one segment, so that a prefill chunk's q and k norms split over
+    /// the pool by rows: per head, each was `n` segments of `dim`, too small to leave the
+    /// caller (a 256-token chunk's 32 query heads ran serially, 0.6 ms a layer on one Zen 4
+    /// core). Each head's values get the same operations as alone.
+    #[track_caller]
+    fn rms_norm_heads(&self, x: &mut CpuBuf, n: usize, stride: usize, off: usize, heads: usize, dim: usize, w: &Vec<f32>, eps: f32) {
+        let _site = pool::profile::site(std::panic::Location::caller());
+        if n == 1 {
+            return self.rms_norm_strided(x, heads, dim, off, dim, w, eps);
+        }
+        check_rows("rms_norm_heads", x, 0, n, stride, off, heads * dim);
+        self.each_segment(x, n, stride, off, heads * dim, &|_, row| {
+            for seg in row.chunks_exact_mut(dim) {
+                let scale = rms_scale(seg, eps);
+                for (v, &g) in seg.iter_mut().zip(w) {
+                    *v = g * (*v * scale);
+                }
             }
         });
     }
@@ -420,6 +493,7 @@ impl Backend for CpuBackend {
         let kernels = (self.precision == Precision::Fast).then_some(self.kernels);
         sparse::index_select(l, q, weights, at, out, kernels);
     }
+    #[track_caller]
     fn gated_delta_net(
         &self,
         p: DeltaNetParams<'_, Vec<f32>>,
@@ -430,6 +504,7 @@ impl Backend for CpuBackend {
         fresh: bool,
         out: &mut CpuBuf,
     ) {
+        let _site = pool::profile::site(std::panic::Location::caller());
         let p = p.with(&p.conv[..], &p.neg_a[..], &p.dt_bias[..], &p.norm[..]);
         let vw = p.value_heads * p.value_dim;
         let stride = p.stride();
@@ -470,6 +545,7 @@ impl Backend for CpuBackend {
     fn compress_windows(&self, cache: &mut CpuKvCache, c: CompressWindows<'_, Vec<f32>>) {
         compressed::compress_windows(&mut cache.layers, c.with(&c.bias[..], &c.norm[..]));
     }
+    #[track_caller]
     fn attention_compressed(
         &self,
         cache: &CpuKvCache,
@@ -480,6 +556,7 @@ impl Backend for CpuBackend {
         p: CompressedParams<'_>,
         out: &mut CpuBuf,
     ) {
+        let _site = pool::profile::site(std::panic::Location::caller());
         let d = cache.layers[layer].shape.k_dim;
         check("attention_compressed queries", q, n, p.q_heads * d);
         check("attention_compressed", out, n, p.q_heads * d);
@@ -528,19 +605,30 @@ impl Backend for CpuBackend {
             }
         }
     }
+    #[track_caller]
     fn add(&self, x: &mut CpuBuf, y: &CpuBuf, len: usize) {
+        let _site = pool::profile::site(std::panic::Location::caller());
         check("add", x, 1, len);
         check("add input", y, 1, len);
-        for (a, &b) in x[..len].iter_mut().zip(&y[..len]) {
-            *a += b;
-        }
+        // A prefill chunk's residual add, in pieces on the pool (elementwise: the same sums).
+        const PIECE: usize = 4096;
+        let sink = DisjointOut::new(&mut x[..len]);
+        self.rows_in_parallel(len.div_ceil(PIECE), PIECE, &|p0, p1| {
+            let (a, b) = (p0 * PIECE, (p1 * PIECE).min(len));
+            // SAFETY: elements a..b belong to the one task that holds pieces p0..p1.
+            for (a, &b) in unsafe { sink.range(a, b - a) }.iter_mut().zip(&y[a..b]) {
+                *a += b;
+            }
+        });
     }
     fn silu_mul(&self, g: &mut CpuBuf, u: &CpuBuf, len: usize) {
         check("silu_mul", g, 1, len);
         check("silu_mul input", u, 1, len);
         self.kernels.silu_mul(&mut g[..len], &u[..len]);
     }
+    #[track_caller]
     fn silu_mul_halves(&self, x: &mut CpuBuf, row0: usize, n: usize, stride: usize, w: usize) {
+        let _site = pool::profile::site(std::panic::Location::caller());
         check_rows("silu_mul_halves", x, row0, n, stride, 0, 2 * w);
         let sink = DisjointOut::new(&mut x[row0 * stride..(row0 + n) * stride]);
         self.rows_in_parallel(n, w, &|r0, r1| {
@@ -551,7 +639,9 @@ impl Backend for CpuBackend {
             }
         });
     }
+    #[track_caller]
     fn swiglu_clamped_halves(&self, x: &mut CpuBuf, row0: usize, n: usize, stride: usize, w: usize, alpha: f32, limit: f32) {
+        let _site = pool::profile::site(std::panic::Location::caller());
         check_rows("swiglu_clamped_halves", x, row0, n, stride, 0, 2 * w);
         let sink = DisjointOut::new(&mut x[row0 * stride..(row0 + n) * stride]);
         self.rows_in_parallel(n, w, &|r0, r1| {
@@ -565,6 +655,7 @@ impl Backend for CpuBackend {
             }
         });
     }
+    #[track_caller]
     fn rope(
         &self,
         x: &mut CpuBuf,
@@ -577,6 +668,7 @@ impl Backend for CpuBackend {
         sin: &[f32],
         interleaved: bool,
     ) {
+        let _site = pool::profile::site(std::panic::Location::caller());
         let half = cos.len() / n.max(1);
         if heads == 0 {
             return;
@@ -618,7 +710,9 @@ impl Backend for CpuBackend {
                 .copy_from_slice(&src[t * src_stride + src_off..t * src_stride + src_off + width]);
         }
     }
+    #[track_caller]
     fn gather_rows(&self, src: &CpuBuf, dim: usize, rows: &[usize], dst: &mut CpuBuf) {
+        let _site = pool::profile::site(std::panic::Location::caller());
         check("gather_rows", dst, rows.len(), dim);
         if let Some(&last) = rows.iter().max() {
             check("gather_rows input", src, last + 1, dim);
@@ -631,7 +725,9 @@ impl Backend for CpuBackend {
             }
         });
     }
+    #[track_caller]
     fn scatter_rows(&self, src: &CpuBuf, dim: usize, rows: &[usize], dst: &mut CpuBuf) {
+        let _site = pool::profile::site(std::panic::Location::caller());
         check("scatter_rows input", src, rows.len(), dim);
         let Some(&last) = rows.iter().max() else { return };
         check("scatter_rows", dst, last + 1, dim);
@@ -654,7 +750,9 @@ impl Backend for CpuBackend {
             dst[r * dim..(r + 1) * dim].copy_from_slice(&src[i * dim..(i + 1) * dim]);
         }
     }
+    #[track_caller]
     fn add_weighted_slots(&self, src: &CpuBuf, dim: usize, n: usize, k: usize, weights: &[f32], out: &mut CpuBuf) {
+        let _site = pool::profile::site(std::panic::Location::caller());
         check("add_weighted_slots input", src, n * k, dim);
         check("add_weighted_slots", out, n, dim);
         let sink = DisjointOut::new(&mut out[..n * dim]);
@@ -727,16 +825,10 @@ impl Backend for CpuBackend {
             l.base = pos0;
         }
         let at = pos0 - l.base;
-        l.k.resize((at + n) * kw, 0.0);
-        for t in 0..n {
-            l.k[(at + t) * kw..(at + t + 1) * kw].copy_from_slice(&k[t * k_stride + k_off..][..kw]);
-        }
+        self.store_rows(&mut l.k, at, n, kw, &|t| &k[t * k_stride + k_off..][..kw]);
         if let Some((v, v_stride, v_off)) = v {
             check_rows("kv_store values", v, 0, n, v_stride, v_off, vw);
-            l.v.resize((at + n) * vw, 0.0);
-            for t in 0..n {
-                l.v[(at + t) * vw..(at + t + 1) * vw].copy_from_slice(&v[t * v_stride + v_off..][..vw]);
-            }
+            self.store_rows(&mut l.v, at, n, vw, &|t| &v[t * v_stride + v_off..][..vw]);
         }
         if let Some(keep) = l.shape.keep {
             // Keep `keep` rows before this call's first position (its first query may read
@@ -752,6 +844,7 @@ impl Backend for CpuBackend {
             }
         }
     }
+    #[track_caller]
     fn attention(
         &self,
         cache: &CpuKvCache,
@@ -763,6 +856,7 @@ impl Backend for CpuBackend {
         p: AttnParams<'_>,
         out: &mut CpuBuf,
     ) {
+        let _site = pool::profile::site(std::panic::Location::caller());
         let l = &cache.layers[layer];
         check_rows("attention queries", q, 0, n, q_stride, 0, p.q_heads * l.shape.k_dim);
         check("attention", out, n, p.q_heads * l.shape.v_dim);
@@ -907,7 +1001,38 @@ mod tests {
             let (cos, sin) = (v(rows * 32, 9), v(rows * 32, 10));
             be.rope(&mut qk, rows, 3 * dim, 0, 4, 64, &cos, &sin, false);
             be.rope(&mut qk, rows, 3 * dim, dim, 2, 192, &cos, &sin, true);
-            [gu, sw, normed, gathered, summed, scattered, overwritten, qk].map(|b| b.data)
+            // Every head of a row normed at once, against each head alone.
+            let mut heads = be.buf("heads", rows * 3 * dim);
+            be.upload(&mut heads, &v(rows * 3 * dim, 11));
+            let mut alone = be.buf("alone", rows * 3 * dim);
+            be.upload(&mut alone, &heads.data);
+            be.rms_norm_heads(&mut heads, rows, 3 * dim, 32, 4, 64, &v(64, 12), 1e-6);
+            for h in 0..4 {
+                be.rms_norm_strided(&mut alone, rows, 3 * dim, 32 + h * 64, 64, &v(64, 12), 1e-6);
+            }
+            assert_eq!(heads.data, alone.data, "all heads at once = each head alone");
+            // The residual add, in pieces.
+            let mut added = be.buf("added", rows * dim);
+            be.upload(&mut added, &v(rows * dim, 13));
+            be.add(&mut added, &x, rows * dim);
+            let want: Vec<f32> = v(rows * dim, 13).iter().zip(&x.data).map(|(a, b)| a + b).collect();
+            assert_eq!(added.data, want);
+            // KV rows: a chunk, then a chunk that rewrites the last 50 rows and adds more.
+            let mut kv = be.kv_cache(&[KvShape { heads: 2, k_dim: 128, v_dim: 128, values_in_keys: false, keep: None }]);
+            be.kv_reserve(&mut kv, 2 * rows);
+            let mut src = be.buf("src", rows * 3 * dim);
+            be.upload(&mut src, &v(rows * 3 * dim, 14));
+            be.kv_store(&mut kv, 0, 0, rows, &src, 3 * dim, 0, Some((&src, 3 * dim, dim)));
+            be.kv_store(&mut kv, 0, rows - 50, rows, &src, 3 * dim, dim, Some((&src, 3 * dim, 2 * dim)));
+            let l = &kv.layers[0];
+            assert_eq!(l.k.len(), (2 * rows - 50) * dim);
+            for (pos, t, off) in [(0, 0, 0), (rows - 51, rows - 51, 0), (rows - 50, 0, dim), (2 * rows - 51, rows - 1, dim)] {
+                assert_eq!(l.k[pos * dim..][..dim], src.data[t * 3 * dim + off..][..dim], "key row {pos}");
+                assert_eq!(l.v[pos * dim..][..dim], src.data[t * 3 * dim + off + dim..][..dim], "value row {pos}");
+            }
+            let kvs = [l.k.clone(), l.v.clone()];
+            let [a, b, c, d, e, f, g, h] = [gu, sw, normed, gathered, summed, scattered, overwritten, qk].map(|b| b.data);
+            [a, b, c, d, e, f, g, h, heads.data, added.data, kvs[0].clone(), kvs[1].clone()]
         };
         assert!(rows * w >= PAR_ELEMENTS, "the test must reach the parallel path");
         assert!(rows * (192 + 64) >= PAR_ELEMENTS, "the interleaved rotation too");

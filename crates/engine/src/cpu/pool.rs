@@ -14,7 +14,7 @@
 //! managed 95-112 (#23). A late worker joins whatever job is current, or none.
 
 use crossbeam_utils::CachePadded;
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -26,13 +26,32 @@ const SPIN: Duration = Duration::from_micros(200);
 /// inside jobs, and how much of that every thread spent running tasks. Off by default, so
 /// that the clock is not read per task.
 pub mod profile {
+    use std::cell::Cell;
+    use std::panic::Location;
     use std::sync::atomic::{AtomicU64, Ordering};
-    use std::sync::OnceLock;
+    use std::sync::{Mutex, OnceLock};
+    use std::time::Instant;
 
     pub(super) static JOBS: AtomicU64 = AtomicU64::new(0);
     pub(super) static JOB_NS: AtomicU64 = AtomicU64::new(0);
     pub(super) static BUSY_NS: AtomicU64 = AtomicU64::new(0);
     pub(super) static THREAD_NS: AtomicU64 = AtomicU64::new(0);
+
+    /// The job counters again, per call site: the backend operation (its caller's file and
+    /// line, see [`site`]) that ran each job, and the serial time just before it.
+    static SITES: Mutex<Vec<Site>> = Mutex::new(Vec::new());
+    /// When the last job ended, nanoseconds after [`origin`].
+    static LAST_END: AtomicU64 = AtomicU64::new(0);
+
+    thread_local! {
+        /// The outermost backend operation under way on this thread, if any.
+        static CURRENT: Cell<Option<&'static Location<'static>>> = const { Cell::new(None) };
+    }
+
+    fn origin() -> Instant {
+        static AT: OnceLock<Instant> = OnceLock::new();
+        *AT.get_or_init(Instant::now)
+    }
 
     /// Whether the counters run (read once from the environment).
     pub fn enabled() -> bool {
@@ -85,6 +104,108 @@ pub mod profile {
             )
         }
     }
+
+    /// One call site's jobs: where a parallel operation was asked for, how often, how long its
+    /// jobs took and how busy the threads were in them, and how long the calling thread ran
+    /// alone (the other threads idle) just before each of them.
+    #[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+    pub struct Site {
+        /// `file:line` of the operation's caller (the decoder's line, for backend operations).
+        pub at: String,
+        #[serde(skip)]
+        loc: Option<&'static Location<'static>>,
+        /// Jobs run (one-task jobs, run on the caller alone, included).
+        pub jobs: u64,
+        /// Caller time since the previous job ended, summed over this site's jobs: the serial
+        /// stretch that precedes the operation, nanoseconds.
+        pub gap_ns: u64,
+        /// Caller wall time inside the jobs, nanoseconds.
+        pub job_ns: u64,
+        /// Thread time spent running tasks, nanoseconds.
+        pub busy_ns: u64,
+        /// Job wall time times the pool's threads, nanoseconds.
+        pub thread_ns: u64,
+    }
+
+    impl Site {
+        /// Thread time this site's jobs and the serial stretches before them left idle, with
+        /// `threads` threads: what a perfect split with no serial work would save.
+        pub fn idle_ns(&self, threads: u64) -> u64 {
+            self.gap_ns * threads.saturating_sub(1) + self.thread_ns.saturating_sub(self.busy_ns)
+        }
+    }
+
+    /// Marks the backend operation called at `at` (the method's `Location::caller()`, with
+    /// `#[track_caller]` on it) as the site of the pool jobs it runs, until the guard drops.
+    /// The outermost mark wins; nothing is done unless profiling is on.
+    #[inline]
+    pub fn site(at: &'static Location<'static>) -> SiteGuard {
+        if !enabled() {
+            return SiteGuard(false);
+        }
+        SiteGuard(CURRENT.with(|c| c.get().is_none() && c.replace(Some(at)).is_none()))
+    }
+
+    /// Ends a [`site`] mark.
+    pub struct SiteGuard(bool);
+
+    impl Drop for SiteGuard {
+        fn drop(&mut self) {
+            if self.0 {
+                CURRENT.with(|c| c.set(None));
+            }
+        }
+    }
+
+    /// Records one job that ran from `start` to `end` with `busy_ns` of task time over
+    /// `threads` threads; `direct` is the pool call's own location, used when no operation
+    /// is marked.
+    pub(super) fn record(direct: &'static Location<'static>, start: Instant, end: Instant, busy_ns: u64, threads: u64) {
+        let o = origin();
+        let (s, e) = (start.saturating_duration_since(o).as_nanos() as u64, end.saturating_duration_since(o).as_nanos() as u64);
+        let last = LAST_END.swap(e, Ordering::Relaxed);
+        let gap = if last == 0 { 0 } else { s.saturating_sub(last) };
+        let job = e - s;
+        let at = CURRENT.with(|c| c.get()).unwrap_or(direct);
+        let mut sites = SITES.lock().unwrap_or_else(|e| e.into_inner());
+        let i = match sites.iter().position(|x| x.loc.is_some_and(|l| l.line() == at.line() && l.file() == at.file())) {
+            Some(i) => i,
+            None => {
+                sites.push(Site { at: format!("{}:{}", at.file(), at.line()), loc: Some(at), ..Site::default() });
+                sites.len() - 1
+            }
+        };
+        let x = &mut sites[i];
+        x.jobs += 1;
+        x.gap_ns += gap;
+        x.job_ns += job;
+        x.busy_ns += busy_ns;
+        x.thread_ns += job * threads;
+    }
+
+    /// Every site's counters since the process started.
+    pub fn sites() -> Vec<Site> {
+        SITES.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// What each site did between `earlier` and `now` (both from [`sites`]), sites that ran
+    /// no job left out.
+    pub fn sites_since(now: &[Site], earlier: &[Site]) -> Vec<Site> {
+        now.iter()
+            .filter_map(|x| {
+                let before = earlier.iter().find(|e| e.at == x.at).cloned().unwrap_or_default();
+                (x.jobs > before.jobs).then(|| Site {
+                    at: x.at.clone(),
+                    loc: x.loc,
+                    jobs: x.jobs - before.jobs,
+                    gap_ns: x.gap_ns - before.gap_ns,
+                    job_ns: x.job_ns - before.job_ns,
+                    busy_ns: x.busy_ns - before.busy_ns,
+                    thread_ns: x.thread_ns - before.thread_ns,
+                })
+            })
+            .collect()
+    }
 }
 
 /// The job of the current epoch: a type-erased `&(dyn Fn(usize) + Sync)`.
@@ -101,6 +222,8 @@ struct Shared {
     /// only when this is zero after clearing `job`, so no worker still holds the closure.
     active: CachePadded<AtomicUsize>,
     tasks: AtomicUsize,
+    /// Task time of the current job summed over threads, nanoseconds (profiling only).
+    job_busy_ns: AtomicU64,
     /// The current job: a pointer to the caller's [`JobRef`], published (after `tasks`, `next`
     /// and `finished` are set) before the epoch moves, and null between jobs. An atomic, not a
     /// mutex: sixteen workers taking a lock at every job's start queued behind each other for
@@ -129,6 +252,7 @@ impl Pool {
             finished: CachePadded::new(AtomicUsize::new(0)),
             active: CachePadded::new(AtomicUsize::new(0)),
             tasks: AtomicUsize::new(0),
+            job_busy_ns: AtomicU64::new(0),
             job: AtomicPtr::new(std::ptr::null_mut()),
             sleepers: AtomicUsize::new(0),
             wake: Condvar::new(),
@@ -150,12 +274,19 @@ impl Pool {
     }
 
     /// Runs `f(i)` for every `i < tasks`, spread over the pool; returns when all are done.
+    #[track_caller]
     pub fn run(&self, tasks: usize, f: &(dyn Fn(usize) + Sync)) {
         if tasks == 0 {
             return;
         }
+        let direct = std::panic::Location::caller();
         if self.workers.is_empty() || tasks == 1 {
+            let started = profile::enabled().then(Instant::now);
             (0..tasks).for_each(f);
+            if let Some(t) = started {
+                let end = Instant::now();
+                profile::record(direct, t, end, (end - t).as_nanos() as u64, self.threads() as u64);
+            }
             return;
         }
         // A panic in an earlier job poisons the lock but leaves nothing half-done (see
@@ -169,11 +300,13 @@ impl Pool {
         s.tasks.store(tasks, Ordering::Relaxed);
         s.next.store(0, Ordering::Relaxed);
         s.finished.store(0, Ordering::Relaxed);
+        s.job_busy_ns.store(0, Ordering::Relaxed);
         // Released after the counters: a worker that reads this pointer sees this job's
         // counters, even one that slept through the epoch's increment. `erased` outlives every
         // reader, as `f` does.
-        s.job.store(&mut erased, Ordering::SeqCst);
+        // Before the job is published: a worker may join it as soon as it is.
         let started = profile::enabled().then(Instant::now);
+        s.job.store(&mut erased, Ordering::SeqCst);
         s.epoch.fetch_add(1, Ordering::SeqCst);
         {
             // Under the lock: a worker is either already waiting (and counted in `sleepers`), or
@@ -193,7 +326,10 @@ impl Pool {
         drop(release);
         let workers = self.workers.len();
         if let Some(t) = started {
-            let ns = t.elapsed().as_nanos() as u64;
+            let end = Instant::now();
+            let ns = (end - t).as_nanos() as u64;
+            // Every thread that ran tasks has added its time: none is inside the job now.
+            profile::record(direct, t, end, s.job_busy_ns.load(Ordering::Relaxed), workers as u64 + 1);
             profile::JOBS.fetch_add(1, Ordering::Relaxed);
             profile::JOB_NS.fetch_add(ns, Ordering::Relaxed);
             profile::THREAD_NS.fetch_add(ns * (workers as u64 + 1), Ordering::Relaxed);
@@ -247,7 +383,9 @@ fn take_tasks(s: &Shared, f: &(dyn Fn(usize) + Sync)) {
         s.finished.fetch_add(ran, Ordering::Release);
     }
     if let Some(t) = started {
-        profile::BUSY_NS.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        let ns = t.elapsed().as_nanos() as u64;
+        profile::BUSY_NS.fetch_add(ns, Ordering::Relaxed);
+        s.job_busy_ns.fetch_add(ns, Ordering::Relaxed);
     }
 }
 
@@ -395,6 +533,30 @@ mod tests {
             hits[i].fetch_add(1, Ordering::Relaxed);
         });
         assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
+    }
+
+    /// The per-site counters: jobs, their time and the serial time before each, apart by site.
+    #[test]
+    fn sites_count_jobs_and_the_serial_time_before_them() {
+        let (a, b) = (std::panic::Location::caller(), std::panic::Location::caller());
+        let t = Instant::now();
+        let ms = |n: u64| t + Duration::from_millis(n);
+        let before = profile::sites();
+        profile::record(a, ms(10), ms(14), 6_000_000, 2);
+        profile::record(b, ms(15), ms(16), 2_000_000, 2);
+        profile::record(a, ms(20), ms(22), 4_000_000, 2);
+        let sites = profile::sites_since(&profile::sites(), &before);
+        let (sa, sb) = (
+            sites.iter().find(|s| s.at.ends_with(&format!(":{}", a.line()))).unwrap(),
+            sites.iter().find(|s| s.at.ends_with(&format!(":{}", b.line()))),
+        );
+        // `a` and `b` are on one line (columns apart): one site, as a site is a line.
+        assert!(sb.is_some_and(|sb| sb == sa) && sites.len() == 1);
+        assert_eq!((sa.jobs, sa.job_ns, sa.busy_ns, sa.thread_ns), (3, 7_000_000, 12_000_000, 14_000_000));
+        // 1 ms before the second job and 4 ms before the third (the first has no job before it
+        // in this test only if none ran earlier in the process: not counted here).
+        assert!(sa.gap_ns >= 5_000_000, "{sa:?}");
+        assert_eq!(sa.idle_ns(2), sa.gap_ns + 2_000_000);
     }
 
     #[test]
