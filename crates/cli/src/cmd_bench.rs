@@ -161,12 +161,13 @@ fn print_pool_sites(tag: &str, sites: &[smoe_engine::cpu::pool::profile::Site], 
     let ms = |ns: u64| ns as f64 / 1e6;
     for s in by_idle.iter().take(12) {
         println!(
-            "{tag} site {:<34} {:>6} jobs  serial before {:>7.2} ms  in jobs {:>7.2} ms  busy {:>3.0}%  idle {:>8.2} thread-ms",
+            "{tag} site {:<22} {:>5} jobs  serial before {:>6.2} ms  in jobs {:>7.2} ms  busy {:>3.0}%  joining {:>3.0}%  idle {:>8.2} thread-ms",
             s.at.rsplit("src/").next().unwrap_or(&s.at),
             s.jobs,
             ms(s.gap_ns),
             ms(s.job_ns),
             100.0 * s.busy_ns as f64 / (s.thread_ns as f64).max(1.0),
+            100.0 * s.join_ns as f64 / (s.thread_ns as f64).max(1.0),
             ms(s.idle_ns(threads))
         );
     }

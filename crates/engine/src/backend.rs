@@ -831,6 +831,15 @@ pub trait Backend: Send + Sync {
     fn add_weighted_slots(&self, src: &Self::Buf, dim: usize, n: usize, k: usize, weights: &[f32], out: &mut Self::Buf);
     /// `x[t, :] *= s[t]`.
     fn scale_rows(&self, x: &mut Self::Buf, dim: usize, s: &[f32]);
+    /// Runs `f(i0, i1)` over ranges covering `0..n` of independent host-side items (a prefill
+    /// chunk's tokens to route), each about `cost` row-op elements of work: spread over the
+    /// host threads the backend keeps (the CPU's pool) when that pays, else at once here.
+    fn host_ranges(&self, n: usize, cost: usize, f: &(dyn Fn(usize, usize) + Sync)) {
+        let _ = cost;
+        if n > 0 {
+            f(0, n)
+        }
+    }
 
     /// Routes `n` tokens where their router logits lie: `logits` `[n, experts]` through
     /// `rule` (with `bias`, the router's correction bias, where the rule has one) into `routes`

@@ -37,6 +37,7 @@ use crate::widths::Widths;
 use crate::EngineError;
 use smoe_store::ExpertBatch;
 use smoe_vault::ExpertAct;
+use std::sync::Mutex;
 use std::time::Instant;
 
 /// Tokens per prefill chunk on the CPU ([`Backend::prefill_chunk`]'s default; the model's
@@ -190,9 +191,14 @@ struct Routes {
     ids: Vec<u32>,
     /// `[n, k]`: their mixing weights.
     weights: Vec<f32>,
-    /// The router rule's scratch; holds the latest token's choice scores.
-    scratch: RouteScratch,
+    /// `[n, experts]`: the scores each token's experts were chosen on (see
+    /// [`RouteScratch::choice`]).
+    choices: Vec<f32>,
 }
+
+/// One piece of a chunk's routing, filled by one task: its tokens' ids, weights and choice
+/// scores (see [`Routes`]).
+type RoutePiece<'a> = Mutex<(&'a mut [u32], &'a mut [f32], &'a mut [f32])>;
 
 /// A chunk's (token, slot) pairs grouped by expert (a counting sort on the expert id), so that
 /// each expert runs once over all its rows. Row `i` of `xe`, `gu` and `dd` is pair `order[i]`.
@@ -1394,21 +1400,48 @@ impl<B: Backend> Model<B> {
         be.download(logits, 0, &mut r.logits);
         r.ids.resize(n * k, 0);
         r.weights.resize(n * k, 0.0);
-        for t in 0..n {
-            let (ids, w) = (&mut r.ids[t * k..(t + 1) * k], &mut r.weights[t * k..(t + 1) * k]);
-            let logits = &r.logits[t * e_count..(t + 1) * e_count];
-            match &m.tid2eid {
-                // Hash routing: the token's experts from the table, weighed by their scores.
-                Some(table) => {
-                    ids.copy_from_slice(&table[tokens[t] as usize * k..][..k]);
-                    self.router.route_given(logits, ids, w, &mut r.scratch);
+        r.choices.resize(n * e_count, 0.0);
+        // Each token is routed on its own, so pieces of a chunk's tokens go to the backend's
+        // host threads: a 256-token chunk routed on one thread had kept the others waiting 14
+        // ms of a 590 ms prefill at 16 threads on the Intel host (#23).
+        const TOKENS_PER_PIECE: usize = 16;
+        let pieces: Vec<RoutePiece<'_>> = r
+            .ids
+            .chunks_mut(TOKENS_PER_PIECE * k)
+            .zip(r.weights.chunks_mut(TOKENS_PER_PIECE * k))
+            .zip(r.choices.chunks_mut(TOKENS_PER_PIECE * e_count))
+            .map(|((ids, w), c)| Mutex::new((ids, w, c)))
+            .collect();
+        let all_logits = &r.logits;
+        // About a softmax and a top-k over the experts per token, in row-op elements.
+        be.host_ranges(pieces.len(), TOKENS_PER_PIECE * e_count * 8, &|p0, p1| {
+            let mut scratch = RouteScratch::default();
+            for (p, piece) in pieces.iter().enumerate().take(p1).skip(p0) {
+                let mut piece = piece.lock().unwrap_or_else(|e| e.into_inner());
+                let (ids, weights, choices) = &mut *piece;
+                for i in 0..ids.len() / k {
+                    let t = p * TOKENS_PER_PIECE + i;
+                    let (ids, w) = (&mut ids[i * k..(i + 1) * k], &mut weights[i * k..(i + 1) * k]);
+                    let logits = &all_logits[t * e_count..(t + 1) * e_count];
+                    match &m.tid2eid {
+                        // Hash routing: the token's experts from the table, weighed by their scores.
+                        Some(table) => {
+                            ids.copy_from_slice(&table[tokens[t] as usize * k..][..k]);
+                            self.router.route_given(logits, ids, w, &mut scratch);
+                        }
+                        None => self.router.route(logits, m.router_bias.as_deref(), ids, w, &mut scratch),
+                    }
+                    choices[i * e_count..(i + 1) * e_count].copy_from_slice(&scratch.choice);
                 }
-                None => self.router.route(logits, m.router_bias.as_deref(), ids, w, &mut r.scratch),
             }
+        });
+        drop(pieces);
+        for t in 0..n {
+            let (ids, w) = (&mut r.ids[t * k..(t + 1) * k], &r.weights[t * k..(t + 1) * k]);
             if let (Some(trace), Some((li, streams))) = (&self.routing_trace, layer) {
                 trace.replace_in(li, streams[t], ids);
             }
-            seen(t, ids, w, &r.scratch.choice);
+            seen(t, ids, w, &r.choices[t * e_count..(t + 1) * e_count]);
         }
     }
 

@@ -381,3 +381,38 @@ fn deepseek_v3_ratios_score_300_tokens_from_vault_and_gguf() {
         assert!(fast.logits.iter().all(|x| x.is_finite()));
     }
 }
+
+/// A prefill chunk's tokens are routed in pieces on the pool when there are enough of them
+/// (here 128 experts and a 200-token chunk): the same experts and the same logits, bit for
+/// bit, on one thread and on four, in prefill and in decode after it.
+#[test]
+fn many_experts_route_alike_on_one_thread_and_four() {
+    let cfg = json!({
+        "model_type": "qwen3_moe", "hidden_act": "silu", "hidden_size": 32, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 1024,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "num_experts": 128,
+        "num_experts_per_tok": 8, "moe_intermediate_size": 16, "intermediate_size": 64, "norm_topk_prob": true,
+        "tie_word_embeddings": false, "bos_token_id": 1, "eos_token_id": 2
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("m.smoe");
+    let synth =
+        SynthOptions { layers: None, seed: 11, shard_bytes: 1 << 30, tokenizer_json: None, random_blocks: false, router_spread: 0.0 };
+    let shatter =
+        ShatterOptions { experts: Format::Q8_0.into(), dense: Format::Q8_0, threads: Some(1), zero_experts: false, fail_after_blobs: None };
+    synth_vault_from_config(cfg, &path, &synth, &shatter, &Silent).unwrap();
+    let ids: Vec<u32> = (0..200u32).map(|i| (i * 7919 + 5) % 1024).collect();
+    let run = |threads: usize| {
+        let v = smoe_vault::Vault::open(&path).unwrap();
+        let ex = Arc::new(smoe_store::ResidentExperts::load(&v).unwrap());
+        let m = Model::load(&v, CpuBackend::with_threads(Precision::Fast, threads), ex).unwrap();
+        let (mut st, mut routes) = (m.new_state(256), Routes::default());
+        let mut logits = m.forward(&mut st, &ids, Logits::All, &mut routes).unwrap().to_vec();
+        logits.extend_from_slice(m.forward(&mut st, &[7], Logits::Last, &mut routes).unwrap());
+        (logits, routes)
+    };
+    let ((l1, r1), (l4, r4)) = (run(1), run(4));
+    assert_eq!(r1.0.len(), 2 * 201, "every token routed at both layers");
+    assert!(r1 == r4, "the same experts on one thread and four");
+    assert_eq!(l1, l4);
+}

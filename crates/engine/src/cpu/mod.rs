@@ -770,6 +770,13 @@ impl Backend for CpuBackend {
             }
         });
     }
+    #[track_caller]
+    fn host_ranges(&self, n: usize, cost: usize, f: &(dyn Fn(usize, usize) + Sync)) {
+        let _site = pool::profile::site(std::panic::Location::caller());
+        if n > 0 {
+            self.rows_in_parallel(n, cost, f);
+        }
+    }
     fn route(&self, rule: &RouterRule, logits: &CpuBuf, bias: Option<&Vec<f32>>, n: usize, routes: &mut CpuBuf, at: usize) {
         let (e, k) = (rule.num_experts(), rule.top_k());
         check("route input", logits, n, e);

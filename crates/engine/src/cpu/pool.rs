@@ -18,8 +18,15 @@ use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering}
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-/// How long an idle worker spins before parking.
+/// How long an idle worker spins before parking, unless `SMOE_POOL_SPIN_US` says otherwise.
 const SPIN: Duration = Duration::from_micros(200);
+
+/// [`SPIN`], or `SMOE_POOL_SPIN_US` microseconds (read once): on a VM a parked worker's wake-up
+/// goes through the hypervisor, so the right spin depends on the host.
+fn spin() -> Duration {
+    static AT: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
+    *AT.get_or_init(|| std::env::var("SMOE_POOL_SPIN_US").ok().and_then(|v| v.parse().ok()).map_or(SPIN, Duration::from_micros))
+}
 
 /// `SMOE_POOL_PROFILE=1`: process-wide counters of where the pool's time goes, for finding
 /// serial stretches and idle threads at high thread counts (#23): how long callers spent
@@ -48,9 +55,10 @@ pub mod profile {
         static CURRENT: Cell<Option<&'static Location<'static>>> = const { Cell::new(None) };
     }
 
-    fn origin() -> Instant {
+    /// Nanoseconds from the profile's origin (its first use) to `t`.
+    pub(super) fn since_origin(t: Instant) -> u64 {
         static AT: OnceLock<Instant> = OnceLock::new();
-        *AT.get_or_init(Instant::now)
+        t.saturating_duration_since(*AT.get_or_init(Instant::now)).as_nanos() as u64
     }
 
     /// Whether the counters run (read once from the environment).
@@ -123,6 +131,10 @@ pub mod profile {
         pub job_ns: u64,
         /// Thread time spent running tasks, nanoseconds.
         pub busy_ns: u64,
+        /// The workers' delays from each job's start until they joined it (waking from a park,
+        /// or descheduled), summed, nanoseconds: the rest of the idle time inside jobs is
+        /// threads that had no task left (or never joined).
+        pub join_ns: u64,
         /// Job wall time times the pool's threads, nanoseconds.
         pub thread_ns: u64,
     }
@@ -160,9 +172,8 @@ pub mod profile {
     /// Records one job that ran from `start` to `end` with `busy_ns` of task time over
     /// `threads` threads; `direct` is the pool call's own location, used when no operation
     /// is marked.
-    pub(super) fn record(direct: &'static Location<'static>, start: Instant, end: Instant, busy_ns: u64, threads: u64) {
-        let o = origin();
-        let (s, e) = (start.saturating_duration_since(o).as_nanos() as u64, end.saturating_duration_since(o).as_nanos() as u64);
+    pub(super) fn record(direct: &'static Location<'static>, start: Instant, end: Instant, busy_ns: u64, join_ns: u64, threads: u64) {
+        let (s, e) = (since_origin(start), since_origin(end));
         let last = LAST_END.swap(e, Ordering::Relaxed);
         let gap = if last == 0 { 0 } else { s.saturating_sub(last) };
         let job = e - s;
@@ -180,6 +191,7 @@ pub mod profile {
         x.gap_ns += gap;
         x.job_ns += job;
         x.busy_ns += busy_ns;
+        x.join_ns += join_ns;
         x.thread_ns += job * threads;
     }
 
@@ -201,6 +213,7 @@ pub mod profile {
                     gap_ns: x.gap_ns - before.gap_ns,
                     job_ns: x.job_ns - before.job_ns,
                     busy_ns: x.busy_ns - before.busy_ns,
+                    join_ns: x.join_ns - before.join_ns,
                     thread_ns: x.thread_ns - before.thread_ns,
                 })
             })
@@ -224,6 +237,10 @@ struct Shared {
     tasks: AtomicUsize,
     /// Task time of the current job summed over threads, nanoseconds (profiling only).
     job_busy_ns: AtomicU64,
+    /// When the current job started, nanoseconds after the profile's origin, and the workers'
+    /// delays from then until they joined it, summed (profiling only).
+    job_start_ns: AtomicU64,
+    job_join_ns: AtomicU64,
     /// The current job: a pointer to the caller's [`JobRef`], published (after `tasks`, `next`
     /// and `finished` are set) before the epoch moves, and null between jobs. An atomic, not a
     /// mutex: sixteen workers taking a lock at every job's start queued behind each other for
@@ -253,6 +270,8 @@ impl Pool {
             active: CachePadded::new(AtomicUsize::new(0)),
             tasks: AtomicUsize::new(0),
             job_busy_ns: AtomicU64::new(0),
+            job_start_ns: AtomicU64::new(0),
+            job_join_ns: AtomicU64::new(0),
             job: AtomicPtr::new(std::ptr::null_mut()),
             sleepers: AtomicUsize::new(0),
             wake: Condvar::new(),
@@ -285,7 +304,7 @@ impl Pool {
             (0..tasks).for_each(f);
             if let Some(t) = started {
                 let end = Instant::now();
-                profile::record(direct, t, end, (end - t).as_nanos() as u64, self.threads() as u64);
+                profile::record(direct, t, end, (end - t).as_nanos() as u64, 0, self.threads() as u64);
             }
             return;
         }
@@ -301,11 +320,15 @@ impl Pool {
         s.next.store(0, Ordering::Relaxed);
         s.finished.store(0, Ordering::Relaxed);
         s.job_busy_ns.store(0, Ordering::Relaxed);
+        s.job_join_ns.store(0, Ordering::Relaxed);
         // Released after the counters: a worker that reads this pointer sees this job's
         // counters, even one that slept through the epoch's increment. `erased` outlives every
         // reader, as `f` does.
         // Before the job is published: a worker may join it as soon as it is.
         let started = profile::enabled().then(Instant::now);
+        if let Some(t) = started {
+            s.job_start_ns.store(profile::since_origin(t), Ordering::Relaxed);
+        }
         s.job.store(&mut erased, Ordering::SeqCst);
         s.epoch.fetch_add(1, Ordering::SeqCst);
         {
@@ -329,7 +352,8 @@ impl Pool {
             let end = Instant::now();
             let ns = (end - t).as_nanos() as u64;
             // Every thread that ran tasks has added its time: none is inside the job now.
-            profile::record(direct, t, end, s.job_busy_ns.load(Ordering::Relaxed), workers as u64 + 1);
+            let (busy, join) = (s.job_busy_ns.load(Ordering::Relaxed), s.job_join_ns.load(Ordering::Relaxed));
+            profile::record(direct, t, end, busy, join, workers as u64 + 1);
             profile::JOBS.fetch_add(1, Ordering::Relaxed);
             profile::JOB_NS.fetch_add(ns, Ordering::Relaxed);
             profile::THREAD_NS.fetch_add(ns * (workers as u64 + 1), Ordering::Relaxed);
@@ -393,11 +417,12 @@ fn worker(s: &Shared) {
     // Epochs start at 0 and only `run` advances them: a worker that starts late must still run
     // the first job, so it does not read the current epoch here.
     let mut seen = 0;
+    let spin = spin();
     loop {
         // Spin for a while, then park until the epoch moves.
         let t0 = Instant::now();
         while s.epoch.load(Ordering::Acquire) == seen && !s.shutdown.load(Ordering::Relaxed) {
-            if t0.elapsed() < SPIN {
+            if t0.elapsed() < spin {
                 std::hint::spin_loop();
                 continue;
             }
@@ -416,6 +441,10 @@ fn worker(s: &Shared) {
         // return while this worker may still use what it read.
         s.active.fetch_add(1, Ordering::SeqCst);
         let job = s.job.load(Ordering::SeqCst);
+        if !job.is_null() && profile::enabled() {
+            let late = profile::since_origin(Instant::now()).saturating_sub(s.job_start_ns.load(Ordering::Relaxed));
+            s.job_join_ns.fetch_add(late, Ordering::Relaxed);
+        }
         if !job.is_null() {
             // SAFETY: a non-null pointer is the current job's (a late worker may find a later
             // job than the epoch it woke for: it runs that one's tasks); its caller clears it
@@ -542,9 +571,9 @@ mod tests {
         let t = Instant::now();
         let ms = |n: u64| t + Duration::from_millis(n);
         let before = profile::sites();
-        profile::record(a, ms(10), ms(14), 6_000_000, 2);
-        profile::record(b, ms(15), ms(16), 2_000_000, 2);
-        profile::record(a, ms(20), ms(22), 4_000_000, 2);
+        profile::record(a, ms(10), ms(14), 6_000_000, 1_000_000, 2);
+        profile::record(b, ms(15), ms(16), 2_000_000, 0, 2);
+        profile::record(a, ms(20), ms(22), 4_000_000, 0, 2);
         let sites = profile::sites_since(&profile::sites(), &before);
         let (sa, sb) = (
             sites.iter().find(|s| s.at.ends_with(&format!(":{}", a.line()))).unwrap(),
@@ -552,7 +581,7 @@ mod tests {
         );
         // `a` and `b` are on one line (columns apart): one site, as a site is a line.
         assert!(sb.is_some_and(|sb| sb == sa) && sites.len() == 1);
-        assert_eq!((sa.jobs, sa.job_ns, sa.busy_ns, sa.thread_ns), (3, 7_000_000, 12_000_000, 14_000_000));
+        assert_eq!((sa.jobs, sa.job_ns, sa.busy_ns, sa.join_ns, sa.thread_ns), (3, 7_000_000, 12_000_000, 1_000_000, 14_000_000));
         // 1 ms before the second job and 4 ms before the third (the first has no job before it
         // in this test only if none ran earlier in the process: not counted here).
         assert!(sa.gap_ns >= 5_000_000, "{sa:?}");
