@@ -324,7 +324,7 @@ pub(super) fn attention_fast(
     let s = l.shape;
     let (kd, vd, kvh) = (s.k_dim, s.v_dim, s.heads);
     let group = p.q_heads / kvh;
-    let chunk = heads_per_task(group, kvh, n, p.first_seen(pos0) / block, (pos0 + n).div_ceil(block), pool.threads());
+    let chunk = group.min(HEADS_PER_TASK);
     let (values, v_row, v_stride) = if s.values_in_keys { (&l.k, kvh * kd, kd) } else { (&l.v, kvh * vd, vd) };
     let call = Call { l, k, p, q, q_stride, pos0, block, group, chunk, chunks_per_group: group.div_ceil(chunk), values, v_row, v_stride };
     let tasks = n.div_ceil(TOKENS_PER_TASK) * kvh * call.chunks_per_group;
@@ -354,33 +354,6 @@ pub(super) fn attention_fast(
         })
     });
 }
-
-/// Query heads a task takes: up to [`HEADS_PER_TASK`] of one KV head's `group`; for a decode
-/// call (one token block) fewer, halving while its (block, KV head, head chunk) tasks number
-/// under twice the threads, down to [`DECODE_MIN_HEADS`]. On the 16-core Intel host a
-/// Qwen3-30B-A3B decode token at position 576 had 4 KV heads × 5 blocks = 20 tasks of 8 heads
-/// for 16 threads: a second round of 4 tasks with 12 threads idle, the threads busy 64% of
-/// attention's job time (#23). A row's bits do not depend on the other rows of its task, so
-/// the split changes only the work per task. `SMOE_DECODE_HEADS=N` fixes the heads instead.
-fn heads_per_task(group: usize, kvh: usize, n: usize, first_block: usize, end_block: usize, threads: usize) -> usize {
-    let mut chunk = group.min(HEADS_PER_TASK);
-    if n > TOKENS_PER_TASK {
-        return chunk;
-    }
-    static FIXED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    if let Some(h) = *FIXED.get_or_init(|| std::env::var("SMOE_DECODE_HEADS").ok().and_then(|v| v.parse().ok()).filter(|&h| h > 0)) {
-        return chunk.min(h);
-    }
-    let blocks = end_block.saturating_sub(first_block).max(1);
-    while chunk > DECODE_MIN_HEADS && kvh * group.div_ceil(chunk) * blocks < 2 * threads {
-        chunk = chunk.div_ceil(2);
-    }
-    chunk
-}
-
-/// The fewest query heads a decode task takes: below this the keys and values a task streams
-/// serve too few rows.
-const DECODE_MIN_HEADS: usize = 2;
 
 /// Decode (one token block): every (block, row group) on its own task, then one task per row
 /// group folds its blocks in order.
