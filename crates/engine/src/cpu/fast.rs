@@ -368,12 +368,7 @@ mod tests {
     fn two_to_fifteen_tokens_on_interleaved_q4k_give_each_token_its_bits_alone() {
         let (k, pool) = (smoe_kernels::best(), Pool::new(2));
         let (rows, cols) = (64, 512);
-        let w: Vec<f32> = (0..rows * cols).map(|i| ((i * 7 % 53) as f32 - 26.0) / 9.0).collect();
-        let rb = Format::Q4_K.row_bytes(cols).unwrap();
-        let mut plain = vec![0u8; rb * rows];
-        for (d, s) in plain.chunks_mut(rb).zip(w.chunks(cols)) {
-            smoe_quant::quantize(Format::Q4_K, s, d).unwrap();
-        }
+        let plain = q4k_rows(rows, cols);
         let mut inter = vec![0u8; plain.len()];
         smoe_quant::interleave::interleave(Format::Q4_K, &plain, rows, cols, &mut inter);
         let mut m = QMatrix::new(Format::Q4_K, rows, cols, &inter).unwrap();
@@ -432,18 +427,24 @@ mod tests {
 
     const SLOT: smoe_store::SlotHandle = smoe_store::SlotHandle { slot: 0, load: 0 };
 
-    /// Two products on one input, the first in a format without a many-token kernel and the
-    /// second with one: each must compute exactly what it computes alone.
+    /// Rows of a Q4_K matrix (`rows × cols`) quantized from a fixed pattern.
+    fn q4k_rows(rows: usize, cols: usize) -> Vec<u8> {
+        let w: Vec<f32> = (0..rows * cols).map(|i| ((i * 7 % 53) as f32 - 26.0) / 9.0).collect();
+        let rb = Format::Q4_K.row_bytes(cols).unwrap();
+        let mut q = vec![0u8; rb * rows];
+        for (d, s) in q.chunks_mut(rb).zip(w.chunks(cols)) {
+            smoe_quant::quantize(Format::Q4_K, s, d).unwrap();
+        }
+        q
+    }
+
+    /// Single-row inputs whose bits are equal are quantized once; each product still gets
+    /// exactly the outputs it gets alone.
     #[test]
     fn one_row_inputs_with_the_same_bits_share_a_quantization_and_give_the_same_outputs() {
         let (k, pool) = (smoe_kernels::best(), Pool::new(2));
         let (rows, cols) = (16, 512);
-        let w: Vec<f32> = (0..rows * cols).map(|i| ((i * 7 % 53) as f32 - 26.0) / 9.0).collect();
-        let rb = Format::Q4_K.row_bytes(cols).unwrap();
-        let mut qw = vec![0u8; rb * rows];
-        for (d, s) in qw.chunks_mut(rb).zip(w.chunks(cols)) {
-            smoe_quant::quantize(Format::Q4_K, s, d).unwrap();
-        }
+        let qw = q4k_rows(rows, cols);
         let m = QMatrix::new(Format::Q4_K, rows, cols, &qw).unwrap();
         // Rows 0, 1 and 3 hold the same values, row 2 other ones, row 3 with a -0.0 where
         // the others hold 0.0 (other bits: not shared).
@@ -465,6 +466,8 @@ mod tests {
         }
     }
 
+    /// Two products on one input, the first in a format without a many-token kernel and the
+    /// second with one: each must compute exactly what it computes alone.
     #[test]
     fn jobs_sharing_an_input_each_take_their_own_kernel_path() {
         let (k, pool) = (smoe_kernels::best(), Pool::new(2));
