@@ -831,6 +831,25 @@ pub trait Backend: Send + Sync {
     fn add_weighted_slots(&self, src: &Self::Buf, dim: usize, n: usize, k: usize, weights: &[f32], out: &mut Self::Buf);
     /// `x[t, :] *= s[t]`.
     fn scale_rows(&self, x: &mut Self::Buf, dim: usize, s: &[f32]);
+    /// [`add_weighted_slots`](Self::add_weighted_slots) over rows of `src` where they lie:
+    /// slot `t × k + s`'s row is `rows.0[t × k + s]`, and `rows.1` is the inverse (slot of each
+    /// row). The default moves them to slot order in `slots` (`scatter_rows` by `rows.1`) and
+    /// sums there; a backend may read them in place, with the same sums in the same order.
+    #[allow(clippy::too_many_arguments)]
+    fn add_weighted_rows(
+        &self,
+        src: &Self::Buf,
+        dim: usize,
+        n: usize,
+        k: usize,
+        weights: &[f32],
+        rows: (&[usize], &[usize]),
+        slots: &mut Self::Buf,
+        out: &mut Self::Buf,
+    ) {
+        self.scatter_rows(src, dim, rows.1, slots);
+        self.add_weighted_slots(slots, dim, n, k, weights, out);
+    }
     /// Runs `f(i0, i1)` over ranges covering `0..n` of independent host-side items (a prefill
     /// chunk's tokens to route), each about `cost` row-op elements of work: spread over the
     /// host threads the backend keeps (the CPU's pool) when that pays, else at once here.

@@ -210,6 +210,8 @@ struct ExpertGroups {
     fill: Vec<usize>,
     /// `[n × k]`: the slot (`token × k + s`) of each row; token order within an expert.
     order: Vec<usize>,
+    /// `[n × k]`: the row of each slot (the inverse of `order`).
+    row_of: Vec<usize>,
     /// `[n × k]`: the token of each row, the row of `h` it gathers.
     tokens: Vec<usize>,
     /// The experts with at least one row, ascending: what the store is asked for.
@@ -228,10 +230,12 @@ impl ExpertGroups {
             self.starts[e + 1] += self.starts[e];
         }
         self.order.resize(ids.len(), 0);
+        self.row_of.resize(ids.len(), 0);
         self.fill.clear();
         self.fill.extend_from_slice(&self.starts);
         for (slot, &e) in ids.iter().enumerate() {
             self.order[self.fill[e as usize]] = slot;
+            self.row_of[slot] = self.fill[e as usize];
             self.fill[e as usize] += 1;
         }
         let starts = &self.starts;
@@ -1471,8 +1475,7 @@ impl<B: Backend> Model<B> {
                 self.expert_batch(views, groups, m.expert_bias.as_ref(), b)
             })?;
         }
-        be.scatter_rows(&b.dd, hd, &groups.order, &mut b.slots);
-        be.add_weighted_slots(&b.slots, hd, n, k, &hs.routes.weights, &mut b.x);
+        be.add_weighted_rows(&b.dd, hd, n, k, &hs.routes.weights, (&groups.row_of, &groups.order), &mut b.slots, &mut b.x);
         Ok(())
     }
 

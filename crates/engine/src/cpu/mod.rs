@@ -255,6 +255,39 @@ impl CpuBackend {
     }
 }
 
+impl CpuBackend {
+    /// `out[t, :] += Σ_s weights[t × k + s] · src[row(t × k + s), :]`, slots in order, tokens
+    /// split over the pool when large: [`Backend::add_weighted_slots`] and
+    /// [`Backend::add_weighted_rows`] with the same sums in the same order.
+    #[allow(clippy::too_many_arguments)]
+    fn mix_slots(
+        &self,
+        src: &[f32],
+        dim: usize,
+        n: usize,
+        k: usize,
+        weights: &[f32],
+        row: &(dyn Fn(usize) -> usize + Sync),
+        out: &mut CpuBuf,
+    ) {
+        check("add_weighted_slots", out, n, dim);
+        let sink = DisjointOut::new(&mut out[..n * dim]);
+        self.rows_in_parallel(n, k * dim, &|t0, t1| {
+            for t in t0..t1 {
+                // SAFETY: output row t is written by the one task that holds t0..t1.
+                let o = unsafe { sink.range(t * dim, dim) };
+                for s in 0..k {
+                    let w = weights[t * k + s];
+                    let r = row(t * k + s);
+                    for (a, &b) in o.iter_mut().zip(&src[r * dim..(r + 1) * dim]) {
+                        *a += w * b;
+                    }
+                }
+            }
+        });
+    }
+}
+
 impl Backend for CpuBackend {
     type Buf = CpuBuf;
     type Matrix = CpuMatrix;
@@ -754,21 +787,29 @@ impl Backend for CpuBackend {
     fn add_weighted_slots(&self, src: &CpuBuf, dim: usize, n: usize, k: usize, weights: &[f32], out: &mut CpuBuf) {
         let _site = pool::profile::site(std::panic::Location::caller());
         check("add_weighted_slots input", src, n * k, dim);
-        check("add_weighted_slots", out, n, dim);
-        let sink = DisjointOut::new(&mut out[..n * dim]);
-        self.rows_in_parallel(n, k * dim, &|t0, t1| {
-            for t in t0..t1 {
-                // SAFETY: output row t is written by the one task that holds t0..t1.
-                let o = unsafe { sink.range(t * dim, dim) };
-                for s in 0..k {
-                    let w = weights[t * k + s];
-                    let row = &src[(t * k + s) * dim..(t * k + s + 1) * dim];
-                    for (a, &b) in o.iter_mut().zip(row) {
-                        *a += w * b;
-                    }
-                }
-            }
-        });
+        self.mix_slots(src, dim, n, k, weights, &|slot| slot, out);
+    }
+    /// The slots' rows read where the experts left them: the copy back to slot order was, per
+    /// decode layer, 8 rows on the caller alone, and per prefill chunk a pool job of its own.
+    #[track_caller]
+    fn add_weighted_rows(
+        &self,
+        src: &CpuBuf,
+        dim: usize,
+        n: usize,
+        k: usize,
+        weights: &[f32],
+        rows: (&[usize], &[usize]),
+        _slots: &mut CpuBuf,
+        out: &mut CpuBuf,
+    ) {
+        let _site = pool::profile::site(std::panic::Location::caller());
+        let rows = rows.0;
+        assert_eq!(rows.len(), n * k, "add_weighted_rows: {} row indices for {n} tokens of {k} slots", rows.len());
+        if let Some(&last) = rows.iter().max() {
+            check("add_weighted_rows input", src, last + 1, dim);
+        }
+        self.mix_slots(src, dim, n, k, weights, &|slot| rows[slot], out);
     }
     #[track_caller]
     fn host_ranges(&self, n: usize, cost: usize, f: &(dyn Fn(usize, usize) + Sync)) {
@@ -1008,6 +1049,22 @@ mod tests {
             let (cos, sin) = (v(rows * 32, 9), v(rows * 32, 10));
             be.rope(&mut qk, rows, 3 * dim, 0, 4, 64, &cos, &sin, false);
             be.rope(&mut qk, rows, 3 * dim, dim, 2, 192, &cos, &sin, true);
+            // The slots mixed where they lie, against moving them to slot order first.
+            let inverse = {
+                let mut r = vec![0; order.len()];
+                for (i, &slot) in order.iter().enumerate() {
+                    r[slot] = i;
+                }
+                r
+            };
+            let (mut in_place, mut moved, mut room) =
+                (be.buf("in_place", rows * dim), be.buf("moved", rows * dim), be.buf("room", rows * k * dim));
+            be.upload(&mut in_place, &v(rows * dim, 15));
+            be.upload(&mut moved, &v(rows * dim, 15));
+            be.add_weighted_rows(&gathered, dim, rows, k, &v(rows * k, 6), (&inverse, &order), &mut room, &mut in_place);
+            be.scatter_rows(&gathered, dim, &order, &mut room);
+            be.add_weighted_slots(&room, dim, rows, k, &v(rows * k, 6), &mut moved);
+            assert_eq!(in_place.data, moved.data, "mixed in place = moved, then mixed");
             // Every head of a row normed at once, against each head alone.
             let mut heads = be.buf("heads", rows * 3 * dim);
             be.upload(&mut heads, &v(rows * 3 * dim, 11));
@@ -1039,7 +1096,7 @@ mod tests {
             }
             let kvs = [l.k.clone(), l.v.clone()];
             let [a, b, c, d, e, f, g, h] = [gu, sw, normed, gathered, summed, scattered, overwritten, qk].map(|b| b.data);
-            [a, b, c, d, e, f, g, h, heads.data, added.data, kvs[0].clone(), kvs[1].clone()]
+            [a, b, c, d, e, f, g, h, heads.data, added.data, kvs[0].clone(), kvs[1].clone(), in_place.data]
         };
         assert!(rows * w >= PAR_ELEMENTS, "the test must reach the parallel path");
         assert!(rows * (192 + 64) >= PAR_ELEMENTS, "the interleaved rotation too");
