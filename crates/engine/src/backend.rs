@@ -853,8 +853,7 @@ pub trait Backend: Send + Sync {
     /// Runs `f(i0, i1)` over ranges covering `0..n` of independent host-side items (a prefill
     /// chunk's tokens to route), each about `cost` row-op elements of work: spread over the
     /// host threads the backend keeps (the CPU's pool) when that pays, else at once here.
-    fn host_ranges(&self, n: usize, cost: usize, f: &(dyn Fn(usize, usize) + Sync)) {
-        let _ = cost;
+    fn host_ranges(&self, n: usize, _cost: usize, f: &(dyn Fn(usize, usize) + Sync)) {
         if n > 0 {
             f(0, n)
         }

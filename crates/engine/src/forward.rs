@@ -1419,25 +1419,20 @@ impl<B: Backend> Model<B> {
         let all_logits = &r.logits;
         // About a softmax and a top-k over the experts per token, in row-op elements.
         be.host_ranges(pieces.len(), TOKENS_PER_PIECE * e_count * 8, &|p0, p1| {
-            let mut scratch = RouteScratch::default();
-            for (p, piece) in pieces.iter().enumerate().take(p1).skip(p0) {
-                let mut piece = piece.lock().unwrap_or_else(|e| e.into_inner());
-                let (ids, weights, choices) = &mut *piece;
-                for i in 0..ids.len() / k {
-                    let t = p * TOKENS_PER_PIECE + i;
-                    let (ids, w) = (&mut ids[i * k..(i + 1) * k], &mut weights[i * k..(i + 1) * k]);
-                    let logits = &all_logits[t * e_count..(t + 1) * e_count];
-                    match &m.tid2eid {
-                        // Hash routing: the token's experts from the table, weighed by their scores.
-                        Some(table) => {
-                            ids.copy_from_slice(&table[tokens[t] as usize * k..][..k]);
-                            self.router.route_given(logits, ids, w, &mut scratch);
-                        }
-                        None => self.router.route(logits, m.router_bias.as_deref(), ids, w, &mut scratch),
+            // The rule's buffers, kept by each thread that routes (no allocation per layer).
+            thread_local!(static SCRATCH: std::cell::RefCell<RouteScratch> = Default::default());
+            SCRATCH.with_borrow_mut(|scratch| {
+                for (p, piece) in pieces.iter().enumerate().take(p1).skip(p0) {
+                    let mut piece = piece.lock().unwrap_or_else(|e| e.into_inner());
+                    let (ids, weights, choices) = &mut *piece;
+                    for i in 0..ids.len() / k {
+                        let t = p * TOKENS_PER_PIECE + i;
+                        let (ids, w) = (&mut ids[i * k..(i + 1) * k], &mut weights[i * k..(i + 1) * k]);
+                        self.route_token(m, tokens[t], &all_logits[t * e_count..(t + 1) * e_count], ids, w, scratch);
+                        choices[i * e_count..(i + 1) * e_count].copy_from_slice(&scratch.choice);
                     }
-                    choices[i * e_count..(i + 1) * e_count].copy_from_slice(&scratch.choice);
                 }
-            }
+            })
         });
         drop(pieces);
         for t in 0..n {
@@ -1446,6 +1441,20 @@ impl<B: Backend> Model<B> {
                 trace.replace_in(li, streams[t], ids);
             }
             seen(t, ids, w, &r.choices[t * e_count..(t + 1) * e_count]);
+        }
+    }
+
+    /// One token's experts (`ids`) and mixing weights (`w`) from its router `logits`, by the
+    /// router rule, or from `m`'s hash table where it has one; the scores chosen on are left in
+    /// `scratch.choice`.
+    fn route_token(&self, m: &MoeBlock<B>, token: u32, logits: &[f32], ids: &mut [u32], w: &mut [f32], scratch: &mut RouteScratch) {
+        match &m.tid2eid {
+            // Hash routing: the token's experts from the table, weighed by their scores.
+            Some(table) => {
+                ids.copy_from_slice(&table[token as usize * ids.len()..][..ids.len()]);
+                self.router.route_given(logits, ids, w, scratch);
+            }
+            None => self.router.route(logits, m.router_bias.as_deref(), ids, w, scratch),
         }
     }
 

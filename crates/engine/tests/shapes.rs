@@ -401,6 +401,8 @@ fn many_experts_route_alike_on_one_thread_and_four() {
     let shatter =
         ShatterOptions { experts: Format::Q8_0.into(), dense: Format::Q8_0, threads: Some(1), zero_experts: false, fail_after_blobs: None };
     synth_vault_from_config(cfg, &path, &synth, &shatter, &Silent).unwrap();
+    // 13 pieces of 16 tokens, each 16 × 128 × 8 row-op elements: 213K in all, past the
+    // 65,536 from which the CPU backend spreads row work over its pool.
     let ids: Vec<u32> = (0..200u32).map(|i| (i * 7919 + 5) % 1024).collect();
     let run = |threads: usize| {
         let v = smoe_vault::Vault::open(&path).unwrap();

@@ -226,9 +226,7 @@ impl CpuBackend {
             }
         });
     }
-}
 
-impl CpuBackend {
     /// Rows `at..at + n` of `width` floats in `cache` become `row(0..n)`, and rows after them
     /// are dropped (as a `resize` and copies would leave it). A prefill chunk's rows are
     /// written on the pool: they are the cache's first touch of fresh pages, whose faults
@@ -253,9 +251,7 @@ impl CpuBackend {
         // row by its task; a panicking task would have unwound out of `rows_in_parallel`).
         unsafe { cache.set_len((at + n) * width) };
     }
-}
 
-impl CpuBackend {
     /// `out[t, :] += Σ_s weights[t × k + s] · src[row(t × k + s), :]`, slots in order, tokens
     /// split over the pool when large: [`Backend::add_weighted_slots`] and
     /// [`Backend::add_weighted_rows`] with the same sums in the same order.
@@ -484,12 +480,7 @@ impl Backend for CpuBackend {
     fn rms_norm_strided(&self, x: &mut CpuBuf, n: usize, stride: usize, off: usize, dim: usize, w: &Vec<f32>, eps: f32) {
         let _site = pool::profile::site(std::panic::Location::caller());
         check_rows("rms_norm_strided", x, 0, n, stride, off, dim);
-        self.each_segment(x, n, stride, off, dim, &|_, seg| {
-            let scale = rms_scale(seg, eps);
-            for (v, &g) in seg.iter_mut().zip(w) {
-                *v = g * (*v * scale);
-            }
-        });
+        self.each_segment(x, n, stride, off, dim, &|_, seg| rms_norm_in_place(seg, w, eps));
     }
     /// Every head of a row in one segment, so that a prefill chunk's q and k norms split over
     /// the pool by rows: per head, each was `n` segments of `dim`, too small to leave the
@@ -503,12 +494,7 @@ impl Backend for CpuBackend {
         }
         check_rows("rms_norm_heads", x, 0, n, stride, off, heads * dim);
         self.each_segment(x, n, stride, off, heads * dim, &|_, row| {
-            for seg in row.chunks_exact_mut(dim) {
-                let scale = rms_scale(seg, eps);
-                for (v, &g) in seg.iter_mut().zip(w) {
-                    *v = g * (*v * scale);
-                }
-            }
+            row.chunks_exact_mut(dim).for_each(|seg| rms_norm_in_place(seg, w, eps))
         });
     }
     fn layer_norm_strided(&self, x: &mut CpuBuf, n: usize, stride: usize, off: usize, dim: usize, w: &Vec<f32>, b: &Vec<f32>, eps: f32) {
@@ -935,6 +921,14 @@ fn rotate_pairs(x: &mut [f32], cos: &[f32], sin: &[f32]) {
 }
 
 /// `1 / sqrt(mean(x²) + eps)`, accumulated in f64.
+/// `seg = w · seg · rms_scale(seg)`: one row (or head) normed where it lies.
+fn rms_norm_in_place(seg: &mut [f32], w: &[f32], eps: f32) {
+    let scale = rms_scale(seg, eps);
+    for (v, &g) in seg.iter_mut().zip(w) {
+        *v = g * (*v * scale);
+    }
+}
+
 fn rms_scale(x: &[f32], eps: f32) -> f32 {
     // Eight running f64 sums, so that the adds vectorise (one chain of f64 adds per value was
     // a visible share of decode's serial time); f64 keeps the order's effect far below f32's.
@@ -1094,9 +1088,11 @@ mod tests {
                 assert_eq!(l.k[pos * dim..][..dim], src.data[t * 3 * dim + off..][..dim], "key row {pos}");
                 assert_eq!(l.v[pos * dim..][..dim], src.data[t * 3 * dim + off + dim..][..dim], "value row {pos}");
             }
-            let kvs = [l.k.clone(), l.v.clone()];
-            let [a, b, c, d, e, f, g, h] = [gu, sw, normed, gathered, summed, scattered, overwritten, qk].map(|b| b.data);
-            [a, b, c, d, e, f, g, h, heads.data, added.data, kvs[0].clone(), kvs[1].clone(), in_place.data]
+            let (keys, values) = (l.k.clone(), l.v.clone());
+            let mut all: Vec<Vec<f32>> =
+                [gu, sw, normed, gathered, summed, scattered, overwritten, qk, heads, added, in_place].map(|b| b.data).into();
+            all.extend([keys, values]);
+            all
         };
         assert!(rows * w >= PAR_ELEMENTS, "the test must reach the parallel path");
         assert!(rows * (192 + 64) >= PAR_ELEMENTS, "the interleaved rotation too");
