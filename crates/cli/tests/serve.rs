@@ -725,8 +725,11 @@ fn caches_follow_a_memory_limit_lowered_and_raised() {
     // steps shrinks the caches (the thread's tick is an hour away, and no request starts).
     // The context is raised past the fixture's 4,096 so that the generation outlasts the test's
     // wait: 4,094 tokens take a quarter of a second here, and on a busy CI runner the whole
-    // reply once ended before the limit was lowered. It is cancelled when the server drops.
-    let server = Server::start_with_env(dir.path(), &["--memory-watch", "3600", "--ctx", "16384"], &env);
+    // reply once ended before the limit was lowered — at a 16,384 context too, once in a
+    // fresh-clone run on 2026-12-05 (with a browser test beside it), so 65,536, where the
+    // attention over the growing context makes the tail far slower. It is cancelled when the
+    // server drops.
+    let server = Server::start_with_env(dir.path(), &["--memory-watch", "3600", "--ctx", "65536"], &env);
     assert_eq!(ask(&server, "a conversation under pressure"), first);
     let hog = open_stream(server.addr, "/v1/completions", r#"{"model": "qwen3", "prompt": "hog", "max_tokens": 60000, "stream": true}"#);
     limit(1 << 30);
