@@ -661,10 +661,12 @@ impl<B: Backend> Model<B> {
         if tokens.is_empty() {
             return Err(EngineError::Input("no tokens to run".into()));
         }
-        st.logits.clear();
         if want == Logits::All {
+            st.logits.clear();
             st.logits.reserve(tokens.len() * vocab);
         }
+        // (The last row's logits overwrite the vector in place: clearing it each decoded token
+        // had cost a 600 KB memset before the copy, for a 152k vocabulary.)
         for chunk in tokens.chunks(st.work.chunk) {
             self.forward_chunk(st, chunk, want, obs)?;
         }
@@ -1469,33 +1471,42 @@ impl<B: Backend> Model<B> {
         let (be, hd, k) = (&self.backend, self.arch.hidden_size, self.router.top_k());
         let (b, hs) = (&mut *s.buf, &*s.host);
         let groups = &hs.groups;
-        be.gather_rows(&b.h, hd, &groups.tokens, &mut b.xe);
+        // A one-token step puts one row in each expert's group, the same row of `h` for all:
+        // the products read it where it lies. Gathering it k times, then finding the copies
+        // equal to quantize it once, had been part of decode's serial stretch before the
+        // gate/up products (#23).
+        let direct = n == 1;
+        if !direct {
+            be.gather_rows(&b.h, hd, &groups.tokens, &mut b.xe);
+        }
         if self.kept[li] {
             // The backend has every expert of the layer: one batch, named by id.
             let kept = |j: usize, part| WeightRef::Kept { layer: li, expert: groups.needed[j], part };
             let all =
                 (0..groups.needed.len()).map(|j| (j, [kept(j, ExpertPart::Gate), kept(j, ExpertPart::Up), kept(j, ExpertPart::Down)]));
-            self.expert_batch(all, groups, m.expert_bias.as_ref(), b);
+            self.expert_batch(all, groups, m.expert_bias.as_ref(), direct, b);
         } else {
             self.experts.with_experts(li, &groups.needed, &mut |batch: &ExpertBatch<'_>| {
                 let views = batch.iter().map(|(j, ex)| {
                     (*j, [WeightRef::Expert(ex.gate, ex.slot), WeightRef::Expert(ex.up, ex.slot), WeightRef::Expert(ex.down, ex.slot)])
                 });
-                self.expert_batch(views, groups, m.expert_bias.as_ref(), b)
+                self.expert_batch(views, groups, m.expert_bias.as_ref(), direct, b)
             })?;
         }
         be.add_weighted_rows(&b.dd, hd, n, k, &hs.routes.weights, (&groups.row_of, &groups.order), &mut b.slots, &mut b.x);
         Ok(())
     }
 
-    /// One batch of experts (`(index into needed, [gate, up, down])`) over their rows of `xe`:
-    /// one dispatch for every gate and up product (`[gate | up]` per row of `gu`), SiLU(gate)
-    /// · up into each row's gate half, then one dispatch for every down product into `dd`.
+    /// One batch of experts (`(index into needed, [gate, up, down])`) over their rows of `xe`
+    /// (`direct`: every group is one row, read from its token's row of `h` instead): one
+    /// dispatch for every gate and up product (`[gate | up]` per row of `gu`), SiLU(gate) · up
+    /// into each row's gate half, then one dispatch for every down product into `dd`.
     fn expert_batch<'w>(
         &self,
         batch: impl Iterator<Item = (usize, [WeightRef<'w, B::Matrix>; 3])> + Clone,
         groups: &ExpertGroups,
         bias: Option<&ExpertBias<B>>,
+        direct: bool,
         b: &mut Buffers<B>,
     ) where
         B::Matrix: 'w,
@@ -1506,10 +1517,11 @@ impl<B: Backend> Model<B> {
         let mut jobs = Vec::with_capacity(2 * batch.size_hint().0);
         for (j, [gate, up, _]) in batch.clone() {
             let (r0, rows) = groups.rows(j);
-            jobs.push(MatJob { w: gate, x_row: r0, n: rows, out_row: r0, out_col: 0 });
-            jobs.push(MatJob { w: up, x_row: r0, n: rows, out_row: r0, out_col: width });
+            let x_row = if direct { groups.tokens[r0] } else { r0 };
+            jobs.push(MatJob { w: gate, x_row, n: rows, out_row: r0, out_col: 0 });
+            jobs.push(MatJob { w: up, x_row, n: rows, out_row: r0, out_col: width });
         }
-        be.matmul_many(&jobs, &b.xe, hd, &mut b.gu, 2 * width);
+        be.matmul_many(&jobs, if direct { &b.h } else { &b.xe }, hd, &mut b.gu, 2 * width);
         jobs.clear();
         // Each expert's biases (gpt-oss) on its run of rows; `add_bias`'s offset reaches the
         // run's first row.
