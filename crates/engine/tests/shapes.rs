@@ -252,6 +252,11 @@ fn check_model(m: &Model<CpuBackend>, ids: &[u32], chunk: usize, tol: Tolerance,
     let mut seen = Routes::default();
     let chunked = m.forward(&mut m.new_state(chunk), ids, Logits::All, &mut seen).unwrap().to_vec();
     check(&chunked, 0, &seen, format!("prefill in chunks of {chunk}"));
+    // `Last` over several chunks: only the last chunk runs the LM head, on its last row.
+    let mut seen = Routes::default();
+    let last = m.forward(&mut m.new_state(chunk), ids, Logits::Last, &mut seen).unwrap().to_vec();
+    assert_eq!(last.len(), vocab, "{what}: Last over chunks of {chunk} returned {} logits", last.len());
+    check(&last, t - 1, &seen, format!("last logits over chunks of {chunk}"));
     // Step decode: one token at a time through the cache.
     let (mut st, mut seen) = (m.new_state(chunk), Routes::default());
     let mut decoded = Vec::with_capacity(whole.len());
