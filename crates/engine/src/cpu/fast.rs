@@ -179,19 +179,37 @@ fn row_blocks(r0: usize, r1: usize, n: usize) -> impl Iterator<Item = (usize, us
 /// never less than a minimum that amortises taking it, in whole row groups. The pool hands
 /// tasks out in order, so the last ones are small and the threads finish within a small task
 /// of each other (equal tasks left the caller waiting ~7% of decode for the last one).
+///
+/// `SMOE_TASK_SHARE=K` takes `1/K` of a thread's share instead of half (read once; K ≥ 1): a
+/// task handed to a thread that runs K times slower than the others (a busy hyperthread, a
+/// far memory node) still ends with them, so smaller shares guard a host whose cores do not
+/// run alike (the Intel host's 16 cores ran one kernel at 46–80 GMAC/s side by side, #23), at
+/// the price of more tasks to take.
 fn guided_tasks(jobs: impl Iterator<Item = (usize, usize)> + Clone, threads: usize, tasks: &mut Vec<(usize, usize, usize)>) {
+    guided_tasks_by(jobs, task_share() * threads.max(1), tasks)
+}
+
+/// [`guided_tasks`] with each task taking `1/share` of the work left.
+fn guided_tasks_by(jobs: impl Iterator<Item = (usize, usize)> + Clone, share: usize, tasks: &mut Vec<(usize, usize, usize)>) {
     const MIN_WORK: usize = 16384;
+    let share = share.max(1);
     let mut left: usize = jobs.clone().map(|(rows, wpr)| rows * wpr).sum();
     for (ji, (rows, wpr)) in jobs.enumerate() {
         let mut r = 0;
         while r < rows {
-            let want = (left / (2 * threads.max(1))).max(MIN_WORK);
+            let want = (left / share).max(MIN_WORK);
             let n = whole_row_groups((want / wpr.max(1)).max(1)).min(rows - r);
             tasks.push((ji, r, r + n));
             left = left.saturating_sub(n * wpr);
             r += n;
         }
     }
+}
+
+/// The divisor of a thread's share in [`guided_tasks`]: 2, or `SMOE_TASK_SHARE` (read once).
+fn task_share() -> usize {
+    static SHARE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *SHARE.get_or_init(|| std::env::var("SMOE_TASK_SHARE").ok().and_then(|v| v.parse().ok()).filter(|&k| k >= 1).unwrap_or(2))
 }
 
 /// Tasks start on multiples of this many rows: whole groups of an interleaved matrix, and of
@@ -347,18 +365,26 @@ mod tests {
     #[test]
     fn guided_tasks_cover_each_row_once_and_shrink() {
         let jobs = [(4096usize, 2048usize), (768, 2048), (3, 512), (768, 65536)];
-        let mut tasks = Vec::new();
-        guided_tasks(jobs.iter().copied(), 2, &mut tasks);
-        let mut next = vec![0usize; jobs.len()];
-        for &(ji, r0, r1) in &tasks {
-            assert_eq!(r0, next[ji], "job {ji} rows in order without gaps");
-            assert!(r1 > r0 && (r1 % TASK_ROWS == 0 || r1 == jobs[ji].0), "task {ji} {r0}..{r1}");
-            next[ji] = r1;
-        }
-        assert!(next.iter().zip(&jobs).all(|(&n, &(rows, _))| n == rows));
         let work = |&(ji, r0, r1): &(usize, usize, usize)| (r1 - r0) * jobs[ji].1;
-        let (first, last) = (work(&tasks[0]), work(tasks.last().unwrap()));
-        assert!(last * 8 < first, "the last task ({last}) is much smaller than the first ({first})");
+        let mut first_tasks = Vec::new();
+        // 4 is two threads at the default share; 8 and 32 two threads at `SMOE_TASK_SHARE=4`
+        // and sixteen at the default.
+        for share in [2, 4, 8, 32] {
+            let mut tasks = Vec::new();
+            guided_tasks_by(jobs.iter().copied(), share, &mut tasks);
+            let mut next = vec![0usize; jobs.len()];
+            for &(ji, r0, r1) in &tasks {
+                assert_eq!(r0, next[ji], "share {share}: job {ji} rows in order without gaps");
+                assert!(r1 > r0 && (r1 % TASK_ROWS == 0 || r1 == jobs[ji].0), "share {share}: task {ji} {r0}..{r1}");
+                next[ji] = r1;
+            }
+            assert!(next.iter().zip(&jobs).all(|(&n, &(rows, _))| n == rows), "share {share}: every row");
+            let (first, last) = (work(&tasks[0]), work(tasks.last().unwrap()));
+            assert!(last * 2 < first, "share {share}: the last task ({last}) is smaller than the first ({first})");
+            first_tasks.push(first);
+        }
+        let shrinks = first_tasks.windows(2).all(|w| w[1] <= w[0]) && first_tasks[3] < first_tasks[0];
+        assert!(shrinks, "larger shares start with smaller tasks (a first job's whole rows at most): {first_tasks:?}");
     }
 
     /// Two to fifteen tokens on an interleaved Q4_K matrix (a batch's expert, or one prefill
