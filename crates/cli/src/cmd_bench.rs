@@ -230,6 +230,12 @@ fn batch_on<B: Backend>(engine: &Engine<B>, report: &OpenReport, job: &BenchJob,
             println!("{tag}  prefill: {}", r.prefill);
             println!("{tag}  decode:  {}", r.decode);
         }
+        if let Some(pool) = r.pool {
+            println!("{tag}  decode  {}", pool.describe(r.step_ms * (r.gen_tokens.saturating_sub(1)) as f64));
+        }
+        if let Some(sites) = &r.pool_sites {
+            print_pool_sites(&format!("{tag}  decode "), sites, threads);
+        }
     }
     Ok(())
 }

@@ -276,6 +276,27 @@ fn bench_json_reports_throughput_and_streaming() {
     assert!((j["hit_rate"].as_f64().unwrap() - hits as f64 / (hits + misses) as f64).abs() < 1e-9);
 }
 
+/// `SMOE_POOL_PROFILE=1 bench --batch 2 --threads 2`: the decode steps' pool line and their
+/// busiest call sites, as single-sequence `bench` prints them, and the same in the JSON.
+#[test]
+fn bench_batch_profiles_the_pool_when_asked() {
+    let dir = tempfile::tempdir().unwrap();
+    let vault = shatter(dir.path(), "qwen3_moe", &[]);
+    let args = ["bench", &vault, "--prompt-tokens", "6", "--gen-tokens", "4", "--batch", "2", "--threads", "2", "--device", "cpu"];
+    let run = |json: bool| {
+        let args: Vec<&str> = args.iter().copied().chain(json.then_some("--json")).collect();
+        ok(&Command::new(env!("CARGO_BIN_EXE_smoe")).args(&args).env("SMOE_POOL_PROFILE", "1").output().unwrap())
+    };
+    let text = run(false);
+    assert!(text.lines().any(|l| l.trim_start().starts_with("decode  pool:") && l.contains("jobs")), "{text}");
+    assert!(text.lines().any(|l| l.contains("decode  site forward.rs:") && l.contains("serial before")), "{text}");
+    let j: serde_json::Value = serde_json::from_str(run(true).trim()).unwrap();
+    assert!(j["pool"]["jobs"].as_u64().unwrap() > 0 && !j["pool_sites"].as_array().unwrap().is_empty(), "{j}");
+    // Without the variable, nothing is counted.
+    let plain: serde_json::Value = serde_json::from_str(ok(&smoe(&[&args[..], &["--json"]].concat())).trim()).unwrap();
+    assert!(plain["pool"].is_null() && plain["pool_sites"].is_null(), "{plain}");
+}
+
 /// `bench --batch 1,3`: one JSON line per batch size, aggregate and per-sequence rates that
 /// agree with each other, one decode token per sequence and step, and the store's reads
 /// shared by a step's tokens; a batch of 0 is refused with a message.

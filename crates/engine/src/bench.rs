@@ -187,6 +187,10 @@ pub struct BatchBenchResult {
     pub decode: Summary,
     /// Bytes of KV cache all sequences hold at the end.
     pub kv_bytes: usize,
+    /// The CPU pool's time during the decode steps, with `SMOE_POOL_PROFILE` set.
+    pub pool: Option<PoolCounters>,
+    /// The same per call site (see [`profile::Site`]).
+    pub pool_sites: Option<Vec<profile::Site>>,
 }
 
 /// Prefills `sequences` random prompts (each in chunks of `chunk`, one sequence at a time),
@@ -218,6 +222,7 @@ pub fn bench_batch<B: Backend>(engine: &Engine<B>, opts: &BatchBenchOptions) -> 
     }
     let prefill_s = t0.elapsed().as_secs_f64();
     let prefill_steps = batch.instrument.as_ref().map_or(0, |i| i.records.len());
+    let (pool0, sites0) = (PoolCounters::read(), profile::sites());
     let t1 = std::time::Instant::now();
     for step in inputs.chunks(n) {
         let mut items: Vec<crate::BatchItem<'_, B>> =
@@ -225,6 +230,8 @@ pub fn bench_batch<B: Backend>(engine: &Engine<B>, opts: &BatchBenchOptions) -> 
         model.forward_batch(&mut batch, &mut items, &mut NoObserver)?;
     }
     let decode_s = t1.elapsed().as_secs_f64();
+    let pool = profile::enabled().then(|| PoolCounters::read().since(&pool0));
+    let pool_sites = profile::enabled().then(|| profile::sites_since(&profile::sites(), &sites0));
     let ins = batch.instrument.as_ref().expect("enabled above");
     let (prefill, decode) = (ins.summary_range(0, prefill_steps), ins.summary(prefill_steps));
     let decoded = (steps * n) as f64;
@@ -242,5 +249,7 @@ pub fn bench_batch<B: Backend>(engine: &Engine<B>, opts: &BatchBenchOptions) -> 
         prefill,
         decode,
         kv_bytes: states.iter().map(|s| model.backend().kv_bytes(s.kv())).sum(),
+        pool,
+        pool_sites,
     })
 }
