@@ -250,6 +250,20 @@ impl ExpertGroups {
         let e = self.needed[j] as usize;
         (self.starts[e], self.starts[e + 1] - self.starts[e])
     }
+
+    /// The first row of `xe` that `needed[j]`'s gate and up products read (`k` slots a token):
+    /// its own rows, or, for an expert with one row, the row of that token's first slot, so that
+    /// every expert a token reaches alone names the same input and `matmul_many` quantizes it
+    /// once (in a batched step most experts get one token; the copies had been found by
+    /// comparing their bits).
+    fn input_row(&self, j: usize, k: usize) -> usize {
+        let (r0, rows) = self.rows(j);
+        if rows == 1 {
+            self.row_of[self.tokens[r0] * k]
+        } else {
+            r0
+        }
+    }
 }
 
 /// Host-side scratch (`n` tokens of a chunk).
@@ -1519,13 +1533,13 @@ impl<B: Backend> Model<B> {
     ) where
         B::Matrix: 'w,
     {
-        let (be, hd, width) = (&self.backend, self.arch.hidden_size, self.arch.moe.intermediate_size);
+        let (be, hd, width, k) = (&self.backend, self.arch.hidden_size, self.arch.moe.intermediate_size, self.router.top_k());
         // The jobs borrow this batch's views, valid only during the store's callback: the list
         // is made here, once per batch (see the module documentation).
         let mut jobs = Vec::with_capacity(2 * batch.size_hint().0);
         for (j, [gate, up, _]) in batch.clone() {
             let (r0, rows) = groups.rows(j);
-            let x_row = if direct { groups.tokens[r0] } else { r0 };
+            let x_row = if direct { groups.tokens[r0] } else { groups.input_row(j, k) };
             jobs.push(MatJob { w: gate, x_row, n: rows, out_row: r0, out_col: 0 });
             jobs.push(MatJob { w: up, x_row, n: rows, out_row: r0, out_col: width });
         }
@@ -1588,5 +1602,34 @@ impl<B: Backend> Model<B> {
             be.scale_rows(&mut b.d, hd, &hs.gate);
         }
         be.add(&mut b.x, &b.d, n * hd);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ExpertGroups;
+
+    /// Every expert's gate/up input row holds its own token, and the experts a token reaches
+    /// alone all name one row (one quantization), whatever the other slots do.
+    #[test]
+    fn lone_rows_of_a_token_share_one_input_row() {
+        // Three tokens, top-3 of 6 experts: expert 4 is token 0's alone, expert 5 token 1's
+        // alone, experts 0 and 2 are shared, expert 3 is token 2's alone, expert 1 token 0's.
+        let (k, ids) = (3, [0u32, 4, 1, 0, 5, 2, 2, 3, 0]);
+        let mut g = ExpertGroups::default();
+        g.group(&ids, 6, k);
+        let mut lone_row_of_token = [None; 3];
+        for j in 0..g.needed.len() {
+            let (r0, rows) = g.rows(j);
+            let x = g.input_row(j, k);
+            if rows > 1 {
+                assert_eq!(x, r0, "expert {} reads its own rows", g.needed[j]);
+                continue;
+            }
+            let t = g.tokens[r0];
+            assert_eq!(g.tokens[x], t, "expert {}'s input row holds its token", g.needed[j]);
+            assert!(*lone_row_of_token[t].get_or_insert(x) == x, "token {t}'s lone experts name one row");
+        }
+        assert_eq!(lone_row_of_token, [Some(g.row_of[0]), Some(g.row_of[3]), Some(g.row_of[6])]);
     }
 }

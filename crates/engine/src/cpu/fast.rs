@@ -280,22 +280,6 @@ pub(crate) fn matmul(k: &Kernels, pool: &Pool, w: &QMatrix<'_>, x: &[f32], n: us
     })
 }
 
-/// Whether inputs `a` and `b` (keys `(x_row, n, cols, kind)`) are one row each, of the same
-/// width and activation kind, holding the same bits: then one quantization serves both. A
-/// decode token's row is gathered once per chosen expert (8 copies for Qwen3-30B-A3B), and
-/// each copy was quantized on the caller while the other threads waited, 8 times a layer.
-fn same_one_row(
-    a: (usize, usize, usize, smoe_kernels::act::ActKind),
-    b: (usize, usize, usize, smoe_kernels::act::ActKind),
-    x: &[f32],
-    stride: usize,
-) -> bool {
-    // As integers, so the comparison is the bits and one `memcmp` (a float loop compared
-    // element by element, 17 µs a layer on the EPYC).
-    let row = |r: usize| bytemuck::cast_slice::<f32, u32>(&x[r * stride..][..a.2]);
-    a.1 == 1 && b.1 == 1 && a.2 == b.2 && a.3 == b.3 && row(a.0) == row(b.0)
-}
-
 /// Several products in one pool dispatch. Jobs reading the same input rows with the same
 /// activation format share one quantization.
 pub(crate) fn matmul_many<M: Sync>(
@@ -315,14 +299,10 @@ pub(crate) fn matmul_many<M: Sync>(
         needs.clear();
         for (ji, (w, j)) in jobs.iter().enumerate() {
             let key = (j.x_row, j.n, w.cols, smoe_kernels::act_kind(w.format));
-            let idx = needs
-                .iter()
-                .position(|n| n.key == key)
-                .or_else(|| (j.n == 1).then(|| needs.iter().position(|n| same_one_row(n.key, key, x, x_stride))).flatten())
-                .unwrap_or_else(|| {
-                    needs.push(Input { key, first_job: ji, tiled: false });
-                    needs.len() - 1
-                });
+            let idx = needs.iter().position(|n| n.key == key).unwrap_or_else(|| {
+                needs.push(Input { key, first_job: ji, tiled: false });
+                needs.len() - 1
+            });
             needs[idx].tiled |= many_tokens(k, w, j.n);
             input_of.push(idx);
         }
@@ -462,34 +442,6 @@ mod tests {
             smoe_quant::quantize(Format::Q4_K, s, d).unwrap();
         }
         q
-    }
-
-    /// Single-row inputs whose bits are equal are quantized once; each product still gets
-    /// exactly the outputs it gets alone.
-    #[test]
-    fn one_row_inputs_with_the_same_bits_share_a_quantization_and_give_the_same_outputs() {
-        let (k, pool) = (smoe_kernels::best(), Pool::new(2));
-        let (rows, cols) = (16, 512);
-        let qw = q4k_rows(rows, cols);
-        let m = QMatrix::new(Format::Q4_K, rows, cols, &qw).unwrap();
-        // Rows 0, 1 and 3 hold the same values, row 2 other ones, row 3 with a -0.0 where
-        // the others hold 0.0 (other bits: not shared).
-        let a: Vec<f32> = (0..cols).map(|i| if i == 5 { 0.0 } else { ((i * 31 % 97) as f32 - 48.0) / 17.0 }).collect();
-        let b: Vec<f32> = (0..cols).map(|i| ((i * 13 % 89) as f32 - 44.0) / 11.0).collect();
-        let mut c = a.clone();
-        c[5] = -0.0;
-        let x: Vec<f32> = [&a, &a, &b, &c].into_iter().flatten().copied().collect();
-        let jobs: Vec<MatJob<'_, ()>> =
-            (0..4).map(|r| MatJob { w: WeightRef::Expert(m, SLOT), x_row: r, n: 1, out_row: r, out_col: 0 }).collect();
-        let pairs: Vec<_> = jobs.iter().map(|j| (m, j)).collect();
-        let mut out = vec![0f32; 4 * rows];
-        matmul_many(k, &pool, &pairs, &x, cols, &mut out, rows);
-        CALLER.with(|c| assert_eq!(c.borrow().needs.len(), 3, "rows 0 and 1 share one input"));
-        for r in 0..4 {
-            let mut alone = vec![0f32; rows];
-            matmul(k, &pool, &m, &x[r * cols..(r + 1) * cols], 1, &mut alone);
-            assert_eq!(&out[r * rows..(r + 1) * rows], &alone[..], "row {r}");
-        }
     }
 
     /// Two products on one input, the first in a format without a many-token kernel and the
