@@ -490,7 +490,7 @@ fn split_part(stem: &str) -> Option<(&str, usize)> {
 /// 64. A request admitted but left out of the batch waits for a whole generation to end: on the
 /// 2-core machine, with four per core (8), 16 streaming clients of 128 tokens each waited 41 s
 /// (p50) for their first token and got 25.8 tok/s together; with all 16 in the batch, 3.9 s
-/// and 31.0 tok/s, at an inter-token p99 of 1.05 s either way (docs/benchmarks.md, issue #25).
+/// and 31.0 tok/s, at an inter-token p99 of 1.04 and 1.05 s (docs/benchmarks.md, issue #25).
 /// A step's cost grows with its rows, but more slowly than its tokens: batching pays on any
 /// core count, and `--max-batch` trades the streams' pace for it where wanted.
 pub fn default_max_batch(max_queue: usize) -> usize {
