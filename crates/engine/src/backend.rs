@@ -38,6 +38,19 @@ pub struct KvShape {
     pub keep: Option<usize>,
 }
 
+/// One sequence of a batched attention call ([`Backend::attention_batch`]): its KV cache, its
+/// rows `row..row + n` of the step (queries in, outputs out), the position of its first query.
+pub struct SeqQueries<'a, C> {
+    /// The sequence's own KV cache.
+    pub cache: &'a C,
+    /// Its first row in the step's query and output buffers.
+    pub row: usize,
+    /// Its queries (tokens) in this step, at least one.
+    pub n: usize,
+    /// The position of its first query.
+    pub pos0: usize,
+}
+
 /// Parameters of one attention call.
 #[derive(Clone, Copy, Debug)]
 pub struct AttnParams<'a> {
@@ -934,4 +947,24 @@ pub trait Backend: Send + Sync {
         p: AttnParams<'_>,
         out: &mut Self::Buf,
     );
+    /// Whether [`Self::attention_batch`] takes several sequences with `p` at once. Without it
+    /// the decoder runs [`Self::attention`] sequence by sequence.
+    fn batches_attention(&self, _p: &AttnParams<'_>) -> bool {
+        false
+    }
+    /// [`Self::attention`] of several sequences of a step in one call, each over its own cache
+    /// at `layer`: sequence `s`'s queries are rows `s.row..s.row + s.n` of `q` (`q_stride`
+    /// apart), its outputs the same rows of `out`; each sequence's outputs are the bits
+    /// `attention` gives it alone. Only called where [`Self::batches_attention`].
+    fn attention_batch(
+        &self,
+        _layer: usize,
+        _seqs: &[SeqQueries<'_, Self::KvCache>],
+        _q: &Self::Buf,
+        _q_stride: usize,
+        _p: AttnParams<'_>,
+        _out: &mut Self::Buf,
+    ) {
+        unreachable!("attention_batch on a backend that does not batch attention")
+    }
 }

@@ -10,7 +10,7 @@
 
 use crate::backend::{
     AttnParams, Backend, CompressWindows, CompressedParams, ExpertPart, IndexQueries, KvShape, MatJob, QkvRows, RopeTables, Selection,
-    WeightRef,
+    SeqQueries, WeightRef,
 };
 use crate::routing::{RouteScratch, RouterRule};
 use rand::rngs::StdRng;
@@ -99,8 +99,9 @@ const FORMATS: [(Format, usize); 16] = [
     (Format::FP8, 384),
 ];
 
-/// Token counts: one (decode), fewer than a tile, a tile and a remainder, two tiles and one.
-const TOKENS: [usize; 4] = [1, 3, 9, 17];
+/// Token counts: one (decode), fewer than a tile (3, and 8: the most the GPU's few-token
+/// mat-vec takes), a tile and a remainder, two tiles and one.
+const TOKENS: [usize; 5] = [1, 3, 8, 9, 17];
 
 struct Suite<'a, B: Backend> {
     b: &'a B,
@@ -889,6 +890,23 @@ impl<B: Backend> Suite<'_, B> {
                 self.b.attention(&copy, 1, &qb, q_stride, n, first, params, &mut out);
                 let again = self.read(&out, want.len());
                 self.compare("kv_copy", what, &again, &got, |_| 0.0);
+            }
+            // Where the backend batches sequences: these queries and, after them, the last one
+            // again as a decode token of its own, in one call; each gets the bits it gets alone.
+            if self.b.batches_attention(&params) {
+                let last = q[(n - 1) * q_stride..n * q_stride].to_vec();
+                let lb = self.buf(q_stride, &last);
+                let mut one = self.buf(q_heads * shape.v_dim, &[]);
+                self.b.attention(&cache, 1, &lb, q_stride, 1, positions - 1, params, &mut one);
+                let alone: Vec<f32> = got.iter().copied().chain(self.read(&one, q_heads * shape.v_dim)).collect();
+                let both: Vec<f32> = q.iter().chain(&last).copied().collect();
+                let bb = self.buf(both.len(), &both);
+                let mut out = self.buf((n + 1) * q_heads * shape.v_dim, &[]);
+                let seqs =
+                    [SeqQueries { cache: &cache, row: 0, n, pos0: first }, SeqQueries { cache: &cache, row: n, n: 1, pos0: positions - 1 }];
+                self.b.attention_batch(1, &seqs, &bb, q_stride, params, &mut out);
+                let got = self.read(&out, alone.len());
+                self.compare("attention_batch", what, &got, &alone, |_| 0.0);
             }
         }
     }

@@ -25,7 +25,8 @@
 //! - with instrumentation on, one [`StepRecord`] per call.
 
 use crate::backend::{
-    AttnParams, Backend, CompressWindows, CompressedParams, ExpertPart, IndexQueries, MatJob, QkvRows, RopeTables, Selection, WeightRef,
+    AttnParams, Backend, CompressWindows, CompressedParams, ExpertPart, IndexQueries, MatJob, QkvRows, RopeTables, Selection, SeqQueries,
+    WeightRef,
 };
 use crate::instrument::{Instrument, StepRecord};
 use crate::model::{
@@ -1120,13 +1121,32 @@ impl<B: Backend> Model<B> {
         let rows = QkvRows { stride: w, q_heads: nh, kv_heads: nkv, head_dim: hdim };
         let (half, host) = (self.rope.half(), &*s.host);
         let params = AttnParams { q_heads: nh, scale: self.attn_scale, window: a.window, sinks: a.sinks.as_deref(), selected: None };
-        for seg in s.segs.iter_mut() {
-            // This sequence's rows of the step's RoPE tables.
-            let span = seg.row * half..(seg.row + seg.n) * half;
-            let rope = RopeTables { cos: &host.cos[span.clone()], sin: &host.sin[span], interleaved: self.rope.interleaved };
-            let (n, pos) = (seg.n, seg.pos);
-            let prepare = |q: &mut B::Buf, kv: &mut B::KvCache| be.qk_rope_store(q, n, rows, per_head, rope, kv, li, pos);
-            self.attend(seg, b, w, qw, prepare, |kv, q, out| be.attention(kv, li, q, w, n, pos, params, out));
+        if s.segs.len() > 1 && be.batches_attention(&params) {
+            // Every row's norms and RoPE at once (row by row ops: each row gets its bits
+            // alone), each sequence's keys and values into its own cache, then all
+            // sequences' attention in one call.
+            if let Some((qn, kn, eps)) = per_head {
+                be.rms_norm_heads(&mut b.q, n, w, 0, nh, hdim, qn, eps);
+                be.rms_norm_heads(&mut b.q, n, w, qw, nkv, hdim, kn, eps);
+            }
+            let (cos, sin) = (&host.cos[..n * half], &host.sin[..n * half]);
+            be.rope(&mut b.q, n, w, 0, nh + nkv, hdim, cos, sin, self.rope.interleaved);
+            for seg in s.segs.iter_mut() {
+                let at = seg.row * w + qw;
+                be.kv_store(seg.kv, li, seg.pos, seg.n, &b.q, w, at, Some((&b.q, w, at + kvw)));
+            }
+            let seqs: Vec<SeqQueries<'_, B::KvCache>> =
+                s.segs.iter().map(|seg| SeqQueries { cache: &*seg.kv, row: seg.row, n: seg.n, pos0: seg.pos }).collect();
+            be.attention_batch(li, &seqs, &b.q, w, params, &mut b.att);
+        } else {
+            for seg in s.segs.iter_mut() {
+                // This sequence's rows of the step's RoPE tables.
+                let span = seg.row * half..(seg.row + seg.n) * half;
+                let rope = RopeTables { cos: &host.cos[span.clone()], sin: &host.sin[span], interleaved: self.rope.interleaved };
+                let (n, pos) = (seg.n, seg.pos);
+                let prepare = |q: &mut B::Buf, kv: &mut B::KvCache| be.qk_rope_store(q, n, rows, per_head, rope, kv, li, pos);
+                self.attend(seg, b, w, qw, prepare, |kv, q, out| be.attention(kv, li, q, w, n, pos, params, out));
+            }
         }
         if a.gate.is_some() {
             be.sigmoid_gate(&mut b.att, n, qw, &b.q, w, qw + 2 * kvw);
@@ -1226,14 +1246,23 @@ impl<B: Backend> Model<B> {
         }
         let (b, host) = (&mut *s.buf, &*s.host);
         let top = ar.sparse_attention.as_ref().map_or(0, |sa| sa.top_k);
-        for (i, seg) in s.segs.iter_mut().enumerate() {
-            let selected = match host.selection.get(i) {
-                Some(sel) if !sel.is_empty() && top > 0 => Some(Selection { positions: sel, per_query: top }),
-                _ => None,
-            };
-            let params = AttnParams { q_heads: nh, scale: self.attn_scale, window: None, sinks: None, selected };
-            let (n, pos) = (seg.n, seg.pos);
-            self.attend(seg, b, nh * lat, nh * rank, |_, _| {}, |kv, q, out| be.attention(kv, li, q, nh * lat, n, pos, params, out));
+        let dense = AttnParams { q_heads: nh, scale: self.attn_scale, window: None, sinks: None, selected: None };
+        let selects = top > 0 && host.selection.iter().take(s.segs.len()).any(|sel| !sel.is_empty());
+        if s.segs.len() > 1 && !selects && be.batches_attention(&dense) {
+            // Every sequence's queries in one call (they share the parameters: no selection).
+            let seqs: Vec<SeqQueries<'_, B::KvCache>> =
+                s.segs.iter().map(|seg| SeqQueries { cache: &*seg.kv, row: seg.row, n: seg.n, pos0: seg.pos }).collect();
+            be.attention_batch(li, &seqs, &b.q, nh * lat, dense, &mut b.att);
+        } else {
+            for (i, seg) in s.segs.iter_mut().enumerate() {
+                let selected = match host.selection.get(i) {
+                    Some(sel) if !sel.is_empty() && top > 0 => Some(Selection { positions: sel, per_query: top }),
+                    _ => None,
+                };
+                let params = AttnParams { selected, ..dense };
+                let (n, pos) = (seg.n, seg.pos);
+                self.attend(seg, b, nh * lat, nh * rank, |_, _| {}, |kv, q, out| be.attention(kv, li, q, nh * lat, n, pos, params, out));
+            }
         }
         // Expand each head's attended latent through W_uv[h].
         for h in 0..nh {

@@ -142,7 +142,8 @@ struct Rows {
     rows: usize,
 }
 
-/// The layout of one call, shared by its tasks.
+/// The layout of one sequence's attention, shared by its tasks: its queries start at `q`, its
+/// outputs at float `out0` of the call's output.
 struct Call<'a> {
     l: &'a KvLayer,
     k: &'a smoe_kernels::Kernels,
@@ -150,6 +151,7 @@ struct Call<'a> {
     q: &'a [f32],
     q_stride: usize,
     pos0: usize,
+    out0: usize,
     block: usize,
     group: usize,
     chunk: usize,
@@ -159,7 +161,32 @@ struct Call<'a> {
     v_stride: usize,
 }
 
-impl Call<'_> {
+impl<'a> Call<'a> {
+    /// Sequence `seq`'s layout in a call over `q` (rows `q_stride` apart).
+    fn new(seq: &SeqRows<'a>, q: &'a [f32], q_stride: usize, p: AttnParams<'a>, k: &'a smoe_kernels::Kernels, block: usize) -> Self {
+        let (l, s) = (seq.l, seq.l.shape);
+        let group = p.q_heads / s.heads;
+        let chunk = group.min(HEADS_PER_TASK);
+        let (values, v_row, v_stride) =
+            if s.values_in_keys { (&l.k, s.heads * s.k_dim, s.k_dim) } else { (&l.v, s.heads * s.v_dim, s.v_dim) };
+        Call {
+            l,
+            k,
+            p,
+            q: &q[seq.row * q_stride..],
+            q_stride,
+            pos0: seq.pos0,
+            out0: seq.row * p.q_heads * s.v_dim,
+            block,
+            group,
+            chunk,
+            chunks_per_group: group.div_ceil(chunk),
+            values,
+            v_row,
+            v_stride,
+        }
+    }
+
     /// Task `i`'s rows when tasks go (token block, KV head, head chunk) in that order.
     fn rows(&self, i: usize, n: usize) -> Rows {
         let kvh = self.l.shape.heads;
@@ -258,7 +285,7 @@ impl Call<'_> {
             let r0 = (t - r.t0) * r.heads;
             // SAFETY: this task owns the output rows of query heads h0..h0 + heads of tokens
             // t0..t1; tasks cover disjoint (token, head) ranges and `out` outlives the call.
-            let dst = unsafe { out.range((t * self.p.q_heads + r.h0) * vd, r.heads * vd) };
+            let dst = unsafe { out.range(self.out0 + (t * self.p.q_heads + r.h0) * vd, r.heads * vd) };
             for (h, d) in dst.chunks_exact_mut(vd).enumerate() {
                 let inv = 1.0 / s[r0 + h];
                 for (d, &v) in d.iter_mut().zip(&o[(r0 + h) * vd..(r0 + h + 1) * vd]) {
@@ -297,17 +324,34 @@ fn merge(m: &mut f32, s: &mut f32, o: &mut [f32], mb: f32, sb: f32, ob: Option<&
     *m = mx;
 }
 
-/// Grouped-query attention on the persistent pool. A task takes up to [`TOKENS_PER_TASK`]
-/// tokens, one KV head and up to [`HEADS_PER_TASK`] of its query heads, and streams that
-/// head's cached keys and values once for all of them. Every (token, head) row gets exactly
-/// the arithmetic it would get alone (positions a row does not see get weight zero), so
-/// prefill and decode agree bit for bit.
-///
-/// Positions go by in aligned blocks of `block` ([`POSITIONS_PER_BLOCK`] in production). Each
-/// block's softmax terms are computed on their own ([`Call::block_terms`]) and folded into the
-/// row in position order ([`merge`]), so a task's scratch does not grow with the context, and
-/// a decode token (too few rows to fill the pool) computes its blocks in parallel — one task
-/// per (block, KV head, head chunk) — and folds them afterwards with the same arithmetic.
+/// One sequence of a batched call ([`attention_fast_batch`]): its layer of the KV cache, the
+/// step's rows `row..row + n` (its queries, and its outputs), the position of its first query.
+pub(super) struct SeqRows<'a> {
+    pub l: &'a KvLayer,
+    pub row: usize,
+    pub n: usize,
+    pub pos0: usize,
+}
+
+/// Where a sequence's work sits in a batched call: its first task, its first fold (tasks that
+/// merge a decode token's blocks; none unless `blocks > 0`), and its partial results' first
+/// outputs and first (maximum, sum) pairs. `blocks > 0`: a decode token whose positions go by
+/// in that many blocks on their own tasks; 0: each task folds its blocks itself.
+#[derive(Clone, Copy, Default)]
+struct Share {
+    task0: usize,
+    fold0: usize,
+    part0: usize,
+    pair0: usize,
+    blocks: usize,
+}
+
+thread_local! {
+    static SHARES: RefCell<Vec<Share>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Grouped-query attention on the persistent pool, of one sequence: [`attention_fast_batch`]
+/// of it alone.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn attention_fast(
     l: &KvLayer,
@@ -321,92 +365,147 @@ pub(super) fn attention_fast(
     pool: &super::pool::Pool,
     block: usize,
 ) {
-    let s = l.shape;
-    let (kd, vd, kvh) = (s.k_dim, s.v_dim, s.heads);
-    let group = p.q_heads / kvh;
-    let chunk = group.min(HEADS_PER_TASK);
-    let (values, v_row, v_stride) = if s.values_in_keys { (&l.k, kvh * kd, kd) } else { (&l.v, kvh * vd, vd) };
-    let call = Call { l, k, p, q, q_stride, pos0, block, group, chunk, chunks_per_group: group.div_ceil(chunk), values, v_row, v_stride };
-    let tasks = n.div_ceil(TOKENS_PER_TASK) * kvh * call.chunks_per_group;
-    let sink = super::DisjointOut::new(&mut out[..n * p.q_heads * vd]);
-    let r0 = call.rows(0, n);
-    let blocks = call.end_block(r0) - call.first_block(r0);
-    if tasks == kvh * call.chunks_per_group && blocks > 1 {
-        return decode_blocks(&call, n, tasks, blocks, pool, &sink);
-    }
-    pool.run(tasks, &|task| {
-        let r = call.rows(task, n);
-        SCRATCH.with(|sc| {
-            let Scratch { q: qb, probs: pr, part, out: ob } = &mut *sc.borrow_mut();
-            call.gather_queries(r, qb);
-            ob.clear();
-            ob.resize(r.rows * vd, 0.0);
-            part.resize(r.rows * vd, 0.0);
-            let (mut max, mut sum) = ([f32::NEG_INFINITY; ROWS], [0f32; ROWS]);
-            let (mut mb, mut sb) = ([0f32; ROWS], [0f32; ROWS]);
-            for bi in call.first_block(r)..call.end_block(r) {
-                call.block_terms(r, bi, qb, pr, part, &mut mb, &mut sb);
-                for i in 0..r.rows {
-                    merge(&mut max[i], &mut sum[i], &mut ob[i * vd..(i + 1) * vd], mb[i], sb[i], Some(&part[i * vd..(i + 1) * vd]));
-                }
-            }
-            call.finish(r, ob, &mut max, &mut sum, &sink);
-        })
-    });
+    attention_fast_batch(&[SeqRows { l, row: 0, n, pos0 }], q, q_stride, p, out, k, pool, block);
 }
 
-/// Decode (one token block): every (block, row group) on its own task, then one task per row
-/// group folds its blocks in order.
-fn decode_blocks(call: &Call<'_>, n: usize, groups: usize, blocks: usize, pool: &super::pool::Pool, sink: &super::DisjointOut) {
-    let vd = call.l.shape.v_dim;
-    let rows = call.rows(0, n).rows; // every group has the same rows but the last chunk's
-    PARTS.with(|parts| {
-        let (po, pm, ps) = &mut *parts.borrow_mut();
-        let slots = groups * blocks;
-        po.resize(slots * rows * vd, 0.0);
-        pm.resize(slots * rows, 0.0);
-        ps.resize(slots * rows, 0.0);
-        let (o_out, m_out, s_out) = (super::DisjointOut::new(po), super::DisjointOut::new(pm), super::DisjointOut::new(ps));
-        pool.run(slots, &|task| {
-            let (gi, b) = (task / blocks, task % blocks);
-            let r = call.rows(gi, n);
-            let bi = call.first_block(r) + b;
-            SCRATCH.with(|sc| {
-                let Scratch { q: qb, probs: pr, .. } = &mut *sc.borrow_mut();
-                call.gather_queries(r, qb);
-                // SAFETY: slot `task` of each partial buffer is this task's alone.
-                let (o, m, s) = unsafe {
-                    (o_out.range(task * rows * vd, r.rows * vd), m_out.range(task * rows, r.rows), s_out.range(task * rows, r.rows))
-                };
-                call.block_terms(r, bi, qb, pr, o, m, s);
-            })
-        });
-        let (po, pm, ps) = (&*po, &*pm, &*ps);
-        pool.run(groups, &|gi| {
-            let r = call.rows(gi, n);
-            SCRATCH.with(|sc| {
-                let Scratch { out: ob, .. } = &mut *sc.borrow_mut();
-                ob.clear();
-                ob.resize(r.rows * vd, 0.0);
-                let (mut max, mut sum) = ([f32::NEG_INFINITY; ROWS], [0f32; ROWS]);
-                for b in 0..blocks {
-                    let slot = gi * blocks + b;
-                    for i in 0..r.rows {
-                        let part = &po[(slot * rows + i) * vd..][..vd];
-                        merge(
-                            &mut max[i],
-                            &mut sum[i],
-                            &mut ob[i * vd..(i + 1) * vd],
-                            pm[slot * rows + i],
-                            ps[slot * rows + i],
-                            Some(part),
-                        );
-                    }
+/// Grouped-query attention on the persistent pool, of the sequences of a step at once (each
+/// over its own cache; one layer's, so one shape). A task takes up to [`TOKENS_PER_TASK`]
+/// tokens of one sequence, one KV head and up to [`HEADS_PER_TASK`] of its query heads, and
+/// streams that head's cached keys and values once for all of them. Every (token, head) row
+/// gets exactly the arithmetic it would get alone (positions a row does not see get weight
+/// zero), so prefill and decode agree bit for bit, and a sequence in a batch gets the bits it
+/// gets alone.
+///
+/// Positions go by in aligned blocks of `block` ([`POSITIONS_PER_BLOCK`] in production). Each
+/// block's softmax terms are computed on their own ([`Call::block_terms`]) and folded into the
+/// row in position order ([`merge`]), so a task's scratch does not grow with the context, and
+/// a decode token (too few rows to fill the pool) computes its blocks in parallel — one task
+/// per (block, KV head, head chunk) — and folds them afterwards with the same arithmetic.
+///
+/// All sequences' tasks go to the pool in one run (and their folds in a second): one decode
+/// token of Qwen3-30B-A3B is 4 tasks (its KV heads), too few for 16 threads, while a step of
+/// 16 sequences run one after another kept the threads 20% busy over this op.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn attention_fast_batch(
+    seqs: &[SeqRows<'_>],
+    q: &[f32],
+    q_stride: usize,
+    p: AttnParams<'_>,
+    out: &mut [f32],
+    k: &smoe_kernels::Kernels,
+    pool: &super::pool::Pool,
+    block: usize,
+) {
+    let Some(first) = seqs.first() else { return };
+    let vd = first.l.shape.v_dim;
+    let rows = seqs.iter().map(|s| s.row + s.n).max().unwrap_or(0);
+    let sink = super::DisjointOut::new(&mut out[..rows * p.q_heads * vd]);
+    SHARES.with(|shares| {
+        let mut shares = shares.borrow_mut();
+        shares.clear();
+        let mut at = Share::default();
+        for seq in seqs {
+            let call = Call::new(seq, q, q_stride, p, k, block);
+            let groups = seq.l.shape.heads * call.chunks_per_group;
+            let tasks = seq.n.div_ceil(TOKENS_PER_TASK) * groups;
+            let r0 = call.rows(0, seq.n);
+            let blocks = call.end_block(r0) - call.first_block(r0);
+            let split = tasks == groups && blocks > 1;
+            let share = Share { blocks: if split { blocks } else { 0 }, ..at };
+            shares.push(share);
+            at.task0 += if split { groups * blocks } else { tasks };
+            if split {
+                at.fold0 += groups;
+                at.part0 += groups * blocks * r0.rows * vd;
+                at.pair0 += groups * blocks * r0.rows;
+            }
+        }
+        let shares = &shares[..];
+        // The sequence whose tasks (or folds) include `i`.
+        let find = |i: usize, of: fn(&Share) -> usize| shares.partition_point(|s| of(s) <= i) - 1;
+        PARTS.with(|parts| {
+            let (po, pm, ps) = &mut *parts.borrow_mut();
+            po.resize(at.part0, 0.0);
+            pm.resize(at.pair0, 0.0);
+            ps.resize(at.pair0, 0.0);
+            let (o_out, m_out, s_out) = (super::DisjointOut::new(po), super::DisjointOut::new(pm), super::DisjointOut::new(ps));
+            pool.run(at.task0, &|task| {
+                let si = find(task, |s| s.task0);
+                let (seq, share) = (&seqs[si], shares[si]);
+                let call = Call::new(seq, q, q_stride, p, k, block);
+                let local = task - share.task0;
+                if let Some(gi) = local.checked_div(share.blocks) {
+                    // One block of one row group of a decode token: its terms into its slot.
+                    let b = local - gi * share.blocks;
+                    let r = call.rows(gi, seq.n);
+                    let stride = call.rows(0, seq.n).rows; // every group's but the last chunk's
+                    let bi = call.first_block(r) + b;
+                    SCRATCH.with(|sc| {
+                        let Scratch { q: qb, probs: pr, .. } = &mut *sc.borrow_mut();
+                        call.gather_queries(r, qb);
+                        // SAFETY: slot `local` of the sequence's partial buffers is this task's
+                        // alone (sequences' partial buffers do not overlap).
+                        let (o, m, s) = unsafe {
+                            (
+                                o_out.range(share.part0 + local * stride * vd, r.rows * vd),
+                                m_out.range(share.pair0 + local * stride, r.rows),
+                                s_out.range(share.pair0 + local * stride, r.rows),
+                            )
+                        };
+                        call.block_terms(r, bi, qb, pr, o, m, s);
+                    });
+                    return;
                 }
-                call.finish(r, ob, &mut max, &mut sum, sink);
-            })
-        });
-    })
+                let r = call.rows(local, seq.n);
+                SCRATCH.with(|sc| {
+                    let Scratch { q: qb, probs: pr, part, out: ob } = &mut *sc.borrow_mut();
+                    call.gather_queries(r, qb);
+                    ob.clear();
+                    ob.resize(r.rows * vd, 0.0);
+                    part.resize(r.rows * vd, 0.0);
+                    let (mut max, mut sum) = ([f32::NEG_INFINITY; ROWS], [0f32; ROWS]);
+                    let (mut mb, mut sb) = ([0f32; ROWS], [0f32; ROWS]);
+                    for bi in call.first_block(r)..call.end_block(r) {
+                        call.block_terms(r, bi, qb, pr, part, &mut mb, &mut sb);
+                        for i in 0..r.rows {
+                            merge(&mut max[i], &mut sum[i], &mut ob[i * vd..(i + 1) * vd], mb[i], sb[i], Some(&part[i * vd..(i + 1) * vd]));
+                        }
+                    }
+                    call.finish(r, ob, &mut max, &mut sum, &sink);
+                })
+            });
+            if at.fold0 == 0 {
+                return;
+            }
+            // Each decode token's blocks folded in order, one task per row group.
+            let (po, pm, ps) = (&*po, &*pm, &*ps);
+            pool.run(at.fold0, &|fold| {
+                // (The last sequence whose folds start at or before `fold` is one with folds:
+                // one without adds none, so the next starts where it does.)
+                let si = find(fold, |s| s.fold0);
+                let (seq, share) = (&seqs[si], shares[si]);
+                let call = Call::new(seq, q, q_stride, p, k, block);
+                let gi = fold - share.fold0;
+                let r = call.rows(gi, seq.n);
+                let stride = call.rows(0, seq.n).rows;
+                SCRATCH.with(|sc| {
+                    let Scratch { out: ob, .. } = &mut *sc.borrow_mut();
+                    ob.clear();
+                    ob.resize(r.rows * vd, 0.0);
+                    let (mut max, mut sum) = ([f32::NEG_INFINITY; ROWS], [0f32; ROWS]);
+                    for b in 0..share.blocks {
+                        let slot = gi * share.blocks + b;
+                        for i in 0..r.rows {
+                            let pair = share.pair0 + slot * stride + i;
+                            let part = &po[share.part0 + (slot * stride + i) * vd..][..vd];
+                            merge(&mut max[i], &mut sum[i], &mut ob[i * vd..(i + 1) * vd], pm[pair], ps[pair], Some(part));
+                        }
+                    }
+                    call.finish(r, ob, &mut max, &mut sum, &sink);
+                })
+            });
+        })
+    });
 }
 
 #[cfg(test)]
@@ -457,6 +556,43 @@ mod tests {
                         assert_eq!(one, got[t * one.len()..(t + 1) * one.len()], "block {block}, token {t}");
                     }
                 }
+            }
+        }
+    }
+    /// Several sequences in one call — decode tokens over short and long caches (whose blocks
+    /// go on tasks of their own), prefill chunks, in any order of rows — give each sequence the
+    /// bits of its call alone, with and without windows and sinks.
+    #[test]
+    fn a_batch_of_sequences_attends_as_each_alone() {
+        let kernels = smoe_kernels::best();
+        let pool = crate::cpu::pool::Pool::new(3);
+        let shape = KvShape { heads: 2, k_dim: 16, v_dim: 16, values_in_keys: false, keep: None };
+        let q_heads = 6;
+        // (positions before, queries): decode after 300 (three blocks of 128), decode from the
+        // start, a prefill chunk of 19 after 40, a chunk of 3 after 200, decode after 129.
+        let seqs = [(300, 1), (0, 1), (40, 19), (200, 3), (129, 1)];
+        let layers: Vec<KvLayer> = seqs.iter().enumerate().map(|(i, &(pos0, n))| layer(shape, pos0 + n + i)).collect();
+        let n: usize = seqs.iter().map(|s| s.1).sum();
+        let q_stride = q_heads * shape.k_dim + 3;
+        let q: Vec<f32> = (0..n * q_stride).map(|i| ((i * 37 % 101) as f32 - 50.0) / 40.0).collect();
+        let sinks: Vec<f32> = (0..q_heads).map(|h| h as f32 - 2.5).collect();
+        let width = q_heads * shape.v_dim;
+        for (window, sinks) in [(None, None), (Some(70), Some(&sinks[..]))] {
+            let p = AttnParams { q_heads, scale: 0.25, window, sinks, selected: None };
+            let mut rows = Vec::new();
+            let mut row = 0;
+            for (l, &(pos0, n)) in layers.iter().zip(&seqs) {
+                rows.push(SeqRows { l, row, n, pos0 });
+                row += n;
+            }
+            // The rows in another order than the sequences'.
+            rows.reverse();
+            let mut got = vec![0f32; n * width];
+            attention_fast_batch(&rows, &q, q_stride, p, &mut got, kernels, &pool, POSITIONS_PER_BLOCK);
+            for s in &rows {
+                let mut alone = vec![0f32; s.n * width];
+                attention_fast(s.l, &q[s.row * q_stride..], q_stride, s.n, s.pos0, p, &mut alone, kernels, &pool, POSITIONS_PER_BLOCK);
+                assert_eq!(alone, got[s.row * width..(s.row + s.n) * width], "window {window:?}: the sequence at row {}", s.row);
             }
         }
     }

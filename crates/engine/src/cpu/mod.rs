@@ -13,7 +13,8 @@ pub mod pool;
 mod sparse;
 
 use crate::backend::{
-    check, check_rows, AttnParams, Backend, CompressWindows, CompressedParams, DeltaNetParams, IndexQueries, KvShape, MatJob, WeightRef,
+    check, check_rows, AttnParams, Backend, CompressWindows, CompressedParams, DeltaNetParams, IndexQueries, KvShape, MatJob, SeqQueries,
+    WeightRef,
 };
 use crate::routing::{RouteScratch, RouterRule};
 use smoe_quant::{Format, QMatrix};
@@ -907,6 +908,36 @@ impl Backend for CpuBackend {
                 attention::attention_fast(l, q, q_stride, n, pos0, p, out, self.kernels, &self.pool, attention::POSITIONS_PER_BLOCK)
             }
         }
+    }
+    /// The fast path's attention, dense (no selected positions).
+    fn batches_attention(&self, p: &AttnParams<'_>) -> bool {
+        self.precision == Precision::Fast && p.selected.is_none()
+    }
+    #[track_caller]
+    fn attention_batch(
+        &self,
+        layer: usize,
+        seqs: &[SeqQueries<'_, CpuKvCache>],
+        q: &CpuBuf,
+        q_stride: usize,
+        p: AttnParams<'_>,
+        out: &mut CpuBuf,
+    ) {
+        let _site = pool::profile::site(std::panic::Location::caller());
+        assert!(self.batches_attention(&p), "attention_batch: the reference path, or selected positions");
+        let rows: Vec<attention::SeqRows<'_>> = seqs
+            .iter()
+            .map(|s| {
+                let l = &s.cache.layers[layer];
+                check_rows("attention queries", q, s.row, s.n, q_stride, 0, p.q_heads * l.shape.k_dim);
+                check_rows("attention", out, s.row, s.n, p.q_heads * l.shape.v_dim, 0, p.q_heads * l.shape.v_dim);
+                attention::SeqRows { l, row: s.row, n: s.n, pos0: s.pos0 }
+            })
+            .collect();
+        if let Some(s) = rows.iter().find(|s| s.l.shape != rows[0].l.shape || s.n == 0) {
+            panic!("attention_batch: sequences of one layer with one shape and some queries each (row {}: {} queries)", s.row, s.n);
+        }
+        attention::attention_fast_batch(&rows, q, q_stride, p, out, self.kernels, &self.pool, attention::POSITIONS_PER_BLOCK);
     }
 }
 
