@@ -17,6 +17,7 @@
 mod compressed;
 mod delta;
 mod fused;
+mod seqs;
 mod sparse;
 
 pub use crate::buf::CudaBuf;
@@ -31,7 +32,7 @@ use crate::{compile_kernels, DeviceInfo};
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, DriverError, LaunchConfig};
 use smoe_engine::backend::{
     check, check_rows, AttnParams, Backend, CompressWindows, CompressedParams, IndexQueries, KvShape, MatJob, QkvRows, RopeTables,
-    WeightRef,
+    SeqQueries, SeqStore, WeightRef,
 };
 use smoe_engine::routing::RouterRule;
 use smoe_engine::{CpuBackend, Precision};
@@ -47,12 +48,31 @@ const MAX_JOBS: usize = 48;
 /// Up to this many tokens a product is a mat-vec (a warp per row, the weights read once);
 /// beyond, tiled.
 const MV_TOKENS: usize = 8;
+/// Most tokens of a resident matrix's product that go as mat-vecs of [`MV_TOKENS`] each
+/// (`SMOE_CUDA_DENSE_MV`, at most this): see [`CudaBackend::resident_jobs`].
+const DENSE_MV_TOKENS: usize = 64;
 /// Rows per block of the int8 mat-vec of `cols` inputs in `format`: MVQ_WARPS × MVQ_ROWS in
 /// kernels.cu, divided among the warps that share rows (`mvq_split` there, the same function).
 fn mvq_block_rows(format: Format, cols: usize) -> usize {
     let tasks = if format == Format::Q8_0 { cols / 32 } else { cols / 64 };
     let split = if tasks >= 128 { 4 } else { 1 };
     4 * 2 / split
+}
+
+/// Whether attention of `n` queries over a layer of `shape` takes the tiled kernels (many
+/// queries, heads up to 128, no windows or sinks: gpt-oss's go to the decode kernel, whose
+/// row sees at most its window).
+fn attention_tiles(shape: KvShape, n: usize, p: &AttnParams<'_>) -> bool {
+    p.window.is_none() && p.sinks.is_none() && n > MV_TOKENS && shape.k_dim <= 128 && shape.v_dim <= 128
+}
+
+/// The decode attention kernel's split of the positions `n` queries from `pos0` see with `p`:
+/// positions per split, and splits (flash-decoding; 1: unsplit, as many queries are).
+fn attention_splits(n: usize, pos0: usize, p: &AttnParams<'_>) -> (usize, usize) {
+    let span = pos0 + n - p.first_seen(pos0);
+    let split = if span <= 1024 { 32 } else { 128 };
+    let splits = if span > split && n <= MV_TOKENS { span.div_ceil(split) } else { 1 };
+    (split, splits)
 }
 
 /// One product as the kernels read it (`struct Job` in kernels.cu).
@@ -136,8 +156,11 @@ pub struct CudaOptions {
 
 /// The one-token int8-activation kernels of a format (kernels.cu, kept.cu).
 struct Int8Kernels {
-    /// Products named by jobs.
+    /// One-token products named by jobs.
     mvq: CudaFunction,
+    /// Products of 2 to [`MV_TOKENS`] tokens named by jobs: the one-token product's
+    /// arithmetic for each token, the weights read once for all of them.
+    mvqn: CudaFunction,
     /// Products of kept experts, routed on the device.
     mvkq: CudaFunction,
     /// Kept experts' gate and up with SiLU(gate) · up and its int8 copy (`mvkq_swiglu`).
@@ -184,6 +207,8 @@ struct Kernels {
     quantize_rows: CudaFunction,
     add_rms_norm: CudaFunction,
     qk_rope_store: CudaFunction,
+    qk_rope_store_seqs: CudaFunction,
+    attention_seqs: CudaFunction,
     silu_quantize: CudaFunction,
     mvs_f32: CudaFunction,
     attention_tiles: CudaFunction,
@@ -245,6 +270,7 @@ impl Kernels {
                         mvq: match fmt {
                             Format::Q8_0 | Format::Q4_K => Some(Int8Kernels {
                                 mvq: f(&format!("mvq_{n}"))?,
+                                mvqn: f(&format!("mvqn_{n}"))?,
                                 mvkq: f(&format!("mvkq_{n}"))?,
                                 swiglu: f(&format!("mvkq_swiglu_{n}"))?,
                                 mix: f(&format!("mvkq_mix_{n}"))?,
@@ -283,6 +309,8 @@ impl Kernels {
             quantize_rows: f("quantize_rows")?,
             add_rms_norm: f("add_rms_norm")?,
             qk_rope_store: f("qk_rope_store")?,
+            qk_rope_store_seqs: f("qk_rope_store_seqs")?,
+            attention_seqs: f("attention_seqs")?,
             silu_quantize: f("silu_quantize")?,
             mvs_f32: f("mvs_f32")?,
             attention_tiles: f("attention_tiles")?,
@@ -343,6 +371,12 @@ struct KvLayer {
 }
 
 impl KvLayer {
+    /// The positions `n` queries from `pos0` see with `p` are held, and stored.
+    fn check_attention(&self, n: usize, pos0: usize, p: &AttnParams<'_>) {
+        assert!(pos0 + n <= self.len, "attention: positions up to {} but {} cached", pos0 + n, self.len);
+        assert!(p.first_seen(pos0) >= self.base, "attention: position {} was dropped (held from {})", p.first_seen(pos0), self.base);
+        assert!(self.stored(), "attention: keys and values stored before attention");
+    }
     fn k_width(&self) -> usize {
         self.shape.heads * self.shape.k_dim
     }
@@ -456,6 +490,10 @@ pub struct CudaBackend {
     /// against 1,674 tok/s for 512 tokens on the H200) while decode ran faster (224.9 against
     /// 196.9 tok/s).
     few_tokens: AtomicBool,
+    /// The GPU's multiprocessors.
+    sms: usize,
+    /// [`DENSE_MV_TOKENS`], or less (`SMOE_CUDA_DENSE_MV`; 8 or less: never).
+    dense_mv_tokens: usize,
     faulted: AtomicBool,
     fault: Mutex<Option<String>>,
     /// One-token steps recorded and launched as CUDA graphs (see [`crate::graph`]):
@@ -496,6 +534,8 @@ impl CudaBackend {
         let tensor_cores = info.compute_capability.0 >= 8 && !opts.simt_prefill && prefill.as_deref() != Ok("simt");
         let int8 = opts.precision.unwrap_or(Precision::Fast) == Precision::Fast && std::env::var("SMOE_CUDA_INT8").as_deref() != Ok("off");
         let pdl = info.compute_capability.0 >= 9 && std::env::var("SMOE_CUDA_PDL").as_deref() != Ok("off");
+        let sms =
+            ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_or(0, |n| n as usize);
         Ok(CudaBackend {
             info,
             stream,
@@ -530,6 +570,12 @@ impl CudaBackend {
             profile_sync: std::env::var("SMOE_CUDA_PROFILE").as_deref() != Ok("host"),
             pdl,
             few_tokens: AtomicBool::new(true),
+            sms,
+            dense_mv_tokens: std::env::var("SMOE_CUDA_DENSE_MV")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(DENSE_MV_TOKENS)
+                .min(DENSE_MV_TOKENS),
             faulted: AtomicBool::new(false),
             fault: Mutex::new(None),
             graphs: (opts.graphs || std::env::var("SMOE_CUDA_GRAPHS").as_deref() == Ok("on"))
@@ -686,9 +732,11 @@ impl CudaBackend {
         // Kind 0: one token (`mv1`), 1: a few (`mv`), 2: many (tiled). A job's kernel, and so its
         // rounding, depends on its own token count only, never on the batch it came in: the
         // same product gives the same bits whether its expert was in VRAM or just copied up.
-        // With int8 tiles, a few tokens go to them too: the f32 mat-vec of 2..8 tokens took
-        // 18 ms of a 512-token prefill (experts that few tokens chose), the tiles a fraction.
-        let tiles_from = |f: Format| if self.int8_tiles && self.k.format(f).mmq.is_some() { 2 } else { MV_TOKENS + 1 };
+        // On int8 activations a few tokens take the int8 mat-vec (`mvqn`), which gives each
+        // token its one-token bits; without it, and with int8 tiles, they go to the tiles (the
+        // f32 mat-vec of 2..8 tokens took 18 ms of a 512-token prefill, the tiles a fraction).
+        let int8_mv = |f: Format| self.int8 && self.k.format(f).mvq.is_some();
+        let tiles_from = |f: Format| if self.int8_tiles && self.k.format(f).mmq.is_some() && !int8_mv(f) { 2 } else { MV_TOKENS + 1 };
         let kind = |f: Format, n: i32| {
             if n == 1 {
                 0u8
@@ -698,9 +746,12 @@ impl CudaBackend {
                 2
             }
         };
-        // One-token and tiled launches also by input width: an int8 launch quantizes its jobs'
-        // input rows once, at one width.
-        let key = |j: &(Format, Job)| (j.0, kind(j.0, j.1.n), if kind(j.0, j.1.n) != 1 { j.1.cols } else { 0 });
+        // Int8 launches also by input width: an int8 launch quantizes its jobs' input rows
+        // once, at one width.
+        let key = |j: &(Format, Job)| {
+            let k = kind(j.0, j.1.n);
+            (j.0, k, if k != 1 || int8_mv(j.0) { j.1.cols } else { 0 })
+        };
         jobs.sort_by_key(key);
         // The int8 inputs of the current run of jobs with one key (several launches when more
         // than MAX_JOBS): quantized once for all of them, `(key, (qx, qstride, lo))`.
@@ -722,9 +773,10 @@ impl CudaBackend {
             let max_n = batch.iter().map(|j| j.n as usize).max().unwrap_or(0);
             let fk = self.k.format(k0.0);
             let (xs_i, os_i) = (xs as i32, os as i32);
-            // Int8 activations: the one-token mat-vec, and tiles on tensor cores.
+            // Int8 activations: the mat-vecs, and tiles on tensor cores.
             let int8 = match k0.1 {
                 0 if self.int8 => fk.mvq.as_ref().map(|i| &i.mvq),
+                1 if self.int8 => fk.mvq.as_ref().map(|i| &i.mvqn),
                 2 if self.int8_tiles => fk.mmq.as_ref(),
                 _ => None,
             };
@@ -752,8 +804,9 @@ impl CudaBackend {
                 let (qs_i, lo_i, os_i) = (qstride as i32, lo as i32, os as i32);
                 let mut a = Launch::new(func);
                 a.arg(&table).arg(&qx).arg(&qs_i).arg(&lo_i).arg(&out).arg(&os_i);
-                let (grid, op) = if k0.1 == 0 {
-                    ((max_rows.div_ceil(mvq_block_rows(k0.0, cols)) as u32, (end - start) as u32, 1), "products, int8 mat-vec")
+                let (grid, op) = if k0.1 < 2 {
+                    let op = if k0.1 == 0 { "products, int8 mat-vec" } else { "products, int8 mat-vec of a few tokens" };
+                    ((max_rows.div_ceil(mvq_block_rows(k0.0, cols)) as u32, (end - start) as u32, 1), op)
                 } else {
                     ((max_rows.div_ceil(64) as u32, max_n.div_ceil(64) as u32, (end - start) as u32), "products, int8 tensor cores")
                 };
@@ -955,6 +1008,25 @@ impl CudaBackend {
         self.ok("expert upload", r)?;
         let end = self.ok("expert upload", self.copy_stream.record_event(timed))?;
         Some((start, end))
+    }
+
+    /// A resident matrix's product as the launches take it: of more than [`MV_TOKENS`] and at
+    /// most `dense_mv_tokens` tokens, on int8 activations, where its 64-row tiles are fewer than
+    /// the GPU's multiprocessors, as mat-vecs of up to [`MV_TOKENS`] tokens each (every token
+    /// with its one-token bits); else as it is. One column of tiles of a 2048-wide projection
+    /// is latency-bound (a block per 64 rows walks the whole row); the mat-vecs read the
+    /// matrix once per 8 tokens at the memory's rate. Experts' products are left to the
+    /// tiles: a prefill's experts come many to a launch, which fills the GPU.
+    fn resident_jobs(&self, f: Format, j: Job, mut push: impl FnMut((Format, Job))) {
+        let n = j.n as usize;
+        let few_tiles = (j.rows as usize).div_ceil(64) < self.sms;
+        if n <= MV_TOKENS || n > self.dense_mv_tokens || !few_tiles || !self.int8 || self.k.format(f).mvq.is_none() {
+            return push((f, j));
+        }
+        for t0 in (0..n).step_by(MV_TOKENS) {
+            let c = MV_TOKENS.min(n - t0) as i32;
+            push((f, Job { x_row: j.x_row + t0 as i32, out_row: j.out_row + t0 as i32, n: c, ..j }));
+        }
     }
 
     fn job(w: u64, row_bytes: usize, rows: usize, cols: usize, x_row: usize, n: usize, out_row: usize, out_col: usize) -> Job {
@@ -1316,7 +1388,13 @@ impl Backend for CudaBackend {
         check("matmul", out, n, m);
         let wp = dptr(&w.data, &self.stream) + (r0 * w.row_bytes) as u64;
         let job = Self::job(wp, w.row_bytes, m, w.cols, 0, n, 0, 0);
-        self.products(&mut [(w.format, job)], x.at(&self.stream), x.quantized(), w.cols, out.at_mut(&self.stream), m);
+        let mut jobs = [(w.format, job); DENSE_MV_TOKENS / MV_TOKENS];
+        let mut count = 0;
+        self.resident_jobs(w.format, job, |j| {
+            jobs[count] = j;
+            count += 1;
+        });
+        self.products(&mut jobs[..count], x.at(&self.stream), x.quantized(), w.cols, out.at_mut(&self.stream), m);
     }
     fn matmul_many(&self, jobs: &[MatJob<'_, CudaMatrix>], x: &CudaBuf, x_stride: usize, out: &mut CudaBuf, out_stride: usize) {
         if self.faulted() {
@@ -1366,7 +1444,11 @@ impl Backend for CudaBackend {
             };
             check_rows("matmul_many input", x, j.x_row, j.n, x_stride, 0, cols);
             check_rows("matmul_many", out, j.out_row, j.n, out_stride, j.out_col, rows);
-            ready.push((fmt, Self::job(wp, row_bytes, rows, cols, j.x_row, j.n, j.out_row, j.out_col)));
+            let job = Self::job(wp, row_bytes, rows, cols, j.x_row, j.n, j.out_row, j.out_col);
+            match j.w {
+                WeightRef::Resident(..) => self.resident_jobs(fmt, job, |j| ready.push(j)),
+                _ => ready.push((fmt, job)),
+            }
         }
         let (xp, op) = (x.at(&self.stream), out.at_mut(&self.stream));
         if missing.is_empty() {
@@ -1989,17 +2071,70 @@ impl Backend for CudaBackend {
             }
             return self.attention_selected(cache, layer, q, q_stride, n, p, out);
         }
-        assert!(pos0 + n <= l.len, "attention: positions up to {} but {} cached", pos0 + n, l.len);
-        assert!(p.first_seen(pos0) >= l.base, "attention: position {} was dropped (held from {})", p.first_seen(pos0), l.base);
-        assert!(l.stored(), "attention: keys and values stored before attention");
+        l.check_attention(n, pos0, &p);
+        let (qp, op) = (q.at(&self.stream), out.at_mut(&self.stream));
+        // The decode kernel leaves an int8 copy of its output; the tiled ones do not.
+        let few = !attention_tiles(s, n, &p) && n <= MV_TOKENS && s.v_dim.is_multiple_of(32);
+        let quant = if few { self.quant_out(out, n, p.q_heads * s.v_dim) } else { (0, 0) };
+        self.attention_at(l, qp, q_stride, n, pos0, p, op, quant);
+    }
+    /// Dense attention ([`seqs`]); selected positions go sequence by sequence.
+    fn batches_attention(&self, p: &AttnParams<'_>) -> bool {
+        p.selected.is_none()
+    }
+    fn attention_batch(
+        &self,
+        layer: usize,
+        seqs: &[SeqQueries<'_, CudaKvCache>],
+        q: &CudaBuf,
+        q_stride: usize,
+        p: AttnParams<'_>,
+        out: &mut CudaBuf,
+    ) {
+        self.attention_seqs(layer, seqs, q, q_stride, p, out);
+    }
+    fn qk_rope_store_batch(
+        &self,
+        qkv: &mut CudaBuf,
+        n: usize,
+        rows: QkvRows,
+        norm: Option<(&CudaVector, &CudaVector, f32)>,
+        rope: RopeTables<'_>,
+        seqs: &mut [SeqStore<'_, CudaKvCache>],
+        layer: usize,
+    ) {
+        self.fused_qk_rope_store_seqs(qkv, n, rows, norm, rope, seqs, layer);
+    }
+}
+
+/// Keys per run of the tensor-core prefill attention for `n` queries after `pos0` positions,
+/// and the runs of one head (its blocks). Runs of `run` keys (128: four tiles, 20 blocks a
+/// head for 512 queries, whose last ones wait out 4 tiles one after another rather than 16;
+/// 0: unsplit). Longer runs where that would take more than 2,048 blocks (a long context),
+/// which bounds the partial results at 2,048 × 64 rows × (v_dim + 2) floats (68 MiB for heads
+/// of 128; the scratch holding them grows to twice what is asked, and does not shrink).
+fn attention_runs(n: usize, pos0: usize, q_heads: usize, run: usize) -> (usize, usize) {
+    let items = |chunk: usize| (0..n.div_ceil(64)).map(|qt| (pos0 + ((qt + 1) * 64).min(n) - 1) / chunk + 1).sum::<usize>();
+    let mut chunk = if run == 0 { pos0 + n } else { run.next_multiple_of(32) };
+    while items(chunk) * q_heads > 2048 && chunk < pos0 + n {
+        chunk *= 2;
+    }
+    (chunk, items(chunk))
+}
+
+impl CudaBackend {
+    /// Attention of `n` queries at `qp` (rows `q_stride` apart) over layer `l`, into `op`
+    /// (with the int8 copy at `quant`, where the decode kernel runs; `(0, 0)`: none): the
+    /// tiled kernels for many queries without windows or sinks, else the decode kernel.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_at(&self, l: &KvLayer, qp: u64, q_stride: usize, n: usize, pos0: usize, p: AttnParams<'_>, op: u64, quant: (u64, i32)) {
+        let s = l.shape;
         let kp = l.keys(&self.stream);
         let (vp, v_row, v_head) =
             if s.values_in_keys { (kp, l.k_width(), s.k_dim) } else { (l.values(&self.stream), l.v_width(), s.v_dim) };
-        let (qp, op) = (q.at(&self.stream), out.at_mut(&self.stream));
         // Windows and sinks (gpt-oss) go to the one-block-per-row kernel, whatever the count
         // of queries: a sliding layer's row sees at most its window.
-        let plain = p.window.is_none() && p.sinks.is_none();
-        if plain && n > MV_TOKENS && s.k_dim <= 128 && s.v_dim <= 128 {
+        if attention_tiles(s, n, &p) {
             // Many queries: key tiles shared by 32 queries of a head (attention_tiles).
             let (heads, kd, vd, vr, vh) = (s.heads as i32, s.k_dim as i32, s.v_dim as i32, v_row as i32, v_head as i32);
             let (qs, qh, p0, n_i) = (q_stride as i32, p.q_heads as i32, pos0 as i32, n as i32);
@@ -2038,26 +2173,8 @@ impl Backend for CudaBackend {
             self.launch(a, LaunchConfig { grid_dim: grid, block_dim: (threads, 1, 1), shared_mem_bytes: 0 }, what);
             return;
         }
-        // The decode kernel leaves an int8 copy of its output; the tiled ones do not.
-        let few = n <= MV_TOKENS && s.v_dim.is_multiple_of(32);
-        let quant = if few { self.quant_out(out, n, p.q_heads * s.v_dim) } else { (0, 0) };
         self.attention_decode(kp, vp, s, v_row, v_head, qp, q_stride, n, pos0, p, op, quant);
     }
-}
-
-/// Keys per run of the tensor-core prefill attention for `n` queries after `pos0` positions,
-/// and the runs of one head (its blocks). Runs of `run` keys (128: four tiles, 20 blocks a
-/// head for 512 queries, whose last ones wait out 4 tiles one after another rather than 16;
-/// 0: unsplit). Longer runs where that would take more than 2,048 blocks (a long context),
-/// which bounds the partial results at 2,048 × 64 rows × (v_dim + 2) floats (68 MiB for heads
-/// of 128; the scratch holding them grows to twice what is asked, and does not shrink).
-fn attention_runs(n: usize, pos0: usize, q_heads: usize, run: usize) -> (usize, usize) {
-    let items = |chunk: usize| (0..n.div_ceil(64)).map(|qt| (pos0 + ((qt + 1) * 64).min(n) - 1) / chunk + 1).sum::<usize>();
-    let mut chunk = if run == 0 { pos0 + n } else { run.next_multiple_of(32) };
-    while items(chunk) * q_heads > 2048 && chunk < pos0 + n {
-        chunk *= 2;
-    }
-    (chunk, items(chunk))
 }
 
 impl CudaBackend {
@@ -2090,11 +2207,8 @@ impl CudaBackend {
         // blocks on 132 SMs), and a decoded token's attention grew with every position.
         // Positions before the first query's window are seen by no row: the splits start at
         // `first`. Many queries fill the GPU by themselves and are not split.
-        let len = pos0 + n;
         let first = p.first_seen(pos0);
-        let span = len - first;
-        let split = if span <= 1024 { 32 } else { 128 };
-        let splits = if span > split && n <= MV_TOKENS { span.div_ceil(split) } else { 1 };
+        let (split, splits) = attention_splits(n, pos0, &p);
         let rows = n * p.q_heads;
         let sinks = match p.sinks {
             Some(s) => match self.stage_f32("attention sinks", &[s]) {

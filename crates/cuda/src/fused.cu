@@ -34,17 +34,15 @@ extern "C" __global__ void add_rms_norm(float* x, const float* y, const float* w
 // keys and values of token t stored at position pos0 + t of the caches (rows of kv_heads * hd).
 // One warp per (token, head), four a block; hd <= 512. (A block per head, its sum over the
 // block's warps with two barriers, took 52 µs a layer for a 512-token chunk of the 30B shape.)
-extern "C" __global__ void qk_rope_store(float* x, int stride, int q_heads, int kv_heads, int hd, const float* qn,
-                                         const float* kn, float eps, const float* cs, int n, int half,
-                                         int interleaved, float* kc, float* vc, int pos0) { PDL_START;
-    __shared__ float vw[4][512];
-    int per = q_heads + 2 * kv_heads;
-    int item = blockIdx.x * 4 + threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (item >= n * per) return;  // the whole warp; no block-wide barrier follows
-    float* v = vw[threadIdx.x / 32];
-    int t = item / per, h = item % per;
+// One (token, head) of qk_rope_store, a warp's: row t of x, row t of the tables (of n rows),
+// stored at cache row `pos` (of kc and vc).
+__device__ __forceinline__ void qk_rope_one(float* x, int stride, int q_heads, int kv_heads, int hd, const float* qn,
+                                            const float* kn, float eps, const float* cs, int n, int half,
+                                            int interleaved, float* kc, float* vc, int t, int h, int pos,
+                                            float* v) {
+    int lane = threadIdx.x % 32;
     float* head = x + (size_t)t * stride + (size_t)h * hd;
-    size_t kv_row = (size_t)(pos0 + t) * kv_heads * hd;
+    size_t kv_row = (size_t)pos * kv_heads * hd;
     if (h >= q_heads + kv_heads) {  // a value head: stored as it is
         float* dst = vc + kv_row + (size_t)(h - q_heads - kv_heads) * hd;
         for (int i = lane; i < hd; i += 32) dst[i] = head[i];
@@ -73,6 +71,33 @@ extern "C" __global__ void qk_rope_store(float* x, int stride, int q_heads, int 
         head[i] = v[i];
         if (key) key[i] = v[i];
     }
+}
+
+extern "C" __global__ void qk_rope_store(float* x, int stride, int q_heads, int kv_heads, int hd, const float* qn,
+                                         const float* kn, float eps, const float* cs, int n, int half,
+                                         int interleaved, float* kc, float* vc, int pos0) { PDL_START;
+    __shared__ float vw[4][512];
+    int per = q_heads + 2 * kv_heads;
+    int item = blockIdx.x * 4 + threadIdx.x / 32;
+    if (item >= n * per) return;  // the whole warp; no block-wide barrier follows
+    int t = item / per, h = item % per;
+    qk_rope_one(x, stride, q_heads, kv_heads, hd, qn, kn, eps, cs, n, half, interleaved, kc, vc, t, h, pos0 + t,
+                vw[threadIdx.x / 32]);
+}
+
+// qk_rope_store of the sequences of a step at once (`SeqKv`: each one's rows of x and its own
+// caches; cs holds the tables of all n rows): every (token, head) as alone.
+extern "C" __global__ void qk_rope_store_seqs(float* x, int stride, int q_heads, int kv_heads, int hd,
+                                              const float* qn, const float* kn, float eps, const float* cs, int n,
+                                              int half, int interleaved, const SeqKvs ss) { PDL_START;
+    __shared__ float vw[4][512];
+    int per = q_heads + 2 * kv_heads;
+    int item = blockIdx.x * 4 + threadIdx.x / 32;
+    if (item >= n * per) return;  // the whole warp; no block-wide barrier follows
+    int t = item / per, h = item % per;
+    const SeqKv& s = ss.s[seq_of(ss, t)];
+    qk_rope_one(x, stride, q_heads, kv_heads, hd, qn, kn, eps, cs, n, half, interleaved, (float*)s.k, (float*)s.v, t,
+                h, s.pos0 + t - s.row, vw[threadIdx.x / 32]);
 }
 
 // Rows 0..rows of x ([gate | up], w each, rows `stride` apart): gate = silu(gate) * up, as

@@ -268,6 +268,27 @@ struct Jobs {
     Job job[MAX_JOBS];
 };
 
+// The sequences of a batched step's attention (qk_rope_store_seqs, attention_seqs): each one's
+// keys and values (position p at row p), the position of its first query, its first row of the
+// step and its rows (queries), and, for attention, the first position its first query sees,
+// the positions per split and its splits (1: unsplit). In ascending rows.
+#define MAX_SEQS 64
+struct SeqKv {
+    u64 k, v;
+    int pos0, row, n, first, split, splits;
+};
+struct SeqKvs {
+    int count, max_splits;
+    SeqKv s[MAX_SEQS];
+};
+
+// The sequence that row t of the step belongs to.
+__device__ __forceinline__ int seq_of(const SeqKvs& ss, int t) {
+    int i = 0;
+    while (i + 1 < ss.count && t >= ss.s[i].row + ss.s[i].n) i++;
+    return i;
+}
+
 // Bytes of 32 consecutive groups (1024 values) of format F: the span a warp stages at once.
 template <int F>
 __device__ constexpr int span32() {
@@ -827,78 +848,117 @@ __device__ __forceinline__ int mvq_split(int cols) {
     return tasks >= 128 ? 4 : 1;  // 2 for 64 tasks (q/k/v from 2048) measured 13% slower
 }
 
-// Job j's rows against its input row, quantized at qx + (j.x_row - lo) * qstride. A warp takes
-// MVQ_ROWS (2) rows: both at once, so that the loads of one are in flight while the other's
-// arrive (one row after the other, a warp had a single task's loads outstanding), and for rows
-// of at most 16 tasks (a down projection from 768: 12) half a warp each, which left 20 of 32
-// lanes idle as a warp per row. Long rows are split between `mvq_split` warps, whose partial
-// sums are added in warp order (the same bits from run to run).
-template <int F>
+// Job j's rows against its N input rows (N = 1, or up to MV_TOKENS: `j.n` of them), token c's
+// quantized at qx + (j.x_row + c - lo) * qstride. A warp takes MVQ_ROWS (2) rows: both at once,
+// so that the loads of one are in flight while the other's arrive (one row after the other, a
+// warp had a single task's loads outstanding), and for rows of at most 16 tasks (a down
+// projection from 768: 12) half a warp each, which left 20 of 32 lanes idle as a warp per row.
+// Long rows are split between `mvq_split` warps, whose partial sums are added in warp order
+// (the same bits from run to run). A task's weights are loaded once for all N tokens, and each
+// token's sum runs in the order it runs alone: a product of a few tokens gives each token the
+// bits of its one-token product (N only unrolls the loops; with N = 1 the kernel keeps the
+// registers of one accumulator per row). The tiles did these few-token products before: with
+// one column of 64-row tiles, a decode step of four sequences' 2048-wide projections ran on
+// 32-64 blocks, latency-bound.
+template <int F, int N>
 __device__ void mvq(const Job& j, const u8* qx, int qstride, int lo, float* out, int os) {
-    __shared__ float partial[MVQ_WARPS][MVQ_ROWS];
+    __shared__ float partial[MVQ_WARPS][MVQ_ROWS][N];
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     int split = mvq_split<F>(j.cols), part = warp % split;
-    const u8* qrow = qx + (size_t)(j.x_row - lo) * qstride;
-    const signed char* xq = (const signed char*)qrow;
-    const float* xd = (const float*)(qrow + j.cols);
-    const float* xsum = xd + j.cols / 32;
+    int n = N == 1 ? 1 : j.n;
+    const signed char* xq[N];
+    const float *xd[N], *xsum[N];
+#pragma unroll
+    for (int c = 0; c < N; c++) {
+        const u8* qrow = qx + (size_t)(j.x_row + (c < n ? c : 0) - lo) * qstride;
+        xq[c] = (const signed char*)qrow;
+        xd[c] = (const float*)(qrow + j.cols);
+        xsum[c] = xd[c] + j.cols / 32;
+    }
     int tasks = F == 8 ? j.cols / 32 : j.cols / 64;
     int r0 = (blockIdx.x * (MVQ_WARPS / split) + warp / split) * MVQ_ROWS;
     if (r0 >= j.rows) return;  // the whole warp, and the warps it shares rows with
     if (tasks <= 16) {
         int r = r0 + lane / 16, t = lane % 16;
-        float acc = r < j.rows && t < tasks ? mvq_task<F>((const u8*)j.w + (size_t)r * j.row_bytes, t, xq, xd, xsum) : 0.0f;
-        for (int o = 8; o > 0; o >>= 1) acc += __shfl_down_sync(0xffffffff, acc, o, 16);
-        if (t == 0 && r < j.rows) out[(size_t)j.out_row * os + j.out_col + r] = acc;
+        bool live = r < j.rows && t < tasks;
+        MvqW<F> w;
+        if (live) w = mvq_load<F>((const u8*)j.w + (size_t)r * j.row_bytes, t);
+#pragma unroll
+        for (int c = 0; c < N; c++) {
+            if (c >= n) break;
+            float acc = live ? mvq_dot<F>(w, t, xq[c], xd[c], xsum[c]) : 0.0f;
+            for (int o = 8; o > 0; o >>= 1) acc += __shfl_down_sync(0xffffffff, acc, o, 16);
+            if (t == 0 && r < j.rows) out[(size_t)(j.out_row + c) * os + j.out_col + r] = acc;
+        }
         return;
     }
-    float acc[MVQ_ROWS];
+    float acc[MVQ_ROWS][N];
 #pragma unroll
-    for (int i = 0; i < MVQ_ROWS; i++) acc[i] = 0.0f;
+    for (int i = 0; i < MVQ_ROWS; i++)
+#pragma unroll
+        for (int c = 0; c < N; c++) acc[i][c] = 0.0f;
     for (int t = lane + 32 * part; t < tasks; t += 32 * split) {
 #pragma unroll
         for (int i = 0; i < MVQ_ROWS; i++)
-            if (r0 + i < j.rows) acc[i] += mvq_task<F>((const u8*)j.w + (size_t)(r0 + i) * j.row_bytes, t, xq, xd, xsum);
+            if (r0 + i < j.rows) {
+                MvqW<F> w = mvq_load<F>((const u8*)j.w + (size_t)(r0 + i) * j.row_bytes, t);
+#pragma unroll
+                for (int c = 0; c < N; c++)
+                    if (c < n) acc[i][c] += mvq_dot<F>(w, t, xq[c], xd[c], xsum[c]);
+            }
     }
 #pragma unroll
-    for (int i = 0; i < MVQ_ROWS; i++) {
-        float a = acc[i];
-        for (int o = 16; o > 0; o >>= 1) a += __shfl_down_sync(0xffffffff, a, o);
-        acc[i] = a;
-    }
+    for (int i = 0; i < MVQ_ROWS; i++)
+#pragma unroll
+        for (int c = 0; c < N; c++) {
+            float a = acc[i][c];
+            for (int o = 16; o > 0; o >>= 1) a += __shfl_down_sync(0xffffffff, a, o);
+            acc[i][c] = a;
+        }
     if (split > 1) {
         if (lane == 0)
 #pragma unroll
-            for (int i = 0; i < MVQ_ROWS; i++) partial[warp][i] = acc[i];
+            for (int i = 0; i < MVQ_ROWS; i++)
+#pragma unroll
+                for (int c = 0; c < N; c++) partial[warp][i][c] = acc[i][c];
         // The warps of this pair of rows only (barrier 1 + its index; 0 is __syncthreads's).
         // (Immediate ids: a computed one makes ptxas reserve all 16.)
         if (warp / split == 0) asm volatile("bar.sync 1, %0;" ::"r"(32 * split) : "memory");
         else asm volatile("bar.sync 2, %0;" ::"r"(32 * split) : "memory");
         if (part != 0) return;
 #pragma unroll
-        for (int i = 0; i < MVQ_ROWS; i++) {
-            float a = partial[warp][i];
-            for (int p = 1; p < split; p++) a += partial[warp + p][i];
-            acc[i] = a;
-        }
+        for (int i = 0; i < MVQ_ROWS; i++)
+#pragma unroll
+            for (int c = 0; c < N; c++) {
+                float a = partial[warp][i][c];
+                for (int p = 1; p < split; p++) a += partial[warp + p][i][c];
+                acc[i][c] = a;
+            }
     }
     if (lane == 0)
 #pragma unroll
         for (int i = 0; i < MVQ_ROWS; i++)
-            if (r0 + i < j.rows) out[(size_t)j.out_row * os + j.out_col + r0 + i] = acc[i];
+            if (r0 + i < j.rows)
+#pragma unroll
+                for (int c = 0; c < N; c++)
+                    if (c < n) out[(size_t)(j.out_row + c) * os + j.out_col + r0 + i] = acc[i][c];
 }
 
 // Kept experts (see mv_kept) on int8 activations: the pair's input row is quantized at
 // qx + (x_per_pair ? pair : token) * qstride.
 template <int F>
 __device__ void mvq_kept(const Kept& kp, const float* routes, const u8* qx, int qstride, float* out, int os) {
-    mvq<F>(kept_job(kp, routes), qx, qstride, 0, out, os);
+    mvq<F, 1>(kept_job(kp, routes), qx, qstride, 0, out, os);
 }
 
 #define INT8_KERNELS(name, id)                                                                            \
     extern "C" __global__ void mvq_##name(const Jobs js, const u8* qx, int qstride, int lo, float* out,    \
                                           int os) { PDL_START;                                                       \
-        mvq<id>(js.job[blockIdx.y], qx, qstride, lo, out, os);                                            \
+        mvq<id, 1>(js.job[blockIdx.y], qx, qstride, lo, out, os);                                         \
+    }                                                                                                     \
+    extern "C" __global__ void mvqn_##name(const Jobs js, const u8* qx, int qstride, int lo, float* out,   \
+                                           int os) { PDL_START;                                                      \
+        mvq<id, MV_TOKENS>(js.job[blockIdx.y], qx, qstride, lo, out, os);                                 \
     }                                                                                                     \
     extern "C" __global__ void mvkq_##name(const Kept kp, const float* routes, const u8* qx, int qstride, \
                                            float* out, int os) { PDL_START;                                          \
@@ -1268,9 +1328,8 @@ extern "C" __global__ void rope(float* x, int n, int stride, int off, int heads,
 // the row sees, so the largest maximum is finite (a split wholly outside the row's window
 // left minus infinity). `sink`: the head's sink logit, which joins the sum and the maximum
 // (minus infinity: none). Read through L2 (`__ldcg`): other blocks wrote them.
-__device__ void merge_splits(const float* pp, int splits, int vd, int q_heads, float* out, u8* qx, int qstride,
-                             float sink) {
-    int t = blockIdx.x / q_heads, h = blockIdx.x % q_heads;
+__device__ void merge_splits(const float* pp, int splits, int vd, int q_heads, int t, int h, float* out, u8* qx,
+                             int qstride, float sink) {
     float m = sink;
     for (int s = 0; s < splits; s++) m = fmaxf(m, __ldcg(pp + (size_t)s * (vd + 2)));
     float l = expf(sink - m);
@@ -1285,30 +1344,25 @@ __device__ void merge_splits(const float* pp, int splits, int vd, int q_heads, f
     }
 }
 
-// Causal attention, one block per (token, query head), online softmax over chunks of
-// blockDim.x positions (a multiple of 32). With `part`, the positions from `first` on are
-// split in runs of `split` over blockIdx.y (flash-decoding: a long context's few queries
-// still fill the GPU), each block leaving its partial softmax in `part`, the last one merging
-// them (merge_splits). Keys: [pos][heads * kd]; values: [pos][v_row] with head g at g * v_head
-// (values_in_keys: the keys themselves, v_head = kd). `window` > 0: the query at position p
-// sees p + 1 - window..=p only; `first` is then the first position the first query sees.
-// `sinks` (or null): a logit per query head that joins the softmax's sum and contributes no
-// value (gpt-oss). Dynamic shared memory: kd + blockDim.x + vd floats.
-extern "C" __global__ void attention(const float* k, const float* v, int heads, int kd, int vd, int v_row,
-                                     int v_head, const float* q, int q_stride, int q_heads, int pos0, float scale,
-                                     float* out, u8* qx, int qstride, int split, float* part, int* tickets, int first,
-                                     int window, const float* sinks) { PDL_START;
+// One (query, head) of `attention`, a block's: the query in row t of q and of out, at position
+// pos; with part (this row's splits' partial results, `splits` of them) only split si's
+// positions, the last split to finish merging (ticket: the row's counter).
+__device__ __forceinline__ void attention_one(const float* k, const float* v, int heads, int kd, int vd, int v_row,
+                                              int v_head, const float* q, int q_stride, int q_heads, int t, int h,
+                                              int pos, float scale, float* out, u8* qx, int qstride, int split,
+                                              int si, int splits, float* part, int* ticket, int first, int window,
+                                              const float* sinks) {
     extern __shared__ float sh[];
     float* qs = sh;
     float* sc = sh + kd;
     float* acc = sc + blockDim.x;
-    int t = blockIdx.x / q_heads, h = blockIdx.x % q_heads, g = h / (q_heads / heads);
-    int len = pos0 + t + 1, k_row = heads * kd;
+    int g = h / (q_heads / heads);
+    int len = pos + 1, k_row = heads * kd;
     float sink = sinks ? sinks[h] : NEG_INF;
-    // With part: only positions lo..len of split blockIdx.y (see merge_splits).
-    int lo = part ? first + blockIdx.y * split : 0;
+    // With part: only positions lo..len of split si (see merge_splits).
+    int lo = part ? first + si * split : 0;
     if (part) len = min(len, lo + split);
-    if (window > 0) lo = max(lo, pos0 + t + 1 - window);
+    if (window > 0) lo = max(lo, pos + 1 - window);
     for (int i = threadIdx.x; i < kd; i += blockDim.x) qs[i] = q[(size_t)t * q_stride + h * kd + i];
     for (int i = threadIdx.x; i < vd; i += blockDim.x) acc[i] = 0.0f;
     __syncthreads();
@@ -1344,7 +1398,7 @@ extern "C" __global__ void attention(const float* k, const float* v, int heads, 
         __syncthreads();
     }
     if (part) {  // this split's maximum, sum and unnormalised output
-        float* pp = part + ((size_t)blockIdx.x * gridDim.y + blockIdx.y) * (vd + 2);
+        float* pp = part + (size_t)si * (vd + 2);
         if (threadIdx.x == 0) pp[0] = m, pp[1] = l;
         for (int d = threadIdx.x; d < vd; d += blockDim.x) pp[2 + d] = acc[d];
         // The row's last split to finish merges them all, in this launch (a merging kernel
@@ -1353,12 +1407,12 @@ extern "C" __global__ void attention(const float* k, const float* v, int heads, 
         __shared__ int last;
         __threadfence();
         __syncthreads();
-        if (threadIdx.x == 0) last = atomicAdd(tickets + blockIdx.x, 1) == (int)gridDim.y - 1;
+        if (threadIdx.x == 0) last = atomicAdd(ticket, 1) == splits - 1;
         __syncthreads();
         if (!last) return;
         __threadfence();
-        merge_splits(part + (size_t)blockIdx.x * gridDim.y * (vd + 2), gridDim.y, vd, q_heads, out, qx, qstride, sink);
-        if (threadIdx.x == 0) tickets[blockIdx.x] = 0;
+        merge_splits(part, splits, vd, q_heads, t, h, out, qx, qstride, sink);
+        if (threadIdx.x == 0) *ticket = 0;
         return;
     }
     // Unsplit, the row saw a position (m finite); the sink joins the sum at the larger maximum.
@@ -1371,6 +1425,41 @@ extern "C" __global__ void attention(const float* k, const float* v, int heads, 
         // mat-vec, a warp's 32 values one group.
         if (qx) quantize_group(o, qx + (size_t)t * qstride, q_heads * vd, (h * vd + d) / 32);
     }
+}
+
+// Causal attention, one block per (token, query head), online softmax over chunks of
+// blockDim.x positions (a multiple of 32). With `part`, the positions from `first` on are
+// split in runs of `split` over blockIdx.y (flash-decoding: a long context's few queries
+// still fill the GPU), each block leaving its partial softmax in `part`, the last one merging
+// them (merge_splits). Keys: [pos][heads * kd]; values: [pos][v_row] with head g at g * v_head
+// (values_in_keys: the keys themselves, v_head = kd). `window` > 0: the query at position p
+// sees p + 1 - window..=p only; `first` is then the first position the first query sees.
+// `sinks` (or null): a logit per query head that joins the softmax's sum and contributes no
+// value (gpt-oss). Dynamic shared memory: kd + blockDim.x + vd floats.
+extern "C" __global__ void attention(const float* k, const float* v, int heads, int kd, int vd, int v_row,
+                                     int v_head, const float* q, int q_stride, int q_heads, int pos0, float scale,
+                                     float* out, u8* qx, int qstride, int split, float* part, int* tickets, int first,
+                                     int window, const float* sinks) { PDL_START;
+    int t = blockIdx.x / q_heads, h = blockIdx.x % q_heads;
+    float* pp = part ? part + (size_t)blockIdx.x * gridDim.y * (vd + 2) : nullptr;
+    attention_one(k, v, heads, kd, vd, v_row, v_head, q, q_stride, q_heads, t, h, pos0 + t, scale, out, qx, qstride,
+                  split, blockIdx.y, gridDim.y, pp, tickets + blockIdx.x, first, window, sinks);
+}
+
+// `attention` of the sequences of a step at once, each over its own keys and values and with
+// its own splits (`SeqKv`): blocks (row of the step and head, split); a row's splits past its
+// sequence's leave at once. part: max_splits partial results a row.
+extern "C" __global__ void attention_seqs(int heads, int kd, int vd, int v_row, int v_head, const float* q,
+                                          int q_stride, int q_heads, float scale, float* out, u8* qx, int qstride,
+                                          float* part, int* tickets, int window, const float* sinks,
+                                          const SeqKvs ss) { PDL_START;
+    int t = blockIdx.x / q_heads, h = blockIdx.x % q_heads;
+    const SeqKv& s = ss.s[seq_of(ss, t)];
+    if ((int)blockIdx.y >= s.splits) return;  // the whole block, before any barrier
+    float* pp = s.splits > 1 ? part + (size_t)blockIdx.x * ss.max_splits * (vd + 2) : nullptr;
+    attention_one((const float*)s.k, (const float*)s.v, heads, kd, vd, v_row, v_head, q, q_stride, q_heads, t, h,
+                  s.pos0 + t - s.row, scale, out, qx, qstride, s.split, blockIdx.y, s.splits, pp, tickets + blockIdx.x,
+                  s.first, window, sinks);
 }
 
 // Decode mat-vec over Q8_0 rows, tuned (half a warp per 34-byte block, 16-bit loads): the

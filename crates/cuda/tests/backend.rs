@@ -36,9 +36,19 @@ fn kernels_compile_for_every_architecture() {
     }
     for cc in [(8, 0), (8, 6), (8, 9), (9, 0), (12, 0)] {
         let ptx = smoe_cuda::compile_ptx(cc).unwrap_or_else(|e| panic!("sm_{}{}: {e}", cc.0, cc.1));
-        for name in
-            ["mv_q4_k", "mm_q6_k", "embed_bf16", "mt_q8_0", "attention", "attention_mma", "mmq_q4_k", "move_rows4", "rope", "rms_norm"]
-        {
+        for name in [
+            "mv_q4_k",
+            "mm_q6_k",
+            "embed_bf16",
+            "mt_q8_0",
+            "attention",
+            "attention_mma",
+            "mmq_q4_k",
+            "mvqn_q8_0",
+            "move_rows4",
+            "rope",
+            "rms_norm",
+        ] {
             assert!(ptx.to_src().contains(name), "sm_{}{}: no kernel {name}", cc.0, cc.1);
         }
     }

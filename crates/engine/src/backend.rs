@@ -51,6 +51,19 @@ pub struct SeqQueries<'a, C> {
     pub pos0: usize,
 }
 
+/// One sequence's rows in [`Backend::qk_rope_store_batch`]: its KV cache, its rows `row..row +
+/// n` of the step, the position of its first.
+pub struct SeqStore<'a, C> {
+    /// The sequence's own KV cache.
+    pub cache: &'a mut C,
+    /// Its first row in the step.
+    pub row: usize,
+    /// Its rows (tokens) in this step, at least one.
+    pub n: usize,
+    /// The position of its first token.
+    pub pos0: usize,
+}
+
 /// Parameters of one attention call.
 #[derive(Clone, Copy, Debug)]
 pub struct AttnParams<'a> {
@@ -343,6 +356,32 @@ pub fn qk_rope_store_composed<B: Backend>(
     // Keys follow the queries head after head in each row: one rotation for both.
     be.rope(qkv, n, stride, 0, q_heads + kv_heads, head_dim, rope.cos, rope.sin, rope.interleaved);
     be.kv_store(cache, layer, pos0, n, qkv, stride, qw, Some((qkv, stride, qw + kvw)));
+}
+
+/// [`Backend::qk_rope_store_batch`] as the ops it fuses: the per-head norms and RoPE of every
+/// row at once (row by row ops: each row gets its bits alone), then each sequence's keys and
+/// values into its own cache (its default, and what a backend that fuses it falls back to).
+pub fn qk_rope_store_batch_composed<B: Backend>(
+    be: &B,
+    qkv: &mut B::Buf,
+    n: usize,
+    rows: QkvRows,
+    norm: Option<(&B::Vector, &B::Vector, f32)>,
+    rope: RopeTables<'_>,
+    seqs: &mut [SeqStore<'_, B::KvCache>],
+    layer: usize,
+) {
+    let QkvRows { stride, q_heads, kv_heads, head_dim } = rows;
+    let (qw, kvw) = (q_heads * head_dim, kv_heads * head_dim);
+    if let Some((qn, kn, eps)) = norm {
+        be.rms_norm_heads(qkv, n, stride, 0, q_heads, head_dim, qn, eps);
+        be.rms_norm_heads(qkv, n, stride, qw, kv_heads, head_dim, kn, eps);
+    }
+    be.rope(qkv, n, stride, 0, q_heads + kv_heads, head_dim, rope.cos, rope.sin, rope.interleaved);
+    for s in seqs.iter_mut() {
+        let at = s.row * stride + qw;
+        be.kv_store(s.cache, layer, s.pos0, s.n, qkv, stride, at, Some((qkv, stride, at + kvw)));
+    }
 }
 
 /// The weight of one product in [`Backend::matmul_many`].
@@ -662,6 +701,25 @@ pub trait Backend: Send + Sync {
         Self: Sized,
     {
         qk_rope_store_composed(self, qkv, n, rows, norm, rope, cache, layer, pos0);
+    }
+    /// [`Self::qk_rope_store`] of the sequences of a step at once: `n` rows in all, `rope` the
+    /// tables of all of them, each sequence's keys and values into its own cache at `layer`;
+    /// every row gets the bits it gets from `qk_rope_store` alone. Used with
+    /// [`Self::attention_batch`].
+    #[allow(clippy::too_many_arguments)]
+    fn qk_rope_store_batch(
+        &self,
+        qkv: &mut Self::Buf,
+        n: usize,
+        rows: QkvRows,
+        norm: Option<(&Self::Vector, &Self::Vector, f32)>,
+        rope: RopeTables<'_>,
+        seqs: &mut [SeqStore<'_, Self::KvCache>],
+        layer: usize,
+    ) where
+        Self: Sized,
+    {
+        qk_rope_store_batch_composed(self, qkv, n, rows, norm, rope, seqs, layer);
     }
     /// LayerNorm in place over `n` segments of `dim` floats that start every `stride` floats at
     /// offset `off`: `(x - mean) / sqrt(var + eps) · w + b` (the DSA indexer's key norm). Only

@@ -10,7 +10,7 @@
 
 use crate::backend::{
     AttnParams, Backend, CompressWindows, CompressedParams, ExpertPart, IndexQueries, KvShape, MatJob, QkvRows, RopeTables, Selection,
-    SeqQueries, WeightRef,
+    SeqQueries, SeqStore, WeightRef,
 };
 use crate::routing::{RouteScratch, RouterRule};
 use rand::rngs::StdRng;
@@ -1358,6 +1358,40 @@ impl<B: Backend> Suite<'_, B> {
             }
             let tol = self.tol.attention * 4.0;
             self.compare("qk_rope_store", &format!("{what}: stored keys and values, through attention"), &outs[0], &outs[1], |_| tol);
+            // The same rows as two sequences of one step (row 0; rows 1 and 2), each over its
+            // own cache: every row, and each cache (read through attention), as alone, to the bit.
+            let mut caches = Vec::new();
+            for _ in 0..4 {
+                let mut cache = self.b.kv_cache(&[shape]);
+                let pb = self.buf(prefix.len(), &prefix);
+                self.b.kv_store(&mut cache, 0, 0, pos0, &pb, stride, qh * hd, Some((&pb, stride, (qh + kvh) * hd)));
+                caches.push(cache);
+            }
+            let (batched, alone) = caches.split_at_mut(2);
+            let mut xb = self.buf(n * stride, &x);
+            let [c0, c1] = batched else { unreachable!() };
+            let mut seqs = [SeqStore { cache: c0, row: 0, n: 1, pos0 }, SeqStore { cache: c1, row: 1, n: 2, pos0 }];
+            self.b.qk_rope_store_batch(&mut xb, n, rows, norm, rope, &mut seqs, 0);
+            let got = self.read(&xb, n * stride);
+            let mut each = Vec::new();
+            let mut outs = Vec::new();
+            for (i, (r0, m)) in [(0, 1), (1, 2)].into_iter().enumerate() {
+                let mut ab = self.buf(m * stride, &x[r0 * stride..(r0 + m) * stride]);
+                let span = r0 * half..(r0 + m) * half;
+                let rope = RopeTables { cos: &cos[span.clone()], sin: &sin[span], interleaved };
+                self.b.qk_rope_store(&mut ab, m, rows, norm, rope, &mut alone[i], 0, pos0);
+                each.extend(self.read(&ab, m * stride));
+                for cache in [&batched[i], &alone[i]] {
+                    let mut out = self.buf(m * qh * hd, &[]);
+                    let params = AttnParams { q_heads: qh, scale: 0.2, window: None, sinks: None, selected: None };
+                    self.b.attention(cache, 0, &ab, stride, m, pos0, params, &mut out);
+                    outs.push(self.read(&out, m * qh * hd));
+                }
+            }
+            self.compare("qk_rope_store_batch", &format!("{what}: rows"), &got, &each, |_| 0.0);
+            let (batched_outs, alone_outs): (Vec<f32>, Vec<f32>) =
+                (outs[0].iter().chain(&outs[2]).copied().collect(), outs[1].iter().chain(&outs[3]).copied().collect());
+            self.compare("qk_rope_store_batch", &format!("{what}: each cache, through attention"), &batched_outs, &alone_outs, |_| 0.0);
         }
     }
 }

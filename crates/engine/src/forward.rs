@@ -26,7 +26,7 @@
 
 use crate::backend::{
     AttnParams, Backend, CompressWindows, CompressedParams, ExpertPart, IndexQueries, MatJob, QkvRows, RopeTables, Selection, SeqQueries,
-    WeightRef,
+    SeqStore, WeightRef,
 };
 use crate::instrument::{Instrument, StepRecord};
 use crate::model::{
@@ -1122,19 +1122,12 @@ impl<B: Backend> Model<B> {
         let (half, host) = (self.rope.half(), &*s.host);
         let params = AttnParams { q_heads: nh, scale: self.attn_scale, window: a.window, sinks: a.sinks.as_deref(), selected: None };
         if s.segs.len() > 1 && be.batches_attention(&params) {
-            // Every row's norms and RoPE at once (row by row ops: each row gets its bits
-            // alone), each sequence's keys and values into its own cache, then all
-            // sequences' attention in one call.
-            if let Some((qn, kn, eps)) = per_head {
-                be.rms_norm_heads(&mut b.q, n, w, 0, nh, hdim, qn, eps);
-                be.rms_norm_heads(&mut b.q, n, w, qw, nkv, hdim, kn, eps);
-            }
-            let (cos, sin) = (&host.cos[..n * half], &host.sin[..n * half]);
-            be.rope(&mut b.q, n, w, 0, nh + nkv, hdim, cos, sin, self.rope.interleaved);
-            for seg in s.segs.iter_mut() {
-                let at = seg.row * w + qw;
-                be.kv_store(seg.kv, li, seg.pos, seg.n, &b.q, w, at, Some((&b.q, w, at + kvw)));
-            }
+            // Every sequence's norms, RoPE and KV store, then its attention, in one call each.
+            let rope = RopeTables { cos: &host.cos[..n * half], sin: &host.sin[..n * half], interleaved: self.rope.interleaved };
+            let mut stores: Vec<SeqStore<'_, B::KvCache>> =
+                s.segs.iter_mut().map(|seg| SeqStore { cache: &mut *seg.kv, row: seg.row, n: seg.n, pos0: seg.pos }).collect();
+            be.qk_rope_store_batch(&mut b.q, n, rows, per_head, rope, &mut stores, li);
+            drop(stores);
             let seqs: Vec<SeqQueries<'_, B::KvCache>> =
                 s.segs.iter().map(|seg| SeqQueries { cache: &*seg.kv, row: seg.row, n: seg.n, pos0: seg.pos }).collect();
             be.attention_batch(li, &seqs, &b.q, w, params, &mut b.att);

@@ -43,7 +43,7 @@ impl CudaBackend {
     /// `cos` then `sin` on the device, staged (page-locked, so that a step's graph records the
     /// copy; see [`crate::graph`]) when they changed: every layer of a chunk rotates with the
     /// same tables. A staged copy lasts while the staging ring is not reused (its epoch).
-    fn rope_tables(&self, cos: &[f32], sin: &[f32]) -> Option<u64> {
+    pub(super) fn rope_tables(&self, cos: &[f32], sin: &[f32]) -> Option<u64> {
         let mut r = self.rope.lock().expect("rope tables lock");
         let epoch = self.staging.lock().expect("staging lock").epoch();
         let same = r.host.len() == cos.len() + sin.len() && r.host[..cos.len()] == *cos && r.host[cos.len()..] == *sin;

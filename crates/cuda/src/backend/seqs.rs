@@ -1,0 +1,225 @@
+//! The sequences of a batched step in one launch each: attention's inputs (`qk_rope_store_seqs`)
+//! and attention itself (`attention_seqs`), each sequence over its own KV cache. Run one after
+//! another, 16 sequences' decode tokens cost four launches each per layer (two row copies, the
+//! fused store, attention): on the H200 a 16-sequence step of the 30B shape spent most of its
+//! 31 ms launching them.
+
+use super::{attention_tiles, CudaBackend, CudaBuf, CudaKvCache, CudaVector, MV_TOKENS};
+use crate::launch::Launch;
+use cudarc::driver::{DeviceRepr, LaunchConfig};
+use smoe_engine::backend::{check_rows, qk_rope_store_batch_composed, AttnParams, QkvRows, RopeTables, SeqQueries, SeqStore};
+
+/// Most sequences in one launch: the table is a kernel parameter (`MAX_SEQS` in kernels.cu).
+const MAX_SEQS: usize = 64;
+
+/// One sequence as the kernels read it (`struct SeqKv` in kernels.cu).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct SeqKv {
+    k: u64,
+    v: u64,
+    pos0: i32,
+    row: i32,
+    n: i32,
+    first: i32,
+    split: i32,
+    splits: i32,
+}
+
+/// A step's sequences (`struct SeqKvs` in kernels.cu).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct SeqKvs {
+    count: i32,
+    max_splits: i32,
+    s: [SeqKv; MAX_SEQS],
+}
+
+// SAFETY: plain old data with the C layout of `struct SeqKvs` in kernels.cu (two i32, then 64
+// entries of two u64 and six i32: 8 + 64 × 40 bytes, 8-aligned), copied by value into the
+// kernel's parameters.
+unsafe impl DeviceRepr for SeqKvs {}
+
+impl SeqKvs {
+    fn new() -> Self {
+        SeqKvs { count: 0, max_splits: 1, s: [SeqKv::default(); MAX_SEQS] }
+    }
+}
+
+/// Whether `rows` (first row, rows) of a step's sequences fit one launch's table: at most
+/// [`MAX_SEQS`], in ascending rows that follow one another from 0 (the kernels find a row's
+/// sequence by walking the table).
+fn one_table(rows: impl ExactSizeIterator<Item = (usize, usize)>) -> bool {
+    if rows.len() > MAX_SEQS {
+        return false;
+    }
+    let mut next = 0;
+    for (row, n) in rows {
+        if row != next || n == 0 {
+            return false;
+        }
+        next = row + n;
+    }
+    true
+}
+
+impl CudaBackend {
+    /// [`smoe_engine::Backend::qk_rope_store_batch`]: where the fused kernel applies (as
+    /// [`Self::fused_qk_rope_store`] decides) one launch for every sequence, else the composed
+    /// ops.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn fused_qk_rope_store_seqs(
+        &self,
+        qkv: &mut CudaBuf,
+        n: usize,
+        rows: QkvRows,
+        norm: Option<(&CudaVector, &CudaVector, f32)>,
+        rope: RopeTables<'_>,
+        seqs: &mut [SeqStore<'_, CudaKvCache>],
+        layer: usize,
+    ) {
+        if self.faulted() || n == 0 {
+            return;
+        }
+        let QkvRows { stride, q_heads, kv_heads, head_dim } = rows;
+        let half = rope.cos.len() / n;
+        let fused = seqs.first().is_some_and(|s| {
+            let shape = s.cache.layers[layer].shape;
+            shape.heads == kv_heads && shape.k_dim == head_dim && shape.v_dim == head_dim && !shape.values_in_keys
+        });
+        if !fused || head_dim > 512 || 2 * half > head_dim || !one_table(seqs.iter().map(|s| (s.row, s.n))) {
+            return qk_rope_store_batch_composed(self, qkv, n, rows, norm, rope, seqs, layer);
+        }
+        assert_eq!(seqs.iter().map(|s| s.n).sum::<usize>(), n, "qk_rope_store_batch: the sequences' rows are not the step's");
+        check_rows("qk_rope_store", qkv, 0, n, stride, 0, (q_heads + 2 * kv_heads) * head_dim);
+        if let Some((qn, kn, _)) = norm {
+            assert!(qn.len >= head_dim && kn.len >= head_dim, "qk_rope_store: norms of {} and {} for heads of {head_dim}", qn.len, kn.len);
+        }
+        let mut table = SeqKvs::new();
+        for (i, s) in seqs.iter_mut().enumerate() {
+            let Some((kp, vp)) = self.kv_room(s.cache, layer, s.pos0, s.n) else { return };
+            table.s[i] = SeqKv { k: kp, v: vp, pos0: s.pos0 as i32, row: s.row as i32, n: s.n as i32, ..Default::default() };
+        }
+        table.count = seqs.len() as i32;
+        let Some(cs) = self.rope_tables(&rope.cos[..n * half], &rope.sin[..n * half]) else { return };
+        let xp = qkv.at_mut(&self.stream);
+        let (qn, kn, eps) = match norm {
+            Some((qn, kn, eps)) => (super::dptr(&qn.data, &self.stream), super::dptr(&kn.data, &self.stream), eps),
+            None => (0, 0, 0.0),
+        };
+        let (s, qh, kh, hd, n_i, hf, il) =
+            (stride as i32, q_heads as i32, kv_heads as i32, head_dim as i32, n as i32, half as i32, rope.interleaved as i32);
+        let mut a = Launch::new(&self.k.qk_rope_store_seqs);
+        a.arg(&xp).arg(&s).arg(&qh).arg(&kh).arg(&hd).arg(&qn).arg(&kn).arg(&eps).arg(&cs).arg(&n_i).arg(&hf).arg(&il).arg(&table);
+        // A warp per (token, head), four a block.
+        let blocks = (n * (q_heads + 2 * kv_heads)).div_ceil(4);
+        self.launch(a, LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 }, "qk_rope_store");
+    }
+
+    /// [`smoe_engine::Backend::attention_batch`]: where every sequence alone would take the
+    /// decode kernel, one launch of it for all (each row with the splits it has alone, so the
+    /// same bits); else each sequence's own kernels on its rows.
+    pub(super) fn attention_seqs(
+        &self,
+        layer: usize,
+        seqs: &[SeqQueries<'_, CudaKvCache>],
+        q: &CudaBuf,
+        q_stride: usize,
+        p: AttnParams<'_>,
+        out: &mut CudaBuf,
+    ) {
+        if self.faulted() || seqs.is_empty() {
+            return;
+        }
+        assert!(p.selected.is_none(), "attention_batch: selected positions go sequence by sequence");
+        let shape = seqs[0].cache.layers[layer].shape;
+        let width = p.q_heads * shape.v_dim;
+        if let Some(sinks) = p.sinks {
+            assert!(sinks.len() >= p.q_heads, "attention: {} sinks for {} query heads", sinks.len(), p.q_heads);
+        }
+        for s in seqs {
+            let l = &s.cache.layers[layer];
+            assert_eq!(l.shape, shape, "attention_batch: one layer, one shape");
+            check_rows("attention queries", q, s.row, s.n, q_stride, 0, p.q_heads * shape.k_dim);
+            check_rows("attention", out, s.row, s.n, width, 0, width);
+            l.check_attention(s.n, s.pos0, &p);
+        }
+        let rows = seqs.iter().map(|s| s.row + s.n).max().unwrap_or(0);
+        let (qp, op) = (q.at(&self.stream), out.at_mut(&self.stream));
+        let decode = seqs.iter().all(|s| !attention_tiles(shape, s.n, &p) && s.n <= MV_TOKENS);
+        if !decode || !one_table(seqs.iter().map(|s| (s.row, s.n))) {
+            // Each sequence on its own rows (pointers moved to them), leaving no int8 copy: the
+            // products after quantize their input themselves, to the same bits.
+            for s in seqs {
+                let (qr, or) = (qp + (s.row * q_stride * 4) as u64, op + (s.row * width * 4) as u64);
+                self.attention_at(&s.cache.layers[layer], qr, q_stride, s.n, s.pos0, p, or, (0, 0));
+            }
+            return;
+        }
+        let (qx, qstride) = if shape.v_dim.is_multiple_of(32) { self.quant_out(out, rows, width) } else { (0, 0) };
+        let mut table = SeqKvs::new();
+        for (i, s) in seqs.iter().enumerate() {
+            let l = &s.cache.layers[layer];
+            let kp = l.keys(&self.stream);
+            let vp = if shape.values_in_keys { kp } else { l.values(&self.stream) };
+            // The splits this sequence has alone (see attention_decode).
+            let (split, splits) = super::attention_splits(s.n, s.pos0, &p);
+            let first = p.first_seen(s.pos0);
+            table.s[i] = SeqKv {
+                k: kp,
+                v: vp,
+                pos0: s.pos0 as i32,
+                row: s.row as i32,
+                n: s.n as i32,
+                first: first as i32,
+                split: split as i32,
+                splits: splits as i32,
+            };
+            table.max_splits = table.max_splits.max(splits as i32);
+        }
+        table.count = seqs.len() as i32;
+        let max_splits = table.max_splits as usize;
+        let heads_rows = rows * p.q_heads;
+        let scratch = if max_splits > 1 {
+            self.split_scratch(&self.attention_part, &self.attention_tickets, heads_rows * max_splits * (shape.v_dim + 2), heads_rows)
+        } else {
+            Some((0, 0))
+        };
+        let Some((pp, tp)) = scratch else { return };
+        let sinks = match p.sinks {
+            Some(s) => match self.stage_f32("attention sinks", &[s]) {
+                Some(ptr) => ptr,
+                None => return,
+            },
+            None => 0,
+        };
+        let l0 = &seqs[0].cache.layers[layer];
+        let (v_row, v_head) = if shape.values_in_keys { (l0.k_width(), shape.k_dim) } else { (l0.v_width(), shape.v_dim) };
+        let (heads, kd, vd, vr, vh) = (shape.heads as i32, shape.k_dim as i32, shape.v_dim as i32, v_row as i32, v_head as i32);
+        let (qs, qh, window) = (q_stride as i32, p.q_heads as i32, p.window.unwrap_or(0) as i32);
+        let threads = 128u32;
+        let shared = ((shape.k_dim + threads as usize + shape.v_dim) * 4) as u32;
+        let mut a = Launch::new(&self.k.attention_seqs);
+        a.arg(&heads).arg(&kd).arg(&vd).arg(&vr).arg(&vh).arg(&qp).arg(&qs).arg(&qh).arg(&p.scale).arg(&op).arg(&qx).arg(&qstride);
+        a.arg(&pp).arg(&tp).arg(&window).arg(&sinks).arg(&table);
+        let grid = (heads_rows as u32, max_splits as u32, 1);
+        self.launch(a, LaunchConfig { grid_dim: grid, block_dim: (threads, 1, 1), shared_mem_bytes: shared }, "attention");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The table the kernels walk: sequences whose rows follow one another from 0.
+    #[test]
+    fn one_table_takes_rows_that_follow_one_another() {
+        assert!(one_table([(0, 1), (1, 3), (4, 1)].into_iter()));
+        assert!(!one_table([(0, 1), (2, 1)].into_iter()), "a gap");
+        assert!(!one_table([(1, 1)].into_iter()), "not from 0");
+        assert!(!one_table([(0, 2), (1, 1)].into_iter()), "overlapping");
+        assert!(!one_table([(0, 0), (0, 1)].into_iter()), "an empty sequence");
+        assert!(!one_table((0..65).map(|i| (i, 1))), "more than a launch's table");
+        assert_eq!(std::mem::size_of::<SeqKvs>(), 8 + 64 * 40, "the layout of struct SeqKvs in kernels.cu");
+    }
+}
