@@ -50,7 +50,7 @@ restore)
 run)
     # On the device, from the repository root: the test binaries look for fixtures at the path
     # they were built in (/work/main).
-    mkdir -p /work
+    mkdir -p /work target/tmp  # the fixture vaults the tests make
     [ -e /work/main ] || ln -sfn "$PWD" /work/main
     b=$PWD/target/peercarry
     out=${OUT:?the device call sets OUT}

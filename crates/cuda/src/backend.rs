@@ -152,6 +152,9 @@ pub struct CudaOptions {
     /// process opens meanwhile reads: a test that set the variable around its own backend's
     /// opening made another test's two backends prefill with different kernels now and then.
     pub simt_prefill: bool,
+    /// A batched step's sequences in one launch for attention and its inputs (also
+    /// `SMOE_CUDA_BATCH_ATTENTION=on`): see `CudaBackend::batch_attention`.
+    pub batch_attention: bool,
 }
 
 /// The one-token int8-activation kernels of a format (kernels.cu, kept.cu).
@@ -494,6 +497,11 @@ pub struct CudaBackend {
     sms: usize,
     /// [`DENSE_MV_TOKENS`], or less (`SMOE_CUDA_DENSE_MV`; 8 or less: never).
     dense_mv_tokens: usize,
+    /// A batched step's sequences in one launch for attention and its inputs ([`seqs`]), with
+    /// `SMOE_CUDA_BATCH_ATTENTION=on`; else sequence by sequence. Off by default until it has
+    /// run on a GPU: its kernels compile (NVRTC, every architecture) but were written in a
+    /// session whose device calls started no machine.
+    batch_attention: bool,
     faulted: AtomicBool,
     fault: Mutex<Option<String>>,
     /// One-token steps recorded and launched as CUDA graphs (see [`crate::graph`]):
@@ -571,6 +579,7 @@ impl CudaBackend {
             pdl,
             few_tokens: AtomicBool::new(true),
             sms,
+            batch_attention: opts.batch_attention || std::env::var("SMOE_CUDA_BATCH_ATTENTION").as_deref() == Ok("on"),
             dense_mv_tokens: std::env::var("SMOE_CUDA_DENSE_MV")
                 .ok()
                 .and_then(|v| v.parse().ok())
@@ -2080,7 +2089,7 @@ impl Backend for CudaBackend {
     }
     /// Dense attention ([`seqs`]); selected positions go sequence by sequence.
     fn batches_attention(&self, p: &AttnParams<'_>) -> bool {
-        p.selected.is_none()
+        self.batch_attention && p.selected.is_none()
     }
     fn attention_batch(
         &self,

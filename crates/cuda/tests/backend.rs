@@ -62,6 +62,7 @@ const REFERENCE: CudaOptions = CudaOptions {
     no_keep: false,
     graphs: false,
     simt_prefill: false,
+    batch_attention: false,
 };
 
 #[test]
@@ -75,9 +76,13 @@ fn every_op_matches_the_f32_reference() {
 /// the tolerance of the CPU's int8 path, every other op as in f32.
 #[test]
 fn every_op_matches_on_int8_activations() {
-    let Some(b) = backend(&CudaOptions::default()) else { return };
-    let cases = check_backend(&b, &Tolerance::INT8_ACTIVATIONS).unwrap_or_else(|f| panic!("{} mismatches:\n{}", f.len(), f.join("\n")));
-    eprintln!("{cases} cases passed on {}", smoe_engine::Backend::describe(&b));
+    // Also with a batched step's sequences in one launch (the suite's batched cases: each
+    // sequence's rows and cache to the bit of its own).
+    for opts in [CudaOptions::default(), CudaOptions { batch_attention: true, ..Default::default() }] {
+        let Some(b) = backend(&opts) else { return };
+        let cases = check_backend(&b, &Tolerance::INT8_ACTIVATIONS).unwrap_or_else(|f| panic!("{} mismatches:\n{}", f.len(), f.join("\n")));
+        eprintln!("{cases} cases passed on {}", smoe_engine::Backend::describe(&b));
+    }
 }
 
 fn gpu_model(name: &str, opts: &CudaOptions) -> Option<Model<CudaBackend>> {
@@ -334,8 +339,12 @@ fn every_op_matches_with_prefill_on_cuda_cores() {
 #[test]
 fn batched_steps_match_each_sequence_alone_on_the_gpu() {
     use smoe_engine::{BatchItem, Logits, NoObserver};
-    for name in ["qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v4"] {
-        let Some(model) = gpu_model(name, &CudaOptions::default()) else { return };
+    let one_launch = CudaOptions { batch_attention: true, ..Default::default() };
+    for (name, opts) in ["qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v4"]
+        .into_iter()
+        .flat_map(|name| [(name, CudaOptions::default()), (name, one_launch.clone())])
+    {
+        let Some(model) = gpu_model(name, &opts) else { return };
         let long = input_ids(name, "long");
         let prompts = [long[..7].to_vec(), long[20..23].to_vec(), long[40..52].to_vec()];
         let decode = [long[100..106].to_vec(), long[110..116].to_vec(), long[120..122].to_vec()];
@@ -362,7 +371,11 @@ fn batched_steps_match_each_sequence_alone_on_the_gpu() {
                 worst = worst.max(rel_err(got, alone));
             }
         }
-        eprintln!("{name}: batched vs alone on the GPU, largest relative logit error {worst:.2e} (kept layers: {})", model.kept_layers());
+        eprintln!(
+            "{name}: batched vs alone on the GPU{}, largest relative logit error {worst:.2e} (kept layers: {})",
+            if opts.batch_attention { " (attention in one launch)" } else { "" },
+            model.kept_layers()
+        );
         assert!(worst < 1e-4, "{name}: batched logits differ from alone by {worst:.2e}");
     }
 }
