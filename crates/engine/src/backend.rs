@@ -347,15 +347,29 @@ pub fn qk_rope_store_composed<B: Backend>(
     layer: usize,
     pos0: usize,
 ) {
+    norm_rope_rows(be, qkv, n, rows, norm, rope);
     let QkvRows { stride, q_heads, kv_heads, head_dim } = rows;
     let (qw, kvw) = (q_heads * head_dim, kv_heads * head_dim);
+    be.kv_store(cache, layer, pos0, n, qkv, stride, qw, Some((qkv, stride, qw + kvw)));
+}
+
+/// The per-head norms and RoPE of `n` rows of `[q | k | v]`: what [`qk_rope_store_composed`]
+/// and [`qk_rope_store_batch_composed`] do before storing.
+fn norm_rope_rows<B: Backend>(
+    be: &B,
+    qkv: &mut B::Buf,
+    n: usize,
+    rows: QkvRows,
+    norm: Option<(&B::Vector, &B::Vector, f32)>,
+    rope: RopeTables<'_>,
+) {
+    let QkvRows { stride, q_heads, kv_heads, head_dim } = rows;
     if let Some((qn, kn, eps)) = norm {
         be.rms_norm_heads(qkv, n, stride, 0, q_heads, head_dim, qn, eps);
-        be.rms_norm_heads(qkv, n, stride, qw, kv_heads, head_dim, kn, eps);
+        be.rms_norm_heads(qkv, n, stride, q_heads * head_dim, kv_heads, head_dim, kn, eps);
     }
     // Keys follow the queries head after head in each row: one rotation for both.
     be.rope(qkv, n, stride, 0, q_heads + kv_heads, head_dim, rope.cos, rope.sin, rope.interleaved);
-    be.kv_store(cache, layer, pos0, n, qkv, stride, qw, Some((qkv, stride, qw + kvw)));
 }
 
 /// [`Backend::qk_rope_store_batch`] as the ops it fuses: the per-head norms and RoPE of every
@@ -371,13 +385,9 @@ pub fn qk_rope_store_batch_composed<B: Backend>(
     seqs: &mut [SeqStore<'_, B::KvCache>],
     layer: usize,
 ) {
+    norm_rope_rows(be, qkv, n, rows, norm, rope);
     let QkvRows { stride, q_heads, kv_heads, head_dim } = rows;
     let (qw, kvw) = (q_heads * head_dim, kv_heads * head_dim);
-    if let Some((qn, kn, eps)) = norm {
-        be.rms_norm_heads(qkv, n, stride, 0, q_heads, head_dim, qn, eps);
-        be.rms_norm_heads(qkv, n, stride, qw, kv_heads, head_dim, kn, eps);
-    }
-    be.rope(qkv, n, stride, 0, q_heads + kv_heads, head_dim, rope.cos, rope.sin, rope.interleaved);
     for s in seqs.iter_mut() {
         let at = s.row * stride + qw;
         be.kv_store(s.cache, layer, s.pos0, s.n, qkv, stride, at, Some((qkv, stride, at + kvw)));
