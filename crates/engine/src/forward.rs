@@ -1124,10 +1124,9 @@ impl<B: Backend> Model<B> {
         if s.segs.len() > 1 && be.batches_attention(&params) {
             // Every sequence's norms, RoPE and KV store, then its attention, in one call each.
             let rope = RopeTables { cos: &host.cos[..n * half], sin: &host.sin[..n * half], interleaved: self.rope.interleaved };
-            let mut stores: Vec<SeqStore<'_, B::KvCache>> =
-                s.segs.iter_mut().map(|seg| SeqStore { cache: &mut *seg.kv, row: seg.row, n: seg.n, pos0: seg.pos }).collect();
-            be.qk_rope_store_batch(&mut b.q, n, rows, per_head, rope, &mut stores, li);
-            drop(stores);
+            // Collected into a temporary: its mutable borrows of the caches end with the call.
+            let stores = s.segs.iter_mut().map(|seg| SeqStore { cache: &mut *seg.kv, row: seg.row, n: seg.n, pos0: seg.pos });
+            be.qk_rope_store_batch(&mut b.q, n, rows, per_head, rope, &mut stores.collect::<Vec<_>>(), li);
             let seqs: Vec<SeqQueries<'_, B::KvCache>> =
                 s.segs.iter().map(|seg| SeqQueries { cache: &*seg.kv, row: seg.row, n: seg.n, pos0: seg.pos }).collect();
             be.attention_batch(li, &seqs, &b.q, w, params, &mut b.att);

@@ -2,7 +2,7 @@
 //! the attention inputs (per-head norms, RoPE, the KV store) in one launch, int8 copies left by
 //! the ops that write a product's input, and the rotary tables kept on the device.
 
-use super::{cfg_elems, norm_threads, CudaBackend, CudaBuf, CudaKvCache, CudaVector, MV_TOKENS};
+use super::{cfg_elems, norm_threads, CudaBackend, CudaBuf, CudaKvCache, CudaVector, KvShape, MV_TOKENS};
 use crate::buf::QuantRows;
 use crate::launch::Launch;
 use cudarc::driver::LaunchConfig;
@@ -92,8 +92,7 @@ impl CudaBackend {
         );
     }
 
-    /// [`Backend::qk_rope_store`] in one launch where the cache is plain GQA's (keys and values
-    /// of `head_dim` per head, the layer's heads those of the rows); else the three ops.
+    /// [`Backend::qk_rope_store`] in one launch where [`fuses`] says so; else the three ops.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn fused_qk_rope_store(
         &self,
@@ -109,45 +108,58 @@ impl CudaBackend {
         if self.faulted() || n == 0 {
             return;
         }
-        let QkvRows { stride, q_heads, kv_heads, head_dim } = rows;
-        let shape = cache.layers[layer].shape;
-        let half = rope.cos.len() / n;
-        let plain = shape.heads == kv_heads && shape.k_dim == head_dim && shape.v_dim == head_dim && !shape.values_in_keys;
-        if !plain || head_dim > 512 || 2 * half > head_dim {
+        if !fuses(cache.layers[layer].shape, rows, rope.cos.len() / n) {
             return qk_rope_store_composed(self, qkv, n, rows, norm, rope, cache, layer, pos0);
         }
-        check_rows("qk_rope_store", qkv, 0, n, stride, 0, (q_heads + 2 * kv_heads) * head_dim);
-        if let Some((qn, kn, _)) = norm {
-            assert!(qn.len >= head_dim && kn.len >= head_dim, "qk_rope_store: norms of {} and {} for heads of {head_dim}", qn.len, kn.len);
-        }
+        check_qkv(qkv, n, rows, norm);
         let Some((kp, vp)) = self.kv_room(cache, layer, pos0, n) else { return };
-        let Some(cs) = self.rope_tables(&rope.cos[..n * half], &rope.sin[..n * half]) else { return };
-        let xp = qkv.at_mut(&self.stream);
-        let (qn, kn, eps) = match norm {
+        let Some(args) = self.qkv_args(qkv, n, rows, norm, rope) else { return };
+        let p0 = pos0 as i32;
+        let mut a = Launch::new(&self.k.qk_rope_store);
+        args.push(&mut a);
+        a.arg(&kp).arg(&vp).arg(&p0);
+        self.launch_qkv(a, &args);
+    }
+
+    /// The arguments both fused `qk_rope_store` kernels begin with: the rows, the norms and the
+    /// rotary tables (staged), or None where staging failed (the fault is kept).
+    pub(super) fn qkv_args(
+        &self,
+        qkv: &mut CudaBuf,
+        n: usize,
+        rows: QkvRows,
+        norm: Option<(&CudaVector, &CudaVector, f32)>,
+        rope: RopeTables<'_>,
+    ) -> Option<QkvArgs> {
+        let half = rope.cos.len() / n;
+        let tables = self.rope_tables(&rope.cos[..n * half], &rope.sin[..n * half])?;
+        let x = qkv.at_mut(&self.stream);
+        let (q_norm, k_norm, eps) = match norm {
             Some((qn, kn, eps)) => (super::dptr(&qn.data, &self.stream), super::dptr(&kn.data, &self.stream), eps),
             None => (0, 0, 0.0),
         };
-        let (s, qh, kh, hd, n_i, hf, il, p0) =
-            (stride as i32, q_heads as i32, kv_heads as i32, head_dim as i32, n as i32, half as i32, rope.interleaved as i32, pos0 as i32);
-        let mut a = Launch::new(&self.k.qk_rope_store);
-        a.arg(&xp)
-            .arg(&s)
-            .arg(&qh)
-            .arg(&kh)
-            .arg(&hd)
-            .arg(&qn)
-            .arg(&kn)
-            .arg(&eps)
-            .arg(&cs)
-            .arg(&n_i)
-            .arg(&hf)
-            .arg(&il)
-            .arg(&kp)
-            .arg(&vp)
-            .arg(&p0);
-        // A warp per (token, head), four a block.
-        let blocks = (n * (q_heads + 2 * kv_heads)).div_ceil(4);
-        self.launch(a, LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 }, "qk_rope_store");
+        let QkvRows { stride, q_heads, kv_heads, head_dim } = rows;
+        Some(QkvArgs {
+            x,
+            stride: stride as i32,
+            q_heads: q_heads as i32,
+            kv_heads: kv_heads as i32,
+            head_dim: head_dim as i32,
+            q_norm,
+            k_norm,
+            eps,
+            tables,
+            n: n as i32,
+            half: half as i32,
+            interleaved: rope.interleaved as i32,
+        })
+    }
+
+    /// Queues a fused `qk_rope_store` kernel: a warp per (token, head), four a block.
+    pub(super) fn launch_qkv(&self, a: Launch<'_>, args: &QkvArgs) {
+        let blocks = (args.n * (args.q_heads + 2 * args.kv_heads)) as usize;
+        let cfg = LaunchConfig { grid_dim: (blocks.div_ceil(4) as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+        self.launch(a, cfg, "qk_rope_store");
     }
 
     /// SiLU(gate) · up over rows `0..rows` of `gu` (`[gate | up]`, `width` each), quantized for
@@ -162,5 +174,49 @@ impl CudaBackend {
         // A warp per group of 32.
         self.launch(a, cfg_elems(rows * width), "silu_quantize");
         Some((qx, stride))
+    }
+}
+
+/// Whether the fused `qk_rope_store` kernels take a layer of `shape` for rows of `rows`
+/// rotating `half` pairs a head: plain GQA (keys and values of `head_dim` per head, the
+/// layer's heads those of the rows, none kept inside the keys), heads of at most 512 (a warp
+/// holds one in registers) and the rotated part within the head.
+pub(super) fn fuses(shape: KvShape, rows: QkvRows, half: usize) -> bool {
+    let plain = shape.heads == rows.kv_heads && shape.k_dim == rows.head_dim && shape.v_dim == rows.head_dim && !shape.values_in_keys;
+    plain && rows.head_dim <= 512 && 2 * half <= rows.head_dim
+}
+
+/// Panics, as [`check_rows`] does, unless `qkv` holds `n` rows of `rows` and the norms cover a head.
+pub(super) fn check_qkv(qkv: &CudaBuf, n: usize, rows: QkvRows, norm: Option<(&CudaVector, &CudaVector, f32)>) {
+    let QkvRows { stride, q_heads, kv_heads, head_dim } = rows;
+    check_rows("qk_rope_store", qkv, 0, n, stride, 0, (q_heads + 2 * kv_heads) * head_dim);
+    if let Some((qn, kn, _)) = norm {
+        assert!(qn.len >= head_dim && kn.len >= head_dim, "qk_rope_store: norms of {} and {} for heads of {head_dim}", qn.len, kn.len);
+    }
+}
+
+/// The parameters both fused `qk_rope_store` kernels begin with, in their order (fused.cu,
+/// kernels.cu): the rows of `[q | k | v]` and their layout, the per-head norms (0: none), the
+/// staged rotary tables, the tokens, the rotated pairs a head and whether they interleave.
+pub(super) struct QkvArgs {
+    x: u64,
+    stride: i32,
+    q_heads: i32,
+    kv_heads: i32,
+    head_dim: i32,
+    q_norm: u64,
+    k_norm: u64,
+    eps: f32,
+    tables: u64,
+    n: i32,
+    half: i32,
+    interleaved: i32,
+}
+
+impl QkvArgs {
+    /// Adds them to a launch, first; the kernel's own parameters follow.
+    pub(super) fn push<'a>(&'a self, a: &mut Launch<'a>) {
+        a.arg(&self.x).arg(&self.stride).arg(&self.q_heads).arg(&self.kv_heads).arg(&self.head_dim);
+        a.arg(&self.q_norm).arg(&self.k_norm).arg(&self.eps).arg(&self.tables).arg(&self.n).arg(&self.half).arg(&self.interleaved);
     }
 }

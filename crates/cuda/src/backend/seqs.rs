@@ -4,6 +4,7 @@
 //! fused store, attention): on the H200 a 16-sequence step of the 30B shape spent most of its
 //! 31 ms launching them.
 
+use super::fused::{check_qkv, fuses};
 use super::{attention_tiles, CudaBackend, CudaBuf, CudaKvCache, CudaVector, MV_TOKENS};
 use crate::launch::Launch;
 use cudarc::driver::{DeviceRepr, LaunchConfig};
@@ -64,9 +65,8 @@ fn one_table(rows: impl ExactSizeIterator<Item = (usize, usize)>) -> bool {
 }
 
 impl CudaBackend {
-    /// [`smoe_engine::Backend::qk_rope_store_batch`]: where the fused kernel applies (as
-    /// [`Self::fused_qk_rope_store`] decides) one launch for every sequence, else the composed
-    /// ops.
+    /// [`smoe_engine::Backend::qk_rope_store_batch`]: where the fused kernel applies ([`fuses`])
+    /// and the rows fit one table, one launch for every sequence; else the composed ops.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn fused_qk_rope_store_seqs(
         &self,
@@ -81,39 +81,25 @@ impl CudaBackend {
         if self.faulted() || n == 0 {
             return;
         }
-        let QkvRows { stride, q_heads, kv_heads, head_dim } = rows;
-        let half = rope.cos.len() / n;
-        let fused = seqs.first().is_some_and(|s| {
-            let shape = s.cache.layers[layer].shape;
-            shape.heads == kv_heads && shape.k_dim == head_dim && shape.v_dim == head_dim && !shape.values_in_keys
-        });
-        if !fused || head_dim > 512 || 2 * half > head_dim || !one_table(seqs.iter().map(|s| (s.row, s.n))) {
+        let fused = seqs.first().is_some_and(|s| fuses(s.cache.layers[layer].shape, rows, rope.cos.len() / n));
+        if !fused || !one_table(seqs.iter().map(|s| (s.row, s.n))) {
             return qk_rope_store_batch_composed(self, qkv, n, rows, norm, rope, seqs, layer);
         }
         assert_eq!(seqs.iter().map(|s| s.n).sum::<usize>(), n, "qk_rope_store_batch: the sequences' rows are not the step's");
-        check_rows("qk_rope_store", qkv, 0, n, stride, 0, (q_heads + 2 * kv_heads) * head_dim);
-        if let Some((qn, kn, _)) = norm {
-            assert!(qn.len >= head_dim && kn.len >= head_dim, "qk_rope_store: norms of {} and {} for heads of {head_dim}", qn.len, kn.len);
-        }
+        check_qkv(qkv, n, rows, norm);
+        let seqs_shape = seqs[0].cache.layers[layer].shape;
         let mut table = SeqKvs::new();
         for (i, s) in seqs.iter_mut().enumerate() {
+            assert_eq!(s.cache.layers[layer].shape, seqs_shape, "qk_rope_store_batch: one layer, one shape");
             let Some((kp, vp)) = self.kv_room(s.cache, layer, s.pos0, s.n) else { return };
             table.s[i] = SeqKv { k: kp, v: vp, pos0: s.pos0 as i32, row: s.row as i32, n: s.n as i32, ..Default::default() };
         }
         table.count = seqs.len() as i32;
-        let Some(cs) = self.rope_tables(&rope.cos[..n * half], &rope.sin[..n * half]) else { return };
-        let xp = qkv.at_mut(&self.stream);
-        let (qn, kn, eps) = match norm {
-            Some((qn, kn, eps)) => (super::dptr(&qn.data, &self.stream), super::dptr(&kn.data, &self.stream), eps),
-            None => (0, 0, 0.0),
-        };
-        let (s, qh, kh, hd, n_i, hf, il) =
-            (stride as i32, q_heads as i32, kv_heads as i32, head_dim as i32, n as i32, half as i32, rope.interleaved as i32);
+        let Some(args) = self.qkv_args(qkv, n, rows, norm, rope) else { return };
         let mut a = Launch::new(&self.k.qk_rope_store_seqs);
-        a.arg(&xp).arg(&s).arg(&qh).arg(&kh).arg(&hd).arg(&qn).arg(&kn).arg(&eps).arg(&cs).arg(&n_i).arg(&hf).arg(&il).arg(&table);
-        // A warp per (token, head), four a block.
-        let blocks = (n * (q_heads + 2 * kv_heads)).div_ceil(4);
-        self.launch(a, LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 }, "qk_rope_store");
+        args.push(&mut a);
+        a.arg(&table);
+        self.launch_qkv(a, &args);
     }
 
     /// [`smoe_engine::Backend::attention_batch`]: where every sequence alone would take the
