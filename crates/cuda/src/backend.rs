@@ -497,6 +497,10 @@ pub struct CudaBackend {
     sms: usize,
     /// [`DENSE_MV_TOKENS`], or less (`SMOE_CUDA_DENSE_MV`; 8 or less: never).
     dense_mv_tokens: usize,
+    /// Most tokens of a product on the int8 mat-vec where int8 tiles could take it:
+    /// [`MV_TOKENS`], or fewer (`SMOE_CUDA_FEW_MV`, 1 to 8; 1: every product of two or more
+    /// tokens to the tiles, as before the few-token mat-vec). Kept to measure the crossover.
+    few_mv_tokens: usize,
     /// A batched step's sequences in one launch for attention and its inputs ([`seqs`]), with
     /// `SMOE_CUDA_BATCH_ATTENTION=on`; else sequence by sequence. Off by default until it has
     /// run on a GPU: its kernels compile (NVRTC, every architecture) but were written in a
@@ -585,6 +589,7 @@ impl CudaBackend {
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(DENSE_MV_TOKENS)
                 .min(DENSE_MV_TOKENS),
+            few_mv_tokens: std::env::var("SMOE_CUDA_FEW_MV").ok().and_then(|v| v.parse().ok()).unwrap_or(MV_TOKENS).clamp(1, MV_TOKENS),
             faulted: AtomicBool::new(false),
             fault: Mutex::new(None),
             graphs: (opts.graphs || std::env::var("SMOE_CUDA_GRAPHS").as_deref() == Ok("on"))
@@ -745,7 +750,11 @@ impl CudaBackend {
         // token its one-token bits; without it, and with int8 tiles, they go to the tiles (the
         // f32 mat-vec of 2..8 tokens took 18 ms of a 512-token prefill, the tiles a fraction).
         let int8_mv = |f: Format| self.int8 && self.k.format(f).mvq.is_some();
-        let tiles_from = |f: Format| if self.int8_tiles && self.k.format(f).mmq.is_some() && !int8_mv(f) { 2 } else { MV_TOKENS + 1 };
+        let tiles_from = |f: Format| match (self.int8_tiles && self.k.format(f).mmq.is_some(), int8_mv(f)) {
+            (true, false) => 2,
+            (true, true) => self.few_mv_tokens + 1,
+            (false, _) => MV_TOKENS + 1,
+        };
         let kind = |f: Format, n: i32| {
             if n == 1 {
                 0u8
@@ -1029,7 +1038,8 @@ impl CudaBackend {
     fn resident_jobs(&self, f: Format, j: Job, mut push: impl FnMut((Format, Job))) {
         let n = j.n as usize;
         let few_tiles = (j.rows as usize).div_ceil(64) < self.sms;
-        if n <= MV_TOKENS || n > self.dense_mv_tokens || !few_tiles || !self.int8 || self.k.format(f).mvq.is_none() {
+        let mv = self.int8 && self.k.format(f).mvq.is_some() && self.few_mv_tokens == MV_TOKENS;
+        if n <= MV_TOKENS || n > self.dense_mv_tokens || !few_tiles || !mv {
             return push((f, j));
         }
         for t0 in (0..n).step_by(MV_TOKENS) {
