@@ -89,6 +89,19 @@ struct Job {
     out_col: i32,
 }
 
+/// A product as [`CudaBackend::products`] takes it: its format and table entry, and whether,
+/// of a few tokens, it goes with the int8 tiles when its chunk has more than [`MV_TOKENS`]
+/// tokens (an expert's: there the tiles run anyway, and a few-token mat-vec launch of its own
+/// cost a 512-token prefill 6%) or stays on the mat-vec (a resident matrix's 8-token pieces,
+/// see [`CudaBackend::resident_jobs`]). Decided by the chunk, never by the cache: an expert's
+/// product has the same bits whether it was in VRAM or just copied up.
+#[derive(Clone, Copy)]
+struct Product {
+    format: Format,
+    job: Job,
+    few_on_tiles: bool,
+}
+
 /// A launch's job table (`struct Jobs` in kernels.cu).
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -501,6 +514,11 @@ pub struct CudaBackend {
     /// [`MV_TOKENS`], or fewer (`SMOE_CUDA_FEW_MV`, 1 to 8; 1: every product of two or more
     /// tokens to the tiles, as before the few-token mat-vec). Kept to measure the crossover.
     few_mv_tokens: usize,
+    /// Whether experts' few-token products join the tiles in chunks of many tokens (see
+    /// [`Product`]); `SMOE_CUDA_FEW_MV_JOIN=off`: they stay on the mat-vec.
+    few_mv_join: bool,
+    /// [`smoe_engine::Backend::kept_tokens`]: 4, or `SMOE_CUDA_KEPT_TOKENS`.
+    kept_tokens: usize,
     /// A batched step's sequences in one launch for attention and its inputs ([`seqs`]), with
     /// `SMOE_CUDA_BATCH_ATTENTION=on`; else sequence by sequence. Off by default until it has
     /// run on a GPU: its kernels compile (NVRTC, every architecture) but were written in a
@@ -590,6 +608,8 @@ impl CudaBackend {
                 .unwrap_or(DENSE_MV_TOKENS)
                 .min(DENSE_MV_TOKENS),
             few_mv_tokens: std::env::var("SMOE_CUDA_FEW_MV").ok().and_then(|v| v.parse().ok()).unwrap_or(MV_TOKENS).clamp(1, MV_TOKENS),
+            few_mv_join: std::env::var("SMOE_CUDA_FEW_MV_JOIN").as_deref() != Ok("off"),
+            kept_tokens: std::env::var("SMOE_CUDA_KEPT_TOKENS").ok().and_then(|v| v.parse().ok()).unwrap_or(4),
             faulted: AtomicBool::new(false),
             fault: Mutex::new(None),
             graphs: (opts.graphs || std::env::var("SMOE_CUDA_GRAPHS").as_deref() == Ok("on"))
@@ -740,25 +760,28 @@ impl CudaBackend {
     }
 
     /// Runs products, one launch per format and kind (mat-vec or tiled) and per
-    /// [`MAX_JOBS`]: `jobs` pairs each job's format with its table entry.
-    /// `xq`: the int8 copy of the input's first rows, where the op that wrote them left one.
-    fn products(&self, jobs: &mut [(Format, Job)], x: u64, xq: Option<QuantRows>, xs: usize, out: u64, os: usize) {
+    /// [`MAX_JOBS`]. `xq`: the int8 copy of the input's first rows, where the op that wrote
+    /// them left one.
+    fn products(&self, jobs: &mut [Product], x: u64, xq: Option<QuantRows>, xs: usize, out: u64, os: usize) {
         // Kind 0: one token (`mv1`), 1: a few (`mv`), 2: many (tiled). A job's kernel, and so its
-        // rounding, depends on its own token count only, never on the batch it came in: the
-        // same product gives the same bits whether its expert was in VRAM or just copied up.
-        // On int8 activations a few tokens take the int8 mat-vec (`mvqn`), which gives each
-        // token its one-token bits; without it, and with int8 tiles, they go to the tiles (the
-        // f32 mat-vec of 2..8 tokens took 18 ms of a 512-token prefill, the tiles a fraction).
+        // rounding, depends on its own token count and on what [`Product`] says of its chunk,
+        // never on the products it came with: the same product gives the same bits whether its
+        // expert was in VRAM or just copied up. On int8 activations a few tokens take the int8
+        // mat-vec (`mvqn`), which gives each token its one-token bits; without it, and with
+        // int8 tiles, they go to the tiles (the f32 mat-vec of 2..8 tokens took 18 ms of a
+        // 512-token prefill, the tiles a fraction).
         let int8_mv = |f: Format| self.int8 && self.k.format(f).mvq.is_some();
-        let tiles_from = |f: Format| match (self.int8_tiles && self.k.format(f).mmq.is_some(), int8_mv(f)) {
+        let has_tiles = |f: Format| self.int8_tiles && self.k.format(f).mmq.is_some();
+        let tiles_from = |p: &Product| match (has_tiles(p.format), int8_mv(p.format)) {
             (true, false) => 2,
+            (true, true) if p.few_on_tiles && self.few_mv_join => 2,
             (true, true) => self.few_mv_tokens + 1,
             (false, _) => MV_TOKENS + 1,
         };
-        let kind = |f: Format, n: i32| {
-            if n == 1 {
+        let kind = |p: &Product| {
+            if p.job.n == 1 {
                 0u8
-            } else if (n as usize) < tiles_from(f) {
+            } else if (p.job.n as usize) < tiles_from(p) {
                 1
             } else {
                 2
@@ -766,9 +789,9 @@ impl CudaBackend {
         };
         // Int8 launches also by input width: an int8 launch quantizes its jobs' input rows
         // once, at one width.
-        let key = |j: &(Format, Job)| {
-            let k = kind(j.0, j.1.n);
-            (j.0, k, if k != 1 || int8_mv(j.0) { j.1.cols } else { 0 })
+        let key = |p: &Product| {
+            let k = kind(p);
+            (p.format, k, if k != 1 || int8_mv(p.format) { p.job.cols } else { 0 })
         };
         jobs.sort_by_key(key);
         // The int8 inputs of the current run of jobs with one key (several launches when more
@@ -784,7 +807,7 @@ impl CudaBackend {
             }
             let mut table = Jobs { count: (end - start) as i32, pad: 0, job: [Job::default(); MAX_JOBS] };
             for (slot, j) in jobs[start..end].iter().enumerate() {
-                table.job[slot] = j.1;
+                table.job[slot] = j.job;
             }
             let batch = &table.job[..end - start];
             let max_rows = batch.iter().map(|j| j.rows as usize).max().unwrap_or(0);
@@ -805,7 +828,7 @@ impl CudaBackend {
                     jobs[start..]
                         .iter()
                         .take_while(|j| key(j) == k0)
-                        .fold((usize::MAX, 0), |(lo, hi), (_, j)| (lo.min(j.x_row as usize), hi.max((j.x_row + j.n) as usize)))
+                        .fold((usize::MAX, 0), |(lo, hi), p| (lo.min(p.job.x_row as usize), hi.max((p.job.x_row + p.job.n) as usize)))
                 };
                 let (qx, qstride, lo) = match (quantized, xq) {
                     (Some((k, q)), _) if k == k0 => q,
@@ -1035,16 +1058,17 @@ impl CudaBackend {
     /// is latency-bound (a block per 64 rows walks the whole row); the mat-vecs read the
     /// matrix once per 8 tokens at the memory's rate. Experts' products are left to the
     /// tiles: a prefill's experts come many to a launch, which fills the GPU.
-    fn resident_jobs(&self, f: Format, j: Job, mut push: impl FnMut((Format, Job))) {
+    fn resident_jobs(&self, f: Format, j: Job, mut push: impl FnMut(Product)) {
         let n = j.n as usize;
         let few_tiles = (j.rows as usize).div_ceil(64) < self.sms;
         let mv = self.int8 && self.k.format(f).mvq.is_some() && self.few_mv_tokens == MV_TOKENS;
         if n <= MV_TOKENS || n > self.dense_mv_tokens || !few_tiles || !mv {
-            return push((f, j));
+            return push(Product { format: f, job: j, few_on_tiles: false });
         }
         for t0 in (0..n).step_by(MV_TOKENS) {
             let c = MV_TOKENS.min(n - t0) as i32;
-            push((f, Job { x_row: j.x_row + t0 as i32, out_row: j.out_row + t0 as i32, n: c, ..j }));
+            let job = Job { x_row: j.x_row + t0 as i32, out_row: j.out_row + t0 as i32, n: c, ..j };
+            push(Product { format: f, job, few_on_tiles: false });
         }
     }
 
@@ -1407,7 +1431,7 @@ impl Backend for CudaBackend {
         check("matmul", out, n, m);
         let wp = dptr(&w.data, &self.stream) + (r0 * w.row_bytes) as u64;
         let job = Self::job(wp, w.row_bytes, m, w.cols, 0, n, 0, 0);
-        let mut jobs = [(w.format, job); DENSE_MV_TOKENS / MV_TOKENS];
+        let mut jobs = [Product { format: w.format, job, few_on_tiles: false }; DENSE_MV_TOKENS / MV_TOKENS];
         let mut count = 0;
         self.resident_jobs(w.format, job, |j| {
             jobs[count] = j;
@@ -1421,6 +1445,7 @@ impl Backend for CudaBackend {
         }
         // Products whose weights are in VRAM already, and the expert products that miss.
         let mut ready = Vec::with_capacity(jobs.len());
+        let few_on_tiles = !self.few_tokens.load(Ordering::Relaxed);
         let mut missing: Vec<(&MatJob<'_, CudaMatrix>, &QMatrix<'_>)> = Vec::new();
         let mut experts = self.experts.lock().expect("expert cache lock");
         experts.begin_call();
@@ -1466,7 +1491,7 @@ impl Backend for CudaBackend {
             let job = Self::job(wp, row_bytes, rows, cols, j.x_row, j.n, j.out_row, j.out_col);
             match j.w {
                 WeightRef::Resident(..) => self.resident_jobs(fmt, job, |j| ready.push(j)),
-                _ => ready.push((fmt, job)),
+                _ => ready.push(Product { format: fmt, job, few_on_tiles }),
             }
         }
         let (xp, op) = (x.at(&self.stream), out.at_mut(&self.stream));
@@ -1504,7 +1529,8 @@ impl Backend for CudaBackend {
                     copies.push((ptr, q.data));
                 }
                 let row_bytes = q.format.row_bytes(q.cols).expect("a valid expert matrix");
-                waiting.push((q.format, Self::job(ptr, row_bytes, q.rows, q.cols, j.x_row, j.n, j.out_row, j.out_col)));
+                let job = Self::job(ptr, row_bytes, q.rows, q.cols, j.x_row, j.n, j.out_row, j.out_col);
+                waiting.push(Product { format: q.format, job, few_on_tiles });
             }
         }
         drop(experts);
@@ -1896,6 +1922,9 @@ impl Backend for CudaBackend {
         }
     }
 
+    fn kept_tokens(&self) -> usize {
+        self.kept_tokens
+    }
     fn kept_experts(
         &self,
         layer: usize,

@@ -987,6 +987,13 @@ pub trait Backend: Send + Sync {
     ) {
         panic!("kept_experts: this backend keeps no experts (keep_experts returned false)");
     }
+    /// Most tokens of a step that [`Self::kept_experts`] takes in a kept layer: each (token,
+    /// slot) pair is its own product there, which for a few tokens costs less than grouping
+    /// the pairs by expert on the host (a wait for the device per layer); beyond, the decoder
+    /// routes on the backend and groups on the host.
+    fn kept_tokens(&self) -> usize {
+        4
+    }
 
     /// Stores `n` key (and value) rows for positions `pos0..pos0 + n` of `layer`.
     fn kv_store(

@@ -95,11 +95,6 @@ impl Observer for NoObserver {
     }
 }
 
-/// Most tokens of a chunk routed on the backend in a layer whose experts it keeps: each (token,
-/// slot) pair is then its own product, which for a few tokens costs less than routing on the
-/// host (a wait for the device per layer); beyond, the pairs are grouped by expert on the host.
-const KEPT_TOKENS: usize = 4;
-
 /// Activation buffers on the backend, each `chunk` rows as wide as [`Widths`] says (`n ≤ chunk`
 /// rows in use in a call; `k` is the router's `top_k`). A buffer that a family does not use has
 /// width 0.
@@ -1331,7 +1326,7 @@ impl<B: Backend> Model<B> {
     fn moe(&self, li: usize, m: &MoeBlock<B>, s: &mut Step<'_, '_, B>, n: usize, obs: &mut dyn Observer) -> Result<bool, EngineError> {
         let t = Instant::now();
         let kept = self.kept[li] && m.tid2eid.is_none();
-        if kept && n <= KEPT_TOKENS && self.routing_trace.is_none() && !obs.wants_routes() {
+        if kept && n <= self.backend.kept_tokens() && self.routing_trace.is_none() && !obs.wants_routes() {
             self.kept_moe(li, m, s, n);
             s.charge(t, |r| &mut r.expert_ms);
             return Ok(true);
