@@ -168,6 +168,8 @@ pub struct CudaOptions {
     /// A batched step's sequences in one launch for attention and its inputs (also
     /// `SMOE_CUDA_BATCH_ATTENTION=on`): see `CudaBackend::batch_attention`.
     pub batch_attention: bool,
+    /// [`smoe_engine::Backend::kept_tokens`] (also `SMOE_CUDA_KEPT_TOKENS`); `None`: 4.
+    pub kept_tokens: Option<usize>,
 }
 
 /// The one-token int8-activation kernels of a format (kernels.cu, kept.cu).
@@ -517,7 +519,7 @@ pub struct CudaBackend {
     /// Whether experts' few-token products join the tiles in chunks of many tokens (see
     /// [`Product`]); `SMOE_CUDA_FEW_MV_JOIN=off`: they stay on the mat-vec.
     few_mv_join: bool,
-    /// [`smoe_engine::Backend::kept_tokens`]: 4, or `SMOE_CUDA_KEPT_TOKENS`.
+    /// [`smoe_engine::Backend::kept_tokens`]: [`CudaOptions::kept_tokens`].
     kept_tokens: usize,
     /// A batched step's sequences in one launch for attention and its inputs ([`seqs`]), with
     /// `SMOE_CUDA_BATCH_ATTENTION=on`; else sequence by sequence. Off by default until it has
@@ -609,7 +611,7 @@ impl CudaBackend {
                 .min(DENSE_MV_TOKENS),
             few_mv_tokens: std::env::var("SMOE_CUDA_FEW_MV").ok().and_then(|v| v.parse().ok()).unwrap_or(MV_TOKENS).clamp(1, MV_TOKENS),
             few_mv_join: std::env::var("SMOE_CUDA_FEW_MV_JOIN").as_deref() != Ok("off"),
-            kept_tokens: std::env::var("SMOE_CUDA_KEPT_TOKENS").ok().and_then(|v| v.parse().ok()).unwrap_or(4),
+            kept_tokens: opts.kept_tokens.or_else(|| std::env::var("SMOE_CUDA_KEPT_TOKENS").ok().and_then(|v| v.parse().ok())).unwrap_or(4),
             faulted: AtomicBool::new(false),
             fault: Mutex::new(None),
             graphs: (opts.graphs || std::env::var("SMOE_CUDA_GRAPHS").as_deref() == Ok("on"))

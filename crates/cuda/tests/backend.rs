@@ -63,6 +63,7 @@ const REFERENCE: CudaOptions = CudaOptions {
     graphs: false,
     simt_prefill: false,
     batch_attention: false,
+    kept_tokens: None,
 };
 
 #[test]
@@ -335,14 +336,16 @@ fn every_op_matches_with_prefill_on_cuda_cores() {
 /// each one's logits against the same steps run alone. A product's kernel depends on its token
 /// count (1, 2–8, more), so the two agree within rounding, not bit for bit; the largest
 /// difference is reported. With the fixtures' experts kept in VRAM, steps of up to four tokens
-/// route on the GPU and larger ones group experts on the host: both run here.
+/// route on the GPU and larger ones group experts on the host: both run here, and once more
+/// with every step (the 22-token prefill too) through the kept experts' own kernels.
 #[test]
 fn batched_steps_match_each_sequence_alone_on_the_gpu() {
     use smoe_engine::{BatchItem, Logits, NoObserver};
     let one_launch = CudaOptions { batch_attention: true, ..Default::default() };
+    let all_kept = CudaOptions { batch_attention: true, kept_tokens: Some(64), ..Default::default() };
     for (name, opts) in ["qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v4"]
         .into_iter()
-        .flat_map(|name| [(name, CudaOptions::default()), (name, one_launch.clone())])
+        .flat_map(|name| [(name, CudaOptions::default()), (name, one_launch.clone()), (name, all_kept.clone())])
     {
         let Some(model) = gpu_model(name, &opts) else { return };
         let long = input_ids(name, "long");
@@ -372,8 +375,9 @@ fn batched_steps_match_each_sequence_alone_on_the_gpu() {
             }
         }
         eprintln!(
-            "{name}: batched vs alone on the GPU{}, largest relative logit error {worst:.2e} (kept layers: {})",
+            "{name}: batched vs alone on the GPU{}{}, largest relative logit error {worst:.2e} (kept layers: {})",
             if opts.batch_attention { " (attention in one launch)" } else { "" },
+            if opts.kept_tokens.is_some() { " (every step through the kept experts)" } else { "" },
             model.kept_layers()
         );
         assert!(worst < 1e-4, "{name}: batched logits differ from alone by {worst:.2e}");
