@@ -48,6 +48,13 @@ const MAX_JOBS: usize = 48;
 /// Up to this many tokens a product is a mat-vec (a warp per row, the weights read once);
 /// beyond, tiled.
 const MV_TOKENS: usize = 8;
+/// Most tokens of a step that go through the kept experts' kernels ([`crate::kept`]), each
+/// (token, slot) pair its own product, rather than grouped by expert on the host after a
+/// download of the routes (a wait per layer). On an H100, 48-layer Qwen3-30B-A3B shape, batched
+/// decode at 64 against 4: 8 sequences 813 against 561 tok/s, 16: 1,187 against 800, 32: 1,427
+/// against 1,063, 64: 1,521 against 1,433. Prefill chunks (256 tokens) stay grouped: their
+/// pairs would read each expert many times over.
+const KEPT_TOKENS: usize = 64;
 /// Most tokens of a resident matrix's product that go as mat-vecs of [`MV_TOKENS`] each
 /// (`SMOE_CUDA_DENSE_MV`, at most this): see [`CudaBackend::resident_jobs`].
 const DENSE_MV_TOKENS: usize = 64;
@@ -90,11 +97,13 @@ struct Job {
 }
 
 /// A product as [`CudaBackend::products`] takes it: its format and table entry, and whether,
-/// of a few tokens, it goes with the int8 tiles when its chunk has more than [`MV_TOKENS`]
-/// tokens (an expert's: there the tiles run anyway, and a few-token mat-vec launch of its own
-/// cost a 512-token prefill 6%) or stays on the mat-vec (a resident matrix's 8-token pieces,
-/// see [`CudaBackend::resident_jobs`]). Decided by the chunk, never by the cache: an expert's
-/// product has the same bits whether it was in VRAM or just copied up.
+/// of a few tokens, it goes with the int8 tiles (an expert's, in a chunk of more than
+/// [`DENSE_MV_TOKENS`] tokens: there the tiles run anyway, and a few-token mat-vec launch of
+/// its own cost a 512-token prefill 2–3% on an H100) or stays on the mat-vec (a resident
+/// matrix's 8-token pieces, see [`CudaBackend::resident_jobs`], and batched decode steps,
+/// whose 16 and 32 sequences ran 1–6% slower with them on the tiles). Decided by the chunk,
+/// never by the cache: an expert's product has the same bits whether it was in VRAM or just
+/// copied up.
 #[derive(Clone, Copy)]
 struct Product {
     format: Format,
@@ -166,9 +175,9 @@ pub struct CudaOptions {
     /// opening made another test's two backends prefill with different kernels now and then.
     pub simt_prefill: bool,
     /// A batched step's sequences in one launch for attention and its inputs (also
-    /// `SMOE_CUDA_BATCH_ATTENTION=on`): see `CudaBackend::batch_attention`.
-    pub batch_attention: bool,
-    /// [`smoe_engine::Backend::kept_tokens`] (also `SMOE_CUDA_KEPT_TOKENS`); `None`: 4.
+    /// `SMOE_CUDA_BATCH_ATTENTION=on|off`): see `CudaBackend::batch_attention`; `None`: on.
+    pub batch_attention: Option<bool>,
+    /// [`smoe_engine::Backend::kept_tokens`] (also `SMOE_CUDA_KEPT_TOKENS`); `None`: 64.
     pub kept_tokens: Option<usize>,
 }
 
@@ -508,6 +517,9 @@ pub struct CudaBackend {
     /// against 1,674 tok/s for 512 tokens on the H200) while decode ran faster (224.9 against
     /// 196.9 tok/s).
     few_tokens: AtomicBool,
+    /// Whether the chunk being run has more than [`DENSE_MV_TOKENS`] tokens (a prefill's): its
+    /// experts' few-token products join the tiles (see [`Product`]).
+    many_tokens: AtomicBool,
     /// The GPU's multiprocessors.
     sms: usize,
     /// [`DENSE_MV_TOKENS`], or less (`SMOE_CUDA_DENSE_MV`; 8 or less: never).
@@ -516,15 +528,14 @@ pub struct CudaBackend {
     /// [`MV_TOKENS`], or fewer (`SMOE_CUDA_FEW_MV`, 1 to 8; 1: every product of two or more
     /// tokens to the tiles, as before the few-token mat-vec). Kept to measure the crossover.
     few_mv_tokens: usize,
-    /// Whether experts' few-token products join the tiles in chunks of many tokens (see
+    /// Whether experts' few-token products join the tiles in a prefill's chunks (see
     /// [`Product`]); `SMOE_CUDA_FEW_MV_JOIN=off`: they stay on the mat-vec.
     few_mv_join: bool,
     /// [`smoe_engine::Backend::kept_tokens`]: [`CudaOptions::kept_tokens`].
     kept_tokens: usize,
-    /// A batched step's sequences in one launch for attention and its inputs ([`seqs`]), with
-    /// `SMOE_CUDA_BATCH_ATTENTION=on`; else sequence by sequence. Off by default until it has
-    /// run on a GPU: its kernels compile (NVRTC, every architecture) but were written in a
-    /// session whose device calls started no machine.
+    /// A batched step's sequences in one launch for attention and its inputs ([`seqs`]); with
+    /// `SMOE_CUDA_BATCH_ATTENTION=off`, sequence by sequence (four launches per sequence per
+    /// layer). On an H100 one launch took 16 sequences from 490 to 835 tok/s.
     batch_attention: bool,
     faulted: AtomicBool,
     fault: Mutex<Option<String>>,
@@ -602,8 +613,9 @@ impl CudaBackend {
             profile_sync: std::env::var("SMOE_CUDA_PROFILE").as_deref() != Ok("host"),
             pdl,
             few_tokens: AtomicBool::new(true),
+            many_tokens: AtomicBool::new(false),
             sms,
-            batch_attention: opts.batch_attention || std::env::var("SMOE_CUDA_BATCH_ATTENTION").as_deref() == Ok("on"),
+            batch_attention: opts.batch_attention.unwrap_or_else(|| std::env::var("SMOE_CUDA_BATCH_ATTENTION").as_deref() != Ok("off")),
             dense_mv_tokens: std::env::var("SMOE_CUDA_DENSE_MV")
                 .ok()
                 .and_then(|v| v.parse().ok())
@@ -611,7 +623,10 @@ impl CudaBackend {
                 .min(DENSE_MV_TOKENS),
             few_mv_tokens: std::env::var("SMOE_CUDA_FEW_MV").ok().and_then(|v| v.parse().ok()).unwrap_or(MV_TOKENS).clamp(1, MV_TOKENS),
             few_mv_join: std::env::var("SMOE_CUDA_FEW_MV_JOIN").as_deref() != Ok("off"),
-            kept_tokens: opts.kept_tokens.or_else(|| std::env::var("SMOE_CUDA_KEPT_TOKENS").ok().and_then(|v| v.parse().ok())).unwrap_or(4),
+            kept_tokens: opts
+                .kept_tokens
+                .or_else(|| std::env::var("SMOE_CUDA_KEPT_TOKENS").ok().and_then(|v| v.parse().ok()))
+                .unwrap_or(KEPT_TOKENS),
             faulted: AtomicBool::new(false),
             fault: Mutex::new(None),
             graphs: (opts.graphs || std::env::var("SMOE_CUDA_GRAPHS").as_deref() == Ok("on"))
@@ -1408,6 +1423,7 @@ impl Backend for CudaBackend {
         }
         check("embed", out, ids.len(), table.cols);
         self.few_tokens.store(ids.len() <= MV_TOKENS, Ordering::Relaxed);
+        self.many_tokens.store(ids.len() > DENSE_MV_TOKENS, Ordering::Relaxed);
         // A decoded token's step, up to its first download (the logits), as one graph.
         self.settle();
         if ids.len() == 1 {
@@ -1447,7 +1463,7 @@ impl Backend for CudaBackend {
         }
         // Products whose weights are in VRAM already, and the expert products that miss.
         let mut ready = Vec::with_capacity(jobs.len());
-        let few_on_tiles = !self.few_tokens.load(Ordering::Relaxed);
+        let few_on_tiles = self.many_tokens.load(Ordering::Relaxed);
         let mut missing: Vec<(&MatJob<'_, CudaMatrix>, &QMatrix<'_>)> = Vec::new();
         let mut experts = self.experts.lock().expect("expert cache lock");
         experts.begin_call();

@@ -62,7 +62,7 @@ const REFERENCE: CudaOptions = CudaOptions {
     no_keep: false,
     graphs: false,
     simt_prefill: false,
-    batch_attention: false,
+    batch_attention: None,
     kept_tokens: None,
 };
 
@@ -77,9 +77,9 @@ fn every_op_matches_the_f32_reference() {
 /// the tolerance of the CPU's int8 path, every other op as in f32.
 #[test]
 fn every_op_matches_on_int8_activations() {
-    // Also with a batched step's sequences in one launch (the suite's batched cases: each
-    // sequence's rows and cache to the bit of its own).
-    for opts in [CudaOptions::default(), CudaOptions { batch_attention: true, ..Default::default() }] {
+    // With a batched step's sequences in one launch (the default; the suite's batched cases:
+    // each sequence's rows and cache to the bit of its own) and sequence by sequence.
+    for opts in [CudaOptions::default(), CudaOptions { batch_attention: Some(false), ..Default::default() }] {
         let Some(b) = backend(&opts) else { return };
         let cases = check_backend(&b, &Tolerance::INT8_ACTIVATIONS).unwrap_or_else(|f| panic!("{} mismatches:\n{}", f.len(), f.join("\n")));
         eprintln!("{cases} cases passed on {}", smoe_engine::Backend::describe(&b));
@@ -335,17 +335,18 @@ fn every_op_matches_with_prefill_on_cuda_cores() {
 /// lengths prefilled together, then decoded side by side while the shortest leaves early;
 /// each one's logits against the same steps run alone. A product's kernel depends on its token
 /// count (1, 2–8, more), so the two agree within rounding, not bit for bit; the largest
-/// difference is reported. With the fixtures' experts kept in VRAM, steps of up to four tokens
-/// route on the GPU and larger ones group experts on the host: both run here, and once more
-/// with every step (the 22-token prefill too) through the kept experts' own kernels.
+/// difference is reported. With the fixtures' experts kept in VRAM, steps of up to
+/// `kept_tokens` route on the GPU and larger ones group experts on the host: at 4, both run
+/// here (attention sequence by sequence and in one launch); at the default, every step (the
+/// 22-token prefill too) goes through the kept experts' own kernels.
 #[test]
 fn batched_steps_match_each_sequence_alone_on_the_gpu() {
     use smoe_engine::{BatchItem, Logits, NoObserver};
-    let one_launch = CudaOptions { batch_attention: true, ..Default::default() };
-    let all_kept = CudaOptions { batch_attention: true, kept_tokens: Some(64), ..Default::default() };
+    let per_sequence = CudaOptions { batch_attention: Some(false), kept_tokens: Some(4), ..Default::default() };
+    let one_launch = CudaOptions { batch_attention: Some(true), kept_tokens: Some(4), ..Default::default() };
     for (name, opts) in ["qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v4"]
         .into_iter()
-        .flat_map(|name| [(name, CudaOptions::default()), (name, one_launch.clone()), (name, all_kept.clone())])
+        .flat_map(|name| [(name, per_sequence.clone()), (name, one_launch.clone()), (name, CudaOptions::default())])
     {
         let Some(model) = gpu_model(name, &opts) else { return };
         let long = input_ids(name, "long");
@@ -376,8 +377,8 @@ fn batched_steps_match_each_sequence_alone_on_the_gpu() {
         }
         eprintln!(
             "{name}: batched vs alone on the GPU{}{}, largest relative logit error {worst:.2e} (kept layers: {})",
-            if opts.batch_attention { " (attention in one launch)" } else { "" },
-            if opts.kept_tokens.is_some() { " (every step through the kept experts)" } else { "" },
+            if opts.batch_attention == Some(false) { " (attention sequence by sequence)" } else { " (attention in one launch)" },
+            if opts.kept_tokens.is_none() { " (every step through the kept experts)" } else { "" },
             model.kept_layers()
         );
         assert!(worst < 1e-4, "{name}: batched logits differ from alone by {worst:.2e}");
