@@ -132,25 +132,40 @@ const KERNELS: &str = concat!(
     include_str!("compressed.cu")
 );
 
-/// The kernels compiled for compute capability `cc`, from the per-user kernel cache
-/// (`$XDG_CACHE_HOME/smoe` or `~/.cache/smoe`, one PTX file per source and architecture) or by
-/// NVRTC, which then fills the cache. Needs NVRTC only on a cache miss and no GPU at all, so it
-/// also checks that the kernels compile where there is none.
+/// The kernels compiled for compute capability `cc`, from this process's earlier compiles, the
+/// per-user kernel cache (`$XDG_CACHE_HOME/smoe` or `~/.cache/smoe`, one PTX file per source and
+/// architecture) or NVRTC, which then fills both. Needs NVRTC only on a miss and no GPU at all,
+/// so it also checks that the kernels compile where there is none.
+///
+/// One compile at a time per process: backends opened together with an empty cache (a
+/// server's models, the GPU tests) each compiled the whole source at once, every one on a core
+/// of its own for about a minute (a fresh H100 host's test suite ran past 60 s, and past 120 s
+/// beside a vault synthesis, where it takes 12 s with the cache filled). Now the first
+/// compiles and the others wait for its PTX.
 pub fn compile_kernels(cc: (i32, i32)) -> Result<cudarc::nvrtc::Ptx, String> {
+    static COMPILED: std::sync::Mutex<Vec<(String, String)>> = std::sync::Mutex::new(Vec::new());
+    let mut compiled = COMPILED.lock().unwrap_or_else(|e| e.into_inner());
     let arch = format!("sm_{}{}", cc.0, cc.1);
+    if let Some((_, text)) = compiled.iter().find(|(a, _)| *a == arch) {
+        return Ok(cudarc::nvrtc::Ptx::from_src(text.clone()));
+    }
     let cached = cache_dir().map(|d| d.join(format!("kernels-{:016x}-{arch}.ptx", fnv1a(KERNELS.as_bytes()))));
-    if let Some(text) = cached.as_ref().and_then(|p| std::fs::read_to_string(p).ok()) {
-        return Ok(cudarc::nvrtc::Ptx::from_src(text));
-    }
-    let ptx = compile_ptx(cc)?;
-    if let Some(p) = cached {
-        // A cache that cannot be written only costs the next start a compile.
-        let tmp = p.with_extension(format!("tmp{}", std::process::id()));
-        if p.parent().is_some_and(|d| std::fs::create_dir_all(d).is_ok()) && std::fs::write(&tmp, ptx.to_src()).is_ok() {
-            let _ = std::fs::rename(&tmp, &p);
+    let text = match cached.as_ref().and_then(|p| std::fs::read_to_string(p).ok()) {
+        Some(text) => text,
+        None => {
+            let text = compile_ptx(cc)?.to_src();
+            if let Some(p) = cached {
+                // A cache that cannot be written only costs the next start a compile.
+                let tmp = p.with_extension(format!("tmp{}", std::process::id()));
+                if p.parent().is_some_and(|d| std::fs::create_dir_all(d).is_ok()) && std::fs::write(&tmp, &text).is_ok() {
+                    let _ = std::fs::rename(&tmp, &p);
+                }
+            }
+            text
         }
-    }
-    Ok(ptx)
+    };
+    compiled.push((arch, text.clone()));
+    Ok(cudarc::nvrtc::Ptx::from_src(text))
 }
 
 /// The kernels compiled by NVRTC for compute capability `cc`, without the cache. Needs no GPU.

@@ -52,6 +52,13 @@ fn kernels_compile_for_every_architecture() {
             assert!(ptx.to_src().contains(name), "sm_{}{}: no kernel {name}", cc.0, cc.1);
         }
     }
+    // Backends opening at once share one compile (or the disk cache's copy): the same PTX.
+    let direct = smoe_cuda::compile_ptx((9, 0)).unwrap().to_src();
+    let texts: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..4).map(|_| s.spawn(|| smoe_cuda::compile_kernels((9, 0)).unwrap().to_src())).collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(texts.iter().all(|t| *t == direct), "compile_kernels gave other PTX than compile_ptx");
 }
 
 const REFERENCE: CudaOptions = CudaOptions {
