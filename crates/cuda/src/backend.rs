@@ -39,7 +39,7 @@ use smoe_engine::{CpuBackend, Precision};
 use smoe_quant::{Format, Layout, QMatrix};
 use smoe_store::ExpertView;
 use smoe_vault::Router;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -512,22 +512,16 @@ pub struct CudaBackend {
     /// Kernels launched with programmatic dependent launch (compute 9.0+, unless
     /// `SMOE_CUDA_PDL=off`; see [`crate::launch`]).
     pdl: bool,
-    /// Whether the chunk being run is a few tokens (set by `embed`, which starts each chunk):
-    /// only their launches overlap. Prefill's large kernels ran slower overlapped (1,459
-    /// against 1,674 tok/s for 512 tokens on the H200) while decode ran faster (224.9 against
-    /// 196.9 tok/s).
-    few_tokens: AtomicBool,
-    /// Whether the chunk being run has more than [`DENSE_MV_TOKENS`] tokens (a prefill's): its
-    /// experts' few-token products join the tiles (see [`Product`]).
-    many_tokens: AtomicBool,
+    /// Tokens of the chunk being run (set by `embed`, which starts each chunk). Only the
+    /// launches of a few ([`MV_TOKENS`]) overlap: prefill's large kernels ran slower overlapped
+    /// (1,459 against 1,674 tok/s for 512 tokens on the H200) while decode ran faster (224.9
+    /// against 196.9 tok/s). In a chunk of more than [`DENSE_MV_TOKENS`] (a prefill's) experts'
+    /// few-token products join the tiles (see [`Product`]).
+    chunk_tokens: AtomicUsize,
     /// The GPU's multiprocessors.
     sms: usize,
     /// [`DENSE_MV_TOKENS`], or less (`SMOE_CUDA_DENSE_MV`; 8 or less: never).
     dense_mv_tokens: usize,
-    /// Most tokens of a product on the int8 mat-vec where int8 tiles could take it:
-    /// [`MV_TOKENS`], or fewer (`SMOE_CUDA_FEW_MV`, 1 to 8; 1: every product of two or more
-    /// tokens to the tiles, as before the few-token mat-vec). Kept to measure the crossover.
-    few_mv_tokens: usize,
     /// Whether experts' few-token products join the tiles in a prefill's chunks (see
     /// [`Product`]); `SMOE_CUDA_FEW_MV_JOIN=off`: they stay on the mat-vec.
     few_mv_join: bool,
@@ -612,8 +606,7 @@ impl CudaBackend {
             profile: std::env::var_os("SMOE_CUDA_PROFILE").map(|_| Mutex::new(Default::default())),
             profile_sync: std::env::var("SMOE_CUDA_PROFILE").as_deref() != Ok("host"),
             pdl,
-            few_tokens: AtomicBool::new(true),
-            many_tokens: AtomicBool::new(false),
+            chunk_tokens: AtomicUsize::new(1),
             sms,
             batch_attention: opts.batch_attention.unwrap_or_else(|| std::env::var("SMOE_CUDA_BATCH_ATTENTION").as_deref() != Ok("off")),
             dense_mv_tokens: std::env::var("SMOE_CUDA_DENSE_MV")
@@ -621,7 +614,6 @@ impl CudaBackend {
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(DENSE_MV_TOKENS)
                 .min(DENSE_MV_TOKENS),
-            few_mv_tokens: std::env::var("SMOE_CUDA_FEW_MV").ok().and_then(|v| v.parse().ok()).unwrap_or(MV_TOKENS).clamp(1, MV_TOKENS),
             few_mv_join: std::env::var("SMOE_CUDA_FEW_MV_JOIN").as_deref() != Ok("off"),
             kept_tokens: opts
                 .kept_tokens
@@ -701,7 +693,7 @@ impl CudaBackend {
             return;
         }
         let t = self.profile.as_ref().map(|_| std::time::Instant::now());
-        let overlap = self.pdl && self.few_tokens.load(Ordering::Relaxed);
+        let overlap = self.pdl && self.chunk_tokens.load(Ordering::Relaxed) <= MV_TOKENS;
         // SAFETY: every caller pushes arguments matching its kernel's parameter list in
         // kernels.cu (64-bit device pointers for pointers, i32 for int, f32 for float, `Jobs`
         // by value), has checked on the host that the rows the kernel touches lie inside the
@@ -789,12 +781,8 @@ impl CudaBackend {
         // 512-token prefill, the tiles a fraction).
         let int8_mv = |f: Format| self.int8 && self.k.format(f).mvq.is_some();
         let has_tiles = |f: Format| self.int8_tiles && self.k.format(f).mmq.is_some();
-        let tiles_from = |p: &Product| match (has_tiles(p.format), int8_mv(p.format)) {
-            (true, false) => 2,
-            (true, true) if p.few_on_tiles && self.few_mv_join => 2,
-            (true, true) => self.few_mv_tokens + 1,
-            (false, _) => MV_TOKENS + 1,
-        };
+        let on_tiles = |p: &Product| has_tiles(p.format) && (!int8_mv(p.format) || p.few_on_tiles && self.few_mv_join);
+        let tiles_from = |p: &Product| if on_tiles(p) { 2 } else { MV_TOKENS + 1 };
         let kind = |p: &Product| {
             if p.job.n == 1 {
                 0u8
@@ -1078,8 +1066,7 @@ impl CudaBackend {
     fn resident_jobs(&self, f: Format, j: Job, mut push: impl FnMut(Product)) {
         let n = j.n as usize;
         let few_tiles = (j.rows as usize).div_ceil(64) < self.sms;
-        let mv = self.int8 && self.k.format(f).mvq.is_some() && self.few_mv_tokens == MV_TOKENS;
-        if n <= MV_TOKENS || n > self.dense_mv_tokens || !few_tiles || !mv {
+        if n <= MV_TOKENS || n > self.dense_mv_tokens || !few_tiles || !self.int8 || self.k.format(f).mvq.is_none() {
             return push(Product { format: f, job: j, few_on_tiles: false });
         }
         for t0 in (0..n).step_by(MV_TOKENS) {
@@ -1422,8 +1409,7 @@ impl Backend for CudaBackend {
             return;
         }
         check("embed", out, ids.len(), table.cols);
-        self.few_tokens.store(ids.len() <= MV_TOKENS, Ordering::Relaxed);
-        self.many_tokens.store(ids.len() > DENSE_MV_TOKENS, Ordering::Relaxed);
+        self.chunk_tokens.store(ids.len(), Ordering::Relaxed);
         // A decoded token's step, up to its first download (the logits), as one graph.
         self.settle();
         if ids.len() == 1 {
@@ -1463,7 +1449,7 @@ impl Backend for CudaBackend {
         }
         // Products whose weights are in VRAM already, and the expert products that miss.
         let mut ready = Vec::with_capacity(jobs.len());
-        let few_on_tiles = self.many_tokens.load(Ordering::Relaxed);
+        let few_on_tiles = self.chunk_tokens.load(Ordering::Relaxed) > DENSE_MV_TOKENS;
         let mut missing: Vec<(&MatJob<'_, CudaMatrix>, &QMatrix<'_>)> = Vec::new();
         let mut experts = self.experts.lock().expect("expert cache lock");
         experts.begin_call();
