@@ -1,5 +1,5 @@
 #!/bin/bash
-# Builds llama.cpp's llama-bench with CUDA (compute 9.0, the H200) from the llama-cpp-python
+# Builds llama.cpp's llama-bench and llama-batched-bench with CUDA (compute 9.0, the H200) from the llama-cpp-python
 # 0.3.36 sdist, on a machine with no GPU and no CUDA toolkit: the compiler, headers and libraries
 # come from NVIDIA's PyPI wheels. The binary then runs on the GPU machine against its own CUDA
 # 13 runtime (LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib there).
@@ -34,5 +34,5 @@ cmake -S "$SRC" -B "$SRC/build-cuda" -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -
     -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \
     -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=ON -DGGML_AMX_INT8=ON \
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DBUILD_SHARED_LIBS=OFF
-cmake --build "$SRC/build-cuda" -j "$(nproc)" --target llama-bench
-echo "built $SRC/build-cuda/bin/llama-bench"
+cmake --build "$SRC/build-cuda" -j "$(nproc)" --target llama-bench llama-batched-bench
+echo "built $SRC/build-cuda/bin/llama-bench and llama-batched-bench"

@@ -475,6 +475,9 @@ pub struct CudaBackend {
     /// host queueing its kernels).
     profile: Option<Mutex<std::collections::HashMap<&'static str, (u64, f64)>>>,
     profile_sync: bool,
+    /// When the profile's first row was written: its wall time, printed beside the rows, shows
+    /// how much of the run the host spent outside the profiled calls.
+    profile_start: std::sync::OnceLock<std::time::Instant>,
     /// One-token products on int8 activations where the format has a kernel (`Precision::Fast`).
     int8: bool,
     /// Many-token products of those formats on int8 tensor cores (`mmq.cu`); off
@@ -527,6 +530,10 @@ pub struct CudaBackend {
     few_mv_join: bool,
     /// [`smoe_engine::Backend::kept_tokens`]: [`CudaOptions::kept_tokens`].
     kept_tokens: usize,
+    /// The fused kept-expert kernels' grid with the pairs (tokens) fastest, so that pairs
+    /// sharing an expert read it together (`kept.cu`); `SMOE_CUDA_KEPT_ORDER=rows`: the rows
+    /// fastest, as before.
+    kept_pairs_first: bool,
     /// A batched step's sequences in one launch for attention and its inputs ([`seqs`]); with
     /// `SMOE_CUDA_BATCH_ATTENTION=off`, sequence by sequence (four launches per sequence per
     /// layer). On an H100 one launch took 16 sequences from 490 to 835 tok/s.
@@ -605,6 +612,7 @@ impl CudaBackend {
             int8_tiles: int8 && tensor_cores && prefill.as_deref() != Ok("tf32"),
             profile: std::env::var_os("SMOE_CUDA_PROFILE").map(|_| Mutex::new(Default::default())),
             profile_sync: std::env::var("SMOE_CUDA_PROFILE").as_deref() != Ok("host"),
+            profile_start: std::sync::OnceLock::new(),
             pdl,
             chunk_tokens: AtomicUsize::new(1),
             sms,
@@ -619,6 +627,7 @@ impl CudaBackend {
                 .kept_tokens
                 .or_else(|| std::env::var("SMOE_CUDA_KEPT_TOKENS").ok().and_then(|v| v.parse().ok()))
                 .unwrap_or(KEPT_TOKENS),
+            kept_pairs_first: std::env::var("SMOE_CUDA_KEPT_ORDER").as_deref() != Ok("rows"),
             faulted: AtomicBool::new(false),
             fault: Mutex::new(None),
             graphs: (opts.graphs || std::env::var("SMOE_CUDA_GRAPHS").as_deref() == Ok("on"))
@@ -713,6 +722,7 @@ impl CudaBackend {
     /// Adds the time since `t` to `op`'s row of the profile.
     fn profiled(&self, op: &'static str, t: std::time::Instant) {
         if let Some(p) = &self.profile {
+            self.profile_start.get_or_init(|| t);
             let mut p = p.lock().expect("profile lock");
             let e = p.entry(op).or_insert((0, 0.0));
             e.0 += 1;
@@ -2022,16 +2032,19 @@ impl Backend for CudaBackend {
                 let dstride = crate::buf::quant_stride(width);
                 let Some(dq) = self.scratch(n * k * dstride) else { return };
                 let (hs, gs, ds) = (hq.1 as i32, (2 * width) as i32, dstride as i32);
+                // The pairs (tokens) on x where they go first (see `kept_pairs_first`).
+                let (first, first_i) = (self.kept_pairs_first, self.kept_pairs_first as i32);
+                let order = |rows: u32, pairs: u32| if first { (pairs, rows, 1) } else { (rows, pairs, 1) };
                 let mut a = Launch::new(&gk.swiglu);
-                a.arg(&gj).arg(&rp).arg(&hq.0).arg(&hs).arg(&gp).arg(&gs).arg(&dq).arg(&ds);
-                let cfg = LaunchConfig { grid_dim: ((width / 32) as u32, pairs, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+                a.arg(&gj).arg(&rp).arg(&hq.0).arg(&hs).arg(&gp).arg(&gs).arg(&dq).arg(&ds).arg(&first_i);
+                let cfg = LaunchConfig { grid_dim: order((width / 32) as u32, pairs), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
                 self.launch(a, cfg, "kept experts: gate, up, SiLU");
                 drop(kept);
                 let (xp, xs) = (x.at_mut(&self.stream), hidden as i32);
                 let mut a = Launch::new(&dk.mix);
-                a.arg(&dj).arg(&rp).arg(&dq).arg(&ds).arg(&xp).arg(&xs);
+                a.arg(&dj).arg(&rp).arg(&dq).arg(&ds).arg(&xp).arg(&xs).arg(&first_i);
                 // A warp a row (kept.cu's mvq_mix), four a block.
-                let cfg = LaunchConfig { grid_dim: (hidden.div_ceil(4) as u32, n as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+                let cfg = LaunchConfig { grid_dim: order(hidden.div_ceil(4) as u32, n as u32), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
                 self.launch(a, cfg, "kept experts: down, mixed");
                 return;
             }
@@ -2301,8 +2314,14 @@ impl Drop for CudaBackend {
             let mut rows: Vec<_> = p.lock().map(|p| p.iter().map(|(k, v)| (*k, *v)).collect()).unwrap_or_default();
             rows.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
             eprintln!("cuda profile ({}): kernel, launches, seconds, microseconds each", self.info.short());
+            let listed: f64 = rows.iter().map(|r| r.1 .1).sum();
             for (op, (n, secs)) in rows {
                 eprintln!("  {op:<24} {n:>9} {secs:>9.3} {:>9.1}", secs * 1e6 / n.max(1) as f64);
+            }
+            // The rest of the wall time went to host work between the profiled calls.
+            if let Some(t0) = self.profile_start.get() {
+                let wall = t0.elapsed().as_secs_f64();
+                eprintln!("  (wall since the first row) {wall:.3} s; outside the rows above {:.3} s", wall - listed);
             }
         }
     }

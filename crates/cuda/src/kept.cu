@@ -8,7 +8,14 @@
 
 #define SWIGLU_WARPS 8  // a block: one group of 32 outputs, four per warp
 
-// Gate and up rows [32 b, 32 b + 32) of pair blockIdx.y's expert (kp.parts 2: gate, up; rows
+// Grid order, both kernels: blocks start in launch order, x fastest. `pairs_first` puts the pairs
+// (tokens, for the mix) on x, so that every pair's blocks for the same rows run at about the same
+// time: in a batched step the pairs that chose one expert (16 sequences' 128 pairs fall on ~80 of
+// 128 experts, 64 sequences' 512 on nearly all) then read those rows from HBM once and from L2
+// after. With the rows on x, a pair's rows all ran before the next pair's, and each pair read its
+// expert from HBM again. Each block computes what it did either way: the same bits.
+
+// Gate and up rows [32 b, 32 b + 32) of pair `pair`'s expert (kp.parts 2: gate, up; rows
 // the intermediate width, a multiple of 32), against the token's input quantized at
 // qx + t * qstride; then v = SiLU(gate) · up per row, written to out (row `pair`, columns
 // [32 b ..) of the gate half, as silu_quantize leaves it) and quantized as group b of row
@@ -16,10 +23,11 @@
 // of each: eight rows' loads in flight per lane.
 template <int F>
 __device__ void mvq_swiglu(const Kept& kp, const float* routes, const u8* qx, int qstride, float* out, int os, u8* dq,
-                           int dqstride) {
+                           int dqstride, int pairs_first) {
     __shared__ float v[32];
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    int pair = blockIdx.y, t = pair / kp.k;
+    int pair = pairs_first ? blockIdx.x : blockIdx.y, t = pair / kp.k;
+    int b = pairs_first ? blockIdx.y : blockIdx.x;
     float id = routes[(size_t)t * 2 * kp.k + pair % kp.k];
     int e = id >= 0.0f && id < (float)kp.experts ? (int)id : 0;  // as kept_job
     const u8* qrow = qx + (size_t)t * qstride;
@@ -27,7 +35,7 @@ __device__ void mvq_swiglu(const Kept& kp, const float* routes, const u8* qx, in
     const float* xd = (const float*)(qrow + kp.cols);
     const float* xsum = xd + kp.cols / 32;
     int tasks = F == 8 ? kp.cols / 32 : kp.cols / 64;
-    int r0 = 32 * blockIdx.x + 4 * warp;
+    int r0 = 32 * b + 4 * warp;
     const u8* g = (const u8*)(kp.base[0] + (u64)e * kp.expert_bytes[0]);
     const u8* u = (const u8*)(kp.base[1] + (u64)e * kp.expert_bytes[1]);
     float acc[8];
@@ -72,12 +80,12 @@ __device__ void mvq_swiglu(const Kept& kp, const float* routes, const u8* qx, in
     __syncthreads();
     if (warp == 0) {
         float x = v[lane];
-        out[(size_t)pair * os + 32 * blockIdx.x + lane] = x;
-        quantize_group(x, dq + (size_t)pair * dqstride, kp.rows, blockIdx.x);
+        out[(size_t)pair * os + 32 * b + lane] = x;
+        quantize_group(x, dq + (size_t)pair * dqstride, kp.rows, b);
     }
 }
 
-// Row r of token blockIdx.y, a warp's: x[t][r] += sum over its k slots, in slot order, of the
+// Row r of token t, a warp's: x[t][r] += sum over its k slots, in slot order, of the
 // slot's weight times the row of its expert's down matrix (kp.parts 1) against the pair's input
 // quantized at qx + pair * qstride. For rows of at most 16 tasks (a down projection from 768:
 // 12) half a warp takes a slot, two slots at once, and every lane issues the loads of MIX_CHUNK
@@ -87,10 +95,11 @@ __device__ void mvq_swiglu(const Kept& kp, const float* routes, const u8* qx, in
 // add_weighted_slots's: the same bits.
 #define MIX_CHUNK 4
 template <int F>
-__device__ void mvq_mix(const Kept& kp, const float* routes, const u8* qx, int qstride, float* x, int xs) {
+__device__ void mvq_mix(const Kept& kp, const float* routes, const u8* qx, int qstride, float* x, int xs,
+                        int pairs_first) {
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    int t = blockIdx.y;
-    int r = blockIdx.x * MVQ_WARPS + warp;
+    int t = pairs_first ? blockIdx.x : blockIdx.y;
+    int r = (pairs_first ? blockIdx.y : blockIdx.x) * MVQ_WARPS + warp;
     if (r >= kp.rows) return;
     int tasks = F == 8 ? kp.cols / 32 : kp.cols / 64;
     const float* rt = routes + (size_t)t * 2 * kp.k;
@@ -149,12 +158,13 @@ __device__ void mvq_mix(const Kept& kp, const float* routes, const u8* qx, int q
 
 #define KEPT_FUSED_KERNELS(name, id)                                                                          \
     extern "C" __global__ void mvkq_swiglu_##name(const Kept kp, const float* routes, const u8* qx, int qstride, \
-                                                  float* out, int os, u8* dq, int dqstride) { PDL_START;         \
-        mvq_swiglu<id>(kp, routes, qx, qstride, out, os, dq, dqstride);                                       \
+                                                  float* out, int os, u8* dq, int dqstride, int pairs_first) {   \
+        PDL_START;                                                                                            \
+        mvq_swiglu<id>(kp, routes, qx, qstride, out, os, dq, dqstride, pairs_first);                          \
     }                                                                                                         \
     extern "C" __global__ void mvkq_mix_##name(const Kept kp, const float* routes, const u8* qx, int qstride,    \
-                                               float* x, int xs) { PDL_START;                                    \
-        mvq_mix<id>(kp, routes, qx, qstride, x, xs);                                                          \
+                                               float* x, int xs, int pairs_first) { PDL_START;                   \
+        mvq_mix<id>(kp, routes, qx, qstride, x, xs, pairs_first);                                             \
     }
 
 KEPT_FUSED_KERNELS(q8_0, 8)
