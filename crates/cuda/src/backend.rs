@@ -2044,7 +2044,8 @@ impl Backend for CudaBackend {
                 let mut a = Launch::new(&dk.mix);
                 a.arg(&dj).arg(&rp).arg(&dq).arg(&ds).arg(&xp).arg(&xs).arg(&first_i);
                 // A warp a row (kept.cu's mvq_mix), four a block.
-                let cfg = LaunchConfig { grid_dim: order(hidden.div_ceil(4) as u32, n as u32), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+                let cfg =
+                    LaunchConfig { grid_dim: order(hidden.div_ceil(4) as u32, n as u32), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
                 self.launch(a, cfg, "kept experts: down, mixed");
                 return;
             }
