@@ -53,6 +53,56 @@ fn main() {
                     (rows * passes * rb) as f64 / secs / 1e9,
                     (rows * passes) as f64 / secs / 1e6
                 );
+                // Four tokens a call where the format has that kernel (a batch's dense products):
+                // the weights read once for the four, so GMAC/s is the figure to compare.
+                let mut act4 = QuantAct::default();
+                let x4: Vec<f32> = (0..4 * cols).map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 300.0).collect();
+                act4.quantize(f, &x4, 4, cols);
+                let mut o = [[0f32; 8]; 4];
+                let t = std::time::Instant::now();
+                let mut ran = true;
+                for _ in 0..passes {
+                    for g in 0..rows / 8 {
+                        let [o0, o1, o2, o3] = &mut o;
+                        let a = [act4.row(0), act4.row(1), act4.row(2), act4.row(3)];
+                        ran &= k.dot_group8_x4(f, &inter[g * 8 * rb..(g + 1) * 8 * rb], cols, a, [o0, o1, o2, o3]);
+                        s += o[3][0];
+                    }
+                }
+                let secs = t.elapsed().as_secs_f64();
+                if ran {
+                    println!(
+                        "{f} {:12}: {:6.1} GMAC/s [{s:.1}] eight interleaved rows, four tokens at a time",
+                        k.isa,
+                        (4 * rows * passes * cols) as f64 / secs / 1e9
+                    );
+                }
+                // Two and three tokens a call where the format has those kernels (a batch's
+                // experts chosen by a few of its tokens).
+                if k.has_group8_few(f) {
+                    for m in [2usize, 3] {
+                        let t = std::time::Instant::now();
+                        for _ in 0..passes {
+                            for g in 0..rows / 8 {
+                                let [o0, o1, o2, _] = &mut o;
+                                let a = [act4.row(0), act4.row(1), act4.row(2)];
+                                let group = &inter[g * 8 * rb..(g + 1) * 8 * rb];
+                                match m {
+                                    2 => k.dot_group8_few(f, group, cols, &a[..2], &mut [o0, o1]),
+                                    _ => k.dot_group8_few(f, group, cols, &a, &mut [o0, o1, o2]),
+                                };
+                                s += o[1][0];
+                            }
+                        }
+                        let secs = t.elapsed().as_secs_f64();
+                        let gb = (rows * passes * rb) as f64 / secs / 1e9;
+                        println!(
+                            "{f} {:12}: {gb:6.1} GB/s  ({:6.1} GMAC/s) [{s:.1}] eight interleaved rows, {m} tokens at a time",
+                            k.isa,
+                            m as f64 * (rows * passes * cols) as f64 / secs / 1e9
+                        );
+                    }
+                }
             }
         }
     }

@@ -18,7 +18,7 @@ fn tokens<const T: usize>(w: &[u8], a: [&[Block32]; T], out: [&mut [f32; 8]; T])
     let blocks = a.iter().fold(w.len() / Q8_GROUP_BLOCK, |n, a| n.min(a.len()));
     let bias = _mm256_set1_epi8(-128);
     let (mut acc, mut corr) = ([_mm256_setzero_ps(); T], [_mm256_setzero_ps(); T]);
-    let pf = super::prefetch();
+    let pf = if T > 1 { super::prefetch_many() } else { super::prefetch() };
     for b in 0..blocks {
         let p = w[b * Q8_GROUP_BLOCK..(b + 1) * Q8_GROUP_BLOCK].as_ptr();
         super::prefetch_ahead(p, pf, Q8_GROUP_BLOCK);
