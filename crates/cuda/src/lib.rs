@@ -143,7 +143,6 @@ const KERNELS: &str = concat!(
 /// beside a vault synthesis, where it takes 12 s with the cache filled). Now the first
 /// compiles and the others wait for its PTX.
 pub fn compile_kernels(cc: (i32, i32)) -> Result<cudarc::nvrtc::Ptx, String> {
-    static COMPILED: std::sync::Mutex<Vec<(String, String)>> = std::sync::Mutex::new(Vec::new());
     let mut compiled = COMPILED.lock().unwrap_or_else(|e| e.into_inner());
     let arch = format!("sm_{}{}", cc.0, cc.1);
     if let Some((_, text)) = compiled.iter().find(|(a, _)| *a == arch) {
@@ -166,6 +165,17 @@ pub fn compile_kernels(cc: (i32, i32)) -> Result<cudarc::nvrtc::Ptx, String> {
     };
     compiled.push((arch, text.clone()));
     Ok(cudarc::nvrtc::Ptx::from_src(text))
+}
+
+/// [`compile_kernels`]'s PTX by architecture (`sm_90`), one entry each time it read the disk
+/// cache or ran NVRTC.
+static COMPILED: std::sync::Mutex<Vec<(String, String)>> = std::sync::Mutex::new(Vec::new());
+
+/// How many times [`compile_kernels`] loaded the kernels for `cc` (read the disk cache or ran
+/// NVRTC) in this process: at most once, however many backends open at once.
+pub fn kernel_loads(cc: (i32, i32)) -> usize {
+    let arch = format!("sm_{}{}", cc.0, cc.1);
+    COMPILED.lock().unwrap_or_else(|e| e.into_inner()).iter().filter(|(a, _)| *a == arch).count()
 }
 
 /// The kernels compiled by NVRTC for compute capability `cc`, without the cache. Needs no GPU.

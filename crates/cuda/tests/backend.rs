@@ -34,8 +34,12 @@ fn kernels_compile_for_every_architecture() {
         eprintln!("skipped: NVRTC not found");
         return;
     }
+    let mut hopper = String::new();
     for cc in [(8, 0), (8, 6), (8, 9), (9, 0), (12, 0)] {
         let ptx = smoe_cuda::compile_ptx(cc).unwrap_or_else(|e| panic!("sm_{}{}: {e}", cc.0, cc.1));
+        if cc == (9, 0) {
+            hopper = ptx.to_src();
+        }
         for name in [
             "mv_q4_k",
             "mm_q6_k",
@@ -52,13 +56,15 @@ fn kernels_compile_for_every_architecture() {
             assert!(ptx.to_src().contains(name), "sm_{}{}: no kernel {name}", cc.0, cc.1);
         }
     }
-    // Backends opening at once share one compile (or the disk cache's copy): the same PTX.
-    let direct = smoe_cuda::compile_ptx((9, 0)).unwrap().to_src();
+    // Backends opening at once share one compile (or the disk cache's copy): the same PTX,
+    // loaded once in the process whoever asked first.
     let texts: Vec<String> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..4).map(|_| s.spawn(|| smoe_cuda::compile_kernels((9, 0)).unwrap().to_src())).collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    assert!(texts.iter().all(|t| *t == direct), "compile_kernels gave other PTX than compile_ptx");
+    assert!(texts.iter().all(|t| *t == hopper), "compile_kernels gave other PTX than compile_ptx");
+    let loads = smoe_cuda::kernel_loads((9, 0));
+    assert_eq!(loads, 1, "four backends opening at once loaded the kernels {loads} times");
 }
 
 const REFERENCE: CudaOptions = CudaOptions {
