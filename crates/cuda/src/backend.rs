@@ -55,6 +55,18 @@ const MV_TOKENS: usize = 8;
 /// against 1,063, 64: 1,521 against 1,433. Prefill chunks (256 tokens) stay grouped: their
 /// pairs would read each expert many times over.
 const KEPT_TOKENS: usize = 64;
+
+/// Fewest tokens of a step whose kept experts run on int8 tiles (`kept_tiles.cu`), each
+/// expert's rows read once for all the pairs that chose it, rather than pair by pair. On an
+/// H100, 48-layer Qwen3-30B-A3B shape, aggregate decode tok/s on tiles against pair by pair:
+/// 8 sequences 732–745 against 829–831, 16: 1,167–1,187 against 1,235–1,243, 24: 1,449–1,450
+/// against 1,403–1,407, 32: 1,690–1,718 against 1,526–1,554, 48: 2,009–2,030 against 1,597,
+/// 64: 2,203–2,290 against 1,605–1,676.
+const KEPT_TILES_FROM: usize = 24;
+
+/// Most (token, slot) pairs a tile launch takes (`KT_MAX_PAIRS`, each block's list of its
+/// expert's pairs): 64 tokens of eight slots.
+const KEPT_TILE_PAIRS: usize = 512;
 /// Most tokens of a resident matrix's product that go as mat-vecs of [`MV_TOKENS`] each
 /// (`SMOE_CUDA_DENSE_MV`, at most this): see [`CudaBackend::resident_jobs`].
 const DENSE_MV_TOKENS: usize = 64;
@@ -179,6 +191,10 @@ pub struct CudaOptions {
     pub batch_attention: Option<bool>,
     /// [`smoe_engine::Backend::kept_tokens`] (also `SMOE_CUDA_KEPT_TOKENS`); `None`: 64.
     pub kept_tokens: Option<usize>,
+    /// Steps of at least this many tokens run the kept experts on int8 tiles, each expert's
+    /// rows read once for all the pairs that chose it, instead of pair by pair (also
+    /// `SMOE_CUDA_KEPT_TILES_FROM`; 0: never); `None`: 24.
+    pub kept_tiles_from: Option<usize>,
 }
 
 /// The one-token int8-activation kernels of a format (kernels.cu, kept.cu).
@@ -194,6 +210,16 @@ struct Int8Kernels {
     swiglu: CudaFunction,
     /// Kept experts' down products mixed into the residual (`mvkq_mix`).
     mix: CudaFunction,
+    /// A batched step's kept experts on int8 tensor cores, each expert's rows read once for all
+    /// of its pairs (`kept_tiles.cu`): gate and up with SiLU(gate) · up, then the down
+    /// products, one output row per pair.
+    tiles: KeptTileKernels,
+}
+
+/// The two launches of the kept experts on tiles (`kept_tiles.cu`).
+struct KeptTileKernels {
+    swiglu: CudaFunction,
+    down: CudaFunction,
 }
 
 /// The kernels of one weight format.
@@ -301,6 +327,10 @@ impl Kernels {
                                 mvkq: f(&format!("mvkq_{n}"))?,
                                 swiglu: f(&format!("mvkq_swiglu_{n}"))?,
                                 mix: f(&format!("mvkq_mix_{n}"))?,
+                                tiles: KeptTileKernels {
+                                    swiglu: f(&format!("kept_tiles_swiglu_{n}"))?,
+                                    down: f(&format!("kept_tiles_down_{n}"))?,
+                                },
                             }),
                             _ => None,
                         },
@@ -534,6 +564,8 @@ pub struct CudaBackend {
     /// sharing an expert read it together (`kept.cu`); `SMOE_CUDA_KEPT_ORDER=rows`: the rows
     /// fastest, as before.
     kept_pairs_first: bool,
+    /// [`CudaOptions::kept_tiles_from`] (`usize::MAX`: never).
+    kept_tiles_from: usize,
     /// A batched step's sequences in one launch for attention and its inputs ([`seqs`]); with
     /// `SMOE_CUDA_BATCH_ATTENTION=off`, sequence by sequence (four launches per sequence per
     /// layer). On an H100 one launch took 16 sequences from 490 to 835 tok/s.
@@ -628,6 +660,14 @@ impl CudaBackend {
                 .or_else(|| std::env::var("SMOE_CUDA_KEPT_TOKENS").ok().and_then(|v| v.parse().ok()))
                 .unwrap_or(KEPT_TOKENS),
             kept_pairs_first: std::env::var("SMOE_CUDA_KEPT_ORDER").as_deref() != Ok("rows"),
+            kept_tiles_from: match opts
+                .kept_tiles_from
+                .or_else(|| std::env::var("SMOE_CUDA_KEPT_TILES_FROM").ok().and_then(|v| v.parse().ok()))
+                .unwrap_or(KEPT_TILES_FROM)
+            {
+                0 => usize::MAX,
+                t => t,
+            },
             faulted: AtomicBool::new(false),
             fault: Mutex::new(None),
             graphs: (opts.graphs || std::env::var("SMOE_CUDA_GRAPHS").as_deref() == Ok("on"))
@@ -639,6 +679,12 @@ impl CudaBackend {
     /// The GPU this backend runs on.
     pub fn device(&self) -> &DeviceInfo {
         &self.info
+    }
+
+    /// Whether products of Q8_0 and Q4_K run on int8 tensor cores (compute 8.0 and later, int8
+    /// activations on): prefill's tiles and a batched step's kept experts on tiles.
+    pub fn int8_tiles(&self) -> bool {
+        self.int8_tiles
     }
 
     /// Counters of the VRAM expert cache.
@@ -2032,6 +2078,31 @@ impl Backend for CudaBackend {
                 let dstride = crate::buf::quant_stride(width);
                 let Some(dq) = self.scratch(n * k * dstride) else { return };
                 let (hs, gs, ds) = (hq.1 as i32, (2 * width) as i32, dstride as i32);
+                // The weights are staged 16 bytes at a time (kept_tiles.cu): rows must keep them aligned.
+                let aligned = [gate, up, down].iter().all(|p| p.row_bytes % 16 == 0);
+                if self.int8_tiles && aligned && n >= self.kept_tiles_from && n * k <= KEPT_TILE_PAIRS {
+                    // Each expert's rows once for all its pairs: a block per (rows, expert),
+                    // blocks of experts no pair chose leave after reading the routes.
+                    let (n_i, experts) = (n as i32, l.experts as u32);
+                    let mut a = Launch::new(&gk.tiles.swiglu);
+                    a.arg(&gj).arg(&rp).arg(&n_i).arg(&hq.0).arg(&hs).arg(&gp).arg(&gs).arg(&dq).arg(&ds);
+                    let cfg = LaunchConfig { grid_dim: ((width / 32) as u32, experts, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+                    self.launch(a, cfg, "kept experts on tiles: gate, up, SiLU");
+                    let sp = slots.at_mut(&self.stream);
+                    let hs_i = hidden as i32;
+                    let mut a = Launch::new(&dk.tiles.down);
+                    a.arg(&dj).arg(&rp).arg(&n_i).arg(&dq).arg(&ds).arg(&sp).arg(&hs_i);
+                    let cfg =
+                        LaunchConfig { grid_dim: (hidden.div_ceil(64) as u32, experts, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+                    self.launch(a, cfg, "kept experts on tiles: down");
+                    drop(kept);
+                    let (s, o) = (slots.at(&self.stream), x.at_mut(&self.stream));
+                    let (k_i, ws, wo) = (k as i32, (2 * k) as i32, k as i32);
+                    let mut a = Launch::new(&self.k.add_weighted_slots);
+                    a.arg(&s).arg(&hs_i).arg(&n_i).arg(&k_i).arg(&rp).arg(&ws).arg(&wo).arg(&o);
+                    self.launch(a, cfg_elems(n * hidden), "add_weighted_slots");
+                    return;
+                }
                 // The pairs (tokens) on x where they go first (see `kept_pairs_first`).
                 let (first, first_i) = (self.kept_pairs_first, self.kept_pairs_first as i32);
                 let order = |rows: u32, pairs: u32| if first { (pairs, rows, 1) } else { (rows, pairs, 1) };

@@ -127,6 +127,7 @@ const KERNELS: &str = concat!(
     include_str!("attention.cu"),
     include_str!("mmq.cu"),
     include_str!("kept.cu"),
+    include_str!("kept_tiles.cu"),
     include_str!("sparse.cu"),
     include_str!("delta.cu"),
     include_str!("compressed.cu")

@@ -77,6 +77,7 @@ const REFERENCE: CudaOptions = CudaOptions {
     simt_prefill: false,
     batch_attention: None,
     kept_tokens: None,
+    kept_tiles_from: None,
 };
 
 #[test]
@@ -354,7 +355,6 @@ fn every_op_matches_with_prefill_on_cuda_cores() {
 /// 22-token prefill too) goes through the kept experts' own kernels.
 #[test]
 fn batched_steps_match_each_sequence_alone_on_the_gpu() {
-    use smoe_engine::{BatchItem, Logits, NoObserver};
     let per_sequence = CudaOptions { batch_attention: Some(false), kept_tokens: Some(4), ..Default::default() };
     let one_launch = CudaOptions { batch_attention: Some(true), kept_tokens: Some(4), ..Default::default() };
     for (name, opts) in ["qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v4"]
@@ -362,32 +362,7 @@ fn batched_steps_match_each_sequence_alone_on_the_gpu() {
         .flat_map(|name| [(name, per_sequence.clone()), (name, one_launch.clone()), (name, CudaOptions::default())])
     {
         let Some(model) = gpu_model(name, &opts) else { return };
-        let long = input_ids(name, "long");
-        let prompts = [long[..7].to_vec(), long[20..23].to_vec(), long[40..52].to_vec()];
-        let decode = [long[100..106].to_vec(), long[110..116].to_vec(), long[120..122].to_vec()];
-        let vocab = model.arch().vocab_size;
-        let mut states: Vec<_> = (0..3).map(|_| model.new_state(1)).collect();
-        let mut batch = model.new_batch(32);
-        // What each sequence ran per step, and the logits it got.
-        let mut record: Vec<Vec<(Vec<u32>, Vec<f32>)>> = vec![Vec::new(); 3];
-        for step in 0..=decode[0].len() {
-            let inputs: Vec<Option<Vec<u32>>> =
-                (0..3).map(|i| if step == 0 { Some(prompts[i].clone()) } else { decode[i].get(step - 1).map(|&t| vec![t]) }).collect();
-            let mut items: Vec<BatchItem<'_, _>> =
-                states.iter_mut().zip(&inputs).filter_map(|(state, t)| t.as_deref().map(|tokens| BatchItem { state, tokens })).collect();
-            let logits = model.forward_batch(&mut batch, &mut items, &mut NoObserver).unwrap().to_vec();
-            for (j, i) in (0..3).filter(|&i| inputs[i].is_some()).enumerate() {
-                record[i].push((inputs[i].clone().unwrap(), logits[j * vocab..(j + 1) * vocab].to_vec()));
-            }
-        }
-        let mut worst = 0f64;
-        for steps in &record {
-            let mut st = model.new_state(64);
-            for (tokens, got) in steps {
-                let alone = model.forward(&mut st, tokens, Logits::Last, &mut NoObserver).unwrap();
-                worst = worst.max(rel_err(got, alone));
-            }
-        }
+        let worst = batched_against_alone(&model, name);
         eprintln!(
             "{name}: batched vs alone on the GPU{}{}, largest relative logit error {worst:.2e} (kept layers: {})",
             if opts.batch_attention == Some(false) { " (attention sequence by sequence)" } else { " (attention in one launch)" },
@@ -396,6 +371,117 @@ fn batched_steps_match_each_sequence_alone_on_the_gpu() {
         );
         assert!(worst < 1e-4, "{name}: batched logits differ from alone by {worst:.2e}");
     }
+}
+
+/// The same steps with Q4_K experts and Q8_0 dense weights (qwen3_moe_k: 256-wide rows, so the
+/// experts are Q4_K as asked): the int8-activation kernels, several tokens' pairs on one
+/// expert through the fused pair kernels and through the tiles (`kept_tiles.cu`), and the
+/// host's grouping at `kept_tokens` 4. A batched step's floats come from other kernels than a
+/// lone token's (the few-token mat-vec, batched attention, the tiles), and a value a rounding
+/// away from its group's int8 step moves a whole step, so the bound is the int8 prefill test's:
+/// within 2e-2 and a tenth of the path's own distance from transformers. A wrong pair (a slot,
+/// a scale, a token's row) moves the logits by order one.
+#[test]
+fn batched_int8_steps_match_each_sequence_alone_on_the_gpu() {
+    let Some(probe) = backend(&CudaOptions::default()) else { return };
+    drop(probe);
+    let name = "qwen3_moe_k";
+    let v = smoe_vault::Vault::open(vault(name, Format::Q4_K, Format::Q8_0)).unwrap();
+    let r = read_safetensors(&fixture(name).join("reference.safetensors"));
+    let per_sequence = CudaOptions { batch_attention: Some(false), kept_tokens: Some(4), ..Default::default() };
+    let tiles = CudaOptions { kept_tiles_from: Some(1), ..Default::default() };
+    let pairs = CudaOptions { kept_tiles_from: Some(0), ..Default::default() };
+    for (what, opts) in
+        [("host grouping above 4 tokens", per_sequence), ("kept experts on tiles", tiles), ("kept experts pair by pair", pairs)]
+    {
+        let model = Model::load(&v, backend(&opts).unwrap(), Arc::new(ResidentExperts::load(&v).unwrap())).unwrap();
+        let input = ids(&r["chat.input_ids"]);
+        let ek = rel_err(&decode_quietly(&model, &input), r["chat.logits"].f32());
+        let worst = batched_against_alone(&model, name);
+        eprintln!(
+            "{name} Q4_K/Q8_0, {what}: batched vs alone on the GPU, largest relative logit error {worst:.2e} ({ek:.2e} from transformers)"
+        );
+        assert!(
+            worst < 2e-2 && worst < ek / 10.0,
+            "{what}: int8 batched logits differ from alone by {worst:.2e} ({ek:.2e} from transformers)"
+        );
+    }
+}
+
+/// The kept experts on int8 tiles against the same experts pair by pair (`kept.cu`'s fused
+/// kernels), Q4_K experts (qwen3_moe_k) and Q8_0 ones: one-token steps (one pair an expert) and
+/// the 52-token chat text as one step through the kept experts (104 pairs on eight experts:
+/// several tiles of eight tokens, and experts with more than a block's 16, taken in turns).
+/// The tiles sum in mmq's order, so the two agree within the int8 path's rounding (the bound of
+/// the int8 prefill test), each as near to transformers.
+#[test]
+fn kept_experts_on_tiles_match_pair_by_pair() {
+    use smoe_engine::{Logits, NoObserver};
+    let Some(probe) = backend(&CudaOptions::default()) else { return };
+    if !probe.int8_tiles() {
+        eprintln!("skipped: no int8 tensor cores on {}", probe.device().name);
+        return;
+    }
+    drop(probe);
+    let name = "qwen3_moe_k";
+    let r = read_safetensors(&fixture(name).join("reference.safetensors"));
+    let input = ids(&r["chat.input_ids"]);
+    for experts in [Format::Q4_K, Format::Q8_0] {
+        let v = smoe_vault::Vault::open(vault(name, experts, Format::Q8_0)).unwrap();
+        let open = |from: usize| {
+            let opts = CudaOptions { kept_tiles_from: Some(from), ..Default::default() };
+            Model::load(&v, backend(&opts).unwrap(), Arc::new(ResidentExperts::load(&v).unwrap())).unwrap()
+        };
+        let (tiles, pairs) = (open(1), open(0));
+        assert!(tiles.kept_layers() > 0, "{experts}: the experts are kept");
+        let want = r["chat.logits"].f32();
+        let one_step = |m: &Model<CudaBackend>| m.forward(&mut m.new_state(64), &input, Logits::All, &mut NoObserver).unwrap().to_vec();
+        let (dt, dp) = (decode_quietly(&tiles, &input), decode_quietly(&pairs, &input));
+        let (pt, pp) = (one_step(&tiles), one_step(&pairs));
+        for (what, t, p) in [("step decode", &dt, &dp), ("the text in one step", &pt, &pp)] {
+            let (et, ep, d) = (rel_err(t, want), rel_err(p, want), rel_err(t, p));
+            eprintln!("{name} {experts} experts, {what}: tiles {d:.2e} from pair by pair; {et:.2e} and {ep:.2e} from transformers");
+            assert!(
+                d < 2e-2 && d < ep / 10.0,
+                "{experts} {what}: the tiles differ from pair by pair by {d:.2e} ({ep:.2e} from transformers)"
+            );
+        }
+        assert!(pt != pp, "{experts}: the one-step text went through the tiles (its sums are mmq's, not the mat-vec's)");
+    }
+}
+
+/// Three sequences of different prompt lengths prefilled in one step, then decoded side by side
+/// while the shortest leaves early; the largest relative error of each step's logits against
+/// the same steps run alone.
+fn batched_against_alone(model: &Model<CudaBackend>, name: &str) -> f64 {
+    use smoe_engine::{BatchItem, Logits, NoObserver};
+    let long = input_ids(name, "long");
+    let prompts = [long[..7].to_vec(), long[20..23].to_vec(), long[40..52].to_vec()];
+    let decode = [long[100..106].to_vec(), long[110..116].to_vec(), long[120..122].to_vec()];
+    let vocab = model.arch().vocab_size;
+    let mut states: Vec<_> = (0..3).map(|_| model.new_state(1)).collect();
+    let mut batch = model.new_batch(32);
+    // What each sequence ran per step, and the logits it got.
+    let mut record: Vec<Vec<(Vec<u32>, Vec<f32>)>> = vec![Vec::new(); 3];
+    for step in 0..=decode[0].len() {
+        let inputs: Vec<Option<Vec<u32>>> =
+            (0..3).map(|i| if step == 0 { Some(prompts[i].clone()) } else { decode[i].get(step - 1).map(|&t| vec![t]) }).collect();
+        let mut items: Vec<BatchItem<'_, _>> =
+            states.iter_mut().zip(&inputs).filter_map(|(state, t)| t.as_deref().map(|tokens| BatchItem { state, tokens })).collect();
+        let logits = model.forward_batch(&mut batch, &mut items, &mut NoObserver).unwrap().to_vec();
+        for (j, i) in (0..3).filter(|&i| inputs[i].is_some()).enumerate() {
+            record[i].push((inputs[i].clone().unwrap(), logits[j * vocab..(j + 1) * vocab].to_vec()));
+        }
+    }
+    let mut worst = 0f64;
+    for steps in &record {
+        let mut st = model.new_state(64);
+        for (tokens, got) in steps {
+            let alone = model.forward(&mut st, tokens, Logits::Last, &mut NoObserver).unwrap();
+            worst = worst.max(rel_err(got, alone));
+        }
+    }
+    worst
 }
 
 /// DeepSeek-V4's sliding and raw rows and gpt-oss's sliding layers keep only what attention
