@@ -4,6 +4,7 @@
 #
 #   bench/cuda_device.sh pack       # here: build, strip into target/peercarry, trim testdata
 #   (device) bash target/peercarry/cuda_device.sh run   # there, carrying target/peercarry
+#                                       (`unpack` alone for a call's own script)
 #   bench/cuda_device.sh restore    # here: put the full testdata back
 #
 # `pack` moves testdata/ aside (to $SMOE_TESTDATA_ASIDE, default /tmp/smoe-testdata-aside) and
@@ -14,7 +15,7 @@
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 aside=${SMOE_TESTDATA_ASIDE:-/tmp/smoe-testdata-aside}
-fixtures="qwen3_moe qwen2_moe mixtral olmoe qwen3_moe_yarn glm4_moe deepseek_v3 deepseek_v3_yarn glm_moe_dsa gpt_oss gpt_oss_mxfp4 qwen3_next minimax_m2 glm_moe_dsa_fp8 qwen3_5_moe deepseek_v4 deepseek_v4_fp4"
+fixtures="qwen3_moe qwen3_moe_k qwen2_moe mixtral olmoe qwen3_moe_yarn glm4_moe deepseek_v3 deepseek_v3_yarn glm_moe_dsa gpt_oss gpt_oss_mxfp4 qwen3_next minimax_m2 glm_moe_dsa_fp8 qwen3_5_moe deepseek_v4 deepseek_v4_fp4"
 
 case "${1:-}" in
 pack)
@@ -29,27 +30,38 @@ for l in sys.stdin:
         print(m["target"]["name"], m["executable"])')
     rm -rf target/peercarry  # what an earlier pack left there (scripts strip would refuse)
     mkdir -p target/peercarry
-    cp target/release/smoe target/peercarry/smoe
-    while read -r name exe; do cp "$exe" "target/peercarry/$name"; done <<<"$bins"
-    strip target/peercarry/*
+    # The CLI keeps its symbols (a profile on the device names functions); all is xz'd, as are
+    # the fixtures: a call carries at most 64 MiB, the working tree included.
+    strip --strip-debug -o target/peercarry/smoe target/release/smoe
+    while read -r name exe; do cp "$exe" "target/peercarry/$name" && strip "target/peercarry/$name"; done <<<"$bins"
+    xz -T2 -6 target/peercarry/*
     cp bench/cuda_device.sh target/peercarry/
     mv testdata "$aside"
     mv models "$aside.models"  # the bundled trained model: no GPU test reads it
     mkdir -p testdata/hf
     for f in $fixtures; do cp -r "$aside/hf/$f" testdata/hf/; done
-    du -sh target/peercarry testdata
+    tar cf - testdata | xz -T2 -6 >target/peercarry/testdata.tar.xz
+    rm -rf testdata
+    du -sh target/peercarry
     ;;
 restore)
     cd "$here"
     [ -d "$aside" ] || { echo "nothing aside in $aside" >&2; exit 1; }
-    rm -rf testdata
+    rm -rf testdata target/peercarry/testdata.tar.xz
     mv "$aside" testdata
     [ -d "$aside.models" ] && mv "$aside.models" models
     git status --short testdata | head -3
     ;;
+unpack)
+    # On the device, from the repository root: the fixtures and the binaries `pack` compressed.
+    [ -e target/peercarry/testdata.tar.xz ] && tar xJf target/peercarry/testdata.tar.xz && rm target/peercarry/testdata.tar.xz
+    ls target/peercarry/*.xz >/dev/null 2>&1 && unxz -T4 target/peercarry/*.xz
+    exit 0
+    ;;
 run)
     # On the device, from the repository root: the test binaries look for fixtures at the path
     # they were built in (/work/main).
+    bash "$0" unpack
     mkdir -p /work target/tmp  # the fixture vaults the tests make
     [ -e /work/main ] || ln -sfn "$PWD" /work/main
     b=$PWD/target/peercarry
@@ -77,7 +89,7 @@ run)
     date >>"$log"
     ;;
 *)
-    echo "usage: $0 pack | run | restore" >&2
+    echo "usage: $0 pack | unpack | run | restore" >&2
     exit 2
     ;;
 esac
