@@ -4,11 +4,13 @@
 // The fused kept kernels (kept.cu) run one (token, slot) pair at a time: a pair's block reads its
 // expert's rows and multiplies them with one token. Sixty-four sequences put 512 pairs on some
 // 126 of 128 experts a layer, and those kernels read each expert's rows once per pair (from L2
-// after the first, with the pairs first on the grid), at 330 and 240 µs a layer on an H100
+// after the first, with the pairs first on the grid), at some 220 + 220 µs a layer on an H100
 // where the bytes of the experts take some 100 µs. Here a block takes one expert's rows and every
 // pair that chose it: it scans the step's routes for its expert (no sort, no table: at most a few
-// hundred ids, read from L2 by every block), stages the rows once per step of eight groups as
-// `mmq` does, and multiplies them with all of its pairs' inputs, eight tokens to a product.
+// hundred ids, read from L2 by every block), stages the rows a step of eight groups at a time
+// (kt_copy_step), decodes them as `mmq` does and multiplies them with its pairs' inputs, up to 16
+// at a time, eight tokens to a product. The host sends steps of 24 tokens and more here
+// (KEPT_TILES_FROM); at fewer an expert has a pair or two and the pair kernels are faster.
 // The sums are mmq's, in mmq's order, not the mat-vec's: a token's result here equals its result
 // through the pair kernels to rounding, not to the bit.
 //
