@@ -70,6 +70,7 @@ pub fn check_backend<B: Backend>(b: &B, tol: &Tolerance) -> Result<usize, Vec<St
     s.normed_products();
     s.routing();
     s.kept();
+    s.kept_batch();
     if s.failures.is_empty() {
         Ok(s.cases)
     } else {
@@ -666,44 +667,15 @@ impl<B: Backend> Suite<'_, B> {
         let routes = self.buf(routes_host.len(), &routes_host);
         let x0 = self.values(n * hidden);
         // Plain SwiGLU, then DeepSeek-V4's clipped SiLU (a bound the gate and up products cross).
-        let mut want_gu = vec![0f32; n * k * 2 * width];
+        let mut want_gu = Vec::new();
         for limit in [None, Some(2.0f32)] {
             let mut x = self.buf(n * hidden, &x0);
             let mut gu = self.buf(n * k * 2 * width, &[]);
             let mut slots = self.buf(n * k * hidden, &[]);
             self.b.kept_experts(layer, &routes, at, k, &hb, n, &mut gu, &mut slots, &mut x, limit);
             let got = self.read(&x, n * hidden);
-            let (mut want, mut bound) = (x0.clone(), vec![0f32; n * hidden]);
-            for t in 0..n {
-                let hr = &h[t * hidden..(t + 1) * hidden];
-                for s in 0..k {
-                    let r = &routes_host[at + t * 2 * k..];
-                    let (ex, w) = (r[s] as usize, r[k + s]);
-                    let [g, u, d] = &mats[ex];
-                    let dot = |m: &Weights, row: usize, v: &[f32]| -> f64 {
-                        m.values[row * m.cols..(row + 1) * m.cols].iter().zip(v).map(|(a, b)| *a as f64 * *b as f64).sum()
-                    };
-                    let p = t * k + s;
-                    let act: Vec<f32> = (0..width)
-                        .map(|i| {
-                            let (gv, uv) = (dot(g, i, hr) as f32, dot(u, i, hr) as f32);
-                            want_gu[p * 2 * width + i] = gv;
-                            want_gu[p * 2 * width + width + i] = uv;
-                            match limit {
-                                None => gv / (1.0 + (-gv).exp()) * uv,
-                                Some(l) => crate::hyper::clamped_silu(gv, uv, l),
-                            }
-                        })
-                        .collect();
-                    let amax = act.iter().fold(0f32, |a, v| a.max(v.abs()));
-                    for c in 0..hidden {
-                        want[t * hidden + c] += w * dot(d, c, &act) as f32;
-                        let l1: f32 = d.values[c * width..(c + 1) * width].iter().map(|v| v.abs()).sum();
-                        // The activations carry the gate/up products' rounding into the down product.
-                        bound[t * hidden + c] += w.abs() * (self.tol.products * 8.0 * l1 * amax.max(1.0)) + 1e-5;
-                    }
-                }
-            }
+            let (want, bound, gu_want) = kept_reference(&mats, &h, &routes_host[at..], (n, k, hidden, width), &x0, limit, &self.tol);
+            want_gu = gu_want;
             let case = match limit {
                 None => "Q4_K gate, Q5_K up, Q8_0 down; 3 tokens of 2 slots".to_string(),
                 Some(l) => format!("the same, SiLU clipped at {l}"),
@@ -740,6 +712,67 @@ impl<B: Backend> Suite<'_, B> {
             })
             .collect();
         self.compare("matmul_many", "kept experts by id", &gu_got, &want_gu, |i| gub[i]);
+    }
+
+    /// A batched step through kept experts at the shapes a backend's batched kernels take:
+    /// gate and up in one format, rows of 512 (two steps of eight groups for int8 tiles), 16
+    /// experts, 8 slots, 40 tokens (320 pairs; expert 0 in every token's first slot, so one
+    /// expert has 40 pairs and the rest some 19 each), the input as a norm leaves it (where a
+    /// backend keeps an int8 copy beside the rows, its products read that), against SwiGLU in
+    /// f32 on the dequantized weights. Q4_K gate and up with Q8_0 down, then all Q8_0.
+    fn kept_batch(&mut self) {
+        if self.b.keep_room() == 0 {
+            return;
+        }
+        let (e, k, n, hidden, width) = (16usize, 8usize, 40usize, 512usize, 512usize);
+        for (layer, gate_up) in [(3, Format::Q4_K), (4, Format::Q8_0)] {
+            let mats: Vec<[Weights; 3]> = (0..e)
+                .map(|_| {
+                    [self.weights(gate_up, width, hidden), self.weights(gate_up, width, hidden), self.weights(Format::Q8_0, hidden, width)]
+                })
+                .collect();
+            let views: Vec<(u32, ExpertView<'_>)> = mats
+                .iter()
+                .enumerate()
+                .map(|(i, [g, u, d])| {
+                    (i as u32, ExpertView { slot: SlotHandle { slot: i as u32, load: 1 }, gate: g.view(), up: u.view(), down: d.view() })
+                })
+                .collect();
+            self.cases += 1;
+            if !self.b.keep_experts(layer, e, &views) {
+                self.failures.push(format!("keep_experts: {e} experts of 512-wide rows not kept despite room"));
+                return;
+            }
+            let (raw, ones) = (self.values(n * hidden), vec![1f32; hidden]);
+            let (rb, w) = (self.buf(n * hidden, &raw), self.b.vector(&ones));
+            let mut hb = self.buf(n * hidden, &[]);
+            self.b.rms_norm(&rb, n, hidden, &w, 1e-6, &mut hb);
+            let h = self.read(&hb, n * hidden);
+            // Slot 0: expert 0; slots 1..8: eight distinct others, shifting with the token.
+            let mut routes_host = vec![0f32; n * 2 * k];
+            for t in 0..n {
+                let r = &mut routes_host[t * 2 * k..][..2 * k];
+                for s in 0..k {
+                    r[s] = if s == 0 { 0.0 } else { (1 + (3 * t + 2 * s) % 15) as f32 };
+                    r[k + s] = 0.05 + 0.1 * s as f32;
+                }
+            }
+            let routes = self.buf(routes_host.len(), &routes_host);
+            let x0 = self.values(n * hidden);
+            let mut x = self.buf(n * hidden, &x0);
+            let mut gu = self.buf(n * k * 2 * width, &[]);
+            let mut slots = self.buf(n * k * hidden, &[]);
+            self.b.kept_experts(layer, &routes, 0, k, &hb, n, &mut gu, &mut slots, &mut x, None);
+            let got = self.read(&x, n * hidden);
+            let (want, bound, _) = kept_reference(&mats, &h, &routes_host, (n, k, hidden, width), &x0, None, &self.tol);
+            self.compare(
+                "kept_experts",
+                &format!("{gate_up} gate and up, Q8_0 down, rows of 512; 40 tokens of 8 slots on 16 experts"),
+                &got,
+                &want,
+                |i| bound[i],
+            );
+        }
     }
 
     fn attention(&mut self) {
@@ -1469,4 +1502,50 @@ fn attention_with_sinks(q: &[f32], heads: usize, dim: usize, rows: &[&[f32]], si
             out[h * dim + c] = (v / den) as f32;
         }
     }
+}
+
+/// SwiGLU of kept experts in f32 on the dequantized weights, for `n` tokens of `k` slots
+/// (`routes`: per token k expert ids, then k weights), added into `x0`: the result, each
+/// element's bound, and the gate and up products per pair (`[n k, 2 width]`).
+fn kept_reference(
+    mats: &[[Weights; 3]],
+    h: &[f32],
+    routes: &[f32],
+    (n, k, hidden, width): (usize, usize, usize, usize),
+    x0: &[f32],
+    limit: Option<f32>,
+    tol: &Tolerance,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let (mut want, mut bound, mut want_gu) = (x0.to_vec(), vec![0f32; n * hidden], vec![0f32; n * k * 2 * width]);
+    let dot = |m: &Weights, row: usize, v: &[f32]| -> f64 {
+        m.values[row * m.cols..(row + 1) * m.cols].iter().zip(v).map(|(a, b)| *a as f64 * *b as f64).sum()
+    };
+    for t in 0..n {
+        let hr = &h[t * hidden..(t + 1) * hidden];
+        for s in 0..k {
+            let r = &routes[t * 2 * k..];
+            let (ex, w) = (r[s] as usize, r[k + s]);
+            let [g, u, d] = &mats[ex];
+            let p = t * k + s;
+            let act: Vec<f32> = (0..width)
+                .map(|i| {
+                    let (gv, uv) = (dot(g, i, hr) as f32, dot(u, i, hr) as f32);
+                    want_gu[p * 2 * width + i] = gv;
+                    want_gu[p * 2 * width + width + i] = uv;
+                    match limit {
+                        None => gv / (1.0 + (-gv).exp()) * uv,
+                        Some(l) => crate::hyper::clamped_silu(gv, uv, l),
+                    }
+                })
+                .collect();
+            let amax = act.iter().fold(0f32, |a, v| a.max(v.abs()));
+            for c in 0..hidden {
+                want[t * hidden + c] += w * dot(d, c, &act) as f32;
+                let l1: f32 = d.values[c * width..(c + 1) * width].iter().map(|v| v.abs()).sum();
+                // The activations carry the gate/up products' rounding into the down product.
+                bound[t * hidden + c] += w.abs() * (tol.products * 8.0 * l1 * amax.max(1.0)) + 1e-5;
+            }
+        }
+    }
+    (want, bound, want_gu)
 }
