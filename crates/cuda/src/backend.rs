@@ -48,12 +48,12 @@ const MAX_JOBS: usize = 48;
 /// Up to this many tokens a product is a mat-vec (a warp per row, the weights read once);
 /// beyond, tiled.
 const MV_TOKENS: usize = 8;
-/// Most tokens of a step that go through the kept experts' kernels ([`crate::kept`]), each
-/// (token, slot) pair its own product, rather than grouped by expert on the host after a
-/// download of the routes (a wait per layer). On an H100, 48-layer Qwen3-30B-A3B shape, batched
-/// decode at 64 against 4: 8 sequences 813 against 561 tok/s, 16: 1,187 against 800, 32: 1,427
-/// against 1,063, 64: 1,521 against 1,433. Prefill chunks (256 tokens) stay grouped: their
-/// pairs would read each expert many times over.
+/// Most tokens of a step that go through the kept experts' kernels ([`crate::kept`]) — pair by
+/// pair, or from [`KEPT_TILES_FROM`] tokens on int8 tiles — rather than grouped by expert on the
+/// host after a download of the routes (a wait per layer). On an H100, 48-layer Qwen3-30B-A3B
+/// shape, batched decode at 64 against 4 (pair by pair): 8 sequences 813 against 561 tok/s,
+/// 16: 1,187 against 800, 32: 1,427 against 1,063, 64: 1,521 against 1,433. Prefill chunks
+/// (256 tokens) stay grouped on the host.
 const KEPT_TOKENS: usize = 64;
 
 /// Fewest tokens of a step whose kept experts run on int8 tiles (`kept_tiles.cu`), each
@@ -193,7 +193,10 @@ pub struct CudaOptions {
     pub kept_tokens: Option<usize>,
     /// Steps of at least this many tokens run the kept experts on int8 tiles, each expert's
     /// rows read once for all the pairs that chose it, instead of pair by pair (also
-    /// `SMOE_CUDA_KEPT_TILES_FROM`; 0: never); `None`: 24.
+    /// `SMOE_CUDA_KEPT_TILES_FROM`; 0: never); `None`: 24. Where the fused kept kernels run
+    /// (Q8_0 or Q4_K gate and up in one format, plain SiLU, int8 activations) and the GPU has
+    /// int8 tensor cores, with rows of whole 16-byte pieces and at most 512 (token, slot) pairs
+    /// a step ([`smoe_engine::Backend::kept_tokens`] decides which steps come here at all).
     pub kept_tiles_from: Option<usize>,
 }
 
@@ -510,8 +513,9 @@ pub struct CudaBackend {
     profile_start: std::sync::OnceLock<std::time::Instant>,
     /// One-token products on int8 activations where the format has a kernel (`Precision::Fast`).
     int8: bool,
-    /// Many-token products of those formats on int8 tensor cores (`mmq.cu`); off
-    /// (`SMOE_CUDA_PREFILL=tf32`), on 3xTF32 ones.
+    /// Many-token products of those formats on int8 tensor cores (`mmq.cu`, and a batched
+    /// step's kept experts, `kept_tiles.cu`); off (`SMOE_CUDA_PREFILL=tf32`), on 3xTF32 ones
+    /// (and the kept experts pair by pair).
     int8_tiles: bool,
     /// A decoded token's kept experts in two launches (kept.cu) where the formats allow;
     /// `SMOE_CUDA_FUSED_KEPT=off`: the four of before.
@@ -2089,9 +2093,9 @@ impl Backend for CudaBackend {
                     let cfg = LaunchConfig { grid_dim: ((width / 32) as u32, experts, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
                     self.launch(a, cfg, "kept experts on tiles: gate, up, SiLU");
                     let sp = slots.at_mut(&self.stream);
-                    let hs_i = hidden as i32;
+                    let hidden_i = hidden as i32;
                     let mut a = Launch::new(&dk.tiles.down);
-                    a.arg(&dj).arg(&rp).arg(&n_i).arg(&dq).arg(&ds).arg(&sp).arg(&hs_i);
+                    a.arg(&dj).arg(&rp).arg(&n_i).arg(&dq).arg(&ds).arg(&sp).arg(&hidden_i);
                     let cfg =
                         LaunchConfig { grid_dim: (hidden.div_ceil(64) as u32, experts, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
                     self.launch(a, cfg, "kept experts on tiles: down");
@@ -2099,7 +2103,7 @@ impl Backend for CudaBackend {
                     let (s, o) = (slots.at(&self.stream), x.at_mut(&self.stream));
                     let (k_i, ws, wo) = (k as i32, (2 * k) as i32, k as i32);
                     let mut a = Launch::new(&self.k.add_weighted_slots);
-                    a.arg(&s).arg(&hs_i).arg(&n_i).arg(&k_i).arg(&rp).arg(&ws).arg(&wo).arg(&o);
+                    a.arg(&s).arg(&hidden_i).arg(&n_i).arg(&k_i).arg(&rp).arg(&ws).arg(&wo).arg(&o);
                     self.launch(a, cfg_elems(n * hidden), "add_weighted_slots");
                     return;
                 }

@@ -18,7 +18,7 @@
 //   kept_tiles_swiglu: grid (width / 32, experts). A block's 64 rows are gate rows 32 b .. 32 b
 //     + 31 and the same up rows; SiLU(gate) · up of each pair is written to `out` (row `pair`,
 //     the gate half, as silu_quantize leaves it) and quantized as group b of row `pair` of dq.
-//   kept_tiles_down: grid (hidden / 64, experts). Down rows 64 b .. of each pair's expert
+//   kept_tiles_down: grid (⌈hidden / 64⌉, experts). Down rows 64 b .. of each pair's expert
 //     against the pair's quantized row of dq, written to row `pair` of `out` (the slots);
 //     add_weighted_slots then sums each token's slots in slot order.
 
@@ -32,6 +32,9 @@
 __device__ int kept_pairs_of(const Kept& kp, const float* routes, int n, int e, int* list) {
     __shared__ int warp_counts[KT_MAX_PAIRS / 128][4];
     int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, pairs = n * kp.k, chunks = (pairs + 127) / 128;
+    // The host never sends more (KEPT_TILE_PAIRS); pairs left out would leave their slots'
+    // rows stale for the mix, so a breach stops the kernel rather than run on.
+    if (pairs > KT_MAX_PAIRS) __trap();
     // Every id this thread reads, loaded before any is looked at (the loads in flight
     // together), then one ballot per chunk of 128 pairs and a single wait for the counts.
     u32 ballots[KT_MAX_PAIRS / 128];
@@ -64,8 +67,10 @@ __device__ int kept_pairs_of(const Kept& kp, const float* routes, int n, int e, 
 // consecutive threads take consecutive 16-byte pieces of a row, so that a warp's copies fall on
 // a few lines of memory. (Each thread reading its own row, as mmq does, had every load of a
 // warp touch 32 lines: the L1 was 86% busy at a third of HBM's bandwidth.) The copies bypass
-// L1 and hold no registers, so the next step's are in flight while this one computes. Pieces
-// past a row's end, and rows past the matrix, are zeros (zero scales: they add nothing).
+// L1 and hold no registers, so the next step's are in flight while this one computes. Rows past
+// the matrix, and a last step's groups past a row's end, are zeros (zero scales: they add
+// nothing); a piece is copied whole or not at all, so the host sends only rows whose length is
+// a multiple of 16 bytes (a Q8_0 row of a multiple of 256 values; every Q4_K row).
 // Row i of the tile is row r0 + i of part 0, or, from `split`, row r0 + i - split of part 1.
 template <int F>
 __device__ __forceinline__ void kt_copy_step(const Kept& kp, const u8* p0, const u8* p1, int split, int r0, int s, u8* rs) {
@@ -165,12 +170,12 @@ __device__ void kept_tile_products(const Kept& kp, const int* list, int t0, int 
         }
         __syncthreads();
         int steps = min(MMQ_GROUPS, groups - g0), ra = 16 * warp + gid;
-        switch (nj) {
-#define KT_CASE(k) \
-    case k: mmq_step<F, NT, (k <= NT / 8 ? k : NT / 8)>(ws, xq, wa, wb, xd, xm, steps, ra, gid, tig, c); break;
-            KT_CASE(1) KT_CASE(2) KT_CASE(3) KT_CASE(4) KT_CASE(5) KT_CASE(6) KT_CASE(7) KT_CASE(8)
-#undef KT_CASE
-        }
+        // Tiles of 16 tokens: one product of eight per group, or two.
+        static_assert(NT == 16, "the products below are written for tiles of 16 tokens");
+        if (nj == 1)
+            mmq_step<F, NT, 1>(ws, xq, wa, wb, xd, xm, steps, ra, gid, tig, c);
+        else
+            mmq_step<F, NT, 2>(ws, xq, wa, wb, xd, xm, steps, ra, gid, tig, c);
         __syncthreads();
     }
 #endif
@@ -263,8 +268,10 @@ __device__ void kept_tiles_down(const Kept& kp, const float* routes, int n, cons
 }
 
 // Tiles of 16 tokens (a few pairs an expert is the usual case; an expert with more takes them
-// 16 at a time, its rows from L2 after the first pass). 64 measured slower at 64 sequences
-// (2,075 against 2,163 tok/s on an H100), for its shared memory.
+// 16 at a time, its rows from L2 after the first pass). Tiles of 64, before the weights were
+// staged with cp.async, measured slower at 64 sequences (2,075 against 2,163 tok/s on an H100),
+// for their shared memory; with the staging buffer they would pass the 48 KB of static shared
+// memory.
 #define KEPT_TILE_KERNELS(name, id, blocks)                                                                            \
     extern "C" __global__ void __launch_bounds__(128, blocks)                                                          \
         kept_tiles_swiglu_##name(const Kept kp, const float* routes, int n, const u8* qx, int qstride, float* out,     \
@@ -279,6 +286,7 @@ __device__ void kept_tiles_down(const Kept& kp, const float* routes, int n, cons
         kept_tiles_down<id, 16>(kp, routes, n, qx, qstride, out, os);                                                  \
     }
 
-// Blocks an SM: Q8_0's 47 KB of shared memory allow four, Q4_K's 39 KB five.
+// Blocks an SM on Hopper (228 KB of shared memory an SM): Q8_0's 46 KB allow four, Q4_K's 39 KB
+// five; the bound caps the registers for that (GPUs with less shared memory run fewer).
 KEPT_TILE_KERNELS(q8_0, 8, 4)
 KEPT_TILE_KERNELS(q4_k, 12, 5)
