@@ -155,19 +155,7 @@ __device__ void kept_tile_products(const Kept& kp, const int* list, int t0, int 
         kt_raw<F>(rs, wi, half, raw);
         __syncthreads();
         if (g0 + MMQ_GROUPS < groups) kt_copy_step<F>(kp, p0, p1, split, r0, s + 1, rs);
-        {
-            float a[4], b[4];
-            u32 dq[32];
-            mmq_decode<F>(raw, 4 * half, dq, a, b);
-            uint4* dst = (uint4*)(ws + wi * MMQ_STRIDE + 128 * half);
-#pragma unroll
-            for (int k = 0; k < 8; k++) dst[k] = make_uint4(dq[4 * k], dq[4 * k + 1], dq[4 * k + 2], dq[4 * k + 3]);
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                wa[wi][4 * half + e] = a[e];
-                wb[wi][4 * half + e] = b[e];
-            }
-        }
+        mmq_stage_weights<F>(raw, wi, half, ws, wa, wb);
         __syncthreads();
         int steps = min(MMQ_GROUPS, groups - g0), ra = 16 * warp + gid;
         // Tiles of 16 tokens: one product of eight per group, or two.

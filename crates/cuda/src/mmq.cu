@@ -118,6 +118,26 @@ __device__ __forceinline__ void mmq_decode(const u32* raw, int first, u32* dst, 
     }
 }
 
+// A thread's four groups of row wi (`mmq_load`'s raw words, groups 4 half ..) decoded into the
+// staged weights: small integers into ws (the row MMQ_STRIDE bytes long, the half's 128 bytes)
+// and each group's a_w, b_w into wa, wb. Decoded in registers, stored 16 bytes at a time: word
+// by word, the lanes' rows (68 words apart) met four to a bank.
+template <int F>
+__device__ __forceinline__ void mmq_stage_weights(const u32* raw, int wi, int half, u8* ws, float (*wa)[MMQ_GROUPS + 1],
+                                                  float (*wb)[MMQ_GROUPS + 1]) {
+    float a[4], b[4];
+    u32 dq[32];
+    mmq_decode<F>(raw, 4 * half, dq, a, b);
+    uint4* dst = (uint4*)(ws + wi * MMQ_STRIDE + 128 * half);
+#pragma unroll
+    for (int k = 0; k < 8; k++) dst[k] = make_uint4(dq[4 * k], dq[4 * k + 1], dq[4 * k + 2], dq[4 * k + 3]);
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+        wa[wi][4 * half + e] = a[e];
+        wb[wi][4 * half + e] = b[e];
+    }
+}
+
 // One step's products of `steps` groups, for NJ tiles of eight tokens, all of which the job
 // has: a group's NJ products are issued back to back and scaled after, so that each waits out
 // its latency behind the others. (With a test for the job's end between products, each one's
@@ -224,21 +244,7 @@ __device__ void mmq(const Jobs& js, const u8* qx, int qstride, int lo, float* ou
             copy4_async(&xd[gl][t], live ? s + g : (const float*)qx, live);
             if (F != 8) copy4_async(&xm[gl][t], live ? s + groups + g : (const float*)qx, live);
         }
-        {
-            // Decoded in registers, stored 16 bytes at a time: word by word, the lanes' rows
-            // (68 words apart) met four to a bank.
-            float a[4], b[4];
-            u32 dq[32];
-            mmq_decode<F>(raw, 4 * half, dq, a, b);
-            uint4* dst = (uint4*)(ws + wi * MMQ_STRIDE + 128 * half);
-#pragma unroll
-            for (int k = 0; k < 8; k++) dst[k] = make_uint4(dq[4 * k], dq[4 * k + 1], dq[4 * k + 2], dq[4 * k + 3]);
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                wa[wi][4 * half + e] = a[e];
-                wb[wi][4 * half + e] = b[e];
-            }
-        }
+        mmq_stage_weights<F>(raw, wi, half, ws, wa, wb);
         copies_wait();
         __syncthreads();
         // Only the tiles of eight tokens the job has (an expert's few dozen in a tile of 64),

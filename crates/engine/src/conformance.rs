@@ -642,13 +642,7 @@ impl<B: Backend> Suite<'_, B> {
                 ]
             })
             .collect();
-        let views: Vec<(u32, ExpertView<'_>)> = mats
-            .iter()
-            .enumerate()
-            .map(|(i, [g, u, d])| {
-                (i as u32, ExpertView { slot: SlotHandle { slot: i as u32, load: 1 }, gate: g.view(), up: u.view(), down: d.view() })
-            })
-            .collect();
+        let views = expert_views(&mats);
         let kept = self.b.keep_experts(layer, e, &views[..2]) & self.b.keep_experts(layer, e, &views[2..]);
         self.cases += 1;
         if !kept {
@@ -731,13 +725,7 @@ impl<B: Backend> Suite<'_, B> {
                     [self.weights(gate_up, width, hidden), self.weights(gate_up, width, hidden), self.weights(Format::Q8_0, hidden, width)]
                 })
                 .collect();
-            let views: Vec<(u32, ExpertView<'_>)> = mats
-                .iter()
-                .enumerate()
-                .map(|(i, [g, u, d])| {
-                    (i as u32, ExpertView { slot: SlotHandle { slot: i as u32, load: 1 }, gate: g.view(), up: u.view(), down: d.view() })
-                })
-                .collect();
+            let views = expert_views(&mats);
             self.cases += 1;
             if !self.b.keep_experts(layer, e, &views) {
                 self.failures.push(format!("keep_experts: {e} experts of 512-wide rows not kept despite room"));
@@ -1502,6 +1490,16 @@ fn attention_with_sinks(q: &[f32], heads: usize, dim: usize, rows: &[&[f32]], si
             out[h * dim + c] = (v / den) as f32;
         }
     }
+}
+
+/// Expert `i`'s gate, up and down as the store would hand them over (slot `i`).
+fn expert_views(mats: &[[Weights; 3]]) -> Vec<(u32, ExpertView<'_>)> {
+    mats.iter()
+        .enumerate()
+        .map(|(i, [g, u, d])| {
+            (i as u32, ExpertView { slot: SlotHandle { slot: i as u32, load: 1 }, gate: g.view(), up: u.view(), down: d.view() })
+        })
+        .collect()
 }
 
 /// SwiGLU of kept experts in f32 on the dequantized weights, for `n` tokens of `k` slots
