@@ -1004,6 +1004,17 @@ impl CudaBackend {
         Some((qx, qstride))
     }
 
+    /// `out[t] += Σ_s w[t, s] · src[t k + s]` over `n` rows of `dim`, in slot order
+    /// (`add_weighted_slots`): token t's k weights on the device at `weights.0 + 4 (t ·
+    /// weights.1 + weights.2)` (staged from the host, or a route table's, after its ids).
+    fn mix_slots(&self, src: &CudaBuf, out: &mut CudaBuf, dim: usize, n: usize, k: usize, weights: (u64, usize, usize)) {
+        let (s, o) = (src.at(&self.stream), out.at_mut(&self.stream));
+        let (d, n_i, k_i, ws, wo) = (dim as i32, n as i32, k as i32, weights.1 as i32, weights.2 as i32);
+        let mut a = Launch::new(&self.k.add_weighted_slots);
+        a.arg(&s).arg(&d).arg(&n_i).arg(&k_i).arg(&weights.0).arg(&ws).arg(&wo).arg(&o);
+        self.launch(a, cfg_elems(n * dim), "add_weighted_slots");
+    }
+
     /// The scratch for quantized inputs, at least `bytes` long: one stream orders each
     /// product's reads before the next write.
     fn scratch(&self, bytes: usize) -> Option<u64> {
@@ -1911,11 +1922,7 @@ impl Backend for CudaBackend {
         check("add_weighted_slots", out, n, dim);
         assert!(weights.len() >= n * k, "add_weighted_slots: {} weights for {n} tokens of {k}", weights.len());
         let Some(wp) = self.stage_f32("add_weighted_slots", &[&weights[..n * k]]) else { return };
-        let (s, o) = (src.at(&self.stream), out.at_mut(&self.stream));
-        let (d, n_i, k_i, wo) = (dim as i32, n as i32, k as i32, 0i32);
-        let mut a = Launch::new(&self.k.add_weighted_slots);
-        a.arg(&s).arg(&d).arg(&n_i).arg(&k_i).arg(&wp).arg(&k_i).arg(&wo).arg(&o);
-        self.launch(a, cfg_elems(n * dim), "add_weighted_slots");
+        self.mix_slots(src, out, dim, n, k, (wp, k, 0));
     }
     fn scale_rows(&self, x: &mut CudaBuf, dim: usize, s: &[f32]) {
         if self.faulted() || s.is_empty() {
@@ -2100,11 +2107,8 @@ impl Backend for CudaBackend {
                         LaunchConfig { grid_dim: (hidden.div_ceil(64) as u32, experts, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
                     self.launch(a, cfg, "kept experts on tiles: down");
                     drop(kept);
-                    let (s, o) = (slots.at(&self.stream), x.at_mut(&self.stream));
-                    let (k_i, ws, wo) = (k as i32, (2 * k) as i32, k as i32);
-                    let mut a = Launch::new(&self.k.add_weighted_slots);
-                    a.arg(&s).arg(&hidden_i).arg(&n_i).arg(&k_i).arg(&rp).arg(&ws).arg(&wo).arg(&o);
-                    self.launch(a, cfg_elems(n * hidden), "add_weighted_slots");
+                    // The routes' weights follow each token's k ids.
+                    self.mix_slots(slots, x, hidden, n, k, (rp, 2 * k, k));
                     return;
                 }
                 // The pairs (tokens) on x where they go first (see `kept_pairs_first`).
@@ -2147,11 +2151,7 @@ impl Backend for CudaBackend {
         };
         launch(&[(down, 0)], gp, dq, 2 * width, true, slots.at_mut(&self.stream), hidden);
         drop(kept);
-        let (s, o) = (slots.at(&self.stream), x.at_mut(&self.stream));
-        let (d, n_i, k_i, ws, wo) = (hidden as i32, n as i32, k as i32, (2 * k) as i32, k as i32);
-        let mut a = Launch::new(&self.k.add_weighted_slots);
-        a.arg(&s).arg(&d).arg(&n_i).arg(&k_i).arg(&rp).arg(&ws).arg(&wo).arg(&o);
-        self.launch(a, cfg_elems(n * hidden), "add_weighted_slots");
+        self.mix_slots(slots, x, hidden, n, k, (rp, 2 * k, k));
     }
 
     fn kv_store(
