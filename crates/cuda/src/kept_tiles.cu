@@ -102,13 +102,7 @@ __device__ __forceinline__ void kt_raw(const u8* rs, int wi, int half, u32* raw)
         v[0] = b[0];
 #pragma unroll
         for (int k = 0; k < 4; k++) v[1 + k] = b[1 + 4 * half + k];
-#pragma unroll
-        for (int k = 0; k < 5; k++) {
-            raw[4 * k] = v[k].x;
-            raw[4 * k + 1] = v[k].y;
-            raw[4 * k + 2] = v[k].z;
-            raw[4 * k + 3] = v[k].w;
-        }
+        words_of<5>(v, raw);
     }
 }
 

@@ -38,6 +38,18 @@ __device__ __forceinline__ u32 byte_of3(const u32* s, int l) {
 // Words of raw bytes a thread stages per step (see `mmq`): its four groups of a row.
 #define MMQ_RAW(F) ((F) == 8 ? 34 : 20)
 
+// N 16-byte values as 4 N words, in order.
+template <int N>
+__device__ __forceinline__ void words_of(const uint4* v, u32* raw) {
+#pragma unroll
+    for (int k = 0; k < N; k++) {
+        raw[4 * k] = v[k].x;
+        raw[4 * k + 1] = v[k].y;
+        raw[4 * k + 2] = v[k].z;
+        raw[4 * k + 3] = v[k].w;
+    }
+}
+
 // The raw bytes of groups g .. g + 3 of a row of format F (g a multiple of 4), read with loads
 // that do not depend on each other, so that they are in flight together; zeros for groups past
 // `groups` or when the row is not `live`. Q8_0: four 34-byte blocks as 34 words (16 bits at a
@@ -68,13 +80,7 @@ __device__ __forceinline__ void mmq_load(const u8* row, int g, int groups, bool 
         v[0] = in ? b[0] : make_uint4(0, 0, 0, 0);
 #pragma unroll
         for (int k = 0; k < 4; k++) v[1 + k] = in ? b[1 + 4 * h + k] : make_uint4(0, 0, 0, 0);
-#pragma unroll
-        for (int k = 0; k < 5; k++) {
-            raw[4 * k] = v[k].x;
-            raw[4 * k + 1] = v[k].y;
-            raw[4 * k + 2] = v[k].z;
-            raw[4 * k + 3] = v[k].w;
-        }
+        words_of<5>(v, raw);
     }
 }
 
