@@ -86,15 +86,16 @@ extern "C" __global__ void qk_rope_store(float* x, int stride, int q_heads, int 
 }
 
 // qk_rope_store of the sequences of a step at once (`SeqKv`: each one's rows of x and its own
-// caches; cs holds the tables of all n rows): every (token, head) as alone.
+// caches; cs holds the tables of all n rows): every (token, head) as alone. One launch takes
+// the `rows` rows from t0 that its table's sequences (at most MAX_SEQS) hold.
 extern "C" __global__ void qk_rope_store_seqs(float* x, int stride, int q_heads, int kv_heads, int hd,
                                               const float* qn, const float* kn, float eps, const float* cs, int n,
-                                              int half, int interleaved, const SeqKvs ss) { PDL_START;
+                                              int half, int interleaved, int t0, int rows, const SeqKvs ss) { PDL_START;
     __shared__ float vw[4][512];
     int per = q_heads + 2 * kv_heads;
     int item = blockIdx.x * 4 + threadIdx.x / 32;
-    if (item >= n * per) return;  // the whole warp; no block-wide barrier follows
-    int t = item / per, h = item % per;
+    if (item >= rows * per) return;  // the whole warp; no block-wide barrier follows
+    int t = t0 + item / per, h = item % per;
     const SeqKv& s = ss.s[seq_of(ss, t)];
     qk_rope_one(x, stride, q_heads, kv_heads, hd, qn, kn, eps, cs, n, half, interleaved, (float*)s.k, (float*)s.v, t,
                 h, s.pos0 + t - s.row, vw[threadIdx.x / 32]);

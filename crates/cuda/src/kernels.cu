@@ -1447,13 +1447,14 @@ extern "C" __global__ void attention(const float* k, const float* v, int heads, 
 }
 
 // `attention` of the sequences of a step at once, each over its own keys and values and with
-// its own splits (`SeqKv`): blocks (row of the step and head, split); a row's splits past its
-// sequence's leave at once. part: max_splits partial results a row.
+// its own splits (`SeqKv`): blocks (row of the step from t0 and head, split); a row's splits
+// past its sequence's leave at once. part: max_splits partial results a row. One launch takes
+// the rows from t0 that its table's sequences (at most MAX_SEQS) hold.
 extern "C" __global__ void attention_seqs(int heads, int kd, int vd, int v_row, int v_head, const float* q,
                                           int q_stride, int q_heads, float scale, float* out, u8* qx, int qstride,
-                                          float* part, int* tickets, int window, const float* sinks,
+                                          float* part, int* tickets, int window, const float* sinks, int t0,
                                           const SeqKvs ss) { PDL_START;
-    int t = blockIdx.x / q_heads, h = blockIdx.x % q_heads;
+    int t = t0 + blockIdx.x / q_heads, h = blockIdx.x % q_heads;
     const SeqKv& s = ss.s[seq_of(ss, t)];
     if ((int)blockIdx.y >= s.splits) return;  // the whole block, before any barrier
     float* pp = s.splits > 1 ? part + (size_t)blockIdx.x * ss.max_splits * (vd + 2) : nullptr;

@@ -118,7 +118,7 @@ impl CudaBackend {
         let mut a = Launch::new(&self.k.qk_rope_store);
         args.push(&mut a);
         a.arg(&kp).arg(&vp).arg(&p0);
-        self.launch_qkv(a, &args);
+        self.launch_qkv(a, n, &args);
     }
 
     /// The arguments both fused `qk_rope_store` kernels begin with: the rows, the norms and the
@@ -155,9 +155,10 @@ impl CudaBackend {
         })
     }
 
-    /// Queues a fused `qk_rope_store` kernel: a warp per (token, head), four a block.
-    pub(super) fn launch_qkv(&self, a: Launch<'_>, args: &QkvArgs) {
-        let blocks = (args.n * (args.q_heads + 2 * args.kv_heads)) as usize;
+    /// Queues a fused `qk_rope_store` kernel over `rows` rows: a warp per (token, head), four a
+    /// block.
+    pub(super) fn launch_qkv(&self, a: Launch<'_>, rows: usize, args: &QkvArgs) {
+        let blocks = rows * (args.q_heads + 2 * args.kv_heads) as usize;
         let cfg = LaunchConfig { grid_dim: (blocks.div_ceil(4) as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
         self.launch(a, cfg, "qk_rope_store");
     }
