@@ -34,5 +34,5 @@ cmake -S "$SRC" -B "$SRC/build-cuda" -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -
     -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \
     -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=ON -DGGML_AMX_INT8=ON \
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DBUILD_SHARED_LIBS=OFF
-cmake --build "$SRC/build-cuda" -j "$(nproc)" --target llama-bench llama-batched-bench
-echo "built $SRC/build-cuda/bin/llama-bench and llama-batched-bench"
+cmake --build "$SRC/build-cuda" -j "$(nproc)" --target llama-bench llama-batched-bench llama-server
+echo "built llama-bench, llama-batched-bench and llama-server in $SRC/build-cuda/bin"
