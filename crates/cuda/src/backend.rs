@@ -48,13 +48,23 @@ const MAX_JOBS: usize = 48;
 /// Up to this many tokens a product is a mat-vec (a warp per row, the weights read once);
 /// beyond, tiled.
 const MV_TOKENS: usize = 8;
-/// Most tokens of a step that go through the kept experts' kernels ([`crate::kept`]) — pair by
-/// pair, or from [`KEPT_TILES_FROM`] tokens on int8 tiles — rather than grouped by expert on the
-/// host after a download of the routes (a wait per layer). On an H100, 48-layer Qwen3-30B-A3B
-/// shape, batched decode at 64 against 4 (pair by pair): 8 sequences 813 against 561 tok/s,
-/// 16: 1,187 against 800, 32: 1,427 against 1,063, 64: 1,521 against 1,433. Prefill chunks
-/// (256 tokens) stay grouped on the host.
+/// Most tokens of a step that go through the kept experts' kernels ([`crate::kept`]) pair by
+/// pair, rather than grouped by expert on the host after a download of the routes (a wait per
+/// layer); a layer whose kept experts run on int8 tiles takes up to [`KEPT_TILE_TOKENS`]. On an
+/// H100, 48-layer Qwen3-30B-A3B shape, batched decode at 64 against 4 (pair by pair): 8
+/// sequences 813 against 561 tok/s, 16: 1,187 against 800, 32: 1,427 against 1,063, 64: 1,521
+/// against 1,433. Prefill chunks stay grouped on the host.
 const KEPT_TOKENS: usize = 64;
+
+/// Most tokens of a step that go through the kept experts of a layer whose experts run on int8
+/// tiles ([`CudaBackend::tiles_take`]), rather than being grouped on the host. On an H100,
+/// 48-layer Qwen3-30B-A3B shape, batched decode with steps of up to 256 on the tiles against
+/// the host's grouping above 64: 96 sequences 2,867–2,903 against 2,010–2,089 tok/s, 128:
+/// 3,265–3,281 against 2,514, 192: 3,625–3,701 against 3,104–3,142, 256: 3,792–3,996 against
+/// 3,572–3,621. Prefill chunks of 512 lost on them (5,048–5,066 against 9,084–9,176 tok/s for
+/// a 512-token prompt: each expert's 32 pairs a block took in two turns, each re-staging its
+/// rows), so they stay grouped.
+const KEPT_TILE_TOKENS: usize = 256;
 
 /// Fewest tokens of a step whose kept experts run on int8 tiles (`kept_tiles.cu`), each
 /// expert's rows read once for all the pairs that chose it, rather than pair by pair. On an
@@ -64,9 +74,6 @@ const KEPT_TOKENS: usize = 64;
 /// 64: 2,203–2,290 against 1,605–1,676.
 const KEPT_TILES_FROM: usize = 24;
 
-/// Most (token, slot) pairs a tile launch takes (`KT_MAX_PAIRS`, each block's list of its
-/// expert's pairs): 64 tokens of eight slots.
-const KEPT_TILE_PAIRS: usize = 512;
 /// Most tokens of a resident matrix's product that go as mat-vecs of [`MV_TOKENS`] each
 /// (`SMOE_CUDA_DENSE_MV`, at most this): see [`CudaBackend::resident_jobs`].
 const DENSE_MV_TOKENS: usize = 64;
@@ -195,9 +202,15 @@ pub struct CudaOptions {
     /// rows read once for all the pairs that chose it, instead of pair by pair (also
     /// `SMOE_CUDA_KEPT_TILES_FROM`; 0: never); `None`: 24. Where the fused kept kernels run
     /// (Q8_0 or Q4_K gate and up in one format, plain SiLU, int8 activations) and the GPU has
-    /// int8 tensor cores, with rows of whole 16-byte pieces and at most 512 (token, slot) pairs
-    /// a step ([`smoe_engine::Backend::kept_tokens`] decides which steps come here at all).
+    /// int8 tensor cores, with rows of whole 16-byte pieces
+    /// ([`smoe_engine::Backend::kept_tokens`] decides which steps come here at all).
     pub kept_tiles_from: Option<usize>,
+    /// [`smoe_engine::Backend::kept_tokens`] of a layer whose kept experts run on the tiles
+    /// (also `SMOE_CUDA_KEPT_TILE_TOKENS`); `None`: 256, or [`Self::kept_tokens`] where that
+    /// is given (so that a test's small `kept_tokens` sends every layer's larger steps to the
+    /// host's grouping). Larger steps (prefill chunks of 512) route on the GPU and group the
+    /// pairs on the host.
+    pub kept_tile_tokens: Option<usize>,
 }
 
 /// The one-token int8-activation kernels of a format (kernels.cu, kept.cu).
@@ -570,6 +583,8 @@ pub struct CudaBackend {
     kept_pairs_first: bool,
     /// [`CudaOptions::kept_tiles_from`] (`usize::MAX`: never).
     kept_tiles_from: usize,
+    /// [`CudaOptions::kept_tile_tokens`].
+    kept_tile_tokens: usize,
     /// A batched step's sequences in one launch for attention and its inputs ([`seqs`]); with
     /// `SMOE_CUDA_BATCH_ATTENTION=off`, sequence by sequence (four launches per sequence per
     /// layer). On an H100 one launch took 16 sequences from 490 to 835 tok/s.
@@ -616,6 +631,7 @@ impl CudaBackend {
         let pdl = info.compute_capability.0 >= 9 && std::env::var("SMOE_CUDA_PDL").as_deref() != Ok("off");
         let sms =
             ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_or(0, |n| n as usize);
+        let kept_tokens = opts.kept_tokens.or_else(|| std::env::var("SMOE_CUDA_KEPT_TOKENS").ok().and_then(|v| v.parse().ok()));
         Ok(CudaBackend {
             info,
             stream,
@@ -659,10 +675,7 @@ impl CudaBackend {
                 .unwrap_or(DENSE_MV_TOKENS)
                 .min(DENSE_MV_TOKENS),
             few_mv_join: std::env::var("SMOE_CUDA_FEW_MV_JOIN").as_deref() != Ok("off"),
-            kept_tokens: opts
-                .kept_tokens
-                .or_else(|| std::env::var("SMOE_CUDA_KEPT_TOKENS").ok().and_then(|v| v.parse().ok()))
-                .unwrap_or(KEPT_TOKENS),
+            kept_tokens: kept_tokens.unwrap_or(KEPT_TOKENS),
             kept_pairs_first: std::env::var("SMOE_CUDA_KEPT_ORDER").as_deref() != Ok("rows"),
             kept_tiles_from: match opts
                 .kept_tiles_from
@@ -672,6 +685,11 @@ impl CudaBackend {
                 0 => usize::MAX,
                 t => t,
             },
+            kept_tile_tokens: opts
+                .kept_tile_tokens
+                .or_else(|| std::env::var("SMOE_CUDA_KEPT_TILE_TOKENS").ok().and_then(|v| v.parse().ok()))
+                .or(kept_tokens)
+                .unwrap_or(KEPT_TILE_TOKENS),
             faulted: AtomicBool::new(false),
             fault: Mutex::new(None),
             graphs: (opts.graphs || std::env::var("SMOE_CUDA_GRAPHS").as_deref() == Ok("on"))
@@ -689,6 +707,24 @@ impl CudaBackend {
     /// activations on): prefill's tiles and a batched step's kept experts on tiles.
     pub fn int8_tiles(&self) -> bool {
         self.int8_tiles
+    }
+
+    /// Whether layer `l`'s kept experts run on the int8 tiles (`kept_tiles.cu`) in steps of
+    /// [`CudaOptions::kept_tiles_from`] tokens and more: the fused kept kernels' case (Q8_0 or
+    /// Q4_K gate and up in one format, down on int8 activations too, plain SiLU), int8 tensor
+    /// cores, and rows of whole 16-byte pieces (the weights are staged 16 bytes at a time).
+    fn tiles_take(&self, l: &crate::kept::KeptLayer, limit: Option<f32>) -> bool {
+        let [gate, up, down] = &l.parts;
+        let int8 = |p: &crate::kept::KeptPart| self.int8 && self.k.format(p.format).mvq.is_some();
+        self.int8_tiles
+            && self.kept_fused
+            && self.kept_tiles_from != usize::MAX
+            && limit.is_none()
+            && int8(gate)
+            && int8(down)
+            && gate.format == up.format
+            && gate.rows.is_multiple_of(32)
+            && l.parts.iter().all(|p| p.row_bytes.is_multiple_of(16))
     }
 
     /// Counters of the VRAM expert cache.
@@ -1993,8 +2029,12 @@ impl Backend for CudaBackend {
         }
     }
 
-    fn kept_tokens(&self) -> usize {
-        self.kept_tokens
+    fn kept_tokens(&self, layer: usize, limit: Option<f32>) -> usize {
+        let kept = self.kept.lock().expect("kept experts lock");
+        match kept.layer(layer) {
+            Some(l) if self.tiles_take(l, limit) => self.kept_tile_tokens,
+            _ => self.kept_tokens,
+        }
     }
     fn kept_experts(
         &self,
@@ -2089,9 +2129,7 @@ impl Backend for CudaBackend {
                 let dstride = crate::buf::quant_stride(width);
                 let Some(dq) = self.scratch(n * k * dstride) else { return };
                 let (hs, gs, ds) = (hq.1 as i32, (2 * width) as i32, dstride as i32);
-                // The weights are staged 16 bytes at a time (kept_tiles.cu): rows must keep them aligned.
-                let aligned = [gate, up, down].iter().all(|p| p.row_bytes % 16 == 0);
-                if self.int8_tiles && aligned && n >= self.kept_tiles_from && n * k <= KEPT_TILE_PAIRS {
+                if n >= self.kept_tiles_from && self.tiles_take(l, limit) {
                     // Each expert's rows once for all its pairs: a block per (rows, expert),
                     // blocks of experts no pair chose leave after reading the routes.
                     let (n_i, experts) = (n as i32, l.experts as u32);

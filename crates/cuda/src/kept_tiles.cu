@@ -22,42 +22,43 @@
 //     against the pair's quantized row of dq, written to row `pair` of `out` (the slots);
 //     add_weighted_slots then sums each token's slots in slot order.
 
-// The most pairs one expert takes in a block's list (a token chooses an expert once, so a step
-// of n tokens puts at most n on one; NaN routes, read as expert 0, could put more, so the host
-// sends at most this many pairs in all: 64 tokens of eight slots).
-#define KT_MAX_PAIRS 512
+// The pairs a block's list holds at a time. A token chooses an expert once, so a step of n
+// tokens puts at most n pairs on one; NaN routes, read as expert 0, can put up to n·k there. A
+// block takes its expert's pairs a list at a time (see kept_pairs_of), so any step fits.
+#define KT_LIST 512
 
-// The pairs of this step (n tokens, k slots) routed to expert e, in ascending order, into
-// list; returns their count. A route outside [0, experts) reads expert 0, as kept_job does.
-__device__ int kept_pairs_of(const Kept& kp, const float* routes, int n, int e, int* list) {
-    __shared__ int warp_counts[KT_MAX_PAIRS / 128][4];
-    int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, pairs = n * kp.k, chunks = (pairs + 127) / 128;
-    // The host never sends more (KEPT_TILE_PAIRS); pairs left out would leave their slots'
-    // rows stale for the mix, so a breach stops the kernel rather than run on.
-    if (pairs > KT_MAX_PAIRS) __trap();
-    // Every id this thread reads, loaded before any is looked at (the loads in flight
-    // together), then one ballot per chunk of 128 pairs and a single wait for the counts.
-    u32 ballots[KT_MAX_PAIRS / 128];
-#pragma unroll
-    for (int c = 0; c < KT_MAX_PAIRS / 128; c++) {
-        int p = 128 * c + tid;
-        float id = c < chunks && p < pairs ? routes[(size_t)(p / kp.k) * 2 * kp.k + p % kp.k] : -1.0f;
-        bool mine = p < pairs && (id >= 0.0f && id < (float)kp.experts ? (int)id : 0) == e;
-        ballots[c] = __ballot_sync(0xffffffff, mine);
-        if (lane == 0) warp_counts[c][warp] = __popc(ballots[c]);
-    }
-    __syncthreads();
+// The pairs of this step (n tokens, k slots) routed to expert e, in ascending order, from the
+// `skip`-th on: at most KT_LIST of them into list. Returns how many there are from `skip` on
+// (more than KT_LIST: the caller comes back for the rest). A route outside [0, experts) reads
+// expert 0, as kept_job does. The ids are read 512 at a time, four per thread, all four
+// loads in flight before any is looked at, then one ballot per 128 and a wait for the counts.
+__device__ int kept_pairs_of(const Kept& kp, const float* routes, int n, int e, int skip, int* list) {
+    __shared__ int warp_counts[4][4];
+    int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, pairs = n * kp.k;
     int count = 0;
+    for (int base = 0; base < pairs; base += 512) {
+        u32 ballots[4];
 #pragma unroll
-    for (int c = 0; c < KT_MAX_PAIRS / 128; c++) {
-        if (c >= chunks) break;
-        int before = count;
-        for (int w = 0; w < warp; w++) before += warp_counts[c][w];
-        if (ballots[c] >> lane & 1) list[before + __popc(ballots[c] & ((1u << lane) - 1))] = 128 * c + tid;
-        count += warp_counts[c][0] + warp_counts[c][1] + warp_counts[c][2] + warp_counts[c][3];
+        for (int c = 0; c < 4; c++) {
+            int p = base + 128 * c + tid;
+            float id = p < pairs ? routes[(size_t)(p / kp.k) * 2 * kp.k + p % kp.k] : -1.0f;
+            bool mine = p < pairs && (id >= 0.0f && id < (float)kp.experts ? (int)id : 0) == e;
+            ballots[c] = __ballot_sync(0xffffffff, mine);
+            if (lane == 0) warp_counts[c][warp] = __popc(ballots[c]);
+        }
+        __syncthreads();
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            int at = count - skip;
+            for (int w = 0; w < warp; w++) at += warp_counts[c][w];
+            at += __popc(ballots[c] & ((1u << lane) - 1));
+            if ((ballots[c] >> lane & 1) && at >= 0 && at < KT_LIST) list[at] = base + 128 * c + tid;
+            count += warp_counts[c][0] + warp_counts[c][1] + warp_counts[c][2] + warp_counts[c][3];
+        }
+        // The counts are read; the next round may write them.
+        __syncthreads();
     }
-    __syncthreads();
-    return count;
+    return count - skip;
 }
 
 // Bytes of a row that one step (eight groups) covers: a Q4_K super-block, or eight Q8_0 blocks.
@@ -172,7 +173,7 @@ __device__ void kept_tile_products(const Kept& kp, const int* list, int t0, int 
     __shared__ float wa[MMQ_TILE][MMQ_GROUPS + 1], wb[MMQ_TILE][MMQ_GROUPS + 1];     \
     __shared__ __align__(8) float xd[MMQ_GROUPS][NT + 4];                            \
     __shared__ __align__(8) float xm[F == 8 ? 1 : MMQ_GROUPS][NT + 4];               \
-    __shared__ int list[KT_MAX_PAIRS];
+    __shared__ int list[KT_LIST];
 
 // Gate and up rows 32 b .. of expert blockIdx.y (kp.parts 2, rows the intermediate width)
 // against the tokens of every pair that chose it (inputs one row per token at qx), NT at a
@@ -183,8 +184,6 @@ __device__ void kept_tiles_swiglu(const Kept& kp, const float* routes, int n, co
 #if __CUDA_ARCH__ >= 800
     KT_SHARED
     int e = blockIdx.y, b = blockIdx.x, r0 = 32 * b;
-    int count = kept_pairs_of(kp, routes, n, e, list);
-    if (count == 0) return;
     int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gid = lane >> 2, tig = lane & 3;
     // Tile rows 0-31 gate, 32-63 up, of the same intermediate rows.
     const u8* g = (const u8*)(kp.base[0] + (u64)e * kp.expert_bytes[0]);
@@ -193,27 +192,31 @@ __device__ void kept_tiles_swiglu(const Kept& kp, const float* routes, int n, co
     // The accumulators, by token then tile row, over the weights' staging (free after the
     // products): NT × 65 floats fit in its 64 × 272 bytes.
     float* ct = (float*)ws;
-    for (int t0 = 0; t0 < count; t0 += NT) {
-        int nt = min(NT, count - t0);
-        kept_tile_products<F, NT>(kp, list, t0, nt, qx, qstride, g, u, 32, r0, rs, ws, xq, wa, wb, xd, xm, c);
-        int ra = 16 * warp + gid;
+    for (int skip = 0;; skip += KT_LIST) {
+        int left = kept_pairs_of(kp, routes, n, e, skip, list), count = min(left, KT_LIST);
+        for (int t0 = 0; t0 < count; t0 += NT) {
+            int nt = min(NT, count - t0);
+            kept_tile_products<F, NT>(kp, list, t0, nt, qx, qstride, g, u, 32, r0, rs, ws, xq, wa, wb, xd, xm, c);
+            int ra = 16 * warp + gid;
 #pragma unroll
-        for (int jn = 0; jn < NT / 8; jn++) {
-            int t = 8 * jn + 2 * tig;
-            ct[t * 65 + ra] = c[jn][0];
-            ct[(t + 1) * 65 + ra] = c[jn][1];
-            ct[t * 65 + ra + 8] = c[jn][2];
-            ct[(t + 1) * 65 + ra + 8] = c[jn][3];
+            for (int jn = 0; jn < NT / 8; jn++) {
+                int t = 8 * jn + 2 * tig;
+                ct[t * 65 + ra] = c[jn][0];
+                ct[(t + 1) * 65 + ra] = c[jn][1];
+                ct[t * 65 + ra + 8] = c[jn][2];
+                ct[(t + 1) * 65 + ra + 8] = c[jn][3];
+            }
+            __syncthreads();
+            for (int t = warp; t < nt; t += 4) {
+                int pair = list[t0 + t];
+                float gv = ct[t * 65 + lane], uv = ct[t * 65 + 32 + lane];
+                float v = gv / (1.0f + expf(-gv)) * uv;
+                out[(size_t)pair * os + r0 + lane] = v;
+                quantize_group(v, dq + (size_t)pair * dqstride, kp.rows, b);
+            }
+            __syncthreads();
         }
-        __syncthreads();
-        for (int t = warp; t < nt; t += 4) {
-            int pair = list[t0 + t];
-            float gv = ct[t * 65 + lane], uv = ct[t * 65 + 32 + lane];
-            float v = gv / (1.0f + expf(-gv)) * uv;
-            out[(size_t)pair * os + r0 + lane] = v;
-            quantize_group(v, dq + (size_t)pair * dqstride, kp.rows, b);
-        }
-        __syncthreads();
+        if (left <= KT_LIST) break;
     }
 #endif
 }
@@ -225,26 +228,28 @@ __device__ void kept_tiles_down(const Kept& kp, const float* routes, int n, cons
 #if __CUDA_ARCH__ >= 800
     KT_SHARED
     int e = blockIdx.y, r0 = MMQ_TILE * blockIdx.x;
-    int count = kept_pairs_of(kp, routes, n, e, list);
-    if (count == 0) return;
     int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gid = lane >> 2, tig = lane & 3;
     const u8* w = (const u8*)(kp.base[0] + (u64)e * kp.expert_bytes[0]);
     float c[NT / 8][4];
-    for (int t0 = 0; t0 < count; t0 += NT) {
-        int nt = min(NT, count - t0);
-        kept_tile_products<F, NT>(kp, list, t0, nt, qx, qstride, w, w, MMQ_TILE, r0, rs, ws, xq, wa, wb, xd, xm, c);
-        int ra = r0 + 16 * warp + gid, rb = ra + 8;
+    for (int skip = 0;; skip += KT_LIST) {
+        int left = kept_pairs_of(kp, routes, n, e, skip, list), count = min(left, KT_LIST);
+        for (int t0 = 0; t0 < count; t0 += NT) {
+            int nt = min(NT, count - t0);
+            kept_tile_products<F, NT>(kp, list, t0, nt, qx, qstride, w, w, MMQ_TILE, r0, rs, ws, xq, wa, wb, xd, xm, c);
+            int ra = r0 + 16 * warp + gid, rb = ra + 8;
 #pragma unroll
-        for (int jn = 0; jn < NT / 8; jn++) {
-            int t = 8 * jn + 2 * tig;
+            for (int jn = 0; jn < NT / 8; jn++) {
+                int t = 8 * jn + 2 * tig;
 #pragma unroll
-            for (int h = 0; h < 2; h++) {
-                if (t + h >= nt) continue;
-                float* o = out + (size_t)list[t0 + t + h] * os;
-                if (ra < kp.rows) o[ra] = c[jn][h];
-                if (rb < kp.rows) o[rb] = c[jn][2 + h];
+                for (int h = 0; h < 2; h++) {
+                    if (t + h >= nt) continue;
+                    float* o = out + (size_t)list[t0 + t + h] * os;
+                    if (ra < kp.rows) o[ra] = c[jn][h];
+                    if (rb < kp.rows) o[rb] = c[jn][2 + h];
+                }
             }
         }
+        if (left <= KT_LIST) break;
     }
 #endif
 }

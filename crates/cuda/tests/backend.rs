@@ -78,6 +78,7 @@ const REFERENCE: CudaOptions = CudaOptions {
     batch_attention: None,
     kept_tokens: None,
     kept_tiles_from: None,
+    kept_tile_tokens: None,
 };
 
 #[test]
@@ -227,25 +228,33 @@ fn experts_kept_in_vram_route_on_the_gpu_as_the_host_does() {
         eprintln!("{}", smoe_engine::Backend::describe(kept.backend()));
     }
     // Q4_K experts and Q8_0 dense weights: the int8-activation kernels, kept and named by job.
-    let v = smoe_vault::Vault::open(vault("qwen3_moe", Format::Q4_K, Format::Q8_0)).unwrap();
-    let open = |opts: &CudaOptions| Model::load(&v, backend(opts).unwrap(), Arc::new(ResidentExperts::load(&v).unwrap())).unwrap();
-    let (kept, host) = (open(&CudaOptions::default()), open(&CudaOptions { no_keep: true, ..Default::default() }));
-    let r = read_safetensors(&fixture("qwen3_moe").join("reference.safetensors"));
-    let input = ids(&r["chat.input_ids"]);
-    let (a, b) = (decode_quietly(&kept, &input), decode_quietly(&host, &input));
-    let (ek, eh) = (rel_err(&a, r["chat.logits"].f32()), rel_err(&a, &b));
-    eprintln!("qwen3_moe Q4_K/Q8_0 on int8 activations: {ek:.2e} from transformers (quantized weights), {eh:.2e} from host routing");
-    assert!(eh < 1e-5, "int8 kept experts moved the logits by {eh:.2e}");
-    // Prefill on the int8 tiles, whose inputs are the int8 rows the norms, the gather of the
-    // experts' rows and SiLU leave. Step decode quantizes the same rows the same way, but its
-    // floats come from other kernels (attention above all), and a value a rounding away from a
-    // step of its group's int8 grid moves a whole step: on the H200, 7.27e-3, the same with the
-    // f32 prefill attention, against the int8 path's 1.8e-1 from transformers. A wrong tile (a
-    // scale, a row, a group) moves the logits by order one.
-    let prefill = score(&kept, &input, ScoreMode::Prefill, 64, false).unwrap();
-    let same = rel_err(&a, &prefill.logits);
-    eprintln!("qwen3_moe Q4_K/Q8_0: prefill on the int8 tiles {same:.2e} from step decode");
-    assert!(same < 2e-2 && same < ek / 10.0, "int8 prefill differs from step decode by {same:.2e} ({ek:.2e} from transformers)");
+    // qwen3_moe's 64-wide expert rows do not fit Q4_K's 256-wide blocks (its experts fall back
+    // to Q5_0 and f32 products); qwen3_moe_k's 256-wide rows keep Q4_K, so the kept experts run
+    // on int8 activations too.
+    for name in ["qwen3_moe", "qwen3_moe_k"] {
+        let v = smoe_vault::Vault::open(vault(name, Format::Q4_K, Format::Q8_0)).unwrap();
+        let open = |opts: &CudaOptions| Model::load(&v, backend(opts).unwrap(), Arc::new(ResidentExperts::load(&v).unwrap())).unwrap();
+        let (kept, host) = (open(&CudaOptions::default()), open(&CudaOptions { no_keep: true, ..Default::default() }));
+        let r = read_safetensors(&fixture(name).join("reference.safetensors"));
+        let input = ids(&r["chat.input_ids"]);
+        let (a, b) = (decode_quietly(&kept, &input), decode_quietly(&host, &input));
+        let (ek, eh) = (rel_err(&a, r["chat.logits"].f32()), rel_err(&a, &b));
+        eprintln!("{name} Q4_K/Q8_0 on int8 activations: {ek:.2e} from transformers (quantized weights), {eh:.2e} from host routing");
+        assert!(eh < 1e-5, "{name}: int8 kept experts moved the logits by {eh:.2e}");
+        // Prefill on the int8 tiles, whose inputs are the int8 rows the norms, the gather of the
+        // experts' rows and SiLU leave. Step decode quantizes the same rows the same way, but its
+        // floats come from other kernels (attention above all), and a value a rounding away from a
+        // step of its group's int8 grid moves a whole step: on the H200, 7.27e-3 (qwen3_moe), the
+        // same with the f32 prefill attention, against the int8 path's 1.8e-1 from transformers. A
+        // wrong tile (a scale, a row, a group) moves the logits by order one.
+        let prefill = score(&kept, &input, ScoreMode::Prefill, 64, false).unwrap();
+        let same = rel_err(&a, &prefill.logits);
+        eprintln!("{name} Q4_K/Q8_0: prefill on the int8 tiles {same:.2e} from step decode");
+        assert!(
+            same < 2e-2 && same < ek / 10.0,
+            "{name}: int8 prefill differs from step decode by {same:.2e} ({ek:.2e} from transformers)"
+        );
+    }
 }
 
 /// Decoded tokens recorded and launched as CUDA graphs give the logits of the same kernels
@@ -413,7 +422,8 @@ fn batched_int8_steps_match_each_sequence_alone_on_the_gpu() {
 /// The kept experts on int8 tiles against the same experts pair by pair (`kept.cu`'s fused
 /// kernels), Q4_K experts (qwen3_moe_k) and Q8_0 ones: one-token steps (one pair an expert) and
 /// the 52-token chat text as one step through the kept experts (104 pairs on eight experts:
-/// several tiles of eight tokens, and experts with more than a block's 16, taken in turns).
+/// several tiles of eight tokens, and experts with more than a block's 16, taken in turns);
+/// then the 300-token text as one step on the tiles against the host's grouping of it.
 /// The tiles sum in mmq's order, so the two agree within the int8 path's rounding (the bound of
 /// the int8 prefill test), and the tiles are as near to transformers (within 5%).
 #[test]
@@ -450,6 +460,20 @@ fn kept_experts_on_tiles_match_pair_by_pair() {
             assert!(et <= ep * 1.05, "{experts} {what}: the tiles {et:.2e} from transformers against pair by pair's {ep:.2e}");
         }
         assert!(pt != pp, "{experts}: the one-step text went through the tiles (its sums are mmq's, not the mat-vec's)");
+        // The 300-token text as one step: on the tiles when they take steps that long
+        // (`kept_tile_tokens`), else routed on the GPU and grouped by expert on the host.
+        let long = ids(&r["long.input_ids"]);
+        let long_step = |tile_tokens: Option<usize>| {
+            let opts = CudaOptions { kept_tiles_from: Some(1), kept_tile_tokens: tile_tokens, ..Default::default() };
+            let m = Model::load(&v, backend(&opts).unwrap(), Arc::new(ResidentExperts::load(&v).unwrap())).unwrap();
+            m.forward(&mut m.new_state(512), &long, Logits::All, &mut NoObserver).unwrap().to_vec()
+        };
+        let (lt, lg) = (long_step(Some(512)), long_step(None));
+        let want = r["long.logits"].f32();
+        let (et, eg, d) = (rel_err(&lt, want), rel_err(&lg, want), rel_err(&lt, &lg));
+        eprintln!("{name} {experts} experts, 300 tokens in one step: tiles {d:.2e} from the host's grouping; {et:.2e} and {eg:.2e} from transformers");
+        assert!(d < 2e-2 && d < eg / 10.0, "{experts}: 300 tokens on the tiles differ from the host's grouping by {d:.2e} ({eg:.2e})");
+        assert!(et <= eg * 1.05, "{experts}: 300 tokens on the tiles {et:.2e} from transformers against the grouping's {eg:.2e}");
     }
 }
 
@@ -485,6 +509,50 @@ fn batched_against_alone(model: &Model<CudaBackend>, name: &str) -> f64 {
         }
     }
     worst
+}
+
+/// More sequences in a step than a launch's table holds (64): 70 sequences with prompts of one
+/// to three tokens, then three decode steps side by side, so that attention and its inputs go
+/// as two launches (and the kept experts' steps of up to 70 tokens through the host's grouping
+/// and through the kept experts at 80); each one's logits against the same steps run alone,
+/// within the three-sequence test's bound.
+#[test]
+fn seventy_sequences_in_a_step_match_each_alone_on_the_gpu() {
+    use smoe_engine::{BatchItem, Logits, NoObserver};
+    let name = "qwen3_moe";
+    for kept_tokens in [None, Some(80)] {
+        let Some(model) = gpu_model(name, &CudaOptions { kept_tokens, ..Default::default() }) else { return };
+        let long = input_ids(name, "long");
+        let count = 70;
+        let prompts: Vec<Vec<u32>> = (0..count).map(|i| long[i..i + 1 + i % 3].to_vec()).collect();
+        let decode: Vec<Vec<u32>> = (0..count).map(|i| long[100 + i..103 + i].to_vec()).collect();
+        let vocab = model.arch().vocab_size;
+        let mut states: Vec<_> = (0..count).map(|_| model.new_state(1)).collect();
+        let mut batch = model.new_batch(3 * count);
+        let mut record: Vec<Vec<(Vec<u32>, Vec<f32>)>> = vec![Vec::new(); count];
+        for step in 0..4 {
+            let inputs: Vec<Vec<u32>> =
+                (0..count).map(|i| if step == 0 { prompts[i].clone() } else { vec![decode[i][step - 1]] }).collect();
+            let mut items: Vec<BatchItem<'_, _>> =
+                states.iter_mut().zip(&inputs).map(|(state, tokens)| BatchItem { state, tokens }).collect();
+            let logits = model.forward_batch(&mut batch, &mut items, &mut NoObserver).unwrap().to_vec();
+            for i in 0..count {
+                record[i].push((inputs[i].clone(), logits[i * vocab..(i + 1) * vocab].to_vec()));
+            }
+        }
+        let mut worst = 0f64;
+        for steps in &record {
+            let mut st = model.new_state(8);
+            for (tokens, got) in steps {
+                let alone = model.forward(&mut st, tokens, Logits::Last, &mut NoObserver).unwrap();
+                worst = worst.max(rel_err(got, alone));
+            }
+        }
+        eprintln!(
+            "{name}: {count} sequences batched vs alone on the GPU (kept tokens {kept_tokens:?}), largest relative logit error {worst:.2e}"
+        );
+        assert!(worst < 1e-4, "{name}: {count} batched sequences differ from alone by {worst:.2e}");
+    }
 }
 
 /// DeepSeek-V4's sliding and raw rows and gpt-oss's sliding layers keep only what attention

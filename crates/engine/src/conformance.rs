@@ -711,14 +711,16 @@ impl<B: Backend> Suite<'_, B> {
     /// A batched step through kept experts at the shapes a backend's batched kernels take:
     /// gate and up in one format, rows of 512 (two steps of eight groups for int8 tiles), 16
     /// experts, 8 slots, 40 tokens (320 pairs; expert 0 in every token's first slot, so one
-    /// expert has 40 pairs and the rest some 19 each), the input as a norm leaves it (where a
-    /// backend keeps an int8 copy beside the rows, its products read that), against SwiGLU in
-    /// f32 on the dequantized weights. Q4_K gate and up with Q8_0 down, then all Q8_0.
+    /// expert has 40 pairs and the rest some 19 each), then 600 (a prefill chunk's size:
+    /// expert 0 with 600 pairs, more than a tile block lists at once), the input as a norm
+    /// leaves it (where a backend keeps an int8 copy beside the rows, its products read that),
+    /// against SwiGLU in f32 on the dequantized weights. Q4_K gate and up with Q8_0 down, then
+    /// all Q8_0.
     fn kept_batch(&mut self) {
         if self.b.keep_room() == 0 {
             return;
         }
-        let (e, k, n, hidden, width) = (16usize, 8usize, 40usize, 512usize, 512usize);
+        let (e, k, hidden, width) = (16usize, 8usize, 512usize, 512usize);
         for (layer, gate_up) in [(3, Format::Q4_K), (4, Format::Q8_0)] {
             let mats: Vec<[Weights; 3]> = (0..e)
                 .map(|_| {
@@ -731,35 +733,37 @@ impl<B: Backend> Suite<'_, B> {
                 self.failures.push(format!("keep_experts: {e} experts of 512-wide rows not kept despite room"));
                 return;
             }
-            let (raw, ones) = (self.values(n * hidden), vec![1f32; hidden]);
-            let (rb, w) = (self.buf(n * hidden, &raw), self.b.vector(&ones));
-            let mut hb = self.buf(n * hidden, &[]);
-            self.b.rms_norm(&rb, n, hidden, &w, 1e-6, &mut hb);
-            let h = self.read(&hb, n * hidden);
-            // Slot 0: expert 0; slots 1..8: eight distinct others, shifting with the token.
-            let mut routes_host = vec![0f32; n * 2 * k];
-            for t in 0..n {
-                let r = &mut routes_host[t * 2 * k..][..2 * k];
-                for s in 0..k {
-                    r[s] = if s == 0 { 0.0 } else { (1 + (3 * t + 2 * s) % 15) as f32 };
-                    r[k + s] = 0.05 + 0.1 * s as f32;
+            for n in [40usize, 600] {
+                let (raw, ones) = (self.values(n * hidden), vec![1f32; hidden]);
+                let (rb, w) = (self.buf(n * hidden, &raw), self.b.vector(&ones));
+                let mut hb = self.buf(n * hidden, &[]);
+                self.b.rms_norm(&rb, n, hidden, &w, 1e-6, &mut hb);
+                let h = self.read(&hb, n * hidden);
+                // Slot 0: expert 0; slots 1..8: seven distinct others, shifting with the token.
+                let mut routes_host = vec![0f32; n * 2 * k];
+                for t in 0..n {
+                    let r = &mut routes_host[t * 2 * k..][..2 * k];
+                    for s in 0..k {
+                        r[s] = if s == 0 { 0.0 } else { (1 + (3 * t + 2 * s) % 15) as f32 };
+                        r[k + s] = 0.05 + 0.1 * s as f32;
+                    }
                 }
+                let routes = self.buf(routes_host.len(), &routes_host);
+                let x0 = self.values(n * hidden);
+                let mut x = self.buf(n * hidden, &x0);
+                let mut gu = self.buf(n * k * 2 * width, &[]);
+                let mut slots = self.buf(n * k * hidden, &[]);
+                self.b.kept_experts(layer, &routes, 0, k, &hb, n, &mut gu, &mut slots, &mut x, None);
+                let got = self.read(&x, n * hidden);
+                let (want, bound, _) = kept_reference(&mats, &h, &routes_host, (n, k, hidden, width), &x0, None, &self.tol);
+                self.compare(
+                    "kept_experts",
+                    &format!("{gate_up} gate and up, Q8_0 down, rows of 512; {n} tokens of 8 slots on 16 experts"),
+                    &got,
+                    &want,
+                    |i| bound[i],
+                );
             }
-            let routes = self.buf(routes_host.len(), &routes_host);
-            let x0 = self.values(n * hidden);
-            let mut x = self.buf(n * hidden, &x0);
-            let mut gu = self.buf(n * k * 2 * width, &[]);
-            let mut slots = self.buf(n * k * hidden, &[]);
-            self.b.kept_experts(layer, &routes, 0, k, &hb, n, &mut gu, &mut slots, &mut x, None);
-            let got = self.read(&x, n * hidden);
-            let (want, bound, _) = kept_reference(&mats, &h, &routes_host, (n, k, hidden, width), &x0, None, &self.tol);
-            self.compare(
-                "kept_experts",
-                &format!("{gate_up} gate and up, Q8_0 down, rows of 512; 40 tokens of 8 slots on 16 experts"),
-                &got,
-                &want,
-                |i| bound[i],
-            );
         }
     }
 

@@ -1326,7 +1326,7 @@ impl<B: Backend> Model<B> {
     fn moe(&self, li: usize, m: &MoeBlock<B>, s: &mut Step<'_, '_, B>, n: usize, obs: &mut dyn Observer) -> Result<bool, EngineError> {
         let t = Instant::now();
         let kept = self.kept[li] && m.tid2eid.is_none();
-        if kept && n <= self.backend.kept_tokens() && self.routing_trace.is_none() && !obs.wants_routes() {
+        if kept && n <= self.backend.kept_tokens(li, self.expert_limit()) && self.routing_trace.is_none() && !obs.wants_routes() {
             self.kept_moe(li, m, s, n);
             s.charge(t, |r| &mut r.expert_ms);
             return Ok(true);
@@ -1362,6 +1362,15 @@ impl<B: Backend> Model<B> {
         Ok(false)
     }
 
+    /// Where the routed experts' activation is clamped (DeepSeek-V4's SiLU), as
+    /// [`Backend::kept_experts`] takes it.
+    fn expert_limit(&self) -> Option<f32> {
+        match self.arch.moe.expert_act {
+            ExpertAct::ClampedSilu { limit } => Some(limit as f32),
+            _ => None,
+        }
+    }
+
     /// The MoE block of a layer whose experts the backend keeps, for a few tokens: router,
     /// routing and every (token, slot) product on the backend ([`Backend::route`],
     /// [`Backend::kept_experts`]), nothing read back: the decoder queues the next layer while
@@ -1373,11 +1382,7 @@ impl<B: Backend> Model<B> {
         let at = li * n * 2 * k;
         self.router_logits(m, &b.h, n, &mut b.router);
         be.route(&self.router, &b.router, m.router_bias_kept.as_ref(), n, &mut b.routes, at);
-        let limit = match self.arch.moe.expert_act {
-            ExpertAct::ClampedSilu { limit } => Some(limit as f32),
-            _ => None,
-        };
-        be.kept_experts(li, &b.routes, at, k, &b.h, n, &mut b.gu, &mut b.slots, &mut b.x, limit);
+        be.kept_experts(li, &b.routes, at, k, &b.h, n, &mut b.gu, &mut b.slots, &mut b.x, self.expert_limit());
         if let Some(shared) = &m.shared {
             self.shared_experts(shared, m.shared_gate.as_ref(), s, n);
         }
