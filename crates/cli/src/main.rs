@@ -235,7 +235,7 @@ enum Command {
         #[arg(long, default_value_t = 8)]
         sessions: usize,
         /// Generations a model advances together in one batched step (continuous batching)
-        /// [default: --max-queue, at most 64: every admitted request advances].
+        /// [default: --max-queue, at most 256: every admitted request advances].
         #[arg(long)]
         max_batch: Option<usize>,
         /// Tokens one batched step runs, all generations together: a token of each decoding
