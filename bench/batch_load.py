@@ -15,6 +15,9 @@ servers decode the same kind of text, and `max_tokens` is what they generate unl
 comes first (counted from each reply's `usage`, or chunks where a server sends none).
 Where the server exposes smoe's `/metrics`, also the expert bytes it read from disk per
 completion token (prompt reads included: the clients' prompts are read in the same steps).
+Before anything is timed, `--warmup N` requests (default 1) run untimed, one after another: a
+server that opens its model at the first request (`smoe serve` does) or compiles on first use
+would otherwise put that into the first client count's time to first token.
 """
 
 import argparse
@@ -140,7 +143,12 @@ def main():
     ap.add_argument("--prompt-words", type=int, default=32)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", action="store_true", help="one JSON line per client count")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed requests before the first client count")
     a = ap.parse_args()
+    if a.warmup > 0:
+        warm = OpenAI(base_url=a.base.rstrip("/") + "/v1", api_key=a.key or "none", max_retries=0, timeout=3600)
+        for _ in range(a.warmup):
+            one_request(warm, a.model, "warm up", 8)
     failed = False
     for n in [int(x) for x in a.clients.split(",")]:
         r = run(a.base, a.key, a.model, n, a.rounds, a.max_tokens, a.prompt_words, a.seed + n)
