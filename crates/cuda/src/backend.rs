@@ -57,14 +57,21 @@ const MV_TOKENS: usize = 8;
 const KEPT_TOKENS: usize = 64;
 
 /// Most tokens of a step that go through the kept experts of a layer whose experts run on int8
-/// tiles ([`CudaBackend::tiles_take`]), rather than being grouped on the host. On an H100,
-/// 48-layer Qwen3-30B-A3B shape, batched decode with steps of up to 256 on the tiles against
-/// the host's grouping above 64: 96 sequences 2,867–2,903 against 2,010–2,089 tok/s, 128:
-/// 3,265–3,281 against 2,514, 192: 3,625–3,701 against 3,104–3,142, 256: 3,792–3,996 against
-/// 3,572–3,621. Prefill chunks of 512 lost on them (5,048–5,066 against 9,084–9,176 tok/s for
-/// a 512-token prompt: each expert's 32 pairs a block took in two turns, each re-staging its
-/// rows), so they stay grouped.
+/// tiles ([`CudaBackend::tiles_take`]), rather than being grouped on the host, where no
+/// sequence brings more than [`KEPT_TILE_RUN`] of them. On an H100, 48-layer Qwen3-30B-A3B
+/// shape, batched decode with steps of up to 256 on the tiles against the host's grouping
+/// above 64: 96 sequences 2,867–2,903 against 2,010–2,089 tok/s, 128: 3,265–3,281 against
+/// 2,514, 192: 3,625–3,701 against 3,104–3,142, 256: 3,792–3,996 against 3,572–3,621.
 const KEPT_TILE_TOKENS: usize = 256;
+
+/// Most tokens one sequence may bring to a step whose kept experts go to the tiles beyond
+/// [`KEPT_TOKENS`]. A prompt's tokens choose the same experts more than different sequences'
+/// tokens do, and a block takes its expert's pairs 16 at a time, staging its rows again for
+/// each turn: on an H100 a 256-token prompt prefilled at 4,797–4,821 tok/s on the tiles
+/// against 6,897–7,311 grouped on the host, 128 tokens 4,037 against 4,910–4,944, 512 tokens
+/// 5,048–5,066 against 9,084–9,176. Decode tokens (and the few-token steps of a draft or a
+/// short prompt) are what the tiles win on.
+const KEPT_TILE_RUN: usize = 8;
 
 /// Fewest tokens of a step whose kept experts run on int8 tiles (`kept_tiles.cu`), each
 /// expert's rows read once for all the pairs that chose it, rather than pair by pair. On an
@@ -205,12 +212,17 @@ pub struct CudaOptions {
     /// int8 tensor cores, with rows of whole 16-byte pieces
     /// ([`smoe_engine::Backend::kept_tokens`] decides which steps come here at all).
     pub kept_tiles_from: Option<usize>,
-    /// [`smoe_engine::Backend::kept_tokens`] of a layer whose kept experts run on the tiles
-    /// (also `SMOE_CUDA_KEPT_TILE_TOKENS`); `None`: 256, or [`Self::kept_tokens`] where that
-    /// is given (so that a test's small `kept_tokens` sends every layer's larger steps to the
-    /// host's grouping). Larger steps (prefill chunks of 512) route on the GPU and group the
-    /// pairs on the host.
+    /// [`smoe_engine::Backend::kept_tokens`] of a layer whose kept experts run on the tiles,
+    /// for steps where no sequence brings more than [`Self::kept_tile_run`] tokens (also
+    /// `SMOE_CUDA_KEPT_TILE_TOKENS`); `None`: 256, or [`Self::kept_tokens`] where that is given
+    /// (so that a test's small `kept_tokens` sends every layer's larger steps to the host's
+    /// grouping). Larger steps route on the GPU and group the pairs on the host.
     pub kept_tile_tokens: Option<usize>,
+    /// Most tokens one sequence may bring to a step that [`Self::kept_tile_tokens`] applies to
+    /// (also `SMOE_CUDA_KEPT_TILE_RUN`); `None`: 8. Prompts longer than that stay with
+    /// [`Self::kept_tokens`]: their tokens choose the same experts, which the tiles take in
+    /// turns.
+    pub kept_tile_run: Option<usize>,
 }
 
 /// The one-token int8-activation kernels of a format (kernels.cu, kept.cu).
@@ -585,6 +597,8 @@ pub struct CudaBackend {
     kept_tiles_from: usize,
     /// [`CudaOptions::kept_tile_tokens`].
     kept_tile_tokens: usize,
+    /// [`CudaOptions::kept_tile_run`].
+    kept_tile_run: usize,
     /// A batched step's sequences in one launch for attention and its inputs ([`seqs`]); with
     /// `SMOE_CUDA_BATCH_ATTENTION=off`, sequence by sequence (four launches per sequence per
     /// layer). On an H100 one launch took 16 sequences from 490 to 835 tok/s.
@@ -690,6 +704,10 @@ impl CudaBackend {
                 .or_else(|| std::env::var("SMOE_CUDA_KEPT_TILE_TOKENS").ok().and_then(|v| v.parse().ok()))
                 .or(kept_tokens)
                 .unwrap_or(KEPT_TILE_TOKENS),
+            kept_tile_run: opts
+                .kept_tile_run
+                .or_else(|| std::env::var("SMOE_CUDA_KEPT_TILE_RUN").ok().and_then(|v| v.parse().ok()))
+                .unwrap_or(KEPT_TILE_RUN),
             faulted: AtomicBool::new(false),
             fault: Mutex::new(None),
             graphs: (opts.graphs || std::env::var("SMOE_CUDA_GRAPHS").as_deref() == Ok("on"))
@@ -2029,10 +2047,10 @@ impl Backend for CudaBackend {
         }
     }
 
-    fn kept_tokens(&self, layer: usize, limit: Option<f32>) -> usize {
+    fn kept_tokens(&self, layer: usize, limit: Option<f32>, run: usize) -> usize {
         let kept = self.kept.lock().expect("kept experts lock");
         match kept.layer(layer) {
-            Some(l) if self.tiles_take(l, limit) => self.kept_tile_tokens,
+            Some(l) if run <= self.kept_tile_run && self.tiles_take(l, limit) => self.kept_tile_tokens,
             _ => self.kept_tokens,
         }
     }

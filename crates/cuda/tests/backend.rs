@@ -79,6 +79,7 @@ const REFERENCE: CudaOptions = CudaOptions {
     kept_tokens: None,
     kept_tiles_from: None,
     kept_tile_tokens: None,
+    kept_tile_run: None,
 };
 
 #[test]
@@ -461,10 +462,12 @@ fn kept_experts_on_tiles_match_pair_by_pair() {
         }
         assert!(pt != pp, "{experts}: the one-step text went through the tiles (its sums are mmq's, not the mat-vec's)");
         // The 300-token text as one step: on the tiles when they take steps that long
-        // (`kept_tile_tokens`), else routed on the GPU and grouped by expert on the host.
+        // (`kept_tile_tokens`, and `kept_tile_run` for a prompt's run of tokens), else routed
+        // on the GPU and grouped by expert on the host.
         let long = ids(&r["long.input_ids"]);
         let long_step = |tile_tokens: Option<usize>| {
-            let opts = CudaOptions { kept_tiles_from: Some(1), kept_tile_tokens: tile_tokens, ..Default::default() };
+            let opts =
+                CudaOptions { kept_tiles_from: Some(1), kept_tile_tokens: tile_tokens, kept_tile_run: Some(512), ..Default::default() };
             let m = Model::load(&v, backend(&opts).unwrap(), Arc::new(ResidentExperts::load(&v).unwrap())).unwrap();
             m.forward(&mut m.new_state(512), &long, Logits::All, &mut NoObserver).unwrap().to_vec()
         };

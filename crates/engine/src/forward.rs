@@ -1326,7 +1326,8 @@ impl<B: Backend> Model<B> {
     fn moe(&self, li: usize, m: &MoeBlock<B>, s: &mut Step<'_, '_, B>, n: usize, obs: &mut dyn Observer) -> Result<bool, EngineError> {
         let t = Instant::now();
         let kept = self.kept[li] && m.tid2eid.is_none();
-        if kept && n <= self.backend.kept_tokens(li, self.expert_limit()) && self.routing_trace.is_none() && !obs.wants_routes() {
+        let run = s.segs.iter().map(|g| g.n).max().unwrap_or(n);
+        if kept && n <= self.backend.kept_tokens(li, self.expert_limit(), run) && self.routing_trace.is_none() && !obs.wants_routes() {
             self.kept_moe(li, m, s, n);
             s.charge(t, |r| &mut r.expert_ms);
             return Ok(true);
