@@ -484,7 +484,7 @@ fn kept_experts_on_tiles_match_pair_by_pair() {
 /// while the shortest leaves early; the largest relative error of each step's logits against
 /// the same steps run alone.
 fn batched_against_alone(model: &Model<CudaBackend>, name: &str) -> f64 {
-    use smoe_engine::{BatchItem, Logits, NoObserver};
+    use smoe_engine::{BatchItem, NoObserver};
     let long = input_ids(name, "long");
     let prompts = [long[..7].to_vec(), long[20..23].to_vec(), long[40..52].to_vec()];
     let decode = [long[100..106].to_vec(), long[110..116].to_vec(), long[120..122].to_vec()];
@@ -503,8 +503,15 @@ fn batched_against_alone(model: &Model<CudaBackend>, name: &str) -> f64 {
             record[i].push((inputs[i].clone().unwrap(), logits[j * vocab..(j + 1) * vocab].to_vec()));
         }
     }
+    worst_against_alone(model, &record)
+}
+
+/// Each sequence's recorded steps (its tokens and the logits it got in the batch) run again
+/// alone: the largest relative error of a step's logits against its own.
+fn worst_against_alone(model: &Model<CudaBackend>, record: &[Vec<(Vec<u32>, Vec<f32>)>]) -> f64 {
+    use smoe_engine::{Logits, NoObserver};
     let mut worst = 0f64;
-    for steps in &record {
+    for steps in record {
         let mut st = model.new_state(64);
         for (tokens, got) in steps {
             let alone = model.forward(&mut st, tokens, Logits::Last, &mut NoObserver).unwrap();
@@ -521,7 +528,7 @@ fn batched_against_alone(model: &Model<CudaBackend>, name: &str) -> f64 {
 /// within the three-sequence test's bound.
 #[test]
 fn seventy_sequences_in_a_step_match_each_alone_on_the_gpu() {
-    use smoe_engine::{BatchItem, Logits, NoObserver};
+    use smoe_engine::{BatchItem, NoObserver};
     let name = "qwen3_moe";
     for kept_tokens in [None, Some(80)] {
         let Some(model) = gpu_model(name, &CudaOptions { kept_tokens, ..Default::default() }) else { return };
@@ -543,14 +550,7 @@ fn seventy_sequences_in_a_step_match_each_alone_on_the_gpu() {
                 record[i].push((inputs[i].clone(), logits[i * vocab..(i + 1) * vocab].to_vec()));
             }
         }
-        let mut worst = 0f64;
-        for steps in &record {
-            let mut st = model.new_state(8);
-            for (tokens, got) in steps {
-                let alone = model.forward(&mut st, tokens, Logits::Last, &mut NoObserver).unwrap();
-                worst = worst.max(rel_err(got, alone));
-            }
-        }
+        let worst = worst_against_alone(&model, &record);
         eprintln!(
             "{name}: {count} sequences batched vs alone on the GPU (kept tokens {kept_tokens:?}), largest relative logit error {worst:.2e}"
         );
