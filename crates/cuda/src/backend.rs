@@ -2050,7 +2050,11 @@ impl Backend for CudaBackend {
     fn kept_tokens(&self, layer: usize, limit: Option<f32>, run: usize) -> usize {
         let kept = self.kept.lock().expect("kept experts lock");
         match kept.layer(layer) {
-            Some(l) if run <= self.kept_tile_run && self.tiles_take(l, limit) => self.kept_tile_tokens,
+            // Past `kept_tokens` only where the tiles take every such step (with the tiles
+            // from beyond it, the steps between would go pair by pair, which nobody measured).
+            Some(l) if run <= self.kept_tile_run && self.kept_tiles_from <= self.kept_tokens + 1 && self.tiles_take(l, limit) => {
+                self.kept_tile_tokens.max(self.kept_tokens)
+            }
             _ => self.kept_tokens,
         }
     }
