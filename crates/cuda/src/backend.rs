@@ -203,20 +203,21 @@ pub struct CudaOptions {
     /// A batched step's sequences in one launch for attention and its inputs (also
     /// `SMOE_CUDA_BATCH_ATTENTION=on|off`): see `CudaBackend::batch_attention`; `None`: on.
     pub batch_attention: Option<bool>,
-    /// [`smoe_engine::Backend::kept_tokens`] (also `SMOE_CUDA_KEPT_TOKENS`); `None`: 64.
+    /// Most tokens of a step that [`smoe_engine::Backend::kept_takes`] takes (also
+    /// `SMOE_CUDA_KEPT_TOKENS`); `None`: 64.
     pub kept_tokens: Option<usize>,
     /// Steps of at least this many tokens run the kept experts on int8 tiles, each expert's
     /// rows read once for all the pairs that chose it, instead of pair by pair (also
     /// `SMOE_CUDA_KEPT_TILES_FROM`; 0: never); `None`: 24. Where the fused kept kernels run
     /// (Q8_0 or Q4_K gate and up in one format, plain SiLU, int8 activations) and the GPU has
     /// int8 tensor cores, with rows of whole 16-byte pieces
-    /// ([`smoe_engine::Backend::kept_tokens`] decides which steps come here at all).
+    /// ([`smoe_engine::Backend::kept_takes`] decides which steps come here at all).
     pub kept_tiles_from: Option<usize>,
-    /// [`smoe_engine::Backend::kept_tokens`] of a layer whose kept experts run on the tiles,
-    /// for steps where no sequence brings more than [`Self::kept_tile_run`] tokens (also
-    /// `SMOE_CUDA_KEPT_TILE_TOKENS`); `None`: 256, or [`Self::kept_tokens`] where that is given
-    /// (so that a test's small `kept_tokens` sends every layer's larger steps to the host's
-    /// grouping). Larger steps route on the GPU and group the pairs on the host.
+    /// Most tokens [`smoe_engine::Backend::kept_takes`] takes in a layer whose kept experts
+    /// run on the tiles, for steps where no sequence brings more than [`Self::kept_tile_run`]
+    /// tokens (also `SMOE_CUDA_KEPT_TILE_TOKENS`); `None`: 256, or [`Self::kept_tokens`] where
+    /// that is given (so that a test's small `kept_tokens` sends every layer's larger steps to
+    /// the host's grouping). Larger steps route on the GPU and group the pairs on the host.
     pub kept_tile_tokens: Option<usize>,
     /// Most tokens one sequence may bring to a step that [`Self::kept_tile_tokens`] applies to
     /// (also `SMOE_CUDA_KEPT_TILE_RUN`); `None`: 8. Prompts longer than that stay with
@@ -587,7 +588,7 @@ pub struct CudaBackend {
     /// Whether experts' few-token products join the tiles in a prefill's chunks (see
     /// [`Product`]); `SMOE_CUDA_FEW_MV_JOIN=off`: they stay on the mat-vec.
     few_mv_join: bool,
-    /// [`smoe_engine::Backend::kept_tokens`]: [`CudaOptions::kept_tokens`].
+    /// [`CudaOptions::kept_tokens`].
     kept_tokens: usize,
     /// The fused kept-expert kernels' grid with the pairs (tokens) fastest, so that pairs
     /// sharing an expert read it together (`kept.cu`); `SMOE_CUDA_KEPT_ORDER=rows`: the rows
@@ -599,6 +600,8 @@ pub struct CudaBackend {
     kept_tile_tokens: usize,
     /// [`CudaOptions::kept_tile_run`].
     kept_tile_run: usize,
+    /// Layers' steps whose kept experts ran on the int8 tiles ([`Self::kept_tile_steps`]).
+    kept_tile_steps: AtomicUsize,
     /// A batched step's sequences in one launch for attention and its inputs ([`seqs`]); with
     /// `SMOE_CUDA_BATCH_ATTENTION=off`, sequence by sequence (four launches per sequence per
     /// layer). On an H100 one launch took 16 sequences from 490 to 835 tok/s.
@@ -708,6 +711,7 @@ impl CudaBackend {
                 .kept_tile_run
                 .or_else(|| std::env::var("SMOE_CUDA_KEPT_TILE_RUN").ok().and_then(|v| v.parse().ok()))
                 .unwrap_or(KEPT_TILE_RUN),
+            kept_tile_steps: AtomicUsize::new(0),
             faulted: AtomicBool::new(false),
             fault: Mutex::new(None),
             graphs: (opts.graphs || std::env::var("SMOE_CUDA_GRAPHS").as_deref() == Ok("on"))
@@ -725,6 +729,12 @@ impl CudaBackend {
     /// activations on): prefill's tiles and a batched step's kept experts on tiles.
     pub fn int8_tiles(&self) -> bool {
         self.int8_tiles
+    }
+
+    /// How many layers' steps ran their kept experts on the int8 tiles (`kept_tiles.cu`): the
+    /// tiles sum as the host's grouping does, so the logits alone cannot tell which ran.
+    pub fn kept_tile_steps(&self) -> usize {
+        self.kept_tile_steps.load(Ordering::Relaxed)
     }
 
     /// Whether layer `l`'s kept experts run on the int8 tiles (`kept_tiles.cu`) in steps of
@@ -1407,6 +1417,10 @@ impl Backend for CudaBackend {
                 "; the routed experts of {layers} layers kept in VRAM ({:.1} GiB), routed on the GPU",
                 kept.bytes as f64 / (1u64 << 30) as f64
             ));
+            let tiles = self.kept_tile_steps();
+            if tiles > 0 {
+                d.push_str(&format!(" ({tiles} layer steps on int8 tiles)"));
+            }
         }
         drop(kept);
         let e = self.expert_stats();
@@ -2047,16 +2061,18 @@ impl Backend for CudaBackend {
         }
     }
 
-    fn kept_tokens(&self, layer: usize, limit: Option<f32>, run: usize) -> usize {
-        let kept = self.kept.lock().expect("kept experts lock");
-        match kept.layer(layer) {
-            // Past `kept_tokens` only where the tiles take every such step (with the tiles
-            // from beyond it, the steps between would go pair by pair, which nobody measured).
-            Some(l) if run <= self.kept_tile_run && self.kept_tiles_from <= self.kept_tokens + 1 && self.tiles_take(l, limit) => {
-                self.kept_tile_tokens.max(self.kept_tokens)
-            }
-            _ => self.kept_tokens,
+    fn kept_takes(&self, layer: usize, limit: Option<f32>, n: usize, run: usize) -> bool {
+        if n <= self.kept_tokens {
+            return true;
         }
+        // Past `kept_tokens` only where the tiles take every such step (with the tiles from
+        // beyond it, the steps between would go pair by pair, which nobody measured). Only
+        // these steps look at the layer: a decoded token's never takes the lock.
+        if n > self.kept_tile_tokens || run > self.kept_tile_run || self.kept_tiles_from > self.kept_tokens + 1 {
+            return false;
+        }
+        let kept = self.kept.lock().expect("kept experts lock");
+        kept.layer(layer).is_some_and(|l| self.tiles_take(l, limit))
     }
     fn kept_experts(
         &self,
@@ -2166,6 +2182,7 @@ impl Backend for CudaBackend {
                     let cfg =
                         LaunchConfig { grid_dim: (hidden.div_ceil(64) as u32, experts, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
                     self.launch(a, cfg, "kept experts on tiles: down");
+                    self.kept_tile_steps.fetch_add(1, Ordering::Relaxed);
                     drop(kept);
                     // The routes' weights follow each token's k ids.
                     self.mix_slots(slots, x, hidden, n, k, (rp, 2 * k, k));

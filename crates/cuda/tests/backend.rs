@@ -399,21 +399,28 @@ fn batched_int8_steps_match_each_sequence_alone_on_the_gpu() {
     let tiles = CudaOptions { kept_tiles_from: Some(1), ..Default::default() };
     let pairs = CudaOptions { kept_tiles_from: Some(0), ..Default::default() };
     int8_batched_within_bound(
-        &[("host grouping above 4 tokens", per_sequence), ("kept experts on tiles", tiles), ("kept experts pair by pair", pairs)],
+        &[
+            ("host grouping above 4 tokens", per_sequence, false),
+            ("kept experts on tiles", tiles, true),
+            ("kept experts pair by pair", pairs, false),
+        ],
         |model| batched_against_alone(model, "qwen3_moe_k"),
     );
 }
 
-/// For each (what, options): qwen3_moe_k with Q4_K experts and Q8_0 dense weights on the GPU,
-/// `worst` of its batched steps against each sequence alone, asserted within the int8 batched
-/// bound (2e-2, and a tenth of the model's own distance from transformers on the chat text).
-fn int8_batched_within_bound(cases: &[(&str, CudaOptions)], worst: impl Fn(&Model<CudaBackend>) -> f64) {
+/// For each (what, options, on tiles): qwen3_moe_k with Q4_K experts and Q8_0 dense weights on
+/// the GPU, `worst` of its batched steps against each sequence alone, asserted within the int8
+/// batched bound (2e-2, and a tenth of the model's own distance from transformers on the chat
+/// text), and whether any step's kept experts ran on the int8 tiles.
+fn int8_batched_within_bound(cases: &[(&str, CudaOptions, bool)], worst: impl Fn(&Model<CudaBackend>) -> f64) {
     let Some(probe) = backend(&CudaOptions::default()) else { return };
+    // GPUs without int8 tensor cores run the kept experts pair by pair.
+    let tiles_here = probe.int8_tiles();
     drop(probe);
     let name = "qwen3_moe_k";
     let v = smoe_vault::Vault::open(vault(name, Format::Q4_K, Format::Q8_0)).unwrap();
     let r = read_safetensors(&fixture(name).join("reference.safetensors"));
-    for (what, opts) in cases {
+    for (what, opts, on_tiles) in cases {
         let model = Model::load(&v, backend(opts).unwrap(), Arc::new(ResidentExperts::load(&v).unwrap())).unwrap();
         let ek = rel_err(&decode_quietly(&model, &ids(&r["chat.input_ids"])), r["chat.logits"].f32());
         let worst = worst(&model);
@@ -424,6 +431,8 @@ fn int8_batched_within_bound(cases: &[(&str, CudaOptions)], worst: impl Fn(&Mode
             worst < 2e-2 && worst < ek / 10.0,
             "{what}: int8 batched logits differ from alone by {worst:.2e} ({ek:.2e} from transformers)"
         );
+        let steps = model.backend().kept_tile_steps();
+        assert_eq!(steps > 0, *on_tiles && tiles_here, "{what}: {steps} layer steps on int8 tiles");
     }
 }
 
@@ -476,9 +485,12 @@ fn kept_experts_on_tiles_match_pair_by_pair() {
             let opts =
                 CudaOptions { kept_tiles_from: Some(1), kept_tile_tokens: tile_tokens, kept_tile_run: Some(512), ..Default::default() };
             let m = Model::load(&v, backend(&opts).unwrap(), Arc::new(ResidentExperts::load(&v).unwrap())).unwrap();
-            m.forward(&mut m.new_state(512), &long, Logits::All, &mut NoObserver).unwrap().to_vec()
+            let logits = m.forward(&mut m.new_state(512), &long, Logits::All, &mut NoObserver).unwrap().to_vec();
+            (logits, m.backend().kept_tile_steps())
         };
-        let (lt, lg) = (long_step(Some(512)), long_step(None));
+        let ((lt, on_tiles), (lg, grouped_on_tiles)) = (long_step(Some(512)), long_step(None));
+        // The tiles sum as the grouping does: only the count says which ran.
+        assert!(on_tiles > 0 && grouped_on_tiles == 0, "{experts}: {on_tiles} and {grouped_on_tiles} layer steps on tiles");
         let want = r["long.logits"].f32();
         let (et, eg, d) = (rel_err(&lt, want), rel_err(&lg, want), rel_err(&lt, &lg));
         eprintln!("{name} {experts} experts, 300 tokens in one step: tiles {d:.2e} from the host's grouping; {et:.2e} and {eg:.2e} from transformers");
@@ -557,7 +569,7 @@ fn seventy_sequences_on_the_kept_tiles_match_each_alone_on_the_gpu() {
     let tiles = CudaOptions::default();
     let grouped = CudaOptions { kept_tokens: Some(4), ..Default::default() };
     int8_batched_within_bound(
-        &[("70 sequences, decode steps on the kept tiles", tiles), ("70 sequences, every step grouped on the host", grouped)],
+        &[("70 sequences, decode steps on the kept tiles", tiles, true), ("70 sequences, every step grouped on the host", grouped, false)],
         |model| seventy_against_alone(model, "qwen3_moe_k", 30, 200),
     );
 }

@@ -987,14 +987,14 @@ pub trait Backend: Send + Sync {
     ) {
         panic!("kept_experts: this backend keeps no experts (keep_experts returned false)");
     }
-    /// Most tokens of a step that [`Self::kept_experts`] takes in kept layer `layer` (whose
+    /// Whether [`Self::kept_experts`] takes a step of `n` tokens in kept layer `layer` (whose
     /// experts' activation is clamped at `limit`, as `kept_experts` gets it), where no sequence
-    /// brings more than `run` tokens to the step (a prompt's tokens tend to choose the same
-    /// experts; sequences' decode tokens spread over them): for a few tokens its products on
-    /// the device cost less than grouping the pairs by expert on the host (a wait for the
-    /// device per layer); beyond, the decoder routes on the backend and groups on the host.
-    fn kept_tokens(&self, _layer: usize, _limit: Option<f32>, _run: usize) -> usize {
-        4
+    /// brings more than `run` of them (a prompt's tokens tend to choose the same experts;
+    /// sequences' decode tokens spread over them): for a few tokens its products on the device
+    /// cost less than grouping the pairs by expert on the host (a wait for the device per
+    /// layer); beyond, the decoder routes on the backend and groups on the host.
+    fn kept_takes(&self, _layer: usize, _limit: Option<f32>, n: usize, _run: usize) -> bool {
+        n <= 4
     }
 
     /// Stores `n` key (and value) rows for positions `pos0..pos0 + n` of `layer`.

@@ -1327,7 +1327,7 @@ impl<B: Backend> Model<B> {
         let t = Instant::now();
         let kept = self.kept[li] && m.tid2eid.is_none();
         let run = s.segs.iter().map(|g| g.n).max().unwrap_or(n);
-        if kept && n <= self.backend.kept_tokens(li, self.expert_limit(), run) && self.routing_trace.is_none() && !obs.wants_routes() {
+        if kept && self.backend.kept_takes(li, self.expert_limit(), n, run) && self.routing_trace.is_none() && !obs.wants_routes() {
             self.kept_moe(li, m, s, n);
             s.charge(t, |r| &mut r.expert_ms);
             return Ok(true);
