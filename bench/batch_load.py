@@ -84,8 +84,13 @@ def read_bytes(base, key):
     return None
 
 
+def connect(base, key):
+    """An `openai` client of the server at `base`: no retries (a failure is reported)."""
+    return OpenAI(base_url=base.rstrip("/") + "/v1", api_key=key or "none", max_retries=0, timeout=3600)
+
+
 def run(base, key, model, clients, rounds, max_tokens, prompt_words, seed):
-    client = OpenAI(base_url=base.rstrip("/") + "/v1", api_key=key or "none", max_retries=0, timeout=3600)
+    client = connect(base, key)
     rng = random.Random(seed)
     prompts = [[" ".join(rng.choice(WORDS) for _ in range(prompt_words)) for _ in range(rounds)] for _ in range(clients)]
     results, errors = [], []
@@ -146,7 +151,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=1, help="untimed requests before the first client count")
     a = ap.parse_args()
     if a.warmup > 0:
-        warm = OpenAI(base_url=a.base.rstrip("/") + "/v1", api_key=a.key or "none", max_retries=0, timeout=3600)
+        warm = connect(a.base, a.key)
         for _ in range(a.warmup):
             one_request(warm, a.model, "warm up", 8)
     failed = False
