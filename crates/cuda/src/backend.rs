@@ -17,10 +17,8 @@
 mod compressed;
 mod delta;
 mod fused;
-mod kept_step;
 mod seqs;
 mod sparse;
-mod tails;
 
 pub use crate::buf::CudaBuf;
 use crate::buf::{dptr, QuantRows};
@@ -173,127 +171,6 @@ struct KeptJobs {
 // i32: 72 bytes, 8-aligned), copied by value into the kernel's parameters.
 unsafe impl DeviceRepr for KeptJobs {}
 
-/// The norm the kept experts' mix kernel does after it (`struct RowNorm` in kept.cu); `w` 0:
-/// none.
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-struct RowNorm {
-    w: u64,
-    out: u64,
-    q: u64,
-    tickets: u64,
-    eps: f32,
-    os: i32,
-    qs: i32,
-    dim: i32,
-    threads: i32,
-}
-
-// SAFETY: plain old data with the C layout of `struct RowNorm` in kept.cu (four u64, then a
-// float and four i32: 52 bytes, padded to 56, 8-aligned), copied by value into the kernel's
-// parameters.
-unsafe impl DeviceRepr for RowNorm {}
-
-/// Which small ops a launch's last block does after the launch's own work, instead of a launch
-/// of their own (`last_to_arrive` in fused.cu; each removes a wait for a launch from every
-/// layer of a decoded token): `route`, the routing in a decoded token's router launch; `mix`,
-/// the next norm in the kept experts' mix; `add`, the residual add and the norm in a decoded
-/// token's attention output product; `rope`, the per-head norms, RoPE and the KV store in a
-/// decoded token's q, k and v products. `SMOE_CUDA_TAIL_OPS`: `off`, or those on as a list
-/// (`route,mix`); all by default.
-#[derive(Clone, Copy, Debug)]
-struct TailOps {
-    route: bool,
-    mix: bool,
-    add: bool,
-    rope: bool,
-}
-
-impl TailOps {
-    fn new(opt: Option<bool>) -> TailOps {
-        let all = |on| TailOps { route: on, mix: on, add: on, rope: on };
-        match (opt, std::env::var("SMOE_CUDA_TAIL_OPS")) {
-            (Some(on), _) => all(on),
-            (None, Ok(v)) if v != "on" => {
-                let has = |op| v.split(',').any(|p| p.trim() == op);
-                TailOps { route: has("route"), mix: has("mix"), add: has("add"), rope: has("rope") }
-            }
-            _ => all(true),
-        }
-    }
-}
-
-/// What the q, k and v products' last blocks of each head do after them (`struct RopeStore` in
-/// fused.cu): qk_rope_store's work on one token.
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct RopeStore {
-    qn: u64,
-    kn: u64,
-    cs: u64,
-    kc: u64,
-    vc: u64,
-    tickets: u64,
-    eps: f32,
-    q_heads: i32,
-    kv_heads: i32,
-    hd: i32,
-    half: i32,
-    interleaved: i32,
-    pos: i32,
-    block_rows: i32,
-}
-
-// SAFETY: plain old data with the C layout of `struct RopeStore` in fused.cu (six u64, then a
-// float and seven i32: 80 bytes, 8-aligned), copied by value into the kernel's parameters.
-unsafe impl DeviceRepr for RopeStore {}
-
-/// The residual add and norm the attention output product does after it (`struct AddNorm` in
-/// fused.cu).
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct AddNorm {
-    x: u64,
-    w: u64,
-    out: u64,
-    q: u64,
-    ticket: u64,
-    eps: f32,
-    dim: i32,
-    threads: i32,
-}
-
-// SAFETY: plain old data with the C layout of `struct AddNorm` in fused.cu (five u64, then a
-// float and two i32: 52 bytes, padded to 56, 8-aligned), copied by value into the kernel's
-// parameters.
-unsafe impl DeviceRepr for AddNorm {}
-
-/// What `route_token` (kernels.cu) takes beyond the logits, in the kernels' parameter order.
-struct RouteArgs {
-    e: i32,
-    bias: u64,
-    sigmoid: i32,
-    n_group: i32,
-    topk_group: i32,
-    k: i32,
-    norm: i32,
-    scaling: f32,
-    routes: u64,
-}
-
-impl RouteArgs {
-    fn push<'a>(&'a self, a: &mut Launch<'a>) {
-        a.arg(&self.e).arg(&self.bias).arg(&self.sigmoid).arg(&self.n_group).arg(&self.topk_group);
-        a.arg(&self.k).arg(&self.norm).arg(&self.scaling).arg(&self.routes);
-    }
-
-    /// Bytes of dynamic shared memory: `route_token`'s 2 e + 2 k floats, with `copies` 3 the
-    /// logits' copy too.
-    fn shared(&self, copies: i32) -> u32 {
-        ((copies * self.e + 2 * self.k) * 4) as u32
-    }
-}
-
 /// Options of a CUDA backend.
 #[derive(Clone, Debug, Default)]
 pub struct CudaOptions {
@@ -347,10 +224,6 @@ pub struct CudaOptions {
     /// [`Self::kept_tokens`]: their tokens choose the same experts, which the tiles take in
     /// turns.
     pub kept_tile_run: Option<usize>,
-    /// Whether a launch's last block does the small op after it: a decoded token's routing in
-    /// its router's launch, the next norm in the kept experts' mix (also
-    /// `SMOE_CUDA_TAIL_OPS=off`); `None`: on.
-    pub tail_ops: Option<bool>,
 }
 
 /// The one-token int8-activation kernels of a format (kernels.cu, kept.cu).
@@ -370,12 +243,6 @@ struct Int8Kernels {
     /// of its pairs (`kept_tiles.cu`): gate and up with SiLU(gate) · up, then the down
     /// products, one output row per pair.
     tiles: KeptTileKernels,
-    /// A decoded token's output product with the residual add and the next norm in its last
-    /// block (`mvq_add_norm`, fused.cu).
-    add_norm: CudaFunction,
-    /// A decoded token's q, k and v products with each head's norms, RoPE and KV store in the
-    /// last of its blocks (`mvq_rope`, fused.cu).
-    rope: CudaFunction,
 }
 
 /// The two launches of the kept experts on tiles (`kept_tiles.cu`).
@@ -426,7 +293,6 @@ struct Kernels {
     attention_seqs: CudaFunction,
     silu_quantize: CudaFunction,
     mvs_f32: CudaFunction,
-    mvs_f32_route: CudaFunction,
     attention_tiles: CudaFunction,
     attention_mma: CudaFunction,
     attention_mma_d128: CudaFunction,
@@ -490,8 +356,6 @@ impl Kernels {
                                 mvkq: f(&format!("mvkq_{n}"))?,
                                 swiglu: f(&format!("mvkq_swiglu_{n}"))?,
                                 mix: f(&format!("mvkq_mix_{n}"))?,
-                                add_norm: f(&format!("mvq_add_norm_{n}"))?,
-                                rope: f(&format!("mvq_rope_{n}"))?,
                                 tiles: KeptTileKernels {
                                     swiglu: f(&format!("kept_tiles_swiglu_{n}"))?,
                                     down: f(&format!("kept_tiles_down_{n}"))?,
@@ -535,7 +399,6 @@ impl Kernels {
             attention_seqs: f("attention_seqs")?,
             silu_quantize: f("silu_quantize")?,
             mvs_f32: f("mvs_f32")?,
-            mvs_f32_route: f("mvs_f32_route")?,
             attention_tiles: f("attention_tiles")?,
             attention_mma: f("attention_mma")?,
             attention_mma_d128: f("attention_mma_d128")?,
@@ -698,13 +561,6 @@ pub struct CudaBackend {
     /// results and a ticket per query tile (see `split_scratch`).
     tile_part: Mutex<Option<CudaSlice<f32>>>,
     tile_tickets: Mutex<Option<CudaSlice<f32>>>,
-    /// Which launches' last blocks do the small op after them (`last_to_arrive` in fused.cu;
-    /// see [`TailOps`]).
-    tail_ops: TailOps,
-    /// Their tickets, at zero between launches.
-    tail_tickets: Mutex<Option<CudaSlice<f32>>>,
-    /// Launches that did an op after their own ([`Self::tail_op_launches`]).
-    tail_op_launches: AtomicUsize,
     /// Keys per run of that split: 128 unless `SMOE_CUDA_ATTENTION_RUN` says (0: unsplit).
     attention_run: usize,
     /// Prefill attention on tensor cores (3xTF32), unless `SMOE_CUDA_ATTENTION=f32` (the f32
@@ -817,9 +673,6 @@ impl CudaBackend {
             delta_part: Mutex::new(None),
             tile_part: Mutex::new(None),
             tile_tickets: Mutex::new(None),
-            tail_ops: TailOps::new(opts.tail_ops),
-            tail_op_launches: AtomicUsize::new(0),
-            tail_tickets: Mutex::new(None),
             attention_run: std::env::var("SMOE_CUDA_ATTENTION_RUN").ok().and_then(|r| r.parse().ok()).unwrap_or(128),
             split_part: Mutex::new(None),
             tensor_core_attention: tensor_cores && std::env::var("SMOE_CUDA_ATTENTION").as_deref() != Ok("f32"),
@@ -882,12 +735,6 @@ impl CudaBackend {
     /// tiles sum as the host's grouping does, so the logits alone cannot tell which ran.
     pub fn kept_tile_steps(&self) -> usize {
         self.kept_tile_steps.load(Ordering::Relaxed)
-    }
-
-    /// How many launches did the op after their own in their last block (a routing, a norm;
-    /// see [`CudaOptions::tail_ops`]): the same bits either way, so the logits cannot tell.
-    pub fn tail_op_launches(&self) -> usize {
-        self.tail_op_launches.load(Ordering::Relaxed)
     }
 
     /// Whether layer `l`'s kept experts run on the int8 tiles (`kept_tiles.cu`) in steps of
@@ -1232,34 +1079,6 @@ impl CudaBackend {
         self.launch(a, cfg_elems(n * dim), "add_weighted_slots");
     }
 
-    /// The parameters `route` and `mvs_f32_route` take after their input, for `n` tokens of
-    /// `rule` into `routes` from float `at` on (with the router's correction `bias`).
-    fn route_args(&self, rule: &RouterRule, bias: Option<&CudaVector>, n: usize, routes: &mut CudaBuf, at: usize) -> RouteArgs {
-        let (e, k) = (rule.num_experts(), rule.top_k());
-        check_rows("route", routes, 0, 1, 0, at, n * 2 * k);
-        let (sigmoid, n_group, topk_group) = match *rule.kind() {
-            Router::Softmax => (0i32, 1i32, 1i32),
-            Router::SigmoidGrouped { n_group, topk_group, .. } => (1, n_group as i32, topk_group as i32),
-            Router::SqrtSoftplus { .. } => (2, 1, 1),
-        };
-        // The kernel scores one group per lane, and every expert must be choosable.
-        assert!((1..=32).contains(&n_group) && k <= e, "route: {n_group} groups, top {k} of {e}");
-        if let Some(b) = bias {
-            assert!(b.len >= e, "route: {} biases for {e} experts", b.len);
-        }
-        RouteArgs {
-            e: e as i32,
-            bias: bias.map_or(0u64, |b| dptr(&b.data, &self.stream)),
-            sigmoid,
-            n_group,
-            topk_group,
-            k: k as i32,
-            norm: rule.norm_topk_prob() as i32,
-            scaling: rule.scaling(),
-            routes: routes.at_mut(&self.stream) + (at * 4) as u64,
-        }
-    }
-
     /// The scratch for quantized inputs, at least `bytes` long: one stream orders each
     /// product's reads before the next write.
     fn scratch(&self, bytes: usize) -> Option<u64> {
@@ -1601,10 +1420,6 @@ impl Backend for CudaBackend {
             let tiles = self.kept_tile_steps();
             if tiles > 0 {
                 d.push_str(&format!(" ({tiles} layer steps on int8 tiles)"));
-            }
-            let tails = self.tail_op_launches();
-            if tails > 0 {
-                d.push_str(&format!(", {tails} launches with the next op in their last block"));
             }
         }
         drop(kept);
@@ -2022,21 +1837,6 @@ impl Backend for CudaBackend {
     fn add_rms_norm(&self, x: &mut CudaBuf, y: &CudaBuf, n: usize, dim: usize, w: &CudaVector, eps: f32, out: &mut CudaBuf) {
         self.fused_add_rms_norm(x, y, n, dim, w, eps, out);
     }
-    fn matmul_add_rms_norm(
-        &self,
-        w: &CudaMatrix,
-        x: &CudaBuf,
-        n: usize,
-        d: &mut CudaBuf,
-        resid: &mut CudaBuf,
-        (dim, norm, eps): (usize, &CudaVector, f32),
-        h: &mut CudaBuf,
-    ) {
-        if !self.product_add_norm(w, x, n, d, resid, (dim, norm, eps), h) {
-            self.matmul(w, None, x, n, d);
-            self.fused_add_rms_norm(resid, d, n, dim, norm, eps, h);
-        }
-    }
     fn qk_rope_store(
         &self,
         qkv: &mut CudaBuf,
@@ -2049,25 +1849,6 @@ impl Backend for CudaBackend {
         pos0: usize,
     ) {
         self.fused_qk_rope_store(qkv, n, rows, norm, rope, cache, layer, pos0);
-    }
-    fn qkv_rope_store(
-        &self,
-        jobs: &[MatJob<'_, CudaMatrix>],
-        h: &CudaBuf,
-        h_stride: usize,
-        qkv: &mut CudaBuf,
-        n: usize,
-        rows: QkvRows,
-        norm: Option<(&CudaVector, &CudaVector, f32)>,
-        rope: RopeTables<'_>,
-        cache: &mut CudaKvCache,
-        layer: usize,
-        pos0: usize,
-    ) {
-        if !self.products_rope_store(jobs, h, h_stride, qkv, n, rows, norm, rope, cache, layer, pos0) {
-            self.matmul_many(jobs, h, h_stride, qkv, rows.stride);
-            self.fused_qk_rope_store(qkv, n, rows, norm, rope, cache, layer, pos0);
-        }
     }
     fn add_bias(&self, x: &mut CudaBuf, n: usize, stride: usize, off: usize, b: &CudaVector) {
         if self.faulted() || n == 0 || b.len == 0 {
@@ -2228,31 +2009,27 @@ impl Backend for CudaBackend {
         if self.faulted() || n == 0 {
             return;
         }
-        check("route input", logits, n, rule.num_experts());
-        let ra = self.route_args(rule, bias, n, routes, at);
-        let lp = logits.at(&self.stream);
-        let mut a = Launch::new(&self.k.route);
-        a.arg(&lp);
-        ra.push(&mut a);
-        let cfg = LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (32, 1, 1), shared_mem_bytes: ra.shared(2) };
-        self.launch(a, cfg, "route");
-    }
-
-    fn router_route(
-        &self,
-        rule: &RouterRule,
-        router: &CudaMatrix,
-        input: &CudaBuf,
-        n: usize,
-        logits: &mut CudaBuf,
-        bias: Option<&CudaVector>,
-        routes: &mut CudaBuf,
-        at: usize,
-    ) {
-        if !self.router_and_route(rule, router, input, n, logits, bias, routes, at) {
-            self.matmul(router, None, input, n, logits);
-            self.route(rule, logits, bias, n, routes, at);
+        let (e, k) = (rule.num_experts(), rule.top_k());
+        check("route input", logits, n, e);
+        check_rows("route", routes, 0, 1, 0, at, n * 2 * k);
+        let (sigmoid, n_group, topk_group) = match *rule.kind() {
+            Router::Softmax => (0i32, 1i32, 1i32),
+            Router::SigmoidGrouped { n_group, topk_group, .. } => (1, n_group as i32, topk_group as i32),
+            Router::SqrtSoftplus { .. } => (2, 1, 1),
+        };
+        // The kernel scores one group per lane, and every expert must be choosable.
+        assert!((1..=32).contains(&n_group) && k <= e, "route: {n_group} groups, top {k} of {e}");
+        if let Some(b) = bias {
+            assert!(b.len >= e, "route: {} biases for {e} experts", b.len);
         }
+        let lp = logits.at(&self.stream);
+        let bp = bias.map_or(0u64, |b| dptr(&b.data, &self.stream));
+        let rp = routes.at_mut(&self.stream) + (at * 4) as u64;
+        let (e_i, k_i, norm, scaling) = (e as i32, k as i32, rule.norm_topk_prob() as i32, rule.scaling());
+        let mut a = Launch::new(&self.k.route);
+        a.arg(&lp).arg(&e_i).arg(&bp).arg(&sigmoid).arg(&n_group).arg(&topk_group).arg(&k_i).arg(&norm).arg(&scaling).arg(&rp);
+        let cfg = LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (32, 1, 1), shared_mem_bytes: ((2 * e + 2 * k) * 4) as u32 };
+        self.launch(a, cfg, "route");
     }
 
     fn keep_room(&self) -> u64 {
@@ -2310,27 +2087,148 @@ impl Backend for CudaBackend {
         x: &mut CudaBuf,
         limit: Option<f32>,
     ) {
-        self.kept_step(layer, (routes, at, k), h, n, gu, slots, x, limit, None);
-    }
-
-    fn kept_experts_norm(
-        &self,
-        layer: usize,
-        routes: &CudaBuf,
-        at: usize,
-        k: usize,
-        h: &mut CudaBuf,
-        n: usize,
-        gu: &mut CudaBuf,
-        slots: &mut CudaBuf,
-        x: &mut CudaBuf,
-        limit: Option<f32>,
-        (dim, norm, eps): (usize, &CudaVector, f32),
-    ) {
-        let rn = self.tail_norm(h, n, dim, norm, eps);
-        if !self.kept_step(layer, (routes, at, k), h, n, gu, slots, x, limit, rn) {
-            self.rms_norm(x, n, dim, norm, eps, h);
+        if self.faulted() || n == 0 {
+            return;
         }
+        let kept = self.kept.lock().expect("kept experts lock");
+        let Some(l) = kept.layer(layer) else {
+            drop(kept);
+            self.record("kept_experts", format!("layer {layer} is not kept"));
+            return;
+        };
+        let [gate, up, down] = &l.parts;
+        let (hidden, width) = (gate.cols, gate.rows);
+        check_rows("kept_experts routes", routes, 0, 1, 0, at, n * 2 * k);
+        check("kept_experts input", h, n, hidden);
+        check("kept_experts gate and up", gu, n * k, 2 * width);
+        check("kept_experts down", slots, n * k, hidden);
+        check("kept_experts", x, n, hidden);
+        let rp = routes.at(&self.stream) + (at * 4) as u64;
+        let pairs = (n * k) as u32;
+        // The given parts (and their output columns) of every pair's expert, as the kernels
+        // take them; inputs one row per token or, `per_pair`, per pair.
+        let kept_jobs = |parts: &[(&crate::kept::KeptPart, usize)], per_pair: bool| {
+            let p0 = parts[0].0;
+            let mut kj = KeptJobs {
+                row_bytes: p0.row_bytes as u64,
+                rows: p0.rows as i32,
+                cols: p0.cols as i32,
+                k: k as i32,
+                parts: parts.len() as i32,
+                experts: l.experts as i32,
+                x_per_pair: per_pair as i32,
+                ..Default::default()
+            };
+            for (i, (p, col)) in parts.iter().enumerate() {
+                kj.base[i] = dptr(&p.data, &self.stream);
+                kj.expert_bytes[i] = p.bytes as u64;
+                kj.out_col[i] = *col as i32;
+            }
+            kj
+        };
+        // One launch for the given parts of every pair's expert: inputs at `xp` (rows `xs`
+        // apart), or already quantized at `xq`.
+        let launch = |parts: &[(&crate::kept::KeptPart, usize)],
+                      xp: u64,
+                      xq: Option<(u64, usize)>,
+                      xs: usize,
+                      per_pair: bool,
+                      op: u64,
+                      os: usize| {
+            let p0 = parts[0].0;
+            let kj = kept_jobs(parts, per_pair);
+            let (xs_i, os_i) = (xs as i32, os as i32);
+            let fk = self.k.format(p0.format);
+            // The kernel a one-token product of this format gets in `products`, so that a kept
+            // expert's product has the same bits as the same product named by a job.
+            if let (Some(Int8Kernels { mvkq, .. }), true) = (&fk.mvq, self.int8) {
+                let rows = if per_pair { n * k } else { n };
+                let Some((qx, qstride)) = xq.or_else(|| self.quantize(xp, xs, 0, rows, p0.cols)) else { return };
+                let qs_i = qstride as i32;
+                let mut a = Launch::new(mvkq);
+                a.arg(&kj).arg(&rp).arg(&qx).arg(&qs_i).arg(&op).arg(&os_i);
+                let grid = (p0.rows.div_ceil(mvq_block_rows(p0.format, p0.cols)) as u32, pairs * parts.len() as u32, 1);
+                self.launch(a, LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: 0 }, "products, kept experts");
+                return;
+            }
+            let mut a = Launch::new(&fk.mvk);
+            a.arg(&kj).arg(&rp).arg(&xp).arg(&xs_i).arg(&op).arg(&os_i);
+            let grid = (p0.rows.div_ceil(4) as u32, pairs * parts.len() as u32, 1);
+            self.launch(a, LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: 0 }, "products, kept experts");
+        };
+        // `h` as the norm before left it quantized, where it did.
+        let hq = h.quantized().filter(|q| q.cols == hidden && q.rows >= n).map(|q| (q.ptr, q.stride));
+        let (hp, gp) = (h.at(&self.stream), gu.at_mut(&self.stream));
+        // The fused kernels know plain SiLU only.
+        if let Some(hq) = hq.filter(|_| self.kept_fused && limit.is_none()) {
+            let kernels = |p: &crate::kept::KeptPart| self.k.format(p.format).mvq.as_ref().filter(|_| self.int8);
+            if let (Some(gk), Some(dk), true) = (kernels(gate), kernels(down), gate.format == up.format && width % 32 == 0) {
+                let (gj, dj) = (kept_jobs(&[(gate, 0), (up, width)], false), kept_jobs(&[(down, 0)], true));
+                let dstride = crate::buf::quant_stride(width);
+                let Some(dq) = self.scratch(n * k * dstride) else { return };
+                let (hs, gs, ds) = (hq.1 as i32, (2 * width) as i32, dstride as i32);
+                if n >= self.kept_tiles_from && self.tiles_take(l, limit) {
+                    // Each expert's rows once for all its pairs: a block per (rows, expert),
+                    // blocks of experts no pair chose leave after reading the routes.
+                    let (n_i, experts) = (n as i32, l.experts as u32);
+                    let mut a = Launch::new(&gk.tiles.swiglu);
+                    a.arg(&gj).arg(&rp).arg(&n_i).arg(&hq.0).arg(&hs).arg(&gp).arg(&gs).arg(&dq).arg(&ds);
+                    let cfg = LaunchConfig { grid_dim: ((width / 32) as u32, experts, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+                    self.launch(a, cfg, "kept experts on tiles: gate, up, SiLU");
+                    let sp = slots.at_mut(&self.stream);
+                    let hidden_i = hidden as i32;
+                    let mut a = Launch::new(&dk.tiles.down);
+                    a.arg(&dj).arg(&rp).arg(&n_i).arg(&dq).arg(&ds).arg(&sp).arg(&hidden_i);
+                    let cfg =
+                        LaunchConfig { grid_dim: (hidden.div_ceil(64) as u32, experts, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+                    self.launch(a, cfg, "kept experts on tiles: down");
+                    self.kept_tile_steps.fetch_add(1, Ordering::Relaxed);
+                    drop(kept);
+                    // The routes' weights follow each token's k ids.
+                    self.mix_slots(slots, x, hidden, n, k, (rp, 2 * k, k));
+                    return;
+                }
+                // The pairs (tokens) on x where they go first (see `kept_pairs_first`).
+                let (first, first_i) = (self.kept_pairs_first, self.kept_pairs_first as i32);
+                let order = |rows: u32, pairs: u32| if first { (pairs, rows, 1) } else { (rows, pairs, 1) };
+                let mut a = Launch::new(&gk.swiglu);
+                a.arg(&gj).arg(&rp).arg(&hq.0).arg(&hs).arg(&gp).arg(&gs).arg(&dq).arg(&ds).arg(&first_i);
+                let cfg = LaunchConfig { grid_dim: order((width / 32) as u32, pairs), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+                self.launch(a, cfg, "kept experts: gate, up, SiLU");
+                drop(kept);
+                let (xp, xs) = (x.at_mut(&self.stream), hidden as i32);
+                let mut a = Launch::new(&dk.mix);
+                a.arg(&dj).arg(&rp).arg(&dq).arg(&ds).arg(&xp).arg(&xs).arg(&first_i);
+                // A warp a row (kept.cu's mvq_mix), four a block.
+                let cfg =
+                    LaunchConfig { grid_dim: order(hidden.div_ceil(4) as u32, n as u32), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+                self.launch(a, cfg, "kept experts: down, mixed");
+                return;
+            }
+        }
+        // Gate and up in one launch when they share a format (as they do but in odd mixes).
+        if gate.format == up.format {
+            launch(&[(gate, 0), (up, width)], hp, hq, hidden, false, gp, 2 * width);
+        } else {
+            launch(&[(gate, 0)], hp, hq, hidden, false, gp, 2 * width);
+            launch(&[(up, width)], hp, hq, hidden, false, gp, 2 * width);
+        }
+        // SiLU(gate) · up, quantized on the way where the down products take int8; clipped
+        // (DeepSeek-V4), then quantized by the down products' launch.
+        let dq = match (self.int8 && self.k.format(down.format).mvq.is_some() && width % 32 == 0, self.faulted(), limit) {
+            (_, _, Some(limit)) => {
+                self.silu_clamped_halves(gu, 0, n * k, 2 * width, width, limit);
+                None
+            }
+            (true, false, None) => self.silu_quantize(gu, n * k, width),
+            _ => {
+                self.silu_mul_halves(gu, 0, n * k, 2 * width, width);
+                None
+            }
+        };
+        launch(&[(down, 0)], gp, dq, 2 * width, true, slots.at_mut(&self.stream), hidden);
+        drop(kept);
+        self.mix_slots(slots, x, hidden, n, k, (rp, 2 * k, k));
     }
 
     fn kv_store(

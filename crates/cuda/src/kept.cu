@@ -156,26 +156,6 @@ __device__ void mvq_mix(const Kept& kp, const float* routes, const u8* qx, int q
     if (lane == 0) x[(size_t)t * xs + r] = acc;
 }
 
-// The norm that follows a layer's experts (the next layer's input norm), done by the mix
-// kernel's last block of each token (see last_to_arrive): w null: none.
-struct RowNorm {
-    const float* w;
-    float* out;      // row t at out + t * os
-    u8* q;           // its int8 copy at q + t * qs, or null
-    unsigned* tickets;  // one a token, at zero
-    float eps;
-    int os, qs, dim, threads;  // threads: the rms_norm kernel's, whose bits it keeps
-};
-
-// After the mix: the last of token t's blocks normalises x's row t as rms_norm would.
-__device__ void mix_norm(const RowNorm& rn, const float* x, int xs, int pairs_first) {
-    int t = pairs_first ? blockIdx.x : blockIdx.y;
-    unsigned blocks = pairs_first ? gridDim.y : gridDim.x;
-    if (!last_to_arrive(rn.tickets + t, blocks)) return;
-    rms_norm_row_as(x + (size_t)t * xs, rn.w, rn.out + (size_t)t * rn.os, rn.dim, rn.eps,
-                    rn.q ? rn.q + (size_t)t * rn.qs : nullptr, rn.threads);
-}
-
 #define KEPT_FUSED_KERNELS(name, id)                                                                          \
     extern "C" __global__ void mvkq_swiglu_##name(const Kept kp, const float* routes, const u8* qx, int qstride, \
                                                   float* out, int os, u8* dq, int dqstride, int pairs_first) {   \
@@ -183,10 +163,8 @@ __device__ void mix_norm(const RowNorm& rn, const float* x, int xs, int pairs_fi
         mvq_swiglu<id>(kp, routes, qx, qstride, out, os, dq, dqstride, pairs_first);                          \
     }                                                                                                         \
     extern "C" __global__ void mvkq_mix_##name(const Kept kp, const float* routes, const u8* qx, int qstride,    \
-                                               float* x, int xs, int pairs_first, const RowNorm rn) {            \
-        PDL_START;                                                                                            \
+                                               float* x, int xs, int pairs_first) { PDL_START;                   \
         mvq_mix<id>(kp, routes, qx, qstride, x, xs, pairs_first);                                             \
-        if (rn.w) mix_norm(rn, x, xs, pairs_first);                                                           \
     }
 
 KEPT_FUSED_KERNELS(q8_0, 8)

@@ -1195,12 +1195,14 @@ __device__ __forceinline__ u32 warp_max_u32(u32 v) {
 // `n_group` groups (a group scores the sum of its two best); top-k, weights renormalised
 // (norm) and scaled. Sums run in the host's order. Out: routes[t][0..k] ids as floats,
 // [k..2k] weights. Dynamic shared memory: 2 e + 2 k floats.
-// One token's routing (logits `l`, out: its 2k floats), a warp's; sh: 2 e + 2 k floats.
-__device__ void route_token(const float* l, int e, const float* bias, int sigmoid, int n_group, int topk_group,
-                            int k, int norm, float scaling, float* out, float* sh) {
+extern "C" __global__ void route(const float* logits, int e, const float* bias, int sigmoid, int n_group,
+                                 int topk_group, int k, int norm, float scaling, float* routes) { PDL_START;
+    extern __shared__ float sh[];
     float* choice = sh;
     float* wsrc = sh + e;
-    int lane = threadIdx.x % 32;
+    int t = blockIdx.x, lane = threadIdx.x;
+    const float* l = logits + (size_t)t * e;
+    float* out = routes + (size_t)t * 2 * k;
     if (!sigmoid) {
         float m = NEG_INF;
         for (int i = lane; i < e; i += 32) m = fmaxf(m, l[i]);
@@ -1304,14 +1306,6 @@ __device__ void route_token(const float* l, int e, const float* bias, int sigmoi
         out[r] = pick_id[r];
         out[k + r] = w;
     }
-}
-
-extern "C" __global__ void route(const float* logits, int e, const float* bias, int sigmoid, int n_group,
-                                 int topk_group, int k, int norm, float scaling, float* routes) { PDL_START;
-    extern __shared__ float sh[];
-    int t = blockIdx.x;
-    route_token(logits + (size_t)t * e, e, bias, sigmoid, n_group, topk_group, k, norm, scaling,
-                routes + (size_t)t * 2 * k, sh);
 }
 
 // One thread per (token, head, pair): cs holds n * half cosines then n * half sines.

@@ -80,7 +80,6 @@ const REFERENCE: CudaOptions = CudaOptions {
     kept_tiles_from: None,
     kept_tile_tokens: None,
     kept_tile_run: None,
-    tail_ops: None,
 };
 
 #[test]
@@ -256,34 +255,6 @@ fn experts_kept_in_vram_route_on_the_gpu_as_the_host_does() {
             same < 2e-2 && same < ek / 10.0,
             "{name}: int8 prefill differs from step decode by {same:.2e} ({ek:.2e} from transformers)"
         );
-    }
-}
-
-/// A launch's last block doing the op after it (a decoded token's routing in its router's
-/// launch, the next norm in the kept experts' mix) leaves every decoded token's logits as the
-/// separate launches give them, bit for bit: Q4_K experts on the int8 pair kernels (router and
-/// norm fused) and BF16 ones (the router only), one token a step and eight sequences a step.
-#[test]
-fn tail_ops_leave_decode_bit_for_bit() {
-    for (name, experts) in [("qwen3_moe_k", Format::Q4_K), ("qwen3_moe", Format::BF16)] {
-        let Some(probe) = backend(&CudaOptions::default()) else { return };
-        drop(probe);
-        let v = smoe_vault::Vault::open(vault(name, experts, Format::Q8_0)).unwrap();
-        let open = |on: bool| {
-            let opts = CudaOptions { tail_ops: Some(on), ..Default::default() };
-            Model::load(&v, backend(&opts).unwrap(), Arc::new(ResidentExperts::load(&v).unwrap())).unwrap()
-        };
-        let (on, off) = (open(true), open(false));
-        let r = read_safetensors(&fixture(name).join("reference.safetensors"));
-        let input = ids(&r["chat.input_ids"]);
-        let (a, b) = (decode_quietly(&on, &input), decode_quietly(&off, &input));
-        let (fused, separate) = (on.backend().tail_op_launches(), off.backend().tail_op_launches());
-        eprintln!("{name}, {experts} experts: {fused} launches did the op after theirs; {}", smoe_engine::Backend::describe(on.backend()));
-        assert!(fused > 0 && separate == 0, "{name}: {fused} fused launches with tail ops on, {separate} with them off");
-        assert!(a == b, "{name}: the tail ops moved one token's logits by {:.2e}", rel_err(&a, &b));
-        let (ba, bb) = (batched_logits(&on, &input, 8), batched_logits(&off, &input, 8));
-        assert!(ba == bb, "{name}: the tail ops moved eight sequences' logits by {:.2e}", rel_err(&ba, &bb));
-        eprintln!("{name}: eight sequences a step: {} launches with tail ops", on.backend().tail_op_launches() - fused);
     }
 }
 
@@ -552,22 +523,6 @@ fn batched_against_alone(model: &Model<CudaBackend>, name: &str) -> f64 {
         }
     }
     worst_against_alone(model, &record)
-}
-
-/// `count` sequences decoded side by side, a token each a step: sequence i reads `ids` from
-/// position i, five steps; every step's logits, in order.
-fn batched_logits(model: &Model<CudaBackend>, ids: &[u32], count: usize) -> Vec<f32> {
-    use smoe_engine::{BatchItem, NoObserver};
-    let mut states: Vec<_> = (0..count).map(|_| model.new_state(1)).collect();
-    let mut batch = model.new_batch(count);
-    let mut out = Vec::new();
-    for step in 0..5 {
-        let inputs: Vec<[u32; 1]> = (0..count).map(|i| [ids[(i + step) % ids.len()]]).collect();
-        let mut items: Vec<BatchItem<'_, _>> =
-            states.iter_mut().zip(&inputs).map(|(state, t)| BatchItem { state, tokens: &t[..] }).collect();
-        out.extend_from_slice(model.forward_batch(&mut batch, &mut items, &mut NoObserver).unwrap());
-    }
-    out
 }
 
 /// Each sequence's recorded steps (its tokens and the logits it got in the batch) run again

@@ -691,24 +691,6 @@ pub trait Backend: Send + Sync {
         self.add(x, y, n * dim);
         self.rms_norm(x, n, dim, w, eps, out);
     }
-    /// `d = x · w` over `n` rows ([`Self::matmul`]), then `resid += d` and `h = rms_norm(resid)`
-    /// with `norm` as [`Self::add_rms_norm`]: a sublayer's output product with the residual add
-    /// and the next norm, one op so that a backend may add and normalise in the product's last
-    /// pass (the CUDA backend does for a decoded token).
-    #[allow(clippy::too_many_arguments)]
-    fn matmul_add_rms_norm(
-        &self,
-        w: &Self::Matrix,
-        x: &Self::Buf,
-        n: usize,
-        d: &mut Self::Buf,
-        resid: &mut Self::Buf,
-        (dim, norm, eps): (usize, &Self::Vector, f32),
-        h: &mut Self::Buf,
-    ) {
-        self.matmul(w, None, x, n, d);
-        self.add_rms_norm(resid, d, n, dim, norm, eps, h);
-    }
     /// Standard attention's inputs made ready, in `n` rows of `[q | k | v]` (`rows`): each q
     /// and k head normalised by `norm` (query weights, key weights, epsilon; per head, where
     /// the model has such norms), q and k heads rotated by `rope`, and the keys and values
@@ -729,30 +711,6 @@ pub trait Backend: Send + Sync {
         Self: Sized,
     {
         qk_rope_store_composed(self, qkv, n, rows, norm, rope, cache, layer, pos0);
-    }
-    /// The q, k and v products ([`Self::matmul_many`] of `jobs` over `n` rows of `h`, rows
-    /// `h_stride` apart, into `qkv` laid out as `rows` says), then [`Self::qk_rope_store`] of
-    /// them: one op so that a backend may rotate and store each head in the pass that finishes
-    /// its rows (the CUDA backend does for a decoded token).
-    #[allow(clippy::too_many_arguments)]
-    fn qkv_rope_store(
-        &self,
-        jobs: &[MatJob<'_, Self::Matrix>],
-        h: &Self::Buf,
-        h_stride: usize,
-        qkv: &mut Self::Buf,
-        n: usize,
-        rows: QkvRows,
-        norm: Option<(&Self::Vector, &Self::Vector, f32)>,
-        rope: RopeTables<'_>,
-        cache: &mut Self::KvCache,
-        layer: usize,
-        pos0: usize,
-    ) where
-        Self: Sized,
-    {
-        self.matmul_many(jobs, h, h_stride, qkv, rows.stride);
-        self.qk_rope_store(qkv, n, rows, norm, rope, cache, layer, pos0);
     }
     /// [`Self::qk_rope_store`] of the sequences of a step at once: `n` rows in all, `rope` the
     /// tables of all of them, each sequence's keys and values into its own cache at `layer`;
@@ -989,24 +947,6 @@ pub trait Backend: Send + Sync {
     /// backend routes without sending the logits to the host, so that the decoder need not
     /// wait for the device at every MoE layer (see [`Self::kept_experts`]).
     fn route(&self, rule: &RouterRule, logits: &Self::Buf, bias: Option<&Self::Vector>, n: usize, routes: &mut Self::Buf, at: usize);
-    /// The router's logits of `n` rows of `input` into `logits` ([`Self::matmul`] through
-    /// `router`, `[experts, hidden]`), then their routes as [`Self::route`] leaves them. One op
-    /// so that a backend may do both in one pass (the CUDA backend does for a decoded token).
-    #[allow(clippy::too_many_arguments)]
-    fn router_route(
-        &self,
-        rule: &RouterRule,
-        router: &Self::Matrix,
-        input: &Self::Buf,
-        n: usize,
-        logits: &mut Self::Buf,
-        bias: Option<&Self::Vector>,
-        routes: &mut Self::Buf,
-        at: usize,
-    ) {
-        self.matmul(router, None, input, n, logits);
-        self.route(rule, logits, bias, n, routes, at);
-    }
 
     /// Bytes of routed experts this backend can keep in its own memory (see
     /// [`Self::keep_experts`]); 0 for a backend that computes on the store's views where they
@@ -1046,28 +986,6 @@ pub trait Backend: Send + Sync {
         _limit: Option<f32>,
     ) {
         panic!("kept_experts: this backend keeps no experts (keep_experts returned false)");
-    }
-    /// [`Self::kept_experts`] of `h`, then the norm that follows the layer: `h = x / rms(x) ·
-    /// norm` over the same `n` rows of `dim` ([`Self::rms_norm`]; `h` is the experts' input,
-    /// then the norm's output). One op so that a backend may normalise each token's row in the
-    /// pass that finishes it (the CUDA backend does, where its fused kernels run).
-    #[allow(clippy::too_many_arguments)]
-    fn kept_experts_norm(
-        &self,
-        layer: usize,
-        routes: &Self::Buf,
-        at: usize,
-        k: usize,
-        h: &mut Self::Buf,
-        n: usize,
-        gu: &mut Self::Buf,
-        slots: &mut Self::Buf,
-        x: &mut Self::Buf,
-        limit: Option<f32>,
-        (dim, norm, eps): (usize, &Self::Vector, f32),
-    ) {
-        self.kept_experts(layer, routes, at, k, h, n, gu, slots, x, limit);
-        self.rms_norm(x, n, dim, norm, eps, h);
     }
     /// Whether [`Self::kept_experts`] takes a step of `n` tokens in kept layer `layer` (whose
     /// experts' activation is clamped at `limit`, as `kept_experts` gets it), where no sequence

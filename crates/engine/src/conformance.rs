@@ -57,7 +57,6 @@ pub fn check_backend<B: Backend>(b: &B, tol: &Tolerance) -> Result<usize, Vec<St
         s.bounded_rows();
     }
     s.attention_inputs();
-    s.qkv_rope_store();
     if b.attends_selected() {
         s.sparse_attention();
     }
@@ -421,46 +420,6 @@ impl<B: Backend> Suite<'_, B> {
                 }
             }
         }
-        self.product_add_norm();
-    }
-
-    /// [`Backend::matmul_add_rms_norm`]: a sublayer's output product (`dim` rows from 512
-    /// columns), the residual add and the next norm, for one token and three, its input as
-    /// attention leaves it (where a backend keeps an int8 copy, after a norm): the product
-    /// against f32 on the dequantized weights, the residual against its own plus the product
-    /// the backend left, the norm against that residual's.
-    fn product_add_norm(&mut self) {
-        let (dim, cols, eps) = (256usize, 512usize, 1e-6f32);
-        let (g, ones) = (self.values(dim), vec![1f32; cols]);
-        let (norm, unit) = (self.b.vector(&g), self.b.vector(&ones));
-        for f in [Format::Q8_0, Format::Q4_K, Format::F32] {
-            let wt = self.weights(f, dim, cols);
-            let m = self.matrix(&wt);
-            for n in [1usize, 3] {
-                let raw = self.values(n * cols);
-                let rb = self.buf(n * cols, &raw);
-                let mut att = self.buf(n * cols, &[]);
-                self.b.rms_norm(&rb, n, cols, &unit, eps, &mut att);
-                let a = self.read(&att, n * cols);
-                let x0 = self.values(n * dim);
-                let (mut x, mut d, mut h) = (self.buf(n * dim, &x0), self.buf(n * dim, &[]), self.buf(n * dim, &[]));
-                self.b.matmul_add_rms_norm(&m, &att, n, &mut d, &mut x, (dim, &norm, eps), &mut h);
-                let (got_d, got_x, got_h) = (self.read(&d, n * dim), self.read(&x, n * dim), self.read(&h, n * dim));
-                let case = format!("{f}, {dim}x{cols}, {n} tokens");
-                let (want, bound) = self.products(&wt, 0, dim, &a, cols, n);
-                self.compare("matmul_add_rms_norm", &format!("{case}: the product"), &got_d, &want, |i| bound[i]);
-                let want_x: Vec<f32> = x0.iter().zip(&got_d).map(|(a, b)| a + b).collect();
-                self.compare_elementwise("matmul_add_rms_norm", &format!("{case}: the residual"), &got_x, &want_x);
-                let mut want_h = vec![0f32; n * dim];
-                for (o, xr) in want_h.chunks_mut(dim).zip(want_x.chunks(dim)) {
-                    let scale = 1.0 / (xr.iter().map(|v| v * v).sum::<f32>() / dim as f32 + eps).sqrt();
-                    for ((o, v), w) in o.iter_mut().zip(xr).zip(&g) {
-                        *o = w * (v * scale);
-                    }
-                }
-                self.compare_elementwise("matmul_add_rms_norm", &format!("{case}: the norm after"), &got_h, &want_h);
-            }
-        }
     }
 
     fn elementwise(&mut self) {
@@ -661,31 +620,6 @@ impl<B: Backend> Suite<'_, B> {
             let weights = |v: &[f32]| -> Vec<f32> { v.chunks(2 * k).flat_map(|r| r[k..].to_vec()).collect() };
             self.compare("route", &format!("{case}: experts"), &ids(&got[at..]), &ids(&want), |_| 0.0);
             self.compare_elementwise("route", &format!("{case}: weights"), &weights(&got[at..]), &weights(&want));
-            self.router_route(&rule, case, bias.as_ref(), bias_host.as_deref());
-        }
-    }
-
-    /// [`Backend::router_route`] through an f32 router of `rule`'s experts, for one token (a
-    /// decoded one's case) and for five: the logits against f32 products, the routes against
-    /// the host's routing of the logits the backend left (the same logits, so the same ids).
-    fn router_route(&mut self, rule: &RouterRule, case: &str, bias: Option<&B::Vector>, bias_host: Option<&[f32]>) {
-        let (e, k, hidden) = (rule.num_experts(), rule.top_k(), 96);
-        let w = self.weights(Format::F32, e, hidden);
-        let m = self.matrix(&w);
-        for n in [1usize, 5] {
-            let x = self.values(n * hidden);
-            let xb = self.buf(n * hidden, &x);
-            let (mut logits, at) = (self.buf(n * e, &[]), 2);
-            let mut routes = self.buf(at + n * 2 * k, &[]);
-            self.b.router_route(rule, &m, &xb, n, &mut logits, bias, &mut routes, at);
-            let (got_logits, got) = (self.read(&logits, n * e), self.read(&routes, at + n * 2 * k));
-            let (want_logits, bound) = self.products(&w, 0, e, &x, hidden, n);
-            self.compare("router_route", &format!("{case}: logits of {n} tokens"), &got_logits, &want_logits, |i| bound[i]);
-            let mut want = vec![0f32; n * 2 * k];
-            rule.route_rows(&got_logits, bias_host, n, &mut want, &mut RouteScratch::default());
-            let tol = self.tol.elementwise;
-            let bound = |i: usize| if i % (2 * k) < k { 0.0 } else { tol * want[i].abs().max(1.0) };
-            self.compare("router_route", &format!("{case}: routes of {n} tokens"), &got[at..], &want, bound);
         }
     }
 
@@ -830,50 +764,6 @@ impl<B: Backend> Suite<'_, B> {
                     |i| bound[i],
                 );
             }
-            self.kept_norm(layer, gate_up, &mats);
-        }
-    }
-
-    /// [`Backend::kept_experts_norm`] on a kept layer of `mats`, for a decoded token and for a
-    /// step of eight (where a backend's pair kernels run): `x` against SwiGLU in f32, and `h`,
-    /// the experts' input before and the norm's output after, against the norm of the `x` the
-    /// backend left.
-    fn kept_norm(&mut self, layer: usize, gate_up: Format, mats: &[[Weights; 3]]) {
-        let (k, hidden, width) = (8usize, mats[0][2].rows, mats[0][2].cols);
-        let e = mats.len();
-        for n in [1usize, 8] {
-            let (raw, ones, nw) = (self.values(n * hidden), vec![1f32; hidden], self.values(hidden));
-            let (rb, w, norm) = (self.buf(n * hidden, &raw), self.b.vector(&ones), self.b.vector(&nw));
-            let mut hb = self.buf(n * hidden, &[]);
-            self.b.rms_norm(&rb, n, hidden, &w, 1e-6, &mut hb);
-            let h = self.read(&hb, n * hidden);
-            let mut routes_host = vec![0f32; n * 2 * k];
-            for t in 0..n {
-                let r = &mut routes_host[t * 2 * k..][..2 * k];
-                for s in 0..k {
-                    r[s] = ((5 * t + 2 * s) % e) as f32;
-                    r[k + s] = 0.3 - 0.05 * s as f32;
-                }
-            }
-            let routes = self.buf(routes_host.len(), &routes_host);
-            let x0 = self.values(n * hidden);
-            let mut x = self.buf(n * hidden, &x0);
-            let mut gu = self.buf(n * k * 2 * width, &[]);
-            let mut slots = self.buf(n * k * hidden, &[]);
-            let eps = 1e-5;
-            self.b.kept_experts_norm(layer, &routes, 0, k, &mut hb, n, &mut gu, &mut slots, &mut x, None, (hidden, &norm, eps));
-            let (got_x, got_h) = (self.read(&x, n * hidden), self.read(&hb, n * hidden));
-            let (want, bound, _) = kept_reference(mats, &h, &routes_host, (n, k, hidden, width), &x0, None, &self.tol);
-            let case = format!("{gate_up} gate and up, Q8_0 down, rows of 512; {n} tokens of 8 slots");
-            self.compare("kept_experts_norm", &format!("{case}: the experts"), &got_x, &want, |i| bound[i]);
-            let mut want_h = vec![0f32; n * hidden];
-            for (o, xr) in want_h.chunks_mut(hidden).zip(got_x.chunks(hidden)) {
-                let scale = 1.0 / (xr.iter().map(|v| v * v).sum::<f32>() / hidden as f32 + eps).sqrt();
-                for ((o, v), w) in o.iter_mut().zip(xr).zip(&nw) {
-                    *o = w * (v * scale);
-                }
-            }
-            self.compare_elementwise("kept_experts_norm", &format!("{case}: the norm after"), &got_h, &want_h);
         }
     }
 
@@ -1420,63 +1310,6 @@ impl<B: Backend> Suite<'_, B> {
     /// `qk_rope_store`: q and k heads normed and rotated in place, keys and values stored. The
     /// stored rows are checked through attention against a cache filled by `kv_store` with the
     /// expected rows.
-    /// [`Backend::qkv_rope_store`] for one token (a decoded one's case, whose products and
-    /// RoPE a backend may run as one) and three, Q8_0 and Q4_K q, k and v (4 query heads on 2
-    /// of 32, per-head norms): against [`Backend::matmul_many`] then
-    /// [`Backend::qk_rope_store`] on the same backend, the rows and the stored keys and values
-    /// (read through attention), each of which the suite checks against its reference.
-    fn qkv_rope_store(&mut self) {
-        let (qh, kvh, hd, half, cols, eps, pos0) = (4usize, 2usize, 32usize, 16usize, 256usize, 1e-6f32, 5usize);
-        let stride = (qh + 2 * kvh) * hd;
-        let shape = KvShape { heads: kvh, k_dim: hd, v_dim: hd, values_in_keys: false, keep: None };
-        let (gq, gk) = (self.values(hd), self.values(hd));
-        let (wq, wk) = (self.b.vector(&gq), self.b.vector(&gk));
-        for f in [Format::Q8_0, Format::Q4_K] {
-            let ws = [self.weights(f, qh * hd, cols), self.weights(f, kvh * hd, cols), self.weights(f, kvh * hd, cols)];
-            let ms: Vec<B::Matrix> = ws.iter().map(|w| self.matrix(w)).collect();
-            for n in [1usize, 3] {
-                let (raw, ones) = (self.values(n * cols), vec![1f32; cols]);
-                let (rb, unit) = (self.buf(n * cols, &raw), self.b.vector(&ones));
-                let mut h = self.buf(n * cols, &[]);
-                self.b.rms_norm(&rb, n, cols, &unit, eps, &mut h);
-                let angles: Vec<f32> = self.values(n * half).iter().map(|a| a * 3.0).collect();
-                let (cos, sin): (Vec<f32>, Vec<f32>) = angles.iter().map(|a| (a.cos(), a.sin())).unzip();
-                let rope = RopeTables { cos: &cos, sin: &sin, interleaved: false };
-                let rows = QkvRows { stride, q_heads: qh, kv_heads: kvh, head_dim: hd };
-                let cols_at = [0, qh * hd, (qh + kvh) * hd];
-                let jobs: Vec<MatJob<'_, B::Matrix>> = ms
-                    .iter()
-                    .zip(cols_at)
-                    .map(|(m, out_col)| MatJob { w: WeightRef::Resident(m, None), x_row: 0, n, out_row: 0, out_col })
-                    .collect();
-                let prefix = self.values(pos0 * stride);
-                let (mut outs, mut got) = (Vec::new(), Vec::new());
-                for fused in [true, false] {
-                    let mut cache = self.b.kv_cache(&[shape]);
-                    let pb = self.buf(prefix.len(), &prefix);
-                    self.b.kv_store(&mut cache, 0, 0, pos0, &pb, stride, qh * hd, Some((&pb, stride, (qh + kvh) * hd)));
-                    let mut qkv = self.buf(n * stride, &[]);
-                    let norm = Some((&wq, &wk, eps));
-                    if fused {
-                        self.b.qkv_rope_store(&jobs, &h, cols, &mut qkv, n, rows, norm, rope, &mut cache, 0, pos0);
-                    } else {
-                        self.b.matmul_many(&jobs, &h, cols, &mut qkv, stride);
-                        self.b.qk_rope_store(&mut qkv, n, rows, norm, rope, &mut cache, 0, pos0);
-                    }
-                    got.push(self.read(&qkv, n * stride));
-                    let mut out = self.buf(n * qh * hd, &[]);
-                    let params = AttnParams { q_heads: qh, scale: 0.2, window: None, sinks: None, selected: None };
-                    self.b.attention(&cache, 0, &qkv, stride, n, pos0, params, &mut out);
-                    outs.push(self.read(&out, n * qh * hd));
-                }
-                let case = format!("{f} q, k and v of 4 on 2 heads of 32, {n} tokens");
-                self.compare_elementwise("qkv_rope_store", &format!("{case}: rows"), &got[0], &got[1]);
-                let tol = self.tol.attention * 4.0;
-                self.compare("qkv_rope_store", &format!("{case}: through attention"), &outs[0], &outs[1], |_| tol);
-            }
-        }
-    }
-
     fn attention_inputs(&mut self) {
         let eps = 1e-6;
         // (case, q heads, kv heads, head dim, rotated pairs, norms, interleaved)

@@ -343,9 +343,6 @@ pub(crate) struct Step<'a, 'k, B: Backend> {
     host: &'a mut HostScratch,
     instrument: &'a mut Option<Instrument>,
     segs: &'a mut [Seg<'k, B>],
-    /// Whether `h` already holds the next layer's normalised input: the MoE block before did
-    /// the norm in its last pass ([`Backend::kept_experts_norm`]).
-    normed: bool,
 }
 
 impl<B: Backend> Work<B> {
@@ -363,7 +360,7 @@ impl<'a, 'k, B: Backend> Step<'a, 'k, B> {
         instrument: &'a mut Option<Instrument>,
         segs: &'a mut [Seg<'k, B>],
     ) -> Self {
-        Step { buf, host, instrument, segs, normed: false }
+        Step { buf, host, instrument, segs }
     }
 
     /// Adds the milliseconds since `t` to one timer of the current step, when instrumenting.
@@ -706,7 +703,7 @@ impl<B: Backend> Model<B> {
         st.before_step(be, self.recurrent_floats());
         let State { kv, recurrent, pos, stream, work, logits, instrument, .. } = st;
         let mut one = [Seg { kv, rec: recurrent, pos: *pos, stream: *stream, row: 0, n }];
-        let mut s = Step { buf: &mut work.buf, host: &mut work.host, instrument, segs: &mut one, normed: false };
+        let mut s = Step { buf: &mut work.buf, host: &mut work.host, instrument, segs: &mut one };
         self.layers_of_step(&mut s, tokens, obs)?;
         match want {
             None => {}
@@ -771,9 +768,7 @@ impl<B: Backend> Model<B> {
             be.hc_collapse(&s.buf.hc, n, hc.mult, hd, &hs.pre, &mut s.buf.x);
         }
         let b = &mut *s.buf;
-        if !std::mem::take(&mut s.normed) {
-            be.rms_norm(&b.x, n, hd, &self.final_norm, self.eps, &mut b.h);
-        }
+        be.rms_norm(&b.x, n, hd, &self.final_norm, self.eps, &mut b.h);
         Ok(())
     }
 
@@ -820,28 +815,15 @@ impl<B: Backend> Model<B> {
         let be = &self.backend;
         let hd = self.arch.hidden_size;
         let t = Instant::now();
-        if !std::mem::take(&mut s.normed) {
-            be.rms_norm(&s.buf.x, n, hd, &layer.attn_norm, self.eps, &mut s.buf.h);
+        be.rms_norm(&s.buf.x, n, hd, &layer.attn_norm, self.eps, &mut s.buf.h);
+        match &layer.attn {
+            Attention::Standard(a) => self.standard_attention(li, a, s, n),
+            Attention::Linear(a) => self.linear_attention(a, s, n),
+            Attention::Latent(a) => self.latent_attention(li, a, s, n, obs),
+            Attention::Compressed(a) => self.compressed_attention(li, a, s, n, obs),
         }
-        let normed = match &layer.attn {
-            Attention::Standard(a) => self.standard_attention(li, a, s, n, Some(&layer.ffn_norm)),
-            Attention::Linear(a) => {
-                self.linear_attention(a, s, n);
-                false
-            }
-            Attention::Latent(a) => {
-                self.latent_attention(li, a, s, n, obs);
-                false
-            }
-            Attention::Compressed(a) => {
-                self.compressed_attention(li, a, s, n, obs);
-                false
-            }
-        };
-        if !normed {
-            let b = &mut *s.buf;
-            be.add_rms_norm(&mut b.x, &b.d, n, hd, &layer.ffn_norm, self.eps, &mut b.h);
-        }
+        let b = &mut *s.buf;
+        be.add_rms_norm(&mut b.x, &b.d, n, hd, &layer.ffn_norm, self.eps, &mut b.h);
         s.charge(t, |r| &mut r.attention_ms);
         if self.lookahead {
             self.lookahead_prefetch(li, s, n);
@@ -878,9 +860,7 @@ impl<B: Backend> Model<B> {
         be.hc_collapse(&s.buf.hc, n, mult, hd, &s.host.pre, &mut s.buf.x);
         be.rms_norm(&s.buf.x, n, hd, &layer.attn_norm, self.eps, &mut s.buf.h);
         match &layer.attn {
-            Attention::Standard(a) => {
-                self.standard_attention(li, a, s, n, None);
-            }
+            Attention::Standard(a) => self.standard_attention(li, a, s, n),
             Attention::Linear(a) => self.linear_attention(a, s, n),
             Attention::Latent(a) => self.latent_attention(li, a, s, n, obs),
             Attention::Compressed(a) => self.compressed_attention(li, a, s, n, obs),
@@ -1103,18 +1083,9 @@ impl<B: Backend> Model<B> {
         self.experts.prefetch(li + 1, predicted);
     }
 
-    /// GQA attention. q, k and v come from one dispatch into one row per token, `[q | k | v]`.
-    /// With `ffn_norm`, returns true where it also added the projected output into `x` and
-    /// normalised that into `h` ([`Backend::matmul_add_rms_norm`]); false: it left the output
-    /// in `d`.
-    fn standard_attention(
-        &self,
-        li: usize,
-        a: &StandardAttention<B>,
-        s: &mut Step<'_, '_, B>,
-        n: usize,
-        ffn_norm: Option<&B::Vector>,
-    ) -> bool {
+    /// GQA attention; leaves the projected output in `d`. q, k and v come from one dispatch into
+    /// one row per token, `[q | k | v]`.
+    fn standard_attention(&self, li: usize, a: &StandardAttention<B>, s: &mut Step<'_, '_, B>, n: usize) {
         let (be, ar) = (&self.backend, &self.arch);
         let b = &mut *s.buf;
         let (nh, nkv, hdim) = (ar.num_heads, ar.num_kv_heads, ar.head_dim);
@@ -1127,20 +1098,6 @@ impl<B: Backend> Model<B> {
             MatJob { w: WeightRef::Resident(&a.v, None), x_row: 0, n, out_row: 0, out_col: qw + kvw },
             MatJob { w: WeightRef::Resident(a.gate.as_ref().unwrap_or(&a.q), None), x_row: 0, n, out_row: 0, out_col: qw + 2 * kvw },
         ];
-        let rows = QkvRows { stride: w, q_heads: nh, kv_heads: nkv, head_dim: hdim };
-        let params = AttnParams { q_heads: nh, scale: self.attn_scale, window: a.window, sinks: a.sinks.as_deref(), selected: None };
-        let per_head_norms = !matches!(&a.qk_norm, Some((norm, _, _)) if *norm != smoe_vault::QkNorm::PerHead);
-        if let ([seg], None, None, true) = (&mut *s.segs, &a.bias, &a.gate, per_head_norms) {
-            if seg.row == 0 {
-                // One sequence: its products, norms, RoPE and store in one op.
-                let per_head = a.qk_norm.as_ref().map(|(_, qn, kn)| (qn, kn, self.eps));
-                let (half, host) = (self.rope.half(), &*s.host);
-                let rope = RopeTables { cos: &host.cos[..n * half], sin: &host.sin[..n * half], interleaved: self.rope.interleaved };
-                be.qkv_rope_store(&jobs[..3], &b.h, ar.hidden_size, &mut b.q, n, rows, per_head, rope, seg.kv, li, seg.pos);
-                be.attention(seg.kv, li, &b.q, w, n, seg.pos, params, &mut b.att);
-                return self.output_product(a, b, n, ffn_norm);
-            }
-        }
         be.matmul_many(&jobs[..if a.gate.is_some() { 4 } else { 3 }], &b.h, ar.hidden_size, &mut b.q, w);
         if let Some([qb, kb, vb]) = &a.bias {
             be.add_bias(&mut b.q, n, w, 0, qb);
@@ -1156,7 +1113,9 @@ impl<B: Backend> Model<B> {
             }
             None => None,
         };
+        let rows = QkvRows { stride: w, q_heads: nh, kv_heads: nkv, head_dim: hdim };
         let (half, host) = (self.rope.half(), &*s.host);
+        let params = AttnParams { q_heads: nh, scale: self.attn_scale, window: a.window, sinks: a.sinks.as_deref(), selected: None };
         if s.segs.len() > 1 && be.batches_attention(&params) {
             // Every sequence's norms, RoPE and KV store, then its attention, in one call each.
             let rope = RopeTables { cos: &host.cos[..n * half], sin: &host.sin[..n * half], interleaved: self.rope.interleaved };
@@ -1179,22 +1138,10 @@ impl<B: Backend> Model<B> {
         if a.gate.is_some() {
             be.sigmoid_gate(&mut b.att, n, qw, &b.q, w, qw + 2 * kvw);
         }
-        self.output_product(a, b, n, ffn_norm)
-    }
-
-    /// Standard attention's output product from `att`: into `d`, or with `ffn_norm` (and no
-    /// bias) also added into `x` and normalised into `h` (returns true).
-    fn output_product(&self, a: &StandardAttention<B>, b: &mut Buffers<B>, n: usize, ffn_norm: Option<&B::Vector>) -> bool {
-        let (be, hidden) = (&self.backend, self.arch.hidden_size);
-        if let (None, Some(norm)) = (&a.o_bias, ffn_norm) {
-            be.matmul_add_rms_norm(&a.o, &b.att, n, &mut b.d, &mut b.x, (hidden, norm, self.eps), &mut b.h);
-            return true;
-        }
         be.matmul(&a.o, None, &b.att, n, &mut b.d);
         if let Some(ob) = &a.o_bias {
-            be.add_bias(&mut b.d, n, hidden, 0, ob);
+            be.add_bias(&mut b.d, n, ar.hidden_size, 0, ob);
         }
-        false
     }
 
     /// Gated DeltaNet (Qwen3-Next); leaves the projected output in `d`. The four input
@@ -1434,37 +1381,11 @@ impl<B: Backend> Model<B> {
         let b = &mut *s.buf;
         // This layer's routes, in its own rows of `routes` (see `instrument_kept_routes`).
         let at = li * n * 2 * k;
-        if m.router_logit_bias.is_some() {
-            self.router_logits(m, &b.h, n, &mut b.router);
-            be.route(&self.router, &b.router, m.router_bias_kept.as_ref(), n, &mut b.routes, at);
-        } else {
-            be.router_route(&self.router, &m.router, &b.h, n, &mut b.router, m.router_bias_kept.as_ref(), &mut b.routes, at);
-        }
-        let limit = self.expert_limit();
-        match (&m.shared, self.next_norm(li)) {
-            (None, Some(norm)) => {
-                let then = (self.arch.hidden_size, norm, self.eps);
-                be.kept_experts_norm(li, &b.routes, at, k, &mut b.h, n, &mut b.gu, &mut b.slots, &mut b.x, limit, then);
-                s.normed = true;
-            }
-            (shared, _) => {
-                be.kept_experts(li, &b.routes, at, k, &b.h, n, &mut b.gu, &mut b.slots, &mut b.x, limit);
-                if let Some(shared) = shared {
-                    self.shared_experts(shared, m.shared_gate.as_ref(), s, n);
-                }
-            }
-        }
-    }
-
-    /// The norm that comes after decoder layer `li`: the next layer's input norm, or the final
-    /// norm after the last; None where hyper-connection streams come between.
-    fn next_norm(&self, li: usize) -> Option<&B::Vector> {
-        if self.arch.hyper_connections.is_some() {
-            return None;
-        }
-        match self.layers.get(li + 1) {
-            Some(next) => next.hc.is_none().then_some(&next.attn_norm),
-            None => Some(&self.final_norm),
+        self.router_logits(m, &b.h, n, &mut b.router);
+        be.route(&self.router, &b.router, m.router_bias_kept.as_ref(), n, &mut b.routes, at);
+        be.kept_experts(li, &b.routes, at, k, &b.h, n, &mut b.gu, &mut b.slots, &mut b.x, self.expert_limit());
+        if let Some(shared) = &m.shared {
+            self.shared_experts(shared, m.shared_gate.as_ref(), s, n);
         }
     }
 

@@ -200,18 +200,18 @@ pub(super) fn check_qkv(qkv: &CudaBuf, n: usize, rows: QkvRows, norm: Option<(&C
 /// kernels.cu): the rows of `[q | k | v]` and their layout, the per-head norms (0: none), the
 /// staged rotary tables, the tokens, the rotated pairs a head and whether they interleave.
 pub(super) struct QkvArgs {
-    pub(super) x: u64,
-    pub(super) stride: i32,
-    pub(super) q_heads: i32,
-    pub(super) kv_heads: i32,
-    pub(super) head_dim: i32,
-    pub(super) q_norm: u64,
-    pub(super) k_norm: u64,
-    pub(super) eps: f32,
-    pub(super) tables: u64,
-    pub(super) n: i32,
-    pub(super) half: i32,
-    pub(super) interleaved: i32,
+    x: u64,
+    stride: i32,
+    q_heads: i32,
+    kv_heads: i32,
+    head_dim: i32,
+    q_norm: u64,
+    k_norm: u64,
+    eps: f32,
+    tables: u64,
+    n: i32,
+    half: i32,
+    interleaved: i32,
 }
 
 impl QkvArgs {
