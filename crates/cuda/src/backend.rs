@@ -82,8 +82,14 @@ const KEPT_TILE_RUN: usize = 8;
 const KEPT_TILES_FROM: usize = 24;
 
 /// Most tokens of a resident matrix's product that go as mat-vecs of [`MV_TOKENS`] each
-/// (`SMOE_CUDA_DENSE_MV`, at most this): see [`CudaBackend::resident_jobs`].
+/// (`SMOE_CUDA_DENSE_MV` says otherwise, up to [`DENSE_MV_MAX`]): see
+/// [`CudaBackend::resident_jobs`].
 const DENSE_MV_TOKENS: usize = 64;
+/// The most tokens `SMOE_CUDA_DENSE_MV` may send to the mat-vecs: a step of up to that many
+/// with every resident product giving each token its one-token bits, for measuring and for
+/// telling the tiles' rounding from other differences between a batched step and its
+/// sequences alone (`diag_seventy` in tests/backend.rs).
+const DENSE_MV_MAX: usize = 256;
 /// Rows per block of the int8 mat-vec of `cols` inputs in `format`: MVQ_WARPS × MVQ_ROWS in
 /// kernels.cu, divided among the warps that share rows (`mvq_split` there, the same function).
 fn mvq_block_rows(format: Format, cols: usize) -> usize {
@@ -583,7 +589,8 @@ pub struct CudaBackend {
     chunk_tokens: AtomicUsize,
     /// The GPU's multiprocessors.
     sms: usize,
-    /// [`DENSE_MV_TOKENS`], or less (`SMOE_CUDA_DENSE_MV`; 8 or less: never).
+    /// [`DENSE_MV_TOKENS`], or what `SMOE_CUDA_DENSE_MV` says up to [`DENSE_MV_MAX`] (8 or
+    /// less: never).
     dense_mv_tokens: usize,
     /// Whether experts' few-token products join the tiles in a prefill's chunks (see
     /// [`Product`]); `SMOE_CUDA_FEW_MV_JOIN=off`: they stay on the mat-vec.
@@ -690,7 +697,7 @@ impl CudaBackend {
                 .ok()
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(DENSE_MV_TOKENS)
-                .min(DENSE_MV_TOKENS),
+                .min(DENSE_MV_MAX),
             few_mv_join: std::env::var("SMOE_CUDA_FEW_MV_JOIN").as_deref() != Ok("off"),
             kept_tokens: kept_tokens.unwrap_or(KEPT_TOKENS),
             kept_pairs_first: std::env::var("SMOE_CUDA_KEPT_ORDER").as_deref() != Ok("rows"),
@@ -1574,7 +1581,7 @@ impl Backend for CudaBackend {
         check("matmul", out, n, m);
         let wp = dptr(&w.data, &self.stream) + (r0 * w.row_bytes) as u64;
         let job = Self::job(wp, w.row_bytes, m, w.cols, 0, n, 0, 0);
-        let mut jobs = [Product { format: w.format, job, few_on_tiles: false }; DENSE_MV_TOKENS / MV_TOKENS];
+        let mut jobs = [Product { format: w.format, job, few_on_tiles: false }; DENSE_MV_MAX / MV_TOKENS];
         let mut count = 0;
         self.resident_jobs(w.format, job, |j| {
             jobs[count] = j;

@@ -578,14 +578,25 @@ fn seventy_sequences_on_the_kept_tiles_match_each_alone_on_the_gpu() {
 /// tokens from position i (`shortest` 1) or `shortest + i % 6`, then three decode tokens from
 /// position `decode_at + i`; then each sequence's steps again alone: the largest relative error.
 fn seventy_against_alone(model: &Model<CudaBackend>, name: &str, shortest: usize, decode_at: usize) -> f64 {
+    let spread = if shortest == 1 { 3 } else { 6 };
+    worst_against_alone(model, &batched_record(model, name, (70, shortest, spread, decode_at), 1))
+}
+
+/// `count` sequences of the `long` text batched, sequence i with a prompt of `shortest + i %
+/// spread` tokens from position i, then three decode tokens from position `decode_at + i`, each
+/// state reserving `reserve` positions: what each ran per step and the logits it got.
+fn batched_record(
+    model: &Model<CudaBackend>,
+    name: &str,
+    (count, shortest, spread, decode_at): (usize, usize, usize, usize),
+    reserve: usize,
+) -> Vec<Vec<(Vec<u32>, Vec<f32>)>> {
     use smoe_engine::{BatchItem, NoObserver};
     let long = input_ids(name, "long");
-    let count = 70;
-    let spread = if shortest == 1 { 3 } else { 6 };
     let prompts: Vec<Vec<u32>> = (0..count).map(|i| long[i..i + shortest + i % spread].to_vec()).collect();
     let decode: Vec<Vec<u32>> = (0..count).map(|i| long[decode_at + i..decode_at + 3 + i].to_vec()).collect();
     let vocab = model.arch().vocab_size;
-    let mut states: Vec<_> = (0..count).map(|_| model.new_state(1)).collect();
+    let mut states: Vec<_> = (0..count).map(|_| model.new_state(reserve)).collect();
     let mut batch = model.new_batch((shortest + spread) * count);
     let mut record: Vec<Vec<(Vec<u32>, Vec<f32>)>> = vec![Vec::new(); count];
     for step in 0..4 {
@@ -596,7 +607,7 @@ fn seventy_against_alone(model: &Model<CudaBackend>, name: &str, shortest: usize
             record[i].push((inputs[i].clone(), logits[i * vocab..(i + 1) * vocab].to_vec()));
         }
     }
-    worst_against_alone(model, &record)
+    record
 }
 
 /// DeepSeek-V4's sliding and raw rows and gpt-oss's sliding layers keep only what attention
@@ -652,7 +663,7 @@ fn bounded_layers_drop_old_rows_on_the_gpu() {
 #[test]
 #[ignore]
 fn diag_seventy() {
-    use smoe_engine::{BatchItem, Logits, NoObserver};
+    use smoe_engine::{Logits, NoObserver};
     let env = |k: &str, d: usize| std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d);
     let (count, shortest, spread, decode_at) = (env("COUNT", 70), env("SHORTEST", 30), env("SPREAD", 6), env("DECODE_AT", 200));
     let name = "qwen3_moe_k";
@@ -660,21 +671,7 @@ fn diag_seventy() {
     drop(probe);
     let v = smoe_vault::Vault::open(vault(name, Format::Q4_K, Format::Q8_0)).unwrap();
     let model = Model::load(&v, backend(&CudaOptions::default()).unwrap(), Arc::new(ResidentExperts::load(&v).unwrap())).unwrap();
-    let long = input_ids(name, "long");
-    let prompts: Vec<Vec<u32>> = (0..count).map(|i| long[i..i + shortest + i % spread].to_vec()).collect();
-    let decode: Vec<Vec<u32>> = (0..count).map(|i| long[decode_at + i..decode_at + 3 + i].to_vec()).collect();
-    let vocab = model.arch().vocab_size;
-    let mut states: Vec<_> = (0..count).map(|_| model.new_state(env("RESERVE", 1))).collect();
-    let mut batch = model.new_batch((shortest + spread) * count);
-    let mut record: Vec<Vec<(Vec<u32>, Vec<f32>)>> = vec![Vec::new(); count];
-    for step in 0..4 {
-        let inputs: Vec<Vec<u32>> = (0..count).map(|i| if step == 0 { prompts[i].clone() } else { vec![decode[i][step - 1]] }).collect();
-        let mut items: Vec<BatchItem<'_, _>> = states.iter_mut().zip(&inputs).map(|(state, tokens)| BatchItem { state, tokens }).collect();
-        let logits = model.forward_batch(&mut batch, &mut items, &mut NoObserver).unwrap().to_vec();
-        for i in 0..count {
-            record[i].push((inputs[i].clone(), logits[i * vocab..(i + 1) * vocab].to_vec()));
-        }
-    }
+    let record = batched_record(&model, name, (count, shortest, spread, decode_at), env("RESERVE", 1));
     let mut worst = [0f64; 4];
     let mut worst_seq = [0usize; 4];
     for (i, steps) in record.iter().enumerate() {
