@@ -343,6 +343,8 @@ pub(crate) struct Step<'a, 'k, B: Backend> {
     host: &'a mut HostScratch,
     instrument: &'a mut Option<Instrument>,
     segs: &'a mut [Seg<'k, B>],
+    /// The most tokens one sequence brings to the step (see [`Backend::kept_takes`]).
+    run: usize,
 }
 
 impl<B: Backend> Work<B> {
@@ -360,7 +362,8 @@ impl<'a, 'k, B: Backend> Step<'a, 'k, B> {
         instrument: &'a mut Option<Instrument>,
         segs: &'a mut [Seg<'k, B>],
     ) -> Self {
-        Step { buf, host, instrument, segs }
+        let run = segs.iter().map(|g| g.n).max().unwrap_or(0);
+        Step { buf, host, instrument, segs, run }
     }
 
     /// Adds the milliseconds since `t` to one timer of the current step, when instrumenting.
@@ -703,7 +706,7 @@ impl<B: Backend> Model<B> {
         st.before_step(be, self.recurrent_floats());
         let State { kv, recurrent, pos, stream, work, logits, instrument, .. } = st;
         let mut one = [Seg { kv, rec: recurrent, pos: *pos, stream: *stream, row: 0, n }];
-        let mut s = Step { buf: &mut work.buf, host: &mut work.host, instrument, segs: &mut one };
+        let mut s = Step::new(&mut work.buf, &mut work.host, instrument, &mut one);
         self.layers_of_step(&mut s, tokens, obs)?;
         match want {
             None => {}
@@ -1326,8 +1329,7 @@ impl<B: Backend> Model<B> {
     fn moe(&self, li: usize, m: &MoeBlock<B>, s: &mut Step<'_, '_, B>, n: usize, obs: &mut dyn Observer) -> Result<bool, EngineError> {
         let t = Instant::now();
         let kept = self.kept[li] && m.tid2eid.is_none();
-        let run = s.segs.iter().map(|g| g.n).max().unwrap_or(n);
-        if kept && self.backend.kept_takes(li, self.expert_limit(), n, run) && self.routing_trace.is_none() && !obs.wants_routes() {
+        if kept && self.backend.kept_takes(li, self.expert_limit(), n, s.run) && self.routing_trace.is_none() && !obs.wants_routes() {
             self.kept_moe(li, m, s, n);
             s.charge(t, |r| &mut r.expert_ms);
             return Ok(true);
