@@ -567,15 +567,76 @@ fn seventy_sequences_in_a_step_match_each_alone_on_the_gpu() {
 /// to 38 positions, where a row's attention splits (the split scratch serves both launches of
 /// 64 and 6). Q4_K experts (qwen3_moe_k): the decode steps' 70 tokens on the kept tiles (no
 /// sequence brings more than one), against the host's grouping for every step; within the int8
-/// batched test's bound.
+/// batched test's bound, except where the step routed the sequence's token differently from
+/// alone at a near-tie (see [`seventy_on_tiles_against_alone`]).
 #[test]
 fn seventy_sequences_on_the_kept_tiles_match_each_alone_on_the_gpu() {
     let tiles = CudaOptions::default();
     let grouped = CudaOptions { kept_tokens: Some(4), ..Default::default() };
     int8_batched_within_bound(
         &[("70 sequences, decode steps on the kept tiles", tiles, true), ("70 sequences, every step grouped on the host", grouped, false)],
-        |model| seventy_against_alone(model, "qwen3_moe_k", 30, 200),
+        seventy_on_tiles_against_alone,
     );
+}
+
+/// The largest error of [`seventy_sequences_on_the_kept_tiles_match_each_alone_on_the_gpu`]'s
+/// steps against alone, leaving out (and printing) decode steps past the int8 bound whose
+/// token a layer routed differently from alone where the sequence's k-th and (k+1)-th scores
+/// alone were within 1% of each other: a near-tie that rounding may flip either way. The
+/// prompts' 2,275 tokens prefill on the int8 tiles, each prompt alone (30 to 35 tokens) on
+/// the mat-vecs, so their keys and values differ in the last bits; on an H100 that turned one
+/// token's second and third experts (scores 0.21118 and 0.21111 alone) at one layer, and its
+/// logits moved by 3.4e-1. At most two such steps of the 280, and none without a near-tie.
+fn seventy_on_tiles_against_alone(model: &Model<CudaBackend>) -> f64 {
+    let (name, schedule) = ("qwen3_moe_k", (70, 30, 6, 200));
+    let record = batched_record(model, name, schedule, 1, None);
+    let errors = errors_against_alone(model, &record);
+    let over: Vec<(usize, usize)> =
+        (0..errors.len()).flat_map(|i| (0..errors[i].len()).map(move |s| (i, s))).filter(|&(i, s)| errors[i][s] >= 2e-2).collect();
+    if !over.is_empty() {
+        let mut routes = Vec::new();
+        batched_record(model, name, schedule, 1, Some((&mut routes, 0)));
+        assert!(over.len() <= 2, "{} steps past the int8 bound: {over:?}", over.len());
+        for &(i, s) in &over {
+            let flips = route_flips(model, &record[i][..=s], &routes[s], i);
+            eprintln!("  step {s} of sequence {i} at {:.2e} routed apart from alone at a near-tie: {flips:?}", errors[i][s]);
+            assert!(
+                s > 0 && !flips.is_empty() && flips.iter().all(|f| f.2 < 1e-2),
+                "step {s} of sequence {i}: {:.2e} from alone, layers routed apart (layer, alone, gap): {flips:?}",
+                errors[i][s]
+            );
+        }
+    }
+    let within = |i: usize, s: usize| if over.contains(&(i, s)) { 0.0 } else { errors[i][s] };
+    (0..errors.len()).flat_map(|i| (0..errors[i].len()).map(move |s| (i, s))).fold(0f64, |a, (i, s)| a.max(within(i, s)))
+}
+
+/// The layers at which a decode step (the last of `steps`, one token) routed its token in a
+/// batch (`batched`, the step's routes with the sequence in `row`) to other experts than alone:
+/// (layer, the experts alone, the relative gap between the k-th and (k+1)-th scores alone).
+fn route_flips(model: &Model<CudaBackend>, steps: &[(Vec<u32>, Vec<f32>)], batched: &Routes, row: usize) -> Vec<(usize, Vec<u32>, f32)> {
+    let mut st = model.new_state(64);
+    let mut alone = Routes::default();
+    for (tokens, _) in steps {
+        alone.0.clear();
+        model.forward(&mut st, tokens, smoe_engine::Logits::Last, &mut alone).unwrap();
+    }
+    let sorted = |v: &[u32]| {
+        let mut v = v.to_vec();
+        v.sort();
+        v
+    };
+    let mut flips = Vec::new();
+    for (layer, experts, choice) in &alone.0 {
+        let (_, got, _) = batched.0.iter().filter(|r| r.0 == *layer).nth(row).expect("the step's route at this layer");
+        if sorted(got) != sorted(experts) {
+            let mut c = choice.clone();
+            c.sort_by(|a, b| b.total_cmp(a));
+            let k = experts.len();
+            flips.push((*layer, sorted(experts), (c[k - 1] - c[k]) / c[k - 1]));
+        }
+    }
+    flips
 }
 
 /// Seventy sequences of the `long` text batched, sequence i with a prompt of `shortest + i % 3`
@@ -583,7 +644,17 @@ fn seventy_sequences_on_the_kept_tiles_match_each_alone_on_the_gpu() {
 /// position `decode_at + i`; then each sequence's steps again alone: the largest relative error.
 fn seventy_against_alone(model: &Model<CudaBackend>, name: &str, shortest: usize, decode_at: usize) -> f64 {
     let spread = if shortest == 1 { 3 } else { 6 };
-    worst_against_alone(model, &batched_record(model, name, (70, shortest, spread, decode_at), 1))
+    worst_against_alone(model, &batched_record(model, name, (70, shortest, spread, decode_at), 1, None))
+}
+
+/// Each MoE layer's choice for every token of the calls it watched, in call order: (layer,
+/// chosen experts, the scores they were chosen on).
+#[derive(Default)]
+struct Routes(Vec<(usize, Vec<u32>, Vec<f32>)>);
+impl smoe_engine::Observer for Routes {
+    fn route(&mut self, layer: usize, _pos: usize, experts: &[u32], _weights: &[f32], choice: &[f32]) {
+        self.0.push((layer, experts.to_vec(), choice.to_vec()));
+    }
 }
 
 /// `count` sequences of the `long` text batched, sequence i with a prompt of `shortest + i %
@@ -594,8 +665,9 @@ fn batched_record(
     name: &str,
     (count, shortest, spread, decode_at): (usize, usize, usize, usize),
     reserve: usize,
+    mut routes: Option<(&mut Vec<Routes>, usize)>,
 ) -> Vec<Vec<(Vec<u32>, Vec<f32>)>> {
-    use smoe_engine::{BatchItem, NoObserver};
+    use smoe_engine::{BatchItem, NoObserver, Observer};
     let long = input_ids(name, "long");
     let prompts: Vec<Vec<u32>> = (0..count).map(|i| long[i..i + shortest + i % spread].to_vec()).collect();
     let decode: Vec<Vec<u32>> = (0..count).map(|i| long[decode_at + i..decode_at + 3 + i].to_vec()).collect();
@@ -605,10 +677,20 @@ fn batched_record(
     let mut record: Vec<Vec<(Vec<u32>, Vec<f32>)>> = vec![Vec::new(); count];
     for step in 0..4 {
         let inputs: Vec<Vec<u32>> = (0..count).map(|i| if step == 0 { prompts[i].clone() } else { vec![decode[i][step - 1]] }).collect();
+        // `routes` asks for the step's choices too (routing on the host), and rotates the
+        // sequences' rows in the step by its second part: sequence i goes in row i - rotate.
+        let rotate = routes.as_ref().map_or(0, |r| r.1 % count);
         let mut items: Vec<BatchItem<'_, _>> = states.iter_mut().zip(&inputs).map(|(state, tokens)| BatchItem { state, tokens }).collect();
-        let logits = model.forward_batch(&mut batch, &mut items, &mut NoObserver).unwrap().to_vec();
+        items.rotate_left(rotate);
+        let mut watched = Routes::default();
+        let obs: &mut dyn Observer = if routes.is_some() { &mut watched } else { &mut NoObserver };
+        let logits = model.forward_batch(&mut batch, &mut items, obs).unwrap().to_vec();
         for i in 0..count {
-            record[i].push((inputs[i].clone(), logits[i * vocab..(i + 1) * vocab].to_vec()));
+            let row = (i + count - rotate) % count;
+            record[i].push((inputs[i].clone(), logits[row * vocab..(row + 1) * vocab].to_vec()));
+        }
+        if let Some((r, _)) = routes.as_mut() {
+            r.push(watched);
         }
     }
     record
@@ -663,7 +745,13 @@ fn bounded_layers_drop_old_rows_on_the_gpu() {
 /// (step, sequence) past 0.05. On an H100 (2026-12-06) that test failed at 3.38e-1: only the
 /// first decode step after the prompts, only sequence 66 (COUNT 64: 1.2e-2; steps 2 and 3:
 /// 1.3e-2), the same with the batched attention off, with the tiles off and with every step
-/// grouped on the host, and with the states' caches reserved up front.
+/// grouped on the host, with the states' caches reserved up front, and with the decode steps'
+/// dense products as mat-vecs (`SMOE_CUDA_DENSE_MV=128`). `ROUTES=1` routes on the host and
+/// prints, for each decode step past 0.05, the layers whose choice differs from the sequence's
+/// alone, with how near the tie was; `ROTATE=r` puts sequence i in row i - r. With them (H100,
+/// 2026-12-06, twenty-third session): sequence 66's token chose experts 2 and 4 at layer 1
+/// where alone it chose 4 and 7, and alone expert 7 had scored 0.21118 against expert 2's
+/// 0.21111, in any row of the step: a near-tie, which the test now tells apart from a wrong result.
 #[test]
 #[ignore]
 fn diag_seventy() {
@@ -674,8 +762,20 @@ fn diag_seventy() {
     drop(probe);
     let v = smoe_vault::Vault::open(vault(name, Format::Q4_K, Format::Q8_0)).unwrap();
     let model = Model::load(&v, backend(&CudaOptions::default()).unwrap(), Arc::new(ResidentExperts::load(&v).unwrap())).unwrap();
-    let record = batched_record(&model, name, (count, shortest, spread, decode_at), env("RESERVE", 1));
+    let (watch, rotate) = (env("ROUTES", 0) == 1, env("ROTATE", 0));
+    let mut routes = Vec::new();
+    let record = batched_record(&model, name, (count, shortest, spread, decode_at), env("RESERVE", 1), watch.then_some((&mut routes, rotate)));
     let errors = errors_against_alone(&model, &record);
+    if watch {
+        // Where a decode step went far from alone: the layers whose choice differs, with how
+        // near the tie was alone.
+        for (i, steps) in errors.iter().enumerate() {
+            for (s, &e) in steps.iter().enumerate().skip(1).filter(|(_, &e)| e > 0.05) {
+                let flips = route_flips(&model, &record[i][..=s], &routes[s], (i + count - rotate % count) % count);
+                eprintln!("  step {s} sequence {i} ({e:.2e}): routed apart from alone at (layer, experts alone, gap) {flips:?}");
+            }
+        }
+    }
     let mut worst = [(0f64, 0usize); 4];
     for (i, steps) in errors.iter().enumerate() {
         for (s, &e) in steps.iter().enumerate() {
