@@ -595,6 +595,10 @@ pub struct CudaBackend {
     /// Whether experts' few-token products join the tiles in a prefill's chunks (see
     /// [`Product`]); `SMOE_CUDA_FEW_MV_JOIN=off`: they stay on the mat-vec.
     few_mv_join: bool,
+    /// Whether f32 products of two to [`MV_TOKENS`] tokens (a batched step's router) take the
+    /// block-per-row `mvs_f32` as one token does, each token with its one-token bits;
+    /// `SMOE_CUDA_F32_FEW=warps`: the warp-per-row mat-vec they took before, for comparing.
+    f32_few_blocks: bool,
     /// [`CudaOptions::kept_tokens`].
     kept_tokens: usize,
     /// The fused kept-expert kernels' grid with the pairs (tokens) fastest, so that pairs
@@ -699,6 +703,7 @@ impl CudaBackend {
                 .unwrap_or(DENSE_MV_TOKENS)
                 .min(DENSE_MV_MAX),
             few_mv_join: std::env::var("SMOE_CUDA_FEW_MV_JOIN").as_deref() != Ok("off"),
+            f32_few_blocks: std::env::var("SMOE_CUDA_F32_FEW").as_deref() != Ok("warps"),
             kept_tokens: kept_tokens.unwrap_or(KEPT_TOKENS),
             kept_pairs_first: std::env::var("SMOE_CUDA_KEPT_ORDER").as_deref() != Ok("rows"),
             kept_tiles_from: match opts
@@ -1003,8 +1008,9 @@ impl CudaBackend {
                 } else {
                     (&fk.mm, LaunchConfig { grid_dim: grid, block_dim: (256, 1, 1), shared_mem_bytes: 0 })
                 }
-            } else if k0.0 == Format::F32 && k0.1 == 0 {
-                // A block per row (see mvs_f32).
+            } else if k0.0 == Format::F32 && (k0.1 == 0 || self.f32_few_blocks) {
+                // A block per row for one to eight tokens, each with its one-token bits (see
+                // mvs_f32).
                 let grid = (max_rows as u32, (end - start) as u32, 1);
                 (&self.k.mvs_f32, LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: 0 })
             } else {
