@@ -1012,7 +1012,8 @@ impl CudaBackend {
                 }
             } else if k0.0 == Format::F32 && (k0.1 == 0 || self.f32_few_blocks) {
                 // A block per row for one to eight tokens, each with its one-token bits (see
-                // mvs_f32).
+                // mvs_f32, which takes no more).
+                debug_assert!(max_n <= MV_TOKENS, "mvs_f32 takes at most {MV_TOKENS} tokens, not {max_n}");
                 let grid = (max_rows as u32, (end - start) as u32, 1);
                 (&self.k.mvs_f32, LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: 0 })
             } else {

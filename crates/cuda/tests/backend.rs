@@ -580,13 +580,16 @@ fn seventy_sequences_on_the_kept_tiles_match_each_alone_on_the_gpu() {
 }
 
 /// The largest error of [`seventy_sequences_on_the_kept_tiles_match_each_alone_on_the_gpu`]'s
-/// steps against alone, leaving out (and printing) decode steps past the int8 bound whose
-/// token a layer routed differently from alone where the sequence's k-th and (k+1)-th scores
-/// alone were within 1% of each other: a near-tie that rounding may flip either way. The
-/// prompts' 2,275 tokens prefill on the int8 tiles, each prompt alone (30 to 35 tokens) on
-/// the mat-vecs, so their keys and values differ in the last bits; on an H100 that turned one
-/// token's second and third experts (scores 0.21118 and 0.21111 alone) at one layer, and its
-/// logits moved by 3.4e-1. At most two such steps of the 280, and none without a near-tie.
+/// steps against alone, leaving out (and printing) a decode step past the int8 bound only
+/// where a layer routed its token apart from alone at a near-tie. The prompts' 2,275 tokens
+/// prefill on the int8 tiles, each prompt alone (30 to 35 tokens) on the mat-vecs, so their
+/// keys and values differ in the last bits; on an H100 that swapped one token's expert 7
+/// (score 0.21118 alone) for expert 2 (0.21111) at one layer, and its logits moved by 3.4e-1.
+/// The routes are recorded in a second run of the batch routed on the host (an observer
+/// turns the kept paths off), so that run must give the step's logits within a tenth of its
+/// error from the run under test; every expert swapped in must have scored within 0.5% of the
+/// one it replaced alone, no score may have moved by more than 2% of the top one, the error
+/// stays below 1, and at most two of the 280 steps go this way.
 fn seventy_on_tiles_against_alone(model: &Model<CudaBackend>) -> f64 {
     let (name, schedule) = ("qwen3_moe_k", (70, 30, 6, 200));
     let record = batched_record(model, name, schedule, 1, None);
@@ -595,17 +598,22 @@ fn seventy_on_tiles_against_alone(model: &Model<CudaBackend>) -> f64 {
         (0..errors.len()).flat_map(|i| (0..errors[i].len()).map(move |s| (i, s))).filter(|&(i, s)| errors[i][s] >= 2e-2).collect();
     if !over.is_empty() {
         let mut routes = Vec::new();
-        batched_record(model, name, schedule, 1, Some((&mut routes, 0)));
-        assert!(over.len() <= 2, "{} steps past the int8 bound: {over:?}", over.len());
+        let routed_on_host = batched_record(model, name, schedule, 1, Some((&mut routes, 0)));
         for &(i, s) in &over {
             let flips = route_flips(model, &record[i][..=s], &routes[s], i);
-            eprintln!("  step {s} of sequence {i} at {:.2e} routed apart from alone at a near-tie: {flips:?}", errors[i][s]);
+            let apart = rel_err(&routed_on_host[i][s].1, &record[i][s].1);
+            eprintln!(
+                "  step {s} of sequence {i} at {:.2e} from alone ({apart:.2e} from the host-routed batch), routed apart at (layer, experts alone, gap, drift) {flips:?}",
+                errors[i][s]
+            );
+            let near_ties = !flips.is_empty() && flips.iter().all(|f| f.2 < 5e-3 && f.3 < 2e-2);
             assert!(
-                s > 0 && !flips.is_empty() && flips.iter().all(|f| f.2 < 1e-2),
-                "step {s} of sequence {i}: {:.2e} from alone, layers routed apart (layer, alone, gap): {flips:?}",
+                s > 0 && near_ties && apart < errors[i][s] / 10.0 && errors[i][s] < 1.0,
+                "step {s} of sequence {i}: {:.2e} from alone, {apart:.2e} from the host-routed batch, routed apart at {flips:?}",
                 errors[i][s]
             );
         }
+        assert!(over.len() <= 2, "{} steps past the int8 bound: {over:?}", over.len());
     }
     let within = |i: usize, s: usize| if over.contains(&(i, s)) { 0.0 } else { errors[i][s] };
     (0..errors.len()).flat_map(|i| (0..errors[i].len()).map(move |s| (i, s))).fold(0f64, |a, (i, s)| a.max(within(i, s)))
@@ -613,8 +621,15 @@ fn seventy_on_tiles_against_alone(model: &Model<CudaBackend>) -> f64 {
 
 /// The layers at which a decode step (the last of `steps`, one token) routed its token in a
 /// batch (`batched`, the step's routes with the sequence in `row`) to other experts than alone:
-/// (layer, the experts alone, the relative gap between the k-th and (k+1)-th scores alone).
-fn route_flips(model: &Model<CudaBackend>, steps: &[(Vec<u32>, Vec<f32>)], batched: &Routes, row: usize) -> Vec<(usize, Vec<u32>, f32)> {
+/// (layer, the experts alone, the largest relative gap alone between an expert the batch
+/// dropped and one it took instead, the largest move of any expert's score from alone to the
+/// batch relative to the top score alone).
+fn route_flips(
+    model: &Model<CudaBackend>,
+    steps: &[(Vec<u32>, Vec<f32>)],
+    batched: &Routes,
+    row: usize,
+) -> Vec<(usize, Vec<u32>, f32, f32)> {
     let mut st = model.new_state(64);
     let mut alone = Routes::default();
     for (tokens, _) in steps {
@@ -628,13 +643,20 @@ fn route_flips(model: &Model<CudaBackend>, steps: &[(Vec<u32>, Vec<f32>)], batch
     };
     let mut flips = Vec::new();
     for (layer, experts, choice) in &alone.0 {
-        let (_, got, _) = batched.0.iter().filter(|r| r.0 == *layer).nth(row).expect("the step's route at this layer");
-        if sorted(got) != sorted(experts) {
-            let mut c = choice.clone();
-            c.sort_by(|a, b| b.total_cmp(a));
-            let k = experts.len();
-            flips.push((*layer, sorted(experts), (c[k - 1] - c[k]) / c[k - 1]));
+        let (_, got, got_choice) = batched.0.iter().filter(|r| r.0 == *layer).nth(row).expect("the step's route at this layer");
+        if sorted(got) == sorted(experts) {
+            continue;
         }
+        let rel = |a: f32, b: f32| (a - b).abs() / a.abs().max(b.abs()).max(f32::MIN_POSITIVE);
+        let added: Vec<u32> = got.iter().copied().filter(|e| !experts.contains(e)).collect();
+        let gap = experts
+            .iter()
+            .filter(|e| !got.contains(e))
+            .flat_map(|&d| added.iter().map(move |&a| rel(choice[d as usize], choice[a as usize])))
+            .fold(0f32, f32::max);
+        let top = choice.iter().fold(f32::MIN_POSITIVE, |m, c| m.max(c.abs()));
+        let drift = choice.iter().zip(got_choice).fold(0f32, |m, (a, b)| m.max((a - b).abs() / top));
+        flips.push((*layer, sorted(experts), gap, drift));
     }
     flips
 }
@@ -764,7 +786,8 @@ fn diag_seventy() {
     let model = Model::load(&v, backend(&CudaOptions::default()).unwrap(), Arc::new(ResidentExperts::load(&v).unwrap())).unwrap();
     let (watch, rotate) = (env("ROUTES", 0) == 1, env("ROTATE", 0));
     let mut routes = Vec::new();
-    let record = batched_record(&model, name, (count, shortest, spread, decode_at), env("RESERVE", 1), watch.then_some((&mut routes, rotate)));
+    let record =
+        batched_record(&model, name, (count, shortest, spread, decode_at), env("RESERVE", 1), watch.then_some((&mut routes, rotate)));
     let errors = errors_against_alone(&model, &record);
     if watch {
         // Where a decode step went far from alone: the layers whose choice differs, with how
