@@ -1593,21 +1593,15 @@ impl Backend for CudaBackend {
         check("matmul", out, n, m);
         let wp = dptr(&w.data, &self.stream) + (r0 * w.row_bytes) as u64;
         let job = Self::job(wp, w.row_bytes, m, w.cols, 0, n, 0, 0);
-        // Up to 64 tokens, as at most eight mat-vecs, on the stack; past that one job on the
-        // tiles, or more mat-vecs only where `SMOE_CUDA_DENSE_MV` asks for them.
-        let (mut few, mut many, mut count) =
-            ([Product { format: w.format, job, few_on_tiles: false }; DENSE_MV_TOKENS / MV_TOKENS], Vec::new(), 0);
-        let jobs: &mut [Product] = if n <= DENSE_MV_TOKENS {
-            self.resident_jobs(w.format, job, |j| {
-                few[count] = j;
-                count += 1;
-            });
-            &mut few[..count]
-        } else {
-            self.resident_jobs(w.format, job, |j| many.push(j));
-            &mut many
-        };
-        self.products(jobs, x.at(&self.stream), x.quantized(), w.cols, out.at_mut(&self.stream), m);
+        // One job, or mat-vecs of up to eight tokens for at most `dense_mv_tokens`
+        // (≤ DENSE_MV_MAX) tokens: on the stack either way.
+        let mut jobs = [Product { format: w.format, job, few_on_tiles: false }; DENSE_MV_MAX / MV_TOKENS];
+        let mut count = 0;
+        self.resident_jobs(w.format, job, |j| {
+            jobs[count] = j;
+            count += 1;
+        });
+        self.products(&mut jobs[..count], x.at(&self.stream), x.quantized(), w.cols, out.at_mut(&self.stream), m);
     }
     fn matmul_many(&self, jobs: &[MatJob<'_, CudaMatrix>], x: &CudaBuf, x_stride: usize, out: &mut CudaBuf, out_stride: usize) {
         if self.faulted() {

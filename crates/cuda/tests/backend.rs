@@ -594,8 +594,8 @@ fn seventy_on_tiles_against_alone(model: &Model<CudaBackend>) -> f64 {
     let (name, schedule) = ("qwen3_moe_k", (70, 30, 6, 200));
     let record = batched_record(model, name, schedule, 1, None);
     let errors = errors_against_alone(model, &record);
-    let over: Vec<(usize, usize)> =
-        (0..errors.len()).flat_map(|i| (0..errors[i].len()).map(move |s| (i, s))).filter(|&(i, s)| errors[i][s] >= 2e-2).collect();
+    let steps = || errors.iter().enumerate().flat_map(|(i, e)| e.iter().enumerate().map(move |(s, &e)| (i, s, e)));
+    let over: Vec<(usize, usize)> = steps().filter(|&(_, _, e)| e >= 2e-2).map(|(i, s, _)| (i, s)).collect();
     if !over.is_empty() {
         let mut routes = Vec::new();
         let routed_on_host = batched_record(model, name, schedule, 1, Some((&mut routes, 0)));
@@ -615,8 +615,7 @@ fn seventy_on_tiles_against_alone(model: &Model<CudaBackend>) -> f64 {
         }
         assert!(over.len() <= 2, "{} steps past the int8 bound: {over:?}", over.len());
     }
-    let within = |i: usize, s: usize| if over.contains(&(i, s)) { 0.0 } else { errors[i][s] };
-    (0..errors.len()).flat_map(|i| (0..errors[i].len()).map(move |s| (i, s))).fold(0f64, |a, (i, s)| a.max(within(i, s)))
+    steps().filter(|&(i, s, _)| !over.contains(&(i, s))).fold(0f64, |a, (_, _, e)| a.max(e))
 }
 
 /// The layers at which a decode step (the last of `steps`, one token) routed its token in a
@@ -795,7 +794,7 @@ fn diag_seventy() {
         for (i, steps) in errors.iter().enumerate() {
             for (s, &e) in steps.iter().enumerate().skip(1).filter(|(_, &e)| e > 0.05) {
                 let flips = route_flips(&model, &record[i][..=s], &routes[s], (i + count - rotate % count) % count);
-                eprintln!("  step {s} sequence {i} ({e:.2e}): routed apart from alone at (layer, experts alone, gap) {flips:?}");
+                eprintln!("  step {s} sequence {i} ({e:.2e}): routed apart from alone at (layer, experts alone, gap, drift) {flips:?}");
             }
         }
     }
