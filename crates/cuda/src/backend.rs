@@ -81,6 +81,16 @@ const KEPT_TILE_RUN: usize = 8;
 /// 64: 2,203–2,290 against 1,605–1,676.
 const KEPT_TILES_FROM: usize = 24;
 
+/// Rows a block of `mvkq_mix_split` takes for a down matrix of `format` whose rows are `cols`
+/// wide and `k` slots a token: a warp per row and two slots, at most 8 warps a block (its
+/// shared sums). None where the split kernel does not apply: rows of more than 16 of the int8
+/// product's tasks, or more than 16 slots; `mvkq_mix` takes those.
+fn mix_split_rows(format: Format, cols: usize, k: usize) -> Option<usize> {
+    let tasks = if format == Format::Q8_0 { cols / 32 } else { cols / 64 };
+    let warps = k.div_ceil(2);
+    (tasks <= 16 && (1..=8).contains(&warps)).then(|| 8 / warps)
+}
+
 /// Most tokens of a resident matrix's product that go as mat-vecs of [`MV_TOKENS`] each
 /// (`SMOE_CUDA_DENSE_MV` says otherwise, up to [`DENSE_MV_MAX`]): see
 /// [`CudaBackend::resident_jobs`].
@@ -230,6 +240,11 @@ pub struct CudaOptions {
     /// [`Self::kept_tokens`]: their tokens choose the same experts, which the tiles take in
     /// turns.
     pub kept_tile_run: Option<usize>,
+    /// The kept experts' down products mixed by `mvkq_mix_split` (a warp per row and two
+    /// slots) in every step (`Some(true)`), in none (`Some(false)`: `mvkq_mix`, a warp per
+    /// row), the same bits either way. `None`: `SMOE_CUDA_KEPT_WARPS` (`split`, `rows`), else
+    /// one-token steps only, where it measured faster.
+    pub kept_split: Option<bool>,
 }
 
 /// The one-token int8-activation kernels of a format (kernels.cu, kept.cu).
@@ -243,8 +258,10 @@ struct Int8Kernels {
     mvkq: CudaFunction,
     /// Kept experts' gate and up with SiLU(gate) · up and its int8 copy (`mvkq_swiglu`).
     swiglu: CudaFunction,
-    /// Kept experts' down products mixed into the residual (`mvkq_mix`).
+    /// Kept experts' down products mixed into the residual (`mvkq_mix`: a warp a row).
     mix: CudaFunction,
+    /// The same, a warp per row and two slots (`mvkq_mix_split`; see [`mix_split_rows`]).
+    mix_split: CudaFunction,
     /// A batched step's kept experts on int8 tensor cores, each expert's rows read once for all
     /// of its pairs (`kept_tiles.cu`): gate and up with SiLU(gate) · up, then the down
     /// products, one output row per pair.
@@ -362,6 +379,7 @@ impl Kernels {
                                 mvkq: f(&format!("mvkq_{n}"))?,
                                 swiglu: f(&format!("mvkq_swiglu_{n}"))?,
                                 mix: f(&format!("mvkq_mix_{n}"))?,
+                                mix_split: f(&format!("mvkq_mix_split_{n}"))?,
                                 tiles: KeptTileKernels {
                                     swiglu: f(&format!("kept_tiles_swiglu_{n}"))?,
                                     down: f(&format!("kept_tiles_down_{n}"))?,
@@ -607,6 +625,8 @@ pub struct CudaBackend {
     /// sharing an expert read it together (`kept.cu`); `SMOE_CUDA_KEPT_ORDER=rows`: the rows
     /// fastest, as before.
     kept_pairs_first: bool,
+    /// [`CudaOptions::kept_split`] with the environment read (`None`: one-token steps).
+    kept_split: Option<bool>,
     /// [`CudaOptions::kept_tiles_from`] (`usize::MAX`: never).
     kept_tiles_from: usize,
     /// [`CudaOptions::kept_tile_tokens`].
@@ -708,6 +728,11 @@ impl CudaBackend {
             f32_few_blocks: std::env::var("SMOE_CUDA_F32_FEW").as_deref() != Ok("warps"),
             kept_tokens: kept_tokens.unwrap_or(KEPT_TOKENS),
             kept_pairs_first: std::env::var("SMOE_CUDA_KEPT_ORDER").as_deref() != Ok("rows"),
+            kept_split: opts.kept_split.or_else(|| match std::env::var("SMOE_CUDA_KEPT_WARPS").as_deref() {
+                Ok("rows") => Some(false),
+                Ok("split") => Some(true),
+                _ => None,
+            }),
             kept_tiles_from: match opts
                 .kept_tiles_from
                 .or_else(|| std::env::var("SMOE_CUDA_KEPT_TILES_FROM").ok().and_then(|v| v.parse().ok()))
@@ -2216,13 +2241,19 @@ impl Backend for CudaBackend {
                 a.arg(&gj).arg(&rp).arg(&hq.0).arg(&hs).arg(&gp).arg(&gs).arg(&dq).arg(&ds).arg(&first_i);
                 let cfg = LaunchConfig { grid_dim: order((width / 32) as u32, pairs), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
                 self.launch(a, cfg, "kept experts: gate, up, SiLU");
+                let split = mix_split_rows(down.format, down.cols, k).filter(|_| self.kept_split.unwrap_or(n == 1));
                 drop(kept);
                 let (xp, xs) = (x.at_mut(&self.stream), hidden as i32);
-                let mut a = Launch::new(&dk.mix);
+                let mut a = Launch::new(if split.is_some() { &dk.mix_split } else { &dk.mix });
                 a.arg(&dj).arg(&rp).arg(&dq).arg(&ds).arg(&xp).arg(&xs).arg(&first_i);
-                // A warp a row (kept.cu's mvq_mix), four a block.
-                let cfg =
-                    LaunchConfig { grid_dim: order(hidden.div_ceil(4) as u32, n as u32), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+                // Split: `rows` rows of (k + 1) / 2 warps a block; else a warp a row (kept.cu's
+                // mvq_mix), four a block.
+                let (rows, threads) = split.map_or((4, 128), |rows| (rows, (32 * rows * k.div_ceil(2)) as u32));
+                let cfg = LaunchConfig {
+                    grid_dim: order(hidden.div_ceil(rows) as u32, n as u32),
+                    block_dim: (threads, 1, 1),
+                    shared_mem_bytes: 0,
+                };
                 self.launch(a, cfg, "kept experts: down, mixed");
                 return;
             }

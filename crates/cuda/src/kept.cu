@@ -6,6 +6,7 @@
 // task's loads in flight per lane (0.66 TB/s). The sums run as in those kernels, in the same
 // order, so the results are the same bits.
 
+
 #define SWIGLU_WARPS 8  // a block: one group of 32 outputs, four per warp
 
 // Grid order, both kernels: blocks start in launch order, x fastest. `pairs_first` puts the pairs
@@ -112,16 +113,22 @@ __device__ void mvq_mix(const Kept& kp, const float* routes, const u8* qx, int q
             MvqW<F> w[MIX_CHUNK];
             const u8* qrow[MIX_CHUNK];
             bool live[MIX_CHUNK];
+            // The slots' expert ids all before any weights (the SASS had each slot's weights
+            // wait on its own id's load; measured level on an H100, 2026-12-06).
+            int e[MIX_CHUNK];
 #pragma unroll
             for (int c = 0; c < MIX_CHUNK; c++) {
                 int s = c0 + 2 * c + h;
                 live[c] = s < kp.k && tl < tasks;
                 int sv = s < kp.k ? s : 0;
                 float id = rt[sv];
-                int e = id >= 0.0f && id < (float)kp.experts ? (int)id : 0;
-                w[c] = mvq_load<F>((const u8*)(kp.base[0] + (u64)e * kp.expert_bytes[0]) + (size_t)r * kp.row_bytes, live[c] ? tl : 0);
+                int ei = __float2int_rz(id);  // saturates; used only where in range, as kept_job
+                e[c] = id >= 0.0f && id < (float)kp.experts ? ei : 0;
                 qrow[c] = qx + (size_t)(t * kp.k + sv) * qstride;
             }
+#pragma unroll
+            for (int c = 0; c < MIX_CHUNK; c++)
+                w[c] = mvq_load<F>((const u8*)(kp.base[0] + (u64)e[c] * kp.expert_bytes[0]) + (size_t)r * kp.row_bytes, live[c] ? tl : 0);
             float d[MIX_CHUNK];
 #pragma unroll
             for (int c = 0; c < MIX_CHUNK; c++) {
@@ -156,6 +163,52 @@ __device__ void mvq_mix(const Kept& kp, const float* routes, const u8* qx, int q
     if (lane == 0) x[(size_t)t * xs + r] = acc;
 }
 
+// The mix with a warp per (row, two slots) instead of a warp per row: rows of at most 16 tasks
+// and at most 16 slots (`mvkq_mix_split`). A warp per row issued its slots' loads two by two,
+// ptxas interleaving each pair's loads with the previous pair's products (62 registers), and
+// one token's 2048 rows were 2048 warps, 16 an SM: 0.76 TB/s, 9.3 µs (ncu). Here each warp
+// loads its two slots' task once, the block's warps for a row leave their sums in shared memory,
+// and one lane mixes them into the residual in slot order: every slot's sum and the mixing as in
+// mvq_mix, the same bits. A block is 8 / ((k + 1) / 2) rows of (k + 1) / 2 warps (host:
+// mix_split_rows). It runs one-token steps: 1.5% more tokens a second for one sequence on an
+// H100, 2-3.5% fewer at 8 and 16 sequences (docs/benchmarks.md, 2026-12-06).
+template <int F>
+__device__ void mvq_mix_split(const Kept& kp, const float* routes, const u8* qx, int qstride, float* x, int xs,
+                              int pairs_first) {
+    __shared__ float v[8][2];  // a warp's two slots' sums; blocks are at most 8 warps
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int wr = (kp.k + 1) / 2, rows = blockDim.x / 32 / wr;
+    int t = pairs_first ? blockIdx.x : blockIdx.y;
+    int ri = warp / wr, c = warp % wr;
+    int r = (pairs_first ? blockIdx.y : blockIdx.x) * rows + ri;
+    int tasks = F == 8 ? kp.cols / 32 : kp.cols / 64;
+    const float* rt = routes + (size_t)t * 2 * kp.k;
+    int tl = lane % 16, h = lane / 16, s = 2 * c + h;
+    // Idle lanes (past the row's tasks, the last slot of an odd k, rows past the end) read a
+    // valid task of slot 0's row 0 and drop it.
+    bool live = s < kp.k && tl < tasks && r < kp.rows;
+    int sv = s < kp.k ? s : 0;
+    float id = rt[sv];
+    int e = id >= 0.0f && id < (float)kp.experts ? (int)id : 0;
+    const u8* qrow = qx + (size_t)(t * kp.k + sv) * qstride;
+    const float* xd = (const float*)(qrow + kp.cols);
+    const u8* wrow = (const u8*)(kp.base[0] + (u64)e * kp.expert_bytes[0]) + (size_t)(r < kp.rows ? r : 0) * kp.row_bytes;
+    float d = mvq_dot<F>(mvq_load<F>(wrow, live ? tl : 0), live ? tl : 0, (const signed char*)qrow, xd, xd + kp.cols / 32);
+    d = live ? d : 0.0f;
+    for (int o = 8; o > 0; o >>= 1) d += __shfl_down_sync(0xffffffff, d, o, 16);
+    float d1 = __shfl_sync(0xffffffff, d, 16);
+    if (lane == 0) {
+        v[warp][0] = d;
+        v[warp][1] = d1;
+    }
+    __syncthreads();
+    if (c == 0 && lane == 0 && r < kp.rows) {
+        float acc = x[(size_t)t * xs + r];
+        for (int s0 = 0; s0 < kp.k; s0++) acc += rt[kp.k + s0] * v[ri * wr + s0 / 2][s0 % 2];
+        x[(size_t)t * xs + r] = acc;
+    }
+}
+
 #define KEPT_FUSED_KERNELS(name, id)                                                                          \
     extern "C" __global__ void mvkq_swiglu_##name(const Kept kp, const float* routes, const u8* qx, int qstride, \
                                                   float* out, int os, u8* dq, int dqstride, int pairs_first) {   \
@@ -165,6 +218,11 @@ __device__ void mvq_mix(const Kept& kp, const float* routes, const u8* qx, int q
     extern "C" __global__ void mvkq_mix_##name(const Kept kp, const float* routes, const u8* qx, int qstride,    \
                                                float* x, int xs, int pairs_first) { PDL_START;                   \
         mvq_mix<id>(kp, routes, qx, qstride, x, xs, pairs_first);                                             \
+    }                                                                                                         \
+    extern "C" __global__ void mvkq_mix_split_##name(const Kept kp, const float* routes, const u8* qx,          \
+                                                     int qstride, float* x, int xs, int pairs_first) {          \
+        PDL_START;                                                                                            \
+        mvq_mix_split<id>(kp, routes, qx, qstride, x, xs, pairs_first);                                       \
     }
 
 KEPT_FUSED_KERNELS(q8_0, 8)

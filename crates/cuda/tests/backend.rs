@@ -80,6 +80,7 @@ const REFERENCE: CudaOptions = CudaOptions {
     kept_tiles_from: None,
     kept_tile_tokens: None,
     kept_tile_run: None,
+    kept_split: None,
 };
 
 #[test]
@@ -255,6 +256,38 @@ fn experts_kept_in_vram_route_on_the_gpu_as_the_host_does() {
             same < 2e-2 && same < ek / 10.0,
             "{name}: int8 prefill differs from step decode by {same:.2e} ({ek:.2e} from transformers)"
         );
+    }
+}
+
+/// The kept experts' down products mixed with a warp per row and two slots (`mvkq_mix_split`,
+/// one-token steps by default) give the bits of a warp per row (`mvkq_mix`): one sequence's step
+/// decode, and eight sequences in steps of their one- to three-token prompts and then of a
+/// decode token each, with Q4_K and with Q8_0 experts.
+#[test]
+fn split_mix_gives_the_row_mix_bits() {
+    for experts in [Format::Q4_K, Format::Q8_0] {
+        let name = "qwen3_moe_k";
+        let v = smoe_vault::Vault::open(vault(name, experts, Format::Q8_0)).unwrap();
+        let open = |split: bool| {
+            let b = backend(&CudaOptions { kept_split: Some(split), ..Default::default() })?;
+            Some(Model::load(&v, b, Arc::new(ResidentExperts::load(&v).unwrap())).unwrap())
+        };
+        let (Some(split), Some(rows)) = (open(true), open(false)) else { return };
+        assert!(split.kept_layers() > 0, "{name} {experts:?}: no experts kept");
+        let r = read_safetensors(&fixture(name).join("reference.safetensors"));
+        let input = ids(&r["chat.input_ids"]);
+        let (a, b) = (decode_quietly(&split, &input), decode_quietly(&rows, &input));
+        assert!(a == b, "{name} {experts:?}: the split mix moved one sequence's logits by {:.2e}", rel_err(&a, &b));
+        let (a, b) = (batched_record(&split, name, (8, 1, 3, 60), 16, None), batched_record(&rows, name, (8, 1, 3, 60), 16, None));
+        for (i, (sa, sb)) in a.iter().zip(&b).enumerate() {
+            for (step, ((_, la), (_, lb))) in sa.iter().zip(sb).enumerate() {
+                assert!(
+                    la == lb,
+                    "{name} {experts:?}: sequence {i} step {step}: the split mix moved the logits by {:.2e}",
+                    rel_err(la, lb)
+                );
+            }
+        }
     }
 }
 
