@@ -242,8 +242,8 @@ pub struct CudaOptions {
     pub kept_tile_run: Option<usize>,
     /// The kept experts' down products mixed by `mvkq_mix_split` (a warp per row and two
     /// slots) in every step (`Some(true)`), in none (`Some(false)`: `mvkq_mix`, a warp per
-    /// row), the same bits either way. `None`: `SMOE_CUDA_KEPT_WARPS` (`split`, `rows`), else
-    /// one-token steps only, where it measured faster.
+    /// row), the same bits either way. `None`: `SMOE_CUDA_KEPT_WARPS` (`split`: every step,
+    /// `one`: one-token steps, where it measured 1-2% faster), else none (see kept.cu).
     pub kept_split: Option<bool>,
 }
 
@@ -729,9 +729,9 @@ impl CudaBackend {
             kept_tokens: kept_tokens.unwrap_or(KEPT_TOKENS),
             kept_pairs_first: std::env::var("SMOE_CUDA_KEPT_ORDER").as_deref() != Ok("rows"),
             kept_split: opts.kept_split.or_else(|| match std::env::var("SMOE_CUDA_KEPT_WARPS").as_deref() {
-                Ok("rows") => Some(false),
                 Ok("split") => Some(true),
-                _ => None,
+                Ok("one") => None,
+                _ => Some(false),
             }),
             kept_tiles_from: match opts
                 .kept_tiles_from

@@ -710,8 +710,9 @@ impl<B: Backend> Suite<'_, B> {
 
     /// A batched step through kept experts at the shapes a backend's batched kernels take:
     /// gate and up in one format, rows of 512 (two steps of eight groups for int8 tiles), 16
-    /// experts, 8 slots, 40 tokens (320 pairs; expert 0 in every token's first slot, so one
-    /// expert has 40 pairs and the rest some 19 each), then 600 (a prefill chunk's size:
+    /// experts, 8 slots, one token (a decode step's eight slots), 40 tokens (320 pairs; expert
+    /// 0 in every token's first slot, so one expert has 40 pairs and the rest some 19 each),
+    /// then 600 (a prefill chunk's size:
     /// expert 0 with 600 pairs, more than a tile block lists at once), the input as a norm
     /// leaves it (where a backend keeps an int8 copy beside the rows, its products read that),
     /// against SwiGLU in f32 on the dequantized weights. Q4_K gate and up with Q8_0 down, then
@@ -733,7 +734,7 @@ impl<B: Backend> Suite<'_, B> {
                 self.failures.push(format!("keep_experts: {e} experts of 512-wide rows not kept despite room"));
                 return;
             }
-            for n in [40usize, 600] {
+            for n in [1usize, 40, 600] {
                 let (raw, ones) = (self.values(n * hidden), vec![1f32; hidden]);
                 let (rb, w) = (self.buf(n * hidden, &raw), self.b.vector(&ones));
                 let mut hb = self.buf(n * hidden, &[]);
