@@ -91,6 +91,26 @@ fn mix_split_rows(format: Format, cols: usize, k: usize) -> Option<usize> {
     (tasks <= 16 && (1..=8).contains(&warps)).then(|| 8 / warps)
 }
 
+/// Which steps mix their kept experts' down products with `mvkq_mix_split`
+/// ([`CudaOptions::kept_split`], `SMOE_CUDA_KEPT_WARPS`).
+#[derive(Clone, Copy)]
+enum MixSplit {
+    Never,
+    /// One-token steps, where it measured 1-2% faster on an H100.
+    OneToken,
+    Always,
+}
+
+impl MixSplit {
+    fn takes(self, tokens: usize) -> bool {
+        match self {
+            MixSplit::Never => false,
+            MixSplit::OneToken => tokens == 1,
+            MixSplit::Always => true,
+        }
+    }
+}
+
 /// Most tokens of a resident matrix's product that go as mat-vecs of [`MV_TOKENS`] each
 /// (`SMOE_CUDA_DENSE_MV` says otherwise, up to [`DENSE_MV_MAX`]): see
 /// [`CudaBackend::resident_jobs`].
@@ -625,8 +645,11 @@ pub struct CudaBackend {
     /// sharing an expert read it together (`kept.cu`); `SMOE_CUDA_KEPT_ORDER=rows`: the rows
     /// fastest, as before.
     kept_pairs_first: bool,
-    /// [`CudaOptions::kept_split`] with the environment read (`None`: one-token steps).
-    kept_split: Option<bool>,
+    /// [`CudaOptions::kept_split`] with the environment read.
+    kept_split: MixSplit,
+    /// Layers' steps whose kept experts' down products were mixed by `mvkq_mix_split`
+    /// ([`Self::kept_split_steps`]).
+    kept_split_steps: AtomicUsize,
     /// [`CudaOptions::kept_tiles_from`] (`usize::MAX`: never).
     kept_tiles_from: usize,
     /// [`CudaOptions::kept_tile_tokens`].
@@ -728,11 +751,12 @@ impl CudaBackend {
             f32_few_blocks: std::env::var("SMOE_CUDA_F32_FEW").as_deref() != Ok("warps"),
             kept_tokens: kept_tokens.unwrap_or(KEPT_TOKENS),
             kept_pairs_first: std::env::var("SMOE_CUDA_KEPT_ORDER").as_deref() != Ok("rows"),
-            kept_split: opts.kept_split.or_else(|| match std::env::var("SMOE_CUDA_KEPT_WARPS").as_deref() {
-                Ok("split") => Some(true),
-                Ok("one") => None,
-                _ => Some(false),
-            }),
+            kept_split: match (opts.kept_split, std::env::var("SMOE_CUDA_KEPT_WARPS").as_deref()) {
+                (Some(true), _) | (None, Ok("split")) => MixSplit::Always,
+                (None, Ok("one")) => MixSplit::OneToken,
+                _ => MixSplit::Never,
+            },
+            kept_split_steps: AtomicUsize::new(0),
             kept_tiles_from: match opts
                 .kept_tiles_from
                 .or_else(|| std::env::var("SMOE_CUDA_KEPT_TILES_FROM").ok().and_then(|v| v.parse().ok()))
@@ -774,6 +798,12 @@ impl CudaBackend {
     /// tiles sum as the host's grouping does, so the logits alone cannot tell which ran.
     pub fn kept_tile_steps(&self) -> usize {
         self.kept_tile_steps.load(Ordering::Relaxed)
+    }
+
+    /// Layers' steps whose kept experts' down products were mixed a warp per row and two slots
+    /// (`mvkq_mix_split`, see [`CudaOptions::kept_split`]) since the backend opened.
+    pub fn kept_split_steps(&self) -> usize {
+        self.kept_split_steps.load(Ordering::Relaxed)
     }
 
     /// Whether layer `l`'s kept experts run on the int8 tiles (`kept_tiles.cu`) in steps of
@@ -2241,7 +2271,7 @@ impl Backend for CudaBackend {
                 a.arg(&gj).arg(&rp).arg(&hq.0).arg(&hs).arg(&gp).arg(&gs).arg(&dq).arg(&ds).arg(&first_i);
                 let cfg = LaunchConfig { grid_dim: order((width / 32) as u32, pairs), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
                 self.launch(a, cfg, "kept experts: gate, up, SiLU");
-                let split = mix_split_rows(down.format, down.cols, k).filter(|_| self.kept_split.unwrap_or(n == 1));
+                let split = mix_split_rows(down.format, down.cols, k).filter(|_| self.kept_split.takes(n));
                 drop(kept);
                 let (xp, xs) = (x.at_mut(&self.stream), hidden as i32);
                 let mut a = Launch::new(if split.is_some() { &dk.mix_split } else { &dk.mix });
@@ -2255,6 +2285,9 @@ impl Backend for CudaBackend {
                     shared_mem_bytes: 0,
                 };
                 self.launch(a, cfg, "kept experts: down, mixed");
+                if split.is_some() {
+                    self.kept_split_steps.fetch_add(1, Ordering::Relaxed);
+                }
                 return;
             }
         }

@@ -123,8 +123,10 @@ extern "C" __global__ void silu_quantize(float* x, int stride, int rows, int w, 
 // products, eight tokens' 57 µs, a quarter of an 8-sequence decode step on an H100). The row's
 // weights load once for all the tokens; each token is summed as it is alone, in a fixed order
 // (a thread's columns in turn, then the block's sum): a token gets its one-token bits in any
-// batch of up to eight, and of up to 64 where the backend splits the product into 8-token
-// launches (`resident_jobs`, on int8 activations). The host sends no more than MV_TOKENS.
+// batch of up to eight whose rows' stride is a multiple of 4 floats (every hidden width here;
+// else the batch takes the scalar loop, see `wide`), and of up to 64 where the backend splits
+// the product into 8-token launches (`resident_jobs`, on int8 activations). The host sends no
+// more than MV_TOKENS.
 extern "C" __global__ void mvs_f32(const Jobs js, const float* x, int xs, float* out, int os) { PDL_START;
     const Job& j = js.job[blockIdx.y];
     int r = blockIdx.x;

@@ -292,6 +292,9 @@ fn split_mix_gives_the_row_mix_bits() {
                 );
             }
         }
+        // Both kernels ran: the comparison is not of one path with itself.
+        let (split_steps, rows_steps) = (split.backend().kept_split_steps(), rows.backend().kept_split_steps());
+        assert!(split_steps > 0 && rows_steps == 0, "{name} {experts:?}: split mix steps {split_steps} and {rows_steps}");
     }
 }
 
