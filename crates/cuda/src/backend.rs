@@ -178,7 +178,9 @@ struct Product {
 #[derive(Clone, Copy)]
 struct Jobs {
     count: i32,
-    pad: i32,
+    /// Nonzero: each block asks L2 for its weight rows before it waits on the kernel before
+    /// (kernels.cu's `mvq_prefetch`; [`CudaOptions::prefetch`]).
+    prefetch: i32,
     job: [Job; MAX_JOBS],
 }
 
@@ -265,6 +267,13 @@ pub struct CudaOptions {
     /// row), the same bits either way. `None`: `SMOE_CUDA_KEPT_WARPS` (`split`: every step,
     /// `one`: one-token steps, where it measured 1-2% faster), else none (see kept.cu).
     pub kept_split: Option<bool>,
+    /// Weights asked of L2 ahead of their products (`cp.async.bulk.prefetch`, compute 9.0 and
+    /// up; kernels.cu's `prefetch_l2`): every int8 mat-vec block and router row its own rows
+    /// while the kernel before it runs, and a one-token step's kept SwiGLU all its experts'
+    /// gate, up and down as soon as the routes are known, and one sequence's attention the
+    /// cache rows of earlier steps. The same bits either way. `None`:
+    /// on unless `SMOE_CUDA_PREFETCH=off`.
+    pub prefetch: Option<bool>,
 }
 
 /// The one-token int8-activation kernels of a format (kernels.cu, kept.cu).
@@ -647,6 +656,11 @@ pub struct CudaBackend {
     kept_pairs_first: bool,
     /// [`CudaOptions::kept_split`] with the environment read.
     kept_split: MixSplit,
+    /// [`CudaOptions::prefetch`] with the environment read.
+    prefetch: bool,
+    /// Layers' one-token steps whose kept SwiGLU asked L2 for the step's experts
+    /// ([`Self::kept_prefetch_steps`]).
+    kept_prefetch_steps: AtomicUsize,
     /// Layers' steps whose kept experts' down products were mixed by `mvkq_mix_split`
     /// ([`Self::kept_split_steps`]).
     kept_split_steps: AtomicUsize,
@@ -702,6 +716,9 @@ impl CudaBackend {
         let tensor_cores = info.compute_capability.0 >= 8 && !opts.simt_prefill && prefill.as_deref() != Ok("simt");
         let int8 = opts.precision.unwrap_or(Precision::Fast) == Precision::Fast && std::env::var("SMOE_CUDA_INT8").as_deref() != Ok("off");
         let pdl = info.compute_capability.0 >= 9 && std::env::var("SMOE_CUDA_PDL").as_deref() != Ok("off");
+        // The kernels' prefetch is compiled for compute 9.0 and up only.
+        let prefetch =
+            info.compute_capability.0 >= 9 && opts.prefetch.unwrap_or_else(|| std::env::var("SMOE_CUDA_PREFETCH").as_deref() != Ok("off"));
         let sms =
             ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_or(0, |n| n as usize);
         let kept_tokens = opts.kept_tokens.or_else(|| std::env::var("SMOE_CUDA_KEPT_TOKENS").ok().and_then(|v| v.parse().ok()));
@@ -757,6 +774,8 @@ impl CudaBackend {
                 _ => MixSplit::Never,
             },
             kept_split_steps: AtomicUsize::new(0),
+            prefetch,
+            kept_prefetch_steps: AtomicUsize::new(0),
             kept_tiles_from: match opts
                 .kept_tiles_from
                 .or_else(|| std::env::var("SMOE_CUDA_KEPT_TILES_FROM").ok().and_then(|v| v.parse().ok()))
@@ -804,6 +823,12 @@ impl CudaBackend {
     /// (`mvkq_mix_split`, see [`CudaOptions::kept_split`]) since the backend opened.
     pub fn kept_split_steps(&self) -> usize {
         self.kept_split_steps.load(Ordering::Relaxed)
+    }
+
+    /// Layers' one-token steps whose kept SwiGLU asked L2 for the step's experts (see
+    /// [`CudaOptions::prefetch`]) since the backend opened.
+    pub fn kept_prefetch_steps(&self) -> usize {
+        self.kept_prefetch_steps.load(Ordering::Relaxed)
     }
 
     /// Whether layer `l`'s kept experts run on the int8 tiles (`kept_tiles.cu`) in steps of
@@ -1003,7 +1028,7 @@ impl CudaBackend {
             while end < jobs.len() && end - start < MAX_JOBS && key(&jobs[end]) == k0 {
                 end += 1;
             }
-            let mut table = Jobs { count: (end - start) as i32, pad: 0, job: [Job::default(); MAX_JOBS] };
+            let mut table = Jobs { count: (end - start) as i32, prefetch: self.prefetch as i32, job: [Job::default(); MAX_JOBS] };
             for (slot, j) in jobs[start..end].iter().enumerate() {
                 table.job[slot] = j.job;
             }
@@ -1479,6 +1504,9 @@ impl Backend for CudaBackend {
         }
         if self.pdl {
             d.push_str(", decode kernels overlapped (programmatic dependent launch)");
+        }
+        if self.prefetch {
+            d.push_str(", decode weights asked of L2 ahead of their products");
         }
         if self.graphs {
             let g = self.graph.lock().expect("graph lock");
@@ -2267,10 +2295,18 @@ impl Backend for CudaBackend {
                 // The pairs (tokens) on x where they go first (see `kept_pairs_first`).
                 let (first, first_i) = (self.kept_pairs_first, self.kept_pairs_first as i32);
                 let order = |rows: u32, pairs: u32| if first { (pairs, rows, 1) } else { (rows, pairs, 1) };
+                // A one-token step's experts asked of L2 once the routes are known (kept.cu's
+                // kept_prefetch): a larger step's would not fit.
+                let prefetch = if self.prefetch && n == 1 { pairs as i32 } else { 0 };
+                let (down_base, down_bytes) = (dptr(&down.data, &self.stream), down.bytes as u64);
                 let mut a = Launch::new(&gk.swiglu);
                 a.arg(&gj).arg(&rp).arg(&hq.0).arg(&hs).arg(&gp).arg(&gs).arg(&dq).arg(&ds).arg(&first_i);
+                a.arg(&down_base).arg(&down_bytes).arg(&prefetch);
                 let cfg = LaunchConfig { grid_dim: order((width / 32) as u32, pairs), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
                 self.launch(a, cfg, "kept experts: gate, up, SiLU");
+                if prefetch > 0 {
+                    self.kept_prefetch_steps.fetch_add(1, Ordering::Relaxed);
+                }
                 let split = mix_split_rows(down.format, down.cols, k).filter(|_| self.kept_split.takes(n));
                 drop(kept);
                 let (xp, xs) = (x.at_mut(&self.stream), hidden as i32);
@@ -2536,7 +2572,8 @@ impl CudaBackend {
         let mut a = Launch::new(&self.k.attention);
         a.arg(&kp).arg(&vp).arg(&heads).arg(&kd).arg(&vd).arg(&vr).arg(&vh).arg(&qp).arg(&qs).arg(&qh);
         a.arg(&p0).arg(&p.scale).arg(&op).arg(&qx).arg(&qstride).arg(&split_i).arg(&pp).arg(&tp);
-        a.arg(&first_i).arg(&window).arg(&sinks);
+        let prefetch = self.prefetch as i32;
+        a.arg(&first_i).arg(&window).arg(&sinks).arg(&prefetch);
         let grid = (rows as u32, splits as u32, 1);
         self.launch(a, LaunchConfig { grid_dim: grid, block_dim: (threads, 1, 1), shared_mem_bytes: shared }, "attention");
     }

@@ -127,9 +127,12 @@ extern "C" __global__ void silu_quantize(float* x, int stride, int rows, int w, 
 // else the batch takes the scalar loop, see `wide`), and of up to 64 where the backend splits
 // the product into 8-token launches (`resident_jobs`, on int8 activations). The host sends no
 // more than MV_TOKENS.
-extern "C" __global__ void mvs_f32(const Jobs js, const float* x, int xs, float* out, int os) { PDL_START;
+extern "C" __global__ void mvs_f32(const Jobs js, const float* x, int xs, float* out, int os) {
     const Job& j = js.job[blockIdx.y];
     int r = blockIdx.x;
+    // The block's row, asked of L2 while the kernel before runs (see mvq_prefetch).
+    if (js.prefetch && threadIdx.x == 0 && r < j.rows) prefetch_l2((const void*)(j.w + (u64)r * j.row_bytes), j.row_bytes);
+    PDL_START;
     if (r >= j.rows) return;  // the whole block
     const float* w = (const float*)(j.w + (u64)r * j.row_bytes);
     const float* xr = x + (size_t)j.x_row * xs;

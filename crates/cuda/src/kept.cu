@@ -211,10 +211,40 @@ __device__ void mvq_mix_split(const Kept& kp, const float* routes, const u8* qx,
     }
 }
 
+// The experts of a step's first `pairs` (token, slot) pairs, gate, up and down (at `down`,
+// `down_bytes` an expert), asked of L2 as soon as the routes are known: right after this
+// kernel's wait, in 64 KiB pieces spread over the grid's blocks (thread 0 of each). The blocks'
+// own loads of a one-token step are one round of a few rows each, latency-bound at 1.3 TB/s
+// (ncu: 11 µs for 14 MB), and the mix after them fetched its down rows the same way; the copy
+// engine's requests keep HBM busy meanwhile, and both kernels then read mostly from L2. For a
+// step's few pairs only (the host's choice): the experts of many pairs do not fit in L2.
+#define KEPT_PIECE 65536
+__device__ void kept_prefetch(const Kept& kp, const float* routes, int pairs, u64 down, u64 down_bytes) {
+#if __CUDA_ARCH__ >= 900
+    if (threadIdx.x != 0 || pairs <= 0) return;
+    // (Named values, not arrays: an array indexed by the part put them on the stack.)
+    u64 b0 = kp.expert_bytes[0], b1 = kp.expert_bytes[1];
+    int p0 = (int)((b0 + KEPT_PIECE - 1) / KEPT_PIECE), p1 = (int)((b1 + KEPT_PIECE - 1) / KEPT_PIECE);
+    int per_pair = p0 + p1 + (int)((down_bytes + KEPT_PIECE - 1) / KEPT_PIECE);
+    int blocks = gridDim.x * gridDim.y;
+    for (int g = blockIdx.x + blockIdx.y * gridDim.x; g < pairs * per_pair; g += blocks) {
+        int pair = g / per_pair, i = g % per_pair;
+        float id = routes[(size_t)(pair / kp.k) * 2 * kp.k + pair % kp.k];
+        u64 e = id >= 0.0f && id < (float)kp.experts ? (u64)id : 0;  // as kept_job
+        u64 base = i < p0 ? kp.base[0] + e * b0 : i < p0 + p1 ? kp.base[1] + e * b1 : down + e * down_bytes;
+        u64 bytes = i < p0 ? b0 : i < p0 + p1 ? b1 : down_bytes;
+        u64 off = (u64)(i < p0 ? i : i < p0 + p1 ? i - p0 : i - p0 - p1) * KEPT_PIECE, left = bytes - off;
+        prefetch_l2((const void*)(base + off), left < KEPT_PIECE ? left : KEPT_PIECE);
+    }
+#endif
+}
+
 #define KEPT_FUSED_KERNELS(name, id)                                                                          \
     extern "C" __global__ void mvkq_swiglu_##name(const Kept kp, const float* routes, const u8* qx, int qstride, \
-                                                  float* out, int os, u8* dq, int dqstride, int pairs_first) {   \
+                                                  float* out, int os, u8* dq, int dqstride, int pairs_first,     \
+                                                  u64 down, u64 down_bytes, int prefetch) {                      \
         PDL_START;                                                                                            \
+        kept_prefetch(kp, routes, prefetch, down, down_bytes);                                                \
         mvq_swiglu<id>(kp, routes, qx, qstride, out, os, dq, dqstride, pairs_first);                          \
     }                                                                                                         \
     extern "C" __global__ void mvkq_mix_##name(const Kept kp, const float* routes, const u8* qx, int qstride,    \

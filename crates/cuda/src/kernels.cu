@@ -21,6 +21,19 @@ typedef unsigned long long u64;
 #define PDL_START
 #endif
 
+// Asks L2 for bytes [p, p + bytes) (one bulk request of the copy engine, from the calling thread),
+// where prefetching pays: weights a kernel will read, which no kernel writes. Called before
+// PDL_START, it overlaps their fetch with the kernel before; after it, with the kernel's own
+// first loads. Only a hint: a prefetch changes no result and faults on nothing. Compute 9.0 and
+// up (cp.async.bulk.prefetch; kernels before it do not overlap, so there it is nothing).
+__device__ __forceinline__ void prefetch_l2(const void* p, u64 bytes) {
+#if __CUDA_ARCH__ >= 900
+    // The request wants 16-byte alignment and length: the ends' few bytes are left out.
+    u64 a = ((u64)p + 15) & ~15ull, e = ((u64)p + bytes) & ~15ull;
+    if (e > a) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"((u32)(e - a)) : "memory");
+#endif
+}
+
 // Half-precision values lie at even offsets in every format (scales included), so one 16-bit
 // load reads them.
 __device__ __forceinline__ float half_bits(u16 h) {
@@ -264,7 +277,7 @@ struct Job {
 #define MAX_JOBS 48
 struct Jobs {
     int count;
-    int pad;
+    int prefetch;  // nonzero: each block asks L2 for its weight rows before it waits (PDL)
     Job job[MAX_JOBS];
 };
 
@@ -951,13 +964,29 @@ __device__ void mvq_kept(const Kept& kp, const float* routes, const u8* qx, int 
     mvq<F, 1>(kept_job(kp, routes), qx, qstride, 0, out, os);
 }
 
+// The weight rows of this block of `mvq` (one stretch: rows are stored back to back), asked of
+// L2 while the kernel before runs (see prefetch_l2): a one-token step's dense products waited
+// for that kernel and then fetched their rows from HBM, one round trip after another.
+template <int F>
+__device__ __forceinline__ void mvq_prefetch(const Jobs& js) {
+    if (!js.prefetch || threadIdx.x != 0) return;
+    const Job& j = js.job[blockIdx.y];
+    int per = (MVQ_WARPS / mvq_split<F>(j.cols)) * MVQ_ROWS;
+    int r0 = blockIdx.x * per;
+    if (r0 < j.rows) prefetch_l2((const u8*)j.w + (u64)r0 * j.row_bytes, (u64)min(per, j.rows - r0) * j.row_bytes);
+}
+
 #define INT8_KERNELS(name, id)                                                                            \
     extern "C" __global__ void mvq_##name(const Jobs js, const u8* qx, int qstride, int lo, float* out,    \
-                                          int os) { PDL_START;                                                       \
+                                          int os) {                                                       \
+        mvq_prefetch<id>(js);                                                                             \
+        PDL_START;                                                                                        \
         mvq<id, 1>(js.job[blockIdx.y], qx, qstride, lo, out, os);                                         \
     }                                                                                                     \
     extern "C" __global__ void mvqn_##name(const Jobs js, const u8* qx, int qstride, int lo, float* out,   \
-                                           int os) { PDL_START;                                                      \
+                                           int os) {                                                      \
+        mvq_prefetch<id>(js);                                                                             \
+        PDL_START;                                                                                        \
         mvq<id, MV_TOKENS>(js.job[blockIdx.y], qx, qstride, lo, out, os);                                 \
     }                                                                                                     \
     extern "C" __global__ void mvkq_##name(const Kept kp, const float* routes, const u8* qx, int qstride, \
@@ -1439,8 +1468,23 @@ __device__ __forceinline__ void attention_one(const float* k, const float* v, in
 extern "C" __global__ void attention(const float* k, const float* v, int heads, int kd, int vd, int v_row,
                                      int v_head, const float* q, int q_stride, int q_heads, int pos0, float scale,
                                      float* out, u8* qx, int qstride, int split, float* part, int* tickets, int first,
-                                     int window, const float* sinks) { PDL_START;
+                                     int window, const float* sinks, int prefetch) {
     int t = blockIdx.x / q_heads, h = blockIdx.x % q_heads;
+    if (prefetch && h == 0 && threadIdx.x == 0) {
+        // The keys and values of the positions this split reads, all heads' (asked once, by
+        // head 0's block), asked of L2 while the kernel before runs (see prefetch_l2): the
+        // cache rows of earlier steps, which decode's attention otherwise fetched after its
+        // wait, a warp per position. The current position's row, written by that kernel, is
+        // read after the wait as before.
+        int pos = pos0 + t, lo = part ? first + (int)blockIdx.y * split : 0, len = pos + 1;
+        if (part) len = min(len, lo + split);
+        if (window > 0) lo = max(lo, pos + 1 - window);
+        if (len > lo) {
+            prefetch_l2(k + (size_t)lo * heads * kd, (u64)(len - lo) * heads * kd * 4);
+            if (v != k) prefetch_l2(v + (size_t)lo * v_row, (u64)(len - lo) * v_row * 4);
+        }
+    }
+    PDL_START;
     float* pp = part ? part + (size_t)blockIdx.x * gridDim.y * (vd + 2) : nullptr;
     attention_one(k, v, heads, kd, vd, v_row, v_head, q, q_stride, q_heads, t, h, pos0 + t, scale, out, qx, qstride,
                   split, blockIdx.y, gridDim.y, pp, tickets + blockIdx.x, first, window, sinks);

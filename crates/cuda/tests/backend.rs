@@ -81,6 +81,7 @@ const REFERENCE: CudaOptions = CudaOptions {
     kept_tile_tokens: None,
     kept_tile_run: None,
     kept_split: None,
+    prefetch: None,
 };
 
 #[test]
@@ -295,6 +296,40 @@ fn split_mix_gives_the_row_mix_bits() {
         // Both kernels ran: the comparison is not of one path with itself.
         let (split_steps, rows_steps) = (split.backend().kept_split_steps(), rows.backend().kept_split_steps());
         assert!(split_steps > 0 && rows_steps == 0, "{name} {experts:?}: split mix steps {split_steps} and {rows_steps}");
+    }
+}
+
+/// Weights asked of L2 ahead of their products (`CudaOptions::prefetch`, on by default from
+/// compute 9.0) leave every logit as it was, bit for bit: one sequence's decode (its one-token
+/// steps prefetch their kept experts and attention's cache rows too) and eight sequences'
+/// batched steps.
+#[test]
+fn prefetch_keeps_the_bits() {
+    let name = "qwen3_moe_k";
+    let v = smoe_vault::Vault::open(vault(name, Format::Q4_K, Format::Q8_0)).unwrap();
+    let open = |prefetch: bool| {
+        let b = backend(&CudaOptions { prefetch: Some(prefetch), ..Default::default() })?;
+        Some(Model::load(&v, b, Arc::new(ResidentExperts::load(&v).unwrap())).unwrap())
+    };
+    let (Some(on), Some(off)) = (open(true), open(false)) else { return };
+    let r = read_safetensors(&fixture(name).join("reference.safetensors"));
+    // The long text's context passes 32 positions: attention's splits prefetch their own.
+    for text in ["chat", "long"] {
+        let input = ids(&r[&format!("{text}.input_ids")]);
+        let (a, b) = (decode_quietly(&on, &input), decode_quietly(&off, &input));
+        assert!(a == b, "{name} {text}: prefetching moved one sequence's logits by {:.2e}", rel_err(&a, &b));
+    }
+    let (a, b) = (batched_record(&on, name, (8, 1, 3, 60), 16, None), batched_record(&off, name, (8, 1, 3, 60), 16, None));
+    for (i, (sa, sb)) in a.iter().zip(&b).enumerate() {
+        for (step, ((_, la), (_, lb))) in sa.iter().zip(sb).enumerate() {
+            assert!(la == lb, "{name}: sequence {i} step {step}: prefetching moved the logits by {:.2e}", rel_err(la, lb));
+        }
+    }
+    // Below compute 9.0 there is nothing to prefetch with; above, the kept experts' prefetch ran.
+    let described = smoe_engine::Backend::describe(on.backend());
+    if described.contains("asked of L2") {
+        let (p_on, p_off) = (on.backend().kept_prefetch_steps(), off.backend().kept_prefetch_steps());
+        assert!(p_on > 0 && p_off == 0, "{name}: kept experts prefetched in {p_on} and {p_off} steps");
     }
 }
 
