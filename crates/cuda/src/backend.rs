@@ -96,7 +96,8 @@ fn mix_split_rows(format: Format, cols: usize, k: usize) -> Option<usize> {
 #[derive(Clone, Copy)]
 enum MixSplit {
     Never,
-    /// One-token steps, where it measured 1-2% faster on an H100.
+    /// One-token steps (the default), where it measured 1-2% faster on an H100 and 2% on an
+    /// H200 (with the prefetch); at 8 and 16 sequences it was 2-4% slower.
     OneToken,
     Always,
 }
@@ -265,7 +266,7 @@ pub struct CudaOptions {
     /// The kept experts' down products mixed by `mvkq_mix_split` (a warp per row and two
     /// slots) in every step (`Some(true)`), in none (`Some(false)`: `mvkq_mix`, a warp per
     /// row), the same bits either way. `None`: `SMOE_CUDA_KEPT_WARPS` (`split`: every step,
-    /// `one`: one-token steps, where it measured 1-2% faster), else none (see kept.cu).
+    /// `rows`: none), else one-token steps, where it measured 1-2% faster (see kept.cu).
     pub kept_split: Option<bool>,
     /// Weights asked of L2 ahead of their products (`cp.async.bulk.prefetch`, compute 9.0 and
     /// up; kernels.cu's `prefetch_l2`): every int8 mat-vec block and router row its own rows
@@ -770,8 +771,8 @@ impl CudaBackend {
             kept_pairs_first: std::env::var("SMOE_CUDA_KEPT_ORDER").as_deref() != Ok("rows"),
             kept_split: match (opts.kept_split, std::env::var("SMOE_CUDA_KEPT_WARPS").as_deref()) {
                 (Some(true), _) | (None, Ok("split")) => MixSplit::Always,
-                (None, Ok("one")) => MixSplit::OneToken,
-                _ => MixSplit::Never,
+                (Some(false), _) | (None, Ok("rows")) => MixSplit::Never,
+                (None, _) => MixSplit::OneToken,
             },
             kept_split_steps: AtomicUsize::new(0),
             prefetch,

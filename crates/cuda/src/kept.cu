@@ -169,11 +169,10 @@ __device__ void mvq_mix(const Kept& kp, const float* routes, const u8* qx, int q
 // loads its two slots' task once, the block's warps for a row leave their sums in shared memory,
 // and one lane mixes them into the residual in slot order: every slot's sum and the mixing as in
 // mvq_mix, the same bits. A block is 8 / ((k + 1) / 2) rows of (k + 1) / 2 warps (host:
-// mix_split_rows). Opt-in (SMOE_CUDA_KEPT_WARPS=split, CudaOptions::kept_split): on an H100 it
-// gave one sequence 1-2% more tokens a second and 8 and 16 sequences 2-4% fewer
-// (docs/benchmarks.md, 2026-12-06), and the fixtures' two slots a token test it with one warp a
-// row only: the eight slots of the shapes measured (four warps a row) await a GPU run of the
-// conformance suite's one-token case before it runs one-token steps by default.
+// mix_split_rows). One-token steps take it (SMOE_CUDA_KEPT_WARPS=split: every step, =rows:
+// none; CudaOptions::kept_split): one sequence decoded 1-2% faster on an H100 and 2% on an
+// H200, 8 and 16 sequences 2-4% slower (docs/benchmarks.md, 2026-12-06). Its eight-slot
+// rows (four warps a row) pass the conformance suite's one-token case on a GPU.
 template <int F>
 __device__ void mvq_mix_split(const Kept& kp, const float* routes, const u8* qx, int qstride, float* x, int xs,
                               int pairs_first) {

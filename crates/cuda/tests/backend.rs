@@ -98,8 +98,9 @@ fn every_op_matches_on_int8_activations() {
     // With a batched step's sequences in one launch (the default; the suite's batched cases:
     // each sequence's rows and cache to the bit of its own) and sequence by sequence.
     // The third: the kept experts' batched case pair by pair instead of on tiles; the fourth,
-    // the same with the down products mixed a warp per row and two slots (`mvkq_mix_split`,
-    // opt-in), at the suite's eight slots a token (the fixtures have two).
+    // the same with the down products of every step mixed a warp per row and two slots
+    // (`mvkq_mix_split`; by default one-token steps only), at the suite's eight slots a token
+    // (the fixtures have two).
     let pairs = CudaOptions { kept_tiles_from: Some(0), ..Default::default() };
     let split = CudaOptions { kept_split: Some(true), ..pairs };
     for opts in [CudaOptions::default(), CudaOptions { batch_attention: Some(false), ..Default::default() }, pairs, split] {
@@ -264,8 +265,9 @@ fn experts_kept_in_vram_route_on_the_gpu_as_the_host_does() {
 }
 
 /// The kept experts' down products mixed with a warp per row and two slots (`mvkq_mix_split`,
-/// opt-in) give the bits of a warp per row (`mvkq_mix`): one sequence's step decode, and eight
-/// sequences in steps of their one- to three-token prompts and then of a decode token each,
+/// one-token steps by default) give the bits of a warp per row (`mvkq_mix`): one sequence's
+/// step decode, and eight sequences in steps of their one- to three-token prompts and then of
+/// a decode token each,
 /// with Q4_K and with Q8_0 experts. The fixture routes two slots a token: one warp a row (the
 /// suite's eight-slot case, `every_op_matches_on_int8_activations`, takes four).
 #[test]
