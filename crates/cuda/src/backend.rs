@@ -275,6 +275,12 @@ pub struct CudaOptions {
     /// cache rows of earlier steps. The same bits either way. `None`:
     /// on unless `SMOE_CUDA_PREFETCH=off`.
     pub prefetch: Option<bool>,
+    /// A decoded token's router product and its routing in one launch (`mvs_f32_route`, see
+    /// [`smoe_engine::Backend::router_and_route`]), meant to give the two kernels' bits.
+    /// `None`: off unless `SMOE_CUDA_FUSED_ROUTE=on`. Opt-in until a GPU has run its tests
+    /// (`fused_router_and_route_give_the_two_kernels_bits`, the int8 suite's fourth pass): it
+    /// was written after this session's device time ran out.
+    pub fused_route: Option<bool>,
 }
 
 /// The one-token int8-activation kernels of a format (kernels.cu, kept.cu).
@@ -346,6 +352,7 @@ struct Kernels {
     attention_seqs: CudaFunction,
     silu_quantize: CudaFunction,
     mvs_f32: CudaFunction,
+    mvs_f32_route: CudaFunction,
     attention_tiles: CudaFunction,
     attention_mma: CudaFunction,
     attention_mma_d128: CudaFunction,
@@ -453,6 +460,7 @@ impl Kernels {
             attention_seqs: f("attention_seqs")?,
             silu_quantize: f("silu_quantize")?,
             mvs_f32: f("mvs_f32")?,
+            mvs_f32_route: f("mvs_f32_route")?,
             attention_tiles: f("attention_tiles")?,
             attention_mma: f("attention_mma")?,
             attention_mma_d128: f("attention_mma_d128")?,
@@ -607,6 +615,13 @@ pub struct CudaBackend {
     attention_part: Mutex<Option<CudaSlice<f32>>>,
     /// Their tickets (see `split_scratch`).
     attention_tickets: Mutex<Option<CudaSlice<f32>>>,
+    /// `mvs_f32_route`'s ticket (each launch leaves it at 0).
+    route_ticket: Mutex<Option<CudaSlice<f32>>>,
+    /// A decoded token's router product and routing in one launch (`mvs_f32_route`, see
+    /// [`Backend::router_and_route`]); [`CudaOptions::fused_route`], opt-in.
+    fused_route: bool,
+    /// Launches of `mvs_f32_route` ([`Self::fused_route_steps`]).
+    fused_route_steps: AtomicUsize,
     /// Sparse attention's scratch: the indexer's scores, a query's gathered keys and values.
     sparse_part: Mutex<Option<CudaSlice<f32>>>,
     /// Gated DeltaNet's convolved rows (see `backend/delta.rs`).
@@ -743,6 +758,9 @@ impl CudaBackend {
             rope: Mutex::new(Default::default()),
             attention_part: Mutex::new(None),
             attention_tickets: Mutex::new(None),
+            route_ticket: Mutex::new(None),
+            fused_route: opts.fused_route.unwrap_or_else(|| std::env::var("SMOE_CUDA_FUSED_ROUTE").as_deref() == Ok("on")),
+            fused_route_steps: AtomicUsize::new(0),
             sparse_part: Mutex::new(None),
             delta_part: Mutex::new(None),
             tile_part: Mutex::new(None),
@@ -826,10 +844,43 @@ impl CudaBackend {
         self.kept_split_steps.load(Ordering::Relaxed)
     }
 
+    /// Decoded tokens' router products routed in the same launch (`mvs_f32_route`, see
+    /// [`Backend::router_and_route`]) since the backend opened.
+    pub fn fused_route_steps(&self) -> usize {
+        self.fused_route_steps.load(Ordering::Relaxed)
+    }
+
     /// Layers' one-token steps whose kept SwiGLU asked L2 for the step's experts (see
     /// [`CudaOptions::prefetch`]) since the backend opened.
     pub fn kept_prefetch_steps(&self) -> usize {
         self.kept_prefetch_steps.load(Ordering::Relaxed)
+    }
+
+    /// `route`'s parameters after its logits, checked: `n` tokens' routes into `routes` from `at`.
+    fn route_args(&self, rule: &RouterRule, bias: Option<&CudaVector>, routes: &mut CudaBuf, at: usize, n: usize) -> RouteArgs {
+        let (e, k) = (rule.num_experts(), rule.top_k());
+        check_rows("route", routes, 0, 1, 0, at, n * 2 * k);
+        let (sigmoid, n_group, topk_group) = match *rule.kind() {
+            Router::Softmax => (0i32, 1i32, 1i32),
+            Router::SigmoidGrouped { n_group, topk_group, .. } => (1, n_group as i32, topk_group as i32),
+            Router::SqrtSoftplus { .. } => (2, 1, 1),
+        };
+        // The kernel scores one group per lane, and every expert must be choosable.
+        assert!((1..=32).contains(&n_group) && k <= e, "route: {n_group} groups, top {k} of {e}");
+        if let Some(b) = bias {
+            assert!(b.len >= e, "route: {} biases for {e} experts", b.len);
+        }
+        RouteArgs {
+            e: e as i32,
+            bias: bias.map_or(0u64, |b| dptr(&b.data, &self.stream)),
+            sigmoid,
+            n_group,
+            topk_group,
+            k: k as i32,
+            norm: rule.norm_topk_prob() as i32,
+            scaling: rule.scaling(),
+            routes: routes.at_mut(&self.stream) + (at * 4) as u64,
+        }
     }
 
     /// Whether layer `l`'s kept experts run on the int8 tiles (`kept_tiles.cu`) in steps of
@@ -2116,25 +2167,51 @@ impl Backend for CudaBackend {
         }
         let (e, k) = (rule.num_experts(), rule.top_k());
         check("route input", logits, n, e);
-        check_rows("route", routes, 0, 1, 0, at, n * 2 * k);
-        let (sigmoid, n_group, topk_group) = match *rule.kind() {
-            Router::Softmax => (0i32, 1i32, 1i32),
-            Router::SigmoidGrouped { n_group, topk_group, .. } => (1, n_group as i32, topk_group as i32),
-            Router::SqrtSoftplus { .. } => (2, 1, 1),
-        };
-        // The kernel scores one group per lane, and every expert must be choosable.
-        assert!((1..=32).contains(&n_group) && k <= e, "route: {n_group} groups, top {k} of {e}");
-        if let Some(b) = bias {
-            assert!(b.len >= e, "route: {} biases for {e} experts", b.len);
-        }
+        let r = self.route_args(rule, bias, routes, at, n);
         let lp = logits.at(&self.stream);
-        let bp = bias.map_or(0u64, |b| dptr(&b.data, &self.stream));
-        let rp = routes.at_mut(&self.stream) + (at * 4) as u64;
-        let (e_i, k_i, norm, scaling) = (e as i32, k as i32, rule.norm_topk_prob() as i32, rule.scaling());
         let mut a = Launch::new(&self.k.route);
-        a.arg(&lp).arg(&e_i).arg(&bp).arg(&sigmoid).arg(&n_group).arg(&topk_group).arg(&k_i).arg(&norm).arg(&scaling).arg(&rp);
+        a.arg(&lp);
+        r.push(&mut a);
         let cfg = LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (32, 1, 1), shared_mem_bytes: ((2 * e + 2 * k) * 4) as u32 };
         self.launch(a, cfg, "route");
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn router_and_route(
+        &self,
+        router: &CudaMatrix,
+        input: &CudaBuf,
+        n: usize,
+        logits: &mut CudaBuf,
+        rule: &RouterRule,
+        bias: Option<&CudaVector>,
+        routes: &mut CudaBuf,
+        at: usize,
+    ) {
+        // One launch where a decoded token's router goes to `mvs_f32` anyway (see `products`).
+        if !self.fused_route || n != 1 || router.format != Format::F32 || self.faulted() {
+            self.matmul(router, None, input, n, logits);
+            return self.route(rule, logits, bias, n, routes, at);
+        }
+        let (e, k) = (rule.num_experts(), rule.top_k());
+        assert_eq!(router.rows, e, "router_and_route: a router of {} rows for {e} experts", router.rows);
+        check("router input", input, 1, router.cols);
+        check("router logits", logits, 1, e);
+        let r = self.route_args(rule, bias, routes, at, 1);
+        let Some(ticket) = self.float_scratch(&self.route_ticket, 1, "route ticket") else { return };
+        let wp = dptr(&router.data, &self.stream);
+        let mut table = Jobs { count: 1, prefetch: self.prefetch as i32, job: [Job::default(); MAX_JOBS] };
+        table.job[0] = Self::job(wp, router.row_bytes, e, router.cols, 0, 1, 0, 0);
+        let (xp, op) = (input.at(&self.stream), logits.at_mut(&self.stream));
+        let (xs, os) = (router.cols as i32, e as i32);
+        let mut a = Launch::new(&self.k.mvs_f32_route);
+        a.arg(&table).arg(&xp).arg(&xs).arg(&op).arg(&os);
+        r.push(&mut a);
+        a.arg(&ticket);
+        // A block per router row, as `mvs_f32`; the last one routes with `route`'s memory.
+        let cfg = LaunchConfig { grid_dim: (e as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: ((2 * e + 2 * k) * 4) as u32 };
+        self.launch(a, cfg, "router and route");
+        self.fused_route_steps.fetch_add(1, Ordering::Relaxed);
     }
 
     fn keep_room(&self) -> u64 {
@@ -2600,6 +2677,27 @@ impl Drop for CudaBackend {
                 eprintln!("  (wall since the first row) {wall:.3} s; outside the rows above {:.3} s", wall - listed);
             }
         }
+    }
+}
+
+/// `route`'s parameters after the logits, in the kernel's order (kernels.cu; `mvs_f32_route`
+/// takes them too).
+struct RouteArgs {
+    e: i32,
+    bias: u64,
+    sigmoid: i32,
+    n_group: i32,
+    topk_group: i32,
+    k: i32,
+    norm: i32,
+    scaling: f32,
+    routes: u64,
+}
+
+impl RouteArgs {
+    fn push<'a>(&'a self, a: &mut Launch<'a>) {
+        a.arg(&self.e).arg(&self.bias).arg(&self.sigmoid).arg(&self.n_group).arg(&self.topk_group);
+        a.arg(&self.k).arg(&self.norm).arg(&self.scaling).arg(&self.routes);
     }
 }
 

@@ -127,13 +127,8 @@ extern "C" __global__ void silu_quantize(float* x, int stride, int rows, int w, 
 // else the batch takes the scalar loop, see `wide`), and of up to 64 where the backend splits
 // the product into 8-token launches (`resident_jobs`, on int8 activations). The host sends no
 // more than MV_TOKENS.
-extern "C" __global__ void mvs_f32(const Jobs js, const float* x, int xs, float* out, int os) {
-    const Job& j = js.job[blockIdx.y];
-    int r = blockIdx.x;
-    // The block's row, asked of L2 while the kernel before runs (see mvq_prefetch).
-    if (js.prefetch && threadIdx.x == 0 && r < j.rows) prefetch_l2((const void*)(j.w + (u64)r * j.row_bytes), j.row_bytes);
-    PDL_START;
-    if (r >= j.rows) return;  // the whole block
+// Row r of job j (r < j.rows), the block's.
+__device__ void mvs_f32_row(const Job& j, int r, const float* x, int xs, float* out, int os) {
     const float* w = (const float*)(j.w + (u64)r * j.row_bytes);
     const float* xr = x + (size_t)j.x_row * xs;
     int n = min(j.n, MV_TOKENS);
@@ -167,4 +162,38 @@ extern "C" __global__ void mvs_f32(const Jobs js, const float* x, int xs, float*
             float v = block_sum(s[t]);
             if (threadIdx.x == 0) out[(size_t)(j.out_row + t) * os + j.out_col + r] = v;
         }
+}
+
+extern "C" __global__ void mvs_f32(const Jobs js, const float* x, int xs, float* out, int os) {
+    const Job& j = js.job[blockIdx.y];
+    int r = blockIdx.x;
+    // The block's row, asked of L2 while the kernel before runs (see mvq_prefetch).
+    if (js.prefetch && threadIdx.x == 0 && r < j.rows) prefetch_l2((const void*)(j.w + (u64)r * j.row_bytes), j.row_bytes);
+    PDL_START;
+    if (r < j.rows) mvs_f32_row(j, r, x, xs, out, os);
+}
+
+// A decoded token's router product (mvs_f32 of one job, one token: its logits at out[0..e))
+// and its routing (`route`) in one launch: the last block to finish (a ticket, as attention's
+// splits take; left at 0 for the next launch) routes the token with warp 0, reading the logits
+// the other blocks wrote through L2. One launch, and one wait on the kernel before, fewer a
+// layer than the two kernels, meant to give the same bits. Dynamic shared memory as `route`'s.
+// Opt-in (SMOE_CUDA_FUSED_ROUTE=on) until a GPU has run its tests.
+extern "C" __global__ void mvs_f32_route(const Jobs js, const float* x, int xs, float* out, int os, int e,
+                                         const float* bias, int sigmoid, int n_group, int topk_group, int k, int norm,
+                                         float scaling, float* routes, int* ticket) {
+    const Job& j = js.job[0];
+    int r = blockIdx.x;
+    if (js.prefetch && threadIdx.x == 0 && r < j.rows) prefetch_l2((const void*)(j.w + (u64)r * j.row_bytes), j.row_bytes);
+    PDL_START;
+    if (r < j.rows) mvs_f32_row(j, r, x, xs, out, os);
+    __shared__ int last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(ticket, 1) == (int)gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    if (threadIdx.x < 32) route_token(out, e, bias, sigmoid, n_group, topk_group, k, norm, scaling, routes, 0, threadIdx.x);
+    if (threadIdx.x == 0) *ticket = 0;
 }

@@ -1223,20 +1223,21 @@ __device__ __forceinline__ u32 warp_max_u32(u32 v) {
 // (sigmoid = 0), or sigmoid (1) or sqrt-softplus (2, DeepSeek-V4) scores plus correction bias restricted to the best `topk_group` of
 // `n_group` groups (a group scores the sum of its two best); top-k, weights renormalised
 // (norm) and scaled. Sums run in the host's order. Out: routes[t][0..k] ids as floats,
-// [k..2k] weights. Dynamic shared memory: 2 e + 2 k floats.
-extern "C" __global__ void route(const float* logits, int e, const float* bias, int sigmoid, int n_group,
-                                 int topk_group, int k, int norm, float scaling, float* routes) { PDL_START;
+// [k..2k] weights. Dynamic shared memory: 2 e + 2 k floats. Token t's, by one warp (lane: its
+// lane); the logits are read through L2 (`__ldcg`): in mvs_f32_route other blocks of the same
+// launch wrote them.
+__device__ void route_token(const float* logits, int e, const float* bias, int sigmoid, int n_group, int topk_group,
+                            int k, int norm, float scaling, float* routes, int t, int lane) {
     extern __shared__ float sh[];
     float* choice = sh;
     float* wsrc = sh + e;
-    int t = blockIdx.x, lane = threadIdx.x;
     const float* l = logits + (size_t)t * e;
     float* out = routes + (size_t)t * 2 * k;
     if (!sigmoid) {
         float m = NEG_INF;
-        for (int i = lane; i < e; i += 32) m = fmaxf(m, l[i]);
+        for (int i = lane; i < e; i += 32) m = fmaxf(m, __ldcg(l + i));
         for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, o));
-        for (int i = lane; i < e; i += 32) choice[i] = exp_rounded(l[i] - m);
+        for (int i = lane; i < e; i += 32) choice[i] = exp_rounded(__ldcg(l + i) - m);
         __syncwarp();
         // In the host's order, one add after another; four values a shared-memory load (one
         // load per value kept this serial chain waiting on each load).
@@ -1260,8 +1261,9 @@ extern "C" __global__ void route(const float* logits, int e, const float* bias, 
     } else {
         for (int i = lane; i < e; i += 32) {
             // 1: sigmoid; 2: sqrt(softplus), softplus linear above 20 as torch has it.
-            float score = sigmoid == 1 ? 1.0f / (1.0f + exp_rounded(-l[i]))
-                                       : sqrtf(l[i] > 20.0f ? l[i] : (float)log1p((double)exp_rounded(l[i])));
+            float li = __ldcg(l + i);
+            float score = sigmoid == 1 ? 1.0f / (1.0f + exp_rounded(-li))
+                                       : sqrtf(li > 20.0f ? li : (float)log1p((double)exp_rounded(li)));
             wsrc[i] = score;
             choice[i] = score + (bias ? bias[i] : 0.0f);
         }
@@ -1335,6 +1337,11 @@ extern "C" __global__ void route(const float* logits, int e, const float* bias, 
         out[r] = pick_id[r];
         out[k + r] = w;
     }
+}
+
+extern "C" __global__ void route(const float* logits, int e, const float* bias, int sigmoid, int n_group,
+                                 int topk_group, int k, int norm, float scaling, float* routes) { PDL_START;
+    route_token(logits, e, bias, sigmoid, n_group, topk_group, k, norm, scaling, routes, blockIdx.x, threadIdx.x);
 }
 
 // One thread per (token, head, pair): cs holds n * half cosines then n * half sines.

@@ -82,6 +82,7 @@ const REFERENCE: CudaOptions = CudaOptions {
     kept_tile_run: None,
     kept_split: None,
     prefetch: None,
+    fused_route: None,
 };
 
 #[test]
@@ -100,9 +101,9 @@ fn every_op_matches_on_int8_activations() {
     // The third: the kept experts' batched case pair by pair instead of on tiles; the fourth,
     // the same with the down products of every step mixed a warp per row and two slots
     // (`mvkq_mix_split`; by default one-token steps only), at the suite's eight slots a token
-    // (the fixtures have two).
+    // (the fixtures have two), and one token's router and routing in one launch (opt-in).
     let pairs = CudaOptions { kept_tiles_from: Some(0), ..Default::default() };
-    let split = CudaOptions { kept_split: Some(true), ..pairs };
+    let split = CudaOptions { kept_split: Some(true), fused_route: Some(true), ..pairs };
     for opts in [CudaOptions::default(), CudaOptions { batch_attention: Some(false), ..Default::default() }, pairs, split] {
         let Some(b) = backend(&opts) else { return };
         let cases = check_backend(&b, &Tolerance::INT8_ACTIVATIONS).unwrap_or_else(|f| panic!("{} mismatches:\n{}", f.len(), f.join("\n")));
@@ -332,6 +333,30 @@ fn prefetch_keeps_the_bits() {
     if described.contains("asked of L2") {
         let (p_on, p_off) = (on.backend().kept_prefetch_steps(), off.backend().kept_prefetch_steps());
         assert!(p_on > 0 && p_off == 0, "{name}: kept experts prefetched in {p_on} and {p_off} steps");
+    }
+}
+
+/// A decoded token's router product and routing in one launch (`mvs_f32_route`, opt-in) give
+/// the logits of the two kernels, bit for bit: one sequence's decode, and eight sequences'
+/// steps (one-token steps fused, larger ones not), with a softmax router (qwen3_moe) and a
+/// grouped sigmoid one with a correction bias (deepseek_v3).
+#[test]
+fn fused_router_and_route_give_the_two_kernels_bits() {
+    for name in ["qwen3_moe", "deepseek_v3"] {
+        let open = |fused: bool| gpu_model(name, &CudaOptions { fused_route: Some(fused), ..Default::default() });
+        let (Some(on), Some(off)) = (open(true), open(false)) else { return };
+        let r = read_safetensors(&fixture(name).join("reference.safetensors"));
+        let input = ids(&r["chat.input_ids"]);
+        let (a, b) = (decode_quietly(&on, &input), decode_quietly(&off, &input));
+        assert!(a == b, "{name}: the fused router moved one sequence's logits by {:.2e}", rel_err(&a, &b));
+        let (a, b) = (batched_record(&on, name, (8, 1, 3, 60), 16, None), batched_record(&off, name, (8, 1, 3, 60), 16, None));
+        for (i, (sa, sb)) in a.iter().zip(&b).enumerate() {
+            for (step, ((_, la), (_, lb))) in sa.iter().zip(sb).enumerate() {
+                assert!(la == lb, "{name}: sequence {i} step {step}: the fused router moved the logits by {:.2e}", rel_err(la, lb));
+            }
+        }
+        let (f_on, f_off) = (on.backend().fused_route_steps(), off.backend().fused_route_steps());
+        assert!(f_on > 0 && f_off == 0, "{name}: fused router launches {f_on} and {f_off}");
     }
 }
 

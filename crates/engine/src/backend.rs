@@ -948,6 +948,27 @@ pub trait Backend: Send + Sync {
     /// wait for the device at every MoE layer (see [`Self::kept_experts`]).
     fn route(&self, rule: &RouterRule, logits: &Self::Buf, bias: Option<&Self::Vector>, n: usize, routes: &mut Self::Buf, at: usize);
 
+    /// The router's logits and their routes: [`Self::matmul`] of all of `router` over `n` rows of
+    /// `input` into `logits` (`[n, experts]`), then [`Self::route`] of them into `routes` from
+    /// `at`. A backend may do both in one pass (the CUDA backend can route a decoded token in
+    /// the router product's last block: one launch, and one wait between kernels, fewer a layer);
+    /// `logits` and `routes` must come out as the two ops leave them.
+    #[allow(clippy::too_many_arguments)]
+    fn router_and_route(
+        &self,
+        router: &Self::Matrix,
+        input: &Self::Buf,
+        n: usize,
+        logits: &mut Self::Buf,
+        rule: &RouterRule,
+        bias: Option<&Self::Vector>,
+        routes: &mut Self::Buf,
+        at: usize,
+    ) {
+        self.matmul(router, None, input, n, logits);
+        self.route(rule, logits, bias, n, routes, at);
+    }
+
     /// Bytes of routed experts this backend can keep in its own memory (see
     /// [`Self::keep_experts`]); 0 for a backend that computes on the store's views where they
     /// lie, as the CPU backend does.

@@ -620,6 +620,25 @@ impl<B: Backend> Suite<'_, B> {
             let weights = |v: &[f32]| -> Vec<f32> { v.chunks(2 * k).flat_map(|r| r[k..].to_vec()).collect() };
             self.compare("route", &format!("{case}: experts"), &ids(&got[at..]), &ids(&want), |_| 0.0);
             self.compare_elementwise("route", &format!("{case}: weights"), &weights(&got[at..]), &weights(&want));
+            // The router's product and its routing in one op leave what the two ops leave, to
+            // the bit: one token (a backend's fused decode case) and three, f32 router rows.
+            let cols = 72;
+            let w = self.weights(Format::F32, e, cols);
+            let router_matrix = self.matrix(&w);
+            for t in [1, 3] {
+                let x = self.values(t * cols);
+                let xb = self.buf(t * cols, &x);
+                let (mut l1, mut l2) = (self.buf(t * e, &[]), self.buf(t * e, &[]));
+                let (mut r1, mut r2) = (self.buf(at + t * 2 * k, &[]), self.buf(at + t * 2 * k, &[]));
+                self.b.router_and_route(&router_matrix, &xb, t, &mut l1, &rule, bias.as_ref(), &mut r1, at);
+                self.b.matmul(&router_matrix, None, &xb, t, &mut l2);
+                self.b.route(&rule, &l2, bias.as_ref(), t, &mut r2, at);
+                let what = format!("{case}: {t} tokens, logits then routes");
+                let (mut a, mut b) = (self.read(&l1, t * e), self.read(&l2, t * e));
+                a.extend(self.read(&r1, at + t * 2 * k).split_off(at));
+                b.extend(self.read(&r2, at + t * 2 * k).split_off(at));
+                self.compare("router_and_route", &what, &a, &b, |_| 0.0);
+            }
         }
     }
 

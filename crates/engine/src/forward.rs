@@ -1383,8 +1383,7 @@ impl<B: Backend> Model<B> {
         let b = &mut *s.buf;
         // This layer's routes, in its own rows of `routes` (see `instrument_kept_routes`).
         let at = li * n * 2 * k;
-        self.router_logits(m, &b.h, n, &mut b.router);
-        be.route(&self.router, &b.router, m.router_bias_kept.as_ref(), n, &mut b.routes, at);
+        self.router_and_route(m, &b.h, n, &mut b.router, &mut b.routes, at);
         be.kept_experts(li, &b.routes, at, k, &b.h, n, &mut b.gu, &mut b.slots, &mut b.x, self.expert_limit());
         if let Some(shared) = &m.shared {
             self.shared_experts(shared, m.shared_gate.as_ref(), s, n);
@@ -1400,9 +1399,8 @@ impl<B: Backend> Model<B> {
     fn route_on_backend(&self, li: usize, m: &MoeBlock<B>, s: &mut Step<'_, '_, B>, n: usize) {
         let (be, k) = (&self.backend, self.router.top_k());
         let (b, r) = (&mut *s.buf, &mut s.host.routes);
-        self.router_logits(m, &b.h, n, &mut b.router);
         let at = li * n * 2 * k;
-        be.route(&self.router, &b.router, m.router_bias_kept.as_ref(), n, &mut b.routes, at);
+        self.router_and_route(m, &b.h, n, &mut b.router, &mut b.routes, at);
         r.logits.resize(n * 2 * k, 0.0);
         be.download(&b.routes, at, &mut r.logits);
         r.ids.clear();
@@ -1420,6 +1418,17 @@ impl<B: Backend> Model<B> {
 
     /// `m`'s router over `n` rows of `input` into `logits` (`[n, experts]`), with the router's
     /// logit bias where it has one (gpt-oss).
+    /// [`Self::router_logits`] then [`Backend::route`] into `routes` from `at`, in one backend
+    /// op ([`Backend::router_and_route`]) where the router has no logit bias to add between them.
+    fn router_and_route(&self, m: &MoeBlock<B>, input: &B::Buf, n: usize, logits: &mut B::Buf, routes: &mut B::Buf, at: usize) {
+        let bias = m.router_bias_kept.as_ref();
+        if m.router_logit_bias.is_none() {
+            return self.backend.router_and_route(&m.router, input, n, logits, &self.router, bias, routes, at);
+        }
+        self.router_logits(m, input, n, logits);
+        self.backend.route(&self.router, logits, bias, n, routes, at);
+    }
+
     fn router_logits(&self, m: &MoeBlock<B>, input: &B::Buf, n: usize, logits: &mut B::Buf) {
         self.backend.matmul(&m.router, None, input, n, logits);
         if let Some(bias) = &m.router_logit_bias {
