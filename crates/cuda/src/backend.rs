@@ -269,11 +269,12 @@ pub struct CudaOptions {
     /// `rows`: none), else one-token steps, where it measured 1-2% faster (see kept.cu).
     pub kept_split: Option<bool>,
     /// Weights asked of L2 ahead of their products (`cp.async.bulk.prefetch`, compute 9.0 and
-    /// up; kernels.cu's `prefetch_l2`): every int8 mat-vec block and router row its own rows
-    /// while the kernel before it runs, and a one-token step's kept SwiGLU all its experts'
-    /// gate, up and down as soon as the routes are known, and one sequence's attention the
-    /// cache rows of earlier steps. The same bits either way. `None`:
-    /// on unless `SMOE_CUDA_PREFETCH=off`.
+    /// up; kernels.cu's `prefetch_l2`): every int8 mat-vec block (`mvq`, `mvqn`) and f32
+    /// mat-vec row of one to eight tokens (`mvs_f32`: the routers) its own rows while the
+    /// kernel before it runs, the `attention` kernel (one to eight queries) the cache rows its
+    /// blocks read, and a one-token step's kept SwiGLU all its experts' gate, up and down as
+    /// soon as the routes are known. The same bits either way. `None`: on unless
+    /// `SMOE_CUDA_PREFETCH=off`.
     pub prefetch: Option<bool>,
     /// A decoded token's router product and its routing in one launch (`mvs_f32_route`, see
     /// [`smoe_engine::Backend::router_and_route`]), meant to give the two kernels' bits.
@@ -967,7 +968,9 @@ impl CudaBackend {
         // kernels.cu (64-bit device pointers for pointers, i32 for int, f32 for float, `Jobs`
         // by value), has checked on the host that the rows the kernel touches lie inside the
         // buffers behind those pointers, and each kernel guards its thread indices against the
-        // extents it is given; every kernel there begins with PDL_START, so overlapping is safe.
+        // extents it is given; every kernel there runs PDL_START before it reads anything an
+        // earlier kernel wrote (before it, at most the kernel's parameters and prefetch hints
+        // for L2, see `prefetch_l2`), so overlapping is safe.
         let r = unsafe { args.launch(&self.stream, cfg, overlap) };
         self.ok(op, r);
         if let Some(t) = t {

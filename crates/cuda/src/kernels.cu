@@ -22,10 +22,11 @@ typedef unsigned long long u64;
 #endif
 
 // Asks L2 for bytes [p, p + bytes) (one bulk request of the copy engine, from the calling thread),
-// where prefetching pays: weights a kernel will read, which no kernel writes. Called before
-// PDL_START, it overlaps their fetch with the kernel before; after it, with the kernel's own
-// first loads. Only a hint: a prefetch changes no result and faults on nothing. Compute 9.0 and
-// up (cp.async.bulk.prefetch; kernels before it do not overlap, so there it is nothing).
+// where prefetching pays: mostly weights, which no kernel writes, and cache rows of earlier
+// steps. Called before PDL_START, it overlaps their fetch with the kernel before; after it,
+// with the kernel's own first loads. Only a hint: L2 stays coherent, so a prefetch of rows the
+// kernel before is still writing only wastes the request, and changes no result. Compute 9.0
+// and up (cp.async.bulk.prefetch; kernels before it do not overlap, so there it is nothing).
 __device__ __forceinline__ void prefetch_l2(const void* p, u64 bytes) {
 #if __CUDA_ARCH__ >= 900
     // The request wants 16-byte alignment and length: the ends' few bytes are left out.
@@ -1479,10 +1480,10 @@ extern "C" __global__ void attention(const float* k, const float* v, int heads, 
     int t = blockIdx.x / q_heads, h = blockIdx.x % q_heads;
     if (prefetch && h == 0 && threadIdx.x == 0) {
         // The keys and values of the positions this split reads, all heads' (asked once, by
-        // head 0's block), asked of L2 while the kernel before runs (see prefetch_l2): the
-        // cache rows of earlier steps, which decode's attention otherwise fetched after its
-        // wait, a warp per position. The current position's row, written by that kernel, is
-        // read after the wait as before.
+        // head 0's block), asked of L2 while the kernel before runs (see prefetch_l2): mostly
+        // cache rows of earlier steps, which attention otherwise fetched after its wait, a warp
+        // per position. The range includes the rows of this step's tokens, which the kernel
+        // before is writing: those requests are wasted, and the rows are read after the wait.
         int pos = pos0 + t, lo = part ? first + (int)blockIdx.y * split : 0, len = pos + 1;
         if (part) len = min(len, lo + split);
         if (window > 0) lo = max(lo, pos + 1 - window);

@@ -1416,8 +1416,6 @@ impl<B: Backend> Model<B> {
         }
     }
 
-    /// `m`'s router over `n` rows of `input` into `logits` (`[n, experts]`), with the router's
-    /// logit bias where it has one (gpt-oss).
     /// [`Self::router_logits`] then [`Backend::route`] into `routes` from `at`, in one backend
     /// op ([`Backend::router_and_route`]) where the router has no logit bias to add between them.
     fn router_and_route(&self, m: &MoeBlock<B>, input: &B::Buf, n: usize, logits: &mut B::Buf, routes: &mut B::Buf, at: usize) {
@@ -1429,6 +1427,8 @@ impl<B: Backend> Model<B> {
         self.backend.route(&self.router, logits, bias, n, routes, at);
     }
 
+    /// `m`'s router over `n` rows of `input` into `logits` (`[n, experts]`), with the router's
+    /// logit bias where it has one (gpt-oss).
     fn router_logits(&self, m: &MoeBlock<B>, input: &B::Buf, n: usize, logits: &mut B::Buf) {
         self.backend.matmul(&m.router, None, input, n, logits);
         if let Some(bias) = &m.router_logit_bias {
