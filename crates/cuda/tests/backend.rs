@@ -265,6 +265,18 @@ fn experts_kept_in_vram_route_on_the_gpu_as_the_host_does() {
     }
 }
 
+/// Eight sequences' batched steps of fixture `name` (one- to three-token prompts, then a decode
+/// token each) give the same logits on `a` and `b`, bit for bit; `what` names the difference
+/// between the two in a failure.
+fn assert_same_batched_steps(a: &Model<CudaBackend>, b: &Model<CudaBackend>, name: &str, what: &str) {
+    let (ra, rb) = (batched_record(a, name, (8, 1, 3, 60), 16, None), batched_record(b, name, (8, 1, 3, 60), 16, None));
+    for (i, (sa, sb)) in ra.iter().zip(&rb).enumerate() {
+        for (step, ((_, la), (_, lb))) in sa.iter().zip(sb).enumerate() {
+            assert!(la == lb, "{name}: sequence {i} step {step}: {what} moved the logits by {:.2e}", rel_err(la, lb));
+        }
+    }
+}
+
 /// The kept experts' down products mixed with a warp per row and two slots (`mvkq_mix_split`,
 /// one-token steps by default) give the bits of a warp per row (`mvkq_mix`): one sequence's
 /// step decode, and eight sequences in steps of their one- to three-token prompts and then of
@@ -286,16 +298,7 @@ fn split_mix_gives_the_row_mix_bits() {
         let input = ids(&r["chat.input_ids"]);
         let (a, b) = (decode_quietly(&split, &input), decode_quietly(&rows, &input));
         assert!(a == b, "{name} {experts:?}: the split mix moved one sequence's logits by {:.2e}", rel_err(&a, &b));
-        let (a, b) = (batched_record(&split, name, (8, 1, 3, 60), 16, None), batched_record(&rows, name, (8, 1, 3, 60), 16, None));
-        for (i, (sa, sb)) in a.iter().zip(&b).enumerate() {
-            for (step, ((_, la), (_, lb))) in sa.iter().zip(sb).enumerate() {
-                assert!(
-                    la == lb,
-                    "{name} {experts:?}: sequence {i} step {step}: the split mix moved the logits by {:.2e}",
-                    rel_err(la, lb)
-                );
-            }
-        }
+        assert_same_batched_steps(&split, &rows, name, &format!("the split mix ({experts:?} experts)"));
         // Both kernels ran: the comparison is not of one path with itself.
         let (split_steps, rows_steps) = (split.backend().kept_split_steps(), rows.backend().kept_split_steps());
         assert!(split_steps > 0 && rows_steps == 0, "{name} {experts:?}: split mix steps {split_steps} and {rows_steps}");
@@ -322,12 +325,7 @@ fn prefetch_keeps_the_bits() {
         let (a, b) = (decode_quietly(&on, &input), decode_quietly(&off, &input));
         assert!(a == b, "{name} {text}: prefetching moved one sequence's logits by {:.2e}", rel_err(&a, &b));
     }
-    let (a, b) = (batched_record(&on, name, (8, 1, 3, 60), 16, None), batched_record(&off, name, (8, 1, 3, 60), 16, None));
-    for (i, (sa, sb)) in a.iter().zip(&b).enumerate() {
-        for (step, ((_, la), (_, lb))) in sa.iter().zip(sb).enumerate() {
-            assert!(la == lb, "{name}: sequence {i} step {step}: prefetching moved the logits by {:.2e}", rel_err(la, lb));
-        }
-    }
+    assert_same_batched_steps(&on, &off, name, "prefetching");
     // Below compute 9.0 there is nothing to prefetch with; above, the kept experts' prefetch ran.
     let described = smoe_engine::Backend::describe(on.backend());
     if described.contains("asked of L2") {
@@ -349,12 +347,7 @@ fn fused_router_and_route_give_the_two_kernels_bits() {
         let input = ids(&r["chat.input_ids"]);
         let (a, b) = (decode_quietly(&on, &input), decode_quietly(&off, &input));
         assert!(a == b, "{name}: the fused router moved one sequence's logits by {:.2e}", rel_err(&a, &b));
-        let (a, b) = (batched_record(&on, name, (8, 1, 3, 60), 16, None), batched_record(&off, name, (8, 1, 3, 60), 16, None));
-        for (i, (sa, sb)) in a.iter().zip(&b).enumerate() {
-            for (step, ((_, la), (_, lb))) in sa.iter().zip(sb).enumerate() {
-                assert!(la == lb, "{name}: sequence {i} step {step}: the fused router moved the logits by {:.2e}", rel_err(la, lb));
-            }
-        }
+        assert_same_batched_steps(&on, &off, name, "the fused router");
         let (f_on, f_off) = (on.backend().fused_route_steps(), off.backend().fused_route_steps());
         assert!(f_on > 0 && f_off == 0, "{name}: fused router launches {f_on} and {f_off}");
     }
