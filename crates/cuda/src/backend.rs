@@ -2168,14 +2168,13 @@ impl Backend for CudaBackend {
         if self.faulted() || n == 0 {
             return;
         }
-        let (e, k) = (rule.num_experts(), rule.top_k());
-        check("route input", logits, n, e);
+        check("route input", logits, n, rule.num_experts());
         let r = self.route_args(rule, bias, routes, at, n);
         let lp = logits.at(&self.stream);
         let mut a = Launch::new(&self.k.route);
         a.arg(&lp);
         r.push(&mut a);
-        let cfg = LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (32, 1, 1), shared_mem_bytes: ((2 * e + 2 * k) * 4) as u32 };
+        let cfg = LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (32, 1, 1), shared_mem_bytes: r.shared_bytes() };
         self.launch(a, cfg, "route");
     }
 
@@ -2196,7 +2195,7 @@ impl Backend for CudaBackend {
             self.matmul(router, None, input, n, logits);
             return self.route(rule, logits, bias, n, routes, at);
         }
-        let (e, k) = (rule.num_experts(), rule.top_k());
+        let e = rule.num_experts();
         assert_eq!(router.rows, e, "router_and_route: a router of {} rows for {e} experts", router.rows);
         check("router input", input, 1, router.cols);
         check("router logits", logits, 1, e);
@@ -2212,7 +2211,7 @@ impl Backend for CudaBackend {
         r.push(&mut a);
         a.arg(&ticket);
         // A block per router row, as `mvs_f32`; the last one routes with `route`'s memory.
-        let cfg = LaunchConfig { grid_dim: (e as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: ((2 * e + 2 * k) * 4) as u32 };
+        let cfg = LaunchConfig { grid_dim: (e as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: r.shared_bytes() };
         self.launch(a, cfg, "router and route");
         self.fused_route_steps.fetch_add(1, Ordering::Relaxed);
     }
@@ -2698,6 +2697,11 @@ struct RouteArgs {
 }
 
 impl RouteArgs {
+    /// The kernel's dynamic shared memory: 2 e + 2 k floats.
+    fn shared_bytes(&self) -> u32 {
+        ((2 * self.e + 2 * self.k) * 4) as u32
+    }
+
     fn push<'a>(&'a self, a: &mut Launch<'a>) {
         a.arg(&self.e).arg(&self.bias).arg(&self.sigmoid).arg(&self.n_group).arg(&self.topk_group);
         a.arg(&self.k).arg(&self.norm).arg(&self.scaling).arg(&self.routes);

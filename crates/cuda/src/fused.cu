@@ -164,11 +164,15 @@ __device__ void mvs_f32_row(const Job& j, int r, const float* x, int xs, float* 
         }
 }
 
+// Row r of job j, asked of L2 while the kernel before runs (see mvq_prefetch), where js asks.
+__device__ __forceinline__ void mvs_f32_prefetch(const Jobs& js, const Job& j, int r) {
+    if (js.prefetch && threadIdx.x == 0 && r < j.rows) prefetch_l2((const void*)(j.w + (u64)r * j.row_bytes), j.row_bytes);
+}
+
 extern "C" __global__ void mvs_f32(const Jobs js, const float* x, int xs, float* out, int os) {
     const Job& j = js.job[blockIdx.y];
     int r = blockIdx.x;
-    // The block's row, asked of L2 while the kernel before runs (see mvq_prefetch).
-    if (js.prefetch && threadIdx.x == 0 && r < j.rows) prefetch_l2((const void*)(j.w + (u64)r * j.row_bytes), j.row_bytes);
+    mvs_f32_prefetch(js, j, r);
     PDL_START;
     if (r < j.rows) mvs_f32_row(j, r, x, xs, out, os);
 }
@@ -184,7 +188,7 @@ extern "C" __global__ void mvs_f32_route(const Jobs js, const float* x, int xs, 
                                          float scaling, float* routes, int* ticket) {
     const Job& j = js.job[0];
     int r = blockIdx.x;
-    if (js.prefetch && threadIdx.x == 0 && r < j.rows) prefetch_l2((const void*)(j.w + (u64)r * j.row_bytes), j.row_bytes);
+    mvs_f32_prefetch(js, j, r);
     PDL_START;
     if (r < j.rows) mvs_f32_row(j, r, x, xs, out, os);
     __shared__ int last;

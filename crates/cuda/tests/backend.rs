@@ -121,6 +121,12 @@ fn gpu_model(name: &str, opts: &CudaOptions) -> Option<Model<CudaBackend>> {
         "deepseek_v4_fp4" => (Format::MXFP4, Format::MXFP8),
         _ => (Format::BF16, Format::BF16),
     };
+    resident_model(name, experts, dense, opts)
+}
+
+/// Fixture `name` with `experts` and `dense` weights on a GPU backend opened with `opts`, every
+/// expert resident; None where there is no GPU.
+fn resident_model(name: &str, experts: Format, dense: Format, opts: &CudaOptions) -> Option<Model<CudaBackend>> {
     let b = backend(opts)?;
     let v = smoe_vault::Vault::open(vault(name, experts, dense)).unwrap();
     let ex = Arc::new(ResidentExperts::load(&v).unwrap());
@@ -280,18 +286,14 @@ fn assert_same_batched_steps(a: &Model<CudaBackend>, b: &Model<CudaBackend>, nam
 /// The kept experts' down products mixed with a warp per row and two slots (`mvkq_mix_split`,
 /// one-token steps by default) give the bits of a warp per row (`mvkq_mix`): one sequence's
 /// step decode, and eight sequences in steps of their one- to three-token prompts and then of
-/// a decode token each,
-/// with Q4_K and with Q8_0 experts. The fixture routes two slots a token: one warp a row (the
+/// a decode token each, with Q4_K and with Q8_0 experts. The fixture routes two slots a token: one warp a row (the
 /// suite's eight-slot case, `every_op_matches_on_int8_activations`, takes four).
 #[test]
 fn split_mix_gives_the_row_mix_bits() {
     for experts in [Format::Q4_K, Format::Q8_0] {
         let name = "qwen3_moe_k";
-        let v = smoe_vault::Vault::open(vault(name, experts, Format::Q8_0)).unwrap();
-        let open = |split: bool| {
-            let b = backend(&CudaOptions { kept_split: Some(split), ..Default::default() })?;
-            Some(Model::load(&v, b, Arc::new(ResidentExperts::load(&v).unwrap())).unwrap())
-        };
+        let open =
+            |split: bool| resident_model(name, experts, Format::Q8_0, &CudaOptions { kept_split: Some(split), ..Default::default() });
         let (Some(split), Some(rows)) = (open(true), open(false)) else { return };
         assert!(split.kept_layers() > 0, "{name} {experts:?}: no experts kept");
         let r = read_safetensors(&fixture(name).join("reference.safetensors"));
@@ -312,11 +314,8 @@ fn split_mix_gives_the_row_mix_bits() {
 #[test]
 fn prefetch_keeps_the_bits() {
     let name = "qwen3_moe_k";
-    let v = smoe_vault::Vault::open(vault(name, Format::Q4_K, Format::Q8_0)).unwrap();
-    let open = |prefetch: bool| {
-        let b = backend(&CudaOptions { prefetch: Some(prefetch), ..Default::default() })?;
-        Some(Model::load(&v, b, Arc::new(ResidentExperts::load(&v).unwrap())).unwrap())
-    };
+    let open =
+        |prefetch: bool| resident_model(name, Format::Q4_K, Format::Q8_0, &CudaOptions { prefetch: Some(prefetch), ..Default::default() });
     let (Some(on), Some(off)) = (open(true), open(false)) else { return };
     let r = read_safetensors(&fixture(name).join("reference.safetensors"));
     // The long text's context passes 32 positions: attention's splits prefetch their own.
