@@ -282,6 +282,11 @@ pub struct CudaOptions {
     /// (`fused_router_and_route_give_the_two_kernels_bits`, the int8 suite's fourth pass): it
     /// was written after this session's device time ran out.
     pub fused_route: Option<bool>,
+    /// A decoded token's attention output projection with the residual add and the next norm
+    /// in one launch (`mvq_add_norm`, see [`smoe_engine::Backend::matmul_add_rms_norm`]),
+    /// meant to give the two kernels' bits. `None`: off unless `SMOE_CUDA_FUSED_NORM=on`.
+    /// Opt-in until a GPU has run its test (`fused_add_norm_gives_the_two_kernels_bits`).
+    pub fused_norm: Option<bool>,
 }
 
 /// The one-token int8-activation kernels of a format (kernels.cu, kept.cu).
@@ -293,6 +298,8 @@ struct Int8Kernels {
     mvqn: CudaFunction,
     /// Products of kept experts, routed on the device.
     mvkq: CudaFunction,
+    /// A one-token product with the residual add and norm after it (`mvq_add_norm`).
+    add_norm: CudaFunction,
     /// Kept experts' gate and up with SiLU(gate) · up and its int8 copy (`mvkq_swiglu`).
     swiglu: CudaFunction,
     /// Kept experts' down products mixed into the residual (`mvkq_mix`: a warp a row).
@@ -415,6 +422,7 @@ impl Kernels {
                                 mvq: f(&format!("mvq_{n}"))?,
                                 mvqn: f(&format!("mvqn_{n}"))?,
                                 mvkq: f(&format!("mvkq_{n}"))?,
+                                add_norm: f(&format!("mvq_add_norm_{n}"))?,
                                 swiglu: f(&format!("mvkq_swiglu_{n}"))?,
                                 mix: f(&format!("mvkq_mix_{n}"))?,
                                 mix_split: f(&format!("mvkq_mix_split_{n}"))?,
@@ -623,6 +631,13 @@ pub struct CudaBackend {
     fused_route: bool,
     /// Launches of `mvs_f32_route` ([`Self::fused_route_steps`]).
     fused_route_steps: AtomicUsize,
+    /// `mvq_add_norm`'s ticket (each launch leaves it at 0).
+    norm_ticket: Mutex<Option<CudaSlice<f32>>>,
+    /// A decoded token's output projection, residual add and norm in one launch
+    /// (`mvq_add_norm`, see [`Backend::matmul_add_rms_norm`]); [`CudaOptions::fused_norm`].
+    fused_norm: bool,
+    /// Launches of `mvq_add_norm` ([`Self::fused_norm_steps`]).
+    fused_norm_steps: AtomicUsize,
     /// Sparse attention's scratch: the indexer's scores, a query's gathered keys and values.
     sparse_part: Mutex<Option<CudaSlice<f32>>>,
     /// Gated DeltaNet's convolved rows (see `backend/delta.rs`).
@@ -762,6 +777,9 @@ impl CudaBackend {
             route_ticket: Mutex::new(None),
             fused_route: opts.fused_route.unwrap_or_else(|| std::env::var("SMOE_CUDA_FUSED_ROUTE").as_deref() == Ok("on")),
             fused_route_steps: AtomicUsize::new(0),
+            norm_ticket: Mutex::new(None),
+            fused_norm: opts.fused_norm.unwrap_or_else(|| std::env::var("SMOE_CUDA_FUSED_NORM").as_deref() == Ok("on")),
+            fused_norm_steps: AtomicUsize::new(0),
             sparse_part: Mutex::new(None),
             delta_part: Mutex::new(None),
             tile_part: Mutex::new(None),
@@ -849,6 +867,12 @@ impl CudaBackend {
     /// [`Backend::router_and_route`]) since the backend opened.
     pub fn fused_route_steps(&self) -> usize {
         self.fused_route_steps.load(Ordering::Relaxed)
+    }
+
+    /// Decoded tokens' output projections added and normed in the same launch (`mvq_add_norm`,
+    /// see [`Backend::matmul_add_rms_norm`]) since the backend opened.
+    pub fn fused_norm_steps(&self) -> usize {
+        self.fused_norm_steps.load(Ordering::Relaxed)
     }
 
     /// Layers' one-token steps whose kept SwiGLU asked L2 for the step's experts (see
@@ -1563,6 +1587,13 @@ impl Backend for CudaBackend {
         if self.prefetch {
             d.push_str(", decode weights asked of L2 ahead of their products");
         }
+        // Where the fused launches are on, and how many ran: the bench's line tells A from B.
+        if self.fused_route {
+            d.push_str(&format!(", decoded tokens routed in the router's launch ({} launches)", self.fused_route_steps()));
+        }
+        if self.fused_norm {
+            d.push_str(&format!(", output products added and normed in one launch ({} launches)", self.fused_norm_steps()));
+        }
         if self.graphs {
             let g = self.graph.lock().expect("graph lock");
             d.push_str(&format!(", decoded tokens as CUDA graphs ({} launched, {} built)", g.launched, g.instantiated));
@@ -1995,6 +2026,23 @@ impl Backend for CudaBackend {
     }
     fn add_rms_norm(&self, x: &mut CudaBuf, y: &CudaBuf, n: usize, dim: usize, w: &CudaVector, eps: f32, out: &mut CudaBuf) {
         self.fused_add_rms_norm(x, y, n, dim, w, eps, out);
+    }
+    fn matmul_add_rms_norm(
+        &self,
+        proj: &CudaMatrix,
+        input: &CudaBuf,
+        n: usize,
+        dim: usize,
+        y: &mut CudaBuf,
+        x: &mut CudaBuf,
+        w: &CudaVector,
+        eps: f32,
+        out: &mut CudaBuf,
+    ) {
+        if !self.product_add_norm(proj, input, n, dim, y, x, w, eps, out) {
+            self.matmul(proj, None, input, n, y);
+            self.fused_add_rms_norm(x, y, n, dim, w, eps, out);
+        }
     }
     fn qk_rope_store(
         &self,

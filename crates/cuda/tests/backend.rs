@@ -83,6 +83,7 @@ const REFERENCE: CudaOptions = CudaOptions {
     kept_split: None,
     prefetch: None,
     fused_route: None,
+    fused_norm: None,
 };
 
 #[test]
@@ -101,9 +102,10 @@ fn every_op_matches_on_int8_activations() {
     // The third: the kept experts' batched case pair by pair instead of on tiles; the fourth,
     // the same with the down products of every step mixed a warp per row and two slots
     // (`mvkq_mix_split`; by default one-token steps only), at the suite's eight slots a token
-    // (the fixtures have two), and one token's router and routing in one launch (opt-in).
+    // (the fixtures have two), one token's router and routing in one launch, and its output
+    // product, residual add and norm in one (both opt-in).
     let pairs = CudaOptions { kept_tiles_from: Some(0), ..Default::default() };
-    let split = CudaOptions { kept_split: Some(true), fused_route: Some(true), ..pairs };
+    let split = CudaOptions { kept_split: Some(true), fused_route: Some(true), fused_norm: Some(true), ..pairs };
     for opts in [CudaOptions::default(), CudaOptions { batch_attention: Some(false), ..Default::default() }, pairs, split] {
         let Some(b) = backend(&opts) else { return };
         let cases = check_backend(&b, &Tolerance::INT8_ACTIVATIONS).unwrap_or_else(|f| panic!("{} mismatches:\n{}", f.len(), f.join("\n")));
@@ -349,6 +351,29 @@ fn fused_router_and_route_give_the_two_kernels_bits() {
         assert_same_batched_steps(&on, &off, name, "the fused router");
         let (f_on, f_off) = (on.backend().fused_route_steps(), off.backend().fused_route_steps());
         assert!(f_on > 0 && f_off == 0, "{name}: fused router launches {f_on} and {f_off}");
+    }
+}
+
+/// A decoded token's attention output product, residual add and next norm in one launch
+/// (`mvq_add_norm`, opt-in) give the logits of the two kernels, bit for bit: one sequence's
+/// decode and eight sequences' steps (one-token steps fused, larger ones not), with Q8_0 and
+/// with Q4_K experts (the output products are Q8_0, as in the benchmarks' vaults).
+#[test]
+fn fused_add_norm_gives_the_two_kernels_bits() {
+    for experts in [Format::Q4_K, Format::Q8_0] {
+        let name = "qwen3_moe_k";
+        let open =
+            |fused: bool| resident_model(name, experts, Format::Q8_0, &CudaOptions { fused_norm: Some(fused), ..Default::default() });
+        let (Some(on), Some(off)) = (open(true), open(false)) else { return };
+        let r = read_safetensors(&fixture(name).join("reference.safetensors"));
+        for text in ["chat", "long"] {
+            let input = ids(&r[&format!("{text}.input_ids")]);
+            let (a, b) = (decode_quietly(&on, &input), decode_quietly(&off, &input));
+            assert!(a == b, "{name} {experts:?} {text}: the fused norm moved one sequence's logits by {:.2e}", rel_err(&a, &b));
+        }
+        assert_same_batched_steps(&on, &off, name, &format!("the fused norm ({experts:?} experts)"));
+        let (f_on, f_off) = (on.backend().fused_norm_steps(), off.backend().fused_norm_steps());
+        assert!(f_on > 0 && f_off == 0, "{name} {experts:?}: fused norm launches {f_on} and {f_off}");
     }
 }
 

@@ -691,6 +691,28 @@ pub trait Backend: Send + Sync {
         self.add(x, y, n * dim);
         self.rms_norm(x, n, dim, w, eps, out);
     }
+    /// A sublayer's output projection and what follows it: [`Self::matmul`] of all of `proj`
+    /// over `n` rows of `input` into `y` (`[n, dim]`, `dim` the projection's rows), then
+    /// [`Self::add_rms_norm`] of `y` into the residual `x` and the next norm (`w`) into `out`.
+    /// A backend may do both in one pass (the CUDA backend adds and norms a decoded token's row
+    /// in the product's last block: one launch, and one wait between kernels, fewer a layer);
+    /// `y`, `x` and `out` must come out as the two ops leave them.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_add_rms_norm(
+        &self,
+        proj: &Self::Matrix,
+        input: &Self::Buf,
+        n: usize,
+        dim: usize,
+        y: &mut Self::Buf,
+        x: &mut Self::Buf,
+        w: &Self::Vector,
+        eps: f32,
+        out: &mut Self::Buf,
+    ) {
+        self.matmul(proj, None, input, n, y);
+        self.add_rms_norm(x, y, n, dim, w, eps, out);
+    }
     /// Standard attention's inputs made ready, in `n` rows of `[q | k | v]` (`rows`): each q
     /// and k head normalised by `norm` (query weights, key weights, epsilon; per head, where
     /// the model has such norms), q and k heads rotated by `rope`, and the keys and values

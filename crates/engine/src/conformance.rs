@@ -68,6 +68,7 @@ pub fn check_backend<B: Backend>(b: &B, tol: &Tolerance) -> Result<usize, Vec<St
         s.linear_attention();
     }
     s.normed_products();
+    s.product_add_norm();
     s.routing();
     s.kept();
     s.kept_batch();
@@ -417,6 +418,55 @@ impl<B: Backend> Suite<'_, B> {
                     let (want, bound) = self.products(&wt, 0, 24, &hv, dim, n);
                     let got = self.read(&out, want.len());
                     self.compare("matmul", &format!("{f}, {n} tokens {step}"), &got, &want, |i| bound[i]);
+                }
+            }
+        }
+    }
+
+    /// A sublayer's output projection with the residual add and next norm in one op
+    /// ([`Backend::matmul_add_rms_norm`]) leaves the product, the residual and the normed rows of
+    /// the two ops to the bit, and the next product reads the normed rows as it would after
+    /// [`Backend::add_rms_norm`]: one token (a backend's fused decode case: a few rows normed
+    /// by a few blocks' worth of threads, and more rows than a block's threads) and three;
+    /// the projection's input uploaded, or left by a norm (which may hand on an int8 copy).
+    fn product_add_norm(&mut self) {
+        let (cols, eps) = (256, 1e-6);
+        let g = self.values(cols);
+        let in_norm = self.b.vector(&g);
+        for f in [Format::Q8_0, Format::Q4_K, Format::F32] {
+            for (n, dim) in [(1, 96), (1, 1088), (3, 96)] {
+                let wt = self.weights(f, dim, cols);
+                let proj = self.matrix(&wt);
+                // Q8_0 rows of any multiple of 32 (Q4_K's are of 256).
+                let next = self.weights(Format::Q8_0, 24, dim);
+                let next = self.matrix(&next);
+                let (a, x, gn) = (self.values(n * cols), self.values(n * dim), self.values(dim));
+                let w = self.b.vector(&gn);
+                for from in ["uploaded", "normed"] {
+                    let mut input = self.buf(n * cols, &a);
+                    if from == "normed" {
+                        let raw = self.buf(n * cols, &a);
+                        self.b.rms_norm(&raw, n, cols, &in_norm, eps, &mut input);
+                    }
+                    let mut got = Vec::new();
+                    for fused in [true, false] {
+                        let (mut y, mut xb, mut out) = (self.buf(n * dim, &[]), self.buf(n * dim, &x), self.buf(n * dim, &[]));
+                        if fused {
+                            self.b.matmul_add_rms_norm(&proj, &input, n, dim, &mut y, &mut xb, &w, eps, &mut out);
+                        } else {
+                            self.b.matmul(&proj, None, &input, n, &mut y);
+                            self.b.add_rms_norm(&mut xb, &y, n, dim, &w, eps, &mut out);
+                        }
+                        let mut after = self.buf(n * 24, &[]);
+                        self.b.matmul(&next, None, &out, n, &mut after);
+                        let mut v = self.read(&y, n * dim);
+                        v.extend(self.read(&xb, n * dim));
+                        v.extend(self.read(&out, n * dim));
+                        v.extend(self.read(&after, n * 24));
+                        got.push(v);
+                    }
+                    let what = format!("{f}, {n} tokens onto {dim} rows, input {from}: product, residual, normed, next product");
+                    self.compare("matmul_add_rms_norm", &what, &got[0], &got[1], |_| 0.0);
                 }
             }
         }

@@ -819,14 +819,24 @@ impl<B: Backend> Model<B> {
         let hd = self.arch.hidden_size;
         let t = Instant::now();
         be.rms_norm(&s.buf.x, n, hd, &layer.attn_norm, self.eps, &mut s.buf.h);
+        // Standard attention's output projection goes with the residual add and the next norm
+        // (one op, which a backend may run as one launch) where no bias sits between them.
+        let mut projection = None;
         match &layer.attn {
+            Attention::Standard(a) if a.o_bias.is_none() => {
+                self.standard_attention_heads(li, a, s, n);
+                projection = Some(&a.o);
+            }
             Attention::Standard(a) => self.standard_attention(li, a, s, n),
             Attention::Linear(a) => self.linear_attention(a, s, n),
             Attention::Latent(a) => self.latent_attention(li, a, s, n, obs),
             Attention::Compressed(a) => self.compressed_attention(li, a, s, n, obs),
         }
         let b = &mut *s.buf;
-        be.add_rms_norm(&mut b.x, &b.d, n, hd, &layer.ffn_norm, self.eps, &mut b.h);
+        match projection {
+            Some(o) => be.matmul_add_rms_norm(o, &b.att, n, hd, &mut b.d, &mut b.x, &layer.ffn_norm, self.eps, &mut b.h),
+            None => be.add_rms_norm(&mut b.x, &b.d, n, hd, &layer.ffn_norm, self.eps, &mut b.h),
+        }
         s.charge(t, |r| &mut r.attention_ms);
         if self.lookahead {
             self.lookahead_prefetch(li, s, n);
@@ -1086,9 +1096,19 @@ impl<B: Backend> Model<B> {
         self.experts.prefetch(li + 1, predicted);
     }
 
-    /// GQA attention; leaves the projected output in `d`. q, k and v come from one dispatch into
-    /// one row per token, `[q | k | v]`.
+    /// GQA attention; leaves the projected output in `d`.
     fn standard_attention(&self, li: usize, a: &StandardAttention<B>, s: &mut Step<'_, '_, B>, n: usize) {
+        self.standard_attention_heads(li, a, s, n);
+        let (be, b) = (&self.backend, &mut *s.buf);
+        be.matmul(&a.o, None, &b.att, n, &mut b.d);
+        if let Some(ob) = &a.o_bias {
+            be.add_bias(&mut b.d, n, self.arch.hidden_size, 0, ob);
+        }
+    }
+
+    /// GQA attention up to its output projection: the heads' outputs in `att`. q, k and v come
+    /// from one dispatch into one row per token, `[q | k | v]`.
+    fn standard_attention_heads(&self, li: usize, a: &StandardAttention<B>, s: &mut Step<'_, '_, B>, n: usize) {
         let (be, ar) = (&self.backend, &self.arch);
         let b = &mut *s.buf;
         let (nh, nkv, hdim) = (ar.num_heads, ar.num_kv_heads, ar.head_dim);
@@ -1140,10 +1160,6 @@ impl<B: Backend> Model<B> {
         }
         if a.gate.is_some() {
             be.sigmoid_gate(&mut b.att, n, qw, &b.q, w, qw + 2 * kvw);
-        }
-        be.matmul(&a.o, None, &b.att, n, &mut b.d);
-        if let Some(ob) = &a.o_bias {
-            be.add_bias(&mut b.d, n, ar.hidden_size, 0, ob);
         }
     }
 

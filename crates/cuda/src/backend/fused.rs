@@ -2,11 +2,15 @@
 //! the attention inputs (per-head norms, RoPE, the KV store) in one launch, int8 copies left by
 //! the ops that write a product's input, and the rotary tables kept on the device.
 
-use super::{cfg_elems, norm_threads, CudaBackend, CudaBuf, CudaKvCache, CudaVector, KvShape, MV_TOKENS};
-use crate::buf::QuantRows;
+use super::{
+    cfg_elems, mvq_block_rows, norm_threads, CudaBackend, CudaBuf, CudaKvCache, CudaMatrix, CudaVector, Job, Jobs, KvShape, MAX_JOBS,
+    MV_TOKENS,
+};
+use crate::buf::{dptr, QuantRows};
 use crate::launch::Launch;
 use cudarc::driver::LaunchConfig;
 use smoe_engine::backend::{check, check_rows, qk_rope_store_composed, QkvRows, RopeTables};
+use std::sync::atomic::Ordering;
 
 /// The rotary tables of the token being decoded, on the device: every layer rotates with the
 /// same ones, so they are copied up once per chunk, not once per layer.
@@ -90,6 +94,60 @@ impl CudaBackend {
             LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (norm_threads(dim), 1, 1), shared_mem_bytes: 0 },
             "add_rms_norm",
         );
+    }
+
+    /// [`smoe_engine::Backend::matmul_add_rms_norm`] in one launch (`mvq_add_norm` in fused.cu)
+    /// where it can: one token, a projection in a format with int8 mat-vecs onto `dim` rows, the
+    /// option on ([`super::CudaOptions::fused_norm`]). False: nothing queued, the caller runs
+    /// the two ops.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn product_add_norm(
+        &self,
+        proj: &CudaMatrix,
+        input: &CudaBuf,
+        n: usize,
+        dim: usize,
+        y: &mut CudaBuf,
+        x: &mut CudaBuf,
+        w: &CudaVector,
+        eps: f32,
+        out: &mut CudaBuf,
+    ) -> bool {
+        let Some(k) = self.k.format(proj.format).mvq.as_ref() else { return false };
+        if !self.fused_norm || !self.int8 || n != 1 || proj.rows != dim || !proj.cols.is_multiple_of(32) || self.faulted() {
+            return false;
+        }
+        check("matmul input", input, 1, proj.cols);
+        check("matmul", y, 1, dim);
+        check("add_rms_norm", x, 1, dim);
+        check("add_rms_norm output", out, 1, dim);
+        assert!(w.len >= dim, "add_rms_norm: {} weights for rows of {dim}", w.len);
+        // The input's int8 copy where the op before left one (attention does), as `products`
+        // takes it; else quantized here.
+        let xp = input.at(&self.stream);
+        let left = input.quantized().filter(|q| q.cols == proj.cols && q.src_stride == proj.cols && q.rows >= 1);
+        let Some((qx, qstride)) = left.map(|q| (q.ptr, q.stride)).or_else(|| self.quantize(xp, proj.cols, 0, 1, proj.cols)) else {
+            return true; // a fault, recorded: the two ops would queue nothing either
+        };
+        let Some(ticket) = self.float_scratch(&self.norm_ticket, 1, "norm ticket") else { return true };
+        let mut table = Jobs { count: 1, prefetch: self.prefetch as i32, job: [Job::default(); MAX_JOBS] };
+        table.job[0] = Self::job(dptr(&proj.data, &self.stream), proj.row_bytes, dim, proj.cols, 0, 1, 0, 0);
+        let (yp, xr, wp) = (y.at_mut(&self.stream), x.at_mut(&self.stream), dptr(&w.data, &self.stream));
+        let op = out.at_mut(&self.stream);
+        let (oq, _) = self.quant_out(out, 1, dim);
+        // The norm's own launch's threads: the last block sums as that many would.
+        let (qs, threads) = (qstride as i32, norm_threads(dim) as i32);
+        let mut a = Launch::new(&k.add_norm);
+        a.arg(&table).arg(&qx).arg(&qs).arg(&yp).arg(&xr).arg(&wp).arg(&op).arg(&eps).arg(&oq).arg(&threads).arg(&ticket);
+        // The blocks of `products`' one-token int8 mat-vec.
+        let grid = dim.div_ceil(mvq_block_rows(proj.format, proj.cols)) as u32;
+        self.launch(
+            a,
+            LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 },
+            "output product, add and norm",
+        );
+        self.fused_norm_steps.fetch_add(1, Ordering::Relaxed);
+        true
     }
 
     /// [`Backend::qk_rope_store`] in one launch where [`fuses`] says so; else the three ops.
