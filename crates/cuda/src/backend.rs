@@ -17,6 +17,7 @@
 mod compressed;
 mod delta;
 mod fused;
+mod kept_step;
 mod seqs;
 mod sparse;
 
@@ -282,10 +283,13 @@ pub struct CudaOptions {
     /// (`fused_router_and_route_give_the_two_kernels_bits`, the int8 suite's fourth pass): it
     /// was written after this session's device time ran out.
     pub fused_route: Option<bool>,
-    /// A decoded token's attention output projection with the residual add and the next norm
-    /// in one launch (`mvq_add_norm`, see [`smoe_engine::Backend::matmul_add_rms_norm`]),
-    /// meant to give the two kernels' bits. `None`: off unless `SMOE_CUDA_FUSED_NORM=on`.
-    /// Opt-in until a GPU has run its test (`fused_add_norm_gives_the_two_kernels_bits`).
+    /// A decoded token's norms in the launch before them, meant to give the two kernels' bits:
+    /// the attention output projection with the residual add and the next norm
+    /// (`mvq_add_norm`, see [`smoe_engine::Backend::matmul_add_rms_norm`]), and the kept
+    /// experts' split mix with the next layer's input norm (`mvkq_mix_split_norm`, see
+    /// [`smoe_engine::Backend::kept_experts_norm`]). `None`: off unless
+    /// `SMOE_CUDA_FUSED_NORM=on`. Opt-in until a GPU has run its test
+    /// (`fused_norms_give_the_two_kernels_bits`).
     pub fused_norm: Option<bool>,
 }
 
@@ -306,6 +310,8 @@ struct Int8Kernels {
     mix: CudaFunction,
     /// The same, a warp per row and two slots (`mvkq_mix_split`; see [`mix_split_rows`]).
     mix_split: CudaFunction,
+    /// That of one token with the next layer's input norm after it (`mvkq_mix_split_norm`).
+    mix_split_norm: CudaFunction,
     /// A batched step's kept experts on int8 tensor cores, each expert's rows read once for all
     /// of its pairs (`kept_tiles.cu`): gate and up with SiLU(gate) · up, then the down
     /// products, one output row per pair.
@@ -426,6 +432,7 @@ impl Kernels {
                                 swiglu: f(&format!("mvkq_swiglu_{n}"))?,
                                 mix: f(&format!("mvkq_mix_{n}"))?,
                                 mix_split: f(&format!("mvkq_mix_split_{n}"))?,
+                                mix_split_norm: f(&format!("mvkq_mix_split_norm_{n}"))?,
                                 tiles: KeptTileKernels {
                                     swiglu: f(&format!("kept_tiles_swiglu_{n}"))?,
                                     down: f(&format!("kept_tiles_down_{n}"))?,
@@ -638,6 +645,10 @@ pub struct CudaBackend {
     fused_norm: bool,
     /// Launches of `mvq_add_norm` ([`Self::fused_norm_steps`]).
     fused_norm_steps: AtomicUsize,
+    /// `mvkq_mix_split_norm`'s ticket (each launch leaves it at 0).
+    mix_ticket: Mutex<Option<CudaSlice<f32>>>,
+    /// Launches of `mvkq_mix_split_norm` ([`Self::mix_norm_steps`]).
+    mix_norm_steps: AtomicUsize,
     /// Sparse attention's scratch: the indexer's scores, a query's gathered keys and values.
     sparse_part: Mutex<Option<CudaSlice<f32>>>,
     /// Gated DeltaNet's convolved rows (see `backend/delta.rs`).
@@ -780,6 +791,8 @@ impl CudaBackend {
             norm_ticket: Mutex::new(None),
             fused_norm: opts.fused_norm.unwrap_or_else(|| std::env::var("SMOE_CUDA_FUSED_NORM").as_deref() == Ok("on")),
             fused_norm_steps: AtomicUsize::new(0),
+            mix_ticket: Mutex::new(None),
+            mix_norm_steps: AtomicUsize::new(0),
             sparse_part: Mutex::new(None),
             delta_part: Mutex::new(None),
             tile_part: Mutex::new(None),
@@ -873,6 +886,12 @@ impl CudaBackend {
     /// see [`Backend::matmul_add_rms_norm`]) since the backend opened.
     pub fn fused_norm_steps(&self) -> usize {
         self.fused_norm_steps.load(Ordering::Relaxed)
+    }
+
+    /// Decoded tokens' kept experts mixed with the next layer's input norm in the same launch
+    /// (`mvkq_mix_split_norm`, see [`Backend::kept_experts_norm`]) since the backend opened.
+    pub fn mix_norm_steps(&self) -> usize {
+        self.mix_norm_steps.load(Ordering::Relaxed)
     }
 
     /// Layers' one-token steps whose kept SwiGLU asked L2 for the step's experts (see
@@ -1592,7 +1611,8 @@ impl Backend for CudaBackend {
             d.push_str(&format!(", decoded tokens routed in the router's launch ({} launches)", self.fused_route_steps()));
         }
         if self.fused_norm {
-            d.push_str(&format!(", output products added and normed in one launch ({} launches)", self.fused_norm_steps()));
+            let (products, mixes) = (self.fused_norm_steps(), self.mix_norm_steps());
+            d.push_str(&format!(", norms in the launch before them ({products} output products, {mixes} mixes)"));
         }
         if self.graphs {
             let g = self.graph.lock().expect("graph lock");
@@ -2319,165 +2339,27 @@ impl Backend for CudaBackend {
         x: &mut CudaBuf,
         limit: Option<f32>,
     ) {
-        if self.faulted() || n == 0 {
-            return;
+        self.kept_experts_with(layer, routes, at, k, h, n, gu, slots, x, limit, None);
+    }
+    fn kept_experts_norm(
+        &self,
+        layer: usize,
+        routes: &CudaBuf,
+        at: usize,
+        k: usize,
+        h: &mut CudaBuf,
+        n: usize,
+        gu: &mut CudaBuf,
+        slots: &mut CudaBuf,
+        x: &mut CudaBuf,
+        limit: Option<f32>,
+        dim: usize,
+        w: &CudaVector,
+        eps: f32,
+    ) {
+        if !self.kept_experts_and_norm(layer, routes, at, k, h, n, gu, slots, x, limit, dim, w, eps) {
+            self.rms_norm(x, n, dim, w, eps, h);
         }
-        let kept = self.kept.lock().expect("kept experts lock");
-        let Some(l) = kept.layer(layer) else {
-            drop(kept);
-            self.record("kept_experts", format!("layer {layer} is not kept"));
-            return;
-        };
-        let [gate, up, down] = &l.parts;
-        let (hidden, width) = (gate.cols, gate.rows);
-        check_rows("kept_experts routes", routes, 0, 1, 0, at, n * 2 * k);
-        check("kept_experts input", h, n, hidden);
-        check("kept_experts gate and up", gu, n * k, 2 * width);
-        check("kept_experts down", slots, n * k, hidden);
-        check("kept_experts", x, n, hidden);
-        let rp = routes.at(&self.stream) + (at * 4) as u64;
-        let pairs = (n * k) as u32;
-        // The given parts (and their output columns) of every pair's expert, as the kernels
-        // take them; inputs one row per token or, `per_pair`, per pair.
-        let kept_jobs = |parts: &[(&crate::kept::KeptPart, usize)], per_pair: bool| {
-            let p0 = parts[0].0;
-            let mut kj = KeptJobs {
-                row_bytes: p0.row_bytes as u64,
-                rows: p0.rows as i32,
-                cols: p0.cols as i32,
-                k: k as i32,
-                parts: parts.len() as i32,
-                experts: l.experts as i32,
-                x_per_pair: per_pair as i32,
-                ..Default::default()
-            };
-            for (i, (p, col)) in parts.iter().enumerate() {
-                kj.base[i] = dptr(&p.data, &self.stream);
-                kj.expert_bytes[i] = p.bytes as u64;
-                kj.out_col[i] = *col as i32;
-            }
-            kj
-        };
-        // One launch for the given parts of every pair's expert: inputs at `xp` (rows `xs`
-        // apart), or already quantized at `xq`.
-        let launch = |parts: &[(&crate::kept::KeptPart, usize)],
-                      xp: u64,
-                      xq: Option<(u64, usize)>,
-                      xs: usize,
-                      per_pair: bool,
-                      op: u64,
-                      os: usize| {
-            let p0 = parts[0].0;
-            let kj = kept_jobs(parts, per_pair);
-            let (xs_i, os_i) = (xs as i32, os as i32);
-            let fk = self.k.format(p0.format);
-            // The kernel a one-token product of this format gets in `products`, so that a kept
-            // expert's product has the same bits as the same product named by a job.
-            if let (Some(Int8Kernels { mvkq, .. }), true) = (&fk.mvq, self.int8) {
-                let rows = if per_pair { n * k } else { n };
-                let Some((qx, qstride)) = xq.or_else(|| self.quantize(xp, xs, 0, rows, p0.cols)) else { return };
-                let qs_i = qstride as i32;
-                let mut a = Launch::new(mvkq);
-                a.arg(&kj).arg(&rp).arg(&qx).arg(&qs_i).arg(&op).arg(&os_i);
-                let grid = (p0.rows.div_ceil(mvq_block_rows(p0.format, p0.cols)) as u32, pairs * parts.len() as u32, 1);
-                self.launch(a, LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: 0 }, "products, kept experts");
-                return;
-            }
-            let mut a = Launch::new(&fk.mvk);
-            a.arg(&kj).arg(&rp).arg(&xp).arg(&xs_i).arg(&op).arg(&os_i);
-            let grid = (p0.rows.div_ceil(4) as u32, pairs * parts.len() as u32, 1);
-            self.launch(a, LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: 0 }, "products, kept experts");
-        };
-        // `h` as the norm before left it quantized, where it did.
-        let hq = h.quantized().filter(|q| q.cols == hidden && q.rows >= n).map(|q| (q.ptr, q.stride));
-        let (hp, gp) = (h.at(&self.stream), gu.at_mut(&self.stream));
-        // The fused kernels know plain SiLU only.
-        if let Some(hq) = hq.filter(|_| self.kept_fused && limit.is_none()) {
-            let kernels = |p: &crate::kept::KeptPart| self.k.format(p.format).mvq.as_ref().filter(|_| self.int8);
-            if let (Some(gk), Some(dk), true) = (kernels(gate), kernels(down), gate.format == up.format && width % 32 == 0) {
-                let (gj, dj) = (kept_jobs(&[(gate, 0), (up, width)], false), kept_jobs(&[(down, 0)], true));
-                let dstride = crate::buf::quant_stride(width);
-                let Some(dq) = self.scratch(n * k * dstride) else { return };
-                let (hs, gs, ds) = (hq.1 as i32, (2 * width) as i32, dstride as i32);
-                if n >= self.kept_tiles_from && self.tiles_take(l, limit) {
-                    // Each expert's rows once for all its pairs: a block per (rows, expert),
-                    // blocks of experts no pair chose leave after reading the routes.
-                    let (n_i, experts) = (n as i32, l.experts as u32);
-                    let mut a = Launch::new(&gk.tiles.swiglu);
-                    a.arg(&gj).arg(&rp).arg(&n_i).arg(&hq.0).arg(&hs).arg(&gp).arg(&gs).arg(&dq).arg(&ds);
-                    let cfg = LaunchConfig { grid_dim: ((width / 32) as u32, experts, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
-                    self.launch(a, cfg, "kept experts on tiles: gate, up, SiLU");
-                    let sp = slots.at_mut(&self.stream);
-                    let hidden_i = hidden as i32;
-                    let mut a = Launch::new(&dk.tiles.down);
-                    a.arg(&dj).arg(&rp).arg(&n_i).arg(&dq).arg(&ds).arg(&sp).arg(&hidden_i);
-                    let cfg =
-                        LaunchConfig { grid_dim: (hidden.div_ceil(64) as u32, experts, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
-                    self.launch(a, cfg, "kept experts on tiles: down");
-                    self.kept_tile_steps.fetch_add(1, Ordering::Relaxed);
-                    drop(kept);
-                    // The routes' weights follow each token's k ids.
-                    self.mix_slots(slots, x, hidden, n, k, (rp, 2 * k, k));
-                    return;
-                }
-                // The pairs (tokens) on x where they go first (see `kept_pairs_first`).
-                let (first, first_i) = (self.kept_pairs_first, self.kept_pairs_first as i32);
-                let order = |rows: u32, pairs: u32| if first { (pairs, rows, 1) } else { (rows, pairs, 1) };
-                // A one-token step's experts asked of L2 once the routes are known (kept.cu's
-                // kept_prefetch): a larger step's would not fit.
-                let prefetch = if self.prefetch && n == 1 { pairs as i32 } else { 0 };
-                let (down_base, down_bytes) = (dptr(&down.data, &self.stream), down.bytes as u64);
-                let mut a = Launch::new(&gk.swiglu);
-                a.arg(&gj).arg(&rp).arg(&hq.0).arg(&hs).arg(&gp).arg(&gs).arg(&dq).arg(&ds).arg(&first_i);
-                a.arg(&down_base).arg(&down_bytes).arg(&prefetch);
-                let cfg = LaunchConfig { grid_dim: order((width / 32) as u32, pairs), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-                self.launch(a, cfg, "kept experts: gate, up, SiLU");
-                if prefetch > 0 {
-                    self.kept_prefetch_steps.fetch_add(1, Ordering::Relaxed);
-                }
-                let split = mix_split_rows(down.format, down.cols, k).filter(|_| self.kept_split.takes(n));
-                drop(kept);
-                let (xp, xs) = (x.at_mut(&self.stream), hidden as i32);
-                let mut a = Launch::new(if split.is_some() { &dk.mix_split } else { &dk.mix });
-                a.arg(&dj).arg(&rp).arg(&dq).arg(&ds).arg(&xp).arg(&xs).arg(&first_i);
-                // Split: `rows` rows of (k + 1) / 2 warps a block; else a warp a row (kept.cu's
-                // mvq_mix), four a block.
-                let (rows, threads) = split.map_or((4, 128), |rows| (rows, (32 * rows * k.div_ceil(2)) as u32));
-                let cfg = LaunchConfig {
-                    grid_dim: order(hidden.div_ceil(rows) as u32, n as u32),
-                    block_dim: (threads, 1, 1),
-                    shared_mem_bytes: 0,
-                };
-                self.launch(a, cfg, "kept experts: down, mixed");
-                if split.is_some() {
-                    self.kept_split_steps.fetch_add(1, Ordering::Relaxed);
-                }
-                return;
-            }
-        }
-        // Gate and up in one launch when they share a format (as they do but in odd mixes).
-        if gate.format == up.format {
-            launch(&[(gate, 0), (up, width)], hp, hq, hidden, false, gp, 2 * width);
-        } else {
-            launch(&[(gate, 0)], hp, hq, hidden, false, gp, 2 * width);
-            launch(&[(up, width)], hp, hq, hidden, false, gp, 2 * width);
-        }
-        // SiLU(gate) · up, quantized on the way where the down products take int8; clipped
-        // (DeepSeek-V4), then quantized by the down products' launch.
-        let dq = match (self.int8 && self.k.format(down.format).mvq.is_some() && width % 32 == 0, self.faulted(), limit) {
-            (_, _, Some(limit)) => {
-                self.silu_clamped_halves(gu, 0, n * k, 2 * width, width, limit);
-                None
-            }
-            (true, false, None) => self.silu_quantize(gu, n * k, width),
-            _ => {
-                self.silu_mul_halves(gu, 0, n * k, 2 * width, width);
-                None
-            }
-        };
-        launch(&[(down, 0)], gp, dq, 2 * width, true, slots.at_mut(&self.stream), hidden);
-        drop(kept);
-        self.mix_slots(slots, x, hidden, n, k, (rp, 2 * k, k));
     }
 
     fn kv_store(

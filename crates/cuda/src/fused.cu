@@ -204,19 +204,23 @@ extern "C" __global__ void mvs_f32_route(const Jobs js, const float* x, int xs, 
 
 // add_rms_norm's row (x += y, then out = x / rms * w, quantized at qx when given) by a block of
 // any multiple of 32 threads, to the bits of `add_rms_norm` launched with `threads` threads (a
-// multiple of 32, at most 1024: its launch's norm_threads). Each warp stands in for warps
-// warp, warp + blockDim.x / 32, ... of that launch, each of whose lanes sums its elements in
-// the kernel's order; block_sum's warp sums are then added in warp order, as there. y is read
-// through L2: the other blocks of this kernel wrote it.
-__device__ void add_rms_norm_as(float* x, const float* y, const float* w, float* out, int dim, float eps, u8* qx,
-                                int threads) {
+// multiple of 32, at most 1024: its launch's norm_threads); without y, `rms_norm`'s row to the
+// bits of its launch (x only read). Each warp stands in for warps warp, warp + blockDim.x / 32,
+// ... of that launch, each of whose lanes sums its elements in the kernel's order; block_sum's
+// warp sums are then added in warp order, as there. x and y are read through L2: other blocks
+// of the calling kernel wrote them, and this SM's L1 may hold what they were before.
+__device__ void norm_row_as(float* x, const float* y, const float* w, float* out, int dim, float eps, u8* qx,
+                            int threads) {
     __shared__ float part[32];
     int lane = threadIdx.x % 32;
     for (int vw = threadIdx.x / 32; vw < threads / 32; vw += blockDim.x / 32) {
         float s = 0.0f;
         for (int i = 32 * vw + lane; i < dim; i += threads) {
-            float v = x[i] + __ldcg(y + i);
-            x[i] = v;
+            float v = __ldcg(x + i);
+            if (y) {
+                v += __ldcg(y + i);
+                x[i] = v;
+            }
             s += v * v;
         }
         for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
@@ -227,31 +231,38 @@ __device__ void add_rms_norm_as(float* x, const float* y, const float* w, float*
     for (int v = 0; v < threads / 32; v++) s += part[v];
     float scale = rsqrtf(s / dim + eps);
     for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-        float v = w[i] * (x[i] * scale);
+        float v = w[i] * (__ldcg(x + i) * scale);
         out[i] = v;
         if (qx) quantize_group(v, qx, dim, i / 32);
     }
 }
 
+// The last block of a kernel to finish (a ticket, left at 0 for the next launch), after every
+// block's writes are seen: true in that block only (all its threads).
+__device__ bool last_block(int* ticket) {
+    __shared__ int last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(ticket, 1) == (int)(gridDim.x * gridDim.y) - 1;
+    __syncthreads();
+    if (last) {
+        __threadfence();
+        if (threadIdx.x == 0) *ticket = 0;
+    }
+    return last;
+}
+
 // A decoded token's sublayer output product (mvq of one job, one token, into y[0..rows)) and
 // the residual add and norm after it (add_rms_norm of that row into x and out) in one launch:
 // the last block to finish (a ticket, as mvs_f32_route's; left at 0) adds and norms the row
-// with add_rms_norm's bits (add_rms_norm_as). One launch, and one wait on the kernel before,
+// with add_rms_norm's bits (norm_row_as). One launch, and one wait on the kernel before,
 // fewer a layer than the two kernels.
 template <int F>
 __device__ void mvq_add_norm(const Jobs& js, const u8* qx, int qstride, float* y, float* x, const float* w,
                              float* out, float eps, u8* oq, int threads, int* ticket) {
     const Job& j = js.job[0];
     mvq<F, 1>(j, qx, qstride, 0, y, j.rows);
-    __shared__ int last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(ticket, 1) == (int)gridDim.x - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    add_rms_norm_as(x, y, w, out, j.rows, eps, oq, threads);
-    if (threadIdx.x == 0) *ticket = 0;
+    if (last_block(ticket)) norm_row_as(x, y, w, out, j.rows, eps, oq, threads);
 }
 
 #define ADD_NORM_KERNEL(name, id)                                                                               \

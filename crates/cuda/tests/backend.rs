@@ -354,12 +354,14 @@ fn fused_router_and_route_give_the_two_kernels_bits() {
     }
 }
 
-/// A decoded token's attention output product, residual add and next norm in one launch
-/// (`mvq_add_norm`, opt-in) give the logits of the two kernels, bit for bit: one sequence's
-/// decode and eight sequences' steps (one-token steps fused, larger ones not), with Q8_0 and
-/// with Q4_K experts (the output products are Q8_0, as in the benchmarks' vaults).
+/// A decoded token's norms in the launch before them (`CudaOptions::fused_norm`, opt-in: the
+/// attention output product with the residual add and next norm, `mvq_add_norm`, and the kept
+/// experts' split mix with the next layer's input norm, `mvkq_mix_split_norm`) give the logits
+/// of the separate kernels, bit for bit: one sequence's decode (a short and a long text) and
+/// eight sequences' steps (one-token steps fused, larger ones not), with Q4_K and with Q8_0
+/// experts (the output products are Q8_0, as in the benchmarks' vaults).
 #[test]
-fn fused_add_norm_gives_the_two_kernels_bits() {
+fn fused_norms_give_the_two_kernels_bits() {
     for experts in [Format::Q4_K, Format::Q8_0] {
         let name = "qwen3_moe_k";
         let open =
@@ -369,11 +371,13 @@ fn fused_add_norm_gives_the_two_kernels_bits() {
         for text in ["chat", "long"] {
             let input = ids(&r[&format!("{text}.input_ids")]);
             let (a, b) = (decode_quietly(&on, &input), decode_quietly(&off, &input));
-            assert!(a == b, "{name} {experts:?} {text}: the fused norm moved one sequence's logits by {:.2e}", rel_err(&a, &b));
+            assert!(a == b, "{name} {experts:?} {text}: the fused norms moved one sequence's logits by {:.2e}", rel_err(&a, &b));
         }
-        assert_same_batched_steps(&on, &off, name, &format!("the fused norm ({experts:?} experts)"));
-        let (f_on, f_off) = (on.backend().fused_norm_steps(), off.backend().fused_norm_steps());
-        assert!(f_on > 0 && f_off == 0, "{name} {experts:?}: fused norm launches {f_on} and {f_off}");
+        assert_same_batched_steps(&on, &off, name, &format!("the fused norms ({experts:?} experts)"));
+        // Both kinds ran, and only where asked: the comparison is not of one path with itself.
+        let (p_on, p_off) = (on.backend().fused_norm_steps(), off.backend().fused_norm_steps());
+        let (m_on, m_off) = (on.backend().mix_norm_steps(), off.backend().mix_norm_steps());
+        assert!(p_on > 0 && p_off == 0 && m_on > 0 && m_off == 0, "{name} {experts:?}: fused norms {p_on}/{p_off}, mixes {m_on}/{m_off}");
     }
 }
 

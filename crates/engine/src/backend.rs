@@ -1030,6 +1030,31 @@ pub trait Backend: Send + Sync {
     ) {
         panic!("kept_experts: this backend keeps no experts (keep_experts returned false)");
     }
+    /// [`Self::kept_experts`], then [`Self::rms_norm`] of the residual `x` it leaves (`n` rows
+    /// of `dim`) with `w` into `h`: the next layer's input norm, where nothing else adds to the
+    /// residual in between. `h` is the experts' input first and the norm's output after. A
+    /// backend may run the norm in the experts' last launch (the CUDA backend does for a decoded
+    /// token); `x` and `h` must come out as the two ops leave them.
+    #[allow(clippy::too_many_arguments)]
+    fn kept_experts_norm(
+        &self,
+        layer: usize,
+        routes: &Self::Buf,
+        at: usize,
+        k: usize,
+        h: &mut Self::Buf,
+        n: usize,
+        gu: &mut Self::Buf,
+        slots: &mut Self::Buf,
+        x: &mut Self::Buf,
+        limit: Option<f32>,
+        dim: usize,
+        w: &Self::Vector,
+        eps: f32,
+    ) {
+        self.kept_experts(layer, routes, at, k, h, n, gu, slots, x, limit);
+        self.rms_norm(x, n, dim, w, eps, h);
+    }
     /// Whether [`Self::kept_experts`] takes a step of `n` tokens in kept layer `layer` (whose
     /// experts' activation is clamped at `limit`, as `kept_experts` gets it), where no sequence
     /// brings more than `run` of them (a prompt's tokens tend to choose the same experts;

@@ -833,8 +833,54 @@ impl<B: Backend> Suite<'_, B> {
                     &want,
                     |i| bound[i],
                 );
+                if n <= 40 {
+                    self.kept_then_norm(layer, &routes, k, n, (hidden, width), &rb, &w);
+                }
             }
         }
+    }
+
+    /// [`Backend::kept_experts_norm`] against [`Backend::kept_experts`] then
+    /// [`Backend::rms_norm`], to the bit: the residual, the normed rows, and a product that
+    /// reads them after (as the next layer's first does); the experts' input as a norm leaves
+    /// it from `raw` (with `in_norm`).
+    #[allow(clippy::too_many_arguments)]
+    fn kept_then_norm(
+        &mut self,
+        layer: usize,
+        routes: &B::Buf,
+        k: usize,
+        n: usize,
+        dims: (usize, usize),
+        raw: &B::Buf,
+        in_norm: &B::Vector,
+    ) {
+        let (hidden, width) = dims;
+        let (x0, g) = (self.values(n * hidden), self.values(hidden));
+        let next_norm = self.b.vector(&g);
+        let next = self.weights(Format::Q8_0, 24, hidden);
+        let next = self.matrix(&next);
+        let mut got = Vec::new();
+        for fused in [true, false] {
+            let mut h = self.buf(n * hidden, &[]);
+            self.b.rms_norm(raw, n, hidden, in_norm, 1e-6, &mut h);
+            let mut x = self.buf(n * hidden, &x0);
+            let (mut gu, mut slots) = (self.buf(n * k * 2 * width, &[]), self.buf(n * k * hidden, &[]));
+            if fused {
+                self.b.kept_experts_norm(layer, routes, 0, k, &mut h, n, &mut gu, &mut slots, &mut x, None, hidden, &next_norm, 1e-5);
+            } else {
+                self.b.kept_experts(layer, routes, 0, k, &h, n, &mut gu, &mut slots, &mut x, None);
+                self.b.rms_norm(&x, n, hidden, &next_norm, 1e-5, &mut h);
+            }
+            let mut after = self.buf(n * 24, &[]);
+            self.b.matmul(&next, None, &h, n, &mut after);
+            let mut v = self.read(&x, n * hidden);
+            v.extend(self.read(&h, n * hidden));
+            v.extend(self.read(&after, n * 24));
+            got.push(v);
+        }
+        let case = format!("{n} tokens of {k} slots, rows of {hidden}: residual, normed, next product");
+        self.compare("kept_experts_norm", &case, &got[0], &got[1], |_| 0.0);
     }
 
     fn attention(&mut self) {

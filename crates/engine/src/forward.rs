@@ -345,6 +345,9 @@ pub(crate) struct Step<'a, 'k, B: Backend> {
     segs: &'a mut [Seg<'k, B>],
     /// The most tokens one sequence brings to the step (see [`Backend::kept_takes`]).
     run: usize,
+    /// Whether the layer before already normed the residual into `h` with the input norm of
+    /// what comes next (the next layer's, or the final norm; see [`Backend::kept_experts_norm`]).
+    normed_ahead: bool,
 }
 
 impl<B: Backend> Work<B> {
@@ -363,7 +366,7 @@ impl<'a, 'k, B: Backend> Step<'a, 'k, B> {
         segs: &'a mut [Seg<'k, B>],
     ) -> Self {
         let run = segs.iter().map(|g| g.n).max().unwrap_or(0);
-        Step { buf, host, instrument, segs, run }
+        Step { buf, host, instrument, segs, run, normed_ahead: false }
     }
 
     /// Adds the milliseconds since `t` to one timer of the current step, when instrumenting.
@@ -771,7 +774,9 @@ impl<B: Backend> Model<B> {
             be.hc_collapse(&s.buf.hc, n, hc.mult, hd, &hs.pre, &mut s.buf.x);
         }
         let b = &mut *s.buf;
-        be.rms_norm(&b.x, n, hd, &self.final_norm, self.eps, &mut b.h);
+        if !std::mem::take(&mut s.normed_ahead) {
+            be.rms_norm(&b.x, n, hd, &self.final_norm, self.eps, &mut b.h);
+        }
         Ok(())
     }
 
@@ -818,7 +823,9 @@ impl<B: Backend> Model<B> {
         let be = &self.backend;
         let hd = self.arch.hidden_size;
         let t = Instant::now();
-        be.rms_norm(&s.buf.x, n, hd, &layer.attn_norm, self.eps, &mut s.buf.h);
+        if !std::mem::take(&mut s.normed_ahead) {
+            be.rms_norm(&s.buf.x, n, hd, &layer.attn_norm, self.eps, &mut s.buf.h);
+        }
         // Standard attention's output projection goes with the residual add and the next norm
         // (one op, which a backend may run as one launch) where no bias sits between them.
         let mut projection = None;
@@ -1400,9 +1407,30 @@ impl<B: Backend> Model<B> {
         // This layer's routes, in its own rows of `routes` (see `instrument_kept_routes`).
         let at = li * n * 2 * k;
         self.router_and_route(m, &b.h, n, &mut b.router, &mut b.routes, at);
-        be.kept_experts(li, &b.routes, at, k, &b.h, n, &mut b.gu, &mut b.slots, &mut b.x, self.expert_limit());
-        if let Some(shared) = &m.shared {
-            self.shared_experts(shared, m.shared_gate.as_ref(), s, n);
+        let limit = self.expert_limit();
+        // With no shared experts to add after them, the experts' op also runs the next norm.
+        match (&m.shared, self.next_input_norm(li)) {
+            (None, Some(w)) => {
+                let hd = self.arch.hidden_size;
+                be.kept_experts_norm(li, &b.routes, at, k, &mut b.h, n, &mut b.gu, &mut b.slots, &mut b.x, limit, hd, w, self.eps);
+                s.normed_ahead = true;
+            }
+            (shared, _) => {
+                be.kept_experts(li, &b.routes, at, k, &b.h, n, &mut b.gu, &mut b.slots, &mut b.x, limit);
+                if let Some(shared) = shared {
+                    self.shared_experts(shared, m.shared_gate.as_ref(), s, n);
+                }
+            }
+        }
+    }
+
+    /// The norm the input of what follows layer `li` goes through first: the next layer's
+    /// input norm, or after the last layer the final norm; None where something else comes
+    /// first (hyper-connection streams: DeepSeek-V4).
+    fn next_input_norm(&self, li: usize) -> Option<&B::Vector> {
+        match self.layers.get(li + 1) {
+            Some(next) => next.hc.is_none().then_some(&next.attn_norm),
+            None => self.arch.hyper_connections.is_none().then_some(&self.final_norm),
         }
     }
 
