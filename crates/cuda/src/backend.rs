@@ -631,22 +631,20 @@ pub struct CudaBackend {
     attention_part: Mutex<Option<CudaSlice<f32>>>,
     /// Their tickets (see `split_scratch`).
     attention_tickets: Mutex<Option<CudaSlice<f32>>>,
-    /// `mvs_f32_route`'s ticket (each launch leaves it at 0).
-    route_ticket: Mutex<Option<CudaSlice<f32>>>,
+    /// The ticket of the kernels whose last block finishes their work (`last_block` in
+    /// fused.cu: `mvs_f32_route`, `mvq_add_norm`, `mvkq_mix_split_norm`). Each launch leaves it
+    /// at 0, and none touches it before its wait on the kernel before: one serves them all.
+    ticket: Mutex<Option<CudaSlice<f32>>>,
     /// A decoded token's router product and routing in one launch (`mvs_f32_route`, see
     /// [`Backend::router_and_route`]); [`CudaOptions::fused_route`], opt-in.
     fused_route: bool,
     /// Launches of `mvs_f32_route` ([`Self::fused_route_steps`]).
     fused_route_steps: AtomicUsize,
-    /// `mvq_add_norm`'s ticket (each launch leaves it at 0).
-    norm_ticket: Mutex<Option<CudaSlice<f32>>>,
     /// A decoded token's output projection, residual add and norm in one launch
     /// (`mvq_add_norm`, see [`Backend::matmul_add_rms_norm`]); [`CudaOptions::fused_norm`].
     fused_norm: bool,
     /// Launches of `mvq_add_norm` ([`Self::fused_norm_steps`]).
     fused_norm_steps: AtomicUsize,
-    /// `mvkq_mix_split_norm`'s ticket (each launch leaves it at 0).
-    mix_ticket: Mutex<Option<CudaSlice<f32>>>,
     /// Launches of `mvkq_mix_split_norm` ([`Self::mix_norm_steps`]).
     mix_norm_steps: AtomicUsize,
     /// Sparse attention's scratch: the indexer's scores, a query's gathered keys and values.
@@ -785,13 +783,11 @@ impl CudaBackend {
             rope: Mutex::new(Default::default()),
             attention_part: Mutex::new(None),
             attention_tickets: Mutex::new(None),
-            route_ticket: Mutex::new(None),
+            ticket: Mutex::new(None),
             fused_route: opts.fused_route.unwrap_or_else(|| std::env::var("SMOE_CUDA_FUSED_ROUTE").as_deref() == Ok("on")),
             fused_route_steps: AtomicUsize::new(0),
-            norm_ticket: Mutex::new(None),
             fused_norm: opts.fused_norm.unwrap_or_else(|| std::env::var("SMOE_CUDA_FUSED_NORM").as_deref() == Ok("on")),
             fused_norm_steps: AtomicUsize::new(0),
-            mix_ticket: Mutex::new(None),
             mix_norm_steps: AtomicUsize::new(0),
             sparse_part: Mutex::new(None),
             delta_part: Mutex::new(None),
@@ -2268,7 +2264,7 @@ impl Backend for CudaBackend {
         check("router input", input, 1, router.cols);
         check("router logits", logits, 1, e);
         let r = self.route_args(rule, bias, routes, at, 1);
-        let Some(ticket) = self.float_scratch(&self.route_ticket, 1, "route ticket") else { return };
+        let Some(ticket) = self.float_scratch(&self.ticket, 1, "last-block ticket") else { return };
         let wp = dptr(&router.data, &self.stream);
         let mut table = Jobs { count: 1, prefetch: self.prefetch as i32, job: [Job::default(); MAX_JOBS] };
         table.job[0] = Self::job(wp, router.row_bytes, e, router.cols, 0, 1, 0, 0);

@@ -6,25 +6,11 @@
 // what two to six of them did, with the same arithmetic in the same order per element.
 
 // x[t] += y[t], then out[t] = x[t] / rms * w (and, with qx, quantized as `rms_norm` does): the
-// residual add of a sublayer and the next norm. One block per row; each element is added,
-// stored and normalised by the same thread.
+// residual add of a sublayer and the next norm. One block per row (norm_row).
 extern "C" __global__ void add_rms_norm(float* x, const float* y, const float* w, float* out, int dim, float eps,
                                         u8* qx, int qstride) { PDL_START;
-    float* row = x + (size_t)blockIdx.x * dim;
-    const float* yr = y + (size_t)blockIdx.x * dim;
-    float* o = out + (size_t)blockIdx.x * dim;
-    float s = 0.0f;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-        float v = row[i] + yr[i];
-        row[i] = v;
-        s += v * v;
-    }
-    float scale = rsqrtf(block_sum(s) / dim + eps);
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-        float v = w[i] * (row[i] * scale);
-        o[i] = v;
-        if (qx) quantize_group(v, qx + (size_t)blockIdx.x * qstride, dim, i / 32);
-    }
+    size_t r = blockIdx.x;
+    norm_row(x + r * dim, y + r * dim, w, out + r * dim, dim, eps, qx ? qx + r * qstride : nullptr, blockDim.x);
 }
 
 // Standard attention's inputs, in rows of `stride` holding q_heads query heads, then kv_heads
@@ -177,66 +163,6 @@ extern "C" __global__ void mvs_f32(const Jobs js, const float* x, int xs, float*
     if (r < j.rows) mvs_f32_row(j, r, x, xs, out, os);
 }
 
-// A decoded token's router product (mvs_f32 of one job, one token: its logits at out[0..e))
-// and its routing (`route`) in one launch: the last block to finish (a ticket, as attention's
-// splits take; left at 0 for the next launch) routes the token with warp 0, reading the logits
-// the other blocks wrote through L2. One launch, and one wait on the kernel before, fewer a
-// layer than the two kernels, meant to give the same bits. Dynamic shared memory as `route`'s.
-// Opt-in (SMOE_CUDA_FUSED_ROUTE=on) until a GPU has run its tests.
-extern "C" __global__ void mvs_f32_route(const Jobs js, const float* x, int xs, float* out, int os, int e,
-                                         const float* bias, int sigmoid, int n_group, int topk_group, int k, int norm,
-                                         float scaling, float* routes, int* ticket) {
-    const Job& j = js.job[0];
-    int r = blockIdx.x;
-    mvs_f32_prefetch(js, j, r);
-    PDL_START;
-    if (r < j.rows) mvs_f32_row(j, r, x, xs, out, os);
-    __shared__ int last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(ticket, 1) == (int)gridDim.x - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    if (threadIdx.x < 32) route_token(out, e, bias, sigmoid, n_group, topk_group, k, norm, scaling, routes, 0, threadIdx.x);
-    if (threadIdx.x == 0) *ticket = 0;
-}
-
-// add_rms_norm's row (x += y, then out = x / rms * w, quantized at qx when given) by a block of
-// any multiple of 32 threads, to the bits of `add_rms_norm` launched with `threads` threads (a
-// multiple of 32, at most 1024: its launch's norm_threads); without y, `rms_norm`'s row to the
-// bits of its launch (x only read). Each warp stands in for warps warp, warp + blockDim.x / 32,
-// ... of that launch, each of whose lanes sums its elements in the kernel's order; block_sum's
-// warp sums are then added in warp order, as there. x and y are read through L2: other blocks
-// of the calling kernel wrote them, and this SM's L1 may hold what they were before.
-__device__ void norm_row_as(float* x, const float* y, const float* w, float* out, int dim, float eps, u8* qx,
-                            int threads) {
-    __shared__ float part[32];
-    int lane = threadIdx.x % 32;
-    for (int vw = threadIdx.x / 32; vw < threads / 32; vw += blockDim.x / 32) {
-        float s = 0.0f;
-        for (int i = 32 * vw + lane; i < dim; i += threads) {
-            float v = __ldcg(x + i);
-            if (y) {
-                v += __ldcg(y + i);
-                x[i] = v;
-            }
-            s += v * v;
-        }
-        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
-        if (lane == 0) part[vw] = s;
-    }
-    __syncthreads();  // part, and x's new values, seen by the whole block
-    float s = 0.0f;
-    for (int v = 0; v < threads / 32; v++) s += part[v];
-    float scale = rsqrtf(s / dim + eps);
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-        float v = w[i] * (__ldcg(x + i) * scale);
-        out[i] = v;
-        if (qx) quantize_group(v, qx, dim, i / 32);
-    }
-}
-
 // The last block of a kernel to finish (a ticket, left at 0 for the next launch), after every
 // block's writes are seen: true in that block only (all its threads).
 __device__ bool last_block(int* ticket) {
@@ -252,17 +178,34 @@ __device__ bool last_block(int* ticket) {
     return last;
 }
 
+// A decoded token's router product (mvs_f32 of one job, one token: its logits at out[0..e))
+// and its routing (`route`) in one launch: the last block to finish (last_block) routes the
+// token with warp 0, reading the logits the other blocks wrote through L2. One launch, and one
+// wait on the kernel before, fewer a layer than the two kernels, meant to give the same bits.
+// Dynamic shared memory as `route`'s. Opt-in (SMOE_CUDA_FUSED_ROUTE=on) until a GPU has run
+// its tests.
+extern "C" __global__ void mvs_f32_route(const Jobs js, const float* x, int xs, float* out, int os, int e,
+                                         const float* bias, int sigmoid, int n_group, int topk_group, int k, int norm,
+                                         float scaling, float* routes, int* ticket) {
+    const Job& j = js.job[0];
+    int r = blockIdx.x;
+    mvs_f32_prefetch(js, j, r);
+    PDL_START;
+    if (r < j.rows) mvs_f32_row(j, r, x, xs, out, os);
+    if (last_block(ticket) && threadIdx.x < 32)
+        route_token(out, e, bias, sigmoid, n_group, topk_group, k, norm, scaling, routes, 0, threadIdx.x);
+}
+
 // A decoded token's sublayer output product (mvq of one job, one token, into y[0..rows)) and
 // the residual add and norm after it (add_rms_norm of that row into x and out) in one launch:
-// the last block to finish (a ticket, as mvs_f32_route's; left at 0) adds and norms the row
-// with add_rms_norm's bits (norm_row_as). One launch, and one wait on the kernel before,
-// fewer a layer than the two kernels.
+// the last block to finish (last_block) adds and norms the row with add_rms_norm's bits
+// (norm_row). One launch, and one wait on the kernel before, fewer a layer than the two.
 template <int F>
 __device__ void mvq_add_norm(const Jobs& js, const u8* qx, int qstride, float* y, float* x, const float* w,
                              float* out, float eps, u8* oq, int threads, int* ticket) {
     const Job& j = js.job[0];
     mvq<F, 1>(j, qx, qstride, 0, y, j.rows);
-    if (last_block(ticket)) norm_row_as(x, y, w, out, j.rows, eps, oq, threads);
+    if (last_block(ticket)) norm_row(x, y, w, out, j.rows, eps, oq, threads);
 }
 
 #define ADD_NORM_KERNEL(name, id)                                                                               \

@@ -262,14 +262,14 @@ KEPT_FUSED_KERNELS(q4_k, 12)
 // A decoded token's split mix (mvq_mix_split, one token) and the next layer's input norm of
 // the residual it leaves (rms_norm of x's row 0 with w into out, quantized at oq when given):
 // the last block to finish (fused.cu's last_block) norms the row with rms_norm's bits
-// (norm_row_as, as that kernel's `threads`). One launch, and one wait, fewer a layer.
+// (norm_row, as that kernel's `threads`). One launch, and one wait, fewer a layer.
 #define KEPT_MIX_NORM_KERNEL(name, id)                                                                          \
     extern "C" __global__ void mvkq_mix_split_norm_##name(const Kept kp, const float* routes, const u8* qx,     \
                                                           int qstride, float* x, const float* w, float* out,    \
                                                           float eps, u8* oq, int threads, int* ticket) {        \
         PDL_START;                                                                                            \
         mvq_mix_split<id>(kp, routes, qx, qstride, x, kp.rows, 0);                                            \
-        if (last_block(ticket)) norm_row_as(x, nullptr, w, out, kp.rows, eps, oq, threads);                   \
+        if (last_block(ticket)) norm_row(x, nullptr, w, out, kp.rows, eps, oq, threads);                       \
     }
 KEPT_MIX_NORM_KERNEL(q8_0, 8)
 KEPT_MIX_NORM_KERNEL(q4_k, 12)

@@ -1087,22 +1087,53 @@ __device__ float block_max(float v) {
     return s;
 }
 
-// out[t * os + oo + i] = x[t * xs + xo + i] / rms * w[i]: one block per row (in place when
-// out == x: each element is read before it is written, by the same thread). With qx (dim a
-// multiple of 32, blockDim a multiple of 32), each output row is also quantized for the int8
-// mat-vec at qx + t * qstride: a warp's 32 values of one pass are one group.
+// A row's norm, out = x / rms * w (quantized for the int8 mat-vec at qx when given; dim a
+// multiple of 32 then), after x += y where y is given (x is only read without it, and may be
+// out: each element is read before the same thread writes it). Sums as a block of `threads`
+// threads (a multiple of 32, at most 1024) would with block_sum, whatever this block's own
+// size (a multiple of 32): each warp stands in for warps warp, warp + blockDim.x / 32, ... of
+// that block, each lane summing its elements in order, and the warp sums are added in warp
+// order. So `rms_norm` and `add_rms_norm` (threads = blockDim.x) and the last block of a
+// larger kernel (threads = those kernels' norm_threads) give the same bits. x and y are read
+// through L2: in a last block, other blocks wrote them, and this SM's L1 may hold what they
+// were before.
+__device__ void norm_row(float* x, const float* y, const float* w, float* out, int dim, float eps, u8* qx,
+                         int threads) {
+    __shared__ float part[32];
+    int lane = threadIdx.x % 32;
+    for (int vw = threadIdx.x / 32; vw < threads / 32; vw += blockDim.x / 32) {
+        float s = 0.0f;
+        for (int i = 32 * vw + lane; i < dim; i += threads) {
+            float v = __ldcg(x + i);
+            if (y) {
+                v += __ldcg(y + i);
+                x[i] = v;
+            }
+            s += v * v;
+        }
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
+        if (lane == 0) part[vw] = s;
+    }
+    __syncthreads();  // part, and x's new values, seen by the whole block
+    float s = 0.0f;
+    for (int v = 0; v < threads / 32; v++) s += part[v];
+    float scale = rsqrtf(s / dim + eps);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        float v = w[i] * (__ldcg(x + i) * scale);
+        out[i] = v;
+        if (qx) quantize_group(v, qx, dim, i / 32);
+    }
+}
+
+// out[t * os + oo + i] = x[t * xs + xo + i] / rms * w[i]: one block per row (norm_row; in
+// place when out == x). With qx, each output row is also quantized for the int8 mat-vec at
+// qx + t * qstride.
 extern "C" __global__ void rms_norm(const float* x, int xs, int xo, const float* w, float* out, int os, int oo,
                                     int dim, float eps, u8* qx, int qstride) { PDL_START;
-    const float* row = x + (size_t)blockIdx.x * xs + xo;
-    float* o = out + (size_t)blockIdx.x * os + oo;
-    float s = 0.0f;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) s += row[i] * row[i];
-    float scale = rsqrtf(block_sum(s) / dim + eps);
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-        float v = w[i] * (row[i] * scale);
-        o[i] = v;
-        if (qx) quantize_group(v, qx + (size_t)blockIdx.x * qstride, dim, i / 32);
-    }
+    size_t t = blockIdx.x;
+    // (Only read: norm_row writes x only when given a y.)
+    float* row = (float*)x + t * xs + xo;
+    norm_row(row, nullptr, w, out + t * os + oo, dim, eps, qx ? qx + t * qstride : nullptr, blockDim.x);
 }
 
 // In place over `heads` vectors of `dim` end to end from xo in each row (at xs): block r is

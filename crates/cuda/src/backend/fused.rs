@@ -129,7 +129,7 @@ impl CudaBackend {
         let Some((qx, qstride)) = left.map(|q| (q.ptr, q.stride)).or_else(|| self.quantize(xp, proj.cols, 0, 1, proj.cols)) else {
             return true; // a fault, recorded: the two ops would queue nothing either
         };
-        let Some(ticket) = self.float_scratch(&self.norm_ticket, 1, "norm ticket") else { return true };
+        let Some(ticket) = self.float_scratch(&self.ticket, 1, "last-block ticket") else { return true };
         let mut table = Jobs { count: 1, prefetch: self.prefetch as i32, job: [Job::default(); MAX_JOBS] };
         table.job[0] = Self::job(dptr(&proj.data, &self.stream), proj.row_bytes, dim, proj.cols, 0, 1, 0, 0);
         let (yp, xr, wp) = (y.at_mut(&self.stream), x.at_mut(&self.stream), dptr(&w.data, &self.stream));

@@ -200,7 +200,7 @@ impl CudaBackend {
                 let (xp, xs) = (x.at_mut(&self.stream), hidden as i32);
                 if let (Some(t), Some(rows), 1) = (tail, split, n) {
                     // The split mix with the next norm in its last block (kept.cu).
-                    let Some(ticket) = self.float_scratch(&self.mix_ticket, 1, "mix ticket") else { return false };
+                    let Some(ticket) = self.float_scratch(&self.ticket, 1, "last-block ticket") else { return false };
                     let mut a = Launch::new(&dk.mix_split_norm);
                     a.arg(&dj).arg(&rp).arg(&dq).arg(&ds).arg(&xp).arg(&t.w).arg(&t.out).arg(&t.eps).arg(&t.oq).arg(&t.threads);
                     a.arg(&ticket);
