@@ -279,17 +279,21 @@ pub struct CudaOptions {
     pub prefetch: Option<bool>,
     /// A decoded token's router product and its routing in one launch (`mvs_f32_route`, see
     /// [`smoe_engine::Backend::router_and_route`]), meant to give the two kernels' bits.
-    /// `None`: off unless `SMOE_CUDA_FUSED_ROUTE=on`. Opt-in until a GPU has run its tests
-    /// (`fused_router_and_route_give_the_two_kernels_bits`, the int8 suite's fourth pass): it
-    /// was written after this session's device time ran out.
+    /// `None`: off unless `SMOE_CUDA_FUSED_ROUTE=on`. Its tests pass on an H100
+    /// (`fused_router_and_route_give_the_two_kernels_bits`, the int8 suite's fourth pass), but
+    /// one-token decode ran level with it (313.7–313.9 against 314.0–314.7 tok/s, 2026-12-07),
+    /// so it stays opt-in.
     pub fused_route: Option<bool>,
     /// A decoded token's norms in the launch before them, meant to give the two kernels' bits:
     /// the attention output projection with the residual add and the next norm
     /// (`mvq_add_norm`, see [`smoe_engine::Backend::matmul_add_rms_norm`]), and the kept
     /// experts' split mix with the next layer's input norm (`mvkq_mix_split_norm`, see
     /// [`smoe_engine::Backend::kept_experts_norm`]). `None`: off unless
-    /// `SMOE_CUDA_FUSED_NORM=on`. Opt-in until a GPU has run its test
-    /// (`fused_norms_give_the_two_kernels_bits`).
+    /// `SMOE_CUDA_FUSED_NORM=on`. Its test passes on an H100
+    /// (`fused_norms_give_the_two_kernels_bits`), but one-token decode ran 24% slower with it
+    /// (239.8–241.0 against 314.0–314.7 tok/s, 2026-12-07): the one block that norms the row
+    /// after all the others finish took longer than the norm's own launch. Opt-in, for the
+    /// next attempt.
     pub fused_norm: Option<bool>,
 }
 

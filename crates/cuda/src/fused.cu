@@ -182,8 +182,8 @@ __device__ bool last_block(int* ticket) {
 // and its routing (`route`) in one launch: the last block to finish (last_block) routes the
 // token with warp 0, reading the logits the other blocks wrote through L2. One launch, and one
 // wait on the kernel before, fewer a layer than the two kernels, meant to give the same bits.
-// Dynamic shared memory as `route`'s. Opt-in (SMOE_CUDA_FUSED_ROUTE=on) until a GPU has run
-// its tests.
+// Dynamic shared memory as `route`'s. Opt-in (SMOE_CUDA_FUSED_ROUTE=on): the same bits on an
+// H100, but no faster than the two kernels there.
 extern "C" __global__ void mvs_f32_route(const Jobs js, const float* x, int xs, float* out, int os, int e,
                                          const float* bias, int sigmoid, int n_group, int topk_group, int k, int norm,
                                          float scaling, float* routes, int* ticket) {
