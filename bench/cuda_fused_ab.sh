@@ -1,8 +1,9 @@
 #!/bin/bash
 # One device call for the fused decode launches (SMOE_CUDA_FUSED_ROUTE, SMOE_CUDA_FUSED_NORM;
-# docs/benchmarks.md, twenty-sixth session): their GPU tests first, then `smoe bench` with the
-# four settings of the two variables alternated (two rounds; decode after a 512-token prompt
-# with both off and both on), then the rest of the GPU tests, then ncu over one layer.
+# docs/benchmarks.md, "the fused decode launches measured"): their GPU tests first, then
+# `smoe bench` with the four settings of the two variables alternated (two rounds; decode
+# after a 512-token prompt with both off and both on), then the rest of the GPU tests, then ncu
+# over one layer.
 #
 #   bench/cuda_device.sh pack && cp bench/cuda_fused_ab.sh target/peercarry/call.sh
 #   (device, carrying target/peercarry and target/ptxcache) bash target/peercarry/call.sh
