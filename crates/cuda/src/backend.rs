@@ -122,6 +122,9 @@ const DENSE_MV_TOKENS: usize = 64;
 /// telling the tiles' rounding from other differences between a batched step and its
 /// sequences alone (`diag_seventy` in tests/backend.rs).
 const DENSE_MV_MAX: usize = 256;
+/// Rows per block of `mvqm_q8_0` (MVQM_ROWS in mvqm.cu).
+const MVQM_ROWS: usize = 16;
+
 /// Rows per block of the int8 mat-vec of `cols` inputs in `format`: MVQ_WARPS × MVQ_ROWS in
 /// kernels.cu, divided among the warps that share rows (`mvq_split` there, the same function).
 fn mvq_block_rows(format: Format, cols: usize) -> usize {
@@ -295,6 +298,11 @@ pub struct CudaOptions {
     /// after all the others finish took longer than the norm's own launch. Opt-in, for the
     /// next attempt.
     pub fused_norm: Option<bool>,
+    /// Q8_0 products of 2 to 8 tokens (a batched step's dense products) on int8 tensor cores
+    /// (`mvqm_q8_0`, mvqm.cu), each token with the bits of its one-token product as `mvqn` gives
+    /// them, for rows of more than 16 groups, where the GPU has int8 tensor cores. `None`: on,
+    /// unless `SMOE_CUDA_FEW_MMA=off` (`mvqn` then, for comparing).
+    pub few_mma: Option<bool>,
 }
 
 /// The one-token int8-activation kernels of a format (kernels.cu, kept.cu).
@@ -340,6 +348,9 @@ struct FormatKernels {
     mvq: Option<Int8Kernels>,
     /// Many-token products on int8 tensor cores (`mmq.cu`), for the same formats as `mvq`.
     mmq: Option<CudaFunction>,
+    /// Products of 2 to [`MV_TOKENS`] tokens on int8 tensor cores with `mvqn`'s bits
+    /// (`mvqm.cu`): Q8_0 only.
+    mvqm: Option<CudaFunction>,
     mm: CudaFunction,
     mmt: CudaFunction,
     embed: CudaFunction,
@@ -446,6 +457,10 @@ impl Kernels {
                         },
                         mmq: match fmt {
                             Format::Q8_0 | Format::Q4_K => Some(f(&format!("mmq_{n}"))?),
+                            _ => None,
+                        },
+                        mvqm: match fmt {
+                            Format::Q8_0 => Some(f("mvqm_q8_0")?),
                             _ => None,
                         },
                         mm: f(&format!("mm_{n}"))?,
@@ -651,6 +666,10 @@ pub struct CudaBackend {
     fused_norm_steps: AtomicUsize,
     /// Launches of `mvkq_mix_split_norm` ([`Self::mix_norm_steps`]).
     mix_norm_steps: AtomicUsize,
+    /// [`CudaOptions::few_mma`], where there are int8 tensor cores.
+    few_mma: bool,
+    /// Launches of `mvqm_q8_0` ([`Self::few_mma_launches`]).
+    few_mma_launches: AtomicUsize,
     /// Sparse attention's scratch: the indexer's scores, a query's gathered keys and values.
     sparse_part: Mutex<Option<CudaSlice<f32>>>,
     /// Gated DeltaNet's convolved rows (see `backend/delta.rs`).
@@ -793,6 +812,11 @@ impl CudaBackend {
             fused_norm: opts.fused_norm.unwrap_or_else(|| std::env::var("SMOE_CUDA_FUSED_NORM").as_deref() == Ok("on")),
             fused_norm_steps: AtomicUsize::new(0),
             mix_norm_steps: AtomicUsize::new(0),
+            few_mma: int8
+                && tensor_cores
+                && prefill.as_deref() != Ok("tf32")
+                && opts.few_mma.unwrap_or_else(|| std::env::var("SMOE_CUDA_FEW_MMA").as_deref() != Ok("off")),
+            few_mma_launches: AtomicUsize::new(0),
             sparse_part: Mutex::new(None),
             delta_part: Mutex::new(None),
             tile_part: Mutex::new(None),
@@ -886,6 +910,12 @@ impl CudaBackend {
     /// see [`Backend::matmul_add_rms_norm`]) since the backend opened.
     pub fn fused_norm_steps(&self) -> usize {
         self.fused_norm_steps.load(Ordering::Relaxed)
+    }
+
+    /// Launches of the few-token Q8_0 products on tensor cores (`mvqm_q8_0`, see
+    /// [`CudaOptions::few_mma`]) since the backend opened.
+    pub fn few_mma_launches(&self) -> usize {
+        self.few_mma_launches.load(Ordering::Relaxed)
     }
 
     /// Decoded tokens' kept experts mixed with the next layer's input norm in the same launch
@@ -1136,12 +1166,17 @@ impl CudaBackend {
             let fk = self.k.format(k0.0);
             let (xs_i, os_i) = (xs as i32, os as i32);
             // Int8 activations: the mat-vecs, and tiles on tensor cores.
+            // A few tokens' Q8_0 rows of more than 16 groups (mvqn's half-warp rows stay there)
+            // on tensor cores, with mvqn's bits.
+            let few_mma = k0.1 == 1 && self.int8 && self.few_mma && k0.2 > 16 * 32;
             let int8 = match k0.1 {
                 0 if self.int8 => fk.mvq.as_ref().map(|i| &i.mvq),
+                1 if few_mma && fk.mvqm.is_some() => fk.mvqm.as_ref(),
                 1 if self.int8 => fk.mvq.as_ref().map(|i| &i.mvqn),
                 2 if self.int8_tiles => fk.mmq.as_ref(),
                 _ => None,
             };
+            let few_mma = few_mma && fk.mvqm.is_some();
             if let Some(func) = int8 {
                 let cols = k0.2 as usize;
                 // The input rows of every job with this key, from this launch's on.
@@ -1166,7 +1201,10 @@ impl CudaBackend {
                 let (qs_i, lo_i, os_i) = (qstride as i32, lo as i32, os as i32);
                 let mut a = Launch::new(func);
                 a.arg(&table).arg(&qx).arg(&qs_i).arg(&lo_i).arg(&out).arg(&os_i);
-                let (grid, op) = if k0.1 < 2 {
+                let (grid, op) = if few_mma {
+                    self.few_mma_launches.fetch_add(1, Ordering::Relaxed);
+                    ((max_rows.div_ceil(MVQM_ROWS) as u32, (end - start) as u32, 1), "products, int8 few tokens on tensor cores")
+                } else if k0.1 < 2 {
                     let op = if k0.1 == 0 { "products, int8 mat-vec" } else { "products, int8 mat-vec of a few tokens" };
                     ((max_rows.div_ceil(mvq_block_rows(k0.0, cols)) as u32, (end - start) as u32, 1), op)
                 } else {

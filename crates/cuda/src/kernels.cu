@@ -808,6 +808,12 @@ __device__ __forceinline__ MvqW<12> mvq_load<12>(const u8* row, int t) {
     return MvqW<12>{*(const uint4*)b, *(const uint4*)(b + 16 + 32 * p), *(const uint4*)(b + 32 + 32 * p)};
 }
 
+// A Q8_0 group's term of a product: the weights' scale times the input's times their 32-bit
+// sum s, the last product rounded on its own (never fused with the add that takes the term), so
+// that kernels adding the same terms in the same order give the same bits whatever the compiler
+// contracts (`mvq` and the few-token `mvqm_q8_0` on tensor cores).
+__device__ __forceinline__ float q8_term(u16 d, float xd, int s) { return __fmul_rn(half_bits(d) * xd, (float)s); }
+
 template <int F>
 __device__ __forceinline__ float mvq_dot(const MvqW<F>& w, int t, const signed char* xq, const float* xd, const float* xs);
 template <>
@@ -818,7 +824,7 @@ __device__ __forceinline__ float mvq_dot<8>(const MvqW<8>& w, int t, const signe
     int s = 0;
 #pragma unroll
     for (int k = 0; k < 8; k++) s = __dp4a(w.q[k], xw[k], s);
-    return half_bits(w.d) * xd[t] * (float)s;
+    return q8_term(w.d, xd[t], s);
 }
 template <>
 __device__ __forceinline__ float mvq_dot<12>(const MvqW<12>& w, int t, const signed char* xq, const float* xd, const float* xs) {

@@ -126,6 +126,7 @@ const KERNELS: &str = concat!(
     include_str!("fused.cu"),
     include_str!("attention.cu"),
     include_str!("mmq.cu"),
+    include_str!("mvqm.cu"),
     include_str!("kept.cu"),
     include_str!("kept_tiles.cu"),
     include_str!("sparse.cu"),

@@ -84,6 +84,7 @@ const REFERENCE: CudaOptions = CudaOptions {
     prefetch: None,
     fused_route: None,
     fused_norm: None,
+    few_mma: None,
 };
 
 #[test]
@@ -111,6 +112,66 @@ fn every_op_matches_on_int8_activations() {
         let cases = check_backend(&b, &Tolerance::INT8_ACTIVATIONS).unwrap_or_else(|f| panic!("{} mismatches:\n{}", f.len(), f.join("\n")));
         eprintln!("{cases} cases passed on {}", smoe_engine::Backend::describe(&b));
     }
+}
+
+/// Q8_0 products of a few tokens on int8 tensor cores (`mvqm_q8_0`, mvqm.cu) give each token
+/// the bits of its one-token product (`mvq`), as the few-token mat-vec (`mvqn`) does: rows of
+/// 17 to 256 groups (mvq's one warp a row and four), row counts off the 16-row tiles, 2 to 8
+/// tokens and steps of 13 and 64 (launches of eight). The fixtures' rows are too short for it.
+#[test]
+fn few_token_products_on_tensor_cores_keep_each_tokens_bits() {
+    use smoe_engine::Backend;
+    let Some(mma) = backend(&CudaOptions::default()) else { return };
+    let mvqn = backend(&CudaOptions { few_mma: Some(false), ..Default::default() }).unwrap();
+    let mut seed = 0x9e3779b97f4a7c15u64;
+    let mut random = |len: usize| -> Vec<f32> {
+        (0..len)
+            .map(|_| {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 4.0
+            })
+            .collect()
+    };
+    for (rows, cols) in [(300, 2048), (70, 4096), (40, 1056), (24, 544), (33, 8192), (16, 640)] {
+        let mut q = vec![0u8; rows * Format::Q8_0.row_bytes(cols).unwrap()];
+        smoe_quant::quantize(Format::Q8_0, &random(rows * cols), &mut q).unwrap();
+        let region = Arc::new(q);
+        for (b, what) in [(&mma, "tensor cores"), (&mvqn, "mvqn")] {
+            let m = b.matrix(&region, 0, Format::Q8_0, rows, cols);
+            for n in [2, 3, 5, 8, 13, 64] {
+                let x = random(n * cols);
+                let mut xb = b.buf("x", n * cols);
+                b.upload(&mut xb, &x);
+                let mut out = b.buf("out", n * rows);
+                b.matmul(&m, None, &xb, n, &mut out);
+                let mut many = vec![0f32; n * rows];
+                b.download(&out, 0, &mut many);
+                for t in 0..n {
+                    let mut x1 = b.buf("x", cols);
+                    b.upload(&mut x1, &x[t * cols..(t + 1) * cols]);
+                    let mut o1 = b.buf("out", rows);
+                    b.matmul(&m, None, &x1, 1, &mut o1);
+                    let mut one = vec![0f32; rows];
+                    b.download(&o1, 0, &mut one);
+                    let got = &many[t * rows..(t + 1) * rows];
+                    let first = (0..rows).find(|&r| got[r].to_bits() != one[r].to_bits());
+                    assert!(
+                        first.is_none(),
+                        "{what}, {rows} x {cols}, token {t} of {n}: row {} is {} in the step, {} alone",
+                        first.unwrap(),
+                        got[first.unwrap()],
+                        one[first.unwrap()]
+                    );
+                }
+            }
+        }
+    }
+    // Where the GPU has int8 tensor cores, the few tokens' products went to mvqm.
+    assert_eq!(mma.few_mma_launches() > 0, mma.int8_tiles(), "{} launches of mvqm_q8_0", mma.few_mma_launches());
+    assert_eq!(mvqn.few_mma_launches(), 0);
+    eprintln!("{} launches on tensor cores, each token with its one-token bits", mma.few_mma_launches());
 }
 
 fn gpu_model(name: &str, opts: &CudaOptions) -> Option<Model<CudaBackend>> {
