@@ -300,8 +300,9 @@ pub struct CudaOptions {
     pub fused_norm: Option<bool>,
     /// Q8_0 products of 2 to 8 tokens (a batched step's dense products) on int8 tensor cores
     /// (`mvqm_q8_0`, mvqm.cu), each token with the bits of its one-token product as `mvqn` gives
-    /// them, for rows of more than 16 groups, where the GPU has int8 tensor cores. `None`: on,
-    /// unless `SMOE_CUDA_FEW_MMA=off` (`mvqn` then, for comparing).
+    /// them, for rows of more than 16 groups, where the GPU has int8 tensor cores. `None`: off
+    /// unless `SMOE_CUDA_FEW_MMA=on`, until a GPU has run its test
+    /// (`few_token_products_on_tensor_cores_keep_each_tokens_bits`).
     pub few_mma: Option<bool>,
 }
 
@@ -815,7 +816,7 @@ impl CudaBackend {
             few_mma: int8
                 && tensor_cores
                 && prefill.as_deref() != Ok("tf32")
-                && opts.few_mma.unwrap_or_else(|| std::env::var("SMOE_CUDA_FEW_MMA").as_deref() != Ok("off")),
+                && opts.few_mma.unwrap_or_else(|| std::env::var("SMOE_CUDA_FEW_MMA").as_deref() == Ok("on")),
             few_mma_launches: AtomicUsize::new(0),
             sparse_part: Mutex::new(None),
             delta_part: Mutex::new(None),

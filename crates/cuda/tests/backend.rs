@@ -121,7 +121,7 @@ fn every_op_matches_on_int8_activations() {
 #[test]
 fn few_token_products_on_tensor_cores_keep_each_tokens_bits() {
     use smoe_engine::Backend;
-    let Some(mma) = backend(&CudaOptions::default()) else { return };
+    let Some(mma) = backend(&CudaOptions { few_mma: Some(true), ..Default::default() }) else { return };
     let mvqn = backend(&CudaOptions { few_mma: Some(false), ..Default::default() }).unwrap();
     let mut seed = 0x9e3779b97f4a7c15u64;
     let mut random = |len: usize| -> Vec<f32> {
