@@ -21,7 +21,7 @@
 
 #define MVQM_ROWS 16
 #define MVQM_WARPS 4
-// Groups of one lane whose loads are issued together.
+// Lanes (of mvq's order) whose groups' loads are issued together.
 #define MVQM_AHEAD 4
 
 #if __CUDA_ARCH__ >= 800
@@ -69,42 +69,59 @@ __device__ __forceinline__ void mvqm_add(const MvqmW& w, float* acc) {
 }
 
 // Places i0 .. i0 + 2^LOG of the bit-reversed lane order of part `part`: each lane's sum of
-// groups lane + 32 part + 32 split k (k = 0, 1, ...), then their pairwise sum into `sum`.
+// groups lane + 32 part + 32 split k (k = 0, 1, ...), then their pairwise sum into `sum`. Four
+// lanes at a time, their k-th groups' loads issued together: with four parts a lane has one
+// group of a 4096-wide row, and lane after lane, a warp waited out 32 round trips to memory.
 template <int LOG>
 __device__ __forceinline__ void mvqm_lanes(const MvqmRows& m, int i0, int part, int split, int tasks, float* sum) {
-    float stack[LOG > 0 ? LOG : 1][4];
+    float stack[LOG][4];
+    int stride = 32 * split;
 #pragma unroll
-    for (int i = 0; i < (1 << LOG); i++) {
-        int lane = __brev(i0 + i) >> 27;
-        int stride = 32 * split;
-        float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        for (int t0 = lane + 32 * part; t0 < tasks; t0 += MVQM_AHEAD * stride) {
+    for (int i = 0; i < (1 << LOG); i += MVQM_AHEAD) {
+        int first[MVQM_AHEAD];
+        float v[MVQM_AHEAD][4];
+#pragma unroll
+        for (int e = 0; e < MVQM_AHEAD; e++) {
+            first[e] = (__brev(i0 + i + e) >> 27) + 32 * part;
+#pragma unroll
+            for (int c = 0; c < 4; c++) v[e][c] = 0.0f;
+        }
+        for (int off = 0;; off += stride) {
+            bool any = false;
             MvqmW w[MVQM_AHEAD];
 #pragma unroll
-            for (int k = 0; k < MVQM_AHEAD; k++)
-                if (t0 + k * stride < tasks) w[k] = mvqm_load(m, t0 + k * stride);
+            for (int e = 0; e < MVQM_AHEAD; e++)
+                if (first[e] + off < tasks) {
+                    w[e] = mvqm_load(m, first[e] + off);
+                    any = true;
+                }
+            if (!any) break;
 #pragma unroll
-            for (int k = 0; k < MVQM_AHEAD; k++)
-                if (t0 + k * stride < tasks) mvqm_add(w[k], v);
+            for (int e = 0; e < MVQM_AHEAD; e++)
+                if (first[e] + off < tasks) mvqm_add(w[e], v[e]);
         }
-        // Push the lane's sum: while the counter's low bits are ones, add it to the level's
-        // left part (the shuffle tree's add, own value first).
-        bool placed = false;
+        // Push the lanes' sums in order: while the counter's low bits are ones, add the sum to
+        // the level's left part (the shuffle tree's add, own value first).
 #pragma unroll
-        for (int l = 0; l < LOG; l++) {
-            if (placed) continue;
-            if ((i >> l) & 1) {
+        for (int e = 0; e < MVQM_AHEAD; e++) {
+            int at = i + e;
+            bool placed = false;
 #pragma unroll
-                for (int c = 0; c < 4; c++) v[c] = stack[l][c] + v[c];
-            } else {
+            for (int l = 0; l < LOG; l++) {
+                if (placed) continue;
+                if ((at >> l) & 1) {
 #pragma unroll
-                for (int c = 0; c < 4; c++) stack[l][c] = v[c];
-                placed = true;
+                    for (int c = 0; c < 4; c++) v[e][c] = stack[l][c] + v[e][c];
+                } else {
+#pragma unroll
+                    for (int c = 0; c < 4; c++) stack[l][c] = v[e][c];
+                    placed = true;
+                }
             }
-        }
-        if (i == (1 << LOG) - 1)
+            if (at == (1 << LOG) - 1)
 #pragma unroll
-            for (int c = 0; c < 4; c++) sum[c] = v[c];
+                for (int c = 0; c < 4; c++) sum[c] = v[e][c];
+        }
     }
 }
 #endif
