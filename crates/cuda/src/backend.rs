@@ -1166,18 +1166,17 @@ impl CudaBackend {
             let max_n = batch.iter().map(|j| j.n as usize).max().unwrap_or(0);
             let fk = self.k.format(k0.0);
             let (xs_i, os_i) = (xs as i32, os as i32);
-            // Int8 activations: the mat-vecs, and tiles on tensor cores.
-            // A few tokens' Q8_0 rows of more than 16 groups (mvqn's half-warp rows stay there)
-            // on tensor cores, with mvqn's bits.
-            let few_mma = k0.1 == 1 && self.int8 && self.few_mma && k0.2 > 16 * 32;
+            // Int8 activations: the mat-vecs, and tiles on tensor cores. A few tokens' Q8_0 rows
+            // of more than 16 groups may take mvqm, with mvqn's bits (mvqn keeps the shorter
+            // rows, which it takes half a warp each).
+            let mvqm = fk.mvqm.as_ref().filter(|_| k0.1 == 1 && self.int8 && self.few_mma && k0.2 > 16 * 32);
             let int8 = match k0.1 {
                 0 if self.int8 => fk.mvq.as_ref().map(|i| &i.mvq),
-                1 if few_mma && fk.mvqm.is_some() => fk.mvqm.as_ref(),
+                1 if mvqm.is_some() => mvqm,
                 1 if self.int8 => fk.mvq.as_ref().map(|i| &i.mvqn),
                 2 if self.int8_tiles => fk.mmq.as_ref(),
                 _ => None,
             };
-            let few_mma = few_mma && fk.mvqm.is_some();
             if let Some(func) = int8 {
                 let cols = k0.2 as usize;
                 // The input rows of every job with this key, from this launch's on.
@@ -1202,7 +1201,7 @@ impl CudaBackend {
                 let (qs_i, lo_i, os_i) = (qstride as i32, lo as i32, os as i32);
                 let mut a = Launch::new(func);
                 a.arg(&table).arg(&qx).arg(&qs_i).arg(&lo_i).arg(&out).arg(&os_i);
-                let (grid, op) = if few_mma {
+                let (grid, op) = if mvqm.is_some() {
                     self.few_mma_launches.fetch_add(1, Ordering::Relaxed);
                     ((max_rows.div_ceil(MVQM_ROWS) as u32, (end - start) as u32, 1), "products, int8 few tokens on tensor cores")
                 } else if k0.1 < 2 {
