@@ -667,7 +667,7 @@ pub struct CudaBackend {
     fused_norm_steps: AtomicUsize,
     /// Launches of `mvkq_mix_split_norm` ([`Self::mix_norm_steps`]).
     mix_norm_steps: AtomicUsize,
-    /// [`CudaOptions::few_mma`], where there are int8 tensor cores.
+    /// [`CudaOptions::few_mma`], where the int8 tiles run (int8 tensor cores).
     few_mma: bool,
     /// Launches of `mvqm_q8_0` ([`Self::few_mma_launches`]).
     few_mma_launches: AtomicUsize,
@@ -780,6 +780,7 @@ impl CudaBackend {
         let prefill = std::env::var("SMOE_CUDA_PREFILL");
         let tensor_cores = info.compute_capability.0 >= 8 && !opts.simt_prefill && prefill.as_deref() != Ok("simt");
         let int8 = opts.precision.unwrap_or(Precision::Fast) == Precision::Fast && std::env::var("SMOE_CUDA_INT8").as_deref() != Ok("off");
+        let int8_tiles = int8 && tensor_cores && prefill.as_deref() != Ok("tf32");
         let pdl = info.compute_capability.0 >= 9 && std::env::var("SMOE_CUDA_PDL").as_deref() != Ok("off");
         // The kernels' prefetch is compiled for compute 9.0 and up only.
         let prefetch =
@@ -813,10 +814,7 @@ impl CudaBackend {
             fused_norm: opts.fused_norm.unwrap_or_else(|| std::env::var("SMOE_CUDA_FUSED_NORM").as_deref() == Ok("on")),
             fused_norm_steps: AtomicUsize::new(0),
             mix_norm_steps: AtomicUsize::new(0),
-            few_mma: int8
-                && tensor_cores
-                && prefill.as_deref() != Ok("tf32")
-                && opts.few_mma.unwrap_or_else(|| std::env::var("SMOE_CUDA_FEW_MMA").as_deref() == Ok("on")),
+            few_mma: int8_tiles && opts.few_mma.unwrap_or_else(|| std::env::var("SMOE_CUDA_FEW_MMA").as_deref() == Ok("on")),
             few_mma_launches: AtomicUsize::new(0),
             sparse_part: Mutex::new(None),
             delta_part: Mutex::new(None),
@@ -827,7 +825,7 @@ impl CudaBackend {
             tensor_core_attention: tensor_cores && std::env::var("SMOE_CUDA_ATTENTION").as_deref() != Ok("f32"),
             int8,
             kept_fused: std::env::var("SMOE_CUDA_FUSED_KEPT").as_deref() != Ok("off"),
-            int8_tiles: int8 && tensor_cores && prefill.as_deref() != Ok("tf32"),
+            int8_tiles,
             profile: std::env::var_os("SMOE_CUDA_PROFILE").map(|_| Mutex::new(Default::default())),
             profile_sync: std::env::var("SMOE_CUDA_PROFILE").as_deref() != Ok("host"),
             profile_start: std::sync::OnceLock::new(),
@@ -1169,7 +1167,7 @@ impl CudaBackend {
             // Int8 activations: the mat-vecs, and tiles on tensor cores. A few tokens' Q8_0 rows
             // of more than 16 groups may take mvqm, with mvqn's bits (mvqn keeps the shorter
             // rows, which it takes half a warp each).
-            let mvqm = fk.mvqm.as_ref().filter(|_| k0.1 == 1 && self.int8 && self.few_mma && k0.2 > 16 * 32);
+            let mvqm = fk.mvqm.as_ref().filter(|_| k0.1 == 1 && self.few_mma && k0.2 > 16 * 32);
             let int8 = match k0.1 {
                 0 if self.int8 => fk.mvq.as_ref().map(|i| &i.mvq),
                 1 if mvqm.is_some() => mvqm,

@@ -45,14 +45,16 @@ struct MvqmW {
 };
 
 __device__ __forceinline__ MvqmW mvqm_load(const MvqmRows& m, int t) {
-    const u8* pa = m.wa + (size_t)t * 34 + 2 + 8 * m.q;
-    const u8* pb = m.wb + (size_t)t * 34 + 2 + 8 * m.q;
-    // The product's k = 4q .. 4q + 3 are bytes 8q .. 8q + 3, k = 16 + 4q .. are 8q + 4 .. 8q + 7.
+    // Group t's 34-byte blocks (an f16 scale, then 32 quants) of the two rows; the product's
+    // k = 4q .. 4q + 3 are quants 8q .. 8q + 3, k = 16 + 4q .. are 8q + 4 .. 8q + 7.
+    const u8* ba = m.wa + (size_t)t * 34;
+    const u8* bb = m.wb + (size_t)t * 34;
+    const u8 *pa = ba + 2 + 8 * m.q, *pb = bb + 2 + 8 * m.q;
     uint2 x = *(const uint2*)(m.xb + 32 * t + 8 * m.q);
     return MvqmW{{(u32)load_i32_u16(pa), (u32)load_i32_u16(pb), (u32)load_i32_u16(pa + 4), (u32)load_i32_u16(pb + 4)},
                  {x.x, x.y},
-                 *(const u16*)(pa - 2 - 8 * m.q),
-                 *(const u16*)(pb - 2 - 8 * m.q),
+                 *(const u16*)ba,
+                 *(const u16*)bb,
                  m.xd0[t],
                  m.xd1[t]};
 }
