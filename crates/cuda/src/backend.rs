@@ -122,6 +122,16 @@ const DENSE_MV_TOKENS: usize = 64;
 /// telling the tiles' rounding from other differences between a batched step and its
 /// sequences alone (`diag_seventy` in tests/backend.rs).
 const DENSE_MV_MAX: usize = 256;
+/// Shared memory `mvqm_q8_0` declares (`sums` in mvqm.cu, at most 8 warps).
+const MVQM_STATIC_SHARED: usize = 4 * 8 * 32 * 4;
+
+/// Dynamic shared memory of `mvqm_q8_0` on rows of `cols` Q8_0 values: its 16 rows and eight
+/// tokens' int8 inputs, each `mvqm_stage_stride` apart (mvqm.cu).
+fn mvqm_stage_bytes(cols: usize) -> usize {
+    let stride = |bytes: usize| bytes.next_multiple_of(128) + 16;
+    MVQM_ROWS * stride(cols / 32 * 34) + MV_TOKENS * stride(cols)
+}
+
 /// Rows per block of `mvqm_q8_0` (MVQM_ROWS in mvqm.cu).
 const MVQM_ROWS: usize = 16;
 
@@ -300,10 +310,15 @@ pub struct CudaOptions {
     pub fused_norm: Option<bool>,
     /// Q8_0 products of 2 to 8 tokens (a batched step's dense products) on int8 tensor cores
     /// (`mvqm_q8_0`, mvqm.cu), each token with the bits of its one-token product as `mvqn` gives
-    /// them, for rows of more than 16 groups, where the GPU has int8 tensor cores. `None`: off
-    /// unless `SMOE_CUDA_FEW_MMA=on`, until a GPU has run its test
-    /// (`few_token_products_on_tensor_cores_keep_each_tokens_bits`).
+    /// them, for rows of more than 16 groups, where the GPU has int8 tensor cores and the
+    /// block's 16 rows and inputs fit its shared memory. `None`: on, unless
+    /// `SMOE_CUDA_FEW_MMA=off`. On an H100 it took an eight-sequence step of a Qwen3-30B-A3B
+    /// shape from 1,045 to 1,154 tok/s (2026-12-07, docs/benchmarks.md).
     pub few_mma: Option<bool>,
+    /// Warps a block of `mvqm_q8_0` (4 or 8), which share its 16 rows' groups. `None`:
+    /// `SMOE_CUDA_FEW_MMA_WARPS`, else 4 (8 ran the same to 2% on an H100). Either gives each
+    /// token its one-token bits.
+    pub few_mma_warps: Option<u32>,
 }
 
 /// The one-token int8-activation kernels of a format (kernels.cu, kept.cu).
@@ -351,7 +366,7 @@ struct FormatKernels {
     mmq: Option<CudaFunction>,
     /// Products of 2 to [`MV_TOKENS`] tokens on int8 tensor cores with `mvqn`'s bits
     /// (`mvqm.cu`): Q8_0 only.
-    mvqm: Option<CudaFunction>,
+    mvqm: Option<[CudaFunction; 2]>,
     mm: CudaFunction,
     mmt: CudaFunction,
     embed: CudaFunction,
@@ -461,7 +476,7 @@ impl Kernels {
                             _ => None,
                         },
                         mvqm: match fmt {
-                            Format::Q8_0 => Some(f("mvqm_q8_0")?),
+                            Format::Q8_0 => Some([f("mvqm_q8_0")?, f("mvqm8_q8_0")?]),
                             _ => None,
                         },
                         mm: f(&format!("mm_{n}"))?,
@@ -669,6 +684,11 @@ pub struct CudaBackend {
     mix_norm_steps: AtomicUsize,
     /// [`CudaOptions::few_mma`], where the int8 tiles run (int8 tensor cores).
     few_mma: bool,
+    /// [`CudaOptions::few_mma_warps`]: 4 or 8.
+    few_mma_warps: u32,
+    /// Dynamic shared memory a block may have (the device's opt-in limit, less what `mvqm`
+    /// declares): a product whose rows need more goes to `mvqn`.
+    stage_limit: usize,
     /// Launches of `mvqm_q8_0` ([`Self::few_mma_launches`]).
     few_mma_launches: AtomicUsize,
     /// Sparse attention's scratch: the indexer's scores, a query's gathered keys and values.
@@ -787,6 +807,16 @@ impl CudaBackend {
             info.compute_capability.0 >= 9 && opts.prefetch.unwrap_or_else(|| std::env::var("SMOE_CUDA_PREFETCH").as_deref() != Ok("off"));
         let sms =
             ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_or(0, |n| n as usize);
+        // `mvqm` asks for more than the 48 KiB a launch gets unasked (103 KiB for rows of 4096).
+        let stage_limit = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_or(0, |n| (n as usize).saturating_sub(MVQM_STATIC_SHARED));
+        if let Some(m) = &k.format(Format::Q8_0).mvqm {
+            for f in m {
+                let max = cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+                f.set_attribute(max, stage_limit as i32).map_err(|e| format!("cuda:{ordinal}: mvqm's shared memory: {e}"))?;
+            }
+        }
         let kept_tokens = opts.kept_tokens.or_else(|| std::env::var("SMOE_CUDA_KEPT_TOKENS").ok().and_then(|v| v.parse().ok()));
         Ok(CudaBackend {
             info,
@@ -814,8 +844,14 @@ impl CudaBackend {
             fused_norm: opts.fused_norm.unwrap_or_else(|| std::env::var("SMOE_CUDA_FUSED_NORM").as_deref() == Ok("on")),
             fused_norm_steps: AtomicUsize::new(0),
             mix_norm_steps: AtomicUsize::new(0),
-            few_mma: int8_tiles && opts.few_mma.unwrap_or_else(|| std::env::var("SMOE_CUDA_FEW_MMA").as_deref() == Ok("on")),
+            few_mma: int8_tiles && opts.few_mma.unwrap_or_else(|| std::env::var("SMOE_CUDA_FEW_MMA").as_deref() != Ok("off")),
             few_mma_launches: AtomicUsize::new(0),
+            stage_limit,
+            few_mma_warps: match opts.few_mma_warps.or_else(|| std::env::var("SMOE_CUDA_FEW_MMA_WARPS").ok()?.parse().ok()) {
+                None => 4,
+                Some(w @ (4 | 8)) => w,
+                Some(w) => return Err(format!("mvqm takes 4 or 8 warps a block, not {w} (SMOE_CUDA_FEW_MMA_WARPS)")),
+            },
             sparse_part: Mutex::new(None),
             delta_part: Mutex::new(None),
             tile_part: Mutex::new(None),
@@ -1167,7 +1203,12 @@ impl CudaBackend {
             // Int8 activations: the mat-vecs, and tiles on tensor cores. A few tokens' Q8_0 rows
             // of more than 16 groups may take mvqm, with mvqn's bits (mvqn keeps the shorter
             // rows, which it takes half a warp each).
-            let mvqm = fk.mvqm.as_ref().filter(|_| k0.1 == 1 && self.few_mma && k0.2 > 16 * 32);
+            let stage_bytes = mvqm_stage_bytes(k0.2 as usize);
+            let mvqm = fk
+                .mvqm
+                .as_ref()
+                .filter(|_| k0.1 == 1 && self.few_mma && k0.2 > 16 * 32 && stage_bytes <= self.stage_limit)
+                .map(|m| &m[(self.few_mma_warps == 8) as usize]);
             let int8 = match k0.1 {
                 0 if self.int8 => fk.mvq.as_ref().map(|i| &i.mvq),
                 1 if mvqm.is_some() => mvqm,
@@ -1208,7 +1249,8 @@ impl CudaBackend {
                 } else {
                     ((max_rows.div_ceil(64) as u32, max_n.div_ceil(64) as u32, (end - start) as u32), "products, int8 tensor cores")
                 };
-                self.launch(a, LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: 0 }, op);
+                let (threads, shared) = if mvqm.is_some() { (32 * self.few_mma_warps, stage_bytes as u32) } else { (128, 0) };
+                self.launch(a, LaunchConfig { grid_dim: grid, block_dim: (threads, 1, 1), shared_mem_bytes: shared }, op);
                 start = end;
                 continue;
             }

@@ -85,6 +85,7 @@ const REFERENCE: CudaOptions = CudaOptions {
     fused_route: None,
     fused_norm: None,
     few_mma: None,
+    few_mma_warps: None,
 };
 
 #[test]
@@ -115,14 +116,16 @@ fn every_op_matches_on_int8_activations() {
 }
 
 /// Q8_0 products of a few tokens on int8 tensor cores (`mvqm_q8_0`, mvqm.cu) give each token
-/// the bits of its one-token product (`mvq`), as the few-token mat-vec (`mvqn`) does: rows of
-/// 17 to 256 groups (mvq's one warp a row and four), row counts off the 16-row tiles, 2 to 8
-/// tokens and steps of 13 and 64 (launches of eight). The fixtures' rows are too short for it.
+/// the bits of its one-token product (`mvq`), as the few-token mat-vec (`mvqn`) does: with 4 and
+/// 8 warps a block, rows of 17 to 256 groups (mvq's one warp a row and four), row counts off the
+/// 16-row tiles, 2 to 8 tokens and steps of 13 and 64 (launches of eight), and rows too long for
+/// a block's shared memory (mvqn's). The fixtures' rows are too short for it.
 #[test]
 fn few_token_products_on_tensor_cores_keep_each_tokens_bits() {
     use smoe_engine::Backend;
-    let Some(mma) = backend(&CudaOptions { few_mma: Some(true), ..Default::default() }) else { return };
-    let mvqn = backend(&CudaOptions { few_mma: Some(false), ..Default::default() }).unwrap();
+    let Some(mvqn) = backend(&CudaOptions { few_mma: Some(false), ..Default::default() }) else { return };
+    let mma: Vec<_> =
+        [4, 8].map(|w| (backend(&CudaOptions { few_mma: Some(true), few_mma_warps: Some(w), ..Default::default() }).unwrap(), w)).into();
     let mut seed = 0x9e3779b97f4a7c15u64;
     let mut random = |len: usize| -> Vec<f32> {
         (0..len)
@@ -134,11 +137,14 @@ fn few_token_products_on_tensor_cores_keep_each_tokens_bits() {
             })
             .collect()
     };
-    for (rows, cols) in [(300, 2048), (70, 4096), (40, 1056), (24, 544), (33, 8192), (16, 640)] {
+    // 1056: rows of 33 groups, not 16-byte aligned (mvqm stages them 2 bytes at a time); 16384:
+    // more than a block's shared memory holds (mvqn takes it).
+    for (rows, cols) in [(300, 2048), (70, 4096), (40, 1056), (24, 544), (33, 8192), (16, 640), (17, 16384)] {
         let mut q = vec![0u8; rows * Format::Q8_0.row_bytes(cols).unwrap()];
         smoe_quant::quantize(Format::Q8_0, &random(rows * cols), &mut q).unwrap();
         let region = Arc::new(q);
-        for (b, what) in [(&mma, "tensor cores"), (&mvqn, "mvqn")] {
+        let kernels = mma.iter().map(|(b, w)| (b, format!("tensor cores, {w} warps"))).chain([(&mvqn, "mvqn".to_string())]);
+        for (b, what) in kernels {
             let m = b.matrix(&region, 0, Format::Q8_0, rows, cols);
             for n in [2, 3, 5, 8, 13, 64] {
                 let x = random(n * cols);
@@ -169,9 +175,11 @@ fn few_token_products_on_tensor_cores_keep_each_tokens_bits() {
         }
     }
     // Where the GPU has int8 tensor cores, the few tokens' products went to mvqm.
-    assert_eq!(mma.few_mma_launches() > 0, mma.int8_tiles(), "{} launches of mvqm_q8_0", mma.few_mma_launches());
+    for (b, w) in &mma {
+        assert_eq!(b.few_mma_launches() > 0, b.int8_tiles(), "{} launches of mvqm_q8_0 ({w} warps)", b.few_mma_launches());
+        eprintln!("{} launches on tensor cores ({w} warps), each token with its one-token bits", b.few_mma_launches());
+    }
     assert_eq!(mvqn.few_mma_launches(), 0);
-    eprintln!("{} launches on tensor cores, each token with its one-token bits", mma.few_mma_launches());
 }
 
 fn gpu_model(name: &str, opts: &CudaOptions) -> Option<Model<CudaBackend>> {
