@@ -313,11 +313,11 @@ pub struct CudaOptions {
     /// them, for rows of more than 16 groups, where the GPU has int8 tensor cores and the
     /// block's 16 rows and inputs fit its shared memory. `None`: on, unless
     /// `SMOE_CUDA_FEW_MMA=off`. On an H100 it took an eight-sequence step of a Qwen3-30B-A3B
-    /// shape from 1,045 to 1,154 tok/s (2026-12-07, docs/benchmarks.md).
+    /// shape from 1,022–1,040 to 1,130–1,164 tok/s (2026-12-07, docs/benchmarks.md).
     pub few_mma: Option<bool>,
     /// Warps a block of `mvqm_q8_0` (4 or 8), which share its 16 rows' groups. `None`:
-    /// `SMOE_CUDA_FEW_MMA_WARPS`, else 4 (8 ran the same to 2% on an H100). Either gives each
-    /// token its one-token bits.
+    /// `SMOE_CUDA_FEW_MMA_WARPS`, else 4 (8 was within 4% of it either way on an H100). Either
+    /// gives each token its one-token bits.
     pub few_mma_warps: Option<u32>,
 }
 
