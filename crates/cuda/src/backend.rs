@@ -1077,8 +1077,9 @@ impl CudaBackend {
         // by value), has checked on the host that the rows the kernel touches lie inside the
         // buffers behind those pointers, and each kernel guards its thread indices against the
         // extents it is given; every kernel there runs PDL_START before it reads anything an
-        // earlier kernel wrote (before it, at most the kernel's parameters and prefetch hints
-        // for L2, see `prefetch_l2`), so overlapping is safe.
+        // earlier kernel wrote (before it, at most the kernel's parameters, prefetch hints for
+        // L2, see `prefetch_l2`, and weights, which only copies write, and a copy before a
+        // kernel is never overlapped: `mvqm` stages its rows there), so overlapping is safe.
         let r = unsafe { args.launch(&self.stream, cfg, overlap) };
         self.ok(op, r);
         if let Some(t) = t {
