@@ -143,8 +143,9 @@ fn few_token_products_on_tensor_cores_keep_each_tokens_bits() {
         let mut q = vec![0u8; rows * Format::Q8_0.row_bytes(cols).unwrap()];
         smoe_quant::quantize(Format::Q8_0, &random(rows * cols), &mut q).unwrap();
         let region = Arc::new(q);
-        let kernels = mma.iter().map(|(b, w)| (b, format!("tensor cores, {w} warps"))).chain([(&mvqn, "mvqn".to_string())]);
-        for (b, what) in kernels {
+        let kernels = mma.iter().map(|(b, w)| (b, format!("tensor cores, {w} warps"), true)).chain([(&mvqn, "mvqn".to_string(), false)]);
+        for (b, what, on) in kernels {
+            let launches = b.few_mma_launches();
             let m = b.matrix(&region, 0, Format::Q8_0, rows, cols);
             for n in [2, 3, 5, 8, 13, 64] {
                 let x = random(n * cols);
@@ -171,6 +172,15 @@ fn few_token_products_on_tensor_cores_keep_each_tokens_bits() {
                         one[first.unwrap()]
                     );
                 }
+            }
+            // Rows of up to 2,048 values (52 KB staged) fit every int8-tensor-core GPU's shared
+            // memory: mvqm took them there; 16,384 (410 KB) fit none: mvqn took them. Between,
+            // it depends on the GPU.
+            let took = b.few_mma_launches() > launches;
+            if cols <= 2048 {
+                assert_eq!(took, b.int8_tiles() && on, "{what}, {rows} x {cols}: mvqm launched: {took}");
+            } else if cols == 16384 {
+                assert!(!took, "{what}, {rows} x {cols}: mvqm launched for rows its shared memory cannot hold");
             }
         }
     }
