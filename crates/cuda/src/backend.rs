@@ -122,24 +122,30 @@ const DENSE_MV_TOKENS: usize = 64;
 /// telling the tiles' rounding from other differences between a batched step and its
 /// sequences alone (`diag_seventy` in tests/backend.rs).
 const DENSE_MV_MAX: usize = 256;
-/// Shared memory `mvqm_q8_0` declares (`sums` in mvqm.cu, at most 8 warps).
-const MVQM_STATIC_SHARED: usize = 4 * 8 * 32 * 4;
-
-/// Dynamic shared memory of `mvqm_q8_0` on rows of `cols` Q8_0 values: its 16 rows and eight
+/// Dynamic shared memory of `mvqm` on rows of `cols` values in `format`: its 16 rows and eight
 /// tokens' int8 inputs, each `mvqm_stage_stride` apart (mvqm.cu).
-fn mvqm_stage_bytes(cols: usize) -> usize {
+fn mvqm_stage_bytes(format: Format, cols: usize) -> usize {
     let stride = |bytes: usize| bytes.next_multiple_of(128) + 16;
-    MVQM_ROWS * stride(cols / 32 * 34) + MV_TOKENS * stride(cols)
+    MVQM_ROWS * stride(format.row_bytes(cols).unwrap_or(usize::MAX / 64)) + MV_TOKENS * stride(cols)
 }
 
-/// Rows per block of `mvqm_q8_0` (MVQM_ROWS in mvqm.cu).
+/// Tasks of a row of `cols` values for the int8 mat-vecs (`mvq` in kernels.cu): Q8_0 groups of
+/// 32, or Q4_K pairs of sub-blocks (64 values).
+fn mvq_tasks(format: Format, cols: usize) -> usize {
+    if format == Format::Q8_0 {
+        cols / 32
+    } else {
+        cols / 64
+    }
+}
+
+/// Rows per block of `mvqm` (MVQM_ROWS in mvqm.cu).
 const MVQM_ROWS: usize = 16;
 
 /// Rows per block of the int8 mat-vec of `cols` inputs in `format`: MVQ_WARPS × MVQ_ROWS in
 /// kernels.cu, divided among the warps that share rows (`mvq_split` there, the same function).
 fn mvq_block_rows(format: Format, cols: usize) -> usize {
-    let tasks = if format == Format::Q8_0 { cols / 32 } else { cols / 64 };
-    let split = if tasks >= 128 { 4 } else { 1 };
+    let split = if mvq_tasks(format, cols) >= 128 { 4 } else { 1 };
     4 * 2 / split
 }
 
@@ -308,14 +314,16 @@ pub struct CudaOptions {
     /// after all the others finish took longer than the norm's own launch. Opt-in, for the
     /// next attempt.
     pub fused_norm: Option<bool>,
-    /// Q8_0 products of 2 to 8 tokens (a batched step's dense products) on int8 tensor cores
-    /// (`mvqm_q8_0`, mvqm.cu), each token with the bits of its one-token product as `mvqn` gives
-    /// them, for rows of more than 16 groups, where the GPU has int8 tensor cores and the
+    /// Q8_0 and Q4_K products of 2 to 8 tokens (a batched step's dense products) on int8 tensor
+    /// cores (`mvqm_q8_0`, `mvqm_q4_k`, mvqm.cu), each token with the bits of its one-token
+    /// product as `mvqn` gives them, for rows of more than 16 tasks (Q8_0 groups of 32, Q4_K
+    /// pairs of 64 values), where the GPU has int8 tensor cores and the
     /// block's 16 rows and inputs fit its shared memory. `None`: on, unless
     /// `SMOE_CUDA_FEW_MMA=off`. On an H100 it took an eight-sequence step of a Qwen3-30B-A3B
-    /// shape from 1,022–1,040 to 1,130–1,164 tok/s (2026-12-07, docs/benchmarks.md).
+    /// shape from 1,022–1,040 to 1,130–1,164 tok/s with Q8_0 dense weights, and from 978–981
+    /// to 1,098–1,101 with Q4_K, though Q4_K lost 5% at 2 tokens (2026-12-07, docs/benchmarks.md).
     pub few_mma: Option<bool>,
-    /// Warps a block of `mvqm_q8_0` (4 or 8), which share its 16 rows' groups. `None`:
+    /// Warps a block of `mvqm` (4 or 8), which share its 16 rows' groups. `None`:
     /// `SMOE_CUDA_FEW_MMA_WARPS`, else 4 (8 was within 4% of it either way on an H100). Either
     /// gives each token its one-token bits.
     pub few_mma_warps: Option<u32>,
@@ -365,7 +373,7 @@ struct FormatKernels {
     /// Many-token products on int8 tensor cores (`mmq.cu`), for the same formats as `mvq`.
     mmq: Option<CudaFunction>,
     /// Products of 2 to [`MV_TOKENS`] tokens on int8 tensor cores with `mvqn`'s bits
-    /// (`mvqm.cu`): Q8_0 only.
+    /// (`mvqm.cu`), 4 and 8 warps a block: Q8_0 and Q4_K.
     mvqm: Option<[CudaFunction; 2]>,
     mm: CudaFunction,
     mmt: CudaFunction,
@@ -476,7 +484,7 @@ impl Kernels {
                             _ => None,
                         },
                         mvqm: match fmt {
-                            Format::Q8_0 => Some([f("mvqm_q8_0")?, f("mvqm8_q8_0")?]),
+                            Format::Q8_0 | Format::Q4_K => Some([f(&format!("mvqm_{n}"))?, f(&format!("mvqm8_{n}"))?]),
                             _ => None,
                         },
                         mm: f(&format!("mm_{n}"))?,
@@ -689,7 +697,7 @@ pub struct CudaBackend {
     /// Dynamic shared memory a block may have (the device's opt-in limit, less what `mvqm`
     /// declares): a product whose rows need more goes to `mvqn`.
     stage_limit: usize,
-    /// Launches of `mvqm_q8_0` ([`Self::few_mma_launches`]).
+    /// Launches of `mvqm` ([`Self::few_mma_launches`]).
     few_mma_launches: AtomicUsize,
     /// Sparse attention's scratch: the indexer's scores, a query's gathered keys and values.
     sparse_part: Mutex<Option<CudaSlice<f32>>>,
@@ -807,15 +815,25 @@ impl CudaBackend {
             info.compute_capability.0 >= 9 && opts.prefetch.unwrap_or_else(|| std::env::var("SMOE_CUDA_PREFETCH").as_deref() != Ok("off"));
         let sms =
             ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_or(0, |n| n as usize);
-        // `mvqm` asks for more than the 48 KiB a launch gets unasked (103 KiB for rows of 4096).
-        let stage_limit = ctx
-            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-            .map_or(0, |n| (n as usize).saturating_sub(MVQM_STATIC_SHARED));
-        if let Some(m) = &k.format(Format::Q8_0).mvqm {
-            for f in m {
-                let max = cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
-                f.set_attribute(max, stage_limit as i32).map_err(|e| format!("cuda:{ordinal}: mvqm's shared memory: {e}"))?;
-            }
+        // `mvqm` asks for more than the 48 KiB a launch gets unasked (103 KiB for Q8_0 rows of
+        // 4096): the device's opt-in limit less the most any of its kernels declares (`sums`).
+        // Where either is unknown, `mvqm` is never chosen (a limit of 0).
+        let mvqm: Vec<&CudaFunction> = [Format::Q8_0, Format::Q4_K].iter().filter_map(|&f| k.format(f).mvqm.as_ref()).flatten().collect();
+        let declared = mvqm.iter().try_fold(0usize, |most, f| {
+            let attr = cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES;
+            // SAFETY: `f` is a function of a module this backend holds loaded (`k`), so its
+            // handle is valid for the call; the call only reads the attribute.
+            let n = unsafe { cudarc::driver::result::function::get_function_attribute(f.cu_function(), attr) }.ok()?;
+            Some(most.max(n as usize))
+        });
+        let optin = ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).ok();
+        let stage_limit = match (optin, declared) {
+            (Some(n), Some(d)) => (n as usize).saturating_sub(d),
+            _ => 0,
+        };
+        for f in &mvqm {
+            let max = cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+            f.set_attribute(max, stage_limit as i32).map_err(|e| format!("cuda:{ordinal}: mvqm's shared memory: {e}"))?;
         }
         let kept_tokens = opts.kept_tokens.or_else(|| std::env::var("SMOE_CUDA_KEPT_TOKENS").ok().and_then(|v| v.parse().ok()));
         Ok(CudaBackend {
@@ -947,7 +965,7 @@ impl CudaBackend {
         self.fused_norm_steps.load(Ordering::Relaxed)
     }
 
-    /// Launches of the few-token Q8_0 products on tensor cores (`mvqm_q8_0`, see
+    /// Launches of the few-token products on tensor cores (`mvqm`, see
     /// [`CudaOptions::few_mma`]) since the backend opened.
     pub fn few_mma_launches(&self) -> usize {
         self.few_mma_launches.load(Ordering::Relaxed)
@@ -1201,14 +1219,14 @@ impl CudaBackend {
             let max_n = batch.iter().map(|j| j.n as usize).max().unwrap_or(0);
             let fk = self.k.format(k0.0);
             let (xs_i, os_i) = (xs as i32, os as i32);
-            // Int8 activations: the mat-vecs, and tiles on tensor cores. A few tokens' Q8_0 rows
-            // of more than 16 groups may take mvqm, with mvqn's bits (mvqn keeps the shorter
-            // rows, which it takes half a warp each).
-            let stage_bytes = mvqm_stage_bytes(k0.2 as usize);
+            // Int8 activations: the mat-vecs, and tiles on tensor cores. A few tokens' Q8_0 or
+            // Q4_K rows of more than 16 tasks may take mvqm, with mvqn's bits (mvqn keeps the
+            // shorter rows, which it takes half a warp each).
+            let stage_bytes = mvqm_stage_bytes(k0.0, k0.2 as usize);
             let mvqm = fk
                 .mvqm
                 .as_ref()
-                .filter(|_| k0.1 == 1 && self.few_mma && k0.2 > 16 * 32 && stage_bytes <= self.stage_limit)
+                .filter(|_| k0.1 == 1 && self.few_mma && mvq_tasks(k0.0, k0.2 as usize) > 16 && stage_bytes <= self.stage_limit)
                 .map(|m| &m[(self.few_mma_warps == 8) as usize]);
             let int8 = match k0.1 {
                 0 if self.int8 => fk.mvq.as_ref().map(|i| &i.mvq),

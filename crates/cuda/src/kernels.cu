@@ -814,6 +814,32 @@ __device__ __forceinline__ MvqW<12> mvq_load<12>(const u8* row, int t) {
 // contracts (`mvq` and the few-token `mvqm_q8_0` on tensor cores).
 __device__ __forceinline__ float q8_term(u16 d, float xd, int s) { return __fmul_rn(half_bits(d) * xd, (float)s); }
 
+// A Q4_K pair's term: sub-blocks of scales sc0, sc1 and minimums mn0, mn1 against input groups
+// of scales xd0, xd1 and sums xs0, xs1, their 32-bit sums s0, s1. Every multiply and fused
+// multiply-add is spelled out, so that the one-token kernels and the few-token `mvqm_q4_k` on
+// tensor cores round it alike whatever the compiler would contract (as q8_term).
+__device__ __forceinline__ float q4k_term(float d, float dmin, float sc0, float mn0, float sc1, float mn1, float xd0, float xd1,
+                                          float xs0, float xs1, int s0, int s1) {
+    float v = __fmaf_rn(__fmul_rn(sc0, xd0), (float)s0, __fmul_rn(__fmul_rn(sc1, xd1), (float)s1));
+    float m = __fmaf_rn(mn0, xs0, __fmul_rn(mn1, xs1));
+    return __fmaf_rn(d, v, -__fmul_rn(dmin, m));
+}
+
+// The term of pair p of a Q4_K super-block whose first 16 bytes (d, dmin, the 12 packed scales
+// and minimums) are h.
+__device__ __forceinline__ float q4k_pair_term(uint4 h, int p, float xd0, float xd1, float xs0, float xs1, int s0, int s1) {
+    // Byte l of the 12 packed scales (bytes 4-15 of the super-block), from registers.
+    auto byte = [&h](int l) {
+        u32 word = l < 4 ? h.y : l < 8 ? h.z : h.w;
+        return (word >> (8 * (l & 3))) & 0xFF;
+    };
+    float sc0, mn0, sc1, mn1;
+    scale_min_k4_of(2 * p, byte, &sc0, &mn0);
+    scale_min_k4_of(2 * p + 1, byte, &sc1, &mn1);
+    float d = half_bits((u16)(h.x & 0xFFFF)), dmin = half_bits((u16)(h.x >> 16));
+    return q4k_term(d, dmin, sc0, mn0, sc1, mn1, xd0, xd1, xs0, xs1, s0, s1);
+}
+
 template <int F>
 __device__ __forceinline__ float mvq_dot(const MvqW<F>& w, int t, const signed char* xq, const float* xd, const float* xs);
 template <>
@@ -841,16 +867,7 @@ __device__ __forceinline__ float mvq_dot<12>(const MvqW<12>& w, int t, const sig
         s0 = __dp4a((int)(q[k] & 0x0F0F0F0F), lo[k], s0);
         s1 = __dp4a((int)((q[k] >> 4) & 0x0F0F0F0F), hi[k], s1);
     }
-    // Byte l of the 12 packed scales (bytes 4-15 of the super-block), from registers.
-    auto byte = [&w](int l) {
-        u32 word = l < 4 ? w.h.y : l < 8 ? w.h.z : w.h.w;
-        return (word >> (8 * (l & 3))) & 0xFF;
-    };
-    float sc0, mn0, sc1, mn1;
-    scale_min_k4_of(2 * p, byte, &sc0, &mn0);
-    scale_min_k4_of(2 * p + 1, byte, &sc1, &mn1);
-    float d = half_bits((u16)(w.h.x & 0xFFFF)), dmin = half_bits((u16)(w.h.x >> 16));
-    return d * (sc0 * xd[g0] * (float)s0 + sc1 * xd[g0 + 1] * (float)s1) - dmin * (mn0 * xs[g0] + mn1 * xs[g0 + 1]);
+    return q4k_pair_term(w.h, p, xd[g0], xd[g0 + 1], xs[g0], xs[g0 + 1], s0, s1);
 }
 
 template <int F>

@@ -49,6 +49,7 @@ fn kernels_compile_for_every_architecture() {
             "attention_mma",
             "mmq_q4_k",
             "mvqn_q8_0",
+            "mvqm_q4_k",
             "move_rows4",
             "rope",
             "rms_norm",
@@ -115,11 +116,12 @@ fn every_op_matches_on_int8_activations() {
     }
 }
 
-/// Q8_0 products of a few tokens on int8 tensor cores (`mvqm_q8_0`, mvqm.cu) give each token
+/// Q8_0 and Q4_K products of a few tokens on int8 tensor cores (`mvqm`, mvqm.cu) give each token
 /// the bits of its one-token product (`mvq`), as the few-token mat-vec (`mvqn`) does: with 4 and
-/// 8 warps a block, rows of 17 to 256 groups (mvq's one warp a row and four), row counts off the
-/// 16-row tiles, 2 to 8 tokens and steps of 13 and 64 (launches of eight), and rows too long for
-/// a block's shared memory (mvqn's). The fixtures' rows are too short for it.
+/// 8 warps a block, rows of 17 to 256 tasks (mvq's one warp a row and four), row counts off the
+/// 16-row tiles, 2 to 8 tokens and steps of 13 and 64 (launches of eight), and rows too short
+/// (16 tasks or fewer: mvqn's half-warp rows) or too long for a block's shared memory (mvqn's).
+/// The fixtures' rows are too short for it.
 #[test]
 fn few_token_products_on_tensor_cores_keep_each_tokens_bits() {
     use smoe_engine::Backend;
@@ -137,56 +139,64 @@ fn few_token_products_on_tensor_cores_keep_each_tokens_bits() {
             })
             .collect()
     };
-    // 1056: rows of 33 groups, not 16-byte aligned (mvqm stages them 2 bytes at a time); 16384:
-    // more than a block's shared memory holds (mvqn takes it).
-    for (rows, cols) in [(300, 2048), (70, 4096), (40, 1056), (24, 544), (33, 8192), (16, 640), (17, 16384)] {
-        let mut q = vec![0u8; rows * Format::Q8_0.row_bytes(cols).unwrap()];
-        smoe_quant::quantize(Format::Q8_0, &random(rows * cols), &mut q).unwrap();
-        let region = Arc::new(q);
-        let kernels = mma.iter().map(|(b, w)| (b, format!("tensor cores, {w} warps"), true)).chain([(&mvqn, "mvqn".to_string(), false)]);
-        for (b, what, on) in kernels {
-            let launches = b.few_mma_launches();
-            let m = b.matrix(&region, 0, Format::Q8_0, rows, cols);
-            for n in [2, 3, 5, 8, 13, 64] {
-                let x = random(n * cols);
-                let mut xb = b.buf("x", n * cols);
-                b.upload(&mut xb, &x);
-                let mut out = b.buf("out", n * rows);
-                b.matmul(&m, None, &xb, n, &mut out);
-                let mut many = vec![0f32; n * rows];
-                b.download(&out, 0, &mut many);
-                for t in 0..n {
-                    let mut x1 = b.buf("x", cols);
-                    b.upload(&mut x1, &x[t * cols..(t + 1) * cols]);
-                    let mut o1 = b.buf("out", rows);
-                    b.matmul(&m, None, &x1, 1, &mut o1);
-                    let mut one = vec![0f32; rows];
-                    b.download(&o1, 0, &mut one);
-                    let got = &many[t * rows..(t + 1) * rows];
-                    let first = (0..rows).find(|&r| got[r].to_bits() != one[r].to_bits());
-                    assert!(
-                        first.is_none(),
-                        "{what}, {rows} x {cols}, token {t} of {n}: row {} is {} in the step, {} alone",
-                        first.unwrap(),
-                        got[first.unwrap()],
-                        one[first.unwrap()]
-                    );
+    // Q8_0 1056: rows of 33 groups, not 16-byte aligned (staged 2 bytes at a time); 16384: more
+    // than a block's shared memory holds (mvqn takes it). Q4_K 1024: 16 pairs (mvqn's half warps).
+    let shapes = [
+        (Format::Q8_0, [(300, 2048), (70, 4096), (40, 1056), (24, 544), (33, 8192), (16, 640), (17, 16384)].as_slice()),
+        (Format::Q4_K, [(300, 2048), (70, 4096), (24, 1280), (33, 8192), (16, 1024), (17, 16384)].as_slice()),
+    ];
+    for (format, sizes) in shapes {
+        for &(rows, cols) in sizes {
+            let mut q = vec![0u8; rows * format.row_bytes(cols).unwrap()];
+            smoe_quant::quantize(format, &random(rows * cols), &mut q).unwrap();
+            let region = Arc::new(q);
+            let kernels =
+                mma.iter().map(|(b, w)| (b, format!("tensor cores, {w} warps"), true)).chain([(&mvqn, "mvqn".to_string(), false)]);
+            for (b, what, on) in kernels {
+                let launches = b.few_mma_launches();
+                let m = b.matrix(&region, 0, format, rows, cols);
+                for n in [2, 3, 5, 8, 13, 64] {
+                    let x = random(n * cols);
+                    let mut xb = b.buf("x", n * cols);
+                    b.upload(&mut xb, &x);
+                    let mut out = b.buf("out", n * rows);
+                    b.matmul(&m, None, &xb, n, &mut out);
+                    let mut many = vec![0f32; n * rows];
+                    b.download(&out, 0, &mut many);
+                    for t in 0..n {
+                        let mut x1 = b.buf("x", cols);
+                        b.upload(&mut x1, &x[t * cols..(t + 1) * cols]);
+                        let mut o1 = b.buf("out", rows);
+                        b.matmul(&m, None, &x1, 1, &mut o1);
+                        let mut one = vec![0f32; rows];
+                        b.download(&o1, 0, &mut one);
+                        let got = &many[t * rows..(t + 1) * rows];
+                        let first = (0..rows).find(|&r| got[r].to_bits() != one[r].to_bits());
+                        assert!(
+                            first.is_none(),
+                            "{what}, {format:?} {rows} x {cols}, token {t} of {n}: row {} is {} in the step, {} alone",
+                            first.unwrap(),
+                            got[first.unwrap()],
+                            one[first.unwrap()]
+                        );
+                    }
                 }
-            }
-            // Rows of up to 2,048 values (52 KB staged) fit every int8-tensor-core GPU's shared
-            // memory: mvqm took them there; 16,384 (410 KB) fit none: mvqn took them. Between,
-            // it depends on the GPU.
-            let took = b.few_mma_launches() > launches;
-            if cols <= 2048 {
-                assert_eq!(took, b.int8_tiles() && on, "{what}, {rows} x {cols}: mvqm launched: {took}");
-            } else if cols == 16384 {
-                assert!(!took, "{what}, {rows} x {cols}: mvqm launched for rows its shared memory cannot hold");
+                // Rows of more than 16 tasks and up to 2,048 values (52 KB staged at most) fit
+                // every int8-tensor-core GPU's shared memory: mvqm took them there; 16,384 (280 KB
+                // and more) fit none: mvqn took them. Between, it depends on the GPU.
+                let took = b.few_mma_launches() > launches;
+                let tasks = if format == Format::Q8_0 { cols / 32 } else { cols / 64 };
+                if cols <= 2048 {
+                    assert_eq!(took, b.int8_tiles() && on && tasks > 16, "{what}, {format:?} {rows} x {cols}: mvqm launched: {took}");
+                } else if cols == 16384 {
+                    assert!(!took, "{what}, {format:?} {rows} x {cols}: mvqm launched for rows its shared memory cannot hold");
+                }
             }
         }
     }
     // Where the GPU has int8 tensor cores, the few tokens' products went to mvqm.
     for (b, w) in &mma {
-        assert_eq!(b.few_mma_launches() > 0, b.int8_tiles(), "{} launches of mvqm_q8_0 ({w} warps)", b.few_mma_launches());
+        assert_eq!(b.few_mma_launches() > 0, b.int8_tiles(), "{} launches of mvqm ({w} warps)", b.few_mma_launches());
         eprintln!("{} launches on tensor cores ({w} warps), each token with its one-token bits", b.few_mma_launches());
     }
     assert_eq!(mvqn.few_mma_launches(), 0);
