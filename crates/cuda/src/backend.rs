@@ -129,6 +129,20 @@ fn mvqm_stage_bytes(format: Format, cols: usize) -> usize {
     MVQM_ROWS * stride(format.row_bytes(cols).unwrap_or(usize::MAX / 64)) + MV_TOKENS * stride(cols)
 }
 
+/// Fewest tokens whose products in `format` take `mvqm` rather than `mvqn`. Q4_K's terms (two
+/// products and two rows' scales a task, for all eight tokens of the tile however few are live)
+/// cost more than mvqn's at 2 and 3 tokens: an H100 decoded 2 / 3 / 4 / 5 / 8 sequences of a
+/// Q4_K-dense Qwen3-30B-A3B shape at 0.94 / 0.98 / 1.01 / 1.04 / 1.08 of mvqn's rate on mvqm
+/// (means of three rounds), where Q8_0 gained from 2 (1.04 / 1.06 / 1.07 / 1.08 / 1.11;
+/// 2026-12-07, docs/benchmarks.md).
+fn mvqm_min_tokens(format: Format) -> usize {
+    if format == Format::Q4_K {
+        4
+    } else {
+        2
+    }
+}
+
 /// Tasks of a row of `cols` values for the int8 mat-vecs (`mvq` in kernels.cu): Q8_0 groups of
 /// 32, or Q4_K pairs of sub-blocks (64 values).
 fn mvq_tasks(format: Format, cols: usize) -> usize {
@@ -317,11 +331,11 @@ pub struct CudaOptions {
     /// Q8_0 and Q4_K products of 2 to 8 tokens (a batched step's dense products) on int8 tensor
     /// cores (`mvqm_q8_0`, `mvqm_q4_k`, mvqm.cu), each token with the bits of its one-token
     /// product as `mvqn` gives them, for rows of more than 16 tasks (Q8_0 groups of 32, Q4_K
-    /// pairs of 64 values), where the GPU has int8 tensor cores and the
+    /// pairs of 64 values; Q4_K from 4 tokens), where the GPU has int8 tensor cores and the
     /// block's 16 rows and inputs fit its shared memory. `None`: on, unless
     /// `SMOE_CUDA_FEW_MMA=off`. On an H100 it took an eight-sequence step of a Qwen3-30B-A3B
     /// shape from 1,022–1,040 to 1,130–1,164 tok/s with Q8_0 dense weights, and from 978–981
-    /// to 1,098–1,101 with Q4_K, though Q4_K lost 5% at 2 tokens (2026-12-07, docs/benchmarks.md).
+    /// to 1,098–1,101 with Q4_K (2026-12-07, docs/benchmarks.md).
     pub few_mma: Option<bool>,
     /// Warps a block of `mvqm` (4 or 8), which share its 16 rows' groups. `None`:
     /// `SMOE_CUDA_FEW_MMA_WARPS`, else 4 (8 was within 4% of it either way on an H100). Either
@@ -1221,12 +1235,13 @@ impl CudaBackend {
             let (xs_i, os_i) = (xs as i32, os as i32);
             // Int8 activations: the mat-vecs, and tiles on tensor cores. A few tokens' Q8_0 or
             // Q4_K rows of more than 16 tasks may take mvqm, with mvqn's bits (mvqn keeps the
-            // shorter rows, which it takes half a warp each).
+            // shorter rows, which it takes half a warp each, and Q4_K's products of 2 or 3).
             let stage_bytes = mvqm_stage_bytes(k0.0, k0.2 as usize);
             let mvqm = fk
                 .mvqm
                 .as_ref()
-                .filter(|_| k0.1 == 1 && self.few_mma && mvq_tasks(k0.0, k0.2 as usize) > 16 && stage_bytes <= self.stage_limit)
+                .filter(|_| k0.1 == 1 && self.few_mma && max_n >= mvqm_min_tokens(k0.0))
+                .filter(|_| mvq_tasks(k0.0, k0.2 as usize) > 16 && stage_bytes <= self.stage_limit)
                 .map(|m| &m[(self.few_mma_warps == 8) as usize]);
             let int8 = match k0.1 {
                 0 if self.int8 => fk.mvq.as_ref().map(|i| &i.mvq),
