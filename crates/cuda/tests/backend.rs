@@ -182,7 +182,7 @@ fn few_token_products_on_tensor_cores_keep_each_tokens_bits() {
                     }
                 }
                 // Rows of more than 16 tasks and up to 2,048 values (52 KB staged at most) fit
-                // every int8-tensor-core GPU's shared memory: mvqm took them there; 16,384 (280 KB
+                // every int8-tensor-core GPU's shared memory: mvqm took them there; 16,384 (279 KB
                 // and more) fit none: mvqn took them. Between, it depends on the GPU.
                 let took = b.few_mma_launches() > launches;
                 let tasks = if format == Format::Q8_0 { cols / 32 } else { cols / 64 };
