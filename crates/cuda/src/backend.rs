@@ -129,9 +129,11 @@ fn mvqm_stage_bytes(format: Format, cols: usize) -> usize {
     MVQM_ROWS * stride(format.row_bytes(cols).unwrap_or(usize::MAX / 64)) + MV_TOKENS * stride(cols)
 }
 
-/// Fewest tokens whose products in `format` take `mvqm` rather than `mvqn`. Q4_K's terms (two
-/// products and two rows' scales a task, for all eight tokens of the tile however few are live)
-/// cost more than mvqn's at 2 and 3 tokens: an H100 decoded 2 / 3 / 4 / 5 / 8 sequences of a
+/// Fewest tokens a launch's largest job must have for its products in `format` to take `mvqm`
+/// rather than `mvqn` (a smaller job in the same launch rides along: 10 tokens go as jobs of 8
+/// and 2, one launch, with the same bits either way). Q4_K's terms (two products and two rows'
+/// scales a task, for all eight tokens of the tile however few are live) cost more than mvqn's
+/// at 2 and 3 tokens: an H100 decoded 2 / 3 / 4 / 5 / 8 sequences of a
 /// Q4_K-dense Qwen3-30B-A3B shape at 0.94 / 0.98 / 1.01 / 1.04 / 1.08 of mvqn's rate on mvqm
 /// (means of three rounds), where Q8_0 gained from 2 (1.04 / 1.06 / 1.07 / 1.08 / 1.11;
 /// 2026-12-07, docs/benchmarks.md).
@@ -1235,7 +1237,7 @@ impl CudaBackend {
             let (xs_i, os_i) = (xs as i32, os as i32);
             // Int8 activations: the mat-vecs, and tiles on tensor cores. A few tokens' Q8_0 or
             // Q4_K rows of more than 16 tasks may take mvqm, with mvqn's bits (mvqn keeps the
-            // shorter rows, which it takes half a warp each, and Q4_K's products of 2 or 3).
+            // shorter rows, which it takes half a warp each, and launches of Q4_K jobs of 2 or 3).
             let stage_bytes = mvqm_stage_bytes(k0.0, k0.2 as usize);
             let mvqm = fk
                 .mvqm
