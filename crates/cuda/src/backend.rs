@@ -145,8 +145,8 @@ fn mvqm_min_tokens(format: Format) -> usize {
     }
 }
 
-/// Tasks of a row of `cols` values for the int8 mat-vecs (`mvq` in kernels.cu): Q8_0 groups of
-/// 32, or Q4_K pairs of sub-blocks (64 values).
+/// Tasks of a row of `cols` values for the int8 mat-vecs (`mvq_tasks` in kernels.cu, the same
+/// function): Q8_0 groups of 32, or Q4_K pairs of sub-blocks (64 values).
 fn mvq_tasks(format: Format, cols: usize) -> usize {
     if format == Format::Q8_0 {
         cols / 32

@@ -34,7 +34,7 @@ __device__ void mvq_swiglu(const Kept& kp, const float* routes, const u8* qx, in
     const signed char* xq = (const signed char*)qrow;
     const float* xd = (const float*)(qrow + kp.cols);
     const float* xsum = xd + kp.cols / 32;
-    int tasks = F == 8 ? kp.cols / 32 : kp.cols / 64;
+    int tasks = mvq_tasks<F>(kp.cols);
     int r0 = 32 * b + 4 * warp;
     const u8* g = (const u8*)(kp.base[0] + (u64)e * kp.expert_bytes[0]);
     const u8* u = (const u8*)(kp.base[1] + (u64)e * kp.expert_bytes[1]);
@@ -101,7 +101,7 @@ __device__ void mvq_mix(const Kept& kp, const float* routes, const u8* qx, int q
     int t = pairs_first ? blockIdx.x : blockIdx.y;
     int r = (pairs_first ? blockIdx.y : blockIdx.x) * MVQ_WARPS + warp;
     if (r >= kp.rows) return;
-    int tasks = F == 8 ? kp.cols / 32 : kp.cols / 64;
+    int tasks = mvq_tasks<F>(kp.cols);
     const float* rt = routes + (size_t)t * 2 * kp.k;
     float acc = x[(size_t)t * xs + r];
     if (tasks <= 16) {
@@ -182,7 +182,7 @@ __device__ void mvq_mix_split(const Kept& kp, const float* routes, const u8* qx,
     int t = pairs_first ? blockIdx.x : blockIdx.y;
     int ri = warp / wr, c = warp % wr;
     int r = (pairs_first ? blockIdx.y : blockIdx.x) * rows + ri;
-    int tasks = F == 8 ? kp.cols / 32 : kp.cols / 64;
+    int tasks = mvq_tasks<F>(kp.cols);
     const float* rt = routes + (size_t)t * 2 * kp.k;
     int tl = lane % 16, h = lane / 16, s = 2 * c + h;
     // Idle lanes (past the row's tasks, the last slot of an odd k, rows past the end) read a

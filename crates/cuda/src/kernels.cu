@@ -875,14 +875,18 @@ __device__ __forceinline__ float mvq_task(const u8* row, int t, const signed cha
     return mvq_dot<F>(mvq_load<F>(row, t), t, xq, xd, xs);
 }
 
+// Lane tasks of a row of `cols` values (see mvq_load): Q8_0 groups of 32, Q4_K pairs of 64.
+// `mvq_tasks` in backend.rs is the same function.
+template <int F>
+__device__ __forceinline__ int mvq_tasks(int cols) { return F == 8 ? cols / 32 : cols / 64; }
+
 // Warps that share a pair of rows, each taking every split-th task: about one task per lane
 // and row. A row of 4096 Q8_0 values is 128 tasks; with a warp per pair of rows the 2048-row
 // output projection was 256 blocks of 4 warps, too few loads in flight to pass 0.9 TB/s.
 // `mvq_split` in backend.rs is the same function: the grid depends on it.
 template <int F>
 __device__ __forceinline__ int mvq_split(int cols) {
-    int tasks = F == 8 ? cols / 32 : cols / 64;
-    return tasks >= 128 ? 4 : 1;  // 2 for 64 tasks (q/k/v from 2048) measured 13% slower
+    return mvq_tasks<F>(cols) >= 128 ? 4 : 1;  // 2 for 64 tasks (q/k/v from 2048) measured 13% slower
 }
 
 // Job j's rows against its N input rows (N = 1, or up to MV_TOKENS: `j.n` of them), token c's
@@ -912,7 +916,7 @@ __device__ void mvq(const Job& j, const u8* qx, int qstride, int lo, float* out,
         xd[c] = (const float*)(qrow + j.cols);
         xsum[c] = xd[c] + j.cols / 32;
     }
-    int tasks = F == 8 ? j.cols / 32 : j.cols / 64;
+    int tasks = mvq_tasks<F>(j.cols);
     int r0 = (blockIdx.x * (MVQ_WARPS / split) + warp / split) * MVQ_ROWS;
     if (r0 >= j.rows) return;  // the whole warp, and the warps it shares rows with
     if (tasks <= 16) {

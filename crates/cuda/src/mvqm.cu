@@ -234,7 +234,7 @@ __device__ void mvqm(const Jobs& js, const u8* qx, int qstride, int lo, float* o
     __shared__ float sums[4][WARPS][32];
     if (live <= 0) return;  // the whole block
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
-    int n = j.n, tasks = F == 8 ? j.cols / 32 : j.cols / 64, split = mvq_split<F>(j.cols);
+    int n = j.n, tasks = mvq_tasks<F>(j.cols), split = mvq_split<F>(j.cols);
     auto input = [&](int c) { return qx + (size_t)(j.x_row + (c < n ? c : 0) - lo) * qstride; };
     u8* xstage = staged + MVQM_ROWS * ws;
     mvqm_stage(xstage, xs, input(0), qstride, n, j.cols);
