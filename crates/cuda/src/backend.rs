@@ -87,7 +87,7 @@ const KEPT_TILES_FROM: usize = 24;
 /// shared sums). None where the split kernel does not apply: rows of more than 16 of the int8
 /// product's tasks, or more than 16 slots; `mvkq_mix` takes those.
 fn mix_split_rows(format: Format, cols: usize, k: usize) -> Option<usize> {
-    let tasks = if format == Format::Q8_0 { cols / 32 } else { cols / 64 };
+    let tasks = mvq_tasks(format, cols);
     let warps = k.div_ceil(2);
     (tasks <= 16 && (1..=8).contains(&warps)).then(|| 8 / warps)
 }
@@ -146,7 +146,7 @@ fn mvqm_min_tokens(format: Format) -> usize {
 }
 
 /// Tasks of a row of `cols` values for the int8 mat-vecs (`mvq_tasks` in kernels.cu, the same
-/// function): Q8_0 groups of 32, or Q4_K pairs of sub-blocks (64 values).
+/// function): Q8_0 groups of 32, or Q4_K and Q6_K pairs of groups (64 values).
 fn mvq_tasks(format: Format, cols: usize) -> usize {
     if format == Format::Q8_0 {
         cols / 32
@@ -257,8 +257,8 @@ pub struct CudaOptions {
     /// The precision of misses computed on the CPU (default: the fast int8-activation path;
     /// the f32 reference lets a test compare the two routes exactly).
     pub miss_precision: Option<Precision>,
-    /// Fast (the default): one-token products of the formats with an int8 kernel (Q8_0, Q4_K)
-    /// run on int8 activations with dp4a, as the CPU's fast path; Reference: every product in
+    /// Fast (the default): one-token products of the formats with an int8 kernel (Q8_0, Q4_K,
+    /// Q6_K) run on int8 activations with dp4a, as the CPU's fast path; Reference: every product in
     /// f32 (the conformance suite's exactness). `SMOE_CUDA_INT8=off` also turns int8 off.
     pub precision: Option<Precision>,
     /// Never keep experts by layer (routed on the GPU), even when all fit: every expert then
@@ -366,8 +366,8 @@ struct Int8Kernels {
     mix_split_norm: CudaFunction,
     /// A batched step's kept experts on int8 tensor cores, each expert's rows read once for all
     /// of its pairs (`kept_tiles.cu`): gate and up with SiLU(gate) · up, then the down
-    /// products, one output row per pair.
-    tiles: KeptTileKernels,
+    /// products, one output row per pair. Q8_0 and Q4_K (not Q6_K).
+    tiles: Option<KeptTileKernels>,
 }
 
 /// The two launches of the kept experts on tiles (`kept_tiles.cu`).
@@ -384,9 +384,10 @@ struct FormatKernels {
     mv: CudaFunction,
     /// Mat-vec of kept experts, routed on the device.
     mvk: CudaFunction,
-    /// One-token products on int8 activations, for the formats that have them (`HAS_MVQ`).
+    /// One-token products on int8 activations, for the formats that have them (Q8_0, Q4_K and
+    /// Q6_K).
     mvq: Option<Int8Kernels>,
-    /// Many-token products on int8 tensor cores (`mmq.cu`), for the same formats as `mvq`.
+    /// Many-token products on int8 tensor cores (`mmq.cu`): Q8_0, Q4_K and Q6_K.
     mmq: Option<CudaFunction>,
     /// Products of 2 to [`MV_TOKENS`] tokens on int8 tensor cores with `mvqn`'s bits
     /// (`mvqm.cu`), 4 and 8 warps a block: Q8_0 and Q4_K.
@@ -479,7 +480,7 @@ impl Kernels {
                         mv: f(&format!("mv_{n}"))?,
                         mvk: f(&format!("mvk_{n}"))?,
                         mvq: match fmt {
-                            Format::Q8_0 | Format::Q4_K => Some(Int8Kernels {
+                            Format::Q8_0 | Format::Q4_K | Format::Q6_K => Some(Int8Kernels {
                                 mvq: f(&format!("mvq_{n}"))?,
                                 mvqn: f(&format!("mvqn_{n}"))?,
                                 mvkq: f(&format!("mvkq_{n}"))?,
@@ -488,15 +489,18 @@ impl Kernels {
                                 mix: f(&format!("mvkq_mix_{n}"))?,
                                 mix_split: f(&format!("mvkq_mix_split_{n}"))?,
                                 mix_split_norm: f(&format!("mvkq_mix_split_norm_{n}"))?,
-                                tiles: KeptTileKernels {
-                                    swiglu: f(&format!("kept_tiles_swiglu_{n}"))?,
-                                    down: f(&format!("kept_tiles_down_{n}"))?,
+                                tiles: match fmt {
+                                    Format::Q6_K => None,
+                                    _ => Some(KeptTileKernels {
+                                        swiglu: f(&format!("kept_tiles_swiglu_{n}"))?,
+                                        down: f(&format!("kept_tiles_down_{n}"))?,
+                                    }),
                                 },
                             }),
                             _ => None,
                         },
                         mmq: match fmt {
-                            Format::Q8_0 | Format::Q4_K => Some(f(&format!("mmq_{n}"))?),
+                            Format::Q8_0 | Format::Q4_K | Format::Q6_K => Some(f(&format!("mmq_{n}"))?),
                             _ => None,
                         },
                         mvqm: match fmt {
@@ -779,7 +783,7 @@ pub struct CudaBackend {
     kept_tile_tokens: usize,
     /// [`CudaOptions::kept_tile_run`].
     kept_tile_run: usize,
-    /// Layers' steps whose kept experts ran on the int8 tiles ([`Self::kept_tile_steps`]).
+    /// Layers' steps whose kept experts' gate and up ran on the int8 tiles ([`Self::kept_tile_steps`]).
     kept_tile_steps: AtomicUsize,
     /// A batched step's sequences in one launch for attention and its inputs ([`seqs`]); with
     /// `SMOE_CUDA_BATCH_ATTENTION=off`, sequence by sequence (four launches per sequence per
@@ -951,14 +955,15 @@ impl CudaBackend {
         &self.info
     }
 
-    /// Whether products of Q8_0 and Q4_K run on int8 tensor cores (compute 8.0 and later, int8
+    /// Whether products of Q8_0, Q4_K and Q6_K run on int8 tensor cores (compute 8.0 and later, int8
     /// activations on): prefill's tiles and a batched step's kept experts on tiles.
     pub fn int8_tiles(&self) -> bool {
         self.int8_tiles
     }
 
-    /// How many layers' steps ran their kept experts on the int8 tiles (`kept_tiles.cu`): the
-    /// tiles sum as the host's grouping does, so the logits alone cannot tell which ran.
+    /// How many layers' steps ran their kept experts on the int8 tiles (`kept_tiles.cu`): gate
+    /// and up at least (the down products too where their format has tiles). The tiles sum as
+    /// the host's grouping does, so the logits alone cannot tell which ran.
     pub fn kept_tile_steps(&self) -> usize {
         self.kept_tile_steps.load(Ordering::Relaxed)
     }
@@ -1027,21 +1032,38 @@ impl CudaBackend {
     }
 
     /// Whether layer `l`'s kept experts run on the int8 tiles (`kept_tiles.cu`) in steps of
-    /// [`CudaOptions::kept_tiles_from`] tokens and more: the fused kept kernels' case (Q8_0 or
-    /// Q4_K gate and up in one format, down on int8 activations too, plain SiLU), int8 tensor
-    /// cores, and rows of whole 16-byte pieces (the weights are staged 16 bytes at a time).
+    /// [`CudaOptions::kept_tiles_from`] tokens and more, all three parts: gate and up there
+    /// ([`Self::gate_tiles_take`]) and the down products too (Q8_0 or Q4_K, rows of whole
+    /// 16-byte pieces).
     fn tiles_take(&self, l: &crate::kept::KeptLayer, limit: Option<f32>) -> bool {
+        let down = &l.parts[2];
+        self.gate_tiles_take(l, limit) && self.has_kept_tiles(down.format) && down.row_bytes.is_multiple_of(16)
+    }
+
+    /// Whether layer `l`'s gate and up products run on the int8 tiles in steps of
+    /// [`CudaOptions::kept_tiles_from`] tokens and more: the fused kept kernels' case (Q8_0 or
+    /// Q4_K gate and up in one format, down on int8 activations, plain SiLU), int8 tensor cores,
+    /// and rows of whole 16-byte pieces (the weights are staged 16 bytes at a time). A down
+    /// matrix the tiles do not take (Q6_K, as Q4_K_M has in half its layers) is then mixed pair
+    /// by pair from the tiles' int8 SiLU rows, as after the pair kernels.
+    fn gate_tiles_take(&self, l: &crate::kept::KeptLayer, limit: Option<f32>) -> bool {
         let [gate, up, down] = &l.parts;
-        let int8 = |p: &crate::kept::KeptPart| self.int8 && self.k.format(p.format).mvq.is_some();
         self.int8_tiles
             && self.kept_fused
             && self.kept_tiles_from != usize::MAX
             && limit.is_none()
-            && int8(gate)
-            && int8(down)
+            && self.has_kept_tiles(gate.format)
+            && self.int8
+            && self.k.format(down.format).mvq.is_some()
             && gate.format == up.format
             && gate.rows.is_multiple_of(32)
-            && l.parts.iter().all(|p| p.row_bytes.is_multiple_of(16))
+            && gate.row_bytes.is_multiple_of(16)
+            && up.row_bytes.is_multiple_of(16)
+    }
+
+    /// Whether `format` has kept-expert tile kernels (and int8 activations are on).
+    fn has_kept_tiles(&self, format: Format) -> bool {
+        self.int8 && self.k.format(format).mvq.as_ref().is_some_and(|k| k.tiles.is_some())
     }
 
     /// Counters of the VRAM expert cache.
@@ -1706,13 +1728,13 @@ impl Backend for CudaBackend {
 
     fn describe(&self) -> String {
         let prefill = match (self.tensor_cores, self.int8_tiles) {
-            (true, true) => ", prefill on tensor cores (int8 for Q8_0 and Q4_K, else 3xTF32)",
+            (true, true) => ", prefill on tensor cores (int8 for Q8_0, Q4_K and Q6_K, else 3xTF32)",
             (true, false) => ", prefill on tensor cores (3xTF32)",
             _ => "",
         };
         let mut d = format!("{}{prefill}", self.info);
         if self.int8 {
-            d.push_str(", decode products of Q8_0 and Q4_K on int8 activations (dp4a)");
+            d.push_str(", decode products of Q8_0, Q4_K and Q6_K on int8 activations (dp4a)");
         }
         if self.pdl {
             d.push_str(", decode kernels overlapped (programmatic dependent launch)");

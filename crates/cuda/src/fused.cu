@@ -218,3 +218,4 @@ __device__ void mvq_add_norm(const Jobs& js, const u8* qx, int qstride, float* y
     }
 ADD_NORM_KERNEL(q8_0, 8)
 ADD_NORM_KERNEL(q4_k, 12)
+ADD_NORM_KERNEL(q6_k, 14)

@@ -258,6 +258,7 @@ __device__ void kept_prefetch(const Kept& kp, const float* routes, int pairs, u6
 
 KEPT_FUSED_KERNELS(q8_0, 8)
 KEPT_FUSED_KERNELS(q4_k, 12)
+KEPT_FUSED_KERNELS(q6_k, 14)
 
 // A decoded token's split mix (mvq_mix_split, one token) and the next layer's input norm of
 // the residual it leaves (rms_norm of x's row 0 with w into out, quantized at oq when given):
@@ -273,3 +274,4 @@ KEPT_FUSED_KERNELS(q4_k, 12)
     }
 KEPT_MIX_NORM_KERNEL(q8_0, 8)
 KEPT_MIX_NORM_KERNEL(q4_k, 12)
+KEPT_MIX_NORM_KERNEL(q6_k, 14)

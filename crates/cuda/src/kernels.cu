@@ -775,7 +775,7 @@ __device__ __forceinline__ int load_i32_u16(const u8* p) {
 
 // Lane task t of a row of format F against the quantized input. Q8_0: group t (34 bytes: f16
 // scale, 32 int8). Q4_K: pair t % 4 of super-block t / 4 (sub-blocks 2p and 2p + 1 share 32
-// bytes of quants: low and high nibbles). In two halves: `mvq_load` reads the task's weights
+// bytes of quants: low and high nibbles). Q6_K: pairs of groups too (see mvq_load<14>). In two halves: `mvq_load` reads the task's weights
 // into registers and `mvq_dot` uses them, so that a kernel can issue several tasks' loads
 // before it waits for any (see mvq_mix in kept.cu).
 template <int F>
@@ -788,6 +788,11 @@ struct MvqW<8> {
 template <>
 struct MvqW<12> {
     uint4 h, qa, qb;  // the super-block's scales, the pair's low and high quants
+};
+template <>
+struct MvqW<14> {
+    int ql[8], qh[8];  // the pair's 32 bytes of low nibbles (both groups) and of high bits (all four)
+    u16 sc0, sc1, d;   // the scales of the pair's first group's two halves, of its second's, and d
 };
 
 template <int F>
@@ -806,6 +811,25 @@ __device__ __forceinline__ MvqW<12> mvq_load<12>(const u8* row, int t) {
     const u8* b = row + (size_t)(t >> 2) * 144;
     int p = t & 3;
     return MvqW<12>{*(const uint4*)b, *(const uint4*)(b + 16 + 32 * p), *(const uint4*)(b + 32 + 32 * p)};
+}
+// Q6_K: pair p of super-block t / 4 is groups 4h + k and 4h + k + 2 (h = p / 2, k = p % 2): the
+// low and high nibbles of the same 32 bytes of ql, with bits 2k and 2k + 4 of the half's 32
+// bytes of qh on top. 210-byte super-blocks leave every other one only 2-byte aligned.
+template <>
+__device__ __forceinline__ MvqW<14> mvq_load<14>(const u8* row, int t) {
+    const u8* b = row + (size_t)(t >> 2) * 210;
+    int h = (t & 3) >> 1, k = t & 1;
+    const u8 *ql = b + 64 * h + 32 * k, *qh = b + 128 + 32 * h, *sc = b + 192 + 8 * h + 2 * k;
+    MvqW<14> w;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        w.ql[i] = load_i32_u16(ql + 4 * i);
+        w.qh[i] = load_i32_u16(qh + 4 * i);
+    }
+    w.sc0 = *(const u16*)sc;
+    w.sc1 = *(const u16*)(sc + 4);
+    w.d = *(const u16*)(b + 208);
+    return w;
 }
 
 // A Q8_0 group's term of a product: the weights' scale times the input's times their 32-bit
@@ -870,12 +894,42 @@ __device__ __forceinline__ float mvq_dot<12>(const MvqW<12>& w, int t, const sig
     return q4k_pair_term(w.h, p, xd[g0], xd[g0 + 1], xs[g0], xs[g0 + 1], s0, s1);
 }
 
+// A Q6_K pair's term: d times the input groups' scales xd0, xd1 times their integer sums i0, i1
+// (each already weighted by its halves' 8-bit scales), every rounding spelled out as q8_term's.
+__device__ __forceinline__ float q6k_term(u16 d, float xd0, float xd1, int i0, int i1) {
+    return __fmul_rn(half_bits(d), __fmaf_rn(xd0, (float)i0, __fmul_rn(xd1, (float)i1)));
+}
+
+template <>
+__device__ __forceinline__ float mvq_dot<14>(const MvqW<14>& w, int t, const signed char* xq, const float* xd, const float* xs) {
+    int k = t & 1, g0 = 8 * (t >> 2) + 4 * ((t & 3) >> 1) + k, g1 = g0 + 2;
+    const int4* x0 = (const int4*)(xq + 32 * g0);
+    const int4* x1 = (const int4*)(xq + 32 * g1);
+    int4 xa = x0[0], xb = x0[1], xc = x1[0], xe = x1[1];
+    int lo[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+    int hi[8] = {xc.x, xc.y, xc.z, xc.w, xe.x, xe.y, xe.z, xe.w};
+    int s[4] = {0, 0, 0, 0};  // the four halves of 16 values: group 0's two, group 1's two
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        // Six-bit quants 0..63 a byte, then less 32 byte by byte (two's complement bytes: -32..31).
+        u32 h = (u32)w.qh[i] >> (2 * k);
+        int q0 = (int)__vsub4(((u32)w.ql[i] & 0x0F0F0F0Fu) | ((h & 0x03030303u) << 4), 0x20202020u);
+        int q1 = (int)__vsub4((((u32)w.ql[i] >> 4) & 0x0F0F0F0Fu) | (((h >> 4) & 0x03030303u) << 4), 0x20202020u);
+        s[i / 4] = __dp4a(q0, lo[i], s[i / 4]);
+        s[2 + i / 4] = __dp4a(q1, hi[i], s[2 + i / 4]);
+    }
+    int i0 = (int)(signed char)(w.sc0 & 0xFF) * s[0] + (int)(signed char)(w.sc0 >> 8) * s[1];
+    int i1 = (int)(signed char)(w.sc1 & 0xFF) * s[2] + (int)(signed char)(w.sc1 >> 8) * s[3];
+    return q6k_term(w.d, xd[g0], xd[g1], i0, i1);
+}
+
 template <int F>
 __device__ __forceinline__ float mvq_task(const u8* row, int t, const signed char* xq, const float* xd, const float* xs) {
     return mvq_dot<F>(mvq_load<F>(row, t), t, xq, xd, xs);
 }
 
-// Lane tasks of a row of `cols` values (see mvq_load): Q8_0 groups of 32, Q4_K pairs of 64.
+// Lane tasks of a row of `cols` values (see mvq_load): Q8_0 groups of 32, Q4_K and Q6_K pairs
+// of 64.
 // `mvq_tasks` in backend.rs is the same function.
 template <int F>
 __device__ __forceinline__ int mvq_tasks(int cols) { return F == 8 ? cols / 32 : cols / 64; }
@@ -1024,6 +1078,7 @@ __device__ __forceinline__ void mvq_prefetch(const Jobs& js) {
 
 INT8_KERNELS(q8_0, 8)
 INT8_KERNELS(q4_k, 12)
+INT8_KERNELS(q6_k, 14)
 
 #define FORMAT_KERNELS(name, id)                                                                      \
     extern "C" __global__ void mv_##name(const Jobs js, const float* x, int xs, float* out, int os) { PDL_START;  \

@@ -9,7 +9,8 @@
 //   sum_i w_i x_i = a_w * d_x * sum_i q_i xq_i - b_w * (d_x * sum_i xq_i)
 //
 // with w_i = a_w q_i - b_w in every group of 32 (Q8_0: a_w the block's scale, b_w 0; Q4_K: a_w
-// d · scale of the sub-block, b_w dmin · its minimum), the arithmetic of the int8 mat-vec
+// d · scale of the sub-block, b_w dmin · its minimum; Q6_K: a_w d · scale of each half of 16,
+// b_w 0, as two m16n8k16 products a group, q_i - 32 staged as signed bytes), the arithmetic of the int8 mat-vec
 // (`mvq_task`) in another order. A block computes 64 weight rows by 64 tokens; each of its four
 // warps 16 rows by all the tokens, an m16n8k32 product per 8 tokens and group. The weights of
 // eight groups (a Q4_K super-block) and the inputs' are staged in shared memory per step, rows
@@ -26,6 +27,13 @@ __device__ __forceinline__ void mma_s8(int* d, const u32* a, const u32* b) {
                  : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
+// Half of m16n8k32's depth: its a[0], a[1] and b[0] (or a[2], a[3] and b[1]) are exactly this
+// product's fragments, so a staged group of 32 splits into its two halves of 16 (Q6_K's scales).
+__device__ __forceinline__ void mma_s8_k16(int* d, u32 a0, u32 a1, u32 b) {
+    asm("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+                 : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+                 : "r"(a0), "r"(a1), "r"(b));
+}
 #endif
 
 // Byte l (< 12, known only at run time) of three words, by selection rather than indexing, which
@@ -36,7 +44,10 @@ __device__ __forceinline__ u32 byte_of3(const u32* s, int l) {
 }
 
 // Words of raw bytes a thread stages per step (see `mmq`): its four groups of a row.
-#define MMQ_RAW(F) ((F) == 8 ? 34 : 20)
+#define MMQ_RAW(F) ((F) == 8 ? 34 : (F) == 14 ? 27 : 20)
+// Weight scales a staged row keeps per step: one a group, Q6_K's two (a half of 16 each); odd,
+// so that the rows a warp reads fall in different banks.
+#define MMQ_WA(F) ((F) == 14 ? 2 * MMQ_GROUPS + 1 : MMQ_GROUPS + 1)
 
 // N 16-byte values as 4 N words, in order.
 template <int N>
@@ -56,6 +67,8 @@ __device__ __forceinline__ void words_of(const uint4* v, u32* raw) {
 // time where the row is not 4-byte aligned or ends inside them). Q4_K: the super-block's head (f16
 // d and dmin, 12 bytes of 6-bit scales and minimums) and the 64 bytes of quants of pairs
 // 2h and 2h + 1 (h = g % 8 / 4; a pair is sub-blocks 2p and 2p + 1, low and high nibbles).
+// Q6_K: half h of the super-block, 16 bits at a time (210-byte blocks): its 64 bytes of low
+// nibbles, 32 of high bits, 8 scales and d, as 27 words.
 template <int F>
 __device__ __forceinline__ void mmq_load(const u8* row, int g, int groups, bool live, u32* raw) {
     if (F == 8) {
@@ -72,6 +85,18 @@ __device__ __forceinline__ void mmq_load(const u8* row, int g, int groups, bool 
                 raw[k] = lo | (hi << 16);
             }
         }
+    } else if (F == 14) {
+        bool in = live && g < groups;
+        const u8* b = row + (size_t)(g >> 3) * 210;
+        int h = (g & 7) >> 2;
+        const u16 *ql = (const u16*)(b + 64 * h), *qh = (const u16*)(b + 128 + 32 * h), *sc = (const u16*)(b + 192 + 8 * h);
+#pragma unroll
+        for (int k = 0; k < 16; k++) raw[k] = in ? (u32)ql[2 * k] | ((u32)ql[2 * k + 1] << 16) : 0u;
+#pragma unroll
+        for (int k = 0; k < 8; k++) raw[16 + k] = in ? (u32)qh[2 * k] | ((u32)qh[2 * k + 1] << 16) : 0u;
+#pragma unroll
+        for (int k = 0; k < 2; k++) raw[24 + k] = in ? (u32)sc[2 * k] | ((u32)sc[2 * k + 1] << 16) : 0u;
+        raw[26] = in ? *(const u16*)(b + 208) : 0u;
     } else {
         bool in = live && g < groups;
         const uint4* b = (const uint4*)(row + (size_t)(g >> 3) * 144);
@@ -85,8 +110,9 @@ __device__ __forceinline__ void mmq_load(const u8* row, int g, int groups, bool 
 }
 
 // `mmq_load`'s four groups as small integers into dst (32 words, a group's 32 values 8 words
-// apart) and each group's a_w, b_w (see above); `first`: the first of the four in its Q4_K
-// super-block (0 or 4). Zero bytes give zero scales, so missing groups add nothing.
+// apart) and each group's a_w, b_w (see above; Q6_K: a_w of each half, eight, and no b_w);
+// `first`: the first of the four in its Q4_K super-block (0 or 4). Zero bytes give zero
+// scales, so missing groups add nothing.
 template <int F>
 __device__ __forceinline__ void mmq_decode(const u32* raw, int first, u32* dst, float* a, float* b) {
     if (F == 8) {
@@ -101,6 +127,24 @@ __device__ __forceinline__ void mmq_decode(const u32* raw, int first, u32* dst, 
             a[2 * q] = half_bits((u16)(w[0] & 0xFFFF));
             a[2 * q + 1] = half_bits((u16)(w[8] >> 16));
             b[2 * q] = b[2 * q + 1] = 0.0f;
+        }
+    } else if (F == 14) {
+        float d = half_bits((u16)(raw[26] & 0xFFFF));
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            // Group e of the half: low (e < 2) or high nibbles of ql bytes 32 (e % 2) .., bits
+            // 2e of qh; less 32 byte by byte, as mvq_dot<14>.
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                u32 nib = (raw[8 * (e & 1) + k] >> (4 * (e >> 1))) & 0x0F0F0F0Fu;
+                u32 hi = ((raw[16 + k] >> (2 * e)) & 0x03030303u) << 4;
+                dst[8 * e + k] = __vsub4(nib | hi, 0x20202020u);
+            }
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                int l = 2 * e + i;
+                a[l] = d * (float)(signed char)((raw[24 + l / 4] >> (8 * (l & 3))) & 0xFF);
+            }
         }
     } else {
         float d = half_bits((u16)(raw[0] & 0xFFFF)), dmin = half_bits((u16)(raw[0] >> 16));
@@ -129,18 +173,23 @@ __device__ __forceinline__ void mmq_decode(const u32* raw, int first, u32* dst, 
 // and each group's a_w, b_w into wa, wb. Decoded in registers, stored 16 bytes at a time: word
 // by word, the lanes' rows (68 words apart) met four to a bank.
 template <int F>
-__device__ __forceinline__ void mmq_stage_weights(const u32* raw, int wi, int half, u8* ws, float (*wa)[MMQ_GROUPS + 1],
+__device__ __forceinline__ void mmq_stage_weights(const u32* raw, int wi, int half, u8* ws, float (*wa)[MMQ_WA(F)],
                                                   float (*wb)[MMQ_GROUPS + 1]) {
-    float a[4], b[4];
+    float a[8], b[4];
     u32 dq[32];
     mmq_decode<F>(raw, 4 * half, dq, a, b);
     uint4* dst = (uint4*)(ws + wi * MMQ_STRIDE + 128 * half);
 #pragma unroll
     for (int k = 0; k < 8; k++) dst[k] = make_uint4(dq[4 * k], dq[4 * k + 1], dq[4 * k + 2], dq[4 * k + 3]);
+    if (F == 14) {
 #pragma unroll
-    for (int e = 0; e < 4; e++) {
-        wa[wi][4 * half + e] = a[e];
-        wb[wi][4 * half + e] = b[e];
+        for (int e = 0; e < 8; e++) wa[wi][8 * half + e] = a[e];
+    } else {
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            wa[wi][4 * half + e] = a[e];
+            wb[wi][4 * half + e] = b[e];
+        }
     }
 }
 
@@ -150,7 +199,7 @@ __device__ __forceinline__ void mmq_stage_weights(const u32* raw, int wi, int ha
 // scaling waited for it: "stall wait" and "short scoreboard" led the kernel's stalls, and the
 // tensor pipe was busy 6% of the time.)
 template <int F, int NT, int NJ>
-__device__ __forceinline__ void mmq_step(const u8* ws, const u8* xq, const float (*wa)[MMQ_GROUPS + 1],
+__device__ __forceinline__ void mmq_step(const u8* ws, const u8* xq, const float (*wa)[MMQ_WA(F)],
                                          const float (*wb)[MMQ_GROUPS + 1], const float (*xd)[NT + 4],
                                          const float (*xm)[NT + 4], int steps, int ra, int gid, int tig, float (*c)[4]) {
 #if __CUDA_ARCH__ >= 800
@@ -158,6 +207,29 @@ __device__ __forceinline__ void mmq_step(const u8* ws, const u8* xq, const float
         const u8* wr = ws + ra * MMQ_STRIDE + 32 * gl + 4 * tig;
         u32 a[4] = {*(const u32*)wr, *(const u32*)(wr + 8 * MMQ_STRIDE), *(const u32*)(wr + 16),
                     *(const u32*)(wr + 8 * MMQ_STRIDE + 16)};
+        if (F == 14) {
+            // Two products a group, one per half of 16 and its scale.
+            float a0 = wa[ra][2 * gl], a0h = wa[ra][2 * gl + 1], a1 = wa[ra + 8][2 * gl], a1h = wa[ra + 8][2 * gl + 1];
+            int s[NJ][4], sh[NJ][4];
+#pragma unroll
+            for (int jn = 0; jn < NJ; jn++) {
+                const u8* xr = xq + (8 * jn + gid) * MMQ_STRIDE + 32 * gl + 4 * tig;
+                s[jn][0] = s[jn][1] = s[jn][2] = s[jn][3] = 0;
+                sh[jn][0] = sh[jn][1] = sh[jn][2] = sh[jn][3] = 0;
+                mma_s8_k16(s[jn], a[0], a[1], *(const u32*)xr);
+                mma_s8_k16(sh[jn], a[2], a[3], *(const u32*)(xr + 16));
+            }
+#pragma unroll
+            for (int jn = 0; jn < NJ; jn++) {
+                int t = 8 * jn + 2 * tig;
+                float2 d = *(const float2*)&xd[gl][t];
+                c[jn][0] += d.x * (a0 * itof(s[jn][0]) + a0h * itof(sh[jn][0]));
+                c[jn][1] += d.y * (a0 * itof(s[jn][1]) + a0h * itof(sh[jn][1]));
+                c[jn][2] += d.x * (a1 * itof(s[jn][2]) + a1h * itof(sh[jn][2]));
+                c[jn][3] += d.y * (a1 * itof(s[jn][3]) + a1h * itof(sh[jn][3]));
+            }
+            continue;
+        }
         float a0 = wa[ra][gl], a1 = wa[ra + 8][gl];
         int s[NJ][4];
 #pragma unroll
@@ -178,7 +250,7 @@ __device__ __forceinline__ void mmq_step(const u8* ws, const u8* xq, const float
             c[jn][2] += a1 * d.x * itof(s[jn][2]);
             c[jn][3] += a1 * d.y * itof(s[jn][3]);
         }
-        if (F != 8) {
+        if (F == 12) {
             float b0 = wb[ra][gl], b1 = wb[ra + 8][gl];
 #pragma unroll
             for (int jn = 0; jn < NJ; jn++) {
@@ -213,9 +285,9 @@ __device__ void mmq(const Jobs& js, const u8* qx, int qstride, int lo, float* ou
     // Odd row lengths: the rows a warp's lanes read at once fall in different banks. The inputs'
     // scales by group, a lane's two tokens side by side (one 8-byte load); rows NT + 4 apart so
     // that the copies of eight groups by four tokens land in 32 banks.
-    __shared__ float wa[MMQ_TILE][MMQ_GROUPS + 1], wb[MMQ_TILE][MMQ_GROUPS + 1];
+    __shared__ float wa[MMQ_TILE][MMQ_WA(F)], wb[MMQ_TILE][MMQ_GROUPS + 1];
     __shared__ __align__(8) float xd[MMQ_GROUPS][NT + 4];
-    __shared__ __align__(8) float xm[F == 8 ? 1 : MMQ_GROUPS][NT + 4];
+    __shared__ __align__(8) float xm[F == 12 ? MMQ_GROUPS : 1][NT + 4];
     const Job& j = js.job[blockIdx.z];
     int r0 = blockIdx.x * MMQ_TILE, t0 = blockIdx.y * NT;
     if (r0 >= j.rows || t0 >= j.n) return;
@@ -248,7 +320,7 @@ __device__ void mmq(const Jobs& js, const u8* qx, int qstride, int lo, float* ou
             bool live = t0 + t < j.n && g < groups;
             const float* s = (const float*)(xrows + (size_t)t * qstride + j.cols);
             copy4_async(&xd[gl][t], live ? s + g : (const float*)qx, live);
-            if (F != 8) copy4_async(&xm[gl][t], live ? s + groups + g : (const float*)qx, live);
+            if (F == 12) copy4_async(&xm[gl][t], live ? s + groups + g : (const float*)qx, live);
         }
         mmq_stage_weights<F>(raw, wi, half, ws, wa, wb);
         copies_wait();
@@ -278,3 +350,4 @@ __device__ void mmq(const Jobs& js, const u8* qx, int qstride, int lo, float* ou
 
 MMQ_KERNELS(q8_0, 8)
 MMQ_KERNELS(q4_k, 12)
+MMQ_KERNELS(q6_k, 14)

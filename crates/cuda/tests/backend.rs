@@ -96,7 +96,7 @@ fn every_op_matches_the_f32_reference() {
     eprintln!("{cases} cases passed on {}", smoe_engine::Backend::describe(&b));
 }
 
-/// The default (fast) precision: one-token Q8_0 and Q4_K products on int8 activations pass at
+/// The default (fast) precision: one-token Q8_0, Q4_K and Q6_K products on int8 activations pass at
 /// the tolerance of the CPU's int8 path, every other op as in f32.
 #[test]
 fn every_op_matches_on_int8_activations() {
@@ -123,7 +123,8 @@ fn every_op_matches_on_int8_activations() {
 /// of 10, 13 and 64 (launches of eight and the rest: a 2-token job rides in 10's launch), and rows
 /// too short (16 tasks or fewer: mvqn's half-warp rows) or too long for a block's shared memory
 /// (mvqn's). A launch whose jobs have fewer than `mvqm_min_tokens` (Q4_K: 4) stays on mvqn. The
-/// fixtures' rows are too short for it.
+/// fixtures' rows are too short for it. Q6_K, which has no mvqm, holds mvqn to the same bits
+/// (rows of a warp, of four warps, and of half a warp).
 #[test]
 fn few_token_products_on_tensor_cores_keep_each_tokens_bits() {
     use smoe_engine::Backend;
@@ -146,6 +147,7 @@ fn few_token_products_on_tensor_cores_keep_each_tokens_bits() {
     let shapes = [
         (Format::Q8_0, [(300, 2048), (70, 4096), (40, 1056), (24, 544), (33, 8192), (16, 640), (17, 16384)].as_slice()),
         (Format::Q4_K, [(300, 2048), (70, 4096), (24, 1280), (33, 8192), (16, 1024), (17, 16384)].as_slice()),
+        (Format::Q6_K, [(300, 2048), (33, 8192), (16, 1024)].as_slice()),
     ];
     for (format, sizes) in shapes {
         for &(rows, cols) in sizes {
@@ -166,8 +168,9 @@ fn few_token_products_on_tensor_cores_keep_each_tokens_bits() {
                     b.matmul(&m, None, &xb, n, &mut out);
                     let mut many = vec![0f32; n * rows];
                     b.download(&out, 0, &mut many);
-                    // Q4_K's products of 2 and 3 tokens measured slower on tensor cores.
-                    if format == Format::Q4_K && n < 4 {
+                    // Q4_K's products of 2 and 3 tokens measured slower on tensor cores; Q6_K
+                    // has no mvqm.
+                    if format == Format::Q4_K && n < 4 || format == Format::Q6_K {
                         assert_eq!(b.few_mma_launches(), before, "{what}, {format:?} {rows} x {cols}: mvqm took {n} tokens");
                     }
                     for t in 0..n {
@@ -194,7 +197,7 @@ fn few_token_products_on_tensor_cores_keep_each_tokens_bits() {
                 let took = b.few_mma_launches() > launches;
                 let tasks = if format == Format::Q8_0 { cols / 32 } else { cols / 64 };
                 if cols <= 2048 {
-                    assert_eq!(took, b.int8_tiles() && on && tasks > 16, "{what}, {format:?} {rows} x {cols}: mvqm launched: {took}");
+                    assert_eq!(took, b.int8_tiles() && on && tasks > 16 && format != Format::Q6_K, "{what}, {format:?} {rows} x {cols}: mvqm launched: {took}");
                 } else if cols == 16384 {
                     assert!(!took, "{what}, {format:?} {rows} x {cols}: mvqm launched for rows its shared memory cannot hold");
                 }
@@ -342,16 +345,20 @@ fn experts_kept_in_vram_route_on_the_gpu_as_the_host_does() {
     // Q4_K experts and Q8_0 dense weights: the int8-activation kernels, kept and named by job.
     // qwen3_moe's 64-wide expert rows do not fit Q4_K's 256-wide blocks (its experts fall back
     // to Q5_0 and f32 products); qwen3_moe_k's 256-wide rows keep Q4_K, so the kept experts run
-    // on int8 activations too.
-    for name in ["qwen3_moe", "qwen3_moe_k"] {
-        let v = smoe_vault::Vault::open(vault(name, Format::Q4_K, Format::Q8_0)).unwrap();
+    // on int8 activations too. Then Q4_K_M's Q6_K: qwen3_moe_k's down projections and every
+    // dense matrix (all 256 wide or more) in Q6_K, gate and up in Q4_K.
+    let q4_k_m: smoe_convert::ExpertFormats = "Q4_K,down=Q6_K".parse().unwrap();
+    for (name, experts, dense) in
+        [("qwen3_moe", Format::Q4_K.into(), Format::Q8_0), ("qwen3_moe_k", Format::Q4_K.into(), Format::Q8_0), ("qwen3_moe_k", q4_k_m, Format::Q6_K)]
+    {
+        let v = smoe_vault::Vault::open(vault(name, experts, dense)).unwrap();
         let open = |opts: &CudaOptions| Model::load(&v, backend(opts).unwrap(), Arc::new(ResidentExperts::load(&v).unwrap())).unwrap();
         let (kept, host) = (open(&CudaOptions::default()), open(&CudaOptions { no_keep: true, ..Default::default() }));
         let r = read_safetensors(&fixture(name).join("reference.safetensors"));
         let input = ids(&r["chat.input_ids"]);
         let (a, b) = (decode_quietly(&kept, &input), decode_quietly(&host, &input));
         let (ek, eh) = (rel_err(&a, r["chat.logits"].f32()), rel_err(&a, &b));
-        eprintln!("{name} Q4_K/Q8_0 on int8 activations: {ek:.2e} from transformers (quantized weights), {eh:.2e} from host routing");
+        eprintln!("{name} {experts}/{dense} on int8 activations: {ek:.2e} from transformers (quantized weights), {eh:.2e} from host routing");
         assert!(eh < 1e-5, "{name}: int8 kept experts moved the logits by {eh:.2e}");
         // Prefill on the int8 tiles, whose inputs are the int8 rows the norms, the gather of the
         // experts' rows and SiLU leave. Step decode quantizes the same rows the same way, but its
@@ -361,7 +368,7 @@ fn experts_kept_in_vram_route_on_the_gpu_as_the_host_does() {
         // wrong tile (a scale, a row, a group) moves the logits by order one.
         let prefill = score(&kept, &input, ScoreMode::Prefill, 64, false).unwrap();
         let same = rel_err(&a, &prefill.logits);
-        eprintln!("{name} Q4_K/Q8_0: prefill on the int8 tiles {same:.2e} from step decode");
+        eprintln!("{name} {experts}/{dense}: prefill on the int8 tiles {same:.2e} from step decode");
         assert!(
             same < 2e-2 && same < ek / 10.0,
             "{name}: int8 prefill differs from step decode by {same:.2e} ({ek:.2e} from transformers)"
@@ -618,33 +625,46 @@ fn batched_int8_steps_match_each_sequence_alone_on_the_gpu() {
     let tiles = CudaOptions { kept_tiles_from: Some(1), ..Default::default() };
     let pairs = CudaOptions { kept_tiles_from: Some(0), ..Default::default() };
     int8_batched_within_bound(
+        (Format::Q4_K.into(), Format::Q8_0),
         &[
             ("host grouping above 4 tokens", per_sequence, false),
-            ("kept experts on tiles", tiles, true),
-            ("kept experts pair by pair", pairs, false),
+            ("kept experts on tiles", tiles.clone(), true),
+            ("kept experts pair by pair", pairs.clone(), false),
         ],
+        |model| batched_against_alone(model, "qwen3_moe_k"),
+    );
+    // Q4_K_M's mix: Q6_K down projections, which the tiles do not take (gate and up go there,
+    // the down products pair by pair from the tiles' int8 SiLU rows), and Q6_K dense weights.
+    int8_batched_within_bound(
+        ("Q4_K,down=Q6_K".parse().unwrap(), Format::Q6_K),
+        &[("Q6_K down: gate and up on tiles", tiles, true), ("Q6_K down: pair by pair", pairs, false)],
         |model| batched_against_alone(model, "qwen3_moe_k"),
     );
 }
 
-/// For each (what, options, on tiles): qwen3_moe_k with Q4_K experts and Q8_0 dense weights on
-/// the GPU, `worst` of its batched steps against each sequence alone, asserted within the int8
-/// batched bound (2e-2, and a tenth of the model's own distance from transformers on the chat
-/// text), and whether any step's kept experts ran on the int8 tiles.
-fn int8_batched_within_bound(cases: &[(&str, CudaOptions, bool)], worst: impl Fn(&Model<CudaBackend>) -> f64) {
+/// For each (what, options, on tiles): qwen3_moe_k with experts and dense weights in `formats`
+/// on the GPU, `worst` of its batched steps against each sequence alone, asserted within the
+/// int8 batched bound (2e-2, and a tenth of the model's own distance from transformers on the
+/// chat text), and whether any step's kept experts ran on the int8 tiles.
+fn int8_batched_within_bound(
+    formats: (smoe_convert::ExpertFormats, Format),
+    cases: &[(&str, CudaOptions, bool)],
+    worst: impl Fn(&Model<CudaBackend>) -> f64,
+) {
     let Some(probe) = backend(&CudaOptions::default()) else { return };
     // GPUs without int8 tensor cores run the kept experts pair by pair.
     let tiles_here = probe.int8_tiles();
     drop(probe);
     let name = "qwen3_moe_k";
-    let v = smoe_vault::Vault::open(vault(name, Format::Q4_K, Format::Q8_0)).unwrap();
+    let (experts, dense) = formats;
+    let v = smoe_vault::Vault::open(vault(name, experts, dense)).unwrap();
     let r = read_safetensors(&fixture(name).join("reference.safetensors"));
     for (what, opts, on_tiles) in cases {
         let model = Model::load(&v, backend(opts).unwrap(), Arc::new(ResidentExperts::load(&v).unwrap())).unwrap();
         let ek = rel_err(&decode_quietly(&model, &ids(&r["chat.input_ids"])), r["chat.logits"].f32());
         let worst = worst(&model);
         eprintln!(
-            "{name} Q4_K/Q8_0, {what}: batched vs alone on the GPU, largest relative logit error {worst:.2e} ({ek:.2e} from transformers)"
+            "{name} {experts}/{dense}, {what}: batched vs alone on the GPU, largest relative logit error {worst:.2e} ({ek:.2e} from transformers)"
         );
         assert!(
             worst < 2e-2 && worst < ek / 10.0,
@@ -793,6 +813,7 @@ fn seventy_sequences_on_the_kept_tiles_match_each_alone_on_the_gpu() {
     let tiles = CudaOptions::default();
     let grouped = CudaOptions { kept_tokens: Some(4), ..Default::default() };
     int8_batched_within_bound(
+        (Format::Q4_K.into(), Format::Q8_0),
         &[("70 sequences, decode steps on the kept tiles", tiles, true), ("70 sequences, every step grouped on the host", grouped, false)],
         seventy_on_tiles_against_alone,
     );

@@ -240,8 +240,15 @@ impl<B: Backend> Suite<'_, B> {
         // remainders of each, more groups of 32 than one step of a tile takes and an odd count;
         // and a router's shape, few tiles of long rows (a GPU splits them over the columns),
         // ending in part of a group.
-        for (f, cols) in [(Format::Q4_K, 768usize), (Format::Q8_0, 288), (Format::F32, 72), (Format::F32, 1000)] {
+        for (f, cols) in [(Format::Q4_K, 768usize), (Format::Q6_K, 768), (Format::Q8_0, 288), (Format::F32, 72), (Format::F32, 1000)] {
             self.matmul_shape(f, 130, cols, &[70], (5, 125));
+        }
+        // Long rows of the formats a GPU multiplies on int8 activations: more tasks than half a
+        // warp's 16 (a warp a row: 2,304), and 128 or more (warps sharing a row: 8,192).
+        for f in [Format::Q8_0, Format::Q4_K, Format::Q6_K] {
+            for cols in [2304, 8192] {
+                self.matmul_shape(f, 13, cols, &[1, 3], (2, 9));
+            }
         }
     }
 
@@ -784,18 +791,17 @@ impl<B: Backend> Suite<'_, B> {
     /// then 600 (a prefill chunk's size:
     /// expert 0 with 600 pairs, more than a tile block lists at once), the input as a norm
     /// leaves it (where a backend keeps an int8 copy beside the rows, its products read that),
-    /// against SwiGLU in f32 on the dequantized weights. Q4_K gate and up with Q8_0 down, then
-    /// all Q8_0.
+    /// against SwiGLU in f32 on the dequantized weights. Q4_K gate and up with Q8_0 down, all
+    /// Q8_0, and Q4_K gate and up with Q6_K down.
     fn kept_batch(&mut self) {
         if self.b.keep_room() == 0 {
             return;
         }
         let (e, k, hidden, width) = (16usize, 8usize, 512usize, 512usize);
-        for (layer, gate_up) in [(3, Format::Q4_K), (4, Format::Q8_0)] {
+        // The third: Q4_K_M's mix, whose down projections are Q6_K in half the layers.
+        for (layer, gate_up, down) in [(3, Format::Q4_K, Format::Q8_0), (4, Format::Q8_0, Format::Q8_0), (5, Format::Q4_K, Format::Q6_K)] {
             let mats: Vec<[Weights; 3]> = (0..e)
-                .map(|_| {
-                    [self.weights(gate_up, width, hidden), self.weights(gate_up, width, hidden), self.weights(Format::Q8_0, hidden, width)]
-                })
+                .map(|_| [self.weights(gate_up, width, hidden), self.weights(gate_up, width, hidden), self.weights(down, hidden, width)])
                 .collect();
             let views = expert_views(&mats);
             self.cases += 1;
@@ -828,7 +834,7 @@ impl<B: Backend> Suite<'_, B> {
                 let (want, bound, _) = kept_reference(&mats, &h, &routes_host, (n, k, hidden, width), &x0, None, &self.tol);
                 self.compare(
                     "kept_experts",
-                    &format!("{gate_up} gate and up, Q8_0 down, rows of 512; {n} tokens of 8 slots on 16 experts"),
+                    &format!("{gate_up} gate and up, {down} down, rows of 512; {n} tokens of 8 slots on 16 experts"),
                     &got,
                     &want,
                     |i| bound[i],
