@@ -284,8 +284,8 @@ pub struct CudaOptions {
     /// Steps of at least this many tokens run the kept experts on int8 tiles, each expert's
     /// rows read once for all the pairs that chose it, instead of pair by pair (also
     /// `SMOE_CUDA_KEPT_TILES_FROM`; 0: never); `None`: 24. Where the fused kept kernels run
-    /// (Q8_0 or Q4_K gate and up in one format, plain SiLU, int8 activations) and the GPU has
-    /// int8 tensor cores, with rows of whole 16-byte pieces
+    /// (Q8_0, Q4_K or Q6_K gate and up in one format, plain SiLU, int8 activations) and the GPU has
+    /// int8 tensor cores, with Q8_0 and Q4_K rows of whole 16-byte pieces
     /// ([`smoe_engine::Backend::kept_takes`] decides which steps come here at all).
     pub kept_tiles_from: Option<usize>,
     /// Most tokens [`smoe_engine::Backend::kept_takes`] takes in a layer whose kept experts
@@ -366,8 +366,8 @@ struct Int8Kernels {
     mix_split_norm: CudaFunction,
     /// A batched step's kept experts on int8 tensor cores, each expert's rows read once for all
     /// of its pairs (`kept_tiles.cu`): gate and up with SiLU(gate) · up, then the down
-    /// products, one output row per pair. Q8_0 and Q4_K (not Q6_K).
-    tiles: Option<KeptTileKernels>,
+    /// products, one output row per pair.
+    tiles: KeptTileKernels,
 }
 
 /// The two launches of the kept experts on tiles (`kept_tiles.cu`).
@@ -489,12 +489,9 @@ impl Kernels {
                                 mix: f(&format!("mvkq_mix_{n}"))?,
                                 mix_split: f(&format!("mvkq_mix_split_{n}"))?,
                                 mix_split_norm: f(&format!("mvkq_mix_split_norm_{n}"))?,
-                                tiles: match fmt {
-                                    Format::Q6_K => None,
-                                    _ => Some(KeptTileKernels {
-                                        swiglu: f(&format!("kept_tiles_swiglu_{n}"))?,
-                                        down: f(&format!("kept_tiles_down_{n}"))?,
-                                    }),
+                                tiles: KeptTileKernels {
+                                    swiglu: f(&format!("kept_tiles_swiglu_{n}"))?,
+                                    down: f(&format!("kept_tiles_down_{n}"))?,
                                 },
                             }),
                             _ => None,
@@ -783,7 +780,7 @@ pub struct CudaBackend {
     kept_tile_tokens: usize,
     /// [`CudaOptions::kept_tile_run`].
     kept_tile_run: usize,
-    /// Layers' steps whose kept experts' gate and up ran on the int8 tiles ([`Self::kept_tile_steps`]).
+    /// Layers' steps whose kept experts ran on the int8 tiles ([`Self::kept_tile_steps`]).
     kept_tile_steps: AtomicUsize,
     /// A batched step's sequences in one launch for attention and its inputs ([`seqs`]); with
     /// `SMOE_CUDA_BATCH_ATTENTION=off`, sequence by sequence (four launches per sequence per
@@ -961,9 +958,8 @@ impl CudaBackend {
         self.int8_tiles
     }
 
-    /// How many layers' steps ran their kept experts on the int8 tiles (`kept_tiles.cu`): gate
-    /// and up at least (the down products too where their format has tiles). The tiles sum as
-    /// the host's grouping does, so the logits alone cannot tell which ran.
+    /// How many layers' steps ran their kept experts on the int8 tiles (`kept_tiles.cu`): the
+    /// tiles sum as the host's grouping does, so the logits alone cannot tell which ran.
     pub fn kept_tile_steps(&self) -> usize {
         self.kept_tile_steps.load(Ordering::Relaxed)
     }
@@ -1032,38 +1028,22 @@ impl CudaBackend {
     }
 
     /// Whether layer `l`'s kept experts run on the int8 tiles (`kept_tiles.cu`) in steps of
-    /// [`CudaOptions::kept_tiles_from`] tokens and more, all three parts: gate and up there
-    /// ([`Self::gate_tiles_take`]) and the down products too (Q8_0 or Q4_K, rows of whole
-    /// 16-byte pieces).
+    /// [`CudaOptions::kept_tiles_from`] tokens and more: the fused kept kernels' case (Q8_0,
+    /// Q4_K or Q6_K gate and up in one format, down in one of those too, plain SiLU), int8
+    /// tensor cores, and Q8_0 and Q4_K rows of whole 16-byte pieces (their weights are staged
+    /// 16 bytes at a time; Q6_K's 2 at a time).
     fn tiles_take(&self, l: &crate::kept::KeptLayer, limit: Option<f32>) -> bool {
-        let down = &l.parts[2];
-        self.gate_tiles_take(l, limit) && self.has_kept_tiles(down.format) && down.row_bytes.is_multiple_of(16)
-    }
-
-    /// Whether layer `l`'s gate and up products run on the int8 tiles in steps of
-    /// [`CudaOptions::kept_tiles_from`] tokens and more: the fused kept kernels' case (Q8_0 or
-    /// Q4_K gate and up in one format, down on int8 activations, plain SiLU), int8 tensor cores,
-    /// and rows of whole 16-byte pieces (the weights are staged 16 bytes at a time). A down
-    /// matrix the tiles do not take (Q6_K, as Q4_K_M has in half its layers) is then mixed pair
-    /// by pair from the tiles' int8 SiLU rows, as after the pair kernels.
-    fn gate_tiles_take(&self, l: &crate::kept::KeptLayer, limit: Option<f32>) -> bool {
         let [gate, up, down] = &l.parts;
+        let int8 = |p: &crate::kept::KeptPart| self.int8 && self.k.format(p.format).mvq.is_some();
         self.int8_tiles
             && self.kept_fused
             && self.kept_tiles_from != usize::MAX
             && limit.is_none()
-            && self.has_kept_tiles(gate.format)
-            && self.int8
-            && self.k.format(down.format).mvq.is_some()
+            && int8(gate)
+            && int8(down)
             && gate.format == up.format
             && gate.rows.is_multiple_of(32)
-            && gate.row_bytes.is_multiple_of(16)
-            && up.row_bytes.is_multiple_of(16)
-    }
-
-    /// Whether `format` has kept-expert tile kernels (and int8 activations are on).
-    fn has_kept_tiles(&self, format: Format) -> bool {
-        self.int8 && self.k.format(format).mvq.as_ref().is_some_and(|k| k.tiles.is_some())
+            && l.parts.iter().all(|p| p.format == Format::Q6_K || p.row_bytes.is_multiple_of(16))
     }
 
     /// Counters of the VRAM expert cache.

@@ -61,8 +61,9 @@ __device__ int kept_pairs_of(const Kept& kp, const float* routes, int n, int e, 
     return count - skip;
 }
 
-// Bytes of a row that one step (eight groups) covers: a Q4_K super-block, or eight Q8_0 blocks.
-#define KT_STEP_BYTES(F) ((F) == 8 ? 272 : 144)
+// Bytes of a row that one step (eight groups) covers: a Q4_K or Q6_K super-block, or eight
+// Q8_0 blocks.
+#define KT_STEP_BYTES(F) ((F) == 8 ? 272 : (F) == 14 ? 210 : 144)
 
 // Step s's bytes of the tile's 64 rows copied into rs (KT_STEP_BYTES apart) with cp.async:
 // consecutive threads take consecutive 16-byte pieces of a row, so that a warp's copies fall on
@@ -72,10 +73,35 @@ __device__ int kept_pairs_of(const Kept& kp, const float* routes, int n, int e, 
 // the matrix, and a last step's groups past a row's end, are zeros (zero scales: they add
 // nothing); a piece is copied whole or not at all, so the host sends only rows whose length is
 // a multiple of 16 bytes (a Q8_0 row of a multiple of 256 values; every Q4_K row).
+// Q6_K's 210-byte super-blocks leave rows and steps 2-byte aligned only, which cp.async cannot
+// copy: its steps are read 16 bits a thread at a time, all of a thread's loads issued before
+// any is stored (the block waits for them; the SM's other blocks compute meanwhile).
 // Row i of the tile is row r0 + i of part 0, or, from `split`, row r0 + i - split of part 1.
+// Blocks of 128 threads.
 template <int F>
 __device__ __forceinline__ void kt_copy_step(const Kept& kp, const u8* p0, const u8* p1, int split, int r0, int s, u8* rs) {
 #if __CUDA_ARCH__ >= 800
+    if (F == 14) {
+        // In rounds of 14 loads a thread: all 53 at once, or 27, spilled registers.
+        constexpr int per_row = KT_STEP_BYTES(F) / 2, total = MMQ_TILE * per_row, each = (total + 127) / 128, round = 14;
+#pragma unroll 1
+        for (int k0 = 0; k0 < each; k0 += round) {
+            u16 v[round];
+#pragma unroll
+            for (int k = 0; k < round; k++) {
+                int q = threadIdx.x + 128 * (k0 + k), i = q / per_row, off = s * KT_STEP_BYTES(F) + 2 * (q % per_row);
+                int r = r0 + (i < split ? i : i - split);
+                bool live = k0 + k < each && q < total && r < kp.rows && off + 2 <= (int)kp.row_bytes;
+                v[k] = live ? *(const u16*)((i < split ? p0 : p1) + (size_t)r * kp.row_bytes + off) : (u16)0;
+            }
+#pragma unroll
+            for (int k = 0; k < round; k++) {
+                int q = threadIdx.x + 128 * (k0 + k);
+                if (k0 + k < each && q < total) ((u16*)rs)[q] = v[k];
+            }
+        }
+        return;
+    }
     constexpr int per_row = KT_STEP_BYTES(F) / 16;
     for (int q = threadIdx.x; q < MMQ_TILE * per_row; q += blockDim.x) {
         int i = q / per_row, piece = q % per_row, off = s * KT_STEP_BYTES(F) + 16 * piece;
@@ -93,7 +119,9 @@ __device__ __forceinline__ void kt_copy_step(const Kept& kp, const u8* p0, const
 template <int F>
 __device__ __forceinline__ void kt_raw(const u8* rs, int wi, int half, u32* raw) {
     const u8* row = rs + wi * KT_STEP_BYTES(F);
-    if (F == 8) {
+    if (F == 14) {
+        q6k_half_words(row, half, true, raw);
+    } else if (F == 8) {
         const u32* w = (const u32*)(row + 136 * half);
 #pragma unroll
         for (int k = 0; k < 34; k++) raw[k] = w[k];
@@ -115,7 +143,7 @@ __device__ __forceinline__ void kt_raw(const u8* rs, int wi, int half, u32* raw)
 template <int F, int NT>
 __device__ void kept_tile_products(const Kept& kp, const int* list, int t0, int nt, const u8* qx, int qstride,
                                    const u8* p0, const u8* p1, int split, int r0, u8* rs, u8* ws, u8* xq,
-                                   float (*wa)[MMQ_GROUPS + 1], float (*wb)[MMQ_GROUPS + 1], float (*xd)[NT + 4],
+                                   float (*wa)[MMQ_WA(F)], float (*wb)[MMQ_GROUPS + 1], float (*xd)[NT + 4],
                                    float (*xm)[NT + 4], float (*c)[4]) {
 #if __CUDA_ARCH__ >= 800
     int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gid = lane >> 2, tig = lane & 3;
@@ -142,7 +170,7 @@ __device__ void kept_tile_products(const Kept& kp, const int* list, int t0, int 
             int p = live ? list[t0 + t] : 0;
             const float* sc = (const float*)(qx + (size_t)(kp.x_per_pair ? p : p / kp.k) * qstride + kp.cols);
             copy4_async(&xd[gl][t], live ? sc + g : (const float*)qx, live);
-            if (F != 8) copy4_async(&xm[gl][t], live ? sc + groups + g : (const float*)qx, live);
+            if (F == 12) copy4_async(&xm[gl][t], live ? sc + groups + g : (const float*)qx, live);
         }
         copies_wait();
         __syncthreads();
@@ -170,9 +198,9 @@ __device__ void kept_tile_products(const Kept& kp, const int* list, int t0, int 
     __shared__ __align__(16) u8 rs[MMQ_TILE * KT_STEP_BYTES(F)];                     \
     __shared__ __align__(16) u8 ws[MMQ_TILE * MMQ_STRIDE];                           \
     __shared__ __align__(16) u8 xq[NT * MMQ_STRIDE];                                 \
-    __shared__ float wa[MMQ_TILE][MMQ_GROUPS + 1], wb[MMQ_TILE][MMQ_GROUPS + 1];     \
+    __shared__ float wa[MMQ_TILE][MMQ_WA(F)], wb[MMQ_TILE][MMQ_GROUPS + 1];          \
     __shared__ __align__(8) float xd[MMQ_GROUPS][NT + 4];                            \
-    __shared__ __align__(8) float xm[F == 8 ? 1 : MMQ_GROUPS][NT + 4];               \
+    __shared__ __align__(8) float xm[F == 12 ? MMQ_GROUPS : 1][NT + 4];              \
     __shared__ int list[KT_LIST];
 
 // Gate and up rows 32 b .. of expert blockIdx.y (kp.parts 2, rows the intermediate width)
@@ -274,6 +302,8 @@ __device__ void kept_tiles_down(const Kept& kp, const float* routes, int n, cons
     }
 
 // Blocks an SM on Hopper (228 KB of shared memory an SM): Q8_0's 46 KB allow four, Q4_K's 39 KB
-// five; the bound caps the registers for that (GPUs with less shared memory run fewer).
+// five, Q6_K's 43 KB four; the bound caps the registers for that (GPUs with less shared memory
+// run fewer).
 KEPT_TILE_KERNELS(q8_0, 8, 4)
 KEPT_TILE_KERNELS(q4_k, 12, 5)
+KEPT_TILE_KERNELS(q6_k, 14, 4)

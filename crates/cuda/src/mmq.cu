@@ -61,6 +61,20 @@ __device__ __forceinline__ void words_of(const uint4* v, u32* raw) {
     }
 }
 
+// Half h of the Q6_K super-block at b (2-byte aligned, global or shared memory) as `mmq_load`
+// gives it: its 64 bytes of low nibbles, 32 of high bits, 8 scales and d, as 27 words; zeros
+// where not `in`.
+__device__ __forceinline__ void q6k_half_words(const u8* b, int h, bool in, u32* raw) {
+    const u16 *ql = (const u16*)(b + 64 * h), *qh = (const u16*)(b + 128 + 32 * h), *sc = (const u16*)(b + 192 + 8 * h);
+#pragma unroll
+    for (int k = 0; k < 16; k++) raw[k] = in ? (u32)ql[2 * k] | ((u32)ql[2 * k + 1] << 16) : 0u;
+#pragma unroll
+    for (int k = 0; k < 8; k++) raw[16 + k] = in ? (u32)qh[2 * k] | ((u32)qh[2 * k + 1] << 16) : 0u;
+#pragma unroll
+    for (int k = 0; k < 2; k++) raw[24 + k] = in ? (u32)sc[2 * k] | ((u32)sc[2 * k + 1] << 16) : 0u;
+    raw[26] = in ? *(const u16*)(b + 208) : 0u;
+}
+
 // The raw bytes of groups g .. g + 3 of a row of format F (g a multiple of 4), read with loads
 // that do not depend on each other, so that they are in flight together; zeros for groups past
 // `groups` or when the row is not `live`. Q8_0: four 34-byte blocks as 34 words (16 bits at a
@@ -86,17 +100,7 @@ __device__ __forceinline__ void mmq_load(const u8* row, int g, int groups, bool 
             }
         }
     } else if (F == 14) {
-        bool in = live && g < groups;
-        const u8* b = row + (size_t)(g >> 3) * 210;
-        int h = (g & 7) >> 2;
-        const u16 *ql = (const u16*)(b + 64 * h), *qh = (const u16*)(b + 128 + 32 * h), *sc = (const u16*)(b + 192 + 8 * h);
-#pragma unroll
-        for (int k = 0; k < 16; k++) raw[k] = in ? (u32)ql[2 * k] | ((u32)ql[2 * k + 1] << 16) : 0u;
-#pragma unroll
-        for (int k = 0; k < 8; k++) raw[16 + k] = in ? (u32)qh[2 * k] | ((u32)qh[2 * k + 1] << 16) : 0u;
-#pragma unroll
-        for (int k = 0; k < 2; k++) raw[24 + k] = in ? (u32)sc[2 * k] | ((u32)sc[2 * k + 1] << 16) : 0u;
-        raw[26] = in ? *(const u16*)(b + 208) : 0u;
+        q6k_half_words(row + (size_t)(g >> 3) * 210, (g & 7) >> 2, live && g < groups, raw);
     } else {
         bool in = live && g < groups;
         const uint4* b = (const uint4*)(row + (size_t)(g >> 3) * 144);

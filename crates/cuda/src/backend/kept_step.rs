@@ -159,45 +159,41 @@ impl CudaBackend {
                 let dstride = crate::buf::quant_stride(width);
                 let Some(dq) = self.scratch(n * k * dstride) else { return false };
                 let (hs, gs, ds) = (hq.1 as i32, (2 * width) as i32, dstride as i32);
-                // The pairs (tokens) on x where they go first (see `kept_pairs_first`).
-                let (first, first_i) = (self.kept_pairs_first, self.kept_pairs_first as i32);
-                let order = |rows: u32, pairs: u32| if first { (pairs, rows, 1) } else { (rows, pairs, 1) };
-                let gate_tiles = gk.tiles.as_ref().filter(|_| n >= self.kept_tiles_from && self.gate_tiles_take(l, limit));
-                if let Some(gt) = gate_tiles {
+                if n >= self.kept_tiles_from && self.tiles_take(l, limit) {
                     // Each expert's rows once for all its pairs: a block per (rows, expert),
                     // blocks of experts no pair chose leave after reading the routes.
                     let (n_i, experts) = (n as i32, l.experts as u32);
-                    let mut a = Launch::new(&gt.swiglu);
+                    let mut a = Launch::new(&gk.tiles.swiglu);
                     a.arg(&gj).arg(&rp).arg(&n_i).arg(&hq.0).arg(&hs).arg(&gp).arg(&gs).arg(&dq).arg(&ds);
                     let cfg = LaunchConfig { grid_dim: ((width / 32) as u32, experts, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
                     self.launch(a, cfg, "kept experts on tiles: gate, up, SiLU");
+                    let sp = slots.at_mut(&self.stream);
+                    let hidden_i = hidden as i32;
+                    let mut a = Launch::new(&dk.tiles.down);
+                    a.arg(&dj).arg(&rp).arg(&n_i).arg(&dq).arg(&ds).arg(&sp).arg(&hidden_i);
+                    let cfg =
+                        LaunchConfig { grid_dim: (hidden.div_ceil(64) as u32, experts, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+                    self.launch(a, cfg, "kept experts on tiles: down");
                     self.kept_tile_steps.fetch_add(1, Ordering::Relaxed);
-                    if let Some(dt) = dk.tiles.as_ref().filter(|_| self.tiles_take(l, limit)) {
-                        let sp = slots.at_mut(&self.stream);
-                        let hidden_i = hidden as i32;
-                        let mut a = Launch::new(&dt.down);
-                        a.arg(&dj).arg(&rp).arg(&n_i).arg(&dq).arg(&ds).arg(&sp).arg(&hidden_i);
-                        let cfg =
-                            LaunchConfig { grid_dim: (hidden.div_ceil(64) as u32, experts, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
-                        self.launch(a, cfg, "kept experts on tiles: down");
-                        drop(kept);
-                        // The routes' weights follow each token's k ids.
-                        self.mix_slots(slots, x, hidden, n, k, (rp, 2 * k, k));
-                        return false;
-                    }
-                } else {
-                    // A one-token step's experts asked of L2 once the routes are known (kept.cu's
-                    // kept_prefetch): a larger step's would not fit.
-                    let prefetch = if self.prefetch && n == 1 { pairs as i32 } else { 0 };
-                    let (down_base, down_bytes) = (dptr(&down.data, &self.stream), down.bytes as u64);
-                    let mut a = Launch::new(&gk.swiglu);
-                    a.arg(&gj).arg(&rp).arg(&hq.0).arg(&hs).arg(&gp).arg(&gs).arg(&dq).arg(&ds).arg(&first_i);
-                    a.arg(&down_base).arg(&down_bytes).arg(&prefetch);
-                    let cfg = LaunchConfig { grid_dim: order((width / 32) as u32, pairs), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-                    self.launch(a, cfg, "kept experts: gate, up, SiLU");
-                    if prefetch > 0 {
-                        self.kept_prefetch_steps.fetch_add(1, Ordering::Relaxed);
-                    }
+                    drop(kept);
+                    // The routes' weights follow each token's k ids.
+                    self.mix_slots(slots, x, hidden, n, k, (rp, 2 * k, k));
+                    return false;
+                }
+                // The pairs (tokens) on x where they go first (see `kept_pairs_first`).
+                let (first, first_i) = (self.kept_pairs_first, self.kept_pairs_first as i32);
+                let order = |rows: u32, pairs: u32| if first { (pairs, rows, 1) } else { (rows, pairs, 1) };
+                // A one-token step's experts asked of L2 once the routes are known (kept.cu's
+                // kept_prefetch): a larger step's would not fit.
+                let prefetch = if self.prefetch && n == 1 { pairs as i32 } else { 0 };
+                let (down_base, down_bytes) = (dptr(&down.data, &self.stream), down.bytes as u64);
+                let mut a = Launch::new(&gk.swiglu);
+                a.arg(&gj).arg(&rp).arg(&hq.0).arg(&hs).arg(&gp).arg(&gs).arg(&dq).arg(&ds).arg(&first_i);
+                a.arg(&down_base).arg(&down_bytes).arg(&prefetch);
+                let cfg = LaunchConfig { grid_dim: order((width / 32) as u32, pairs), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+                self.launch(a, cfg, "kept experts: gate, up, SiLU");
+                if prefetch > 0 {
+                    self.kept_prefetch_steps.fetch_add(1, Ordering::Relaxed);
                 }
                 let split = mix_split_rows(down.format, down.cols, k).filter(|_| self.kept_split.takes(n));
                 drop(kept);
