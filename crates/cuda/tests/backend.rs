@@ -197,7 +197,11 @@ fn few_token_products_on_tensor_cores_keep_each_tokens_bits() {
                 let took = b.few_mma_launches() > launches;
                 let tasks = if format == Format::Q8_0 { cols / 32 } else { cols / 64 };
                 if cols <= 2048 {
-                    assert_eq!(took, b.int8_tiles() && on && tasks > 16 && format != Format::Q6_K, "{what}, {format:?} {rows} x {cols}: mvqm launched: {took}");
+                    assert_eq!(
+                        took,
+                        b.int8_tiles() && on && tasks > 16 && format != Format::Q6_K,
+                        "{what}, {format:?} {rows} x {cols}: mvqm launched: {took}"
+                    );
                 } else if cols == 16384 {
                     assert!(!took, "{what}, {format:?} {rows} x {cols}: mvqm launched for rows its shared memory cannot hold");
                 }
@@ -348,9 +352,11 @@ fn experts_kept_in_vram_route_on_the_gpu_as_the_host_does() {
     // on int8 activations too. Then Q4_K_M's Q6_K: qwen3_moe_k's down projections and every
     // dense matrix (all 256 wide or more) in Q6_K, gate and up in Q4_K.
     let q4_k_m: smoe_convert::ExpertFormats = "Q4_K,down=Q6_K".parse().unwrap();
-    for (name, experts, dense) in
-        [("qwen3_moe", Format::Q4_K.into(), Format::Q8_0), ("qwen3_moe_k", Format::Q4_K.into(), Format::Q8_0), ("qwen3_moe_k", q4_k_m, Format::Q6_K)]
-    {
+    for (name, experts, dense) in [
+        ("qwen3_moe", Format::Q4_K.into(), Format::Q8_0),
+        ("qwen3_moe_k", Format::Q4_K.into(), Format::Q8_0),
+        ("qwen3_moe_k", q4_k_m, Format::Q6_K),
+    ] {
         let v = smoe_vault::Vault::open(vault(name, experts, dense)).unwrap();
         let open = |opts: &CudaOptions| Model::load(&v, backend(opts).unwrap(), Arc::new(ResidentExperts::load(&v).unwrap())).unwrap();
         let (kept, host) = (open(&CudaOptions::default()), open(&CudaOptions { no_keep: true, ..Default::default() }));
@@ -358,7 +364,9 @@ fn experts_kept_in_vram_route_on_the_gpu_as_the_host_does() {
         let input = ids(&r["chat.input_ids"]);
         let (a, b) = (decode_quietly(&kept, &input), decode_quietly(&host, &input));
         let (ek, eh) = (rel_err(&a, r["chat.logits"].f32()), rel_err(&a, &b));
-        eprintln!("{name} {experts}/{dense} on int8 activations: {ek:.2e} from transformers (quantized weights), {eh:.2e} from host routing");
+        eprintln!(
+            "{name} {experts}/{dense} on int8 activations: {ek:.2e} from transformers (quantized weights), {eh:.2e} from host routing"
+        );
         assert!(eh < 1e-5, "{name}: int8 kept experts moved the logits by {eh:.2e}");
         // Prefill on the int8 tiles, whose inputs are the int8 rows the norms, the gather of the
         // experts' rows and SiLU leave. Step decode quantizes the same rows the same way, but its
