@@ -74,8 +74,8 @@ __device__ int kept_pairs_of(const Kept& kp, const float* routes, int n, int e, 
 // nothing); a piece is copied whole or not at all, so the host sends only rows whose length is
 // a multiple of 16 bytes (a Q8_0 row of a multiple of 256 values; every Q4_K row).
 // Q6_K's 210-byte super-blocks leave rows and steps 2-byte aligned only, which cp.async cannot
-// copy: its steps are read 16 bits a thread at a time, all of a thread's loads issued before
-// any is stored (the block waits for them; the SM's other blocks compute meanwhile).
+// copy: its steps are read 16 bits at a time, a thread's loads issued 14 at a time before they
+// are stored (the block waits for them; the SM's other blocks compute meanwhile).
 // Row i of the tile is row r0 + i of part 0, or, from `split`, row r0 + i - split of part 1.
 // Blocks of 128 threads.
 template <int F>

@@ -775,9 +775,9 @@ __device__ __forceinline__ int load_i32_u16(const u8* p) {
 
 // Lane task t of a row of format F against the quantized input. Q8_0: group t (34 bytes: f16
 // scale, 32 int8). Q4_K: pair t % 4 of super-block t / 4 (sub-blocks 2p and 2p + 1 share 32
-// bytes of quants: low and high nibbles). Q6_K: pairs of groups too (see mvq_load<14>). In two halves: `mvq_load` reads the task's weights
-// into registers and `mvq_dot` uses them, so that a kernel can issue several tasks' loads
-// before it waits for any (see mvq_mix in kept.cu).
+// bytes of quants: low and high nibbles). Q6_K: pairs of groups too (see mvq_load<14>). In two
+// halves: `mvq_load` reads the task's weights into registers and `mvq_dot` uses them, so that a
+// kernel can issue several tasks' loads before it waits for any (see mvq_mix in kept.cu).
 template <int F>
 struct MvqW;
 template <>

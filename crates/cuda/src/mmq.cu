@@ -10,8 +10,8 @@
 //
 // with w_i = a_w q_i - b_w in every group of 32 (Q8_0: a_w the block's scale, b_w 0; Q4_K: a_w
 // d · scale of the sub-block, b_w dmin · its minimum; Q6_K: a_w d · scale of each half of 16,
-// b_w 0, as two m16n8k16 products a group, q_i - 32 staged as signed bytes), the arithmetic of the int8 mat-vec
-// (`mvq_task`) in another order. A block computes 64 weight rows by 64 tokens; each of its four
+// b_w 0, as two m16n8k16 products a group, q_i - 32 staged as signed bytes), the arithmetic of
+// the int8 mat-vec (`mvq_task`) in another order. A block computes 64 weight rows by 64 tokens; each of its four
 // warps 16 rows by all the tokens, an m16n8k32 product per 8 tokens and group. The weights of
 // eight groups (a Q4_K super-block) and the inputs' are staged in shared memory per step, rows
 // 272 bytes apart so that a warp's fragment loads (eight rows by four words) fall in 32
