@@ -462,6 +462,10 @@ pub(crate) const FORMAT_NAMES: [(Format, &str); 16] = [
     (Format::FP8, "fp8"),
 ];
 
+/// The formats with int8-activation kernels: the one-token family (`Int8Kernels`) and the
+/// tensor-core tiles (`mmq`, the kept-expert tiles).
+const INT8_FORMATS: [Format; 3] = [Format::Q8_0, Format::Q4_K, Format::Q6_K];
+
 /// Whether the kernels decode `f` (every format the CPU path runs).
 fn has_kernels(f: Format) -> bool {
     FORMAT_NAMES.iter().any(|(g, _)| *g == f)
@@ -479,8 +483,8 @@ impl Kernels {
                         mv1: f(&format!("mv1_{n}"))?,
                         mv: f(&format!("mv_{n}"))?,
                         mvk: f(&format!("mvk_{n}"))?,
-                        mvq: match fmt {
-                            Format::Q8_0 | Format::Q4_K | Format::Q6_K => Some(Int8Kernels {
+                        mvq: if INT8_FORMATS.contains(&fmt) {
+                            Some(Int8Kernels {
                                 mvq: f(&format!("mvq_{n}"))?,
                                 mvqn: f(&format!("mvqn_{n}"))?,
                                 mvkq: f(&format!("mvkq_{n}"))?,
@@ -493,13 +497,11 @@ impl Kernels {
                                     swiglu: f(&format!("kept_tiles_swiglu_{n}"))?,
                                     down: f(&format!("kept_tiles_down_{n}"))?,
                                 },
-                            }),
-                            _ => None,
+                            })
+                        } else {
+                            None
                         },
-                        mmq: match fmt {
-                            Format::Q8_0 | Format::Q4_K | Format::Q6_K => Some(f(&format!("mmq_{n}"))?),
-                            _ => None,
-                        },
+                        mmq: if INT8_FORMATS.contains(&fmt) { Some(f(&format!("mmq_{n}"))?) } else { None },
                         mvqm: match fmt {
                             Format::Q8_0 | Format::Q4_K => Some([f(&format!("mvqm_{n}"))?, f(&format!("mvqm8_{n}"))?]),
                             _ => None,

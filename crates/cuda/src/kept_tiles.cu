@@ -91,13 +91,13 @@ __device__ __forceinline__ void kt_copy_step(const Kept& kp, const u8* p0, const
             for (int k = 0; k < round; k++) {
                 int q = threadIdx.x + 128 * (k0 + k), i = q / per_row, off = s * KT_STEP_BYTES(F) + 2 * (q % per_row);
                 int r = r0 + (i < split ? i : i - split);
-                bool live = k0 + k < each && q < total && r < kp.rows && off + 2 <= (int)kp.row_bytes;
+                bool live = q < total && r < kp.rows && off + 2 <= (int)kp.row_bytes;
                 v[k] = live ? *(const u16*)((i < split ? p0 : p1) + (size_t)r * kp.row_bytes + off) : (u16)0;
             }
 #pragma unroll
             for (int k = 0; k < round; k++) {
                 int q = threadIdx.x + 128 * (k0 + k);
-                if (k0 + k < each && q < total) ((u16*)rs)[q] = v[k];
+                if (q < total) ((u16*)rs)[q] = v[k];
             }
         }
         return;

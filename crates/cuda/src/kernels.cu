@@ -894,6 +894,14 @@ __device__ __forceinline__ float mvq_dot<12>(const MvqW<12>& w, int t, const sig
     return q4k_pair_term(w.h, p, xd[g0], xd[g0 + 1], xs[g0], xs[g0 + 1], s0, s1);
 }
 
+// Four Q6_K quants less 32, as the signed bytes dp4a and the tensor cores take: four low
+// nibbles of `ql` (from bit `nibble` of each byte, 0 or 4) with two bits of `qh` on top (from
+// bit `bits`), each six-bit value 0..63 less 32 byte by byte (two's complement bytes: -32..31).
+// `mvq_dot<14>` and `mmq`'s decode both form their bytes here.
+__device__ __forceinline__ u32 q6k_quads(u32 ql, u32 qh, int nibble, int bits) {
+    return __vsub4(((ql >> nibble) & 0x0F0F0F0Fu) | (((qh >> bits) & 0x03030303u) << 4), 0x20202020u);
+}
+
 // A Q6_K pair's term: d times the input groups' scales xd0, xd1 times their integer sums i0, i1
 // (each already weighted by its halves' 8-bit scales), every rounding spelled out as q8_term's.
 __device__ __forceinline__ float q6k_term(u16 d, float xd0, float xd1, int i0, int i1) {
@@ -911,10 +919,8 @@ __device__ __forceinline__ float mvq_dot<14>(const MvqW<14>& w, int t, const sig
     int s[4] = {0, 0, 0, 0};  // the four halves of 16 values: group 0's two, group 1's two
 #pragma unroll
     for (int i = 0; i < 8; i++) {
-        // Six-bit quants 0..63 a byte, then less 32 byte by byte (two's complement bytes: -32..31).
-        u32 h = (u32)w.qh[i] >> (2 * k);
-        int q0 = (int)__vsub4(((u32)w.ql[i] & 0x0F0F0F0Fu) | ((h & 0x03030303u) << 4), 0x20202020u);
-        int q1 = (int)__vsub4((((u32)w.ql[i] >> 4) & 0x0F0F0F0Fu) | (((h >> 4) & 0x03030303u) << 4), 0x20202020u);
+        int q0 = (int)q6k_quads((u32)w.ql[i], (u32)w.qh[i], 0, 2 * k);
+        int q1 = (int)q6k_quads((u32)w.ql[i], (u32)w.qh[i], 4, 2 * k + 4);
         s[i / 4] = __dp4a(q0, lo[i], s[i / 4]);
         s[2 + i / 4] = __dp4a(q1, hi[i], s[2 + i / 4]);
     }

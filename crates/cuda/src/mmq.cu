@@ -137,13 +137,9 @@ __device__ __forceinline__ void mmq_decode(const u32* raw, int first, u32* dst, 
 #pragma unroll
         for (int e = 0; e < 4; e++) {
             // Group e of the half: low (e < 2) or high nibbles of ql bytes 32 (e % 2) .., bits
-            // 2e of qh; less 32 byte by byte, as mvq_dot<14>.
+            // 2e of qh.
 #pragma unroll
-            for (int k = 0; k < 8; k++) {
-                u32 nib = (raw[8 * (e & 1) + k] >> (4 * (e >> 1))) & 0x0F0F0F0Fu;
-                u32 hi = ((raw[16 + k] >> (2 * e)) & 0x03030303u) << 4;
-                dst[8 * e + k] = __vsub4(nib | hi, 0x20202020u);
-            }
+            for (int k = 0; k < 8; k++) dst[8 * e + k] = q6k_quads(raw[8 * (e & 1) + k], raw[16 + k], 4 * (e >> 1), 2 * e);
 #pragma unroll
             for (int i = 0; i < 2; i++) {
                 int l = 2 * e + i;
