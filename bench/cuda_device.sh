@@ -40,6 +40,7 @@ for l in sys.stdin:
     mv models "$aside.models"  # the bundled trained model: no GPU test reads it
     mkdir -p testdata/hf
     for f in $fixtures; do cp -r "$aside/hf/$f" testdata/hf/; done
+    cp -r "$aside/gguf-kquant" testdata/  # llama.cpp's own K-quant files, run in place
     tar cf - testdata | xz -T2 -6 >target/peercarry/testdata.tar.xz
     rm -rf testdata
     du -sh target/peercarry

@@ -29,6 +29,7 @@ pub fn run_shatter(
     experts: Option<smoe_convert::ExpertFormats>,
     dense: Format,
     threads: Option<usize>,
+    mix: Option<smoe_convert::LlamaFileType>,
 ) -> Result<ShatterReport> {
     let experts = experts.unwrap_or_else(|| {
         // A checkpoint's own expert format where smoe keeps it as it is (gpt-oss's MXFP4).
@@ -42,13 +43,21 @@ pub fn run_shatter(
         threads,
         zero_experts: false,
         fail_after_blobs: std::env::var("SMOE_TEST_FAIL_AFTER_BLOBS").ok().and_then(|v| v.parse().ok()),
+        mix,
     };
-    let report = if input.is_file() && smoe_engine::is_gguf(input) {
+    let is_gguf = input.is_file() && smoe_engine::is_gguf(input);
+    if is_gguf && mix.is_some() {
+        anyhow::bail!("--mix applies to checkpoints: a GGUF's blocks are copied in its own formats");
+    }
+    let report = if is_gguf {
         // A GGUF's blocks are copied as they are: its own formats, never re-quantized.
         eprintln!("shattering GGUF {} -> {} (quantized blocks copied as they are)", input.display(), out.display());
         smoe_convert::gguf::import::shatter_gguf(input, out, &CliProgress::new()).with_context(|| format!("shatter {}", input.display()))?
     } else {
-        eprintln!("shattering {} -> {} (experts {experts}, dense {dense})", input.display(), out.display());
+        match mix {
+            Some(m) => eprintln!("shattering {} -> {} (llama.cpp's {m} mix)", input.display(), out.display()),
+            None => eprintln!("shattering {} -> {} (experts {experts}, dense {dense})", input.display(), out.display()),
+        }
         shatter(input, out, &opts, &CliProgress::new()).with_context(|| format!("shatter {}", input.display()))?
     };
     eprintln!(

@@ -43,6 +43,11 @@ enum Command {
         /// Quantization threads (default: all cores).
         #[arg(long)]
         threads: Option<usize>,
+        /// A llama.cpp file type (Q2_K, Q3_K_M, Q4_K_M, Q5_K_M, Q6_K, Q8_0): each matrix in
+        /// the format llama.cpp's quantizer gives it (Q4_K_M: Q6_K output head, Q6_K values and
+        /// down projections in half the layers), instead of --experts/--dense.
+        #[arg(long, conflicts_with_all = ["experts", "dense"])]
+        mix: Option<smoe_convert::LlamaFileType>,
     },
     /// Write a random-weight checkpoint with the exact shapes of a published model.
     Synth {
@@ -68,6 +73,9 @@ enum Command {
         /// Dense format of the vault (with --vault).
         #[arg(long, default_value = "Q8_0")]
         dense: Format,
+        /// With --vault or --gguf: the formats of a llama.cpp file type, as `shatter --mix`.
+        #[arg(long, conflicts_with_all = ["experts", "dense"])]
+        mix: Option<smoe_convert::LlamaFileType>,
         /// Keep only the first N decoder layers.
         #[arg(long)]
         layers: Option<usize>,
@@ -384,8 +392,8 @@ fn quiet_on_closed_stdout() {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Shatter { input, out, experts, dense, threads } => {
-            cmd_vault::run_shatter(&input, &out, experts, dense, threads).map(|_| ())
+        Command::Shatter { input, out, experts, dense, threads, mix } => {
+            cmd_vault::run_shatter(&input, &out, experts, dense, threads, mix).map(|_| ())
         }
         Command::Synth {
             shape,
@@ -394,6 +402,7 @@ fn run(cli: Cli) -> Result<()> {
             gguf,
             experts,
             dense,
+            mix,
             layers,
             seed,
             shard_gib,
@@ -416,7 +425,7 @@ fn run(cli: Cli) -> Result<()> {
                 router_spread,
             };
             if let Some(g) = gguf {
-                let sh = smoe_convert::ShatterOptions { experts, dense, ..Default::default() };
+                let sh = smoe_convert::ShatterOptions { experts, dense, mix, ..Default::default() };
                 let t0 = std::time::Instant::now();
                 let r = smoe_convert::synth::synth_gguf(&shape, &g, &opts, &sh, &progress::CliProgress::new())?;
                 eprintln!(
@@ -428,11 +437,14 @@ fn run(cli: Cli) -> Result<()> {
                 );
                 return Ok(());
             }
+            if mix.is_some() && vault.is_none() {
+                anyhow::bail!("--mix chooses the formats of a vault or GGUF: use it with --vault or --gguf");
+            }
             if opts.random_blocks && vault.is_none() {
                 anyhow::bail!("--random-blocks writes quantized blocks: use it with --vault or --gguf");
             }
             if let Some(v) = vault {
-                let sh = smoe_convert::ShatterOptions { experts, dense, threads: None, zero_experts: false, fail_after_blobs: None };
+                let sh = smoe_convert::ShatterOptions { experts, dense, mix, ..Default::default() };
                 let r = smoe_convert::synth::synth_vault(&shape, &v, &opts, &sh, &progress::CliProgress::new())?;
                 eprintln!(
                     "wrote {} in {:.1} s: dense {}, experts {} ({} per blob)",
@@ -582,7 +594,7 @@ fn demo(model: Option<PathBuf>, prompt: &str) -> Result<()> {
     let dir = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../target/smoe-demo"));
     std::fs::create_dir_all(&dir)?;
     let vault = dir.join("stdlib-moe.smoe");
-    cmd_vault::run_shatter(&model, &vault, Some(Format::Q4_K.into()), Format::Q8_0, None)?;
+    cmd_vault::run_shatter(&model, &vault, Some(Format::Q4_K.into()), Format::Q8_0, None, None)?;
     println!();
     cmd_vault::run_inspect(&vault, false)?;
     println!();

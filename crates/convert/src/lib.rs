@@ -17,12 +17,14 @@ pub mod deepseek_v4;
 mod expert_formats;
 pub mod gguf;
 pub mod gpt_oss;
+mod llama_mix;
 pub mod qwen3_next;
 pub mod random_blocks;
 mod shatter;
 pub mod synth;
 
 pub use expert_formats::ExpertFormats;
+pub use llama_mix::{LlamaFileType, MixPlan};
 pub use shatter::{quantize_rows, shatter, shatter_from, ShatterOptions, ShatterReport, SourceAssets, TensorProvider};
 pub use smoe_formats::{Progress, Silent};
 

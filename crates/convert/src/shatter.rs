@@ -31,6 +31,9 @@ pub struct ShatterOptions {
     /// Test hook: fail after this many expert blobs, as a crash mid-conversion would.
     #[doc(hidden)]
     pub fail_after_blobs: Option<usize>,
+    /// A llama.cpp file type (`Q4_K_M`): each matrix in the format llama.cpp's quantizer gives
+    /// it, in place of `experts` and `dense` (see [`crate::LlamaFileType`]).
+    pub mix: Option<crate::LlamaFileType>,
 }
 
 impl Default for ShatterOptions {
@@ -41,6 +44,7 @@ impl Default for ShatterOptions {
             threads: None,
             zero_experts: false,
             fail_after_blobs: None,
+            mix: None,
         }
     }
 }
@@ -326,6 +330,7 @@ fn convert(
     let total: u64 = ckpt.names().iter().filter(|n| !hf::is_ignored(n, &arch)).map(|n| ckpt.source_bytes(n)).sum();
     progress.start(total);
     let mut notes: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    let mix = opts.mix.map(|m| m.plan(&arch));
     let mut w = VaultWriter::create(out)?;
 
     // Dense tensors, a chunk of rows at a time.
@@ -339,7 +344,11 @@ fn convert(
         // MXFP8 and FP8 hold float8 layers as published; they do not requantize the others,
         // which keep 16 bits (a bf16 checkpoint's exactly).
         let float8 = matches!(opts.dense, Format::MXFP8 | Format::FP8);
-        let requested = if float8 && ckpt.native_format(&src_name) != Some(opts.dense) { Format::BF16 } else { opts.dense };
+        let requested = match &mix {
+            Some(plan) => plan.dense(&spec.name).unwrap_or(opts.dense),
+            None if float8 && ckpt.native_format(&src_name) != Some(opts.dense) => Format::BF16,
+            None => opts.dense,
+        };
         let format = if spec.keep_f32 { Format::F32 } else { choose_format(requested, cols, &spec.name, &mut notes) };
         w.begin_tensor(&spec.name, format, &spec.shape, &src_name)?;
         let chunk_rows = (CHUNK_ELEMS / cols).max(1);
@@ -365,15 +374,34 @@ fn convert(
     drop((f32buf, qbuf));
 
     // Experts: one blob per (layer, expert), a bounded parallel batch at a time.
+    // A mix may give layers their own formats (Q4_K_M's Q6_K down projections in half the
+    // layers): every blob then takes the largest layer's size, as a mixed GGUF's import does.
     let shapes = names::expert_part_shapes(&arch);
-    let part_specs: Vec<(String, Format, [usize; 2])> = names::EXPERT_PARTS
-        .iter()
-        .zip(shapes)
-        .map(|(n, s)| (n.to_string(), choose_format(opts.experts.of(n), s[1], &format!("expert {n}"), &mut notes), s))
-        .collect();
-    let (parts, blob_size) = layout_blob(&part_specs, smoe_vault::header::DEFAULT_ALIGNMENT)?;
     let moe_layers = arch.moe_layers();
-    w.begin_experts(parts, blob_size, &moe_layers, arch.moe.num_experts)?;
+    let mut specs_for = |formats: ExpertFormats| -> Vec<(String, Format, [usize; 2])> {
+        names::EXPERT_PARTS
+            .iter()
+            .zip(shapes)
+            .map(|(n, s)| (n.to_string(), choose_format(formats.of(n), s[1], &format!("expert {n}"), &mut notes), s))
+            .collect()
+    };
+    let layer_specs: Vec<_> =
+        moe_layers.iter().map(|&l| specs_for(mix.as_ref().and_then(|p| p.experts(l)).unwrap_or(opts.experts))).collect();
+    let align = smoe_vault::header::DEFAULT_ALIGNMENT;
+    let layouts = layer_specs.iter().map(|specs| layout_blob(specs, align)).collect::<Result<Vec<_>, _>>()?;
+    let (first_parts, first_size) = match layouts.first() {
+        Some(layout) => layout.clone(),
+        None => layout_blob(&specs_for(opts.experts), align)?,
+    };
+    let blob_size = layouts.iter().map(|(_, size)| *size).max().unwrap_or(first_size);
+    w.begin_experts(first_parts.clone(), blob_size, &moe_layers, arch.moe.num_experts)?;
+    let mut mixed = false;
+    for (&l, (parts, _)) in moe_layers.iter().zip(&layouts) {
+        if *parts != first_parts {
+            w.set_layer_parts(l, parts.clone())?;
+            mixed = true;
+        }
+    }
     let batch = rayon::current_num_threads().max(1) * 2;
     let mut blobs_done = 0usize;
     let layers: &[usize] = if opts.zero_experts {
@@ -382,14 +410,14 @@ fn convert(
     } else {
         &moe_layers
     };
-    for &l in layers {
+    for (&l, part_specs) in layers.iter().zip(&layer_specs) {
         for first in (0..arch.moe.num_experts).step_by(batch) {
             let last = (first + batch).min(arch.moe.num_experts);
             let quantized: Vec<Result<Vec<Vec<u8>>, ConvertError>> = (first..last)
                 .into_par_iter()
                 .map(|e| {
                     let names = hf_expert_names(arch.family, l, e);
-                    names.iter().zip(&part_specs).map(|(n, (_, format, shape))| expert_part(ckpt, n, *format, *shape)).collect()
+                    names.iter().zip(part_specs).map(|(n, (_, format, shape))| expert_part(ckpt, n, *format, *shape)).collect()
                 })
                 .collect();
             for (e, q) in (first..last).zip(quantized) {
@@ -419,7 +447,7 @@ fn convert(
     }
     let manifest = Manifest {
         created_by: format!("smoe {}", env!("CARGO_PKG_VERSION")),
-        required_features: vec![],
+        required_features: if mixed { vec![smoe_vault::manifest::LAYER_EXPERT_PARTS.to_string()] } else { vec![] },
         architecture: arch.clone(),
         source_config: config,
         text,

@@ -616,10 +616,10 @@ pub fn synth_gguf_from_config(
     synth_vault_from_config(cfg.clone(), &vault, opts, &dense_only, progress)?;
     let provider = SynthProvider::new(&cfg, opts)?;
     let v = smoe_vault::Vault::open(&vault)?;
-    let (family, parts) = (v.architecture().family, v.manifest().experts.parts.clone());
+    let (family, index) = (v.architecture().family, v.manifest().experts.clone());
     drop(v);
     let make = |layer: usize, expert: usize, part: usize| {
-        let p = &parts[part];
+        let p = &index.layer_parts(layer)[part];
         crate::shatter::expert_part(&provider, &hf_expert_names(family, layer, expert)[part], p.format, p.shape)
     };
     crate::gguf::export::export_with(&vault, out, progress, Some(&make))
@@ -827,6 +827,7 @@ mod tests {
             threads: Some(2),
             zero_experts: false,
             fail_after_blobs: None,
+            mix: None,
         };
         // The fixtures' tiny GLM config keeps this quick and covers dense, MoE and shared experts.
         let cfg: Value = serde_json::from_str(
@@ -857,6 +858,7 @@ mod tests {
             threads: Some(2),
             zero_experts: false,
             fail_after_blobs: None,
+            mix: None,
         };
         let cfg: Value = serde_json::from_str(
             &std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/hf/glm4_moe/config.json")).unwrap(),

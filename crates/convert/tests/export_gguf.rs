@@ -48,6 +48,7 @@ fn bf16_export_matches_llama_cpp_converter() {
             threads: Some(2),
             zero_experts: false,
             fail_after_blobs: None,
+            mix: None,
         };
         shatter(&root().join("hf").join(name), &vault, &opts, &Silent).unwrap();
         let out = dir.path().join(format!("{name}.gguf"));
@@ -81,6 +82,60 @@ fn bf16_export_matches_llama_cpp_converter() {
             if !skip {
                 assert_eq!(ours.get(k), Some(v), "{name}: metadata {k}");
             }
+        }
+    }
+}
+
+/// `--mix` writes the file llama.cpp's own quantizer writes. testdata/gguf-kquant holds
+/// `llama-quantize`'s Q4_K_M and Q2_K files of the qwen3_moe_k fixture (made from the same
+/// bf16 weights): shattered with the mix and exported, every tensor has llama.cpp's type and
+/// shape, and, since smoe's block encoders are ggml's reference ones (crates/quant's golden
+/// test), the same bytes. Q4_K_M's down projections differ between the two layers (Q4_K, then
+/// Q6_K), so the vault lists per-layer parts; `synth --gguf` with the mix gives the same types.
+#[test]
+fn mixes_write_the_files_llama_cpps_quantizer_writes() {
+    use smoe_convert::LlamaFileType;
+    let dir = tempfile::tempdir().unwrap();
+    for (mix, mixed_layers) in [(LlamaFileType::Q4_K_M, true), (LlamaFileType::Q2_K, false)] {
+        let theirs = Gguf::open(&root().join("gguf-kquant").join(format!("qwen3_moe_k.{mix}.gguf"))).unwrap();
+        let vault = dir.path().join(format!("{mix}.smoe"));
+        let opts = ShatterOptions { mix: Some(mix), threads: Some(2), ..Default::default() };
+        shatter(&root().join("hf/qwen3_moe_k"), &vault, &opts, &Silent).unwrap();
+        let features = smoe_vault::Vault::open(&vault).unwrap().manifest().required_features.clone();
+        assert_eq!(features.iter().any(|f| f == smoe_vault::manifest::LAYER_EXPERT_PARTS), mixed_layers, "{mix}: {features:?}");
+        let out = dir.path().join(format!("{mix}.gguf"));
+        export(&vault, &out, &Silent).unwrap();
+        let ours = Gguf::open(&out).unwrap();
+        assert_eq!(ours.get("general.file_type"), theirs.get("general.file_type"), "{mix}");
+        assert_eq!(ours.tensors.len(), theirs.tensors.len(), "{mix}");
+        for t in &theirs.tensors {
+            let o = ours.tensor(&t.name).unwrap_or_else(|| panic!("{mix}: {} missing", t.name));
+            let what = format!("{mix} {}: ours {} {:?}", t.name, smoe_formats::gguf::ggml_type_name(o.ggml_type), o.dims);
+            assert_eq!(
+                (&o.dims, o.ggml_type),
+                (&t.dims, t.ggml_type),
+                "{what}, llama.cpp's {}",
+                smoe_formats::gguf::ggml_type_name(t.ggml_type)
+            );
+            assert!(bytes(&ours, &t.name) == bytes(&theirs, &t.name), "{what}: other bytes");
+        }
+        // Straight to GGUF, random blocks: the same types.
+        let cfg: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(root().join("hf/qwen3_moe_k/config.json")).unwrap()).unwrap();
+        let synth_opts = smoe_convert::synth::SynthOptions {
+            layers: None,
+            seed: 1,
+            shard_bytes: 1 << 30,
+            tokenizer_json: None,
+            random_blocks: true,
+            router_spread: 0.0,
+        };
+        let straight = dir.path().join(format!("{mix}.synth.gguf"));
+        smoe_convert::synth::synth_gguf_from_config(cfg, &straight, &synth_opts, &opts, &Silent).unwrap();
+        let s = Gguf::open(&straight).unwrap();
+        for t in &theirs.tensors {
+            let o = s.tensor(&t.name).unwrap_or_else(|| panic!("synth {mix}: {} missing", t.name));
+            assert_eq!(o.ggml_type, t.ggml_type, "synth {mix} {}", t.name);
         }
     }
 }

@@ -30,7 +30,14 @@ fn fixture(name: &str) -> PathBuf {
 }
 
 fn bf16_opts() -> ShatterOptions {
-    ShatterOptions { experts: Format::BF16.into(), dense: Format::BF16, threads: Some(2), zero_experts: false, fail_after_blobs: None }
+    ShatterOptions {
+        experts: Format::BF16.into(),
+        dense: Format::BF16,
+        threads: Some(2),
+        zero_experts: false,
+        fail_after_blobs: None,
+        mix: None,
+    }
 }
 
 fn shatter_to(name: &str, opts: &ShatterOptions, dir: &Path) -> Vault {
@@ -264,8 +271,14 @@ fn gpt_oss_values_kept(name: &str, v: &Vault, ckpt: &Checkpoint) {
 
 /// Relative RMS error of every expert matrix after a round trip through `format`.
 fn expert_error(name: &str, format: Format, dir: &Path) -> (f64, Format) {
-    let opts =
-        ShatterOptions { experts: format.into(), dense: Format::Q8_0, threads: Some(2), zero_experts: false, fail_after_blobs: None };
+    let opts = ShatterOptions {
+        experts: format.into(),
+        dense: Format::Q8_0,
+        threads: Some(2),
+        zero_experts: false,
+        fail_after_blobs: None,
+        mix: None,
+    };
     let v = shatter_to(name, &opts, dir);
     let ckpt = Checkpoint::open(&fixture(name)).unwrap();
     let a = v.architecture().clone();

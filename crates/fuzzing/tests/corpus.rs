@@ -35,6 +35,7 @@ fn seeds(target: &str, dir: &Path) -> Vec<Vec<u8>> {
                 threads: Some(1),
                 zero_experts: false,
                 fail_after_blobs: None,
+                mix: None,
             };
             smoe_convert::shatter(&root().join("testdata/hf/olmoe"), &out, &opts, &smoe_convert::Silent).unwrap();
             vec![std::fs::read(out).unwrap()]

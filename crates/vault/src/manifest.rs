@@ -152,6 +152,14 @@ pub struct ExpertIndex {
     pub layers: Vec<ExpertLayer>,
 }
 
+impl ExpertIndex {
+    /// The parts of decoder layer `layer`'s blobs: its own where it lists them, else the
+    /// common ones.
+    pub fn layer_parts(&self, layer: usize) -> &[PartEntry] {
+        self.layers.iter().find(|l| l.layer == layer).and_then(|l| l.parts.as_deref()).unwrap_or(&self.parts)
+    }
+}
+
 mod format_name {
     use serde::{Deserialize, Deserializer, Serializer};
     use smoe_quant::Format;

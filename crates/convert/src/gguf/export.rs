@@ -325,7 +325,9 @@ pub fn export_with(vault: &Path, out: &Path, progress: &dyn Progress, experts: O
     let v = Vault::open(vault)?;
     let a = v.architecture().clone();
     check_supported(&a)?;
-    let formats = v.manifest().dense.iter().map(|d| d.format).chain(v.manifest().experts.parts.iter().map(|p| p.format));
+    let x = &v.manifest().experts;
+    let layer_formats = x.layers.iter().flat_map(|l| l.parts.iter().flatten()).map(|p| p.format);
+    let formats = v.manifest().dense.iter().map(|d| d.format).chain(x.parts.iter().map(|p| p.format)).chain(layer_formats);
     if let Some(f) = formats.into_iter().find(|f| matches!(f, Format::MXFP8 | Format::FP8)) {
         return Err(FormatError::Unsupported(format!("the vault holds {f} tensors, which GGUF has no type for")).into());
     }
@@ -411,11 +413,10 @@ pub fn export_with(vault: &Path, out: &Path, progress: &dyn Progress, experts: O
             plans.push(Plan::Copy { canonical: spec.name.clone() });
         }
     }
-    let x = &v.manifest().experts;
     let n = a.moe.num_experts;
     let first_expert = decls.len();
     for &l in &a.moe_layers() {
-        for p in &x.parts {
+        for p in x.layer_parts(l) {
             let dims = vec![p.shape[1] as u64, p.shape[0] as u64, n as u64];
             decls.push((expert_tensor(l, &p.name), dims, p.format.ggml_id(), p.len * n as u64));
         }
@@ -497,11 +498,11 @@ pub fn export_with(vault: &Path, out: &Path, progress: &dyn Progress, experts: O
     // written into the stacked tensors.
     let parts_of = |l: usize, e: usize| -> Result<Vec<Vec<u8>>, ConvertError> {
         match experts {
-            Some(make) => (0..x.parts.len()).map(|pi| make(l, e, pi)).collect(),
+            Some(make) => (0..x.layer_parts(l).len()).map(|pi| make(l, e, pi)).collect(),
             None => {
                 let mut blob = vec![0u8; x.blob_size as usize];
                 v.read_blob(l, e, &mut blob)?;
-                Ok(x.parts.iter().map(|p| blob[p.offset as usize..(p.offset + p.len) as usize].to_vec()).collect())
+                Ok(x.layer_parts(l).iter().map(|p| blob[p.offset as usize..(p.offset + p.len) as usize].to_vec()).collect())
             }
         }
     };
@@ -510,7 +511,7 @@ pub fn export_with(vault: &Path, out: &Path, progress: &dyn Progress, experts: O
         for first in (0..n).step_by(batch) {
             let made: Vec<_> = (first..(first + batch).min(n)).into_par_iter().map(|e| parts_of(l, e)).collect();
             for (e, parts) in (first..).zip(made) {
-                for ((pi, p), bytes) in x.parts.iter().enumerate().zip(parts?) {
+                for ((pi, p), bytes) in x.layer_parts(l).iter().enumerate().zip(parts?) {
                     if bytes.len() as u64 != p.len {
                         return Err(FormatError::Internal(format!(
                             "layer {l} expert {e} {}: {} bytes, not {}",
@@ -520,7 +521,7 @@ pub fn export_with(vault: &Path, out: &Path, progress: &dyn Progress, experts: O
                         ))
                         .into());
                     }
-                    w.write_at(first_expert + li * x.parts.len() + pi, e as u64 * p.len, &bytes)?;
+                    w.write_at(first_expert + li * names::EXPERT_PARTS.len() + pi, e as u64 * p.len, &bytes)?;
                     progress.advance(p.len);
                 }
             }

@@ -49,7 +49,7 @@ pub fn vault(name: &str, experts: impl Into<ExpertFormats>, dense: Format) -> Pa
     let out = dir.path().join(format!("{name}-{experts}-{dense}.smoe"));
     let _g = LOCK.lock().unwrap();
     if !out.exists() {
-        let opts = ShatterOptions { experts, dense, threads: Some(2), zero_experts: false, fail_after_blobs: None };
+        let opts = ShatterOptions { experts, dense, threads: Some(2), zero_experts: false, fail_after_blobs: None, mix: None };
         shatter(&fixture(name), &out, &opts, &Silent).unwrap();
     }
     out
