@@ -76,13 +76,18 @@ def llama_cpp(work):
     return src, bins
 
 
-def model_files(smoe, llama_src, work, layers):
-    vault = os.path.join(work, f"qwen3-30b-a3b-l{layers}.smoe")
-    gguf = os.path.join(work, f"qwen3-30b-a3b-l{layers}.gguf")
+def model_files(smoe, llama_src, work, layers, mix=None):
+    """The vault and its GGUF: smoe's default formats (Q4_K experts, Q8_0 dense), or with
+    `mix` a llama.cpp file type's (`--mix Q4_K_M`: the layout of the files people download)."""
+    tag = f"qwen3-30b-a3b-l{layers}" + (f"-{mix}" if mix else "")
+    vault = os.path.join(work, f"{tag}.smoe")
+    gguf = os.path.join(work, f"{tag}.gguf")
     vocab = os.path.join(llama_src, "models/ggml-vocab-qwen2.gguf")
     if not os.path.exists(vault):
         t = time.time()
-        run([smoe, "synth", "--shape", "qwen3-30b-a3b", "--layers", layers, "--vault", vault, "--vocab-gguf", vocab], capture=False)
+        formats = ["--mix", mix] if mix else []
+        run([smoe, "synth", "--shape", "qwen3-30b-a3b", "--layers", layers, "--vault", vault, "--vocab-gguf", vocab, *formats],
+            capture=False)
         log(f"synthesised the vault in {time.time() - t:.0f} s")
     if not os.path.exists(gguf):
         run([smoe, "export-gguf", vault, "-o", gguf], capture=False)
@@ -197,6 +202,7 @@ def main():
     ap.add_argument("--work", default=os.path.join(ROOT, "target/bench"))
     ap.add_argument("--capped-tokens", default="16", help="llama.cpp's decode tokens under the cap (it is slow there)")
     ap.add_argument("--capped-tokens-smoe", default="64")
+    ap.add_argument("--mix", help="a llama.cpp file type for both engines' weights (Q4_K_M; default: Q4_K experts, Q8_0 dense)")
     ap.add_argument("--device", default="cpu", help="smoe's device: cpu, cuda or cuda:N (llama.cpp runs as it was built)")
     ap.add_argument("--shape", default="qwen3-30b-a3b", choices=["qwen3-30b-a3b", "qwen3-235b-a22b"],
                     help="qwen3-235b-a22b: the full-scale run of bench/big.py instead (a file larger than RAM, no cap)")
@@ -214,7 +220,7 @@ def main():
     t_start = time.time()
     smoe = build_smoe()
     llama_src, bins = llama_cpp(args.work)
-    vault, gguf = model_files(smoe, llama_src, args.work, args.layers)
+    vault, gguf = model_files(smoe, llama_src, args.work, args.layers, args.mix)
     info = json.loads(run([smoe, "inspect", vault, "--json"]).stdout)
     blob = info["expert_blob_bytes"]
     model_bytes = os.path.getsize(vault)
