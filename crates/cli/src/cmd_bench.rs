@@ -106,8 +106,7 @@ fn bench_on<B: Backend>(engine: &Engine<B>, report: &OpenReport, job: &BenchJob,
         v["routing"] = engine.model.routing_trace().map_or("router".to_string(), |t| t.describe()).into();
         v["threads"] = model.threads.unwrap_or_else(smoe_engine::default_threads).into();
         v["dense_bytes"] = engine.model.dense_bytes().into();
-        let arch = engine.model.arch();
-        let experts_per_token = (arch.moe.top_k * arch.moe_layers().len()) as u64 * report.blob_bytes;
+        let experts_per_token = engine.model.arch().moe.top_k as u64 * report.expert_bytes_all_layers;
         v["active_bytes_per_token"] = (engine.model.dense_bytes_per_token() + experts_per_token).into();
         v["cache_bytes"] = report.cache_bytes.into();
         v["cache_experts"] = report.cache_experts.into();

@@ -100,6 +100,9 @@ pub struct OpenReport {
     pub total_experts: usize,
     /// Bytes of one expert blob.
     pub blob_bytes: u64,
+    /// Bytes of the matrices of one expert in every MoE layer (top-k times this is what a
+    /// token's experts read; layers of a mixed file differ, so not blob size times layers).
+    pub expert_bytes_all_layers: u64,
     /// Why this size.
     pub reason: String,
     /// I/O engine.
@@ -271,6 +274,7 @@ pub fn open<B: Backend>(path: &Path, opts: &OpenOptions, backend: B) -> Result<(
     }
     let total = map.total_experts();
     let blob = map.slot_size() as u64;
+    let expert_bytes_all_layers = (0..arch.moe_layers().len()).map(|ord| map.expert_bytes(ord)).sum();
     let where_from = if matches!(file, ModelFile::Gguf(_)) { "; experts read in place from the GGUF" } else { "" };
     let (experts, report): (Arc<dyn ExpertSource>, OpenReport) = if opts.cache == CacheSize::Resident {
         let r = ResidentExperts::load_map(map.interleaved(&backend.interleaved_expert_formats()))?;
@@ -279,6 +283,7 @@ pub fn open<B: Backend>(path: &Path, opts: &OpenOptions, backend: B) -> Result<(
             cache_bytes: total as u64 * blob,
             total_experts: total,
             blob_bytes: blob,
+            expert_bytes_all_layers,
             reason: "resident".into(),
             io: format!("read at start{where_from}"),
             ctx,
@@ -310,6 +315,7 @@ pub fn open<B: Backend>(path: &Path, opts: &OpenOptions, backend: B) -> Result<(
             cache_bytes: store.cache_bytes(),
             total_experts: total,
             blob_bytes: blob,
+            expert_bytes_all_layers,
             reason,
             io: format!("{}{where_from}", store.io_description()),
             ctx,

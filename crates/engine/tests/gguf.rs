@@ -428,6 +428,30 @@ fn llama_cpp_k_quants_import_and_match_llama_cpp() {
     }
 }
 
+/// A mixed file's experts differ in size from layer to layer (llama.cpp's Q4_K_M: Q6_K down
+/// projections in one of qwen3_moe_k's two layers): the bytes one expert of every layer
+/// holds are the sum of the file's own expert tensors over their experts, streamed or
+/// resident, in place or shattered (where every blob is padded to the largest layer's).
+#[test]
+fn a_mixed_files_expert_bytes_are_its_layers_own() {
+    let file = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/gguf-kquant/qwen3_moe_k.Q4_K_M.gguf");
+    let g = smoe_formats::gguf::Gguf::open(&file).unwrap();
+    let n = 8;
+    let want: u64 = g.tensors.iter().filter(|t| t.name.contains("_exps.weight")).map(|t| t.len().unwrap() / n).sum();
+    let down = |l: usize| g.tensor(&format!("blk.{l}.ffn_down_exps.weight")).unwrap().format().unwrap();
+    assert_eq!((down(0), down(1)), (Format::Q4_K, Format::Q6_K));
+    let dir = tempfile::tempdir().unwrap();
+    let vault = dir.path().join("q4km.smoe");
+    smoe_convert::gguf::import::shatter_gguf(&file, &vault, &smoe_formats::Silent).unwrap();
+    for path in [file.as_path(), vault.as_path()] {
+        for cache in [CacheSize::Resident, CacheSize::Experts(4)] {
+            let opts = OpenOptions { precision: Precision::Reference, cache, ..Default::default() };
+            let report = open_cpu(path, &opts).unwrap().1;
+            assert_eq!(report.expert_bytes_all_layers, want, "{} {cache:?}", path.display());
+        }
+    }
+}
+
 /// DeepSeek-V4 as llama.cpp's converter writes deepseek-ai's checkpoint (`deepseek4`): its FP4
 /// experts repacked as MXFP4 blocks, its FP8 layers dequantized and requantized to Q8_0, the
 /// hash tables as I32, the rest as stored. In place and shattered against transformers on the

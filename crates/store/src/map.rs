@@ -210,6 +210,12 @@ impl ExpertMap {
         }
     }
 
+    /// Bytes of one expert's matrices in MoE ordinal `ord` (what its products read; a mixed
+    /// file's layers differ, Q4_K_M's Q6_K down projections in half of them).
+    pub fn expert_bytes(&self, ord: usize) -> u64 {
+        self.layers[ord].parts.iter().map(|p| p.len).sum()
+    }
+
     /// Bytes read for one expert of MoE ordinal `ord`.
     pub fn read_bytes(&self, ord: usize, expert: usize) -> u64 {
         let a = self.align as u64;
