@@ -88,6 +88,10 @@ pub fn inspect_json(v: &Vault) -> serde_json::Value {
         "architecture": m.architecture,
         "dense_formats": dense_formats.iter().map(|(k, (n, b))| (k.clone(), serde_json::json!({"tensors": n, "bytes": b}))).collect::<serde_json::Map<_, _>>(),
         "expert_parts": m.experts.parts.iter().map(|p| serde_json::json!({"name": p.name, "format": p.format.name(), "shape": p.shape, "bytes": p.len})).collect::<Vec<_>>(),
+        // Layers with parts of their own (a mixed quantization such as Q4_K_M), by layer.
+        "layer_expert_formats": m.experts.layers.iter().filter_map(|l| l.parts.as_ref().map(|ps| {
+            (l.layer.to_string(), ps.iter().map(|p| (p.name.clone(), serde_json::Value::from(p.format.name()))).collect::<serde_json::Map<_, _>>().into())
+        })).collect::<serde_json::Map<_, serde_json::Value>>(),
         "dense_bytes": h.dense_len,
         "expert_bytes": h.experts_len,
         "expert_blob_bytes": m.experts.blob_size,
@@ -177,6 +181,17 @@ pub fn run_inspect(path: &Path, json: bool) -> Result<()> {
     }
     let parts: Vec<String> = m.experts.parts.iter().map(|p| format!("{} {}", p.name, p.format)).collect();
     println!("expert blobs  {} x {} ({})", m.experts.layers.len() * a.moe.num_experts, fmt_bytes(m.experts.blob_size), parts.join(", "));
+    // A mixed quantization: the layers whose parts differ, grouped by their formats.
+    let mut own: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+    for l in &m.experts.layers {
+        if let Some(ps) = &l.parts {
+            own.entry(ps.iter().map(|p| format!("{} {}", p.name, p.format)).collect::<Vec<_>>().join(", ")).or_default().push(l.layer);
+        }
+    }
+    for (formats, layers) in &own {
+        let list: Vec<String> = layers.iter().map(|l| l.to_string()).collect();
+        println!("              layers [{}]: {formats}", list.join(" "));
+    }
     let mut dense_formats: BTreeMap<Format, u64> = BTreeMap::new();
     for d in &m.dense {
         *dense_formats.entry(d.format).or_default() += d.len;

@@ -103,6 +103,36 @@ fn shatter_inspect_verify_and_a_flipped_byte() {
     assert!(err.contains("checksum mismatch") && err.contains("layer 1 expert 7"), "{err}");
 }
 
+/// `--mix Q4_K_M` lays a checkpoint out as llama.cpp's Q4_K_M: `inspect` names the layers
+/// whose expert formats differ (Q6_K down projections in layer 1 of qwen3_moe_k's two), and the
+/// vault verifies. A mix together with explicit formats, an unknown file type, or a mix for a
+/// GGUF (whose blocks are copied as they are) is refused with a message saying why.
+#[test]
+fn shatter_with_a_llama_cpp_mix() {
+    let dir = tempfile::tempdir().unwrap();
+    let v = shatter(dir.path(), "qwen3_moe_k", &["--mix", "q4_k_m"]);
+    let j: serde_json::Value = serde_json::from_str(&ok(&smoe(&["inspect", &v, "--json"]))).unwrap();
+    assert_eq!(j["expert_parts"][2]["format"], "Q4_K");
+    assert_eq!(j["layer_expert_formats"], serde_json::json!({"1": {"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"}}));
+    assert_eq!(j["dense_formats"]["Q8_0"]["tensors"], 4, "eight experts: llama.cpp's Q8_0 keys and values");
+    let text = ok(&smoe(&["inspect", &v]));
+    assert!(text.contains("layers [1]: gate Q4_K, up Q4_K, down Q6_K"), "{text}");
+    assert!(ok(&smoe(&["verify", &v])).starts_with("ok:"));
+    let out = dir.path().join("x.smoe").display().to_string();
+    let fx = fixture("qwen3_moe_k");
+    let gguf = root().join("testdata/gguf-kquant/qwen3_moe_k.Q4_K_M.gguf").display().to_string();
+    for (args, want) in [
+        (vec!["shatter", &fx, "-o", &out, "--mix", "Q4_K_M", "--experts", "Q4_K"], "cannot be used with"),
+        (vec!["shatter", &fx, "-o", &out, "--mix", "Q4_K_S"], "not a llama.cpp file type smoe reproduces"),
+        (vec!["shatter", &gguf, "-o", &out, "--mix", "Q4_K_M"], "a GGUF's blocks are copied"),
+    ] {
+        let o = smoe(&args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains(want), "{args:?}: {err}");
+        assert!(!Path::new(&out).exists(), "{args:?} left {out}");
+    }
+}
+
 #[test]
 fn injected_failure_leaves_no_output() {
     let dir = tempfile::tempdir().unwrap();
