@@ -825,9 +825,7 @@ mod tests {
             experts: smoe_quant::Format::Q4_K.into(),
             dense: smoe_quant::Format::Q8_0,
             threads: Some(2),
-            zero_experts: false,
-            fail_after_blobs: None,
-            mix: None,
+            ..Default::default()
         };
         // The fixtures' tiny GLM config keeps this quick and covers dense, MoE and shared experts.
         let cfg: Value = serde_json::from_str(
@@ -852,14 +850,7 @@ mod tests {
     #[test]
     fn random_blocks_make_the_same_vault_layout_with_the_same_spread() {
         let dir = tempfile::tempdir().unwrap();
-        let sh = crate::ShatterOptions {
-            experts: Format::Q4_K.into(),
-            dense: Format::Q8_0,
-            threads: Some(2),
-            zero_experts: false,
-            fail_after_blobs: None,
-            mix: None,
-        };
+        let sh = crate::ShatterOptions { experts: Format::Q4_K.into(), dense: Format::Q8_0, threads: Some(2), ..Default::default() };
         let cfg: Value = serde_json::from_str(
             &std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/hf/glm4_moe/config.json")).unwrap(),
         )

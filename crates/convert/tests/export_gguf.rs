@@ -42,14 +42,7 @@ fn bf16_export_matches_llama_cpp_converter() {
         "qwen3_5_moe",
     ] {
         let vault = dir.path().join(format!("{name}.smoe"));
-        let opts = ShatterOptions {
-            experts: experts_of(name).into(),
-            dense: Format::BF16,
-            threads: Some(2),
-            zero_experts: false,
-            fail_after_blobs: None,
-            mix: None,
-        };
+        let opts = ShatterOptions { experts: experts_of(name).into(), dense: Format::BF16, threads: Some(2), ..Default::default() };
         shatter(&root().join("hf").join(name), &vault, &opts, &Silent).unwrap();
         let out = dir.path().join(format!("{name}.gguf"));
         export(&vault, &out, &Silent).unwrap();

@@ -30,14 +30,7 @@ fn fixture(name: &str) -> PathBuf {
 }
 
 fn bf16_opts() -> ShatterOptions {
-    ShatterOptions {
-        experts: Format::BF16.into(),
-        dense: Format::BF16,
-        threads: Some(2),
-        zero_experts: false,
-        fail_after_blobs: None,
-        mix: None,
-    }
+    ShatterOptions { experts: Format::BF16.into(), dense: Format::BF16, threads: Some(2), ..Default::default() }
 }
 
 fn shatter_to(name: &str, opts: &ShatterOptions, dir: &Path) -> Vault {
@@ -271,14 +264,7 @@ fn gpt_oss_values_kept(name: &str, v: &Vault, ckpt: &Checkpoint) {
 
 /// Relative RMS error of every expert matrix after a round trip through `format`.
 fn expert_error(name: &str, format: Format, dir: &Path) -> (f64, Format) {
-    let opts = ShatterOptions {
-        experts: format.into(),
-        dense: Format::Q8_0,
-        threads: Some(2),
-        zero_experts: false,
-        fail_after_blobs: None,
-        mix: None,
-    };
+    let opts = ShatterOptions { experts: format.into(), dense: Format::Q8_0, threads: Some(2), ..Default::default() };
     let v = shatter_to(name, &opts, dir);
     let ckpt = Checkpoint::open(&fixture(name)).unwrap();
     let a = v.architecture().clone();

@@ -329,19 +329,14 @@ fn every_fixture_family_matches_transformers_on_the_gpu() {
 /// distance from bf16).
 #[test]
 fn llama_cpp_mixed_files_run_in_place_on_the_gpu() {
-    let dir = fixture("qwen3_moe_k").join("../../gguf-kquant");
-    let ids: Vec<u32> =
-        std::fs::read_to_string(dir.join("qwen3_moe_k.long-ids.txt")).unwrap().split_whitespace().map(|s| s.parse().unwrap()).collect();
-    let bf16 = load(&vault("qwen3_moe_k", Format::BF16, Format::BF16));
-    let vocab = bf16.arch().vocab_size;
-    let reference = score(&bf16, &ids, ScoreMode::Prefill, 64, false).unwrap().logits;
+    if smoe_cuda::probe().is_err() {
+        eprintln!("skipped: no usable GPU");
+        return;
+    }
+    let (dir, ids, reference, vocab) = kquant_case();
     for f in ["Q4_K_M", "Q2_K"] {
         let Some(b) = backend(&CudaOptions::default()) else { return };
-        let llama: Vec<f32> = std::fs::read(dir.join(format!("qwen3_moe_k.{f}.llama-logits.f32")))
-            .unwrap()
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-            .collect();
+        let llama = kquant_llama_logits(&dir, f);
         let opts = smoe_engine::OpenOptions { cache: smoe_engine::CacheSize::Resident, ..Default::default() };
         let gpu = smoe_engine::open(&dir.join(format!("qwen3_moe_k.{f}.gguf")), &opts, b).unwrap().0;
         let llama_bf16 = distance(&llama, &reference, vocab).1;

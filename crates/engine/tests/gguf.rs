@@ -396,18 +396,9 @@ fn mean_kl(p: &[f32], q: &[f32], vocab: usize) -> f64 {
 /// each other far more closely than either with bf16 (docs/gguf.md derives the bounds).
 #[test]
 fn llama_cpp_k_quants_import_and_match_llama_cpp() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/gguf-kquant");
-    let ids: Vec<u32> =
-        std::fs::read_to_string(dir.join("qwen3_moe_k.long-ids.txt")).unwrap().split_whitespace().map(|s| s.parse().unwrap()).collect();
-    let bf16 = load(&vault("qwen3_moe_k", Format::BF16, Format::BF16));
-    let vocab = bf16.arch().vocab_size;
-    let reference = score(&bf16, &ids, ScoreMode::Prefill, 64, false).unwrap().logits;
+    let (dir, ids, reference, vocab) = kquant_case();
     for f in ["Q4_K_M", "Q2_K"] {
-        let llama: Vec<f32> = std::fs::read(dir.join(format!("qwen3_moe_k.{f}.llama-logits.f32")))
-            .unwrap()
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-            .collect();
+        let llama = kquant_llama_logits(&dir, f);
         let file = dir.join(format!("qwen3_moe_k.{f}.gguf"));
         for precision in [Precision::Reference, Precision::Fast] {
             let opts = OpenOptions { precision, cache: CacheSize::Resident, ..Default::default() };

@@ -290,8 +290,7 @@ fn run_case(seed: u64) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("m.smoe");
     let synth = SynthOptions { layers: None, seed, shard_bytes: 1 << 30, tokenizer_json: None, random_blocks: false, router_spread: 0.0 };
-    let shatter =
-        ShatterOptions { experts: experts.into(), dense, threads: Some(1), zero_experts: false, fail_after_blobs: None, mix: None };
+    let shatter = ShatterOptions { experts: experts.into(), dense, threads: Some(1), ..Default::default() };
     let what = format!("seed {seed} ({family}, {experts}/{dense}, {t} tokens, chunk {chunk}) config {cfg}");
     synth_vault_from_config(cfg.clone(), &path, &synth, &shatter, &Silent).unwrap_or_else(|e| panic!("{what}: synth: {e}"));
     let reference = load(&path, Precision::Reference);
@@ -363,14 +362,7 @@ fn deepseek_v3_ratios_score_300_tokens_from_vault_and_gguf() {
     let (vault, gguf) = (dir.path().join("ds.smoe"), dir.path().join("ds.gguf"));
     let synth =
         SynthOptions { layers: None, seed: 3, shard_bytes: 1 << 30, tokenizer_json: None, random_blocks: false, router_spread: 0.0 };
-    let shatter = ShatterOptions {
-        experts: Format::BF16.into(),
-        dense: Format::BF16,
-        threads: Some(2),
-        zero_experts: false,
-        fail_after_blobs: None,
-        mix: None,
-    };
+    let shatter = ShatterOptions { experts: Format::BF16.into(), dense: Format::BF16, threads: Some(2), ..Default::default() };
     synth_vault_from_config(cfg, &vault, &synth, &shatter, &Silent).unwrap();
     smoe_convert::gguf::export::export(&vault, &gguf, &Silent).unwrap();
     let ids: Vec<u32> = (0..300u32).map(|i| (i * 7919 + 13) % 1024).collect();
@@ -410,14 +402,7 @@ fn many_experts_route_alike_on_one_thread_and_four() {
     let path = dir.path().join("m.smoe");
     let synth =
         SynthOptions { layers: None, seed: 11, shard_bytes: 1 << 30, tokenizer_json: None, random_blocks: false, router_spread: 0.0 };
-    let shatter = ShatterOptions {
-        experts: Format::Q8_0.into(),
-        dense: Format::Q8_0,
-        threads: Some(1),
-        zero_experts: false,
-        fail_after_blobs: None,
-        mix: None,
-    };
+    let shatter = ShatterOptions { experts: Format::Q8_0.into(), dense: Format::Q8_0, threads: Some(1), ..Default::default() };
     synth_vault_from_config(cfg, &path, &synth, &shatter, &Silent).unwrap();
     // 13 pieces of 16 tokens, each 16 × 128 × 8 row-op elements: 213K in all, past the
     // 65,536 from which the CPU backend spreads row work over its pool.

@@ -33,9 +33,7 @@ fn seeds(target: &str, dir: &Path) -> Vec<Vec<u8>> {
                 experts: smoe_quant::Format::Q8_0.into(),
                 dense: smoe_quant::Format::Q8_0,
                 threads: Some(1),
-                zero_experts: false,
-                fail_after_blobs: None,
-                mix: None,
+                ..Default::default()
             };
             smoe_convert::shatter(&root().join("testdata/hf/olmoe"), &out, &opts, &smoe_convert::Silent).unwrap();
             vec![std::fs::read(out).unwrap()]

@@ -173,7 +173,7 @@ impl ExpertMap {
         for &l in &moe {
             let base = vault.blob(l, 0).map_err(|source| StoreError::Read { layer: l, expert: 0, source })?.offset;
             let entry = x.layers.iter().find(|e| e.layer == l);
-            let parts = entry.and_then(|e| e.parts.as_ref()).unwrap_or(&x.parts);
+            let parts = x.layer_parts(l);
             layers.push(LayerMap {
                 extents: vec![Extent { file: 0, base, stride: x.blob_size, len: x.blob_size }],
                 parts: [Part::from_entry(&parts[0]), Part::from_entry(&parts[1]), Part::from_entry(&parts[2])],

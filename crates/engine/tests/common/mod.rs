@@ -49,7 +49,7 @@ pub fn vault(name: &str, experts: impl Into<ExpertFormats>, dense: Format) -> Pa
     let out = dir.path().join(format!("{name}-{experts}-{dense}.smoe"));
     let _g = LOCK.lock().unwrap();
     if !out.exists() {
-        let opts = ShatterOptions { experts, dense, threads: Some(2), zero_experts: false, fail_after_blobs: None, mix: None };
+        let opts = ShatterOptions { experts, dense, threads: Some(2), ..Default::default() };
         shatter(&fixture(name), &out, &opts, &Silent).unwrap();
     }
     out
@@ -178,6 +178,27 @@ pub fn dequantized_copy(src: &Path) -> PathBuf {
     let _ = names::EXPERT_PARTS;
     w.finish(m).unwrap();
     out
+}
+
+/// llama.cpp's own K-quant files of qwen3_moe_k (testdata/gguf-kquant, written by
+/// `llama-quantize`): the directory, the `long` input ids llama.cpp scored, and bf16 logits of
+/// those ids (smoe's reference CPU backend on the fixture's bf16 vault), with the vocabulary.
+pub fn kquant_case() -> (PathBuf, Vec<u32>, Vec<f32>, usize) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/gguf-kquant");
+    let ids: Vec<u32> =
+        std::fs::read_to_string(dir.join("qwen3_moe_k.long-ids.txt")).unwrap().split_whitespace().map(|s| s.parse().unwrap()).collect();
+    let bf16 = load(&vault("qwen3_moe_k", Format::BF16, Format::BF16));
+    let reference = smoe_engine::score(&bf16, &ids, smoe_engine::ScoreMode::Prefill, 64, false).unwrap().logits;
+    (dir, ids, reference, bf16.arch().vocab_size)
+}
+
+/// llama.cpp's logits on its `f` file of [`kquant_case`] (`Q4_K_M`, `Q2_K`).
+pub fn kquant_llama_logits(dir: &Path, f: &str) -> Vec<f32> {
+    std::fs::read(dir.join(format!("qwen3_moe_k.{f}.llama-logits.f32")))
+        .unwrap()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
 }
 
 /// Loads a vault with every expert resident on the reference CPU backend.
