@@ -25,15 +25,17 @@ use std::str::FromStr;
 #[allow(non_camel_case_types)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LlamaFileType {
-    /// Q2_K base; Q3_K down projections and attention output, Q4_K values (grouped queries).
+    /// Q2_K base; Q3_K down projections and attention output; values Q4_K where four or more
+    /// query heads share a key head, else Q3_K.
     Q2_K,
-    /// Q3_K base; Q4_K down projections and attention output, Q5_K in the first layers.
+    /// Q3_K base; Q4_K down projections and attention output, Q5_K in the first sixteenth of
+    /// the down projections and the first two value projections.
     Q3_K_M,
     /// Q4_K base; Q6_K values and down projections in half the layers.
     Q4_K_M,
     /// Q5_K base; Q6_K values and down projections in half the layers.
     Q5_K_M,
-    /// Q6_K everywhere.
+    /// Q6_K everywhere but eight-expert models' keys and values (Q8_0).
     Q6_K,
     /// Q8_0 everywhere.
     Q8_0,
