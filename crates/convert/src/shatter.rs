@@ -11,7 +11,7 @@ use smoe_formats::hf::{self, hf_expert_names, hf_name};
 use smoe_formats::safetensors::{Checkpoint, DType};
 use smoe_formats::FormatError;
 use smoe_quant::Format;
-use smoe_vault::{layout_blob, names, Architecture, Manifest, VaultWriter};
+use smoe_vault::{names, Architecture, Manifest, VaultWriter};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -375,7 +375,7 @@ fn convert(
 
     // Experts: one blob per (layer, expert), a bounded parallel batch at a time.
     // A mix may give layers their own formats (Q4_K_M's Q6_K down projections in half the
-    // layers): every blob then takes the largest layer's size, as a mixed GGUF's import does.
+    // layers): the writer then pads every blob to the largest layer's size.
     let shapes = names::expert_part_shapes(&arch);
     let moe_layers = arch.moe_layers();
     let mut specs_for = |formats: ExpertFormats| -> Vec<(String, Format, [usize; 2])> {
@@ -385,23 +385,12 @@ fn convert(
             .map(|(n, s)| (n.to_string(), choose_format(formats.of(n), s[1], &format!("expert {n}"), &mut notes), s))
             .collect()
     };
-    let layer_specs: Vec<_> =
-        moe_layers.iter().map(|&l| specs_for(mix.as_ref().and_then(|p| p.experts(l)).unwrap_or(opts.experts))).collect();
-    let align = smoe_vault::header::DEFAULT_ALIGNMENT;
-    let layouts = layer_specs.iter().map(|specs| layout_blob(specs, align)).collect::<Result<Vec<_>, _>>()?;
-    let (first_parts, first_size) = match layouts.first() {
-        Some(layout) => layout.clone(),
-        None => layout_blob(&specs_for(opts.experts), align)?,
+    let layer_specs: Vec<_> = if moe_layers.is_empty() {
+        vec![specs_for(opts.experts)]
+    } else {
+        moe_layers.iter().map(|&l| specs_for(mix.as_ref().and_then(|p| p.experts(l)).unwrap_or(opts.experts))).collect()
     };
-    let blob_size = layouts.iter().map(|(_, size)| *size).max().unwrap_or(first_size);
-    w.begin_experts(first_parts.clone(), blob_size, &moe_layers, arch.moe.num_experts)?;
-    let mut mixed = false;
-    for (&l, (parts, _)) in moe_layers.iter().zip(&layouts) {
-        if *parts != first_parts {
-            w.set_layer_parts(l, parts.clone())?;
-            mixed = true;
-        }
-    }
+    let blob_size = w.begin_experts_by_layer(&layer_specs, &moe_layers, arch.moe.num_experts)?;
     let batch = rayon::current_num_threads().max(1) * 2;
     let mut blobs_done = 0usize;
     let layers: &[usize] = if opts.zero_experts {
@@ -447,7 +436,7 @@ fn convert(
     }
     let manifest = Manifest {
         created_by: format!("smoe {}", env!("CARGO_PKG_VERSION")),
-        required_features: if mixed { vec![smoe_vault::manifest::LAYER_EXPERT_PARTS.to_string()] } else { vec![] },
+        required_features: vec![],
         architecture: arch.clone(),
         source_config: config,
         text,

@@ -237,3 +237,46 @@ fn dense_lengths_never_wrap() {
     let e = w.add_tensor("embed", Format::F32, &[1 << 40, 1 << 30], &[], "x").err().unwrap().to_string();
     assert!(e.contains("too large"), "{e}");
 }
+
+/// Layers whose expert formats differ: every blob takes the largest layer's size, the other
+/// layers list their own parts, and the finished manifest declares the feature readers need
+/// (the writer's to declare, not each converter's); a uniform model declares nothing.
+#[test]
+fn experts_by_layer_declare_their_feature() {
+    let arch = tiny_arch();
+    let shapes = names::expert_part_shapes(&arch);
+    let specs = |down: Format| -> Vec<(String, Format, [usize; 2])> {
+        names::EXPERT_PARTS.iter().zip(shapes).map(|(n, s)| (n.to_string(), if *n == "down" { down } else { Format::BF16 }, s)).collect()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    for (i, downs) in [[Format::BF16, Format::F32], [Format::BF16, Format::BF16]].into_iter().enumerate() {
+        let path = dir.path().join(format!("m{i}.smoe"));
+        let mut w = VaultWriter::create(&path).unwrap();
+        for spec in names::dense_tensors(&arch) {
+            let n: usize = spec.shape.iter().product();
+            w.add_tensor(&spec.name, Format::F32, &spec.shape, &vec![0u8; n * 4], "src").unwrap();
+        }
+        let layers: Vec<_> = downs.iter().map(|&d| specs(d)).collect();
+        assert!(w.begin_experts_by_layer(&layers[..1], &arch.moe_layers(), arch.moe.num_experts).is_err(), "one list per layer");
+        let blob = w.begin_experts_by_layer(&layers, &arch.moe_layers(), arch.moe.num_experts).unwrap();
+        assert_eq!(blob, layers.iter().map(|l| layout_blob(l, 4096).unwrap().1).max().unwrap());
+        for (l, specs) in arch.moe_layers().into_iter().zip(&layers) {
+            let (parts, _) = layout_blob(specs, 4096).unwrap();
+            for e in 0..arch.moe.num_experts {
+                let data: Vec<Vec<u8>> = parts.iter().map(|p| vec![(l + e) as u8; p.len as usize]).collect();
+                w.add_blob(l, e, &data.iter().map(|d| d.as_slice()).collect::<Vec<_>>()).unwrap();
+            }
+        }
+        w.finish(manifest(&arch)).unwrap();
+        let v = Vault::open(&path).unwrap();
+        let mixed = downs[0] != downs[1];
+        assert_eq!(v.manifest().required_features == [crate::manifest::LAYER_EXPERT_PARTS], mixed, "{downs:?}");
+        assert_eq!(v.manifest().required_features.is_empty(), !mixed);
+        let x = &v.manifest().experts;
+        assert_eq!(x.blob_size, blob);
+        for (l, d) in arch.moe_layers().into_iter().zip(downs) {
+            assert_eq!(x.layer_parts(l)[2].format, d, "layer {l}");
+        }
+        v.verify(&mut |_| {}).unwrap();
+    }
+}

@@ -244,10 +244,38 @@ impl VaultWriter {
         Ok(())
     }
 
+    /// [`begin_experts`](Self::begin_experts) for layers whose parts may differ (a mixed
+    /// quantization: Q4_K_M keeps some layers' `down` in Q6_K). `layers[i]` lists the parts of
+    /// MoE layer `moe_layers[i]` as (name, format, [rows, cols]) in blob order; a model without
+    /// MoE layers passes one entry, the parts its manifest lists. Every blob is as large as the
+    /// largest layer needs; layers unlike the first list their own parts, and
+    /// [`finish`](Self::finish) then declares
+    /// [`LAYER_EXPERT_PARTS`](crate::manifest::LAYER_EXPERT_PARTS). Returns the blob size.
+    pub fn begin_experts_by_layer(
+        &mut self,
+        layers: &[Vec<(String, Format, [usize; 2])>],
+        moe_layers: &[usize],
+        num_experts: usize,
+    ) -> Result<u64, VaultError> {
+        if layers.len() != moe_layers.len().max(1) {
+            return Err(VaultError::Usage("one list of expert parts per MoE layer"));
+        }
+        let layouts = layers.iter().map(|specs| layout_blob(specs, self.alignment)).collect::<Result<Vec<_>, _>>()?;
+        let blob_size = layouts.iter().map(|(_, size)| *size).max().unwrap_or(0);
+        let first = layouts[0].0.clone();
+        self.begin_experts(first.clone(), blob_size, moe_layers, num_experts)?;
+        for (&l, (parts, _)) in moe_layers.iter().zip(layouts) {
+            if parts != first {
+                self.set_layer_parts(l, parts)?;
+            }
+        }
+        Ok(blob_size)
+    }
+
     /// Gives decoder layer `layer` its own parts (a mixed quantization); they must fit the blob
-    /// size. Call after [`begin_experts`](Self::begin_experts), before the layer's first blob.
-    /// The caller declares [`LAYER_EXPERT_PARTS`](crate::manifest::LAYER_EXPERT_PARTS) in the
-    /// manifest's required features.
+    /// size. Call after [`begin_experts`](Self::begin_experts), before the layer's first blob;
+    /// [`finish`](Self::finish) declares
+    /// [`LAYER_EXPERT_PARTS`](crate::manifest::LAYER_EXPERT_PARTS).
     pub fn set_layer_parts(&mut self, layer: usize, parts: Vec<PartEntry>) -> Result<(), VaultError> {
         let idx = self.experts.as_mut().ok_or(VaultError::Usage("set_layer_parts before begin_experts"))?;
         if parts.iter().any(|p| p.offset + p.len > idx.blob_size) || parts.len() != idx.parts.len() {
@@ -315,11 +343,16 @@ impl VaultWriter {
     }
 
     /// Writes the manifest and header, fsyncs and renames into place. `manifest.dense` and
-    /// `manifest.experts` are filled in by the writer.
+    /// `manifest.experts` are filled in by the writer, and the features its expert index needs
+    /// added to `manifest.required_features`.
     pub fn finish(mut self, mut manifest: Manifest) -> Result<u64, VaultError> {
         let idx = self.experts.take().ok_or(VaultError::Usage("finish before begin_experts"))?;
         if idx.layers.iter().any(|l| l.checksums.len() != self.num_experts) {
             return Err(VaultError::Usage("finish with blobs missing"));
+        }
+        let feature = crate::manifest::LAYER_EXPERT_PARTS;
+        if idx.layers.iter().any(|l| l.parts.is_some()) && !manifest.required_features.iter().any(|f| f == feature) {
+            manifest.required_features.push(feature.to_string());
         }
         let experts_len = self.pos - self.experts_offset;
         let dense_len = self.experts_offset - self.dense_offset;

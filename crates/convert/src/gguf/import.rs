@@ -29,28 +29,15 @@ pub fn shatter_gguf(path: &Path, out: &Path, progress: &dyn Progress) -> Result<
         progress.advance(b.len() as u64);
         dense_bytes += b.len() as u64;
     }
-    // Per layer parts; layers whose formats differ (Q4_K_M keeps some `down` in Q6_K) list
-    // their own, and every blob is as large as the largest layer needs.
-    let align = smoe_vault::header::DEFAULT_ALIGNMENT;
-    let layouts = m
+    // Per layer parts: layers whose formats differ (Q4_K_M keeps some `down` in Q6_K) list
+    // their own.
+    let specs: Vec<Vec<(String, Format, [usize; 2])>> = m
         .experts
         .iter()
-        .map(|l| {
-            let specs: Vec<(String, Format, [usize; 2])> =
-                names::EXPERT_PARTS.iter().zip(l).map(|(name, p)| (name.to_string(), p.format, [p.rows, p.cols])).collect();
-            smoe_vault::layout_blob(&specs, align)
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    let blob_size = layouts.iter().map(|(_, s)| *s).max().unwrap_or(align as u64);
+        .map(|l| names::EXPERT_PARTS.iter().zip(l).map(|(name, p)| (name.to_string(), p.format, [p.rows, p.cols])).collect())
+        .collect();
     let moe_layers = arch.moe_layers();
-    w.begin_experts(layouts[0].0.clone(), blob_size, &moe_layers, n)?;
-    let mut mixed = false;
-    for (l, (parts, _)) in moe_layers.iter().zip(&layouts) {
-        if *parts != layouts[0].0 {
-            w.set_layer_parts(*l, parts.clone())?;
-            mixed = true;
-        }
-    }
+    let blob_size = w.begin_experts_by_layer(&specs, &moe_layers, n)?;
     let files = m.gguf.paths.iter().map(|p| File::open(p).map_err(|e| FormatError::io(p, e))).collect::<Result<Vec<_>, _>>()?;
     let mut bufs: [Vec<u8>; 3] = Default::default();
     for (li, &l) in moe_layers.iter().enumerate() {
@@ -66,8 +53,7 @@ pub fn shatter_gguf(path: &Path, out: &Path, progress: &dyn Progress) -> Result<
         }
     }
     let mut manifest = m.manifest();
-    if mixed {
-        manifest.required_features.push(smoe_vault::manifest::LAYER_EXPERT_PARTS.to_string());
+    if specs.iter().any(|l| *l != specs[0]) {
         manifest.notes.push("expert formats differ between layers (a mixed quantization)".into());
     }
     for n in &manifest.notes {
