@@ -81,6 +81,14 @@ pub fn inspect_json(v: &Vault) -> serde_json::Value {
         e.0 += 1;
         e.1 += d.len;
     }
+    // Layers with parts of their own (a mixed quantization such as Q4_K_M), by layer.
+    let mut layer_formats = serde_json::Map::new();
+    for l in &m.experts.layers {
+        if let Some(ps) = &l.parts {
+            let formats: serde_json::Map<_, _> = ps.iter().map(|p| (p.name.clone(), p.format.name().into())).collect();
+            layer_formats.insert(l.layer.to_string(), formats.into());
+        }
+    }
     serde_json::json!({
         "path": v.path().display().to_string(),
         "format_version": format!("{}.{}", h.major, h.minor),
@@ -88,10 +96,7 @@ pub fn inspect_json(v: &Vault) -> serde_json::Value {
         "architecture": m.architecture,
         "dense_formats": dense_formats.iter().map(|(k, (n, b))| (k.clone(), serde_json::json!({"tensors": n, "bytes": b}))).collect::<serde_json::Map<_, _>>(),
         "expert_parts": m.experts.parts.iter().map(|p| serde_json::json!({"name": p.name, "format": p.format.name(), "shape": p.shape, "bytes": p.len})).collect::<Vec<_>>(),
-        // Layers with parts of their own (a mixed quantization such as Q4_K_M), by layer.
-        "layer_expert_formats": m.experts.layers.iter().filter_map(|l| l.parts.as_ref().map(|ps| {
-            (l.layer.to_string(), ps.iter().map(|p| (p.name.clone(), serde_json::Value::from(p.format.name()))).collect::<serde_json::Map<_, _>>().into())
-        })).collect::<serde_json::Map<_, serde_json::Value>>(),
+        "layer_expert_formats": layer_formats,
         "dense_bytes": h.dense_len,
         "expert_bytes": h.experts_len,
         "expert_blob_bytes": m.experts.blob_size,
