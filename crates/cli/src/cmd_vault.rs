@@ -81,12 +81,15 @@ pub fn inspect_json(v: &Vault) -> serde_json::Value {
         e.0 += 1;
         e.1 += d.len;
     }
-    // Layers with parts of their own (a mixed quantization such as Q4_K_M), by layer.
-    let mut layer_formats = serde_json::Map::new();
+    // Layers with parts or blob sizes of their own (a mixed quantization such as Q4_K_M), by layer.
+    let (mut layer_formats, mut layer_blobs) = (serde_json::Map::new(), serde_json::Map::new());
     for l in &m.experts.layers {
         if let Some(ps) = &l.parts {
             let formats: serde_json::Map<_, _> = ps.iter().map(|p| (p.name.clone(), p.format.name().into())).collect();
             layer_formats.insert(l.layer.to_string(), formats.into());
+        }
+        if let Some(b) = l.blob_size {
+            layer_blobs.insert(l.layer.to_string(), b.into());
         }
     }
     serde_json::json!({
@@ -100,6 +103,7 @@ pub fn inspect_json(v: &Vault) -> serde_json::Value {
         "dense_bytes": h.dense_len,
         "expert_bytes": h.experts_len,
         "expert_blob_bytes": m.experts.blob_size,
+        "layer_expert_blob_bytes": layer_blobs,
         "expert_count": m.experts.layers.len() * m.architecture.moe.num_experts,
         "total_bytes": h.file_len,
         "alignment": h.alignment,
@@ -185,17 +189,24 @@ pub fn run_inspect(path: &Path, json: bool) -> Result<()> {
         println!("shared expert {} wide{}", s.intermediate_size, if s.sigmoid_gate { ", sigmoid gate" } else { "" });
     }
     let parts: Vec<String> = m.experts.parts.iter().map(|p| format!("{} {}", p.name, p.format)).collect();
-    println!("expert blobs  {} x {} ({})", m.experts.layers.len() * a.moe.num_experts, fmt_bytes(m.experts.blob_size), parts.join(", "));
-    // A mixed quantization: the layers whose parts differ, grouped by their formats.
-    let mut own: BTreeMap<String, Vec<usize>> = BTreeMap::new();
-    for l in &m.experts.layers {
-        if let Some(ps) = &l.parts {
-            own.entry(ps.iter().map(|p| format!("{} {}", p.name, p.format)).collect::<Vec<_>>().join(", ")).or_default().push(l.layer);
+    let up_to = if m.experts.layers.iter().any(|l| l.blob_size.is_some()) { "up to " } else { "" };
+    println!(
+        "expert blobs  {} x {up_to}{} ({})",
+        m.experts.layers.len() * a.moe.num_experts,
+        fmt_bytes(m.experts.blob_size),
+        parts.join(", ")
+    );
+    // A mixed quantization: the layers whose parts or blob sizes differ, grouped by both.
+    let mut own: BTreeMap<(String, u64), Vec<usize>> = BTreeMap::new();
+    for (i, l) in m.experts.layers.iter().enumerate() {
+        if l.parts.is_some() || l.blob_size.is_some() {
+            let formats = m.experts.layer_parts(l.layer).iter().map(|p| format!("{} {}", p.name, p.format)).collect::<Vec<_>>();
+            own.entry((formats.join(", "), m.experts.layer_blob_size(i))).or_default().push(l.layer);
         }
     }
-    for (formats, layers) in &own {
+    for ((formats, size), layers) in &own {
         let list: Vec<String> = layers.iter().map(|l| l.to_string()).collect();
-        println!("              layers [{}]: {formats}", list.join(" "));
+        println!("              layers [{}]: {formats} ({} per blob)", list.join(" "), fmt_bytes(*size));
     }
     let mut dense_formats: BTreeMap<Format, u64> = BTreeMap::new();
     for d in &m.dense {

@@ -104,8 +104,8 @@ fn shatter_inspect_verify_and_a_flipped_byte() {
 }
 
 /// `--mix Q4_K_M` lays a checkpoint out as llama.cpp's Q4_K_M: `inspect` names the layers
-/// whose expert formats differ (Q6_K down projections in layer 1 of qwen3_moe_k's two), and the
-/// vault verifies. A mix together with explicit formats, an unknown file type, or a mix for a
+/// whose expert formats and blob sizes differ (Q6_K down projections in layer 1 of qwen3_moe_k's
+/// two; layer 0's blobs carry no padding to their size), and the vault verifies. A mix together with explicit formats, an unknown file type, or a mix for a
 /// GGUF (whose blocks are copied as they are) is refused with a message saying why.
 #[test]
 fn shatter_with_a_llama_cpp_mix() {
@@ -115,8 +115,12 @@ fn shatter_with_a_llama_cpp_mix() {
     assert_eq!(j["expert_parts"][2]["format"], "Q4_K");
     assert_eq!(j["layer_expert_formats"], serde_json::json!({"1": {"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"}}));
     assert_eq!(j["dense_formats"]["Q8_0"]["tensors"], 4, "eight experts: llama.cpp's Q8_0 keys and values");
+    // Layer 0's Q4_K blobs take their own size (108 KiB), not the Q6_K layer's 128 KiB.
+    assert_eq!(j["layer_expert_blob_bytes"], serde_json::json!({"0": 108 << 10}));
+    assert_eq!(j["expert_bytes"], 8 * (108 + 128) << 10);
     let text = ok(&smoe(&["inspect", &v]));
-    assert!(text.contains("layers [1]: gate Q4_K, up Q4_K, down Q6_K"), "{text}");
+    assert!(text.contains("layers [1]: gate Q4_K, up Q4_K, down Q6_K (128.00 KiB per blob)"), "{text}");
+    assert!(text.contains("layers [0]: gate Q4_K, up Q4_K, down Q4_K (108.00 KiB per blob)"), "{text}");
     assert!(ok(&smoe(&["verify", &v])).starts_with("ok:"));
     let out = dir.path().join("x.smoe").display().to_string();
     let fx = fixture("qwen3_moe_k");

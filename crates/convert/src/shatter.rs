@@ -60,7 +60,7 @@ pub struct ShatterReport {
     pub dense_bytes: u64,
     /// Bytes of the expert region.
     pub expert_bytes: u64,
-    /// Bytes per expert blob.
+    /// Bytes of the largest expert blob (a mixed quantization's smaller layers take less).
     pub blob_size: u64,
     /// Bytes of checkpoint data read.
     pub source_bytes: u64,
@@ -390,7 +390,7 @@ fn convert(
     } else {
         moe_layers.iter().map(|&l| specs_for(mix.as_ref().and_then(|p| p.experts(l)).unwrap_or(opts.experts))).collect()
     };
-    let blob_size = w.begin_experts_by_layer(&layer_specs, &moe_layers, arch.moe.num_experts)?;
+    let (blob_size, expert_bytes) = w.begin_experts_by_layer(&layer_specs, &moe_layers, arch.moe.num_experts)?;
     let batch = rayon::current_num_threads().max(1) * 2;
     let mut blobs_done = 0usize;
     let layers: &[usize] = if opts.zero_experts {
@@ -451,7 +451,7 @@ fn convert(
         path: out.to_path_buf(),
         file_len,
         dense_bytes,
-        expert_bytes: moe_layers.len() as u64 * arch.moe.num_experts as u64 * blob_size,
+        expert_bytes,
         blob_size,
         source_bytes: total,
         notes,

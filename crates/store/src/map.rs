@@ -171,11 +171,12 @@ impl ExpertMap {
         let n = arch.moe.num_experts;
         let mut layers = Vec::with_capacity(moe.len());
         for &l in &moe {
-            let base = vault.blob(l, 0).map_err(|source| StoreError::Read { layer: l, expert: 0, source })?.offset;
+            // Blobs lie back to back at the layer's own size (a mixed vault's layers differ).
+            let first = vault.blob(l, 0).map_err(|source| StoreError::Read { layer: l, expert: 0, source })?;
             let entry = x.layers.iter().find(|e| e.layer == l);
             let parts = x.layer_parts(l);
             layers.push(LayerMap {
-                extents: vec![Extent { file: 0, base, stride: x.blob_size, len: x.blob_size }],
+                extents: vec![Extent { file: 0, base: first.offset, stride: first.len, len: first.len }],
                 parts: [Part::from_entry(&parts[0]), Part::from_entry(&parts[1]), Part::from_entry(&parts[2])],
                 checksums: entry.map(|e| e.checksums.clone()),
             });

@@ -19,11 +19,18 @@ use smoe_quant::Format;
 /// Features a reader must understand to use the vault. Empty in format 1.0; a future minor
 /// version that changes meaning (not just adds fields) lists its feature here, and readers that
 /// do not know it refuse the file.
-pub const KNOWN_FEATURES: &[&str] = &[LAYER_EXPERT_PARTS];
+pub const KNOWN_FEATURES: &[&str] = &[LAYER_EXPERT_PARTS, LAYER_BLOB_SIZES];
 
 /// Feature: some MoE layers list their own expert parts ([`ExpertLayer::parts`]), as a GGUF
 /// imported from a mixed quantization (Q4_K_M keeps some layers' `down` in Q6_K) needs.
 pub const LAYER_EXPERT_PARTS: &str = "layer-expert-parts";
+
+/// Feature: some MoE layers' blobs are smaller than [`ExpertIndex::blob_size`]
+/// ([`ExpertLayer::blob_size`]), so a mixed quantization's smaller layers carry no padding
+/// (Q4_K_M's Q4_K layers would otherwise be padded to the Q6_K layers' size: 6.6% of the
+/// region, read by every streamed miss). Each layer's blobs still lie back to back, layer
+/// after layer.
+pub const LAYER_BLOB_SIZES: &str = "layer-blob-sizes";
 
 /// Everything in the vault besides the raw tensor bytes.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -134,16 +141,24 @@ pub struct ExpertLayer {
     /// xxh3-64 of each expert's whole blob (padding included), by expert index.
     pub checksums: Vec<u64>,
     /// This layer's parts, where they differ from [`ExpertIndex::parts`] (feature
-    /// [`LAYER_EXPERT_PARTS`]); the blob size is the same for every layer.
+    /// [`LAYER_EXPERT_PARTS`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parts: Option<Vec<PartEntry>>,
+    /// This layer's blob size, where it is smaller than [`ExpertIndex::blob_size`] (feature
+    /// [`LAYER_BLOB_SIZES`]); a multiple of the alignment.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub blob_size: Option<u64>,
 }
 
-/// The expert region's directory. Blob `e` of the `i`-th listed layer starts at
-/// `experts_offset + (i * num_experts + e) * blob_size`.
+/// The expert region's directory. The region holds each listed layer's blobs back to back, layer
+/// after layer: blob `e` of the `i`-th listed layer starts at `experts_offset + Σ_{j<i}
+/// num_experts × size(j) + e × size(i)`, where `size(i)` is the layer's own
+/// [`ExpertLayer::blob_size`] or else [`ExpertIndex::blob_size`] (without per-layer sizes:
+/// `experts_offset + (i × num_experts + e) × blob_size`).
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct ExpertIndex {
-    /// Bytes per blob, a multiple of the alignment.
+    /// Bytes of the largest blob (of every blob, unless a layer gives its own size), a multiple
+    /// of the alignment: a buffer this large holds any expert.
     pub blob_size: u64,
     /// The matrices inside each blob (the same for every expert of a layer; a layer may
     /// override them, see [`ExpertLayer::parts`]).
@@ -157,6 +172,11 @@ impl ExpertIndex {
     /// common ones.
     pub fn layer_parts(&self, layer: usize) -> &[PartEntry] {
         self.layers.iter().find(|l| l.layer == layer).and_then(|l| l.parts.as_deref()).unwrap_or(&self.parts)
+    }
+
+    /// Bytes of each blob of the `i`-th listed layer.
+    pub fn layer_blob_size(&self, i: usize) -> u64 {
+        self.layers.get(i).and_then(|l| l.blob_size).unwrap_or(self.blob_size)
     }
 }
 

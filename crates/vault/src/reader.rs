@@ -20,6 +20,9 @@ pub struct Vault {
     manifest: Manifest,
     by_name: HashMap<String, usize>,
     moe_index: Vec<Option<usize>>,
+    /// Where each listed MoE layer's blobs start, from the expert region's start (its blobs lie
+    /// back to back, each layer at its own size).
+    layer_start: Vec<u64>,
 }
 
 /// Where one expert blob lives.
@@ -27,7 +30,7 @@ pub struct Vault {
 pub struct BlobLocation {
     /// Absolute file offset (aligned).
     pub offset: u64,
-    /// Length (the blob size, aligned).
+    /// Length (the layer's blob size, aligned).
     pub len: u64,
     /// xxh3-64 of the blob.
     pub checksum: u64,
@@ -65,7 +68,19 @@ impl Vault {
                 *slot = Some(i);
             }
         }
-        let v = Vault { path, file, header, manifest, by_name, moe_index };
+        // Checked: a hostile manifest's sizes must not wrap into a small region that matches.
+        let n = manifest.architecture.moe.num_experts as u64;
+        let mut layer_start = Vec::with_capacity(manifest.experts.layers.len());
+        let mut at = 0u64;
+        for i in 0..manifest.experts.layers.len() {
+            layer_start.push(at);
+            at = n
+                .checked_mul(manifest.experts.layer_blob_size(i))
+                .and_then(|b| at.checked_add(b))
+                .ok_or_else(|| VaultError::Corrupt("expert region size overflows".into()))?;
+        }
+        layer_start.push(at);
+        let v = Vault { path, file, header, manifest, by_name, moe_index, layer_start };
         v.validate()?;
         Ok(v)
     }
@@ -113,7 +128,7 @@ impl Vault {
         // per MoE layer; the region exactly as large as the blobs.
         let x = &m.experts;
         let shapes = names::expert_part_shapes(arch);
-        let check_parts = |parts: &[crate::manifest::PartEntry], what: &str| -> Result<(), VaultError> {
+        let check_parts = |parts: &[crate::manifest::PartEntry], what: &str, blob_size: u64| -> Result<(), VaultError> {
             if parts.len() != 3 {
                 return bad(format!("{what}: {} expert parts, expected 3", parts.len()));
             }
@@ -123,24 +138,36 @@ impl Vault {
                     return bad(format!("{what}: expert part {} {:?}, expected {name} {:?}", p.name, p.shape, shape));
                 }
                 let row = p.format.row_bytes(shape[1]).map_err(|e| VaultError::Corrupt(format!("expert {name}: {e}")))?;
-                if (row * shape[0]) as u64 != p.len || p.offset < end || p.offset + p.len > x.blob_size {
+                if (row * shape[0]) as u64 != p.len || p.offset < end || p.offset + p.len > blob_size {
                     return bad(format!("{what}: expert part {name} is misplaced in the blob"));
                 }
                 end = p.offset + p.len;
             }
             Ok(())
         };
-        check_parts(&x.parts, "experts")?;
-        for l in &x.layers {
-            if let Some(p) = &l.parts {
-                if !m.required_features.iter().any(|f| f == crate::manifest::LAYER_EXPERT_PARTS) {
-                    return bad(format!("layer {} lists its own expert parts without declaring the feature", l.layer));
-                }
-                check_parts(p, &format!("layer {}", l.layer))?;
-            }
-        }
+        let declares = |f: &str| m.required_features.iter().any(|r| r == f);
         if x.blob_size == 0 || !x.blob_size.is_multiple_of(self.header.alignment as u64) {
             return bad(format!("blob size {} is not a multiple of the alignment", x.blob_size));
+        }
+        check_parts(&x.parts, "experts", x.blob_size)?;
+        for (i, l) in x.layers.iter().enumerate() {
+            let size = x.layer_blob_size(i);
+            if let Some(s) = l.blob_size {
+                if !declares(crate::manifest::LAYER_BLOB_SIZES) {
+                    return bad(format!("layer {} gives its own blob size without declaring the feature", l.layer));
+                }
+                if s == 0 || s > x.blob_size || !s.is_multiple_of(self.header.alignment as u64) {
+                    return bad(format!("layer {}: blob size {s} is not an aligned size up to {}", l.layer, x.blob_size));
+                }
+            }
+            match &l.parts {
+                Some(_) if !declares(crate::manifest::LAYER_EXPERT_PARTS) => {
+                    return bad(format!("layer {} lists its own expert parts without declaring the feature", l.layer));
+                }
+                Some(p) => check_parts(p, &format!("layer {}", l.layer), size)?,
+                None if l.blob_size.is_some() => check_parts(&x.parts, &format!("layer {}", l.layer), size)?,
+                None => {}
+            }
         }
         let moe_layers = arch.moe_layers();
         if x.layers.iter().map(|l| l.layer).collect::<Vec<_>>() != moe_layers {
@@ -149,7 +176,7 @@ impl Vault {
         if let Some(l) = x.layers.iter().find(|l| l.checksums.len() != arch.moe.num_experts) {
             return bad(format!("layer {} lists {} expert checksums, expected {}", l.layer, l.checksums.len(), arch.moe.num_experts));
         }
-        let need = moe_layers.len() as u64 * arch.moe.num_experts as u64 * x.blob_size;
+        let need = *self.layer_start.last().unwrap_or(&0);
         if need != self.header.experts_len {
             return bad(format!("expert region is {} bytes, blobs need {need}", self.header.experts_len));
         }
@@ -216,16 +243,19 @@ impl Vault {
         let x = &self.manifest.experts;
         let li = self.moe_index.get(layer).copied().flatten().ok_or(VaultError::NoSuchExpert { layer, expert })?;
         let checksum = *x.layers[li].checksums.get(expert).ok_or(VaultError::NoSuchExpert { layer, expert })?;
-        let n = self.manifest.architecture.moe.num_experts as u64;
-        Ok(BlobLocation { offset: self.header.experts_offset + (li as u64 * n + expert as u64) * x.blob_size, len: x.blob_size, checksum })
+        let len = x.layer_blob_size(li);
+        Ok(BlobLocation { offset: self.header.experts_offset + self.layer_start[li] + expert as u64 * len, len, checksum })
     }
 
-    /// Reads one blob into `buf` (which must be `blob_size` long) and verifies its checksum.
+    /// Reads one blob into the start of `buf` (which must hold the largest blob,
+    /// [`ExpertIndex::blob_size`](crate::ExpertIndex::blob_size), bytes; a layer with its own
+    /// smaller size fills only that much) and verifies its checksum.
     pub fn read_blob(&self, layer: usize, expert: usize, buf: &mut [u8]) -> Result<(), VaultError> {
         let loc = self.blob(layer, expert)?;
-        if buf.len() as u64 != loc.len {
+        if buf.len() as u64 != self.manifest.experts.blob_size {
             return Err(VaultError::Usage("read_blob buffer is not blob_size long"));
         }
+        let buf = &mut buf[..loc.len as usize];
         self.file.read_exact_at(buf, loc.offset).map_err(|e| VaultError::io(&self.path, e))?;
         if xxhash_rust::xxh3::xxh3_64(buf) != loc.checksum {
             return Err(VaultError::Checksum { what: format!("expert blob layer {layer} expert {expert}") });
@@ -243,10 +273,10 @@ impl Vault {
             progress(done);
         }
         let mut buf = vec![0u8; self.manifest.experts.blob_size as usize];
-        for l in &self.manifest.experts.layers {
+        for (i, l) in self.manifest.experts.layers.iter().enumerate() {
             for e in 0..l.checksums.len() {
                 self.read_blob(l.layer, e, &mut buf)?;
-                done += buf.len() as u64;
+                done += self.manifest.experts.layer_blob_size(i);
                 progress(done);
             }
         }

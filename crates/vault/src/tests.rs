@@ -121,6 +121,23 @@ fn flip(path: &std::path::Path, offset: u64) {
     f.write_all(&[b[0] ^ 0x40]).unwrap();
 }
 
+/// Replaces the manifest with `m`, appended at the end of the file, and rewrites the header to
+/// point at it: what a hostile writer could do.
+fn rewrite_manifest(path: &std::path::Path, m: &Manifest) {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::OpenOptions::new().read(true).write(true).open(path).unwrap();
+    let mut hb = [0u8; header::HEADER_LEN];
+    f.read_exact_at(&mut hb, 0).unwrap();
+    let mut h = Header::decode(&hb).unwrap();
+    let json = serde_json::to_vec(m).unwrap();
+    h.manifest_offset = h.file_len.div_ceil(4096) * 4096;
+    h.manifest_len = json.len() as u64;
+    h.manifest_checksum = xxhash_rust::xxh3::xxh3_64(&json);
+    h.file_len = h.manifest_offset + h.manifest_len;
+    f.write_all_at(&json, h.manifest_offset).unwrap();
+    f.write_all_at(&h.encode(), 0).unwrap();
+}
+
 #[test]
 fn flipped_blob_byte_fails_verify_naming_the_blob() {
     let dir = tempfile::tempdir().unwrap();
@@ -238,45 +255,114 @@ fn dense_lengths_never_wrap() {
     assert!(e.contains("too large"), "{e}");
 }
 
-/// Layers whose expert formats differ: every blob takes the largest layer's size, the other
-/// layers list their own parts, and the finished manifest declares the feature readers need
-/// (the writer's to declare, not each converter's); a uniform model declares nothing.
+/// Layers whose expert formats differ: each layer's blobs take the size its own parts need (no
+/// padding to the largest), layers unlike the first list their own parts, and the finished
+/// manifest declares the features readers need (the writer's to declare, not each
+/// converter's); a uniform model declares nothing. Blobs are found, read and verified at their
+/// own offsets, and a manifest whose layer sizes do not add up to the region is refused.
 #[test]
 fn experts_by_layer_declare_their_feature() {
+    use crate::manifest::{LAYER_BLOB_SIZES, LAYER_EXPERT_PARTS};
     let arch = tiny_arch();
     let shapes = names::expert_part_shapes(&arch);
-    let specs = |down: Format| -> Vec<(String, Format, [usize; 2])> {
-        names::EXPERT_PARTS.iter().zip(shapes).map(|(n, s)| (n.to_string(), if *n == "down" { down } else { Format::BF16 }, s)).collect()
+    // (gate and up, down) of each layer.
+    let specs = |(gu, down): (Format, Format)| -> Vec<(String, Format, [usize; 2])> {
+        names::EXPERT_PARTS.iter().zip(shapes).map(|(n, s)| (n.to_string(), if *n == "down" { down } else { gu }, s)).collect()
     };
+    let (b, f) = (Format::BF16, Format::F32);
+    let cases: [([(Format, Format); 2], &[&str]); 4] = [
+        // Layer 0 is 8 KiB a blob, layer 1 12 KiB; then the other way round.
+        ([(b, b), (f, f)], &[LAYER_EXPERT_PARTS, LAYER_BLOB_SIZES]),
+        ([(f, f), (b, b)], &[LAYER_EXPERT_PARTS, LAYER_BLOB_SIZES]),
+        // Different parts of one size (6 and 8 KiB, both rounded to 8 KiB).
+        ([(b, b), (b, f)], &[LAYER_EXPERT_PARTS]),
+        ([(b, b), (b, b)], &[]),
+    ];
     let dir = tempfile::tempdir().unwrap();
-    for (i, downs) in [[Format::BF16, Format::F32], [Format::BF16, Format::BF16]].into_iter().enumerate() {
+    for (i, (formats, features)) in cases.into_iter().enumerate() {
         let path = dir.path().join(format!("m{i}.smoe"));
         let mut w = VaultWriter::create(&path).unwrap();
         for spec in names::dense_tensors(&arch) {
             let n: usize = spec.shape.iter().product();
             w.add_tensor(&spec.name, Format::F32, &spec.shape, &vec![0u8; n * 4], "src").unwrap();
         }
-        let layers: Vec<_> = downs.iter().map(|&d| specs(d)).collect();
+        let layers: Vec<_> = formats.iter().map(|&x| specs(x)).collect();
         assert!(w.begin_experts_by_layer(&layers[..1], &arch.moe_layers(), arch.moe.num_experts).is_err(), "one list per layer");
-        let blob = w.begin_experts_by_layer(&layers, &arch.moe_layers(), arch.moe.num_experts).unwrap();
-        assert_eq!(blob, layers.iter().map(|l| layout_blob(l, 4096).unwrap().1).max().unwrap());
+        let sizes: Vec<u64> = layers.iter().map(|l| layout_blob(l, 4096).unwrap().1).collect();
+        let (blob, region) = w.begin_experts_by_layer(&layers, &arch.moe_layers(), arch.moe.num_experts).unwrap();
+        assert_eq!(blob, *sizes.iter().max().unwrap());
         for (l, specs) in arch.moe_layers().into_iter().zip(&layers) {
             let (parts, _) = layout_blob(specs, 4096).unwrap();
             for e in 0..arch.moe.num_experts {
-                let data: Vec<Vec<u8>> = parts.iter().map(|p| vec![(l + e) as u8; p.len as usize]).collect();
+                let data: Vec<Vec<u8>> = parts.iter().map(|p| vec![(1 + l * 8 + e) as u8; p.len as usize]).collect();
                 w.add_blob(l, e, &data.iter().map(|d| d.as_slice()).collect::<Vec<_>>()).unwrap();
             }
         }
         w.finish(manifest(&arch)).unwrap();
         let v = Vault::open(&path).unwrap();
-        let mixed = downs[0] != downs[1];
-        assert_eq!(v.manifest().required_features == [crate::manifest::LAYER_EXPERT_PARTS], mixed, "{downs:?}");
-        assert_eq!(v.manifest().required_features.is_empty(), !mixed);
+        assert_eq!(v.manifest().required_features, features, "{formats:?}");
         let x = &v.manifest().experts;
         assert_eq!(x.blob_size, blob);
-        for (l, d) in arch.moe_layers().into_iter().zip(downs) {
-            assert_eq!(x.layer_parts(l)[2].format, d, "layer {l}");
+        let n = arch.moe.num_experts as u64;
+        assert_eq!(v.header().experts_len, n * sizes.iter().sum::<u64>(), "no padding to the largest layer");
+        assert_eq!(region, v.header().experts_len);
+        let mut buf = vec![0u8; blob as usize];
+        for (li, (l, (gu, down))) in arch.moe_layers().into_iter().zip(formats).enumerate() {
+            let parts = x.layer_parts(l);
+            assert_eq!((parts[0].format, parts[2].format), (gu, down), "layer {l}");
+            assert_eq!(x.layer_blob_size(li), sizes[li]);
+            for e in 0..arch.moe.num_experts {
+                let loc = v.blob(l, e).unwrap();
+                let start = v.header().experts_offset + n * sizes[..li].iter().sum::<u64>();
+                assert_eq!((loc.offset, loc.len), (start + e as u64 * sizes[li], sizes[li]));
+                v.read_blob(l, e, &mut buf).unwrap();
+                assert!(buf[..parts[2].len as usize].iter().all(|&c| c == (1 + l * 8 + e) as u8), "layer {l} expert {e}");
+            }
         }
         v.verify(&mut |_| {}).unwrap();
+        // The last blob's last byte is the region's last: a flip there is found and named.
+        if i == 0 {
+            let loc = v.blob(1, 3).unwrap();
+            drop(v);
+            flip(&path, loc.offset + loc.len - 1);
+            let e = Vault::open(&path).unwrap().verify(&mut |_| {}).err().unwrap().to_string();
+            assert!(e.contains("layer 1 expert 3"), "{e}");
+        }
+    }
+}
+
+/// Per-layer blob sizes a reader must not trust: undeclared, larger than the largest, unaligned,
+/// or summing to another region size; sizes that do sum to it are read.
+#[test]
+fn hostile_layer_blob_sizes_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("m.smoe");
+    write_tiny(&path);
+    let good = Vault::open(&path).unwrap().manifest().clone();
+    let size = good.experts.blob_size;
+    // (largest size, layer sizes, declared, the error wanted or "" for none)
+    let cases: [(u64, [Option<u64>; 2], bool, &str); 6] = [
+        (size, [Some(size), None], false, "without declaring the feature"),
+        (size, [Some(size * 2), None], true, "not an aligned size"),
+        (size, [Some(size - 512), None], true, "not an aligned size"),
+        (size, [Some(0), None], true, "not an aligned size"),
+        (size * 2, [Some(size), None], true, "blobs need"),
+        (size * 2, [Some(size), Some(size)], true, ""),
+    ];
+    for (largest, layers, declare, want) in cases {
+        let mut m = good.clone();
+        m.experts.blob_size = largest;
+        for (l, b) in m.experts.layers.iter_mut().zip(layers) {
+            l.blob_size = b;
+        }
+        if declare {
+            m.required_features.push(crate::manifest::LAYER_BLOB_SIZES.into());
+        }
+        rewrite_manifest(&path, &m);
+        match Vault::open(&path) {
+            Ok(v) if want.is_empty() => v.verify(&mut |_| {}).unwrap(),
+            Ok(_) => panic!("{layers:?} was read"),
+            Err(e) => assert!(!want.is_empty() && e.to_string().contains(want), "{layers:?}: {e}"),
+        }
     }
 }

@@ -238,8 +238,10 @@ impl VaultWriter {
         self.experts_offset = self.pos;
         self.num_experts = num_experts;
         self.blob_buf = vec![0u8; blob_size as usize];
-        let layers =
-            moe_layers.iter().map(|&layer| ExpertLayer { layer, checksums: Vec::with_capacity(num_experts), parts: None }).collect();
+        let layers = moe_layers
+            .iter()
+            .map(|&layer| ExpertLayer { layer, checksums: Vec::with_capacity(num_experts), parts: None, blob_size: None })
+            .collect();
         self.experts = Some(ExpertIndex { blob_size, parts, layers });
         Ok(())
     }
@@ -247,16 +249,19 @@ impl VaultWriter {
     /// [`begin_experts`](Self::begin_experts) for layers whose parts may differ (a mixed
     /// quantization: Q4_K_M keeps some layers' `down` in Q6_K). `layers[i]` lists the parts of
     /// MoE layer `moe_layers[i]` as (name, format, [rows, cols]) in blob order; a model without
-    /// MoE layers passes one entry, the parts its manifest lists. Every blob is as large as the
-    /// largest layer needs; layers unlike the first list their own parts, and
+    /// MoE layers passes one entry, the parts its manifest lists. Each layer's blobs take the
+    /// size its own parts need, with no padding to the largest; layers unlike the first list
+    /// their own parts, those smaller than the largest their own size, and
     /// [`finish`](Self::finish) then declares
-    /// [`LAYER_EXPERT_PARTS`](crate::manifest::LAYER_EXPERT_PARTS). Returns the blob size.
+    /// [`LAYER_EXPERT_PARTS`](crate::manifest::LAYER_EXPERT_PARTS) and
+    /// [`LAYER_BLOB_SIZES`](crate::manifest::LAYER_BLOB_SIZES). Returns the largest blob size
+    /// and the bytes of the whole expert region.
     pub fn begin_experts_by_layer(
         &mut self,
         layers: &[Vec<(String, Format, [usize; 2])>],
         moe_layers: &[usize],
         num_experts: usize,
-    ) -> Result<u64, VaultError> {
+    ) -> Result<(u64, u64), VaultError> {
         if layers.len() != moe_layers.len().max(1) {
             return Err(VaultError::Usage("one list of expert parts per MoE layer"));
         }
@@ -264,12 +269,18 @@ impl VaultWriter {
         let blob_size = layouts.iter().map(|(_, size)| *size).max().unwrap_or(0);
         let first = layouts[0].0.clone();
         self.begin_experts(first.clone(), blob_size, moe_layers, num_experts)?;
-        for (&l, (parts, _)) in moe_layers.iter().zip(layouts) {
+        for (&l, (parts, size)) in moe_layers.iter().zip(layouts) {
             if parts != first {
                 self.set_layer_parts(l, parts)?;
             }
+            if size < blob_size {
+                let idx = self.experts.as_mut().expect("begun above");
+                idx.layers.iter_mut().find(|x| x.layer == l).expect("a MoE layer").blob_size = Some(size);
+            }
         }
-        Ok(blob_size)
+        let idx = self.experts.as_ref().expect("begun above");
+        let region = (0..idx.layers.len()).map(|i| num_experts as u64 * idx.layer_blob_size(i)).sum();
+        Ok((blob_size, region))
     }
 
     /// Gives decoder layer `layer` its own parts (a mixed quantization); they must fit the blob
@@ -297,7 +308,9 @@ impl VaultWriter {
         if parts.len() != layer_parts.len() {
             return Err(VaultError::Usage("wrong number of blob parts"));
         }
-        let mut buf = std::mem::take(&mut self.blob_buf);
+        let size = idx.layer_blob_size(li) as usize;
+        let mut whole = std::mem::take(&mut self.blob_buf);
+        let buf = &mut whole[..size];
         buf.fill(0);
         for (p, data) in layer_parts.iter().zip(parts) {
             if data.len() as u64 != p.len {
@@ -310,9 +323,9 @@ impl VaultWriter {
             }
             buf[p.offset as usize..(p.offset + p.len) as usize].copy_from_slice(data);
         }
-        let sum = xxhash_rust::xxh3::xxh3_64(&buf);
-        let res = self.write_all(&buf);
-        self.blob_buf = buf;
+        let sum = xxhash_rust::xxh3::xxh3_64(buf);
+        let res = self.write_all(&whole[..size]);
+        self.blob_buf = whole;
         res?;
         let idx = self.experts.as_mut().unwrap();
         idx.layers[li].checksums.push(sum);
@@ -325,15 +338,17 @@ impl VaultWriter {
     /// elsewhere: `synth` straight into GGUF keeps only the dense part of its vault.
     pub fn add_zero_blobs(&mut self) -> Result<(), VaultError> {
         let idx = self.experts.as_mut().ok_or(VaultError::Usage("add_zero_blobs before begin_experts"))?;
-        let zero = xxhash_rust::xxh3::xxh3_64(&vec![0u8; idx.blob_size as usize]);
-        let mut n = 0u64;
-        for l in idx.layers.iter_mut().skip(self.next_blob.0) {
+        let zeros = vec![0u8; idx.blob_size as usize];
+        let mut skip = 0u64;
+        for i in self.next_blob.0..idx.layers.len() {
+            let size = idx.layer_blob_size(i);
+            let zero = xxhash_rust::xxh3::xxh3_64(&zeros[..size as usize]);
+            let l = &mut idx.layers[i];
             while l.checksums.len() < self.num_experts {
                 l.checksums.push(zero);
-                n += 1;
+                skip += size;
             }
         }
-        let skip = n * idx.blob_size;
         self.next_blob = (idx.layers.len(), 0);
         let out = self.out.as_mut().expect("writer used after finish");
         // BufWriter's seek flushes first; seeking past the end leaves a hole.
@@ -350,9 +365,14 @@ impl VaultWriter {
         if idx.layers.iter().any(|l| l.checksums.len() != self.num_experts) {
             return Err(VaultError::Usage("finish with blobs missing"));
         }
-        let feature = crate::manifest::LAYER_EXPERT_PARTS;
-        if idx.layers.iter().any(|l| l.parts.is_some()) && !manifest.required_features.iter().any(|f| f == feature) {
-            manifest.required_features.push(feature.to_string());
+        let needs = [
+            (crate::manifest::LAYER_EXPERT_PARTS, idx.layers.iter().any(|l| l.parts.is_some())),
+            (crate::manifest::LAYER_BLOB_SIZES, idx.layers.iter().any(|l| l.blob_size.is_some())),
+        ];
+        for (feature, needed) in needs {
+            if needed && !manifest.required_features.iter().any(|f| f == feature) {
+                manifest.required_features.push(feature.to_string());
+            }
         }
         let experts_len = self.pos - self.experts_offset;
         let dense_len = self.experts_offset - self.dense_offset;

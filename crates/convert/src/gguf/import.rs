@@ -37,7 +37,7 @@ pub fn shatter_gguf(path: &Path, out: &Path, progress: &dyn Progress) -> Result<
         .map(|l| names::EXPERT_PARTS.iter().zip(l).map(|(name, p)| (name.to_string(), p.format, [p.rows, p.cols])).collect())
         .collect();
     let moe_layers = arch.moe_layers();
-    let blob_size = w.begin_experts_by_layer(&specs, &moe_layers, n)?;
+    let (blob_size, expert_bytes) = w.begin_experts_by_layer(&specs, &moe_layers, n)?;
     let files = m.gguf.paths.iter().map(|p| File::open(p).map_err(|e| FormatError::io(p, e))).collect::<Result<Vec<_>, _>>()?;
     let mut bufs: [Vec<u8>; 3] = Default::default();
     for (li, &l) in moe_layers.iter().enumerate() {
@@ -66,7 +66,7 @@ pub fn shatter_gguf(path: &Path, out: &Path, progress: &dyn Progress) -> Result<
         path: out.to_path_buf(),
         file_len,
         dense_bytes,
-        expert_bytes: moe_layers.len() as u64 * n as u64 * blob_size,
+        expert_bytes,
         blob_size,
         source_bytes: dense_total + expert_total,
         notes,
