@@ -117,7 +117,7 @@ fn shatter_with_a_llama_cpp_mix() {
     assert_eq!(j["dense_formats"]["Q8_0"]["tensors"], 4, "eight experts: llama.cpp's Q8_0 keys and values");
     // Layer 0's Q4_K blobs take their own size (108 KiB), not the Q6_K layer's 128 KiB.
     assert_eq!(j["layer_expert_blob_bytes"], serde_json::json!({"0": 108 << 10}));
-    assert_eq!(j["expert_bytes"], 8 * (108 + 128) << 10);
+    assert_eq!(j["expert_bytes"], (8 * (108 + 128)) << 10);
     let text = ok(&smoe(&["inspect", &v]));
     assert!(text.contains("layers [1]: gate Q4_K, up Q4_K, down Q6_K (128.00 KiB per blob)"), "{text}");
     assert!(text.contains("layers [0]: gate Q4_K, up Q4_K, down Q4_K (108.00 KiB per blob)"), "{text}");

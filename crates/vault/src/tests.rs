@@ -270,7 +270,9 @@ fn experts_by_layer_declare_their_feature() {
         names::EXPERT_PARTS.iter().zip(shapes).map(|(n, s)| (n.to_string(), if *n == "down" { down } else { gu }, s)).collect()
     };
     let (b, f) = (Format::BF16, Format::F32);
-    let cases: [([(Format, Format); 2], &[&str]); 4] = [
+    /// Each layer's (gate and up, down) formats, and the features the vault must declare.
+    type Case = ([(Format, Format); 2], &'static [&'static str]);
+    let cases: [Case; 4] = [
         // Layer 0 is 8 KiB a blob, layer 1 12 KiB; then the other way round.
         ([(b, b), (f, f)], &[LAYER_EXPERT_PARTS, LAYER_BLOB_SIZES]),
         ([(f, f), (b, b)], &[LAYER_EXPERT_PARTS, LAYER_BLOB_SIZES]),
