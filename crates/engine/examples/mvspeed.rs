@@ -1,5 +1,7 @@
 //! Parallel matrix-vector throughput of the fast CPU path on matrices larger than the caches:
-//! `cargo run --release -p smoe-engine --example mvspeed [THREADS...]` (default: 1 2).
+//! `cargo run --release -p smoe-engine --example mvspeed [THREADS...]` (default: 1 2), each
+//! against the token counts of `MV_TOKENS` (`1,4,8`; default 1): a batch's or a short
+//! prefill chunk's products.
 use smoe_engine::backend::Backend;
 use smoe_engine::{CpuBackend, Precision};
 use smoe_quant::Format;
@@ -10,6 +12,8 @@ fn main() {
     if counts.is_empty() {
         counts = vec![1, 2];
     }
+    let tokens: Vec<usize> =
+        std::env::var("MV_TOKENS").map_or(vec![1], |v| v.split(',').map(|t| t.parse().expect("token counts")).collect());
     for threads in counts {
         let be = CpuBackend::with_threads(Precision::Fast, threads);
         for (f, rows, cols) in
@@ -21,21 +25,28 @@ fn main() {
             let row: Vec<f32> = (0..cols).map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 300.0).collect();
             let mut one = vec![0u8; rb];
             smoe_quant::quantize(f, &row, &mut one).unwrap();
-            let region = Arc::new(one.iter().copied().cycle().take(rb * rows * copies).collect::<Vec<u8>>());
+            let mut bytes: Vec<u8> = one.iter().copied().cycle().take(rb * rows * copies).collect();
+            // Laid out as a model's dense weights are at load (Q8_0 interleaved where the CPU
+            // has group kernels for it).
+            let products: Vec<_> = (0..copies).map(|c| (c * rb * rows, f, rows, cols)).collect();
+            be.prepare_dense(&mut bytes, &products);
+            let region = Arc::new(bytes);
             let ms: Vec<_> = (0..copies).map(|c| be.matrix(&region, c * rb * rows, f, rows, cols)).collect();
-            let x = be.buf("x", cols);
-            let mut out = be.buf("out", rows);
-            let reps = (copies * 3).max(3);
-            let t = std::time::Instant::now();
-            for r in 0..reps {
-                be.matmul(&ms[r % copies], None, &x, 1, &mut out);
+            for &n in &tokens {
+                let x = be.buf("x", n * cols);
+                let mut out = be.buf("out", n * rows);
+                let reps = (copies * 3).max(3);
+                let t = std::time::Instant::now();
+                for r in 0..reps {
+                    be.matmul(&ms[r % copies], None, &x, n, &mut out);
+                }
+                let s = t.elapsed().as_secs_f64();
+                println!(
+                    "{threads} threads {f} {rows}x{cols}, {n} tokens: {:.1} GB/s, {:.0} us/call",
+                    (rb * rows * reps) as f64 / s / 1e9,
+                    s / reps as f64 * 1e6
+                );
             }
-            let s = t.elapsed().as_secs_f64();
-            println!(
-                "{threads} threads {f} {rows}x{cols}: {:.1} GB/s, {:.0} us/call",
-                (rb * rows * reps) as f64 / s / 1e9,
-                s / reps as f64 * 1e6
-            );
         }
     }
 }

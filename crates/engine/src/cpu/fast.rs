@@ -88,6 +88,11 @@ fn dot_rows(k: &Kernels, w: &QMatrix<'_>, r0: usize, r1: usize, a: smoe_kernels:
 ///   [`GROUP_TOKENS`]: on the 2-core EPYC a 16- or 32-sequence batch decoded 5-10% faster
 ///   than through the tiles; prefill's longer steps take the tiled kernels on the group's rows
 ///   taken apart (on the H200 host the group kernel cost 23% of prefill(512) at 2 threads).
+/// - Q8_0 left in rows (a slice of rows, as MLA's per-head `kv_b`; experts streamed through a
+///   partial cache) keeps the one-token kernel up to the same [`GROUP_TOKENS`] where the table
+///   has the Q8_0 group kernel, so that a token's Q8_0 products take the same bits alone and in
+///   a batch everywhere: with tiles from 4, DeepSeek-V3 (YaRN) and V4 had drifted 2-3e-2 from
+///   alone in a batch, as int8 activations turned last-bit differences into rounding flips.
 /// - Q4_K (experts), three or two tokens a call, below the table's
 ///   [`Kernels::group8_tiles_from`] (16 tokens with VNNI, 8 with AVX2): a batch's experts and
 ///   prefill's less chosen ones. `SMOE_TILES_FROM=N` overrides it (read once; 4 was the rule
@@ -96,6 +101,7 @@ fn many_tokens(k: &Kernels, w: &QMatrix<'_>, n: usize) -> bool {
     let from = match (w.layout, w.format) {
         (Layout::Interleaved8, smoe_quant::Format::Q8_0) => GROUP_TOKENS,
         (Layout::Interleaved8, f) if k.has_group8_few(f) => tiles_from_override().unwrap_or(k.group8_tiles_from(f)),
+        (Layout::Rows, smoe_quant::Format::Q8_0) if k.has_group8(smoe_quant::Format::Q8_0) => GROUP_TOKENS,
         _ => 4,
     };
     n >= from && k.has_gemm(w.format)

@@ -179,6 +179,9 @@ pub fn avx2_table() -> Option<Kernels> {
     k.set_group8_one(Format::Q2_K, k23x8::q2_k_avx2);
     k.set_group8_one(Format::Q3_K, k23x8::q3_k_avx2);
     k.set_gemm_group8(Format::Q4_K, gemm::q4_k_avx2_group);
+    // Q8_0 interleaved, one and four tokens a call: a token gets the same bits alone and in a
+    // batch (as with VNNI), and four tokens read each group's weights once.
+    k.set_q8_0_group8(q8x8::dot8_avx2, q8x8::dot8x4_avx2);
     k.set_gemm_group8(Format::Q2_K, gemm_k23::q2_k_avx2_group);
     k.set_gemm_group8(Format::Q3_K, gemm_k23::q3_k_avx2_group);
     Some(k)
