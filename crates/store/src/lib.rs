@@ -86,7 +86,8 @@ pub struct ExpertView<'a> {
 }
 
 /// Counters every store keeps. `hits + misses` is the number of expert uses; with prefetch off,
-/// `bytes_read = misses * blob_size`.
+/// `bytes_read` is the sum of the missed experts' reads (a vault's blob of their layer, a GGUF's
+/// three aligned reads).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct StoreStats {
     /// Uses served from memory.

@@ -68,16 +68,14 @@ impl Vault {
                 *slot = Some(i);
             }
         }
-        // Checked: a hostile manifest's sizes must not wrap into a small region that matches.
+        // Saturating: a hostile manifest's sizes must not wrap into a small region that matches
+        // (a saturated sum cannot equal a region the header bounded); `validate` names the cause.
         let n = manifest.architecture.moe.num_experts as u64;
-        let mut layer_start = Vec::with_capacity(manifest.experts.layers.len());
+        let mut layer_start = Vec::with_capacity(manifest.experts.layers.len() + 1);
         let mut at = 0u64;
         for i in 0..manifest.experts.layers.len() {
             layer_start.push(at);
-            at = n
-                .checked_mul(manifest.experts.layer_blob_size(i))
-                .and_then(|b| at.checked_add(b))
-                .ok_or_else(|| VaultError::Corrupt("expert region size overflows".into()))?;
+            at = at.saturating_add(n.saturating_mul(manifest.experts.layer_blob_size(i)));
         }
         layer_start.push(at);
         let v = Vault { path, file, header, manifest, by_name, moe_index, layer_start };
@@ -138,7 +136,8 @@ impl Vault {
                     return bad(format!("{what}: expert part {} {:?}, expected {name} {:?}", p.name, p.shape, shape));
                 }
                 let row = p.format.row_bytes(shape[1]).map_err(|e| VaultError::Corrupt(format!("expert {name}: {e}")))?;
-                if (row * shape[0]) as u64 != p.len || p.offset < end || p.offset + p.len > blob_size {
+                let part_end = p.offset.checked_add(p.len);
+                if (row * shape[0]) as u64 != p.len || p.offset < end || part_end.is_none_or(|e| e > blob_size) {
                     return bad(format!("{what}: expert part {name} is misplaced in the blob"));
                 }
                 end = p.offset + p.len;
@@ -168,6 +167,10 @@ impl Vault {
                 None if l.blob_size.is_some() => check_parts(&x.parts, &format!("layer {}", l.layer), size)?,
                 None => {}
             }
+        }
+        // The largest blob is what a reader's buffers take: it must be a layer's own size.
+        if !x.layers.is_empty() && (0..x.layers.len()).map(|i| x.layer_blob_size(i)).max() != Some(x.blob_size) {
+            return bad(format!("blob size {} is no layer's: it must be the largest layer's", x.blob_size));
         }
         let moe_layers = arch.moe_layers();
         if x.layers.iter().map(|l| l.layer).collect::<Vec<_>>() != moe_layers {

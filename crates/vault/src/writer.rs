@@ -314,6 +314,7 @@ impl VaultWriter {
         buf.fill(0);
         for (p, data) in layer_parts.iter().zip(parts) {
             if data.len() as u64 != p.len {
+                self.blob_buf = whole;
                 return Err(VaultError::Corrupt(format!(
                     "layer {layer} expert {expert} {}: {} bytes, expected {}",
                     p.name,

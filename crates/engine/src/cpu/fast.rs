@@ -89,10 +89,13 @@ fn dot_rows(k: &Kernels, w: &QMatrix<'_>, r0: usize, r1: usize, a: smoe_kernels:
 ///   than through the tiles; prefill's longer steps take the tiled kernels on the group's rows
 ///   taken apart (on the H200 host the group kernel cost 23% of prefill(512) at 2 threads).
 /// - Q8_0 left in rows (a slice of rows, as MLA's per-head `kv_b`; experts streamed through a
-///   partial cache) keeps the one-token kernel up to the same [`GROUP_TOKENS`] where the table
-///   has the Q8_0 group kernel, so that a token's Q8_0 products take the same bits alone and in
-///   a batch everywhere: with tiles from 4, DeepSeek-V3 (YaRN) and V4 had drifted 2-3e-2 from
-///   alone in a batch, as int8 activations turned last-bit differences into rounding flips.
+///   partial cache) keeps the one-token kernel below [`ROWS_Q8_TOKENS`] where the table has the
+///   Q8_0 group kernel, so that a token's Q8_0 products take the same bits alone and in a step
+///   of up to 15 tokens: with tiles from 4, DeepSeek-V3 (YaRN) and V4 had drifted 2-3e-2 from
+///   alone in a batch on AVX2, as int8 activations turned last-bit differences into rounding
+///   flips. Not up to 64 as interleaved matrices: one token at a time, 8-15 tokens of a row
+///   matrix ran 2-3× slower than the tiles on AVX2 (`mvspeed`), and a streamed expert in
+///   prefill often has that many.
 /// - Q4_K (experts), three or two tokens a call, below the table's
 ///   [`Kernels::group8_tiles_from`] (16 tokens with VNNI, 8 with AVX2): a batch's experts and
 ///   prefill's less chosen ones. `SMOE_TILES_FROM=N` overrides it (read once; 4 was the rule
@@ -101,7 +104,7 @@ fn many_tokens(k: &Kernels, w: &QMatrix<'_>, n: usize) -> bool {
     let from = match (w.layout, w.format) {
         (Layout::Interleaved8, smoe_quant::Format::Q8_0) => GROUP_TOKENS,
         (Layout::Interleaved8, f) if k.has_group8_few(f) => tiles_from_override().unwrap_or(k.group8_tiles_from(f)),
-        (Layout::Rows, smoe_quant::Format::Q8_0) if k.has_group8(smoe_quant::Format::Q8_0) => GROUP_TOKENS,
+        (Layout::Rows, smoe_quant::Format::Q8_0) if k.has_group8(smoe_quant::Format::Q8_0) => ROWS_Q8_TOKENS,
         _ => 4,
     };
     n >= from && k.has_gemm(w.format)
@@ -109,6 +112,10 @@ fn many_tokens(k: &Kernels, w: &QMatrix<'_>, n: usize) -> bool {
 
 /// Tokens from which interleaved Q8_0 takes the tiled kernels (see [`many_tokens`]).
 const GROUP_TOKENS: usize = 64;
+
+/// Tokens from which Q8_0 in row layout takes the tiled kernels where the table has the Q8_0
+/// group kernel (see [`many_tokens`]); 4 elsewhere.
+const ROWS_Q8_TOKENS: usize = 16;
 
 /// `SMOE_TILES_FROM`, read once (see [`many_tokens`]).
 fn tiles_from_override() -> Option<usize> {
@@ -393,6 +400,30 @@ mod tests {
                 assert_each_token_alone(t, &pool, &m, n, 0.0);
             }
         }
+    }
+
+    /// Q8_0 in row layout (a slice of rows, a streamed expert) gives each of up to 15 tokens
+    /// its bits alone where the table has the Q8_0 group kernel, and takes the tiles from 16.
+    #[test]
+    fn up_to_fifteen_tokens_on_q8_0_rows_give_each_token_its_bits_alone() {
+        let pool = Pool::new(2);
+        let (rows, cols) = (40, 512);
+        let w: Vec<f32> = (0..rows * cols).map(|i| ((i * 7 % 53) as f32 - 26.0) / 9.0).collect();
+        let rb = Format::Q8_0.row_bytes(cols).unwrap();
+        let mut q = vec![0u8; rb * rows];
+        for (d, s) in q.chunks_mut(rb).zip(w.chunks(cols)) {
+            smoe_quant::quantize(Format::Q8_0, s, d).unwrap();
+        }
+        let m = QMatrix::new(Format::Q8_0, rows, cols, &q).unwrap();
+        let mut checked = 0;
+        for k in smoe_kernels::available().iter().filter(|k| k.has_group8(Format::Q8_0)) {
+            assert!(many_tokens(k, &m, ROWS_Q8_TOKENS) && !many_tokens(k, &m, ROWS_Q8_TOKENS - 1), "{}", k.isa);
+            for n in 2..ROWS_Q8_TOKENS {
+                assert_each_token_alone(k, &pool, &m, n, 0.0);
+            }
+            checked += 1;
+        }
+        assert!(checked > 0 || !cfg!(target_arch = "x86_64") || !smoe_kernels::best().has_gemm(Format::Q8_0));
     }
 
     /// `n` tokens through `m` at once give each token, in its own place, what it gets alone:
