@@ -387,7 +387,7 @@ mod tests {
     fn two_to_fifteen_tokens_on_interleaved_q4k_give_each_token_its_bits_alone() {
         let (k, pool) = (smoe_kernels::best(), Pool::new(2));
         let (rows, cols) = (64, 512);
-        let plain = q4k_rows(rows, cols);
+        let plain = pattern_rows(Format::Q4_K, rows, cols);
         let mut inter = vec![0u8; plain.len()];
         smoe_quant::interleave::interleave(Format::Q4_K, &plain, rows, cols, &mut inter);
         let mut m = QMatrix::new(Format::Q4_K, rows, cols, &inter).unwrap();
@@ -408,12 +408,7 @@ mod tests {
     fn up_to_fifteen_tokens_on_q8_0_rows_give_each_token_its_bits_alone() {
         let pool = Pool::new(2);
         let (rows, cols) = (40, 512);
-        let w: Vec<f32> = (0..rows * cols).map(|i| ((i * 7 % 53) as f32 - 26.0) / 9.0).collect();
-        let rb = Format::Q8_0.row_bytes(cols).unwrap();
-        let mut q = vec![0u8; rb * rows];
-        for (d, s) in q.chunks_mut(rb).zip(w.chunks(cols)) {
-            smoe_quant::quantize(Format::Q8_0, s, d).unwrap();
-        }
+        let q = pattern_rows(Format::Q8_0, rows, cols);
         let m = QMatrix::new(Format::Q8_0, rows, cols, &q).unwrap();
         let mut checked = 0;
         for k in smoe_kernels::available().iter().filter(|k| k.has_group8(Format::Q8_0)) {
@@ -470,13 +465,13 @@ mod tests {
 
     const SLOT: smoe_store::SlotHandle = smoe_store::SlotHandle { slot: 0, load: 0 };
 
-    /// Rows of a Q4_K matrix (`rows × cols`) quantized from a fixed pattern.
-    fn q4k_rows(rows: usize, cols: usize) -> Vec<u8> {
+    /// Rows of an `f` matrix (`rows × cols`) quantized from a fixed pattern.
+    fn pattern_rows(f: Format, rows: usize, cols: usize) -> Vec<u8> {
         let w: Vec<f32> = (0..rows * cols).map(|i| ((i * 7 % 53) as f32 - 26.0) / 9.0).collect();
-        let rb = Format::Q4_K.row_bytes(cols).unwrap();
+        let rb = f.row_bytes(cols).unwrap();
         let mut q = vec![0u8; rb * rows];
         for (d, s) in q.chunks_mut(rb).zip(w.chunks(cols)) {
-            smoe_quant::quantize(Format::Q4_K, s, d).unwrap();
+            smoe_quant::quantize(f, s, d).unwrap();
         }
         q
     }
