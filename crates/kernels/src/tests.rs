@@ -240,12 +240,15 @@ fn low_bit_many_token_kernels_hold_extreme_blocks() {
 
 /// Many keys and values at once give, bit for bit, what one key or value at a time gives on
 /// the same table (so prefill and decode attention agree exactly): row counts around the
-/// tiles' four, key counts around their three, widths with and without a tail.
+/// tiles' four and eight, key counts around their three, value counts around the sums'
+/// chunks of sixteen and thirty-two, widths with and without a tail or a last narrow tile.
 #[test]
 fn attention_tiles_match_one_key_at_a_time() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(31);
+    let shapes = [(1usize, 128usize, 1usize), (4, 64, 3), (8, 128, 17), (13, 100, 5), (64, 128, 40), (3, 7, 4), (6, 24, 2)];
+    let more = [(9usize, 40usize, 70usize), (16, 128, 33), (17, 48, 31), (7, 136, 65)];
     for k in available() {
-        for (rows, d, n) in [(1usize, 128usize, 1usize), (4, 64, 3), (8, 128, 17), (13, 100, 5), (64, 128, 40), (3, 7, 4), (6, 24, 2)] {
+        for (rows, d, n) in shapes.into_iter().chain(more) {
             let stride = d + 5;
             let q = data(rows * d, &mut rng);
             let keys = data((n - 1) * stride + d, &mut rng);

@@ -603,6 +603,35 @@ mod speed {
     use super::*;
     use crate::backend::KvShape;
 
+    /// Prefill attention's speed (Qwen3-30B-A3B's heads, a causal prompt of `SMOE_ATTN_TOKENS`
+    /// tokens, 2,048 by default), in multiply-adds of the scores and weighted sums per second:
+    /// `cargo test --release -p smoe-engine --lib prefill_attention_speed -- --ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn prefill_attention_speed() {
+        let shape = KvShape { heads: 4, k_dim: 128, v_dim: 128, values_in_keys: false, keep: None };
+        let q_heads = 32;
+        let n: usize = std::env::var("SMOE_ATTN_TOKENS").ok().and_then(|v| v.parse().ok()).unwrap_or(2048);
+        let kw = shape.heads * shape.k_dim;
+        let v = |n: usize| (0..n).map(|i| ((i * 7919 % 1999) as f32 / 1999.0 - 0.5) * 3.0).collect::<Vec<f32>>();
+        let layer = KvLayer { shape, k: v(n * kw), v: v(n * kw), base: 0 };
+        let q = v(n * q_heads * 128);
+        let p = AttnParams { q_heads, scale: 0.088, window: None, sinks: None, selected: None };
+        let mut out = vec![0f32; n * q_heads * 128];
+        // Causal: row t sees t + 1 positions, a score and a weighted sum of 128 each.
+        let macs = (q_heads * n * (n + 1) / 2 * 2 * 128) as f64;
+        for threads in [1, 2] {
+            let pool = crate::cpu::pool::Pool::new(threads);
+            let mut best = f64::MAX;
+            for _ in 0..3 {
+                let t = std::time::Instant::now();
+                attention_fast(&layer, &q, q_heads * 128, n, 0, p, &mut out, smoe_kernels::best(), &pool, POSITIONS_PER_BLOCK);
+                best = best.min(t.elapsed().as_secs_f64());
+            }
+            println!("{threads} threads, {n} tokens: {:.1} ms, {:.1} GMAC/s", best * 1e3, macs / best / 1e9);
+        }
+    }
+
     /// Decode attention's speed (Qwen3-30B-A3B's heads, 1536 positions), for comparing
     /// versions on one machine: `cargo test --release -p smoe-engine --lib attention_speed -- --ignored --nocapture`.
     #[test]

@@ -1,17 +1,19 @@
 //! Register-tiled attention for prefill: a block of query rows against many cached keys, and
 //! the same rows' weighted sums over many cached values. [`crate::attn`]'s one-key helpers
 //! load a query row per product (scores) and load and store an accumulator row per value
-//! (sums); here four query rows meet three keys per load, and four rows' accumulators stay in
-//! registers across every value. Each (row, key) score and each output element gets exactly
-//! the arithmetic of the one-key helpers, in the same order, so prefill (many rows) and
-//! decode (a few) agree bit for bit.
+//! (sums); here several query rows meet several keys per load, and several rows' accumulators
+//! stay in registers across every value. Each (row, key) score and each output element gets
+//! exactly the arithmetic of the one-key helpers, in the same order, so prefill (many rows)
+//! and decode (a few) agree bit for bit.
+//!
+//! The tiles' sizes are what the registers allow: AVX2 has sixteen (a score tile of four rows
+//! by three keys, a sum tile of four rows by two vectors); with AVX-512 VL the same 256-bit
+//! arithmetic has thirty-two, and [`weighted_sum_vl`] takes eight rows by two vectors, so the
+//! bits stay those of the one-key helpers while each load serves more multiply-adds. (Score
+//! tiles of eight rows by two or three keys, or six by four, measured slower on Zen 4 than
+//! four by three: the compiler spills.)
 
 use std::arch::x86_64::*;
-
-/// Query rows and keys per score tile; rows and 8-float columns per sum tile.
-const QR: usize = 4;
-const KS: usize = 3;
-const VC: usize = 2;
 
 /// Eight floats at `s[i..]`.
 ///
@@ -69,23 +71,37 @@ fn tile<const R: usize, const K: usize>(q: [&[f32]; R], k: [&[f32]; K]) -> [[f32
     out
 }
 
-/// Scores of `q`'s rows (`d` long each) against `n` keys, key `j` at `keys[j * stride..]`:
-/// `out[j * rows + r] = q[r, :] · key j`.
-///
-/// # Safety
-/// The CPU must support AVX2 and FMA.
+/// Rows `r..r + R` of `q` (`d` long each) against keys `keys[b]`, into `out[j * rows + r..]`
+/// for `j = j0 + b`.
 #[target_feature(enable = "avx2,fma")]
-pub unsafe fn scores(q: &[f32], d: usize, keys: &[f32], stride: usize, n: usize, out: &mut [f32]) {
+#[inline]
+#[allow(clippy::too_many_arguments)]
+fn score_rows<const R: usize, const K: usize>(q: &[f32], d: usize, r: usize, keys: [&[f32]; K], j0: usize, rows: usize, out: &mut [f32]) {
+    let mut qs = [&q[..0]; R];
+    for (a, qs) in qs.iter_mut().enumerate() {
+        *qs = &q[(r + a) * d..(r + a + 1) * d];
+    }
+    let t = tile::<R, K>(qs, keys);
+    for (b, t) in t.iter().enumerate() {
+        out[(j0 + b) * rows + r..][..R].copy_from_slice(t);
+    }
+}
+
+/// Scores in tiles of `QR` rows by `KS` keys: `out[j * rows + r] = q[r, :] · key j`. Keys
+/// left over take tiles of one key, rows left over tiles of one row.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+fn scores_tiled<const QR: usize, const KS: usize>(q: &[f32], d: usize, keys: &[f32], stride: usize, n: usize, out: &mut [f32]) {
     assert!(d > 0 && q.len().is_multiple_of(d), "scores: query rows of {d}");
     let rows = q.len() / d;
     assert!(out.len() >= n * rows && (n == 0 || (n - 1) * stride + d <= keys.len()), "scores: buffers too short");
     let key = |j: usize| &keys[j * stride..j * stride + d];
-    let qrow = |r: usize| &q[r * d..(r + 1) * d];
     // The first keys too: each decode task starts on a block of positions that nothing has
     // asked for yet, and waited on its first keys one miss at a time.
     for f in 0..(8 * KS).min(n) {
         prefetch_row(key(f));
     }
+    let whole_rows = rows / QR * QR;
     let mut j = 0;
     while j < n {
         let ks = KS.min(n - j);
@@ -93,24 +109,39 @@ pub unsafe fn scores(q: &[f32], d: usize, keys: &[f32], stride: usize, n: usize,
         for f in j + 8 * KS..(j + 9 * KS).min(n) {
             prefetch_row(key(f));
         }
-        for r in (0..rows).step_by(QR) {
-            let rs = QR.min(rows - r);
-            // Whole tiles in the common case; a last partial block row by row and key by key.
-            if rs == QR && ks == KS {
-                let t = tile::<QR, KS>(std::array::from_fn(|a| qrow(r + a)), std::array::from_fn(|b| key(j + b)));
-                for (b, t) in t.iter().enumerate() {
-                    out[(j + b) * rows + r..][..QR].copy_from_slice(t);
+        if ks == KS {
+            let mut kk = [&keys[..0]; KS];
+            for (b, kk) in kk.iter_mut().enumerate() {
+                *kk = key(j + b);
+            }
+            for r in (0..whole_rows).step_by(QR) {
+                score_rows::<QR, KS>(q, d, r, kk, j, rows, out);
+            }
+            for r in whole_rows..rows {
+                score_rows::<1, KS>(q, d, r, kk, j, rows, out);
+            }
+        } else {
+            for b in j..j + ks {
+                for r in (0..whole_rows).step_by(QR) {
+                    score_rows::<QR, 1>(q, d, r, [key(b)], b, rows, out);
                 }
-            } else {
-                for a in 0..rs {
-                    for b in 0..ks {
-                        out[(j + b) * rows + r + a] = tile::<1, 1>([qrow(r + a)], [key(j + b)])[0][0];
-                    }
+                for r in whole_rows..rows {
+                    score_rows::<1, 1>(q, d, r, [key(b)], b, rows, out);
                 }
             }
         }
         j += ks;
     }
+}
+
+/// Scores of `q`'s rows (`d` long each) against `n` keys, key `j` at `keys[j * stride..]`:
+/// `out[j * rows + r] = q[r, :] · key j`.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn scores(q: &[f32], d: usize, keys: &[f32], stride: usize, n: usize, out: &mut [f32]) {
+    scores_tiled::<4, 3>(q, d, keys, stride, n, out);
 }
 
 /// `R` rows' columns `c..c + 8C` of `acc` (rows `d` long, from row `r`) plus the weighted sum of
@@ -147,7 +178,10 @@ fn sum_tile<const R: usize, const C: usize>(
             v[x] = unsafe { load(values, j * stride + c + 8 * x) };
         }
         for i in 0..R {
-            let w = _mm256_set1_ps(p[j * rows + r + i]);
+            // SAFETY: j * rows + r + i <= (n - 1) * rows + r + R - 1 < p.len() (second
+            // assert); unchecked, as a checked index here costs a compare and a branch per
+            // broadcast in the innermost loop.
+            let w = _mm256_set1_ps(unsafe { *p.get_unchecked(j * rows + r + i) });
             for x in 0..C {
                 a[i][x] = _mm256_fmadd_ps(w, v[x], a[i][x]);
             }
@@ -162,13 +196,17 @@ fn sum_tile<const R: usize, const C: usize>(
     }
 }
 
-/// `acc[r, :] += Σ_j p[j * rows + r] · value j` over `n` values, value `j` at
-/// `values[j * stride..]` (`d` long); `acc` holds `rows` rows of `d`.
-///
-/// # Safety
-/// The CPU must support AVX2 and FMA.
+/// [`weighted_sum`] in tiles of `R` rows by `C` vectors, over chunks of `CHUNK` positions.
 #[target_feature(enable = "avx2,fma")]
-pub unsafe fn weighted_sum(acc: &mut [f32], d: usize, p: &[f32], values: &[f32], stride: usize, n: usize) {
+#[inline]
+fn weighted_sum_tiled<const R: usize, const C: usize, const CHUNK: usize>(
+    acc: &mut [f32],
+    d: usize,
+    p: &[f32],
+    values: &[f32],
+    stride: usize,
+    n: usize,
+) {
     assert!(d > 0 && acc.len().is_multiple_of(d), "weighted_sum: rows of {d}");
     let rows = acc.len() / d;
     assert!(p.len() >= n * rows && (n == 0 || (n - 1) * stride + d <= values.len()), "weighted_sum: buffers too short");
@@ -178,20 +216,37 @@ pub unsafe fn weighted_sum(acc: &mut [f32], d: usize, p: &[f32], values: &[f32],
     // prefetchers help little); the next chunk is prefetched meanwhile. Each output element
     // still sums its terms in position order.
     // The first two chunks as well, for the same reason as the first keys in `scores`.
-    for j in 0..(2 * SUM_CHUNK).min(n) {
+    for j in 0..(2 * CHUNK).min(n) {
         prefetch_row(&values[j * stride..][..d]);
     }
-    for j0 in (0..n).step_by(SUM_CHUNK) {
-        let jn = SUM_CHUNK.min(n - j0);
-        for j in j0 + 2 * SUM_CHUNK..(j0 + 3 * SUM_CHUNK).min(n) {
+    for j0 in (0..n).step_by(CHUNK) {
+        let jn = CHUNK.min(n - j0);
+        for j in j0 + 2 * CHUNK..(j0 + 3 * CHUNK).min(n) {
             prefetch_row(&values[j * stride..][..d]);
         }
-        weighted_sum_chunk(acc, d, rows, &p[j0 * rows..], &values[j0 * stride..], stride, jn);
+        weighted_sum_chunk::<R, C>(acc, d, rows, &p[j0 * rows..], &values[j0 * stride..], stride, jn);
     }
 }
 
-/// Positions per chunk of [`weighted_sum`].
-const SUM_CHUNK: usize = 16;
+/// `acc[r, :] += Σ_j p[j * rows + r] · value j` over `n` values, value `j` at
+/// `values[j * stride..]` (`d` long); `acc` holds `rows` rows of `d`.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn weighted_sum(acc: &mut [f32], d: usize, p: &[f32], values: &[f32], stride: usize, n: usize) {
+    weighted_sum_tiled::<4, 2, 16>(acc, d, p, values, stride, n);
+}
+
+/// [`weighted_sum`] in tiles of eight rows by two vectors (sixteen accumulators) over chunks
+/// of thirty-two positions, the same bits.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and AVX-512 F and VL.
+#[target_feature(enable = "avx2,fma,avx512f,avx512vl")]
+pub unsafe fn weighted_sum_vl(acc: &mut [f32], d: usize, p: &[f32], values: &[f32], stride: usize, n: usize) {
+    weighted_sum_tiled::<8, 2, 32>(acc, d, p, values, stride, n);
+}
 
 /// Asks for `row`'s cache lines ahead of use.
 #[target_feature(enable = "avx2")]
@@ -203,26 +258,39 @@ fn prefetch_row(row: &[f32]) {
     }
 }
 
-/// [`weighted_sum`] over `n` positions that stay in cache.
+/// [`weighted_sum`] over `n` positions that stay in cache: tiles of `R` rows by `C` vectors,
+/// then the columns left in tiles of one vector, the rows left one at a time.
 #[target_feature(enable = "avx2,fma")]
-fn weighted_sum_chunk(acc: &mut [f32], d: usize, rows: usize, p: &[f32], values: &[f32], stride: usize, n: usize) {
+#[inline]
+fn weighted_sum_chunk<const R: usize, const C: usize>(
+    acc: &mut [f32],
+    d: usize,
+    rows: usize,
+    p: &[f32],
+    values: &[f32],
+    stride: usize,
+    n: usize,
+) {
     let full = d / 8 * 8;
-    for r in (0..rows).step_by(QR) {
-        let whole = rows - r >= QR;
-        let mut c = 0;
-        while c + 8 * VC <= full {
+    let whole_cols = full / (8 * C) * (8 * C);
+    for r in (0..rows).step_by(R) {
+        let whole = rows - r >= R;
+        for c in (0..whole_cols).step_by(8 * C) {
             if whole {
-                sum_tile::<QR, VC>(acc, d, r, c, p, rows, values, stride, n);
+                sum_tile::<R, C>(acc, d, r, c, p, rows, values, stride, n);
             } else {
-                (r..rows).for_each(|r| sum_tile::<1, VC>(acc, d, r, c, p, rows, values, stride, n));
+                (r..rows).for_each(|r| sum_tile::<1, C>(acc, d, r, c, p, rows, values, stride, n));
             }
-            c += 8 * VC;
         }
-        for c in (c..full).step_by(8) {
-            (r..rows.min(r + QR)).for_each(|r| sum_tile::<1, 1>(acc, d, r, c, p, rows, values, stride, n));
+        for c in (whole_cols..full).step_by(8) {
+            if whole {
+                sum_tile::<R, 1>(acc, d, r, c, p, rows, values, stride, n);
+            } else {
+                (r..rows).for_each(|r| sum_tile::<1, 1>(acc, d, r, c, p, rows, values, stride, n));
+            }
         }
         // The scalar tail, as the one-value helper computes it (a product, then a sum).
-        for i in r..rows.min(r + QR) {
+        for i in r..rows.min(r + R) {
             for j in 0..n {
                 let w = p[j * rows + i];
                 for e in full..d {
