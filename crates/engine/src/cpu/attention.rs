@@ -241,27 +241,59 @@ impl<'a> Call<'a> {
         self.k.attn_scores(qb, kd, &self.l.k[at * k_row + r.g * kd..], k_row, nb, pr);
         m[..rows].fill(f32::NEG_INFINITY);
         s[..rows].fill(0.0);
-        // A token's heads side by side (scores are position-major: one row at a time would
-        // stride through them).
-        for tt in 0..r.t1 - r.t0 {
+        // The positions each token sees, `from..seen` of the block (positions before the
+        // row's window are masked like those after it).
+        let ntok = r.t1 - r.t0;
+        let span = |tt: usize| {
             let pos = self.pos0 + r.t0 + tt;
             let seen = (pos + 1).saturating_sub(j0).min(nb);
-            // Positions before the row's window are masked like those after it.
-            let from = self.p.first_seen(pos).saturating_sub(j0).min(seen);
+            (self.p.first_seen(pos).saturating_sub(j0).min(seen), seen)
+        };
+        // Positions every token of the task sees (all of a block behind the diagonal) go by
+        // for all rows at once, `rows` side by side; the others a token's heads at a time.
+        // A row still takes its positions in order, with the same arithmetic either way (the
+        // maximum does not depend on order; the sum goes `from..seen` ascending), so its terms
+        // do not depend on the other rows of the task.
+        let (all_from, all_seen) = (0..ntok).map(span).fold((0, nb), |(f, e), (tf, te)| (f.max(tf), e.min(te)));
+        let shared = if all_from < all_seen { all_from..all_seen } else { nb..nb };
+        let scale = self.p.scale;
+        let scaled_max = |v: &mut [f32], m: &mut [f32]| {
+            for (v, mx) in v.iter_mut().zip(m) {
+                *v *= scale;
+                *mx = mx.max(*v);
+            }
+        };
+        for tt in 0..ntok {
+            let (from, seen) = span(tt);
             let rs = tt * heads..(tt + 1) * heads;
-            for j in from..seen {
-                for (v, mx) in pr[j * rows..][rs.clone()].iter_mut().zip(&mut m[rs.clone()]) {
-                    *v *= self.p.scale;
-                    *mx = mx.max(*v);
+            for j in (from..seen).filter(|j| !shared.contains(j)) {
+                scaled_max(&mut pr[j * rows..][rs.clone()], &mut m[rs.clone()]);
+            }
+        }
+        for j in shared.clone() {
+            scaled_max(&mut pr[j * rows..][..rows], &mut m[..rows]);
+        }
+        // Terms in position order: each token's own positions before the shared ones, then
+        // the shared ones for all rows, then each token's own after them.
+        let own_terms = |pr: &mut [f32], m: &[f32], s: &mut [f32], before: bool| {
+            for tt in 0..ntok {
+                let (from, seen) = span(tt);
+                let rs = tt * heads..(tt + 1) * heads;
+                let own = if before { from..seen.min(shared.start) } else { from.max(shared.end)..seen };
+                for j in own {
+                    self.k.softmax_terms(&mut pr[j * rows..][rs.clone()], &m[rs.clone()], &mut s[rs.clone()]);
                 }
             }
-            for j in 0..from {
-                pr[j * rows..][rs.clone()].fill(0.0);
-            }
-            for j in from..seen {
-                self.k.softmax_terms(&mut pr[j * rows..][rs.clone()], &m[rs.clone()], &mut s[rs.clone()]);
-            }
-            for j in seen..nb {
+        };
+        own_terms(pr, m, s, true);
+        for j in shared.clone() {
+            self.k.softmax_terms(&mut pr[j * rows..][..rows], &m[..rows], &mut s[..rows]);
+        }
+        own_terms(pr, m, s, false);
+        for tt in 0..ntok {
+            let (from, seen) = span(tt);
+            let rs = tt * heads..(tt + 1) * heads;
+            for j in (0..from).chain(seen..nb) {
                 pr[j * rows..][rs.clone()].fill(0.0);
             }
         }
