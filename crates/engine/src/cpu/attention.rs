@@ -256,6 +256,9 @@ impl<'a> Call<'a> {
         // do not depend on the other rows of the task.
         let (all_from, all_seen) = (0..ntok).map(span).fold((0, nb), |(f, e), (tf, te)| (f.max(tf), e.min(te)));
         let shared = if all_from < all_seen { all_from..all_seen } else { nb..nb };
+        // A token's own positions before the shared ones, or after them.
+        let own =
+            |(from, seen): (usize, usize), before: bool| if before { from..seen.min(shared.start) } else { from.max(shared.end)..seen };
         let scale = self.p.scale;
         let scaled_max = |v: &mut [f32], m: &mut [f32]| {
             for (v, mx) in v.iter_mut().zip(m) {
@@ -264,9 +267,8 @@ impl<'a> Call<'a> {
             }
         };
         for tt in 0..ntok {
-            let (from, seen) = span(tt);
             let rs = tt * heads..(tt + 1) * heads;
-            for j in (from..seen).filter(|j| !shared.contains(j)) {
+            for j in own(span(tt), true).chain(own(span(tt), false)) {
                 scaled_max(&mut pr[j * rows..][rs.clone()], &mut m[rs.clone()]);
             }
         }
@@ -277,10 +279,8 @@ impl<'a> Call<'a> {
         // the shared ones for all rows, then each token's own after them.
         let own_terms = |pr: &mut [f32], m: &[f32], s: &mut [f32], before: bool| {
             for tt in 0..ntok {
-                let (from, seen) = span(tt);
                 let rs = tt * heads..(tt + 1) * heads;
-                let own = if before { from..seen.min(shared.start) } else { from.max(shared.end)..seen };
-                for j in own {
+                for j in own(span(tt), before) {
                     self.k.softmax_terms(&mut pr[j * rows..][rs.clone()], &m[rs.clone()], &mut s[rs.clone()]);
                 }
             }
@@ -637,7 +637,8 @@ mod speed {
 
     /// Prefill attention's speed (Qwen3-30B-A3B's heads, a causal prompt of `SMOE_ATTN_TOKENS`
     /// tokens, 2,048 by default), in multiply-adds of the scores and weighted sums per second:
-    /// `cargo test --release -p smoe-engine --lib prefill_attention_speed -- --ignored --nocapture`.
+    /// `cargo test --release -p smoe-engine --lib -- --ignored --nocapture --exact
+    /// cpu::attention::speed::prefill_attention_speed`.
     #[test]
     #[ignore]
     fn prefill_attention_speed() {
@@ -665,7 +666,9 @@ mod speed {
     }
 
     /// Decode attention's speed (Qwen3-30B-A3B's heads, 1536 positions), for comparing
-    /// versions on one machine: `cargo test --release -p smoe-engine --lib attention_speed -- --ignored --nocapture`.
+    /// versions on one machine: `cargo test --release -p smoe-engine --lib -- --ignored
+    /// --nocapture --exact cpu::attention::speed::attention_speed` (`--exact`: a plain filter
+    /// would run [`prefill_attention_speed`] beside it, on the same cores).
     #[test]
     #[ignore]
     fn attention_speed() {
