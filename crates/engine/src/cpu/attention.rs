@@ -635,6 +635,14 @@ mod speed {
     use super::*;
     use crate::backend::KvShape;
 
+    /// Qwen3-30B-A3B's attention: 4 KV heads of 128 for 32 query heads.
+    const SHAPE: KvShape = KvShape { heads: 4, k_dim: 128, v_dim: 128, values_in_keys: false, keep: None };
+
+    /// `n` values of a fixed spread pattern.
+    fn pattern(n: usize) -> Vec<f32> {
+        (0..n).map(|i| ((i * 7919 % 1999) as f32 / 1999.0 - 0.5) * 3.0).collect()
+    }
+
     /// Prefill attention's speed (Qwen3-30B-A3B's heads, a causal prompt of `SMOE_ATTN_TOKENS`
     /// tokens, 2,048 by default), in multiply-adds of the scores and weighted sums per second:
     /// `cargo test --release -p smoe-engine --lib -- --ignored --nocapture --exact
@@ -642,13 +650,11 @@ mod speed {
     #[test]
     #[ignore]
     fn prefill_attention_speed() {
-        let shape = KvShape { heads: 4, k_dim: 128, v_dim: 128, values_in_keys: false, keep: None };
         let q_heads = 32;
         let n: usize = std::env::var("SMOE_ATTN_TOKENS").ok().and_then(|v| v.parse().ok()).unwrap_or(2048);
-        let kw = shape.heads * shape.k_dim;
-        let v = |n: usize| (0..n).map(|i| ((i * 7919 % 1999) as f32 / 1999.0 - 0.5) * 3.0).collect::<Vec<f32>>();
-        let layer = KvLayer { shape, k: v(n * kw), v: v(n * kw), base: 0 };
-        let q = v(n * q_heads * 128);
+        let kw = SHAPE.heads * SHAPE.k_dim;
+        let layer = KvLayer { shape: SHAPE, k: pattern(n * kw), v: pattern(n * kw), base: 0 };
+        let q = pattern(n * q_heads * 128);
         let p = AttnParams { q_heads, scale: 0.088, window: None, sinks: None, selected: None };
         let mut out = vec![0f32; n * q_heads * 128];
         // Causal: row t sees t + 1 positions, a score and a weighted sum of 128 each.
@@ -672,13 +678,12 @@ mod speed {
     #[test]
     #[ignore]
     fn attention_speed() {
-        let shape = KvShape { heads: 4, k_dim: 128, v_dim: 128, values_in_keys: false, keep: None };
         let (q_heads, positions) = (32, 1536);
-        let kw = shape.heads * shape.k_dim;
-        let v = |n: usize| (0..n).map(|i| ((i * 7919 % 1999) as f32 / 1999.0 - 0.5) * 3.0).collect::<Vec<f32>>();
+        let kw = SHAPE.heads * SHAPE.k_dim;
         // Twelve layers' caches (80 MB), visited in turn as decode does: from memory, not cache.
-        let layers: Vec<KvLayer> = (0..12).map(|_| KvLayer { shape, k: v(positions * kw), v: v(positions * kw), base: 0 }).collect();
-        let q = v(q_heads * 128);
+        let layers: Vec<KvLayer> =
+            (0..12).map(|_| KvLayer { shape: SHAPE, k: pattern(positions * kw), v: pattern(positions * kw), base: 0 }).collect();
+        let q = pattern(q_heads * 128);
         let p = AttnParams { q_heads, scale: 0.088, window: None, sinks: None, selected: None };
         let mut out = vec![0f32; q_heads * 128];
         // From memory (twelve caches in turn), then from cache (one cache again and again).
