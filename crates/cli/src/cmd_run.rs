@@ -42,6 +42,10 @@ pub struct ModelArgs {
     /// Eviction policy: reuse-distance (default) or lru.
     #[arg(long, default_value = "reuse-distance")]
     pub policy: smoe_store::policy::PolicyKind,
+    /// How the KV cache stores keys and values: `f32` (exact) or `f16` (half the memory,
+    /// rounded to nearest even as llama.cpp's default f16 cache is; CPU only).
+    #[arg(long, default_value = "f32")]
+    pub kv_type: smoe_engine::KvType,
     /// Read ahead the experts the next layer's router predicts from the current hidden state.
     #[arg(long, default_value = "off", value_parser = ["off", "lookahead"])]
     pub prefetch: String,
@@ -93,6 +97,7 @@ impl ModelArgs {
             cache,
             cache_experts: None,
             policy: smoe_store::policy::PolicyKind::ReuseDistance,
+            kv_type: smoe_engine::KvType::F32,
             prefetch: "off".into(),
             no_verify: false,
             queue_depth: smoe_store::depth::QueueDepth::AUTO,
@@ -115,6 +120,7 @@ impl ModelArgs {
             threads: self.threads,
             ctx,
             chat_template: self.chat_template.clone(),
+            kv_type: self.kv_type,
         }
     }
 

@@ -36,6 +36,11 @@ pub struct KvShape {
     /// sliding window and raw compressor rows, gpt-oss's sliding layers, with a margin for
     /// truncation): a backend may drop older rows. `None`: every position is kept.
     pub keep: Option<usize>,
+    /// Rows stored as IEEE half floats, rounded to nearest even as they are stored, and read
+    /// back exactly as f32: half the memory, and attention computes as it would over an f32
+    /// cache holding the rounded values. Set only where [`Backend::kv_f16`] says the backend
+    /// can, for layers written by `kv_store` and read by attention alone.
+    pub f16: bool,
 }
 
 /// One sequence of a batched attention call ([`Backend::attention_batch`]): its KV cache, its
@@ -626,6 +631,11 @@ pub trait Backend: Send + Sync {
     fn buf(&self, name: &'static str, len: usize) -> Self::Buf;
     /// Allocates an empty KV cache for layers of the given shapes.
     fn kv_cache(&self, layers: &[KvShape]) -> Self::KvCache;
+    /// Whether this backend stores layers marked [`KvShape::f16`] as half floats. A backend
+    /// that does not (the default) is never given such a layer.
+    fn kv_f16(&self) -> bool {
+        false
+    }
     /// Makes room for `positions` positions in every layer, so that the cache never moves (is
     /// never copied) while a sequence fills it. Only address space is taken: memory is touched
     /// as positions are stored. (Measured: it did not change resident memory at 8k tokens on

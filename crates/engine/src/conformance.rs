@@ -891,38 +891,62 @@ impl<B: Backend> Suite<'_, B> {
 
     fn attention(&mut self) {
         let cases = [
-            ("GQA 6 query heads on 2", KvShape { heads: 2, k_dim: 24, v_dim: 16, values_in_keys: false, keep: None }, 6, 12, 5),
-            ("MLA 5 query heads on 1 latent", KvShape { heads: 1, k_dim: 40, v_dim: 32, values_in_keys: true, keep: None }, 5, 12, 5),
-            ("GQA over 700 positions", KvShape { heads: 2, k_dim: 32, v_dim: 32, values_in_keys: false, keep: None }, 4, 700, 3),
+            ("GQA 6 query heads on 2", KvShape { heads: 2, k_dim: 24, v_dim: 16, values_in_keys: false, keep: None, f16: false }, 6, 12, 5),
+            (
+                "MLA 5 query heads on 1 latent",
+                KvShape { heads: 1, k_dim: 40, v_dim: 32, values_in_keys: true, keep: None, f16: false },
+                5,
+                12,
+                5,
+            ),
+            (
+                "GQA over 700 positions",
+                KvShape { heads: 2, k_dim: 32, v_dim: 32, values_in_keys: false, keep: None, f16: false },
+                4,
+                700,
+                3,
+            ),
             (
                 "GQA, one query after 300 positions",
-                KvShape { heads: 2, k_dim: 64, v_dim: 64, values_in_keys: false, keep: None },
+                KvShape { heads: 2, k_dim: 64, v_dim: 64, values_in_keys: false, keep: None, f16: false },
                 4,
                 301,
                 1,
             ),
             (
                 "GQA, 45 queries after 30 positions",
-                KvShape { heads: 2, k_dim: 40, v_dim: 24, values_in_keys: false, keep: None },
+                KvShape { heads: 2, k_dim: 40, v_dim: 24, values_in_keys: false, keep: None, f16: false },
                 6,
                 75,
                 45,
             ),
-            ("GQA, 70 queries from the start", KvShape { heads: 1, k_dim: 128, v_dim: 128, values_in_keys: false, keep: None }, 3, 70, 70),
+            (
+                "GQA, 70 queries from the start",
+                KvShape { heads: 1, k_dim: 128, v_dim: 128, values_in_keys: false, keep: None, f16: false },
+                3,
+                70,
+                70,
+            ),
             // Prefill kernels' tiles: several query tiles after a prefix, and a latent head
             // whose values are its keys' first columns.
             (
                 "GQA, 150 queries after 100 positions",
-                KvShape { heads: 2, k_dim: 64, v_dim: 64, values_in_keys: false, keep: None },
+                KvShape { heads: 2, k_dim: 64, v_dim: 64, values_in_keys: false, keep: None, f16: false },
                 8,
                 250,
                 150,
             ),
-            ("MLA, 20 queries after 20 positions", KvShape { heads: 1, k_dim: 40, v_dim: 32, values_in_keys: true, keep: None }, 5, 40, 20),
+            (
+                "MLA, 20 queries after 20 positions",
+                KvShape { heads: 1, k_dim: 40, v_dim: 32, values_in_keys: true, keep: None, f16: false },
+                5,
+                40,
+                20,
+            ),
             // Heads of 128 (CUDA's own instance) whose query tiles' keys are split over blocks.
             (
                 "GQA, 200 queries of 128 after 150 positions",
-                KvShape { heads: 1, k_dim: 128, v_dim: 128, values_in_keys: false, keep: None },
+                KvShape { heads: 1, k_dim: 128, v_dim: 128, values_in_keys: false, keep: None, f16: false },
                 2,
                 350,
                 200,
@@ -932,7 +956,7 @@ impl<B: Backend> Suite<'_, B> {
         let windowed = [
             (
                 "GQA, window 64 over 700 positions, sinks",
-                KvShape { heads: 2, k_dim: 32, v_dim: 32, values_in_keys: false, keep: None },
+                KvShape { heads: 2, k_dim: 32, v_dim: 32, values_in_keys: false, keep: None, f16: false },
                 4,
                 700,
                 3,
@@ -941,7 +965,7 @@ impl<B: Backend> Suite<'_, B> {
             ),
             (
                 "GQA, 45 queries in a window of 7",
-                KvShape { heads: 2, k_dim: 40, v_dim: 24, values_in_keys: false, keep: None },
+                KvShape { heads: 2, k_dim: 40, v_dim: 24, values_in_keys: false, keep: None, f16: false },
                 6,
                 75,
                 45,
@@ -950,7 +974,7 @@ impl<B: Backend> Suite<'_, B> {
             ),
             (
                 "GQA, 70 queries from the start, sinks",
-                KvShape { heads: 1, k_dim: 64, v_dim: 64, values_in_keys: false, keep: None },
+                KvShape { heads: 1, k_dim: 64, v_dim: 64, values_in_keys: false, keep: None, f16: false },
                 3,
                 70,
                 70,
@@ -960,11 +984,24 @@ impl<B: Backend> Suite<'_, B> {
         ];
         let windowed = if self.b.attends_windows_and_sinks() { &windowed[..] } else { &[] };
         let all = cases.into_iter().map(|(w, s, q, p, n)| (w, s, q, p, n, None, false)).chain(windowed.iter().copied());
-        for (what, shape, q_heads, positions, n, window, with_sinks) in all {
+        // Each case again with f16 rows where the backend stores them: the outputs are those of
+        // attention over the values rounded to f16 (within the same bound), and a copy and a
+        // batch give the bits alone.
+        let halves: &[bool] = if self.b.kv_f16() { &[false, true] } else { &[false] };
+        let all: Vec<_> = all.flat_map(|c| halves.iter().map(move |&h| (c, h))).collect();
+        for ((what, shape, q_heads, positions, n, window, with_sinks), f16) in all {
+            let shape = KvShape { f16, ..shape };
+            let what = &if f16 { format!("{what}, f16 rows") } else { what.to_string() }[..];
             let (kw, vw) = (shape.heads * shape.k_dim, shape.heads * shape.v_dim);
             let keys = self.values(positions * kw);
             let values = self.values(positions * vw);
-            let mut cache = self.b.kv_cache(&[KvShape { heads: 1, k_dim: 8, v_dim: 8, values_in_keys: false, keep: None }, shape]);
+            let round = |v: &[f32]| -> Vec<f32> {
+                v.iter().map(|&x| if f16 { smoe_quant::half::f16_bits_to_f32(smoe_quant::half::f32_to_f16_bits(x)) } else { x }).collect()
+            };
+            // What the cache holds, for the reference below.
+            let (held_keys, held_values) = (round(&keys), round(&values));
+            let mut cache =
+                self.b.kv_cache(&[KvShape { heads: 1, k_dim: 8, v_dim: 8, values_in_keys: false, keep: None, f16: false }, shape]);
             self.b.kv_reserve(&mut cache, positions);
             self.cases += 1;
             if self.b.kv_capacity(&cache) < positions {
@@ -1000,12 +1037,12 @@ impl<B: Backend> Suite<'_, B> {
                 for h in 0..q_heads {
                     let kv = h / group;
                     let qr = &q[t * q_stride + h * shape.k_dim..][..shape.k_dim];
-                    let key = |p: usize| &keys[p * kw + kv * shape.k_dim..][..shape.k_dim];
+                    let key = |p: usize| &held_keys[p * kw + kv * shape.k_dim..][..shape.k_dim];
                     let value = |p: usize| -> &[f32] {
                         if shape.values_in_keys {
                             &key(p)[..shape.v_dim]
                         } else {
-                            &values[p * vw + kv * shape.v_dim..][..shape.v_dim]
+                            &held_values[p * vw + kv * shape.v_dim..][..shape.v_dim]
                         }
                     };
                     let visible = first + t + 1;
@@ -1031,7 +1068,8 @@ impl<B: Backend> Suite<'_, B> {
             // (Every layer of a sequence holds its positions: layer 0's too.)
             let zeros = self.buf(positions * 8, &[]);
             self.b.kv_store(&mut cache, 0, 0, positions, &zeros, 8, 0, Some((&zeros, 8, 0)));
-            let mut copy = self.b.kv_cache(&[KvShape { heads: 1, k_dim: 8, v_dim: 8, values_in_keys: false, keep: None }, shape]);
+            let mut copy =
+                self.b.kv_cache(&[KvShape { heads: 1, k_dim: 8, v_dim: 8, values_in_keys: false, keep: None, f16: false }, shape]);
             if self.b.kv_copy(&cache, &mut copy, positions) {
                 let mut out = self.buf(n * q_heads * shape.v_dim, &[]);
                 self.b.attention(&copy, 1, &qb, q_stride, n, first, params, &mut out);
@@ -1064,7 +1102,7 @@ impl<B: Backend> Suite<'_, B> {
     /// bit, from fewer bytes.
     fn bounded_rows(&mut self) {
         let (keep, window, q_heads, positions) = (20, 12, 4, 700);
-        let full = KvShape { heads: 2, k_dim: 16, v_dim: 16, values_in_keys: false, keep: None };
+        let full = KvShape { heads: 2, k_dim: 16, v_dim: 16, values_in_keys: false, keep: None, f16: false };
         let (kw, qw) = (full.heads * full.k_dim, q_heads * full.k_dim);
         let (keys, values) = (self.values(positions * kw), self.values(positions * kw));
         let (mut all, mut some) = (self.b.kv_cache(&[full]), self.b.kv_cache(&[KvShape { keep: Some(keep), ..full }]));
@@ -1202,7 +1240,7 @@ impl<B: Backend> Suite<'_, B> {
             ("prefill from 0, window 40 beyond the positions", 20, 20, 2, 16, 40, 4, false),
         ];
         for (what, positions, n, heads, dim, window, rate, selected) in cases {
-            let shape = KvShape { heads: 1, k_dim: dim, v_dim: dim, values_in_keys: true, keep: None };
+            let shape = KvShape { heads: 1, k_dim: dim, v_dim: dim, values_in_keys: true, keep: None, f16: false };
             let entries_n = positions / rate;
             let (keys, entries) = (self.values(positions * dim), self.values(entries_n.max(1) * dim));
             let mut cache = self.b.kv_cache(&[shape, KvShape { v_dim: 0, ..shape }]);
@@ -1265,7 +1303,7 @@ impl<B: Backend> Suite<'_, B> {
             let angles = self.values(count * half);
             let (cs, sn): (Vec<f32>, Vec<f32>) = angles.iter().map(|a| ((3.0 * a).cos(), (3.0 * a).sin())).unzip();
             let keys = self.values(positions * dim);
-            let row = |w: usize| KvShape { heads: 1, k_dim: w, v_dim: 0, values_in_keys: true, keep: None };
+            let row = |w: usize| KvShape { heads: 1, k_dim: w, v_dim: 0, values_in_keys: true, keep: None, f16: false };
             let mut cache = self.b.kv_cache(&[KvShape { v_dim: dim, ..row(dim) }, row(2 * cw), row(dim)]);
             self.b.kv_store(&mut cache, 0, 0, positions, &self.buf(keys.len(), &keys), dim, 0, None);
             self.b.kv_store(&mut cache, 1, 0, positions, &self.buf(raw.len(), &raw), 2 * cw, 0, None);
@@ -1341,7 +1379,7 @@ impl<B: Backend> Suite<'_, B> {
             ("40 queries from the start, 16 kept", 40, 40, 0, 2, 8, 16, 1),
             ("30 queries from the start, a key per 4 positions, 5 kept", 30, 30, 1, 2, 16, 5, 4),
         ];
-        let index_keys = KvShape { heads: 1, k_dim: 0, v_dim: 0, values_in_keys: true, keep: None };
+        let index_keys = KvShape { heads: 1, k_dim: 0, v_dim: 0, values_in_keys: true, keep: None, f16: false };
         for (what, positions, n, row0, heads, dim, top, rate) in cases {
             if rate > 1 && !self.b.attends_compressed() {
                 continue;
@@ -1391,7 +1429,7 @@ impl<B: Backend> Suite<'_, B> {
         // Attention over selected positions: MLA's shape (values in the keys), four queries at
         // the end of 200 positions, each keeping its own 24 of them (one keeps only 5).
         let (shape, q_heads, positions, n, per) =
-            (KvShape { heads: 1, k_dim: 40, v_dim: 32, values_in_keys: true, keep: None }, 5, 200, 4, 24);
+            (KvShape { heads: 1, k_dim: 40, v_dim: 32, values_in_keys: true, keep: None, f16: false }, 5, 200, 4, 24);
         let keys = self.values(positions * shape.k_dim);
         let mut cache = self.b.kv_cache(&[shape]);
         self.b.kv_store(&mut cache, 0, 0, positions, &self.buf(keys.len(), &keys), shape.k_dim, 0, None);
@@ -1469,7 +1507,7 @@ impl<B: Backend> Suite<'_, B> {
                     want[at..at + hd].copy_from_slice(&o);
                 }
             }
-            let shape = KvShape { heads: kvh, k_dim: hd, v_dim: hd, values_in_keys: false, keep: None };
+            let shape = KvShape { heads: kvh, k_dim: hd, v_dim: hd, values_in_keys: false, keep: None, f16: false };
             // Positions 0..pos0 hold the same random rows in both caches.
             let prefix = self.values(pos0 * stride);
             let mut caches = Vec::new();

@@ -44,8 +44,8 @@ pub use forward::{Logits, NoObserver, Observer, State, PREFILL_CHUNK, STREAMING_
 pub use generate::{Engine, FinishReason, GenOptions, GenStats, Generation};
 pub use loaded::LoadedModel;
 pub use model::{
-    backend_lacks, kv_fixed_values, kv_shapes, kv_shapes_rewinding, kv_values_per_token, naive_kv_values_per_token, Model,
-    DEFAULT_KV_REWIND,
+    backend_lacks, kv_bytes, kv_fixed_values, kv_shapes, kv_shapes_rewinding, kv_values_per_token, naive_kv_values_per_token, KvType,
+    Model, DEFAULT_KV_REWIND,
 };
 pub use open::{default_context, is_gguf, model_sizes, open, open_cpu, CacheSize, ModelSizes, OpenOptions, OpenReport};
 pub use sampler::{Sampler, SamplingParams, SamplingRequest};

@@ -213,6 +213,8 @@ pub struct Model<B: Backend> {
     pub(crate) lookahead: bool,
     /// See [`Model::set_kv_rewind`].
     pub(crate) kv_rewind: usize,
+    /// See [`Model::set_kv_type`].
+    pub(crate) kv_type: KvType,
     /// Per decoder layer: the backend keeps its routed experts ([`Backend::keep_experts`]), so
     /// they are routed and run there, not fetched from the store.
     pub(crate) kept: Vec<bool>,
@@ -510,6 +512,7 @@ impl<B: Backend> Model<B> {
             embed_bytes: ld.entry("embed")?.len,
             lookahead: false,
             kv_rewind: DEFAULT_KV_REWIND,
+            kv_type: KvType::F32,
             routing_trace: None,
             layers,
             experts,
@@ -568,7 +571,26 @@ impl<B: Backend> Model<B> {
 
     /// The shape of each layer's KV cache.
     pub fn kv_shapes(&self) -> Vec<KvShape> {
-        kv_shapes_rewinding(&self.arch, self.kv_rewind)
+        let mut shapes = kv_shapes_rewinding(&self.arch, self.kv_rewind);
+        mark_kv_type(&self.arch, self.kv_type, &mut shapes);
+        shapes
+    }
+
+    /// Stores the KV cache's rows as `t` (f32 by default; f16 halves the cache at a rounding
+    /// of about 1e-3 relative per value, as llama.cpp's default `-ctk f16 -ctv f16` does).
+    /// Applies to states made after the call. Refused on a backend that keeps f32 only (the
+    /// GPU's) and for DeepSeek-V4, whose compressed caches are built from the rows in f32.
+    pub fn set_kv_type(&mut self, t: KvType) -> Result<(), String> {
+        if let Some(why) = kv_type_refusal(&self.arch, t, self.backend.kv_f16()) {
+            return Err(why);
+        }
+        self.kv_type = t;
+        Ok(())
+    }
+
+    /// What [`set_kv_type`](Self::set_kv_type) set.
+    pub fn kv_type(&self) -> KvType {
+        self.kv_type
     }
 
     /// DeepSeek-V4, and gpt-oss's sliding layers: how many positions a sequence can go back
@@ -662,6 +684,75 @@ pub fn kv_shapes(arch: &Architecture) -> Vec<KvShape> {
     kv_shapes_rewinding(arch, DEFAULT_KV_REWIND)
 }
 
+/// How the KV cache stores its rows ([`Model::set_kv_type`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KvType {
+    /// 4 bytes a value: exactly what attention computed.
+    #[default]
+    F32,
+    /// 2 bytes a value, rounded to nearest even (IEEE half).
+    F16,
+}
+
+/// Marks the layers of `shapes` that `t` stores as f16: with [`KvType::F16`], the decoder's
+/// own layers (keys and values, or MLA's latents); the layers after them (the lightning
+/// indexer's keys, DeepSeek-V4's compressed caches) are read by other ops and stay f32.
+fn mark_kv_type(arch: &Architecture, t: KvType, shapes: &mut [KvShape]) {
+    if t == KvType::F16 && arch.compressed_attention.is_none() {
+        for s in shapes.iter_mut().take(arch.num_layers).filter(|s| s.heads > 0) {
+            s.f16 = true;
+        }
+    }
+}
+
+/// Why a model of `arch` cannot store its KV cache as `t` on a backend that can (`backend_f16`)
+/// or cannot store f16 rows; `None` if it can.
+pub fn kv_type_refusal(arch: &Architecture, t: KvType, backend_f16: bool) -> Option<String> {
+    match t {
+        KvType::F32 => None,
+        KvType::F16 if !backend_f16 => Some("--kv-type f16: this backend keeps its KV cache in f32 (the CPU backend stores f16)".into()),
+        KvType::F16 if arch.compressed_attention.is_some() => {
+            Some("--kv-type f16: DeepSeek-V4's compressed attention builds its caches from f32 rows; use --kv-type f32".into())
+        }
+        KvType::F16 => None,
+    }
+}
+
+/// Bytes a sequence's KV cache adds per token and holds whatever its length (see
+/// [`kv_values_per_token`], [`kv_fixed_values`]) when stored as `t`.
+pub fn kv_bytes(arch: &Architecture, t: KvType) -> (usize, usize) {
+    let mut shapes = kv_shapes(arch);
+    mark_kv_type(arch, t, &mut shapes);
+    let f32_bytes = (kv_values_per_token(arch) * 4, kv_fixed_values(arch) * 4);
+    // Every value of a layer marked f16 takes two bytes less.
+    let halved = |keep: bool| -> usize {
+        let slack = crate::cpu::DROP_SLACK;
+        shapes.iter().filter(|s| s.f16 && s.keep.is_some() == keep).map(|s| row_values(s) * s.keep.map_or(1, |k| k + slack) * 2).sum()
+    };
+    (f32_bytes.0 - halved(false), f32_bytes.1 - halved(true))
+}
+
+impl KvType {
+    /// Bytes one cached value takes.
+    pub fn bytes(self) -> usize {
+        match self {
+            KvType::F32 => 4,
+            KvType::F16 => 2,
+        }
+    }
+}
+
+impl std::str::FromStr for KvType {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "f32" => Ok(KvType::F32),
+            "f16" => Ok(KvType::F16),
+            _ => Err(format!("unknown KV cache type '{s}' (f32, f16)")),
+        }
+    }
+}
+
 /// Positions a DeepSeek-V4 or gpt-oss sequence can go back by default (see
 /// [`Model::set_kv_rewind`]): enough for a chat's regenerated reply or a client's edited last
 /// message.
@@ -674,10 +765,13 @@ pub fn kv_shapes_rewinding(arch: &Architecture, rewind: usize) -> Vec<KvShape> {
         // The sliding branch keeps one shared key=value row per position, read `window - 1`
         // back; then each compressed layer's raw rows (read one window back, two when windows
         // overlap) and entries (and its indexer's), as `compressed_cache_layers` numbers them.
-        let row = |w: usize, keep: Option<usize>| KvShape { heads: 1, k_dim: w, v_dim: 0, values_in_keys: true, keep };
+        let row = |w: usize, keep: Option<usize>| KvShape { heads: 1, k_dim: w, v_dim: 0, values_in_keys: true, keep, f16: false };
         let window = Some(c.window - 1 + rewind);
         let mut shapes =
-            vec![KvShape { heads: 1, k_dim: arch.head_dim, v_dim: arch.head_dim, values_in_keys: true, keep: window }; arch.num_layers];
+            vec![
+                KvShape { heads: 1, k_dim: arch.head_dim, v_dim: arch.head_dim, values_in_keys: true, keep: window, f16: false };
+                arch.num_layers
+            ];
         for kind in c.compression.iter().filter(|k| k.rate() > 0) {
             let c_of = |dim: usize| if kind.overlaps() { 2 * dim } else { dim };
             let raw = Some(if kind.overlaps() { 2 } else { 1 } * kind.rate() + rewind);
@@ -692,11 +786,16 @@ pub fn kv_shapes_rewinding(arch: &Architecture, rewind: usize) -> Vec<KvShape> {
         .map(|l| match &arch.mla {
             // A Gated DeltaNet layer caches nothing per position: its state is fixed-size.
             None if arch.is_linear(l) => {
-                KvShape { heads: 0, k_dim: arch.head_dim, v_dim: arch.head_dim, values_in_keys: false, keep: None }
+                KvShape { heads: 0, k_dim: arch.head_dim, v_dim: arch.head_dim, values_in_keys: false, keep: None, f16: false }
             }
-            Some(m) => {
-                KvShape { heads: 1, k_dim: m.kv_lora_rank + m.qk_rope_head_dim, v_dim: m.kv_lora_rank, values_in_keys: true, keep: None }
-            }
+            Some(m) => KvShape {
+                heads: 1,
+                k_dim: m.kv_lora_rank + m.qk_rope_head_dim,
+                v_dim: m.kv_lora_rank,
+                values_in_keys: true,
+                keep: None,
+                f16: false,
+            },
             // A sliding-window layer (gpt-oss) reads `window - 1` rows back, kept with the rewind.
             None => KvShape {
                 heads: arch.num_kv_heads,
@@ -704,11 +803,12 @@ pub fn kv_shapes_rewinding(arch: &Architecture, rewind: usize) -> Vec<KvShape> {
                 v_dim: arch.head_dim,
                 values_in_keys: false,
                 keep: arch.attention_window(l).map(|w| w - 1 + rewind),
+                f16: false,
             },
         })
         .collect();
     if let Some(s) = &arch.sparse_attention {
-        let index_keys = KvShape { heads: 1, k_dim: s.head_dim, v_dim: 0, values_in_keys: true, keep: None };
+        let index_keys = KvShape { heads: 1, k_dim: s.head_dim, v_dim: 0, values_in_keys: true, keep: None, f16: false };
         shapes.extend(arch.indexer_layers().iter().map(|_| index_keys));
     }
     shapes

@@ -72,6 +72,8 @@ pub struct OpenOptions {
     /// `--chat-template-file`): for a model whose template is missing, wrong, or not the
     /// variant wanted (a thinking variant, say).
     pub chat_template: Option<String>,
+    /// How the KV cache stores its rows ([`Model::set_kv_type`](crate::Model::set_kv_type)).
+    pub kv_type: crate::KvType,
 }
 
 impl Default for OpenOptions {
@@ -85,6 +87,7 @@ impl Default for OpenOptions {
             threads: None,
             ctx: None,
             chat_template: None,
+            kv_type: crate::KvType::F32,
         }
     }
 }
@@ -128,9 +131,10 @@ impl std::fmt::Display for OpenReport {
 }
 
 /// The default context limit: the model's `max_position_embeddings`, capped so that a full
-/// f32 KV cache takes at most an eighth of the memory available now (at least 2048 tokens).
-pub fn default_context(arch: &smoe_vault::Architecture) -> usize {
-    let per_token = (crate::kv_values_per_token(arch) * 4).max(1) as u64;
+/// KV cache stored as `kv` takes at most an eighth of the memory available now (at least 2048
+/// tokens).
+pub fn default_context(arch: &smoe_vault::Architecture, kv: crate::KvType) -> usize {
+    let per_token = crate::kv_bytes(arch, kv).0.max(1) as u64;
     let cap = (smoe_store::available_memory().available / 8 / per_token).max(2048);
     arch.max_position_embeddings.min(cap as usize)
 }
@@ -266,11 +270,14 @@ fn streamed_interleave(formats: Vec<Format>, holds_all: bool) -> Vec<Format> {
 pub fn open<B: Backend>(path: &Path, opts: &OpenOptions, backend: B) -> Result<(Engine<B>, OpenReport), EngineError> {
     let file = ModelFile::open(path)?;
     let arch = file.architecture().clone();
-    let ctx = opts.ctx.unwrap_or_else(|| default_context(&arch));
+    let ctx = opts.ctx.unwrap_or_else(|| default_context(&arch, opts.kv_type));
     let map = file.expert_map()?;
     // Refused before any weight is read: the routed experts' formats are known only here.
     if let Some(why) = crate::backend_lacks(&arch, &weight_formats(&file, &map), &backend) {
         return Err(EngineError::Model(format!("{why}; run it on the CPU (--device cpu)")));
+    }
+    if let Some(why) = crate::model::kv_type_refusal(&arch, opts.kv_type, backend.kv_f16()) {
+        return Err(EngineError::Input(why));
     }
     let total = map.total_experts();
     let blob = map.slot_size() as u64;
@@ -294,7 +301,8 @@ pub fn open<B: Backend>(path: &Path, opts: &OpenOptions, backend: B) -> Result<(
             CacheSize::Experts(n) => (n, "--cache-experts".to_string()),
             CacheSize::Bytes(b) => ((b / blob) as usize, format!("{} MiB requested", b >> 20)),
             _ => {
-                let kv = ((crate::kv_values_per_token(&arch) * ctx + crate::kv_fixed_values(&arch)) * 4) as u64;
+                let (per_token, fixed) = crate::kv_bytes(&arch, opts.kv_type);
+                let kv = (per_token * ctx + fixed) as u64;
                 let (bytes, why) = auto_cache_bytes(file.dense_len(), kv);
                 ((bytes / blob) as usize, format!("auto: {why}"))
             }
@@ -330,7 +338,8 @@ pub fn open<B: Backend>(path: &Path, opts: &OpenOptions, backend: B) -> Result<(
     // which backs fresh memory slowly, the load was slower with the thread running either way;
     // docs/benchmarks.md.)
     let cache = experts.clone();
-    let model = Model::load_parts(&arch, &manifest.dense, region, backend, experts)?;
+    let mut model = Model::load_parts(&arch, &manifest.dense, region, backend, experts)?;
+    model.set_kv_type(opts.kv_type).map_err(EngineError::Input)?;
     cache.prefault_cache();
     let mut engine = Engine::from_manifest(&manifest, model)?;
     engine.ctx = ctx;

@@ -61,3 +61,23 @@ fn kv_cache_values_per_token_for_published_shapes() {
         (smoe_engine::kv_fixed_values(&arch("deepseek-v4-pro")) * 4) >> 20
     );
 }
+
+/// Bytes per token and per sequence with an f16 cache (`--kv-type f16`): half of f32's for
+/// the decoder's own rows; the lightning indexer's keys (GLM-5) and recurrent states
+/// (Qwen3-Next) stay f32.
+#[test]
+fn f16_kv_cache_halves_the_decoders_rows() {
+    use smoe_engine::{kv_bytes, KvType};
+    let qwen = arch("qwen3-30b-a3b");
+    assert_eq!(kv_bytes(&qwen, KvType::F32), (48 * 4 * 128 * 2 * 4, 0));
+    assert_eq!(kv_bytes(&qwen, KvType::F16), (48 * 4 * 128 * 2 * 2, 0));
+    assert_eq!(kv_bytes(&arch("glm-5"), KvType::F16).0, 78 * 576 * 2 + 78 * 128 * 4);
+    let next = arch("qwen3-next-80b-a3b");
+    assert_eq!(kv_bytes(&next, KvType::F16), (12 * 2 * 256 * 2 * 2, 36 * (3 * 8192 + 32 * 128 * 128) * 4));
+    // gpt-oss's sliding layers are decoder rows too: their bounded span halves as well.
+    let oss = arch("gpt-oss-120b");
+    assert_eq!(kv_bytes(&oss, KvType::F16), (18 * 8 * 64 * 2 * 2, 18 * (127 + 512 + 128) * 8 * 64 * 2 * 2));
+    // DeepSeek-V4 keeps f32 (its f16 is refused when the model opens).
+    let flash = arch("deepseek-v4-flash");
+    assert_eq!(kv_bytes(&flash, KvType::F16), kv_bytes(&flash, KvType::F32));
+}

@@ -83,6 +83,8 @@ pub struct Kernels {
     pub(crate) attn_sum: Option<attn::WeightedSum>,
     pub(crate) softmax_terms: attn::SoftmaxTerms,
     pub(crate) silu_mul: unsafe fn(&mut [f32], &[f32]),
+    pub(crate) widen_f16: unsafe fn(&[u16], &mut [f32]),
+    pub(crate) narrow_f16: unsafe fn(&[f32], &mut [u16]),
     dots: [DotFn; FORMATS],
     gemms: [Option<gemm::GemmRow>; FORMATS],
     gemms4: [Option<gemm::GemmRows>; FORMATS],
@@ -154,6 +156,8 @@ impl Kernels {
             attn_sum: None,
             softmax_terms: attn::softmax_terms,
             silu_mul: scalar_silu_mul,
+            widen_f16: scalar::widen_f16,
+            narrow_f16: scalar::narrow_f16,
             dots,
             gemms: [None; FORMATS],
             gemms4: [None; FORMATS],
@@ -476,6 +480,21 @@ impl Kernels {
         assert_eq!(g.len(), u.len(), "silu_mul: lengths differ");
         // SAFETY: as for `dot`.
         unsafe { (self.silu_mul)(g, u) }
+    }
+
+    /// fp16 bits to f32, exactly (an f16 KV cache read back for attention).
+    pub fn f16_to_f32(&self, src: &[u16], dst: &mut [f32]) {
+        assert_eq!(src.len(), dst.len(), "f16_to_f32: lengths differ");
+        // SAFETY: as for `dot`.
+        unsafe { (self.widen_f16)(src, dst) }
+    }
+
+    /// f32 to fp16 bits, rounding to nearest even; every table gives the same bits (a NaN
+    /// stays a NaN, its payload aside).
+    pub fn f32_to_f16(&self, src: &[f32], dst: &mut [u16]) {
+        assert_eq!(src.len(), dst.len(), "f32_to_f16: lengths differ");
+        // SAFETY: as for `dot`.
+        unsafe { (self.narrow_f16)(src, dst) }
     }
 
     /// `a · b` in f32 (attention, f32 weights).

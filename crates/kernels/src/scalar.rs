@@ -4,7 +4,7 @@
 
 use crate::act::{Block256, Block32};
 use smoe_quant::blocks::*;
-use smoe_quant::half::{bf16_bits_to_f32, f16_bits_to_f32};
+use smoe_quant::half::{bf16_bits_to_f32, f16_bits_to_f32, f32_to_f16_bits};
 use smoe_quant::{scale_min_k4, unpack_q3_scales};
 
 fn blocks<T: bytemuck::Pod>(w: &[u8]) -> &[T] {
@@ -19,6 +19,16 @@ pub fn dot_f32(w: &[u8], x: &[f32]) -> f32 {
 /// f16 weights.
 pub fn dot_f16(w: &[u8], x: &[f32]) -> f32 {
     w.chunks_exact(2).zip(x).map(|(c, &v)| f16_bits_to_f32(u16::from_le_bytes([c[0], c[1]])) * v).sum()
+}
+
+/// fp16 bits to f32, exactly (`dst` and `src` of one length).
+pub fn widen_f16(src: &[u16], dst: &mut [f32]) {
+    dst.iter_mut().zip(src).for_each(|(d, &h)| *d = f16_bits_to_f32(h));
+}
+
+/// f32 to fp16 bits, rounding to nearest even (`dst` and `src` of one length).
+pub fn narrow_f16(src: &[f32], dst: &mut [u16]) {
+    dst.iter_mut().zip(src).for_each(|(d, &v)| *d = f32_to_f16_bits(v));
 }
 
 /// bf16 weights.

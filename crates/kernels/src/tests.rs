@@ -626,3 +626,36 @@ fn prefetch_rows_stays_inside_its_buffer() {
     prefetch_rows(&[], 4, 4, 4);
     assert!(buf.iter().all(|&v| v == 1.5));
 }
+
+/// fp16 conversions give the scalar (the `half` crate's) bits on every table: every fp16 value
+/// widened, and f32 values around every rounding case narrowed (halfway points, subnormals,
+/// overflow, infinities; NaN stays NaN).
+#[test]
+fn f16_conversions_match_scalar() {
+    let all: Vec<u16> = (0..=u16::MAX).collect();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let mut vals: Vec<f32> = data(4099, &mut rng).iter().map(|v| v * 1000.0).collect();
+    for h in (0..=u16::MAX).step_by(7) {
+        let v = smoe_quant::half::f16_bits_to_f32(h);
+        // The value itself, the halfway point to its neighbour, and just either side of it.
+        let half_up = f32::from_bits(v.to_bits() + (1 << 12));
+        vals.extend([v, half_up, f32::from_bits(half_up.to_bits() + 1), f32::from_bits(half_up.to_bits() - 1)]);
+    }
+    vals.extend([65504.0, 65520.0, 65519.99, 1e9, -1e9, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 1e-8, -6e-8, 0.0, -0.0]);
+    let (mut want_w, mut want_n) = (vec![0f32; all.len()], vec![0u16; vals.len()]);
+    crate::scalar::widen_f16(&all, &mut want_w);
+    crate::scalar::narrow_f16(&vals, &mut want_n);
+    for k in available() {
+        let mut got = vec![0f32; all.len()];
+        k.f16_to_f32(&all, &mut got);
+        for (i, (g, w)) in got.iter().zip(&want_w).enumerate() {
+            assert!(g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()), "{} widen {i:#x}: {g} vs {w}", k.isa);
+        }
+        let mut got = vec![0u16; vals.len()];
+        k.f32_to_f16(&vals, &mut got);
+        for ((g, w), v) in got.iter().zip(&want_n).zip(&vals) {
+            let nan = |h: u16| h & 0x7c00 == 0x7c00 && h & 0x3ff != 0;
+            assert!(g == w || (nan(*g) && nan(*w)), "{} narrow {v:e}: {g:#x} vs {w:#x}", k.isa);
+        }
+    }
+}

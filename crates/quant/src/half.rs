@@ -36,6 +36,13 @@ pub fn bf16_bits_to_f32(b: u16) -> f32 {
     f32::from_bits((b as u32) << 16)
 }
 
+/// Converts f32 to fp16 bits with round-to-nearest-even (overflow to infinity, NaN kept a
+/// NaN), as F16C's `vcvtps2ph` with rounding mode 0 does.
+#[inline]
+pub fn f32_to_f16_bits(v: f32) -> u16 {
+    half::f16::from_f32(v).to_bits()
+}
+
 /// Exact widening of fp16 bits to f32.
 #[inline]
 pub fn f16_bits_to_f32(b: u16) -> f32 {

@@ -392,10 +392,11 @@ impl Fleet {
         let sizes = smoe_engine::model_sizes(path).map_err(|e| unavailable(e.to_string()))?;
         let (arch, dense, blob) = (sizes.arch, sizes.dense_bytes, sizes.slot_bytes);
         let experts_total = blob * sizes.total_experts as u64;
-        let ctx = self.cfg.ctx.unwrap_or_else(|| smoe_engine::default_context(&arch));
+        let ctx = self.cfg.ctx.unwrap_or_else(|| smoe_engine::default_context(&arch, self.cfg.open.kv_type));
         // The budget as the memory watch last found it, if it has fallen since the start.
         let budget = self.budget.min(self.ceiling.load(Ordering::Relaxed));
-        let kv = (((smoe_engine::kv_values_per_token(&arch) * ctx + smoe_engine::kv_fixed_values(&arch)) * 4) as u64).min(budget / 8);
+        let (per_token, fixed) = smoe_engine::kv_bytes(&arch, self.cfg.open.kv_type);
+        let kv = ((per_token * ctx + fixed) as u64).min(budget / 8);
         let base = dense + kv;
         let used = |l: &BTreeMap<String, Loaded>| l.values().map(|m| m.bytes_now()).sum::<u64>();
         // The cache this model should get, and the least it accepts before others are unloaded.

@@ -1,6 +1,7 @@
 //! Causal attention over the KV cache: for each query (token, head), scores against every
 //! cached key of its kv head, softmax, weighted sum of values.
 
+use super::kv_rows::KvRows;
 use super::matmul::dot;
 use super::KvLayer;
 use crate::backend::AttnParams;
@@ -9,6 +10,8 @@ use std::cell::RefCell;
 
 thread_local! {
     static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// A row (reference path) or a block (fast path) of f16 keys and values widened to f32.
+    static WIDE: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
 /// One query's attention into `o` (`v_dim` long): over the positions [`AttnParams::selected`]
@@ -52,13 +55,16 @@ fn one_over(
     let (t, h) = (i / n_qh, i % n_qh);
     let g = h / group;
     let qv = &q[t * q_stride + h * kd..][..kd];
+    let widen = smoe_kernels::best();
     SCORES.with(|sc| {
         let mut sc = sc.borrow_mut();
+        let mut wide = WIDE.with(|w| std::mem::take(&mut *w.borrow_mut()));
         sc.clear();
         let mut max = f32::NEG_INFINITY;
         for j in positions.clone() {
             let j = l.row(j);
-            let sj = dotf(qv, &l.k[j * k_row + g * kd..][..kd]) * p.scale;
+            let (key, _) = l.k.rows(j * k_row + g * kd, 1, kd, k_row, &mut wide.0, widen);
+            let sj = dotf(qv, &key[..kd]) * p.scale;
             max = max.max(sj);
             sc.push(sj);
         }
@@ -74,11 +80,12 @@ fn one_over(
         }
         o.fill(0.0);
         for (j, &w) in positions.zip(sc.iter()) {
-            let v = &values[l.row(j) * v_row + g * v_stride..][..vd];
-            for (a, &b) in o.iter_mut().zip(v) {
+            let (v, _) = values.rows(l.row(j) * v_row + g * v_stride, 1, vd, v_row, &mut wide.1, widen);
+            for (a, &b) in o.iter_mut().zip(&v[..vd]) {
                 *a += w * b;
             }
         }
+        WIDE.with(|w| *w.borrow_mut() = wide);
         let inv = 1.0 / sum;
         for a in o.iter_mut() {
             *a *= inv;
@@ -156,7 +163,7 @@ struct Call<'a> {
     group: usize,
     chunk: usize,
     chunks_per_group: usize,
-    values: &'a [f32],
+    values: &'a KvRows,
     v_row: usize,
     v_stride: usize,
 }
@@ -236,9 +243,19 @@ impl<'a> Call<'a> {
         // Rows before the cache's base were dropped: bases are block-aligned, so a block is
         // held whole or not at all (`KvLayer::row` stops a read of a dropped one).
         let at = self.l.row(j0);
-        let values = &self.values[at * self.v_row + r.g * self.v_stride..];
-        smoe_kernels::prefetch_rows(values, self.v_row, nb, sh.v_dim);
-        self.k.attn_scores(qb, kd, &self.l.k[at * k_row + r.g * kd..], k_row, nb, pr);
+        let mut wide = WIDE.with(|w| std::mem::take(&mut *w.borrow_mut()));
+        let (wk, wv) = (&mut wide.0, &mut wide.1);
+        // An f16 layer's block is widened into scratch once and read from there; an f32
+        // layer's is read in place (its values asked for ahead while the scores run).
+        let (keys, k_stride) = self.l.k.rows(at * k_row + r.g * kd, nb, kd, k_row, wk, self.k);
+        let (values, v_stride) = match (self.values, sh.values_in_keys) {
+            (KvRows::F16(_), true) => (keys, k_stride),
+            (rows, _) => rows.rows(at * self.v_row + r.g * self.v_stride, nb, sh.v_dim, self.v_row, wv, self.k),
+        };
+        if let KvRows::F32(_) = self.values {
+            smoe_kernels::prefetch_rows(values, v_stride, nb, sh.v_dim);
+        }
+        self.k.attn_scores(qb, kd, keys, k_stride, nb, pr);
         m[..rows].fill(f32::NEG_INFINITY);
         s[..rows].fill(0.0);
         // The positions each token sees, `from..seen` of the block (positions before the
@@ -299,7 +316,8 @@ impl<'a> Call<'a> {
         }
         let o = &mut o[..rows * vd];
         o.fill(0.0);
-        self.k.attn_weighted_sum(o, vd, &pr[..nb * rows], values, self.v_row, nb);
+        self.k.attn_weighted_sum(o, vd, &pr[..nb * rows], values, v_stride, nb);
+        WIDE.with(|w| *w.borrow_mut() = wide);
     }
 
     /// Ends rows `r`: each row's sink (gpt-oss) joins its denominator, then the outputs are
@@ -546,23 +564,27 @@ mod tests {
     use crate::backend::KvShape;
 
     fn layer(shape: KvShape, positions: usize) -> KvLayer {
-        let v = |n: usize, seed: usize| (0..n).map(|i| (((i * 7919 + seed * 104729) % 1999) as f32 / 1999.0 - 0.5) * 3.0).collect();
+        let v =
+            |n: usize, seed: usize| (0..n).map(|i| (((i * 7919 + seed * 104729) % 1999) as f32 / 1999.0 - 0.5) * 3.0).collect::<Vec<_>>();
         let kw = shape.heads * shape.k_dim;
         let vw = if shape.values_in_keys { 0 } else { shape.heads * shape.v_dim };
-        KvLayer { shape, k: v(positions * kw, 1), v: v(positions * vw, 2), base: 0 }
+        let rows = |v: Vec<f32>| match shape.f16 {
+            true => KvRows::F16(v.iter().map(|&x| smoe_quant::half::f32_to_f16_bits(x)).collect()),
+            false => KvRows::F32(v),
+        };
+        KvLayer { shape, k: rows(v(positions * kw, 1)), v: rows(v(positions * vw, 2)), base: 0 }
     }
 
     /// Attention in blocks of positions equals one softmax over all of them (to rounding), and
     /// prefill equals decode bit for bit at any block size, with and without sliding windows
-    /// and sinks.
+    /// and sinks, over f32 rows and over f16 ones (widened a block at a time).
     #[test]
     fn blocks_of_positions_match_one_softmax() {
         let kernels = smoe_kernels::best();
         let pool = crate::cpu::pool::Pool::new(2);
-        for (shape, q_heads) in [
-            (KvShape { heads: 2, k_dim: 16, v_dim: 16, values_in_keys: false, keep: None }, 6),
-            (KvShape { heads: 1, k_dim: 24, v_dim: 16, values_in_keys: true, keep: None }, 3),
-        ] {
+        let gqa = KvShape { heads: 2, k_dim: 16, v_dim: 16, values_in_keys: false, keep: None, f16: false };
+        let mla = KvShape { heads: 1, k_dim: 24, v_dim: 16, values_in_keys: true, keep: None, f16: false };
+        for (shape, q_heads) in [(gqa, 6), (mla, 3), (KvShape { f16: true, ..gqa }, 6), (KvShape { f16: true, ..mla }, 3)] {
             let (n, pos0) = (19, 40);
             let l = layer(shape, pos0 + n);
             let q_stride = q_heads * shape.k_dim + 5;
@@ -598,33 +620,35 @@ mod tests {
     fn a_batch_of_sequences_attends_as_each_alone() {
         let kernels = smoe_kernels::best();
         let pool = crate::cpu::pool::Pool::new(3);
-        let shape = KvShape { heads: 2, k_dim: 16, v_dim: 16, values_in_keys: false, keep: None };
-        let q_heads = 6;
-        // (positions before, queries): decode after 300 (three blocks of 128), decode from the
-        // start, a prefill chunk of 19 after 40, a chunk of 3 after 200, decode after 129.
-        let seqs = [(300, 1), (0, 1), (40, 19), (200, 3), (129, 1)];
-        let layers: Vec<KvLayer> = seqs.iter().enumerate().map(|(i, &(pos0, n))| layer(shape, pos0 + n + i)).collect();
-        let n: usize = seqs.iter().map(|s| s.1).sum();
-        let q_stride = q_heads * shape.k_dim + 3;
-        let q: Vec<f32> = (0..n * q_stride).map(|i| ((i * 37 % 101) as f32 - 50.0) / 40.0).collect();
-        let sinks: Vec<f32> = (0..q_heads).map(|h| h as f32 - 2.5).collect();
-        let width = q_heads * shape.v_dim;
-        for (window, sinks) in [(None, None), (Some(70), Some(&sinks[..]))] {
-            let p = AttnParams { q_heads, scale: 0.25, window, sinks, selected: None };
-            let mut rows = Vec::new();
-            let mut row = 0;
-            for (l, &(pos0, n)) in layers.iter().zip(&seqs) {
-                rows.push(SeqRows { l, row, n, pos0 });
-                row += n;
-            }
-            // The rows in another order than the sequences'.
-            rows.reverse();
-            let mut got = vec![0f32; n * width];
-            attention_fast_batch(&rows, &q, q_stride, p, &mut got, kernels, &pool, POSITIONS_PER_BLOCK);
-            for s in &rows {
-                let mut alone = vec![0f32; s.n * width];
-                attention_fast(s.l, &q[s.row * q_stride..], q_stride, s.n, s.pos0, p, &mut alone, kernels, &pool, POSITIONS_PER_BLOCK);
-                assert_eq!(alone, got[s.row * width..(s.row + s.n) * width], "window {window:?}: the sequence at row {}", s.row);
+        let shape = KvShape { heads: 2, k_dim: 16, v_dim: 16, values_in_keys: false, keep: None, f16: false };
+        for shape in [shape, KvShape { f16: true, ..shape }] {
+            let q_heads = 6;
+            // (positions before, queries): decode after 300 (three blocks of 128), decode from the
+            // start, a prefill chunk of 19 after 40, a chunk of 3 after 200, decode after 129.
+            let seqs = [(300, 1), (0, 1), (40, 19), (200, 3), (129, 1)];
+            let layers: Vec<KvLayer> = seqs.iter().enumerate().map(|(i, &(pos0, n))| layer(shape, pos0 + n + i)).collect();
+            let n: usize = seqs.iter().map(|s| s.1).sum();
+            let q_stride = q_heads * shape.k_dim + 3;
+            let q: Vec<f32> = (0..n * q_stride).map(|i| ((i * 37 % 101) as f32 - 50.0) / 40.0).collect();
+            let sinks: Vec<f32> = (0..q_heads).map(|h| h as f32 - 2.5).collect();
+            let width = q_heads * shape.v_dim;
+            for (window, sinks) in [(None, None), (Some(70), Some(&sinks[..]))] {
+                let p = AttnParams { q_heads, scale: 0.25, window, sinks, selected: None };
+                let mut rows = Vec::new();
+                let mut row = 0;
+                for (l, &(pos0, n)) in layers.iter().zip(&seqs) {
+                    rows.push(SeqRows { l, row, n, pos0 });
+                    row += n;
+                }
+                // The rows in another order than the sequences'.
+                rows.reverse();
+                let mut got = vec![0f32; n * width];
+                attention_fast_batch(&rows, &q, q_stride, p, &mut got, kernels, &pool, POSITIONS_PER_BLOCK);
+                for s in &rows {
+                    let mut alone = vec![0f32; s.n * width];
+                    attention_fast(s.l, &q[s.row * q_stride..], q_stride, s.n, s.pos0, p, &mut alone, kernels, &pool, POSITIONS_PER_BLOCK);
+                    assert_eq!(alone, got[s.row * width..(s.row + s.n) * width], "window {window:?}: the sequence at row {}", s.row);
+                }
             }
         }
     }
@@ -636,15 +660,27 @@ mod speed {
     use crate::backend::KvShape;
 
     /// Qwen3-30B-A3B's attention: 4 KV heads of 128 for 32 query heads.
-    const SHAPE: KvShape = KvShape { heads: 4, k_dim: 128, v_dim: 128, values_in_keys: false, keep: None };
+    const SHAPE: KvShape = KvShape { heads: 4, k_dim: 128, v_dim: 128, values_in_keys: false, keep: None, f16: false };
 
     /// `n` values of a fixed spread pattern.
     fn pattern(n: usize) -> Vec<f32> {
         (0..n).map(|i| ((i * 7919 % 1999) as f32 / 1999.0 - 0.5) * 3.0).collect()
     }
 
+    /// A layer of `positions` pattern rows, stored as f16 when `SMOE_ATTN_KV=f16`.
+    fn layer(positions: usize) -> KvLayer {
+        let f16 = std::env::var("SMOE_ATTN_KV").is_ok_and(|v| v == "f16");
+        let shape = KvShape { f16, ..SHAPE };
+        let rows = |v: Vec<f32>| match f16 {
+            true => KvRows::F16(v.iter().map(|&x| smoe_quant::half::f32_to_f16_bits(x)).collect()),
+            false => KvRows::F32(v),
+        };
+        let kw = SHAPE.heads * SHAPE.k_dim;
+        KvLayer { shape, k: rows(pattern(positions * kw)), v: rows(pattern(positions * kw)), base: 0 }
+    }
+
     /// Prefill attention's speed (Qwen3-30B-A3B's heads, a causal prompt of `SMOE_ATTN_TOKENS`
-    /// tokens, 2,048 by default), in multiply-adds of the scores and weighted sums per second:
+    /// tokens, 2,048 by default; `SMOE_ATTN_KV=f16` for f16 rows), in multiply-adds of the scores and weighted sums per second:
     /// `cargo test --release -p smoe-engine --lib -- --ignored --nocapture --exact
     /// cpu::attention::speed::prefill_attention_speed`.
     #[test]
@@ -652,8 +688,7 @@ mod speed {
     fn prefill_attention_speed() {
         let q_heads = 32;
         let n: usize = std::env::var("SMOE_ATTN_TOKENS").ok().and_then(|v| v.parse().ok()).unwrap_or(2048);
-        let kw = SHAPE.heads * SHAPE.k_dim;
-        let layer = KvLayer { shape: SHAPE, k: pattern(n * kw), v: pattern(n * kw), base: 0 };
+        let layer = layer(n);
         let q = pattern(n * q_heads * 128);
         let p = AttnParams { q_heads, scale: 0.088, window: None, sinks: None, selected: None };
         let mut out = vec![0f32; n * q_heads * 128];
@@ -671,18 +706,18 @@ mod speed {
         }
     }
 
-    /// Decode attention's speed (Qwen3-30B-A3B's heads, 1536 positions), for comparing
-    /// versions on one machine: `cargo test --release -p smoe-engine --lib -- --ignored
+    /// Decode attention's speed (Qwen3-30B-A3B's heads, `SMOE_ATTN_POSITIONS` positions, 1,536
+    /// by default; `SMOE_ATTN_KV=f16` for f16 rows), for comparing versions on one machine: `cargo test --release -p smoe-engine --lib -- --ignored
     /// --nocapture --exact cpu::attention::speed::attention_speed` (`--exact`: a plain filter
     /// would run [`prefill_attention_speed`] beside it, on the same cores).
     #[test]
     #[ignore]
     fn attention_speed() {
-        let (q_heads, positions) = (32, 1536);
-        let kw = SHAPE.heads * SHAPE.k_dim;
-        // Twelve layers' caches (80 MB), visited in turn as decode does: from memory, not cache.
-        let layers: Vec<KvLayer> =
-            (0..12).map(|_| KvLayer { shape: SHAPE, k: pattern(positions * kw), v: pattern(positions * kw), base: 0 }).collect();
+        let positions: usize = std::env::var("SMOE_ATTN_POSITIONS").ok().and_then(|v| v.parse().ok()).unwrap_or(1536);
+        let q_heads = 32;
+        // Twelve layers' caches (80 MB at 1,536 positions in f32), visited in turn as decode
+        // does: from memory, not cache.
+        let layers: Vec<KvLayer> = (0..12).map(|_| layer(positions)).collect();
         let q = pattern(q_heads * 128);
         let p = AttnParams { q_heads, scale: 0.088, window: None, sinks: None, selected: None };
         let mut out = vec![0f32; q_heads * 128];

@@ -4,7 +4,7 @@
 //! values) into a layer of its own and runs [`super::attention`]'s dense attention over it, as
 //! [`super::sparse`] does for DeepSeek Sparse Attention.
 
-use super::{rms_scale, KvLayer};
+use super::{kv_rows::KvRows, rms_scale, KvLayer};
 use crate::backend::{AttnParams, CompressWindows, CompressedParams, KvShape};
 use std::cell::RefCell;
 
@@ -43,13 +43,13 @@ pub(super) fn compress_windows(layers: &mut [KvLayer], c: CompressWindows<'_>) {
     let half = rope.cos.len() / count;
     let rot = 2 * half;
     assert!(rot <= dim, "compress_windows: {rot} rotated dimensions of {dim}");
-    out.k.resize((first + count) * dim, 0.0);
+    out.k.f32s_mut().resize((first + count) * dim, 0.0);
     // One slot of a channel: (gate + bias, kv) of position `pos`, the window's `i`-th, column `col`.
     let slot = |pos: usize, i: usize, col: usize| {
-        let r = &raw.k[(pos - raw.base) * row..][..row];
+        let r = &raw.k.f32s()[(pos - raw.base) * row..][..row];
         (r[cw + col] + bias[i * cw + col], r[col])
     };
-    for (wi, e) in out.k[first * dim..].chunks_exact_mut(dim).enumerate() {
+    for (wi, e) in out.k.f32s_mut()[first * dim..].chunks_exact_mut(dim).enumerate() {
         let w = first + wi;
         // With overlap, the previous window's first halves come first (window 0 has none).
         let prev = w.checked_sub(1).filter(|_| overlap).map(|p| p * rate);
@@ -94,28 +94,28 @@ pub(super) fn attention_compressed(
 ) {
     let window = &layers[layer];
     let d = window.shape.k_dim;
-    let shape = KvShape { heads: 1, k_dim: d, v_dim: d, values_in_keys: true, keep: None };
+    let shape = KvShape { heads: 1, k_dim: d, v_dim: d, values_in_keys: true, keep: None, f16: false };
     let dense = AttnParams { q_heads: p.q_heads, scale: p.scale, window: None, sinks: Some(p.sinks), selected: None };
     let row = p.q_heads * d;
     GATHERED.with(|g| {
         let mut g = g.borrow_mut();
-        let gl = g.get_or_insert_with(|| KvLayer { shape, k: Vec::new(), v: Vec::new(), base: 0 });
+        let gl = g.get_or_insert_with(|| KvLayer { shape, k: KvRows::new(false), v: KvRows::new(false), base: 0 });
         gl.shape = shape;
         for t in 0..n {
             let pos = pos0 + t;
             gl.k.clear();
             let first = (pos + 1).saturating_sub(p.window);
             assert!(first >= window.base, "attention_compressed: position {first} was dropped (held from {})", window.base);
-            gl.k.extend_from_slice(&window.k[(first - window.base) * d..(pos + 1 - window.base) * d]);
+            gl.k.f32s_mut().extend_from_slice(&window.k.f32s()[(first - window.base) * d..(pos + 1 - window.base) * d]);
             if let Some((entry_layer, rate)) = p.entries {
-                let (entries, seen) = (&layers[entry_layer].k, (pos + 1) / rate);
+                let (entries, seen) = (layers[entry_layer].k.f32s(), (pos + 1) / rate);
                 match p.selected {
                     Some(sel) => {
                         for j in sel.of(t).filter(|&j| j < seen) {
-                            gl.k.extend_from_slice(&entries[j * d..][..d]);
+                            gl.k.f32s_mut().extend_from_slice(&entries[j * d..][..d]);
                         }
                     }
-                    None => gl.k.extend_from_slice(&entries[..seen * d]),
+                    None => gl.k.f32s_mut().extend_from_slice(&entries[..seen * d]),
                 }
             }
             attend(gl, &q[t * row..][..row], dense, &mut out[t * row..][..row]);
@@ -139,10 +139,10 @@ mod tests {
             let norm: Vec<f32> = (0..dim).map(|i| 1.0 + val(i + 5) * 0.1).collect();
             let half = 2;
             let (cs, sn): (Vec<f32>, Vec<f32>) = (0..count * half).map(|i| ((i as f32 * 0.3).cos(), (i as f32 * 0.3).sin())).unzip();
-            let shape = |w: usize| KvShape { heads: 1, k_dim: w, v_dim: 0, values_in_keys: true, keep: None };
+            let shape = |w: usize| KvShape { heads: 1, k_dim: w, v_dim: 0, values_in_keys: true, keep: None, f16: false };
             let mut layers = vec![
-                KvLayer { shape: shape(2 * cw), k: raw.clone(), v: vec![], base: 0 },
-                KvLayer { shape: shape(dim), k: vec![f32::NAN; first * dim], v: vec![], base: 0 },
+                KvLayer { shape: shape(2 * cw), k: raw.clone().into(), v: KvRows::new(false), base: 0 },
+                KvLayer { shape: shape(dim), k: vec![f32::NAN; first * dim].into(), v: KvRows::new(false), base: 0 },
             ];
             let c = CompressWindows {
                 raw_layer: 0,
@@ -170,7 +170,7 @@ mod tests {
                     &cs[wi * half..][..half],
                     &sn[wi * half..][..half],
                 );
-                let got = &layers[1].k[(first + wi) * dim..][..dim];
+                let got = &layers[1].k.f32s()[(first + wi) * dim..][..dim];
                 for (g, w) in got.iter().zip(&want) {
                     assert!((g - w).abs() < 1e-5 * (1.0 + w.abs()), "overlap {overlap} window {}: {got:?} vs {want:?}", first + wi);
                 }

@@ -8,6 +8,7 @@ mod attention;
 mod compressed;
 mod cores;
 mod fast;
+mod kv_rows;
 mod matmul;
 pub mod pool;
 mod sparse;
@@ -17,6 +18,7 @@ use crate::backend::{
     WeightRef,
 };
 use crate::routing::{RouteScratch, RouterRule};
+use kv_rows::KvRows;
 use smoe_quant::{Format, QMatrix};
 use std::sync::Arc;
 
@@ -168,8 +170,8 @@ impl CpuMatrix {
 /// `base` on (0 unless the layer's shape lets old rows go, see [`KvShape::keep`]).
 struct KvLayer {
     shape: KvShape,
-    k: Vec<f32>,
-    v: Vec<f32>,
+    k: KvRows,
+    v: KvRows,
     base: usize,
 }
 
@@ -232,7 +234,21 @@ impl CpuBackend {
     /// are dropped (as a `resize` and copies would leave it). A prefill chunk's rows are
     /// written on the pool: they are the cache's first touch of fresh pages, whose faults
     /// (about 0.6 ms a 256-token chunk and layer, on one Zen 4 core) then run in parallel too.
-    fn store_rows<'a>(&self, cache: &mut Vec<f32>, at: usize, n: usize, width: usize, row: &(dyn Fn(usize) -> &'a [f32] + Sync)) {
+    fn store_rows<'a>(&self, cache: &mut KvRows, at: usize, n: usize, width: usize, row: &(dyn Fn(usize) -> &'a [f32] + Sync)) {
+        let cache = match cache {
+            KvRows::F32(v) => v,
+            KvRows::F16(_) => {
+                // Half floats are rounded as they go in; a step's few rows convert in no time
+                // next to the products that made them.
+                cache.truncate(at * width);
+                for t in 0..n {
+                    let src = row(t);
+                    assert_eq!(src.len(), width, "kv_store: a row of {} values for {width}", src.len());
+                    cache.write((at + t) * width, src, self.kernels);
+                }
+                return;
+            }
+        };
         if cache.len() < at * width {
             cache.resize(at * width, 0.0);
         }
@@ -351,7 +367,12 @@ impl Backend for CpuBackend {
         CpuBuf { name, data: vec![0.0; len] }
     }
     fn kv_cache(&self, layers: &[KvShape]) -> CpuKvCache {
-        CpuKvCache { layers: layers.iter().map(|&shape| KvLayer { shape, k: Vec::new(), v: Vec::new(), base: 0 }).collect() }
+        CpuKvCache {
+            layers: layers.iter().map(|&shape| KvLayer { shape, k: KvRows::new(shape.f16), v: KvRows::new(shape.f16), base: 0 }).collect(),
+        }
+    }
+    fn kv_f16(&self) -> bool {
+        true
     }
     fn kv_reserve(&self, cache: &mut CpuKvCache, positions: usize) {
         for l in &mut cache.layers {
@@ -384,7 +405,7 @@ impl Backend for CpuBackend {
             .unwrap_or(usize::MAX)
     }
     fn kv_bytes(&self, cache: &CpuKvCache) -> usize {
-        cache.layers.iter().map(|l| (l.k.len() + l.v.len()) * 4).sum()
+        cache.layers.iter().map(|l| l.k.bytes() + l.v.bytes()).sum()
     }
 
     fn upload(&self, dst: &mut CpuBuf, src: &[f32]) {
@@ -828,11 +849,10 @@ impl Backend for CpuBackend {
             // A layer that dropped old rows copies what it holds of the prefix.
             let rows = positions.saturating_sub(s.base).min(s.k.len() / kw.max(1));
             d.base = s.base.min(positions);
-            d.k.clear();
-            d.k.extend_from_slice(&s.k[..rows * kw]);
+            d.k.copy_prefix(&s.k, rows * kw);
             d.v.clear();
             if !s.v.is_empty() {
-                d.v.extend_from_slice(&s.v[..rows * vw]);
+                d.v.copy_prefix(&s.v, rows * vw);
             }
         }
         true
@@ -871,9 +891,9 @@ impl Backend for CpuBackend {
             let base = pos0.saturating_sub(keep) / DROP_SLACK * DROP_SLACK;
             if base >= l.base + DROP_SLACK {
                 let drop = base - l.base;
-                l.k.drain(..drop * kw);
+                l.k.drop_front(drop * kw);
                 if !l.v.is_empty() {
-                    l.v.drain(..drop * vw);
+                    l.v.drop_front(drop * vw);
                 }
                 l.base = base;
             }
@@ -1003,13 +1023,13 @@ mod tests {
     fn a_reserved_kv_cache_never_moves() {
         let be = CpuBackend::with_threads(Precision::Reference, 1);
         let shapes = [
-            KvShape { heads: 2, k_dim: 8, v_dim: 8, values_in_keys: false, keep: None },
-            KvShape { heads: 1, k_dim: 12, v_dim: 8, values_in_keys: true, keep: None },
+            KvShape { heads: 2, k_dim: 8, v_dim: 8, values_in_keys: false, keep: None, f16: false },
+            KvShape { heads: 1, k_dim: 12, v_dim: 8, values_in_keys: true, keep: None, f16: false },
         ];
         let mut cache = be.kv_cache(&shapes);
         be.kv_reserve(&mut cache, 1000);
         assert!(be.kv_capacity(&cache) >= 1000);
-        let start: Vec<_> = cache.layers.iter().map(|l| (l.k.as_ptr(), l.v.as_ptr())).collect();
+        let start: Vec<_> = cache.layers.iter().map(|l| (l.k.f32s().as_ptr(), l.v.f32s().as_ptr())).collect();
         let rows = be.buf("rows", 3 * 16);
         for pos in (0..999).step_by(3) {
             for layer in 0..2 {
@@ -1017,17 +1037,17 @@ mod tests {
                 be.kv_store(&mut cache, layer, pos, 3, &rows, 16, 0, v);
             }
         }
-        let end: Vec<_> = cache.layers.iter().map(|l| (l.k.as_ptr(), l.v.as_ptr())).collect();
+        let end: Vec<_> = cache.layers.iter().map(|l| (l.k.f32s().as_ptr(), l.v.f32s().as_ptr())).collect();
         assert_eq!(start, end);
         assert_eq!(be.kv_bytes(&cache), 999 * (2 * 8 * 2 + 12) * 4);
         // Shrunk to 500 positions (a parked session): the first 500 rows unchanged, the rest and
         // the reserved room given back.
-        let first: Vec<Vec<f32>> = cache.layers.iter().map(|l| l.k[..500 * l.shape.heads * l.shape.k_dim].to_vec()).collect();
+        let first: Vec<Vec<f32>> = cache.layers.iter().map(|l| l.k.f32s()[..500 * l.shape.heads * l.shape.k_dim].to_vec()).collect();
         be.kv_shrink(&mut cache, 500);
         assert_eq!(be.kv_bytes(&cache), 500 * (2 * 8 * 2 + 12) * 4);
         assert!(be.kv_capacity(&cache) < 1000);
         for (l, f) in cache.layers.iter().zip(&first) {
-            assert_eq!(&l.k, f);
+            assert_eq!(l.k.f32s(), f);
         }
     }
 
@@ -1107,7 +1127,7 @@ mod tests {
             let want: Vec<f32> = v(rows * dim, 13).iter().zip(&x.data).map(|(a, b)| a + b).collect();
             assert_eq!(added.data, want);
             // KV rows: a chunk, then a chunk that rewrites the last 50 rows and adds more.
-            let mut kv = be.kv_cache(&[KvShape { heads: 2, k_dim: 128, v_dim: 128, values_in_keys: false, keep: None }]);
+            let mut kv = be.kv_cache(&[KvShape { heads: 2, k_dim: 128, v_dim: 128, values_in_keys: false, keep: None, f16: false }]);
             be.kv_reserve(&mut kv, 2 * rows);
             let mut src = be.buf("src", rows * 3 * dim);
             be.upload(&mut src, &v(rows * 3 * dim, 14));
@@ -1116,10 +1136,10 @@ mod tests {
             let l = &kv.layers[0];
             assert_eq!(l.k.len(), (2 * rows - 50) * dim);
             for (pos, t, off) in [(0, 0, 0), (rows - 51, rows - 51, 0), (rows - 50, 0, dim), (2 * rows - 51, rows - 1, dim)] {
-                assert_eq!(l.k[pos * dim..][..dim], src.data[t * 3 * dim + off..][..dim], "key row {pos}");
-                assert_eq!(l.v[pos * dim..][..dim], src.data[t * 3 * dim + off + dim..][..dim], "value row {pos}");
+                assert_eq!(l.k.f32s()[pos * dim..][..dim], src.data[t * 3 * dim + off..][..dim], "key row {pos}");
+                assert_eq!(l.v.f32s()[pos * dim..][..dim], src.data[t * 3 * dim + off + dim..][..dim], "value row {pos}");
             }
-            let (keys, values) = (l.k.clone(), l.v.clone());
+            let (keys, values) = (l.k.f32s().clone(), l.v.f32s().clone());
             let mut all: Vec<Vec<f32>> =
                 [gu, sw, normed, gathered, summed, scattered, overwritten, qk, heads, added, in_place].map(|b| b.data).into();
             all.extend([keys, values]);

@@ -3,7 +3,7 @@
 //! [`super::attention`]'s, driven by [`crate::backend::AttnParams::selected`].
 
 use super::matmul::dot;
-use super::KvLayer;
+use super::{kv_rows::KvRows, KvLayer};
 use crate::backend::{select_top, AttnParams, IndexQueries};
 use rayon::prelude::*;
 use std::cell::RefCell;
@@ -39,15 +39,16 @@ pub(super) fn attention_selected(
     let row_out = p.q_heads * s.v_dim;
     GATHERED.with(|g| {
         let mut g = g.borrow_mut();
-        let gl = g.get_or_insert_with(|| KvLayer { shape: s, k: Vec::new(), v: Vec::new(), base: 0 });
+        let gl = g.get_or_insert_with(|| KvLayer { shape: s, k: KvRows::new(s.f16), v: KvRows::new(s.f16), base: 0 });
         gl.shape = s;
         for t in 0..n {
-            gl.k.clear();
-            gl.v.clear();
+            // The selected rows as they are stored (f16 rows stay f16: attention widens them).
+            gl.k.reset(s.f16);
+            gl.v.reset(s.f16);
             for j in sel.of(t) {
-                gl.k.extend_from_slice(&l.k[j * kw..][..kw]);
+                gl.k.push_from(&l.k, j * kw, kw);
                 if !s.values_in_keys {
-                    gl.v.extend_from_slice(&l.v[j * vw..][..vw]);
+                    gl.v.push_from(&l.v, j * vw, vw);
                 }
             }
             let kept = gl.k.len() / kw.max(1);
@@ -113,7 +114,7 @@ pub(super) fn index_select(l: &KvLayer, q: &[f32], w: &[f32], at: IndexQueries, 
             }
             scores.clear();
             scores.resize(seen, 0.0);
-            let keys = &l.k[..seen * d];
+            let keys = &l.k.f32s()[..seen * d];
             if n == 1 && seen >= 2 * POSITIONS_PER_TASK {
                 scores
                     .par_chunks_mut(POSITIONS_PER_TASK)

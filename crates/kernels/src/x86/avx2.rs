@@ -134,6 +134,64 @@ pub unsafe fn dot_f16(w: &[u8], x: &[f32]) -> f32 {
     t
 }
 
+/// fp16 bits to f32, eight at a time with F16C (exact, as the scalar widening).
+///
+/// # Safety
+/// The CPU must support AVX2 and F16C.
+#[target_feature(enable = "avx2,f16c")]
+pub unsafe fn widen_f16(src: &[u16], dst: &mut [f32]) {
+    let n = src.len().min(dst.len());
+    let mut i = 0;
+    while i + 8 <= n {
+        // SAFETY: 8 u16 and 8 f32 from i are in bounds.
+        unsafe {
+            let h = _mm_loadu_si128(src.as_ptr().add(i) as *const __m128i);
+            _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+        }
+        i += 8;
+    }
+    crate::scalar::widen_f16(&src[i..n], &mut dst[i..n]);
+}
+
+/// fp16 bits to f32, sixteen at a time (AVX-512's conversion; exact, as the scalar widening).
+///
+/// # Safety
+/// The CPU must support AVX-512F.
+#[target_feature(enable = "avx512f")]
+pub unsafe fn widen_f16_512(src: &[u16], dst: &mut [f32]) {
+    let n = src.len().min(dst.len());
+    let mut i = 0;
+    while i + 16 <= n {
+        // SAFETY: 16 u16 and 16 f32 from i are in bounds.
+        unsafe {
+            let h = _mm256_loadu_si256(src.as_ptr().add(i) as *const __m256i);
+            _mm512_storeu_ps(dst.as_mut_ptr().add(i), _mm512_cvtph_ps(h));
+        }
+        i += 16;
+    }
+    crate::scalar::widen_f16(&src[i..n], &mut dst[i..n]);
+}
+
+/// f32 to fp16 bits, eight at a time with F16C, rounding to nearest even (the scalar
+/// narrowing's bits for every value but a NaN's payload).
+///
+/// # Safety
+/// The CPU must support AVX2 and F16C.
+#[target_feature(enable = "avx2,f16c")]
+pub unsafe fn narrow_f16(src: &[f32], dst: &mut [u16]) {
+    let n = src.len().min(dst.len());
+    let mut i = 0;
+    while i + 8 <= n {
+        // SAFETY: 8 f32 and 8 u16 from i are in bounds.
+        unsafe {
+            let h = _mm256_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT }>(_mm256_loadu_ps(src.as_ptr().add(i)));
+            _mm_storeu_si128(dst.as_mut_ptr().add(i) as *mut __m128i, h);
+        }
+        i += 8;
+    }
+    crate::scalar::narrow_f16(&src[i..n], &mut dst[i..n]);
+}
+
 /// Q8_0 weights; scales converted eight blocks at a time, off the accumulation chains.
 ///
 /// # Safety

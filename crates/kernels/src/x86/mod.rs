@@ -146,6 +146,8 @@ pub fn avx2_table() -> Option<Kernels> {
     k.attn_sum = Some(attn_tiles::weighted_sum);
     k.softmax_terms = attn_tiles::softmax_terms;
     k.silu_mul = act_avx2::silu_mul;
+    k.widen_f16 = avx2::widen_f16;
+    k.narrow_f16 = avx2::narrow_f16;
 
     k.transpose8 = Some(gemm::transpose8);
     k.set(Format::F32, DotFn::F32(avx2::dot_f32));
@@ -198,6 +200,7 @@ pub fn avx512_table() -> Option<Kernels> {
         return None;
     }
     k.isa = "avx512-vnni";
+    k.widen_f16 = avx2::widen_f16_512;
     k.f32_dot = avx512::dot_f32_f32;
     // Attention's weighted sums in tiles of sixteen accumulators, which thirty-two registers
     // allow (the same bits; one Zen 4 core, `aspeed`: 40 against 33 GMAC/s). The score tiles

@@ -1,0 +1,192 @@
+//! The rows of one KV cache layer's keys or values: f32, or IEEE half floats
+//! ([`KvShape::f16`](crate::backend::KvShape::f16)).
+//!
+//! Half-float rows are rounded to nearest even as they are stored and widened exactly when
+//! read, so every reader computes what it would over an f32 cache holding the rounded values:
+//! attention converts a block of rows at a time into scratch and runs the f32 kernels on it,
+//! which keeps prefill, decode and batched steps bit for bit alike.
+
+/// One layer's keys or values, row-major.
+pub(crate) enum KvRows {
+    F32(Vec<f32>),
+    F16(Vec<u16>),
+}
+
+impl KvRows {
+    pub(crate) fn new(f16: bool) -> KvRows {
+        if f16 {
+            KvRows::F16(Vec::new())
+        } else {
+            KvRows::F32(Vec::new())
+        }
+    }
+
+    /// Values held.
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            KvRows::F32(v) => v.len(),
+            KvRows::F16(v) => v.len(),
+        }
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Values there is room for without growing.
+    pub(crate) fn capacity(&self) -> usize {
+        match self {
+            KvRows::F32(v) => v.capacity(),
+            KvRows::F16(v) => v.capacity(),
+        }
+    }
+
+    /// Bytes of the values held.
+    pub(crate) fn bytes(&self) -> usize {
+        match self {
+            KvRows::F32(v) => v.len() * 4,
+            KvRows::F16(v) => v.len() * 2,
+        }
+    }
+
+    pub(crate) fn reserve_exact(&mut self, more: usize) {
+        match self {
+            KvRows::F32(v) => v.reserve_exact(more),
+            KvRows::F16(v) => v.reserve_exact(more),
+        }
+    }
+
+    pub(crate) fn truncate(&mut self, len: usize) {
+        match self {
+            KvRows::F32(v) => v.truncate(len),
+            KvRows::F16(v) => v.truncate(len),
+        }
+    }
+
+    pub(crate) fn shrink_to_fit(&mut self) {
+        match self {
+            KvRows::F32(v) => v.shrink_to_fit(),
+            KvRows::F16(v) => v.shrink_to_fit(),
+        }
+    }
+
+    pub(crate) fn clear(&mut self) {
+        self.truncate(0);
+    }
+
+    /// Drops the first `n` values.
+    pub(crate) fn drop_front(&mut self, n: usize) {
+        match self {
+            KvRows::F32(v) => drop(v.drain(..n)),
+            KvRows::F16(v) => drop(v.drain(..n)),
+        }
+    }
+
+    /// Replaces the contents with `src`'s first `n` values (same kind: both layers come from
+    /// one shape).
+    pub(crate) fn copy_prefix(&mut self, src: &KvRows, n: usize) {
+        match (self, src) {
+            (KvRows::F32(d), KvRows::F32(s)) => {
+                d.clear();
+                d.extend_from_slice(&s[..n]);
+            }
+            (KvRows::F16(d), KvRows::F16(s)) => {
+                d.clear();
+                d.extend_from_slice(&s[..n]);
+            }
+            _ => panic!("KV copy between an f32 and an f16 layer"),
+        }
+    }
+
+    /// Empties the rows and makes them of the kind `f16` says.
+    pub(crate) fn reset(&mut self, f16: bool) {
+        if matches!(self, KvRows::F16(_)) == f16 {
+            self.clear();
+        } else {
+            *self = KvRows::new(f16);
+        }
+    }
+
+    /// Appends `src`'s values `at..at + len` as they are stored (same kind).
+    pub(crate) fn push_from(&mut self, src: &KvRows, at: usize, len: usize) {
+        match (self, src) {
+            (KvRows::F32(d), KvRows::F32(s)) => d.extend_from_slice(&s[at..at + len]),
+            (KvRows::F16(d), KvRows::F16(s)) => d.extend_from_slice(&s[at..at + len]),
+            _ => panic!("KV gather between an f32 and an f16 layer"),
+        }
+    }
+
+    /// The values as f32, for the readers that only ever see f32 layers (DeepSeek-V4's
+    /// compressed caches, the lightning indexer's keys: [`KvShape::f16`] is never set on them).
+    ///
+    /// [`KvShape::f16`]: crate::backend::KvShape::f16
+    pub(crate) fn f32s(&self) -> &Vec<f32> {
+        match self {
+            KvRows::F32(v) => v,
+            KvRows::F16(_) => panic!("this KV layer is f16; its reader takes f32 rows only"),
+        }
+    }
+
+    /// See [`KvRows::f32s`].
+    pub(crate) fn f32s_mut(&mut self) -> &mut Vec<f32> {
+        match self {
+            KvRows::F32(v) => v,
+            KvRows::F16(_) => panic!("this KV layer is f16; its writer takes f32 rows only"),
+        }
+    }
+
+    /// `n` rows of `len` values, `stride` apart from value `at`, as f32 rows and their
+    /// stride: the rows themselves for an f32 layer, widened into `buf` (`len` apart) for an
+    /// f16 one.
+    pub(crate) fn rows<'a>(
+        &'a self,
+        at: usize,
+        n: usize,
+        len: usize,
+        stride: usize,
+        buf: &'a mut Vec<f32>,
+        k: &smoe_kernels::Kernels,
+    ) -> (&'a [f32], usize) {
+        match self {
+            KvRows::F32(v) => (&v[at..], stride),
+            KvRows::F16(v) => {
+                buf.resize(n * len, 0.0);
+                for (j, dst) in buf.chunks_exact_mut(len.max(1)).take(n).enumerate() {
+                    k.f16_to_f32(&v[at + j * stride..][..len], dst);
+                }
+                (&buf[..], len)
+            }
+        }
+    }
+
+    /// Writes `src` at value `at` (growing by it when `at` is the end).
+    pub(crate) fn write(&mut self, at: usize, src: &[f32], k: &smoe_kernels::Kernels) {
+        match self {
+            KvRows::F32(v) => {
+                if at == v.len() {
+                    v.extend_from_slice(src);
+                } else {
+                    v[at..at + src.len()].copy_from_slice(src);
+                }
+            }
+            KvRows::F16(v) => {
+                if at == v.len() {
+                    v.resize(at + src.len(), 0);
+                }
+                k.f32_to_f16(src, &mut v[at..at + src.len()]);
+            }
+        }
+    }
+}
+
+impl From<Vec<f32>> for KvRows {
+    fn from(v: Vec<f32>) -> KvRows {
+        KvRows::F32(v)
+    }
+}
+
+impl FromIterator<f32> for KvRows {
+    fn from_iter<I: IntoIterator<Item = f32>>(it: I) -> KvRows {
+        KvRows::F32(it.into_iter().collect())
+    }
+}
