@@ -83,7 +83,7 @@ pub struct Kernels {
     pub(crate) attn_sum: Option<attn::WeightedSum>,
     pub(crate) softmax_terms: attn::SoftmaxTerms,
     pub(crate) silu_mul: unsafe fn(&mut [f32], &[f32]),
-    pub(crate) widen_f16: unsafe fn(&[u16], &mut [f32]),
+    pub(crate) widen_f16: unsafe fn(&[u16], usize, usize, usize, &mut [f32]),
     pub(crate) narrow_f16: unsafe fn(&[f32], &mut [u16]),
     dots: [DotFn; FORMATS],
     gemms: [Option<gemm::GemmRow>; FORMATS],
@@ -485,8 +485,15 @@ impl Kernels {
     /// fp16 bits to f32, exactly (an f16 KV cache read back for attention).
     pub fn f16_to_f32(&self, src: &[u16], dst: &mut [f32]) {
         assert_eq!(src.len(), dst.len(), "f16_to_f32: lengths differ");
+        self.f16_rows_to_f32(src, 1, src.len(), 0, dst);
+    }
+
+    /// `n` rows of `len` fp16 values, `stride` apart in `src`, to f32 rows of `len` side by
+    /// side in `dst`, exactly: one call for a block of one head's cached keys.
+    pub fn f16_rows_to_f32(&self, src: &[u16], n: usize, len: usize, stride: usize, dst: &mut [f32]) {
+        assert!(n == 0 || ((n - 1) * stride + len <= src.len() && n * len <= dst.len()), "f16_rows_to_f32: buffers too short");
         // SAFETY: as for `dot`.
-        unsafe { (self.widen_f16)(src, dst) }
+        unsafe { (self.widen_f16)(src, n, len, stride, dst) }
     }
 
     /// f32 to fp16 bits, rounding to nearest even; every table gives the same bits (a NaN

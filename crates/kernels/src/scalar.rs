@@ -21,9 +21,14 @@ pub fn dot_f16(w: &[u8], x: &[f32]) -> f32 {
     w.chunks_exact(2).zip(x).map(|(c, &v)| f16_bits_to_f32(u16::from_le_bytes([c[0], c[1]])) * v).sum()
 }
 
-/// fp16 bits to f32, exactly (`dst` and `src` of one length).
-pub fn widen_f16(src: &[u16], dst: &mut [f32]) {
-    dst.iter_mut().zip(src).for_each(|(d, &h)| *d = f16_bits_to_f32(h));
+/// `n` rows of `len` fp16 values, `stride` apart in `src`, to f32 rows of `len` in `dst`,
+/// exactly.
+pub fn widen_f16(src: &[u16], n: usize, len: usize, stride: usize, dst: &mut [f32]) {
+    assert!(n == 0 || ((n - 1) * stride + len <= src.len() && n * len <= dst.len()), "widen_f16: buffers too short");
+    for r in 0..n {
+        let row = &src[r * stride..][..len];
+        dst[r * len..][..len].iter_mut().zip(row).for_each(|(d, &h)| *d = f16_bits_to_f32(h));
+    }
 }
 
 /// f32 to fp16 bits, rounding to nearest even (`dst` and `src` of one length).

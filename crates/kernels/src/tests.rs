@@ -643,13 +643,26 @@ fn f16_conversions_match_scalar() {
     }
     vals.extend([65504.0, 65520.0, 65519.99, 1e9, -1e9, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 1e-8, -6e-8, 0.0, -0.0]);
     let (mut want_w, mut want_n) = (vec![0f32; all.len()], vec![0u16; vals.len()]);
-    crate::scalar::widen_f16(&all, &mut want_w);
+    crate::scalar::widen_f16(&all, 1, all.len(), 0, &mut want_w);
     crate::scalar::narrow_f16(&vals, &mut want_n);
     for k in available() {
         let mut got = vec![0f32; all.len()];
         k.f16_to_f32(&all, &mut got);
         for (i, (g, w)) in got.iter().zip(&want_w).enumerate() {
             assert!(g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()), "{} widen {i:#x}: {g} vs {w}", k.isa);
+        }
+        // Rows of every width around the vector lengths, strided.
+        for (n, len, stride) in [(3usize, 128usize, 517usize), (5, 7, 9), (4, 17, 40), (2, 33, 33), (1, 1, 1)] {
+            let mut got = vec![0f32; n * len];
+            k.f16_rows_to_f32(&all[1000..], n, len, stride, &mut got);
+            for (r, row) in got.chunks(len).enumerate() {
+                let want = &want_w[1000 + r * stride..][..len];
+                assert!(
+                    row.iter().zip(want).all(|(g, w)| g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan())),
+                    "{} rows {n}x{len}",
+                    k.isa
+                );
+            }
         }
         let mut got = vec![0u16; vals.len()];
         k.f32_to_f16(&vals, &mut got);

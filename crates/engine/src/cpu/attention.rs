@@ -110,6 +110,11 @@ pub(super) fn attention_ref(l: &KvLayer, q: &[f32], q_stride: usize, n: usize, p
 /// row rescale per block against 128 positions' weighted sums).
 pub(super) const POSITIONS_PER_BLOCK: usize = 128;
 
+/// Positions of an f16 layer widened at a time for a task of few rows (decode): 32 rows of 128
+/// keys and as many values take 32 KiB, in L1 beside the queries (a whole block's, 128 KiB,
+/// goes through L2; over a few rows the kernels cannot hide that).
+const WIDENED: usize = 32;
+
 /// Query heads per task: one KV head's query heads, split so that MLA's single KV head (and
 /// 128 query heads) still spreads over the pool.
 const HEADS_PER_TASK: usize = 16;
@@ -244,18 +249,22 @@ impl<'a> Call<'a> {
         // held whole or not at all (`KvLayer::row` stops a read of a dropped one).
         let at = self.l.row(j0);
         let mut wide = WIDE.with(|w| std::mem::take(&mut *w.borrow_mut()));
-        let (wk, wv) = (&mut wide.0, &mut wide.1);
-        // An f16 layer's block is widened into scratch once and read from there; an f32
-        // layer's is read in place (its values asked for ahead while the scores run).
-        let (keys, k_stride) = self.l.k.rows(at * k_row + r.g * kd, nb, kd, k_row, wk, self.k);
-        let (values, v_stride) = match (self.values, sh.values_in_keys) {
-            (KvRows::F16(_), true) => (keys, k_stride),
-            (rows, _) => rows.rows(at * self.v_row + r.g * self.v_stride, nb, sh.v_dim, self.v_row, wv, self.k),
-        };
-        if let KvRows::F32(_) = self.values {
-            smoe_kernels::prefetch_rows(values, v_stride, nb, sh.v_dim);
+        // An f32 layer's rows are read in place (its values asked for ahead while the scores
+        // run); an f16 layer's are widened [`WIDENED`] positions at a time into scratch that
+        // stays in L1, the kernels run on each piece (scores are independent, and a weighted
+        // sum adds positions in order whatever the pieces: the bits of one call).
+        let (key0, value0) = (at * k_row + r.g * kd, at * self.v_row + r.g * self.v_stride);
+        if let KvRows::F32(values) = self.values {
+            smoe_kernels::prefetch_rows(&values[value0..], self.v_row, nb, sh.v_dim);
         }
-        self.k.attn_scores(qb, kd, keys, k_stride, nb, pr);
+        // A task of many rows (prefill) widens the whole block: the kernels then run over all of
+        // its positions at once, and the widening is a small share of its work.
+        let piece = |f16: bool| if f16 && rows < ROWS / 2 { WIDENED } else { nb.max(1) };
+        for p0 in (0..nb).step_by(piece(self.l.k.is_f16())) {
+            let m = (nb - p0).min(piece(self.l.k.is_f16()));
+            let (keys, stride) = self.l.k.rows(key0 + p0 * k_row, m, kd, k_row, &mut wide.0, self.k);
+            self.k.attn_scores(qb, kd, keys, stride, m, &mut pr[p0 * rows..]);
+        }
         m[..rows].fill(f32::NEG_INFINITY);
         s[..rows].fill(0.0);
         // The positions each token sees, `from..seen` of the block (positions before the
@@ -316,7 +325,12 @@ impl<'a> Call<'a> {
         }
         let o = &mut o[..rows * vd];
         o.fill(0.0);
-        self.k.attn_weighted_sum(o, vd, &pr[..nb * rows], values, v_stride, nb);
+        let piece = piece(self.values.is_f16());
+        for p0 in (0..nb).step_by(piece) {
+            let m = (nb - p0).min(piece);
+            let (values, stride) = self.values.rows(value0 + p0 * self.v_row, m, vd, self.v_row, &mut wide.1, self.k);
+            self.k.attn_weighted_sum(o, vd, &pr[p0 * rows..(p0 + m) * rows], values, stride, m);
+        }
         WIDE.with(|w| *w.borrow_mut() = wide);
     }
 

@@ -21,6 +21,11 @@ impl KvRows {
         }
     }
 
+    /// Whether the rows are half floats.
+    pub(crate) fn is_f16(&self) -> bool {
+        matches!(self, KvRows::F16(_))
+    }
+
     /// Values held.
     pub(crate) fn len(&self) -> usize {
         match self {
@@ -151,9 +156,7 @@ impl KvRows {
             KvRows::F32(v) => (&v[at..], stride),
             KvRows::F16(v) => {
                 buf.resize(n * len, 0.0);
-                for (j, dst) in buf.chunks_exact_mut(len.max(1)).take(n).enumerate() {
-                    k.f16_to_f32(&v[at + j * stride..][..len], dst);
-                }
+                k.f16_rows_to_f32(&v[at..], n, len, stride, buf);
                 (&buf[..], len)
             }
         }

@@ -134,42 +134,49 @@ pub unsafe fn dot_f16(w: &[u8], x: &[f32]) -> f32 {
     t
 }
 
-/// fp16 bits to f32, eight at a time with F16C (exact, as the scalar widening).
+/// `n` rows of `len` fp16 values, `stride` apart in `src`, to f32 rows of `len` in `dst`,
+/// eight at a time with F16C (exact, as the scalar widening).
 ///
 /// # Safety
 /// The CPU must support AVX2 and F16C.
 #[target_feature(enable = "avx2,f16c")]
-pub unsafe fn widen_f16(src: &[u16], dst: &mut [f32]) {
-    let n = src.len().min(dst.len());
-    let mut i = 0;
-    while i + 8 <= n {
-        // SAFETY: 8 u16 and 8 f32 from i are in bounds.
-        unsafe {
-            let h = _mm_loadu_si128(src.as_ptr().add(i) as *const __m128i);
-            _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+pub unsafe fn widen_f16(src: &[u16], n: usize, len: usize, stride: usize, dst: &mut [f32]) {
+    assert!(n == 0 || ((n - 1) * stride + len <= src.len() && n * len <= dst.len()), "widen_f16: buffers too short");
+    for r in 0..n {
+        let (s, d) = (&src[r * stride..][..len], &mut dst[r * len..][..len]);
+        let mut i = 0;
+        while i + 8 <= len {
+            // SAFETY: 8 u16 and 8 f32 from i are in bounds of the row.
+            unsafe {
+                let h = _mm_loadu_si128(s.as_ptr().add(i) as *const __m128i);
+                _mm256_storeu_ps(d.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+            }
+            i += 8;
         }
-        i += 8;
+        crate::scalar::widen_f16(&s[i..], 1, len - i, 0, &mut d[i..]);
     }
-    crate::scalar::widen_f16(&src[i..n], &mut dst[i..n]);
 }
 
-/// fp16 bits to f32, sixteen at a time (AVX-512's conversion; exact, as the scalar widening).
+/// [`widen_f16`], sixteen at a time (AVX-512's conversion).
 ///
 /// # Safety
 /// The CPU must support AVX-512F.
 #[target_feature(enable = "avx512f")]
-pub unsafe fn widen_f16_512(src: &[u16], dst: &mut [f32]) {
-    let n = src.len().min(dst.len());
-    let mut i = 0;
-    while i + 16 <= n {
-        // SAFETY: 16 u16 and 16 f32 from i are in bounds.
-        unsafe {
-            let h = _mm256_loadu_si256(src.as_ptr().add(i) as *const __m256i);
-            _mm512_storeu_ps(dst.as_mut_ptr().add(i), _mm512_cvtph_ps(h));
+pub unsafe fn widen_f16_512(src: &[u16], n: usize, len: usize, stride: usize, dst: &mut [f32]) {
+    assert!(n == 0 || ((n - 1) * stride + len <= src.len() && n * len <= dst.len()), "widen_f16: buffers too short");
+    for r in 0..n {
+        let (s, d) = (&src[r * stride..][..len], &mut dst[r * len..][..len]);
+        let mut i = 0;
+        while i + 16 <= len {
+            // SAFETY: 16 u16 and 16 f32 from i are in bounds of the row.
+            unsafe {
+                let h = _mm256_loadu_si256(s.as_ptr().add(i) as *const __m256i);
+                _mm512_storeu_ps(d.as_mut_ptr().add(i), _mm512_cvtph_ps(h));
+            }
+            i += 16;
         }
-        i += 16;
+        crate::scalar::widen_f16(&s[i..], 1, len - i, 0, &mut d[i..]);
     }
-    crate::scalar::widen_f16(&src[i..n], &mut dst[i..n]);
 }
 
 /// f32 to fp16 bits, eight at a time with F16C, rounding to nearest even (the scalar
