@@ -12,6 +12,10 @@ pub type Scores = unsafe fn(q: &[f32], d: usize, keys: &[f32], stride: usize, n:
 /// `acc[r, :] += Σ_j p[j * rows + r] · values[j * stride..][..d]` over `n` values, for the
 /// `rows` rows of `acc` ([`crate::Kernels::attn_weighted_sum`]).
 pub type WeightedSum = unsafe fn(acc: &mut [f32], d: usize, p: &[f32], values: &[f32], stride: usize, n: usize);
+/// [`Scores`] against f16 keys ([`crate::Kernels::attn_scores_f16`]).
+pub type ScoresF16 = unsafe fn(q: &[f32], d: usize, keys: &[u16], stride: usize, n: usize, out: &mut [f32]);
+/// [`WeightedSum`] over f16 values ([`crate::Kernels::attn_weighted_sum_f16`]).
+pub type WeightedSumF16 = unsafe fn(acc: &mut [f32], d: usize, p: &[f32], values: &[u16], stride: usize, n: usize);
 /// `v[i] = exp(v[i] - m[i]); sum[i] += v[i]` (see [`crate::Kernels::softmax_terms`]).
 pub type SoftmaxTerms = unsafe fn(v: &mut [f32], m: &[f32], sum: &mut [f32]);
 

@@ -68,6 +68,8 @@ thread_local! {
     /// A group's rows taken apart, for formats without a many-token group kernel (prefill of
     /// interleaved Q8_0: once per group and call, against every token of the tile).
     static GROUP_ROWS: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// f16 keys or values widened for a table without f16 attention kernels.
+    static WIDE: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// A table of kernels for one instruction set.
@@ -81,6 +83,9 @@ pub struct Kernels {
     /// Many keys or values at once (prefill's attention); `None`: one at a time.
     pub(crate) attn_scores: Option<attn::Scores>,
     pub(crate) attn_sum: Option<attn::WeightedSum>,
+    /// The same over f16 keys and values, widened as loaded; `None`: widened into scratch.
+    pub(crate) attn_scores_f16: Option<attn::ScoresF16>,
+    pub(crate) attn_sum_f16: Option<attn::WeightedSumF16>,
     pub(crate) softmax_terms: attn::SoftmaxTerms,
     pub(crate) silu_mul: unsafe fn(&mut [f32], &[f32]),
     pub(crate) widen_f16: unsafe fn(&[u16], usize, usize, usize, &mut [f32]),
@@ -154,6 +159,8 @@ impl Kernels {
             multi_axpy: attn::multi_axpy,
             attn_scores: None,
             attn_sum: None,
+            attn_scores_f16: None,
+            attn_sum_f16: None,
             softmax_terms: attn::softmax_terms,
             silu_mul: scalar_silu_mul,
             widen_f16: scalar::widen_f16,
@@ -459,6 +466,42 @@ impl Kernels {
             // SAFETY: as for `dot`.
             Some(f) => unsafe { f(acc, d, p, values, stride, n) },
             None => (0..n).for_each(|j| self.multi_axpy(acc, &p[j * rows..(j + 1) * rows], &values[j * stride..][..d])),
+        }
+    }
+
+    /// [`Kernels::attn_scores`] against f16 keys (`keys[j * stride..][..d]`, IEEE half bits):
+    /// bit for bit [`Kernels::attn_scores`] on the keys widened to f32 (an f16 KV cache).
+    pub fn attn_scores_f16(&self, q: &[f32], d: usize, keys: &[u16], stride: usize, n: usize, out: &mut [f32]) {
+        assert!(d > 0 && q.len().is_multiple_of(d), "attn_scores_f16: query rows of {d}");
+        let rows = q.len() / d;
+        assert!(out.len() >= n * rows && (n == 0 || (n - 1) * stride + d <= keys.len()), "attn_scores_f16: buffers too short");
+        match self.attn_scores_f16 {
+            // SAFETY: as for `dot`.
+            Some(f) => unsafe { f(q, d, keys, stride, n, out) },
+            None => WIDE.with(|w| {
+                let mut w = w.borrow_mut();
+                w.resize(n * d, 0.0);
+                self.f16_rows_to_f32(keys, n, d, stride, &mut w);
+                self.attn_scores(q, d, &w, d, n, out)
+            }),
+        }
+    }
+
+    /// [`Kernels::attn_weighted_sum`] over f16 values: bit for bit it on the values widened to
+    /// f32.
+    pub fn attn_weighted_sum_f16(&self, acc: &mut [f32], d: usize, p: &[f32], values: &[u16], stride: usize, n: usize) {
+        assert!(d > 0 && acc.len().is_multiple_of(d), "attn_weighted_sum_f16: rows of {d}");
+        let rows = acc.len() / d;
+        assert!(p.len() >= n * rows && (n == 0 || (n - 1) * stride + d <= values.len()), "attn_weighted_sum_f16: buffers too short");
+        match self.attn_sum_f16 {
+            // SAFETY: as for `dot`.
+            Some(f) => unsafe { f(acc, d, p, values, stride, n) },
+            None => WIDE.with(|w| {
+                let mut w = w.borrow_mut();
+                w.resize(n * d, 0.0);
+                self.f16_rows_to_f32(values, n, d, stride, &mut w);
+                self.attn_weighted_sum(acc, d, p, &w, d, n)
+            }),
         }
     }
 

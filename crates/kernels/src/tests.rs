@@ -266,6 +266,19 @@ fn attention_tiles_match_one_key_at_a_time() {
                 k.multi_axpy(&mut want, &p[j * rows..(j + 1) * rows], &keys[j * stride..j * stride + d]);
             }
             assert_eq!(got, want, "{} weighted sum {rows}x{d}, {n} values", k.isa);
+            // f16 keys and values (an f16 KV cache): the bits of the f32 kernels on the values
+            // widened.
+            let half: Vec<u16> = keys.iter().map(|&x| smoe_quant::half::f32_to_f16_bits(x)).collect();
+            let wide: Vec<f32> = half.iter().map(|&h| smoe_quant::half::f16_bits_to_f32(h)).collect();
+            let (mut got, mut want) = (vec![0f32; n * rows], vec![0f32; n * rows]);
+            k.attn_scores_f16(&q, d, &half, stride, n, &mut got);
+            k.attn_scores(&q, d, &wide, stride, n, &mut want);
+            assert_eq!(got, want, "{} f16 scores {rows}x{d}, {n} keys", k.isa);
+            let acc0 = data(rows * d, &mut rng);
+            let (mut got, mut want) = (acc0.clone(), acc0);
+            k.attn_weighted_sum_f16(&mut got, d, &p, &half, stride, n);
+            k.attn_weighted_sum(&mut want, d, &p, &wide, stride, n);
+            assert_eq!(got, want, "{} f16 weighted sum {rows}x{d}, {n} values", k.isa);
         }
     }
 }

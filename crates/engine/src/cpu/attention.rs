@@ -110,11 +110,6 @@ pub(super) fn attention_ref(l: &KvLayer, q: &[f32], q_stride: usize, n: usize, p
 /// row rescale per block against 128 positions' weighted sums).
 pub(super) const POSITIONS_PER_BLOCK: usize = 128;
 
-/// Positions of an f16 layer widened at a time for a task of few rows (decode): 32 rows of 128
-/// keys and as many values take 32 KiB, in L1 beside the queries (a whole block's, 128 KiB,
-/// goes through L2; over a few rows the kernels cannot hide that).
-const WIDENED: usize = 32;
-
 /// Query heads per task: one KV head's query heads, split so that MLA's single KV head (and
 /// 128 query heads) still spreads over the pool.
 const HEADS_PER_TASK: usize = 16;
@@ -248,22 +243,16 @@ impl<'a> Call<'a> {
         // Rows before the cache's base were dropped: bases are block-aligned, so a block is
         // held whole or not at all (`KvLayer::row` stops a read of a dropped one).
         let at = self.l.row(j0);
-        let mut wide = WIDE.with(|w| std::mem::take(&mut *w.borrow_mut()));
-        // An f32 layer's rows are read in place (its values asked for ahead while the scores
-        // run); an f16 layer's are widened [`WIDENED`] positions at a time into scratch that
-        // stays in L1, the kernels run on each piece (scores are independent, and a weighted
-        // sum adds positions in order whatever the pieces: the bits of one call).
+        // f16 rows go to kernels that widen them as they load them: the bits of f32 rows
+        // holding the widened values, from half the bytes.
         let (key0, value0) = (at * k_row + r.g * kd, at * self.v_row + r.g * self.v_stride);
-        if let KvRows::F32(values) = self.values {
-            smoe_kernels::prefetch_rows(&values[value0..], self.v_row, nb, sh.v_dim);
-        }
-        // A task of many rows (prefill) widens the whole block: the kernels then run over all of
-        // its positions at once, and the widening is a small share of its work.
-        let piece = |f16: bool| if f16 && rows < ROWS / 2 { WIDENED } else { nb.max(1) };
-        for p0 in (0..nb).step_by(piece(self.l.k.is_f16())) {
-            let m = (nb - p0).min(piece(self.l.k.is_f16()));
-            let (keys, stride) = self.l.k.rows(key0 + p0 * k_row, m, kd, k_row, &mut wide.0, self.k);
-            self.k.attn_scores(qb, kd, keys, stride, m, &mut pr[p0 * rows..]);
+        match (&self.l.k, self.values) {
+            (KvRows::F32(keys), KvRows::F32(values)) => {
+                smoe_kernels::prefetch_rows(&values[value0..], self.v_row, nb, sh.v_dim);
+                self.k.attn_scores(qb, kd, &keys[key0..], k_row, nb, pr);
+            }
+            (KvRows::F16(keys), _) => self.k.attn_scores_f16(qb, kd, &keys[key0..], k_row, nb, pr),
+            _ => unreachable!("a layer's keys and values are of one kind"),
         }
         m[..rows].fill(f32::NEG_INFINITY);
         s[..rows].fill(0.0);
@@ -325,13 +314,10 @@ impl<'a> Call<'a> {
         }
         let o = &mut o[..rows * vd];
         o.fill(0.0);
-        let piece = piece(self.values.is_f16());
-        for p0 in (0..nb).step_by(piece) {
-            let m = (nb - p0).min(piece);
-            let (values, stride) = self.values.rows(value0 + p0 * self.v_row, m, vd, self.v_row, &mut wide.1, self.k);
-            self.k.attn_weighted_sum(o, vd, &pr[p0 * rows..(p0 + m) * rows], values, stride, m);
+        match self.values {
+            KvRows::F32(values) => self.k.attn_weighted_sum(o, vd, &pr[..nb * rows], &values[value0..], self.v_row, nb),
+            KvRows::F16(values) => self.k.attn_weighted_sum_f16(o, vd, &pr[..nb * rows], &values[value0..], self.v_row, nb),
         }
-        WIDE.with(|w| *w.borrow_mut() = wide);
     }
 
     /// Ends rows `r`: each row's sink (gpt-oss) joins its denominator, then the outputs are

@@ -3,8 +3,8 @@
 //!
 //! Half-float rows are rounded to nearest even as they are stored and widened exactly when
 //! read, so every reader computes what it would over an f32 cache holding the rounded values:
-//! attention converts a block of rows at a time into scratch and runs the f32 kernels on it,
-//! which keeps prefill, decode and batched steps bit for bit alike.
+//! the fast path's kernels widen them as they load them, the reference path a row at a time
+//! into scratch, which keeps prefill, decode and batched steps bit for bit alike.
 
 /// One layer's keys or values, row-major.
 pub(crate) enum KvRows {
@@ -19,11 +19,6 @@ impl KvRows {
         } else {
             KvRows::F32(Vec::new())
         }
-    }
-
-    /// Whether the rows are half floats.
-    pub(crate) fn is_f16(&self) -> bool {
-        matches!(self, KvRows::F16(_))
     }
 
     /// Values held.

@@ -26,22 +26,111 @@ unsafe fn load(s: &[f32], i: usize) -> __m256 {
     unsafe { _mm256_loadu_ps(s.as_ptr().add(i)) }
 }
 
+/// Cached keys or values as they are stored: f32 (`H = false`), or f16 bits (`H = true`)
+/// widened exactly as they are loaded, so that the arithmetic after the load, and so every
+/// bit, is that of f32 rows holding the widened values. The slice of the other kind is empty.
+#[derive(Clone, Copy)]
+struct Rows<'a, const H: bool> {
+    f32: &'a [f32],
+    f16: &'a [u16],
+}
+
+impl<'a> Rows<'a, false> {
+    #[inline]
+    fn of_f32(f32: &'a [f32]) -> Self {
+        Rows { f32, f16: &[] }
+    }
+}
+
+impl<'a> Rows<'a, true> {
+    #[inline]
+    fn of_f16(f16: &'a [u16]) -> Self {
+        Rows { f32: &[], f16 }
+    }
+}
+
+impl<'a, const H: bool> Rows<'a, H> {
+    #[inline]
+    fn len(self) -> usize {
+        if H {
+            self.f16.len()
+        } else {
+            self.f32.len()
+        }
+    }
+
+    /// Values `at..at + len`.
+    #[inline]
+    fn slice(self, at: usize, len: usize) -> Self {
+        if H {
+            Rows { f32: &[], f16: &self.f16[at..at + len] }
+        } else {
+            Rows { f32: &self.f32[at..at + len], f16: &[] }
+        }
+    }
+
+    /// Values from `at` on.
+    #[inline]
+    fn from(self, at: usize) -> Self {
+        self.slice(at, self.len() - at)
+    }
+
+    /// Value `i` as f32.
+    #[inline]
+    fn get(self, i: usize) -> f32 {
+        if H {
+            smoe_quant::half::f16_bits_to_f32(self.f16[i])
+        } else {
+            self.f32[i]
+        }
+    }
+
+    /// Eight values from `i`, as f32.
+    ///
+    /// # Safety
+    /// `i + 8 <= self.len()`.
+    #[target_feature(enable = "avx2,f16c")]
+    #[inline]
+    unsafe fn load8(self, i: usize) -> __m256 {
+        // SAFETY: as the caller guarantees, eight values of the stored kind from `i`.
+        unsafe {
+            if H {
+                _mm256_cvtph_ps(_mm_loadu_si128(self.f16.as_ptr().add(i) as *const __m128i))
+            } else {
+                _mm256_loadu_ps(self.f32.as_ptr().add(i))
+            }
+        }
+    }
+
+    /// Asks for the rows' cache lines ahead of use.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn prefetch(self) {
+        let (ptr, bytes) =
+            if H { (self.f16.as_ptr() as *const i8, self.f16.len() * 2) } else { (self.f32.as_ptr() as *const i8, self.f32.len() * 4) };
+        for o in (0..bytes).step_by(64) {
+            // SAFETY: a prefetch of an address inside the rows (it never faults in any case).
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(ptr.add(o)) };
+        }
+    }
+}
+
 /// A dot product's end, as [`crate::attn::avx2::multi_dot_with`] ends it: the lanes summed in
 /// its order, then the scalar tail from `full`.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-fn finish_dot(acc: __m256, q: &[f32], k: &[f32], full: usize) -> f32 {
+fn finish_dot<const H: bool>(acc: __m256, q: &[f32], k: Rows<'_, H>, full: usize) -> f32 {
     let mut t = super::avx2::hsum(acc);
     for j in full..q.len() {
-        t += q[j] * k[j];
+        t += q[j] * k.get(j);
     }
     t
 }
 
 /// `R` query rows against `K` keys: `out[b][a] = q[a] · k[b]`.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn tile<const R: usize, const K: usize>(q: [&[f32]; R], k: [&[f32]; K]) -> [[f32; R]; K] {
+fn tile<const R: usize, const K: usize, const H: bool>(q: [&[f32]; R], k: [Rows<'_, H>; K]) -> [[f32; R]; K] {
     let d = q[0].len();
     assert!(q.iter().all(|r| r.len() == d) && k.iter().all(|r| r.len() == d));
     let full = d / 8 * 8;
@@ -52,7 +141,7 @@ fn tile<const R: usize, const K: usize>(q: [&[f32]; R], k: [&[f32]; K]) -> [[f32
         let mut kv = [_mm256_setzero_ps(); K];
         for b in 0..K {
             // SAFETY: i + 8 <= full <= d, the length of every key row (asserted above).
-            kv[b] = unsafe { load(k[b], i) };
+            kv[b] = unsafe { k[b].load8(i) };
         }
         for a in 0..R {
             // SAFETY: i + 8 <= full <= d, the length of every query row (asserted above).
@@ -73,15 +162,23 @@ fn tile<const R: usize, const K: usize>(q: [&[f32]; R], k: [&[f32]; K]) -> [[f32
 
 /// Rows `r..r + R` of `q` (`d` long each) against keys `keys[b]`, into `out[j * rows + r..]`
 /// for `j = j0 + b`.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 #[allow(clippy::too_many_arguments)]
-fn score_rows<const R: usize, const K: usize>(q: &[f32], d: usize, r: usize, keys: [&[f32]; K], j0: usize, rows: usize, out: &mut [f32]) {
+fn score_rows<const R: usize, const K: usize, const H: bool>(
+    q: &[f32],
+    d: usize,
+    r: usize,
+    keys: [Rows<'_, H>; K],
+    j0: usize,
+    rows: usize,
+    out: &mut [f32],
+) {
     let mut qs = [&q[..0]; R];
     for (a, qs) in qs.iter_mut().enumerate() {
         *qs = &q[(r + a) * d..(r + a + 1) * d];
     }
-    let t = tile::<R, K>(qs, keys);
+    let t = tile::<R, K, H>(qs, keys);
     for (b, t) in t.iter().enumerate() {
         out[(j0 + b) * rows + r..][..R].copy_from_slice(t);
     }
@@ -89,17 +186,24 @@ fn score_rows<const R: usize, const K: usize>(q: &[f32], d: usize, r: usize, key
 
 /// Scores in tiles of `QR` rows by `KS` keys: `out[j * rows + r] = q[r, :] · key j`. Keys
 /// left over take tiles of one key, rows left over tiles of one row.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn scores_tiled<const QR: usize, const KS: usize>(q: &[f32], d: usize, keys: &[f32], stride: usize, n: usize, out: &mut [f32]) {
+fn scores_tiled<const QR: usize, const KS: usize, const H: bool>(
+    q: &[f32],
+    d: usize,
+    keys: Rows<'_, H>,
+    stride: usize,
+    n: usize,
+    out: &mut [f32],
+) {
     assert!(d > 0 && q.len().is_multiple_of(d), "scores: query rows of {d}");
     let rows = q.len() / d;
     assert!(out.len() >= n * rows && (n == 0 || (n - 1) * stride + d <= keys.len()), "scores: buffers too short");
-    let key = |j: usize| &keys[j * stride..j * stride + d];
+    let key = |j: usize| keys.slice(j * stride, d);
     // The first keys too: each decode task starts on a block of positions that nothing has
     // asked for yet, and waited on its first keys one miss at a time.
     for f in 0..(8 * KS).min(n) {
-        prefetch_row(key(f));
+        key(f).prefetch();
     }
     let whole_rows = rows / QR * QR;
     let mut j = 0;
@@ -107,26 +211,26 @@ fn scores_tiled<const QR: usize, const KS: usize>(q: &[f32], d: usize, keys: &[f
         let ks = KS.min(n - j);
         // The keys a few steps ahead (see `weighted_sum` on why).
         for f in j + 8 * KS..(j + 9 * KS).min(n) {
-            prefetch_row(key(f));
+            key(f).prefetch();
         }
         if ks == KS {
-            let mut kk = [&keys[..0]; KS];
+            let mut kk = [key(j); KS];
             for (b, kk) in kk.iter_mut().enumerate() {
                 *kk = key(j + b);
             }
             for r in (0..whole_rows).step_by(QR) {
-                score_rows::<QR, KS>(q, d, r, kk, j, rows, out);
+                score_rows::<QR, KS, H>(q, d, r, kk, j, rows, out);
             }
             for r in whole_rows..rows {
-                score_rows::<1, KS>(q, d, r, kk, j, rows, out);
+                score_rows::<1, KS, H>(q, d, r, kk, j, rows, out);
             }
         } else {
             for b in j..j + ks {
                 for r in (0..whole_rows).step_by(QR) {
-                    score_rows::<QR, 1>(q, d, r, [key(b)], b, rows, out);
+                    score_rows::<QR, 1, H>(q, d, r, [key(b)], b, rows, out);
                 }
                 for r in whole_rows..rows {
-                    score_rows::<1, 1>(q, d, r, [key(b)], b, rows, out);
+                    score_rows::<1, 1, H>(q, d, r, [key(b)], b, rows, out);
                 }
             }
         }
@@ -138,25 +242,35 @@ fn scores_tiled<const QR: usize, const KS: usize>(q: &[f32], d: usize, keys: &[f
 /// `out[j * rows + r] = q[r, :] · key j`.
 ///
 /// # Safety
-/// The CPU must support AVX2 and FMA.
-#[target_feature(enable = "avx2,fma")]
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn scores(q: &[f32], d: usize, keys: &[f32], stride: usize, n: usize, out: &mut [f32]) {
-    scores_tiled::<4, 3>(q, d, keys, stride, n, out);
+    scores_tiled::<4, 3, false>(q, d, Rows::of_f32(keys), stride, n, out);
+}
+
+/// [`scores`] against f16 keys, widened as they are loaded: the bits of [`scores`] on the
+/// widened keys.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn scores_f16(q: &[f32], d: usize, keys: &[u16], stride: usize, n: usize, out: &mut [f32]) {
+    scores_tiled::<4, 3, true>(q, d, Rows::of_f16(keys), stride, n, out);
 }
 
 /// `R` rows' columns `c..c + 8C` of `acc` (rows `d` long, from row `r`) plus the weighted sum of
 /// `n` values, in value order.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 #[allow(clippy::too_many_arguments)]
-fn sum_tile<const R: usize, const C: usize>(
+fn sum_tile<const R: usize, const C: usize, const H: bool>(
     acc: &mut [f32],
     d: usize,
     r: usize,
     c: usize,
     p: &[f32],
     rows: usize,
-    values: &[f32],
+    values: Rows<'_, H>,
     stride: usize,
     n: usize,
 ) {
@@ -175,7 +289,7 @@ fn sum_tile<const R: usize, const C: usize>(
         for x in 0..C {
             // SAFETY: j <= n - 1 and x < C, so the load ends at most at
             // (n - 1) * stride + c + 8 * C <= values.len() (second assert).
-            v[x] = unsafe { load(values, j * stride + c + 8 * x) };
+            v[x] = unsafe { values.load8(j * stride + c + 8 * x) };
         }
         for i in 0..R {
             // SAFETY: j * rows + r + i <= (n - 1) * rows + r + R - 1 < p.len() (second
@@ -197,13 +311,13 @@ fn sum_tile<const R: usize, const C: usize>(
 }
 
 /// [`weighted_sum`] in tiles of `R` rows by `C` vectors, over chunks of `CHUNK` positions.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn weighted_sum_tiled<const R: usize, const C: usize, const CHUNK: usize>(
+fn weighted_sum_tiled<const R: usize, const C: usize, const CHUNK: usize, const H: bool>(
     acc: &mut [f32],
     d: usize,
     p: &[f32],
-    values: &[f32],
+    values: Rows<'_, H>,
     stride: usize,
     n: usize,
 ) {
@@ -217,14 +331,14 @@ fn weighted_sum_tiled<const R: usize, const C: usize, const CHUNK: usize>(
     // still sums its terms in position order.
     // The first two chunks as well, for the same reason as the first keys in `scores`.
     for j in 0..(2 * CHUNK).min(n) {
-        prefetch_row(&values[j * stride..][..d]);
+        values.slice(j * stride, d).prefetch();
     }
     for j0 in (0..n).step_by(CHUNK) {
         let jn = CHUNK.min(n - j0);
         for j in j0 + 2 * CHUNK..(j0 + 3 * CHUNK).min(n) {
-            prefetch_row(&values[j * stride..][..d]);
+            values.slice(j * stride, d).prefetch();
         }
-        weighted_sum_chunk::<R, C>(acc, d, rows, &p[j0 * rows..], &values[j0 * stride..], stride, jn);
+        weighted_sum_chunk::<R, C, H>(acc, d, rows, &p[j0 * rows..], values.from(j0 * stride), stride, jn);
     }
 }
 
@@ -232,42 +346,51 @@ fn weighted_sum_tiled<const R: usize, const C: usize, const CHUNK: usize>(
 /// `values[j * stride..]` (`d` long); `acc` holds `rows` rows of `d`.
 ///
 /// # Safety
-/// The CPU must support AVX2 and FMA.
-#[target_feature(enable = "avx2,fma")]
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn weighted_sum(acc: &mut [f32], d: usize, p: &[f32], values: &[f32], stride: usize, n: usize) {
-    weighted_sum_tiled::<4, 2, 16>(acc, d, p, values, stride, n);
+    weighted_sum_tiled::<4, 2, 16, false>(acc, d, p, Rows::of_f32(values), stride, n);
+}
+
+/// [`weighted_sum`] over f16 values, widened as they are loaded: the bits of
+/// [`weighted_sum`] on the widened values.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn weighted_sum_f16(acc: &mut [f32], d: usize, p: &[f32], values: &[u16], stride: usize, n: usize) {
+    weighted_sum_tiled::<4, 2, 16, true>(acc, d, p, Rows::of_f16(values), stride, n);
 }
 
 /// [`weighted_sum`] in tiles of eight rows by two vectors (sixteen accumulators) over chunks
 /// of thirty-two positions, the same bits.
 ///
 /// # Safety
-/// The CPU must support AVX2, FMA and AVX-512 F and VL.
-#[target_feature(enable = "avx2,fma,avx512f,avx512vl")]
+/// The CPU must support AVX2, FMA, F16C and AVX-512 F and VL.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
 pub unsafe fn weighted_sum_vl(acc: &mut [f32], d: usize, p: &[f32], values: &[f32], stride: usize, n: usize) {
-    weighted_sum_tiled::<8, 2, 32>(acc, d, p, values, stride, n);
+    weighted_sum_tiled::<8, 2, 32, false>(acc, d, p, Rows::of_f32(values), stride, n);
 }
 
-/// Asks for `row`'s cache lines ahead of use.
-#[target_feature(enable = "avx2")]
-#[inline]
-fn prefetch_row(row: &[f32]) {
-    for i in (0..row.len()).step_by(16) {
-        // SAFETY: a prefetch of an address inside `row` (it never faults in any case).
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(row.as_ptr().add(i) as *const i8) };
-    }
+/// [`weighted_sum_vl`] over f16 values (see [`weighted_sum_f16`]).
+///
+/// # Safety
+/// The CPU must support AVX2, FMA, F16C and AVX-512 F and VL.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+pub unsafe fn weighted_sum_vl_f16(acc: &mut [f32], d: usize, p: &[f32], values: &[u16], stride: usize, n: usize) {
+    weighted_sum_tiled::<8, 2, 32, true>(acc, d, p, Rows::of_f16(values), stride, n);
 }
 
 /// [`weighted_sum`] over `n` positions that stay in cache: tiles of `R` rows by `C` vectors,
 /// then the columns left in tiles of one vector, the rows left one at a time.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn weighted_sum_chunk<const R: usize, const C: usize>(
+fn weighted_sum_chunk<const R: usize, const C: usize, const H: bool>(
     acc: &mut [f32],
     d: usize,
     rows: usize,
     p: &[f32],
-    values: &[f32],
+    values: Rows<'_, H>,
     stride: usize,
     n: usize,
 ) {
@@ -277,16 +400,16 @@ fn weighted_sum_chunk<const R: usize, const C: usize>(
         let whole = rows - r >= R;
         for c in (0..whole_cols).step_by(8 * C) {
             if whole {
-                sum_tile::<R, C>(acc, d, r, c, p, rows, values, stride, n);
+                sum_tile::<R, C, H>(acc, d, r, c, p, rows, values, stride, n);
             } else {
-                (r..rows).for_each(|r| sum_tile::<1, C>(acc, d, r, c, p, rows, values, stride, n));
+                (r..rows).for_each(|r| sum_tile::<1, C, H>(acc, d, r, c, p, rows, values, stride, n));
             }
         }
         for c in (whole_cols..full).step_by(8) {
             if whole {
-                sum_tile::<R, 1>(acc, d, r, c, p, rows, values, stride, n);
+                sum_tile::<R, 1, H>(acc, d, r, c, p, rows, values, stride, n);
             } else {
-                (r..rows).for_each(|r| sum_tile::<1, 1>(acc, d, r, c, p, rows, values, stride, n));
+                (r..rows).for_each(|r| sum_tile::<1, 1, H>(acc, d, r, c, p, rows, values, stride, n));
             }
         }
         // The scalar tail, as the one-value helper computes it (a product, then a sum).
@@ -294,7 +417,7 @@ fn weighted_sum_chunk<const R: usize, const C: usize>(
             for j in 0..n {
                 let w = p[j * rows + i];
                 for e in full..d {
-                    acc[i * d + e] += w * values[j * stride + e];
+                    acc[i * d + e] += w * values.get(j * stride + e);
                 }
             }
         }

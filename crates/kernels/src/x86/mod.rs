@@ -144,6 +144,8 @@ pub fn avx2_table() -> Option<Kernels> {
     k.multi_axpy = crate::attn::avx2::multi_axpy;
     k.attn_scores = Some(attn_tiles::scores);
     k.attn_sum = Some(attn_tiles::weighted_sum);
+    k.attn_scores_f16 = Some(attn_tiles::scores_f16);
+    k.attn_sum_f16 = Some(attn_tiles::weighted_sum_f16);
     k.softmax_terms = attn_tiles::softmax_terms;
     k.silu_mul = act_avx2::silu_mul;
     k.widen_f16 = avx2::widen_f16;
@@ -206,6 +208,7 @@ pub fn avx512_table() -> Option<Kernels> {
     // allow (the same bits; one Zen 4 core, `aspeed`: 40 against 33 GMAC/s). The score tiles
     // stay AVX2's: larger ones spilled and measured slower (36-42 against 44).
     k.attn_sum = Some(attn_tiles::weighted_sum_vl);
+    k.attn_sum_f16 = Some(attn_tiles::weighted_sum_vl_f16);
     k.set(Format::Q8_0, DotFn::Q32(avx512::dot_q8_0));
     // Q4_K stays on the 256-bit kernel: measured faster than 512-bit variants on Zen 4
     // (18-19 vs 16 GB/s per core), where 512-bit shuffles and 32-bit multiplies are costly.
