@@ -42,9 +42,11 @@ pub struct ModelArgs {
     /// Eviction policy: reuse-distance (default) or lru.
     #[arg(long, default_value = "reuse-distance")]
     pub policy: smoe_store::policy::PolicyKind,
-    /// How the KV cache stores keys and values: `f32` (exact) or `f16` (half the memory,
-    /// rounded to nearest even as llama.cpp's default f16 cache is; CPU only).
-    #[arg(long, default_value = "f32")]
+    /// How the KV cache stores keys and values: `f16` (half the memory, rounded to nearest
+    /// even as llama.cpp's default cache is; CPU only), `f32` (exact), or `auto` (f16 with the
+    /// CPU's production kernels, for every family but DeepSeek-V4; f32 on the GPU and with
+    /// the reference arithmetic).
+    #[arg(long, default_value = "auto")]
     pub kv_type: smoe_engine::KvType,
     /// Read ahead the experts the next layer's router predicts from the current hidden state.
     #[arg(long, default_value = "off", value_parser = ["off", "lookahead"])]
@@ -97,7 +99,7 @@ impl ModelArgs {
             cache,
             cache_experts: None,
             policy: smoe_store::policy::PolicyKind::ReuseDistance,
-            kv_type: smoe_engine::KvType::F32,
+            kv_type: smoe_engine::KvType::Auto,
             prefetch: "off".into(),
             no_verify: false,
             queue_depth: smoe_store::depth::QueueDepth::AUTO,

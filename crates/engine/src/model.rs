@@ -577,10 +577,12 @@ impl<B: Backend> Model<B> {
     }
 
     /// Stores the KV cache's rows as `t` (f32 by default; f16 halves the cache at a rounding
-    /// of about 1e-3 relative per value, as llama.cpp's default `-ctk f16 -ctv f16` does).
+    /// of about 1e-3 relative per value, as llama.cpp's default `-ctk f16 -ctv f16` does;
+    /// [`KvType::Auto`] takes f16 where it can).
     /// Applies to states made after the call. Refused on a backend that keeps f32 only (the
     /// GPU's) and for DeepSeek-V4, whose compressed caches are built from the rows in f32.
     pub fn set_kv_type(&mut self, t: KvType) -> Result<(), String> {
+        let t = t.resolve(&self.arch, self.backend.kv_f16());
         if let Some(why) = kv_type_refusal(&self.arch, t, self.backend.kv_f16()) {
             return Err(why);
         }
@@ -588,7 +590,7 @@ impl<B: Backend> Model<B> {
         Ok(())
     }
 
-    /// What [`set_kv_type`](Self::set_kv_type) set.
+    /// What [`set_kv_type`](Self::set_kv_type) set ([`KvType::Auto`] made definite).
     pub fn kv_type(&self) -> KvType {
         self.kv_type
     }
@@ -692,6 +694,10 @@ pub enum KvType {
     F32,
     /// 2 bytes a value, rounded to nearest even (IEEE half).
     F16,
+    /// f16 where the backend and the model take it (the CPU backend, every family but
+    /// DeepSeek-V4), else f32: the CLI's default (which opens f32 under the reference
+    /// arithmetic, the path held to transformers).
+    Auto,
 }
 
 /// Marks the layers of `shapes` that `t` stores as f16: with [`KvType::F16`], the decoder's
@@ -709,7 +715,7 @@ fn mark_kv_type(arch: &Architecture, t: KvType, shapes: &mut [KvShape]) {
 /// or cannot store f16 rows; `None` if it can.
 pub fn kv_type_refusal(arch: &Architecture, t: KvType, backend_f16: bool) -> Option<String> {
     match t {
-        KvType::F32 => None,
+        KvType::F32 | KvType::Auto => None,
         KvType::F16 if !backend_f16 => Some("--kv-type f16: this backend keeps its KV cache in f32 (the CPU backend stores f16)".into()),
         KvType::F16 if arch.compressed_attention.is_some() => {
             Some("--kv-type f16: DeepSeek-V4's compressed attention builds its caches from f32 rows; use --kv-type f32".into())
@@ -721,6 +727,8 @@ pub fn kv_type_refusal(arch: &Architecture, t: KvType, backend_f16: bool) -> Opt
 /// Bytes a sequence's KV cache adds per token and holds whatever its length (see
 /// [`kv_values_per_token`], [`kv_fixed_values`]) when stored as `t`.
 pub fn kv_bytes(arch: &Architecture, t: KvType) -> (usize, usize) {
+    // Sizing before a backend is chosen counts `Auto` as the CPU backend stores it.
+    let t = t.resolve(arch, true);
     let mut shapes = kv_shapes(arch);
     mark_kv_type(arch, t, &mut shapes);
     let f32_bytes = (kv_values_per_token(arch) * 4, kv_fixed_values(arch) * 4);
@@ -733,11 +741,13 @@ pub fn kv_bytes(arch: &Architecture, t: KvType) -> (usize, usize) {
 }
 
 impl KvType {
-    /// Bytes one cached value takes.
-    pub fn bytes(self) -> usize {
+    /// What `self` stores for a model of `arch` on a backend that can (`backend_f16`) or cannot
+    /// store f16 rows: [`KvType::Auto`] made definite.
+    pub fn resolve(self, arch: &Architecture, backend_f16: bool) -> KvType {
         match self {
-            KvType::F32 => 4,
-            KvType::F16 => 2,
+            KvType::Auto if kv_type_refusal(arch, KvType::F16, backend_f16).is_none() => KvType::F16,
+            KvType::Auto => KvType::F32,
+            t => t,
         }
     }
 }
@@ -748,7 +758,8 @@ impl std::str::FromStr for KvType {
         match s {
             "f32" => Ok(KvType::F32),
             "f16" => Ok(KvType::F16),
-            _ => Err(format!("unknown KV cache type '{s}' (f32, f16)")),
+            "auto" => Ok(KvType::Auto),
+            _ => Err(format!("unknown KV cache type '{s}' (auto, f32, f16)")),
         }
     }
 }

@@ -72,7 +72,8 @@ pub struct OpenOptions {
     /// `--chat-template-file`): for a model whose template is missing, wrong, or not the
     /// variant wanted (a thinking variant, say).
     pub chat_template: Option<String>,
-    /// How the KV cache stores its rows ([`Model::set_kv_type`](crate::Model::set_kv_type)).
+    /// How the KV cache stores its rows ([`Model::set_kv_type`](crate::Model::set_kv_type));
+    /// [`KvType::Auto`](crate::KvType::Auto) is f32 under [`Precision::Reference`].
     pub kv_type: crate::KvType,
 }
 
@@ -270,13 +271,18 @@ fn streamed_interleave(formats: Vec<Format>, holds_all: bool) -> Vec<Format> {
 pub fn open<B: Backend>(path: &Path, opts: &OpenOptions, backend: B) -> Result<(Engine<B>, OpenReport), EngineError> {
     let file = ModelFile::open(path)?;
     let arch = file.architecture().clone();
-    let ctx = opts.ctx.unwrap_or_else(|| default_context(&arch, opts.kv_type));
+    // `Auto` under the reference arithmetic is f32: that path is the one held to transformers.
+    let kv_type = match (opts.kv_type, opts.precision) {
+        (crate::KvType::Auto, Precision::Reference) => crate::KvType::F32,
+        (t, _) => t.resolve(&arch, backend.kv_f16()),
+    };
+    let ctx = opts.ctx.unwrap_or_else(|| default_context(&arch, kv_type));
     let map = file.expert_map()?;
     // Refused before any weight is read: the routed experts' formats are known only here.
     if let Some(why) = crate::backend_lacks(&arch, &weight_formats(&file, &map), &backend) {
         return Err(EngineError::Model(format!("{why}; run it on the CPU (--device cpu)")));
     }
-    if let Some(why) = crate::model::kv_type_refusal(&arch, opts.kv_type, backend.kv_f16()) {
+    if let Some(why) = crate::model::kv_type_refusal(&arch, kv_type, backend.kv_f16()) {
         return Err(EngineError::Input(why));
     }
     let total = map.total_experts();
@@ -301,7 +307,7 @@ pub fn open<B: Backend>(path: &Path, opts: &OpenOptions, backend: B) -> Result<(
             CacheSize::Experts(n) => (n, "--cache-experts".to_string()),
             CacheSize::Bytes(b) => ((b / blob) as usize, format!("{} MiB requested", b >> 20)),
             _ => {
-                let (per_token, fixed) = crate::kv_bytes(&arch, opts.kv_type);
+                let (per_token, fixed) = crate::kv_bytes(&arch, kv_type);
                 let kv = (per_token * ctx + fixed) as u64;
                 let (bytes, why) = auto_cache_bytes(file.dense_len(), kv);
                 ((bytes / blob) as usize, format!("auto: {why}"))
@@ -339,7 +345,7 @@ pub fn open<B: Backend>(path: &Path, opts: &OpenOptions, backend: B) -> Result<(
     // docs/benchmarks.md.)
     let cache = experts.clone();
     let mut model = Model::load_parts(&arch, &manifest.dense, region, backend, experts)?;
-    model.set_kv_type(opts.kv_type).map_err(EngineError::Input)?;
+    model.set_kv_type(kv_type).map_err(EngineError::Input)?;
     cache.prefault_cache();
     let mut engine = Engine::from_manifest(&manifest, model)?;
     engine.ctx = ctx;
