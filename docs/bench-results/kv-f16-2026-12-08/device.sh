@@ -1,6 +1,6 @@
 #!/bin/bash
 # Device call (2026-12-08, thirty-fifth session), on the host's CPU only, carrying
-# target/peercarry: smoe and the batch test binary (crates/engine/tests/batch.rs) of aba90e2,
+# target/peercarry: smoe and the batch test binary (crates/engine/tests/batch.rs) of 6efe7f3,
 # stripped and xz'd, and testdata/hf as testdata.tar.xz (testdata/ and models/ moved aside
 # here so that the call carries under 64 MiB).
 #  1. The int8 batch test (exact bits by the kernel rule) and the f16 KV test on the best

@@ -10,7 +10,8 @@ use std::cell::RefCell;
 
 thread_local! {
     static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
-    /// A row (reference path) or a block (fast path) of f16 keys and values widened to f32.
+    /// The reference path's current f16 key and value rows, widened to f32 (the fast path's
+    /// kernels widen as they load).
     static WIDE: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
@@ -577,7 +578,7 @@ mod tests {
 
     /// Attention in blocks of positions equals one softmax over all of them (to rounding), and
     /// prefill equals decode bit for bit at any block size, with and without sliding windows
-    /// and sinks, over f32 rows and over f16 ones (widened a block at a time).
+    /// and sinks, over f32 rows and over f16 ones (widened as the kernels load them).
     #[test]
     fn blocks_of_positions_match_one_softmax() {
         let kernels = smoe_kernels::best();

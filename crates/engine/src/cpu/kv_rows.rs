@@ -157,21 +157,22 @@ impl KvRows {
         }
     }
 
-    /// Writes `src` at value `at` (growing by it when `at` is the end).
+    /// Writes `src` at value `at`, growing the rows (with zeros, if `at` lies past their end)
+    /// to hold it.
     pub(crate) fn write(&mut self, at: usize, src: &[f32], k: &smoe_kernels::Kernels) {
+        let end = at + src.len();
         match self {
             KvRows::F32(v) => {
-                if at == v.len() {
-                    v.extend_from_slice(src);
-                } else {
-                    v[at..at + src.len()].copy_from_slice(src);
+                if v.len() < end {
+                    v.resize(end, 0.0);
                 }
+                v[at..end].copy_from_slice(src);
             }
             KvRows::F16(v) => {
-                if at == v.len() {
-                    v.resize(at + src.len(), 0);
+                if v.len() < end {
+                    v.resize(end, 0);
                 }
-                k.f32_to_f16(src, &mut v[at..at + src.len()]);
+                k.f32_to_f16(src, &mut v[at..end]);
             }
         }
     }
@@ -186,5 +187,39 @@ impl From<Vec<f32>> for KvRows {
 impl FromIterator<f32> for KvRows {
     fn from_iter<I: IntoIterator<Item = f32>>(it: I) -> KvRows {
         KvRows::F32(it.into_iter().collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// f16 rows hold the values rounded to nearest even and give them back exactly, in any
+    /// stride; writes past the end grow with zeros; dropping and copying keep what they hold.
+    #[test]
+    fn f16_rows_round_once_and_read_back_exactly() {
+        let k = smoe_kernels::best();
+        let round = |x: f32| smoe_quant::half::f16_bits_to_f32(smoe_quant::half::f32_to_f16_bits(x));
+        let src: Vec<f32> = (0..24).map(|i| (i as f32 * 0.377).sin() * 3.0 + 1e-4).collect();
+        let mut rows = KvRows::new(true);
+        rows.write(0, &src[..12], k);
+        rows.write(18, &src[12..], k); // past the end: values 12..18 become zeros
+        assert_eq!((rows.len(), rows.bytes()), (30, 60));
+        let mut buf = Vec::new();
+        let (got, stride) = rows.rows(0, 2, 6, 18, &mut buf, k);
+        assert_eq!(stride, 6);
+        let want: Vec<f32> = src[..6].iter().chain(&src[12..18]).map(|&x| round(x)).collect();
+        assert_eq!(&got[..12], &want[..]);
+        assert!(got.iter().zip(&want).all(|(g, &w)| g.to_bits() == w.to_bits()));
+        let (gap, _) = rows.rows(12, 1, 6, 6, &mut buf, k);
+        assert_eq!(&gap[..6], &[0.0; 6]);
+        let mut copy = KvRows::new(true);
+        copy.copy_prefix(&rows, 12);
+        rows.drop_front(6);
+        let (a, _) = rows.rows(0, 1, 6, 6, &mut buf, k);
+        let a = a[..6].to_vec();
+        let mut buf2 = Vec::new();
+        let (b, _) = copy.rows(6, 1, 6, 6, &mut buf2, k);
+        assert_eq!(a, b[..6]);
     }
 }
