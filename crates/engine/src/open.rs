@@ -113,20 +113,23 @@ pub struct OpenReport {
     pub io: String,
     /// The context limit chosen.
     pub ctx: usize,
+    /// How the KV cache stores its rows ([`KvType::Auto`](crate::KvType::Auto) made definite).
+    pub kv_type: crate::KvType,
 }
 
 impl std::fmt::Display for OpenReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "expert cache: {} of {} experts ({:.1}%), {:.2} GiB ({}); {}; context {} tokens",
+            "expert cache: {} of {} experts ({:.1}%), {:.2} GiB ({}); {}; context {} tokens, KV cache {}",
             self.cache_experts,
             self.total_experts,
             100.0 * self.cache_experts as f64 / self.total_experts.max(1) as f64,
             self.cache_bytes as f64 / (1u64 << 30) as f64,
             self.reason,
             self.io,
-            self.ctx
+            self.ctx,
+            if self.kv_type == crate::KvType::F16 { "f16" } else { "f32" }
         )
     }
 }
@@ -300,6 +303,7 @@ pub fn open<B: Backend>(path: &Path, opts: &OpenOptions, backend: B) -> Result<(
             reason: "resident".into(),
             io: format!("read at start{where_from}"),
             ctx,
+            kv_type,
         };
         (Arc::new(r), rep)
     } else {
@@ -333,6 +337,7 @@ pub fn open<B: Backend>(path: &Path, opts: &OpenOptions, backend: B) -> Result<(
             reason,
             io: format!("{}{where_from}", store.io_description()),
             ctx,
+            kv_type,
         };
         (Arc::new(store), rep)
     };
