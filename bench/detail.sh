@@ -19,8 +19,11 @@ echo "== kernels: one row x one token, GB/s of weights per core"
 target/release/examples/kspeed
 echo "== kernels: one row / four rows x 32 tokens (prefill), GMAC/s per core"
 target/release/examples/gspeed
-echo "== decode attention over f32 vs f16 KV, one layer, one core"
-target/release/examples/kv_precision
+echo "== decode attention over f32 vs f16 KV, one layer, 8,192 positions"
+for kv in f32 f16; do
+    SMOE_ATTN_KV=$kv SMOE_ATTN_POSITIONS=8192 cargo test --release -q -p smoe-engine --lib -- --ignored --nocapture --exact \
+        cpu::attention::speed::attention_speed
+done
 
 echo "== profile: prefill of 512 tokens, cached"
 $smoe bench "$vault" --cache resident --prompt-tokens 512 --gen-tokens 1 --instrument

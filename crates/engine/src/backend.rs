@@ -636,6 +636,11 @@ pub trait Backend: Send + Sync {
     fn kv_f16(&self) -> bool {
         false
     }
+    /// Whether [`KvType::Auto`](crate::KvType::Auto) stores f16 here: where the backend can and
+    /// its arithmetic is not the one held to a reference.
+    fn kv_f16_by_default(&self) -> bool {
+        self.kv_f16()
+    }
     /// Makes room for `positions` positions in every layer, so that the cache never moves (is
     /// never copied) while a sequence fills it. Only address space is taken: memory is touched
     /// as positions are stored. (Measured: it did not change resident memory at 8k tokens on

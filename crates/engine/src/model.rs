@@ -582,7 +582,7 @@ impl<B: Backend> Model<B> {
     /// Applies to states made after the call. Refused on a backend that keeps f32 only (the
     /// GPU's) and for DeepSeek-V4, whose compressed caches are built from the rows in f32.
     pub fn set_kv_type(&mut self, t: KvType) -> Result<(), String> {
-        let t = t.resolve(&self.arch, self.backend.kv_f16());
+        let t = t.resolve(&self.arch, &self.backend);
         if let Some(why) = kv_type_refusal(&self.arch, t, self.backend.kv_f16()) {
             return Err(why);
         }
@@ -694,9 +694,9 @@ pub enum KvType {
     F32,
     /// 2 bytes a value, rounded to nearest even (IEEE half).
     F16,
-    /// f16 where the backend and the model take it (the CPU backend, every family but
-    /// DeepSeek-V4), else f32: the CLI's default (which opens f32 under the reference
-    /// arithmetic, the path held to transformers).
+    /// f16 where the backend and the model take it and the backend's arithmetic is not held
+    /// to a reference ([`Backend::kv_f16_by_default`]: the CPU's production kernels, every
+    /// family but DeepSeek-V4), else f32. The CLI's default.
     Auto,
 }
 
@@ -727,8 +727,8 @@ pub fn kv_type_refusal(arch: &Architecture, t: KvType, backend_f16: bool) -> Opt
 /// Bytes a sequence's KV cache adds per token and holds whatever its length (see
 /// [`kv_values_per_token`], [`kv_fixed_values`]) when stored as `t`.
 pub fn kv_bytes(arch: &Architecture, t: KvType) -> (usize, usize) {
-    // Sizing before a backend is chosen counts `Auto` as the CPU backend stores it.
-    let t = t.resolve(arch, true);
+    // Sizing before a backend is chosen counts `Auto` as the CPU's production kernels store it.
+    let t = if t == KvType::Auto && kv_type_refusal(arch, KvType::F16, true).is_none() { KvType::F16 } else { t };
     let mut shapes = kv_shapes(arch);
     mark_kv_type(arch, t, &mut shapes);
     let f32_bytes = (kv_values_per_token(arch) * 4, kv_fixed_values(arch) * 4);
@@ -741,14 +741,23 @@ pub fn kv_bytes(arch: &Architecture, t: KvType) -> (usize, usize) {
 }
 
 impl KvType {
-    /// What `self` stores for a model of `arch` on a backend that can (`backend_f16`) or cannot
-    /// store f16 rows: [`KvType::Auto`] made definite.
-    pub fn resolve(self, arch: &Architecture, backend_f16: bool) -> KvType {
+    /// What `self` stores for a model of `arch` on `backend`: [`KvType::Auto`] made definite.
+    pub fn resolve<B: Backend>(self, arch: &Architecture, backend: &B) -> KvType {
         match self {
-            KvType::Auto if kv_type_refusal(arch, KvType::F16, backend_f16).is_none() => KvType::F16,
+            KvType::Auto if backend.kv_f16_by_default() && kv_type_refusal(arch, KvType::F16, backend.kv_f16()).is_none() => KvType::F16,
             KvType::Auto => KvType::F32,
             t => t,
         }
+    }
+}
+
+impl std::fmt::Display for KvType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            KvType::F32 => "f32",
+            KvType::F16 => "f16",
+            KvType::Auto => "auto",
+        })
     }
 }
 

@@ -72,8 +72,8 @@ pub struct OpenOptions {
     /// `--chat-template-file`): for a model whose template is missing, wrong, or not the
     /// variant wanted (a thinking variant, say).
     pub chat_template: Option<String>,
-    /// How the KV cache stores its rows ([`Model::set_kv_type`](crate::Model::set_kv_type));
-    /// [`KvType::Auto`](crate::KvType::Auto) is f32 under [`Precision::Reference`].
+    /// How the KV cache stores its rows ([`Model::set_kv_type`](crate::Model::set_kv_type);
+    /// [`KvType::Auto`](crate::KvType::Auto) is f32 under [`Precision::Reference`]).
     pub kv_type: crate::KvType,
 }
 
@@ -129,7 +129,7 @@ impl std::fmt::Display for OpenReport {
             self.reason,
             self.io,
             self.ctx,
-            if self.kv_type == crate::KvType::F16 { "f16" } else { "f32" }
+            self.kv_type
         )
     }
 }
@@ -274,11 +274,7 @@ fn streamed_interleave(formats: Vec<Format>, holds_all: bool) -> Vec<Format> {
 pub fn open<B: Backend>(path: &Path, opts: &OpenOptions, backend: B) -> Result<(Engine<B>, OpenReport), EngineError> {
     let file = ModelFile::open(path)?;
     let arch = file.architecture().clone();
-    // `Auto` under the reference arithmetic is f32: that path is the one held to transformers.
-    let kv_type = match (opts.kv_type, opts.precision) {
-        (crate::KvType::Auto, Precision::Reference) => crate::KvType::F32,
-        (t, _) => t.resolve(&arch, backend.kv_f16()),
-    };
+    let kv_type = opts.kv_type.resolve(&arch, &backend);
     let ctx = opts.ctx.unwrap_or_else(|| default_context(&arch, kv_type));
     let map = file.expert_map()?;
     // Refused before any weight is read: the routed experts' formats are known only here.

@@ -171,7 +171,8 @@ fn batched_logits_match_alone_with_int8_products() {
 /// reference products, its logits stay near those of the f32 cache: the median step within
 /// 2e-3 relative. The largest is printed, not bounded: on these tiny random models a step now
 /// and then flips an expert choice on a near tie (qwen3.5-MoE: one step of 41 at 1.4e-1, the
-/// next ones back at 2e-4). DeepSeek-V4 refuses it with a reason.
+/// next ones back at 2e-4). DeepSeek-V4 refuses it with a reason. `auto` picks f16 only for the
+/// int8 path and families that take it.
 #[test]
 fn f16_kv_cache_batches_exactly_and_stays_near_f32() {
     use smoe_engine::KvType;
@@ -181,11 +182,18 @@ fn f16_kv_cache_batches_exactly_and_stays_near_f32() {
         if name == "deepseek_v4" {
             let e = fast.set_kv_type(KvType::F16).unwrap_err();
             assert!(e.contains("DeepSeek-V4"), "{e}");
+            fast.set_kv_type(KvType::Auto).unwrap();
+            assert_eq!(fast.kv_type(), KvType::F32, "auto keeps DeepSeek-V4 in f32");
             continue;
         }
-        fast.set_kv_type(KvType::F16).unwrap();
+        // `auto` (the CLI's default) is f16 with the production kernels.
+        fast.set_kv_type(KvType::Auto).unwrap();
+        assert_eq!(fast.kv_type(), KvType::F16);
         assert_eq!(batched_vs_alone(&fast, name, true), 0.0);
         let mut reference = open(&path, Precision::Reference, None);
+        // ...and f32 under the reference arithmetic, the path held to transformers.
+        reference.set_kv_type(KvType::Auto).unwrap();
+        assert_eq!(reference.kv_type(), KvType::F32);
         let with_f32 = run_batched(&reference, &schedule(name), 12);
         reference.set_kv_type(KvType::F16).unwrap();
         let mut errs: Vec<f64> = with_f32

@@ -478,12 +478,7 @@ impl Kernels {
         match self.attn_scores_f16 {
             // SAFETY: as for `dot`.
             Some(f) => unsafe { f(q, d, keys, stride, n, out) },
-            None => WIDE.with(|w| {
-                let mut w = w.borrow_mut();
-                w.resize(n * d, 0.0);
-                self.f16_rows_to_f32(keys, n, d, stride, &mut w);
-                self.attn_scores(q, d, &w, d, n, out)
-            }),
+            None => self.widened(keys, n, d, stride, |w| self.attn_scores(q, d, w, d, n, out)),
         }
     }
 
@@ -496,13 +491,19 @@ impl Kernels {
         match self.attn_sum_f16 {
             // SAFETY: as for `dot`.
             Some(f) => unsafe { f(acc, d, p, values, stride, n) },
-            None => WIDE.with(|w| {
-                let mut w = w.borrow_mut();
-                w.resize(n * d, 0.0);
-                self.f16_rows_to_f32(values, n, d, stride, &mut w);
-                self.attn_weighted_sum(acc, d, p, &w, d, n)
-            }),
+            None => self.widened(values, n, d, stride, |w| self.attn_weighted_sum(acc, d, p, w, d, n)),
         }
+    }
+
+    /// `f` on `n` rows of `d` f16 values (`stride` apart) widened, side by side, into this
+    /// thread's scratch: the f16 attention of a table without f16 tiles.
+    fn widened(&self, src: &[u16], n: usize, d: usize, stride: usize, f: impl FnOnce(&[f32])) {
+        WIDE.with(|w| {
+            let mut w = w.borrow_mut();
+            w.resize(n * d, 0.0);
+            self.f16_rows_to_f32(src, n, d, stride, &mut w);
+            f(&w)
+        })
     }
 
     /// Softmax terms of one token's rows at one position: `v[i] = exp(v[i] - m[i])` and
@@ -523,12 +524,6 @@ impl Kernels {
         assert_eq!(g.len(), u.len(), "silu_mul: lengths differ");
         // SAFETY: as for `dot`.
         unsafe { (self.silu_mul)(g, u) }
-    }
-
-    /// fp16 bits to f32, exactly (an f16 KV cache read back for attention).
-    pub fn f16_to_f32(&self, src: &[u16], dst: &mut [f32]) {
-        assert_eq!(src.len(), dst.len(), "f16_to_f32: lengths differ");
-        self.f16_rows_to_f32(src, 1, src.len(), 0, dst);
     }
 
     /// `n` rows of `len` fp16 values, `stride` apart in `src`, to f32 rows of `len` side by

@@ -302,29 +302,6 @@ fn scatter_tokens_transposes() {
     }
 }
 
-#[test]
-fn f16_kv_helpers_match_scalar() {
-    use crate::attn::f16;
-    let mut rng = rand::rngs::StdRng::seed_from_u64(9);
-    for (heads, d) in [(1, 7), (4, 64), (8, 128), (3, 100)] {
-        let q = data(heads * d, &mut rng);
-        let k: Vec<u16> = data(d, &mut rng).iter().map(|&x| u16::from_le_bytes(smoe_quant::half::F16Bytes::from_f32(x).0)).collect();
-        let (mut a, mut b) = (vec![0f32; heads], vec![0f32; heads]);
-        f16::multi_dot(&q, &k, &mut a);
-        f16::multi_dot_scalar(&q, &k, &mut b);
-        for (x, y) in a.iter().zip(&b) {
-            assert!((x - y).abs() < 1e-4 * (1.0 + y.abs()), "f16 multi_dot {heads}x{d}: {x} vs {y}");
-        }
-        let w = data(heads, &mut rng);
-        let (mut a, mut b) = (q.clone(), q.clone());
-        f16::multi_axpy(&mut a, &w, &k);
-        f16::multi_axpy_scalar(&mut b, &w, &k);
-        for (x, y) in a.iter().zip(&b) {
-            assert!((x - y).abs() < 1e-5 * (1.0 + y.abs()), "f16 multi_axpy {heads}x{d}");
-        }
-    }
-}
-
 /// Sixteen random rows of `f` and `cols`: as rows, interleaved (two groups), and bytes per row.
 fn interleaved(f: Format, cols: usize, rng: &mut rand::rngs::StdRng) -> (Vec<u8>, Vec<u8>, usize) {
     let rb = f.row_bytes(cols).unwrap();
@@ -660,7 +637,7 @@ fn f16_conversions_match_scalar() {
     crate::scalar::narrow_f16(&vals, &mut want_n);
     for k in available() {
         let mut got = vec![0f32; all.len()];
-        k.f16_to_f32(&all, &mut got);
+        k.f16_rows_to_f32(&all, 1, all.len(), 0, &mut got);
         for (i, (g, w)) in got.iter().zip(&want_w).enumerate() {
             assert!(g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()), "{} widen {i:#x}: {g} vs {w}", k.isa);
         }

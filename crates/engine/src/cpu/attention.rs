@@ -569,11 +569,12 @@ mod tests {
             |n: usize, seed: usize| (0..n).map(|i| (((i * 7919 + seed * 104729) % 1999) as f32 / 1999.0 - 0.5) * 3.0).collect::<Vec<_>>();
         let kw = shape.heads * shape.k_dim;
         let vw = if shape.values_in_keys { 0 } else { shape.heads * shape.v_dim };
-        let rows = |v: Vec<f32>| match shape.f16 {
-            true => KvRows::F16(v.iter().map(|&x| smoe_quant::half::f32_to_f16_bits(x)).collect()),
-            false => KvRows::F32(v),
-        };
-        KvLayer { shape, k: rows(v(positions * kw, 1)), v: rows(v(positions * vw, 2)), base: 0 }
+        KvLayer {
+            shape,
+            k: KvRows::from_f32(v(positions * kw, 1), shape.f16),
+            v: KvRows::from_f32(v(positions * vw, 2), shape.f16),
+            base: 0,
+        }
     }
 
     /// Attention in blocks of positions equals one softmax over all of them (to rounding), and
@@ -672,12 +673,8 @@ mod speed {
     fn layer(positions: usize) -> KvLayer {
         let f16 = std::env::var("SMOE_ATTN_KV").is_ok_and(|v| v == "f16");
         let shape = KvShape { f16, ..SHAPE };
-        let rows = |v: Vec<f32>| match f16 {
-            true => KvRows::F16(v.iter().map(|&x| smoe_quant::half::f32_to_f16_bits(x)).collect()),
-            false => KvRows::F32(v),
-        };
         let kw = SHAPE.heads * SHAPE.k_dim;
-        KvLayer { shape, k: rows(pattern(positions * kw)), v: rows(pattern(positions * kw)), base: 0 }
+        KvLayer { shape, k: KvRows::from_f32(pattern(positions * kw), f16), v: KvRows::from_f32(pattern(positions * kw), f16), base: 0 }
     }
 
     /// Prefill attention's speed (Qwen3-30B-A3B's heads, a causal prompt of `SMOE_ATTN_TOKENS`

@@ -237,14 +237,15 @@ impl CpuBackend {
     fn store_rows<'a>(&self, cache: &mut KvRows, at: usize, n: usize, width: usize, row: &(dyn Fn(usize) -> &'a [f32] + Sync)) {
         let cache = match cache {
             KvRows::F32(v) => v,
-            KvRows::F16(_) => {
-                // Half floats are rounded as they go in; a step's few rows convert in no time
-                // next to the products that made them.
-                cache.truncate(at * width);
-                for t in 0..n {
+            KvRows::F16(v) => {
+                // Half floats are rounded as they go in (rows past `at + n` dropped, a gap
+                // before `at` zeros, as below); a step's rows convert in no time next to the
+                // products that made them.
+                v.resize((at + n) * width, 0);
+                for (t, dst) in v[at * width..].chunks_exact_mut(width.max(1)).enumerate() {
                     let src = row(t);
                     assert_eq!(src.len(), width, "kv_store: a row of {} values for {width}", src.len());
-                    cache.write((at + t) * width, src, self.kernels);
+                    self.kernels.f32_to_f16(src, dst);
                 }
                 return;
             }
@@ -373,6 +374,10 @@ impl Backend for CpuBackend {
     }
     fn kv_f16(&self) -> bool {
         true
+    }
+    fn kv_f16_by_default(&self) -> bool {
+        // The reference arithmetic is the path held to transformers: f32 unless asked.
+        self.precision == Precision::Fast
     }
     fn kv_reserve(&self, cache: &mut CpuKvCache, positions: usize) {
         for l in &mut cache.layers {
@@ -1019,6 +1024,32 @@ mod tests {
     }
 
     /// A reserved cache fills without moving, and a shrunk one keeps what it holds.
+    #[test]
+    fn f16_kv_rows_store_what_f32_rows_hold_rounded() {
+        // A chunk, a chunk that rewrites its last rows, then one past a gap: an f16 layer holds
+        // the f32 layer's values rounded to nearest even, zeros in the gap, in half the bytes.
+        let be = CpuBackend::with_threads(Precision::Fast, 2);
+        let shape = KvShape { heads: 2, k_dim: 8, v_dim: 8, values_in_keys: false, keep: None, f16: false };
+        let (mut full, mut half) = (be.kv_cache(&[shape]), be.kv_cache(&[KvShape { f16: true, ..shape }]));
+        let mut src = be.buf("src", 40 * 32);
+        be.upload(&mut src, &(0..40 * 32).map(|i| (i as f32 * 0.173).sin() * 5.0).collect::<Vec<_>>());
+        for cache in [&mut full, &mut half] {
+            be.kv_store(cache, 0, 0, 30, &src, 32, 0, Some((&src, 32, 16)));
+            be.kv_store(cache, 0, 25, 10, &src, 32, 8, Some((&src, 32, 24)));
+            be.kv_store(cache, 0, 38, 2, &src, 32, 0, Some((&src, 32, 16)));
+        }
+        assert_eq!(be.kv_bytes(&half) * 2, be.kv_bytes(&full));
+        let round = |x: f32| smoe_quant::half::f16_bits_to_f32(smoe_quant::half::f32_to_f16_bits(x));
+        for (f, h) in [(&full.layers[0].k, &half.layers[0].k), (&full.layers[0].v, &half.layers[0].v)] {
+            let mut buf = Vec::new();
+            let (got, _) = h.rows(0, 1, h.len(), h.len(), &mut buf, be.kernels);
+            let want: Vec<f32> = f.f32s().iter().map(|&x| round(x)).collect();
+            assert_eq!(want.len(), 40 * 16);
+            assert!(want[35 * 16..38 * 16].iter().all(|&x| x == 0.0), "the gap holds zeros");
+            assert!(got.iter().zip(&want).all(|(g, w)| g.to_bits() == w.to_bits()));
+        }
+    }
+
     #[test]
     fn a_reserved_kv_cache_never_moves() {
         let be = CpuBackend::with_threads(Precision::Reference, 1);

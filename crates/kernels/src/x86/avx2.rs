@@ -142,18 +142,14 @@ pub unsafe fn dot_f16(w: &[u8], x: &[f32]) -> f32 {
 #[target_feature(enable = "avx2,f16c")]
 pub unsafe fn widen_f16(src: &[u16], n: usize, len: usize, stride: usize, dst: &mut [f32]) {
     assert!(n == 0 || ((n - 1) * stride + len <= src.len() && n * len <= dst.len()), "widen_f16: buffers too short");
+    let full = len / 8 * 8;
     for r in 0..n {
         let (s, d) = (&src[r * stride..][..len], &mut dst[r * len..][..len]);
-        let mut i = 0;
-        while i + 8 <= len {
-            // SAFETY: 8 u16 and 8 f32 from i are in bounds of the row.
-            unsafe {
-                let h = _mm_loadu_si128(s.as_ptr().add(i) as *const __m128i);
-                _mm256_storeu_ps(d.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
-            }
-            i += 8;
+        for (d8, s8) in d[..full].chunks_exact_mut(8).zip(s.chunks_exact(8)) {
+            // SAFETY: eight f32 into a chunk of eight.
+            unsafe { _mm256_storeu_ps(d8.as_mut_ptr(), f16x8(s8.try_into().expect("chunks of eight"))) };
         }
-        crate::scalar::widen_f16(&s[i..], 1, len - i, 0, &mut d[i..]);
+        crate::scalar::widen_f16(&s[full..], 1, len - full, 0, &mut d[full..]);
     }
 }
 
@@ -164,18 +160,14 @@ pub unsafe fn widen_f16(src: &[u16], n: usize, len: usize, stride: usize, dst: &
 #[target_feature(enable = "avx512f")]
 pub unsafe fn widen_f16_512(src: &[u16], n: usize, len: usize, stride: usize, dst: &mut [f32]) {
     assert!(n == 0 || ((n - 1) * stride + len <= src.len() && n * len <= dst.len()), "widen_f16: buffers too short");
+    let full = len / 16 * 16;
     for r in 0..n {
         let (s, d) = (&src[r * stride..][..len], &mut dst[r * len..][..len]);
-        let mut i = 0;
-        while i + 16 <= len {
-            // SAFETY: 16 u16 and 16 f32 from i are in bounds of the row.
-            unsafe {
-                let h = _mm256_loadu_si256(s.as_ptr().add(i) as *const __m256i);
-                _mm512_storeu_ps(d.as_mut_ptr().add(i), _mm512_cvtph_ps(h));
-            }
-            i += 16;
+        for (d16, s16) in d[..full].chunks_exact_mut(16).zip(s.chunks_exact(16)) {
+            // SAFETY: sixteen u16 (32 bytes) from a chunk of sixteen, sixteen f32 into one.
+            unsafe { _mm512_storeu_ps(d16.as_mut_ptr(), _mm512_cvtph_ps(_mm256_loadu_si256(s16.as_ptr() as *const __m256i))) };
         }
-        crate::scalar::widen_f16(&s[i..], 1, len - i, 0, &mut d[i..]);
+        crate::scalar::widen_f16(&s[full..], 1, len - full, 0, &mut d[full..]);
     }
 }
 
